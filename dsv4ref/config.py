@@ -1,0 +1,101 @@
+"""Model constants: DeepSeek-V4-Flash, DeepSeek-V4-Pro, and the small teaching config.
+
+Facts: ``../shared/spec/config.md``. The teaching config keeps every byte format real (head dim
+512 = 448 NoPE + 64 RoPE, KV quant block 64, indexer head dim 128, M = 4 streams) and shrinks only the
+sizes, so a whole decode step runs in Triton's CPU interpreter in seconds.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class Config:
+    name: str
+    vocab_size: int
+    hidden_size: int  # Hd
+    num_layers: int
+    compress_ratios: tuple[int, ...]  # one per layer: 0 = window only, 4 = C4A (indexer), 128 = C128A
+    num_heads: int  # H (query heads; one shared latent KV head)
+    head_dim: int = 512  # D = nope_dim + rope_dim, K = V
+    rope_dim: int = 64  # R, the LAST 64 dims
+    q_lora_rank: int = 1024
+    o_groups: int = 8  # G
+    o_lora_rank: int = 1024
+    window: int = 128  # W, sliding window including the current token
+    index_heads: int = 64
+    index_head_dim: int = 128
+    index_topk: int = 512
+    hc_mult: int = 4  # M residual streams
+    hc_sinkhorn_iters: int = 20
+    hc_eps: float = 1e-6
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0  # window-only layers
+    compress_rope_theta: float = 160000.0  # compressed layers, with YaRN below
+    yarn: dict = field(
+        default_factory=lambda: dict(factor=16.0, original_max_position=65536, beta_fast=32.0, beta_slow=1.0)
+    )
+    max_position: int = 1048576
+    kv_block: int = 64  # FP8 quant block of the KV NoPE dims (7 per token)
+    window_page: int = 64  # tokens per page of the window (SWA) cache
+    c4_page: int = 64  # compressed tokens per page, ratio-4 cache
+    c128_page: int = 2  # compressed tokens per page, ratio-128 cache
+    index_page: int = 64  # compressed tokens per page, indexer K cache
+    ffn_intermediate: int = 2048
+    swiglu_limit: float = 10.0
+
+    # derived ------------------------------------------------------------------------------------
+    @property
+    def nope_dim(self) -> int:
+        return self.head_dim - self.rope_dim
+
+    @property
+    def heads_per_group(self) -> int:
+        return self.num_heads // self.o_groups
+
+    @property
+    def padded_heads(self) -> int:
+        """Hp: FlashMLA-style kernels take 64 or 128 query heads."""
+        if self.num_heads > 128:
+            raise ValueError(f"num_heads={self.num_heads}: more than 128 heads are not supported")
+        return 64 if self.num_heads <= 64 else 128
+
+    @property
+    def softmax_scale(self) -> float:
+        return self.head_dim**-0.5
+
+    @property
+    def hc_mix(self) -> int:
+        return self.hc_mult * (self.hc_mult + 2)
+
+    def replace(self, **kw) -> "Config":
+        return dataclasses.replace(self, **kw)
+
+
+def _flash_ratios() -> tuple[int, ...]:
+    # 43 layers: 0, 0, then 4/128 alternating (even layers 4, odd layers 128); the MTP layer is omitted.
+    return (0, 0) + tuple(4 if i % 2 == 0 else 128 for i in range(2, 43))
+
+
+FLASH = Config(
+    name="DeepSeek-V4-Flash", vocab_size=129280, hidden_size=4096, num_layers=43,
+    compress_ratios=_flash_ratios(), num_heads=64, q_lora_rank=1024, o_groups=8, o_lora_rank=1024,
+    index_topk=512,
+)
+
+PRO = Config(
+    name="DeepSeek-V4-Pro", vocab_size=129280, hidden_size=7168, num_layers=61,
+    compress_ratios=(128, 128) + tuple(4 if i % 2 == 0 else 128 for i in range(2, 61)),  # unverified (config.md)
+    num_heads=128, q_lora_rank=1536, o_groups=16, o_lora_rank=1024, index_topk=1024, ffn_intermediate=3072,
+)
+
+TINY = Config(
+    name="tiny (teaching)", vocab_size=512, hidden_size=256, num_layers=4, compress_ratios=(0, 4, 128, 4),
+    num_heads=16, q_lora_rank=128, o_groups=2, o_lora_rank=128, window=16, index_heads=8,
+    index_head_dim=128, index_topk=16, max_position=4096, window_page=16, c4_page=16, c128_page=2,
+    index_page=16, ffn_intermediate=512,
+)
+
+CONFIGS = {"flash": FLASH, "pro": PRO, "tiny": TINY}

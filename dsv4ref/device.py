@@ -1,0 +1,114 @@
+"""Which device dsv4ref runs on, and the few device services it needs.
+
+Import order matters (Triton reads ``TRITON_INTERPRET`` when ``@triton.jit`` runs, i.e. when a kernel
+module is imported, not when a kernel is launched). ``dsv4ref/__init__.py`` imports this module first, so
+that on a CPU-only machine every kernel module that follows is decorated in interpreter mode.
+
+This is the only module in the package that touches a backend-specific torch namespace
+(``torch.xpu`` / ``torch.cuda``); everything else goes through :func:`pick`, :func:`synchronize` and
+:class:`Timer`, which work the same on Intel XPU, CUDA and CPU.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import torch
+
+__all__ = ["pick", "DEVICE", "interpreting", "synchronize", "Timer", "describe"]
+
+
+def _accelerator() -> str | None:
+    """The accelerator torch can use here: 'xpu' first, then 'cuda', else None."""
+    xpu = getattr(torch, "xpu", None)
+    if xpu is not None and xpu.is_available():
+        return "xpu"
+    if torch.cuda.is_available():
+        return "cuda"
+    return None
+
+
+def pick() -> torch.device:
+    """The torch device dsv4ref uses.
+
+    Order: the environment variable ``DSV4REF_DEVICE`` (``cpu``, ``cuda``, ``xpu``, ``cuda:1`` …) if set;
+    CPU if the user already asked Triton for its interpreter (``TRITON_INTERPRET=1``), so outputs match CI;
+    otherwise Intel XPU, then CUDA, then CPU.
+    """
+    env = os.environ.get("DSV4REF_DEVICE")
+    if env:
+        dev = torch.device(env)
+        if dev.type != "cpu" and _accelerator() != dev.type:
+            raise RuntimeError(f"DSV4REF_DEVICE={env!r}, but torch sees no {dev.type} device here")
+        return dev
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        return torch.device("cpu")
+    acc = _accelerator()
+    return torch.device(acc) if acc else torch.device("cpu")
+
+
+DEVICE: torch.device = pick()
+
+# On CPU the Triton kernels can only run in Triton's interpreter. This must happen before any
+# module defines a @triton.jit kernel (tooling.md I1).
+if DEVICE.type == "cpu":
+    os.environ["TRITON_INTERPRET"] = "1"
+
+
+def interpreting() -> bool:
+    """True when Triton kernels run in the CPU interpreter (numpy), False when they are compiled."""
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def synchronize(device: torch.device | None = None) -> None:
+    """Wait for all queued work on ``device`` (default: :data:`DEVICE`). A no-op on CPU."""
+    dev = device or DEVICE
+    if dev.type != "cpu":
+        torch.accelerator.synchronize(dev)
+
+
+class Timer:
+    """Elapsed time of a region in milliseconds, with device events where there is a device.
+
+    >>> with Timer() as t:
+    ...     y = x @ x
+    >>> t.ms
+
+    On XPU and CUDA this records ``torch.Event(enable_timing=True)`` on the current stream (the same code
+    for both: no ``torch.cuda.Event``); on CPU it uses ``time.perf_counter``.
+    """
+
+    def __init__(self, device: torch.device | None = None):
+        self.device = device or DEVICE
+        self.ms = float("nan")
+
+    def __enter__(self) -> "Timer":
+        if self.device.type == "cpu":
+            self._t0 = time.perf_counter()
+        else:
+            self._start = torch.Event(enable_timing=True)
+            self._end = torch.Event(enable_timing=True)
+            self._start.record()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.device.type == "cpu":
+            self.ms = (time.perf_counter() - self._t0) * 1e3
+        else:
+            self._end.record()
+            self._end.synchronize()
+            self.ms = self._start.elapsed_time(self._end)
+
+
+def describe() -> str:
+    """One line naming the device, for logs and notebook cells marked NBVAL_IGNORE_OUTPUT."""
+    import triton
+
+    if DEVICE.type == "cpu":
+        name = "CPU (Triton interpreter)" if interpreting() else "CPU"
+    else:
+        name = torch.accelerator.current_accelerator().type
+        mod = getattr(torch, DEVICE.type)
+        name = f"{DEVICE} ({mod.get_device_name(DEVICE)})"
+    return f"{name}; torch {torch.__version__}; triton {triton.__version__}"

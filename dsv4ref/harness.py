@@ -1,0 +1,152 @@
+"""Registries behind ``python -m dsv4ref check`` and ``python -m dsv4ref bench``.
+
+An op module registers
+
+* checks: ``@check("kv_cache.insert")`` on a function ``() -> list[CheckRow]`` that runs the Triton
+  kernel against its reference at a few shapes on :data:`dsv4ref.DEVICE`;
+* benchmarks: ``@bench("kv_cache.insert")`` on a function ``() -> list[BenchCase]`` giving what to time
+  and how many bytes / FLOPs it must move (the compulsory traffic, stated in the case's note).
+
+The benchmark runner measures the device's ceilings (device-to-device copy bandwidth, bf16 matmul rate)
+in the same run, then reports each case as achieved bytes/s and FLOP/s and the fraction of the roofline
+bound ``max(bytes / copy_bw, flops / matmul_rate)``.
+"""
+
+from __future__ import annotations
+
+import importlib
+import statistics
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from . import OP_MODULES
+from .device import DEVICE, Timer, interpreting, synchronize
+from .testing import Report
+
+CHECKS: dict[str, Callable[[], list["CheckRow"]]] = {}
+BENCHES: dict[str, Callable[[], list["BenchCase"]]] = {}
+
+
+@dataclass
+class CheckRow:
+    op: str
+    shape: str
+    report: Report
+
+
+@dataclass
+class BenchCase:
+    op: str
+    shape: str
+    run: Callable[[int], object]  # run(i) launches the op on input set i % n_sets
+    n_sets: int
+    bytes: float  # compulsory bytes moved per call
+    flops: float = 0.0
+    note: str = ""  # how the bytes were counted
+    extra: dict = field(default_factory=dict)
+
+
+def check(name: str):
+    def deco(fn):
+        CHECKS[name] = fn
+        return fn
+    return deco
+
+
+def bench(name: str):
+    def deco(fn):
+        BENCHES[name] = fn
+        return fn
+    return deco
+
+
+def load_ops() -> list[str]:
+    """Import every op module that exists, so its checks and benchmarks register. Returns their names."""
+    found = []
+    for m in OP_MODULES:
+        try:
+            importlib.import_module(f"dsv4ref.{m}")
+        except ModuleNotFoundError as e:
+            if e.name != f"dsv4ref.{m}":
+                raise
+            continue
+        found.append(m)
+    return found
+
+
+def run_checks(only: str | None = None) -> list[CheckRow]:
+    load_ops()
+    rows: list[CheckRow] = []
+    for name, fn in CHECKS.items():
+        if only and not name.startswith(only):
+            continue
+        rows.extend(fn())
+    return rows
+
+
+# ------------------------------------------------------------------------------------------------
+# timing and ceilings
+# ------------------------------------------------------------------------------------------------
+
+
+def time_ms(run: Callable[[int], object], n_sets: int = 1, warmup: int = 5, reps: int = 30) -> float:
+    """Median time of one call in ms, measured with device events, cycling through the input sets
+    so that no set stays in cache (each case should make sum of its sets larger than the L2)."""
+    for i in range(warmup):
+        run(i % n_sets)
+    synchronize()
+    times = []
+    for i in range(reps):
+        with Timer() as t:
+            run(i % n_sets)
+        times.append(t.ms)
+    return statistics.median(times)
+
+
+@dataclass
+class Ceilings:
+    copy_bytes_per_s: float
+    bf16_flops_per_s: float
+
+
+def measure_ceilings() -> Ceilings:
+    """Device-to-device copy bandwidth (bytes read + written) and bf16 matmul rate, measured now."""
+    n = 1 << 29  # 512 MiB, far above any L2
+    src = torch.empty(n, dtype=torch.uint8, device=DEVICE)
+    dst = torch.empty_like(src)
+    ms = time_ms(lambda i: dst.copy_(src), warmup=3, reps=20)
+    copy = 2 * n / (ms * 1e-3)
+    del src, dst
+    m = 8192
+    a = torch.randn(m, m, device=DEVICE, dtype=torch.bfloat16)
+    b = torch.randn(m, m, device=DEVICE, dtype=torch.bfloat16)
+    ms = time_ms(lambda i: a @ b, warmup=3, reps=10)
+    return Ceilings(copy, 2 * m**3 / (ms * 1e-3))
+
+
+@dataclass
+class BenchRow:
+    case: BenchCase
+    ms: float
+    bytes_per_s: float
+    flops_per_s: float
+    fraction: float  # of the roofline bound
+
+
+def run_benches(only: str | None = None, ceilings: Ceilings | None = None) -> tuple[Ceilings, list[BenchRow]]:
+    if interpreting() or DEVICE.type == "cpu":
+        raise RuntimeError("benchmarks need a GPU: on the CPU the kernels run in Triton's interpreter")
+    load_ops()
+    ceil = ceilings or measure_ceilings()
+    rows = []
+    for name, fn in BENCHES.items():
+        if only and not name.startswith(only):
+            continue
+        for case in fn():
+            ms = time_ms(case.run, case.n_sets)
+            s = ms * 1e-3
+            bound = max(case.bytes / ceil.copy_bytes_per_s, case.flops / ceil.bf16_flops_per_s)
+            rows.append(BenchRow(case, ms, case.bytes / s, case.flops / s, bound / s))
+    return ceil, rows

@@ -1,0 +1,328 @@
+"""The paged FP8 KV cache of DeepSeek-V4 ("fp8_ds_mla", FlashMLA "MODEL1"): 584 bytes per token.
+
+Facts: ``../shared/spec/formats.md`` §5, §7, §9, §10. A token's 512-dim latent row k is stored as
+
+* 448 e4m3 bytes: k[0:448] block-quantised, 7 blocks of 64, one UE8M0 scale per block;
+* 128 bytes: k[448:512], the 64 RoPE dims, as bf16 (little-endian), copied bit for bit;
+* 7 UE8M0 scale bytes and 1 zero pad byte.
+
+The bytes of one token are NOT contiguous. A page of ``B`` tokens is a structure of arrays::
+
+    [0, 576·B)              token data: token t at 576·t  (448 e4m3 | 128 bytes bf16 RoPE)
+    [576·B, 584·B)          scales:     token t at 576·B + 8·t  (7 UE8M0 | 0)
+    [584·B, page_bytes)     padding up to a multiple of 576 ("FlashMLA requires 576B alignment")
+
+A slot is ``page · B + offset``; −1 means "no token" (padding): writers skip it, readers return zeros.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from . import validate
+from .device import DEVICE
+from .fp8 import pow2_ref, quantize_ue8m0
+from .harness import BenchCase, CheckRow, bench, check
+from .testing import compare, randn
+from .tl_helpers import bf16_rne_bits, e4m3_encode, inv_pow2, page_offsets, pow2, splat, ue8m0_byte
+
+HEAD_DIM = 512
+NOPE_DIM = 448
+ROPE_DIM = 64
+QUANT_BLOCK = 64
+N_SCALES = NOPE_DIM // QUANT_BLOCK  # 7
+DATA_BYTES = NOPE_DIM + 2 * ROPE_DIM  # 576
+SCALE_BYTES = N_SCALES + 1  # 8 (7 scales + 1 zero pad)
+TOKEN_BYTES = DATA_BYTES + SCALE_BYTES  # 584
+PAGE_ALIGN = 576
+
+__all__ = ["page_bytes", "allocate", "insert", "gather", "TOKEN_BYTES"]
+
+
+def page_bytes(block_size: int) -> int:
+    """Bytes of one page of ``block_size`` tokens: round_up(584·B, 576). B = 64 gives 37 440."""
+    if block_size < 1:
+        raise ValueError(f"block_size: expected >= 1, got {block_size}")
+    return -(-block_size * TOKEN_BYTES // PAGE_ALIGN) * PAGE_ALIGN
+
+
+def allocate(num_blocks: int, block_size: int, device=None) -> torch.Tensor:
+    """A zeroed cache: uint8 ``[num_blocks, page_bytes(block_size)]``. Kernels take the page stride from
+    ``cache.stride(0)``, never from ``584·B``, so a cache may also be a strided view of a bigger buffer."""
+    return torch.zeros(num_blocks, page_bytes(block_size), dtype=torch.uint8, device=device or DEVICE)
+
+
+def _check_cache(cache: torch.Tensor, block_size: int) -> None:
+    validate.tensor(cache, "cache", dtype=torch.uint8, ndim=2)
+    if cache.shape[1] < block_size * TOKEN_BYTES:
+        raise ValueError(f"cache: pages of {cache.shape[1]} bytes cannot hold block_size={block_size} tokens "
+                         f"({block_size * TOKEN_BYTES} bytes needed; page_bytes({block_size}) = {page_bytes(block_size)})")
+    if cache.stride(1) != 1 or cache.stride(0) < cache.shape[1]:
+        raise ValueError(f"cache: each page must be contiguous bytes (strides {cache.stride()})")
+
+
+def _flat(cache: torch.Tensor) -> torch.Tensor:
+    """All bytes from the first page's start to the last page's end, as one 1-d view (works for strided
+    caches too), so the reference can address bytes exactly as a kernel does: base + offset."""
+    n = (cache.shape[0] - 1) * cache.stride(0) + cache.shape[1] if cache.shape[0] else 0
+    return cache.as_strided((n,), (1,), cache.storage_offset())
+
+
+def _token_offsets(cache: torch.Tensor, slots: torch.Tensor, block_size: int):
+    """int64 byte offsets (data start, scale start) of each slot in ``_flat(cache)``."""
+    slots = slots.to(torch.int64)
+    page, off = slots // block_size, slots % block_size
+    base = page * cache.stride(0)
+    return base + off * DATA_BYTES, base + block_size * DATA_BYTES + off * SCALE_BYTES
+
+
+# ----------------------------------------------------------------------------------------------------
+# insert (writer)
+# ----------------------------------------------------------------------------------------------------
+
+
+def _insert_reference(cache, kv, slot_mapping, block_size):
+    n = slot_mapping.shape[0]
+    keep = slot_mapping >= 0  # −1 rows write nothing
+    rows = kv[:n][keep]
+    data, scales = _token_offsets(cache, slot_mapping[keep], block_size)
+    q, s = quantize_ue8m0(rows[:, :NOPE_DIM], QUANT_BLOCK, 1e-4, backend="reference")
+    rope_bytes = rows[:, NOPE_DIM:].contiguous().view(torch.uint8)  # 64 bf16 -> 128 bytes, little-endian
+    flat = _flat(cache)
+    flat[data[:, None] + torch.arange(NOPE_DIM, device=cache.device)] = q.view(torch.uint8)
+    flat[data[:, None] + NOPE_DIM + torch.arange(2 * ROPE_DIM, device=cache.device)] = rope_bytes
+    scale_row = torch.cat([s, torch.zeros_like(s[:, :1])], dim=1)  # 7 scales + the zero pad byte
+    flat[scales[:, None] + torch.arange(SCALE_BYTES, device=cache.device)] = scale_row
+
+
+@triton.jit
+def _insert_kernel(
+    cache_ptr,  # uint8, page p starts at p * page_stride
+    kv_ptr,  # int16 view of kv [T, 512] bf16 (row stride kv_stride)
+    slot_ptr,  # int64 [n]
+    kv_stride,
+    page_stride,
+    block_size,
+):
+    # One program per token. The NoPE dims are an [8, 64] tile (tl.arange needs powers of two): rows
+    # 0..6 are the 7 quant blocks, row 7 is masked off. The 64 RoPE dims are a separate [64] vector.
+    t = tl.program_id(0)
+    slot = tl.load(slot_ptr + t)
+    tile = tl.arange(0, 8)[:, None]
+    col = tl.arange(0, 64)[None, :]
+    dim = tile * 64 + col  # [8, 64]
+    j = tl.arange(0, 64)  # RoPE pair index
+    k = tl.arange(0, 8)  # scale byte index
+    nope_ok = splat(slot >= 0, dim) & (tile < 7)
+    slot = tl.maximum(slot, 0)  # never form an address from −1 (the masks keep it unused)
+    row = kv_ptr + t.to(tl.int64) * kv_stride
+    data, scales = page_offsets(slot, block_size, page_stride)
+
+    # NoPE: bf16 -> fp32 exactly, in integers (no bf16 arithmetic), then a scale byte per block
+    bits = tl.load(row + dim, mask=nope_ok, other=0).to(tl.int32) & 0xFFFF
+    x = (bits << 16).to(tl.float32, bitcast=True)
+    byte = ue8m0_byte(tl.max(tl.abs(x), axis=1), 1e-4, 448.0)  # [8]; row 7 is unused
+    q = e4m3_encode(x * inv_pow2(byte)[:, None])  # × 2^-e is exact
+    tl.store(cache_ptr + data + dim, q.to(tl.uint8, bitcast=True), mask=nope_ok)
+
+    # RoPE: the bf16 bits are copied, low byte first (little-endian), to bytes 448 + 2j and 449 + 2j
+    rope_ok = splat(tl.load(slot_ptr + t) >= 0, j)
+    rbits = tl.load(row + 448 + j, mask=rope_ok, other=0).to(tl.int32) & 0xFFFF
+    tl.store(cache_ptr + data + 448 + 2 * j, (rbits & 0xFF).to(tl.uint8), mask=rope_ok)
+    tl.store(cache_ptr + data + 449 + 2 * j, (rbits >> 8).to(tl.uint8), mask=rope_ok)
+
+    # scales: 7 UE8M0 bytes and the zero pad byte
+    tl.store(cache_ptr + scales + k, tl.where(k < 7, byte, 0).to(tl.uint8), mask=splat(tl.load(slot_ptr + t) >= 0, k))
+
+
+@torch.library.custom_op("dsv4ref::kv_insert", mutates_args=("cache",))
+def _kv_insert_op(cache: torch.Tensor, kv: torch.Tensor, slot_mapping: torch.Tensor, block_size: int) -> None:
+    n = slot_mapping.shape[0]
+    if n == 0:
+        return
+    kv16 = kv.view(torch.int16)
+    _insert_kernel[(n,)](cache, kv16, slot_mapping, kv16.stride(0), cache.stride(0), block_size)
+
+
+@_kv_insert_op.register_fake
+def _(cache, kv, slot_mapping, block_size):
+    return None
+
+
+def insert(cache: torch.Tensor, kv: torch.Tensor, slot_mapping: torch.Tensor, *, block_size: int,
+           backend: str = "triton") -> None:
+    """Quantise and write rows of ``kv`` into the paged cache, in place.
+
+    Args:
+        cache: uint8 ``[num_blocks, ≥ page_bytes(block_size)]`` (page stride from ``cache.stride(0)``).
+        kv: ``[T, 512]`` bf16, already RoPE'd on dims 448..511.
+        slot_mapping: ``[T']`` int64 (or int32), ``T' ≤ T``; row i goes to slot ``slot_mapping[i]``,
+            −1 means skip. Rows ``T'..T-1`` of kv (padding) are ignored.
+        block_size: tokens per page.
+    """
+    validate.backend(backend)
+    _check_cache(cache, block_size)
+    validate.tensor(kv, "kv", dtype=torch.bfloat16, ndim=2)
+    if kv.shape[1] != HEAD_DIM or kv.stride(1) != 1:
+        raise ValueError(f"kv: expected [T, {HEAD_DIM}] with contiguous rows, got shape {tuple(kv.shape)} "
+                         f"strides {kv.stride()}")
+    validate.tensor(slot_mapping, "slot_mapping", dtype=(torch.int64, torch.int32), ndim=1)
+    validate.same_device(cache=cache, kv=kv, slot_mapping=slot_mapping)
+    if slot_mapping.shape[0] > kv.shape[0]:
+        raise ValueError(f"slot_mapping: has {slot_mapping.shape[0]} entries but kv only {kv.shape[0]} rows")
+    validate.index_range(slot_mapping, "slot_mapping", cache.shape[0] * block_size)
+    if backend == "reference":
+        _insert_reference(cache, kv, slot_mapping, block_size)
+    else:
+        torch.ops.dsv4ref.kv_insert(cache, kv, slot_mapping.to(torch.int64), block_size)
+
+
+# ----------------------------------------------------------------------------------------------------
+# gather (reader)
+# ----------------------------------------------------------------------------------------------------
+
+
+def _gather_reference(cache, slots, block_size):
+    out = torch.zeros(slots.shape[0], HEAD_DIM, dtype=torch.bfloat16, device=cache.device)
+    keep = slots >= 0  # never index memory with −1: those rows stay zero
+    data, scales = _token_offsets(cache, slots[keep], block_size)
+    flat = _flat(cache)
+    q = flat[data[:, None] + torch.arange(NOPE_DIM, device=cache.device)].view(torch.float8_e4m3fn)
+    s = flat[scales[:, None] + torch.arange(N_SCALES, device=cache.device)]
+    nope = q.float().view(-1, N_SCALES, QUANT_BLOCK) * pow2_ref(s)[..., None]  # exact
+    rope = flat[data[:, None] + NOPE_DIM + torch.arange(2 * ROPE_DIM, device=cache.device)].view(torch.bfloat16)
+    out[keep] = torch.cat([nope.reshape(-1, NOPE_DIM).to(torch.bfloat16), rope], dim=1)
+    return out
+
+
+@triton.jit
+def _gather_kernel(
+    cache_ptr,  # uint8 pages
+    slot_ptr,  # int32/int64 [S]
+    out_ptr,  # int16 view of out [S, 512] bf16 (contiguous)
+    page_stride,
+    block_size,
+):
+    p = tl.program_id(0)
+    slot = tl.load(slot_ptr + p).to(tl.int64)
+    tile = tl.arange(0, 8)[:, None]
+    col = tl.arange(0, 64)[None, :]
+    dim = tile * 64 + col  # [8, 64]; row 7 masked off
+    j = tl.arange(0, 64)
+    k = tl.arange(0, 8)
+    ok = slot >= 0
+    slot = tl.maximum(slot, 0)  # masked loads below never touch it for slot −1
+    data, scales = page_offsets(slot, block_size, page_stride)
+    out_row = out_ptr + p.to(tl.int64) * 512
+
+    # NoPE: e4m3 byte -> fp32, × 2^(scale − 127): exact, and exactly representable in bf16
+    q = tl.load(cache_ptr + data + dim, mask=splat(ok, dim) & (tile < 7), other=0)
+    byte = tl.load(cache_ptr + scales + k, mask=splat(ok, k) & (k < 7), other=127).to(tl.int32)
+    nope = q.to(tl.float8e4nv, bitcast=True).to(tl.float32) * pow2(byte)[:, None]
+    tl.store(out_row + dim, bf16_rne_bits(nope).to(tl.int16, bitcast=True), mask=tile < 7)  # slot −1: zeros
+
+    # RoPE: reassemble each bf16 from its two little-endian bytes
+    lo = tl.load(cache_ptr + data + 448 + 2 * j, mask=splat(ok, j), other=0).to(tl.int32)
+    hi = tl.load(cache_ptr + data + 449 + 2 * j, mask=splat(ok, j), other=0).to(tl.int32)
+    tl.store(out_row + 448 + j, (lo | (hi << 8)).to(tl.int16))
+
+
+@torch.library.custom_op("dsv4ref::kv_gather", mutates_args=("out",))
+def _kv_gather_op(cache: torch.Tensor, slots: torch.Tensor, out: torch.Tensor, block_size: int) -> None:
+    if slots.shape[0]:
+        _gather_kernel[(slots.shape[0],)](cache, slots, out.view(torch.int16), cache.stride(0), block_size)
+
+
+@_kv_gather_op.register_fake
+def _(cache, slots, out, block_size):
+    return None
+
+
+def gather(cache: torch.Tensor, slots: torch.Tensor, *, block_size: int, out: torch.Tensor | None = None,
+           backend: str = "triton") -> torch.Tensor:
+    """Dequantise the rows at ``slots`` into bf16.
+
+    Args:
+        cache: uint8 pages as written by :func:`insert`.
+        slots: ``[S]`` int32 or int64 global slots; −1 gives a zero row.
+        out: optional preallocated ``[S, 512]`` bf16 (a workspace reused across calls).
+    Returns:
+        ``[S, 512]`` bf16; dims 0..447 are e4m3 × 2^(scale−127) (exact), dims 448..511 the stored bf16.
+    """
+    validate.backend(backend)
+    _check_cache(cache, block_size)
+    validate.tensor(slots, "slots", dtype=(torch.int32, torch.int64), ndim=1)
+    validate.same_device(cache=cache, slots=slots)
+    validate.index_range(slots, "slots", cache.shape[0] * block_size)
+    if out is not None:
+        validate.tensor(out, "out", dtype=torch.bfloat16, shape=(slots.shape[0], HEAD_DIM), contiguous=True)
+    if backend == "reference":
+        ref = _gather_reference(cache, slots, block_size)
+        if out is not None:
+            out.copy_(ref)
+            return out
+        return ref
+    if out is None:
+        out = torch.empty(slots.shape[0], HEAD_DIM, dtype=torch.bfloat16, device=cache.device)
+    torch.ops.dsv4ref.kv_gather(cache, slots, out, block_size)
+    return out
+
+
+# ----------------------------------------------------------------------------------------------------
+# python -m dsv4ref check / bench
+# ----------------------------------------------------------------------------------------------------
+
+
+def _example(T: int, block_size: int, num_blocks: int, seed: int):
+    kv = randn((T, HEAD_DIM), seed=seed)
+    slots = torch.randperm(num_blocks * block_size, generator=torch.Generator().manual_seed(seed))[:T].to(DEVICE)
+    slots[:: max(1, T // 5)] = -1  # some padding rows
+    return kv, slots
+
+
+@check("kv_cache.insert")
+def _check_insert() -> list[CheckRow]:
+    rows = []
+    for T, B, nb in [(37, 2, 40), (64, 61, 3), (100, 64, 4)]:
+        kv, slots = _example(T, B, nb, seed=T)
+        ref, out = allocate(nb, B), allocate(nb, B)
+        insert(ref, kv, slots, block_size=B, backend="reference")
+        insert(out, kv, slots, block_size=B)
+        rows.append(CheckRow("kv_cache.insert", f"T={T} B={B} pages={nb}", compare(out, ref, "exact", "cache bytes")))
+    return rows
+
+
+@check("kv_cache.gather")
+def _check_gather() -> list[CheckRow]:
+    rows = []
+    for T, B, nb in [(37, 2, 40), (100, 64, 4)]:
+        kv, slots = _example(T, B, nb, seed=T + 1)
+        cache = allocate(nb, B)
+        insert(cache, kv, slots, block_size=B)
+        got = gather(cache, slots, block_size=B)
+        rows.append(CheckRow("kv_cache.gather", f"S={T} B={B}", compare(got, gather(cache, slots, block_size=B, backend="reference"), "exact")))
+    return rows
+
+
+@bench("kv_cache")
+def _bench() -> list[BenchCase]:
+    S, B = 65536, 64
+    n_sets = 4  # 4 × (37 MB cache + 64 MB kv) rotate past a 60 MB L2
+    nb = S // B
+    sets = []
+    for i in range(n_sets):
+        kv = torch.randn(S, HEAD_DIM, device=DEVICE, dtype=torch.bfloat16)
+        slots = torch.randperm(S, device=DEVICE)
+        sets.append((allocate(nb, B), kv, slots, torch.empty_like(kv)))
+    for c, kv, s, _ in sets:
+        insert(c, kv, s, block_size=B)
+    ins_bytes = S * (HEAD_DIM * 2 + 8 + TOKEN_BYTES)  # read kv + slot, write 584 B
+    gat_bytes = S * (TOKEN_BYTES + 8 + HEAD_DIM * 2)  # read 584 B + slot, write bf16 row
+    return [
+        BenchCase("kv_cache.insert", f"S={S} B={B}", lambda i: torch.ops.dsv4ref.kv_insert(sets[i][0], sets[i][1], sets[i][2], B),
+                  n_sets, ins_bytes, note="kv 1024 + slot 8 + cache 584 B/token"),
+        BenchCase("kv_cache.gather", f"S={S} B={B}", lambda i: torch.ops.dsv4ref.kv_gather(sets[i][0], sets[i][2], sets[i][3], B),
+                  n_sets, gat_bytes, note="cache 584 + slot 8 + out 1024 B/row"),
+    ]

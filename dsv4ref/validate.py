@@ -1,0 +1,88 @@
+"""Argument checks shared by every public op.
+
+Bad input must give an error that names the argument and says what was expected, never a silent
+wrong answer or an out-of-bounds read in a kernel. Shape/dtype/device checks are free (metadata only).
+Value checks (index ranges) read the tensor, which costs a device sync; they run by default and can be
+switched off on a hot path with ``DSV4REF_CHECK_VALUES=0`` once a caller is known to be correct.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+
+import torch
+
+CHECK_VALUES = os.environ.get("DSV4REF_CHECK_VALUES", "1") != "0"
+
+BACKENDS = ("reference", "triton")
+
+
+def tensor(
+    t,
+    name: str,
+    *,
+    dtype: torch.dtype | Sequence[torch.dtype] | None = None,
+    ndim: int | None = None,
+    shape: Sequence[int | None] | None = None,
+    device: torch.device | None = None,
+    contiguous: bool = False,
+) -> torch.Tensor:
+    """Check one tensor argument; raise TypeError/ValueError naming ``name`` and the expectation.
+
+    ``shape`` may hold ``None`` for "any size" in that dimension.
+    """
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+    if dtype is not None:
+        ok = (dtype,) if isinstance(dtype, torch.dtype) else tuple(dtype)
+        if t.dtype not in ok:
+            want = " or ".join(str(d) for d in ok)
+            raise TypeError(f"{name}: expected dtype {want}, got {t.dtype}")
+    if shape is not None:
+        ndim = len(shape)
+    if ndim is not None and t.dim() != ndim:
+        raise ValueError(f"{name}: expected a {ndim}-d tensor, got shape {tuple(t.shape)}")
+    if shape is not None:
+        for i, (got, want) in enumerate(zip(t.shape, shape)):
+            if want is not None and got != want:
+                want_s = tuple("*" if w is None else w for w in shape)
+                raise ValueError(f"{name}: expected shape {want_s}, got {tuple(t.shape)} (dim {i})")
+    if device is not None and t.device.type != torch.device(device).type:
+        raise ValueError(f"{name}: expected a tensor on {device}, got one on {t.device}")
+    if contiguous and not t.is_contiguous():
+        raise ValueError(f"{name}: expected a contiguous tensor (strides {t.stride()})")
+    return t
+
+
+def same_device(**tensors: torch.Tensor | None) -> None:
+    """All given (non-None) tensors live on one device."""
+    devs = {n: t.device for n, t in tensors.items() if t is not None}
+    if len({d.type for d in devs.values()}) > 1:
+        desc = ", ".join(f"{n} on {d}" for n, d in devs.items())
+        raise ValueError(f"tensors must share one device: {desc}")
+
+
+def index_range(t: torch.Tensor, name: str, hi: int, *, allow_minus_one: bool = True) -> None:
+    """Every entry of integer tensor ``t`` is in [0, hi) (or −1, meaning "skip", if allowed)."""
+    if not CHECK_VALUES or t.numel() == 0:
+        return
+    lo_ok = -1 if allow_minus_one else 0
+    bad = (t < lo_ok) | (t >= hi)
+    if bool(bad.any()):
+        i = int(bad.nonzero()[0][0]) if t.dim() == 1 else tuple(bad.nonzero()[0].tolist())
+        v = int(t[i])
+        allowed = f"[0, {hi})" + (" or -1" if allow_minus_one else "")
+        raise ValueError(f"{name}: entry {i} = {v} is out of range; expected {allowed}")
+
+
+def backend(b: str, allowed: Sequence[str] = BACKENDS) -> str:
+    if b not in allowed:
+        raise ValueError(f"backend: expected one of {tuple(allowed)}, got {b!r}")
+    return b
+
+
+def power_of_two(v: int, name: str) -> int:
+    if v <= 0 or v & (v - 1):
+        raise ValueError(f"{name}: expected a power of two, got {v}")
+    return v
