@@ -1,0 +1,57 @@
+#!/usr/bin/env bash
+# The whole GPU check in one call (run through the `device` tool on the lent H200, or on any GPU box):
+#   unit tests, nbval over every notebook, `python -m dsv4ref check`, `python -m dsv4ref bench`, and the
+#   unit tests once more under compute-sanitizer memcheck. Writes logs and a short report to $OUT (or ./gpu-out).
+#
+# The H200 image has torch + triton but no jupyter/nbval and no network, so the notebook stack travels as
+# wheels in .whl/ (see benchmarks/RESULTS.md for the command that fetches them) and is installed to /tmp/site.
+#
+#   device run:  bash scripts/gpu-check.sh            (carry: [".whl"])
+#   env knobs:   STAGES="unit nbval check bench memcheck"   BENCH_OP=kv_cache   MEMCHECK_TESTS=tests/test_kv_cache.py
+set -uo pipefail
+OUT=${OUT:-./gpu-out}
+mkdir -p "$OUT"
+STAGES=${STAGES:-"unit nbval check bench memcheck"}
+export PYTHONUNBUFFERED=1
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH="/tmp/site:$PWD" || echo "wheel install failed"
+else
+  export PYTHONPATH="$PWD"
+fi
+REPORT="$OUT/report.md"
+{
+  echo "# GPU check, $(date -u +%Y-%m-%dT%H:%MZ)"
+  echo
+  echo '```'
+  nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>/dev/null
+  python3 -m dsv4ref info
+  echo "commit: $(git rev-parse --short HEAD 2>/dev/null) $(git status --porcelain 2>/dev/null | wc -l) files changed"
+  echo '```'
+} > "$REPORT"
+
+stage() {  # stage NAME LIMIT_S COMMAND...
+  local name=$1 limit=$2; shift 2
+  local t0=$(date +%s)
+  timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
+  local rc=$?
+  local dt=$(( $(date +%s) - t0 ))
+  echo "## $name: rc=$rc (${dt}s)" >> "$REPORT"
+  echo '```' >> "$REPORT"
+  tail -n "${TAIL:-25}" "$OUT/$name.log" >> "$REPORT"
+  echo '```' >> "$REPORT"
+  echo "$name rc=$rc ${dt}s"
+}
+
+for s in $STAGES; do
+  case $s in
+    unit)     stage unit 420 python3 -m pytest tests -q -o addopts="" -p no:cacheprovider -n 8 --dist loadscope ;;
+    nbval)    stage nbval 420 python3 -m pytest notebooks -q -o addopts="" -p no:cacheprovider --nbval --nbval-current-env \
+                --nbval-sanitize-with notebooks/nbval_sanitize.cfg --nbval-cell-timeout 300 -n 4 --dist loadscope ;;
+    check)    stage check 300 python3 -m dsv4ref check ;;
+    bench)    TAIL=60 stage bench 420 python3 -m dsv4ref bench ${BENCH_OP:-} ;;
+    memcheck) stage memcheck 420 compute-sanitizer --tool memcheck --print-limit 20 python3 -m pytest ${MEMCHECK_TESTS:-tests} \
+                -q -x -o addopts="" -p no:cacheprovider ;;
+  esac
+done
+cat "$REPORT"
