@@ -13,7 +13,7 @@ setup: $(STAMP)
 
 ## Start JupyterLab on notebooks/ (headless: it prints the URL to open).
 lab: $(STAMP)
-	$(VENV)/bin/jupyter lab --no-browser --ip=127.0.0.1 --notebook-dir=notebooks
+	$(VENV)/bin/jupyter lab --no-browser --ip=127.0.0.1 --notebook-dir=notebooks $(if $(filter 0,$(shell id -u)),--allow-root)
 
 ## Unit tests + nbval over every notebook (stored outputs must match a fresh run).
 test: $(STAMP)
