@@ -1,0 +1,455 @@
+"""GPT-J RoPE, YaRN, the fused Q-norm + RoPE + KV insert, inverse RoPE and the grouped o-proj (rope.md §8).
+
+Every kernel result is compared with the torch reference bit for bit (the canonical arithmetic of
+dsv4ref.rope's docstring), and the references themselves with float64 formulas or hand-checked numbers.
+Catches pitfalls.md #14 (missing inverse RoPE), #16 (wrong pairing, slice, position, table, mscale) and,
+for the KV write, #9/#11 (page layout, slot −1 / short slot_mapping).
+"""
+
+import math
+
+import pytest
+import torch
+
+from dsv4ref import kv_cache
+from dsv4ref.config import FLASH, TINY
+from dsv4ref.device import DEVICE, interpreting
+from dsv4ref.rope import (
+    apply_gptj,
+    apply_neox,
+    compressed_position,
+    cos_sin_cache,
+    cos_sin_rows,
+    grouped_o_proj,
+    inv_freq,
+    qnorm_rope_kv_insert,
+    yarn_correction_range,
+)
+from dsv4ref.testing import assert_close, generator, randn
+
+YARN = FLASH.yarn  # factor 16, L0 65536, beta_fast 32, beta_slow 1
+EPS = FLASH.rms_norm_eps
+
+# Tolerances not in testing.TOLERANCES, each from the spec:
+VLLM_Q_TOL = dict(atol=1e-2, rtol=1e-2)  # rope.md §5: q vs the vLLM-style reference (bf16 after the norm)
+SHIFT_TOL = dict(atol=1e-2, rtol=1e-2)  # rope.md §6: Δ-shift invariance of the inverse-rotated output
+YARN_RTOL = 1e-6  # rope.md §8.3: the §3 inv_freq table, relative
+
+
+@pytest.fixture(scope="module")
+def table():
+    return cos_sin_cache(4096)  # θ = 10000, the window-only layers' table (tiny config length)
+
+
+@pytest.fixture(scope="module")
+def ctable():
+    return cos_sin_cache(4096, theta=FLASH.compress_rope_theta, yarn=YARN)  # compressed layers
+
+
+# ------------------------------------------------------------------------------------------------
+# 1. pairing conventions (rope.md §8.1) and the rotary slice (§8.2)
+# ------------------------------------------------------------------------------------------------
+
+
+def _explicit(x, p, table, pairs):
+    """Loop form, element by element, in fp32: the formula as printed in rope.md §1."""
+    c, s = table[p, :32].cpu(), table[p, 32:].cpu()
+    out = x.clone().cpu()
+    x = x.cpu()
+    for i in range(32):
+        a, b = pairs(i)
+        out[a] = x[a] * c[i] - x[b] * s[i]
+        out[b] = x[a] * s[i] + x[b] * c[i]
+    return out
+
+
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+def test_gptj_vs_neox_golden(table, backend):
+    x = torch.arange(64, dtype=torch.float32, device=DEVICE)
+    pos = torch.tensor([1], device=DEVICE)
+    got = apply_gptj(x[None], pos, table, backend=backend)[0].cpu()
+    neox = apply_neox(x[None], pos, table)[0].cpu()
+    assert_close(got, _explicit(x, 1, table, lambda i: (2 * i, 2 * i + 1)), "exact", "GPT-J formula")
+    assert_close(neox, _explicit(x, 1, table, lambda i: (i, i + 32)), "exact", "NeoX formula")
+    # by hand: pair 0 is (x0, x1) = (0, 1), rotated by 1 rad: (-sin 1, cos 1); NeoX pairs (x0, x32) = (0, 32)
+    assert got[:2].tolist() == pytest.approx([-math.sin(1), math.cos(1)], abs=1e-6)
+    assert neox[0].item() == pytest.approx(-32 * math.sin(1), abs=1e-5)
+    assert not torch.equal(got, neox)
+
+
+def test_rotates_the_last_dims_only(table):
+    x = randn((3, 512), seed=1)
+    pos = torch.tensor([5, 900, 4000], device=DEVICE)
+    out = apply_gptj(x, pos, table)
+    assert torch.equal(out[:, :448].view(torch.int16), x[:, :448].view(torch.int16))  # bit-identical NoPE
+    assert (out[:, 448:] != x[:, 448:]).float().mean() > 0.9
+    # the indexer's 128-dim heads rotate dims 64..127 with the same function
+    xi = randn((3, 128), seed=2)
+    oi = apply_gptj(xi, pos, table)
+    assert torch.equal(oi[:, :64], xi[:, :64])
+    assert_close(oi[:, 64:], apply_gptj(xi[:, 64:].contiguous(), pos, table), "exact")
+    # a first-64-dims RoPE (DeepSeek-V3 style) is a different function: a check on dims 448.. would catch it
+    first = torch.cat([apply_gptj(x[:, :64].contiguous(), pos, table), x[:, 64:]], dim=1)
+    assert not torch.equal(first, out)
+
+
+@pytest.mark.parametrize("inverse", [False, True])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_triton_matches_reference(ctable, dtype, inverse):
+    x = randn((6, 4, 512), seed=3, dtype=dtype)
+    per_token = torch.tensor([0, 1, 255, 256, 4095, 17], device=DEVICE)
+    per_row = torch.randint(0, 4096, (6, 4), generator=generator(4)).to(DEVICE)
+    for pos in (per_token, per_row):
+        got = apply_gptj(x, pos, ctable, inverse, backend="triton")
+        assert_close(got, apply_gptj(x, pos, ctable, inverse), "exact", "apply_gptj")
+    # a non-contiguous input (a slice of the heads) goes through the same path
+    xs = x[:, 1:3]
+    assert_close(apply_gptj(xs, per_token, ctable, backend="triton"), apply_gptj(xs, per_token, ctable), "exact")
+
+
+# ------------------------------------------------------------------------------------------------
+# 2. frequencies, YaRN, the table (§8.3)
+# ------------------------------------------------------------------------------------------------
+
+
+def test_yarn_ramp_edges():
+    assert yarn_correction_range(64, 160000.0, YARN) == (15.0, 25.0)
+    corr = lambda n: 64 * math.log(65536 / (2 * math.pi * n)) / (2 * math.log(160000))  # noqa: E731
+    assert corr(32) == pytest.approx(15.453, abs=1e-3) and corr(1) == pytest.approx(24.708, abs=1e-3)
+    # low == high gets a 0.001-wide ramp: β_fast = β_slow puts both on one index
+    lo, hi = yarn_correction_range(64, 160000.0, dict(YARN, beta_fast=2.0, beta_slow=2.0))
+    assert hi != lo
+
+
+def test_yarn_inv_freq_values():
+    f = inv_freq(64, 160000.0, YARN).double()
+    spec = {0: 1.0, 1: 0.68765602, 15: 3.6355386e-3, 16: 2.265625e-3, 20: 2.9697778e-4, 25: 5.3723127e-6,
+            31: 5.6805290e-7}
+    for i, v in spec.items():
+        assert f[i].item() == pytest.approx(v, rel=YARN_RTOL), i
+    plain = inv_freq(64, 160000.0).double()
+    assert plain[16].item() == pytest.approx(2.5e-3, rel=YARN_RTOL)
+    assert plain[31].item() == pytest.approx(9.0888465e-6, rel=YARN_RTOL)
+    # ramp edges: i <= 15 keeps the original frequency exactly, i >= 25 is exactly 1/16 of it
+    assert torch.equal(f[:16], plain[:16])
+    assert torch.allclose(f[25:], plain[25:] / 16, rtol=YARN_RTOL, atol=0)
+    # against a float64 evaluation of the formula everywhere
+    i = torch.arange(32, dtype=torch.float64)
+    pf = 160000.0 ** (2 * i / 64)
+    ramp = ((i - 15) / 10).clamp(0, 1)
+    assert torch.allclose(f, ramp / (16 * pf) + (1 - ramp) / pf, rtol=YARN_RTOL, atol=0)
+    w = inv_freq(64, 10000.0).double()
+    assert w[1].item() == pytest.approx(0.74989421, rel=YARN_RTOL)
+    assert w[31].item() == pytest.approx(1.3335214e-4, rel=YARN_RTOL)
+
+
+def test_table_layout_no_mscale(ctable):
+    assert ctable.shape == (4096, 64) and ctable.dtype == torch.float32
+    p = torch.tensor([0, 1, 37, 299, 4095])
+    rows = ctable[p.to(DEVICE)].cpu().double()
+    f = p.double()[:, None] * inv_freq(64, 160000.0, YARN).double()[None]
+    # [cos 0..31 | sin 0..31], not interleaved; the fp32 angle fp32(p)·inv_freq is off from the exact one by
+    # <= 2 half-ulps of f <= p (rope.md §2: "about 1e-7·p rad"), so allow 1.2e-7·p + 1e-6
+    bound = 1e-6 + 1.2e-7 * p.double()[:, None]
+    assert ((rows[:, :32] - f.cos()).abs() <= bound).all() and ((rows[:, 32:] - f.sin()).abs() <= bound).all()
+    # no YaRN mscale: cos² + sin² = 1
+    assert torch.allclose(rows[:, :32] ** 2 + rows[:, 32:] ** 2, torch.ones(5, 32, dtype=torch.float64), atol=1e-6)
+    assert torch.equal(cos_sin_rows(p, 64, 160000.0, YARN), ctable[p.to(DEVICE)].cpu())
+    # the two layer tables are different functions (pitfalls.md #16: a θ-10000 table in a compressed layer)
+    assert not torch.allclose(cos_sin_cache(300)[299], ctable[299], atol=1e-3)
+
+
+def test_positions_up_to_1m():
+    big = torch.tensor([(1 << 20) - 1, 1 << 19, 999_999])
+    rows = cos_sin_rows(big, 64, 160000.0, YARN).double()
+    # the same fp32 recipe emulated in float64: fp32(p)·fp32(inv_freq) rounded to fp32, then cos/sin
+    f = (big.double()[:, None] * inv_freq(64, 160000.0, YARN).double()[None]).float().double()
+    assert torch.allclose(rows[:, :32], f.cos(), atol=2e-6) and torch.allclose(rows[:, 32:], f.sin(), atol=2e-6)
+
+
+def _sparse_big_table(pos):
+    """A 2^20-row table (256 MiB, left unwritten: the OS commits only the pages we touch) with the rows
+    at ``pos`` filled in: the kernels index a 1M-row table at its far end without building all of it."""
+    t = torch.empty((1 << 20, 64), dtype=torch.float32, device=DEVICE)
+    t[pos] = cos_sin_rows(pos.cpu(), 64, 160000.0, YARN).to(DEVICE)
+    return t
+
+
+def test_fused_kernel_at_1m_positions():
+    pos = torch.tensor([(1 << 20) - 1, 700_001, 1 << 19], device=DEVICE)
+    tab = _sparse_big_table(pos)
+    _fused_case(T=3, H=2, B=16, n_blocks=1, n_slots=3, pos=pos, table=tab, seed=40)
+    x = randn((3, 512), seed=41)
+    assert_close(apply_gptj(x, pos, tab, backend="triton"), apply_gptj(x, pos, tab), "exact")
+
+
+@pytest.mark.skipif(interpreting(), reason="the full 256 MiB table: GPU only")
+def test_full_1m_table():
+    tab = cos_sin_cache(FLASH.max_position, theta=160000.0, yarn=YARN)
+    p = torch.tensor([0, 65535, 65536, 999_999, (1 << 20) - 1])
+    assert torch.equal(tab[p.to(DEVICE)].cpu(), cos_sin_rows(p, 64, 160000.0, YARN))
+    pos = torch.randint(0, 1 << 20, (64,), generator=generator(5)).to(DEVICE)
+    _fused_case(T=64, H=64, B=64, n_blocks=2, n_slots=60, pos=pos, table=tab, seed=42)
+
+
+# ------------------------------------------------------------------------------------------------
+# 3. rotation properties; inverse (§8.5); compressed-K position (§8.6)
+# ------------------------------------------------------------------------------------------------
+
+
+def test_inverse_undoes_forward(ctable):
+    x = randn((8, 4, 512), seed=6, dtype=torch.float32)
+    pos = torch.randint(0, 4096, (8,), generator=generator(6)).to(DEVICE)
+    for backend in ("reference", "triton"):
+        y = apply_gptj(x, pos, ctable, backend=backend)
+        back = apply_gptj(y, pos, ctable, inverse=True, backend=backend)
+        assert_close(back, x, "fp32_elementwise", "inv(rope(x))")
+        assert not torch.allclose(y, x, atol=1e-3)  # the forward rotation did something
+
+
+def test_relative_position_property(ctable):
+    """<rope(q, m), rope(k, n)> depends only on m − n (rope.md §6: scores are already relative)."""
+    q = randn((1, 64), seed=7, dtype=torch.float32, octaves=4)
+    k = randn((1, 64), seed=8, dtype=torch.float32, octaves=4)
+
+    def score(m, n):
+        qm = apply_gptj(q, torch.tensor([m], device=DEVICE), ctable)
+        kn = apply_gptj(k, torch.tensor([n], device=DEVICE), ctable)
+        return (qm.double() * kn.double()).sum().item()
+
+    scale = (q.double().norm() * k.double().norm()).item()
+    for m, n, d in [(10, 3, 1000), (100, 100, 3000), (7, 40, 512)]:
+        assert score(m, n) == pytest.approx(score(m + d, n + d), abs=1e-5 * scale)
+    assert abs(score(10, 3) - score(10, 4)) > 1e-3 * scale  # while the offset itself matters
+
+
+def test_compressed_key_position(ctable):
+    assert [compressed_position(p, 4) for p in (0, 3, 4, 37, 299)] == [0, 0, 4, 36, 296]
+    assert [compressed_position(p, 128) for p in (127, 128, 299)] == [0, 128, 256]
+    assert compressed_position(299, 0) == 299
+    p = torch.tensor([299, 37])
+    start = compressed_position(p, 4)
+    # golden: the compressed key of the window holding p is rotated at its first position (p//4)·4
+    k = randn((2, 512), seed=9, dtype=torch.float32, octaves=4)
+    f = start.double()[:, None] * inv_freq(64, 160000.0, YARN).double()[None]
+    e, o = k[:, 448::2].cpu().double(), k[:, 449::2].cpu().double()
+    golden = torch.stack([e * f.cos() - o * f.sin(), e * f.sin() + o * f.cos()], -1).flatten(-2)
+    scale = k[:, 448:].abs().max().item()
+    good = apply_gptj(k, start.to(DEVICE), ctable)[:, 448:].cpu().double()
+    wrong = apply_gptj(k, p.to(DEVICE), ctable)[:, 448:].cpu().double()
+    assert torch.allclose(good, golden, atol=1e-5 * scale, rtol=0)
+    assert not torch.allclose(wrong, golden, atol=1e-2 * scale, rtol=0)  # rotated at p: fails the golden
+
+
+# ------------------------------------------------------------------------------------------------
+# 4. the fused kernel (§8.4)
+# ------------------------------------------------------------------------------------------------
+
+
+def _vllm_style_q(q, pos, table):
+    """vLLM's torch test reference: bf16 after the norm, then rotate (rope.md §5, the Disagreement)."""
+    x = q.float()
+    rr = torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + EPS)
+    return apply_gptj((x * rr).to(torch.bfloat16), pos, table)
+
+
+def _fused_case(T, H, B, n_blocks, n_slots, pos, table, seed):
+    q = randn((T, H, 512), seed=seed)
+    kv = randn((T, 512), seed=seed + 1)
+    g = generator(seed)
+    slots = torch.randperm(n_blocks * B, generator=g)[:n_slots].to(DEVICE)
+    if n_slots > 2:
+        slots[1] = -1
+    # a cache full of random bytes: whatever the kernel must not touch keeps its bytes (snapshot)
+    start = torch.randint(0, 256, (n_blocks, kv_cache.page_bytes(B)), generator=g, dtype=torch.uint8).to(DEVICE)
+    q_out, c_out, kv_in = q.clone(), start.clone(), kv.clone()
+    qnorm_rope_kv_insert(q_out, kv, c_out, slots, pos, table, eps=EPS, block_size=B)
+    assert torch.equal(kv.view(torch.int16), kv_in.view(torch.int16)), "kv must not be modified"
+
+    # cache bytes == kv_cache.insert(apply_gptj(kv)) [EXACT], untouched slots keep their bytes
+    c_ref = start.clone()
+    kv_cache.insert(c_ref, apply_gptj(kv, pos, table), slots, block_size=B, backend="reference")
+    assert_close(c_out, c_ref, "exact", "cache bytes")
+    written = slots[slots >= 0]
+    untouched = torch.ones(n_blocks * B, dtype=torch.bool, device=DEVICE)
+    untouched[written] = False
+    ids = untouched.nonzero()[:, 0]
+    flat_o, flat_s = kv_cache._flat(c_out), kv_cache._flat(start)
+    d, s = kv_cache._token_offsets(c_out, ids, B)
+    for base, n in ((d, 576), (s, 8)):
+        idx = base[:, None] + torch.arange(n, device=DEVICE)
+        assert torch.equal(flat_o[idx], flat_s[idx]), "a slot that was not written changed"
+    # the RoPE region round-trips exactly through the reader
+    if written.numel():
+        keep = slots >= 0
+        got = kv_cache.gather(c_out, written, block_size=B)[:, 448:]
+        assert_close(got, apply_gptj(kv, pos, table)[: slots.shape[0]][keep][:, 448:], "exact", "gathered RoPE")
+
+    # q: EXACT vs the canonical form (the reference backend), within 1e-2 of the vLLM-style reference
+    q_ref, c_ref2 = q.clone(), start.clone()
+    qnorm_rope_kv_insert(q_ref, kv, c_ref2, slots, pos, table, eps=EPS, block_size=B, backend="reference")
+    assert_close(q_out, q_ref, "exact", "q")
+    assert_close(c_ref2, c_out, "exact", "reference backend cache")
+    torch.testing.assert_close(q_out.float(), _vllm_style_q(q, pos, table).float(), **VLLM_Q_TOL)
+    # q is normalised: RMS over the 512 dims is 1 per head (rotation keeps the norm)
+    rms = q_out.double().pow(2).mean(-1).sqrt()
+    assert torch.allclose(rms, torch.ones_like(rms), atol=1e-2)
+    return q_out, c_out
+
+
+@pytest.mark.parametrize("T,H,B,n_blocks,n_slots", [(4, 16, 16, 2, 4), (5, 3, 61, 1, 3), (3, 128, 2, 3, 2)])
+def test_fused_kernel(table, T, H, B, n_blocks, n_slots):
+    """Tiny config (H = 16, B = 16), an odd page (B = 61), and H = 128 with 2-token pages; slot −1 in row
+    1 and T'' < T where n_slots < T (rows beyond T'' write nothing)."""
+    pos = torch.randint(0, 4096, (T,), generator=generator(T + H)).to(DEVICE)
+    _fused_case(T, H, B, n_blocks, n_slots, pos, table, seed=T * H)
+
+
+def test_fused_kernel_empty_slots_and_padding_rows(table):
+    """All slots −1, or an empty slot_mapping: q is still normalised and rotated, the cache untouched."""
+    pos = torch.tensor([0, 4095], device=DEVICE)
+    for slots in (torch.tensor([-1, -1], device=DEVICE), torch.empty(0, dtype=torch.int64, device=DEVICE)):
+        q = randn((2, 2, 512), seed=11)
+        kv = randn((2, 512), seed=12)
+        cache = torch.full((1, kv_cache.page_bytes(16)), 0x7F, dtype=torch.uint8, device=DEVICE)  # poison
+        q_ref = q.clone()
+        qnorm_rope_kv_insert(q, kv, cache, slots, pos, table, eps=EPS, block_size=16)
+        qnorm_rope_kv_insert(q_ref, kv, cache.clone(), slots, pos, table, eps=EPS, block_size=16, backend="reference")
+        assert bool((cache == 0x7F).all())
+        assert_close(q, q_ref, "exact", "q")
+
+
+def test_fused_op_is_registered(table):
+    op = torch.ops.dsv4ref.qnorm_rope_kv_insert.default
+    assert op._schema.arguments[0].alias_info.is_write and op._schema.arguments[2].alias_info.is_write
+    q = randn((2, 2, 512), seed=13)
+    args = (q, randn((2, 512), seed=14), kv_cache.allocate(1, 2), torch.tensor([1, 0], device=DEVICE),
+            torch.tensor([3, 9], device=DEVICE), table, EPS, 2)
+    torch.library.opcheck(op, args, test_utils=("test_schema", "test_faketensor"))
+
+
+# ------------------------------------------------------------------------------------------------
+# 5. inverse RoPE on the output: the Δ-shift invariance (rope.md §6, pitfalls.md #14)
+# ------------------------------------------------------------------------------------------------
+
+
+def _decode_output(delta, table, inverse=True):
+    """One query token at position 1000 + Δ attends to 8 keys at 1000 + Δ − j (itself included),
+    inserted with the fused kernel; attention in float64 over the gathered (dequantised) rows;
+    then the output's RoPE dims are rotated back at the query position."""
+    T, H, B = 8, 2, 16
+    pos = (1000 + delta - torch.arange(T)).to(DEVICE)
+    q = randn((T, H, 512), seed=20, octaves=4)
+    kv = randn((T, 512), seed=21, octaves=4)
+    cache = kv_cache.allocate(1, B)
+    slots = torch.arange(T, device=DEVICE)
+    qnorm_rope_kv_insert(q, kv, cache, slots, pos, table, eps=EPS, block_size=B)
+    k = kv_cache.gather(cache, slots, block_size=B).double()  # K = V = the full 512-dim row
+    p = torch.softmax((q[0].double() @ k.T) * 512**-0.5, dim=-1)  # (H, T)
+    o = (p @ k).float()  # (H, 512)
+    return apply_gptj(o, pos[:1].expand(H), table, inverse=True) if inverse else o  # the query position, every head
+
+
+def test_output_inverse_rope_shift_invariance(table):
+    delta = 128 * 7  # a multiple of 128 keeps compressed-window starts aligned
+    a, b = _decode_output(0, table), _decode_output(delta, table)
+    torch.testing.assert_close(a, b, **SHIFT_TOL)
+    # without the inverse step the RoPE dims of the output rotate with Δ (what pitfalls.md #14 misses)
+    a0, b0 = _decode_output(0, table, inverse=False), _decode_output(delta, table, inverse=False)
+    torch.testing.assert_close(a0[:, :448], b0[:, :448], **SHIFT_TOL)
+    assert (a0[:, 448:] - b0[:, 448:]).abs().max() > 10 * SHIFT_TOL["atol"] * (1 + a0[:, 448:].abs().max())
+
+
+# ------------------------------------------------------------------------------------------------
+# 6. grouped o-proj (rope.md §7)
+# ------------------------------------------------------------------------------------------------
+
+
+def test_grouped_o_proj():
+    T, H, G, o_lora, Hd = 3, TINY.num_heads, TINY.o_groups, 32, 48
+    hpg = H // G
+    o = randn((T, H, 512), seed=30, octaves=4)
+    wo_a = randn((G, o_lora, hpg * 512), seed=31, octaves=0) * 0.02
+    wo_b = randn((Hd, G * o_lora), seed=32, octaves=0) * 0.05
+    out = grouped_o_proj(o, wo_a, wo_b)
+    assert out.shape == (T, Hd) and out.dtype == torch.bfloat16
+    # float64 oracle, group by group: group g owns heads [g·hpg, (g+1)·hpg)
+    z = torch.stack([o[:, g * hpg:(g + 1) * hpg].reshape(T, -1).double() @ wo_a[g].double().T for g in range(G)], 1)
+    ref = z.reshape(T, -1) @ wo_b.double().T
+    assert_close(out, ref, "bf16_gemm", "grouped o-proj")
+    # strided grouping (heads g, g+G, …) is a different function: the check above would catch it
+    zs = torch.stack([o[:, g::G].reshape(T, -1).double() @ wo_a[g].double().T for g in range(G)], 1)
+    assert not torch.allclose((zs.reshape(T, -1) @ wo_b.double().T), ref, rtol=1e-2, atol=1e-2)
+
+
+# ------------------------------------------------------------------------------------------------
+# 7. bad input
+# ------------------------------------------------------------------------------------------------
+
+
+def test_bad_input_raises(table):
+    T, H, B = 2, 2, 16
+    q = randn((T, H, 512), seed=50)
+    kv = randn((T, 512), seed=51)
+    cache = kv_cache.allocate(1, B)
+    slots = torch.tensor([0, 1], device=DEVICE)
+    pos = torch.tensor([0, 1], device=DEVICE)
+
+    def call(**kw):
+        a = dict(q=q, kv=kv, cache=cache, slot_mapping=slots, positions=pos, cos_sin=table, eps=EPS, block_size=B)
+        a.update(kw)
+        qnorm_rope_kv_insert(**a)
+
+    with pytest.raises(TypeError, match="q: expected dtype"):
+        call(q=q.float())
+    with pytest.raises(ValueError, match=r"q: expected \[T, H, 512\]"):
+        call(q=q[..., :256])
+    with pytest.raises(ValueError, match="q: H = 129 query heads; at most 128"):
+        call(q=torch.zeros(T, 129, 512, dtype=torch.bfloat16, device=DEVICE))
+    with pytest.raises(ValueError, match="kv: expected shape"):
+        call(kv=kv[:1])
+    with pytest.raises(TypeError, match="kv: expected dtype"):
+        call(kv=kv.half())
+    with pytest.raises(ValueError, match="positions: entry 1 = 4096 is out of range"):
+        call(positions=torch.tensor([0, 4096], device=DEVICE))
+    with pytest.raises(ValueError, match="positions: entry 0 = -1 is out of range"):
+        call(positions=torch.tensor([-1, 0], device=DEVICE))
+    with pytest.raises(ValueError, match="positions: expected shape"):
+        call(positions=pos[:1])
+    with pytest.raises(TypeError, match="positions: expected dtype"):
+        call(positions=pos.float())
+    with pytest.raises(ValueError, match="slot_mapping: has 3 entries"):
+        call(slot_mapping=torch.tensor([0, 1, 2], device=DEVICE))
+    with pytest.raises(ValueError, match="slot_mapping: entry 1 = 16 is out of range"):
+        call(slot_mapping=torch.tensor([0, 16], device=DEVICE))
+    with pytest.raises(ValueError, match="cos_sin: expected 64 columns"):
+        call(cos_sin=table[:, :32].contiguous())
+    with pytest.raises(TypeError, match="cos_sin: expected dtype"):
+        call(cos_sin=table.double())
+    with pytest.raises(ValueError, match="cache: pages of"):
+        call(block_size=64)
+    with pytest.raises(ValueError, match="eps: expected a positive"):
+        call(eps=0.0)
+    with pytest.raises(ValueError, match="backend"):
+        call(backend="cuda")
+    # apply_gptj / apply_neox
+    with pytest.raises(ValueError, match="positions: expected shape"):
+        apply_gptj(q, pos[:1], table)
+    with pytest.raises(ValueError, match="positions: entry 0 = 5000"):
+        apply_gptj(kv, torch.tensor([5000, 0], device=DEVICE), table, backend="triton")
+    with pytest.raises(TypeError, match="x: expected dtype"):
+        apply_neox(kv.half(), pos, table)
+    with pytest.raises(ValueError, match="x: the last dim must hold the 64 rotary dims"):
+        apply_gptj(kv[:, :32], pos, table)
+    with pytest.raises(ValueError, match="max_pos"):
+        cos_sin_cache(0)
+    with pytest.raises(ValueError, match="yarn: missing keys"):
+        cos_sin_cache(8, yarn=dict(factor=16))
+    # grouped o-proj
+    wo_a = torch.zeros(2, 8, 512, dtype=torch.bfloat16, device=DEVICE)
+    with pytest.raises(ValueError, match="wo_a: G = 3 groups must divide H = 2"):
+        grouped_o_proj(q, torch.zeros(3, 8, 512, dtype=torch.bfloat16, device=DEVICE), torch.zeros(4, 24, dtype=torch.bfloat16, device=DEVICE))
+    with pytest.raises(ValueError, match="wo_b: expected shape"):
+        grouped_o_proj(q, wo_a, torch.zeros(4, 15, dtype=torch.bfloat16, device=DEVICE))
+    with pytest.raises(ValueError, match="wo_a: expected shape"):
+        grouped_o_proj(q, torch.zeros(2, 8, 500, dtype=torch.bfloat16, device=DEVICE), torch.zeros(4, 16, dtype=torch.bfloat16, device=DEVICE))
