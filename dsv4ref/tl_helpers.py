@@ -23,7 +23,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-E4M3_MAX = 448.0
+E4M3_MAX = 448.0  # for Python callers
+_E4M3_MAX = tl.constexpr(448.0)  # for kernels: a jit function may only read constexpr globals
 
 
 @triton.jit
@@ -34,7 +35,7 @@ def e4m3_encode(x):
     onto a grid of spacing ``ulp``), so the final cast only converts an exactly representable value,
     which even the interpreter's cast gets right.
     """
-    a = tl.minimum(tl.abs(x), E4M3_MAX)  # clamp first: saturates ±inf/huge values, keeps c finite
+    a = tl.minimum(tl.abs(x), _E4M3_MAX)  # clamp first: saturates ±inf/huge values, keeps c finite
     # biased fp32 exponent of |x|, floored at 121 (2^-6, the smallest normal e4m3): below it the e4m3
     # spacing is fixed at 2^-9 (subnormals).
     e = tl.maximum((a.to(tl.int32, bitcast=True) >> 23) & 0xFF, 121)
