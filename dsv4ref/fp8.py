@@ -190,3 +190,47 @@ def dequantize_ue8m0(
             BLOCK=block, ROWS=rows, OUT_BF16=out_dtype == torch.bfloat16,
         )
     return out
+
+
+# ----------------------------------------------------------------------------------------------------
+# python -m dsv4ref check
+# ----------------------------------------------------------------------------------------------------
+
+from .harness import CheckRow, check  # noqa: E402  (after the ops: harness is only needed for these)
+from .testing import compare, randn  # noqa: E402
+
+
+def _check_input(shape, seed):
+    """Per-block scales over 2^-12..2^12, plus blocks with amax = 448·2^k and an all-zero block."""
+    x = randn(shape, seed=seed, octaves=24, device="cpu").float()
+    x[0, :64] = 0.0
+    x[0, 64 + 3] = 448.0 * 2.0**-5
+    return x.to(torch.bfloat16)
+
+
+@check("fp8.quantize")
+def _check_quantize() -> list[CheckRow]:
+    from .device import DEVICE
+
+    rows = []
+    for shape, block in [((33, 448), 64), ((8, 512), 128)]:
+        x = _check_input(shape, seed=shape[0]).to(DEVICE)
+        q_r, s_r = quantize_ue8m0(x, block, backend="reference")
+        q_t, s_t = quantize_ue8m0(x, block)
+        rows.append(CheckRow("fp8.quantize", f"{list(shape)} block={block} (scales)", compare(s_t, s_r, "exact", "scale bytes")))
+        rows.append(CheckRow("fp8.quantize", f"{list(shape)} block={block} (e4m3)", compare(q_t, q_r, "exact", "e4m3 bytes")))
+    return rows
+
+
+@check("fp8.dequantize")
+def _check_dequantize() -> list[CheckRow]:
+    from .device import DEVICE
+
+    rows = []
+    for shape, block in [((33, 448), 64), ((8, 512), 128)]:
+        q, s = quantize_ue8m0(_check_input(shape, seed=shape[0] + 1).to(DEVICE), block, backend="reference")
+        for dt in (torch.bfloat16, torch.float32):
+            got = dequantize_ue8m0(q, s, block, dt)
+            rows.append(CheckRow("fp8.dequantize", f"{list(shape)} block={block} -> {str(dt)[6:]}",
+                                 compare(got, dequantize_ue8m0(q, s, block, dt, backend="reference"), "exact")))
+    return rows

@@ -100,11 +100,13 @@ def _insert_reference(cache, kv, slot_mapping, block_size):
 @triton.jit
 def _insert_kernel(
     cache_ptr,  # uint8, page p starts at p * page_stride
+    cache16_ptr,  # int16 view of the same bytes (used for the RoPE copy when ROPE16)
     kv_ptr,  # int16 view of kv [T, 512] bf16 (row stride kv_stride)
     slot_ptr,  # int64 [n]
     kv_stride,
     page_stride,
     block_size,
+    ROPE16: tl.constexpr,  # page_stride and the cache base are even: copy RoPE as whole bf16 words
 ):
     # One program per token. The NoPE dims are an [8, 64] tile (tl.arange needs powers of two): rows
     # 0..6 are the 7 quant blocks, row 7 is masked off. The 64 RoPE dims are a separate [64] vector.
@@ -115,10 +117,12 @@ def _insert_kernel(
     dim = tile * 64 + col  # [8, 64]
     j = tl.arange(0, 64)  # RoPE pair index
     k = tl.arange(0, 8)  # scale byte index
-    nope_ok = splat(slot >= 0, dim) & (tile < 7)
+    ok = slot >= 0  # slot −1 (padding): write nothing at all
+    nope_ok = splat(ok, dim) & (tile < 7)
+    rope_ok = splat(ok, j)
     slot = tl.maximum(slot, 0)  # never form an address from −1 (the masks keep it unused)
     row = kv_ptr + t.to(tl.int64) * kv_stride
-    data, scales = page_offsets(slot, block_size, page_stride)
+    data, scales = page_offsets(slot, block_size, page_stride)  # int64 byte offsets
 
     # NoPE: bf16 -> fp32 exactly, in integers (no bf16 arithmetic), then a scale byte per block
     bits = tl.load(row + dim, mask=nope_ok, other=0).to(tl.int32) & 0xFFFF
@@ -127,23 +131,38 @@ def _insert_kernel(
     q = e4m3_encode(x * inv_pow2(byte)[:, None])  # × 2^-e is exact
     tl.store(cache_ptr + data + dim, q.to(tl.uint8, bitcast=True), mask=nope_ok)
 
-    # RoPE: the bf16 bits are copied, low byte first (little-endian), to bytes 448 + 2j and 449 + 2j
-    rope_ok = splat(tl.load(slot_ptr + t) >= 0, j)
-    rbits = tl.load(row + 448 + j, mask=rope_ok, other=0).to(tl.int32) & 0xFFFF
-    tl.store(cache_ptr + data + 448 + 2 * j, (rbits & 0xFF).to(tl.uint8), mask=rope_ok)
-    tl.store(cache_ptr + data + 449 + 2 * j, (rbits >> 8).to(tl.uint8), mask=rope_ok)
+    # RoPE: the 64 bf16 values are copied bit for bit to bytes 448.. of the token's data (little-endian)
+    rbits = tl.load(row + 448 + j, mask=rope_ok, other=0)
+    if ROPE16:
+        tl.store(cache16_ptr + (data + 448) // 2 + j, rbits, mask=rope_ok)
+    else:  # odd page stride (a strided view): two byte stores, low byte first
+        r32 = rbits.to(tl.int32) & 0xFFFF
+        tl.store(cache_ptr + data + 448 + 2 * j, (r32 & 0xFF).to(tl.uint8), mask=rope_ok)
+        tl.store(cache_ptr + data + 449 + 2 * j, (r32 >> 8).to(tl.uint8), mask=rope_ok)
 
     # scales: 7 UE8M0 bytes and the zero pad byte
-    tl.store(cache_ptr + scales + k, tl.where(k < 7, byte, 0).to(tl.uint8), mask=splat(tl.load(slot_ptr + t) >= 0, k))
+    tl.store(cache_ptr + scales + k, tl.where(k < 7, byte, 0).to(tl.uint8), mask=splat(ok, k))
+
+
+def _int16_view(cache: torch.Tensor):
+    """The cache's bytes as int16 words, when every page starts at an even address (always for
+    :func:`allocate`; an odd-strided view falls back to byte copies). Returns (view, ok)."""
+    if cache.stride(0) % 2 == 0 and cache.storage_offset() % 2 == 0 and cache.shape[1] % 2 == 0:
+        return cache.view(torch.int16), True
+    return cache, False
+
+
+def _launch_insert(cache, kv, slot_mapping, block_size, num_warps=4):
+    kv16 = kv.view(torch.int16)
+    c16, rope16 = _int16_view(cache)
+    _insert_kernel[(slot_mapping.shape[0],)](cache, c16, kv16, slot_mapping, kv16.stride(0), cache.stride(0),
+                                             block_size, ROPE16=rope16, num_warps=num_warps)
 
 
 @torch.library.custom_op("dsv4ref::kv_insert", mutates_args=("cache",))
 def _kv_insert_op(cache: torch.Tensor, kv: torch.Tensor, slot_mapping: torch.Tensor, block_size: int) -> None:
-    n = slot_mapping.shape[0]
-    if n == 0:
-        return
-    kv16 = kv.view(torch.int16)
-    _insert_kernel[(n,)](cache, kv16, slot_mapping, kv16.stride(0), cache.stride(0), block_size)
+    if slot_mapping.shape[0]:
+        _launch_insert(cache, kv, slot_mapping, block_size)
 
 
 @_kv_insert_op.register_fake
@@ -200,10 +219,12 @@ def _gather_reference(cache, slots, block_size):
 @triton.jit
 def _gather_kernel(
     cache_ptr,  # uint8 pages
+    cache16_ptr,  # int16 view of the same bytes (RoPE read when ROPE16)
     slot_ptr,  # int32/int64 [S]
     out_ptr,  # int16 view of out [S, 512] bf16 (contiguous)
     page_stride,
     block_size,
+    ROPE16: tl.constexpr,
 ):
     p = tl.program_id(0)
     slot = tl.load(slot_ptr + p).to(tl.int64)
@@ -214,7 +235,7 @@ def _gather_kernel(
     k = tl.arange(0, 8)
     ok = slot >= 0
     slot = tl.maximum(slot, 0)  # masked loads below never touch it for slot −1
-    data, scales = page_offsets(slot, block_size, page_stride)
+    data, scales = page_offsets(slot, block_size, page_stride)  # int64 byte offsets
     out_row = out_ptr + p.to(tl.int64) * 512
 
     # NoPE: e4m3 byte -> fp32, × 2^(scale − 127): exact, and exactly representable in bf16
@@ -223,16 +244,26 @@ def _gather_kernel(
     nope = q.to(tl.float8e4nv, bitcast=True).to(tl.float32) * pow2(byte)[:, None]
     tl.store(out_row + dim, bf16_rne_bits(nope).to(tl.int16, bitcast=True), mask=tile < 7)  # slot −1: zeros
 
-    # RoPE: reassemble each bf16 from its two little-endian bytes
-    lo = tl.load(cache_ptr + data + 448 + 2 * j, mask=splat(ok, j), other=0).to(tl.int32)
-    hi = tl.load(cache_ptr + data + 449 + 2 * j, mask=splat(ok, j), other=0).to(tl.int32)
-    tl.store(out_row + 448 + j, (lo | (hi << 8)).to(tl.int16))
+    # RoPE: the stored bf16 bits, unchanged (other=0 gives the zero row for slot −1)
+    if ROPE16:
+        rope = tl.load(cache16_ptr + (data + 448) // 2 + j, mask=splat(ok, j), other=0)
+    else:  # reassemble each bf16 from its two little-endian bytes
+        lo = tl.load(cache_ptr + data + 448 + 2 * j, mask=splat(ok, j), other=0).to(tl.int32)
+        hi = tl.load(cache_ptr + data + 449 + 2 * j, mask=splat(ok, j), other=0).to(tl.int32)
+        rope = (lo | (hi << 8)).to(tl.int16)
+    tl.store(out_row + 448 + j, rope)
+
+
+def _launch_gather(cache, slots, out, block_size, num_warps=4):
+    c16, rope16 = _int16_view(cache)
+    _gather_kernel[(slots.shape[0],)](cache, c16, slots, out.view(torch.int16), cache.stride(0), block_size,
+                                      ROPE16=rope16, num_warps=num_warps)
 
 
 @torch.library.custom_op("dsv4ref::kv_gather", mutates_args=("out",))
 def _kv_gather_op(cache: torch.Tensor, slots: torch.Tensor, out: torch.Tensor, block_size: int) -> None:
     if slots.shape[0]:
-        _gather_kernel[(slots.shape[0],)](cache, slots, out.view(torch.int16), cache.stride(0), block_size)
+        _launch_gather(cache, slots, out, block_size)
 
 
 @_kv_gather_op.register_fake
@@ -308,21 +339,26 @@ def _check_gather() -> list[CheckRow]:
 
 @bench("kv_cache")
 def _bench() -> list[BenchCase]:
-    S, B = 65536, 64
-    n_sets = 4  # 4 × (37 MB cache + 64 MB kv) rotate past a 60 MB L2
-    nb = S // B
-    sets = []
-    for i in range(n_sets):
-        kv = torch.randn(S, HEAD_DIM, device=DEVICE, dtype=torch.bfloat16)
-        slots = torch.randperm(S, device=DEVICE)
-        sets.append((allocate(nb, B), kv, slots, torch.empty_like(kv)))
-    for c, kv, s, _ in sets:
-        insert(c, kv, s, block_size=B)
-    ins_bytes = S * (HEAD_DIM * 2 + 8 + TOKEN_BYTES)  # read kv + slot, write 584 B
-    gat_bytes = S * (TOKEN_BYTES + 8 + HEAD_DIM * 2)  # read 584 B + slot, write bf16 row
-    return [
-        BenchCase("kv_cache.insert", f"S={S} B={B}", lambda i: torch.ops.dsv4ref.kv_insert(sets[i][0], sets[i][1], sets[i][2], B),
-                  n_sets, ins_bytes, note="kv 1024 + slot 8 + cache 584 B/token"),
-        BenchCase("kv_cache.gather", f"S={S} B={B}", lambda i: torch.ops.dsv4ref.kv_gather(sets[i][0], sets[i][2], sets[i][3], B),
-                  n_sets, gat_bytes, note="cache 584 + slot 8 + out 1024 B/row"),
-    ]
+    """64k slots (the issue's size) and 256k slots, pages of 64, a random slot order. Four input sets
+    rotate: 4 × (37 MB cache + 64 MB kv + 64 MB out) per size, well past a 60 MB L2."""
+    cases = []
+    for S in (65536, 262144):
+        B, n_sets, nb = 64, 4, S // 64
+        sets = []
+        for i in range(n_sets):
+            kv = torch.randn(S, HEAD_DIM, device=DEVICE, dtype=torch.bfloat16)
+            slots = torch.randperm(S, device=DEVICE)
+            sets.append((allocate(nb, B), kv, slots, torch.empty_like(kv)))
+        for c, kv, s, _ in sets:
+            insert(c, kv, s, block_size=B)
+        ins_bytes = S * (HEAD_DIM * 2 + 8 + TOKEN_BYTES)  # read kv + slot, write 584 B
+        gat_bytes = S * (TOKEN_BYTES + 8 + HEAD_DIM * 2)  # read 584 B + slot, write bf16 row
+        cases += [
+            BenchCase("kv_cache.insert", f"S={S} B={B}",
+                      lambda i, st=sets: torch.ops.dsv4ref.kv_insert(st[i][0], st[i][1], st[i][2], 64),
+                      n_sets, ins_bytes, note="kv 1024 + slot 8 + cache 584 B/token"),
+            BenchCase("kv_cache.gather", f"S={S} B={B}",
+                      lambda i, st=sets: torch.ops.dsv4ref.kv_gather(st[i][0], st[i][2], st[i][3], 64),
+                      n_sets, gat_bytes, note="cache 584 + slot 8 + out 1024 B/row"),
+        ]
+    return cases

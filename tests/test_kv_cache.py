@@ -171,6 +171,24 @@ def test_insert_into_strided_cache_view():
     assert_close(kc.gather(view, slots, block_size=B), kc.gather(view, slots, block_size=B, backend="reference"), "exact")
 
 
+def test_odd_page_stride_view():
+    """Pages that start at odd byte addresses (stride 1729, storage offset 1): the kernels cannot copy
+    the RoPE words as int16 there and must fall back to byte copies, with the same bytes."""
+    B, n = 2, 5
+    buf = torch.randint(0, 256, (1 + n * 1729,), generator=generator(14), dtype=torch.uint8).to(DEVICE)
+    view = buf.as_strided((n, kc.page_bytes(B)), (1729, 1), 1)
+    before, buf0 = view.clone(), buf.clone()
+    kv = kv_rows(6, seed=15)
+    slots = torch.tensor([9, 2, -1, 0, 5, 6], device=DEVICE)
+    kc.insert(view, kv, slots, block_size=B)
+    want, _ = expected_cache(before, kv, slots, B)
+    assert_close(view, want.to(DEVICE), "exact")
+    gaps = torch.ones_like(buf, dtype=torch.bool)
+    gaps[1:].view(n, 1729)[:, :1728] = False
+    assert int(gaps.sum()) == 1 + n and torch.equal(buf[gaps], buf0[gaps])  # the bytes between pages
+    assert_close(kc.gather(view, slots, block_size=B), kc.gather(view, slots, block_size=B, backend="reference"), "exact")
+
+
 # ----------------------------------------------------------------------------------------------------
 # gather (reader) and the round trip
 # ----------------------------------------------------------------------------------------------------

@@ -1,0 +1,132 @@
+"""GPU-only companion of ``python -m dsv4ref bench kv_cache``: separates kernel time from host launch time.
+
+The harness times ONE call between two device events after a synchronize, so the host's launch cost
+(Python, the torch.library dispatcher, Triton's launcher) is inside the measurement whenever it is longer
+than the GPU's idle gap. For a ~30 µs kernel that matters. This script times the same kernels three ways:
+
+* ``event``: one call per timed region, like the harness (what a caller sees for an isolated call);
+* ``b2b``:   50 calls back to back between two events (host launches overlap GPU work);
+* ``graph``: the calls captured once in a CUDA graph and replayed (kernel time only, no host cost);
+
+over num_warps ∈ {1, 2, 4, 8}, for S = 64k and 256k slots, rotating 4 input sets (> 60 MB L2).
+
+    PYTHONPATH=. python3 benchmarks/kv_cache_sweep.py
+"""
+
+from __future__ import annotations
+
+import statistics
+
+import torch
+
+import dsv4ref
+from dsv4ref import kv_cache as kc
+from dsv4ref.device import DEVICE, Timer, describe, synchronize
+from dsv4ref.harness import measure_ceilings
+
+
+def make_sets(S: int, B: int = 64, n_sets: int = 4):
+    sets = []
+    for i in range(n_sets):
+        g = torch.Generator(device=DEVICE).manual_seed(i)
+        kv = torch.randn(S, 512, device=DEVICE, dtype=torch.bfloat16, generator=g)
+        slots = torch.randperm(S, device=DEVICE, generator=g)
+        cache = kc.allocate(S // B, B)
+        kc.insert(cache, kv, slots, block_size=B)
+        sets.append((cache, kv, slots, torch.empty_like(kv)))
+    return sets
+
+
+def t_event(fn, n_sets, reps=30):
+    for i in range(5):
+        fn(i % n_sets)
+    synchronize()
+    ts = []
+    for i in range(reps):
+        with Timer() as t:
+            fn(i % n_sets)
+        ts.append(t.ms)
+    return statistics.median(ts)
+
+
+def t_b2b(fn, n_sets, calls=50, reps=5):
+    for i in range(5):
+        fn(i % n_sets)
+    synchronize()
+    ts = []
+    for _ in range(reps):
+        with Timer() as t:
+            for i in range(calls):
+                fn(i % n_sets)
+        ts.append(t.ms / calls)
+    return statistics.median(ts)
+
+
+def t_graph(fn, n_sets, reps=10):
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for i in range(n_sets):  # warm up (compile) outside the capture
+            fn(i)
+    torch.cuda.current_stream().wait_stream(s)
+    synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(n_sets):
+            fn(i)
+    graph.replay()
+    synchronize()
+    ts = []
+    for _ in range(reps):
+        with Timer() as t:
+            graph.replay()
+        ts.append(t.ms / n_sets)
+    return statistics.median(ts)
+
+
+def main():
+    print(describe())
+    ceil = measure_ceilings()
+    bw = ceil.copy_bytes_per_s
+    print(f"copy bandwidth (read + write) measured now: {bw / 1e12:.3f} TB/s")
+    B = 64
+    print(f"{'op':<8} {'S':>7} {'warps':>5} {'via':<7} {'time us':>9} {'GB/s':>7} {'of copy':>8}")
+    for S in (65536, 262144):
+        sets = make_sets(S, B)
+        n = len(sets)
+        per_tok = {"insert": 1024 + 8 + kc.TOKEN_BYTES, "gather": kc.TOKEN_BYTES + 8 + 1024}
+        for op in ("insert", "gather"):
+            for w in (1, 2, 4, 8):
+                if op == "insert":
+                    def fn(i, w=w):
+                        c, kv, sl, _ = sets[i]
+                        kc._launch_insert(c, kv, sl, B, num_warps=w)
+                else:
+                    def fn(i, w=w):
+                        c, _, sl, out = sets[i]
+                        kc._launch_gather(c, sl, out, B, num_warps=w)
+                for via, timer in (("event", t_event), ("b2b", t_b2b), ("graph", t_graph)):
+                    ms = timer(fn, n)
+                    byts = S * per_tok[op]
+                    print(f"{op:<8} {S:>7} {w:>5} {via:<7} {ms * 1e3:>9.1f} {byts / (ms * 1e-3) / 1e9:>7.0f} "
+                          f"{byts / (ms * 1e-3) / bw:>8.1%}")
+        # the custom-op path the harness times (dispatcher + launcher), for comparison
+        for op, fn in (("insert*", lambda i: torch.ops.dsv4ref.kv_insert(sets[i][0], sets[i][1], sets[i][2], B)),
+                       ("gather*", lambda i: torch.ops.dsv4ref.kv_gather(sets[i][0], sets[i][2], sets[i][3], B))):
+            for via, timer in (("event", t_event), ("b2b", t_b2b)):
+                ms = timer(fn, n)
+                byts = S * (1024 + 8 + kc.TOKEN_BYTES)
+                print(f"{op:<8} {S:>7} {4:>5} {via:<7} {ms * 1e3:>9.1f} {byts / (ms * 1e-3) / 1e9:>7.0f} "
+                      f"{byts / (ms * 1e-3) / bw:>8.1%}")
+        # correctness of what was timed
+        c, kv, sl, out = sets[0]
+        kc._launch_gather(c, sl, out, B)
+        ref = kc.gather(c, sl, block_size=B, backend="reference")
+        print(f"S={S}: gather == reference: {torch.equal(out.view(torch.int16), ref.view(torch.int16))}")
+        del sets
+        torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    assert dsv4ref.DEVICE.type == "cuda", "GPU only"
+    main()
