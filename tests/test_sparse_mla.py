@@ -1,0 +1,315 @@
+"""Sparse MLA decode (sparse_mla.md): every backend against a float64 attention over the dequantised KV.
+
+Catches pitfalls.md #12 (read before mask: poisoned slots), #13 (prefix cut-off with a non-empty second
+pool), #15 (V of 448 dims), #17 (dropped sink), #18 (−inf sentinel NaN), #19 (head padding / padded sink),
+#20 (split-merge applies the sink once, lse units).
+"""
+
+import math
+
+import pytest
+import torch
+
+from dsv4ref import kv_cache, sparse_mla
+from dsv4ref.device import DEVICE, interpreting
+from dsv4ref.testing import assert_close, compare, generator, poison, randn
+
+BACKENDS = ("reference", "two_pass", "triton")
+KERNELS = ("two_pass", "triton")
+
+
+# ---------------------------------------------------------------------------------------------------
+# data and the float64 oracle
+# ---------------------------------------------------------------------------------------------------
+
+POISON_SLOT = 0  # page 0, offset 0: e4m3 bytes 0x7F (NaN), RoPE bf16 0x7FC0 (NaN), scale bytes 0xFF (2^128 = inf)
+
+# numpy's "invalid value" warnings are what a −inf − (−inf) in an interpreted kernel prints (tooling.md I12)
+pytestmark = pytest.mark.filterwarnings("error")
+
+
+def make_cache(block_size, num_pages, seed, nope_zero=False):
+    """A cache whose every slot holds a random row with per-64-block magnitudes over 2^-3..2^3 (so the
+    7 scale bytes of a row differ), except POISON_SLOT, which holds NaN/inf bytes."""
+    n = block_size * num_pages
+    kv = randn((n, 512), seed=seed, octaves=6)
+    if nope_zero:
+        kv[:, :448] = 0
+    cache = kv_cache.allocate(num_pages, block_size)
+    kv_cache.insert(cache, kv, torch.arange(n, device=DEVICE), block_size=block_size, backend="reference")
+    cache[0, :448] = 0x7F  # e4m3 NaN (the interpreter may decode it as 480: the next two poisons still bite)
+    cache[0, 448:576:2] = 0xC0  # bf16 0x7FC0, little-endian: NaN
+    cache[0, 449:576:2] = 0x7F
+    cache[0, block_size * 576:block_size * 576 + 8] = 0xFF
+    return cache
+
+
+def make_indices(T, K, block_size, num_pages, seed, lengths, *, minus_one=True, dup=True):
+    """[T, K] int32: random slots (never the poisoned one) inside the prefix, some −1 and a duplicate
+    inside the prefix; every entry past lengths[t] points at the poisoned slot."""
+    g = generator(seed)
+    n = block_size * num_pages
+    idx = torch.randint(1, n, (T, K), generator=g, dtype=torch.int32)
+    for t in range(T):
+        L = int(lengths[t])
+        if minus_one and L >= 3:
+            idx[t, 1] = -1
+        if dup and L >= 4:
+            idx[t, 3] = idx[t, 2]
+        idx[t, L:] = POISON_SLOT
+    return idx.to(DEVICE)
+
+
+def oracle(q, pools, sink, scale):
+    """float64, one token at a time: the definition in sparse_mla.md §1, written out."""
+    T, H, _ = q.shape
+    out = torch.zeros(T, H, 512, dtype=torch.float64)
+    lse = torch.full((T, H), -math.inf, dtype=torch.float64)
+    q64 = q.cpu().double()
+    for t in range(T):
+        rows = []
+        for cache, idx, lens, bs in pools:
+            L = idx.shape[1] if lens is None else int(lens[t])
+            slots = [int(s) for s in idx[t, :L].tolist() if s >= 0]  # duplicates stay: no de-duplication
+            if slots:
+                rows.append(kv_cache.gather(cache, torch.tensor(slots, dtype=torch.int32, device=cache.device),
+                                            block_size=bs, backend="reference").cpu().double())
+        if not rows:
+            continue  # empty row: out 0, lse −inf
+        k = torch.cat(rows)  # [n, 512]; K = V
+        s = scale * q64[t] @ k.T  # [H, n]
+        lse[t] = torch.logsumexp(s, dim=1)
+        o = torch.softmax(s, dim=1) @ k
+        if sink is not None:
+            o = o * torch.sigmoid(lse[t] - sink.cpu().double())[:, None]
+        out[t] = o
+    return out, lse
+
+
+def check(out, lse, ref_out, ref_lse, name=""):
+    assert out.dtype == torch.bfloat16 and lse.dtype == torch.float32
+    assert not torch.isnan(out).any(), f"{name}: NaN in out"
+    assert_close(out, ref_out, "bf16_out", f"{name} out")
+    assert_close(lse, ref_lse, "lse", f"{name} lse")
+
+
+def make_q(T, H, seed):
+    return (randn((T, H, 512), seed=seed, octaves=4).float() * 0.25).to(torch.bfloat16)
+
+
+def setup(T=3, H=16, K1=40, K2=0, bs1=16, bs2=2, pages1=4, pages2=24, seed=0, lengths1=None, lengths2=None,
+          nope_zero=False):
+    c1 = make_cache(bs1, pages1, seed + 1, nope_zero)
+    l1 = torch.tensor(lengths1 if lengths1 is not None else [K1 - 3 * t for t in range(T)], dtype=torch.int32).to(DEVICE)
+    i1 = make_indices(T, K1, bs1, pages1, seed + 2, l1)
+    pools = [(c1, i1, l1, bs1)]
+    if K2:
+        c2 = make_cache(bs2, pages2, seed + 3, nope_zero)
+        l2 = torch.tensor(lengths2 if lengths2 is not None else [K2 - 2 * t for t in range(T)], dtype=torch.int32).to(DEVICE)
+        pools.append((c2, make_indices(T, K2, bs2, pages2, seed + 4, l2), l2, bs2))
+    return make_q(T, H, seed), pools
+
+
+def run(q, pools, backend, sink=None, scale=sparse_mla.DEFAULT_SCALE):
+    (c1, i1, l1, b1), *rest = pools
+    kw = {}
+    if rest:
+        c2, i2, l2, b2 = rest[0]
+        kw = dict(extra_cache=c2, extra_indices=i2, extra_lengths=l2, extra_block_size=b2)
+    return sparse_mla.decode(q, c1, i1, l1, block_size=b1, sink=sink, scale=scale, backend=backend, **kw)
+
+
+# ---------------------------------------------------------------------------------------------------
+# correctness
+# ---------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_two_pools_with_sink_vs_float64(backend):
+    """Both pools (page sizes 16 and 2), a short main-pool prefix with a non-empty second pool (#13),
+    −1 and duplicates inside the prefix, poisoned slots past the lengths (#12), K = 40 and 10: not
+    multiples of the kernel's block, a finite sink (#17)."""
+    q, pools = setup(T=3, H=16, K1=40, K2=10, lengths1=[40, 5, 17], lengths2=[10, 9, 0])
+    pools[0][1][2, :16] = -1  # row 2: a first chunk (BLOCK_N = 16 here) with no valid entry (#18)
+    sink = torch.linspace(-2.0, 6.0, 16).to(DEVICE)
+    out, lse = run(q, pools, backend, sink)
+    ref_out, ref_lse = oracle(q, pools, sink, sparse_mla.DEFAULT_SCALE)
+    check(out, lse, ref_out, ref_lse, backend)
+    # the data are not degenerate: the softmax spreads over several candidates in most rows
+    assert float(ref_out.abs().max()) > 0.1
+
+
+@pytest.mark.parametrize("H", [64, 128])
+@pytest.mark.parametrize("backend", KERNELS + (("reference",) if True else ()))
+def test_heads_64_128(backend, H):
+    """H = 64 (one block of 64 heads) and 128 (two blocks); a non-default softmax scale."""
+    q, pools = setup(T=2, H=H, K1=24, K2=0, lengths1=[24, 19], seed=H)
+    sink = randn((H,), seed=5, dtype=torch.float32, octaves=0) * 2
+    scale = 512 ** -0.55
+    out, lse = run(q, pools, backend, sink, scale)
+    check(out, lse, *oracle(q, pools, sink, scale), f"{backend} H={H}")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_empty_rows_and_infinite_sinks(backend):
+    """Row 0: length 0; row 1: every entry in the prefix is −1; row 2: normal. Empty rows give out 0
+    and lse −inf with any sink, never NaN (#18). sink −inf == no sink; sink +inf gives out = 0 with the
+    same lse."""
+    q, pools = setup(T=3, H=16, K1=20, lengths1=[0, 6, 20])
+    pools[0][1][1, :6] = -1
+    base_out, base_lse = run(q, pools, backend)
+    check(base_out, base_lse, *oracle(q, pools, None, sparse_mla.DEFAULT_SCALE), f"{backend} no sink")
+    assert torch.equal(base_out[:2].cpu(), torch.zeros(2, 16, 512, dtype=torch.bfloat16))
+    assert bool((base_lse[:2] == -math.inf).all()) and bool(torch.isfinite(base_lse[2]).all())
+    minf = torch.full((16,), -math.inf, device=DEVICE)
+    o, l = run(q, pools, backend, minf)
+    assert torch.equal(o.cpu().view(torch.int16), base_out.cpu().view(torch.int16)) and torch.equal(l.cpu(), base_lse.cpu())
+    o, l = run(q, pools, backend, -minf)
+    assert torch.equal(o.cpu(), torch.zeros_like(o.cpu())), "sink = +inf must zero the output"
+    assert torch.equal(l.cpu(), base_lse.cpu()), "lse excludes the sink"
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_sink_equal_to_lse_halves_the_output(backend):
+    """sink_h = lse: e^lse / (e^lse + e^sink) = 1/2 exactly (#17: a dropped sink leaves the output whole)."""
+    q, pools = setup(T=1, H=16, K1=24, lengths1=[21])
+    out, lse = run(q, pools, backend)
+    half, lse2 = run(q, pools, backend, lse[0].clone())
+    assert torch.equal(lse2.cpu(), lse.cpu())
+    assert_close(half, (out.double() * 0.5), "bf16_out", "sink = lse")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_value_width_is_512(backend):
+    """NoPE zeroed in every cached row: the output must still carry dims 448..511 (#15, d_v = 448 bug)."""
+    q, pools = setup(T=2, H=16, K1=16, lengths1=[16, 9], nope_zero=True)
+    out, lse = run(q, pools, backend)
+    check(out, lse, *oracle(q, pools, None, sparse_mla.DEFAULT_SCALE), backend)
+    assert bool((out[..., :448] == 0).all())
+    assert int((out[..., 448:] != 0).sum()) > 0.9 * out[..., 448:].numel()
+
+
+def test_split_merge_equals_single_pass():
+    """Flash-decoding: the candidate list split over 1, 2 and 4 programs and merged; the sink is applied
+    once, after the merge (#20)."""
+    q, pools = setup(T=2, H=16, K1=40, K2=8, lengths1=[40, 3], lengths2=[8, 8])
+    sink = torch.linspace(-1.0, 3.0, 16).to(DEVICE)
+    ref = oracle(q, pools, sink, sparse_mla.DEFAULT_SCALE)
+    outs = []
+    for splits in (1, 2, 4):
+        cfg = sparse_mla._config(2, 16, 48, DEVICE, num_splits=splits)
+        out, lse = sparse_mla._fused(q, pools, sink, sparse_mla.DEFAULT_SCALE, cfg)
+        check(out, lse, *ref, f"splits={splits}")
+        outs.append((out, lse))
+    assert_close(outs[2][0], outs[0][0].double(), "bf16_out", "split 4 vs 1")
+    assert_close(outs[2][1], outs[0][1].double(), "lse", "split 4 vs 1 lse")
+
+
+@pytest.mark.parametrize("backend", KERNELS)
+def test_padded_head_block_matches_unpadded(backend):
+    """H = 16 run with a block of 64 heads (48 padded, masked rows, padded sink −inf) gives the same
+    real-head results as the exact block of 16 (#19); nothing is written past H."""
+    q, pools = setup(T=2, H=16, K1=16, lengths1=[16, 11])
+    sink = torch.linspace(-1.0, 3.0, 16).to(DEVICE)
+    f = sparse_mla._fused if backend == "triton" else sparse_mla._two_pass
+    a = f(q, pools, sink, sparse_mla.DEFAULT_SCALE, sparse_mla._config(2, 16, 16, DEVICE, block_h=16))
+    b = f(q, pools, sink, sparse_mla.DEFAULT_SCALE, sparse_mla._config(2, 16, 16, DEVICE, block_h=64))
+    assert_close(b[0], a[0].double(), "bf16_out", "padded")
+    assert_close(b[1], a[1].double(), "lse", "padded lse")
+    assert b[0].shape == (2, 16, 512) and not torch.isnan(b[0]).any()
+
+
+def test_outputs_fully_written():
+    """The kernel writes every element: run the launcher on poisoned output buffers."""
+    q, pools = setup(T=2, H=16, K1=16, lengths1=[16, 0])
+    cfg = sparse_mla._config(2, 16, 16, DEVICE)
+    real_empty = torch.empty
+    try:  # the launcher allocates out/lse with torch.empty: make those allocations NaN-filled
+        torch.empty = lambda *s, **kw: poison(s[0] if len(s) == 1 and isinstance(s[0], tuple) else s,
+                                              kw.get("dtype", torch.float32), kw.get("device"))
+        out, lse = sparse_mla._launch(q, [(c, i, l, b, c.stride(0)) for c, i, l, b in pools], None,
+                                      sparse_mla.DEFAULT_SCALE, False, cfg)
+    finally:
+        torch.empty = real_empty
+    assert not torch.isnan(out).any() and not torch.isnan(lse).any()
+
+
+def test_two_pass_reuses_its_workspace():
+    q, pools = setup(T=2, H=16, K1=16, lengths1=[16, 5])
+    run(q, pools, "two_pass")
+    ptr = sparse_mla._WORKSPACE[str(DEVICE)].data_ptr()
+    run(q, pools, "two_pass")
+    assert sparse_mla._WORKSPACE[str(DEVICE)].data_ptr() == ptr
+
+
+def test_custom_op_fake_impl():
+    q, pools = setup(T=2, H=16, K1=16, lengths1=[16, 5])
+    (c, i, l, b), = pools
+    torch.library.opcheck(torch.ops.dsv4ref.sparse_mla_decode,
+                          (q, c, i, l, None, None, None, None, b, 1, 0.04, 16, 16, 1, 4, 1),
+                          test_utils=("test_schema", "test_faketensor"))
+
+
+# ---------------------------------------------------------------------------------------------------
+# bad input
+# ---------------------------------------------------------------------------------------------------
+
+
+def test_bad_input_raises_naming_the_argument():
+    q, pools = setup(T=2, H=16, K1=8, K2=4, lengths1=[8, 8], lengths2=[4, 4])
+    (c1, i1, l1, b1), (c2, i2, l2, b2) = pools
+    n1 = c1.shape[0] * b1
+    bad = i1.clone()
+    bad[1, 7] = n1  # one past the last slot
+    with pytest.raises(ValueError, match=r"indices: entry \(1, 7\) = 64 is out of range"):
+        sparse_mla.decode(q, c1, bad, l1, block_size=b1)
+    bad = i1.clone()
+    bad[0, 0] = -2
+    with pytest.raises(ValueError, match="indices: entry"):
+        sparse_mla.decode(q, c1, bad, l1, block_size=b1)
+    bad2 = i2.clone()
+    bad2[0, 0] = c2.shape[0] * b2
+    with pytest.raises(ValueError, match="extra_indices: entry"):
+        sparse_mla.decode(q, c1, i1, l1, block_size=b1, extra_cache=c2, extra_indices=bad2, extra_lengths=l2,
+                          extra_block_size=b2)
+    with pytest.raises(ValueError, match="indices: expected 2 rows"):
+        sparse_mla.decode(q, c1, i1[:1], l1, block_size=b1)
+    with pytest.raises(ValueError, match="lengths: expected shape"):
+        sparse_mla.decode(q, c1, i1, l1[:1], block_size=b1)
+    with pytest.raises(ValueError, match="lengths: entry 1 = 9 is out of range"):
+        sparse_mla.decode(q, c1, i1, torch.tensor([8, 9], dtype=torch.int32, device=DEVICE), block_size=b1)
+    with pytest.raises(TypeError, match="indices: expected dtype torch.int32"):
+        sparse_mla.decode(q, c1, i1.long(), l1, block_size=b1)
+    with pytest.raises(ValueError, match="q: expected the latent head dim 512"):
+        sparse_mla.decode(q[..., :448], c1, i1, l1, block_size=b1)
+    with pytest.raises(TypeError, match="q: expected dtype torch.bfloat16"):
+        sparse_mla.decode(q.float(), c1, i1, l1, block_size=b1)
+    with pytest.raises(ValueError, match="sink: expected shape"):
+        sparse_mla.decode(q, c1, i1, l1, block_size=b1, sink=torch.zeros(64, device=DEVICE))
+    with pytest.raises(ValueError, match="extra_block_size: the extra pool needs"):
+        sparse_mla.decode(q, c1, i1, l1, block_size=b1, extra_cache=c2, extra_indices=i2)
+    with pytest.raises(ValueError, match="extra_cache: pages of"):
+        sparse_mla.decode(q, c1, i1, l1, block_size=b1, extra_cache=c2, extra_indices=i2, extra_block_size=64)
+    with pytest.raises(ValueError, match="backend: expected one of"):
+        sparse_mla.decode(q, c1, i1, l1, block_size=b1, backend="flashmla")
+
+
+# ---------------------------------------------------------------------------------------------------
+# GPU-only: real shapes
+# ---------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.skipif(interpreting(), reason="real V4 shapes: GPU only (the interpreter runs ~1 ms per program)")
+@pytest.mark.parametrize("H,K1,K2", [(64, 128, 512), (128, 128, 1024), (16, 128, 1920)])
+def test_real_shapes_gpu(H, K1, K2):
+    T = 8
+    q, pools = setup(T=T, H=H, K1=K1, K2=K2, bs1=64, bs2=64, pages1=40, pages2=200, seed=H,
+                     lengths1=[K1 - 7 * t for t in range(T)], lengths2=[K2 - 13 * t for t in range(T)])
+    pools[1][1][1, :64] = -1  # a fully masked first chunk of BLOCK_N = 64 (#18)
+    sink = torch.linspace(-1.0, 3.0, H).to(DEVICE)
+    ref = oracle(q, pools, sink, sparse_mla.DEFAULT_SCALE)
+    for backend in KERNELS:
+        check(*run(q, pools, backend, sink), *ref, f"{backend} H={H}")
+    for splits in (2, 8):
+        cfg = sparse_mla._config(T, H, K1 + K2, DEVICE, num_splits=splits)
+        check(*sparse_mla._fused(q, pools, sink, sparse_mla.DEFAULT_SCALE, cfg), *ref, f"splits={splits}")
