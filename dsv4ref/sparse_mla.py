@@ -97,7 +97,7 @@ def _reference(q, pools, sink, scale):
 
 
 @triton.jit
-def _load_rows_fp8(cache_ptr, slot, ok, block_size, page_stride, BLOCK_N: tl.constexpr):
+def _load_rows_fp8(cache_ptr, slot, ok, block_size, page_stride, BLOCK_N: tl.constexpr, ROPE16: tl.constexpr):
     """Dequantised latent rows [BLOCK_N, 512] fp32 straight from the pages (formats.md §5).
 
     The row is 8 tiles of 64: tiles 0..6 are e4m3 bytes × 2^(scale byte − 127) (exact), tile 7 is the
@@ -115,9 +115,14 @@ def _load_rows_fp8(cache_ptr, slot, ok, block_size, page_stride, BLOCK_N: tl.con
     sb = tl.load(cache_ptr + scales[:, None] + b[None, :], mask=ok2, other=127).to(tl.int32)
     x = x * pow2(sb)[:, :, None]
     okr = ok[:, None] & (c[None, :] >= 0)
-    lo = tl.load(cache_ptr + data[:, None] + 448 + 2 * c[None, :], mask=okr, other=0).to(tl.int32)
-    hi = tl.load(cache_ptr + data[:, None] + 449 + 2 * c[None, :], mask=okr, other=0).to(tl.int32)
-    rope = ((lo | (hi << 8)) << 16).to(tl.float32, bitcast=True)  # bf16 bits -> fp32, exactly
+    if ROPE16:  # pages start at even byte addresses: read the 64 bf16 as int16 words (little-endian)
+        w = tl.load(cache_ptr.to(tl.pointer_type(tl.int16)) + ((data + 448) // 2)[:, None] + c[None, :],
+                    mask=okr, other=0).to(tl.int32) & 0xFFFF
+    else:  # any alignment: two bytes each
+        lo = tl.load(cache_ptr + data[:, None] + 448 + 2 * c[None, :], mask=okr, other=0).to(tl.int32)
+        hi = tl.load(cache_ptr + data[:, None] + 449 + 2 * c[None, :], mask=okr, other=0).to(tl.int32)
+        w = lo | (hi << 8)
+    rope = (w << 16).to(tl.float32, bitcast=True)  # bf16 bits -> fp32, exactly
     x = tl.where(b3 == 7, rope[:, None, :], x)
     return tl.reshape(x, (BLOCK_N, 512))
 
@@ -132,7 +137,8 @@ def _load_rows_bf16(ws_ptr, row, ok):
 
 @triton.jit
 def _attend_pool(q, m, l, acc, kv_ptr, idx_ptr, row_base, start, stop, block_size, page_stride, qk_scale,
-                 KV_BF16: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, DOT_FP32: tl.constexpr):
+                 KV_BF16: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, DOT_FP32: tl.constexpr,
+                 ROPE16: tl.constexpr):
     """Online softmax over candidates [start, stop) of one pool; returns the updated (m, l, acc).
 
     m: running max of the log2-domain logits [BLOCK_H]; l: running Σ 2^(s − m); acc: running Σ 2^(s − m)·k.
@@ -146,7 +152,7 @@ def _attend_pool(q, m, l, acc, kv_ptr, idx_ptr, row_base, start, stop, block_siz
         if KV_BF16:
             k = _load_rows_bf16(kv_ptr, row_base + jj, ok)
         else:
-            k = _load_rows_fp8(kv_ptr, tl.maximum(idx, 0), ok, block_size, page_stride, BLOCK_N)
+            k = _load_rows_fp8(kv_ptr, tl.maximum(idx, 0), ok, block_size, page_stride, BLOCK_N, ROPE16)
         if DOT_FP32:
             kd = k
         else:
@@ -201,6 +207,7 @@ def _decode_kernel(
     KV_BF16: tl.constexpr,  # True: kv*_ptr are bf16 workspaces, row = t·K + j (two-pass); False: FP8 pages
     SPLITS: tl.constexpr,  # candidate-list splits (flash-decoding); > 1 writes partials for _merge_kernel
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, DOT_FP32: tl.constexpr,
+    ROPE16: tl.constexpr,  # every page starts at an even address: RoPE read as int16 words
 ):
     tl.static_assert(BLOCK_N >= 16)  # the dots' K (for P·V) and N dims
     tl.static_assert(BLOCK_H >= 16)
@@ -224,7 +231,7 @@ def _decode_kernel(
     start1 = sp * chunk1
     stop1 = tl.minimum(start1 + chunk1, n1)
     m, l, acc = _attend_pool(q, m, l, acc, kv1_ptr, idx1_ptr + t64 * idx1_stride, t64 * K1, start1, stop1,
-                             bs1, ps1, qk_scale, KV_BF16, BLOCK_H, BLOCK_N, DOT_FP32)
+                             bs1, ps1, qk_scale, KV_BF16, BLOCK_H, BLOCK_N, DOT_FP32, ROPE16)
     if HAS_POOL2:
         n2 = K2
         if HAS_LEN2:
@@ -232,7 +239,7 @@ def _decode_kernel(
         start2 = sp * chunk2
         stop2 = tl.minimum(start2 + chunk2, n2)
         m, l, acc = _attend_pool(q, m, l, acc, kv2_ptr, idx2_ptr + t64 * idx2_stride, t64 * K2, start2, stop2,
-                                 bs2, ps2, qk_scale, KV_BF16, BLOCK_H, BLOCK_N, DOT_FP32)
+                                 bs2, ps2, qk_scale, KV_BF16, BLOCK_H, BLOCK_N, DOT_FP32, ROPE16)
 
     if SPLITS == 1:
         if HAS_SINK:
@@ -328,6 +335,10 @@ def _config(T: int, H: int, K_total: int, device: torch.device, *, block_h=None,
     return dict(block_h=block_h, block_n=block_n, num_splits=num_splits, num_warps=num_warps, num_stages=num_stages)
 
 
+def _even_pages(cache: torch.Tensor) -> bool:
+    return cache.data_ptr() % 2 == 0 and cache.stride(0) % 2 == 0
+
+
 def _launch(q, pools, sink, scale, kv_bf16: bool, cfg: dict):
     """Run the attention kernel (and the merge when split). pools: up to two tuples
     (kv, indices [T, K], lengths [T] | None, block_size, page_stride)."""
@@ -353,12 +364,13 @@ def _launch(q, pools, sink, scale, kv_bf16: bool, cfg: dict):
     else:
         part_o = part_ml = lse  # unused
     out16 = out.view(torch.int16)
+    rope16 = kv_bf16 or all(_even_pages(p[0]) for p in pools)
     grid = (T, triton.cdiv(H, BH), S)
     _decode_kernel[grid](
         q, q.stride(0), q.stride(1), sink if sink is not None else lse, out16, lse, part_o, part_ml,
         *a1, *a2, H, float(scale) * LOG2E,
         HAS_LEN1=has_len1, HAS_POOL2=has_pool2, HAS_LEN2=has_len2, HAS_SINK=sink is not None, KV_BF16=kv_bf16,
-        SPLITS=S, BLOCK_H=BH, BLOCK_N=BN, DOT_FP32=interpreting(),
+        SPLITS=S, BLOCK_H=BH, BLOCK_N=BN, DOT_FP32=interpreting(), ROPE16=cfg.get("rope16", True) and rope16,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     if S > 1:
@@ -540,3 +552,105 @@ def decode(q: torch.Tensor, cache: torch.Tensor, indices: torch.Tensor, lengths:
     if backend == "two_pass":
         return _two_pass(q, pools, sink, scale, cfg)
     return _fused(q, pools, sink, scale, cfg)
+
+
+# ----------------------------------------------------------------------------------------------------
+# python -m dsv4ref check / bench
+# ----------------------------------------------------------------------------------------------------
+
+
+def _example(T, H, K1, K2, bs1, bs2, pages1, pages2, seed, device=None):
+    """Random caches (per-block magnitudes over 2^-3..2^3), random slots with −1 holes and duplicates,
+    partial lengths, a finite sink. Built with seeded CPU generators, then moved to ``device``."""
+    device = device or DEVICE
+    g = torch.Generator().manual_seed(seed)
+    pools = []
+    for i, (K, bs, pages) in enumerate(((K1, bs1, pages1), (K2, bs2, pages2))):
+        if K == 0:
+            continue
+        n = bs * pages
+        cache = kv_cache.allocate(pages, bs, device=device)
+        kv_cache.insert(cache, randn((n, HEAD_DIM), seed=seed + 10 * i, octaves=6, device=device),
+                        torch.arange(n, device=device), block_size=bs)
+        idx = torch.randint(0, n, (T, K), generator=g, dtype=torch.int32)
+        idx[torch.rand(T, K, generator=g) < 0.1] = -1
+        lens = torch.randint(0, K + 1, (T,), generator=g, dtype=torch.int32)
+        lens[0] = K
+        pools.append((cache, idx.to(device), lens.to(device), bs))
+    q = (randn((T, H, HEAD_DIM), seed=seed + 99, octaves=4, device=device).float() * 0.25).to(torch.bfloat16)
+    sink = (torch.randn(H, generator=g) * 2).to(device)
+    return q, pools, sink
+
+
+@check("sparse_mla.decode")
+def _check_decode() -> list[CheckRow]:
+    rows = []
+    shapes = [(3, 16, 40, 10, 16, 2, 4, 24), (2, 64, 24, 0, 16, 2, 3, 0)]
+    if not interpreting():
+        shapes += [(16, 64, 128, 512, 64, 64, 40, 160), (8, 128, 128, 1024, 64, 2, 40, 4096)]
+    for T, H, K1, K2, b1, b2, p1, p2 in shapes:
+        q, pools, sink = _example(T, H, K1, K2, b1, b2, p1, p2, seed=T + H)
+        ref_out, ref_lse = _reference(q, pools, sink, DEFAULT_SCALE)
+        cfg = _config(T, H, K1 + K2, q.device)
+        for name, fn in (("two_pass", _two_pass), ("triton", _fused)):
+            out, lse = fn(q, pools, sink, DEFAULT_SCALE, cfg)
+            shape = f"{name} T={T} H={H} K={K1}+{K2}"
+            rows.append(CheckRow("sparse_mla.decode", shape + " out", compare(out, ref_out, "bf16_out")))
+            rows.append(CheckRow("sparse_mla.decode", shape + " lse", compare(lse, ref_lse, "lse")))
+    return rows
+
+
+# The issue's shapes: T = 64 decode tokens; the window pool (128 slots, pages of 64) plus the compressed
+# pool (the rest, pages of 64), all entries valid.
+BENCH_SHAPES = ((64, 64, 640), (64, 128, 1152), (64, 16, 2048))
+_L2_BYTES = 60e6
+
+
+def _bench_inputs(T, H, K, n_sets, device):
+    """n_sets independent input sets; every (token, candidate) reads a distinct row of a cache that holds
+    exactly T·K rows, so nothing is served twice from L2 within a call, and the sets rotate past it."""
+    K1 = 128
+    K2 = K - K1
+    sets = []
+    for s in range(n_sets):
+        pools = []
+        for i, Kp in enumerate((K1, K2)):
+            n = T * Kp
+            pages = n // 64
+            cache = kv_cache.allocate(pages, 64, device=device)
+            kv_cache.insert(cache, torch.randn(n, HEAD_DIM, device=device, dtype=torch.bfloat16),
+                            torch.arange(n, device=device), block_size=64)
+            g = torch.Generator().manual_seed(1000 * s + i)
+            idx = torch.randperm(n, generator=g).to(torch.int32).view(T, Kp).to(device)
+            pools.append((cache, idx, torch.full((T,), Kp, dtype=torch.int32, device=device), 64))
+        q = torch.randn(T, H, HEAD_DIM, device=device, dtype=torch.bfloat16)
+        sink = torch.randn(H, device=device)
+        sets.append((q, pools, sink))
+    return sets
+
+
+def _bench_counts(T, H, K):
+    """Compulsory bytes (584 B per selected row, as the spec counts it, + a 4-byte index; q and out in
+    bf16; lse fp32; lengths) and useful FLOPs (QKᵀ and PV, 512 wide each, real H)."""
+    byts = T * (K * (kv_cache.TOKEN_BYTES + 4) + H * HEAD_DIM * 2 * 2 + H * 4 + 2 * 4)
+    flops = T * 2 * H * K * (HEAD_DIM + HEAD_DIM)
+    return byts, flops
+
+
+@bench("sparse_mla")
+def _bench() -> list[BenchCase]:
+    cases = []
+    for T, H, K in BENCH_SHAPES:
+        byts, flops = _bench_counts(T, H, K)
+        per_set = T * K * (kv_cache.page_bytes(64) / 64)
+        n_sets = max(2, math.ceil(2.5 * _L2_BYTES / per_set))
+        sets = _bench_inputs(T, H, K, n_sets, DEVICE)
+        cfg = _config(T, H, K, DEVICE)
+        shape = f"T={T} H={H} K={K} (split {cfg['num_splits']})"
+        cases.append(BenchCase("sparse_mla.fused", shape, lambda i, s=sets, c=cfg: _fused(*s[i][0:2], s[i][2], DEFAULT_SCALE, c),
+                               n_sets, byts, flops, note="584+4 B/row + q,out bf16 + lse; FLOP 2·H·K·1024"))
+        cases.append(BenchCase("sparse_mla.two_pass", shape,
+                               lambda i, s=sets, c=cfg: _two_pass(*s[i][0:2], s[i][2], DEFAULT_SCALE, c),
+                               n_sets, byts, flops,
+                               note="same compulsory bytes; it really moves ~2632 B/row (584 + 2·1024 workspace)"))
+    return cases

@@ -189,6 +189,24 @@ def test_value_width_is_512(backend):
     assert int((out[..., 448:] != 0).sum()) > 0.9 * out[..., 448:].numel()
 
 
+def test_odd_aligned_cache():
+    """A cache that is a view starting at an odd byte (page stride odd too): the kernel reads the RoPE
+    bytes one by one instead of as int16 words, and the result is the same."""
+    bs, pages = 16, 3
+    big = torch.zeros(pages, kv_cache.page_bytes(bs) + 1, dtype=torch.uint8, device=DEVICE)
+    odd = big[:, 1:]
+    even = make_cache(bs, pages, seed=7)
+    odd.copy_(even)
+    q = make_q(2, 16, seed=8)
+    lens = torch.tensor([16, 12], dtype=torch.int32, device=DEVICE)
+    idx = make_indices(2, 16, bs, pages, 9, lens)
+    a = sparse_mla.decode(q, even, idx, lens, block_size=bs)
+    b = sparse_mla.decode(q, odd, idx, lens, block_size=bs)
+    assert odd.data_ptr() % 2 == 1 and not sparse_mla._even_pages(odd)
+    assert torch.equal(a[0].cpu().view(torch.int16), b[0].cpu().view(torch.int16)) and torch.equal(a[1].cpu(), b[1].cpu())
+    check(*b, *oracle(q, [(odd, idx, lens, bs)], None, sparse_mla.DEFAULT_SCALE), "odd")
+
+
 def test_split_merge_equals_single_pass():
     """Flash-decoding: the candidate list split over 1, 2 and 4 programs and merged; the sink is applied
     once, after the merge (#20)."""
