@@ -1,0 +1,449 @@
+"""dsv4ref.mhc: Sinkhorn, pre, post, fused post+pre, head (mhc.md §3–§10; pitfalls.md #22, #23).
+
+Every float result is compared with a float64 oracle running the SAME schedule (mhc.md §4: rows are not
+exactly doubly stochastic, so "is it doubly stochastic" is not a test). Triton outputs go into poisoned
+buffers (NaN), so an element a kernel forgets shows up as a non-finite mismatch.
+"""
+
+import inspect
+import math
+
+import pytest
+import torch
+
+from dsv4ref import config, mhc, validate
+from dsv4ref.device import DEVICE, interpreting
+from dsv4ref.testing import assert_close, compare, generator, poison, randn
+
+BACKENDS = ["reference", "triton"]
+GPU_ONLY = pytest.mark.skipif(interpreting(), reason="real hidden sizes at many tokens: compiled Triton only")
+
+# Interpreter: the teaching size (and one token block of 19 > 16 tokens, to cross a program boundary).
+# GPU: the real hidden sizes, V4-Flash 4096 and V4-Pro 7168, at token counts that leave partial blocks.
+SHAPES = [(5, 256), (19, 256)] + ([] if interpreting() else [(33, 4096), (17, 7168), (300, 4096)])
+
+
+def case(T, Hd, seed=0):
+    res = mhc.example_streams(T, Hd, seed=seed)
+    x = randn((T, Hd), seed=seed + 1, octaves=8)
+    fn, scale, base = mhc.example_params(Hd, seed=seed + 2)
+    return res, x, fn, scale, base
+
+
+def oracle_pre(res, fn, scale, base, **kw):
+    _, p, c, x = mhc.pre_reference(res, fn, scale, base, dtype=torch.float64, **kw)
+    return p, c, x
+
+
+# -- the Triton paths, writing into poisoned buffers -------------------------------------------------
+
+
+def triton_pre(res, fn, scale, base, rms_eps=1e-6, hc_eps=1e-6, post_mult=2.0, iters=20):
+    T, M, Hd = res.shape
+    p, c, out = poison((T, M), torch.float32), poison((T, M, M), torch.float32), poison((T, Hd), torch.bfloat16)
+    torch.ops.dsv4ref.mhc_pre(res, mhc.split_fn(fn), scale, base, p, c, out, rms_eps, hc_eps, post_mult, iters)
+    return p, c, out
+
+
+def triton_post(x, res, p, c):
+    out = poison(tuple(res.shape), torch.bfloat16)
+    torch.ops.dsv4ref.mhc_post(x, res, p.reshape(res.shape[:2]).contiguous(), c, out)
+    return out
+
+
+def triton_fused(x, res, p, c, fn, scale, base):
+    T, M, Hd = res.shape
+    new, p2, c2 = poison(tuple(res.shape), torch.bfloat16), poison((T, M), torch.float32), poison((T, M, M), torch.float32)
+    out = poison((T, Hd), torch.bfloat16)
+    torch.ops.dsv4ref.mhc_fused_post_pre(x, res, p, c, mhc.split_fn(fn), scale, base, new, p2, c2, out,
+                                         1e-6, 1e-6, 2.0, 20)
+    return new, p2, c2, out
+
+
+def run_pre(backend, res, fn, scale, base, **kw):
+    if backend == "triton":
+        return triton_pre(res, fn, scale, base, **{k.replace("sinkhorn_iters", "iters"): v for k, v in kw.items()})
+    return mhc.pre(res, fn, scale, base, backend="reference", **kw)
+
+
+def run_post(backend, x, res, p, c):
+    return triton_post(x, res, p, c) if backend == "triton" else mhc.post(x, res, p, c, backend="reference")
+
+
+def zero_params(Hd, comb_base, pre_base=0.0, post_base=0.0):
+    """fn = 0 (every logit is its bias), scale = (1, 1, 1), base = [pre | post | comb_base row-major]."""
+    fn = torch.zeros(24, 4 * Hd, device=DEVICE)
+    base = torch.cat([torch.full((4,), float(pre_base)), torch.full((4,), float(post_base)),
+                      comb_base.reshape(16).float()]).to(DEVICE)
+    return fn, torch.ones(3, device=DEVICE), base
+
+
+# ====================================================================================================
+# Sinkhorn (mhc.md §4, §10.1)
+# ====================================================================================================
+
+
+def logits(n, std, seed):
+    return (torch.randn(n, 4, 4, generator=generator(seed)) * std).to(DEVICE)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("std", [0.1, 1.0, 3.0, 10.0])
+@pytest.mark.parametrize("iters", [1, 5, 20])
+def test_sinkhorn_matches_fp64_oracle(backend, std, iters):
+    L = logits(37, std, seed=int(std * 10) + iters)
+    got = mhc.sinkhorn(L, iters, 1e-6, backend=backend)
+    assert_close(got, mhc.sinkhorn_reference(L.double(), iters, 1e-6), "mhc")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("std", [0.1, 1.0, 3.0, 10.0])
+def test_sinkhorn_positive_and_column_sums(backend, std):
+    """All entries > 0 (the +eps), and the last step normalises columns: |col sum − 1| ≤ 2e-6."""
+    c = mhc.sinkhorn(logits(256, std, seed=3), backend=backend).double()
+    assert bool((c > 0).all())
+    assert float((c.sum(dim=-2) - 1).abs().max()) <= 2e-6
+
+
+# Stated bound on the worst row-sum error |Σ_j comb[i, j] − 1| over 4096 std-1 logit matrices, as a function
+# of the number of passes (measured in fp64 for this seed: 0.69, 0.30, 0.083, 0.012, 0.0036, 0.0012 at
+# 1, 2, 5, 10, 15, 20 passes). Rows are NOT normalised last, so they converge, they are not exact.
+ROW_BOUND = {1: 0.75, 2: 0.35, 5: 0.1, 10: 0.02, 15: 6e-3, 20: 2e-3}
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_sinkhorn_row_error_vs_passes(backend):
+    L = logits(4096, 1.0, seed=11)
+    worst = {}
+    for k in ROW_BOUND:
+        c = mhc.sinkhorn(L, k, backend=backend).double()
+        worst[k] = float((c.sum(dim=-1) - 1).abs().max())
+        assert worst[k] <= ROW_BOUND[k], (k, worst[k])
+    ks = sorted(worst)
+    assert all(worst[a] > worst[b] for a, b in zip(ks, ks[1:])), worst  # more passes, smaller error
+    # small logits converge to the eps floor: row error ~1e-6 after 5 passes
+    c = mhc.sinkhorn(logits(4096, 0.1, seed=12), 5, backend=backend).double()
+    assert float((c.sum(dim=-1) - 1).abs().max()) <= 2e-6
+
+
+def _variant(L, iters, eps, kind):
+    """Wrong schedules seen in ports (pitfalls.md #23)."""
+    if kind == "wrong axis":  # the whole schedule with rows and columns swapped (softmax over i)
+        return sinkhorn_cols_first(L, iters, eps)
+    if kind == "exp+row":  # exp and a row normalisation instead of softmax + eps (here with eps 1e-3)
+        c = L.exp()
+        c = c / (c.sum(-1, keepdim=True) + eps)
+    else:  # "one pass short": 19 passes
+        c = torch.softmax(L, -1) + eps
+        iters -= 1
+    c = c / (c.sum(-2, keepdim=True) + eps)
+    for _ in range(iters - 1):
+        c = c / (c.sum(-1, keepdim=True) + eps)
+        c = c / (c.sum(-2, keepdim=True) + eps)
+    return c
+
+
+def sinkhorn_cols_first(L, iters, eps):
+    return mhc.sinkhorn_reference(L.transpose(-1, -2), iters, eps).transpose(-1, -2)
+
+
+@pytest.mark.parametrize("kind", ["exp+row", "wrong axis", "one pass short"])
+def test_sinkhorn_oracle_catches_wrong_schedules(kind):
+    """The oracle comparison above can fail: plausible wrong schedules miss the 'mhc' tolerance. (An extra
+    row normalisation right after the softmax is NOT among them: the softmax rows already sum to 1 + 4·eps,
+    so it changes comb by ~1e-12.)"""
+    L = logits(256, 3.0, seed=5).double()
+    wrong = _variant(L, 20, 1e-3 if kind == "exp+row" else 1e-6, kind)
+    assert not compare(wrong, mhc.sinkhorn_reference(L), "mhc").passed
+
+
+def test_sinkhorn_peaked_permutation():
+    """30·P (P a permutation) gives comb ≈ P, about 1e-6 in the zero positions (mhc.md §4)."""
+    P = torch.eye(4)[[2, 0, 3, 1]].to(DEVICE)
+    c = mhc.sinkhorn((30 * P)[None]).cpu()[0].double()
+    assert float((c - P.cpu()).abs().max()) < 1e-5
+    assert float(c[P.cpu() == 0].max()) < 1e-5 and float(c[P.cpu() == 0].min()) > 0
+
+
+# ====================================================================================================
+# pre / post / fused / head against the fp64 oracle (mhc.md §3, §5, §6, §7)
+# ====================================================================================================
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("T,Hd", SHAPES)
+def test_pre_matches_fp64(backend, T, Hd):
+    res, _, fn, scale, base = case(T, Hd, seed=T + Hd)
+    p, c, x = run_pre(backend, res, fn, scale, base)
+    p64, c64, x64 = oracle_pre(res, fn, scale, base)
+    assert_close(p, p64, "mhc", "post")
+    assert_close(c, c64, "mhc", "comb")
+    assert_close(x, x64, "bf16_out", "layer_input")
+
+
+def test_pre_real_hidden_size_one_token_interpreted():
+    """V4-Flash Hd = 4096 (K = 16 384 for the mix GEMM) in whatever mode runs here, at T = 2."""
+    res, _, fn, scale, base = case(2, 4096, seed=41)
+    p, c, x = triton_pre(res, fn, scale, base)
+    p64, c64, x64 = oracle_pre(res, fn, scale, base)
+    assert_close(p, p64, "mhc")
+    assert_close(c, c64, "mhc")
+    assert_close(x, x64, "bf16_out")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("T,Hd", SHAPES)
+def test_post_matches_fp64(backend, T, Hd):
+    res, x, fn, scale, base = case(T, Hd, seed=T + 2 * Hd)
+    p, c, _ = mhc.pre(res, fn, scale, base, backend="reference")
+    got = run_post(backend, x, res, p, c)
+    assert_close(got, mhc.post_reference(x, res, p, c, dtype=torch.float64), "bf16_out")
+
+
+def test_post_accepts_both_post_shapes():
+    res, x, fn, scale, base = case(3, 256, seed=1)
+    p, c, _ = mhc.pre(res, fn, scale, base)
+    assert torch.equal(mhc.post(x, res, p, c).view(torch.int16), mhc.post(x, res, p[:, :, None], c).view(torch.int16))
+
+
+@pytest.mark.parametrize("T,Hd", SHAPES[:1] + SHAPES[2:])
+def test_fused_equals_post_then_pre(T, Hd):
+    """mhc.md §6: bit for bit (same operation order), including the fp32 outputs."""
+    res, x, fn, scale, base = case(T, Hd, seed=7 * T)
+    p, c, _ = mhc.pre(res, fn, scale, base)
+    new, p2, c2, li = triton_fused(x, res, p, c, fn, scale, base)
+    new_sep = triton_post(x, res, p, c)
+    p_sep, c_sep, li_sep = triton_pre(new_sep, fn, scale, base)
+    for got, want in [(new, new_sep), (p2, p_sep), (c2, c_sep), (li, li_sep)]:
+        assert_close(got, want, "exact")
+    # ... and the composition is right in the first place
+    assert_close(new, mhc.post_reference(x, res, p, c, dtype=torch.float64), "bf16_out")
+    p64, c64, x64 = oracle_pre(new_sep, fn, scale, base)
+    assert_close(p2, p64, "mhc")
+    assert_close(c2, c64, "mhc")
+    assert_close(li, x64, "bf16_out")
+
+
+def test_fused_reference_backend_composes():
+    res, x, fn, scale, base = case(4, 256, seed=2)
+    p, c, _ = mhc.pre(res, fn, scale, base, backend="reference")
+    got = mhc.fused_post_pre(x, res, p, c, fn, scale, base, backend="reference")
+    new = mhc.post(x, res, p, c, backend="reference")
+    for a, b in zip(got, (new, *mhc.pre(new, fn, scale, base, backend="reference"))):
+        assert_close(a, b, "exact")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("T,Hd", SHAPES)
+def test_head_matches_fp64(backend, T, Hd):
+    res = mhc.example_streams(T, Hd, seed=T)
+    fn, scale, base = mhc.example_params(Hd, seed=T + 1, head=True)
+    _, want = mhc.head_reference(res, fn, scale, base, dtype=torch.float64)
+    if backend == "triton":
+        got = poison((T, Hd), torch.bfloat16)
+        torch.ops.dsv4ref.mhc_head(res, mhc.split_fn(fn, head=True), scale, base, got, 1e-6, 1e-6)
+    else:
+        got = mhc.head(res, fn, scale, base, backend="reference")
+    assert_close(got, want, "bf16_out")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_head_hand_computed(backend):
+    """mhc.md §10.7: fn picks X[0] only, scale = ln 3, base = (0, ln 3, −ln 3, 0). Every value is ±1, so the
+    RMS is 1 and mix_0 = X[0] = ±1: gate = σ(±ln 3 + base) + 1e-6.
+    token A: all streams +1              -> gate (0.75, 0.75, 0.25, 0.5) -> out = 2.25 everywhere
+    token B: streams (−1, +1, −1, +1)    -> gate (0.25, 0.75, 0.25, 0.5) -> out = −0.25 + 0.75 − 0.25 + 0.5 = 0.75
+    (the 1e-6 terms are far below a bf16 ulp at these values)."""
+    Hd = 32
+    fn = torch.zeros(4, 4 * Hd, device=DEVICE)
+    fn[0, 0] = 1.0
+    l3 = math.log(3.0)
+    scale = torch.tensor([l3], device=DEVICE)
+    base = torch.tensor([0.0, l3, -l3, 0.0], device=DEVICE)
+    signs = torch.tensor([[1.0, 1, 1, 1], [-1, 1, -1, 1]])
+    hidden = (signs[:, :, None] * torch.ones(2, 4, Hd)).to(torch.bfloat16).to(DEVICE)
+    out = mhc.head(hidden, fn, scale, base, backend=backend)
+    assert out.cpu().float()[0].unique().tolist() == [2.25]
+    assert out.cpu().float()[1].unique().tolist() == [0.75]
+
+
+# ====================================================================================================
+# Structural checks (mhc.md §10.2–§10.6)
+# ====================================================================================================
+
+
+def P4():
+    """The 4-cycle: P[0,1] = P[1,2] = P[2,3] = P[3,0] = 1 (source i -> destination i+1)."""
+    return torch.roll(torch.eye(4), 1, dims=1)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_post_transpose_4cycle(backend):
+    """pitfalls.md #22: with comb ≈ P (the 4-cycle), new stream j+1 = post·x + stream j. Using comb instead
+    of combᵀ moves the streams the other way round, which this test rejects (checked below)."""
+    T, Hd = 3, 256
+    res = mhc.example_streams(T, Hd, seed=9)
+    x = randn((T, Hd), seed=10, octaves=8)
+    fn, scale, base = zero_params(Hd, 30 * P4())
+    p, c, _ = run_pre(backend, res, fn, scale, base)
+    assert float((c.cpu().double() - P4().double()).abs().max()) < 1e-5
+    new = run_post(backend, x, res, p, c)
+    want = p.double()[:, :, None] * x.double()[:, None, :] + torch.roll(res.double(), 1, dims=1)  # new_{j} = res_{j-1}
+    assert_close(new, want, "bf16_out")
+    # the bug: Σ_j comb[i, j]·res_j, i.e. comb @ res instead of combᵀ @ res, gives the reverse cycle
+    buggy = p.double()[:, :, None] * x.double()[:, None, :] + torch.einsum("tij,tjh->tih", c.double(), res.double())
+    assert not compare(buggy, want, "bf16_out").passed
+    assert compare(buggy, p.double()[:, :, None] * x.double()[:, None, :] + torch.roll(res.double(), -1, dims=1), "bf16_out").passed
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_identity_comb_preserves_streams(backend):
+    """base_comb = 30·I, fn = 0: comb ≈ I and new stream j = post_j·x + stream j (mhc.md §10.3)."""
+    T, Hd = 4, 256
+    res = mhc.example_streams(T, Hd, seed=12)
+    x = randn((T, Hd), seed=13, octaves=8)
+    fn, scale, base = zero_params(Hd, 30 * torch.eye(4), post_base=0.3)
+    p, c, _ = run_pre(backend, res, fn, scale, base)
+    assert float((c.cpu().double() - torch.eye(4, dtype=torch.float64)).abs().max()) < 1e-5
+    new = run_post(backend, x, res, p, c)
+    assert_close(new, p.double()[:, :, None] * x.double()[:, None, :] + res.double(), "bf16_out")
+    # with x = 0 the streams pass through unchanged to within the 1e-6 leak of comb (below a bf16 ulp)
+    assert_close(run_post(backend, torch.zeros_like(x), res, p, c), res, "bf16_out")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_uniform_comb_averages_streams(backend):
+    """fn = 0 and base_comb = 0: every entry of comb is equal (≈ 1/4) and new stream j = post_j·x + mean_i
+    stream_i (mhc.md §10.2)."""
+    T, Hd = 4, 256
+    res = mhc.example_streams(T, Hd, seed=14)
+    x = randn((T, Hd), seed=15, octaves=8)
+    fn, scale, base = zero_params(Hd, torch.zeros(4, 4))
+    p, c, _ = run_pre(backend, res, fn, scale, base)
+    assert c.cpu().unique().numel() == 1 and abs(float(c.cpu()[0, 0, 0]) - 0.25) < 2e-6
+    assert torch.equal(p.cpu(), torch.full((T, 4), 1.0))  # 2·σ(0) = 1 exactly
+    new = run_post(backend, x, res, p, c)
+    want = p.double()[:, :, None] * x.double()[:, None, :] + res.double().mean(dim=1, keepdim=True)
+    assert_close(new, want, "bf16_out")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_ranges_and_pre_eps(backend):
+    """pre ∈ (1e-6, 1 + 1e-6), post ∈ (0, 2) (mhc.md §10.5). pre is internal, so it is read through the
+    layer input: with pre logits at −30, σ ≈ 9e-14 and pre ≈ hc_eps = 1e-6, so x ≈ 1e-6·Σ_i stream_i; a
+    kernel that drops the +eps (pitfalls.md #23) returns ~1e7 times less. At +30, pre = 1 + 1e-6."""
+    T, Hd = 4, 256
+    res = mhc.example_streams(T, Hd, seed=16)
+    for pre_base, w in [(-30.0, 1e-6), (30.0, 1.0 + 1e-6)]:
+        fn, scale, base = zero_params(Hd, torch.zeros(4, 4), pre_base=pre_base)
+        _, _, x = run_pre(backend, res, fn, scale, base)
+        assert_close(x, res.double().sum(dim=1) * w, "bf16_out")
+    fn, scale, base = case(T, Hd, seed=17)[2:]
+    base[4:8] = torch.tensor([-6.0, -2.0, 2.0, 6.0])
+    p, c, _ = run_pre(backend, res, fn, scale, base)
+    assert bool(((p > 0) & (p < 2)).all()) and bool((c > 0).all())
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_rms_is_over_flattened_streams_after_gemm(backend):
+    """mhc.md §10.6: scaling ALL streams by k leaves post and comb unchanged and scales x by k (k a power of
+    two, so the bf16 inputs scale exactly). Then the oracle rejects an RMS taken per stream, which the
+    k-scaling alone cannot catch (a per-stream RMS is scale invariant too)."""
+    T, Hd = 5, 256
+    res, _, fn, scale, base = case(T, Hd, seed=18)
+    p, c, x = run_pre(backend, res, fn, scale, base)
+    pk, ck, xk = run_pre(backend, res * 8, fn, scale, base)
+    assert_close(pk, p, "mhc")
+    assert_close(ck, c, "mhc")
+    assert_close(xk, x.double() * 8, "bf16_out")
+    # per-stream RMS: mix = Σ_i (X_i @ fn_iᵀ) · rsqrt(mean(X_i²)), on streams of different magnitudes
+    X = res.double()
+    Xn = X * torch.rsqrt(X.square().mean(dim=-1, keepdim=True) + 1e-6)
+    mix = Xn.reshape(T, -1) @ fn.double().T
+    wrong_post = torch.sigmoid(mix[:, 4:8] * scale[1].double() + base[4:8].double()) * 2
+    assert not compare(wrong_post, p, "mhc").passed
+
+
+def test_model_constants():
+    """pitfalls.md #23 / mhc.md §10.8: defaults are the model's (post_mult 2, eps 1e-6, 20 passes)."""
+    for f in (mhc.pre, mhc.fused_post_pre):
+        sig = inspect.signature(f).parameters
+        assert sig["post_mult"].default == 2.0 and sig["sinkhorn_iters"].default == 20
+        assert sig["hc_eps"].default == 1e-6 and sig["rms_eps"].default == 1e-6
+    assert inspect.signature(mhc.sinkhorn).parameters["iters"].default == config.FLASH.hc_sinkhorn_iters == 20
+    assert config.FLASH.hc_mult == 4 and config.FLASH.hc_mix == 24 and config.FLASH.hc_eps == 1e-6
+    # non-model constants (as some unit tests use) change the results well beyond the tolerance
+    res, _, fn, scale, base = case(4, 256, seed=19)
+    p, c, _ = mhc.pre(res, fn, scale, base)
+    p1, _, _ = mhc.pre(res, fn, scale, base, post_mult=1.0)
+    _, c3, _ = mhc.pre(res, fn, scale, base, hc_eps=1e-3)
+    assert not compare(p1, p, "mhc").passed and not compare(c3, c, "mhc").passed
+
+
+def test_split_fn_is_exact_and_cached():
+    g = generator(20)
+    w = (torch.randn(24, 1024, generator=g) * torch.exp2(torch.randint(-30, 30, (24, 1024), generator=g).float()))
+    s = mhc._split3(w).float()
+    assert torch.equal(s[0] + s[1] + s[2], w)
+    fn = w.to(DEVICE)
+    a = mhc.split_fn(fn)
+    assert mhc.split_fn(fn) is a  # cached
+    fn.mul_(2)  # in-place update: the version counter changes, so the cache must not answer
+    b = mhc.split_fn(fn)
+    assert b is not a and torch.equal(b.float(), a.float() * 2)
+
+
+def test_empty_batch():
+    res, x, fn, scale, base = case(0, 256)
+    p, c, li = mhc.pre(res, fn, scale, base)
+    assert p.shape == (0, 4) and c.shape == (0, 4, 4) and li.shape == (0, 256)
+
+
+# ====================================================================================================
+# Bad input
+# ====================================================================================================
+
+
+def test_bad_inputs_name_the_argument(monkeypatch):
+    res, x, fn, scale, base = case(2, 256)
+    p, c, _ = mhc.pre(res, fn, scale, base)
+    with pytest.raises(ValueError, match=r"fn: expected 24 rows \(M·\(M\+2\)\)"):
+        mhc.pre(res, fn[:20], scale, base)
+    with pytest.raises(ValueError, match=r"fn: expected 1024 columns"):
+        mhc.pre(res, fn[:, :512], scale, base)
+    with pytest.raises(TypeError, match="residual: expected dtype torch.bfloat16"):
+        mhc.pre(res.float(), fn, scale, base)
+    with pytest.raises(TypeError, match="fn: expected dtype torch.float32"):
+        mhc.pre(res, fn.bfloat16(), scale, base)
+    with pytest.raises(ValueError, match="scale: expected shape"):
+        mhc.pre(res, fn, scale[:2], base)
+    with pytest.raises(ValueError, match="base: expected shape"):
+        mhc.pre(res, fn, scale, base[:16])
+    with pytest.raises(ValueError, match=r"x: expected shape \(2, 256\)"):
+        mhc.post(x[:, :128], res, p, c)
+    with pytest.raises(ValueError, match="post: expected shape"):
+        mhc.post(x, res, p[:, :3], c)
+    with pytest.raises(ValueError, match="comb: expected shape"):
+        mhc.post(x, res, p, c[:, :3])
+    with pytest.raises(ValueError, match=r"fn: expected 4 rows"):
+        mhc.head(res, fn, scale[:1], base[:4])
+    with pytest.raises(ValueError, match="M = 4"):
+        mhc.post(x, res[:, :3].contiguous(), p[:, :3].contiguous(), c[:, :3, :3].contiguous())
+    with pytest.raises(ValueError, match="logits: expected"):
+        mhc.sinkhorn(torch.zeros(2, 4, 3, device=DEVICE))
+    with pytest.raises(ValueError, match="backend"):
+        mhc.pre(res, fn, scale, base, backend="cuda")
+    bad = res.clone()
+    bad[1, 2, 3] = float("nan")
+    with pytest.raises(ValueError, match="residual: contains non-finite"):
+        mhc.pre(bad, fn, scale, base)
+    bad_fn = fn.clone()
+    bad_fn[0, 0] = float("inf")
+    with pytest.raises(ValueError, match="fn: contains non-finite"):
+        mhc.fused_post_pre(x, res, p, c, bad_fn, scale, base)
+    bad_x = x.clone()
+    bad_x[0, 0] = float("-inf")
+    with pytest.raises(ValueError, match="x: contains non-finite"):
+        mhc.post(bad_x, res, p, c)
+    monkeypatch.setattr(validate, "CHECK_VALUES", False)  # the value checks cost a sync; they can be off
+    mhc.post(bad_x, res, p, c)
