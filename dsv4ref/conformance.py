@@ -83,6 +83,9 @@ OUTPUTS: dict[str, Callable[[object, dict], dict]] = {
     "mhc.post": lambda res, a: {"residual": res},
     "mhc.fused_post_pre": lambda res, a: {"residual": res[0], "post": res[1], "comb": res[2], "layer_input": res[3]},
     "mhc.head": lambda res, a: {"out": res},
+    "indexer.quantize_q": lambda res, a: {"q": res[0], "weights_out": res[2]},
+    "indexer.insert_k": lambda res, a: {"k_cache": a["k_cache"]},
+    "indexer.logits": lambda res, a: {"logits": res},
     "indexer.topk": lambda res, a: {"ids_sorted": torch.sort(res.long(), dim=-1).values},
 }
 
@@ -184,7 +187,7 @@ def _cases_kv_cache() -> list[Case]:
     return out
 
 
-def _table(theta: float, yarn: dict | None, max_pos: int = 4096) -> torch.Tensor:
+def _table(theta: float, yarn: dict | None, max_pos: int = 512) -> torch.Tensor:
     from . import rope
 
     return rope.cos_sin_cache(max_pos, 64, theta, yarn, device="cpu")
@@ -197,7 +200,7 @@ def _cases_rope() -> list[Case]:
     out = []
     T, H = 5, 16
     x = randn((T, H, 512), seed=22, device="cpu", block=None, octaves=4)
-    pos = torch.tensor([0, 1, 299, 4095, 37])
+    pos = torch.tensor([0, 1, 299, 511, 37])
     out.append(Case("rope.apply_gptj", "inverse_on_output_yarn",
                     dict(x=x, positions=pos, cos_sin=_table(TINY.compress_rope_theta, TINY.yarn), inverse=True),
                     ("x", "positions", "cos_sin", "inverse"), tol={"out": "bf16_out"},
@@ -212,7 +215,7 @@ def _cases_rope() -> list[Case]:
                          cos_sin=_table(TINY.rope_theta, None), eps=1e-6, block_size=B),
                     ("q", "kv", "cache", "slot_mapping", "positions", "cos_sin"), tol={"q": "bf16_out", "cache": "exact"},
                     why="q-norm over all 512 dims then RoPE; slot −1 and rows past slot_mapping write nothing (#11)"))
-    G, o_lora, Hd = 2, 128, 256
+    G, o_lora, Hd, H = 2, 64, 128, 4
     o = randn((3, H, 512), seed=26, device="cpu", block=None, octaves=2)
     wo_a = (torch.randn(G, o_lora, H // G * 512, generator=g) / math.sqrt(H // G * 512)).to(torch.bfloat16)
     wo_b = (torch.randn(Hd, G * o_lora, generator=g) / math.sqrt(G * o_lora)).to(torch.bfloat16)
@@ -292,15 +295,51 @@ def _cases_mhc() -> list[Case]:
 
 
 def _cases_indexer() -> list[Case]:
+    from . import indexer
+    from .config import TINY
+
     g = generator(51)
-    T, n, k = 4, 40, 16
+    out = []
+    T, nih = 4, TINY.index_heads
+    table = _table(TINY.compress_rope_theta, TINY.yarn)
+    iq = randn((T, nih, 128), seed=52, device="cpu", block=None, octaves=8)
+    iq[0, 0] = iq[0, 0] / iq[0, 0].abs().max().float() * 448.0  # amax = 448·2^k: the exact ceil matters (#3)
+    pos = torch.tensor([2, 3, 37, 299])
+    wts = torch.randn(T, nih, generator=g)
+    for had in (False, True):
+        out.append(Case("indexer.quantize_q", f"fp8_hadamard_{had}",
+                        dict(index_q=iq, positions=pos, cos_sin=table, weights=wts, fmt="fp8", hadamard=had),
+                        ("index_q", "positions", "cos_sin", "weights"), tol={"q": "exact", "weights_out": "exact"},
+                        why="RoPE on dims 64..127, bf16 round trip (#4), optional Hadamard (#24), q scale folded "
+                            "into the weights (#25)"))
+    # indexer K: write 80 keys (two requests' compressed rows) into shuffled 16-key pages, random bytes elsewhere
+    Bc, P = 16, 8
+    k = randn((80, 128), seed=53, device="cpu", block=None, octaves=8)
+    bt = torch.randperm(P, generator=g).to(torch.int32).view(2, 4)
+    loc = torch.arange(40)
+    slots = torch.cat([bt[0, loc // Bc].long() * Bc + loc % Bc, bt[1, loc // Bc].long() * Bc + loc % Bc])
+    slots[5] = -1
+    kc = _cpu_bytes(P * indexer.k_page_bytes(Bc), 54).view(P, -1)
+    out.append(Case("indexer.insert_k", "soa_pages_minus1", dict(k_cache=kc, k=k, slot_mapping=slots, block_size=Bc,
+                                                                  hadamard=True),
+                    ("k_cache", "k", "slot_mapping"), tol={"k_cache": "exact"},
+                    why="[Bc×128 e4m3][Bc×4 fp32 scale] pages (#9), −1 writes nothing (#11)"))
+    kc2 = indexer.allocate_k_cache(P, Bc, device="cpu")
+    indexer.insert_k(kc2, k, slots.clamp(min=0), block_size=Bc, hadamard=True, backend="reference")
+    q8, _, w_out = indexer.quantize_q(iq, pos.clamp(max=159), table, wts, hadamard=True, backend="reference")
+    lpos = torch.tensor([2, 3, 37, 159])  # visible rows n_c = 0, 1, 9, 40
+    out.append(Case("indexer.logits", "block_table_causal",
+                    dict(q=q8, q_scales=None, weights_out=w_out, k_cache=kc2, positions=lpos,
+                         block_table=bt[torch.tensor([0, 1, 0, 1])], block_size=Bc, n_out=40),
+                    ("q", "q_scales", "weights_out", "k_cache", "positions"), tol={"logits": "fp32_reduction"},
+                    why="per-token block tables; ReLU per head before the weighted sum; −inf for s >= (p+1)//4 (#26)"))
+    n, kk = 40, 16
     vals = torch.randperm(T * n, generator=g).float().view(T, n)  # no ties (indexer.md §7)
-    pos = torch.tensor([2, 3, 37, 159])  # visible rows n_c = (p+1)//4 = 0, 1, 9, 40
-    vis = torch.arange(n)[None, :] < ((pos + 1) // 4)[:, None]
-    logits = vals.masked_fill(~vis, -math.inf)
-    return [Case("indexer.topk", "causal_mask_minus1_padding", dict(logits=logits, k=k), ("logits", "k"),
-                 tol={"ids_sorted": "exact"},
-                 why="−inf (not yet visible) ids become −1, rows padded with −1; p = 2 → none, p = 3 → id 0 (#26)")]
+    vis = torch.arange(n)[None, :] < ((lpos + 1) // 4)[:, None]
+    out.append(Case("indexer.topk", "causal_mask_minus1_padding", dict(logits=vals.masked_fill(~vis, -math.inf), k=kk),
+                    ("logits", "k"), tol={"ids_sorted": "exact"},
+                    why="−inf (not yet visible) ids become −1, rows padded with −1; p = 2 → none, p = 3 → id 0 (#26)"))
+    return out
 
 
 _BUILDERS = {"kv_cache": _cases_kv_cache, "rope": _cases_rope, "sparse_mla": _cases_sparse_mla,
@@ -397,8 +436,8 @@ def save_golden(directory, cases: list[Case] | None = None) -> list[pathlib.Path
         tol = {o: dict(name=t, mode=TOLERANCES[t].mode, atol=TOLERANCES[t].atol, rtol=TOLERANCES[t].rtol,
                        cos=TOLERANCES[t].cos) for o, t in c.tol.items()}
         torch.save(dict(op=c.op, case=c.name, why=c.why, positional=list(c.positional),
-                        inputs={k: v.cpu().contiguous() if isinstance(v, torch.Tensor) else v for k, v in c.inputs.items()},
-                        expected={k: v.cpu().contiguous() for k, v in c.expected.items()}, tolerance=tol), p)
+                        inputs={k: v.cpu().clone() if isinstance(v, torch.Tensor) else v for k, v in c.inputs.items()},
+                        expected={k: v.cpu().clone() for k, v in c.expected.items()}, tolerance=tol), p)
         paths.append(p)
     return paths
 

@@ -1,0 +1,111 @@
+"""The conformance suite (dsv4ref.conformance) and the golden vectors (golden/*.pt).
+
+* every op of this checkout passes the suite through its Triton kernel and through its reference;
+* the committed golden files reproduce: the references, re-run on the stored inputs, give the stored
+  outputs (exact for bytes, the named tolerance for floats), and so do the kernels;
+* the suite has teeth: deliberately broken implementations (transposed comb, dropped sink, a write to
+  slot −1, a top-k without the causal −1s, an implementation that raises) are reported FAIL.
+"""
+
+import math
+import pathlib
+
+import pytest
+import torch
+
+from dsv4ref import conformance, indexer, kv_cache, mhc, sparse_mla
+from dsv4ref.testing import TOLERANCES
+
+GOLDEN = pathlib.Path(__file__).resolve().parent.parent / "golden"
+
+
+def _fails(rows, op):
+    mine = [r for r in rows if r.op == op]
+    assert mine, f"no rows for {op}"
+    return [r for r in mine if not r.passed]
+
+
+def test_kernels_pass_the_suite():
+    rows = conformance.run()
+    assert rows and all(r.passed for r in rows), conformance.format_report(rows)
+    ops = {r.op for r in rows}
+    assert {"kv_cache.insert", "sparse_mla.decode", "mhc.post", "rope.qnorm_rope_kv_insert", "indexer.topk"} <= ops
+
+
+def test_golden_files_reproduce():
+    cases = conformance.load_golden(GOLDEN)
+    assert len(cases) >= 15
+    rows = conformance.run(conformance.reference_impls(), cases)  # references re-run on the stored inputs
+    assert all(r.passed for r in rows), conformance.format_report(rows)
+    rows = conformance.run(conformance.default_impls(), cases)  # and the kernels
+    assert all(r.passed for r in rows), conformance.format_report(rows)
+
+
+def test_golden_files_match_the_cases_of_this_checkout():
+    """The stored inputs are the ones the suite builds now (make_golden.py was re-run after a change)."""
+    stored = {(c.op, c.name): c for c in conformance.load_golden(GOLDEN)}
+    for c in conformance.all_cases(with_expected=False):
+        g = stored[(c.op, c.name)]
+        assert list(g.inputs) == list(c.inputs) and g.positional == c.positional
+        for k, v in c.inputs.items():
+            if isinstance(v, torch.Tensor):
+                assert torch.equal(g.inputs[k], v), (c.op, c.name, k)
+            else:
+                assert g.inputs[k] == v
+
+
+def test_golden_format():
+    paths = sorted(GOLDEN.glob("*.pt"))
+    assert sum(p.stat().st_size for p in paths) < 4 * 2**20  # a few MB at most
+    d = torch.load(paths[0], weights_only=True)  # loadable without unpickling code
+    assert set(d) == {"op", "case", "why", "positional", "inputs", "expected", "tolerance"}
+    for t in d["tolerance"].values():
+        assert t["name"] in TOLERANCES and {"mode", "atol", "rtol", "cos"} <= set(t)
+
+
+def test_transposed_comb_fails():  # pitfalls.md #22
+    def post_wrong(x, residual, post, comb, **kw):
+        return mhc.post(x, residual, post, comb.transpose(1, 2).contiguous(), backend="reference")
+
+    bad = _fails(conformance.run({"mhc.post": post_wrong}), "mhc.post")
+    assert [r.case for r in bad] == ["transposed_comb_trap_4cycle"]
+
+
+def test_dropped_sink_fails():  # pitfalls.md #17
+    def decode_no_sink(q, cache, indices, lengths, *, sink=None, **kw):
+        return sparse_mla.decode(q, cache, indices, lengths, sink=None, backend="reference", **kw)
+
+    bad = _fails(conformance.run({"sparse_mla.decode": decode_no_sink}), "sparse_mla.decode")
+    assert {r.output for r in bad} == {"out"}  # lse excludes the sink either way
+
+
+def test_write_to_slot_minus1_fails():  # pitfalls.md #11
+    def insert_clamped(cache, kv, slot_mapping, *, block_size):
+        n = slot_mapping.shape[0]
+        kv_cache.insert(cache, kv[:n], slot_mapping.clamp(min=0), block_size=block_size, backend="reference")
+
+    bad = _fails(conformance.run({"kv_cache.insert": insert_clamped}), "kv_cache.insert")
+    assert {r.case for r in bad} == {"B61_minus1_slots_random_bytes"}
+
+
+def test_topk_without_minus1_fails():  # pitfalls.md #26
+    def topk_plain(logits, k):
+        return torch.topk(logits, min(k, logits.shape[1]), dim=-1).indices.to(torch.int32)
+
+    assert _fails(conformance.run({"indexer.topk": topk_plain}), "indexer.topk")
+
+
+def test_an_implementation_that_raises_is_a_fail():
+    def broken(*a, **k):
+        raise RuntimeError("not implemented for this device")
+
+    rows = conformance.run({"kv_cache.gather": broken})
+    assert rows and not any(r.passed for r in rows)
+    assert "not implemented" in rows[0].error
+    assert "FAIL" in conformance.format_report(rows)
+
+
+def test_main_exit_code(capsys):
+    assert conformance.main(["mhc", "--reference"]) == 0
+    out = capsys.readouterr().out
+    assert "transposed_comb_trap_4cycle" in out and "0 failed" in out
