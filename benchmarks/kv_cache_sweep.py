@@ -8,7 +8,7 @@ than the GPU's idle gap. For a ~30 µs kernel that matters. This script times th
 * ``b2b``:   50 calls back to back between two events (host launches overlap GPU work);
 * ``graph``: the calls captured once in a CUDA graph and replayed (kernel time only, no host cost);
 
-over num_warps ∈ {1, 2, 4, 8}, for S = 64k and 256k slots, rotating 4 input sets (> 60 MB L2).
+over tokens per program ∈ {1, 2, 4, 8} × num_warps ∈ {1, 2, 4}, for S = 64k and 256k slots, rotating 4 input sets (> 60 MB L2).
 
     PYTHONPATH=. python3 benchmarks/kv_cache_sweep.py
 """
@@ -90,40 +90,48 @@ def main():
     bw = ceil.copy_bytes_per_s
     print(f"copy bandwidth (read + write) measured now: {bw / 1e12:.3f} TB/s")
     B = 64
-    print(f"{'op':<8} {'S':>7} {'warps':>5} {'via':<7} {'time us':>9} {'GB/s':>7} {'of copy':>8}")
+    per_tok = 1024 + 8 + kc.TOKEN_BYTES  # insert and gather move the same bytes per token
+    print(f"{'op':<8} {'S':>7} {'tok':>3} {'warps':>5} {'via':<7} {'time us':>9} {'GB/s':>7} {'of copy':>8}  exact")
     for S in (65536, 262144):
         sets = make_sets(S, B)
         n = len(sets)
-        per_tok = {"insert": 1024 + 8 + kc.TOKEN_BYTES, "gather": kc.TOKEN_BYTES + 8 + 1024}
+        c0, kv0, sl0, _ = sets[0]
+        ref_cache = kc.allocate(S // B, B)
+        kc.insert(ref_cache, kv0, sl0, block_size=B, backend="reference")
+        ref_out = kc.gather(ref_cache, sl0, block_size=B, backend="reference")
         for op in ("insert", "gather"):
-            for w in (1, 2, 4, 8):
-                if op == "insert":
-                    def fn(i, w=w):
-                        c, kv, sl, _ = sets[i]
-                        kc._launch_insert(c, kv, sl, B, num_warps=w)
-                else:
-                    def fn(i, w=w):
-                        c, _, sl, out = sets[i]
-                        kc._launch_gather(c, sl, out, B, num_warps=w)
-                for via, timer in (("event", t_event), ("b2b", t_b2b), ("graph", t_graph)):
-                    ms = timer(fn, n)
-                    byts = S * per_tok[op]
-                    print(f"{op:<8} {S:>7} {w:>5} {via:<7} {ms * 1e3:>9.1f} {byts / (ms * 1e-3) / 1e9:>7.0f} "
-                          f"{byts / (ms * 1e-3) / bw:>8.1%}")
-        # the custom-op path the harness times (dispatcher + launcher), for comparison
+            for tok in (1, 2, 4, 8):
+                for w in (1, 2, 4):
+                    if op == "insert":
+                        def fn(i, w=w, tok=tok):
+                            c, kv, sl, _ = sets[i]
+                            kc._launch_insert(c, kv, sl, B, tok=tok, num_warps=w)
+                    else:
+                        def fn(i, w=w, tok=tok):
+                            c, _, sl, out = sets[i]
+                            kc._launch_gather(c, sl, out, B, tok=tok, num_warps=w)
+                    row = []
+                    for via, timer in (("event", t_event), ("graph", t_graph)):
+                        ms = timer(fn, n)
+                        row.append((via, ms))
+                    # what was timed is exact: set 0 against the torch reference
+                    if op == "insert":
+                        exact = torch.equal(sets[0][0], ref_cache)
+                    else:
+                        exact = torch.equal(sets[0][3].view(torch.int16), ref_out.view(torch.int16))
+                    for via, ms in row:
+                        byts = S * per_tok
+                        print(f"{op:<8} {S:>7} {tok:>3} {w:>5} {via:<7} {ms * 1e3:>9.1f} {byts / (ms * 1e-3) / 1e9:>7.0f} "
+                              f"{byts / (ms * 1e-3) / bw:>8.1%}  {exact}")
+        # the custom-op path the harness times (dispatcher + launcher, module defaults)
         for op, fn in (("insert*", lambda i: torch.ops.dsv4ref.kv_insert(sets[i][0], sets[i][1], sets[i][2], B)),
                        ("gather*", lambda i: torch.ops.dsv4ref.kv_gather(sets[i][0], sets[i][2], sets[i][3], B))):
             for via, timer in (("event", t_event), ("b2b", t_b2b)):
                 ms = timer(fn, n)
-                byts = S * (1024 + 8 + kc.TOKEN_BYTES)
-                print(f"{op:<8} {S:>7} {4:>5} {via:<7} {ms * 1e3:>9.1f} {byts / (ms * 1e-3) / 1e9:>7.0f} "
+                byts = S * per_tok
+                print(f"{op:<8} {S:>7} {'def':>3} {'def':>5} {via:<7} {ms * 1e3:>9.1f} {byts / (ms * 1e-3) / 1e9:>7.0f} "
                       f"{byts / (ms * 1e-3) / bw:>8.1%}")
-        # correctness of what was timed
-        c, kv, sl, out = sets[0]
-        kc._launch_gather(c, sl, out, B)
-        ref = kc.gather(c, sl, block_size=B, backend="reference")
-        print(f"S={S}: gather == reference: {torch.equal(out.view(torch.int16), ref.view(torch.int16))}")
-        del sets
+        del sets, ref_cache, ref_out
         torch.cuda.empty_cache()
 
 

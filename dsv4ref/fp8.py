@@ -27,6 +27,7 @@ from .tl_helpers import E4M3_MAX, bf16_rne_bits, e4m3_encode, inv_pow2, pow2, ue
 __all__ = [
     "E4M3_MAX",
     "e4m3_encode_ref",
+    "e4m3_bits",
     "ue8m0_byte_ref",
     "pow2_ref",
     "quantize_ue8m0",
@@ -63,6 +64,23 @@ def _inv_pow2_ref(byte: torch.Tensor) -> torch.Tensor:
     return ((254 - byte.to(torch.int32)) << 23).view(torch.float32)
 
 
+@triton.jit
+def e4m3_bits(x):
+    """fp32 tensor -> the e4m3fn byte (uint8): ``tl_helpers.e4m3_encode`` for the magnitude, then the
+    sign bit OR-ed in as an integer.
+
+    Why not ``e4m3_encode(x).to(tl.uint8, bitcast=True)`` directly: that helper negates the rounded
+    magnitude (``-r``), and compiled Triton lowers float negation as ``0 - r``, which turns −0 into +0.
+    On the H200 (triton 3.6) −0.0, and every negative value that rounds to zero, came out as 0x00
+    instead of torch's 0x80; the interpreter negates with numpy and keeps −0. Setting the bit in
+    integers is right on both. (Found by tests/test_fp8.py on the GPU; tl_helpers is shared, so the
+    fix lives here.)
+    """
+    mag = e4m3_encode(tl.abs(x)).to(tl.uint8, bitcast=True)  # |x| >= +0: the negation branch is never taken
+    sign = ((x.to(tl.int32, bitcast=True) >> 24) & 0x80).to(tl.uint8)
+    return mag | sign
+
+
 # ----------------------------------------------------------------------------------------------------
 # quantize
 # ----------------------------------------------------------------------------------------------------
@@ -84,8 +102,8 @@ def _quantize_kernel(
     offs = rows[:, None] * BLOCK + cols[None, :]
     x = tl.load(x_ptr + offs, mask=mask, other=0.0)
     byte = ue8m0_byte(tl.max(tl.abs(x), axis=1), FLOOR, 448.0)  # [ROWS]
-    q = e4m3_encode(x * inv_pow2(byte)[:, None])  # × 2^-e is exact, so it equals ÷ 2^e
-    tl.store(q_ptr + offs, q.to(tl.uint8, bitcast=True), mask=mask)
+    q = e4m3_bits(x * inv_pow2(byte)[:, None])  # × 2^-e is exact, so it equals ÷ 2^e
+    tl.store(q_ptr + offs, q, mask=mask)
     tl.store(s_ptr + rows, byte.to(tl.uint8), mask=rows < n_blocks)
 
 

@@ -23,10 +23,10 @@ import triton.language as tl
 
 from . import validate
 from .device import DEVICE
-from .fp8 import pow2_ref, quantize_ue8m0
+from .fp8 import e4m3_bits, pow2_ref, quantize_ue8m0
 from .harness import BenchCase, CheckRow, bench, check
 from .testing import compare, randn
-from .tl_helpers import bf16_rne_bits, e4m3_encode, inv_pow2, page_offsets, pow2, splat, ue8m0_byte
+from .tl_helpers import bf16_rne_bits, inv_pow2, page_offsets, pow2, ue8m0_byte
 
 HEAD_DIM = 512
 NOPE_DIM = 448
@@ -103,45 +103,54 @@ def _insert_kernel(
     cache16_ptr,  # int16 view of the same bytes (used for the RoPE copy when ROPE16)
     kv_ptr,  # int16 view of kv [T, 512] bf16 (row stride kv_stride)
     slot_ptr,  # int64 [n]
+    n,  # number of slot_mapping entries (rows past it are padding)
     kv_stride,
     page_stride,
     block_size,
+    TOK: tl.constexpr,  # tokens per program (a power of two; 1 is the plain "one program per token")
     ROPE16: tl.constexpr,  # page_stride and the cache base are even: copy RoPE as whole bf16 words
 ):
-    # One program per token. The NoPE dims are an [8, 64] tile (tl.arange needs powers of two): rows
-    # 0..6 are the 7 quant blocks, row 7 is masked off. The 64 RoPE dims are a separate [64] vector.
-    t = tl.program_id(0)
-    slot = tl.load(slot_ptr + t)
-    tile = tl.arange(0, 8)[:, None]
-    col = tl.arange(0, 64)[None, :]
-    dim = tile * 64 + col  # [8, 64]
-    j = tl.arange(0, 64)  # RoPE pair index
-    k = tl.arange(0, 8)  # scale byte index
+    # Program p handles tokens p·TOK .. p·TOK+TOK−1. Axis 0 of every tile is the token. The NoPE dims
+    # are a [TOK, 8, 64] tile (tl.arange needs powers of two): block axis rows 0..6 are the 7 quant
+    # blocks, row 7 is masked off. The 64 RoPE dims are a [TOK, 64] tile, the scale bytes [TOK, 8].
+    t = tl.program_id(0) * TOK + tl.arange(0, TOK)  # [TOK]
+    slot = tl.load(slot_ptr + t, mask=t < n, other=-1)  # past the end = padding
     ok = slot >= 0  # slot −1 (padding): write nothing at all
-    nope_ok = splat(ok, dim) & (tile < 7)
-    rope_ok = splat(ok, j)
     slot = tl.maximum(slot, 0)  # never form an address from −1 (the masks keep it unused)
-    row = kv_ptr + t.to(tl.int64) * kv_stride
-    data, scales = page_offsets(slot, block_size, page_stride)  # int64 byte offsets
+    data, scales = page_offsets(slot, block_size, page_stride)  # [TOK] int64 byte offsets
+    row = kv_ptr + t.to(tl.int64) * kv_stride  # [TOK] row pointers
+
+    blk = tl.arange(0, 8)[None, :, None]
+    dim = blk * 64 + tl.arange(0, 64)[None, None, :]  # [1, 8, 64]: dim = 64·block + column
+    nope_ok = tl.broadcast_to(ok[:, None, None] & (blk < 7), (TOK, 8, 64))  # a mask has its pointer's shape
+    j = tl.arange(0, 64)[None, :]  # RoPE dim 448 + j
+    rope_ok = tl.broadcast_to(ok[:, None], (TOK, 64))
+    k = tl.arange(0, 8)[None, :]  # scale byte index
+    scale_ok = tl.broadcast_to(ok[:, None], (TOK, 8))
 
     # NoPE: bf16 -> fp32 exactly, in integers (no bf16 arithmetic), then a scale byte per block
-    bits = tl.load(row + dim, mask=nope_ok, other=0).to(tl.int32) & 0xFFFF
+    bits = tl.load(row[:, None, None] + dim, mask=nope_ok, other=0).to(tl.int32) & 0xFFFF
     x = (bits << 16).to(tl.float32, bitcast=True)
-    byte = ue8m0_byte(tl.max(tl.abs(x), axis=1), 1e-4, 448.0)  # [8]; row 7 is unused
-    q = e4m3_encode(x * inv_pow2(byte)[:, None])  # × 2^-e is exact
-    tl.store(cache_ptr + data + dim, q.to(tl.uint8, bitcast=True), mask=nope_ok)
+    byte = ue8m0_byte(tl.max(tl.abs(x), axis=2), 1e-4, 448.0)  # [TOK, 8]; block row 7 is unused
+    q = e4m3_bits(x * inv_pow2(byte)[:, :, None])  # × 2^-e is exact; the sign bit set in integers (−0)
+    tl.store(cache_ptr + data[:, None, None] + dim, q, mask=nope_ok)
 
     # RoPE: the 64 bf16 values are copied bit for bit to bytes 448.. of the token's data (little-endian)
-    rbits = tl.load(row + 448 + j, mask=rope_ok, other=0)
+    rbits = tl.load(row[:, None] + 448 + j, mask=rope_ok, other=0)
     if ROPE16:
-        tl.store(cache16_ptr + (data + 448) // 2 + j, rbits, mask=rope_ok)
+        tl.store(cache16_ptr + (data[:, None] + 448) // 2 + j, rbits, mask=rope_ok)
     else:  # odd page stride (a strided view): two byte stores, low byte first
         r32 = rbits.to(tl.int32) & 0xFFFF
-        tl.store(cache_ptr + data + 448 + 2 * j, (r32 & 0xFF).to(tl.uint8), mask=rope_ok)
-        tl.store(cache_ptr + data + 449 + 2 * j, (r32 >> 8).to(tl.uint8), mask=rope_ok)
+        tl.store(cache_ptr + data[:, None] + 448 + 2 * j, (r32 & 0xFF).to(tl.uint8), mask=rope_ok)
+        tl.store(cache_ptr + data[:, None] + 449 + 2 * j, (r32 >> 8).to(tl.uint8), mask=rope_ok)
 
     # scales: 7 UE8M0 bytes and the zero pad byte
-    tl.store(cache_ptr + scales + k, tl.where(k < 7, byte, 0).to(tl.uint8), mask=splat(ok, k))
+    tl.store(cache_ptr + scales[:, None] + k, tl.where(k < 7, byte, 0).to(tl.uint8), mask=scale_ok)
+
+
+# Launch shape, measured on the H200 (benchmarks/kv_cache.md): a program per TOK tokens, num_warps warps.
+INSERT_TOK, INSERT_WARPS = 1, 1
+GATHER_TOK, GATHER_WARPS = 1, 1
 
 
 def _int16_view(cache: torch.Tensor):
@@ -152,11 +161,12 @@ def _int16_view(cache: torch.Tensor):
     return cache, False
 
 
-def _launch_insert(cache, kv, slot_mapping, block_size, num_warps=4):
+def _launch_insert(cache, kv, slot_mapping, block_size, tok=None, num_warps=None):
     kv16 = kv.view(torch.int16)
     c16, rope16 = _int16_view(cache)
-    _insert_kernel[(slot_mapping.shape[0],)](cache, c16, kv16, slot_mapping, kv16.stride(0), cache.stride(0),
-                                             block_size, ROPE16=rope16, num_warps=num_warps)
+    n, tok = slot_mapping.shape[0], tok or INSERT_TOK
+    _insert_kernel[(triton.cdiv(n, tok),)](cache, c16, kv16, slot_mapping, n, kv16.stride(0), cache.stride(0), block_size,
+                                           TOK=tok, ROPE16=rope16, num_warps=num_warps or INSERT_WARPS)
 
 
 @torch.library.custom_op("dsv4ref::kv_insert", mutates_args=("cache",))
@@ -222,42 +232,50 @@ def _gather_kernel(
     cache16_ptr,  # int16 view of the same bytes (RoPE read when ROPE16)
     slot_ptr,  # int32/int64 [S]
     out_ptr,  # int16 view of out [S, 512] bf16 (contiguous)
+    n,  # S
     page_stride,
     block_size,
+    TOK: tl.constexpr,  # slots per program
     ROPE16: tl.constexpr,
 ):
-    p = tl.program_id(0)
-    slot = tl.load(slot_ptr + p).to(tl.int64)
-    tile = tl.arange(0, 8)[:, None]
-    col = tl.arange(0, 64)[None, :]
-    dim = tile * 64 + col  # [8, 64]; row 7 masked off
-    j = tl.arange(0, 64)
-    k = tl.arange(0, 8)
+    p = tl.program_id(0) * TOK + tl.arange(0, TOK)  # [TOK] output rows
+    slot = tl.load(slot_ptr + p, mask=p < n, other=-1).to(tl.int64)
     ok = slot >= 0
     slot = tl.maximum(slot, 0)  # masked loads below never touch it for slot −1
-    data, scales = page_offsets(slot, block_size, page_stride)  # int64 byte offsets
-    out_row = out_ptr + p.to(tl.int64) * 512
+    data, scales = page_offsets(slot, block_size, page_stride)  # [TOK] int64 byte offsets
+    out_row = out_ptr + p.to(tl.int64) * 512  # [TOK]
+
+    blk = tl.arange(0, 8)[None, :, None]
+    dim = blk * 64 + tl.arange(0, 64)[None, None, :]  # [1, 8, 64]; block row 7 masked off
+    rows_ok = p < n
+    nope_in = tl.broadcast_to(ok[:, None, None] & (blk < 7), (TOK, 8, 64))
+    nope_out = tl.broadcast_to(rows_ok[:, None, None] & (blk < 7), (TOK, 8, 64))
+    k = tl.arange(0, 8)[None, :]
+    j = tl.arange(0, 64)[None, :]
+    rope_in = tl.broadcast_to(ok[:, None], (TOK, 64))
+    rope_out = tl.broadcast_to(rows_ok[:, None], (TOK, 64))
 
     # NoPE: e4m3 byte -> fp32, × 2^(scale − 127): exact, and exactly representable in bf16
-    q = tl.load(cache_ptr + data + dim, mask=splat(ok, dim) & (tile < 7), other=0)
-    byte = tl.load(cache_ptr + scales + k, mask=splat(ok, k) & (k < 7), other=127).to(tl.int32)
-    nope = q.to(tl.float8e4nv, bitcast=True).to(tl.float32) * pow2(byte)[:, None]
-    tl.store(out_row + dim, bf16_rne_bits(nope).to(tl.int16, bitcast=True), mask=tile < 7)  # slot −1: zeros
+    q = tl.load(cache_ptr + data[:, None, None] + dim, mask=nope_in, other=0)
+    byte = tl.load(cache_ptr + scales[:, None] + k, mask=tl.broadcast_to(ok[:, None] & (k < 7), (TOK, 8)), other=127)
+    nope = q.to(tl.float8e4nv, bitcast=True).to(tl.float32) * pow2(byte.to(tl.int32))[:, :, None]
+    tl.store(out_row[:, None, None] + dim, bf16_rne_bits(nope).to(tl.int16, bitcast=True), mask=nope_out)  # −1: zeros
 
     # RoPE: the stored bf16 bits, unchanged (other=0 gives the zero row for slot −1)
     if ROPE16:
-        rope = tl.load(cache16_ptr + (data + 448) // 2 + j, mask=splat(ok, j), other=0)
+        rope = tl.load(cache16_ptr + (data[:, None] + 448) // 2 + j, mask=rope_in, other=0)
     else:  # reassemble each bf16 from its two little-endian bytes
-        lo = tl.load(cache_ptr + data + 448 + 2 * j, mask=splat(ok, j), other=0).to(tl.int32)
-        hi = tl.load(cache_ptr + data + 449 + 2 * j, mask=splat(ok, j), other=0).to(tl.int32)
+        lo = tl.load(cache_ptr + data[:, None] + 448 + 2 * j, mask=rope_in, other=0).to(tl.int32)
+        hi = tl.load(cache_ptr + data[:, None] + 449 + 2 * j, mask=rope_in, other=0).to(tl.int32)
         rope = (lo | (hi << 8)).to(tl.int16)
-    tl.store(out_row + 448 + j, rope)
+    tl.store(out_row[:, None] + 448 + j, rope, mask=rope_out)
 
 
-def _launch_gather(cache, slots, out, block_size, num_warps=4):
+def _launch_gather(cache, slots, out, block_size, tok=None, num_warps=None):
     c16, rope16 = _int16_view(cache)
-    _gather_kernel[(slots.shape[0],)](cache, c16, slots, out.view(torch.int16), cache.stride(0), block_size,
-                                      ROPE16=rope16, num_warps=num_warps)
+    n, tok = slots.shape[0], tok or GATHER_TOK
+    _gather_kernel[(triton.cdiv(n, tok),)](cache, c16, slots, out.view(torch.int16), n, cache.stride(0), block_size,
+                                           TOK=tok, ROPE16=rope16, num_warps=num_warps or GATHER_WARPS)
 
 
 @torch.library.custom_op("dsv4ref::kv_gather", mutates_args=("out",))

@@ -463,3 +463,20 @@ def test_custom_ops_opcheck():
     out = torch.empty(3, 512, dtype=torch.bfloat16, device=DEVICE)
     torch.library.opcheck(torch.ops.dsv4ref.kv_gather.default, (cache, slots, out, B),
                           test_utils=("test_schema", "test_faketensor"))
+
+
+@pytest.mark.parametrize("tok", [1, 4])
+def test_tokens_per_program_launch_shapes(tok):
+    """The kernels handle TOK tokens per program (a tuning knob, benchmarks/kv_cache.md); a last program
+    with fewer than TOK real rows must not write or read past the end."""
+    B = 16
+    kv = kv_rows(11, seed=60)
+    slots = shuffled_slots(2, B, 10, seed=61)  # 10 of 11 rows, 10 = 2·4 + 2
+    a = random_cache(2, B, seed=62)
+    b = a.clone()
+    kc._launch_insert(a, kv, slots, B, tok=tok)
+    kc.insert(b, kv, slots, block_size=B, backend="reference")
+    assert_close(a, b, "exact")
+    out = poison((10, 512), torch.bfloat16)
+    kc._launch_gather(a, slots, out, B, tok=tok)
+    assert_close(out, kc.gather(a, slots, block_size=B, backend="reference"), "exact")
