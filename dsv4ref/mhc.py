@@ -216,9 +216,31 @@ def _col(ptr, rows, stride, col, mask):
 @triton.jit
 def _post_stream(x, p_j, c0j, c1j, c2j, c3j, r0, r1, r2, r3):
     """New stream j: post_j·x + Σ_i comb[i, j]·r_i (the SOURCE index i is summed: combᵀ, pitfalls.md #22).
-    One fixed order of operations, shared by the post and fused kernels so their bf16 outputs are equal."""
-    return (p_j[:, None] * x + c0j[:, None] * r0 + c1j[:, None] * r1
-            + c2j[:, None] * r2 + c3j[:, None] * r3)
+    One fixed order of operations with explicit FMAs, shared by the post and fused kernels, so their bf16
+    outputs are equal bit for bit (with plain ``a*b + c*d`` the compiler chose different FMA contractions
+    in the two kernels on the H200: 3 of 540 672 values differed by an ulp)."""
+    y = p_j[:, None] * x
+    y = tl.fma(c0j[:, None], r0, y)
+    y = tl.fma(c1j[:, None], r1, y)
+    y = tl.fma(c2j[:, None], r2, y)
+    return tl.fma(c3j[:, None], r3, y)
+
+
+@triton.jit
+def _weighted4(w0, w1, w2, w3, r0, r1, r2, r3, ROWS: tl.constexpr = True):
+    """Σ_i w_i·r_i in one fixed FMA order (so pre and the fused kernel agree bit for bit). ``ROWS``: the
+    weights are [BLOCK_T] vectors (one per token), else tiles of r's shape."""
+    if ROWS:
+        y = w0[:, None] * r0
+        y = tl.fma(w1[:, None], r1, y)
+        y = tl.fma(w2[:, None], r2, y)
+        y = tl.fma(w3[:, None], r3, y)
+    else:
+        y = w0 * r0
+        y = tl.fma(w1, r1, y)
+        y = tl.fma(w2, r2, y)
+        y = tl.fma(w3, r3, y)
+    return y
 
 
 @triton.jit
@@ -286,15 +308,23 @@ def _post_kernel(
 def _gemm_stream(a, k, kmask, fs_ptr, K, acc_g, acc_c, DOT_FP32: tl.constexpr, HEAD: tl.constexpr,
                  BLOCK_K: tl.constexpr):
     """acc += a @ fnᵀ[k, :] for one stream chunk: a [BLOCK_T, BLOCK_K] bf16, fs = [G, 3, K, 16] bf16
-    (hi, mid, lo). Three bf16 dots per group reproduce the fp32 product exactly (module docstring)."""
+    (hi, mid, lo). Three bf16 dots per group reproduce the fp32 product exactly (module docstring).
+
+    The chunk's dots start from a ZERO accumulator and the chunk sum is added to ``acc`` with an ordinary
+    fp32 add. Tensor-core MMAs add into their accumulator with truncation, aligned to the largest addend:
+    fed the running sum, every MMA loses up to an ulp of the whole sum, a bias that grows with K (measured
+    on the H200 at K = 16 384: 2.6e-5 on post, over the 1e-5 tolerance). Per chunk, the loss is relative to
+    the chunk's own (much smaller) partial sum."""
     n16 = tl.arange(0, 16)
     b_off = k.to(tl.int64)[:, None] * 16 + n16[None, :]  # [BLOCK_K, 16]
     bm = kmask[:, None] & (n16 < 16)[None, :]  # full-shape mask (the interpreter wants mask.shape == ptr.shape)
+    part_g = tl.zeros((a.shape[0], 16), dtype=tl.float32)
+    part_c = tl.zeros((a.shape[0], 16), dtype=tl.float32)
     for s in tl.static_range(3):
-        acc_g = dot(a, tl.load(fs_ptr + s * K * 16 + b_off, mask=bm, other=0.0), acc_g, DOT_FP32)
+        part_g = dot(a, tl.load(fs_ptr + s * K * 16 + b_off, mask=bm, other=0.0), part_g, DOT_FP32)
         if not HEAD:
-            acc_c = dot(a, tl.load(fs_ptr + (3 + s) * K * 16 + b_off, mask=bm, other=0.0), acc_c, DOT_FP32)
-    return acc_g, acc_c
+            part_c = dot(a, tl.load(fs_ptr + (3 + s) * K * 16 + b_off, mask=bm, other=0.0), part_c, DOT_FP32)
+    return acc_g + part_g, acc_c + part_c
 
 
 @triton.jit
@@ -379,7 +409,7 @@ def _hc_kernel(
             a1, r1 = n1.to(tl.bfloat16, bitcast=True), (n1.to(tl.uint32) << 16).to(tl.float32, bitcast=True)
             a2, r2 = n2.to(tl.bfloat16, bitcast=True), (n2.to(tl.uint32) << 16).to(tl.float32, bitcast=True)
             a3, r3 = n3.to(tl.bfloat16, bitcast=True), (n3.to(tl.uint32) << 16).to(tl.float32, bitcast=True)
-        ssq += tl.sum(r0 * r0 + r1 * r1 + r2 * r2 + r3 * r3, axis=1)
+        ssq += tl.sum(_weighted4(r0, r1, r2, r3, r0, r1, r2, r3, False), axis=1)  # Σ_i r_i², fixed FMA order
         acc_g, acc_c = _gemm_stream(a0, h, hm, fs_ptr, K, acc_g, acc_c, DOT_FP32, HEAD, BLOCK_K)
         acc_g, acc_c = _gemm_stream(a1, Hd + h, hm, fs_ptr, K, acc_g, acc_c, DOT_FP32, HEAD, BLOCK_K)
         acc_g, acc_c = _gemm_stream(a2, 2 * Hd + h, hm, fs_ptr, K, acc_g, acc_c, DOT_FP32, HEAD, BLOCK_K)
@@ -421,7 +451,7 @@ def _hc_kernel(
         _, r1 = _load_bf16(src_ptr, ro + Hd, mask)
         _, r2 = _load_bf16(src_ptr, ro + 2 * Hd, mask)
         _, r3 = _load_bf16(src_ptr, ro + 3 * Hd, mask)
-        y = w0[:, None] * r0 + w1[:, None] * r1 + w2[:, None] * r2 + w3[:, None] * r3
+        y = _weighted4(w0, w1, w2, w3, r0, r1, r2, r3)
         tl.store(out_ptr + rows[:, None] * Hd + h[None, :], bf16_rne_bits(y).to(tl.int16, bitcast=True), mask=mask)
 
 

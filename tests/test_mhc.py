@@ -208,14 +208,16 @@ def test_post_accepts_both_post_shapes():
 
 @pytest.mark.parametrize("T,Hd", SHAPES[:1] + SHAPES[2:])
 def test_fused_equals_post_then_pre(T, Hd):
-    """mhc.md §6: bit for bit (same operation order), including the fp32 outputs."""
+    """mhc.md §6: EXACT on the bf16 outputs (same operation order, explicit FMAs); fp32 outputs within 1e-6."""
     res, x, fn, scale, base = case(T, Hd, seed=7 * T)
     p, c, _ = mhc.pre(res, fn, scale, base)
     new, p2, c2, li = triton_fused(x, res, p, c, fn, scale, base)
     new_sep = triton_post(x, res, p, c)
     p_sep, c_sep, li_sep = triton_pre(new_sep, fn, scale, base)
-    for got, want in [(new, new_sep), (p2, p_sep), (c2, c_sep), (li, li_sep)]:
-        assert_close(got, want, "exact")
+    assert_close(new, new_sep, "exact")
+    assert_close(li, li_sep, "exact")
+    assert_close(p2, p_sep, "fp32_reduction")  # abs 1e-6 (or rel 8e-5): mhc.md §6
+    assert_close(c2, c_sep, "fp32_reduction")
     # ... and the composition is right in the first place
     assert_close(new, mhc.post_reference(x, res, p, c, dtype=torch.float64), "bf16_out")
     p64, c64, x64 = oracle_pre(new_sep, fn, scale, base)
