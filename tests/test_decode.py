@@ -1,0 +1,198 @@
+"""The whole decode step (dsv4ref.decode) against its float64 dense reference.
+
+The decode path (paged FP8 caches, compressor, indexer, sparse MLA, mHC, FFN) must track the float64
+reference, which has no FP8, no paging and no sparsity beyond the window and the top-k ids the indexer
+chose, within ATTN_TOL = 2^-3 (every layer's attention output) and LOGITS_TOL = 2^-4 (the logits); the
+figures are derived from e4m3's relative half-ulp 2^-4 in dsv4ref/decode.py. Many steps run through the
+library's torch ops (fast in the CPU interpreter; the caches' bytes are the same as the kernels'); one
+step runs through the Triton kernels.
+"""
+
+import copy
+import math
+
+import pytest
+import torch
+
+from dsv4ref import decode
+from dsv4ref.config import FLASH, TINY
+from dsv4ref.decode import (ATTN_TOL, LOGITS_TOL, CacheCapacityError, Decoder, agreement, make_weights,
+                            reference_forward, rel_err, run, traffic_per_op)
+from dsv4ref.device import interpreting
+
+PROMPTS = (133, 37, 5, 70)  # ratio-128 row written at p = 127; n_c = 33 > K_top = 16; a 5-token request
+
+
+@pytest.fixture(scope="module")
+def long_run():
+    """Prefill 4 requests, then 10 greedy steps through the torch ops; request 2 sits out steps 3 and 4
+    as a padding row (slot −1, all lengths 0)."""
+    return run(TINY, steps=10, prompt_lens=PROMPTS, decode_backend="reference", inactive={3: [2], 4: [2]})
+
+
+def test_tracks_the_float64_reference_over_many_steps(long_run):
+    dec, w, recs, _ = long_run
+    rows = agreement(TINY, w, recs, dec.history())
+    assert len(rows) == 11
+    for a in rows:
+        assert a.attn_err <= ATTN_TOL and a.logits_err <= LOGITS_TOL, a
+    assert [a.n for a in rows[4:6]] == [3, 3]  # the padding row was left out of those steps
+    assert dec.lengths.tolist() == [p + 10 - (i == 2) * 2 for i, p in enumerate(PROMPTS)]
+
+
+@pytest.mark.parametrize("bug", ["no_sink", "no_inv_rope", "no_compressed", "rope_neox"])
+def test_the_tolerance_has_teeth(long_run, bug):
+    """Each bug, put into the reference, moves the attention outputs far past ATTN_TOL (pitfalls 14, 16, 17)."""
+    dec, w, recs, _ = long_run
+    rows = agreement(TINY, w, recs[-2:], dec.history(), bugs=(bug,))
+    assert all(a.attn_err > ATTN_TOL and not a.passed for a in rows)
+
+
+def test_fp8_budget_is_what_separates_the_paths(long_run):
+    """Simulating the cache's FP8 inside the float64 reference brings it closer to the decode path: the
+    error being budgeted really is the KV quantisation."""
+    dec, w, recs, _ = long_run
+    toks, topks = dec.history()
+    step, pos, logits, attn, act = recs[-1]
+    r = 0
+    pure = reference_forward(TINY, w, toks[r], topks[r])
+    sim = reference_forward(TINY, w, toks[r], topks[r], fp8_kv=True)
+    p = int(pos[r])
+    e_pure = float(rel_err(attn[0][r], pure["attn"][0][p]))
+    e_sim = float(rel_err(attn[0][r], sim["attn"][0][p]))
+    budget = float(rel_err(sim["attn"][0][p], pure["attn"][0][p]))  # the FP8 effect alone, in float64
+    assert e_sim < e_pure and 0.25 * budget < e_pure < 3 * budget
+
+
+def test_indexer_picks_the_float64_top_k(long_run):
+    """The FP8 indexer's choice overlaps the top-k of the unquantised float64 scores (indexer.md §9.4)."""
+    dec, w, recs, _ = long_run
+    toks, topks = dec.history()
+    ref = reference_forward(TINY, w, toks[0], topks[0])
+    K = TINY.index_topk
+    hits = tot = 0
+    for li, ids in topks[0].items():
+        sc = ref["index_scores"][li]
+        for p in range(4 * K + 3, len(toks[0])):  # n_c > K_top: a real selection
+            want = set(torch.topk(sc[p], K).indices.tolist())
+            got = set(i for i in ids[p].tolist() if i >= 0)
+            assert len(got) == K and max(got) < (p + 1) // 4  # causal (pitfalls.md #26)
+            hits += len(got & want)
+            tot += K
+    assert tot and hits / tot >= 0.8
+
+
+def test_short_prompts_use_every_visible_row(long_run):
+    dec, w, recs, _ = long_run
+    toks, topks = dec.history()
+    ids = topks[1][1]  # request 1 (37-token prompt), layer 1 (ratio 4)
+    for p in (2, 3, 20, 36):
+        n_c = (p + 1) // 4
+        assert sorted(i for i in ids[p].tolist() if i >= 0) == list(range(n_c))
+
+
+def test_triton_step_matches():
+    """One decode step through the Triton kernels (interpreted on the CPU) agrees with the reference
+    and with the same step through the torch ops. Heads unpadded here to keep the interpreter quick;
+    the demo and the GPU run use Hp = 64."""
+    dec, w, recs, _ = run(TINY, steps=0, prompt_lens=(133, 6), pad_heads=False)
+    twin = copy.deepcopy(dec)
+    ids = recs[0][2].argmax(-1)
+    pos = dec.lengths.clone()
+    got = dec.step(ids, backend="triton")
+    attn = [a.cpu() for a in dec.attn_out]
+    want = twin.step(ids, backend="reference")
+    assert float(rel_err(got, want).max()) <= LOGITS_TOL
+    rows = agreement(TINY, w, recs + [(0, pos, got.cpu(), attn, torch.ones(2, dtype=torch.bool))], dec.history())
+    assert all(a.passed for a in rows), rows
+
+
+@pytest.mark.skipif(interpreting(), reason="many Triton steps: GPU only")
+def test_triton_many_steps_padded_heads():
+    dec, w, recs, tps = run(TINY, steps=24, prompt_lens=PROMPTS, inactive={5: [1]})
+    assert all(a.passed for a in agreement(TINY, w, recs, dec.history()))
+
+
+# ------------------------------------------------------------------------------------------------
+# bookkeeping and bad input
+# ------------------------------------------------------------------------------------------------
+
+
+def test_decode_past_capacity_raises_and_writes_nothing():
+    w = make_weights(TINY, 0)
+    dec = Decoder(TINY, w, num_requests=2, capacity=16, backend="reference")
+    dec.prefill([list(range(14)), [7, 8, 9]])
+    dec.step(torch.tensor([1, 2]))
+    dec.step(torch.tensor([3, 4]))  # request 0 now holds 16 tokens = capacity
+    before = [st["swa"].clone() for st in dec.layers]
+    with pytest.raises(CacheCapacityError, match="past the cache capacity of 16"):
+        dec.step(torch.tensor([5, 6]))
+    assert all(torch.equal(b, st["swa"]) for b, st in zip(before, dec.layers))
+    assert dec.lengths.tolist() == [16, 5]
+    dec.step(torch.tensor([5, 6]), active=torch.tensor([False, True]))  # the other request may go on
+    assert dec.lengths.tolist() == [16, 6]
+
+
+def test_bad_input_raises_clear_errors():
+    with pytest.raises(ValueError, match="compress_ratios"):
+        Decoder(TINY.replace(compress_ratios=(0, 4, 64, 4)))
+    with pytest.raises(ValueError, match="compress_ratios"):
+        Decoder(TINY.replace(compress_ratios=(0, 4)))
+    with pytest.raises(ValueError, match="o_groups"):
+        Decoder(TINY.replace(o_groups=3))
+    with pytest.raises(ValueError, match="head_dim"):
+        decode.check_config(TINY.replace(head_dim=256))
+    with pytest.raises(TypeError, match="cfg"):
+        decode.check_config({"hidden_size": 256})
+    with pytest.raises(ValueError, match="capacity"):
+        Decoder(TINY, num_requests=1, capacity=TINY.max_position + 1)
+    dec = Decoder(TINY, make_weights(TINY, 0), num_requests=2, capacity=32, backend="reference")
+    with pytest.raises(ValueError, match="prompts"):
+        dec.prefill([[1, 2]])
+    with pytest.raises(ValueError, match=r"prompts: token ids must be in \[0, 512\)"):
+        dec.prefill([[1, 2], [3, 512]])
+    with pytest.raises(CacheCapacityError, match="position 32 is past"):
+        dec.prefill([[1] * 33, [2]])
+    dec.prefill([[1, 2], [3]])
+    with pytest.raises(ValueError, match="prefill"):
+        dec.prefill([[1, 2], [3]])
+    with pytest.raises(ValueError, match=r"ids: expected shape \(2,\)"):
+        dec.step(torch.tensor([1, 2, 3]))
+    with pytest.raises(ValueError, match="bugs"):
+        reference_forward(TINY, dec.w, torch.tensor([1, 2]), bugs=("typo",))
+
+
+def test_reference_refuses_a_non_causal_top_k():
+    w = make_weights(TINY, 0)
+    L = 12
+    topk = {li: torch.full((L, TINY.index_topk), -1) for li in (1, 3)}
+    topk[1][5, 0] = 1  # p = 5 sees (5+1)//4 = 1 row: id 1 is not complete yet
+    with pytest.raises(ValueError, match="causal"):
+        reference_forward(TINY, w, torch.arange(L), topk)
+
+
+def test_block_tables_are_shuffled_and_disjoint():
+    dec = Decoder(TINY, make_weights(TINY, 0), num_requests=3, capacity=64, backend="reference")
+    for bt in [dec.bt_swa] + [st[k] for st in dec.layers for k in ("bt_c", "bt_i") if k in st]:
+        flat = bt.flatten().tolist()
+        assert sorted(flat) == list(range(len(flat)))  # every page once
+    assert dec.bt_swa.flatten().tolist() != sorted(dec.bt_swa.flatten().tolist())
+
+
+def test_traffic_formulas():
+    t4k, t1m = traffic_per_op(FLASH, 4096), traffic_per_op(FLASH, 1 << 20)
+    assert t4k["sparse_mla"] > t4k["indexer"]
+    assert t1m["indexer"] > sum(v for k, v in t1m.items() if k != "indexer")  # the indexer dominates at 1M
+    # 21 ratio-4 layers scan (2^20 / 4) indexer keys of 132 B (+ 4 B logit written, 4 B read by top-k)
+    keys = 21 * (1 << 18) * (132 + 4 + 4)
+    assert keys < t1m["indexer"] < keys * 1.01
+    # window-only layer at any context: 128 rows of 584 B + 4-B indices + q/out bf16 + lse
+    one = traffic_per_op(FLASH.replace(num_layers=1, compress_ratios=(0,)), 10**6)["sparse_mla"]
+    assert one == 128 * 588 + 2 * 64 * 512 * 2 + 4 * 64
+
+
+def test_swiglu_clamp():
+    gu = torch.tensor([[20.0, -3.0, 50.0, -50.0]])  # gate = [20, -3], up = [50, -50]
+    out = decode.swiglu_clamped(gu, 10.0)
+    want = torch.tensor([[10 * torch.sigmoid(torch.tensor(10.0)) * 10, -3 * torch.sigmoid(torch.tensor(-3.0)) * -10]])
+    assert torch.allclose(out, want)
