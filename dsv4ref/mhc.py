@@ -318,8 +318,8 @@ def _gemm_stream(a, k, kmask, fs_ptr, K, acc_g, acc_c, DOT_FP32: tl.constexpr, H
     n16 = tl.arange(0, 16)
     b_off = k.to(tl.int64)[:, None] * 16 + n16[None, :]  # [BLOCK_K, 16]
     bm = kmask[:, None] & (n16 < 16)[None, :]  # full-shape mask (the interpreter wants mask.shape == ptr.shape)
-    part_g = tl.zeros((a.shape[0], 16), dtype=tl.float32)
-    part_c = tl.zeros((a.shape[0], 16), dtype=tl.float32)
+    part_g = tl.zeros_like(acc_g)
+    part_c = tl.zeros_like(acc_c)
     for s in tl.static_range(3):
         part_g = dot(a, tl.load(fs_ptr + s * K * 16 + b_off, mask=bm, other=0.0), part_g, DOT_FP32)
         if not HEAD:
