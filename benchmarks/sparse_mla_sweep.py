@@ -45,13 +45,10 @@ def graph_us(fn, n_sets, reps=10):
 def main():
     ceil = measure_ceilings()
     print(f"ceilings: copy {ceil.copy_bytes_per_s / 1e12:.2f} TB/s, bf16 {ceil.bf16_flops_per_s / 1e12:.0f} TFLOP/s", flush=True)
-    sweeps = {
-        64: [(64, 32, 8, 2, 1), (64, 32, 8, 2, 2), (64, 64, 8, 2, 2), (64, 32, 4, 2, 2), (64, 16, 4, 2, 2),
-             (64, 32, 8, 3, 2), (32, 32, 4, 2, 1), (64, 32, 8, 2, 4)],
-        128: [(64, 32, 8, 2, 1), (64, 64, 8, 2, 1), (64, 32, 4, 2, 1), (64, 16, 4, 2, 1), (32, 32, 4, 2, 1),
-              (64, 32, 8, 2, 2)],
-        16: [(16, 32, 4, 2, 2), (16, 32, 4, 2, 4), (16, 64, 4, 2, 4), (16, 64, 4, 3, 4), (16, 32, 2, 2, 4),
-             (16, 64, 4, 2, 8), (16, 128, 8, 2, 4)],
+    sweeps = {  # second round: the first round's best layouts, with and without the exact P·V split
+        64: [(64, 64, 8, 2, 2, False), (64, 64, 8, 1, 2, True), (64, 64, 4, 2, 2, True)],
+        128: [(64, 64, 8, 2, 1, False), (64, 64, 8, 1, 1, True), (64, 128, 8, 1, 1, True)],
+        16: [(16, 32, 4, 2, 4, False), (16, 32, 4, 3, 4, True), (16, 16, 4, 2, 4, True), (16, 32, 4, 2, 8, True)],
     }
     for T, H, K in sm.BENCH_SHAPES:
         byts, flops = sm._bench_counts(T, H, K)
@@ -64,9 +61,9 @@ def main():
         print("default config:", default, flush=True)
         runs = [("two_pass(default)", sm._two_pass, default)]
         runs.append(("fused(default)", sm._fused, default))
-        for bh, bn, w, st, sp in sweeps[H]:
-            runs.append((f"fused bh{bh} bn{bn} w{w} st{st} sp{sp}", sm._fused,
-                         dict(block_h=bh, block_n=bn, num_warps=w, num_stages=st, num_splits=sp)))
+        for bh, bn, w, st, sp, pv in sweeps[H]:
+            runs.append((f"fused bh{bh} bn{bn} w{w} st{st} sp{sp} pv{int(pv)}", sm._fused,
+                         dict(block_h=bh, block_n=bn, num_warps=w, num_stages=st, num_splits=sp, pv_split=pv)))
         for name, f, cfg in runs:
             try:
                 fn = lambda i, f=f, cfg=cfg: f(*sets[i][0:2], sets[i][2], sm.DEFAULT_SCALE, cfg)

@@ -138,7 +138,7 @@ def _load_rows_bf16(ws_ptr, row, ok):
 @triton.jit
 def _attend_pool(q, m, l, acc, kv_ptr, idx_ptr, row_base, start, stop, block_size, page_stride, qk_scale,
                  KV_BF16: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, DOT_FP32: tl.constexpr,
-                 ROPE16: tl.constexpr):
+                 ROPE16: tl.constexpr, PV_SPLIT: tl.constexpr):
     """Online softmax over candidates [start, stop) of one pool; returns the updated (m, l, acc).
 
     m: running max of the log2-domain logits [BLOCK_H]; l: running Σ 2^(s − m); acc: running Σ 2^(s − m)·k.
@@ -164,11 +164,16 @@ def _attend_pool(q, m, l, acc, kv_ptr, idx_ptr, row_base, start, stop, block_siz
         alpha = tl.exp2(m - m_safe)  # m = −inf (nothing yet) -> 0
         p = tl.exp2(s - m_safe[:, None])
         l = l * alpha + tl.sum(p, axis=1)
+        # the same tile is V: nothing loaded twice
         if DOT_FP32:
-            pd = p
-        else:
-            pd = p.to(tl.bfloat16)
-        acc = dot(pd, kd, acc * alpha[:, None], DOT_FP32)  # the same tile is V: nothing loaded twice
+            acc = dot(p, kd, acc * alpha[:, None], DOT_FP32)
+        elif PV_SPLIT:  # p = p_hi + p_lo, both bf16: ~16 mantissa bits of p for one more MMA
+            p_hi = p.to(tl.bfloat16)
+            p_lo = (p - p_hi.to(tl.float32)).to(tl.bfloat16)
+            acc = dot(p_hi, kd, acc * alpha[:, None], DOT_FP32)
+            acc = dot(p_lo, kd, acc, DOT_FP32)
+        else:  # p rounded to bf16 (FlashMLA-style): abs error up to 2^-9 · Σ p|v|
+            acc = dot(p.to(tl.bfloat16), kd, acc * alpha[:, None], DOT_FP32)
         m = m_new
     return m, l, acc
 
@@ -208,6 +213,7 @@ def _decode_kernel(
     SPLITS: tl.constexpr,  # candidate-list splits (flash-decoding); > 1 writes partials for _merge_kernel
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, DOT_FP32: tl.constexpr,
     ROPE16: tl.constexpr,  # every page starts at an even address: RoPE read as int16 words
+    PV_SPLIT: tl.constexpr,  # compiled path: P·V as (p_hi + p_lo)·V in bf16, so p keeps ~16 bits
 ):
     tl.static_assert(BLOCK_N >= 16)  # the dots' K (for P·V) and N dims
     tl.static_assert(BLOCK_H >= 16)
@@ -231,7 +237,7 @@ def _decode_kernel(
     start1 = sp * chunk1
     stop1 = tl.minimum(start1 + chunk1, n1)
     m, l, acc = _attend_pool(q, m, l, acc, kv1_ptr, idx1_ptr + t64 * idx1_stride, t64 * K1, start1, stop1,
-                             bs1, ps1, qk_scale, KV_BF16, BLOCK_H, BLOCK_N, DOT_FP32, ROPE16)
+                             bs1, ps1, qk_scale, KV_BF16, BLOCK_H, BLOCK_N, DOT_FP32, ROPE16, PV_SPLIT)
     if HAS_POOL2:
         n2 = K2
         if HAS_LEN2:
@@ -239,7 +245,7 @@ def _decode_kernel(
         start2 = sp * chunk2
         stop2 = tl.minimum(start2 + chunk2, n2)
         m, l, acc = _attend_pool(q, m, l, acc, kv2_ptr, idx2_ptr + t64 * idx2_stride, t64 * K2, start2, stop2,
-                                 bs2, ps2, qk_scale, KV_BF16, BLOCK_H, BLOCK_N, DOT_FP32, ROPE16)
+                                 bs2, ps2, qk_scale, KV_BF16, BLOCK_H, BLOCK_N, DOT_FP32, ROPE16, PV_SPLIT)
 
     if SPLITS == 1:
         if HAS_SINK:
@@ -319,13 +325,16 @@ def _config(T: int, H: int, K_total: int, device: torch.device, *, block_h=None,
     if block_h is None:
         block_h = 16 if H <= 16 else (32 if H <= 32 else 64)
     if block_n is None:
-        block_n = 16 if interpreting() else 64
+        block_n = 16 if interpreting() else (32 if block_h <= 16 else 64)
     n_hb = triton.cdiv(H, block_h)
     if num_splits is None:
+        # tuned on the H200 at T = 64 (benchmarks/sparse_mla.md): blocks of 16 heads want about two
+        # programs per SM; blocks of 64 heads at most one (their partial states are 64·512 fp32 each).
         num_splits = 1
         if not interpreting():
             sms = _sm_count(device)
-            while T * n_hb * num_splits * 2 <= sms and K_total // (num_splits * 2) >= 256 and num_splits < 16:
+            target = 2 * sms if block_h <= 16 else sms
+            while T * n_hb * num_splits * 2 <= target and K_total // (num_splits * 2) >= 256 and num_splits < 16:
                 num_splits *= 2
     validate.power_of_two(num_splits, "num_splits")
     if num_warps is None:
@@ -371,6 +380,7 @@ def _launch(q, pools, sink, scale, kv_bf16: bool, cfg: dict):
         *a1, *a2, H, float(scale) * LOG2E,
         HAS_LEN1=has_len1, HAS_POOL2=has_pool2, HAS_LEN2=has_len2, HAS_SINK=sink is not None, KV_BF16=kv_bf16,
         SPLITS=S, BLOCK_H=BH, BLOCK_N=BN, DOT_FP32=interpreting(), ROPE16=cfg.get("rope16", True) and rope16,
+        PV_SPLIT=cfg.get("pv_split", True),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     if S > 1:
@@ -389,17 +399,18 @@ def _fused_op(q: torch.Tensor, cache: torch.Tensor, indices: torch.Tensor, lengt
               extra_cache: torch.Tensor | None, extra_indices: torch.Tensor | None,
               extra_lengths: torch.Tensor | None, sink: torch.Tensor | None, block_size: int,
               extra_block_size: int, scale: float, block_h: int, block_n: int, num_splits: int,
-              num_warps: int, num_stages: int) -> tuple[torch.Tensor, torch.Tensor]:
+              num_warps: int, num_stages: int, pv_split: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     pools = [(cache, indices, lengths, block_size, cache.stride(0))]
     if extra_cache is not None:
         pools.append((extra_cache, extra_indices, extra_lengths, extra_block_size, extra_cache.stride(0)))
-    cfg = dict(block_h=block_h, block_n=block_n, num_splits=num_splits, num_warps=num_warps, num_stages=num_stages)
+    cfg = dict(block_h=block_h, block_n=block_n, num_splits=num_splits, num_warps=num_warps, num_stages=num_stages,
+               pv_split=pv_split)
     return _launch(q, pools, sink, scale, False, cfg)
 
 
 @_fused_op.register_fake
 def _(q, cache, indices, lengths, extra_cache, extra_indices, extra_lengths, sink, block_size, extra_block_size,
-      scale, block_h, block_n, num_splits, num_warps, num_stages):
+      scale, block_h, block_n, num_splits, num_warps, num_stages, pv_split=True):
     T, H, D = q.shape
     return q.new_empty(T, H, D), q.new_empty(T, H, dtype=torch.float32)
 
@@ -407,16 +418,17 @@ def _(q, cache, indices, lengths, extra_cache, extra_indices, extra_lengths, sin
 @torch.library.custom_op("dsv4ref::sparse_mla_attend_bf16", mutates_args=())
 def _bf16_op(q: torch.Tensor, ws1: torch.Tensor, table1: torch.Tensor, ws2: torch.Tensor | None,
              table2: torch.Tensor | None, sink: torch.Tensor | None, scale: float, block_h: int, block_n: int,
-             num_splits: int, num_warps: int, num_stages: int) -> tuple[torch.Tensor, torch.Tensor]:
+             num_splits: int, num_warps: int, num_stages: int, pv_split: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     pools = [(ws1, table1, None, 1, 0)]
     if ws2 is not None:
         pools.append((ws2, table2, None, 1, 0))
-    cfg = dict(block_h=block_h, block_n=block_n, num_splits=num_splits, num_warps=num_warps, num_stages=num_stages)
+    cfg = dict(block_h=block_h, block_n=block_n, num_splits=num_splits, num_warps=num_warps, num_stages=num_stages,
+               pv_split=pv_split)
     return _launch(q, pools, sink, scale, True, cfg)
 
 
 @_bf16_op.register_fake
-def _(q, ws1, table1, ws2, table2, sink, scale, block_h, block_n, num_splits, num_warps, num_stages):
+def _(q, ws1, table1, ws2, table2, sink, scale, block_h, block_n, num_splits, num_warps, num_stages, pv_split=True):
     T, H, D = q.shape
     return q.new_empty(T, H, D), q.new_empty(T, H, dtype=torch.float32)
 
@@ -454,14 +466,16 @@ def _two_pass(q, pools, sink, scale, cfg):
     ws2 = wss[1] if len(pools) > 1 else None
     t2 = tables[1] if len(pools) > 1 else None
     return torch.ops.dsv4ref.sparse_mla_attend_bf16(q, wss[0], tables[0], ws2, t2, sink, float(scale), cfg["block_h"],
-                                                    cfg["block_n"], cfg["num_splits"], cfg["num_warps"], cfg["num_stages"])
+                                                    cfg["block_n"], cfg["num_splits"], cfg["num_warps"], cfg["num_stages"],
+                                                    cfg.get("pv_split", True))
 
 
 def _fused(q, pools, sink, scale, cfg):
     (c1, i1, l1, b1), *rest = pools
     c2, i2, l2, b2 = rest[0] if rest else (None, None, None, 1)
     return torch.ops.dsv4ref.sparse_mla_decode(q, c1, i1, l1, c2, i2, l2, sink, b1, b2, float(scale), cfg["block_h"],
-                                               cfg["block_n"], cfg["num_splits"], cfg["num_warps"], cfg["num_stages"])
+                                               cfg["block_n"], cfg["num_splits"], cfg["num_warps"], cfg["num_stages"],
+                                               cfg.get("pv_split", True))
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -637,6 +651,27 @@ def _bench_counts(T, H, K):
     return byts, flops
 
 
+def _replayable(fn, n_sets):
+    """On CUDA, capture fn(i) for every input set in its own CUDA graph and return i -> replay: the
+    timing then measures the kernels, not the ~100 µs of Python, custom-op dispatch and Triton launch
+    code around them (at T = 64 the kernels take 10-200 µs). Elsewhere fn itself."""
+    if DEVICE.type != "cuda":
+        return fn
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm up (compile) outside the capture
+        for i in range(n_sets):
+            fn(i)
+    torch.cuda.current_stream().wait_stream(side)
+    graphs = []
+    for i in range(n_sets):
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            fn(i)
+        graphs.append(g)
+    return lambda i: graphs[i].replay()
+
+
 @bench("sparse_mla")
 def _bench() -> list[BenchCase]:
     cases = []
@@ -646,11 +681,12 @@ def _bench() -> list[BenchCase]:
         n_sets = max(2, math.ceil(2.5 * _L2_BYTES / per_set))
         sets = _bench_inputs(T, H, K, n_sets, DEVICE)
         cfg = _config(T, H, K, DEVICE)
-        shape = f"T={T} H={H} K={K} (split {cfg['num_splits']})"
-        cases.append(BenchCase("sparse_mla.fused", shape, lambda i, s=sets, c=cfg: _fused(*s[i][0:2], s[i][2], DEFAULT_SCALE, c),
-                               n_sets, byts, flops, note="584+4 B/row + q,out bf16 + lse; FLOP 2·H·K·1024"))
-        cases.append(BenchCase("sparse_mla.two_pass", shape,
-                               lambda i, s=sets, c=cfg: _two_pass(*s[i][0:2], s[i][2], DEFAULT_SCALE, c),
-                               n_sets, byts, flops,
-                               note="same compulsory bytes; it really moves ~2632 B/row (584 + 2·1024 workspace)"))
+        shape = f"T={T} H={H} K={K} split={cfg['num_splits']}"
+        fused = _replayable(lambda i, s=sets, c=cfg: _fused(*s[i][0:2], s[i][2], DEFAULT_SCALE, c), n_sets)
+        two = _replayable(lambda i, s=sets, c=cfg: _two_pass(*s[i][0:2], s[i][2], DEFAULT_SCALE, c), n_sets)
+        graph = " (CUDA graph replay)" if DEVICE.type == "cuda" else ""
+        cases.append(BenchCase("sparse_mla.fused", shape, fused, n_sets, byts, flops,
+                               note="584+4 B/row + q,out bf16 + lse; FLOP 2·H·K·1024" + graph))
+        cases.append(BenchCase("sparse_mla.two_pass", shape, two, n_sets, byts, flops,
+                               note="same compulsory bytes; really moves ~2632 B/row (584 + 2·1024 workspace)" + graph))
     return cases
