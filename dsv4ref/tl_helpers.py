@@ -42,8 +42,10 @@ def e4m3_encode(x):
     # c = 2^(e-127) * 2^(23-3): adding and subtracting c rounds |x| to 3 mantissa bits (spacing 2^(e-130)).
     c = ((e + 20) << 23).to(tl.float32, bitcast=True)
     r = (a + c) - c  # <= 448 still: 448 is on the grid
-    # sign from the bit, not from x < 0, so that -0.0 encodes as 0x80 like torch does
-    y = tl.where(x.to(tl.int32, bitcast=True) < 0, -r, r)
+    # Put the sign back as a bit, not by negation: compiled Triton negates as 0 - r, which turns -0.0 (and
+    # every negative value that rounds to zero) into +0, where torch gives the byte 0x80.
+    sign = x.to(tl.uint32, bitcast=True) & 0x80000000
+    y = (r.to(tl.uint32, bitcast=True) | sign).to(tl.float32, bitcast=True)
     return y.to(tl.float8e4nv)
 
 
