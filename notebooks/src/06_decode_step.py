@@ -1,0 +1,329 @@
+# %% [markdown]
+# # 06 · One whole decode step: every op, composed, checked against float64
+#
+# Notebooks 01–05 built the pieces one at a time: the FP8 cache format, RoPE and the fused KV insert,
+# mHC, sparse MLA decode with its sink, and the lightning indexer. Here they compose into a decoder
+# **layer stack** of the teaching config (4 layers with compress ratios 0, 4, 128, 4) that decodes token
+# after token through the real data path, with paged caches behind shuffled block tables, and we check
+# it against an **independent float64 dense reference** of the same block.
+#
+# What this notebook shows:
+#
+# 1. the step as a pipeline, with shapes;
+# 2. prefill + a few dozen decode steps for a batch of 4 requests of different lengths;
+# 3. agreement with the float64 reference per step, and why the tolerance is what it is (the FP8 budget);
+# 4. that the check has teeth: the classic bugs, injected, fail it;
+# 5. where the bytes go at Flash size for 4k, 128k and 1M tokens of context (the indexer takes over);
+# 6. how to point the conformance suite, and its golden vectors, at **your** kernel.
+#
+# Facts: `README.md` §4 of the spec (the step map), `sparse_mla.md` §2/§8, `indexer.md` §5–§8,
+# `mhc.md` §9, `config.md` §5–§6. Code: `dsv4ref/decode.py`, `dsv4ref/conformance.py`.
+
+# %%
+import dsv4ref  # first: picks the device, sets TRITON_INTERPRET on a CPU-only machine
+import warnings
+
+warnings.filterwarnings("ignore")
+import numpy as np
+
+np.seterr(all="ignore")
+import matplotlib.pyplot as plt
+import torch
+
+# %matplotlib inline
+import inspect
+
+from dsv4ref import conformance, decode, mhc
+from dsv4ref.config import FLASH, TINY
+from dsv4ref.device import DEVICE, describe
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+print(describe())
+
+# %% [markdown]
+# ## 1. The step as a pipeline
+#
+# One token per request enters as an id and leaves as 512 logits. Inside, every layer runs the same
+# attention prologue, then a ratio-dependent middle (compressor, indexer), then sparse attention over
+# the **window ∪ compressed** candidates with the sink, and mHC around attention and around a small
+# FFN. Shapes below are for T = 4 tokens of the teaching config (H = 16 heads, Hd = 256, M = 4 streams,
+# W = 16, K_top = 16); the 512-dim latent head keeps the real byte format.
+
+# %%
+stages = [
+    ("embed", "ids (T) -> h (T, 256) bf16;  Hs = h x M  (T, 4, 256)"),
+    ("mHC pre", "Hs -> x (T, 256), post (T, 4), comb (T, 4, 4)"),
+    ("RMSNorm + [W_qa; W_kv]", "x -> qr (T, 128), kv (T, 512);  q_norm, kv_norm"),
+    ("wq_b", "qr -> q (T, 16, 512) bf16"),
+    ("q-norm + RoPE + KV insert", "q in place; kv -> window cache (584 B/token, pages of 16)"),
+    ("compressor (r = 4, 128)", "at (p+1) % r == 0: row p//r -> compressed cache (+ indexer K, r = 4)"),
+    ("indexer (r = 4)", "q_idx (T, 8, 128) fp8, logits (T, n_c) -> top-16 local ids"),
+    ("sparse MLA decode", "q (T, 64, 512) padded; window (T, 16) + comp (T, <=16) slots -> o (T, 64, 512)"),
+    ("inverse RoPE", "o[:, :16, 448:512] rotated by -p"),
+    ("grouped o-proj", "(T, 2, 4096) -> wo_a -> (T, 256) -> wo_b -> (T, 256)"),
+    ("mHC post + pre (ffn)", "Hs' = post*a + comb^T Hs;  next x"),
+    ("clamped SwiGLU FFN", "x -> (T, 1024) -> silu(min(g,10))*clamp(u,+-10) -> (T, 256)"),
+    ("... x 4 layers, then", "mHC post; hc_head -> (T, 256); RMSNorm; lm_head -> logits (T, 512)"),
+]
+fig, ax = plt.subplots(figsize=(11, 6.2))
+ax.set_xlim(0, 11)
+ax.set_ylim(-0.5, len(stages) - 0.3)
+ax.axis("off")
+colors = {"compressor (r = 4, 128)": "#fde0c5", "indexer (r = 4)": "#fde0c5", "sparse MLA decode": "#cfe3f7"}
+for i, (name, shape) in enumerate(stages):
+    y = len(stages) - 1 - i
+    ax.add_patch(plt.Rectangle((0.1, y - 0.35), 3.2, 0.7, color=colors.get(name, "#e8e8e8")))
+    ax.text(1.7, y, name, ha="center", va="center", fontsize=9, weight="bold")
+    ax.text(3.5, y, shape, va="center", fontsize=8.5, family="monospace")
+    if i + 1 < len(stages):
+        ax.annotate("", xy=(1.7, y - 0.37), xytext=(1.7, y - 0.63), arrowprops=dict(arrowstyle="<-", lw=0.8))
+ax.set_title("one decode step of the teaching config (per layer: rows 2-12)", fontsize=10)
+plt.show()
+
+# %% [markdown]
+# The whole attention block is short enough to read in one screen. Each line is a library call with a
+# `backend` switch (`"reference"` = the plain-torch op, `"triton"` = the kernel):
+
+# %%
+print(inspect.getsource(decode.Decoder._attention))
+
+# %% [markdown]
+# Two details matter for correctness, and both are about **order**: the KV row of the current token is
+# written (step 4) before attention reads the window, and a compressed row completed by this token
+# ((p+1) % r == 0) is written (step 5) before the indexer and attention look for it. Both are
+# visible to this very token (`sparse_mla.md` §2; pitfalls.md #26).
+#
+# The compressor is plain torch (the spec keeps its internals out of scope, `sparse_mla.md` §8): a ring
+# of the last coff·r tokens' (kv, score) per request; at a boundary token a per-channel softmax over the
+# window's tokens, with overlap on ratio 4 (the older 4 tokens give channels 0..511, the newer 4 give
+# 512..1023), then RMSNorm, bf16, RoPE at (p//r)·r, and the 584-B writer.
+#
+# ## 2. A batch of 4 requests: prefill, then decode
+#
+# Prompts of 133, 37, 5 and 70 tokens: the first crosses p = 127, where the ratio-128 layer writes its
+# first compressed row, and reaches n_c = 33 > K_top = 16 rows on the ratio-4 layers, so its indexer
+# really selects; the 5-token request starts with an empty compressed set. The prefill is one batched
+# step (all 245 prompt tokens are query rows, each with its own window and compressed candidates). Then
+# 24 greedy decode steps, one token per request; request 2 sits out steps 10 and 11 as a **padding row**
+# (slot −1, lengths 0: nothing written, nothing read). In the CPU interpreter a Triton launch costs
+# about a millisecond per program, so this cell runs the decode through the torch ops of the same
+# library (the cache bytes are identical: the writers are exact); section 4 runs a step through the
+# Triton kernels.
+
+# %%
+dec, w, recs, _ = decode.run(TINY, steps=24, prompt_lens=(133, 37, 5, 70), decode_backend="reference",
+                             inactive={10: [2], 11: [2]})
+print("requests:", dec.R, " tokens now in the caches:", dec.lengths.tolist(), " capacity per request:", dec.capacity)
+st1 = dec.layers[1]
+print("window cache, layer 0:", tuple(dec.layers[0]["swa"].shape), "uint8  (pages x page bytes)")
+print("compressed cache, layer 1 (r = 4):", tuple(st1["comp"].shape), " indexer K cache:", tuple(st1["idx_cache"].shape))
+print("compressed cache, layer 2 (r = 128):", tuple(dec.layers[2]["comp"].shape))
+print("block table (window) of request 0, first 8 pages:", dec.bt_swa[0, :8].cpu().tolist())
+
+# %% [markdown]
+# ## 3. Agreement with the float64 dense reference
+#
+# `decode.reference_forward` recomputes each request's whole sequence in float64: same weights, same
+# equations, but **no FP8, no paging, and no sparsity** except the causal window and the top-k ids the
+# indexer chose (fed in, so both sides attend to the same rows). It shares no code with the decode path,
+# not even the RoPE tables. We compare, per step, the row relative error ‖a − b‖/‖b‖ of every layer's
+# attention output and of the logits.
+#
+# **Why these tolerances.** The one lossy format on the path is e4m3 for the 448 NoPE dims of every KV
+# row: a dequantised value is within a relative half-ulp 2^-4 of the truth. An attention output
+# o = Σ_j P_j v_j · σ(lse − sink) is first-order in that error twice, through the V rows (a convex
+# combination does not amplify it) and through the softmax weights P (the scores q·k_j move by the
+# same relative amount): **2^-3 for attention outputs**. The logits see the error only through the
+# attention updates of the residual stream, a fraction of its norm: **2^-4 for logits**. bf16 rounding
+# (~2^-9 each) is noise at this scale.
+
+# %%
+rows = decode.agreement(TINY, w, recs, dec.history())
+steps = [a.step for a in rows]
+fig, ax = plt.subplots(figsize=(9, 3.6))
+ax.semilogy(steps, [a.attn_err for a in rows], "o-", label="attention outputs (max over layers, requests)")
+ax.semilogy(steps, [a.logits_err for a in rows], "s-", label="logits (max over requests)")
+ax.axhline(decode.ATTN_TOL, color="C0", ls="--", lw=0.8, label="ATTN_TOL = 2^-3")
+ax.axhline(decode.LOGITS_TOL, color="C1", ls="--", lw=0.8, label="LOGITS_TOL = 2^-4")
+ax.set_xlabel("decode step (-1 = last prompt token)")
+ax.set_ylabel("relative L2 error vs float64")
+ax.set_ylim(1e-3, 1)
+ax.legend(fontsize=8, loc="upper right")
+plt.show()
+print(f"{len(rows)} steps checked; all within tolerance: {all(a.passed for a in rows)}")
+print("requests compared per step:", [a.n for a in rows])
+
+# %% [markdown]
+# Is the error really the FP8 budget? Put the cache's quantisation *into* the float64 reference
+# (`fp8_kv=True`: e4m3 NoPE with UE8M0 block scales, bf16 RoPE dims) and the distance to the decode path
+# shrinks, while the distance between the two float64 references (the FP8 effect alone) is of the same
+# size as the decode path's error. Not to zero: the decode path's bf16 activations move some values
+# across an e4m3 rounding boundary, so its FP8 rounding is an independent draw of the same size.
+
+# %%
+toks, topks = dec.history()
+pure = decode.reference_forward(TINY, w, toks[0], topks[0])
+sim = decode.reference_forward(TINY, w, toks[0], topks[0], fp8_kv=True)
+step, pos, logits, attn, act = recs[-1]
+p = int(pos[0])
+e_pure = float(decode.rel_err(attn[0][0], pure["attn"][0][p]))
+e_sim = float(decode.rel_err(attn[0][0], sim["attn"][0][p]))
+budget = float(decode.rel_err(sim["attn"][0][p], pure["attn"][0][p]))
+print("layer 0, request 0, last step:")
+print("  decode vs float64 reference, FP8 simulated inside is closer:", e_sim < e_pure)
+print("  FP8 effect alone (float64 vs float64 + FP8) between 2^-6 and 2^-3:", 2**-6 < budget < 2**-3)
+print("  decode error within 3x the FP8 effect:", e_pure < 3 * budget)
+
+# %% [markdown]
+# The indexer is checked the same way: its FP8 top-16 should mostly agree with the top-16 of the
+# unquantised float64 scores (near-ties may flip, so we count overlap, `indexer.md` §9.4).
+
+# %%
+K = TINY.index_topk
+hits = tot = 0
+for li, ids in topks[0].items():
+    sc = pure["index_scores"][li]
+    for p in range(4 * K + 3, len(toks[0])):
+        hits += len(set(torch.topk(sc[p], K).indices.tolist()) & set(i for i in ids[p].tolist() if i >= 0))
+        tot += K
+print(f"top-16 overlap with the float64 indexer over {tot // K} selections: >= 80%: {hits / tot >= 0.8}")
+
+# %% [markdown]
+# ## 4. The check has teeth
+#
+# A tolerance is only worth something if bugs break it. `reference_forward(bugs=…)` injects the
+# classic DSV4 mistakes into the float64 side; each must fail the agreement check (pitfalls.md #14, #16,
+# #17). One does **not**: a transposed comb (#22) barely moves anything here, because the random comb of
+# this model sits near the identity, where comb ≈ combᵀ. That is exactly why the conformance suite has a
+# 4-cycle trap (section 6): an end-to-end check is not a substitute for the op-level ones.
+
+# %%
+for bug in decode.REFERENCE_BUGS:
+    bad = decode.agreement(TINY, w, recs[-3:], dec.history(), bugs=(bug,))
+    verdict = "caught (FAIL)" if not any(a.passed for a in bad) else "NOT caught (still PASS)"
+    print(f"  {bug:<22} {verdict}")
+
+# %% [markdown]
+# ### One step through the Triton kernels
+#
+# Everything above ran the library's torch ops. Now the same decoder takes one step through the Triton
+# kernels (interpreted on a CPU-only machine, compiled on a GPU): the fused q-norm/RoPE/KV insert, mHC,
+# the indexer's quantiser, logits and the fused sparse-MLA decode kernel. The step must agree with the
+# float64 reference just the same.
+
+# %%
+ids = recs[-1][2].argmax(-1)
+pos = dec.lengths.clone()
+got = dec.step(ids, backend="triton")
+attn = [a.cpu() for a in dec.attn_out]
+one = decode.agreement(TINY, w, recs + [(24, pos, got.cpu(), attn, torch.ones(4, dtype=torch.bool))], dec.history())[-1]
+print("Triton step: attention within 2^-3:", one.attn_err <= decode.ATTN_TOL, "; logits within 2^-4:",
+      one.logits_err <= decode.LOGITS_TOL)
+
+# %% [markdown]
+# Bad input is refused with an error that names the problem, and a decode past the space the caches
+# were allocated with raises instead of overwriting another request's pages:
+
+# %%
+small = decode.Decoder(TINY, w, num_requests=2, capacity=16, backend="reference")
+small.prefill([list(range(16)), [1, 2, 3]])
+try:
+    small.step(torch.tensor([1, 2]))
+except decode.CacheCapacityError as e:
+    print("CacheCapacityError:", e)
+try:
+    decode.Decoder(TINY.replace(compress_ratios=(0, 4, 64, 4)))
+except ValueError as e:
+    print("ValueError:", e)
+
+# %% [markdown]
+# ## 5. Where the bytes go at V4-Flash size
+#
+# Per decoded token, summed over the 43 layers, caches and activations only (weights are shared by the
+# batch). The formulas are in `decode.traffic_per_op` (`sparse_mla.md` §9): sparse MLA reads
+# N_sel·584 B, with N_sel = 128 window rows plus min(512, n_c) rows on ratio-4 layers or all n_c = L/128
+# on ratio-128 layers; the **indexer's logits kernel reads every visible indexer key**, L/4 × 132 B, on
+# each of the 21 ratio-4 layers. At 4k the window and the selected rows dominate; at 1M the indexer
+# moves about 7× more bytes than attention itself.
+
+# %%
+contexts = [4096, 131072, 1 << 20]
+ops = ["sparse_mla", "indexer", "qnorm_rope_kv_insert", "mhc", "compressor"]
+table = {c: decode.traffic_per_op(FLASH, c) for c in contexts}
+print(f"{'context':>9} " + " ".join(f"{o:>21}" for o in ops) + f" {'total':>9}   (MB per token)")
+for c in contexts:
+    print(f"{c:>9} " + " ".join(f"{table[c][o] / 1e6:>21.2f}" for o in ops) + f" {sum(table[c].values()) / 1e6:>9.2f}")
+fig, ax = plt.subplots(figsize=(7, 3.8))
+bottom = np.zeros(len(contexts))
+for o in ops:
+    v = np.array([table[c][o] / 1e6 for c in contexts])
+    ax.bar(["4k", "128k", "1M"], v, bottom=bottom, label=o)
+    bottom += v
+ax.set_ylabel("MB moved per decoded token (43 layers)")
+ax.set_title("DeepSeek-V4-Flash decode traffic by op")
+ax.legend(fontsize=8)
+plt.show()
+
+# %% [markdown]
+# ## 6. Point the conformance suite at your kernel
+#
+# `dsv4ref.conformance.run(impls)` takes a mapping from op name to **any callable with our public
+# signature** (an XPU port, a vLLM kernel behind a three-line adapter, your own attempt) and runs it on
+# the adversarial cases our tests use: per-block scales over 16 octaves, amax = 448·2^k blocks, page
+# sizes 61 and 2, −1 slots and short slot maps, −1 inside index prefixes, an empty row, ±∞ sinks,
+# padded heads, the causal top-k mask and the transposed-comb 4-cycle. It returns one row per output,
+# compared under a named tolerance. Here is someone's `mhc.post` that forgot the transpose:
+
+# %%
+def my_post(x, residual, post, comb):
+    """new_j = post_j·x + Σ_i comb[j, i]·res_i   <- the bug: should be comb[i, j]"""
+    mixed = torch.einsum("tji,tih->tjh", comb.float(), residual.float())
+    return (post.reshape(post.shape[0], -1, 1) * x.float()[:, None] + mixed).to(torch.bfloat16)
+
+
+print(conformance.format_report(conformance.run({"mhc.post": my_post}), details=False))
+
+# %% [markdown]
+# And this checkout's own kernels, op by op (the same suite `tests/test_conformance.py` runs):
+
+# %%
+report = conformance.run(conformance.default_impls())
+print(conformance.format_report(report).splitlines()[-1])
+print("ops covered:", sorted({r.op for r in report}))
+
+# %% [markdown]
+# **Without Python.** `scripts/make_golden.py` freezes the same cases into `golden/<op>__<case>.pt`:
+# plain `torch.save` dicts of named tensors (`inputs`, `expected`, the `positional` argument order and
+# the `tolerance` to compare with). A C++/SYCL port reads them with libtorch (`torch::pickle_load`) and
+# never runs our code; in Python, `conformance.run(impls, conformance.load_golden("golden"))` runs them.
+
+# %%
+import pathlib
+
+gold = sorted(pathlib.Path("../golden").glob("*.pt"))
+d = torch.load(gold[0], weights_only=True)
+print(len(gold), "golden files, e.g.", gold[0].name)
+print("keys:", sorted(d), "| inputs:", list(d["inputs"]), "| expected:", list(d["expected"]))
+print("tolerance:", d["tolerance"])
+
+# %% [markdown]
+# ## 7. The performance story
+#
+# The teaching config is tiny, so on a GPU a decode step is a few hundred small launches: it measures
+# launch latency and host-side bookkeeping, not bandwidth (the per-op kernels are benchmarked at Flash
+# size in their own notebooks and in `benchmarks/`). On a GPU the cell below times the decode loop and
+# each op's share (every op synchronised, so shares add up to the step); `python -m dsv4ref demo` prints
+# the same. Measured on the H200: see `benchmarks/decode.md`.
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+if not dsv4ref.interpreting():
+    d2, _, _, tps = decode.run(TINY, steps=32, prompt_lens=(133, 37, 5, 70))
+    print(f"{tps:.0f} tokens/s (4 requests, teaching config)")
+    d3, _, _, _ = decode.run(TINY, steps=32, prompt_lens=(133, 37, 5, 70), profile=True)
+    tot = sum(d3.prof.values())
+    for k, v in sorted(d3.prof.items(), key=lambda kv: -kv[1]):
+        print(f"  {k:<22} {v / tot:6.1%}")
+else:
+    print("interpreting Triton on the CPU: timings would measure the interpreter; run on a GPU")
