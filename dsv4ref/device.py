@@ -112,3 +112,31 @@ def describe() -> str:
         mod = getattr(torch, DEVICE.type)
         name = f"{DEVICE} ({mod.get_device_name(DEVICE)})"
     return f"{name}; torch {torch.__version__}; triton {triton.__version__}"
+
+
+def capture_graph(fn):
+    """Record ``fn()`` (a sequence of kernel launches, no host syncs) as a device graph and return a
+    function that replays it, or None where graphs are not available (CPU; an XPU torch without graphs).
+
+    Benchmarks replay graphs so that host launch cost (tens of µs per Triton launch, plus the
+    torch.library dispatcher) does not hide the kernel time of small ops.
+    """
+    if DEVICE.type == "cuda":
+        mod = torch.cuda
+        graph_cls = getattr(mod, "CUDAGraph", None)
+    elif DEVICE.type == "xpu":
+        mod = torch.xpu
+        graph_cls = getattr(mod, "XPUGraph", None)
+    else:
+        return None
+    if graph_cls is None or not hasattr(mod, "graph"):
+        return None
+    side = mod.Stream()
+    side.wait_stream(mod.current_stream())
+    with mod.stream(side):
+        fn()  # warm up (compiles kernels) outside the capture
+    mod.current_stream().wait_stream(side)
+    g = graph_cls()
+    with mod.graph(g):
+        fn()
+    return g.replay
