@@ -675,18 +675,27 @@ def _replayable(fn, n_sets):
 @bench("sparse_mla")
 def _bench() -> list[BenchCase]:
     cases = []
+    shapes = []
     for T, H, K in BENCH_SHAPES:
-        byts, flops = _bench_counts(T, H, K)
         per_set = T * K * (kv_cache.page_bytes(64) / 64)
         n_sets = max(2, math.ceil(2.5 * _L2_BYTES / per_set))
-        sets = _bench_inputs(T, H, K, n_sets, DEVICE)
+        shapes.append((T, H, K, n_sets, _bench_inputs(T, H, K, n_sets, DEVICE)))
+    # the two-pass workspace is shared: size it for the largest shape BEFORE any graph captures it, so no
+    # captured graph keeps a pointer to a workspace that a later, larger shape replaced
+    _workspace(max(T * K for T, _, K, _, _ in shapes), shapes[0][4][0][0].device)
+    for T, H, K, n_sets, sets in shapes:
+        byts, flops = _bench_counts(T, H, K)
         cfg = _config(T, H, K, DEVICE)
         shape = f"T={T} H={H} K={K} split={cfg['num_splits']}"
         fused = _replayable(lambda i, s=sets, c=cfg: _fused(*s[i][0:2], s[i][2], DEFAULT_SCALE, c), n_sets)
+        fast = _replayable(lambda i, s=sets, c=dict(cfg, pv_split=False): _fused(*s[i][0:2], s[i][2], DEFAULT_SCALE, c),
+                           n_sets)
         two = _replayable(lambda i, s=sets, c=cfg: _two_pass(*s[i][0:2], s[i][2], DEFAULT_SCALE, c), n_sets)
         graph = " (CUDA graph replay)" if DEVICE.type == "cuda" else ""
         cases.append(BenchCase("sparse_mla.fused", shape, fused, n_sets, byts, flops,
                                note="584+4 B/row + q,out bf16 + lse; FLOP 2·H·K·1024" + graph))
+        cases.append(BenchCase("sparse_mla.fused_bf16p", shape, fast, n_sets, byts, flops,
+                               note="P rounded to bf16 (FlashMLA numerics; see benchmarks/sparse_mla.md)" + graph))
         cases.append(BenchCase("sparse_mla.two_pass", shape, two, n_sets, byts, flops,
                                note="same compulsory bytes; really moves ~2632 B/row (584 + 2·1024 workspace)" + graph))
     return cases

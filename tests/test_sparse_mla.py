@@ -255,9 +255,9 @@ def test_outputs_fully_written():
 def test_two_pass_reuses_its_workspace():
     q, pools = setup(T=2, H=16, K1=16, lengths1=[16, 5])
     run(q, pools, "two_pass")
-    ptr = sparse_mla._WORKSPACE[str(DEVICE)].data_ptr()
+    ptr = sparse_mla._WORKSPACE[str(q.device)].data_ptr()
     run(q, pools, "two_pass")
-    assert sparse_mla._WORKSPACE[str(DEVICE)].data_ptr() == ptr
+    assert sparse_mla._WORKSPACE[str(q.device)].data_ptr() == ptr
 
 
 def test_custom_op_fake_impl():
