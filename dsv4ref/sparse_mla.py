@@ -22,6 +22,9 @@ Three backends:
   bytes straight from the pages and never writes a bf16 copy of the KV.
 
 Both Triton paths use the same attention loop (:func:`_decode_kernel`); only the row loader differs.
+Compiled, P·V is done as (p_hi + p_lo)·V with both halves in bf16 (``pv_split``, the default): P rounded to
+bf16 alone (FlashMLA's numerics) fails the ``bf16_out`` tolerance on wide-range data. H200 figures and
+what limits the kernel: ``benchmarks/sparse_mla.md``.
 """
 
 from __future__ import annotations

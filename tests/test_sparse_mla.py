@@ -140,7 +140,7 @@ def test_two_pools_with_sink_vs_float64(backend):
 
 
 @pytest.mark.parametrize("H", [64, 128])
-@pytest.mark.parametrize("backend", KERNELS + (("reference",) if True else ()))
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_heads_64_128(backend, H):
     """H = 64 (one block of 64 heads) and 128 (two blocks); a non-default softmax scale."""
     q, pools = setup(T=2, H=H, K1=24, K2=0, lengths1=[24, 19], seed=H)
