@@ -929,3 +929,28 @@ def traffic_per_op(cfg: Config, context: int) -> dict[str, float]:
             nih = cfg.index_heads
             t["indexer"] += nih * 128 * 2 + nih * (128 + 4) + n_c * (132 + 4) + n_c * 4 + cfg.index_topk * 4
     return t
+
+
+# ====================================================================================================
+# python -m dsv4ref check
+# ====================================================================================================
+
+
+def _register_check():
+    from .harness import CheckRow, check
+    from .testing import Report
+
+    @check("decode.step")
+    def _check_decode():
+        """Prefill 2 requests (torch ops), 2 decode steps through the Triton kernels, against the float64
+        reference. The tolerance row is this module's ATTN_TOL (reported as 'decode_attn_2^-3')."""
+        dec, w, recs, _ = run(TINY, steps=2, prompt_lens=(40, 9))
+        out = []
+        for a in agreement(TINY, w, recs, dec.history())[1:]:
+            rep = Report(f"step {a.step}", max(a.attn_err, a.logits_err), a.attn_err, "decode_attn_2^-3", a.passed,
+                         f"logits {a.logits_err:.3g} (<= {LOGITS_TOL:g}), attention {a.attn_err:.3g} (<= {ATTN_TOL:g})")
+            out.append(CheckRow("decode.step", f"tiny, T=2, step {a.step}", rep))
+        return out
+
+
+_register_check()
