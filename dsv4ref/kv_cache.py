@@ -63,6 +63,15 @@ def _check_cache(cache: torch.Tensor, block_size: int) -> None:
         raise ValueError(f"cache: each page must be contiguous bytes (strides {cache.stride()})")
 
 
+def _check_even_pages(cache: torch.Tensor) -> None:
+    """Writers only: allocate() always gives pages at even byte addresses. A view whose pages start at
+    odd addresses passed in the interpreter, but the compiled insert kernel wrote wrong NoPE bytes into
+    it on the H200 (2026-11-30; cause not found; readers were right), so writers refuse it."""
+    if cache.stride(0) % 2 or cache.storage_offset() % 2:
+        raise ValueError(f"cache: pages must start at even byte addresses to be written (page stride "
+                         f"{cache.stride(0)}, storage offset {cache.storage_offset()})")
+
+
 def _flat(cache: torch.Tensor) -> torch.Tensor:
     """All bytes from the first page's start to the last page's end, as one 1-d view (works for strided
     caches too), so the reference can address bytes exactly as a kernel does: base + offset."""
@@ -193,6 +202,7 @@ def insert(cache: torch.Tensor, kv: torch.Tensor, slot_mapping: torch.Tensor, *,
     """
     validate.backend(backend)
     _check_cache(cache, block_size)
+    _check_even_pages(cache)
     validate.tensor(kv, "kv", dtype=torch.bfloat16, ndim=2)
     if kv.shape[1] != HEAD_DIM or kv.stride(1) != 1:
         raise ValueError(f"kv: expected [T, {HEAD_DIM}] with contiguous rows, got shape {tuple(kv.shape)} "
