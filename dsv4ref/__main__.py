@@ -64,6 +64,12 @@ def _cmd_demo(args) -> int:
     return demo(steps=args.steps)
 
 
+def _cmd_conformance(args) -> int:
+    from .conformance import main as conformance_main
+
+    return conformance_main(args.rest)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m dsv4ref", description=__doc__)
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -74,6 +80,10 @@ def main(argv=None) -> int:
     b = sub.add_parser("bench", help="time the kernels against this device's measured ceilings (GPU only)")
     b.add_argument("op", nargs="?", help="only ops whose name starts with this")
     b.set_defaults(fn=_cmd_bench)
+    cf = sub.add_parser("conformance", help="run the conformance suite (your kernels vs the references, "
+                        "or --golden DIR); see dsv4ref/conformance.py", add_help=False)
+    cf.add_argument("rest", nargs=argparse.REMAINDER)
+    cf.set_defaults(fn=_cmd_conformance)
     d = sub.add_parser("demo", help="prefill + decode with the teaching config")
     d.add_argument("--steps", type=int, default=16)
     d.set_defaults(fn=_cmd_demo)

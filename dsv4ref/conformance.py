@@ -44,7 +44,8 @@ __all__ = ["Case", "Row", "all_cases", "default_impls", "reference_impls", "run"
 class Case:
     """One input set for one op. ``inputs`` maps argument names to values, in signature order;
     ``positional`` names those passed positionally (the rest go by keyword). ``expected`` maps output
-    names to the reference's tensors, ``tol`` output names to a TOLERANCES row."""
+    names to the reference's tensors, ``tol`` output names to a TOLERANCES row. ``mass`` maps an output
+    compared under "bf16_weighted_sum" to its Σ_j p_j·|v_j| (the scale its rounding error grows with)."""
 
     op: str
     name: str
@@ -53,6 +54,7 @@ class Case:
     expected: dict = field(default_factory=dict)
     tol: dict = field(default_factory=dict)
     why: str = ""
+    mass: dict = field(default_factory=dict)
 
 
 @dataclass
@@ -243,7 +245,7 @@ def _cases_sparse_mla() -> list[Case]:
     out.append(Case("sparse_mla.decode", "two_pools_minus1_empty_row_inf_sinks",
                     dict(q=q, cache=c1, indices=idx1, lengths=len1, block_size=B1, sink=sink, scale=512**-0.55,
                          extra_cache=c2, extra_indices=idx2, extra_lengths=len2, extra_block_size=B2),
-                    ("q", "cache", "indices", "lengths"), tol={"out": "bf16_out", "lse": "lse"},
+                    ("q", "cache", "indices", "lengths"), tol={"out": "bf16_weighted_sum", "lse": "lse"},
                     why="B = 61 and B = 2 pools in one softmax; −1 inside prefixes (#12); an empty row (out 0, "
                         "lse −inf; #18); sinks −inf, +inf, 0 and finite (#17); scale 512^-0.55"))
     Hp = 64
@@ -252,7 +254,7 @@ def _cases_sparse_mla() -> list[Case]:
     sinkp = torch.cat([torch.randn(H, generator=g), torch.full((Hp - H,), -math.inf)])
     out.append(Case("sparse_mla.decode", "padded_heads_64",
                     dict(q=qp, cache=c1, indices=idx1, lengths=len1, block_size=B1, sink=sinkp),
-                    ("q", "cache", "indices", "lengths"), tol={"out": "bf16_out", "lse": "lse"},
+                    ("q", "cache", "indices", "lengths"), tol={"out": "bf16_weighted_sum", "lse": "lse"},
                     why="H = 16 padded to 64 with zero q rows and −inf sinks: padded rows finite (#19)"))
     return out
 
@@ -361,7 +363,23 @@ def all_cases(only: str | None = None, *, with_expected: bool = True) -> list[Ca
         ref = reference_impls()
         for c in cases:
             c.expected = {k: v.detach().cpu() for k, v in _call(ref[c.op], c).items()}
+            if c.op == "sparse_mla.decode":
+                c.mass = {"out": _sparse_mla_mass(c)}
     return cases
+
+
+def _sparse_mla_mass(c: Case) -> torch.Tensor:
+    """Σ_j p_j·|v_j| (sink factor included) of a sparse_mla.decode case, from the reference."""
+    from . import sparse_mla
+
+    a = c.inputs
+    pools = [(a["cache"], a["indices"], a["lengths"], a["block_size"])]
+    if a.get("extra_cache") is not None:
+        pools.append((a["extra_cache"], a["extra_indices"], a["extra_lengths"], a["extra_block_size"]))
+    pools = [tuple(_to_device(v, DEVICE) for v in p) for p in pools]
+    sink = _to_device(a.get("sink"), DEVICE) if a.get("sink") is not None else None
+    q = _to_device(a["q"], DEVICE)
+    return sparse_mla._reference(q, pools, sink, a.get("scale", sparse_mla.DEFAULT_SCALE), with_mass=True)[2].cpu()
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -401,7 +419,9 @@ def run(impls: dict[str, Callable] | None = None, cases: list[Case] | str | None
             if o not in got:
                 rows.append(Row(c.op, c.name, o, None, "output missing"))
                 continue
-            rows.append(Row(c.op, c.name, o, compare(got[o], exp.to(got[o].device), c.tol[o], o)))
+            m = c.mass.get(o)
+            rows.append(Row(c.op, c.name, o, compare(got[o], exp.to(got[o].device), c.tol[o], o,
+                                                     None if m is None else m.to(got[o].device))))
     return rows
 
 
@@ -439,7 +459,8 @@ def save_golden(directory, cases: list[Case] | None = None) -> list[pathlib.Path
                        cos=TOLERANCES[t].cos) for o, t in c.tol.items()}
         torch.save(dict(op=c.op, case=c.name, why=c.why, positional=list(c.positional),
                         inputs={k: v.cpu().clone() if isinstance(v, torch.Tensor) else v for k, v in c.inputs.items()},
-                        expected={k: v.cpu().clone() for k, v in c.expected.items()}, tolerance=tol), p)
+                        expected={k: v.cpu().clone() for k, v in c.expected.items()}, tolerance=tol,
+                        mass={k: v.cpu().clone() for k, v in c.mass.items()}), p)
         paths.append(p)
     return paths
 
@@ -450,7 +471,7 @@ def load_golden(directory) -> list[Case]:
     for p in sorted(pathlib.Path(directory).glob("*.pt")):
         d = torch.load(p, weights_only=True)
         cases.append(Case(d["op"], d["case"], d["inputs"], tuple(d["positional"]), d["expected"],
-                          {o: t["name"] for o, t in d["tolerance"].items()}, d["why"]))
+                          {o: t["name"] for o, t in d["tolerance"].items()}, d["why"], d.get("mass", {})))
     return cases
 
 

@@ -22,9 +22,12 @@ Three backends:
   bytes straight from the pages and never writes a bf16 copy of the KV.
 
 Both Triton paths use the same attention loop (:func:`_decode_kernel`); only the row loader differs.
-Compiled, P·V is done as (p_hi + p_lo)·V with both halves in bf16 (``pv_split``, the default): P rounded to
-bf16 alone (FlashMLA's numerics) fails the ``bf16_out`` tolerance on wide-range data. H200 figures and
-what limits the kernel: ``benchmarks/sparse_mla.md``.
+Compiled, P is rounded to bf16 for the P·V product (FlashMLA's numerics, the default). Its error is
+bounded by 2^-9·Σ_j p_j|v_j| per output, which is what the tests hold it to (tolerance
+``bf16_weighted_sum``); an elementwise relative check (``bf16_out``) fails on wide-range data wherever
+outputs cancel. ``pv_split=True`` in the config does P·V as (p_hi + p_lo)·V instead (~16 bits of p, two
+MMAs; 6-9x slower with 64-head blocks on the H200). H200 figures and what limits the kernel:
+``benchmarks/sparse_mla.md``.
 """
 
 from __future__ import annotations
@@ -75,8 +78,10 @@ def _gather_pool_ref(cache, indices, lengths, block_size):
     return rows.float().view(T, K, HEAD_DIM), keep
 
 
-def _reference(q, pools, sink, scale):
-    """pools: list of (cache, indices, lengths|None, block_size)."""
+def _reference(q, pools, sink, scale, with_mass=False):
+    """pools: list of (cache, indices, lengths|None, block_size). ``with_mass`` also returns
+    Σ_j p_j·|v_j| (sink factor included), the scale of a kernel's rounding error (tolerance
+    "bf16_weighted_sum")."""
     ks, masks = zip(*(_gather_pool_ref(*p) for p in pools))
     k = torch.cat(ks, dim=1)  # [T, K1+K2, 512]: K = V
     keep = torch.cat(masks, dim=1)  # [T, K1+K2]
@@ -91,6 +96,11 @@ def _reference(q, pools, sink, scale):
         out = out * torch.sigmoid(lse_safe - sink.float()[None, :])[..., None]
     out = torch.where(nonempty[..., None], out, torch.zeros_like(out))
     lse = torch.where(nonempty, lse, torch.full_like(lse, -math.inf))
+    if with_mass:
+        mass = torch.einsum("thk,tkd->thd", p, k.abs())
+        if sink is not None:
+            mass = mass * torch.sigmoid(lse_safe - sink.float()[None, :])[..., None]
+        return out.to(torch.bfloat16), lse, torch.where(nonempty[..., None], mass, torch.zeros_like(mass))
     return out.to(torch.bfloat16), lse
 
 
@@ -383,7 +393,7 @@ def _launch(q, pools, sink, scale, kv_bf16: bool, cfg: dict):
         *a1, *a2, H, float(scale) * LOG2E,
         HAS_LEN1=has_len1, HAS_POOL2=has_pool2, HAS_LEN2=has_len2, HAS_SINK=sink is not None, KV_BF16=kv_bf16,
         SPLITS=S, BLOCK_H=BH, BLOCK_N=BN, DOT_FP32=interpreting(), ROPE16=cfg.get("rope16", True) and rope16,
-        PV_SPLIT=cfg.get("pv_split", True),
+        PV_SPLIT=cfg.get("pv_split", False),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     if S > 1:
@@ -402,7 +412,7 @@ def _fused_op(q: torch.Tensor, cache: torch.Tensor, indices: torch.Tensor, lengt
               extra_cache: torch.Tensor | None, extra_indices: torch.Tensor | None,
               extra_lengths: torch.Tensor | None, sink: torch.Tensor | None, block_size: int,
               extra_block_size: int, scale: float, block_h: int, block_n: int, num_splits: int,
-              num_warps: int, num_stages: int, pv_split: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+              num_warps: int, num_stages: int, pv_split: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     pools = [(cache, indices, lengths, block_size, cache.stride(0))]
     if extra_cache is not None:
         pools.append((extra_cache, extra_indices, extra_lengths, extra_block_size, extra_cache.stride(0)))
@@ -413,7 +423,7 @@ def _fused_op(q: torch.Tensor, cache: torch.Tensor, indices: torch.Tensor, lengt
 
 @_fused_op.register_fake
 def _(q, cache, indices, lengths, extra_cache, extra_indices, extra_lengths, sink, block_size, extra_block_size,
-      scale, block_h, block_n, num_splits, num_warps, num_stages, pv_split=True):
+      scale, block_h, block_n, num_splits, num_warps, num_stages, pv_split=False):
     T, H, D = q.shape
     return q.new_empty(T, H, D), q.new_empty(T, H, dtype=torch.float32)
 
@@ -421,7 +431,7 @@ def _(q, cache, indices, lengths, extra_cache, extra_indices, extra_lengths, sin
 @torch.library.custom_op("dsv4ref::sparse_mla_attend_bf16", mutates_args=())
 def _bf16_op(q: torch.Tensor, ws1: torch.Tensor, table1: torch.Tensor, ws2: torch.Tensor | None,
              table2: torch.Tensor | None, sink: torch.Tensor | None, scale: float, block_h: int, block_n: int,
-             num_splits: int, num_warps: int, num_stages: int, pv_split: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+             num_splits: int, num_warps: int, num_stages: int, pv_split: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     pools = [(ws1, table1, None, 1, 0)]
     if ws2 is not None:
         pools.append((ws2, table2, None, 1, 0))
@@ -431,7 +441,7 @@ def _bf16_op(q: torch.Tensor, ws1: torch.Tensor, table1: torch.Tensor, ws2: torc
 
 
 @_bf16_op.register_fake
-def _(q, ws1, table1, ws2, table2, sink, scale, block_h, block_n, num_splits, num_warps, num_stages, pv_split=True):
+def _(q, ws1, table1, ws2, table2, sink, scale, block_h, block_n, num_splits, num_warps, num_stages, pv_split=False):
     T, H, D = q.shape
     return q.new_empty(T, H, D), q.new_empty(T, H, dtype=torch.float32)
 
@@ -470,7 +480,7 @@ def _two_pass(q, pools, sink, scale, cfg):
     t2 = tables[1] if len(pools) > 1 else None
     return torch.ops.dsv4ref.sparse_mla_attend_bf16(q, wss[0], tables[0], ws2, t2, sink, float(scale), cfg["block_h"],
                                                     cfg["block_n"], cfg["num_splits"], cfg["num_warps"], cfg["num_stages"],
-                                                    cfg.get("pv_split", True))
+                                                    cfg.get("pv_split", False))
 
 
 def _fused(q, pools, sink, scale, cfg):
@@ -478,7 +488,7 @@ def _fused(q, pools, sink, scale, cfg):
     c2, i2, l2, b2 = rest[0] if rest else (None, None, None, 1)
     return torch.ops.dsv4ref.sparse_mla_decode(q, c1, i1, l1, c2, i2, l2, sink, b1, b2, float(scale), cfg["block_h"],
                                                cfg["block_n"], cfg["num_splits"], cfg["num_warps"], cfg["num_stages"],
-                                               cfg.get("pv_split", True))
+                                               cfg.get("pv_split", False))
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -607,12 +617,13 @@ def _check_decode() -> list[CheckRow]:
         shapes += [(16, 64, 128, 512, 64, 64, 40, 160), (8, 128, 128, 1024, 64, 2, 40, 4096)]
     for T, H, K1, K2, b1, b2, p1, p2 in shapes:
         q, pools, sink = _example(T, H, K1, K2, b1, b2, p1, p2, seed=T + H)
-        ref_out, ref_lse = _reference(q, pools, sink, DEFAULT_SCALE)
+        ref_out, ref_lse, mass = _reference(q, pools, sink, DEFAULT_SCALE, with_mass=True)
         cfg = _config(T, H, K1 + K2, q.device)
         for name, fn in (("two_pass", _two_pass), ("triton", _fused)):
             out, lse = fn(q, pools, sink, DEFAULT_SCALE, cfg)
             shape = f"{name} T={T} H={H} K={K1}+{K2}"
-            rows.append(CheckRow("sparse_mla.decode", shape + " out", compare(out, ref_out, "bf16_out")))
+            rows.append(CheckRow("sparse_mla.decode", shape + " out",
+                                 compare(out, ref_out, "bf16_weighted_sum", mass=mass)))
             rows.append(CheckRow("sparse_mla.decode", shape + " lse", compare(lse, ref_lse, "lse")))
     return rows
 
@@ -671,13 +682,13 @@ def _bench() -> list[BenchCase]:
         shape = f"T={T} H={H} K={K} split={cfg['num_splits']}"
         # no validation, no host sync on these paths: the harness can capture them in a device graph
         fused = lambda i, s=sets, c=cfg: _fused(*s[i][0:2], s[i][2], DEFAULT_SCALE, c)  # noqa: E731
-        fast = lambda i, s=sets, c=dict(cfg, pv_split=False): _fused(*s[i][0:2], s[i][2], DEFAULT_SCALE, c)  # noqa: E731
+        exact = lambda i, s=sets, c=dict(cfg, pv_split=True): _fused(*s[i][0:2], s[i][2], DEFAULT_SCALE, c)  # noqa: E731
         two = lambda i, s=sets, c=cfg: _two_pass(*s[i][0:2], s[i][2], DEFAULT_SCALE, c)  # noqa: E731
         graph = ""
         cases.append(BenchCase("sparse_mla.fused", shape, fused, n_sets, byts, flops,
                                note="584+4 B/row + q,out bf16 + lse; FLOP 2·H·K·1024" + graph))
-        cases.append(BenchCase("sparse_mla.fused_bf16p", shape, fast, n_sets, byts, flops,
-                               note="P rounded to bf16 (FlashMLA numerics; see benchmarks/sparse_mla.md)" + graph))
+        cases.append(BenchCase("sparse_mla.fused_pv_split", shape, exact, n_sets, byts, flops,
+                               note="P·V as (p_hi + p_lo)·V, ~16 bits of p (benchmarks/sparse_mla.md)" + graph))
         cases.append(BenchCase("sparse_mla.two_pass", shape, two, n_sets, byts, flops,
                                note="same compulsory bytes; really moves ~2632 B/row (584 + 2·1024 workspace)" + graph))
     return cases

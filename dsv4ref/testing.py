@@ -24,6 +24,7 @@ class Tol:
     atol: float
     rtol: float
     mode: str  # "exact" | "sum" (|a-b| <= atol + rtol|b|) | "or" (abs <= atol OR rel <= rtol, FlashMLA)
+    #            | "mass" (|a-b| <= atol + rtol·(|b| + mass): for weighted sums, mass = Σ_j w_j·|v_j|)
     cos: float | None  # max global cosine difference, or None
     why: str
 
@@ -38,6 +39,10 @@ TOLERANCES: dict[str, Tol] = {
                     "about 2 bf16 ulps (interpreter truncation <= 1 ulp, plus reordering); FlashMLA's figure"),
     "bf16_gemm": Tol(1e-2, 1e-2, "sum", None, "bf16 GEMM with fp32 accumulation vs an fp32 reference (rope.md §7)"),
     "lse": Tol(1e-6, 8.01 / 65536, "or", None, "FlashMLA's LSE tolerance"),
+    "bf16_weighted_sum": Tol(1e-6, 2.0**-8, "mass", None,
+                             "out = Σ_j p_j·v_j with p rounded to bf16 (rel 2^-9 each, as FlashMLA's kernels do) and"
+                             " the result rounded to bf16 (2^-9): |err| <= 2^-9·Σ p|v| + 2^-9·|out|, doubled for"
+                             " accumulation order and exp2; an elementwise relative check fails wherever outputs cancel"),
 }
 
 
@@ -71,12 +76,15 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
-def compare(actual: torch.Tensor, expected: torch.Tensor, tol: str = "bf16_out", name: str = "result") -> Report:
+def compare(actual: torch.Tensor, expected: torch.Tensor, tol: str = "bf16_out", name: str = "result",
+            mass: torch.Tensor | None = None) -> Report:
     """Compare ``actual`` with ``expected`` (ideally float64) under the named tolerance.
 
     Non-finite entries must sit at the same positions with the same values (FlashMLA's rule), and are
     then excluded. Mode "or" passes an element if abs err <= atol OR rel err <= rtol; mode "sum" uses
-    torch's atol + rtol·|expected|. A cosine bound, where the row has one, is checked on the whole tensor.
+    torch's atol + rtol·|expected|; mode "mass" uses atol + rtol·(|expected| + mass), where ``mass`` (same
+    shape) is Σ_j w_j·|v_j| of a weighted sum, the scale its rounding errors grow with. A cosine bound, where
+    the row has one, is checked on the whole tensor.
     """
     t = TOLERANCES[tol]
     if tuple(actual.shape) != tuple(expected.shape):
@@ -94,6 +102,10 @@ def compare(actual: torch.Tensor, expected: torch.Tensor, tol: str = "bf16_out",
     same_nonfinite = torch.equal(fa, fe) and torch.equal(a[~fa].nan_to_num(0.0, 1.0, -1.0), e[~fe].nan_to_num(0.0, 1.0, -1.0))
     if not same_nonfinite:
         return Report(name, math.inf, math.inf, tol, False, "non-finite entries differ in position or value")
+    if t.mode == "mass":
+        if mass is None:
+            raise ValueError(f"tolerance '{tol}' needs the mass argument")
+        m = mass.detach().cpu().double()[fe]
     a, e = a[fe], e[fe]
     if a.numel() == 0:
         return Report(name, 0.0, 0.0, tol, True)
@@ -101,6 +113,8 @@ def compare(actual: torch.Tensor, expected: torch.Tensor, tol: str = "bf16_out",
     rel_err = abs_err / e.abs().clamp_min(1e-300)
     if t.mode == "or":
         ok = bool(((abs_err <= t.atol) | (rel_err <= t.rtol)).all())
+    elif t.mode == "mass":
+        ok = bool((abs_err <= t.atol + t.rtol * (e.abs() + m)).all())
     else:
         ok = bool((abs_err <= t.atol + t.rtol * e.abs()).all())
     detail = ""
@@ -113,9 +127,10 @@ def compare(actual: torch.Tensor, expected: torch.Tensor, tol: str = "bf16_out",
                   tol, ok, detail)
 
 
-def assert_close(actual: torch.Tensor, expected: torch.Tensor, tol: str = "bf16_out", name: str = "result") -> Report:
+def assert_close(actual: torch.Tensor, expected: torch.Tensor, tol: str = "bf16_out", name: str = "result",
+                 mass: torch.Tensor | None = None) -> Report:
     """:func:`compare`, raising AssertionError that lists the five worst elements on failure."""
-    r = compare(actual, expected, tol, name)
+    r = compare(actual, expected, tol, name, mass)
     if not r.passed:
         msg = [str(r)]
         if tuple(actual.shape) == tuple(expected.shape) and actual.numel():

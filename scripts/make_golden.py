@@ -10,6 +10,7 @@ or ``torch::pickle_load`` in libtorch C++)::
     inputs      {name: tensor or number}                  every argument (keyword ones included)
     expected    {output name: tensor}                     what the reference returns (or writes, for in-place ops)
     tolerance   {output name: {name, mode, atol, rtol, cos}}   how to compare (dsv4ref.testing.TOLERANCES)
+    mass        {output name: tensor}                     for mode "mass": |got − expected| <= atol + rtol·(|expected| + mass)
 
 Expected outputs come from the torch references on the CPU. For in-place ops (kv_cache.insert,
 rope.qnorm_rope_kv_insert, indexer.insert_k) the expected tensor is the whole buffer after the call:

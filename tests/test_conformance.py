@@ -58,7 +58,7 @@ def test_golden_format():
     paths = sorted(GOLDEN.glob("*.pt"))
     assert sum(p.stat().st_size for p in paths) < 4 * 2**20  # a few MB at most
     d = torch.load(paths[0], weights_only=True)  # loadable without unpickling code
-    assert set(d) == {"op", "case", "why", "positional", "inputs", "expected", "tolerance"}
+    assert set(d) == {"op", "case", "why", "positional", "inputs", "expected", "tolerance", "mass"}
     for t in d["tolerance"].values():
         assert t["name"] in TOLERANCES and {"mode", "atol", "rtol", "cos"} <= set(t)
 

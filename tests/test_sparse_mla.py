@@ -61,9 +61,13 @@ def make_indices(T, K, block_size, num_pages, seed, lengths, *, minus_one=True, 
 
 
 def oracle(q, pools, sink, scale):
-    """float64, one token at a time: the definition in sparse_mla.md §1, written out."""
+    """float64, one token at a time: the definition in sparse_mla.md §1, written out.
+
+    The returned ``out`` carries ``out.mass`` = Σ_j p_j·|v_j| (times the sink factor): the scale a kernel's
+    rounding error grows with (P rounded to bf16 before P·V, as FlashMLA does), used by :func:`check`."""
     T, H, _ = q.shape
     out = torch.zeros(T, H, 512, dtype=torch.float64)
+    mass = torch.zeros(T, H, 512, dtype=torch.float64)
     lse = torch.full((T, H), -math.inf, dtype=torch.float64)
     q64 = q.cpu().double()
     for t in range(T):
@@ -79,17 +83,22 @@ def oracle(q, pools, sink, scale):
         k = torch.cat(rows)  # [n, 512]; K = V
         s = scale * q64[t] @ k.T  # [H, n]
         lse[t] = torch.logsumexp(s, dim=1)
-        o = torch.softmax(s, dim=1) @ k
+        p = torch.softmax(s, dim=1)
+        o, m = p @ k, p @ k.abs()
         if sink is not None:
-            o = o * torch.sigmoid(lse[t] - sink.cpu().double())[:, None]
-        out[t] = o
+            f = torch.sigmoid(lse[t] - sink.cpu().double())[:, None]
+            o, m = o * f, m * f
+        out[t], mass[t] = o, m
+    out.mass = mass
     return out, lse
 
 
 def check(out, lse, ref_out, ref_lse, name=""):
+    """out within tolerance "bf16_weighted_sum" (|err| <= 2^-8·(|ref| + Σ p|v|) + 1e-6: P and out rounded
+    to bf16), lse within "lse"."""
     assert out.dtype == torch.bfloat16 and lse.dtype == torch.float32
     assert not torch.isnan(out).any(), f"{name}: NaN in out"
-    assert_close(out, ref_out, "bf16_out", f"{name} out")
+    assert_close(out, ref_out, "bf16_weighted_sum", f"{name} out", mass=ref_out.mass)
     assert_close(lse, ref_lse, "lse", f"{name} lse")
 
 
@@ -219,7 +228,7 @@ def test_split_merge_equals_single_pass():
         out, lse = sparse_mla._fused(q, pools, sink, sparse_mla.DEFAULT_SCALE, cfg)
         check(out, lse, *ref, f"splits={splits}")
         outs.append((out, lse))
-    assert_close(outs[2][0], outs[0][0].double(), "bf16_out", "split 4 vs 1")
+    assert_close(outs[2][0], outs[0][0].double(), "bf16_weighted_sum", "split 4 vs 1", mass=ref[0].mass)
     assert_close(outs[2][1], outs[0][1].double(), "lse", "split 4 vs 1 lse")
 
 
