@@ -6,7 +6,8 @@ than the GPU's idle gap. For a ~30 µs kernel that matters. This script times th
 
 * ``event``: one call per timed region, like the harness (what a caller sees for an isolated call);
 * ``b2b``:   50 calls back to back between two events (host launches overlap GPU work);
-* ``graph``: the calls captured once in a CUDA graph and replayed (kernel time only, no host cost);
+* ``graph``: the calls captured once in a device graph and replayed (kernel time only, no host cost;
+  ``dsv4ref.harness.time_ms``, what ``python -m dsv4ref bench`` reports);
 
 over tokens per program ∈ {1, 2, 4, 8} × num_warps ∈ {1, 2, 4}, for S = 64k and 256k slots, rotating 4 input sets (> 60 MB L2).
 
@@ -22,7 +23,7 @@ import torch
 import dsv4ref
 from dsv4ref import kv_cache as kc
 from dsv4ref.device import DEVICE, Timer, describe, synchronize
-from dsv4ref.harness import measure_ceilings
+from dsv4ref.harness import measure_ceilings, time_ms
 
 
 def make_sets(S: int, B: int = 64, n_sets: int = 4):
@@ -37,16 +38,12 @@ def make_sets(S: int, B: int = 64, n_sets: int = 4):
     return sets
 
 
-def t_event(fn, n_sets, reps=30):
-    for i in range(5):
-        fn(i % n_sets)
-    synchronize()
-    ts = []
-    for i in range(reps):
-        with Timer() as t:
-            fn(i % n_sets)
-        ts.append(t.ms)
-    return statistics.median(ts)
+def t_event(fn, n_sets):
+    return time_ms(fn, n_sets, graph=False)  # one call per timed region
+
+
+def t_graph(fn, n_sets):
+    return time_ms(fn, n_sets)  # replay of a device graph holding one call per input set
 
 
 def t_b2b(fn, n_sets, calls=50, reps=5):
@@ -59,28 +56,6 @@ def t_b2b(fn, n_sets, calls=50, reps=5):
             for i in range(calls):
                 fn(i % n_sets)
         ts.append(t.ms / calls)
-    return statistics.median(ts)
-
-
-def t_graph(fn, n_sets, reps=10):
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for i in range(n_sets):  # warm up (compile) outside the capture
-            fn(i)
-    torch.cuda.current_stream().wait_stream(s)
-    synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for i in range(n_sets):
-            fn(i)
-    graph.replay()
-    synchronize()
-    ts = []
-    for _ in range(reps):
-        with Timer() as t:
-            graph.replay()
-        ts.append(t.ms / n_sets)
     return statistics.median(ts)
 
 
@@ -132,9 +107,8 @@ def main():
                 print(f"{op:<8} {S:>7} {'def':>3} {'def':>5} {via:<7} {ms * 1e3:>9.1f} {byts / (ms * 1e-3) / 1e9:>7.0f} "
                       f"{byts / (ms * 1e-3) / bw:>8.1%}")
         del sets, ref_cache, ref_out
-        torch.cuda.empty_cache()
 
 
 if __name__ == "__main__":
-    assert dsv4ref.DEVICE.type == "cuda", "GPU only"
+    assert dsv4ref.DEVICE.type != "cpu", "GPU only"
     main()
