@@ -943,11 +943,11 @@ def _register_check():
     @check("decode.step")
     def _check_decode():
         """Prefill 2 requests (torch ops), 2 decode steps through the Triton kernels, against the float64
-        reference. The tolerance row is this module's ATTN_TOL (reported as 'decode_attn_2^-3')."""
+        reference. The tolerance is this module's ATTN_TOL, the row 'decode_step' of dsv4ref.testing.TOLERANCES."""
         dec, w, recs, _ = run(TINY, steps=2, prompt_lens=(40, 9))
         out = []
         for a in agreement(TINY, w, recs, dec.history())[1:]:
-            rep = Report(f"step {a.step}", max(a.attn_err, a.logits_err), a.attn_err, "decode_attn_2^-3", a.passed,
+            rep = Report(f"step {a.step}", max(a.attn_err, a.logits_err), a.attn_err, "decode_step", a.passed,
                          f"logits {a.logits_err:.3g} (<= {LOGITS_TOL:g}), attention {a.attn_err:.3g} (<= {ATTN_TOL:g})")
             out.append(CheckRow("decode.step", f"tiny, T=2, step {a.step}", rep))
         return out
