@@ -28,6 +28,12 @@ bounded by 2^-9·Σ_j p_j|v_j| per output, which is what the tests hold it to (t
 outputs cancel. ``pv_split=True`` in the config does P·V as (p_hi + p_lo)·V instead (~16 bits of p, two
 MMAs; 6-9x slower with 64-head blocks on the H200). H200 figures and what limits the kernel:
 ``benchmarks/sparse_mla.md``.
+
+``v_split=2`` or ``4`` in the config (:func:`_config`; default 1) is an alternative layout of the same
+math: the 512 output dims are split over that many programs (:func:`_decode_vsplit`), each with a
+``[BLOCK_H, 512 / v_split]`` accumulator, each recomputing the full 512-dim scores from the same K rows.
+It trades duplicated score work for a smaller accumulator and more programs (bench cases
+``sparse_mla.fused_vsplit2`` / ``_vsplit4``); not yet measured on a GPU.
 """
 
 from __future__ import annotations
@@ -42,7 +48,7 @@ from . import kv_cache, validate
 from .device import DEVICE, interpreting
 from .harness import BenchCase, CheckRow, bench, check
 from .testing import compare, randn
-from .tl_helpers import bf16_rne_bits, dot, page_offsets, pow2
+from .tl_helpers import bf16_rne_bits, dot, page_offsets, pow2, splat
 
 HEAD_DIM = 512
 NOPE_DIM = 448
@@ -149,6 +155,106 @@ def _load_rows_bf16(ws_ptr, row, ok):
 
 
 @triton.jit
+def _load_cols_fp8(cache_ptr, slot, ok, d0, block_size, page_stride, BLOCK_N: tl.constexpr, ROPE16: tl.constexpr,
+                   W: tl.constexpr):
+    """Dims [d0, d0 + W) of the dequantised rows, [BLOCK_N, W] fp32 (the v-split path; d0 a multiple of 64,
+    W in {128, 256}). The same bytes and the same exact dequantisation as :func:`_load_rows_fp8`, for the
+    W/64 tiles this slice covers: tiles < 7 are e4m3 × 2^(scale − 127), tile 7 the bf16 RoPE values."""
+    data, scales = page_offsets(slot, block_size, page_stride)
+    b = d0 // 64 + tl.arange(0, W // 64)  # the tile ids of this slice
+    c = tl.arange(0, 64)
+    b3 = b[None, :, None]
+    c3 = c[None, None, :]
+    ok3 = (ok[:, None, None] & (b3 < 7)) & (c3 >= 0)
+    q8 = tl.load(cache_ptr + data[:, None, None] + b3 * 64 + c3, mask=ok3, other=0)
+    x = q8.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+    ok2 = ok[:, None] & (b[None, :] < 7)
+    sb = tl.load(cache_ptr + scales[:, None] + b[None, :], mask=ok2, other=127).to(tl.int32)
+    x = x * pow2(sb)[:, :, None]
+    okr = ok[:, None] & ((c[None, :] + (d0 + W)) >= 512)  # only the slice that ends at 512 holds tile 7
+    if ROPE16:
+        w = tl.load(cache_ptr.to(tl.pointer_type(tl.int16)) + ((data + 448) // 2)[:, None] + c[None, :],
+                    mask=okr, other=0).to(tl.int32) & 0xFFFF
+    else:
+        lo = tl.load(cache_ptr + data[:, None] + 448 + 2 * c[None, :], mask=okr, other=0).to(tl.int32)
+        hi = tl.load(cache_ptr + data[:, None] + 449 + 2 * c[None, :], mask=okr, other=0).to(tl.int32)
+        w = lo | (hi << 8)
+    rope = (w << 16).to(tl.float32, bitcast=True)
+    x = tl.where(b3 == 7, rope[:, None, :], x)
+    return tl.reshape(x, (BLOCK_N, W))
+
+
+@triton.jit
+def _load_cols(kv_ptr, idx, row, ok, d0, block_size, page_stride, KV_BF16: tl.constexpr, BLOCK_N: tl.constexpr,
+               ROPE16: tl.constexpr, W: tl.constexpr, DOT_FP32: tl.constexpr):
+    """Dims [d0, d0 + W) of the candidate rows as a dot operand (bf16 compiled, fp32 interpreted)."""
+    if KV_BF16:
+        d = d0 + tl.arange(0, W)
+        k = tl.load(kv_ptr + row.to(tl.int64)[:, None] * 512 + d[None, :], mask=ok[:, None] & (d[None, :] >= 0),
+                    other=0.0).to(tl.float32)
+    else:
+        k = _load_cols_fp8(kv_ptr, tl.maximum(idx, 0), ok, d0, block_size, page_stride, BLOCK_N, ROPE16, W)
+    if not DOT_FP32:
+        k = k.to(tl.bfloat16)  # exact (e4m3 × 2^e and the RoPE values are bf16 numbers)
+    return k
+
+
+@triton.jit
+def _attend_pool_vsplit(q_own, q_sib, q_far, d_own, d_sib, d_far, m, l, acc, kv_ptr, idx_ptr, row_base, start,
+                        stop, block_size, page_stride, qk_scale, KV_BF16: tl.constexpr, BLOCK_H: tl.constexpr,
+                        BLOCK_N: tl.constexpr, DOT_FP32: tl.constexpr, ROPE16: tl.constexpr,
+                        PV_SPLIT: tl.constexpr, VSPLIT: tl.constexpr):
+    """:func:`_attend_pool` for a program that owns only the value dims [d_own, d_own + 512/VSPLIT).
+
+    The scores still need all 512 dims: they are summed from the program's own slice (which is then reused
+    as V, as in the unsplit loop), for VSPLIT = 4 the other 128 dims of its half (``sib``), and the other
+    256-dim half (``far``). Every slice is a power of two wide, so no masked padding enters the dots."""
+    jn = tl.arange(0, BLOCK_N)
+    for j in range(start, stop, BLOCK_N):
+        jj = j + jn
+        idx = tl.load(idx_ptr + jj, mask=jj < stop, other=-1)
+        ok = idx >= 0
+        k_own = _load_cols(kv_ptr, idx, row_base + jj, ok, d_own, block_size, page_stride, KV_BF16, BLOCK_N, ROPE16,
+                           512 // VSPLIT, DOT_FP32)
+        s = dot(q_own, tl.trans(k_own), tl.zeros((BLOCK_H, BLOCK_N), dtype=tl.float32), DOT_FP32)
+        if VSPLIT == 4:
+            k_sib = _load_cols(kv_ptr, idx, row_base + jj, ok, d_sib, block_size, page_stride, KV_BF16, BLOCK_N,
+                               ROPE16, 128, DOT_FP32)
+            s = dot(q_sib, tl.trans(k_sib), s, DOT_FP32)
+        k_far = _load_cols(kv_ptr, idx, row_base + jj, ok, d_far, block_size, page_stride, KV_BF16, BLOCK_N, ROPE16,
+                           256, DOT_FP32)
+        s = dot(q_far, tl.trans(k_far), s, DOT_FP32)
+        s = tl.where(ok[None, :], s * qk_scale, -float("inf"))
+        m_new = tl.maximum(m, tl.max(s, axis=1))
+        m_safe = tl.where(m_new == -float("inf"), 0.0, m_new)
+        alpha = tl.exp2(m - m_safe)
+        p = tl.exp2(s - m_safe[:, None])
+        l = l * alpha + tl.sum(p, axis=1)
+        if DOT_FP32:
+            acc = dot(p, k_own, acc * alpha[:, None], DOT_FP32)
+        elif PV_SPLIT:
+            p_hi = p.to(tl.bfloat16)
+            p_lo = (p - p_hi.to(tl.float32)).to(tl.bfloat16)
+            acc = dot(p_hi, k_own, acc * alpha[:, None], DOT_FP32)
+            acc = dot(p_lo, k_own, acc, DOT_FP32)
+        else:
+            acc = dot(p.to(tl.bfloat16), k_own, acc * alpha[:, None], DOT_FP32)
+        m = m_new
+    return m, l, acc
+
+
+@triton.jit
+def _load_q_cols(q_ptr, t64, q_stride_h, h, hm, d0, W: tl.constexpr, DOT_FP32: tl.constexpr):
+    """q[t, h, d0:d0 + W] for a block of heads (padding heads 0), a dot operand."""
+    d = d0 + tl.arange(0, W)
+    q = tl.load(q_ptr + t64 + h[:, None].to(tl.int64) * q_stride_h + d[None, :],
+                mask=hm[:, None] & (d[None, :] >= 0), other=0.0).to(tl.float32)
+    if not DOT_FP32:
+        q = q.to(tl.bfloat16)
+    return q
+
+
+@triton.jit
 def _attend_pool(q, m, l, acc, kv_ptr, idx_ptr, row_base, start, stop, block_size, page_stride, qk_scale,
                  KV_BF16: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, DOT_FP32: tl.constexpr,
                  ROPE16: tl.constexpr, PV_SPLIT: tl.constexpr):
@@ -227,39 +333,121 @@ def _decode_kernel(
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, DOT_FP32: tl.constexpr,
     ROPE16: tl.constexpr,  # every page starts at an even address: RoPE read as int16 words
     PV_SPLIT: tl.constexpr,  # compiled path: P·V as (p_hi + p_lo)·V in bf16, so p keeps ~16 bits
+    VSPLIT: tl.constexpr = 1,  # > 1: program_id(0) = t·VSPLIT + v owns out dims [v·512/VSPLIT, +512/VSPLIT)
 ):
     tl.static_assert(BLOCK_N >= 16)  # the dots' K (for P·V) and N dims
     tl.static_assert(BLOCK_H >= 16)
-    t = tl.program_id(0)
+    if VSPLIT == 1:
+        t = tl.program_id(0)
+        h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+        sp = tl.program_id(2)
+        hm = h < H  # heads past H are padding: q = 0, sink = −inf, never stored
+        d = tl.arange(0, 512)
+        t64 = t.to(tl.int64)
+        q = tl.load(q_ptr + t64 * q_stride_t + h[:, None].to(tl.int64) * q_stride_h + d[None, :],
+                    mask=hm[:, None] & (d[None, :] >= 0), other=0.0).to(tl.float32)
+        if not DOT_FP32:
+            q = q.to(tl.bfloat16)  # exact: q was bf16
+        m = tl.full((BLOCK_H,), -float("inf"), dtype=tl.float32)
+        l = tl.zeros((BLOCK_H,), dtype=tl.float32)
+        acc = tl.zeros((BLOCK_H, 512), dtype=tl.float32)
+
+        n1 = K1
+        if HAS_LEN1:
+            n1 = tl.minimum(tl.load(len1_ptr + t), K1)
+        start1 = sp * chunk1
+        stop1 = tl.minimum(start1 + chunk1, n1)
+        m, l, acc = _attend_pool(q, m, l, acc, kv1_ptr, idx1_ptr + t64 * idx1_stride, t64 * K1, start1, stop1,
+                                 bs1, ps1, qk_scale, KV_BF16, BLOCK_H, BLOCK_N, DOT_FP32, ROPE16, PV_SPLIT)
+        if HAS_POOL2:
+            n2 = K2
+            if HAS_LEN2:
+                n2 = tl.minimum(tl.load(len2_ptr + t), K2)
+            start2 = sp * chunk2
+            stop2 = tl.minimum(start2 + chunk2, n2)
+            m, l, acc = _attend_pool(q, m, l, acc, kv2_ptr, idx2_ptr + t64 * idx2_stride, t64 * K2, start2, stop2,
+                                     bs2, ps2, qk_scale, KV_BF16, BLOCK_H, BLOCK_N, DOT_FP32, ROPE16, PV_SPLIT)
+
+        if SPLITS == 1:
+            if HAS_SINK:
+                sink = tl.load(sink_ptr + h, mask=hm, other=-float("inf"))
+            else:
+                sink = tl.full((BLOCK_H,), -float("inf"), dtype=tl.float32)
+            out, lse = _finish(m, l, acc, sink)
+            row = t64 * H + h.to(tl.int64)
+            tl.store(out_ptr + row[:, None] * 512 + d[None, :], bf16_rne_bits(out).to(tl.int16, bitcast=True),
+                     mask=hm[:, None] & (d[None, :] >= 0))
+            tl.store(lse_ptr + row, lse, mask=hm)
+        else:
+            row = (t64 * SPLITS + sp) * H + h.to(tl.int64)
+            tl.store(part_o_ptr + row[:, None] * 512 + d[None, :], acc, mask=hm[:, None] & (d[None, :] >= 0))
+            tl.store(part_ml_ptr + row * 2, m, mask=hm)
+            tl.store(part_ml_ptr + row * 2 + 1, l, mask=hm)
+    else:
+        _decode_vsplit(q_ptr, q_stride_t, q_stride_h, sink_ptr, out_ptr, lse_ptr, part_o_ptr, part_ml_ptr,
+                       kv1_ptr, idx1_ptr, len1_ptr, K1, idx1_stride, bs1, ps1, chunk1,
+                       kv2_ptr, idx2_ptr, len2_ptr, K2, idx2_stride, bs2, ps2, chunk2, H, qk_scale,
+                       HAS_LEN1, HAS_POOL2, HAS_LEN2, HAS_SINK, KV_BF16, SPLITS, BLOCK_H, BLOCK_N, DOT_FP32, ROPE16,
+                       PV_SPLIT, VSPLIT)
+
+
+@triton.jit
+def _decode_vsplit(
+    q_ptr, q_stride_t, q_stride_h, sink_ptr, out_ptr, lse_ptr, part_o_ptr, part_ml_ptr,
+    kv1_ptr, idx1_ptr, len1_ptr, K1, idx1_stride, bs1, ps1, chunk1,
+    kv2_ptr, idx2_ptr, len2_ptr, K2, idx2_stride, bs2, ps2, chunk2, H, qk_scale,
+    HAS_LEN1: tl.constexpr, HAS_POOL2: tl.constexpr, HAS_LEN2: tl.constexpr, HAS_SINK: tl.constexpr,
+    KV_BF16: tl.constexpr, SPLITS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
+    DOT_FP32: tl.constexpr, ROPE16: tl.constexpr, PV_SPLIT: tl.constexpr, VSPLIT: tl.constexpr,
+):
+    """The value-split program (VSPLIT = 2 or 4): the body of :func:`_decode_kernel` for one slice of
+    512/VSPLIT output dims. Its accumulator is [BLOCK_H, 512/VSPLIT] fp32 (64 heads, VSPLIT = 2: 64 KB
+    instead of 128 KB, ~64 registers/thread at 8 warps instead of ~128), at the price of recomputing the
+    full 512-dim scores in every slice (the K bytes of the other slices come from L2: the VSPLIT programs
+    of one token are adjacent in the grid). Every slice computes the same (m, l) up to fp32 summation
+    order; only slice 0 writes lse (or the partial (m, l))."""
+    tl.static_assert((VSPLIT == 2) | (VSPLIT == 4))
+    pid = tl.program_id(0)
+    t = pid // VSPLIT
+    v = pid % VSPLIT
     h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     sp = tl.program_id(2)
-    hm = h < H  # heads past H are padding: q = 0, sink = −inf, never stored
-    d = tl.arange(0, 512)
+    hm = h < H
     t64 = t.to(tl.int64)
-    q = tl.load(q_ptr + t64 * q_stride_t + h[:, None].to(tl.int64) * q_stride_h + d[None, :],
-                mask=hm[:, None] & (d[None, :] >= 0), other=0.0).to(tl.float32)
-    if not DOT_FP32:
-        q = q.to(tl.bfloat16)  # exact: q was bf16
+    d_own = v * (512 // VSPLIT)
+    d_sib = (v ^ 1) * 128  # VSPLIT = 4: the other quarter of this program's half
+    d_far = (1 - v // (VSPLIT // 2)) * 256  # the other half
+    qt = t64 * q_stride_t
+    q_own = _load_q_cols(q_ptr, qt, q_stride_h, h, hm, d_own, 512 // VSPLIT, DOT_FP32)
+    q_far = _load_q_cols(q_ptr, qt, q_stride_h, h, hm, d_far, 256, DOT_FP32)
+    if VSPLIT == 4:
+        q_sib = _load_q_cols(q_ptr, qt, q_stride_h, h, hm, d_sib, 128, DOT_FP32)
+    else:
+        q_sib = q_own  # unused
     m = tl.full((BLOCK_H,), -float("inf"), dtype=tl.float32)
     l = tl.zeros((BLOCK_H,), dtype=tl.float32)
-    acc = tl.zeros((BLOCK_H, 512), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_H, 512 // VSPLIT), dtype=tl.float32)
 
     n1 = K1
     if HAS_LEN1:
         n1 = tl.minimum(tl.load(len1_ptr + t), K1)
     start1 = sp * chunk1
     stop1 = tl.minimum(start1 + chunk1, n1)
-    m, l, acc = _attend_pool(q, m, l, acc, kv1_ptr, idx1_ptr + t64 * idx1_stride, t64 * K1, start1, stop1,
-                             bs1, ps1, qk_scale, KV_BF16, BLOCK_H, BLOCK_N, DOT_FP32, ROPE16, PV_SPLIT)
+    m, l, acc = _attend_pool_vsplit(q_own, q_sib, q_far, d_own, d_sib, d_far, m, l, acc, kv1_ptr,
+                                    idx1_ptr + t64 * idx1_stride, t64 * K1, start1, stop1, bs1, ps1, qk_scale,
+                                    KV_BF16, BLOCK_H, BLOCK_N, DOT_FP32, ROPE16, PV_SPLIT, VSPLIT)
     if HAS_POOL2:
         n2 = K2
         if HAS_LEN2:
             n2 = tl.minimum(tl.load(len2_ptr + t), K2)
         start2 = sp * chunk2
         stop2 = tl.minimum(start2 + chunk2, n2)
-        m, l, acc = _attend_pool(q, m, l, acc, kv2_ptr, idx2_ptr + t64 * idx2_stride, t64 * K2, start2, stop2,
-                                 bs2, ps2, qk_scale, KV_BF16, BLOCK_H, BLOCK_N, DOT_FP32, ROPE16, PV_SPLIT)
+        m, l, acc = _attend_pool_vsplit(q_own, q_sib, q_far, d_own, d_sib, d_far, m, l, acc, kv2_ptr,
+                                        idx2_ptr + t64 * idx2_stride, t64 * K2, start2, stop2, bs2, ps2, qk_scale,
+                                        KV_BF16, BLOCK_H, BLOCK_N, DOT_FP32, ROPE16, PV_SPLIT, VSPLIT)
 
+    dv = d_own + tl.arange(0, 512 // VSPLIT)
+    first = hm & splat(v == 0, hm)  # (m, l) and lse: written by slice 0 only
     if SPLITS == 1:
         if HAS_SINK:
             sink = tl.load(sink_ptr + h, mask=hm, other=-float("inf"))
@@ -267,14 +455,14 @@ def _decode_kernel(
             sink = tl.full((BLOCK_H,), -float("inf"), dtype=tl.float32)
         out, lse = _finish(m, l, acc, sink)
         row = t64 * H + h.to(tl.int64)
-        tl.store(out_ptr + row[:, None] * 512 + d[None, :], bf16_rne_bits(out).to(tl.int16, bitcast=True),
-                 mask=hm[:, None] & (d[None, :] >= 0))
-        tl.store(lse_ptr + row, lse, mask=hm)
+        tl.store(out_ptr + row[:, None] * 512 + dv[None, :], bf16_rne_bits(out).to(tl.int16, bitcast=True),
+                 mask=hm[:, None] & (dv[None, :] >= 0))
+        tl.store(lse_ptr + row, lse, mask=first)
     else:
         row = (t64 * SPLITS + sp) * H + h.to(tl.int64)
-        tl.store(part_o_ptr + row[:, None] * 512 + d[None, :], acc, mask=hm[:, None] & (d[None, :] >= 0))
-        tl.store(part_ml_ptr + row * 2, m, mask=hm)
-        tl.store(part_ml_ptr + row * 2 + 1, l, mask=hm)
+        tl.store(part_o_ptr + row[:, None] * 512 + dv[None, :], acc, mask=hm[:, None] & (dv[None, :] >= 0))
+        tl.store(part_ml_ptr + row * 2, m, mask=first)
+        tl.store(part_ml_ptr + row * 2 + 1, l, mask=first)
 
 
 @triton.jit
@@ -330,11 +518,16 @@ def _sm_count(device: torch.device) -> int:
 
 
 def _config(T: int, H: int, K_total: int, device: torch.device, *, block_h=None, block_n=None, num_splits=None,
-            num_warps=None, num_stages=None) -> dict:
+            num_warps=None, num_stages=None, v_split=1) -> dict:
     """Fixed meta-parameters (no autotune: tooling.md I10). Heads are processed in blocks of 16 or 64
     (H = 16 -> one block of 16; H = 128 -> two blocks of 64; other H are padded up with masked rows).
     The candidate list is split across programs (flash-decoding) only when T · head blocks would leave
-    most SMs idle, and only while each split keeps at least 256 candidates."""
+    most SMs idle, and only while each split keeps at least 256 candidates.
+
+    ``v_split`` (1, 2 or 4; 1 is the default) splits the 512 output dims over that many programs
+    (:func:`_decode_vsplit`). It counts in the program total, and a program whose accumulator is at most
+    32 heads × 512 fp32 (64 heads split in 2, or 16-head blocks) aims at two programs per SM, as the
+    16-head blocks do (an untuned guess: not yet measured)."""
     if block_h is None:
         block_h = 16 if H <= 16 else (32 if H <= 32 else 64)
     if block_n is None:
@@ -346,15 +539,22 @@ def _config(T: int, H: int, K_total: int, device: torch.device, *, block_h=None,
         num_splits = 1
         if not interpreting():
             sms = _sm_count(device)
-            target = 2 * sms if block_h <= 16 else sms
-            while T * n_hb * num_splits * 2 <= target and K_total // (num_splits * 2) >= 256 and num_splits < 16:
+            if v_split == 1:
+                target = 2 * sms if block_h <= 16 else sms
+            else:
+                target = 2 * sms if block_h // v_split <= 32 else sms
+            while (T * n_hb * v_split * num_splits * 2 <= target and K_total // (num_splits * 2) >= 256
+                   and num_splits < 16):
                 num_splits *= 2
     validate.power_of_two(num_splits, "num_splits")
+    if v_split not in (1, 2, 4):
+        raise ValueError(f"v_split: expected 1, 2 or 4, got {v_split!r}")
     if num_warps is None:
         num_warps = 4 if block_h <= 16 else 8
     if num_stages is None:
         num_stages = 1 if interpreting() else 2
-    return dict(block_h=block_h, block_n=block_n, num_splits=num_splits, num_warps=num_warps, num_stages=num_stages)
+    return dict(block_h=block_h, block_n=block_n, num_splits=num_splits, num_warps=num_warps, num_stages=num_stages,
+                v_split=v_split)
 
 
 def _even_pages(cache: torch.Tensor) -> bool:
@@ -387,13 +587,14 @@ def _launch(q, pools, sink, scale, kv_bf16: bool, cfg: dict):
         part_o = part_ml = lse  # unused
     out16 = out.view(torch.int16)
     rope16 = kv_bf16 or all(_even_pages(p[0]) for p in pools)
-    grid = (T, triton.cdiv(H, BH), S)
+    VS = cfg.get("v_split", 1)
+    grid = (T * VS, triton.cdiv(H, BH), S)  # the VS slices of one token are neighbours: their K rows share L2
     _decode_kernel[grid](
         q, q.stride(0), q.stride(1), sink if sink is not None else lse, out16, lse, part_o, part_ml,
         *a1, *a2, H, float(scale) * LOG2E,
         HAS_LEN1=has_len1, HAS_POOL2=has_pool2, HAS_LEN2=has_len2, HAS_SINK=sink is not None, KV_BF16=kv_bf16,
         SPLITS=S, BLOCK_H=BH, BLOCK_N=BN, DOT_FP32=interpreting(), ROPE16=cfg.get("rope16", True) and rope16,
-        PV_SPLIT=cfg.get("pv_split", False),
+        PV_SPLIT=cfg.get("pv_split", False), VSPLIT=VS,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     if S > 1:
@@ -412,18 +613,19 @@ def _fused_op(q: torch.Tensor, cache: torch.Tensor, indices: torch.Tensor, lengt
               extra_cache: torch.Tensor | None, extra_indices: torch.Tensor | None,
               extra_lengths: torch.Tensor | None, sink: torch.Tensor | None, block_size: int,
               extra_block_size: int, scale: float, block_h: int, block_n: int, num_splits: int,
-              num_warps: int, num_stages: int, pv_split: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+              num_warps: int, num_stages: int, pv_split: bool = False,
+              v_split: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
     pools = [(cache, indices, lengths, block_size, cache.stride(0))]
     if extra_cache is not None:
         pools.append((extra_cache, extra_indices, extra_lengths, extra_block_size, extra_cache.stride(0)))
     cfg = dict(block_h=block_h, block_n=block_n, num_splits=num_splits, num_warps=num_warps, num_stages=num_stages,
-               pv_split=pv_split)
+               pv_split=pv_split, v_split=v_split)
     return _launch(q, pools, sink, scale, False, cfg)
 
 
 @_fused_op.register_fake
 def _(q, cache, indices, lengths, extra_cache, extra_indices, extra_lengths, sink, block_size, extra_block_size,
-      scale, block_h, block_n, num_splits, num_warps, num_stages, pv_split=False):
+      scale, block_h, block_n, num_splits, num_warps, num_stages, pv_split=False, v_split=1):
     T, H, D = q.shape
     return q.new_empty(T, H, D), q.new_empty(T, H, dtype=torch.float32)
 
@@ -431,17 +633,19 @@ def _(q, cache, indices, lengths, extra_cache, extra_indices, extra_lengths, sin
 @torch.library.custom_op("dsv4ref::sparse_mla_attend_bf16", mutates_args=())
 def _bf16_op(q: torch.Tensor, ws1: torch.Tensor, table1: torch.Tensor, ws2: torch.Tensor | None,
              table2: torch.Tensor | None, sink: torch.Tensor | None, scale: float, block_h: int, block_n: int,
-             num_splits: int, num_warps: int, num_stages: int, pv_split: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+             num_splits: int, num_warps: int, num_stages: int, pv_split: bool = False,
+             v_split: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
     pools = [(ws1, table1, None, 1, 0)]
     if ws2 is not None:
         pools.append((ws2, table2, None, 1, 0))
     cfg = dict(block_h=block_h, block_n=block_n, num_splits=num_splits, num_warps=num_warps, num_stages=num_stages,
-               pv_split=pv_split)
+               pv_split=pv_split, v_split=v_split)
     return _launch(q, pools, sink, scale, True, cfg)
 
 
 @_bf16_op.register_fake
-def _(q, ws1, table1, ws2, table2, sink, scale, block_h, block_n, num_splits, num_warps, num_stages, pv_split=False):
+def _(q, ws1, table1, ws2, table2, sink, scale, block_h, block_n, num_splits, num_warps, num_stages, pv_split=False,
+      v_split=1):
     T, H, D = q.shape
     return q.new_empty(T, H, D), q.new_empty(T, H, dtype=torch.float32)
 
@@ -480,7 +684,7 @@ def _two_pass(q, pools, sink, scale, cfg):
     t2 = tables[1] if len(pools) > 1 else None
     return torch.ops.dsv4ref.sparse_mla_attend_bf16(q, wss[0], tables[0], ws2, t2, sink, float(scale), cfg["block_h"],
                                                     cfg["block_n"], cfg["num_splits"], cfg["num_warps"], cfg["num_stages"],
-                                                    cfg.get("pv_split", False))
+                                                    cfg.get("pv_split", False), cfg.get("v_split", 1))
 
 
 def _fused(q, pools, sink, scale, cfg):
@@ -488,7 +692,7 @@ def _fused(q, pools, sink, scale, cfg):
     c2, i2, l2, b2 = rest[0] if rest else (None, None, None, 1)
     return torch.ops.dsv4ref.sparse_mla_decode(q, c1, i1, l1, c2, i2, l2, sink, b1, b2, float(scale), cfg["block_h"],
                                                cfg["block_n"], cfg["num_splits"], cfg["num_warps"], cfg["num_stages"],
-                                               cfg.get("pv_split", False))
+                                               cfg.get("pv_split", False), cfg.get("v_split", 1))
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -619,8 +823,10 @@ def _check_decode() -> list[CheckRow]:
         q, pools, sink = _example(T, H, K1, K2, b1, b2, p1, p2, seed=T + H)
         ref_out, ref_lse, mass = _reference(q, pools, sink, DEFAULT_SCALE, with_mass=True)
         cfg = _config(T, H, K1 + K2, q.device)
-        for name, fn in (("two_pass", _two_pass), ("triton", _fused)):
-            out, lse = fn(q, pools, sink, DEFAULT_SCALE, cfg)
+        for name, fn, c in (("two_pass", _two_pass, cfg), ("triton", _fused, cfg),
+                            ("triton vsplit2", _fused, _config(T, H, K1 + K2, q.device, v_split=2)),
+                            ("triton vsplit4", _fused, _config(T, H, K1 + K2, q.device, v_split=4))):
+            out, lse = fn(q, pools, sink, DEFAULT_SCALE, c)
             shape = f"{name} T={T} H={H} K={K1}+{K2}"
             rows.append(CheckRow("sparse_mla.decode", shape + " out",
                                  compare(out, ref_out, "bf16_weighted_sum", mass=mass)))
@@ -691,4 +897,11 @@ def _bench() -> list[BenchCase]:
                                note="P·V as (p_hi + p_lo)·V, ~16 bits of p (benchmarks/sparse_mla.md)" + graph))
         cases.append(BenchCase("sparse_mla.two_pass", shape, two, n_sets, byts, flops,
                                note="same compulsory bytes; really moves ~2632 B/row (584 + 2·1024 workspace)" + graph))
+        for vs in (2, 4):  # the value-split variants (_decode_vsplit), bf16 P like the default
+            vcfg = _config(T, H, K, DEVICE, v_split=vs)
+            vfn = lambda i, s=sets, c=vcfg: _fused(*s[i][0:2], s[i][2], DEFAULT_SCALE, c)  # noqa: E731
+            cases.append(BenchCase(f"sparse_mla.fused_vsplit{vs}", f"T={T} H={H} K={K} split={vcfg['num_splits']}",
+                                   vfn, n_sets, byts, flops,
+                                   note=f"out dims split over {vs} programs, scores recomputed per slice "
+                                        f"(QK MMA and dequant x{vs}; K re-read from L2)" + graph))
     return cases

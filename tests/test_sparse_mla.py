@@ -5,6 +5,7 @@ pool), #15 (V of 448 dims), #17 (dropped sink), #18 (−inf sentinel NaN), #19 (
 #20 (split-merge applies the sink once, lse units).
 """
 
+import functools
 import math
 
 import pytest
@@ -16,6 +17,20 @@ from dsv4ref.testing import assert_close, compare, generator, poison, randn
 
 BACKENDS = ("reference", "two_pass", "triton")
 KERNELS = ("two_pass", "triton")
+# kernel variants (sparse_mla._config flags): "default" is what decode() runs; "vsplit2"/"vsplit4" split the
+# 512 output dims over 2/4 programs per (token, head block, split), each recomputing the full scores
+VARIANTS = {"default": {}, "vsplit2": {"v_split": 2}, "vsplit4": {"v_split": 4}}
+# every backend with the default config, and every kernel backend with every other variant
+# (two_pass runs vsplit2 only: its vsplit4 differs from triton's by the row loader alone; the file's time budget)
+BACKEND_VARIANTS = [(b, "default") for b in BACKENDS] + [(b, "vsplit2") for b in KERNELS] + [("triton", "vsplit4")]
+KERNEL_VARIANTS = [(b, v) for v in VARIANTS for b in KERNELS]
+
+
+def use_variant(monkeypatch, variant):
+    """Make sparse_mla._config (which decode() and the tests call) default to ``variant``'s flags."""
+    if VARIANTS[variant]:
+        monkeypatch.setattr(sparse_mla, "_config", functools.partial(sparse_mla._config, **VARIANTS[variant]))
+    assert sparse_mla._config(1, 16, 16, DEVICE)["v_split"] == VARIANTS[variant].get("v_split", 1)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -133,11 +148,12 @@ def run(q, pools, backend, sink=None, scale=sparse_mla.DEFAULT_SCALE):
 # ---------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_two_pools_with_sink_vs_float64(backend):
+@pytest.mark.parametrize("backend,variant", BACKEND_VARIANTS)
+def test_two_pools_with_sink_vs_float64(backend, variant, monkeypatch):
     """Both pools (page sizes 16 and 2), a short main-pool prefix with a non-empty second pool (#13),
     −1 and duplicates inside the prefix, poisoned slots past the lengths (#12), K = 40 and 10: not
     multiples of the kernel's block, a finite sink (#17)."""
+    use_variant(monkeypatch, variant)
     q, pools = setup(T=3, H=16, K1=40, K2=10, lengths1=[40, 5, 17], lengths2=[10, 9, 0])
     pools[0][1][2, :16] = -1  # row 2: a first chunk (BLOCK_N = 16 here) with no valid entry (#18)
     sink = torch.linspace(-2.0, 6.0, 16).to(DEVICE)
@@ -149,9 +165,10 @@ def test_two_pools_with_sink_vs_float64(backend):
 
 
 @pytest.mark.parametrize("H", [64, 128])
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_heads_64_128(backend, H):
+@pytest.mark.parametrize("backend,variant", BACKEND_VARIANTS)
+def test_heads_64_128(backend, variant, H, monkeypatch):
     """H = 64 (one block of 64 heads) and 128 (two blocks); a non-default softmax scale."""
+    use_variant(monkeypatch, variant)
     q, pools = setup(T=2, H=H, K1=24, K2=0, lengths1=[24, 19], seed=H)
     sink = randn((H,), seed=5, dtype=torch.float32, octaves=0) * 2
     scale = 512 ** -0.55
@@ -159,11 +176,12 @@ def test_heads_64_128(backend, H):
     check(out, lse, *oracle(q, pools, sink, scale), f"{backend} H={H}")
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_empty_rows_and_infinite_sinks(backend):
+@pytest.mark.parametrize("backend,variant", BACKEND_VARIANTS)
+def test_empty_rows_and_infinite_sinks(backend, variant, monkeypatch):
     """Row 0: length 0; row 1: every entry in the prefix is −1; row 2: normal. Empty rows give out 0
     and lse −inf with any sink, never NaN (#18). sink −inf == no sink; sink +inf gives out = 0 with the
     same lse."""
+    use_variant(monkeypatch, variant)
     q, pools = setup(T=3, H=16, K1=20, lengths1=[0, 6, 20])
     pools[0][1][1, :6] = -1
     base_out, base_lse = run(q, pools, backend)
@@ -178,9 +196,10 @@ def test_empty_rows_and_infinite_sinks(backend):
     assert torch.equal(l.cpu(), base_lse.cpu()), "lse excludes the sink"
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_sink_equal_to_lse_halves_the_output(backend):
+@pytest.mark.parametrize("backend,variant", BACKEND_VARIANTS)
+def test_sink_equal_to_lse_halves_the_output(backend, variant, monkeypatch):
     """sink_h = lse: e^lse / (e^lse + e^sink) = 1/2 exactly (#17: a dropped sink leaves the output whole)."""
+    use_variant(monkeypatch, variant)
     q, pools = setup(T=1, H=16, K1=24, lengths1=[21])
     out, lse = run(q, pools, backend)
     half, lse2 = run(q, pools, backend, lse[0].clone())
@@ -188,9 +207,10 @@ def test_sink_equal_to_lse_halves_the_output(backend):
     assert_close(half, (out.double() * 0.5), "bf16_out", "sink = lse")
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_value_width_is_512(backend):
+@pytest.mark.parametrize("backend,variant", BACKEND_VARIANTS)
+def test_value_width_is_512(backend, variant, monkeypatch):
     """NoPE zeroed in every cached row: the output must still carry dims 448..511 (#15, d_v = 448 bug)."""
+    use_variant(monkeypatch, variant)
     q, pools = setup(T=2, H=16, K1=16, lengths1=[16, 9], nope_zero=True)
     out, lse = run(q, pools, backend)
     check(out, lse, *oracle(q, pools, None, sparse_mla.DEFAULT_SCALE), backend)
@@ -198,9 +218,11 @@ def test_value_width_is_512(backend):
     assert int((out[..., 448:] != 0).sum()) > 0.9 * out[..., 448:].numel()
 
 
-def test_odd_aligned_cache():
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_odd_aligned_cache(variant, monkeypatch):
     """A cache that is a view starting at an odd byte (page stride odd too): the kernel reads the RoPE
     bytes one by one instead of as int16 words, and the result is the same."""
+    use_variant(monkeypatch, variant)
     bs, pages = 16, 3
     big = torch.zeros(pages, kv_cache.page_bytes(bs) + 1, dtype=torch.uint8, device=DEVICE)
     odd = big[:, 1:]
@@ -216,9 +238,11 @@ def test_odd_aligned_cache():
     check(*b, *oracle(q, [(odd, idx, lens, bs)], None, sparse_mla.DEFAULT_SCALE), "odd")
 
 
-def test_split_merge_equals_single_pass():
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_split_merge_equals_single_pass(variant, monkeypatch):
     """Flash-decoding: the candidate list split over 1, 2 and 4 programs and merged; the sink is applied
     once, after the merge (#20)."""
+    use_variant(monkeypatch, variant)
     q, pools = setup(T=2, H=16, K1=40, K2=8, lengths1=[40, 3], lengths2=[8, 8])
     sink = torch.linspace(-1.0, 3.0, 16).to(DEVICE)
     ref = oracle(q, pools, sink, sparse_mla.DEFAULT_SCALE)
@@ -232,10 +256,11 @@ def test_split_merge_equals_single_pass():
     assert_close(outs[2][1], outs[0][1].double(), "lse", "split 4 vs 1 lse")
 
 
-@pytest.mark.parametrize("backend", KERNELS)
-def test_padded_head_block_matches_unpadded(backend):
+@pytest.mark.parametrize("backend,variant", KERNEL_VARIANTS)
+def test_padded_head_block_matches_unpadded(backend, variant, monkeypatch):
     """H = 16 run with a block of 64 heads (48 padded, masked rows, padded sink −inf) gives the same
     real-head results as the exact block of 16 (#19); nothing is written past H."""
+    use_variant(monkeypatch, variant)
     q, pools = setup(T=2, H=16, K1=16, lengths1=[16, 11])
     sink = torch.linspace(-1.0, 3.0, 16).to(DEVICE)
     f = sparse_mla._fused if backend == "triton" else sparse_mla._two_pass
@@ -246,8 +271,10 @@ def test_padded_head_block_matches_unpadded(backend):
     assert b[0].shape == (2, 16, 512) and not torch.isnan(b[0]).any()
 
 
-def test_outputs_fully_written():
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_outputs_fully_written(variant, monkeypatch):
     """The kernel writes every element: run the launcher on poisoned output buffers."""
+    use_variant(monkeypatch, variant)
     q, pools = setup(T=2, H=16, K1=16, lengths1=[16, 0])
     cfg = sparse_mla._config(2, 16, 16, DEVICE)
     real_empty = torch.empty
@@ -317,6 +344,8 @@ def test_bad_input_raises_naming_the_argument():
         sparse_mla.decode(q, c1, i1, l1, block_size=b1, extra_cache=c2, extra_indices=i2)
     with pytest.raises(ValueError, match="extra_cache: pages of"):
         sparse_mla.decode(q, c1, i1, l1, block_size=b1, extra_cache=c2, extra_indices=i2, extra_block_size=64)
+    with pytest.raises(ValueError, match="v_split: expected 1, 2 or 4"):
+        sparse_mla._config(2, 16, 8, DEVICE, v_split=3)
     with pytest.raises(ValueError, match="backend: expected one of"):
         sparse_mla.decode(q, c1, i1, l1, block_size=b1, backend="flashmla")
 
@@ -327,8 +356,10 @@ def test_bad_input_raises_naming_the_argument():
 
 
 @pytest.mark.skipif(interpreting(), reason="real V4 shapes: GPU only (the interpreter runs ~1 ms per program)")
+@pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("H,K1,K2", [(64, 128, 512), (128, 128, 1024), (16, 128, 1920)])
-def test_real_shapes_gpu(H, K1, K2):
+def test_real_shapes_gpu(H, K1, K2, variant, monkeypatch):
+    use_variant(monkeypatch, variant)
     T = 8
     q, pools = setup(T=T, H=H, K1=K1, K2=K2, bs1=64, bs2=64, pages1=40, pages2=200, seed=H,
                      lengths1=[K1 - 7 * t for t in range(T)], lengths2=[K2 - 13 * t for t in range(T)])
