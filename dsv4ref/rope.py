@@ -319,6 +319,35 @@ def _qnorm_rope_reference(q: torch.Tensor, positions: torch.Tensor, cos_sin: tor
 
 
 @triton.jit
+def _kv_record(kv_ptr, cache_ptr, t, slot, trow, kv_stride, page_stride, block_size):
+    """The KV program of both fused kernels: rotate kv[t, 448:512] and write the 584-B record of slot."""
+    row = kv_ptr + t.to(tl.int64) * kv_stride
+    data, scales = page_offsets(slot, block_size, page_stride)
+    # NoPE: an [8, 64] tile, rows 0..6 = the 7 quant blocks (row 7 masked off)
+    tile = tl.arange(0, 8)[:, None]
+    dim = tile * 64 + tl.arange(0, 64)[None, :]
+    nope_ok = (tile < 7) & (dim >= 0)
+    xb = ((tl.load(row + dim, mask=nope_ok, other=0).to(tl.int32) & 0xFFFF) << 16)
+    xk = xb.to(tl.float32, bitcast=True)
+    byte = ue8m0_byte(tl.max(tl.abs(xk), axis=1), 1e-4, 448.0)  # [8]; row 7 unused
+    qk = e4m3_encode(xk * inv_pow2(byte)[:, None])  # × 2^-e is exact
+    tl.store(cache_ptr + data + dim, qk.to(tl.uint8, bitcast=True), mask=nope_ok)
+    k8 = tl.arange(0, 8)
+    tl.store(cache_ptr + scales + k8, tl.where(k8 < 7, byte, 0).to(tl.uint8))
+    # RoPE: element j of the slice with its partner j ^ 1, same formula as the Q side
+    j = tl.arange(0, 64)
+    e = ((tl.load(row + 448 + j).to(tl.int32) & 0xFFFF) << 16).to(tl.float32, bitcast=True)
+    p = ((tl.load(row + 448 + (j ^ 1)).to(tl.int32) & 0xFFFF) << 16).to(tl.float32, bitcast=True)
+    ck = tl.load(trow + j // 2)
+    sk = tl.load(trow + 32 + j // 2)
+    rk = e * ck + tl.where(j % 2 == 0, -(p * sk), p * sk)
+    rb = bf16_rne_bits(rk).to(tl.int32)
+    # bf16 little-endian: low byte at 448 + 2j, high byte at 449 + 2j
+    tl.store(cache_ptr + data + 448 + 2 * j, (rb & 0xFF).to(tl.uint8))
+    tl.store(cache_ptr + data + 449 + 2 * j, (rb >> 8).to(tl.uint8))
+
+
+@triton.jit
 def _qnorm_rope_kv_insert_kernel(
     q_ptr,  # int16 view of q [T, H, 512] bf16 (last dim contiguous), updated in place
     kv_ptr,  # int16 view of kv [T, 512] bf16 (last dim contiguous)
@@ -368,46 +397,130 @@ def _qnorm_rope_kv_insert_kernel(
             if t < n_slots:
                 slot = tl.load(slot_ptr + t).to(tl.int64)
                 if slot >= 0:
-                    # ---- KV program: rotate k[448:512], then write the 584-B record --------------------
-                    row = kv_ptr + t.to(tl.int64) * kv_stride
-                    data, scales = page_offsets(slot, block_size, page_stride)
-                    # NoPE: an [8, 64] tile, rows 0..6 = the 7 quant blocks (row 7 masked off)
-                    tile = tl.arange(0, 8)[:, None]
-                    dim = tile * 64 + tl.arange(0, 64)[None, :]
-                    nope_ok = (tile < 7) & (dim >= 0)
-                    xb = ((tl.load(row + dim, mask=nope_ok, other=0).to(tl.int32) & 0xFFFF) << 16)
-                    xk = xb.to(tl.float32, bitcast=True)
-                    byte = ue8m0_byte(tl.max(tl.abs(xk), axis=1), 1e-4, 448.0)  # [8]; row 7 unused
-                    qk = e4m3_encode(xk * inv_pow2(byte)[:, None])  # × 2^-e is exact
-                    tl.store(cache_ptr + data + dim, qk.to(tl.uint8, bitcast=True), mask=nope_ok)
-                    k8 = tl.arange(0, 8)
-                    tl.store(cache_ptr + scales + k8, tl.where(k8 < 7, byte, 0).to(tl.uint8))
-                    # RoPE: element j of the slice with its partner j ^ 1, same formula as the Q side
-                    j = tl.arange(0, 64)
-                    e = ((tl.load(row + 448 + j).to(tl.int32) & 0xFFFF) << 16).to(tl.float32, bitcast=True)
-                    p = ((tl.load(row + 448 + (j ^ 1)).to(tl.int32) & 0xFFFF) << 16).to(tl.float32, bitcast=True)
-                    ck = tl.load(trow + j // 2)
-                    sk = tl.load(trow + 32 + j // 2)
-                    rk = e * ck + tl.where(j % 2 == 0, -(p * sk), p * sk)
-                    rb = bf16_rne_bits(rk).to(tl.int32)
-                    # bf16 little-endian: low byte at 448 + 2j, high byte at 449 + 2j
-                    tl.store(cache_ptr + data + 448 + 2 * j, (rb & 0xFF).to(tl.uint8))
-                    tl.store(cache_ptr + data + 449 + 2 * j, (rb >> 8).to(tl.uint8))
+                    _kv_record(kv_ptr, cache_ptr, t, slot, trow, kv_stride, page_stride, block_size)
+
+
+@triton.jit
+def _qnorm_rope_kv_insert_mh_kernel(
+    q_ptr,  # int32 view of q [T, H, 256]: word w holds the bf16 pair (dim 2w: low 16 bits, dim 2w+1: high)
+    kv_ptr,  # int16 view of kv [T, 512] bf16 (last dim contiguous)
+    cache_ptr,  # uint8 pages, page p at p * page_stride (fp8_ds_mla layout, formats.md §5)
+    slot_ptr,  # int64 [n_slots] (n_slots <= T); −1 = write nothing
+    pos_ptr,  # int64 [T]
+    tab_ptr,  # fp32 [max_pos, 64] cos/sin table, row stride tab_stride
+    H,  # query heads
+    NG,  # head groups: cdiv(H, HPP)
+    n_slots,
+    q_stride_t,  # in int32 words
+    q_stride_h,
+    kv_stride,
+    tab_stride,
+    page_stride,
+    block_size,
+    eps,
+    HPP: tl.constexpr,  # query heads per program (a power of two)
+    DO_Q: tl.constexpr,
+    DO_KV: tl.constexpr,
+):
+    # 1-D grid of T·(NG + 1) programs, NG = cdiv(H, HPP): program t·(NG + 1) + g handles heads
+    # [g·HPP, g·HPP + HPP) of token t for g < NG and token t's KV row for g = NG. The head group varies
+    # fastest, so consecutive programs walk q in address order.
+    pid = tl.program_id(0)
+    t = pid // (NG + 1)
+    g = pid % (NG + 1)
+    pos = tl.load(pos_ptr + t).to(tl.int64)
+    trow = tab_ptr + pos * tab_stride
+
+    if g < NG:
+        if DO_Q:
+            # ---- Q program: an [HPP, 8, 32] tile of int32 words = HPP heads × 512 bf16 dims --------
+            # Word (k, i) of a head is dims (64k + 2i, 64k + 2i + 1); chunk k = 7 is the RoPE slice and
+            # there word i IS rotary pair i: its two halves are e and o, so no partner is re-loaded.
+            hh = g * HPP + tl.arange(0, HPP)
+            k = tl.arange(0, 8)
+            i = tl.arange(0, 32)
+            hmask = (hh < H)[:, None, None] & (k >= 0)[None, :, None] & (i >= 0)[None, None, :]
+            word = (t.to(tl.int64) * q_stride_t + hh.to(tl.int64)[:, None, None] * q_stride_h
+                    + (k * 32)[None, :, None] + i[None, None, :])
+            # the table row, loaded in the tile's own shape (the same register layout as w, so no shuffle
+            # through shared memory); only the chunk-7 lanes read, each (c_i, s_i) once per head from L1
+            rope = (k == 7)[None, :, None]
+            tab_ok = hmask & rope
+            c = tl.load(trow + 0 * word + i[None, None, :], mask=tab_ok, other=0.0)
+            s = tl.load(trow + 0 * word + 32 + i[None, None, :], mask=tab_ok, other=0.0)
+            w = tl.load(q_ptr + word, mask=hmask, other=0)
+            lo = (w << 16).to(tl.float32, bitcast=True)  # even dim: the low half, widened
+            hi = (w & -65536).to(tl.float32, bitcast=True)  # odd dim: the high half (0xFFFF0000)
+            # weight-free RMSNorm per head: fp64 sum of exact squares (order-free), as the per-head kernel
+            lo64, hi64 = lo.to(tl.float64), hi.to(tl.float64)
+            sq = lo64 * lo64 + hi64 * hi64
+            ss = tl.sum(tl.sum(sq, axis=2, keep_dims=True), axis=1, keep_dims=True).to(tl.float32)  # [HPP, 1, 1]
+            rr = tl.math.div_rn(1.0, tl.math.sqrt_rn(ss * (1.0 / 512.0) + eps))  # kept dims: no layout change
+            e = lo * rr
+            o = hi * rr
+            # RoPE on chunk 7: e·c − o·s and e·s + o·c, separately rounded products (no FMA)
+            y_lo = tl.where(rope, e * c - o * s, e)
+            y_hi = tl.where(rope, e * s + o * c, o)
+            packed = bf16_rne_bits(y_lo).to(tl.uint32) | (bf16_rne_bits(y_hi).to(tl.uint32) << 16)
+            tl.store(q_ptr + word, packed.to(tl.int32, bitcast=True), mask=hmask)
+    else:
+        if DO_KV:
+            if t < n_slots:
+                slot = tl.load(slot_ptr + t).to(tl.int64)
+                if slot >= 0:
+                    _kv_record(kv_ptr, cache_ptr, t, slot, trow, kv_stride, page_stride, block_size)
+
+
+# Which fused kernel the op launches (benchmarks/rope.md compares them; flip after a GPU run):
+#   FUSED_HEADS_PER_PROG = 0: the per-head kernel, grid (T, H + 1), one 2-KiB head per program (measured:
+#                             60 % of copy bandwidth on the H200 with 1 warp);
+#   FUSED_HEADS_PER_PROG = n ≥ 1 (power of two): the multi-head kernel, n heads of one token per program
+#                             read and written as packed bf16 pairs (int32 words).
+FUSED_HEADS_PER_PROG = 0
+# warps per program; None = 1 for the per-head kernel, _MH_WARPS[n] for the multi-head kernel (guesses:
+# ~2-4 KiB of q per warp, not yet measured)
+FUSED_WARPS = None
+_MH_WARPS = {1: 1, 2: 1, 4: 1, 8: 2, 16: 4, 32: 4}
+# (heads per program, warps) of the multi-head kernel that `python -m dsv4ref bench rope` times (rope.fused_mh)
+# and that the GPU-only test holds to the reference
+MH_BENCH_CONFIGS = ((1, 1), (2, 1), (4, 1), (4, 2), (8, 1), (8, 2), (8, 4), (16, 4))
+
+
+def _packable(q16: torch.Tensor) -> bool:
+    """True when q's int16 view can be viewed as int32 pairs (4-byte aligned base, even strides)."""
+    return q16.storage_offset() % 2 == 0 and q16.stride(0) % 2 == 0 and q16.stride(1) % 2 == 0
 
 
 def _launch_fused(q, kv, cache, slot_mapping, positions, cos_sin, eps, block_size, *, do_q=True, do_kv=True,
-                  num_warps=1):
-    # num_warps=1: fastest of 1/2/4/8 on the H200 (benchmarks/rope.md: 224 us vs 270 us with 4 warps);
-    # a program moves only 2 KiB, so fewer, fuller warps win.
+                  heads_per_prog=None, num_warps=None):
+    """heads_per_prog: None = FUSED_HEADS_PER_PROG; 0 = the per-head kernel; n >= 1 = the multi-head kernel
+    (falls back to the per-head one when q cannot be viewed as int32 pairs). num_warps: None = FUSED_WARPS,
+    else the kernel's default."""
     T, H, _ = q.shape
     if T == 0:
         return
+    hpp = FUSED_HEADS_PER_PROG if heads_per_prog is None else heads_per_prog
+    warps = FUSED_WARPS if num_warps is None else num_warps
     q16, kv16 = q.view(torch.int16), kv.view(torch.int16)
+    if hpp and _packable(q16):
+        if hpp & (hpp - 1):
+            raise ValueError(f"heads_per_prog: expected 0 or a power of two, got {hpp}")
+        q32 = q16.view(torch.int32)
+        ng = triton.cdiv(H, hpp)
+        _qnorm_rope_kv_insert_mh_kernel[(T * (ng + 1),)](
+            q32, kv16, cache, slot_mapping, positions, cos_sin,
+            H, ng, slot_mapping.shape[0], q32.stride(0), q32.stride(1), kv16.stride(0), cos_sin.stride(0),
+            cache.stride(0), block_size, eps,
+            HPP=hpp, DO_Q=do_q, DO_KV=do_kv, num_warps=warps or _MH_WARPS.get(hpp, 4), enable_fp_fusion=False,
+        )
+        return
+    # per-head kernel; num_warps=1: fastest of 1/2/4/8 on the H200 (benchmarks/rope.md: 224 us vs 270 us
+    # with 4 warps); a program moves only 2 KiB, so fewer, fuller warps win.
     _qnorm_rope_kv_insert_kernel[(T, H + 1)](
         q16, kv16, cache, slot_mapping, positions, cos_sin,
         H, slot_mapping.shape[0], q16.stride(0), q16.stride(1), kv16.stride(0), cos_sin.stride(0),
         cache.stride(0), block_size, eps,
-        DO_Q=do_q, DO_KV=do_kv, num_warps=num_warps, enable_fp_fusion=False,
+        DO_Q=do_q, DO_KV=do_kv, num_warps=warps or 1, enable_fp_fusion=False,
     )
 
 
@@ -441,7 +554,9 @@ def qnorm_rope_kv_insert(q: torch.Tensor, kv: torch.Tensor, cache: torch.Tensor,
         cos_sin: fp32 ``[max_pos, 64]`` (:func:`cos_sin_cache`) of this layer.
         eps: rms_norm_eps (1e-6 for DSV4).
         block_size: tokens per cache page.
-        backend: ``"triton"`` (one kernel, grid (T, H + 1)) or ``"reference"`` (torch + kv_cache.insert).
+        backend: ``"triton"`` (one kernel: grid (T, H + 1), one head per program, or with
+            ``FUSED_HEADS_PER_PROG = n`` n heads per program, T·(H/n + 1) programs; bit-identical) or
+            ``"reference"`` (torch + kv_cache.insert).
     """
     validate.backend(backend)
     validate.tensor(q, "q", dtype=torch.bfloat16, ndim=3)
@@ -546,12 +661,14 @@ def _check_fused() -> list[CheckRow]:
     table = cos_sin_cache(4096)
     for T, H, B, nb in [(4, 16, 16, 2), (7, 64, 61, 1)]:
         q, kv, slots, pos = _fused_example(T, H, B, nb, seed=T, table=table)
-        q_ref, q_out = q.clone(), q.clone()
-        c_ref, c_out = kv_cache.allocate(nb, B), kv_cache.allocate(nb, B)
+        q_ref, c_ref = q.clone(), kv_cache.allocate(nb, B)
         qnorm_rope_kv_insert(q_ref, kv, c_ref, slots[: T - 1], pos, table, eps=1e-6, block_size=B, backend="reference")
-        qnorm_rope_kv_insert(q_out, kv, c_out, slots[: T - 1], pos, table, eps=1e-6, block_size=B)
-        rows.append(CheckRow("rope.qnorm_rope_kv_insert", f"T={T} H={H} B={B} cache", compare(c_out, c_ref, "exact", "cache")))
-        rows.append(CheckRow("rope.qnorm_rope_kv_insert", f"T={T} H={H} B={B} q", compare(q_out, q_ref, "exact", "q")))
+        for hpp in (0, 4):  # the per-head kernel and the multi-head one (4 heads per program)
+            q_out, c_out = q.clone(), kv_cache.allocate(nb, B)
+            _launch_fused(q_out, kv, c_out, slots[: T - 1], pos, table, 1e-6, B, heads_per_prog=hpp)
+            name = f"T={T} H={H} B={B}" + (f" hpp={hpp}" if hpp else "")
+            rows.append(CheckRow("rope.qnorm_rope_kv_insert", f"{name} cache", compare(c_out, c_ref, "exact", "cache")))
+            rows.append(CheckRow("rope.qnorm_rope_kv_insert", f"{name} q", compare(q_out, q_ref, "exact", "q")))
     return rows
 
 
@@ -575,13 +692,13 @@ def _bench() -> list[BenchCase]:
     # three passes: the same Q programs alone; rotate kv into a temp (read kv, write kv'); insert (read kv')
     three_bytes = fused_bytes + T * HEAD_DIM * 2 * 2 + T * 8
 
-    def fused(i, warps=1):
+    def fused(i, warps=1, hpp=0):
         q, kv, c, s, p, _ = sets[i]
-        _launch_fused(q, kv, c, s, p, table, 1e-6, B, num_warps=warps)
+        _launch_fused(q, kv, c, s, p, table, 1e-6, B, heads_per_prog=hpp, num_warps=warps)
 
     def three(i):
         q, kv, c, s, p, tmp = sets[i]
-        _launch_fused(q, kv, c, s, p, table, 1e-6, B, do_kv=False, num_warps=4)  # pass 1: norm + RoPE of q
+        _launch_fused(q, kv, c, s, p, table, 1e-6, B, do_kv=False, heads_per_prog=0, num_warps=4)  # pass 1
         torch.ops.dsv4ref.rope_gptj(kv, p, table, tmp, 1, False)  # pass 2: RoPE of kv (tmp holds kv's NoPE copy)
         torch.ops.dsv4ref.kv_insert(c, tmp, s, B)  # pass 3: quantise + insert
 
@@ -589,8 +706,13 @@ def _bench() -> list[BenchCase]:
         tmp.copy_(kv)
     shape = f"T={T} H={H} B={B}"
     note = "q r+w 1024 B/head + kv 1024 + slot 8 + cache 584 + pos 8 + table row 256 B/token"
-    cases = [BenchCase("rope.fused", shape + f" warps={w}", (lambda i, w=w: fused(i, w)), n_sets, fused_bytes,
+    # the per-head kernel (FUSED_HEADS_PER_PROG = 0), then the multi-head kernel at each (HPP, warps) of
+    # MH_BENCH_CONFIGS: same compulsory bytes, so the rows compare directly
+    cases = [BenchCase("rope.fused", shape + f" warps={w}", (lambda i, w=w: fused(i, w, 0)), n_sets, fused_bytes,
                        note=note) for w in (1, 2, 4, 8)]
+    cases += [BenchCase("rope.fused_mh", shape + f" hpp={n} warps={w}", (lambda i, w=w, n=n: fused(i, w, n)),
+                        n_sets, fused_bytes, note=note, extra={"heads_per_prog": n, "num_warps": w})
+              for n, w in MH_BENCH_CONFIGS]
     cases.append(BenchCase("rope.three_passes", shape, three, n_sets, fused_bytes,
                            note="same compulsory bytes as fused (actual traffic +2 KiB/token for the kv temp)",
                            extra={"actual_bytes": three_bytes}))

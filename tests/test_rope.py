@@ -11,7 +11,7 @@ import math
 import pytest
 import torch
 
-from dsv4ref import kv_cache
+from dsv4ref import kv_cache, rope
 from dsv4ref.config import FLASH, TINY
 from dsv4ref.device import DEVICE, interpreting
 from dsv4ref.rope import (
@@ -44,6 +44,14 @@ YARN_RTOL = 1e-6  # rope.md §8.3: the §3 inv_freq table, relative
 @pytest.fixture(scope="module")
 def table():
     return cos_sin_cache(4096)  # θ = 10000, the window-only layers' table (tiny config length)
+
+
+@pytest.fixture(params=[0, 1, 4, 8], ids=lambda n: "per_head" if n == 0 else f"hpp{n}")
+def fused_variant(request, monkeypatch):
+    """Which fused kernel qnorm_rope_kv_insert launches: the per-head one (grid (T, H + 1)) or the multi-head
+    one with n heads per program (packed bf16 pairs; n = 8 leaves a partial group when H = 3 or 4)."""
+    monkeypatch.setattr(rope, "FUSED_HEADS_PER_PROG", request.param)
+    return request.param
 
 
 @pytest.fixture(scope="module")
@@ -180,7 +188,7 @@ def _sparse_big_table(pos):
     return t
 
 
-def test_fused_kernel_at_1m_positions():
+def test_fused_kernel_at_1m_positions(fused_variant):
     pos = torch.tensor([(1 << 20) - 1, 700_001, 1 << 19], device=DEVICE)
     tab = _sparse_big_table(pos)
     _fused_case(T=3, H=2, B=16, n_blocks=1, n_slots=3, pos=pos, table=tab, seed=40)
@@ -189,7 +197,7 @@ def test_fused_kernel_at_1m_positions():
 
 
 @pytest.mark.skipif(interpreting(), reason="the full 256 MiB table: GPU only")
-def test_full_1m_table():
+def test_full_1m_table(fused_variant):
     tab = cos_sin_cache(FLASH.max_position, theta=160000.0, yarn=YARN)
     p = torch.tensor([0, 65535, 65536, 999_999, (1 << 20) - 1])
     assert torch.equal(tab[p.to(DEVICE)].cpu(), cos_sin_rows(p, 64, 160000.0, YARN))
@@ -314,14 +322,14 @@ def _fused_case(T, H, B, n_blocks, n_slots, pos, table, seed):
 
 
 @pytest.mark.parametrize("T,H,B,n_blocks,n_slots", [(4, 16, 16, 2, 4), (5, 3, 61, 1, 3), (3, 128, 2, 3, 2)])
-def test_fused_kernel(table, T, H, B, n_blocks, n_slots):
+def test_fused_kernel(table, T, H, B, n_blocks, n_slots, fused_variant):
     """Tiny config (H = 16, B = 16), an odd page (B = 61), and H = 128 with 2-token pages; slot −1 in row
     1 and T'' < T where n_slots < T (rows beyond T'' write nothing)."""
     pos = torch.randint(0, 4096, (T,), generator=generator(T + H)).to(DEVICE)
     _fused_case(T, H, B, n_blocks, n_slots, pos, table, seed=T * H)
 
 
-def test_fused_kernel_empty_slots_and_padding_rows(table):
+def test_fused_kernel_empty_slots_and_padding_rows(table, fused_variant):
     """All slots −1, or an empty slot_mapping: q is still normalised and rotated, the cache untouched."""
     pos = torch.tensor([0, 4095], device=DEVICE)
     for slots in (torch.tensor([-1, -1], device=DEVICE), torch.empty(0, dtype=torch.int64, device=DEVICE)):
@@ -335,13 +343,60 @@ def test_fused_kernel_empty_slots_and_padding_rows(table):
         assert_close(q, q_ref, "exact", "q")
 
 
-def test_fused_op_is_registered(table):
+def test_fused_op_is_registered(table, fused_variant):
     op = torch.ops.dsv4ref.qnorm_rope_kv_insert.default
     assert op._schema.arguments[0].alias_info.is_write and op._schema.arguments[2].alias_info.is_write
     q = randn((2, 2, 512), seed=13)
     args = (q, randn((2, 512), seed=14), kv_cache.allocate(1, 2), torch.tensor([1, 0], device=DEVICE),
             torch.tensor([3, 9], device=DEVICE), table, EPS, 2)
     torch.library.opcheck(op, args, test_utils=("test_schema", "test_faketensor"))
+
+
+@pytest.mark.parametrize("hpp", [0, 4])
+def test_fused_kernel_strided_q(table, hpp):
+    """q as a view of a wider buffer: an even row pitch (514 dims: the multi-head kernel reads int32 pairs
+    with a head stride of 257 words) and an odd start (q[..., 1:513]: not 4-byte aligned, so the launcher
+    falls back to the per-head kernel). Only q's 512 dims change; the pad columns keep their bits."""
+    T, H, B = 3, 5, 16
+    pos = torch.tensor([7, 4095, 300], device=DEVICE)
+    kv = randn((T, 512), seed=61)
+    slots = torch.tensor([3, -1, 17], device=DEVICE)
+    for start in (0, 1):
+        buf = randn((T, H, 514), seed=60 + start)
+        before = buf.clone()
+        q = buf[..., start:start + 512]
+        assert rope._packable(q.view(torch.int16)) == (start == 0)
+        q_ref, c_ref, c_out = q.clone(), kv_cache.allocate(2, B), kv_cache.allocate(2, B)
+        qnorm_rope_kv_insert(q_ref, kv, c_ref, slots, pos, table, eps=EPS, block_size=B, backend="reference")
+        rope._launch_fused(q, kv, c_out, slots, pos, table, EPS, B, heads_per_prog=hpp)
+        assert_close(q, q_ref, "exact", "q")
+        assert_close(c_out, c_ref, "exact", "cache bytes")
+        pad = torch.ones(514, dtype=torch.bool)
+        pad[start:start + 512] = False
+        assert torch.equal(buf[..., pad].view(torch.int16), before[..., pad].view(torch.int16))
+
+
+def test_fused_heads_per_prog_must_be_a_power_of_two(table):
+    q, kv = randn((2, 4, 512), seed=62), randn((2, 512), seed=63)
+    with pytest.raises(ValueError, match="heads_per_prog: expected 0 or a power of two, got 3"):
+        rope._launch_fused(q, kv, kv_cache.allocate(1, 16), torch.tensor([0, 1], device=DEVICE),
+                           torch.tensor([0, 1], device=DEVICE), table, EPS, 16, heads_per_prog=3)
+
+
+@pytest.mark.skipif(interpreting(), reason="num_warps only matters compiled: GPU only")
+@pytest.mark.parametrize("hpp,warps", rope.MH_BENCH_CONFIGS)
+def test_fused_mh_bench_configs(table, hpp, warps):
+    """Every (heads per program, warps) that `python -m dsv4ref bench rope` times is bit-exact compiled:
+    q vs the canonical reference, cache bytes vs kv_cache.insert(apply_gptj(kv)); H = 64 and H = 13 (a
+    partial head group)."""
+    for T, H in ((64, 64), (9, 13)):
+        q, kv, slots, pos = rope._fused_example(T, H, 64, 2, seed=H + hpp, table=table)
+        q_ref, c_ref = q.clone(), kv_cache.allocate(2, 64)
+        qnorm_rope_kv_insert(q_ref, kv, c_ref, slots, pos, table, eps=EPS, block_size=64, backend="reference")
+        q_out, c_out = q.clone(), kv_cache.allocate(2, 64)
+        rope._launch_fused(q_out, kv, c_out, slots, pos, table, EPS, 64, heads_per_prog=hpp, num_warps=warps)
+        assert_close(q_out, q_ref, "exact", f"q hpp={hpp} warps={warps}")
+        assert_close(c_out, c_ref, "exact", f"cache hpp={hpp} warps={warps}")
 
 
 # ------------------------------------------------------------------------------------------------
