@@ -26,6 +26,10 @@ Kernel design (one Triton kernel ``_hc_kernel`` serves pre, fused post+pre and h
 * The gates and the 20 Sinkhorn passes run in registers on a ``[BLOCK_T, 4, 4]`` tile.
 * Fused post+pre: pass 1 computes the new streams chunk by chunk, stores them (bf16, RNE) and feeds the
   stored bf16 values to the GEMM, exactly as a separate pre would read them; pass 2 reads them back.
+
+A second, split-K path (``HC_SPLIT_K = True``, off by default until a GPU run has timed and checked it)
+splits the K = M·Hd reduction across programs and finishes in a second small kernel; see the comment
+above ``_hc_partial_kernel`` and benchmarks/mhc.md.
 """
 
 from __future__ import annotations
@@ -455,6 +459,209 @@ def _hc_kernel(
         tl.store(out_ptr + rows[:, None] * Hd + h[None, :], bf16_rne_bits(y).to(tl.int16, bitcast=True), mask=mask)
 
 
+# ----------------------------------------------------------------------------------------------------
+# Split-K variant (selectable: HC_SPLIT_K / _launch_hc(split_k=True)). Two kernels instead of one.
+#
+# Why: ``_hc_kernel`` gives each program BLOCK_T = 16 tokens and the WHOLE K = 4·Hd reduction, so every
+# program streams all of fn (bf16×3, 32 padded columns: 3.1 MB at Hd = 4096) through L2 for only 16 tokens:
+# 256 programs × 3.1 MB ≈ 0.8 GB of L2 traffic against 0.13 GB of streams (benchmarks/mhc.md: ~10 % of copy
+# bandwidth). Raising BLOCK_T alone starves the 132 SMs of programs (BLOCK_T = 64: 64 programs).
+# Splitting K gives both: big token tiles (fn traffic / 4) AND enough programs, and small T (decode) gets
+# Hd/BLOCK_K programs instead of one.
+#
+# * ``_hc_partial_kernel``, grid (splits, token tiles): program (s, t) owns BLOCK_T tokens and the hidden
+#   range of split s (whole BLOCK_K chunks) of all 4 streams; it writes its partial mix [BLOCK_T, 32] and
+#   partial Σ X² [BLOCK_T] to fp32 workspaces ``[splits, T, 32]`` and ``[splits, T]``. The per-chunk
+#   accumulators of ``_gemm_stream`` are kept (every chunk's MMAs start from zero), and the gate and comb
+#   columns of fn are ONE [BLOCK_K, 32] tile per bf16 part (3 dots of N = 32 instead of 6 of N = 16).
+#   FUSED: the post is applied chunk by chunk exactly as in ``_hc_kernel`` and the new streams stored.
+# * ``_hc_finish_kernel``, grid (hidden parts, token tiles): reduces the partials in split order (fixed,
+#   so deterministic), applies the RMS factor and the input gates (every hidden part of a token tile
+#   needs them: a few FLOPs per token), the post gates and Sinkhorn (part 0 only, which stores them), then
+#   the weighted stream sum over its hidden range. The split index varies fastest in the first grid,
+#   so it finishes the LAST token tiles last; the second grid walks the token tiles in REVERSE, so it
+#   starts on the streams the first one read (or, fused, wrote) most recently, the ones likeliest to
+#   still be in the 60 MB L2.
+# ----------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _gemm_stream32(a, k, kmask, fs_ptr, K, acc, DOT_FP32: tl.constexpr, NG: tl.constexpr, BLOCK_K: tl.constexpr):
+    """acc += a @ fnᵀ[k, :NG] for one stream chunk, NG = 32 (gate group | comb group) or 16 (head: one
+    group). fs = [G, 3, K, 16] bf16 (split_fn); column n of the tile is column n % 16 of group n // 16.
+    Per-chunk accumulator, as in ``_gemm_stream`` (its docstring says why)."""
+    n = tl.arange(0, NG)
+    b_off = ((n // 16) * 3 * K * 16 + n % 16).to(tl.int64)[None, :] + k.to(tl.int64)[:, None] * 16  # [BLOCK_K, NG]
+    bm = kmask[:, None] & (n < NG)[None, :]
+    part = tl.zeros_like(acc)
+    for s in tl.static_range(3):
+        part = dot(a, tl.load(fs_ptr + s * K * 16 + b_off, mask=bm, other=0.0), part, DOT_FP32)
+    return acc + part
+
+
+@triton.jit
+def _hc_partial_kernel(
+    res_ptr,  # int16 view of residual [T, 4, Hd] bf16 (FUSED: the streams before the post)
+    x_ptr,  # FUSED: int16 view of x [T, Hd] bf16
+    post_in_ptr,  # FUSED: [T, 4] fp32
+    comb_in_ptr,  # FUSED: [T, 4, 4] fp32
+    new_ptr,  # FUSED: int16 view of the new residual [T, 4, Hd] bf16 (written)
+    fs_ptr,  # [G, 3, 4·Hd, 16] bf16: split_fn(fn)
+    ws_ptr,  # [splits, T, 32] fp32 workspace: partial mix columns (head: the first 16)
+    ssq_ptr,  # [splits, T] fp32 workspace: partial Σ X²
+    T,
+    Hd,
+    chunks_per_split,  # BLOCK_K chunks per split
+    HEAD: tl.constexpr,
+    FUSED: tl.constexpr,
+    BLOCK_T: tl.constexpr,  # >= 16 (the M side of tl.dot)
+    BLOCK_K: tl.constexpr,  # >= 16 (the K side of tl.dot)
+    DOT_FP32: tl.constexpr,
+):
+    tl.static_assert(BLOCK_K >= 16)
+    tl.static_assert(BLOCK_T >= 16)
+    NG: tl.constexpr = 16 if HEAD else 32
+    split = tl.program_id(0)
+    rows = tl.program_id(1).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
+    rm = rows < T
+    kk = tl.arange(0, BLOCK_K)
+    K = 4 * Hd
+    acc = tl.zeros((BLOCK_T, NG), dtype=tl.float32)  # [pre | post | 0 | comb (i, j) at 16 + 4i + j]
+    ssq = tl.zeros((BLOCK_T,), dtype=tl.float32)
+    if FUSED:
+        p0 = _col(post_in_ptr, rows, 4, 0, rm)
+        p1 = _col(post_in_ptr, rows, 4, 1, rm)
+        p2 = _col(post_in_ptr, rows, 4, 2, rm)
+        p3 = _col(post_in_ptr, rows, 4, 3, rm)
+        c00 = _col(comb_in_ptr, rows, 16, 0, rm)
+        c01 = _col(comb_in_ptr, rows, 16, 1, rm)
+        c02 = _col(comb_in_ptr, rows, 16, 2, rm)
+        c03 = _col(comb_in_ptr, rows, 16, 3, rm)
+        c10 = _col(comb_in_ptr, rows, 16, 4, rm)
+        c11 = _col(comb_in_ptr, rows, 16, 5, rm)
+        c12 = _col(comb_in_ptr, rows, 16, 6, rm)
+        c13 = _col(comb_in_ptr, rows, 16, 7, rm)
+        c20 = _col(comb_in_ptr, rows, 16, 8, rm)
+        c21 = _col(comb_in_ptr, rows, 16, 9, rm)
+        c22 = _col(comb_in_ptr, rows, 16, 10, rm)
+        c23 = _col(comb_in_ptr, rows, 16, 11, rm)
+        c30 = _col(comb_in_ptr, rows, 16, 12, rm)
+        c31 = _col(comb_in_ptr, rows, 16, 13, rm)
+        c32 = _col(comb_in_ptr, rows, 16, 14, rm)
+        c33 = _col(comb_in_ptr, rows, 16, 15, rm)
+    h_begin = split * chunks_per_split * BLOCK_K
+    h_end = tl.minimum(h_begin + chunks_per_split * BLOCK_K, Hd)
+    for h0 in range(h_begin, h_end, BLOCK_K):
+        h = h0 + kk
+        hm = h < h_end
+        mask = rm[:, None] & hm[None, :]
+        ro = rows[:, None] * K + h[None, :]
+        a0, r0 = _load_bf16(res_ptr, ro, mask)
+        a1, r1 = _load_bf16(res_ptr, ro + Hd, mask)
+        a2, r2 = _load_bf16(res_ptr, ro + 2 * Hd, mask)
+        a3, r3 = _load_bf16(res_ptr, ro + 3 * Hd, mask)
+        if FUSED:  # the post, exactly as in _hc_kernel and _post_kernel (same helper, same FMA order)
+            _, x = _load_bf16(x_ptr, rows[:, None] * Hd + h[None, :], mask)
+            n0 = bf16_rne_bits(_post_stream(x, p0, c00, c10, c20, c30, r0, r1, r2, r3))
+            n1 = bf16_rne_bits(_post_stream(x, p1, c01, c11, c21, c31, r0, r1, r2, r3))
+            n2 = bf16_rne_bits(_post_stream(x, p2, c02, c12, c22, c32, r0, r1, r2, r3))
+            n3 = bf16_rne_bits(_post_stream(x, p3, c03, c13, c23, c33, r0, r1, r2, r3))
+            tl.store(new_ptr + ro, n0.to(tl.int16, bitcast=True), mask=mask)
+            tl.store(new_ptr + ro + Hd, n1.to(tl.int16, bitcast=True), mask=mask)
+            tl.store(new_ptr + ro + 2 * Hd, n2.to(tl.int16, bitcast=True), mask=mask)
+            tl.store(new_ptr + ro + 3 * Hd, n3.to(tl.int16, bitcast=True), mask=mask)
+            a0, r0 = n0.to(tl.bfloat16, bitcast=True), (n0.to(tl.uint32) << 16).to(tl.float32, bitcast=True)
+            a1, r1 = n1.to(tl.bfloat16, bitcast=True), (n1.to(tl.uint32) << 16).to(tl.float32, bitcast=True)
+            a2, r2 = n2.to(tl.bfloat16, bitcast=True), (n2.to(tl.uint32) << 16).to(tl.float32, bitcast=True)
+            a3, r3 = n3.to(tl.bfloat16, bitcast=True), (n3.to(tl.uint32) << 16).to(tl.float32, bitcast=True)
+        ssq += tl.sum(_weighted4(r0, r1, r2, r3, r0, r1, r2, r3, False), axis=1)
+        acc = _gemm_stream32(a0, h, hm, fs_ptr, K, acc, DOT_FP32, NG, BLOCK_K)
+        acc = _gemm_stream32(a1, Hd + h, hm, fs_ptr, K, acc, DOT_FP32, NG, BLOCK_K)
+        acc = _gemm_stream32(a2, 2 * Hd + h, hm, fs_ptr, K, acc, DOT_FP32, NG, BLOCK_K)
+        acc = _gemm_stream32(a3, 3 * Hd + h, hm, fs_ptr, K, acc, DOT_FP32, NG, BLOCK_K)
+    wo = split.to(tl.int64) * T + rows  # this split's rows of the workspace
+    n = tl.arange(0, NG)
+    tl.store(ws_ptr + wo[:, None] * 32 + n[None, :], acc, mask=rm[:, None] & (n < NG)[None, :])
+    tl.store(ssq_ptr + wo, ssq, mask=rm)
+
+
+@triton.jit
+def _hc_finish_kernel(
+    src_ptr,  # int16 view of the streams x is summed from [T, 4, Hd] bf16 (FUSED: the new streams)
+    ws_ptr,  # [splits, T, 32] fp32 partial mixes from _hc_partial_kernel
+    ssq_ptr,  # [splits, T] fp32 partial Σ X²
+    scale_ptr,  # [3] fp32 ([1] head)
+    base_ptr,  # [24] fp32 ([4] head)
+    post_ptr,  # [T, 4] fp32 out (not HEAD)
+    comb_ptr,  # [T, 4, 4] fp32 out (not HEAD)
+    out_ptr,  # int16 view of the layer input (head: the output) [T, Hd] bf16
+    T,
+    Hd,
+    splits,
+    h_per_part,  # hidden values per program along grid axis 0 (a multiple of BLOCK_H)
+    rms_eps,
+    hc_eps,
+    post_mult,
+    iters,
+    HEAD: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+):
+    part = tl.program_id(0)
+    tile = tl.num_programs(1) - 1 - tl.program_id(1)  # reverse token order (see the section comment)
+    rows = tile.to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
+    rm = rows < T
+    K = 4 * Hd
+    n16 = tl.arange(0, 16)
+    m16 = rm[:, None] & (n16 < 16)[None, :]
+    acc_g = tl.zeros((BLOCK_T, 16), dtype=tl.float32)
+    acc_c = tl.zeros((BLOCK_T, 16), dtype=tl.float32)
+    ssq = tl.zeros((BLOCK_T,), dtype=tl.float32)
+    for s in range(0, splits):  # split order: the same sum on every run
+        wo = s * T + rows
+        acc_g += tl.load(ws_ptr + wo[:, None] * 32 + n16[None, :], mask=m16, other=0.0)
+        if not HEAD:
+            acc_c += tl.load(ws_ptr + wo[:, None] * 32 + 16 + n16[None, :], mask=m16, other=0.0)
+        ssq += tl.load(ssq_ptr + wo, mask=rm, other=0.0)
+
+    # ---- as in _hc_kernel: RMS factor after the GEMM, gates, Sinkhorn ----------------------------------
+    rinv = tl.math.rsqrt(ssq / K + rms_eps)
+    i4 = tl.arange(0, 4)
+    g3 = tl.reshape(acc_g * rinv[:, None], (BLOCK_T, 4, 4))
+    sel = i4[None, :, None]
+    pre = tl.sigmoid(tl.sum(tl.where(sel == 0, g3, 0.0), axis=1) * tl.load(scale_ptr)
+                     + tl.load(base_ptr + i4)[None, :]) + hc_eps
+    if not HEAD:
+        if part == 0:  # every hidden part computes the gates; one stores them
+            post = tl.sigmoid(tl.sum(tl.where(sel == 1, g3, 0.0), axis=1) * tl.load(scale_ptr + 1)
+                              + tl.load(base_ptr + 4 + i4)[None, :]) * post_mult
+            tl.store(post_ptr + rows[:, None] * 4 + i4[None, :], post, mask=rm[:, None] & (i4 < 4)[None, :])
+            cl = tl.reshape(acc_c * rinv[:, None], (BLOCK_T, 4, 4)) * tl.load(scale_ptr + 2) \
+                + tl.load(base_ptr + 8 + i4[:, None] * 4 + i4[None, :])[None, :, :]
+            comb = _sinkhorn_tl(cl, iters, hc_eps)
+            co = rows[:, None, None] * 16 + i4[None, :, None] * 4 + i4[None, None, :]
+            tl.store(comb_ptr + co, comb, mask=co < T * 16)
+    w0 = tl.sum(tl.where(i4[None, :] == 0, pre, 0.0), axis=1)
+    w1 = tl.sum(tl.where(i4[None, :] == 1, pre, 0.0), axis=1)
+    w2 = tl.sum(tl.where(i4[None, :] == 2, pre, 0.0), axis=1)
+    w3 = tl.sum(tl.where(i4[None, :] == 3, pre, 0.0), axis=1)
+
+    # ---- x = Σ_i pre_i · stream_i over this part's hidden range, last chunk first ---------------------
+    hh = tl.arange(0, BLOCK_H)
+    h_begin = part * h_per_part
+    n_chunks = tl.cdiv(tl.minimum(h_per_part, Hd - h_begin), BLOCK_H)
+    for c in range(0, n_chunks):
+        h = h_begin + (n_chunks - 1 - c) * BLOCK_H + hh
+        mask = rm[:, None] & (h < Hd)[None, :]
+        ro = rows[:, None] * K + h[None, :]
+        _, r0 = _load_bf16(src_ptr, ro, mask)
+        _, r1 = _load_bf16(src_ptr, ro + Hd, mask)
+        _, r2 = _load_bf16(src_ptr, ro + 2 * Hd, mask)
+        _, r3 = _load_bf16(src_ptr, ro + 3 * Hd, mask)
+        y = _weighted4(w0, w1, w2, w3, r0, r1, r2, r3)
+        tl.store(out_ptr + rows[:, None] * Hd + h[None, :], bf16_rne_bits(y).to(tl.int16, bitcast=True), mask=mask)
+
+
 # ====================================================================================================
 # Launchers: custom ops that write into given buffers (tests poison them first)
 # ====================================================================================================
@@ -468,9 +675,15 @@ HC_STAGES = 2
 
 
 def _launch_hc(res, x, post_in, comb_in, new, fs, scale, base, post, comb, out, rms_eps, hc_eps, post_mult, iters,
-               head, fused, block_t=None, block_k=None):
+               head, fused, block_t=None, block_k=None, split_k=None, splits=None):
+    """``split_k``: None = the module flag :data:`HC_SPLIT_K`; True = the two-kernel split-K path
+    (``splits`` forces its number of K splits, for tests), False = the one-kernel path."""
     T, M, Hd = res.shape
     if T == 0:
+        return
+    if HC_SPLIT_K if split_k is None else split_k:
+        _launch_hc_split(res, x, post_in, comb_in, new, fs, scale, base, post, comb, out, rms_eps, hc_eps,
+                         post_mult, iters, head, fused, block_t, block_k, splits)
         return
     bt = block_t or HC_BLOCK_T
     bk = block_k or HC_BLOCK_K
@@ -481,6 +694,59 @@ def _launch_hc(res, x, post_in, comb_in, new, fs, scale, base, post, comb, out, 
         i16(new), fs, scale, base, post if post is not None else scale, comb if comb is not None else scale,
         out.view(torch.int16), T, Hd, float(rms_eps), float(hc_eps), float(post_mult), int(iters),
         HEAD=head, FUSED=fused, BLOCK_T=bt, BLOCK_K=bk, DOT_FP32=interpreting(), **kw,
+    )
+
+
+# Split-K path (HC_SPLIT_K = True): token tile and K split of the partial kernel, token tile and hidden
+# chunk of the finish kernel, and how many programs to aim for (132 SMs on an H200: ~4 per SM). The
+# interpreter pays ~1 ms per program, so there it aims for few.
+HC_SPLIT_K = False
+SPLIT_BLOCK_T = 64  # 4× fewer fn re-reads from L2 than HC_BLOCK_T = 16
+SPLIT_BLOCK_K = 128 if interpreting() else 64
+SPLIT_WARPS = 8  # the fused variant holds x, 4 streams and 4 new streams per chunk: 8 warps halve the registers
+SPLIT_STAGES = 2  # smem per stage: 4 stream tiles (32 KB) + 3 fn tiles of 32 columns × 4 streams (48 KB)
+FINISH_BLOCK_T = 16
+FINISH_BLOCK_H = 256
+FINISH_WARPS = 4
+SPLIT_TARGET_PROGRAMS = 4 if interpreting() else 528
+
+
+def split_plan(T: int, Hd: int, block_t: int, block_k: int, splits: int | None = None) -> tuple[int, int]:
+    """(splits, chunks per split) for the partial kernel: enough K splits that tiles × splits reaches
+    SPLIT_TARGET_PROGRAMS, each split a whole number of BLOCK_K chunks, no empty split."""
+    chunks = triton.cdiv(Hd, block_k)
+    want = splits or max(1, triton.cdiv(SPLIT_TARGET_PROGRAMS, triton.cdiv(T, block_t)))
+    cps = triton.cdiv(chunks, min(chunks, want))
+    return triton.cdiv(chunks, cps), cps
+
+
+def _launch_hc_split(res, x, post_in, comb_in, new, fs, scale, base, post, comb, out, rms_eps, hc_eps, post_mult,
+                     iters, head, fused, block_t=None, block_k=None, splits=None):
+    T, M, Hd = res.shape
+    bt = block_t or SPLIT_BLOCK_T
+    bk = block_k or SPLIT_BLOCK_K
+    n_split, cps = split_plan(T, Hd, bt, bk, splits)
+    ws = torch.empty(n_split * T * 33, dtype=torch.float32, device=res.device)  # [S, T, 32] mix | [S, T] Σ X²
+    mix_ws, ssq_ws = ws[: n_split * T * 32], ws[n_split * T * 32 :]
+    i16 = lambda t: t.view(torch.int16) if t is not None else res.view(torch.int16)  # noqa: E731
+    kw = {} if interpreting() else dict(num_warps=SPLIT_WARPS, num_stages=SPLIT_STAGES)
+    _hc_partial_kernel[(n_split, triton.cdiv(T, bt))](
+        res.view(torch.int16), i16(x), post_in if post_in is not None else scale,
+        comb_in if comb_in is not None else scale, i16(new), fs, mix_ws, ssq_ws, T, Hd, cps,
+        HEAD=head, FUSED=fused, BLOCK_T=bt, BLOCK_K=bk, DOT_FP32=interpreting(), **kw,
+    )
+    fbt, fbh = FINISH_BLOCK_T, FINISH_BLOCK_H
+    tiles = triton.cdiv(T, fbt)
+    h_chunks = triton.cdiv(Hd, fbh)
+    parts = min(h_chunks, max(1, triton.cdiv(SPLIT_TARGET_PROGRAMS, tiles)))
+    h_per_part = triton.cdiv(h_chunks, parts) * fbh
+    parts = triton.cdiv(Hd, h_per_part)
+    kw = {} if interpreting() else dict(num_warps=FINISH_WARPS)
+    _hc_finish_kernel[(parts, tiles)](
+        i16(new) if fused else res.view(torch.int16), mix_ws, ssq_ws, scale, base,
+        post if post is not None else scale, comb if comb is not None else scale, out.view(torch.int16),
+        T, Hd, n_split, h_per_part, float(rms_eps), float(hc_eps), float(post_mult), int(iters),
+        HEAD=head, BLOCK_T=fbt, BLOCK_H=fbh, **kw,
     )
 
 
@@ -759,24 +1025,38 @@ def _bench() -> list[BenchCase]:
     post_b = row + stream + small + stream
     fused_b = row + stream + small + stream + small + row + fn_bytes
 
-    def run_pre(i, bt=None):
+    hfn, hscale, hbase = example_params(Hd, head=True)
+    hfs = split_fn(hfn, M, head=True)
+    head_b = stream + M * M * Hd * 4 + row  # streams read once + fn [4, 4·Hd] fp32 + output written
+
+    # every case names its path explicitly (split_k=False/True), so flipping HC_SPLIT_K changes no row
+    def run_pre(i, bt=None, split_k=False):
         res, x, p, c, (new, p2, c2, out, _) = sets[i]
         _launch_hc(res, None, None, None, None, fs, scale, base, p2, c2, out, RMS_EPS, HC_EPS, POST_MULT,
-                   SINKHORN_ITERS, head=False, fused=False, block_t=bt)
+                   SINKHORN_ITERS, head=False, fused=False, block_t=bt, split_k=split_k)
 
     def run_post(i):
         res, x, p, c, (new, *_rest) = sets[i]
         torch.ops.dsv4ref.mhc_post(x, res, p, c, new)
 
-    def run_fused(i):
+    def run_fused(i, split_k=False):
         res, x, p, c, (new, p2, c2, out, _) = sets[i]
-        torch.ops.dsv4ref.mhc_fused_post_pre(x, res, p, c, fs, scale, base, new, p2, c2, out, RMS_EPS, HC_EPS,
-                                             POST_MULT, SINKHORN_ITERS)
+        _launch_hc(res, x, p, c, new, fs, scale, base, p2, c2, out, RMS_EPS, HC_EPS, POST_MULT, SINKHORN_ITERS,
+                   head=False, fused=True, split_k=split_k)
 
     def run_separate(i):
         res, x, p, c, (new, p2, c2, out, _) = sets[i]
         torch.ops.dsv4ref.mhc_post(x, res, p, c, new)
-        torch.ops.dsv4ref.mhc_pre(new, fs, scale, base, p2, c2, out, RMS_EPS, HC_EPS, POST_MULT, SINKHORN_ITERS)
+        run_pre_on(new, p2, c2, out)
+
+    def run_pre_on(res, p2, c2, out):
+        _launch_hc(res, None, None, None, None, fs, scale, base, p2, c2, out, RMS_EPS, HC_EPS, POST_MULT,
+                   SINKHORN_ITERS, head=False, fused=False, split_k=False)
+
+    def run_head(i, split_k=False):
+        res, x, p, c, (new, p2, c2, out, _) = sets[i]
+        _launch_hc(res, None, None, None, None, hfs, hscale, hbase, None, None, out, RMS_EPS, HC_EPS, 1.0, 0,
+                   head=True, fused=False, split_k=split_k)
 
     cases = [
         BenchCase("mhc.pre", f"T={T} Hd={Hd} BLOCK_T=16", run_pre, n_sets, pre_b, flops,
@@ -786,6 +1066,8 @@ def _bench() -> list[BenchCase]:
                   "x + streams read, streams + layer input written"),
         BenchCase("mhc.post+pre (separate)", f"T={T} Hd={Hd}", run_separate, n_sets, fused_b, flops,
                   "fused op's compulsory bytes (so it compares)"),
+        BenchCase("mhc.head", f"T={T} Hd={Hd}", run_head, n_sets, head_b, flops // 6,
+                  "streams read once + fn + output written"),
     ]
     for bt in (32, 64):  # tile-size variants of pre: fewer fn re-reads from L2, fewer programs
         try:
@@ -794,4 +1076,20 @@ def _bench() -> list[BenchCase]:
                                    pre_b, flops, "as above"))
         except Exception as e:  # a tile that does not compile on this device is reported, not fatal
             print(f"mhc.pre BLOCK_T={bt}: skipped ({type(e).__name__}: {str(e)[:80]})")
+    # the split-K path (HC_SPLIT_K): same compulsory bytes; it really reads the streams twice (the second
+    # read partly from L2) plus a [splits, T, 33] fp32 workspace written once and read per hidden part
+    n_split, _ = split_plan(T, Hd, SPLIT_BLOCK_T, SPLIT_BLOCK_K)
+    sk = f"T={T} Hd={Hd} BLOCK_T={SPLIT_BLOCK_T} splits={n_split}"
+    for name, run, b, f, note in [
+        ("mhc.pre split-K", lambda i: run_pre(i, split_k=True), pre_b, flops, "as mhc.pre; moves ~2x the streams"),
+        ("mhc.fused_post_pre split-K", lambda i: run_fused(i, split_k=True), fused_b, flops,
+         "as mhc.fused_post_pre; re-reads the new streams"),
+        ("mhc.head split-K", lambda i: run_head(i, split_k=True), head_b, flops // 6,
+         "as mhc.head; moves ~2x the streams"),
+    ]:
+        try:
+            run(0)
+            cases.append(BenchCase(name, sk, run, n_sets, b, f, note))
+        except Exception as e:  # reported, not fatal: the other rows still run
+            print(f"{name}: skipped ({type(e).__name__}: {str(e)[:120]})")
     return cases

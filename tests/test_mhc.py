@@ -23,6 +23,14 @@ GPU_ONLY = pytest.mark.skipif(interpreting(), reason="real hidden sizes at many 
 SHAPES = [(5, 256), (19, 256)] + ([] if interpreting() else [(33, 4096), (17, 7168), (300, 4096)])
 
 
+@pytest.fixture(params=[False, True], ids=["one-kernel", "split-K"])
+def split_k(request, monkeypatch):
+    """Both Triton paths of pre / fused / head: the one-kernel ``_hc_kernel`` and the split-K pair
+    (``_hc_partial_kernel`` + ``_hc_finish_kernel``), selected through the module flag the launcher reads."""
+    monkeypatch.setattr(mhc, "HC_SPLIT_K", request.param)
+    return request.param
+
+
 def case(T, Hd, seed=0):
     res = mhc.example_streams(T, Hd, seed=seed)
     x = randn((T, Hd), seed=seed + 1, octaves=8)
@@ -172,7 +180,7 @@ def test_sinkhorn_peaked_permutation():
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("T,Hd", SHAPES)
-def test_pre_matches_fp64(backend, T, Hd):
+def test_pre_matches_fp64(backend, T, Hd, split_k):
     res, _, fn, scale, base = case(T, Hd, seed=T + Hd)
     p, c, x = run_pre(backend, res, fn, scale, base)
     p64, c64, x64 = oracle_pre(res, fn, scale, base)
@@ -181,7 +189,7 @@ def test_pre_matches_fp64(backend, T, Hd):
     assert_close(x, x64, "bf16_out", "layer_input")
 
 
-def test_pre_real_hidden_size_one_token_interpreted():
+def test_pre_real_hidden_size_one_token_interpreted(split_k):
     """V4-Flash Hd = 4096 (K = 16 384 for the mix GEMM) in whatever mode runs here, at T = 2."""
     res, _, fn, scale, base = case(2, 4096, seed=41)
     p, c, x = triton_pre(res, fn, scale, base)
@@ -207,7 +215,7 @@ def test_post_accepts_both_post_shapes():
 
 
 @pytest.mark.parametrize("T,Hd", SHAPES[:1] + SHAPES[2:])
-def test_fused_equals_post_then_pre(T, Hd):
+def test_fused_equals_post_then_pre(T, Hd, split_k):
     """mhc.md §6: EXACT on the bf16 outputs (same operation order, explicit FMAs); fp32 outputs within 1e-6."""
     res, x, fn, scale, base = case(T, Hd, seed=7 * T)
     p, c, _ = mhc.pre(res, fn, scale, base)
@@ -226,6 +234,65 @@ def test_fused_equals_post_then_pre(T, Hd):
     assert_close(li, x64, "bf16_out")
 
 
+@pytest.mark.parametrize("splits", [1, 2, 3])
+def test_split_k_any_number_of_splits(splits):
+    """The split-K path with a forced number of K splits (3 = one BLOCK_K chunk each at Hd = 320 in the
+    interpreter, the last one partial; on a GPU, 5 chunks of 64 split 3/2 or 2/2/1): pre and head match the
+    fp64 oracle, fused == post then pre exactly, and T = 19 gives the finish kernel two token tiles and two
+    hidden parts (the second one partial), so the part that stores post/comb is not the only one."""
+    T, Hd = 19, 320
+    res, x, fn, scale, base = case(T, Hd, seed=23)
+    kw = dict(split_k=True, splits=splits)
+    p, c, li = poison((T, 4), torch.float32), poison((T, 4, 4), torch.float32), poison((T, Hd), torch.bfloat16)
+    mhc._launch_hc(res, None, None, None, None, mhc.split_fn(fn), scale, base, p, c, li, 1e-6, 1e-6, 2.0, 20,
+                   head=False, fused=False, **kw)
+    p64, c64, x64 = oracle_pre(res, fn, scale, base)
+    assert_close(p, p64, "mhc")
+    assert_close(c, c64, "mhc")
+    assert_close(li, x64, "bf16_out")
+    # fused (with the same plan) == the separate post then the split-K pre, bit for bit on bf16
+    new, p2, c2, li2 = (poison(tuple(res.shape), torch.bfloat16), poison((T, 4), torch.float32),
+                        poison((T, 4, 4), torch.float32), poison((T, Hd), torch.bfloat16))
+    mhc._launch_hc(res, x, p, c, new, mhc.split_fn(fn), scale, base, p2, c2, li2, 1e-6, 1e-6, 2.0, 20,
+                   head=False, fused=True, **kw)
+    new_sep = triton_post(x, res, p, c)
+    p3, c3, li3 = poison((T, 4), torch.float32), poison((T, 4, 4), torch.float32), poison((T, Hd), torch.bfloat16)
+    mhc._launch_hc(new_sep, None, None, None, None, mhc.split_fn(fn), scale, base, p3, c3, li3, 1e-6, 1e-6, 2.0,
+                   20, head=False, fused=False, **kw)
+    assert_close(new, new_sep, "exact")
+    assert_close(li2, li3, "exact")
+    assert_close(p2, p3, "fp32_reduction")
+    assert_close(c2, c3, "fp32_reduction")
+    hfn, hscale, hbase = mhc.example_params(Hd, seed=24, head=True)
+    out = poison((T, Hd), torch.bfloat16)
+    mhc._launch_hc(res, None, None, None, None, mhc.split_fn(hfn, head=True), hscale, hbase, None, None, out,
+                   1e-6, 1e-6, 1.0, 0, head=True, fused=False, **kw)
+    assert_close(out, mhc.head_reference(res, hfn, hscale, hbase, dtype=torch.float64)[1], "bf16_out")
+
+
+@pytest.mark.parametrize("T,Hd,bt,bk", [(1, 4096, 64, 64), (19, 320, 64, 128), (4096, 4096, 64, 64),
+                                        (3000, 7168, 64, 64), (7, 100, 16, 32)])
+@pytest.mark.parametrize("splits", [None, 1, 5, 1000])
+def test_split_plan_covers_every_chunk_once(T, Hd, bt, bk, splits):
+    """Every BLOCK_K chunk belongs to exactly one split and no split is empty."""
+    n, cps = mhc.split_plan(T, Hd, bt, bk, splits)
+    chunks = -(-Hd // bk)
+    assert 1 <= n <= chunks and cps >= 1
+    assert (n - 1) * cps < chunks <= n * cps
+
+
+@GPU_ONLY
+def test_pre_many_tokens_uneven_splits(split_k):
+    """T = 3000, Hd = 7168 (V4-Pro): split-K plans 12 splits of 10, 10, …, 2 chunks; the one-kernel path
+    runs 188 programs over K = 28 672."""
+    res, _, fn, scale, base = case(3000, 7168, seed=29)
+    p, c, x = triton_pre(res, fn, scale, base)
+    p64, c64, x64 = oracle_pre(res, fn, scale, base)
+    assert_close(p, p64, "mhc", "post")
+    assert_close(c, c64, "mhc", "comb")
+    assert_close(x, x64, "bf16_out", "layer_input")
+
+
 def test_fused_reference_backend_composes():
     res, x, fn, scale, base = case(4, 256, seed=2)
     p, c, _ = mhc.pre(res, fn, scale, base, backend="reference")
@@ -237,7 +304,7 @@ def test_fused_reference_backend_composes():
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("T,Hd", SHAPES)
-def test_head_matches_fp64(backend, T, Hd):
+def test_head_matches_fp64(backend, T, Hd, split_k):
     res = mhc.example_streams(T, Hd, seed=T)
     fn, scale, base = mhc.example_params(Hd, seed=T + 1, head=True)
     _, want = mhc.head_reference(res, fn, scale, base, dtype=torch.float64)
@@ -250,7 +317,7 @@ def test_head_matches_fp64(backend, T, Hd):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_head_hand_computed(backend):
+def test_head_hand_computed(backend, split_k):
     """mhc.md §10.7: fn picks X[0] only, scale = ln 3, base = (0, ln 3, −ln 3, 0). Every value is ±1, so the
     RMS is 1 and mix_0 = X[0] = ±1: gate = σ(±ln 3 + base) + 1e-6.
     token A: all streams +1              -> gate (0.75, 0.75, 0.25, 0.5) -> out = 2.25 everywhere
@@ -280,7 +347,7 @@ def P4():
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_post_transpose_4cycle(backend):
+def test_post_transpose_4cycle(backend, split_k):
     """pitfalls.md #22: with comb ≈ P (the 4-cycle), new stream j+1 = post·x + stream j. Using comb instead
     of combᵀ moves the streams the other way round, which this test rejects (checked below)."""
     T, Hd = 3, 256
@@ -299,7 +366,7 @@ def test_post_transpose_4cycle(backend):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_identity_comb_preserves_streams(backend):
+def test_identity_comb_preserves_streams(backend, split_k):
     """base_comb = 30·I, fn = 0: comb ≈ I and new stream j = post_j·x + stream j (mhc.md §10.3)."""
     T, Hd = 4, 256
     res = mhc.example_streams(T, Hd, seed=12)
@@ -314,7 +381,7 @@ def test_identity_comb_preserves_streams(backend):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_uniform_comb_averages_streams(backend):
+def test_uniform_comb_averages_streams(backend, split_k):
     """fn = 0 and base_comb = 0: every entry of comb is equal (≈ 1/4) and new stream j = post_j·x + mean_i
     stream_i (mhc.md §10.2)."""
     T, Hd = 4, 256
@@ -330,7 +397,7 @@ def test_uniform_comb_averages_streams(backend):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_ranges_and_pre_eps(backend):
+def test_ranges_and_pre_eps(backend, split_k):
     """pre ∈ (1e-6, 1 + 1e-6), post ∈ (0, 2) (mhc.md §10.5). pre is internal, so it is read through the
     layer input: with pre logits at −30, σ ≈ 9e-14 and pre ≈ hc_eps = 1e-6, so x ≈ 1e-6·Σ_i stream_i; a
     kernel that drops the +eps (pitfalls.md #23) returns ~1e7 times less. At +30, pre = 1 + 1e-6."""
@@ -347,7 +414,7 @@ def test_ranges_and_pre_eps(backend):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_rms_is_over_flattened_streams_after_gemm(backend):
+def test_rms_is_over_flattened_streams_after_gemm(backend, split_k):
     """mhc.md §10.6: scaling ALL streams by k leaves post and comb unchanged and scales x by k (k a power of
     two, so the bf16 inputs scale exactly). Then the oracle rejects an RMS taken per stream, which the
     k-scaling alone cannot catch (a per-stream RMS is scale invariant too)."""
@@ -395,7 +462,7 @@ def test_split_fn_is_exact_and_cached():
     assert b is not a and torch.equal(b.float(), a.float() * 2)
 
 
-def test_empty_batch():
+def test_empty_batch(split_k):
     res, x, fn, scale, base = case(0, 256)
     p, c, li = mhc.pre(res, fn, scale, base)
     assert p.shape == (0, 4) and c.shape == (0, 4, 4) and li.shape == (0, 256)
