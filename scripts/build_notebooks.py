@@ -67,6 +67,8 @@ def execute(nb: nbformat.NotebookNode) -> None:
     os.environ["TRITON_INTERPRET"] = "1"
     os.environ.setdefault("PYTHONWARNINGS", "ignore")
     ExecutePreprocessor(timeout=600, kernel_name="python3").preprocess(nb, {"metadata": {"path": str(OUT)}})
+    for cell in nb.cells:  # execution timestamps would churn every rebuild's diff
+        cell.metadata.pop("execution", None)
 
 
 def main() -> int:
