@@ -42,16 +42,21 @@ def _cmd_bench(args) -> int:
               "nothing. Run on a GPU (CUDA or Intel XPU) to benchmark.")
         return 0
     print(describe())
-    ceil, rows = run_benches(args.op)
+    from .harness import measure_ceilings
+
+    ceil = measure_ceilings()
     print(f"ceilings measured now: copy {ceil.copy_bytes_per_s / 1e12:.2f} TB/s (read + write), "
           f"bf16 matmul {ceil.bf16_flops_per_s / 1e12:.0f} TFLOP/s")
     head = f"{'op':<26} {'shape':<40} {'time us':>9} {'GB/s':>8} {'TFLOP/s':>8} {'of bound':>8}  bytes counted"
     print(head)
-    print("-" * len(head))
-    for r in rows:
+    print("-" * len(head), flush=True)
+
+    def show(r):
         c = r.case
         print(f"{c.op:<26} {c.shape:<40} {r.ms * 1e3:>9.1f} {r.bytes_per_s / 1e9:>8.0f} {r.flops_per_s / 1e12:>8.1f} "
-              f"{r.fraction:>8.1%}  {c.note}")
+              f"{r.fraction:>8.1%}  {c.note}", flush=True)
+
+    run_benches(args.op or None, ceil, on_row=show)
     return 0
 
 
@@ -78,7 +83,7 @@ def main(argv=None) -> int:
     c.add_argument("op", nargs="?", help="only ops whose name starts with this")
     c.set_defaults(fn=_cmd_check)
     b = sub.add_parser("bench", help="time the kernels against this device's measured ceilings (GPU only)")
-    b.add_argument("op", nargs="?", help="only ops whose name starts with this")
+    b.add_argument("op", nargs="*", help="only ops whose name starts with one of these, in this order")
     b.set_defaults(fn=_cmd_bench)
     cf = sub.add_parser("conformance", help="run the conformance suite (your kernels vs the references, "
                         "or --golden DIR); see dsv4ref/conformance.py", add_help=False)

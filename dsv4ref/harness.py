@@ -15,6 +15,8 @@ bound ``max(bytes / copy_bw, flops / matmul_rate)``.
 from __future__ import annotations
 
 import importlib
+import math
+import os
 import statistics
 from dataclasses import dataclass, field
 from typing import Callable
@@ -156,18 +158,28 @@ class BenchRow:
     fraction: float  # of the roofline bound
 
 
-def run_benches(only: str | None = None, ceilings: Ceilings | None = None) -> tuple[Ceilings, list[BenchRow]]:
+def run_benches(only=None, ceilings: Ceilings | None = None, on_row=None) -> tuple[Ceilings, list[BenchRow]]:
+    """Time the registered benchmarks. ``only``: an op-name prefix or a list of them (run in that order);
+    ``on_row(row)`` is called as each case finishes, so a long run reports as it goes."""
     if interpreting() or DEVICE.type == "cpu":
         raise RuntimeError("benchmarks need a GPU: on the CPU the kernels run in Triton's interpreter")
+    if os.environ.get("DSV4REF_BENCH") == "0":  # e.g. nbval on a GPU: run the notebooks, skip their timings
+        return ceilings or Ceilings(math.nan, math.nan), []
     load_ops()
     ceil = ceilings or measure_ceilings()
+    prefixes = [only] if isinstance(only, str) else list(only or [""])
+    names = [n for p in prefixes for n in BENCHES if n.startswith(p)]
     rows = []
-    for name, fn in BENCHES.items():
-        if only and not name.startswith(only):
-            continue
-        for case in fn():
-            ms = time_ms(case.run, case.n_sets)
+    for name in dict.fromkeys(names):
+        for case in BENCHES[name]():
+            try:
+                ms = time_ms(case.run, case.n_sets)
+            except Exception as e:  # one case that fails to compile or run must not hide the others
+                print(f"{case.op} {case.shape}: FAILED {type(e).__name__}: {str(e).splitlines()[0][:200]}")
+                continue
             s = ms * 1e-3
             bound = max(case.bytes / ceil.copy_bytes_per_s, case.flops / ceil.bf16_flops_per_s)
             rows.append(BenchRow(case, ms, case.bytes / s, case.flops / s, bound / s))
+            if on_row:
+                on_row(rows[-1])
     return ceil, rows

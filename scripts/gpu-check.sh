@@ -7,7 +7,9 @@
 # wheels in .whl/ (see benchmarks/RESULTS.md for the command that fetches them) and is installed to /tmp/site.
 #
 #   device run:  bash scripts/gpu-check.sh            (carry: [".whl"])
-#   env knobs:   STAGES="unit nbval check bench memcheck"   BENCH_OP=kv_cache   MEMCHECK_TESTS=tests/test_kv_cache.py
+#   env knobs:   STAGES="unit nbval check bench memcheck"   BENCH_OP="indexer sparse_mla"   MEMCHECK_TESTS=tests/test_kv_cache.py
+#                LIMIT_UNIT=420 LIMIT_NBVAL=420 LIMIT_CHECK=300 LIMIT_BENCH=420 LIMIT_MEMCHECK=420 (seconds per stage)
+#   nbval runs with DSV4REF_BENCH=0: the notebooks' benchmark cells (ignored by nbval) skip their timings.
 set -uo pipefail
 OUT=${OUT:-./gpu-out}
 mkdir -p "$OUT"
@@ -45,12 +47,12 @@ stage() {  # stage NAME LIMIT_S COMMAND...
 
 for s in $STAGES; do
   case $s in
-    unit)     stage unit 420 python3 -m pytest tests -q -o addopts="" -p no:cacheprovider -n 8 --dist loadscope ;;
-    nbval)    stage nbval 420 python3 -m pytest notebooks -q -o addopts="" -p no:cacheprovider --nbval --nbval-current-env \
+    unit)     stage unit ${LIMIT_UNIT:-420} python3 -m pytest tests -q -o addopts="" -p no:cacheprovider -n ${WORKERS:-8} --dist loadscope ;;
+    nbval)    DSV4REF_BENCH=0 stage nbval ${LIMIT_NBVAL:-420} python3 -m pytest notebooks -q -o addopts="" -p no:cacheprovider --nbval --nbval-current-env \
                 --nbval-sanitize-with notebooks/nbval_sanitize.cfg --nbval-cell-timeout 300 -n 4 --dist loadscope ;;
-    check)    stage check 300 python3 -m dsv4ref check ;;
-    bench)    TAIL=60 stage bench 420 python3 -m dsv4ref bench ${BENCH_OP:-} ;;
-    memcheck) stage memcheck 420 compute-sanitizer --tool memcheck --print-limit 20 python3 -m pytest ${MEMCHECK_TESTS:-tests} \
+    check)    stage check ${LIMIT_CHECK:-300} python3 -m dsv4ref check ;;
+    bench)    TAIL=60 stage bench ${LIMIT_BENCH:-420} python3 -m dsv4ref bench ${BENCH_OP:-} ;;
+    memcheck) stage memcheck ${LIMIT_MEMCHECK:-420} compute-sanitizer --tool memcheck --print-limit 20 python3 -m pytest ${MEMCHECK_TESTS:-tests} \
                 -q -x -o addopts="" -p no:cacheprovider ;;
   esac
 done
