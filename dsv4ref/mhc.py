@@ -27,9 +27,11 @@ Kernel design (one Triton kernel ``_hc_kernel`` serves pre, fused post+pre and h
 * Fused post+pre: pass 1 computes the new streams chunk by chunk, stores them (bf16, RNE) and feeds the
   stored bf16 values to the GEMM, exactly as a separate pre would read them; pass 2 reads them back.
 
-A second, split-K path (``HC_SPLIT_K = True``, off by default until a GPU run has timed and checked it)
-splits the K = M·Hd reduction across programs and finishes in a second small kernel; see the comment
-above ``_hc_partial_kernel`` and benchmarks/mhc.md.
+A second, split-K path splits the K = M·Hd reduction across programs and finishes in a second small
+kernel; see the comment above ``_hc_partial_kernel`` and benchmarks/mhc.md. ``HC_SPLIT_K = None`` (the
+default) picks per op what was faster on the H200 (2026-11-30, T = Hd = 4096): split-K for pre (16.6 % vs
+12.3 % of the bound) and head (18.8 % vs 13.9 %), the one-kernel path for fused post+pre (17.0 % vs 10.6 %).
+``True`` / ``False`` force one path for every op.
 """
 
 from __future__ import annotations
@@ -676,12 +678,15 @@ HC_STAGES = 2
 
 def _launch_hc(res, x, post_in, comb_in, new, fs, scale, base, post, comb, out, rms_eps, hc_eps, post_mult, iters,
                head, fused, block_t=None, block_k=None, split_k=None, splits=None):
-    """``split_k``: None = the module flag :data:`HC_SPLIT_K`; True = the two-kernel split-K path
+    """``split_k``: None = the module flag :data:`HC_SPLIT_K` (itself None: split-K for pre and head, one
+    kernel for fused post+pre, the faster of each on the H200); True = the two-kernel split-K path
     (``splits`` forces its number of K splits, for tests), False = the one-kernel path."""
     T, M, Hd = res.shape
     if T == 0:
         return
-    if HC_SPLIT_K if split_k is None else split_k:
+    if split_k is None:
+        split_k = (not fused) if HC_SPLIT_K is None else HC_SPLIT_K
+    if split_k:
         _launch_hc_split(res, x, post_in, comb_in, new, fs, scale, base, post, comb, out, rms_eps, hc_eps,
                          post_mult, iters, head, fused, block_t, block_k, splits)
         return
@@ -700,7 +705,7 @@ def _launch_hc(res, x, post_in, comb_in, new, fs, scale, base, post, comb, out, 
 # Split-K path (HC_SPLIT_K = True): token tile and K split of the partial kernel, token tile and hidden
 # chunk of the finish kernel, and how many programs to aim for (132 SMs on an H200: ~4 per SM). The
 # interpreter pays ~1 ms per program, so there it aims for few.
-HC_SPLIT_K = False
+HC_SPLIT_K = None  # None: per op, the faster path measured on the H200 (see _launch_hc)
 SPLIT_BLOCK_T = 64  # 4× fewer fn re-reads from L2 than HC_BLOCK_T = 16
 SPLIT_BLOCK_K = 128 if interpreting() else 64
 SPLIT_WARPS = 8  # the fused variant holds x, 4 streams and 4 new streams per chunk: 8 warps halve the registers

@@ -471,16 +471,18 @@ def _qnorm_rope_kv_insert_mh_kernel(
                     _kv_record(kv_ptr, cache_ptr, t, slot, trow, kv_stride, page_stride, block_size)
 
 
-# Which fused kernel the op launches (benchmarks/rope.md compares them; flip after a GPU run):
-#   FUSED_HEADS_PER_PROG = 0: the per-head kernel, grid (T, H + 1), one 2-KiB head per program (measured:
-#                             60 % of copy bandwidth on the H200 with 1 warp);
+# Which fused kernel the op launches (benchmarks/rope.md compares them). Measured on the H200 (2026-11-30,
+# T = 4096, H = 64, graph-replay timing, fraction of copy bandwidth over compulsory bytes):
+#   FUSED_HEADS_PER_PROG = 0: the per-head kernel, grid (T, H + 1), one 2-KiB head per program: 78.7 %
+#                             (1 warp);
 #   FUSED_HEADS_PER_PROG = n ≥ 1 (power of two): the multi-head kernel, n heads of one token per program
-#                             read and written as packed bf16 pairs (int32 words).
-FUSED_HEADS_PER_PROG = 0
-# warps per program; None = 1 for the per-head kernel, _MH_WARPS[n] for the multi-head kernel (guesses:
-# ~2-4 KiB of q per warp, not yet measured)
+#                             read and written as packed bf16 pairs (int32 words): n = 2, 1 warp: 94.1 %
+#                             (the best); n = 4, 2 warps: 91.8 %; n = 8, 4 warps: 90.0 %.
+FUSED_HEADS_PER_PROG = 2
+# warps per program; None = 1 for the per-head kernel, _MH_WARPS[n] for the multi-head kernel (the best
+# measured warp count for each n on the H200)
 FUSED_WARPS = None
-_MH_WARPS = {1: 1, 2: 1, 4: 1, 8: 2, 16: 4, 32: 4}
+_MH_WARPS = {1: 1, 2: 1, 4: 2, 8: 4, 16: 4, 32: 4}
 # (heads per program, warps) of the multi-head kernel that `python -m dsv4ref bench rope` times (rope.fused_mh)
 # and that the GPU-only test holds to the reference
 MH_BENCH_CONFIGS = ((1, 1), (2, 1), (4, 1), (4, 2), (8, 1), (8, 2), (8, 4), (16, 4))

@@ -46,10 +46,10 @@ def table():
     return cos_sin_cache(4096)  # θ = 10000, the window-only layers' table (tiny config length)
 
 
-@pytest.fixture(params=[0, 1, 4, 8], ids=lambda n: "per_head" if n == 0 else f"hpp{n}")
+@pytest.fixture(params=[0, 1, 2, 8], ids=lambda n: "per_head" if n == 0 else f"hpp{n}")
 def fused_variant(request, monkeypatch):
     """Which fused kernel qnorm_rope_kv_insert launches: the per-head one (grid (T, H + 1)) or the multi-head
-    one with n heads per program (packed bf16 pairs; n = 8 leaves a partial group when H = 3 or 4)."""
+    one with n heads per program (packed bf16 pairs; n = 2 is the default; n = 8 leaves a partial group when H = 3 or 4)."""
     monkeypatch.setattr(rope, "FUSED_HEADS_PER_PROG", request.param)
     return request.param
 
