@@ -305,12 +305,24 @@ print(compare(h_k, h_ref, "bf16_out", "head").verdict())
 # | post | x 33.5 MB + streams 134 MB | streams 134 MB | ≈ 302 MB |
 # | fused | x + streams 168 MB | streams + layer input 168 MB | ≈ 336 MB (vs 470 MB for post then pre) |
 #
-# At the H200's measured copy rate (3.98 TB/s) these take ~43, ~76 and ~85 µs. The H200 run (2026-11-30,
-# `benchmarks/mhc.md`) measured pre 413–466 µs (≈ 10 % of that bound), post 175 µs (43 %), fused 586 µs
-# (14.5 %; no faster than post then pre at 588 µs). The target (≥ 60 %) is **missed**. The reason is the
-# GEMM's weight traffic, not HBM: with 16 tokens per program, 256 programs each stream the whole bf16×3 `fn`
-# (3.1 MB) from L2 — 0.8 GB of L2 reads for 0.17 GB of compulsory HBM traffic — through small 16×16 MMAs.
-# The fix is a split-K layout (each program owns a slice of `fn` for many tokens), left for a follow-up.
+# At the H200's measured copy rate (4.11 TB/s) these take ~41, ~74 and ~82 µs. The final H200 run
+# (2026-11-30, `benchmarks/RESULTS.md`) measured:
+#
+# | op | path | time | of bound |
+# |---|---|---|---|
+# | post | one kernel | 80.2 µs | **91.8 %** |
+# | pre | one kernel, 32 tokens per program | 336.5 µs | 12.3 % |
+# | pre | **split-K (the default)** | 248.2 µs | 16.6 % |
+# | fused post+pre | **one kernel (the default)** | 485.1 µs | 17.0 % |
+# | fused post+pre | split-K | 777.2 µs | 10.6 % |
+# | head | **split-K (the default)** | 218.0 µs | 18.8 % |
+#
+# Post meets the target (≥ 60 %); pre and fused **miss it by far**. The reason is the GEMM, not HBM: N = 24
+# outputs over K = 16 384 must be fp32-exact, so it runs as three bf16 MMAs (an exact split of `fn`) padded
+# to N = 32, and every token tile streams the whole 3.1 MB bf16×3 `fn` from L2. Split-K (each program owns a
+# slice of K for 64 tokens, a second small kernel finishes the gates, Sinkhorn and the weighted sum) cuts
+# that L2 traffic 4× and buys 1.35×, but reads the streams twice. A single pass that keeps a token tile's
+# streams on chip across both phases is the next step.
 # The cell below re-measures on a GPU; it does not run in the interpreter.
 
 # %%

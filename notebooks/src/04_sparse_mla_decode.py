@@ -326,16 +326,16 @@ for name, h, k in shapes:
 #
 # The bound of a case is max(bytes / copy bandwidth, FLOPs / bf16 matmul rate), with both ceilings measured
 # in the same run (`python -m dsv4ref bench sparse_mla`). The figures below are **constants copied from that
-# run** (device, date and command in `benchmarks/sparse_mla.md`); this notebook does not time anything on
+# run** (device, date and command in `benchmarks/RESULTS.md`); this notebook does not time anything on
 # the CPU. FLOPs count the real H, bytes count 584 B + 4 B of index per selected row plus q, out and lse.
 
 # %%
-MEASURED = dict(  # H200 (Triton 3.6, torch 2.11), 2026-11-30, benchmarks/sparse_mla_sweep.py, CUDA-graph timings
-    copy_tb_s=4.07, bf16_tflop_s=785,
-    cases={  # (H, K): µs for (fused default = exact P·V split, fused with bf16 P, two-pass default)
-        (64, 640): (443.4, 69.6, 435.0),
-        (128, 1152): (1528.0, 166.1, 1396.3),
-        (16, 2048): (104.4, 96.1, 183.0),
+MEASURED = dict(  # H200 (Triton 3.6, torch 2.11), 2026-11-30, python -m dsv4ref bench sparse_mla (graph replay)
+    copy_tb_s=4.11, bf16_tflop_s=778,
+    cases={  # (H, K): µs for (fused with P·V split into two bf16 halves, fused default (bf16 P), two-pass)
+        (64, 640): (440.5, 71.5, 90.3),
+        (128, 1152): (1507.4, 167.6, 155.3),
+        (16, 2048): (105.9, 99.6, 147.3),
     },
 )
 
@@ -347,7 +347,7 @@ ax.loglog(ai, np.minimum(ai * bw, peak) / 1e12, color="black", label="roofline (
 for (h, k), (f_us, p_us, t_us) in MEASURED["cases"].items():
     byts = 64 * (k * 588 + h * 512 * 4 + h * 4 + 8)
     fl = 64 * 2 * h * k * 1024
-    for us, mk, name in ((f_us, "o", "fused"), (p_us, "^", "fused, bf16 P"), (t_us, "x", "two-pass")):
+    for us, mk, name in ((f_us, "o", "fused, P split"), (p_us, "^", "fused (bf16 P)"), (t_us, "x", "two-pass")):
         ax.scatter([fl / byts], [fl / (us * 1e-6) / 1e12], marker=mk, s=40, label=f"{name} H={h} K={k}")
 ax.set_xlabel("FLOP per compulsory byte")
 ax.set_ylabel("TFLOP/s")
@@ -359,7 +359,7 @@ for (h, k), times in MEASURED["cases"].items():
     fl = 64 * 2 * h * k * 1024
     bound = max(byts / bw, fl / peak) * 1e6
     print(f"H={h:<3} K={k:<5} bound {bound:5.1f} us | " + " | ".join(
-        f"{n} {us:6.1f} us = {bound / us:5.1%}" for n, us in zip(("fused", "fused bf16 P", "two-pass"), times)))
+        f"{n} {us:6.1f} us = {bound / us:5.1%}" for n, us in zip(("fused, P split", "fused (default)", "two-pass"), times)))
 
 # %% [markdown]
 # ## 8. The measured result
@@ -368,15 +368,19 @@ for (h, k), times in MEASURED["cases"].items():
 # two-pass path): **the goal is missed.**
 #
 # * With P rounded to bf16 before the P·V product (FlashMLA's numerics, the default) the fused kernel reaches
-#   11.5% (H = 64, K = 640), 14.8% (H = 128, K = 1152) and 20.2% (H = 16, K = 2048): 1.4×, 1.0× and 1.9× the
-#   two-pass path. The spec's own first probe (§11) reached 15–22%; the limits it found (a 64 × 512 fp32
-#   accumulator spilling at 8 warps, load → dequant → dot → softmax → dot in series) apply here too.
+#   11.1 % (H = 64, K = 640), 14.8 % (H = 128, K = 1152) and 19.4 % (H = 16, K = 2048) of the bound: 1.26×,
+#   0.93× and 1.48× the two-pass path. The spec's own first probe (§11) reached 15–22 %; the limits it found
+#   (a 64 × 512 fp32 accumulator spilling at 8 warps, load → dequant → dot → softmax → dot in series) apply
+#   here too.
+# * Splitting the output dims over 2 or 4 programs (so the accumulator no longer spills) was measured and is
+#   slower (8.0 % and 5.0 % at H = 64): each slice recomputes the scores and the dequantisation.
 # * bf16 P fails an elementwise relative tolerance (`bf16_out`) on test data with a wide value range:
 #   outputs that cancel to near zero get abs errors ~ 2^-9 · Σ p|v|. The tests therefore hold it to that
 #   derived bound (`bf16_weighted_sum`). A variant that splits P into two bf16 halves (`pv_split`, two P·V
-#   products, ~16 bits of p) passes `bf16_out` too; with 16-head blocks it costs 9%, with 64-head blocks it
-#   spills badly and runs at under 2% of the bound. Closing the gap to the bound (a separate accumulator
-#   layout, smaller value slices per program, or warp specialisation) is the open work.
+#   products, ~16 bits of p) passes `bf16_out` too, at 1.6–18 % of the bound.
+# * The two-pass path is not far behind because its attention loop is the same latency-bound code; its
+#   4.5× extra bytes only show where a kernel nears the memory roofline. Closing the gap (warp
+#   specialisation: producer warps loading and dequantising, consumer warps doing the MMAs) is the open work.
 #
 # On a GPU the next cell runs the benchmark itself (it is skipped on the CPU, where Triton is interpreted).
 
