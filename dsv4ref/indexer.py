@@ -32,7 +32,7 @@ from . import validate
 from .device import DEVICE, interpreting
 from .fp8 import e4m3_encode_ref, pow2_ref, ue8m0_byte_ref
 from .harness import BenchCase, CheckRow, bench, check
-from .kv_cache import _flat
+from .kv_cache import flat_bytes
 from .testing import compare, generator, randn
 from .tl_helpers import bf16_round, dot, e4m3_encode, inv_pow2, pow2, splat, ue8m0_byte
 
@@ -500,7 +500,7 @@ def _check_k_cache(cache: torch.Tensor, block_size: int, fmt: str) -> None:
 
 
 def _k_offsets(cache, slots, block_size, fmt):
-    """int64 byte offsets (values start, scale start) of each slot in ``_flat(cache)``."""
+    """int64 byte offsets (values start, scale start) of each slot in ``flat_bytes(cache)``."""
     slots = slots.to(torch.int64)
     vb = HEAD_DIM if fmt == "fp8" else HEAD_DIM // 2
     page, off = slots // block_size, slots % block_size
@@ -531,14 +531,14 @@ def insert_k(k_cache: torch.Tensor, k: torch.Tensor, slot_mapping: torch.Tensor,
         keep = slot_mapping >= 0
         q, s = quantize_k(k[:n][keep], fmt=fmt, hadamard=hadamard, backend="reference")
         vals, scales = _k_offsets(k_cache, slot_mapping[keep], block_size, fmt)
-        flat = _flat(k_cache)
+        flat = flat_bytes(k_cache)
         dev = k_cache.device
         flat[vals[:, None] + torch.arange(q.shape[1], device=dev)] = q.view(torch.uint8)
         flat[scales[:, None] + torch.arange(4, device=dev)] = s.contiguous().view(torch.uint8).reshape(-1, 4)
         return
     fp4 = fmt == "mxfp4"
     vb = HEAD_DIM // 2 if fp4 else HEAD_DIM
-    flat = _flat(k_cache)
+    flat = flat_bytes(k_cache)
     stride = k_cache.stride(0)
     s_region = flat[block_size * vb:] if flat.numel() > block_size * vb else flat
     s_out = s_region if fp4 else s_region[: (s_region.numel() // 4) * 4].view(torch.float32)
@@ -561,7 +561,7 @@ def read_k(k_cache: torch.Tensor, slots: torch.Tensor, *, block_size: int = 64, 
     vals = torch.zeros(slots.shape[0], vb, dtype=torch.uint8, device=dev)
     sc = torch.zeros(slots.shape[0], 4, dtype=torch.uint8, device=dev)
     v_off, s_off = _k_offsets(k_cache, slots[keep], block_size, fmt)
-    flat = _flat(k_cache)
+    flat = flat_bytes(k_cache)
     vals[keep] = flat[v_off[:, None] + torch.arange(vb, device=dev)]
     sc[keep] = flat[s_off[:, None] + torch.arange(4, device=dev)]
     if fmt == "fp8":

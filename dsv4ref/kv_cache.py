@@ -38,7 +38,8 @@ SCALE_BYTES = N_SCALES + 1  # 8 (7 scales + 1 zero pad)
 TOKEN_BYTES = DATA_BYTES + SCALE_BYTES  # 584
 PAGE_ALIGN = 576
 
-__all__ = ["page_bytes", "allocate", "insert", "gather", "TOKEN_BYTES"]
+__all__ = ["page_bytes", "allocate", "insert", "gather", "check_cache", "check_writable", "flat_bytes",
+           "token_offsets", "TOKEN_BYTES"]
 
 
 def page_bytes(block_size: int) -> int:
@@ -54,7 +55,9 @@ def allocate(num_blocks: int, block_size: int, device=None) -> torch.Tensor:
     return torch.zeros(num_blocks, page_bytes(block_size), dtype=torch.uint8, device=device or DEVICE)
 
 
-def _check_cache(cache: torch.Tensor, block_size: int) -> None:
+def check_cache(cache: torch.Tensor, block_size: int) -> None:
+    """Raise a clear error unless ``cache`` is a uint8 ``[pages, bytes]`` tensor whose pages are contiguous
+    and large enough for ``block_size`` tokens (every op that reads or writes the cache calls this)."""
     validate.tensor(cache, "cache", dtype=torch.uint8, ndim=2)
     if cache.shape[1] < block_size * TOKEN_BYTES:
         raise ValueError(f"cache: pages of {cache.shape[1]} bytes cannot hold block_size={block_size} tokens "
@@ -63,7 +66,7 @@ def _check_cache(cache: torch.Tensor, block_size: int) -> None:
         raise ValueError(f"cache: each page must be contiguous bytes (strides {cache.stride()})")
 
 
-def _check_even_pages(cache: torch.Tensor) -> None:
+def check_writable(cache: torch.Tensor) -> None:
     """Writers only: allocate() always gives pages at even byte addresses. A view whose pages start at
     odd addresses passed in the interpreter, but the compiled insert kernel wrote wrong NoPE bytes into
     it on the H200 (2026-11-30; cause not found; readers were right), so writers refuse it."""
@@ -72,15 +75,15 @@ def _check_even_pages(cache: torch.Tensor) -> None:
                          f"{cache.stride(0)}, storage offset {cache.storage_offset()})")
 
 
-def _flat(cache: torch.Tensor) -> torch.Tensor:
+def flat_bytes(cache: torch.Tensor) -> torch.Tensor:
     """All bytes from the first page's start to the last page's end, as one 1-d view (works for strided
     caches too), so the reference can address bytes exactly as a kernel does: base + offset."""
     n = (cache.shape[0] - 1) * cache.stride(0) + cache.shape[1] if cache.shape[0] else 0
     return cache.as_strided((n,), (1,), cache.storage_offset())
 
 
-def _token_offsets(cache: torch.Tensor, slots: torch.Tensor, block_size: int):
-    """int64 byte offsets (data start, scale start) of each slot in ``_flat(cache)``."""
+def token_offsets(cache: torch.Tensor, slots: torch.Tensor, block_size: int):
+    """int64 byte offsets (data start, scale start) of each slot in ``flat_bytes(cache)``."""
     slots = slots.to(torch.int64)
     page, off = slots // block_size, slots % block_size
     base = page * cache.stride(0)
@@ -96,10 +99,10 @@ def _insert_reference(cache, kv, slot_mapping, block_size):
     n = slot_mapping.shape[0]
     keep = slot_mapping >= 0  # −1 rows write nothing
     rows = kv[:n][keep]
-    data, scales = _token_offsets(cache, slot_mapping[keep], block_size)
+    data, scales = token_offsets(cache, slot_mapping[keep], block_size)
     q, s = quantize_ue8m0(rows[:, :NOPE_DIM], QUANT_BLOCK, 1e-4, backend="reference")
     rope_bytes = rows[:, NOPE_DIM:].contiguous().view(torch.uint8)  # 64 bf16 -> 128 bytes, little-endian
-    flat = _flat(cache)
+    flat = flat_bytes(cache)
     flat[data[:, None] + torch.arange(NOPE_DIM, device=cache.device)] = q.view(torch.uint8)
     flat[data[:, None] + NOPE_DIM + torch.arange(2 * ROPE_DIM, device=cache.device)] = rope_bytes
     scale_row = torch.cat([s, torch.zeros_like(s[:, :1])], dim=1)  # 7 scales + the zero pad byte
@@ -201,8 +204,8 @@ def insert(cache: torch.Tensor, kv: torch.Tensor, slot_mapping: torch.Tensor, *,
         block_size: tokens per page.
     """
     validate.backend(backend)
-    _check_cache(cache, block_size)
-    _check_even_pages(cache)
+    check_cache(cache, block_size)
+    check_writable(cache)
     validate.tensor(kv, "kv", dtype=torch.bfloat16, ndim=2)
     if kv.shape[1] != HEAD_DIM or kv.stride(1) != 1:
         raise ValueError(f"kv: expected [T, {HEAD_DIM}] with contiguous rows, got shape {tuple(kv.shape)} "
@@ -226,8 +229,8 @@ def insert(cache: torch.Tensor, kv: torch.Tensor, slot_mapping: torch.Tensor, *,
 def _gather_reference(cache, slots, block_size):
     out = torch.zeros(slots.shape[0], HEAD_DIM, dtype=torch.bfloat16, device=cache.device)
     keep = slots >= 0  # never index memory with −1: those rows stay zero
-    data, scales = _token_offsets(cache, slots[keep], block_size)
-    flat = _flat(cache)
+    data, scales = token_offsets(cache, slots[keep], block_size)
+    flat = flat_bytes(cache)
     q = flat[data[:, None] + torch.arange(NOPE_DIM, device=cache.device)].view(torch.float8_e4m3fn)
     s = flat[scales[:, None] + torch.arange(N_SCALES, device=cache.device)]
     nope = q.float().view(-1, N_SCALES, QUANT_BLOCK) * pow2_ref(s)[..., None]  # exact
@@ -311,7 +314,7 @@ def gather(cache: torch.Tensor, slots: torch.Tensor, *, block_size: int, out: to
         ``[S, 512]`` bf16; dims 0..447 are e4m3 × 2^(scale−127) (exact), dims 448..511 the stored bf16.
     """
     validate.backend(backend)
-    _check_cache(cache, block_size)
+    check_cache(cache, block_size)
     validate.tensor(slots, "slots", dtype=(torch.int32, torch.int64), ndim=1)
     validate.same_device(cache=cache, slots=slots)
     validate.index_range(slots, "slots", cache.shape[0] * block_size)

@@ -571,8 +571,8 @@ def qnorm_rope_kv_insert(q: torch.Tensor, kv: torch.Tensor, cache: torch.Tensor,
     validate.tensor(kv, "kv", dtype=torch.bfloat16, shape=(T, HEAD_DIM))
     if kv.stride(1) != 1:
         raise ValueError(f"kv: expected a contiguous last dim (strides {kv.stride()})")
-    kv_cache._check_cache(cache, block_size)
-    kv_cache._check_even_pages(cache)
+    kv_cache.check_cache(cache, block_size)
+    kv_cache.check_writable(cache)
     validate.tensor(slot_mapping, "slot_mapping", dtype=(torch.int64, torch.int32), ndim=1)
     if slot_mapping.shape[0] > T:
         raise ValueError(f"slot_mapping: has {slot_mapping.shape[0]} entries but q/kv only {T} rows")

@@ -723,7 +723,7 @@ def _check_pool(cache, indices, lengths, block_size, T, names):
 
 def _check_cache_named(cache, block_size, name):
     try:
-        kv_cache._check_cache(cache, block_size)
+        kv_cache.check_cache(cache, block_size)
     except (TypeError, ValueError) as e:
         msg = str(e)
         raise type(e)(msg.replace("cache:", f"{name}:", 1) if msg.startswith("cache:") else f"{name}: {msg}") from None

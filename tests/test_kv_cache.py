@@ -345,7 +345,7 @@ def test_wrong_layout_readers_fail():
 def test_reference_offsets_past_2_pow_31_on_meta():
     cache = torch.empty((60_000, kc.page_bytes(64)), dtype=torch.uint8, device="meta")
     slots = torch.tensor([59_999 * 64 + 63, 57_360 * 64])
-    data, scales = kc._token_offsets(cache, slots, 64)
+    data, scales = kc.token_offsets(cache, slots, 64)
     assert data.dtype == torch.int64
     assert data.tolist() == [59_999 * 37_440 + 63 * 576, 57_360 * 37_440]
     assert scales.tolist() == [59_999 * 37_440 + 64 * 576 + 63 * 8, 57_360 * 37_440 + 64 * 576]

@@ -298,8 +298,8 @@ def _fused_case(T, H, B, n_blocks, n_slots, pos, table, seed):
     untouched = torch.ones(n_blocks * B, dtype=torch.bool, device=DEVICE)
     untouched[written] = False
     ids = untouched.nonzero()[:, 0]
-    flat_o, flat_s = kv_cache._flat(c_out), kv_cache._flat(start)
-    d, s = kv_cache._token_offsets(c_out, ids, B)
+    flat_o, flat_s = kv_cache.flat_bytes(c_out), kv_cache.flat_bytes(start)
+    d, s = kv_cache.token_offsets(c_out, ids, B)
     for base, n in ((d, 576), (s, 8)):
         idx = base[:, None] + torch.arange(n, device=DEVICE)
         assert torch.equal(flat_o[idx], flat_s[idx]), "a slot that was not written changed"

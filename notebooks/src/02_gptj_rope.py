@@ -275,10 +275,10 @@ print("every head has RMS 1 after the kernel (within 1e-2):", bool(((rms - 1).ab
 # wrote nothing, and the RoPE bytes read back through the cache reader equal the rotated kv bit for bit:
 
 # %%
-flat_new, flat_old = kv_cache._flat(cache_kernel), kv_cache._flat(start)
+flat_new, flat_old = kv_cache.flat_bytes(cache_kernel), kv_cache.flat_bytes(start)
 changed_slots = []
 for s in range(n_pages * B):
-    d, sc = kv_cache._token_offsets(cache_kernel, torch.tensor([s], device=DEVICE), B)
+    d, sc = kv_cache.token_offsets(cache_kernel, torch.tensor([s], device=DEVICE), B)
     idx = torch.cat([d + torch.arange(576, device=DEVICE), sc + torch.arange(8, device=DEVICE)])
     if not torch.equal(flat_new[idx], flat_old[idx]):
         changed_slots.append(s)
