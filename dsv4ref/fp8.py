@@ -66,19 +66,13 @@ def _inv_pow2_ref(byte: torch.Tensor) -> torch.Tensor:
 
 @triton.jit
 def e4m3_bits(x):
-    """fp32 tensor -> the e4m3fn byte (uint8): ``tl_helpers.e4m3_encode`` for the magnitude, then the
-    sign bit OR-ed in as an integer.
+    """fp32 tensor -> the e4m3fn byte (uint8), for storing through a uint8 pointer.
 
-    Why not ``e4m3_encode(x).to(tl.uint8, bitcast=True)`` directly: that helper negates the rounded
-    magnitude (``-r``), and compiled Triton lowers float negation as ``0 - r``, which turns −0 into +0.
-    On the H200 (triton 3.6) −0.0, and every negative value that rounds to zero, came out as 0x00
-    instead of torch's 0x80; the interpreter negates with numpy and keeps −0. Setting the bit in
-    integers is right on both. (Found by tests/test_fp8.py on the GPU; tl_helpers is shared, so the
-    fix lives here.)
+    (History: this first set the sign bit here, because ``e4m3_encode`` negated the rounded magnitude and
+    compiled Triton computes ``-r`` as ``0 - r``, which loses −0: found by tests/test_fp8.py on the H200.
+    The fix now lives in ``tl_helpers.e4m3_encode`` itself, so every kernel has it.)
     """
-    mag = e4m3_encode(tl.abs(x)).to(tl.uint8, bitcast=True)  # |x| >= +0: the negation branch is never taken
-    sign = ((x.to(tl.int32, bitcast=True) >> 24) & 0x80).to(tl.uint8)
-    return mag | sign
+    return e4m3_encode(x).to(tl.uint8, bitcast=True)
 
 
 # ----------------------------------------------------------------------------------------------------
