@@ -334,12 +334,12 @@ print(inspect.getsource(kv_cache._insert_kernel.fn))
 #   (tooling.md I3), and this is exact anyway.
 # * The 448 NoPE values are an [8, 64] tile, one row per quant block (row 7 masked off: `tl.arange` needs a
 #   power of two). `tl.max` along a row is the block's amax; `ue8m0_byte` is the bit-exact ceil rule;
-#   multiplying by 2^−e is exact; `e4m3_bits` clamps and rounds to nearest even (the shared grid-snap
-#   encoder) and sets the sign bit in integers, so −0 stays 0x80 on a GPU too.
+#   multiplying by 2^−e is exact; `e4m3_bits` (the shared grid-snap encoder `tl_helpers.e4m3_encode`) clamps,
+#   rounds to nearest even and puts the sign back as a bit, so −0 stays 0x80 on a GPU too.
 # * `page_offsets` returns the token's two **int64** byte offsets (data, scales) from the page stride the
 #   host passes in (`cache.stride(0)`); int32 would overflow past 2^31 bytes, about 57k pages of B = 64.
-# * The RoPE values are copied as 16-bit words when pages start at even addresses (always, for `allocate`),
-#   else as bytes, low byte first.
+# * The RoPE values are copied as 16-bit words (pages start at even addresses: always, for `allocate`; the
+#   writers refuse a cache view whose pages do not, and the readers fall back to bytes, low byte first).
 #
 # The writer is byte-exact against the torch reference. Insert real-magnitude rows into shuffled pages, with
 # padding rows and a slot_mapping shorter than kv, into a cache full of random bytes:
