@@ -614,24 +614,14 @@ def _rms64(x, w, eps):
     return y * w if w is not None else y
 
 
-def _sinkhorn64(C, iters, eps):
-    C = torch.softmax(C, dim=-1) + eps
-    C = C / (C.sum(-2, keepdim=True) + eps)
-    for _ in range(iters - 1):
-        C = C / (C.sum(-1, keepdim=True) + eps)
-        C = C / (C.sum(-2, keepdim=True) + eps)
-    return C
-
-
 def _mhc_pre64(Hs, p, cfg):
-    n, M, Hd = Hs.shape
-    X = Hs.reshape(n, M * Hd)
-    mix = (X @ p["fn"].T) * torch.rsqrt(X.pow(2).mean(-1, keepdim=True) + cfg.rms_norm_eps)
-    s, b = p["scale"], p["base"]
-    pre = torch.sigmoid(mix[:, :M] * s[0] + b[:M]) + cfg.hc_eps
-    post = torch.sigmoid(mix[:, M:2 * M] * s[1] + b[M:2 * M]) * 2.0
-    comb = _sinkhorn64(mix[:, 2 * M:].view(n, M, M) * s[2] + b[2 * M:].view(M, M), cfg.hc_sinkhorn_iters, cfg.hc_eps)
-    return post, comb, (pre[:, :, None] * Hs).sum(1)
+    """mHC pre in float64: the library's readable torch reference (itself held to an independent float64
+    oracle in tests/test_mhc.py), run at float64 here."""
+    from .mhc import pre_reference
+
+    _, post, comb, x = pre_reference(Hs, p["fn"], p["scale"], p["base"], rms_eps=cfg.rms_norm_eps, hc_eps=cfg.hc_eps,
+                                     sinkhorn_iters=cfg.hc_sinkhorn_iters, dtype=torch.float64)
+    return post, comb, x
 
 
 def _mhc_post64(x, Hs, post, comb, bugs):
