@@ -3,7 +3,7 @@ VENV  := .venv
 PY    := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: lab test setup notebooks check bench demo clean
+.PHONY: lab test test-long lint setup notebooks check bench demo clean
 
 $(STAMP): pyproject.toml scripts/setup_env.sh
 	bash scripts/setup_env.sh
@@ -15,9 +15,17 @@ setup: $(STAMP)
 lab: $(STAMP)
 	$(VENV)/bin/jupyter lab --no-browser --ip=127.0.0.1 --notebook-dir=notebooks $(if $(filter 0,$(shell id -u)),--allow-root)
 
-## Unit tests + nbval over every notebook (stored outputs must match a fresh run).
+## Lint (ruff), then unit tests + nbval over every notebook (stored outputs must match a fresh run).
 test: $(STAMP)
+	$(VENV)/bin/ruff check .
 	$(PY) -m pytest
+
+## The long property-based run (hypothesis's 'long' profile); CI runs the small one inside `make test`.
+test-long: $(STAMP)
+	HYPOTHESIS_PROFILE=long $(PY) -m pytest -n 2 tests -k contract
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
 
 ## Rebuild notebooks/*.ipynb from notebooks/src/*.py and execute them on the CPU, in place.
 notebooks: $(STAMP)

@@ -7,7 +7,7 @@ than the GPU's idle gap. For a ~30 µs kernel that matters. This script times th
 * ``event``: one call per timed region, like the harness (what a caller sees for an isolated call);
 * ``b2b``:   50 calls back to back between two events (host launches overlap GPU work);
 * ``graph``: the calls captured once in a device graph and replayed (kernel time only, no host cost;
-  ``dsv4ref.harness.time_ms``, what ``python -m dsv4ref bench`` reports);
+  ``dsv4ref.tools.harness.time_ms``, what ``python -m dsv4ref bench`` reports);
 
 over tokens per program ∈ {1, 2, 4, 8} × num_warps ∈ {1, 2, 4}, for S = 64k and 256k slots, rotating 4 input sets (> 60 MB L2).
 
@@ -23,7 +23,8 @@ import torch
 import dsv4ref
 from dsv4ref import kv_cache as kc
 from dsv4ref.device import DEVICE, Timer, describe, synchronize
-from dsv4ref.harness import measure_ceilings, time_ms
+from dsv4ref.kv_cache.launch import KVCacheLaunch, launch_gather, launch_insert
+from dsv4ref.tools.harness import measure_ceilings, time_ms
 
 
 def make_sets(S: int, B: int = 64, n_sets: int = 4):
@@ -80,11 +81,11 @@ def main():
                     if op == "insert":
                         def fn(i, w=w, tok=tok):
                             c, kv, sl, _ = sets[i]
-                            kc._launch_insert(c, kv, sl, B, tok=tok, num_warps=w)
+                            launch_insert(c, kv, sl, B, KVCacheLaunch(tok, w))
                     else:
                         def fn(i, w=w, tok=tok):
                             c, _, sl, out = sets[i]
-                            kc._launch_gather(c, sl, out, B, tok=tok, num_warps=w)
+                            launch_gather(c, sl, out, B, KVCacheLaunch(tok, w))
                     row = []
                     for via, timer in (("event", t_event), ("graph", t_graph)):
                         ms = timer(fn, n)
@@ -106,7 +107,8 @@ def main():
                 byts = S * per_tok
                 print(f"{op:<8} {S:>7} {'def':>3} {'def':>5} {via:<7} {ms * 1e3:>9.1f} {byts / (ms * 1e-3) / 1e9:>7.0f} "
                       f"{byts / (ms * 1e-3) / bw:>8.1%}")
-        del sets, ref_cache, ref_out
+        sets.clear()  # free the input sets before the next size
+        del ref_cache, ref_out
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """Model constants: DeepSeek-V4-Flash, DeepSeek-V4-Pro, and the small teaching config.
 
-Facts: ``../shared/spec/config.md``. The teaching config keeps every byte format real (head dim
+Facts: ``docs/config.md``. The teaching config keeps every byte format real (head dim
 512 = 448 NoPE + 64 RoPE, KV quant block 64, indexer head dim 128, M = 4 streams) and shrinks only the
 sizes, so a whole decode step runs in Triton's CPU interpreter in seconds.
 """

@@ -51,7 +51,7 @@ def pick() -> torch.device:
 DEVICE: torch.device = pick()
 
 # On CPU the Triton kernels can only run in Triton's interpreter. This must happen before any
-# module defines a @triton.jit kernel (tooling.md I1).
+# module defines a @triton.jit kernel (docs/triton_interpreter.md).
 if DEVICE.type == "cpu":
     os.environ["TRITON_INTERPRET"] = "1"
 
@@ -114,17 +114,18 @@ def describe() -> str:
     return f"{name}; torch {torch.__version__}; triton {triton.__version__}"
 
 
-def capture_graph(fn):
+def capture_graph(fn, device: torch.device | None = None):
     """Record ``fn()`` (a sequence of kernel launches, no host syncs) as a device graph and return a
     function that replays it, or None where graphs are not available (CPU; an XPU torch without graphs).
 
     Benchmarks replay graphs so that host launch cost (tens of µs per Triton launch, plus the
     torch.library dispatcher) does not hide the kernel time of small ops.
     """
-    if DEVICE.type == "cuda":
+    dev = device or DEVICE
+    if dev.type == "cuda":
         mod = torch.cuda
         graph_cls = getattr(mod, "CUDAGraph", None)
-    elif DEVICE.type == "xpu":
+    elif dev.type == "xpu":
         mod = torch.xpu
         graph_cls = getattr(mod, "XPUGraph", None)
     else:

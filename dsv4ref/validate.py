@@ -15,7 +15,9 @@ import torch
 
 CHECK_VALUES = os.environ.get("DSV4REF_CHECK_VALUES", "1") != "0"
 
-BACKENDS = ("reference", "triton")
+# The one list of backend names. Every public op takes ``backend=`` from it and declares the subset it
+# supports; "auto" resolves to the fastest correct backend on this device.
+BACKENDS = ("auto", "reference", "triton", "two_pass", "gluon")
 
 
 def tensor(
@@ -76,9 +78,12 @@ def index_range(t: torch.Tensor, name: str, hi: int, *, allow_minus_one: bool = 
         raise ValueError(f"{name}: entry {i} = {v} is out of range; expected {allowed}")
 
 
-def backend(b: str, allowed: Sequence[str] = BACKENDS) -> str:
-    if b not in allowed:
-        raise ValueError(f"backend: expected one of {tuple(allowed)}, got {b!r}")
+def backend(b: str, supported: Sequence[str] = ("reference", "triton"), auto: str = "triton") -> str:
+    """Resolve ``backend=``: one of ``supported`` (names from :data:`BACKENDS`) or "auto" (→ ``auto``)."""
+    if b == "auto":
+        return auto
+    if b not in supported:
+        raise ValueError(f"backend: expected one of {('auto', *supported)}, got {b!r}")
     return b
 
 

@@ -1,13 +1,13 @@
-"""Build notebooks/*.ipynb from their sources notebooks/src/*.py and execute them in place.
+"""Build notebooks/*.ipynb from their sources notebooks/src/*.py and execute them in place (``make notebooks``).
 
-The sources are plain Python in the "percent" format: ``# %%`` starts a code cell, ``# %% [markdown]``
-a markdown cell whose lines are comments (``# `` is stripped). Reviewers read the .py; nbval runs the
-.ipynb, whose stored outputs come only from this script (run by ``make notebooks``, on the CPU), so they
-always match what CI sees.
+The sources are jupytext "percent" files: ``# %%`` starts a code cell, ``# %% [markdown]`` a markdown
+cell. jupytext does the conversion; this script adds what a lesson needs on top: stable cell ids (small
+git diffs), execution on the CPU (the outputs CI's nbval compares against), no execution timestamps, and
+the notebook metadata JupyterLab writes itself (so opening a notebook does not change the file).
 
     python scripts/build_notebooks.py            # all notebooks
     python scripts/build_notebooks.py 01 03      # those whose name starts with 01 or 03
-    python scripts/build_notebooks.py --no-exec  # convert only (tests use this to check the sync)
+    python scripts/build_notebooks.py --no-exec  # convert only
 """
 
 from __future__ import annotations
@@ -18,42 +18,27 @@ import pathlib
 import sys
 import time
 
+import jupytext
 import nbformat
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 SRC = ROOT / "notebooks" / "src"
 OUT = ROOT / "notebooks"
 
+# What JupyterLab writes for the default ipykernel: storing exactly this keeps "open" from dirtying the file.
+KERNELSPEC = {"display_name": "Python 3 (ipykernel)", "language": "python", "name": "python3"}
 
-def parse(path: pathlib.Path) -> list[tuple[str, str]]:
-    """[(cell_type, source)] from a percent-format file."""
-    cells: list[tuple[str, list[str]]] = []
-    for line in path.read_text().splitlines():
-        if line.startswith("# %%"):
-            kind = "markdown" if "[markdown]" in line else "code"
-            cells.append((kind, []))
-            continue
-        if not cells:
-            continue  # a module docstring or blank lines before the first cell
-        kind, lines = cells[-1]
-        if kind == "markdown":
-            line = line[2:] if line.startswith("# ") else line.lstrip("#")
-        lines.append(line)
-    out = []
-    for kind, lines in cells:
-        while lines and not lines[-1].strip():
-            lines.pop()
-        while lines and not lines[0].strip():
-            lines.pop(0)
-        out.append((kind, "\n".join(lines)))
-    return out
+
+def cells(path: pathlib.Path) -> list[tuple[str, str]]:
+    """[(cell_type, source)] of a percent-format source, as jupytext reads it."""
+    return [(c.cell_type, c.source) for c in jupytext.read(path).cells]
 
 
 def to_notebook(path: pathlib.Path) -> nbformat.NotebookNode:
     nb = nbformat.v4.new_notebook()
-    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    nb.metadata["kernelspec"] = dict(KERNELSPEC)
     nb.metadata["language_info"] = {"name": "python"}
-    for i, (kind, src) in enumerate(parse(path)):
+    for i, (kind, src) in enumerate(cells(path)):
         cell = nbformat.v4.new_markdown_cell(src) if kind == "markdown" else nbformat.v4.new_code_cell(src)
         cell["id"] = f"c{i:03d}"  # stable ids keep git diffs small
         nb.cells.append(cell)
@@ -61,14 +46,14 @@ def to_notebook(path: pathlib.Path) -> nbformat.NotebookNode:
 
 
 def execute(nb: nbformat.NotebookNode) -> None:
-    from nbconvert.preprocessors import ExecutePreprocessor
+    from nbclient import NotebookClient
 
     os.environ["DSV4REF_DEVICE"] = "cpu"
     os.environ["TRITON_INTERPRET"] = "1"
     os.environ.setdefault("PYTHONWARNINGS", "ignore")
-    ExecutePreprocessor(timeout=600, kernel_name="python3").preprocess(nb, {"metadata": {"path": str(OUT)}})
-    for cell in nb.cells:  # execution timestamps would churn every rebuild's diff
-        cell.metadata.pop("execution", None)
+    NotebookClient(nb, timeout=600, kernel_name="python3", record_timing=False,
+                   resources={"metadata": {"path": str(OUT)}}).execute()
+    nb.metadata["kernelspec"] = dict(KERNELSPEC)
 
 
 def main() -> int:
@@ -77,6 +62,9 @@ def main() -> int:
     ap.add_argument("--no-exec", action="store_true")
     args = ap.parse_args()
     srcs = sorted(p for p in SRC.glob("*.py") if not args.prefixes or any(p.name.startswith(x) for x in args.prefixes))
+    if not srcs:
+        print(f"no notebook source matches {args.prefixes}", file=sys.stderr)
+        return 1
     for src in srcs:
         nb = to_notebook(src)
         t0 = time.time()

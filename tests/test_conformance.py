@@ -7,14 +7,12 @@
   slot −1, a top-k without the causal −1s, an implementation that raises) are reported FAIL.
 """
 
-import math
 import pathlib
 
-import pytest
 import torch
 
-from dsv4ref import conformance, indexer, kv_cache, mhc, sparse_mla
-from dsv4ref.testing import TOLERANCES
+from dsv4ref import conformance, kv_cache, mhc, sparse_mla
+from dsv4ref.tolerances import TOLERANCES
 
 GOLDEN = pathlib.Path(__file__).resolve().parent.parent / "golden"
 
@@ -63,7 +61,7 @@ def test_golden_format():
         assert t["name"] in TOLERANCES and {"mode", "atol", "rtol", "cos"} <= set(t)
 
 
-def test_transposed_comb_fails():  # pitfalls.md #22
+def test_transposed_comb_fails():  # pitfall #22
     def post_wrong(x, residual, post, comb, **kw):
         return mhc.post(x, residual, post, comb.transpose(1, 2).contiguous(), backend="reference")
 
@@ -71,24 +69,24 @@ def test_transposed_comb_fails():  # pitfalls.md #22
     assert [r.case for r in bad] == ["transposed_comb_trap_4cycle"]
 
 
-def test_dropped_sink_fails():  # pitfalls.md #17
-    def decode_no_sink(q, cache, indices, lengths, *, sink=None, **kw):
-        return sparse_mla.decode(q, cache, indices, lengths, sink=None, backend="reference", **kw)
+def test_dropped_sink_fails():  # pitfall #17
+    def decode_no_sink(q, cache, slots, lengths, *, sink=None, **kw):
+        return sparse_mla.decode(q, cache, slots, lengths, sink=None, backend="reference", **kw)
 
     bad = _fails(conformance.run({"sparse_mla.decode": decode_no_sink}), "sparse_mla.decode")
     assert {r.output for r in bad} == {"out"}  # lse excludes the sink either way
 
 
-def test_write_to_slot_minus1_fails():  # pitfalls.md #11
-    def insert_clamped(cache, kv, slot_mapping, *, block_size):
-        n = slot_mapping.shape[0]
-        kv_cache.insert(cache, kv[:n], slot_mapping.clamp(min=0), block_size=block_size, backend="reference")
+def test_write_to_slot_minus1_fails():  # pitfall #11
+    def insert_clamped(cache, kv, slots, *, block_size):
+        n = slots.shape[0]
+        kv_cache.insert(cache, kv[:n], slots.clamp(min=0), block_size=block_size, backend="reference")
 
     bad = _fails(conformance.run({"kv_cache.insert": insert_clamped}), "kv_cache.insert")
     assert {r.case for r in bad} == {"B61_minus1_slots_random_bytes"}
 
 
-def test_topk_without_minus1_fails():  # pitfalls.md #26
+def test_topk_without_minus1_fails():  # pitfall #26
     def topk_plain(logits, k):
         return torch.topk(logits, min(k, logits.shape[1]), dim=-1).indices.to(torch.int32)
 
@@ -109,3 +107,16 @@ def test_main_exit_code(capsys):
     assert conformance.main(["mhc", "--reference"]) == 0
     out = capsys.readouterr().out
     assert "transposed_comb_trap_4cycle" in out and "0 failed" in out
+
+
+def test_one_cases_module_per_op():
+    """The suite finds its cases through conformance.OPS: one module per op, each exposing OUTPUTS and
+    cases(), each case naming a function of its own op."""
+    import importlib
+
+    for op in conformance.OPS:
+        mod = importlib.import_module(f"dsv4ref.conformance.{op}")
+        assert mod.OUTPUTS and all(name.startswith(op + ".") for name in mod.OUTPUTS)
+        cs = mod.cases()
+        assert cs and all(c.op in mod.OUTPUTS and c.expected == {} for c in cs)
+        assert set(c.op for c in cs) == set(mod.OUTPUTS), op  # every function of the op has a case

@@ -3,22 +3,24 @@
 The decode path (paged FP8 caches, compressor, indexer, sparse MLA, mHC, FFN) must track the float64
 reference, which has no FP8, no paging and no sparsity beyond the window and the top-k ids the indexer
 chose, within ATTN_TOL = 2^-3 (every layer's attention output) and LOGITS_TOL = 2^-4 (the logits); the
-figures are derived from e4m3's relative half-ulp 2^-4 in dsv4ref/decode.py. Many steps run through the
+figures are derived from e4m3's relative half-ulp 2^-4 in docs/decode.md#tolerances. Many steps run through the
 library's torch ops (fast in the CPU interpreter; the caches' bytes are the same as the kernels'); one
 step runs through the Triton kernels.
 """
 
 import copy
-import math
 
 import pytest
 import torch
 
 from dsv4ref import decode
 from dsv4ref.config import FLASH, TINY
-from dsv4ref.decode import (ATTN_TOL, LOGITS_TOL, CacheCapacityError, Decoder, agreement, make_weights,
+from dsv4ref.decode import (ATTN_TOL, LOGITS_TOL, CacheCapacityError, Decoder, agreement, compressor, make_weights,
                             reference_forward, rel_err, run, traffic_per_op)
+from dsv4ref.decode import reference as dense
 from dsv4ref.device import interpreting
+from dsv4ref.testing import assert_close, randn
+from dsv4ref.tolerances import TOLERANCES
 
 PROMPTS = (133, 37, 5, 70)  # ratio-128 row written at p = 127; n_c = 33 > K_top = 16; a 5-token request
 
@@ -42,7 +44,7 @@ def test_tracks_the_float64_reference_over_many_steps(long_run):
 
 @pytest.mark.parametrize("bug", ["no_sink", "no_inv_rope", "no_compressed", "rope_neox"])
 def test_the_tolerance_has_teeth(long_run, bug):
-    """Each bug, put into the reference, moves the attention outputs far past ATTN_TOL (pitfalls 14, 16, 17)."""
+    """Each bug, put into the reference, moves the attention outputs far past ATTN_TOL (pitfalls #14, #16, #17)."""
     dec, w, recs, _ = long_run
     rows = agreement(TINY, w, recs[-2:], dec.history(), bugs=(bug,))
     assert all(a.attn_err > ATTN_TOL and not a.passed for a in rows)
@@ -65,7 +67,7 @@ def test_fp8_budget_is_what_separates_the_paths(long_run):
 
 
 def test_indexer_picks_the_float64_top_k(long_run):
-    """The FP8 indexer's choice overlaps the top-k of the unquantised float64 scores (indexer.md §9.4)."""
+    """The FP8 indexer's choice overlaps the top-k of the unquantised float64 scores (near-ties may flip)."""
     dec, w, recs, _ = long_run
     toks, topks = dec.history()
     ref = reference_forward(TINY, w, toks[0], topks[0])
@@ -76,7 +78,7 @@ def test_indexer_picks_the_float64_top_k(long_run):
         for p in range(4 * K + 3, len(toks[0])):  # n_c > K_top: a real selection
             want = set(torch.topk(sc[p], K).indices.tolist())
             got = set(i for i in ids[p].tolist() if i >= 0)
-            assert len(got) == K and max(got) < (p + 1) // 4  # causal (pitfalls.md #26)
+            assert len(got) == K and max(got) < (p + 1) // 4  # causal (pitfall #26)
             hits += len(got & want)
             tot += K
     assert tot and hits / tot >= 0.8
@@ -196,3 +198,43 @@ def test_swiglu_clamp():
     out = decode.swiglu_clamped(gu, 10.0)
     want = torch.tensor([[10 * torch.sigmoid(torch.tensor(10.0)) * 10, -3 * torch.sigmoid(torch.tensor(-3.0)) * -10]])
     assert torch.allclose(out, want)
+
+
+def test_attn_tol_is_the_decode_step_tolerance_row():
+    assert TOLERANCES["decode_step"].rtol == ATTN_TOL
+
+
+@pytest.mark.parametrize("ratio", [4, 128])
+@pytest.mark.parametrize("chunks", [(300,), (1,) * 10 + (290,), (3, 125, 1, 1, 170)])
+def test_stateful_compressor_matches_the_block_reference(ratio, chunks):
+    """The decode path's compressor (a ring per request, fed chunk by chunk: a prefill, then single tokens,
+    in any split) gives the rows of the float64 whole-sequence compressor, which is written differently
+    (blocks of r tokens)."""
+    L, Hd, eps = sum(chunks), TINY.hidden_size, TINY.rms_norm_eps
+    cw = make_weights(TINY, 0, device="cpu")["layers"][1 if ratio == 4 else 2]["comp"]
+    x = randn((L, Hd), seed=7, device="cpu", block=None, octaves=2)
+    want, wpos = dense.compress({k: v.double() for k, v in cw.items()}, ratio, x.double(), eps)
+    st = compressor.allocate_state(2, ratio, TINY.head_dim, device="cpu")  # request 0 stays empty
+    rows, pos, p0 = [], [], 0
+    for n in chunks:
+        p = torch.arange(p0, p0 + n)
+        out = compressor.compress(x[p0:p0 + n], cw, st, torch.ones(n, dtype=torch.int64), p, torch.ones(n, dtype=torch.bool),
+                                  ratio=ratio, eps=eps)
+        assert out.requests.tolist() == [1] * out.rows.shape[0]
+        rows.append(out.rows)
+        pos.append(out.positions)
+        p0 += n
+    assert torch.cat(pos).tolist() == wpos.tolist()
+    assert_close(torch.cat(rows), want, "fp32_dot", "compressed rows")
+    assert torch.isinf(st.score[0]).all()  # the other request's ring was not touched
+
+
+def test_compressor_ignores_padding_rows():
+    cw = make_weights(TINY, 0, device="cpu")["layers"][1]["comp"]
+    x = randn((8, TINY.hidden_size), seed=8, device="cpu", block=None, octaves=2)
+    st = compressor.allocate_state(1, 4, TINY.head_dim, device="cpu")
+    valid = torch.tensor([True] * 3 + [False] + [True] * 4)
+    out = compressor.compress(x, cw, st, torch.zeros(8, dtype=torch.int64), torch.arange(8), valid, ratio=4,
+                              eps=TINY.rms_norm_eps)
+    assert out.positions.tolist() == [7]  # position 3 (a boundary) was a padding row
+    assert torch.isinf(st.score[0, 3]).all() and not torch.isinf(st.score[0, 7]).any()

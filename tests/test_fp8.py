@@ -1,4 +1,4 @@
-"""dsv4ref.fp8: UE8M0-scaled e4m3 block quantisation (formats.md §1–§3, pitfalls.md #1–#3, #5–#7).
+"""dsv4ref.fp8: UE8M0-scaled e4m3 block quantisation (docs/formats.md, its pitfalls #1–#3 and #5–#7).
 
 Every byte is checked against an *independent* float64 oracle written here from the format's
 definition: the e4m3 grid is built from the bit-field formula (not from torch's fp8 dtype), the scale
@@ -25,7 +25,7 @@ FLOOR = 1e-4
 
 def e4m3_grid() -> torch.Tensor:
     """Values of the 127 non-negative finite e4m3fn codes 0x00..0x7E, in code order (= value order),
-    from the definition in formats.md §1."""
+    from the definition in docs/formats.md#fp8-e4m3fn."""
     vals = []
     for c in range(127):
         e, m = c >> 3, c & 7
@@ -77,7 +77,7 @@ def oracle_quantize(x: torch.Tensor, block: int = 64, floor: float = FLOOR):
 
 
 def hard_blocks(dtype=torch.bfloat16) -> torch.Tensor:
-    """[R, 64·8] rows whose 64-blocks are each a named hard case (formats.md §2–§3, pitfalls #1, #3)."""
+    """[R, 64·8] rows whose 64-blocks are each a named hard case (docs/formats.md#ue8m0-scales; pitfalls #1, #3)."""
     g = generator(7)
     blocks = []
     for k in range(-20, 21):  # amax = 448·2^k exactly: s is a power of two, float log2+ceil may say k+1
@@ -113,7 +113,7 @@ def mixed_input(dtype=torch.bfloat16) -> torch.Tensor:
 def test_oracle_grid_matches_the_format_facts():
     assert GRID[0x7E] == 448 and GRID[0x08] == 2.0**-6 and GRID[0x01] == 2.0**-9 and GRID[0x38] == 1.0
     assert bool((GRID[1:] > GRID[:-1]).all())
-    # formats.md §1 worked values
+    # the worked values of docs/formats.md#fp8-e4m3fn
     y = torch.tensor([1.0, -1.0, 448, 449, 464, 470, -500, 2**-6, 2**-9, 2**-10, 3 * 2**-10, 17, 19, 232, 248, -0.0],
                      dtype=torch.float64)
     want = [0x38, 0xB8, 0x7E, 0x7E, 0x7E, 0x7E, 0xFE, 0x08, 0x01, 0x00, 0x02, 0x58, 0x5A, 0x76, 0x78, 0x80]
@@ -121,7 +121,7 @@ def test_oracle_grid_matches_the_format_facts():
 
 
 def test_oracle_scale_table():
-    # formats.md §2 worked KV examples
+    # the worked KV examples of docs/formats.md#ue8m0-scales
     got = [oracle_scale_exponent(a) + 127 for a in [0.0, 0.01, 1.0, 1.75, 3.0, 448.0, 449.0]]
     assert got == [105, 112, 119, 119, 120, 127, 128]
 
@@ -212,7 +212,7 @@ def test_every_scale_is_a_power_of_two(backend):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_largest_element_lands_in_upper_binade(backend):
-    """formats.md §3: when amax >= floor, max|x| / 2^e is in (224, 448] before rounding."""
+    """docs/formats.md#block-quantisation: when amax >= floor, max|x| / 2^e is in (224, 448] before rounding."""
     x = mixed_input()
     _, s = quantize_ue8m0(x, backend=backend)
     amax = x.cpu().double().reshape(-1, 64).abs().amax(-1)
@@ -265,7 +265,7 @@ def test_dequantize_is_exact(backend, out_dtype):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_round_trip_within_the_format_bound(backend):
-    """|x̂ − x| <= max(2^-4·|x|, 2^-10·2^e) (formats.md §3)."""
+    """|x̂ − x| <= max(2^-4·|x|, 2^-10·2^e) (docs/formats.md#block-quantisation)."""
     x = mixed_input()
     q, s = quantize_ue8m0(x, backend=backend)
     xh = dequantize_ue8m0(q, s, out_dtype=torch.float32, backend=backend).cpu().double()

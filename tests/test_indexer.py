@@ -1,4 +1,4 @@
-"""The lightning indexer (indexer.md §9): fused Q bytes, 2^k invariance, Hadamard, fold bound, ReLU per head,
+"""The lightning indexer (docs/indexer.md): fused Q bytes, 2^k invariance, Hadamard, fold bound, ReLU per head,
 causal mask, top-k and its shortcut, local->global, MXFP4 nibbles/scales, weight provenance, errors, compile."""
 
 import math
@@ -12,12 +12,12 @@ from dsv4ref.device import DEVICE, interpreting
 from dsv4ref.testing import assert_close, generator, poison, randn
 
 # ---------------------------------------------------------------------------------------------------
-# independent oracles (written from formats.md, sharing no code with dsv4ref.indexer / dsv4ref.fp8)
+# independent oracles (written from docs/formats.md, sharing no code with dsv4ref.indexer / dsv4ref.fp8)
 # ---------------------------------------------------------------------------------------------------
 
 
 def table(max_pos, theta=10000.0):
-    """[cos | sin] fp32 table, no YaRN (rope.md §2 layout), built here, not by dsv4ref."""
+    """[cos | sin] fp32 table, no YaRN (the layout of dsv4ref.rope's tables), built here, not by dsv4ref."""
     inv = theta ** (-torch.arange(0, 64, 2, dtype=torch.float32) / 64)
     f = torch.arange(max_pos, dtype=torch.float32)[:, None] * inv[None, :]
     return torch.cat([f.cos(), f.sin()], 1).to(DEVICE)
@@ -31,7 +31,7 @@ def ue8m0_py(amax: float, floor: float, qmax: float) -> int:
 
 
 def e4m3_int(y: torch.Tensor) -> torch.Tensor:
-    """formats.md §1's integer encoder: clamp, then RNE on the code grid, as uint8 bytes."""
+    """An integer E4M3 encoder (docs/formats.md): clamp, then RNE on the code grid, as uint8 bytes."""
     y = y.float().clamp(-448, 448)
     a = y.abs()
     b = a.view(torch.int32).long()
@@ -84,7 +84,7 @@ def fold(H):
 
 
 def problem(T=4, H=8, n_keys=40, *, fmt="fp8", hadamard=False, seed=0, positions=None, block_size=16):
-    return ix.example(T, H, n_keys, fmt=fmt, hadamard=hadamard, seed=seed, positions=positions,
+    return ix.example_inputs(T, H, n_keys, fmt=fmt, hadamard=hadamard, seed=seed, positions=positions,
                       block_size=block_size)
 
 
@@ -93,7 +93,7 @@ def qargs(ex):
 
 
 # ---------------------------------------------------------------------------------------------------
-# §9.1 fused Q: kernel == reference == independent encoder, bytes and weight bits
+# fused Q: kernel == reference == independent encoder, bytes and weight bits
 # ---------------------------------------------------------------------------------------------------
 
 
@@ -102,7 +102,7 @@ def test_quantize_q_fp8_exact(hadamard):
     T, H = 4, 8
     cs = table(4096)
     iq = randn((T, H, 128), seed=1, block=32, octaves=12)
-    # rows whose amax is exactly 448·2^k (the float-log2 trap, formats.md §2), on a NoPE dim
+    # rows whose amax is exactly 448·2^k (the float-log2 trap, docs/formats.md), on a NoPE dim
     for j, k in enumerate([-20, -3, 0, 1, 5, 9]):
         t, h = divmod(j, H)
         iq[t, h] = (torch.randn(128, generator=generator(j)) * 2.0**k * 60).to(torch.bfloat16).to(DEVICE)
@@ -117,7 +117,7 @@ def test_quantize_q_fp8_exact(hadamard):
     assert_close(q, qr, "exact", "q bytes vs reference")
     assert_close(wo, wr, "exact", "weights_out bits vs reference")
     # independent encoder, given the same rotated fp32 values
-    x = ix.prepare_q_ref(iq, pos, cs, hadamard)
+    x = ix.reference.prepare_q(iq, pos, cs, hadamard)
     qi, e = fp8_bytes(x)
     assert torch.equal(q.view(torch.uint8).cpu(), qi)
     wi = ((w.double().cpu() * torch.exp2(e.double())).float() * fold(H))
@@ -128,12 +128,12 @@ def test_quantize_q_fp8_exact(hadamard):
 
 def test_rope_pairs_and_bf16_round_trip():
     """RoPE = GPT-J rotation of the last 64 dims (checked against complex fp64); the bf16 round trip
-    of the rotated dims is what the bytes are made from (pitfalls.md #4): dropping it changes bytes."""
+    of the rotated dims is what the bytes are made from (docs/indexer.md#pitfalls): dropping it changes bytes."""
     T, H = 4, 8
     cs = table(4096)
     iq = randn((T, H, 128), seed=3, block=32, octaves=4)
     pos = torch.tensor([1, 77, 2048, 4000], dtype=torch.int64, device=DEVICE)
-    rot = ix.rope_ref(iq.float(), pos, cs).double().cpu()
+    rot = ix.reference.rope(iq.float(), pos, cs).double().cpu()
     z = iq.double().cpu()[..., 64:].reshape(T, H, 32, 2)
     tab = cs.double().cpu()[pos.cpu()]  # [T, 64]
     zc = torch.complex(z[..., 0], z[..., 1]) * torch.complex(tab[:, None, :32], tab[:, None, 32:])
@@ -141,7 +141,7 @@ def test_rope_pairs_and_bf16_round_trip():
     assert float((rot - expect).abs().max()) <= 1e-5 * float(expect.abs().max())
     assert torch.equal(rot[..., :64], iq.double().cpu()[..., :64])  # dims 0..63 untouched
     q, _, _ = ix.quantize_q(iq, pos, cs, torch.ones(T, H, device=DEVICE))
-    no_rt, _ = fp8_bytes(ix.rope_ref(iq.float(), pos, cs))  # without the round trip
+    no_rt, _ = fp8_bytes(ix.reference.rope(iq.float(), pos, cs))  # without the round trip
     assert not torch.equal(q.view(torch.uint8).cpu(), no_rt), "data never crosses a bf16 rounding boundary"
 
 
@@ -157,7 +157,7 @@ def test_quantize_q_mxfp4_exact(hadamard):
     r = ix.quantize_q(iq, pos, cs, w, fmt="mxfp4", hadamard=hadamard, backend="reference")
     for a, b, n in zip((q, sc, wo), r, ("packed", "scales", "weights_out")):
         assert_close(a, b, "exact", n)
-    packed, bytes_ = fp4_bytes(ix.prepare_q_ref(iq, pos, cs, hadamard))
+    packed, bytes_ = fp4_bytes(ix.reference.prepare_q(iq, pos, cs, hadamard))
     assert torch.equal(q.cpu(), packed)
     assert torch.equal(sc.cpu().view(torch.uint8).reshape(T, H, 4), bytes_)
     # no weight fold in MXFP4: weights_out = w · 128^-0.5 · H^-0.5 exactly, whatever the q scales
@@ -166,12 +166,12 @@ def test_quantize_q_mxfp4_exact(hadamard):
 
 def test_mxfp4_codes_nibbles_and_scale_packing():
     """Hand-built vectors: E2M1 ties/saturation/signed zero, low nibble = even element, block 0 in the
-    low byte of the int32 scale word (formats.md §4)."""
+    low byte of the int32 scale word (docs/indexer.md#mxfp4-half-the-bytes-no-fold)."""
     vals = [0, .25, .5, .75, 1, 1.25, 1.5, 1.75, 2, 2.5, 3, 3.5, 4, 5, 6, -2.5, -.0, -.1, -6, -5, -.75, 1.75]
     codes = [0, 0, 1, 2, 2, 2, 3, 4, 4, 4, 5, 6, 6, 6, 7, 12, 8, 8, 15, 14, 10, 4]
     assert [e2m1_brute(v) for v in vals] == codes  # the oracle agrees with the hand table
     assert [e2m1_brute(v) for v in (7.0, 100.0, -9.0)] == [7, 7, 15]  # saturation
-    assert ix.e2m1_encode_ref(torch.tensor([7.0, 100.0, -9.0, -0.2, 0.2])).tolist() == [7, 7, 15, 8, 0]
+    assert ix.reference.e2m1_encode(torch.tensor([7.0, 100.0, -9.0, -0.2, 0.2])).tolist() == [7, 7, 15, 8, 0]
     # one key: block b = the table times 2^kb (block amax 6·2^kb -> byte 127 + kb)
     kb = [0, 3, -2, 1]
     row = torch.zeros(128)
@@ -196,7 +196,7 @@ def test_mxfp4_codes_nibbles_and_scale_packing():
 
 
 # ---------------------------------------------------------------------------------------------------
-# §9.2 power-of-two invariance (EXACT)
+# power-of-two invariance (EXACT)
 # ---------------------------------------------------------------------------------------------------
 
 
@@ -221,12 +221,12 @@ def test_power_of_two_invariance(hadamard):
 
 
 # ---------------------------------------------------------------------------------------------------
-# §9.3 Hadamard
+# Hadamard
 # ---------------------------------------------------------------------------------------------------
 
 
 def test_hadamard_matrix():
-    Hm = ix.hadamard_ref(torch.eye(128, device=DEVICE)).double().cpu()
+    Hm = ix.reference.hadamard_transform(torch.eye(128, device=DEVICE)).double().cpu()
     assert torch.equal(Hm, Hm.t())
     assert float((Hm @ Hm.t() - torch.eye(128, dtype=torch.float64)).abs().max()) < 1e-6
     syl = torch.ones(1, 1, dtype=torch.float64)
@@ -234,7 +234,7 @@ def test_hadamard_matrix():
         syl = torch.cat([torch.cat([syl, syl], 1), torch.cat([syl, -syl], 1)], 0)
     assert float((Hm - syl * 128**-0.5).abs().max()) < 1e-7
     q, k = randn((64, 128), seed=8, dtype=torch.float32), randn((64, 128), seed=9, dtype=torch.float32)
-    dq = (ix.hadamard_ref(q).double() * ix.hadamard_ref(k).double()).sum(-1)
+    dq = (ix.reference.hadamard_transform(q).double() * ix.reference.hadamard_transform(k).double()).sum(-1)
     d = (q.double() * k.double()).sum(-1)
     cond = (q.double().abs() * k.double().abs()).sum(-1)
     assert bool(((dq - d).abs() <= 1e-5 * cond).all())
@@ -242,7 +242,7 @@ def test_hadamard_matrix():
 
 def _exact_logits(ex, hadamard_q=False):
     """float64 Σ_h w·c·ReLU(x_h·k_s) from the UNquantised rotated q and the bf16 keys, −∞ beyond n_c."""
-    x = ix.prepare_q_ref(ex["index_q"], ex["positions"], ex["cos_sin"], hadamard_q).double()
+    x = ix.reference.prepare_q(ex["index_q"], ex["positions"], ex["cos_sin"], hadamard_q).double()
     k = ex["k"].double()
     H = x.shape[1]
     dots = torch.einsum("thd,sd->ths", x, k).clamp_min(0)
@@ -269,7 +269,7 @@ def _rel_l2(a, b):
 
 def test_hadamard_both_sides_vs_one_side():
     """Rotating q and k together leaves the scores (up to quantisation); rotating one side only
-    scrambles them: the "Hadamard on K but not Q" detector (pitfalls.md #24)."""
+    scrambles them: the "Hadamard on K but not Q" detector (docs/indexer.md#pitfalls)."""
     res = {}
     for hq, hk in [(False, False), (True, True), (True, False), (False, True)]:
         ex = problem(4, 16, 48, hadamard=hk, seed=10)
@@ -285,13 +285,13 @@ def test_hadamard_both_sides_vs_one_side():
 
 
 # ---------------------------------------------------------------------------------------------------
-# §9.4 fold: fp8 logits vs the unquantised logits within a derived bound; kernel vs reference
+# fold: fp8 logits vs the unquantised logits within a derived bound; kernel vs reference
 # ---------------------------------------------------------------------------------------------------
 
 
 def _quant_err_bound(x, e):
     """Per-element E4M3 error bound of values x quantised with scale 2^e: max(2^-4|x|, 2^-10·2^e)
-    (formats.md §3: half an ulp for normals, half the subnormal spacing below 2^-6)."""
+    (docs/formats.md: half an ulp for normals, half the subnormal spacing below 2^-6)."""
     return torch.maximum(x.abs() * 2.0**-4, torch.exp2(e.double() - 10)[..., None])
 
 
@@ -312,7 +312,7 @@ def test_fold_fp8_logits_within_bound_and_topk():
     err = (lg.double().cpu() - ref.cpu()).abs()
     assert bool((err[f] <= bound[f] * (1 + 1e-6) + 1e-30).all())
     rel = err[f] / ref.cpu().abs()[f].clamp_min(1e-30)
-    assert float(rel.median()) < 0.05  # "a few %" (indexer.md §9.4)
+    assert float(rel.median()) < 0.05  # "a few %" (docs/indexer.md#numerics)
     # without the fold (weights · c only, the q scale forgotten) the logits leave the bound
     nofold = ix.logits(q, None, (ex["weights"] * fold(16)).float(), ex["k_cache"], ex["positions"],
                        block_table=ex["block_table"], block_size=16, backend="reference").double().cpu()
@@ -345,10 +345,9 @@ def test_logits_kernel_vs_reference(fmt):
     pos = torch.tensor([255, 130, 3, 2], dtype=torch.int64, device=DEVICE)
     q, qs, wo = ix.quantize_q(ex["index_q"], pos, ex["cos_sin"], ex["weights"], fmt=fmt)
     lg = ix.logits(q, qs, wo, cache, pos, block_table=bts, block_size=Bc)
-    ref = ix._logits_ref64(q, qs, wo, cache, pos, bts, Bc, 64, fmt)
+    ref = ix.reference.logits(q, qs, wo, cache, pos, bts, block_size=Bc, n_out=64, dtype=torch.float64)
     assert lg.shape == (T, 64)
-    cond = ix._logits_ref64(ix._abs_q(q, qs), qs, wo.abs(), ix._abs_cache(cache, fmt), pos, bts, Bc, 64, fmt)
-    cond = torch.where(torch.isfinite(cond), cond.clamp_min(1e-30), 1.0)
+    cond = ix.reference.logits_condition(q, qs, wo, cache, pos, bts, block_size=Bc, n_out=64)
     # fp32 accumulation of exact products: error <= ~K·2^-24 of the condition sum; fp32_dot's atol 1e-5
     # applies to the logits divided by that sum
     assert_close(lg.double() / cond, ref / cond, "fp32_dot", "logits / condition")
@@ -375,7 +374,7 @@ def test_relu_per_head_before_sum():
 
 
 # ---------------------------------------------------------------------------------------------------
-# §9.5 causal mask, §9.6 shortcut, top-k
+# causal mask, shortcut, top-k
 # ---------------------------------------------------------------------------------------------------
 
 
@@ -434,7 +433,7 @@ def test_shortcut_equals_full_path():
 
 
 # ---------------------------------------------------------------------------------------------------
-# §9.7 local -> global
+# local -> global
 # ---------------------------------------------------------------------------------------------------
 
 
@@ -444,12 +443,12 @@ def test_to_global_shuffled_tables_invalid_tokens():
     bt = torch.stack([torch.randperm(20, generator=g)[:5] for _ in range(T)]).to(torch.int32)
     local = torch.tensor([[0, 5, 19, -1, -1, -1], [3, 4, 7, 8, 12, 1], [-1] * 6, [2, -1, -1, -1, -1, -1]],
                          dtype=torch.int32)
-    slot_mapping = torch.tensor([10, -1, 11, 12], dtype=torch.int64)
-    glob, n = ix.to_global(local.to(DEVICE), bt.to(DEVICE), slot_mapping.to(DEVICE), block_size=Bc)
+    slots = torch.tensor([10, -1, 11, 12], dtype=torch.int64)  # token 1 is padding
+    glob, n = ix.to_global(local.to(DEVICE), bt.to(DEVICE), slots.to(DEVICE), block_size=Bc)
     for t in range(T):
         for j in range(k):
             l = int(local[t, j])
-            want = -1 if l < 0 or slot_mapping[t] < 0 else int(bt[t, l // Bc]) * Bc + l % Bc
+            want = -1 if l < 0 or slots[t] < 0 else int(bt[t, l // Bc]) * Bc + l % Bc
             assert int(glob[t, j]) == want
     assert n.tolist() == [3, 0, 0, 1] and n.dtype == torch.int32
     with pytest.raises(ValueError, match="topk_local"):
@@ -494,7 +493,7 @@ def test_k_cache_writer_reader(fmt):
     keep = slots >= 0
     assert torch.equal(rv[keep].view(torch.uint8), vals[:18][keep].view(torch.uint8))
     assert torch.equal(rs[keep], sc[:18][keep])
-    if fmt == "fp8":  # scales are fp32 powers of two (pitfalls.md #2) and differ between rows
+    if fmt == "fp8":  # scales are fp32 powers of two (docs/indexer.md#pitfalls) and differ between rows
         bits = sc.view(torch.int32)
         assert bool(((bits & 0x7FFFFF) == 0).all()) and len(set(bits.tolist())) > 3
         qi, e = fp8_bytes(k.float())
@@ -505,7 +504,7 @@ def test_k_cache_writer_reader(fmt):
 
 
 # ---------------------------------------------------------------------------------------------------
-# §9.9 weight provenance, errors, torch.compile
+# weight provenance, errors, launch choices, torch.compile
 # ---------------------------------------------------------------------------------------------------
 
 
@@ -522,7 +521,7 @@ def test_weights_follow_x_not_qr():
     iq = randn((T, H, 128), seed=26, block=32)
     pos = torch.tensor([3, 7, 11, 63], dtype=torch.int64, device=DEVICE)
     _, _, wo = ix.quantize_q(iq, pos, cs, w)
-    _, e = fp8_bytes(ix.prepare_q_ref(iq, pos, cs))
+    _, e = fp8_bytes(ix.reference.prepare_q(iq, pos, cs))
     assert torch.equal(wo.cpu(), (w.cpu().double() * torch.exp2(e.double())).float() * fold(H))  # taken as given
     w2 = ix.head_weights(randn((T, Hd), seed=27, block=None), W)
     _, _, wo2 = ix.quantize_q(iq, pos, cs, w2)
@@ -565,11 +564,45 @@ def test_bad_input_errors():
                   block_table=torch.full((2, 1), 5, dtype=torch.int32, device=DEVICE))
     with pytest.raises(ValueError, match="k"):
         ix.topk(torch.zeros(2, 3, device=DEVICE), 0)
-    with pytest.raises(ValueError, match="slot_mapping"):
+    with pytest.raises(ValueError, match="slots"):
         ix.insert_k(ix.allocate_k_cache(1, 16), randn((2, 128), seed=0),
                     torch.tensor([0, 16], device=DEVICE), block_size=16)
     with pytest.raises(ValueError, match="k"):
         ix.quantize_k(randn((2, 64), seed=0))
+
+
+def test_block_size_required_and_backend_names():
+    """block_size has no default wherever a cache is passed; backend takes names from validate.BACKENDS."""
+    ex = problem(2, 4, 16, seed=33)
+    q, _, wo = ix.quantize_q(*qargs(ex), backend="auto")
+    with pytest.raises(TypeError, match="block_size"):
+        ix.logits(q, None, wo, ex["k_cache"], ex["positions"], block_table=ex["block_table"])
+    with pytest.raises(TypeError, match="block_size"):
+        ix.insert_k(ex["k_cache"], ex["k"], ex["slots"])
+    with pytest.raises(TypeError, match="block_size"):
+        ix.read_k(ex["k_cache"], ex["slots"])
+    with pytest.raises(ValueError, match="backend"):
+        ix.quantize_q(*qargs(ex), backend="two_pass")  # in validate.BACKENDS, but not an indexer backend
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "mxfp4"])
+def test_launch_choices_do_not_change_results(fmt):
+    """IndexerLaunch is passed explicitly; other tile sizes give the same bytes and the same logits."""
+    ex = problem(3, 8, 64, fmt=fmt, seed=34)
+    other = ix.IndexerLaunch(quant_rows=32, logits_pages=2)
+    a = ix.quantize_q(*qargs(ex), fmt=fmt, hadamard=True)
+    b = ix.quantize_q(*qargs(ex), fmt=fmt, hadamard=True, launch=other)
+    for x, y in zip(a, b):
+        assert (x is None and y is None) or torch.equal(x.view(torch.uint8), y.view(torch.uint8))
+    kw = dict(block_table=ex["block_table"], block_size=16)
+    la = ix.logits(a[0], a[1], a[2], ex["k_cache"], ex["positions"], **kw)
+    lb = ix.logits(a[0], a[1], a[2], ex["k_cache"], ex["positions"], **kw, launch=other)
+    assert torch.equal(la, lb)
+    cache = ix.allocate_k_cache(ex["k_cache"].shape[0], 16, fmt)
+    ix.insert_k(cache, ex["k"], ex["slots"], block_size=16, fmt=fmt, launch=ix.IndexerLaunch(quant_rows=4))
+    assert torch.equal(cache, ex["k_cache"])
+    with pytest.raises(ValueError, match="quant_rows"):
+        ix.IndexerLaunch(quant_rows=12)
 
 
 def test_quantize_q_torch_compile_fullgraph():
@@ -603,8 +636,7 @@ def test_real_shapes_gpu():
         ex = problem(8, 64, 2048, block_size=64, seed=32, fmt=fmt)
         q, qs, wo = ix.quantize_q(*qargs(ex), fmt=fmt)
         lg = ix.logits(q, qs, wo, ex["k_cache"], ex["positions"], block_table=ex["block_table"], block_size=64)
-        ref = ix._logits_ref64(q, qs, wo, ex["k_cache"], ex["positions"], ex["block_table"], 64, lg.shape[1], fmt)
-        cond = ix._logits_ref64(ix._abs_q(q, qs), qs, wo.abs(), ix._abs_cache(ex["k_cache"], fmt), ex["positions"],
-                                ex["block_table"], 64, lg.shape[1], fmt)
-        cond = torch.where(torch.isfinite(cond), cond.clamp_min(1e-30), 1.0)
+        args = (q, qs, wo, ex["k_cache"], ex["positions"], ex["block_table"])
+        ref = ix.reference.logits(*args, block_size=64, n_out=lg.shape[1], dtype=torch.float64)
+        cond = ix.reference.logits_condition(*args, block_size=64, n_out=lg.shape[1])
         assert_close(lg.double() / cond, ref / cond, "fp32_dot", f"{fmt} logits / condition")

@@ -1,6 +1,6 @@
-"""dsv4ref.kv_cache: the paged 584-byte FP8 KV cache (formats.md §5, §7, §9–§11; pitfalls.md #1, #8–#11).
+"""dsv4ref.kv_cache: the paged 584-byte FP8 KV cache (docs/kv_cache.md, its pitfalls #1 and #8–#11).
 
-The expected bytes are placed by THIS file, from the layout as formats.md §5 states it (token data at
+The expected bytes are placed by THIS file, from the layout as docs/formats.md draws it (token data at
 page·stride + 576·t, scales at page·stride + 576·B + 8·t), using plain Python integers; the library's
 own offset helpers are never used to build an expectation.
 """
@@ -29,12 +29,12 @@ def record(kv_row: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.cat([q.view(torch.uint8), rope]), torch.cat([s, torch.zeros(1, dtype=torch.uint8)])
 
 
-def expected_cache(before: torch.Tensor, kv: torch.Tensor, slot_mapping: torch.Tensor, B: int):
+def expected_cache(before: torch.Tensor, kv: torch.Tensor, slots: torch.Tensor, B: int):
     """(expected cache bytes, bool mask of the bytes a correct writer touches)."""
     flat = before.cpu().clone().reshape(-1)
     touched = torch.zeros_like(flat, dtype=torch.bool)
     stride = before.stride(0)
-    for i, slot in enumerate(slot_mapping.cpu().tolist()):
+    for i, slot in enumerate(slots.cpu().tolist()):
         if slot < 0:
             continue
         page, t = divmod(slot, B)
@@ -84,7 +84,7 @@ def shuffled_slots(n_pages: int, B: int, T: int, seed: int) -> torch.Tensor:
 
 
 def test_page_bytes_and_allocate():
-    # formats.md §5 and config.md §4: round_up(584·B, 576)
+    # docs/formats.md#the-584-byte-kv-cache-page: round_up(584·B, 576)
     assert [kc.page_bytes(b) for b in (1, 2, 16, 61, 64, 128, 256)] == [1152, 1728, 9792, 35712, 37440, 74880, 149760]
     c = kc.allocate(3, 61)
     assert c.dtype == torch.uint8 and tuple(c.shape) == (3, 35712) and c.device.type == DEVICE.type
@@ -109,7 +109,7 @@ def test_insert_bytes_exact_and_nothing_else_touched(backend, B, pages, T):
     kc.insert(cache, kv, slots, block_size=B, backend=backend)
     got = cache.cpu()
     assert_close(got, want, "exact", "cache bytes")
-    # formats.md §11.3: every byte outside the written records (other slots, −1 rows, page padding)
+    # docs/kv_cache.md#pitfalls (#11): every byte outside the written records (other slots, −1 rows, page padding)
     # is untouched
     assert torch.equal(got[~touched], before.cpu()[~touched])
     assert int(touched.sum()) == 584 * int((slots >= 0).sum())
@@ -127,8 +127,8 @@ def test_triton_writer_equals_reference_writer(B):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_short_slot_mapping_and_padding_rows(backend):
-    """Pitfall #11: slot_mapping may be shorter than kv (rows past it are padding) and holds −1."""
+def test_short_slots_and_padding_rows(backend):
+    """Pitfall #11: slots may be shorter than kv (rows past it are padding) and holds −1."""
     B, pages = 16, 2
     kv = kv_rows(12, seed=5)
     slots = torch.tensor([3, -1, 17, 31, -1, 0, 16], device=DEVICE)  # 7 of 12 rows; includes slot 0
@@ -145,7 +145,7 @@ def test_short_slot_mapping_and_padding_rows(backend):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_int32_slot_mapping(backend):
+def test_int32_slots(backend):
     kv = kv_rows(6, seed=9)
     s64 = torch.tensor([5, -1, 0, 7, 2, 1], device=DEVICE)
     a, b = random_cache(4, 2, seed=1), None
@@ -214,8 +214,8 @@ def test_gather_of_insert_is_exact_dequant(backend, B, pages, T):
     q, s = quantize_ue8m0(src[:, :448], backend="reference")
     want = torch.cat([dequantize_ue8m0(q, s, backend="reference"), src[:, 448:]], dim=1)
     want[read < 0] = 0.0  # −1 slots read as zero rows
-    assert_close(got, want, "exact", "gather(insert(kv))")  # formats.md §11.4 [EXACT]
-    # and it is the input, within formats.md §3's bound (RoPE dims bit-exact)
+    assert_close(got, want, "exact", "gather(insert(kv))")  # exact (docs/kv_cache.md#math)
+    # and it is the input, within the round-trip bound of docs/formats.md (RoPE dims bit-exact)
     ok = read >= 0
     x, xh = src[ok].double().cpu(), got[ok].double().cpu()
     e = (s[ok].double().cpu() - 127).repeat_interleave(64, dim=1)
@@ -238,7 +238,7 @@ def test_gather_minus_one_rows_are_zero_and_other_rows_untouched_by_them():
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_golden_page_B2(backend):
-    """formats.md §5, B = 2, built byte by byte. page_stride 1728; token 0 data 0..575, token 1 data
+    """The B = 2 page of docs/formats.md, built byte by byte. page_stride 1728; token 0 data 0..575, token 1 data
     576..1151; token 0 scales 1152..1159, token 1 scales 1160..1167; padding 1168..1727."""
     B, P = 2, 1728
     page = torch.full((2, P), 0xAB, dtype=torch.uint8)  # page 0 is a decoy, page 1 is the golden page
@@ -376,9 +376,9 @@ def test_offsets_past_2_pow_31_strided_view(backend):
     assert_close(got, want, "exact")
 
 
-@pytest.mark.skipif(interpreting(), reason="GPU only: a real 2.2 GB cache (formats.md §11.7)")
+@pytest.mark.skipif(interpreting(), reason="GPU only: a real 2.2 GB cache (docs/kv_cache.md#pitfalls, #10)")
 def test_int64_offsets_real_58k_pages():
-    """formats.md §11.7: >= 58 000 pages of 37 440 B (~2.2 GB); write and read the last page."""
+    """Pitfall #10: >= 58 000 pages of 37 440 B (~2.2 GB); write and read the last page."""
     B, n = 64, 58_600
     cache = kc.allocate(n, B)
     assert cache.numel() > 2**31
@@ -406,15 +406,15 @@ def test_insert_rejects_bad_input():
     cache = kc.allocate(2, B)
     kv = kv_rows(4, seed=1)
     s = torch.tensor([0, 1, 2, 3], device=DEVICE)
-    with pytest.raises(ValueError, match=r"slot_mapping: entry 2 = 4 is out of range; expected \[0, 4\) or -1"):
+    with pytest.raises(ValueError, match=r"slots: entry 2 = 4 is out of range; expected \[0, 4\) or -1"):
         kc.insert(cache, kv, torch.tensor([0, 1, 4], device=DEVICE), block_size=B)
-    with pytest.raises(ValueError, match="slot_mapping: entry 1 = -2"):
+    with pytest.raises(ValueError, match="slots: entry 1 = -2"):
         kc.insert(cache, kv, torch.tensor([0, -2], device=DEVICE), block_size=B)
-    with pytest.raises(ValueError, match="slot_mapping: has 5 entries but kv only 4 rows"):
+    with pytest.raises(ValueError, match="slots: has 5 entries but kv only 4 rows"):
         kc.insert(cache, kv, torch.tensor([0, 1, 2, 3, -1], device=DEVICE), block_size=B)
-    with pytest.raises(TypeError, match="slot_mapping: expected dtype"):
+    with pytest.raises(TypeError, match="slots: expected dtype"):
         kc.insert(cache, kv, s.float(), block_size=B)
-    with pytest.raises(ValueError, match="slot_mapping: expected a 1-d tensor"):
+    with pytest.raises(ValueError, match="slots: expected a 1-d tensor"):
         kc.insert(cache, kv, s[None], block_size=B)
     with pytest.raises(TypeError, match="kv: expected dtype torch.bfloat16"):
         kc.insert(cache, kv.float(), s, block_size=B)
@@ -479,9 +479,9 @@ def test_tokens_per_program_launch_shapes(tok):
     slots = shuffled_slots(2, B, 10, seed=61)  # 10 of 11 rows, 10 = 2·4 + 2
     a = random_cache(2, B, seed=62)
     b = a.clone()
-    kc._launch_insert(a, kv, slots, B, tok=tok)
+    kc.insert(a, kv, slots, block_size=B, launch=kc.KVCacheLaunch(tokens_per_program=tok))
     kc.insert(b, kv, slots, block_size=B, backend="reference")
     assert_close(a, b, "exact")
     out = poison((10, 512), torch.bfloat16)
-    kc._launch_gather(a, slots, out, B, tok=tok)
+    kc.gather(a, slots, block_size=B, out=out, launch=kc.KVCacheLaunch(tokens_per_program=tok))
     assert_close(out, kc.gather(a, slots, block_size=B, backend="reference"), "exact")

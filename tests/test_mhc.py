@@ -1,6 +1,6 @@
-"""dsv4ref.mhc: Sinkhorn, pre, post, fused post+pre, head (mhc.md §3–§10; pitfalls.md #22, #23).
+"""dsv4ref.mhc: Sinkhorn, pre, post, fused post+pre, head (docs/mhc.md, its checks and pitfalls 22, 23).
 
-Every float result is compared with a float64 oracle running the SAME schedule (mhc.md §4: rows are not
+Every float result is compared with a float64 oracle running the SAME schedule (docs/mhc.md#sinkhorn: rows are not
 exactly doubly stochastic, so "is it doubly stochastic" is not a test). Triton outputs go into poisoned
 buffers (NaN), so an element a kernel forgets shows up as a non-finite mismatch.
 """
@@ -12,6 +12,8 @@ import pytest
 import torch
 
 from dsv4ref import config, mhc, validate
+from dsv4ref.mhc import MhcLaunch, reference
+from dsv4ref.mhc.launch import split3
 from dsv4ref.device import DEVICE, interpreting
 from dsv4ref.testing import assert_close, compare, generator, poison, randn
 
@@ -23,12 +25,14 @@ GPU_ONLY = pytest.mark.skipif(interpreting(), reason="real hidden sizes at many 
 SHAPES = [(5, 256), (19, 256)] + ([] if interpreting() else [(33, 4096), (17, 7168), (300, 4096)])
 
 
+DEFAULT = MhcLaunch()
+
+
 @pytest.fixture(params=[False, True], ids=["one-kernel", "split-K"])
-def split_k(request, monkeypatch):
-    """Both Triton paths of pre / fused / head: the one-kernel ``_hc_kernel`` and the split-K pair
-    (``_hc_partial_kernel`` + ``_hc_finish_kernel``), selected through the module flag the launcher reads."""
-    monkeypatch.setattr(mhc, "HC_SPLIT_K", request.param)
-    return request.param
+def launch(request):
+    """Both Triton designs of pre / fused / head: the one kernel ``hc_kernel`` and the split-K pair
+    (``hc_partial_kernel`` + ``hc_finish_kernel``), selected with ``MhcLaunch(split_k=...)``."""
+    return MhcLaunch(split_k=request.param)
 
 
 def case(T, Hd, seed=0):
@@ -39,38 +43,45 @@ def case(T, Hd, seed=0):
 
 
 def oracle_pre(res, fn, scale, base, **kw):
-    _, p, c, x = mhc.pre_reference(res, fn, scale, base, dtype=torch.float64, **kw)
-    return p, c, x
+    return reference.pre(res, fn, scale, base, dtype=torch.float64, **kw)
 
 
 # -- the Triton paths, writing into poisoned buffers -------------------------------------------------
 
 
-def triton_pre(res, fn, scale, base, rms_eps=1e-6, hc_eps=1e-6, post_mult=2.0, iters=20):
+def triton_pre(res, fn, scale, base, rms_eps=1e-6, hc_eps=1e-6, post_mult=2.0, iters=20, launch=DEFAULT):
     T, M, Hd = res.shape
     p, c, out = poison((T, M), torch.float32), poison((T, M, M), torch.float32), poison((T, Hd), torch.bfloat16)
-    torch.ops.dsv4ref.mhc_pre(res, mhc.split_fn(fn), scale, base, p, c, out, rms_eps, hc_eps, post_mult, iters)
+    torch.ops.dsv4ref.mhc_pre(res, mhc.split_fn(fn), scale, base, p, c, out, rms_eps, hc_eps, post_mult, iters,
+                              launch.encode())
     return p, c, out
 
 
 def triton_post(x, res, p, c):
     out = poison(tuple(res.shape), torch.bfloat16)
-    torch.ops.dsv4ref.mhc_post(x, res, p.reshape(res.shape[:2]).contiguous(), c, out)
+    torch.ops.dsv4ref.mhc_post(x, res, p.reshape(res.shape[:2]).contiguous(), c, out, DEFAULT.encode())
     return out
 
 
-def triton_fused(x, res, p, c, fn, scale, base):
+def triton_fused(x, res, p, c, fn, scale, base, launch=DEFAULT):
     T, M, Hd = res.shape
     new, p2, c2 = poison(tuple(res.shape), torch.bfloat16), poison((T, M), torch.float32), poison((T, M, M), torch.float32)
     out = poison((T, Hd), torch.bfloat16)
     torch.ops.dsv4ref.mhc_fused_post_pre(x, res, p, c, mhc.split_fn(fn), scale, base, new, p2, c2, out,
-                                         1e-6, 1e-6, 2.0, 20)
+                                         1e-6, 1e-6, 2.0, 20, launch.encode())
     return new, p2, c2, out
 
 
-def run_pre(backend, res, fn, scale, base, **kw):
+def triton_head(res, fn, scale, base, launch=DEFAULT):
+    out = poison((res.shape[0], res.shape[2]), torch.bfloat16)
+    torch.ops.dsv4ref.mhc_head(res, mhc.split_fn(fn, head=True), scale, base, out, 1e-6, 1e-6, launch.encode())
+    return out
+
+
+def run_pre(backend, res, fn, scale, base, launch=DEFAULT, **kw):
     if backend == "triton":
-        return triton_pre(res, fn, scale, base, **{k.replace("sinkhorn_iters", "iters"): v for k, v in kw.items()})
+        return triton_pre(res, fn, scale, base, launch=launch,
+                          **{k.replace("sinkhorn_iters", "iters"): v for k, v in kw.items()})
     return mhc.pre(res, fn, scale, base, backend="reference", **kw)
 
 
@@ -87,7 +98,7 @@ def zero_params(Hd, comb_base, pre_base=0.0, post_base=0.0):
 
 
 # ====================================================================================================
-# Sinkhorn (mhc.md §4, §10.1)
+# Sinkhorn (docs/mhc.md#sinkhorn, check 1)
 # ====================================================================================================
 
 
@@ -101,7 +112,7 @@ def logits(n, std, seed):
 def test_sinkhorn_matches_fp64_oracle(backend, std, iters):
     L = logits(37, std, seed=int(std * 10) + iters)
     got = mhc.sinkhorn(L, iters, 1e-6, backend=backend)
-    assert_close(got, mhc.sinkhorn_reference(L.double(), iters, 1e-6), "mhc")
+    assert_close(got, reference.sinkhorn(L.double(), iters, 1e-6), "mhc")
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -135,7 +146,7 @@ def test_sinkhorn_row_error_vs_passes(backend):
 
 
 def _variant(L, iters, eps, kind):
-    """Wrong schedules seen in ports (pitfalls.md #23)."""
+    """Wrong schedules seen in ports (docs/mhc.md#pitfalls, 23)."""
     if kind == "wrong axis":  # the whole schedule with rows and columns swapped (softmax over i)
         return sinkhorn_cols_first(L, iters, eps)
     if kind == "exp+row":  # exp and a row normalisation instead of softmax + eps (here with eps 1e-3)
@@ -152,7 +163,7 @@ def _variant(L, iters, eps, kind):
 
 
 def sinkhorn_cols_first(L, iters, eps):
-    return mhc.sinkhorn_reference(L.transpose(-1, -2), iters, eps).transpose(-1, -2)
+    return reference.sinkhorn(L.transpose(-1, -2), iters, eps).transpose(-1, -2)
 
 
 @pytest.mark.parametrize("kind", ["exp+row", "wrong axis", "one pass short"])
@@ -162,11 +173,11 @@ def test_sinkhorn_oracle_catches_wrong_schedules(kind):
     so it changes comb by ~1e-12.)"""
     L = logits(256, 3.0, seed=5).double()
     wrong = _variant(L, 20, 1e-3 if kind == "exp+row" else 1e-6, kind)
-    assert not compare(wrong, mhc.sinkhorn_reference(L), "mhc").passed
+    assert not compare(wrong, reference.sinkhorn(L), "mhc").passed
 
 
 def test_sinkhorn_peaked_permutation():
-    """30·P (P a permutation) gives comb ≈ P, about 1e-6 in the zero positions (mhc.md §4)."""
+    """30·P (P a permutation) gives comb ≈ P, about 1e-6 in the zero positions (docs/mhc.md#sinkhorn)."""
     P = torch.eye(4)[[2, 0, 3, 1]].to(DEVICE)
     c = mhc.sinkhorn((30 * P)[None]).cpu()[0].double()
     assert float((c - P.cpu()).abs().max()) < 1e-5
@@ -174,25 +185,25 @@ def test_sinkhorn_peaked_permutation():
 
 
 # ====================================================================================================
-# pre / post / fused / head against the fp64 oracle (mhc.md §3, §5, §6, §7)
+# pre / post / fused / head against the fp64 oracle (docs/mhc.md#pre ... #head)
 # ====================================================================================================
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("T,Hd", SHAPES)
-def test_pre_matches_fp64(backend, T, Hd, split_k):
+def test_pre_matches_fp64(backend, T, Hd, launch):
     res, _, fn, scale, base = case(T, Hd, seed=T + Hd)
-    p, c, x = run_pre(backend, res, fn, scale, base)
+    p, c, x = run_pre(backend, res, fn, scale, base, launch)
     p64, c64, x64 = oracle_pre(res, fn, scale, base)
     assert_close(p, p64, "mhc", "post")
     assert_close(c, c64, "mhc", "comb")
     assert_close(x, x64, "bf16_out", "layer_input")
 
 
-def test_pre_real_hidden_size_one_token_interpreted(split_k):
+def test_pre_real_hidden_size_one_token_interpreted(launch):
     """V4-Flash Hd = 4096 (K = 16 384 for the mix GEMM) in whatever mode runs here, at T = 2."""
     res, _, fn, scale, base = case(2, 4096, seed=41)
-    p, c, x = triton_pre(res, fn, scale, base)
+    p, c, x = triton_pre(res, fn, scale, base, launch=launch)
     p64, c64, x64 = oracle_pre(res, fn, scale, base)
     assert_close(p, p64, "mhc")
     assert_close(c, c64, "mhc")
@@ -205,7 +216,7 @@ def test_post_matches_fp64(backend, T, Hd):
     res, x, fn, scale, base = case(T, Hd, seed=T + 2 * Hd)
     p, c, _ = mhc.pre(res, fn, scale, base, backend="reference")
     got = run_post(backend, x, res, p, c)
-    assert_close(got, mhc.post_reference(x, res, p, c, dtype=torch.float64), "bf16_out")
+    assert_close(got, reference.post(x, res, p, c, dtype=torch.float64), "bf16_out")
 
 
 def test_post_accepts_both_post_shapes():
@@ -215,19 +226,20 @@ def test_post_accepts_both_post_shapes():
 
 
 @pytest.mark.parametrize("T,Hd", SHAPES[:1] + SHAPES[2:])
-def test_fused_equals_post_then_pre(T, Hd, split_k):
-    """mhc.md §6: EXACT on the bf16 outputs (same operation order, explicit FMAs); fp32 outputs within 1e-6."""
+def test_fused_equals_post_then_pre(T, Hd, launch):
+    """docs/mhc.md#fused-post-pre: EXACT on the bf16 outputs (same operation order, explicit FMAs); fp32
+    outputs within 1e-6."""
     res, x, fn, scale, base = case(T, Hd, seed=7 * T)
     p, c, _ = mhc.pre(res, fn, scale, base)
-    new, p2, c2, li = triton_fused(x, res, p, c, fn, scale, base)
+    new, p2, c2, li = triton_fused(x, res, p, c, fn, scale, base, launch)
     new_sep = triton_post(x, res, p, c)
-    p_sep, c_sep, li_sep = triton_pre(new_sep, fn, scale, base)
+    p_sep, c_sep, li_sep = triton_pre(new_sep, fn, scale, base, launch=launch)
     assert_close(new, new_sep, "exact")
     assert_close(li, li_sep, "exact")
-    assert_close(p2, p_sep, "fp32_reduction")  # abs 1e-6 (or rel 8e-5): mhc.md §6
+    assert_close(p2, p_sep, "fp32_reduction")  # abs 1e-6 (or rel 8e-5): docs/mhc.md#fused-post-pre
     assert_close(c2, c_sep, "fp32_reduction")
     # ... and the composition is right in the first place
-    assert_close(new, mhc.post_reference(x, res, p, c, dtype=torch.float64), "bf16_out")
+    assert_close(new, reference.post(x, res, p, c, dtype=torch.float64), "bf16_out")
     p64, c64, x64 = oracle_pre(new_sep, fn, scale, base)
     assert_close(p2, p64, "mhc")
     assert_close(c2, c64, "mhc")
@@ -242,32 +254,25 @@ def test_split_k_any_number_of_splits(splits):
     hidden parts (the second one partial), so the part that stores post/comb is not the only one."""
     T, Hd = 19, 320
     res, x, fn, scale, base = case(T, Hd, seed=23)
-    kw = dict(split_k=True, splits=splits)
-    p, c, li = poison((T, 4), torch.float32), poison((T, 4, 4), torch.float32), poison((T, Hd), torch.bfloat16)
-    mhc._launch_hc(res, None, None, None, None, mhc.split_fn(fn), scale, base, p, c, li, 1e-6, 1e-6, 2.0, 20,
-                   head=False, fused=False, **kw)
+    launch = MhcLaunch(split_k=True, splits=splits)
+    p, c, li = triton_pre(res, fn, scale, base, launch=launch)
     p64, c64, x64 = oracle_pre(res, fn, scale, base)
     assert_close(p, p64, "mhc")
     assert_close(c, c64, "mhc")
     assert_close(li, x64, "bf16_out")
     # fused (with the same plan) == the separate post then the split-K pre, bit for bit on bf16
-    new, p2, c2, li2 = (poison(tuple(res.shape), torch.bfloat16), poison((T, 4), torch.float32),
-                        poison((T, 4, 4), torch.float32), poison((T, Hd), torch.bfloat16))
-    mhc._launch_hc(res, x, p, c, new, mhc.split_fn(fn), scale, base, p2, c2, li2, 1e-6, 1e-6, 2.0, 20,
-                   head=False, fused=True, **kw)
+    new, p2, c2, li2 = triton_fused(x, res, p, c, fn, scale, base, launch)
     new_sep = triton_post(x, res, p, c)
-    p3, c3, li3 = poison((T, 4), torch.float32), poison((T, 4, 4), torch.float32), poison((T, Hd), torch.bfloat16)
-    mhc._launch_hc(new_sep, None, None, None, None, mhc.split_fn(fn), scale, base, p3, c3, li3, 1e-6, 1e-6, 2.0,
-                   20, head=False, fused=False, **kw)
+    p3, c3, li3 = triton_pre(new_sep, fn, scale, base, launch=launch)
     assert_close(new, new_sep, "exact")
     assert_close(li2, li3, "exact")
     assert_close(p2, p3, "fp32_reduction")
     assert_close(c2, c3, "fp32_reduction")
     hfn, hscale, hbase = mhc.example_params(Hd, seed=24, head=True)
-    out = poison((T, Hd), torch.bfloat16)
-    mhc._launch_hc(res, None, None, None, None, mhc.split_fn(hfn, head=True), hscale, hbase, None, None, out,
-                   1e-6, 1e-6, 1.0, 0, head=True, fused=False, **kw)
-    assert_close(out, mhc.head_reference(res, hfn, hscale, hbase, dtype=torch.float64)[1], "bf16_out")
+    out = triton_head(res, hfn, hscale, hbase, launch)
+    assert_close(out, reference.head(res, hfn, hscale, hbase, dtype=torch.float64), "bf16_out")
+    # the public functions take the same launch
+    assert_close(mhc.head(res, hfn, hscale, hbase, launch=launch), out, "exact")
 
 
 @pytest.mark.parametrize("T,Hd,bt,bk", [(1, 4096, 64, 64), (19, 320, 64, 128), (4096, 4096, 64, 64),
@@ -275,18 +280,18 @@ def test_split_k_any_number_of_splits(splits):
 @pytest.mark.parametrize("splits", [None, 1, 5, 1000])
 def test_split_plan_covers_every_chunk_once(T, Hd, bt, bk, splits):
     """Every BLOCK_K chunk belongs to exactly one split and no split is empty."""
-    n, cps = mhc.split_plan(T, Hd, bt, bk, splits)
+    n, cps = MhcLaunch(split_block_t=bt, split_block_k=bk, splits=splits).split_plan(T, Hd)
     chunks = -(-Hd // bk)
     assert 1 <= n <= chunks and cps >= 1
     assert (n - 1) * cps < chunks <= n * cps
 
 
 @GPU_ONLY
-def test_pre_many_tokens_uneven_splits(split_k):
+def test_pre_many_tokens_uneven_splits(launch):
     """T = 3000, Hd = 7168 (V4-Pro): split-K plans 12 splits of 10, 10, …, 2 chunks; the one-kernel path
     runs 188 programs over K = 28 672."""
     res, _, fn, scale, base = case(3000, 7168, seed=29)
-    p, c, x = triton_pre(res, fn, scale, base)
+    p, c, x = triton_pre(res, fn, scale, base, launch=launch)
     p64, c64, x64 = oracle_pre(res, fn, scale, base)
     assert_close(p, p64, "mhc", "post")
     assert_close(c, c64, "mhc", "comb")
@@ -304,21 +309,20 @@ def test_fused_reference_backend_composes():
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("T,Hd", SHAPES)
-def test_head_matches_fp64(backend, T, Hd, split_k):
+def test_head_matches_fp64(backend, T, Hd, launch):
     res = mhc.example_streams(T, Hd, seed=T)
     fn, scale, base = mhc.example_params(Hd, seed=T + 1, head=True)
-    _, want = mhc.head_reference(res, fn, scale, base, dtype=torch.float64)
+    want = reference.head(res, fn, scale, base, dtype=torch.float64)
     if backend == "triton":
-        got = poison((T, Hd), torch.bfloat16)
-        torch.ops.dsv4ref.mhc_head(res, mhc.split_fn(fn, head=True), scale, base, got, 1e-6, 1e-6)
+        got = triton_head(res, fn, scale, base, launch)
     else:
         got = mhc.head(res, fn, scale, base, backend="reference")
     assert_close(got, want, "bf16_out")
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_head_hand_computed(backend, split_k):
-    """mhc.md §10.7: fn picks X[0] only, scale = ln 3, base = (0, ln 3, −ln 3, 0). Every value is ±1, so the
+def test_head_hand_computed(backend, launch):
+    """docs/mhc.md#checks (7): fn picks X[0] only, scale = ln 3, base = (0, ln 3, −ln 3, 0). Every value is ±1, so the
     RMS is 1 and mix_0 = X[0] = ±1: gate = σ(±ln 3 + base) + 1e-6.
     token A: all streams +1              -> gate (0.75, 0.75, 0.25, 0.5) -> out = 2.25 everywhere
     token B: streams (−1, +1, −1, +1)    -> gate (0.25, 0.75, 0.25, 0.5) -> out = −0.25 + 0.75 − 0.25 + 0.5 = 0.75
@@ -331,13 +335,13 @@ def test_head_hand_computed(backend, split_k):
     base = torch.tensor([0.0, l3, -l3, 0.0], device=DEVICE)
     signs = torch.tensor([[1.0, 1, 1, 1], [-1, 1, -1, 1]])
     hidden = (signs[:, :, None] * torch.ones(2, 4, Hd)).to(torch.bfloat16).to(DEVICE)
-    out = mhc.head(hidden, fn, scale, base, backend=backend)
+    out = mhc.head(hidden, fn, scale, base, backend=backend, launch=launch)
     assert out.cpu().float()[0].unique().tolist() == [2.25]
     assert out.cpu().float()[1].unique().tolist() == [0.75]
 
 
 # ====================================================================================================
-# Structural checks (mhc.md §10.2–§10.6)
+# Structural checks (docs/mhc.md#checks, 2–6)
 # ====================================================================================================
 
 
@@ -347,14 +351,14 @@ def P4():
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_post_transpose_4cycle(backend, split_k):
-    """pitfalls.md #22: with comb ≈ P (the 4-cycle), new stream j+1 = post·x + stream j. Using comb instead
+def test_post_transpose_4cycle(backend, launch):
+    """docs/mhc.md#pitfalls (22): with comb ≈ P (the 4-cycle), new stream j+1 = post·x + stream j. Using comb instead
     of combᵀ moves the streams the other way round, which this test rejects (checked below)."""
     T, Hd = 3, 256
     res = mhc.example_streams(T, Hd, seed=9)
     x = randn((T, Hd), seed=10, octaves=8)
     fn, scale, base = zero_params(Hd, 30 * P4())
-    p, c, _ = run_pre(backend, res, fn, scale, base)
+    p, c, _ = run_pre(backend, res, fn, scale, base, launch)
     assert float((c.cpu().double() - P4().double()).abs().max()) < 1e-5
     new = run_post(backend, x, res, p, c)
     want = p.double()[:, :, None] * x.double()[:, None, :] + torch.roll(res.double(), 1, dims=1)  # new_{j} = res_{j-1}
@@ -366,13 +370,13 @@ def test_post_transpose_4cycle(backend, split_k):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_identity_comb_preserves_streams(backend, split_k):
-    """base_comb = 30·I, fn = 0: comb ≈ I and new stream j = post_j·x + stream j (mhc.md §10.3)."""
+def test_identity_comb_preserves_streams(backend, launch):
+    """base_comb = 30·I, fn = 0: comb ≈ I and new stream j = post_j·x + stream j (docs/mhc.md#checks, 3)."""
     T, Hd = 4, 256
     res = mhc.example_streams(T, Hd, seed=12)
     x = randn((T, Hd), seed=13, octaves=8)
     fn, scale, base = zero_params(Hd, 30 * torch.eye(4), post_base=0.3)
-    p, c, _ = run_pre(backend, res, fn, scale, base)
+    p, c, _ = run_pre(backend, res, fn, scale, base, launch)
     assert float((c.cpu().double() - torch.eye(4, dtype=torch.float64)).abs().max()) < 1e-5
     new = run_post(backend, x, res, p, c)
     assert_close(new, p.double()[:, :, None] * x.double()[:, None, :] + res.double(), "bf16_out")
@@ -381,14 +385,14 @@ def test_identity_comb_preserves_streams(backend, split_k):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_uniform_comb_averages_streams(backend, split_k):
+def test_uniform_comb_averages_streams(backend, launch):
     """fn = 0 and base_comb = 0: every entry of comb is equal (≈ 1/4) and new stream j = post_j·x + mean_i
-    stream_i (mhc.md §10.2)."""
+    stream_i (docs/mhc.md#checks, 2)."""
     T, Hd = 4, 256
     res = mhc.example_streams(T, Hd, seed=14)
     x = randn((T, Hd), seed=15, octaves=8)
     fn, scale, base = zero_params(Hd, torch.zeros(4, 4))
-    p, c, _ = run_pre(backend, res, fn, scale, base)
+    p, c, _ = run_pre(backend, res, fn, scale, base, launch)
     assert c.cpu().unique().numel() == 1 and abs(float(c.cpu()[0, 0, 0]) - 0.25) < 2e-6
     assert torch.equal(p.cpu(), torch.full((T, 4), 1.0))  # 2·σ(0) = 1 exactly
     new = run_post(backend, x, res, p, c)
@@ -397,31 +401,31 @@ def test_uniform_comb_averages_streams(backend, split_k):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_ranges_and_pre_eps(backend, split_k):
-    """pre ∈ (1e-6, 1 + 1e-6), post ∈ (0, 2) (mhc.md §10.5). pre is internal, so it is read through the
+def test_ranges_and_pre_eps(backend, launch):
+    """pre ∈ (1e-6, 1 + 1e-6), post ∈ (0, 2) (docs/mhc.md#checks, 5). pre is internal, so it is read through the
     layer input: with pre logits at −30, σ ≈ 9e-14 and pre ≈ hc_eps = 1e-6, so x ≈ 1e-6·Σ_i stream_i; a
-    kernel that drops the +eps (pitfalls.md #23) returns ~1e7 times less. At +30, pre = 1 + 1e-6."""
+    kernel that drops the +eps (docs/mhc.md#pitfalls, 23) returns ~1e7 times less. At +30, pre = 1 + 1e-6."""
     T, Hd = 4, 256
     res = mhc.example_streams(T, Hd, seed=16)
     for pre_base, w in [(-30.0, 1e-6), (30.0, 1.0 + 1e-6)]:
         fn, scale, base = zero_params(Hd, torch.zeros(4, 4), pre_base=pre_base)
-        _, _, x = run_pre(backend, res, fn, scale, base)
+        _, _, x = run_pre(backend, res, fn, scale, base, launch)
         assert_close(x, res.double().sum(dim=1) * w, "bf16_out")
     fn, scale, base = case(T, Hd, seed=17)[2:]
     base[4:8] = torch.tensor([-6.0, -2.0, 2.0, 6.0])
-    p, c, _ = run_pre(backend, res, fn, scale, base)
+    p, c, _ = run_pre(backend, res, fn, scale, base, launch)
     assert bool(((p > 0) & (p < 2)).all()) and bool((c > 0).all())
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_rms_is_over_flattened_streams_after_gemm(backend, split_k):
-    """mhc.md §10.6: scaling ALL streams by k leaves post and comb unchanged and scales x by k (k a power of
+def test_rms_is_over_flattened_streams_after_gemm(backend, launch):
+    """docs/mhc.md#checks (6): scaling ALL streams by k leaves post and comb unchanged and scales x by k (k a power of
     two, so the bf16 inputs scale exactly). Then the oracle rejects an RMS taken per stream, which the
     k-scaling alone cannot catch (a per-stream RMS is scale invariant too)."""
     T, Hd = 5, 256
     res, _, fn, scale, base = case(T, Hd, seed=18)
-    p, c, x = run_pre(backend, res, fn, scale, base)
-    pk, ck, xk = run_pre(backend, res * 8, fn, scale, base)
+    p, c, x = run_pre(backend, res, fn, scale, base, launch)
+    pk, ck, xk = run_pre(backend, res * 8, fn, scale, base, launch)
     assert_close(pk, p, "mhc")
     assert_close(ck, c, "mhc")
     assert_close(xk, x.double() * 8, "bf16_out")
@@ -434,7 +438,7 @@ def test_rms_is_over_flattened_streams_after_gemm(backend, split_k):
 
 
 def test_model_constants():
-    """pitfalls.md #23 / mhc.md §10.8: defaults are the model's (post_mult 2, eps 1e-6, 20 passes)."""
+    """docs/mhc.md#pitfalls (23) / #checks (8): defaults are the model's (post_mult 2, eps 1e-6, 20 passes)."""
     for f in (mhc.pre, mhc.fused_post_pre):
         sig = inspect.signature(f).parameters
         assert sig["post_mult"].default == 2.0 and sig["sinkhorn_iters"].default == 20
@@ -452,7 +456,7 @@ def test_model_constants():
 def test_split_fn_is_exact_and_cached():
     g = generator(20)
     w = (torch.randn(24, 1024, generator=g) * torch.exp2(torch.randint(-30, 30, (24, 1024), generator=g).float()))
-    s = mhc._split3(w).float()
+    s = split3(w).float()
     assert torch.equal(s[0] + s[1] + s[2], w)
     fn = w.to(DEVICE)
     a = mhc.split_fn(fn)
@@ -462,9 +466,24 @@ def test_split_fn_is_exact_and_cached():
     assert b is not a and torch.equal(b.float(), a.float() * 2)
 
 
-def test_empty_batch(split_k):
+def test_launch_is_explicit():
+    """Every launch choice travels as an argument: an MhcLaunch round-trips through the custom ops' ``launch``
+    int[] (their schema), and tiles a kernel cannot take are refused up front."""
+    for L in (MhcLaunch(), MhcLaunch(split_k=False, block_t=32, splits=3), MhcLaunch(split_k=True, target_programs=7)):
+        assert MhcLaunch.decode(L.encode()) == L
+    assert "[] launch" in str(torch.ops.dsv4ref.mhc_pre.default._schema)  # int[] (SymInt[])
+    assert MhcLaunch().uses_split_k(fused=False) and not MhcLaunch().uses_split_k(fused=True)  # the measured defaults
+    with pytest.raises(ValueError, match="launch.block_t: expected >= 16"):
+        MhcLaunch(block_t=8)
+    with pytest.raises(ValueError, match="launch.split_block_k: expected a power of two"):
+        MhcLaunch(split_block_k=48)
+    with pytest.raises(TypeError, match="launch: expected an MhcLaunch"):
+        mhc.pre(*case(2, 256)[:1], *case(2, 256)[2:], launch={"split_k": True})
+
+
+def test_empty_batch(launch):
     res, x, fn, scale, base = case(0, 256)
-    p, c, li = mhc.pre(res, fn, scale, base)
+    p, c, li = mhc.pre(res, fn, scale, base, launch=launch)
     assert p.shape == (0, 4) and c.shape == (0, 4, 4) and li.shape == (0, 256)
 
 

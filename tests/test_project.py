@@ -62,7 +62,7 @@ def test_notebooks_match_their_sources():
     srcs = sorted((ROOT / "notebooks" / "src").glob("*.py"))
     assert [p.stem for p in srcs] == [p.stem for p in _notebooks()]
     for src in srcs:
-        want = [(k, s) for k, s in build_notebooks.parse(src)]
+        want = build_notebooks.cells(src)
         nb = json.loads((ROOT / "notebooks" / (src.stem + ".ipynb")).read_text())
         got = [(c["cell_type"], "".join(c["source"])) for c in nb["cells"]]
         assert got == want, f"{src.name} and its notebook differ: run `make notebooks NB={src.stem[:2]}`"

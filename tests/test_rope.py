@@ -1,9 +1,10 @@
-"""GPT-J RoPE, YaRN, the fused Q-norm + RoPE + KV insert, inverse RoPE and the grouped o-proj (rope.md §8).
+"""GPT-J RoPE, YaRN, the fused Q-norm + RoPE + KV insert, inverse RoPE and the grouped o-proj.
 
-Every kernel result is compared with the torch reference bit for bit (the canonical arithmetic of
-dsv4ref.rope's docstring), and the references themselves with float64 formulas or hand-checked numbers.
-Catches pitfalls.md #14 (missing inverse RoPE), #16 (wrong pairing, slice, position, table, mscale) and,
-for the KV write, #9/#11 (page layout, slot −1 / short slot_mapping).
+Every kernel result is compared with the torch reference (``dsv4ref.rope.reference``) bit for bit (the
+rounding rules of docs/rope.md#rounding-rules), and the references themselves with float64 formulas or
+hand-checked numbers. The pitfalls these tests catch are listed in docs/rope.md#pitfalls: a missing inverse
+RoPE, a wrong pairing / slice / position / table / mscale, and for the KV write the page layout and
+slot −1 / a short ``slots``.
 """
 
 import math
@@ -23,22 +24,24 @@ from dsv4ref.rope import (
     grouped_o_proj,
     inv_freq,
     qnorm_rope_kv_insert,
+    reference,
     yarn_correction_range,
 )
+from dsv4ref.rope.launch import MH_SWEEP, RopeLaunch
 from dsv4ref.testing import assert_close, generator, randn
 
 YARN = FLASH.yarn  # factor 16, L0 65536, beta_fast 32, beta_slow 1
 EPS = FLASH.rms_norm_eps
 
-# Tolerances not in testing.TOLERANCES, each from the spec:
-# rope.md §5 gives atol = rtol = 1e-2 for q vs the vLLM-style reference (bf16 after the norm, then rotate).
+# Tolerances not in testing.TOLERANCES, each from docs/rope.md:
+# docs/rope.md#exactness gives atol = rtol = 1e-2 for q vs the vLLM-style reference (bf16 after the norm, then rotate).
 # Elementwise that is too tight: the vLLM form rounds each pair (e, o) to bf16 BEFORE rotating, an error of
 # up to ½ ulp(max(|e|, |o|)) that the rotation moves into BOTH outputs; a small output next to a large
 # partner (seen on the H200: 0.848 vs 0.828 beside a partner of −6.9, 9 of 2M elements) then misses
 # 1e-2 + 1e-2·|b|. So the relative part scales with the pair's larger magnitude (see _assert_q_close_vllm).
 VLLM_Q_TOL = dict(atol=1e-2, rtol=1e-2)
-SHIFT_TOL = dict(atol=1e-2, rtol=1e-2)  # rope.md §6: Δ-shift invariance of the inverse-rotated output
-YARN_RTOL = 1e-6  # rope.md §8.3: the §3 inv_freq table, relative
+SHIFT_TOL = dict(atol=1e-2, rtol=1e-2)  # docs/rope.md#inverse-rope: Δ-shift invariance of the inverse-rotated output
+YARN_RTOL = 1e-6  # docs/rope.md#yarn: the inv_freq table, relative
 
 
 @pytest.fixture(scope="module")
@@ -47,11 +50,10 @@ def table():
 
 
 @pytest.fixture(params=[0, 1, 2, 8], ids=lambda n: "per_head" if n == 0 else f"hpp{n}")
-def fused_variant(request, monkeypatch):
-    """Which fused kernel qnorm_rope_kv_insert launches: the per-head one (grid (T, H + 1)) or the multi-head
-    one with n heads per program (packed bf16 pairs; n = 2 is the default; n = 8 leaves a partial group when H = 3 or 4)."""
-    monkeypatch.setattr(rope, "FUSED_HEADS_PER_PROG", request.param)
-    return request.param
+def fused_variant(request):
+    """The ``launch=`` of qnorm_rope_kv_insert: the per-head kernel (grid (T, H + 1)) or the multi-head one
+    with n heads per program (packed bf16 pairs; n = 2 is the default; n = 8 leaves a partial group when H = 3 or 4)."""
+    return RopeLaunch(heads_per_prog=request.param)
 
 
 @pytest.fixture(scope="module")
@@ -60,12 +62,12 @@ def ctable():
 
 
 # ------------------------------------------------------------------------------------------------
-# 1. pairing conventions (rope.md §8.1) and the rotary slice (§8.2)
+# 1. pairing conventions and the rotary slice (docs/rope.md#pairing)
 # ------------------------------------------------------------------------------------------------
 
 
 def _explicit(x, p, table, pairs):
-    """Loop form, element by element, in fp32: the formula as printed in rope.md §1."""
+    """Loop form, element by element, in fp32: the formula as printed in docs/rope.md#pairing."""
     c, s = table[p, :32].cpu(), table[p, 32:].cpu()
     out = x.clone().cpu()
     x = x.cpu()
@@ -114,14 +116,14 @@ def test_triton_matches_reference(ctable, dtype, inverse):
     per_row = torch.randint(0, 4096, (6, 4), generator=generator(4)).to(DEVICE)
     for pos in (per_token, per_row):
         got = apply_gptj(x, pos, ctable, inverse, backend="triton")
-        assert_close(got, apply_gptj(x, pos, ctable, inverse), "exact", "apply_gptj")
+        assert_close(got, apply_gptj(x, pos, ctable, inverse, backend="reference"), "exact", "apply_gptj")
     # a non-contiguous input (a slice of the heads) goes through the same path
     xs = x[:, 1:3]
-    assert_close(apply_gptj(xs, per_token, ctable, backend="triton"), apply_gptj(xs, per_token, ctable), "exact")
+    assert_close(apply_gptj(xs, per_token, ctable, backend="triton"), reference.apply_gptj(xs, per_token, ctable), "exact")
 
 
 # ------------------------------------------------------------------------------------------------
-# 2. frequencies, YaRN, the table (§8.3)
+# 2. frequencies, YaRN, the table (docs/rope.md#yarn)
 # ------------------------------------------------------------------------------------------------
 
 
@@ -162,13 +164,13 @@ def test_table_layout_no_mscale(ctable):
     rows = ctable[p.to(DEVICE)].cpu().double()
     f = p.double()[:, None] * inv_freq(64, 160000.0, YARN).double()[None]
     # [cos 0..31 | sin 0..31], not interleaved; the fp32 angle fp32(p)·inv_freq is off from the exact one by
-    # <= 2 half-ulps of f <= p (rope.md §2: "about 1e-7·p rad"), so allow 1.2e-7·p + 1e-6
+    # <= 2 half-ulps of f <= p (docs/rope.md#the-cossin-table: "about 1e-7·p rad"), so allow 1.2e-7·p + 1e-6
     bound = 1e-6 + 1.2e-7 * p.double()[:, None]
     assert ((rows[:, :32] - f.cos()).abs() <= bound).all() and ((rows[:, 32:] - f.sin()).abs() <= bound).all()
     # no YaRN mscale: cos² + sin² = 1
     assert torch.allclose(rows[:, :32] ** 2 + rows[:, 32:] ** 2, torch.ones(5, 32, dtype=torch.float64), atol=1e-6)
     assert torch.equal(cos_sin_rows(p, 64, 160000.0, YARN), ctable[p.to(DEVICE)].cpu())
-    # the two layer tables are different functions (pitfalls.md #16: a θ-10000 table in a compressed layer)
+    # the two layer tables are different functions (docs/rope.md#pitfalls: a θ-10000 table in a compressed layer)
     assert not torch.allclose(cos_sin_cache(300)[299], ctable[299], atol=1e-3)
 
 
@@ -191,9 +193,9 @@ def _sparse_big_table(pos):
 def test_fused_kernel_at_1m_positions(fused_variant):
     pos = torch.tensor([(1 << 20) - 1, 700_001, 1 << 19], device=DEVICE)
     tab = _sparse_big_table(pos)
-    _fused_case(T=3, H=2, B=16, n_blocks=1, n_slots=3, pos=pos, table=tab, seed=40)
+    _fused_case(T=3, H=2, B=16, n_blocks=1, n_slots=3, pos=pos, table=tab, seed=40, launch=fused_variant)
     x = randn((3, 512), seed=41)
-    assert_close(apply_gptj(x, pos, tab, backend="triton"), apply_gptj(x, pos, tab), "exact")
+    assert_close(apply_gptj(x, pos, tab, backend="triton"), apply_gptj(x, pos, tab, backend="reference"), "exact")
 
 
 @pytest.mark.skipif(interpreting(), reason="the full 256 MiB table: GPU only")
@@ -202,11 +204,11 @@ def test_full_1m_table(fused_variant):
     p = torch.tensor([0, 65535, 65536, 999_999, (1 << 20) - 1])
     assert torch.equal(tab[p.to(DEVICE)].cpu(), cos_sin_rows(p, 64, 160000.0, YARN))
     pos = torch.randint(0, 1 << 20, (64,), generator=generator(5)).to(DEVICE)
-    _fused_case(T=64, H=64, B=64, n_blocks=2, n_slots=60, pos=pos, table=tab, seed=42)
+    _fused_case(T=64, H=64, B=64, n_blocks=2, n_slots=60, pos=pos, table=tab, seed=42, launch=fused_variant)
 
 
 # ------------------------------------------------------------------------------------------------
-# 3. rotation properties; inverse (§8.5); compressed-K position (§8.6)
+# 3. rotation properties; inverse (docs/rope.md#inverse-rope); compressed-K position
 # ------------------------------------------------------------------------------------------------
 
 
@@ -221,7 +223,7 @@ def test_inverse_undoes_forward(ctable):
 
 
 def test_relative_position_property(ctable):
-    """<rope(q, m), rope(k, n)> depends only on m − n (rope.md §6: scores are already relative)."""
+    """<rope(q, m), rope(k, n)> depends only on m − n (docs/rope.md#inverse-rope: scores are already relative)."""
     q = randn((1, 64), seed=7, dtype=torch.float32, octaves=4)
     k = randn((1, 64), seed=8, dtype=torch.float32, octaves=4)
 
@@ -255,15 +257,15 @@ def test_compressed_key_position(ctable):
 
 
 # ------------------------------------------------------------------------------------------------
-# 4. the fused kernel (§8.4)
+# 4. the fused kernel (docs/rope.md#the-fused-prologue-step)
 # ------------------------------------------------------------------------------------------------
 
 
 def _vllm_style_q(q, pos, table):
-    """vLLM's torch test reference: bf16 after the norm, then rotate (rope.md §5, the Disagreement)."""
+    """vLLM's torch test reference: bf16 after the norm, then rotate (docs/rope.md#exactness)."""
     x = q.float()
     rr = torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + EPS)
-    return apply_gptj((x * rr).to(torch.bfloat16), pos, table)
+    return reference.apply_gptj((x * rr).to(torch.bfloat16), pos, table)
 
 
 def _assert_q_close_vllm(got, want):
@@ -277,7 +279,7 @@ def _assert_q_close_vllm(got, want):
     assert not bool(bad.any()), f"{int(bad.sum())} q elements off the vLLM-style reference, first at {bad.nonzero()[0].tolist()}"
 
 
-def _fused_case(T, H, B, n_blocks, n_slots, pos, table, seed):
+def _fused_case(T, H, B, n_blocks, n_slots, pos, table, seed, launch):
     q = randn((T, H, 512), seed=seed)
     kv = randn((T, 512), seed=seed + 1)
     g = generator(seed)
@@ -287,12 +289,12 @@ def _fused_case(T, H, B, n_blocks, n_slots, pos, table, seed):
     # a cache full of random bytes: whatever the kernel must not touch keeps its bytes (snapshot)
     start = torch.randint(0, 256, (n_blocks, kv_cache.page_bytes(B)), generator=g, dtype=torch.uint8).to(DEVICE)
     q_out, c_out, kv_in = q.clone(), start.clone(), kv.clone()
-    qnorm_rope_kv_insert(q_out, kv, c_out, slots, pos, table, eps=EPS, block_size=B)
+    qnorm_rope_kv_insert(q_out, kv, c_out, slots, pos, table, eps=EPS, block_size=B, launch=launch)
     assert torch.equal(kv.view(torch.int16), kv_in.view(torch.int16)), "kv must not be modified"
 
     # cache bytes == kv_cache.insert(apply_gptj(kv)) [EXACT], untouched slots keep their bytes
     c_ref = start.clone()
-    kv_cache.insert(c_ref, apply_gptj(kv, pos, table), slots, block_size=B, backend="reference")
+    kv_cache.insert(c_ref, reference.apply_gptj(kv, pos, table), slots, block_size=B, backend="reference")
     assert_close(c_out, c_ref, "exact", "cache bytes")
     written = slots[slots >= 0]
     untouched = torch.ones(n_blocks * B, dtype=torch.bool, device=DEVICE)
@@ -307,7 +309,7 @@ def _fused_case(T, H, B, n_blocks, n_slots, pos, table, seed):
     if written.numel():
         keep = slots >= 0
         got = kv_cache.gather(c_out, written, block_size=B)[:, 448:]
-        assert_close(got, apply_gptj(kv, pos, table)[: slots.shape[0]][keep][:, 448:], "exact", "gathered RoPE")
+        assert_close(got, reference.apply_gptj(kv, pos, table)[: slots.shape[0]][keep][:, 448:], "exact", "gathered RoPE")
 
     # q: EXACT vs the canonical form (the reference backend), within 1e-2 of the vLLM-style reference
     q_ref, c_ref2 = q.clone(), start.clone()
@@ -326,18 +328,18 @@ def test_fused_kernel(table, T, H, B, n_blocks, n_slots, fused_variant):
     """Tiny config (H = 16, B = 16), an odd page (B = 61), and H = 128 with 2-token pages; slot −1 in row
     1 and T'' < T where n_slots < T (rows beyond T'' write nothing)."""
     pos = torch.randint(0, 4096, (T,), generator=generator(T + H)).to(DEVICE)
-    _fused_case(T, H, B, n_blocks, n_slots, pos, table, seed=T * H)
+    _fused_case(T, H, B, n_blocks, n_slots, pos, table, seed=T * H, launch=fused_variant)
 
 
 def test_fused_kernel_empty_slots_and_padding_rows(table, fused_variant):
-    """All slots −1, or an empty slot_mapping: q is still normalised and rotated, the cache untouched."""
+    """All slots −1, or an empty ``slots``: q is still normalised and rotated, the cache untouched."""
     pos = torch.tensor([0, 4095], device=DEVICE)
     for slots in (torch.tensor([-1, -1], device=DEVICE), torch.empty(0, dtype=torch.int64, device=DEVICE)):
         q = randn((2, 2, 512), seed=11)
         kv = randn((2, 512), seed=12)
         cache = torch.full((1, kv_cache.page_bytes(16)), 0x7F, dtype=torch.uint8, device=DEVICE)  # poison
         q_ref = q.clone()
-        qnorm_rope_kv_insert(q, kv, cache, slots, pos, table, eps=EPS, block_size=16)
+        qnorm_rope_kv_insert(q, kv, cache, slots, pos, table, eps=EPS, block_size=16, launch=fused_variant)
         qnorm_rope_kv_insert(q_ref, kv, cache.clone(), slots, pos, table, eps=EPS, block_size=16, backend="reference")
         assert bool((cache == 0x7F).all())
         assert_close(q, q_ref, "exact", "q")
@@ -347,8 +349,9 @@ def test_fused_op_is_registered(table, fused_variant):
     op = torch.ops.dsv4ref.qnorm_rope_kv_insert.default
     assert op._schema.arguments[0].alias_info.is_write and op._schema.arguments[2].alias_info.is_write
     q = randn((2, 2, 512), seed=13)
+    run = fused_variant.resolve(q)  # every launch choice is an argument of the op
     args = (q, randn((2, 512), seed=14), kv_cache.allocate(1, 2), torch.tensor([1, 0], device=DEVICE),
-            torch.tensor([3, 9], device=DEVICE), table, EPS, 2)
+            torch.tensor([3, 9], device=DEVICE), table, EPS, 2, run.heads_per_prog, run.warps)
     torch.library.opcheck(op, args, test_utils=("test_schema", "test_faketensor"))
 
 
@@ -365,10 +368,10 @@ def test_fused_kernel_strided_q(table, hpp):
         buf = randn((T, H, 514), seed=60 + start)
         before = buf.clone()
         q = buf[..., start:start + 512]
-        assert rope._packable(q.view(torch.int16)) == (start == 0)
+        assert rope.launch.packable(q) == (start == 0)
         q_ref, c_ref, c_out = q.clone(), kv_cache.allocate(2, B), kv_cache.allocate(2, B)
         qnorm_rope_kv_insert(q_ref, kv, c_ref, slots, pos, table, eps=EPS, block_size=B, backend="reference")
-        rope._launch_fused(q, kv, c_out, slots, pos, table, EPS, B, heads_per_prog=hpp)
+        qnorm_rope_kv_insert(q, kv, c_out, slots, pos, table, eps=EPS, block_size=B, launch=RopeLaunch(hpp))
         assert_close(q, q_ref, "exact", "q")
         assert_close(c_out, c_ref, "exact", "cache bytes")
         pad = torch.ones(514, dtype=torch.bool)
@@ -376,31 +379,32 @@ def test_fused_kernel_strided_q(table, hpp):
         assert torch.equal(buf[..., pad].view(torch.int16), before[..., pad].view(torch.int16))
 
 
-def test_fused_heads_per_prog_must_be_a_power_of_two(table):
-    q, kv = randn((2, 4, 512), seed=62), randn((2, 512), seed=63)
+def test_fused_heads_per_prog_must_be_a_power_of_two():
     with pytest.raises(ValueError, match="heads_per_prog: expected 0 or a power of two, got 3"):
-        rope._launch_fused(q, kv, kv_cache.allocate(1, 16), torch.tensor([0, 1], device=DEVICE),
-                           torch.tensor([0, 1], device=DEVICE), table, EPS, 16, heads_per_prog=3)
+        RopeLaunch(heads_per_prog=3)
+    with pytest.raises(ValueError, match="num_warps: expected None or a power of two"):
+        RopeLaunch(num_warps=3)
+    assert RopeLaunch().warps == 1 and RopeLaunch(8).warps == 4 and RopeLaunch(0).warps == 1
 
 
 @pytest.mark.skipif(interpreting(), reason="num_warps only matters compiled: GPU only")
-@pytest.mark.parametrize("hpp,warps", rope.MH_BENCH_CONFIGS)
-def test_fused_mh_bench_configs(table, hpp, warps):
-    """Every (heads per program, warps) that `python -m dsv4ref bench rope` times is bit-exact compiled:
-    q vs the canonical reference, cache bytes vs kv_cache.insert(apply_gptj(kv)); H = 64 and H = 13 (a
-    partial head group)."""
+@pytest.mark.parametrize("launch", MH_SWEEP, ids=lambda lc: f"hpp{lc.heads_per_prog}_w{lc.warps}")
+def test_fused_mh_bench_configs(table, launch):
+    """Every launch that `python -m dsv4ref bench rope` times is bit-exact compiled: q vs the canonical
+    reference, cache bytes vs kv_cache.insert(apply_gptj(kv)); H = 64 and H = 13 (a partial head group)."""
+    hpp, warps = launch.heads_per_prog, launch.warps
     for T, H in ((64, 64), (9, 13)):
-        q, kv, slots, pos = rope._fused_example(T, H, 64, 2, seed=H + hpp, table=table)
+        q, kv, slots, pos = rope.example_inputs(T, H, 64, 2, seed=H + hpp, cos_sin=table)
         q_ref, c_ref = q.clone(), kv_cache.allocate(2, 64)
         qnorm_rope_kv_insert(q_ref, kv, c_ref, slots, pos, table, eps=EPS, block_size=64, backend="reference")
         q_out, c_out = q.clone(), kv_cache.allocate(2, 64)
-        rope._launch_fused(q_out, kv, c_out, slots, pos, table, EPS, 64, heads_per_prog=hpp, num_warps=warps)
+        qnorm_rope_kv_insert(q_out, kv, c_out, slots, pos, table, eps=EPS, block_size=64, launch=launch)
         assert_close(q_out, q_ref, "exact", f"q hpp={hpp} warps={warps}")
         assert_close(c_out, c_ref, "exact", f"cache hpp={hpp} warps={warps}")
 
 
 # ------------------------------------------------------------------------------------------------
-# 5. inverse RoPE on the output: the Δ-shift invariance (rope.md §6, pitfalls.md #14)
+# 5. inverse RoPE on the output: the Δ-shift invariance (docs/rope.md#inverse-rope)
 # ------------------------------------------------------------------------------------------------
 
 
@@ -425,14 +429,14 @@ def test_output_inverse_rope_shift_invariance(table):
     delta = 128 * 7  # a multiple of 128 keeps compressed-window starts aligned
     a, b = _decode_output(0, table), _decode_output(delta, table)
     torch.testing.assert_close(a, b, **SHIFT_TOL)
-    # without the inverse step the RoPE dims of the output rotate with Δ (what pitfalls.md #14 misses)
+    # without the inverse step the RoPE dims of the output rotate with Δ (the missing-inverse pitfall)
     a0, b0 = _decode_output(0, table, inverse=False), _decode_output(delta, table, inverse=False)
     torch.testing.assert_close(a0[:, :448], b0[:, :448], **SHIFT_TOL)
     assert (a0[:, 448:] - b0[:, 448:]).abs().max() > 10 * SHIFT_TOL["atol"] * (1 + a0[:, 448:].abs().max())
 
 
 # ------------------------------------------------------------------------------------------------
-# 6. grouped o-proj (rope.md §7)
+# 6. grouped o-proj (docs/rope.md#grouped-output-projection)
 # ------------------------------------------------------------------------------------------------
 
 
@@ -467,7 +471,7 @@ def test_bad_input_raises(table):
     pos = torch.tensor([0, 1], device=DEVICE)
 
     def call(**kw):
-        a = dict(q=q, kv=kv, cache=cache, slot_mapping=slots, positions=pos, cos_sin=table, eps=EPS, block_size=B)
+        a = dict(q=q, kv=kv, cache=cache, slots=slots, positions=pos, cos_sin=table, eps=EPS, block_size=B)
         a.update(kw)
         qnorm_rope_kv_insert(**a)
 
@@ -489,10 +493,10 @@ def test_bad_input_raises(table):
         call(positions=pos[:1])
     with pytest.raises(TypeError, match="positions: expected dtype"):
         call(positions=pos.float())
-    with pytest.raises(ValueError, match="slot_mapping: has 3 entries"):
-        call(slot_mapping=torch.tensor([0, 1, 2], device=DEVICE))
-    with pytest.raises(ValueError, match="slot_mapping: entry 1 = 16 is out of range"):
-        call(slot_mapping=torch.tensor([0, 16], device=DEVICE))
+    with pytest.raises(ValueError, match="slots: has 3 entries"):
+        call(slots=torch.tensor([0, 1, 2], device=DEVICE))
+    with pytest.raises(ValueError, match="slots: entry 1 = 16 is out of range"):
+        call(slots=torch.tensor([0, 16], device=DEVICE))
     with pytest.raises(ValueError, match="cos_sin: expected 64 columns"):
         call(cos_sin=table[:, :32].contiguous())
     with pytest.raises(TypeError, match="cos_sin: expected dtype"):
@@ -503,6 +507,8 @@ def test_bad_input_raises(table):
         call(eps=0.0)
     with pytest.raises(ValueError, match="backend"):
         call(backend="cuda")
+    with pytest.raises(ValueError, match="backend"):
+        apply_neox(kv, pos, table, backend="triton")
     # apply_gptj / apply_neox
     with pytest.raises(ValueError, match="positions: expected shape"):
         apply_gptj(q, pos[:1], table)

@@ -1,11 +1,11 @@
-"""Sparse MLA decode (sparse_mla.md): every backend against a float64 attention over the dequantised KV.
+"""Sparse MLA decode (docs/sparse_mla.md): every backend against a float64 attention over the dequantised KV.
 
-Catches pitfalls.md #12 (read before mask: poisoned slots), #13 (prefix cut-off with a non-empty second
-pool), #15 (V of 448 dims), #17 (dropped sink), #18 (−inf sentinel NaN), #19 (head padding / padded sink),
-#20 (split-merge applies the sink once, lse units).
+Catches the pitfalls listed in docs/sparse_mla.md#pitfalls: #12 (read before mask: poisoned slots), #13
+(prefix cut-off with a non-empty second pool), #15 (V of 448 dims), #17 (dropped sink), #18 (−inf sentinel
+NaN), #19 (head padding / padded sink), #20 (split-merge applies the sink once, lse units).
 """
 
-import functools
+import dataclasses
 import math
 
 import pytest
@@ -13,24 +13,18 @@ import torch
 
 from dsv4ref import kv_cache, sparse_mla
 from dsv4ref.device import DEVICE, interpreting
-from dsv4ref.testing import assert_close, compare, generator, poison, randn
+from dsv4ref.sparse_mla import SparseMlaLaunch, default_launch, reference
+from dsv4ref.sparse_mla.launch import attend, workspace
+from dsv4ref.testing import assert_close, generator, poison, randn
 
-BACKENDS = ("reference", "two_pass", "triton")
+BACKENDS = sparse_mla.SUPPORTED  # ("reference", "two_pass", "triton")
 KERNELS = ("two_pass", "triton")
-# kernel variants (sparse_mla._config flags): "default" is what decode() runs; "vsplit2"/"vsplit4" split the
-# 512 output dims over 2/4 programs per (token, head block, split), each recomputing the full scores
-VARIANTS = {"default": {}, "vsplit2": {"v_split": 2}, "vsplit4": {"v_split": 4}}
-# every backend with the default config, and every kernel backend with every other variant
-# (two_pass runs vsplit2 only: its vsplit4 differs from triton's by the row loader alone; the file's time budget)
-BACKEND_VARIANTS = [(b, "default") for b in BACKENDS] + [(b, "vsplit2") for b in KERNELS] + [("triton", "vsplit4")]
-KERNEL_VARIANTS = [(b, v) for v in VARIANTS for b in KERNELS]
 
 
-def use_variant(monkeypatch, variant):
-    """Make sparse_mla._config (which decode() and the tests call) default to ``variant``'s flags."""
-    if VARIANTS[variant]:
-        monkeypatch.setattr(sparse_mla, "_config", functools.partial(sparse_mla._config, **VARIANTS[variant]))
-    assert sparse_mla._config(1, 16, 16, DEVICE)["v_split"] == VARIANTS[variant].get("v_split", 1)
+def launch_with(q, pools, **changes):
+    """The default launch for this shape with some fields replaced (passed explicitly as ``launch=``)."""
+    T, H, _ = q.shape
+    return dataclasses.replace(default_launch(T, H, sum(p[1].shape[1] for p in pools), q.device), **changes)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -39,7 +33,8 @@ def use_variant(monkeypatch, variant):
 
 POISON_SLOT = 0  # page 0, offset 0: e4m3 bytes 0x7F (NaN), RoPE bf16 0x7FC0 (NaN), scale bytes 0xFF (2^128 = inf)
 
-# numpy's "invalid value" warnings are what a −inf − (−inf) in an interpreted kernel prints (tooling.md I12)
+# numpy's "invalid value" warnings are what a −inf − (−inf) in an interpreted kernel prints
+# (docs/triton_interpreter.md)
 pytestmark = pytest.mark.filterwarnings("error")
 
 
@@ -59,7 +54,7 @@ def make_cache(block_size, num_pages, seed, nope_zero=False):
     return cache
 
 
-def make_indices(T, K, block_size, num_pages, seed, lengths, *, minus_one=True, dup=True):
+def make_slots(T, K, block_size, num_pages, seed, lengths, *, minus_one=True, dup=True):
     """[T, K] int32: random slots (never the poisoned one) inside the prefix, some −1 and a duplicate
     inside the prefix; every entry past lengths[t] points at the poisoned slot."""
     g = generator(seed)
@@ -76,7 +71,7 @@ def make_indices(T, K, block_size, num_pages, seed, lengths, *, minus_one=True, 
 
 
 def oracle(q, pools, sink, scale):
-    """float64, one token at a time: the definition in sparse_mla.md §1, written out.
+    """float64, one token at a time: the definition in docs/sparse_mla.md#the-math, written out.
 
     The returned ``out`` carries ``out.mass`` = Σ_j p_j·|v_j| (times the sink factor): the scale a kernel's
     rounding error grows with (P rounded to bf16 before P·V, as FlashMLA does), used by :func:`check`."""
@@ -125,22 +120,22 @@ def setup(T=3, H=16, K1=40, K2=0, bs1=16, bs2=2, pages1=4, pages2=24, seed=0, le
           nope_zero=False):
     c1 = make_cache(bs1, pages1, seed + 1, nope_zero)
     l1 = torch.tensor(lengths1 if lengths1 is not None else [K1 - 3 * t for t in range(T)], dtype=torch.int32).to(DEVICE)
-    i1 = make_indices(T, K1, bs1, pages1, seed + 2, l1)
+    i1 = make_slots(T, K1, bs1, pages1, seed + 2, l1)
     pools = [(c1, i1, l1, bs1)]
     if K2:
         c2 = make_cache(bs2, pages2, seed + 3, nope_zero)
         l2 = torch.tensor(lengths2 if lengths2 is not None else [K2 - 2 * t for t in range(T)], dtype=torch.int32).to(DEVICE)
-        pools.append((c2, make_indices(T, K2, bs2, pages2, seed + 4, l2), l2, bs2))
+        pools.append((c2, make_slots(T, K2, bs2, pages2, seed + 4, l2), l2, bs2))
     return make_q(T, H, seed), pools
 
 
-def run(q, pools, backend, sink=None, scale=sparse_mla.DEFAULT_SCALE):
+def run(q, pools, backend, sink=None, scale=sparse_mla.DEFAULT_SCALE, launch=None):
     (c1, i1, l1, b1), *rest = pools
     kw = {}
     if rest:
         c2, i2, l2, b2 = rest[0]
-        kw = dict(extra_cache=c2, extra_indices=i2, extra_lengths=l2, extra_block_size=b2)
-    return sparse_mla.decode(q, c1, i1, l1, block_size=b1, sink=sink, scale=scale, backend=backend, **kw)
+        kw = dict(extra_cache=c2, extra_slots=i2, extra_lengths=l2, extra_block_size=b2)
+    return sparse_mla.decode(q, c1, i1, l1, block_size=b1, sink=sink, scale=scale, backend=backend, launch=launch, **kw)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -148,12 +143,11 @@ def run(q, pools, backend, sink=None, scale=sparse_mla.DEFAULT_SCALE):
 # ---------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("backend,variant", BACKEND_VARIANTS)
-def test_two_pools_with_sink_vs_float64(backend, variant, monkeypatch):
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_two_pools_with_sink_vs_float64(backend):
     """Both pools (page sizes 16 and 2), a short main-pool prefix with a non-empty second pool (#13),
     −1 and duplicates inside the prefix, poisoned slots past the lengths (#12), K = 40 and 10: not
     multiples of the kernel's block, a finite sink (#17)."""
-    use_variant(monkeypatch, variant)
     q, pools = setup(T=3, H=16, K1=40, K2=10, lengths1=[40, 5, 17], lengths2=[10, 9, 0])
     pools[0][1][2, :16] = -1  # row 2: a first chunk (BLOCK_N = 16 here) with no valid entry (#18)
     sink = torch.linspace(-2.0, 6.0, 16).to(DEVICE)
@@ -164,11 +158,25 @@ def test_two_pools_with_sink_vs_float64(backend, variant, monkeypatch):
     assert float(ref_out.abs().max()) > 0.1
 
 
+def test_reference_float64_is_the_oracle():
+    """reference.decode(dtype=torch.float64) (vectorised) equals the per-token float64 oracle above, and its
+    mass is the oracle's Σ p|v|·σ(lse − sink)."""
+    q, pools = setup(T=3, H=16, K1=40, K2=10, lengths1=[40, 5, 0], lengths2=[10, 9, 0])
+    sink = torch.linspace(-2.0, 6.0, 16).to(DEVICE)
+    (c1, i1, l1, b1), (c2, i2, l2, b2) = pools
+    out, lse, mass = reference.decode(q, c1, i1, l1, block_size=b1, sink=sink, extra_cache=c2, extra_slots=i2,
+                                      extra_lengths=l2, extra_block_size=b2, dtype=torch.float64, with_mass=True)
+    ref_out, ref_lse = oracle(q, pools, sink, sparse_mla.DEFAULT_SCALE)
+    assert out.dtype == lse.dtype == torch.float64
+    torch.testing.assert_close(out.cpu(), ref_out, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(mass.cpu(), ref_out.mass, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(lse.cpu(), ref_lse, rtol=1e-12, atol=1e-12)
+
+
 @pytest.mark.parametrize("H", [64, 128])
-@pytest.mark.parametrize("backend,variant", BACKEND_VARIANTS)
-def test_heads_64_128(backend, variant, H, monkeypatch):
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_heads_64_128(backend, H):
     """H = 64 (one block of 64 heads) and 128 (two blocks); a non-default softmax scale."""
-    use_variant(monkeypatch, variant)
     q, pools = setup(T=2, H=H, K1=24, K2=0, lengths1=[24, 19], seed=H)
     sink = randn((H,), seed=5, dtype=torch.float32, octaves=0) * 2
     scale = 512 ** -0.55
@@ -176,12 +184,11 @@ def test_heads_64_128(backend, variant, H, monkeypatch):
     check(out, lse, *oracle(q, pools, sink, scale), f"{backend} H={H}")
 
 
-@pytest.mark.parametrize("backend,variant", BACKEND_VARIANTS)
-def test_empty_rows_and_infinite_sinks(backend, variant, monkeypatch):
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_empty_rows_and_infinite_sinks(backend):
     """Row 0: length 0; row 1: every entry in the prefix is −1; row 2: normal. Empty rows give out 0
     and lse −inf with any sink, never NaN (#18). sink −inf == no sink; sink +inf gives out = 0 with the
     same lse."""
-    use_variant(monkeypatch, variant)
     q, pools = setup(T=3, H=16, K1=20, lengths1=[0, 6, 20])
     pools[0][1][1, :6] = -1
     base_out, base_lse = run(q, pools, backend)
@@ -196,10 +203,9 @@ def test_empty_rows_and_infinite_sinks(backend, variant, monkeypatch):
     assert torch.equal(l.cpu(), base_lse.cpu()), "lse excludes the sink"
 
 
-@pytest.mark.parametrize("backend,variant", BACKEND_VARIANTS)
-def test_sink_equal_to_lse_halves_the_output(backend, variant, monkeypatch):
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_sink_equal_to_lse_halves_the_output(backend):
     """sink_h = lse: e^lse / (e^lse + e^sink) = 1/2 exactly (#17: a dropped sink leaves the output whole)."""
-    use_variant(monkeypatch, variant)
     q, pools = setup(T=1, H=16, K1=24, lengths1=[21])
     out, lse = run(q, pools, backend)
     half, lse2 = run(q, pools, backend, lse[0].clone())
@@ -207,10 +213,9 @@ def test_sink_equal_to_lse_halves_the_output(backend, variant, monkeypatch):
     assert_close(half, (out.double() * 0.5), "bf16_out", "sink = lse")
 
 
-@pytest.mark.parametrize("backend,variant", BACKEND_VARIANTS)
-def test_value_width_is_512(backend, variant, monkeypatch):
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_value_width_is_512(backend):
     """NoPE zeroed in every cached row: the output must still carry dims 448..511 (#15, d_v = 448 bug)."""
-    use_variant(monkeypatch, variant)
     q, pools = setup(T=2, H=16, K1=16, lengths1=[16, 9], nope_zero=True)
     out, lse = run(q, pools, backend)
     check(out, lse, *oracle(q, pools, None, sparse_mla.DEFAULT_SCALE), backend)
@@ -218,11 +223,18 @@ def test_value_width_is_512(backend, variant, monkeypatch):
     assert int((out[..., 448:] != 0).sum()) > 0.9 * out[..., 448:].numel()
 
 
-@pytest.mark.parametrize("variant", VARIANTS)
-def test_odd_aligned_cache(variant, monkeypatch):
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_int64_slots_equal_int32(backend):
+    """``slots`` may be int32 or int64 (one vocabulary across ops): the same result either way."""
+    q, pools = setup(T=2, H=16, K1=16, K2=6, lengths1=[16, 9], lengths2=[6, 2])
+    a = run(q, pools, backend)
+    b = run(q, [(c, s.long(), l, bs) for c, s, l, bs in pools], backend)
+    assert torch.equal(a[0].cpu().view(torch.int16), b[0].cpu().view(torch.int16)) and torch.equal(a[1].cpu(), b[1].cpu())
+
+
+def test_odd_aligned_cache():
     """A cache that is a view starting at an odd byte (page stride odd too): the kernel reads the RoPE
     bytes one by one instead of as int16 words, and the result is the same."""
-    use_variant(monkeypatch, variant)
     bs, pages = 16, 3
     big = torch.zeros(pages, kv_cache.page_bytes(bs) + 1, dtype=torch.uint8, device=DEVICE)
     odd = big[:, 1:]
@@ -230,70 +242,60 @@ def test_odd_aligned_cache(variant, monkeypatch):
     odd.copy_(even)
     q = make_q(2, 16, seed=8)
     lens = torch.tensor([16, 12], dtype=torch.int32, device=DEVICE)
-    idx = make_indices(2, 16, bs, pages, 9, lens)
-    a = sparse_mla.decode(q, even, idx, lens, block_size=bs)
-    b = sparse_mla.decode(q, odd, idx, lens, block_size=bs)
-    assert odd.data_ptr() % 2 == 1 and not sparse_mla._even_pages(odd)
+    slots = make_slots(2, 16, bs, pages, 9, lens)
+    a = sparse_mla.decode(q, even, slots, lens, block_size=bs)
+    b = sparse_mla.decode(q, odd, slots, lens, block_size=bs)
+    assert odd.data_ptr() % 2 == 1 and odd.stride(0) % 2 == 1
     assert torch.equal(a[0].cpu().view(torch.int16), b[0].cpu().view(torch.int16)) and torch.equal(a[1].cpu(), b[1].cpu())
-    check(*b, *oracle(q, [(odd, idx, lens, bs)], None, sparse_mla.DEFAULT_SCALE), "odd")
+    check(*b, *oracle(q, [(odd, slots, lens, bs)], None, sparse_mla.DEFAULT_SCALE), "odd")
 
 
-@pytest.mark.parametrize("variant", VARIANTS)
-def test_split_merge_equals_single_pass(variant, monkeypatch):
-    """Flash-decoding: the candidate list split over 1, 2 and 4 programs and merged; the sink is applied
-    once, after the merge (#20)."""
-    use_variant(monkeypatch, variant)
+@pytest.mark.parametrize("backend", KERNELS)
+def test_split_merge_equals_single_pass(backend):
+    """Flash-decoding: the candidate list split over 1, 2 and 4 programs (launch=) and merged; the sink is
+    applied once, after the merge (#20)."""
     q, pools = setup(T=2, H=16, K1=40, K2=8, lengths1=[40, 3], lengths2=[8, 8])
     sink = torch.linspace(-1.0, 3.0, 16).to(DEVICE)
     ref = oracle(q, pools, sink, sparse_mla.DEFAULT_SCALE)
     outs = []
     for splits in (1, 2, 4):
-        cfg = sparse_mla._config(2, 16, 48, DEVICE, num_splits=splits)
-        out, lse = sparse_mla._fused(q, pools, sink, sparse_mla.DEFAULT_SCALE, cfg)
-        check(out, lse, *ref, f"splits={splits}")
+        out, lse = run(q, pools, backend, sink, launch=launch_with(q, pools, num_splits=splits))
+        check(out, lse, *ref, f"{backend} splits={splits}")
         outs.append((out, lse))
     assert_close(outs[2][0], outs[0][0].double(), "bf16_weighted_sum", "split 4 vs 1", mass=ref[0].mass)
     assert_close(outs[2][1], outs[0][1].double(), "lse", "split 4 vs 1 lse")
 
 
-@pytest.mark.parametrize("backend,variant", KERNEL_VARIANTS)
-def test_padded_head_block_matches_unpadded(backend, variant, monkeypatch):
+@pytest.mark.parametrize("backend", KERNELS)
+def test_padded_head_block_matches_unpadded(backend):
     """H = 16 run with a block of 64 heads (48 padded, masked rows, padded sink −inf) gives the same
     real-head results as the exact block of 16 (#19); nothing is written past H."""
-    use_variant(monkeypatch, variant)
     q, pools = setup(T=2, H=16, K1=16, lengths1=[16, 11])
     sink = torch.linspace(-1.0, 3.0, 16).to(DEVICE)
-    f = sparse_mla._fused if backend == "triton" else sparse_mla._two_pass
-    a = f(q, pools, sink, sparse_mla.DEFAULT_SCALE, sparse_mla._config(2, 16, 16, DEVICE, block_h=16))
-    b = f(q, pools, sink, sparse_mla.DEFAULT_SCALE, sparse_mla._config(2, 16, 16, DEVICE, block_h=64))
+    a = run(q, pools, backend, sink, launch=launch_with(q, pools, block_h=16))
+    b = run(q, pools, backend, sink, launch=launch_with(q, pools, block_h=64))
     assert_close(b[0], a[0].double(), "bf16_out", "padded")
     assert_close(b[1], a[1].double(), "lse", "padded lse")
     assert b[0].shape == (2, 16, 512) and not torch.isnan(b[0]).any()
 
 
-@pytest.mark.parametrize("variant", VARIANTS)
-def test_outputs_fully_written(variant, monkeypatch):
-    """The kernel writes every element: run the launcher on poisoned output buffers."""
-    use_variant(monkeypatch, variant)
-    q, pools = setup(T=2, H=16, K1=16, lengths1=[16, 0])
-    cfg = sparse_mla._config(2, 16, 16, DEVICE)
-    real_empty = torch.empty
-    try:  # the launcher allocates out/lse with torch.empty: make those allocations NaN-filled
-        torch.empty = lambda *s, **kw: poison(s[0] if len(s) == 1 and isinstance(s[0], tuple) else s,
-                                              kw.get("dtype", torch.float32), kw.get("device"))
-        out, lse = sparse_mla._launch(q, [(c, i, l, b, c.stride(0)) for c, i, l, b in pools], None,
-                                      sparse_mla.DEFAULT_SCALE, False, cfg)
-    finally:
-        torch.empty = real_empty
+@pytest.mark.parametrize("splits", [1, 2])
+def test_outputs_fully_written(splits):
+    """The kernels write every element: run the launcher on NaN-poisoned out / lse buffers, in one pass
+    and through the split merge (H = 24: a partly padded head block in both kernels)."""
+    q, pools = setup(T=2, H=24, K1=16, lengths1=[16, 0])
+    out, lse = poison((2, 24, 512), torch.bfloat16), poison((2, 24), torch.float32)
+    attend(q, [(c, s, l, b, c.stride(0)) for c, s, l, b in pools], None, sparse_mla.DEFAULT_SCALE,
+           launch_with(q, pools, num_splits=splits), kv_bf16=False, out=out, lse=lse)
     assert not torch.isnan(out).any() and not torch.isnan(lse).any()
 
 
 def test_two_pass_reuses_its_workspace():
     q, pools = setup(T=2, H=16, K1=16, lengths1=[16, 5])
     run(q, pools, "two_pass")
-    ptr = sparse_mla._WORKSPACE[str(q.device)].data_ptr()
+    ptr = workspace(1, q.device).data_ptr()
     run(q, pools, "two_pass")
-    assert sparse_mla._WORKSPACE[str(q.device)].data_ptr() == ptr
+    assert workspace(1, q.device).data_ptr() == ptr
 
 
 def test_custom_op_fake_impl():
@@ -315,25 +317,25 @@ def test_bad_input_raises_naming_the_argument():
     n1 = c1.shape[0] * b1
     bad = i1.clone()
     bad[1, 7] = n1  # one past the last slot
-    with pytest.raises(ValueError, match=r"indices: entry \(1, 7\) = 64 is out of range"):
+    with pytest.raises(ValueError, match=r"slots: entry \(1, 7\) = 64 is out of range"):
         sparse_mla.decode(q, c1, bad, l1, block_size=b1)
     bad = i1.clone()
     bad[0, 0] = -2
-    with pytest.raises(ValueError, match="indices: entry"):
+    with pytest.raises(ValueError, match="slots: entry"):
         sparse_mla.decode(q, c1, bad, l1, block_size=b1)
     bad2 = i2.clone()
     bad2[0, 0] = c2.shape[0] * b2
-    with pytest.raises(ValueError, match="extra_indices: entry"):
-        sparse_mla.decode(q, c1, i1, l1, block_size=b1, extra_cache=c2, extra_indices=bad2, extra_lengths=l2,
+    with pytest.raises(ValueError, match="extra_slots: entry"):
+        sparse_mla.decode(q, c1, i1, l1, block_size=b1, extra_cache=c2, extra_slots=bad2, extra_lengths=l2,
                           extra_block_size=b2)
-    with pytest.raises(ValueError, match="indices: expected 2 rows"):
+    with pytest.raises(ValueError, match="slots: expected 2 rows"):
         sparse_mla.decode(q, c1, i1[:1], l1, block_size=b1)
     with pytest.raises(ValueError, match="lengths: expected shape"):
         sparse_mla.decode(q, c1, i1, l1[:1], block_size=b1)
     with pytest.raises(ValueError, match="lengths: entry 1 = 9 is out of range"):
         sparse_mla.decode(q, c1, i1, torch.tensor([8, 9], dtype=torch.int32, device=DEVICE), block_size=b1)
-    with pytest.raises(TypeError, match="indices: expected dtype torch.int32"):
-        sparse_mla.decode(q, c1, i1.long(), l1, block_size=b1)
+    with pytest.raises(TypeError, match="slots: expected dtype torch.int32 or torch.int64"):
+        sparse_mla.decode(q, c1, i1.float(), l1, block_size=b1)
     with pytest.raises(ValueError, match="q: expected the latent head dim 512"):
         sparse_mla.decode(q[..., :448], c1, i1, l1, block_size=b1)
     with pytest.raises(TypeError, match="q: expected dtype torch.bfloat16"):
@@ -341,13 +343,19 @@ def test_bad_input_raises_naming_the_argument():
     with pytest.raises(ValueError, match="sink: expected shape"):
         sparse_mla.decode(q, c1, i1, l1, block_size=b1, sink=torch.zeros(64, device=DEVICE))
     with pytest.raises(ValueError, match="extra_block_size: the extra pool needs"):
-        sparse_mla.decode(q, c1, i1, l1, block_size=b1, extra_cache=c2, extra_indices=i2)
+        sparse_mla.decode(q, c1, i1, l1, block_size=b1, extra_cache=c2, extra_slots=i2)
     with pytest.raises(ValueError, match="extra_cache: pages of"):
-        sparse_mla.decode(q, c1, i1, l1, block_size=b1, extra_cache=c2, extra_indices=i2, extra_block_size=64)
-    with pytest.raises(ValueError, match="v_split: expected 1, 2 or 4"):
-        sparse_mla._config(2, 16, 8, DEVICE, v_split=3)
+        sparse_mla.decode(q, c1, i1, l1, block_size=b1, extra_cache=c2, extra_slots=i2, extra_block_size=64)
+    with pytest.raises(TypeError, match="block_size"):
+        sparse_mla.decode(q, c1, i1, l1)  # block_size is keyword-only and required
     with pytest.raises(ValueError, match="backend: expected one of"):
         sparse_mla.decode(q, c1, i1, l1, block_size=b1, backend="flashmla")
+    with pytest.raises(TypeError, match="launch: expected a SparseMlaLaunch"):
+        sparse_mla.decode(q, c1, i1, l1, block_size=b1, launch={"num_splits": 2})
+    with pytest.raises(ValueError, match="block_h: expected a power of two >= 16"):
+        SparseMlaLaunch(block_h=8, block_n=16)
+    with pytest.raises(ValueError, match="num_splits: expected a power of two"):
+        SparseMlaLaunch(block_h=16, block_n=16, num_splits=3)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -356,10 +364,8 @@ def test_bad_input_raises_naming_the_argument():
 
 
 @pytest.mark.skipif(interpreting(), reason="real V4 shapes: GPU only (the interpreter runs ~1 ms per program)")
-@pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("H,K1,K2", [(64, 128, 512), (128, 128, 1024), (16, 128, 1920)])
-def test_real_shapes_gpu(H, K1, K2, variant, monkeypatch):
-    use_variant(monkeypatch, variant)
+def test_real_shapes_gpu(H, K1, K2):
     T = 8
     q, pools = setup(T=T, H=H, K1=K1, K2=K2, bs1=64, bs2=64, pages1=40, pages2=200, seed=H,
                      lengths1=[K1 - 7 * t for t in range(T)], lengths2=[K2 - 13 * t for t in range(T)])
@@ -369,5 +375,4 @@ def test_real_shapes_gpu(H, K1, K2, variant, monkeypatch):
     for backend in KERNELS:
         check(*run(q, pools, backend, sink), *ref, f"{backend} H={H}")
     for splits in (2, 8):
-        cfg = sparse_mla._config(T, H, K1 + K2, DEVICE, num_splits=splits)
-        check(*sparse_mla._fused(q, pools, sink, sparse_mla.DEFAULT_SCALE, cfg), *ref, f"splits={splits}")
+        check(*run(q, pools, "triton", sink, launch=launch_with(q, pools, num_splits=splits)), *ref, f"splits={splits}")

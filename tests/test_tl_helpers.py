@@ -1,4 +1,4 @@
-"""The shared Triton helpers are exact, interpreted and compiled alike (tooling.md §1).
+"""The shared Triton helpers are exact, interpreted and compiled alike (docs/triton_interpreter.md).
 
 Each helper is tested on an exhaustive or adversarial sweep against torch. Next to each, a test of the
 raw Triton operation the helper replaces is marked ``interp_bug``: it must FAIL in the interpreter
@@ -15,7 +15,7 @@ import triton.language as tl
 from conftest import interp_bug
 from dsv4ref.device import DEVICE, interpreting
 from dsv4ref.testing import assert_close, generator
-from dsv4ref.tl_helpers import bf16_rne_bits, dot, e4m3_encode, ue8m0_byte
+from dsv4ref.tl import bf16_rne_bits, dot, e4m3_encode, ue8m0_byte
 
 
 @triton.jit
@@ -104,7 +104,7 @@ def test_ue8m0_bytes_exact():
     _ue8m0_kernel[(triton.cdiv(amax.numel(), 1024),)](amax.to(DEVICE), out, amax.numel(), BLOCK=1024)
     got = out.cpu().tolist()
     assert got == _ue8m0_oracle(amax)
-    assert got[:7] == [105, 112, 119, 119, 120, 127, 128]  # formats.md §2 worked examples
+    assert got[:7] == [105, 112, 119, 119, 120, 127, 128]  # the worked examples of docs/formats.md
     assert got[7:48] == [127 + k for k in range(-20, 21)]  # 448·2^k -> exactly 127 + k, never one more
 
 
@@ -139,7 +139,7 @@ def test_bf16_rne_matches_torch():
     assert_close(_bf16(x.to(DEVICE), raw=False).cpu(), x.to(torch.bfloat16), "exact", "bf16 bits")
 
 
-@interp_bug("tooling.md I4: the interpreter's fp32->bf16 cast truncates instead of rounding")
+@interp_bug("I4: the interpreter's fp32->bf16 cast truncates instead of rounding")
 def test_raw_triton_bf16_cast_rounds():
     x = _bf16_sweep()
     assert torch.equal(_bf16(x.to(DEVICE), raw=True).cpu().view(torch.int16), x.to(torch.bfloat16).view(torch.int16))

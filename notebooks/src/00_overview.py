@@ -18,7 +18,24 @@
 # | 03 | mHC hyper-connections: pre (Sinkhorn), post, fused post-pre, head |
 # | 04 | sparse MLA decode with an attention sink |
 # | 05 | the lightning indexer |
-# | 06 | a whole decode step, composed from the above |
+# | 06 | a whole decode step, composed from the above; the compressor |
+# | 07 | the V4 MoE: routing, FP8 input staging, clamped-SwiGLU experts, combine |
+# | 08 | the MTP draft layer and greedy speculative decoding |
+#
+# Every op lives in one folder of `dsv4ref/`, read top to bottom in the same order:
+#
+# | file | what it holds |
+# |---|---|
+# | `dsv4ref/<op>/__init__.py` | the public functions, with shapes, dtypes and return types in their docstrings |
+# | `dsv4ref/<op>/reference.py` | plain torch: the whole op, the formula above the code — **read this first** |
+# | `dsv4ref/<op>/kernels.py` | the Triton kernels (`@triton.jit`), each argument's shape and stride documented |
+# | `dsv4ref/<op>/launch.py` | block sizes and warps as an explicit launch-config dataclass; custom-op registration |
+# | `dsv4ref/formats.py` | every byte layout constant, once; `docs/formats.md` draws the byte maps |
+# | `dsv4ref/tl/` | the interpreter-safe Triton helpers every kernel shares |
+# | `dsv4ref/tools/` | the check / bench harness and the command line (tools import ops, never the reverse) |
+#
+# Experimenting in a notebook changes the file (JupyterLab autosaves outputs). To put one back as it was in
+# git, run `git checkout notebooks/03_mhc_ops.ipynb` (any notebook name), or `git checkout notebooks/` for all.
 #
 # Everything runs on the device `dsv4ref` picks when it is imported (Intel XPU, then CUDA, then CPU; override
 # with `DSV4REF_DEVICE=cpu|cuda|xpu`). On a CPU the Triton kernels run in Triton's **interpreter**, which is
@@ -110,14 +127,14 @@ for B in (2, 16, 64, 256):
 # Triton's CPU interpreter stores bf16 and fp8 values as raw bits and has bugs that matter here: its
 # `fp32 → fp8e4nv` cast misrounds (7.78 becomes 4.0; ties round up; no saturation), bf16 `tl.dot` multiplies
 # bit patterns, `fp32 → bf16` truncates. Every kernel in `dsv4ref` goes through a handful of shared helpers in
-# `dsv4ref/tl_helpers.py` that are exact on every backend (see `docs/triton_interpreter.md`). Here is the
+# `dsv4ref/tl/` that are exact on every backend (see `docs/triton_interpreter.md`). Here is the
 # fp8 encoder helper against torch's reference cast, on the values that break the raw cast:
 
 # %%
 import triton
 import triton.language as tl
 
-from dsv4ref.tl_helpers import e4m3_encode
+from dsv4ref.tl import e4m3_encode
 
 
 @triton.jit
@@ -157,8 +174,79 @@ print("raw tl cast       :", out.cpu().view(torch.float8_e4m3fn).float().tolist(
 #   matmul rate.
 
 # %%
-from dsv4ref.harness import run_checks
+from dsv4ref.tools.harness import run_checks
 
-rows = run_checks("kv_cache")
-for r in rows:
+for r in run_checks("kv_cache"):
     print(f"{r.op:<18} {r.shape:<22} {r.report.verdict()}")
+
+# %% [markdown]
+# ## One device layer: why there is no `torch.cuda` outside `dsv4ref/device.py`
+#
+# The upstream XPU change inherited an attention class whose `__init__` creates `torch.cuda.Event`s, which
+# crash on an Intel GPU. Its workaround swapped the attribute for the duration of the parent's `__init__`:
+#
+# ```python
+# _orig = torch.cuda.Event
+# torch.cuda.Event = torch.xpu.Event      # every thread, every library in the process sees this
+# try:
+#     super().__init__(*args, **kwargs)
+# finally:
+#     torch.cuda.Event = _orig
+# ```
+#
+# Two things break. Any *later* `torch.cuda.Event` (in `forward`, in a profiler) is the CUDA one again and
+# crashes on XPU; and while the swap is in force, any other code in the process that means CUDA gets an XPU
+# event. The cell below plays both out on stand-in namespaces (no GPU needed):
+
+# %%
+import types
+
+
+def make_torch_like():
+    def cuda_event(**kw):
+        raise RuntimeError("CUDA event on a machine without CUDA")
+
+    return types.SimpleNamespace(cuda=types.SimpleNamespace(Event=cuda_event),
+                                 xpu=types.SimpleNamespace(Event=lambda **kw: "xpu-event"))
+
+
+class Parent:  # stands in for the upstream attention class
+    def __init__(self, t):
+        self.t, self.ev = t, t.cuda.Event(enable_timing=True)
+
+    def forward(self):
+        return self.t.cuda.Event(enable_timing=True)  # created later, outside __init__
+
+
+class SeedStyleXpu(Parent):
+    def __init__(self, t):
+        orig, t.cuda.Event = t.cuda.Event, t.xpu.Event  # the swap
+        try:
+            super().__init__(t)
+        finally:
+            t.cuda.Event = orig
+
+
+t = make_torch_like()
+layer = SeedStyleXpu(t)
+print("event made in __init__:", layer.ev)
+try:
+    layer.forward()
+except RuntimeError as e:
+    print("event made in forward :", "RuntimeError:", e)
+
+# %% [markdown]
+# dsv4ref instead asks the device layer: `dsv4ref.device.Timer` records `torch.Event(enable_timing=True)`,
+# which follows the current accelerator (XPU, CUDA, or none), and `dsv4ref.device.synchronize` calls
+# `torch.accelerator.synchronize`. `tests/test_device.py` holds the XPU branch to this with a mocked
+# `torch.xpu` (pick order, `DSV4REF_DEVICE=xpu`, events, synchronize, and the error when XPU is asked for but
+# absent), and a test fails if any other file names `torch.cuda` or `torch.xpu`.
+
+# %%
+import inspect
+
+from dsv4ref import device
+
+src = inspect.getsource(device)
+print("torch.cuda.Event in dsv4ref.device:", "torch.cuda.Event" in src.replace("no ``torch.cuda.Event``", ""))
+print("Timer uses torch.Event            :", "torch.Event(enable_timing=True)" in inspect.getsource(device.Timer))

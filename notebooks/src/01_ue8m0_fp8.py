@@ -10,9 +10,9 @@
 # and stored in a **paged** cache whose pages are a *structure of arrays*: a token's 584 bytes live in two
 # separate places of its page. This notebook builds it up in the usual order: the number format (what e4m3
 # can say, why the scale is a power of two, the one rounding rule that matters), then the library's reference
-# and Triton kernels (`dsv4ref/fp8.py`, `dsv4ref/kv_cache.py`), then the checks, then the gallery of real
-# bugs this format caused, then the performance story. Facts come from the project's spec (`formats.md`,
-# `pitfalls.md`).
+# and Triton kernels (`dsv4ref/fp8/`, `dsv4ref/kv_cache/`), then the checks, then the gallery of real
+# bugs this format caused, then the performance story. The facts are written up in `docs/formats.md` (every
+# byte map) and `docs/kv_cache.md` (the cache's math, conventions and pitfalls).
 
 # %%
 import dsv4ref  # first: picks the device, sets TRITON_INTERPRET on a CPU-only machine
@@ -28,10 +28,11 @@ import math
 import matplotlib.pyplot as plt
 import torch
 
-%matplotlib inline
+# %matplotlib inline
 from dsv4ref import fp8, kv_cache
-from dsv4ref.device import DEVICE, describe, interpreting
+from dsv4ref.device import DEVICE, describe
 from dsv4ref.testing import compare, generator, randn
+from dsv4ref.tl.kv_record import kv_record
 
 # %%
 # NBVAL_IGNORE_OUTPUT
@@ -81,21 +82,21 @@ plt.tight_layout()
 plt.show()
 
 # %% [markdown]
-# **Encoding** (formats.md §1) is: clamp to ±448, then round to nearest, ties to even. The clamp is part of the
+# **Encoding** (`docs/formats.md#fp8-e4m3fn`) is: clamp to ±448, then round to nearest, ties to even. The clamp is part of the
 # contract: torch 2.11 turns 500 into NaN while torch 2.13 saturates, and Triton's interpreter turns 464
 # into a NaN code, so every writer clamps first. The library's reference is one line:
 
 # %%
-print(inspect.getsource(fp8.e4m3_encode_ref))
+print(inspect.getsource(fp8.reference.e4m3_encode))
 x = torch.tensor([1.0, 17.0, 19.0, 232.0, 248.0, 448.0, 464.0, 500.0, -500.0, 2**-10, 3 * 2**-10, -0.0])
-enc = fp8.e4m3_encode_ref(x)
+enc = fp8.reference.e4m3_encode(x)
 for a, b, v in zip(x.tolist(), enc.view(torch.uint8).tolist(), enc.float().tolist()):
     print(f"{a:>12g} -> 0x{b:02X} = {v:g}")
 
 # %% [markdown]
 # 17 and 19 sit exactly halfway between grid points (16 | 18 | 20): ties go to the **even** code, so 17 → 16
 # and 19 → 20. Triton's own fp32 → fp8 cast in the CPU interpreter gets ties, carries and subnormals wrong
-# (tooling.md I5), so the kernels use `tl_helpers.e4m3_encode`, which first snaps |x| onto the e4m3 grid with
+# (`docs/triton_interpreter.md`), so the kernels use `dsv4ref.tl.e4m3_encode`, which first snaps |x| onto the e4m3 grid with
 # one fp32 add and subtract, and only then casts a value that is already exact.
 #
 # ## 2. Why the scale is a power of two
@@ -119,7 +120,7 @@ print("power-of-two scales: bf16 dequant values that differ from the exact produ
       int((pow2_bf16 != exact).sum()), "of", exact.numel())
 
 s_any = xs.float().reshape(64, 7, 64).abs().amax(-1) / 448  # an fp32 scale with a mantissa
-q_any = fp8.e4m3_encode_ref(xs.float().reshape(64, 7, 64) / s_any[..., None])
+q_any = fp8.reference.e4m3_encode(xs.float().reshape(64, 7, 64) / s_any[..., None])
 exact_any = q_any.double() * s_any.double()[..., None]
 bf16_any = (q_any.float() * s_any[..., None]).to(torch.bfloat16).double()
 print("arbitrary fp32 scales: bf16 dequant values that differ from the exact product:",
@@ -138,7 +139,7 @@ print(f"exponent-only reading of fp32 scales: values scaled by {ratio.min().item
 # %% [markdown]
 # ## 3. The ceil rule, computed exactly
 #
-# For a block with largest magnitude amax (formats.md §2):
+# For a block with largest magnitude amax (`docs/formats.md#ue8m0-scales`):
 #
 # $$s = \mathrm{fp32}\!\left(\frac{\max(\mathrm{amax}, 10^{-4})}{448}\right),\qquad
 #   e = \lceil \log_2 s \rceil,\qquad \mathrm{byte} = e + 127 .$$
@@ -149,10 +150,10 @@ print(f"exponent-only reading of fp32 scales: values scaled by {ratio.min().item
 # if any mantissa bit is set.
 
 # %%
-print(inspect.getsource(fp8.ue8m0_byte_ref))
+print(inspect.getsource(fp8.reference.ue8m0_byte))
 amax = torch.tensor([0.0, 0.01, 1.0, 1.75, 3.0, 448.0, 449.0])
 print("amax:", amax.tolist())
-print("byte:", fp8.ue8m0_byte_ref(amax).tolist(), " (formats.md §2: 105 112 119 119 120 127 128)")
+print("byte:", fp8.reference.ue8m0_byte(amax).tolist(), " (docs/formats.md: 105 112 119 119 120 127 128)")
 
 # %% [markdown]
 # The dangerous inputs are blocks whose amax is **exactly 448·2^k** (448, 224, 1.75, …): then s is an exact
@@ -166,13 +167,13 @@ def rule_bytes(amax, rule):
     l2 = torch.log2(s)
     e = {"bits (dsv4ref)": None, "ceil(log2 + eps)": torch.ceil(l2 + 1e-6),
          "round(log2)": torch.round(l2), "floor(log2)": torch.floor(l2)}[rule]
-    return fp8.ue8m0_byte_ref(amax) if e is None else (e + 127).to(torch.uint8)
+    return fp8.reference.ue8m0_byte(amax) if e is None else (e + 127).to(torch.uint8)
 
 
 def quantise_with(x, byte):  # x [n, 64] fp32; returns dequantised values with this scale byte
     e = byte.double() - 127
     y = x.double() / torch.exp2(e)[:, None]
-    return fp8.e4m3_encode_ref(y.float()).double() * torch.exp2(e)[:, None], y
+    return fp8.reference.e4m3_encode(y.float()).double() * torch.exp2(e)[:, None], y
 
 
 g = generator(2)
@@ -222,7 +223,7 @@ print(compare(d_tri, d_ref, "exact", "dequantised bf16").verdict())
 # %% [markdown]
 # ## 5. The quantisation error, as a picture
 #
-# Per element, the error obeys |x̂ − x| ≤ max(2^−4·|x|, 2^−10·2^e) (formats.md §3): half a grid step,
+# Per element, the error obeys |x̂ − x| ≤ max(2^−4·|x|, 2^−10·2^e) (`docs/formats.md#block-quantisation`): half a grid step,
 # relative for normal e4m3 values, absolute (2^−10 of the scale) in the subnormal range. Plotting the error
 # against |x| / 2^e, the position of the value within its block's range (up to 448), shows both regimes:
 
@@ -250,7 +251,7 @@ print("every element within the bound:", bool((err <= bound).all()))
 # %% [markdown]
 # ## 6. The page layout, byte by byte
 #
-# A cache page holds B tokens and is laid out as a **structure of arrays** (formats.md §5):
+# A cache page holds B tokens and is laid out as a **structure of arrays** (`docs/formats.md#the-584-byte-kv-cache-page`):
 #
 # ```
 # [0, 576·B)          token data: token t at 576·t = 448 e4m3 bytes | 64 bf16 RoPE values (128 B, little-endian)
@@ -316,13 +317,23 @@ plt.show()
 # %% [markdown]
 # ## 7. The insert kernel, walked through
 #
-# `kv_cache.insert(cache, kv, slot_mapping, *, block_size)` writes row i of kv to slot `slot_mapping[i]`
+# `kv_cache.insert(cache, kv, slots, *, block_size)` writes row i of kv to slot `slots[i]`
 # (slot = page·B + offset; −1 = a padding row, skip it). The Triton kernel runs one program per `TOK`
 # tokens (axis 0 of every tile is the token; `TOK` = 1 is the plain "one program per token", and the
-# library launches 8, with one warp, which measured fastest on the H200). Read it top to bottom:
+# library launches 8, with one warp, which measured fastest on the H200: `kv_cache.KVCacheLaunch` is the
+# knob). The kernel itself only loads the slots and the RoPE words, then hands the tile to the record
+# encoder:
 
 # %%
-print(inspect.getsource(kv_cache._insert_kernel.fn))
+print(inspect.getsource(kv_cache.kernels.insert_kernel.fn))
+
+# %% [markdown]
+# The encoder `dsv4ref.tl.kv_record.kv_record` is written once for the whole library: the fused Q-norm +
+# RoPE + KV insert of notebook 02 calls it too, with a tile of one token whose RoPE values it has just
+# rotated. Read it top to bottom:
+
+# %%
+print(inspect.getsource(kv_record.fn))
 
 # %% [markdown]
 # The points that matter:
@@ -331,10 +342,10 @@ print(inspect.getsource(kv_cache._insert_kernel.fn))
 #   pointer's full shape: the interpreter rejects a mask of another shape, or an integer mask made from a
 #   scalar bool), and the slot is clamped to 0 before any address is formed from it.
 # * **bf16 is widened in integers** (`bits << 16`): the interpreter does bf16 arithmetic on raw bits
-#   (tooling.md I3), and this is exact anyway.
-# * The 448 NoPE values are an [8, 64] tile, one row per quant block (row 7 masked off: `tl.arange` needs a
-#   power of two). `tl.max` along a row is the block's amax; `ue8m0_byte` is the bit-exact ceil rule;
-#   multiplying by 2^−e is exact; `e4m3_bits` (the shared grid-snap encoder `tl_helpers.e4m3_encode`) clamps,
+#   (`docs/triton_interpreter.md`), and this is exact anyway.
+# * The 448 NoPE values are a [TOK, 8, 64] tile, one row per quant block (row 7 masked off: `tl.arange`
+#   needs a power of two). `tl.max` along a row is the block's amax; `ue8m0_byte` is the bit-exact ceil
+#   rule; multiplying by 2^−e is exact; the shared grid-snap encoder `dsv4ref.tl.e4m3_encode` clamps,
 #   rounds to nearest even and puts the sign back as a bit, so −0 stays 0x80 on a GPU too.
 # * `page_offsets` returns the token's two **int64** byte offsets (data, scales) from the page stride the
 #   host passes in (`cache.stride(0)`); int32 would overflow past 2^31 bytes, about 57k pages of B = 64.
@@ -342,7 +353,7 @@ print(inspect.getsource(kv_cache._insert_kernel.fn))
 #   writers refuse a cache view whose pages do not, and the readers fall back to bytes, low byte first).
 #
 # The writer is byte-exact against the torch reference. Insert real-magnitude rows into shuffled pages, with
-# padding rows and a slot_mapping shorter than kv, into a cache full of random bytes:
+# padding rows and fewer slots than kv rows, into a cache full of random bytes:
 
 # %%
 def random_cache(pages, B, seed):
@@ -370,7 +381,7 @@ print("bytes changed:", int((c_tri != before).sum()), " (at most 18 tokens × 58
 # 2^(scale − 127) (exact), stored as bf16 bits; the RoPE words copied back; slot −1 gives a zero row.
 
 # %%
-print(inspect.getsource(kv_cache._gather_kernel.fn))
+print(inspect.getsource(kv_cache.kernels.gather_kernel.fn))
 
 # %% [markdown]
 # Reading back what was written gives exactly dequantise(quantise(kv)), bit for bit, and the input within the
@@ -392,8 +403,9 @@ print("RoPE dims bit-identical to the input:", torch.equal(out[read >= 0, 448:].
 # %% [markdown]
 # ## 9. Gallery: the bugs this format caused, and the test that catches each
 #
-# Every entry is a bug class seen in a real DeepSeek-V4 implementation (pitfalls.md, with the public threads),
-# and each has a test in `tests/test_fp8.py` or `tests/test_kv_cache.py` that fails on it.
+# Every entry is a bug class seen in a real DeepSeek-V4 implementation (the pitfalls tables of
+# `docs/formats.md` and `docs/kv_cache.md`), and each has a test in `tests/test_fp8.py` or
+# `tests/test_kv_cache.py` that fails on it.
 #
 # | # | bug | what you see | test that catches it |
 # |---|---|---|---|
@@ -407,7 +419,7 @@ print("RoPE dims bit-identical to the input:", torch.equal(out[read >= 0, 448:].
 # | 8 | the cache reshaped as 512 (or 576) bytes per token | garbage (gsm8k ≈ 0%) | `test_wrong_layout_readers_fail` (512/576-B record readers fail on every row) |
 # | 9 | AoS record instead of the SoA page, or stride 584·B | all but page 0 / token 0 wrong | `test_golden_page_B2`, `test_golden_page_B2_writer`, `test_wrong_layout_readers_fail`, `test_insert_into_strided_cache_view` |
 # | 10 | int32 byte offsets | corruption past ~57k pages | `test_offsets_past_2_pow_31_strided_view` (CPU too), `test_int64_offsets_real_58k_pages` (GPU, 2.2 GB) |
-# | 11 | writes for slot −1; slot_mapping assumed length T | page 0 corrupted under padding | `test_short_slot_mapping_and_padding_rows`, `test_insert_bytes_exact_and_nothing_else_touched` (snapshot) |
+# | 11 | writes for slot −1; slots assumed as long as the batch | page 0 corrupted under padding | `test_short_slots_and_padding_rows`, `test_insert_bytes_exact_and_nothing_else_touched` (snapshot) |
 #
 # Two of them, live. An **array-of-structures reader** treats token t's 584 bytes as one record at 584·t,
 # and a **512-byte reshape** (the V3.2/BF16 habit) at 512·t. Run both on the page drawn above:
@@ -434,7 +446,7 @@ for rec in (584, 512):
 # ## 10. Performance
 #
 # Both kernels are pure data movement, so the roofline is memory bandwidth. Per token, the bytes that must
-# move (counted as the benchmark counts them; pitfalls #21 warns against 576):
+# move (counted as the benchmark counts them; pitfall #21 warns against 576):
 #
 # * insert: read 1024 B of bf16 kv + 8 B of slot, write 584 B of cache → 1616 B;
 # * gather: read 584 B of cache + 8 B of slot, write 1024 B of bf16 → 1616 B.
@@ -447,7 +459,7 @@ for rec in (584, 512):
 # %%
 # NBVAL_IGNORE_OUTPUT
 if not dsv4ref.interpreting():
-    from dsv4ref.harness import run_benches
+    from dsv4ref.tools.harness import run_benches
 
     ceil, rows = run_benches("kv_cache")
     print(f"copy bandwidth measured now: {ceil.copy_bytes_per_s / 1e12:.2f} TB/s")

@@ -12,10 +12,12 @@
 # and after attention the output's last 64 dims are rotated **back** at the query's position.
 #
 # This notebook follows the usual order: the reference (what RoPE is), then the kernel, then the checks, then
-# the performance story. Facts come from the project's spec (`rope.md`); code lives in `dsv4ref/rope.py`.
+# the performance story. The math, conventions and pitfalls are written up in `docs/rope.md`; the code lives in
+# `dsv4ref/rope/`: `reference.py` (the whole op in torch), `kernels.py` (Triton), `launch.py` (launch choices).
 
 # %%
 import dsv4ref  # first: picks the device, sets TRITON_INTERPRET on a CPU-only machine
+import inspect
 import warnings
 
 warnings.filterwarnings("ignore")
@@ -75,7 +77,7 @@ plt.tight_layout()
 plt.show()
 
 # %% [markdown]
-# A hand-checkable example (rope.md §8.1): x = 0, 1, …, 63 at position p = 1 with θ = 10000. Pair 0 has
+# A hand-checkable example (`docs/rope.md#pairing`): x = 0, 1, …, 63 at position p = 1 with θ = 10000. Pair 0 has
 # inv_freq = 1, so it turns by 1 radian. GPT-J rotates (x0, x1) = (0, 1) to (−sin 1, cos 1); NeoX rotates
 # (x0, x32) = (0, 32) to (−32 sin 1, 32 cos 1).
 
@@ -89,6 +91,15 @@ print("table:", tuple(table.shape), table.dtype)
 print("GPT-J x'[0], x'[1]  :", [round(v, 5) for v in gptj[:2].tolist()], " expected", [round(-math.sin(1), 5), round(math.cos(1), 5)])
 print("NeoX  x'[0], x'[32] :", [round(v, 4) for v in neox[[0, 32]].tolist()], " expected", [round(-32 * math.sin(1), 4), round(32 * math.cos(1), 4)])
 print("the two conventions give the same vector:", torch.equal(gptj, neox))
+
+# %% [markdown]
+# In the reference the two conventions differ in **one einops pattern**: the last R dims are split into pairs
+# as `(i two)` (adjacent: GPT-J) or `(two i)` (halves: NeoX). Everything else — the table lookup, the two
+# rounded products per output, the single rounding to the output dtype — is shared:
+
+# %%
+for fn in (rope.reference.rotate_pairs, rope.reference.apply_gptj, rope.reference.apply_neox):
+    print(inspect.getsource(fn))
 
 # %% [markdown]
 # ### Rotation is complex multiplication
@@ -139,7 +150,7 @@ print("same offset, same score (within 1e-5·|q||k|):", same)
 # The 512-dim latent is both K and V. Its first 448 dims ("NoPE") carry content only; they are stored as FP8
 # with one power-of-two scale per 64 (notebook 01). The last 64 dims carry position; they stay bf16 in the
 # cache, because a rotation's small angles do not survive FP8. DeepSeek-V3 rotated the *first* 64 dims; V4
-# rotates the **last** — a classic porting bug (pitfalls.md #16). `apply_gptj` rotates `x[..., -R:]` and
+# rotates the **last** — a classic porting bug (`docs/rope.md#pitfalls`). `apply_gptj` rotates `x[..., -R:]` and
 # copies the rest bit for bit:
 
 # %%
@@ -231,12 +242,24 @@ for H in (TINY.num_heads, FLASH.num_heads, 128):
 # shuffles. For the cache the kernel reuses the shared helpers of notebook 01 (`page_offsets`, `ue8m0_byte`,
 # `e4m3_encode`), so its bytes are by construction those of `kv_cache.insert(apply_gptj(kv))`.
 #
-# **The canonical arithmetic.** To make the kernel bit-exact against the torch reference on every device,
+# **The canonical arithmetic** (`docs/rope.md#rounding-rules`). To make the kernel bit-exact against the torch reference on every device,
 # the sum of squares is taken in float64 (so the summation order cannot change the fp32 result), the
 # reciprocal square root is a correctly rounded sqrt and divide (never the GPU's approximate `rsqrt`), and
 # the rotation uses two separately rounded products (`enable_fp_fusion=False`: no FMA). vLLM's torch test
 # rounds q to bf16 after the norm and only then rotates; that differs by at most a bf16 ulp or so, which is
-# why the spec's tolerance against it is 1e-2.
+# why the tolerance against it is 1e-2. The reference's Q side, in full:
+
+# %%
+print(inspect.getsource(rope.reference.qnorm_rope))
+
+# %% [markdown]
+# And the kernel with one head per program (grid (T, H + 1)), the form drawn above. Its KV program is a
+# separate function shared with the default multi-head kernel:
+
+# %%
+print(inspect.getsource(rope.kernels.qnorm_rope_kv_insert_kernel.fn))  # .fn: the Python function under @triton.jit
+
+# %% [markdown]
 #
 # ### Running it on the teaching batch
 #
@@ -296,7 +319,7 @@ print(compare(back[:, 448:], rope.apply_gptj(kv, positions, table)[:3, 448:], "e
 # o[448:] = Σ_j P_j · Rot(p_j) k_j[448:]. Rotating that back by the **query's** position gives
 # Σ_j P_j · Rot(p_j − p_q) k_j[448:], which depends only on relative offsets — what the output projection was
 # trained on. Without the inverse step the same context gives a different output at every position
-# (pitfalls.md #14).
+# (`docs/rope.md#pitfalls`).
 #
 # Test: one query attending to 8 keys (itself and the 7 before it). Insert them with the fused kernel at
 # positions around 1000, attend, and compare with the same tokens shifted by Δ = 896 (a multiple of 128, so
@@ -369,11 +392,12 @@ print("same top-1 key by RoPE score:", int(s_right.argmax()) == int(s_wrong.argm
 # ## 6. The checks
 #
 # `python -m dsv4ref check rope` runs the Triton kernels against the references (the same call as below);
-# `tests/test_rope.py` holds the full list of rope.md §8 (golden pairings, YaRN table, cache bytes, slot −1,
-# 1M positions, inverse, shift invariance, compressed-key position, bad input).
+# `tests/test_rope.py` holds the full list (golden pairings, YaRN table, cache bytes, slot −1, 1M positions,
+# inverse, shift invariance, compressed-key position, bad input); `docs/rope.md#pitfalls` says which test
+# catches which porting bug.
 
 # %%
-from dsv4ref.harness import run_checks
+from dsv4ref.tools.harness import run_checks
 
 for r in run_checks("rope"):
     print(f"{r.op:<28} {r.shape:<32} {r.report.verdict()}")
@@ -397,11 +421,24 @@ for r in run_checks("rope"):
 # only 2 KiB, so per-program overhead shows; two heads per program halve the program count, load the table
 # row once for both, and need no second load for the rotary partner. On the CPU the kernels are
 # interpreted, so there is nothing to time.
+#
+# The choice is an argument, not a global: `launch=rope.RopeLaunch(heads_per_prog=0)` runs the per-head
+# kernel, `RopeLaunch(heads_per_prog=n, num_warps=w)` the multi-head one; `RopeLaunch()` is the measured
+# default. Every choice gives the same bits:
+
+# %%
+q_per_head, q_multi = q.clone(), q.clone()
+for q_out, launch in ((q_per_head, rope.RopeLaunch(heads_per_prog=0)), (q_multi, rope.RopeLaunch(heads_per_prog=4))):
+    rope.qnorm_rope_kv_insert(q_out, kv, start.clone(), slots, positions, table, eps=TINY.rms_norm_eps, block_size=B,
+                              launch=launch)
+print("default:", rope.RopeLaunch())
+print(compare(q_per_head, q_kernel, "exact", "q, per-head kernel vs the default").verdict())
+print(compare(q_multi, q_kernel, "exact", "q, 4 heads per program vs the default").verdict())
 
 # %%
 # NBVAL_IGNORE_OUTPUT
 if not dsv4ref.interpreting():
-    from dsv4ref.harness import run_benches
+    from dsv4ref.tools.harness import run_benches
 
     ceil, rows = run_benches("rope")
     print(f"copy {ceil.copy_bytes_per_s / 1e12:.2f} TB/s")

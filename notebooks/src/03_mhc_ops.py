@@ -6,8 +6,9 @@
 # Sinkhorn projection), **post**, the **fused post + pre** and the final **head** — first as plain PyTorch,
 # then as Triton kernels, and checks one against the other.
 #
-# Facts come from `shared/spec/mhc.md`; the bugs worth knowing are pitfalls #22 (comb applied untransposed)
-# and #23 (Sinkhorn and eps conventions).
+# The facts are collected in [`docs/mhc.md`](../docs/mhc.md); the bugs worth knowing are its pitfalls 22 (comb
+# applied untransposed) and 23 (Sinkhorn and eps conventions). The code is in `dsv4ref/mhc/`, read in this
+# order: `reference.py` (the whole op in PyTorch), `kernels.py` (Triton), `launch.py` (launch choices).
 
 # %%
 import dsv4ref  # first: picks the device, sets TRITON_INTERPRET on a CPU-only machine
@@ -20,10 +21,13 @@ np.seterr(all="ignore")
 import matplotlib.pyplot as plt
 
 # %matplotlib inline
+import inspect
+
 import torch
 
 from dsv4ref import mhc
 from dsv4ref.device import DEVICE, describe, interpreting
+from dsv4ref.mhc import reference
 from dsv4ref.testing import compare, generator, randn
 
 # %%
@@ -72,7 +76,7 @@ g = generator(0)
 L = 60
 noise = torch.randn(L, 4, 4, generator=g, dtype=torch.float64)
 free = torch.eye(4, dtype=torch.float64) + 0.25 * noise
-proj = mhc.sinkhorn_reference(noise)  # the same logits, projected (fp64 reference)
+proj = reference.sinkhorn(noise)  # the same logits, projected (fp64 reference)
 
 
 def gains(mats):
@@ -98,7 +102,7 @@ print("Sinkhorn gain stays within [0.99, 1.01] at every layer:", all(0.99 <= v <
 # %% [markdown]
 # ## 3. The Sinkhorn projection, pass by pass
 #
-# DSV4's schedule (mhc.md §4, normative): **pass 1** is a row softmax plus eps, then a column normalisation;
+# DSV4's schedule ([`docs/mhc.md#sinkhorn`](../docs/mhc.md#sinkhorn)): **pass 1** is a row softmax plus eps, then a column normalisation;
 # **passes 2…20** normalise rows, then columns (each divisor gets `+ eps`). The last step is a column step, so
 # columns sum to 1 − O(1e-6) while rows only *converge* towards 1. Watch one matrix of logits (std 2):
 
@@ -107,7 +111,7 @@ logits = torch.randn(4, 4, generator=generator(3), dtype=torch.float64) * 2
 passes = [1, 2, 3, 5, 10, 20]
 fig, axes = plt.subplots(1, len(passes), figsize=(13, 2.6))
 for ax, k in zip(axes, passes):
-    c = mhc.sinkhorn_reference(logits, k)
+    c = reference.sinkhorn(logits, k)
     ax.imshow(c.numpy(), vmin=0, vmax=1, cmap="viridis")
     ax.set_title(f"{k} pass{'es' if k > 1 else ''}\nmax|row sum−1| {float((c.sum(1) - 1).abs().max()):.0e}", fontsize=8)
     ax.set_xticks([])
@@ -123,7 +127,7 @@ batch = torch.randn(4096, 4, 4, generator=generator(11), dtype=torch.float64)
 ks = list(range(1, 31))
 fig, ax = plt.subplots(figsize=(7, 3.5))
 for std in (0.3, 1.0, 3.0):
-    rows = [float((mhc.sinkhorn_reference(batch * std, k).sum(-1) - 1).abs().max()) for k in ks]
+    rows = [float((reference.sinkhorn(batch * std, k).sum(-1) - 1).abs().max()) for k in ks]
     ax.semilogy(ks, rows, label=f"logit std {std}")
 ax.axvline(20, color="gray", ls="--", lw=1)
 ax.set_xlabel("passes")
@@ -131,33 +135,45 @@ ax.set_ylabel("worst |row sum − 1|")
 ax.legend()
 ax.grid(True, which="both", alpha=0.3)
 plt.show()
-c20 = mhc.sinkhorn_reference(batch, 20)
+c20 = reference.sinkhorn(batch, 20)
 print("all entries > 0:", bool((c20 > 0).all()))
 print("column sums within 2e-6 of 1:", float((c20.sum(-2) - 1).abs().max()) <= 2e-6)
 print("row sums within 2e-3 of 1 (std-1 logits, 20 passes):", float((c20.sum(-1) - 1).abs().max()) <= 2e-3)
 
 # %% [markdown]
-# The Triton version (`dsv4ref.mhc._sinkhorn_tl`) keeps a `[BLOCK, 4, 4]` tile in registers: `tl.max`/`tl.sum`
+# The reference is the schedule written out, nothing more:
+
+# %%
+print(inspect.getsource(reference.sinkhorn))
+
+# %% [markdown]
+# The Triton version (`dsv4ref.mhc.kernels.sinkhorn_tile`) keeps a `[BLOCK, 4, 4]` tile in registers: `tl.max`/`tl.sum`
 # over axis 2 are the row steps, over axis 1 the column steps. The same helper runs inside the pre kernel.
 
 # %%
+print(inspect.getsource(dsv4ref.mhc.kernels.sinkhorn_tile.fn))  # .fn: the Python function under @triton.jit
 lg = (torch.randn(64, 4, 4, generator=generator(7)) * 3).to(DEVICE)
-print(compare(mhc.sinkhorn(lg), mhc.sinkhorn_reference(lg.double()), "mhc", "sinkhorn kernel vs fp64").verdict())
+print(compare(mhc.sinkhorn(lg), reference.sinkhorn(lg.double()), "mhc", "sinkhorn kernel vs fp64").verdict())
 
 # %% [markdown]
 # ## 4. `pre`, walked through with shapes
 #
-# The teaching size: T = 5 tokens, Hd = 256, so the mix GEMM is `[5, 1024] @ [1024, 24]`.
+# The teaching size: T = 5 tokens, Hd = 256, so the mix GEMM is `[5, 1024] @ [1024, 24]`. The whole op, as the
+# library's reference writes it (`dtype=torch.float64` makes it the oracle the kernels are tested against):
+
+# %%
+print(inspect.getsource(reference.mix))
+print(inspect.getsource(reference.pre))
 
 # %%
 T, Hd = 5, 256
 res = mhc.example_streams(T, Hd, seed=1)  # [T, 4, Hd] bf16, 64-wide blocks spanning 2^-4..2^4
 fn, scale, base = mhc.example_params(Hd, seed=2)
-X = res.reshape(T, -1).double()
-mix = (X @ fn.double().T) * torch.rsqrt(X.square().mean(-1, keepdim=True) + 1e-6)
+mix = reference.mix(res, fn, dtype=torch.float64)
 print("residual", tuple(res.shape), res.dtype, "| fn", tuple(fn.shape), "| scale", tuple(scale.shape), "| base", tuple(base.shape))
-print("X (flattened streams)", tuple(X.shape), "-> mix", tuple(mix.shape), "= [pre 0:4 | post 4:8 | comb 8:24]")
-pre_w, post_w, comb_w, x_ref = mhc.pre_reference(res, fn, scale, base, dtype=torch.float64)
+print("X (flattened streams)", (T, 4 * Hd), "-> mix", tuple(mix.shape), "= [pre 0:4 | post 4:8 | comb 8:24]")
+pre_w = torch.sigmoid(mix[:, :4] * scale[0].double() + base[:4].double()) + 1e-6  # the input weights (kept inside pre)
+post_w, comb_w, x_ref = reference.pre(res, fn, scale, base, dtype=torch.float64)
 print("pre", tuple(pre_w.shape), "in (1e-6, 1+1e-6):", bool(((pre_w > 1e-6) & (pre_w < 1 + 1e-6)).all()))
 print("post", tuple(post_w.shape), "in (0, 2):", bool(((post_w > 0) & (post_w < 2)).all()))
 print("comb", tuple(comb_w.shape), "columns sum to 1:", float((comb_w.sum(1) - 1).abs().max()) < 2e-6)
@@ -166,7 +182,7 @@ print("layer input x = Σ_i pre_i·stream_i", tuple(x_ref.shape))
 # %% [markdown]
 # ### The kernel
 #
-# `_hc_kernel` gives each program `BLOCK_T = 16` tokens (the smallest M side of a tensor-core dot):
+# `kernels.hc_kernel` gives each program `BLOCK_T = 16` tokens (the smallest M side of a tensor-core dot):
 #
 # 1. **Pass 1** walks the hidden dim in chunks of `BLOCK_K`, loading all four streams of the chunk, adding
 #    $\sum X^2$ and the GEMM contributions `X_i @ fnᵀ[i·Hd + h]` for each stream.
@@ -181,10 +197,10 @@ print("layer input x = Σ_i pre_i·stream_i", tuple(x_ref.shape))
 # product is exact in fp32, so three tensor-core dots reproduce the fp32 GEMM.
 
 # %%
-s3 = mhc._split3(fn.cpu()).float()
+s3 = mhc.launch.split3(fn.cpu()).float()
 print("hi + mid + lo == fn, bit for bit:", torch.equal(s3[0] + s3[1] + s3[2], fn.cpu()))
 tf32 = (fn.cpu().view(torch.int32) & ~0x1FFF).view(torch.float32)  # keep 10 mantissa bits, as tf32 does
-_, post_tf32, comb_tf32, _ = mhc.pre_reference(res.cpu(), tf32, scale.cpu(), base.cpu(), dtype=torch.float64)
+post_tf32, comb_tf32, _ = reference.pre(res.cpu(), tf32, scale.cpu(), base.cpu(), dtype=torch.float64)
 print("fn rounded to tf32 meets the 1e-5 tolerance on comb:", compare(comb_tf32, comb_w.cpu(), "mhc").passed)
 
 # %% [markdown]
@@ -210,12 +226,12 @@ print(compare(x_k, x_ref, "bf16_out", "pre: layer input").verdict())
 # %%
 x_layer = randn((T, Hd), seed=3, octaves=8)
 new_k = mhc.post(x_layer, res, post_k, comb_k)
-new_ref = mhc.post_reference(x_layer, res, post_k, comb_k, dtype=torch.float64)
+new_ref = reference.post(x_layer, res, post_k, comb_k, dtype=torch.float64)
 print("x", tuple(x_layer.shape), "+ residual", tuple(res.shape), "-> new residual", tuple(new_k.shape), new_k.dtype)
 print(compare(new_k, new_ref, "bf16_out", "post").verdict())
 
 # %% [markdown]
-# **The bug** (pitfalls.md #22): computing `Σ_j comb[i, j]·stream_j` (comb, not combᵀ). With a symmetric comb
+# **The bug** ([pitfall 22](../docs/mhc.md#pitfalls)): computing `Σ_j comb[i, j]·stream_j` (comb, not combᵀ). With a symmetric comb
 # nothing changes, which is how it survives tests. Make comb a 4-cycle — logits `30·P` with
 # `P[0,1] = P[1,2] = P[2,3] = P[3,0] = 1` — and follow where each stream goes:
 
@@ -264,7 +280,7 @@ print(compare(buggy, new_ref, "bf16_out", "untransposed post vs oracle").verdict
 #   stores them and feeds the *stored bf16 values* to the GEMM; pass 2 reads them back (recently written, so
 #   often still in L2) for the weighted sum. One launch, no workspace, and — because pass 1 uses exactly the
 #   bf16 values a separate pre would read, with the same explicit FMA order — its bf16 outputs equal
-#   post-then-pre **bit for bit** (the fp32 post/comb to 1e-6, as mhc.md §6 asks).
+#   post-then-pre (a pre of the same design) **bit for bit** (the fp32 post/comb to 1e-6, as [`docs/mhc.md`](../docs/mhc.md#fused-post-pre) asks).
 #
 # The cost of the chosen design is that every program reads all of `fn` (it is re-read from L2 once per 16
 # tokens); on the H200 that, not HBM, limits it (section 8).
@@ -273,11 +289,12 @@ print(compare(buggy, new_ref, "bf16_out", "untransposed post vs oracle").verdict
 fn2, scale2, base2 = mhc.example_params(Hd, seed=5)  # the next sub-layer's parameters
 fused = mhc.fused_post_pre(x_layer, res, post_k, comb_k, fn2, scale2, base2)
 sep_new = mhc.post(x_layer, res, post_k, comb_k)
-sep = (sep_new, *mhc.pre(sep_new, fn2, scale2, base2))
+one_kernel = mhc.MhcLaunch(split_k=False)  # the fused op's default design (pre's own default is split-K, section 8)
+sep = (sep_new, *mhc.pre(sep_new, fn2, scale2, base2, launch=one_kernel))
 for name, a, b in zip(["new residual", "post'", "comb'", "layer input"], fused, sep):
     if a.dtype == torch.bfloat16:
         print(f"fused {name:<12} {tuple(a.shape)!s:<16} bit-identical to post then pre:", compare(a, b, "exact").passed)
-    else:  # fp32 outputs: mhc.md §6 asks for 1e-6 (the GEMM is the same code, so they are usually identical)
+    else:  # fp32 outputs: docs/mhc.md asks for 1e-6 (the GEMM is the same code, so they are usually identical)
         print(f"fused {name:<12} {tuple(a.shape)!s:<16} within 1e-6 of post then pre:", compare(a, b, "fp32_reduction").passed)
 
 # %% [markdown]
@@ -285,11 +302,12 @@ for name, a, b in zip(["new residual", "post'", "comb'", "layer input"], fused, 
 #
 # After the last layer, `head` folds the four streams into one hidden vector: the same RMS-scaled GEMM with
 # `hc_head_fn [4, 4·Hd]`, `gate = σ(mix·scale + base) + 1e-6`, and `out = Σ_m gate_m·stream_m`. No Sinkhorn,
-# no post. It is the pre kernel with `HEAD=True`.
+# no post. It is the pre kernel with `HEAD=True`, and its reference is five lines:
 
 # %%
 hfn, hscale, hbase = mhc.example_params(Hd, seed=6, head=True)
-_, h_ref = mhc.head_reference(res, hfn, hscale, hbase, dtype=torch.float64)
+print(inspect.getsource(reference.head))
+h_ref = reference.head(res, hfn, hscale, hbase, dtype=torch.float64)
 h_k = mhc.head(res, hfn, hscale, hbase)
 print("hidden", tuple(res.shape), "-> head", tuple(h_k.shape), h_k.dtype)
 print(compare(h_k, h_ref, "bf16_out", "head").verdict())
@@ -323,12 +341,29 @@ print(compare(h_k, h_ref, "bf16_out", "head").verdict())
 # slice of K for 64 tokens, a second small kernel finishes the gates, Sinkhorn and the weighted sum) cuts
 # that L2 traffic 4× and buys 1.35×, but reads the streams twice. A single pass that keeps a token tile's
 # streams on chip across both phases is the next step.
+#
+# Both designs live in `kernels.py` (`hc_kernel`; `hc_partial_kernel` + `hc_finish_kernel`): which one an op
+# takes is a **launch choice**, as are the tile sizes, warps and split counts. They are the fields of one frozen
+# dataclass, `mhc.MhcLaunch`, passed explicitly as `launch=` (None = the measured defaults above:
+# `split_k=None` means split-K for pre and head, one kernel for fused). Forcing a design changes the speed,
+# never the result:
+
+# %%
+print("default design, pre / head: split-K =", mhc.MhcLaunch().uses_split_k(fused=False),
+      "| fused post+pre: split-K =", mhc.MhcLaunch().uses_split_k(fused=True))
+for name, launch in (("one kernel", mhc.MhcLaunch(split_k=False)), ("split-K", mhc.MhcLaunch(split_k=True, splits=2))):
+    p_l, c_l, x_l = mhc.pre(res, fn, scale, base, launch=launch)
+    print(compare(c_l, comb_w, "mhc", f"pre, {name}: comb").verdict(), "|",
+          compare(x_l, x_ref, "bf16_out", "layer input").verdict())
+print(inspect.getsource(mhc.launch.MhcLaunch.split_plan))
+
+# %% [markdown]
 # The cell below re-measures on a GPU; it does not run in the interpreter.
 
 # %%
 # NBVAL_IGNORE_OUTPUT
 if not interpreting():
-    from dsv4ref.harness import run_benches
+    from dsv4ref.tools.harness import run_benches
 
     ceil, rows = run_benches("mhc")
     print(f"copy {ceil.copy_bytes_per_s / 1e12:.2f} TB/s")

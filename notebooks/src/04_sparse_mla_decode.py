@@ -9,11 +9,14 @@
 # The order is the usual one: the reference (what the op computes), how the candidate sets are built, the
 # online softmax, the fused kernel walked through, the checks, and then the performance story: the seed's
 # two-pass design against the fused kernel, on a roofline with numbers measured on an H200.
-# Facts come from the project's spec (`sparse_mla.md`, `formats.md` §5/§10); the code is
-# `dsv4ref/sparse_mla.py`.
+# The math, the conventions and the pitfalls are written up in `docs/sparse_mla.md`; the code is the folder
+# `dsv4ref/sparse_mla/`: `reference.py` (the whole op in plain torch), `kernels.py` (the fused Triton kernel
+# and the split merge), `launch.py` (the launch shape `SparseMlaLaunch`, the custom ops) and `two_pass.py`.
 
 # %%
 import dsv4ref  # first: picks the device, sets TRITON_INTERPRET on a CPU-only machine
+import dataclasses
+import inspect
 import warnings
 
 warnings.filterwarnings("ignore")
@@ -27,8 +30,9 @@ import torch
 
 # %matplotlib inline
 from dsv4ref import kv_cache, sparse_mla
-from dsv4ref.config import FLASH, PRO, TINY
-from dsv4ref.device import DEVICE, describe, interpreting
+from dsv4ref.sparse_mla import kernels, reference
+from dsv4ref.config import TINY
+from dsv4ref.device import DEVICE, describe
 from dsv4ref.testing import compare, generator, randn
 
 # %%
@@ -59,20 +63,28 @@ print(describe())
 # and as V for the weighted sum.
 #
 # The reference backend is exactly the formula: gather and dequantise the listed slots
-# (`kv_cache.gather`), mask what does not count, and attend in fp32.
+# (`kv_cache.gather`), mask what does not count, and attend in fp32. Here it is, whole
+# (`dsv4ref/sparse_mla/reference.py`):
+
+# %%
+print(inspect.getsource(reference.decode))
 
 # %%
 # A small example with the teaching config's sizes: T tokens, H heads, a window pool and a compressed pool.
+# example_inputs returns decode's keyword arguments.
 T, H = 3, TINY.num_heads
-q, pools, sink = sparse_mla._example(T, H, K1=16, K2=16, bs1=16, bs2=2, pages1=4, pages2=24, seed=4)
-(c1, i1, l1, b1), (c2, i2, l2, b2) = pools
-args = dict(block_size=b1, sink=sink, extra_cache=c2, extra_indices=i2, extra_lengths=l2, extra_block_size=b2)
-out_ref, lse_ref = sparse_mla.decode(q, c1, i1, l1, backend="reference", **args)
-print("q", tuple(q.shape), q.dtype, "| window indices", tuple(i1.shape), "| compressed indices", tuple(i2.shape))
+inputs = sparse_mla.example_inputs(T, H, K1=16, K2=16, block_size=16, extra_block_size=2, pages=4, extra_pages=24,
+                                   seed=4)
+q, sink = inputs["q"], inputs["sink"]
+slots, lengths = inputs["slots"], inputs["lengths"]
+out_ref, lse_ref = sparse_mla.decode(**inputs, backend="reference")
+print("arguments:", list(inputs))
+print("q", tuple(q.shape), q.dtype, "| window slots", tuple(slots.shape), "| compressed slots",
+      tuple(inputs["extra_slots"].shape))
 print("out", tuple(out_ref.shape), out_ref.dtype, "| lse", tuple(lse_ref.shape), lse_ref.dtype)
-print("window lengths", l1.cpu().tolist(), "| compressed lengths", l2.cpu().tolist())
+print("window lengths", lengths.cpu().tolist(), "| compressed lengths", inputs["extra_lengths"].cpu().tolist())
 print("-1 entries inside the window prefixes:",
-      [int(((i1[t, : int(l1[t])] < 0)).sum()) for t in range(T)])
+      [int(((slots[t, : int(lengths[t])] < 0)).sum()) for t in range(T)])
 
 # %% [markdown]
 # The V-width check: zero the NoPE part of every cached row. If V really is 512 wide, the output's last 64
@@ -86,7 +98,7 @@ cache0 = kv_cache.allocate(4, 16)
 kv_cache.insert(cache0, kv, torch.arange(n_slots, device=DEVICE), block_size=16)
 idx0 = torch.randint(0, n_slots, (2, 16), generator=generator(3), dtype=torch.int32).to(DEVICE)
 len0 = torch.tensor([16, 9], dtype=torch.int32).to(DEVICE)
-for backend in sparse_mla.BACKENDS:
+for backend in sparse_mla.SUPPORTED:
     o, _ = sparse_mla.decode(q[:2], cache0, idx0, len0, block_size=16, backend=backend)
     print(f"{backend:>9}: out[..., :448] all zero: {bool((o[..., :448] == 0).all())}; "
           f"out[..., 448:] non-zero entries: {int((o[..., 448:] != 0).sum())} of {o[..., 448:].numel()}")
@@ -134,13 +146,13 @@ plt.show()
 
 # %%
 # The same facts through the library (every backend): sink −inf == no sink, +inf -> 0, sink = lse halves.
-for backend in sparse_mla.BACKENDS:
-    base, lse0 = sparse_mla.decode(q, c1, i1, l1, backend=backend, **{**args, "sink": None})
+for backend in sparse_mla.SUPPORTED:
+    base, lse0 = sparse_mla.decode(**{**inputs, "sink": None}, backend=backend)
     res = {}
     for name, sk in [("-inf", torch.full((H,), -math.inf)), ("+inf", torch.full((H,), math.inf))]:
-        o, l = sparse_mla.decode(q, c1, i1, l1, backend=backend, **{**args, "sink": sk.to(DEVICE)})
+        o, l = sparse_mla.decode(**{**inputs, "sink": sk.to(DEVICE)}, backend=backend)
         res[name] = (o, l)
-    half, _ = sparse_mla.decode(q, c1, i1, l1, backend=backend, **{**args, "sink": lse0[0].clone()})
+    half, _ = sparse_mla.decode(**{**inputs, "sink": lse0[0].clone()}, backend=backend)
     print(f"{backend:>9}: sink=-inf equals no sink: {torch.equal(res['-inf'][0].cpu(), base.cpu())}; "
           f"sink=+inf gives zeros: {bool((res['+inf'][0] == 0).all())}; lse unchanged: {torch.equal(res['+inf'][1].cpu(), lse0.cpu())}; "
           f"sink=lse halves token 0: {compare(half[0], base[0].double() * 0.5, 'bf16_out').passed}")
@@ -148,7 +160,7 @@ for backend in sparse_mla.BACKENDS:
 # %% [markdown]
 # ## 3. Which tokens a decode token at position p attends to
 #
-# The candidate multiset J(t) of a token at absolute position p (spec §2) has two parts, each in its own
+# The candidate multiset J(t) of a token at absolute position p (`docs/sparse_mla.md`, candidate sets) has two parts, each in its own
 # paged cache:
 #
 # * **the window SWA(p)**: positions p − W + 1 … p (W = 128 in V4, 16 in the teaching config), clipped at 0.
@@ -170,7 +182,7 @@ def compressed_visible(p, r):
 
 
 def to_slots(positions, page_table, page_size):
-    """position -> global slot through a request's page table (formats.md §7)."""
+    """position -> global slot through a request's page table: page · page_size + offset."""
     return [page_table[x // page_size] * page_size + x % page_size for x in positions]
 
 
@@ -199,7 +211,7 @@ print(f"ratio 4, p = 2 -> {compressed_visible(2, 4)}; p = 3 -> {compressed_visib
 # $$m' = \max(m, \max s'),\quad \alpha = e^{m - m'},\quad l' = \alpha l + \sum e^{s' - m'},\quad
 #   acc' = \alpha\,acc + \sum e^{s' - m'} c.$$
 #
-# At the end, out = acc / l and lse = m + ln l. Two guards make it NaN-free (pitfall #18, spec §7): a chunk in
+# At the end, out = acc / l and lse = m + ln l. Two guards make it NaN-free (pitfall #18): a chunk in
 # which every entry is masked leaves m = −∞, and e^(−∞ − (−∞)) is NaN, so exponents use m_safe = 0 in that
 # case; and a row with no valid entry at all has l = 0, so it is written as out = 0, lse = −∞ explicitly. The
 # same (m, l, acc) states also **merge**: that is how the kernel splits a long list across programs
@@ -228,13 +240,13 @@ print("online result equals the one-shot softmax:", compare(acc / l, full, "fp32
 # %% [markdown]
 # ## 5. The fused kernel, walked through
 #
-# `dsv4ref.sparse_mla._decode_kernel` runs one program per (token, block of heads, split of the list).
+# `dsv4ref.sparse_mla.kernels.decode_kernel` runs one program per (token, block of heads, split of the list).
 #
 # 1. **Q stays resident**: the program loads q for its BLOCK_H heads once ([BLOCK_H, 512]). Heads beyond H
 #    (H = 16 run in a block of 64, say) are masked rows: q = 0, sink = −∞, never stored (pitfall #19).
-# 2. **Indices, masked**: for a chunk of BLOCK_N entries it loads the slots with `mask = j < length`,
-#    other = −1, so entries past the length are never read, not even the index.
-# 3. **Addresses in int64**: `tl_helpers.page_offsets` turns a slot into the two byte offsets of the 584-byte
+# 2. **Slots, masked**: for a chunk of BLOCK_N entries it loads the slots with `mask = j < length`,
+#    other = −1, so entries past the length are never read, not even the slot number.
+# 3. **Addresses in int64**: `dsv4ref.tl.page_offsets` turns a slot into the two byte offsets of the 584-byte
 #    record (576 data bytes at page_base + off·576, 8 scale bytes at page_base + B·576 + off·8).
 # 4. **Dequantise in registers, 8 tiles of 64**: tiles 0..6 are e4m3 bytes × 2^(scale − 127) (`pow2`, exact),
 #    tile 7 is the 64 bf16 RoPE values. Every load is masked by "slot ≥ 0", so a −1 entry or a page holding
@@ -242,44 +254,64 @@ print("online result equals the one-shot softmax:", compare(acc / l, full, "fp32
 # 5. **Scores and online softmax** in fp32: s = q · kᵀ (one dot over 512), masked to −∞, the m/l/acc update.
 # 6. **The same tile is V**: acc += p · k. Nothing is loaded twice and no bf16 copy of the KV is written.
 # 7. Both pools go through the same loop (another base pointer, page size and length).
-# 8. **Epilogue**: out = acc / l · σ(lse − sink), stored as bf16 with integer round-to-nearest-even;
-#    empty rows → 0 and lse = −∞. With the list split across programs, the partial (m, l, acc) go to a
-#    scratch buffer and a small merge kernel finishes (and applies the sink once).
+# 8. **Epilogue** (`finish`): out = acc / l · σ(lse − sink), stored as bf16 with integer round-to-nearest-even;
+#    empty rows → 0 and lse = −∞.
 #
-# The **two-pass** backend is the seed's design written cleanly: one `kv_cache.gather` launch dequantises
-# every listed slot into a reused bf16 workspace (entries past the length become zero rows), then the same
-# attention loop reads bf16 rows from the workspace. No per-token Python loop, no host synchronisation, and
-# the sink is applied.
+# **Block sizes** (`SparseMlaLaunch`, chosen by `default_launch` from measurements on the H200): BLOCK_H = 16
+# heads when H ≤ 16, 32 when H ≤ 32, else 64 (H = 128 runs two blocks of 64); BLOCK_N = 32 candidates per
+# chunk with 16-head blocks and 64 with larger ones (16 here, in the interpreter); 4 warps for 16-head blocks,
+# 8 above. The list is split over several programs only when T × head blocks would leave most SMs idle.
 #
-# The checks: every backend against the fp32 reference on the example of §1 (both pools, −1 holes,
-# duplicates, partial lengths, a finite sink), under the tolerances of `dsv4ref.testing`: lse with FlashMLA's
-# figure; out with `bf16_weighted_sum`. Compiled, the kernels round P to bf16 before P·V (as FlashMLA does),
-# an error of up to 2^-9 per weight, so an output's error scales with Σ_j p_j·|v_j| — its "mass" — not with
-# the output itself, which can cancel to near zero. The reference gives that mass alongside its result.
+# **Split / merge scratch.** With `num_splits = S > 1`, split s takes entries [s·chunk, (s+1)·chunk) of each
+# pool and, instead of finishing, writes its state *without the sink* to two fp32 buffers:
+# `part_o [T, S, H, 512]` (the unnormalised acc = Σ 2^(s − m)·k) and `part_ml [T, S, H, 2]` (m, the max of the
+# log2-domain logits, −∞ for an empty split, and l = Σ 2^(s − m)). `merge_kernel` rescales each split by
+# 2^(m_s − m), sums, and runs the same `finish` once: the sink is applied after the merge (pitfall #20).
+#
+# Here is the kernel and its two helpers, as the library runs them:
 
 # %%
-_, _, mass = sparse_mla._reference(q, pools, sink, sparse_mla.DEFAULT_SCALE, with_mass=True)
+for kernel in (kernels.decode_kernel, kernels.attend_pool, kernels.finish):
+    print(inspect.getsource(kernel.fn))  # .fn: the Python function under @triton.jit
+
+# %% [markdown]
+# The **two-pass** backend is the seed's design written cleanly (`dsv4ref/sparse_mla/two_pass.py`): one
+# `kv_cache.gather` launch dequantises every listed slot into a reused bf16 workspace (entries past the length
+# become zero rows), then the same attention loop reads bf16 rows from the workspace. No per-token Python
+# loop, no host synchronisation, and the sink is applied.
+#
+# The checks: every backend against the fp32 reference on the example of §1 (both pools, −1 holes,
+# duplicates, partial lengths, a finite sink), under the tolerances of `dsv4ref.tolerances`: lse with
+# FlashMLA's figure; out with `bf16_weighted_sum`. Compiled, the kernels round P to bf16 before P·V (as
+# FlashMLA does), an error of up to 2^-9 per weight, so an output's error scales with Σ_j p_j·|v_j| — its
+# "mass" — not with the output itself, which can cancel to near zero. The reference gives that mass alongside
+# its result (`with_mass=True`). The launch shape is an explicit argument: here the list is split in 4.
+
+# %%
+_, _, mass = reference.decode(**inputs, with_mass=True)
 for backend in ("two_pass", "triton"):
-    o, l = sparse_mla.decode(q, c1, i1, l1, backend=backend, **args)
+    o, l = sparse_mla.decode(**inputs, backend=backend)
     print(compare(o, out_ref, "bf16_weighted_sum", f"{backend} out", mass).verdict(), "|",
           compare(l, lse_ref, "lse", f"{backend} lse").verdict())
-cfg = sparse_mla._config(T, H, 32, DEVICE, num_splits=4)
-o, l = sparse_mla._fused(q, pools, sink, sparse_mla.DEFAULT_SCALE, cfg)
+split4 = dataclasses.replace(sparse_mla.default_launch(T, H, 32, DEVICE), num_splits=4)
+print(split4)
+o, l = sparse_mla.decode(**inputs, backend="triton", launch=split4)
 print(compare(o, out_ref, "bf16_weighted_sum", "triton, list split in 4 + merge", mass).verdict())
 
 # %%
 # Empty rows and poisoned memory: row 0 has length 0, row 1 only -1 entries; every entry past a length
 # points at slot 0, whose bytes we overwrite with NaN codes. No NaN may come out.
-c_bad = c1.clone()
+b1 = inputs["block_size"]
+c_bad = inputs["cache"].clone()
 c_bad[0, :576] = 0x7F
 c_bad[0, b1 * 576:b1 * 576 + 8] = 0xFF
-i_bad = i1.clone()
-i_bad[1, :] = -1
+s_bad = slots.clone()
+s_bad[1, :] = -1
 l_bad = torch.tensor([0, 16, 9], dtype=torch.int32).to(DEVICE)
 for t in range(T):
-    i_bad[t, int(l_bad[t]):] = 0
-for backend in sparse_mla.BACKENDS:
-    o, l = sparse_mla.decode(q, c_bad, i_bad, l_bad, block_size=b1, sink=sink, backend=backend)
+    s_bad[t, int(l_bad[t]):] = 0
+for backend in sparse_mla.SUPPORTED:
+    o, l = sparse_mla.decode(q, c_bad, s_bad, l_bad, block_size=b1, sink=sink, backend=backend)
     print(f"{backend:>9}: NaN in out: {bool(torch.isnan(o).any())}; empty rows zero: {bool((o[:2] == 0).all())}; "
           f"their lse: {sorted(set(l[:2].flatten().cpu().tolist()))}; row 2 finite: {bool(torch.isfinite(l[2]).all())}")
 
@@ -332,7 +364,9 @@ for name, h, k in shapes:
 # %%
 MEASURED = dict(  # H200 (Triton 3.6, torch 2.11), 2026-11-30, python -m dsv4ref bench sparse_mla (graph replay)
     copy_tb_s=4.11, bf16_tflop_s=778,
-    cases={  # (H, K): µs for (fused with P·V split into two bf16 halves, fused default (bf16 P), two-pass)
+    # (H, K): µs for (fused with P·V split into two bf16 halves: a variant since removed from the code,
+    # fused default (bf16 P), two-pass)
+    cases={
         (64, 640): (440.5, 71.5, 90.3),
         (128, 1152): (1507.4, 167.6, 155.3),
         (16, 2048): (105.9, 99.6, 147.3),
@@ -347,7 +381,7 @@ ax.loglog(ai, np.minimum(ai * bw, peak) / 1e12, color="black", label="roofline (
 for (h, k), (f_us, p_us, t_us) in MEASURED["cases"].items():
     byts = 64 * (k * 588 + h * 512 * 4 + h * 4 + 8)
     fl = 64 * 2 * h * k * 1024
-    for us, mk, name in ((f_us, "o", "fused, P split"), (p_us, "^", "fused (bf16 P)"), (t_us, "x", "two-pass")):
+    for us, mk, name in ((f_us, "o", "fused, P split (removed)"), (p_us, "^", "fused (bf16 P)"), (t_us, "x", "two-pass")):
         ax.scatter([fl / byts], [fl / (us * 1e-6) / 1e12], marker=mk, s=40, label=f"{name} H={h} K={k}")
 ax.set_xlabel("FLOP per compulsory byte")
 ax.set_ylabel("TFLOP/s")
@@ -359,7 +393,7 @@ for (h, k), times in MEASURED["cases"].items():
     fl = 64 * 2 * h * k * 1024
     bound = max(byts / bw, fl / peak) * 1e6
     print(f"H={h:<3} K={k:<5} bound {bound:5.1f} us | " + " | ".join(
-        f"{n} {us:6.1f} us = {bound / us:5.1%}" for n, us in zip(("fused, P split", "fused (default)", "two-pass"), times)))
+        f"{n} {us:6.1f} us = {bound / us:5.1%}" for n, us in zip(("P split (removed)", "fused (default)", "two-pass"), times)))
 
 # %% [markdown]
 # ## 8. The measured result
@@ -369,15 +403,19 @@ for (h, k), times in MEASURED["cases"].items():
 #
 # * With P rounded to bf16 before the P·V product (FlashMLA's numerics, the default) the fused kernel reaches
 #   11.1 % (H = 64, K = 640), 14.8 % (H = 128, K = 1152) and 19.4 % (H = 16, K = 2048) of the bound: 1.26×,
-#   0.93× and 1.48× the two-pass path. The spec's own first probe (§11) reached 15–22 %; the limits it found
+#   0.93× and 1.48× the two-pass path. A first probe of the design reached 15–22 % (`docs/sparse_mla.md`,
+#   performance); the limits it found
 #   (a 64 × 512 fp32 accumulator spilling at 8 warps, load → dequant → dot → softmax → dot in series) apply
 #   here too.
 # * Splitting the output dims over 2 or 4 programs (so the accumulator no longer spills) was measured and is
-#   slower (8.0 % and 5.0 % at H = 64): each slice recomputes the scores and the dequantisation.
+#   slower (8.0 % and 5.0 % at H = 64, against 11.1 %): each slice recomputes the scores and the
+#   dequantisation. That variant was removed from the code; its design and figures stay in
+#   `benchmarks/sparse_mla.md`.
 # * bf16 P fails an elementwise relative tolerance (`bf16_out`) on test data with a wide value range:
 #   outputs that cancel to near zero get abs errors ~ 2^-9 · Σ p|v|. The tests therefore hold it to that
 #   derived bound (`bf16_weighted_sum`). A variant that splits P into two bf16 halves (`pv_split`, two P·V
-#   products, ~16 bits of p) passes `bf16_out` too, at 1.6–18 % of the bound.
+#   products, ~16 bits of p) passes `bf16_out` too, at 1.6–18 % of the bound: 6–9× slower with 64-head
+#   blocks, so it was removed from the code too (figures in `benchmarks/sparse_mla.md`).
 # * The two-pass path is not far behind because its attention loop is the same latency-bound code; its
 #   4.5× extra bytes only show where a kernel nears the memory roofline. Closing the gap (warp
 #   specialisation: producer warps loading and dequantising, consumer warps doing the MMAs) is the open work.
@@ -387,7 +425,7 @@ for (h, k), times in MEASURED["cases"].items():
 # %%
 # NBVAL_IGNORE_OUTPUT
 if not dsv4ref.interpreting():
-    from dsv4ref.harness import run_benches
+    from dsv4ref.tools.harness import run_benches
 
     ceil, rows = run_benches("sparse_mla")
     print(f"copy {ceil.copy_bytes_per_s / 1e12:.2f} TB/s, bf16 {ceil.bf16_flops_per_s / 1e12:.0f} TFLOP/s")

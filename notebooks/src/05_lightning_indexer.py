@@ -11,11 +11,12 @@
 # This notebook builds it piece by piece: the fused query path (RoPE → bf16 round trip → optional Hadamard →
 # FP8 with the q scale folded into the weights, or MXFP4), the 132-byte key cache, the logits kernel with
 # its causal mask, top-k with the short-context shortcut, and the op registration that lets `torch.compile`
-# trace through it. Facts come from the spec (`indexer.md`, `formats.md` §4, §8); code lives in
-# `dsv4ref/indexer.py`.
+# trace through it. The math is written up in `docs/indexer.md`; the code lives in `dsv4ref/indexer/`:
+# `reference.py` (the whole op in torch), `kernels.py` (the Triton kernels) and `launch.py` (their launches).
 
 # %%
 import dsv4ref  # first: picks the device, sets TRITON_INTERPRET on a CPU-only machine
+import inspect
 import warnings
 
 warnings.filterwarnings("ignore")
@@ -29,7 +30,7 @@ import torch
 from dsv4ref import indexer as ix
 from dsv4ref.config import FLASH
 from dsv4ref.device import DEVICE, describe
-from dsv4ref.testing import compare, generator, randn
+from dsv4ref.testing import compare
 
 # %%
 # NBVAL_IGNORE_OUTPUT
@@ -57,12 +58,12 @@ for ctx in (8192, 131072, 1048576):
 # %% [markdown]
 # At 1M tokens the indexer reads 4.4× fewer bytes and does 7.8× fewer FLOPs than dense attention over the
 # compressed rows, and the main attention that follows reads a constant 512 rows. Below n_c ≤ 512 there is
-# nothing to choose: every row is selected (the **short-context shortcut**, §6).
+# nothing to choose: every row is selected (the **short-context shortcut**, section 6).
 
 # %% [markdown]
 # ## 2. The query path, in torch (the reference)
 #
-# One program per (token, head), all math in fp32 (`indexer.md` §3):
+# One row per (token, head), all math in fp32 (`docs/indexer.md`):
 #
 # 1. **RoPE** on the last 64 of the 128 dims, GPT-J pairs (x[64+2i], x[64+2i+1]), at the token's position;
 # 2. a **bf16 round trip** of the rotated dims ("match reference numerics"; skipping it flips bytes);
@@ -79,20 +80,26 @@ for ctx in (8192, 131072, 1048576):
 # and the per-head q scale rides along in the head weight: the **fold**. Both factors are exact
 # (a power of two, then one fp32 multiply by c), so `weights_out` is bit-exact across implementations.
 # The weights themselves come from `weights_proj(x)` on the attention **input** x, not on the q-LoRA latent.
+#
+# The whole query path in torch, from `dsv4ref/indexer/reference.py`:
+
+# %%
+print(inspect.getsource(ix.reference.prepare_q))
+print(inspect.getsource(ix.reference.quantize_q))
 
 # %%
 T, H, N_KEYS, BC = 4, 16, 128, 16
-ex = ix.example(T, H, N_KEYS, block_size=BC, seed=5)
+ex = ix.example_inputs(T, H, N_KEYS, block_size=BC, seed=5)
 iq, pos, cs, w = ex["index_q"], ex["positions"], ex["cos_sin"], ex["weights"]
 print("index_q", tuple(iq.shape), iq.dtype, "| positions", pos.cpu().tolist(), "| weights", tuple(w.shape), w.dtype)
 
-x = ix.prepare_q_ref(iq, pos, cs)  # RoPE + bf16 round trip, fp32
+x = ix.reference.prepare_q(iq, pos, cs)  # RoPE + bf16 round trip, fp32
 q_ref, _, wo_ref = ix.quantize_q(iq, pos, cs, w, backend="reference")
 amax = x[0].abs().amax(-1)
-e = (wo_ref[0].double() / (w[0].double() * ix._fold(H))).log2()
+e = (wo_ref[0].double() / (w[0].double() * ix.reference.fold(H))).log2()
 print("token 0, scale exponent e per head:", e.round().int().cpu().tolist())
 print("weights_out == w · 2^e · c exactly:",
-      torch.equal(wo_ref[0], (w[0] * torch.exp2(e.round()).float()) * ix._fold(H)))
+      torch.equal(wo_ref[0], (w[0] * torch.exp2(e.round()).float()) * ix.reference.fold(H)))
 print("every head's largest |q̂| lands in (224, 448]:",
       bool(((amax * torch.exp2(-e.round().float()) > 224) & (amax * torch.exp2(-e.round().float()) <= 448)).all()))
 
@@ -112,7 +119,8 @@ print("weights_out[0, 3] ratio:", (wo2[0, 3] / wo_ref[0, 3]).item(), "| other he
 # %% [markdown]
 # ## 3. The kernel
 #
-# `dsv4ref.indexer._quant_kernel` handles a tile of 16 rows (a row = one (token, head)) per program:
+# `dsv4ref.indexer.kernels.quantize_kernel` handles a tile of 16 rows (a row = one (token, head)) per program
+# (`IndexerLaunch.quant_rows`, passed as `launch=`):
 #
 # * it loads the bf16 row through an int16 view and widens the bits to fp32 in integers (no bf16
 #   arithmetic; the interpreter would get it wrong);
@@ -120,11 +128,17 @@ print("weights_out[0, 3] ratio:", (wo2[0, 3] / wo_ref[0, 3]).item(), "| other he
 #   `d ^ 1`** instead of shuffling registers, then computes `e·c − o·s` / `e·s + o·c`. It is launched with
 #   `enable_fp_fusion=False`, so each product is rounded before the add exactly as torch does: no FMA
 #   contraction can flip an e4m3 byte;
-# * the bf16 round trip is `tl_helpers.bf16_round` (integer round-half-even);
-# * the Hadamard is 7 calls of a butterfly made of `reshape → permute → split → join(a+b, a−b)`;
+# * the bf16 round trip is `dsv4ref.tl.bf16_round` (integer round-half-even);
+# * the Hadamard is 7 calls of a butterfly made of `reshape → permute → split → join(a+b, a−b)` (below);
 # * the FP8 step is the shared `ue8m0_byte` (bit-field ceil-log2) and `e4m3_encode` (grid-snap RNE);
 # * the same kernel also quantises keys and writes them straight into the paged K cache (a `PAGED` switch).
 #
+# One butterfly stage, from `dsv4ref/indexer/kernels.py`:
+
+# %%
+print(inspect.getsource(ix.kernels.butterfly.fn))  # .fn: the Python function under @triton.jit
+
+# %% [markdown]
 # The kernel must match the reference **byte for byte**:
 
 # %%
@@ -154,7 +168,7 @@ for b in range(4):
     row[0, 32 * b: 32 * b + len(vals)] = torch.tensor(vals) * 2.0 ** kb[b]
 packed, sbytes = ix.quantize_k(row.to(torch.bfloat16).to(DEVICE), fmt="mxfp4")
 print("values (block 0):   ", vals)
-print("codes (block 0):    ", ix.e2m1_encode_ref(torch.tensor(vals)).tolist(), " <- ties go to the even code")
+print("codes (block 0):    ", ix.reference.e2m1_encode(torch.tensor(vals)).tolist(), " <- ties go to the even code")
 print("packed bytes 0..4:  ", [f"0x{v:02x}" for v in packed[0, :5].cpu().tolist()], " (low nibble = even element)")
 print("scale bytes:        ", sbytes[0].cpu().tolist(), " = 127 + k per block")
 iq1 = row.reshape(1, 1, 128).to(torch.bfloat16).to(DEVICE)
@@ -177,9 +191,9 @@ print("q scale word (int32):", f"0x{int(sc_word[0, 0]) & 0xFFFFFFFF:08x}", " (bl
 
 # %%
 def exact_logits(ex):
-    x = ix.prepare_q_ref(ex["index_q"], ex["positions"], ex["cos_sin"]).double()
+    x = ix.reference.prepare_q(ex["index_q"], ex["positions"], ex["cos_sin"]).double()
     dots = torch.einsum("thd,sd->ths", x, ex["k"].double()).clamp_min(0)
-    out = torch.einsum("th,ths->ts", ex["weights"].double() * ix._fold(x.shape[1]), dots)
+    out = torch.einsum("th,ths->ts", ex["weights"].double() * ix.reference.fold(x.shape[1]), dots)
     live = torch.arange(ex["k"].shape[0], device=x.device)[None, :] < ix.n_compressed(ex["positions"])[:, None]
     return torch.where(live, out, float("-inf"))
 
@@ -191,7 +205,7 @@ def bucket(v):
 K_SEL = 16
 results = {}
 for fmt in ix.FMTS:
-    ex_f = ix.example(T, H, N_KEYS, block_size=BC, seed=5, fmt=fmt)  # same q, k, positions; cache in `fmt`
+    ex_f = ix.example_inputs(T, H, N_KEYS, block_size=BC, seed=5, fmt=fmt)  # same q, k, positions; cache in `fmt`
     q, qs, wo = ix.quantize_q(ex_f["index_q"], ex_f["positions"], ex_f["cos_sin"], ex_f["weights"], fmt=fmt)
     kw = dict(block_table=ex_f["block_table"], block_size=BC)
     lg = ix.logits(q, qs, wo, ex_f["k_cache"], ex_f["positions"], **kw)
@@ -203,8 +217,9 @@ for fmt in ix.FMTS:
                for t in range(T))
     results[fmt] = (ix.FP8_RECORD if fmt == "fp8" else ix.MXFP4_RECORD, rel, hits / (T * K_SEL))
     # kernel vs the float64 oracle, normalised by Σ_h |w|·Σ_d |q·k| (the scale of fp32 summation error)
-    cond = ix._condition(q, qs, wo, ex_f, fmt, lg.shape[1])
-    oracle = ix._logits_ref64(q, qs, wo, ex_f["k_cache"], ex_f["positions"], ex_f["block_table"], BC, lg.shape[1], fmt)
+    args = (q, qs, wo, ex_f["k_cache"], ex_f["positions"], ex_f["block_table"])
+    cond = ix.reference.logits_condition(*args, block_size=BC, n_out=lg.shape[1])
+    oracle = ix.reference.logits(*args, block_size=BC, n_out=lg.shape[1], dtype=torch.float64)
     verdict = compare(lg.double() / cond, oracle / cond, "fp32_dot", "kernel").verdict()
     print(f"{fmt:6} {verdict}"
           f" | bytes/key {results[fmt][0]:3d} | rel. L2 error vs exact {bucket(rel):>7} | top-{K_SEL} overlap {hits}/{T * K_SEL}")
@@ -234,10 +249,10 @@ plt.show()
 # silently, since short contexts take the shortcut and never look at the scores.
 
 # %%
-ex0 = ix.example(T, H, N_KEYS, block_size=BC, seed=9)
+ex0 = ix.example_inputs(T, H, N_KEYS, block_size=BC, seed=9)
 exact0 = exact_logits(ex0)
 for hq, hk in [(False, False), (True, True), (True, False)]:
-    exh = ix.example(T, H, N_KEYS, block_size=BC, seed=9, hadamard=hk)
+    exh = ix.example_inputs(T, H, N_KEYS, block_size=BC, seed=9, hadamard=hk)
     q, _, wo = ix.quantize_q(exh["index_q"], exh["positions"], exh["cos_sin"], exh["weights"], hadamard=hq)
     lg = ix.logits(q, None, wo, exh["k_cache"], exh["positions"], block_table=exh["block_table"], block_size=BC,
                    backend="reference")
@@ -265,7 +280,7 @@ plt.show()
 
 # %%
 pos_m = torch.arange(0, 12, dtype=torch.int64, device=DEVICE)
-exm = ix.example(12, 8, 16, block_size=16, seed=3, positions=pos_m)
+exm = ix.example_inputs(12, 8, 16, block_size=16, seed=3, positions=pos_m)
 q, _, wo = ix.quantize_q(exm["index_q"], pos_m, exm["cos_sin"], exm["weights"])
 lg = ix.logits(q, None, wo, exm["k_cache"], pos_m, block_table=exm["block_table"], block_size=16, n_out=4)
 full = ix.topk(lg, 4)  # full path: torch.topk, -inf -> -1
@@ -277,7 +292,7 @@ print("shortcut == full path as sets:", torch.equal(full.sort(1).values, short.s
 # %% [markdown]
 # Finally the selected **local** ids (positions in the request's compressed sequence) become slots of the
 # main compressed KV cache through the request's block table: `page = block_table[l // Bc]`, slot =
-# page·Bc + l % Bc. Padding (−1) stays −1, and a padded/invalid token (slot_mapping −1) gets topk_len 0.
+# page·Bc + l % Bc. Padding (−1) stays −1, and a padded/invalid token (its own slot −1) gets topk_len 0.
 
 # %%
 bt = torch.tensor([[7, 2, 5], [4, 0, 1]], dtype=torch.int32, device=DEVICE)
@@ -328,7 +343,7 @@ for fmt, rec in (("fp8", ix.FP8_RECORD), ("mxfp4", ix.MXFP4_RECORD)):
 # %%
 # NBVAL_IGNORE_OUTPUT
 if not dsv4ref.interpreting():
-    from dsv4ref.harness import run_benches
+    from dsv4ref.tools.harness import run_benches
 
     ceil, rows = run_benches("indexer")
     for r in rows:

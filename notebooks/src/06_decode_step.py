@@ -9,15 +9,16 @@
 #
 # What this notebook shows:
 #
-# 1. the step as a pipeline, with shapes;
+# 1. the step as a pipeline, with shapes, and the compressor that feeds the compressed pools;
 # 2. prefill + a few dozen decode steps for a batch of 4 requests of different lengths;
 # 3. agreement with the float64 reference per step, and why the tolerance is what it is (the FP8 budget);
 # 4. that the check has teeth: the classic bugs, injected, fail it;
 # 5. where the bytes go at Flash size for 4k, 128k and 1M tokens of context (the indexer takes over);
 # 6. how to point the conformance suite, and its golden vectors, at **your** kernel.
 #
-# Facts: `README.md` §4 of the spec (the step map), `sparse_mla.md` §2/§8, `indexer.md` §5–§8,
-# `mhc.md` §9, `config.md` §5–§6. Code: `dsv4ref/decode.py`, `dsv4ref/conformance.py`.
+# The walk-through with every fact this notebook uses is `docs/decode.md`; the suite of section 6 is
+# `docs/conformance.md`. Code: `dsv4ref/decode/` (`model.py` the decode path, `compressor.py`, `reference.py`
+# the float64 dense reference, `demo.py`) and `dsv4ref/conformance/` (one module of cases per op).
 
 # %%
 import dsv4ref  # first: picks the device, sets TRITON_INTERPRET on a CPU-only machine
@@ -33,9 +34,10 @@ import torch
 # %matplotlib inline
 import inspect
 
-from dsv4ref import conformance, decode, mhc
+from dsv4ref import conformance, decode
 from dsv4ref.config import FLASH, TINY
-from dsv4ref.device import DEVICE, describe
+from dsv4ref.decode import compressor
+from dsv4ref.device import describe
 
 # %%
 # NBVAL_IGNORE_OUTPUT
@@ -86,18 +88,41 @@ plt.show()
 # `backend` switch (`"reference"` = the plain-torch op, `"triton"` = the kernel):
 
 # %%
-print(inspect.getsource(decode.Decoder._attention))
+print(inspect.getsource(decode.Decoder.attention))
 
 # %% [markdown]
 # Two details matter for correctness, and both are about **order**: the KV row of the current token is
 # written (step 4) before attention reads the window, and a compressed row completed by this token
 # ((p+1) % r == 0) is written (step 5) before the indexer and attention look for it. Both are
-# visible to this very token (`sparse_mla.md` §2; pitfalls.md #26).
+# visible to this very token (pitfall #26: a compressed id is visible once its whole window is in).
 #
-# The compressor is plain torch (the spec keeps its internals out of scope, `sparse_mla.md` §8): a ring
-# of the last coff·r tokens' (kv, score) per request; at a boundary token a per-channel softmax over the
-# window's tokens, with overlap on ratio 4 (the older 4 tokens give channels 0..511, the newer 4 give
-# 512..1023), then RMSNorm, bf16, RoPE at (p//r)·r, and the 584-B writer.
+# ### The compressor
+#
+# The compressed pools are filled by the compressor (`dsv4ref.decode.compressor`, plain torch for now): a
+# ring of the last coff·r tokens' (kv, score) per request; at a boundary token ((p+1) % r == 0) a
+# **per-channel** softmax over the window's tokens, with overlap on ratio 4 (the older 4 tokens give
+# channels 0..511, the newer 4 give 512..1023), then RMSNorm; the decoder then rounds the row to bf16,
+# rotates it at (p//r)·r and writes it with the 584-B writer. Feeding a 300-token sequence in any split
+# (here a 5-token prefill, then single tokens) gives the same rows as the float64 reference, which computes
+# the whole sequence at once in blocks of r tokens:
+
+# %%
+w0 = decode.make_weights(TINY, 0, device="cpu")
+x = torch.randn(300, TINY.hidden_size, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+for r, layer in ((4, 1), (128, 2)):
+    cw = w0["layers"][layer]["comp"]
+    state = compressor.allocate_state(1, r, TINY.head_dim, device="cpu")
+    got, at = [], []
+    for a, b in [(0, 5)] + [(p, p + 1) for p in range(5, 300)]:
+        out = compressor.compress(x[a:b], cw, state, torch.zeros(b - a, dtype=torch.int64), torch.arange(a, b),
+                                  torch.ones(b - a, dtype=torch.bool), ratio=r, eps=TINY.rms_norm_eps)
+        got.append(out.rows)
+        at += out.positions.tolist()
+    want, _ = decode.reference.compress({k: v.double() for k, v in cw.items()}, r, x.double(), TINY.rms_norm_eps)
+    err = float(decode.rel_err(torch.cat(got), want).max())
+    print(f"ratio {r:>3}: {len(at)} rows, written at p = {at[:3]} ...; row error vs float64 < 1e-5: {err < 1e-5}")
+
+# %% [markdown]
 #
 # ## 2. A batch of 4 requests: prefill, then decode
 #
@@ -127,7 +152,7 @@ print("block table (window) of request 0, first 8 pages:", dec.bt_swa[0, :8].cpu
 # `decode.reference_forward` recomputes each request's whole sequence in float64: same weights, same
 # equations, but **no FP8, no paging, and no sparsity** except the causal window and the top-k ids the
 # indexer chose (fed in, so both sides attend to the same rows). It shares no code with the decode path,
-# not even the RoPE tables. We compare, per step, the row relative error ‖a − b‖/‖b‖ of every layer's
+# not even the RoPE tables (its mHC pieces are the mHC op's readable references, run at float64). We compare, per step, the row relative error ‖a − b‖/‖b‖ of every layer's
 # attention output and of the logits.
 #
 # **Why these tolerances.** The one lossy format on the path is e4m3 for the 448 NoPE dims of every KV
@@ -177,7 +202,7 @@ print("  decode error within 3x the FP8 effect:", e_pure < 3 * budget)
 
 # %% [markdown]
 # The indexer is checked the same way: its FP8 top-16 should mostly agree with the top-16 of the
-# unquantised float64 scores (near-ties may flip, so we count overlap, `indexer.md` §9.4).
+# unquantised float64 scores (near-ties may flip, so we count overlap).
 
 # %%
 K = TINY.index_topk
@@ -193,10 +218,11 @@ print(f"top-16 overlap with the float64 indexer over {tot // K} selections: >= 8
 # ## 4. The check has teeth
 #
 # A tolerance is only worth something if bugs break it. `reference_forward(bugs=…)` injects the
-# classic DSV4 mistakes into the float64 side; each must fail the agreement check (pitfalls.md #14, #16,
-# #17). One does **not**: a transposed comb (#22) barely moves anything here, because the random comb of
-# this model sits near the identity, where comb ≈ combᵀ. That is exactly why the conformance suite has a
-# 4-cycle trap (section 6): an end-to-end check is not a substitute for the op-level ones.
+# classic DSV4 mistakes into the float64 side; each must fail the agreement check (pitfalls #14, #16 and
+# #17 of `docs/conformance.md`). One does **not**: a transposed comb (#22) barely moves anything here,
+# because the random comb of this model sits near the identity, where comb ≈ combᵀ. That is exactly why
+# the conformance suite has a 4-cycle trap (section 6): an end-to-end check is not a substitute for the
+# op-level ones.
 
 # %%
 for bug in decode.REFERENCE_BUGS:
@@ -241,7 +267,7 @@ except ValueError as e:
 # ## 5. Where the bytes go at V4-Flash size
 #
 # Per decoded token, summed over the 43 layers, caches and activations only (weights are shared by the
-# batch). The formulas are in `decode.traffic_per_op` (`sparse_mla.md` §9): sparse MLA reads
+# batch). The formulas are in `decode.traffic_per_op` (`docs/decode.md`): sparse MLA reads
 # N_sel·584 B, with N_sel = 128 window rows plus min(512, n_c) rows on ratio-4 layers or all n_c = L/128
 # on ratio-128 layers; the **indexer's logits kernel reads every visible indexer key**, L/4 × 132 B, on
 # each of the 21 ratio-4 layers. At 4k the window and the selected rows dominate; at 1M the indexer
@@ -297,6 +323,7 @@ print("ops covered:", sorted({r.op for r in report}))
 # plain `torch.save` dicts of named tensors (`inputs`, `expected`, the `positional` argument order and
 # the `tolerance` to compare with). A C++/SYCL port reads them with libtorch (`torch::pickle_load`) and
 # never runs our code; in Python, `conformance.run(impls, conformance.load_golden("golden"))` runs them.
+# The file format, and how to map a port's own functions, are in `docs/conformance.md`.
 
 # %%
 import pathlib

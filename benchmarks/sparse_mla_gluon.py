@@ -1,0 +1,188 @@
+"""GPU-only: the Hopper Gluon sparse-MLA decode (dsv4ref.sparse_mla.gluon) against the roofline bound,
+with the portable fused Triton kernel timed on the same inputs (not a test; prints a table).
+
+    PYTHONPATH=. python3 benchmarks/sparse_mla_gluon.py [--quick]
+
+1. Correctness first: every kernel variant against the fp32 torch reference on a small two-pool case
+   (tolerance "bf16_weighted_sum").
+2. Ceilings measured in this run (device-to-device copy, bf16 matmul: dsv4ref.tools.harness).
+3. The issue's three shapes (T 64: H 64 K 640; H 128 K 1152; H 16 K 2048; a window pool of 128 slots plus
+   the compressed pool, pages of 64, every (token, candidate) a distinct row, input sets rotated past the
+   L2), each timed as a device-graph replay (harness.time_ms): µs and % of max(bytes / copy BW, FLOP /
+   bf16 matmul rate). Bytes: 584 B + a 4-byte index per selected row, q and out in bf16, lse fp32, lengths;
+   FLOP: 2·H·K·(512 + 512) with the real H.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+
+os.environ.setdefault("DSV4REF_CHECK_VALUES", "0")  # no host syncs in decode(): graph-capturable
+
+import torch  # noqa: E402
+
+import dsv4ref  # noqa: E402,F401
+from dsv4ref import kv_cache  # noqa: E402
+from dsv4ref.device import DEVICE, capture_graph  # noqa: E402
+from dsv4ref.sparse_mla import gluon as G  # noqa: E402
+from dsv4ref.testing import compare, randn  # noqa: E402
+from dsv4ref.tools.harness import measure_ceilings, time_ms  # noqa: E402
+
+SHAPES = ((64, 64, 640), (64, 128, 1152), (64, 16, 2048))
+L2_BYTES = 60e6
+VARIANTS = {  # dsv4ref.sparse_mla.gluon.VARIANT flags
+    "gluon v1 (no ws) psmem": dict(WS=False, PIPE=False, P_SMEM=True),
+    "gluon ws": dict(WS=True, OVERLAP=False, PRODUCER_REGS=144, DEEP=False),
+    "gluon ws deep": dict(WS=True, OVERLAP=False, PRODUCER_REGS=144, DEEP=True),
+    "gluon ws deep overlap": dict(WS=True, OVERLAP=True, PRODUCER_REGS=144, DEEP=True),
+}
+# timing diagnostics (wrong results, never checked): DIAG 1 = the producer loads nothing (MMA + softmax +
+# dequant ALU only); DIAG 2 = the consumer runs no MMA (gather + dequant only)
+DIAGS = {
+    "diag: no row loads": dict(WS=True, OVERLAP=False, PRODUCER_REGS=144, DEEP=True, DIAG=1),
+    "diag: no MMA/softmax": dict(WS=True, OVERLAP=False, PRODUCER_REGS=144, DEEP=True, DIAG=2),
+}
+
+
+if os.environ.get("GLUON_BENCH_VARIANTS"):  # e.g. "gluon ws,gluon v1 (no ws) psmem": time only these
+    VARIANTS = {k: v for k, v in VARIANTS.items() if k in os.environ["GLUON_BENCH_VARIANTS"].split(",")}
+
+
+def portable(q, pools, sink):
+    from dsv4ref import sparse_mla
+    (c1, i1, l1, b1), (c2, i2, l2, b2) = pools
+    return sparse_mla.decode(q, c1, i1, l1, block_size=b1, sink=sink, extra_cache=c2, extra_slots=i2,
+                             extra_lengths=l2, extra_block_size=b2, backend="triton")
+
+
+def reference(q, pools, sink):
+    from dsv4ref import sparse_mla
+    (c1, i1, l1, b1), (c2, i2, l2, b2) = pools
+    return sparse_mla.decode(q, c1, i1, l1, block_size=b1, sink=sink, extra_cache=c2, extra_slots=i2,
+                             extra_lengths=l2, extra_block_size=b2, backend="reference")
+
+
+def gluon(q, pools, sink, variant=None, num_splits=None):
+    (c1, i1, l1, b1), (c2, i2, l2, b2) = pools
+    return G.decode_gluon(q, c1, i1, l1, block_size=b1, sink=sink, extra_cache=c2, extra_slots=i2,
+                          extra_lengths=l2, extra_block_size=b2, variant=variant, num_splits=num_splits)
+
+
+def inputs(T, H, K, n_sets, seed=0):
+    """n_sets input sets; every (token, candidate) reads a distinct row, window pool 128 + compressed rest."""
+    sets = []
+    for s in range(n_sets):
+        pools = []
+        for i, Kp in enumerate((128, K - 128)):
+            n = T * Kp
+            cache = kv_cache.allocate(n // 64, 64, device=DEVICE)
+            kv_cache.insert(cache, torch.randn(n, 512, device=DEVICE, dtype=torch.bfloat16),
+                            torch.arange(n, device=DEVICE), block_size=64)
+            g = torch.Generator().manual_seed(1000 * s + i + seed)
+            idx = torch.randperm(n, generator=g).to(torch.int32).view(T, Kp).to(DEVICE)
+            pools.append((cache, idx, torch.full((T,), Kp, dtype=torch.int32, device=DEVICE), 64))
+        sets.append((torch.randn(T, H, 512, device=DEVICE, dtype=torch.bfloat16), pools,
+                     torch.randn(H, device=DEVICE)))
+    return sets
+
+
+def counts(T, H, K):
+    byts = T * (K * (584 + 4) + H * 512 * 2 * 2 + H * 4 + 2 * 4)
+    return byts, T * 2 * H * K * 1024
+
+
+def correctness():
+    """Small two-pool case with holes, partial lengths and a sink, against the fp32 reference."""
+    ok = True
+    for H in (16, 64, 128):
+        T, K1, K2 = 6, 100, 300
+        g = torch.Generator().manual_seed(H)
+        pools = []
+        for i, (K, bs, pages) in enumerate(((K1, 16, 16), (K2, 64, 12))):
+            n = bs * pages
+            cache = kv_cache.allocate(pages, bs, device=DEVICE)
+            kv_cache.insert(cache, randn((n, 512), seed=10 * i + H, octaves=6), torch.arange(n, device=DEVICE),
+                            block_size=bs)
+            idx = torch.randint(0, n, (T, K), generator=g, dtype=torch.int32)
+            idx[torch.rand(T, K, generator=g) < 0.1] = -1
+            lens = torch.randint(0, K + 1, (T,), generator=g, dtype=torch.int32)
+            lens[0], lens[1] = K, 0
+            pools.append((cache, idx.to(DEVICE), lens.to(DEVICE), bs))
+        q = (randn((T, H, 512), seed=99 + H, octaves=4).float() * 0.25).to(torch.bfloat16)
+        sink = (torch.randn(H, generator=g) * 2).to(DEVICE)
+        # the fp32 reference and Σ p|v| (the scale of the bf16-P rounding error)
+        from dsv4ref.sparse_mla import reference as R
+        (c1, i1, l1, b1), (c2, i2, l2, b2) = pools
+        ref_out, ref_lse, mass = R.decode(q, c1, i1, l1, block_size=b1, sink=sink, extra_cache=c2, extra_slots=i2,
+                                          extra_lengths=l2, extra_block_size=b2, with_mass=True)
+        runs = [("portable", lambda: portable(q, pools, sink))]
+        for name, v in VARIANTS.items():
+            for sp in (1, 2):
+                runs.append((f"{name} split{sp}", lambda v=v, sp=sp: gluon(q, pools, sink, v, sp)))
+        for name, fn in runs:
+            try:
+                out, lse = fn()
+                torch.cuda.synchronize()
+                r1 = compare(out, ref_out.double(), "bf16_weighted_sum", "out", mass=mass)
+                r2 = compare(lse, ref_lse.double(), "lse", "lse")
+                good = r1.passed and r2.passed and not bool(torch.isnan(out).any())
+                ok &= good or name == "portable"
+                print(f"check H={H:<3} {name:<26} {'PASS' if good else 'FAIL'} out max_abs {r1.max_abs:.2e} "
+                      f"lse max_abs {r2.max_abs:.2e}", flush=True)
+            except Exception as e:
+                ok = False
+                print(f"check H={H:<3} {name:<26} ERROR {type(e).__name__}: {str(e)[:1500]}", flush=True)
+    return ok
+
+
+def main():
+    quick = "--quick" in sys.argv
+    print(dsv4ref.device.describe() if hasattr(dsv4ref, "device") else "", flush=True)
+    if not G.available(DEVICE):
+        print(f"gluon backend not available here ({G._IMPORT_ERROR!r})")
+        return 1
+    ok = correctness()
+    ceil = measure_ceilings()
+    print(f"ceilings: copy {ceil.copy_bytes_per_s / 1e12:.2f} TB/s, bf16 {ceil.bf16_flops_per_s / 1e12:.0f} TFLOP/s",
+          flush=True)
+    for T, H, K in SHAPES:
+        byts, flops = counts(T, H, K)
+        n_sets = max(2, math.ceil(2.5 * L2_BYTES / (T * K * 585)))
+        sets = inputs(T, H, K, n_sets)
+        bound_us = max(byts / ceil.copy_bytes_per_s, flops / ceil.bf16_flops_per_s) * 1e6
+        print(f"\n== T={T} H={H} K={K}: bound {bound_us:.2f} us ({byts / 1e6:.1f} MB, {flops / 1e9:.2f} GFLOP); "
+              f"gluon default splits {G.config(T, H, K, DEVICE)['num_splits']}", flush=True)
+        runs = [("portable triton (fused)", lambda i: portable(*sets[i][:2], sets[i][2]))]
+        for name, v in list(VARIANTS.items()) + list(DIAGS.items()):
+            runs.append((name, lambda i, v=v: gluon(*sets[i][:2], sets[i][2], v)))
+            if name.startswith("diag"):
+                continue
+            if not quick:
+                for sp in (1, 2):
+                    if sp != G.config(T, H, K, DEVICE)["num_splits"]:
+                        runs.append((f"{name} split{sp}", lambda i, v=v, sp=sp: gluon(*sets[i][:2], sets[i][2], v, sp)))
+        for name, fn in runs:
+            try:
+                fn(0)
+                torch.cuda.synchronize()
+                graphed = capture_graph(lambda: [fn(i) for i in range(n_sets)]) is not None
+                us = time_ms(fn, n_sets) * 1e3
+                extra = ""
+                k = G._LAST.get("decode")
+                if name.startswith("gluon") and k is not None:
+                    extra = f" regs {getattr(k, 'n_regs', '?')} spills {getattr(k, 'n_spills', '?')}"
+                print(f"{name:<30} {us:8.1f} us  {byts / us / 1e3:7.0f} GB/s  {flops / us / 1e6:6.1f} TFLOP/s  "
+                      f"{bound_us / us:6.1%} of bound{'' if graphed else ' (EAGER: graph capture failed)'}{extra}",
+                      flush=True)
+            except Exception as e:
+                print(f"{name:<30} FAILED {type(e).__name__}: {str(e)[:800]}", flush=True)
+        sets = None  # free this shape's inputs
+        torch.cuda.empty_cache()
+    print("\ncorrectness:", "all gluon variants PASS" if ok else "SOME GLUON CHECK FAILED")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,39 @@
+"""A whole DeepSeek-V4 decode step, end to end, on the teaching config; and a float64 dense reference.
+
+The walk-through is ``docs/decode.md``. Two implementations of the same block of layers live here:
+
+* :class:`Decoder` (:mod:`.model`): the real data path. Paged FP8 caches (584 B/token, shuffled pages
+  behind block tables), the fused q-norm + RoPE + KV insert, a stateful compressor (:mod:`.compressor`:
+  ratio 4 with overlap, ratio 128, and the indexer's own ratio-4 compressor), the lightning indexer's
+  top-k, sparse MLA decode over window ∪ compressed rows with the attention sink, inverse RoPE, the
+  grouped o-projection, mHC around attention and around a small clamped-SwiGLU FFN, and the hc_head +
+  final norm + lm_head. Every op is a public library call with a ``backend`` switch.
+* :func:`reference_forward` (:mod:`.reference`): the same block as a float64 full-sequence forward: no
+  FP8, no paging, no sparsity except the causal window and the top-k ids it is given.
+
+:func:`agreement` compares the two under :data:`ATTN_TOL` / :data:`LOGITS_TOL`; :func:`run` drives a
+decoder; :func:`demo` is ``python -m dsv4ref demo`` (:mod:`.demo`). The weights are random and seeded
+(:func:`make_weights`, :mod:`.weights`).
+
+Usage::
+
+    from dsv4ref import decode
+    from dsv4ref.config import TINY
+    dec = decode.Decoder(TINY, decode.make_weights(TINY), num_requests=2, capacity=64)
+    logits = dec.prefill([[1, 2, 3], [4, 5]])          # (2, V) fp32: each request's last prompt token
+    logits = dec.step(logits.argmax(-1))               # one token per request
+    toks, topks = dec.history()
+    ref = decode.reference_forward(TINY, dec.w, toks[0], topks[0])   # float64, the whole sequence
+"""
+
+from . import compressor
+from .demo import AGREEMENT_TOL, ATTN_TOL, LOGITS_TOL, StepAgreement, agreement, demo, rel_err, run
+from .model import CacheCapacityError, Decoder, Rows, swiglu_clamped, traffic_per_op
+from .reference import REFERENCE_BUGS, reference_forward
+from .weights import check_config, layer_ratio, make_weights, weights_to
+
+__all__ = [
+    "Decoder", "CacheCapacityError", "Rows", "check_config", "layer_ratio", "make_weights", "weights_to",
+    "reference_forward", "REFERENCE_BUGS", "agreement", "StepAgreement", "rel_err", "ATTN_TOL", "LOGITS_TOL",
+    "AGREEMENT_TOL", "run", "demo", "traffic_per_op", "swiglu_clamped", "compressor",
+]

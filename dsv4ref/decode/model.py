@@ -1,0 +1,419 @@
+"""The decode path: a batch of requests decoding through the whole layer stack with paged FP8 caches.
+
+Every box of ``docs/decode.md#one-step-op-by-op`` is a call of a public op with a ``backend`` switch
+(``"reference"`` = the op's plain-torch reference, ``"triton"`` / ``"auto"`` = its kernel): the fused
+q-norm + RoPE + KV insert, the compressor (plain torch, :mod:`.compressor`), the lightning indexer's
+top-k, sparse MLA decode over window ∪ compressed rows with the attention sink, inverse RoPE, the grouped
+o-projection, mHC around attention and around a small clamped-SwiGLU FFN (the MoE stand-in), and the
+hc_head + final norm + lm_head. Activations are bf16, the small glue (norms, GEMMs) fp32 math.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from .. import indexer, kv_cache, mhc, rope, sparse_mla, validate
+from ..config import TINY, Config
+from ..device import DEVICE, Timer
+from ..formats import FP8_K_RECORD, TOKEN_BYTES
+from ..testing import generator
+from . import compressor
+from .weights import check_config, layer_ratio, make_weights
+
+__all__ = ["Decoder", "CacheCapacityError", "Rows", "swiglu_clamped", "traffic_per_op"]
+
+#: backends the decode step can pass to every op it calls
+SUPPORTED_BACKENDS = ("reference", "triton")
+
+
+# ====================================================================================================
+# small torch pieces of the decode path (bf16 activations, fp32 math)
+# ====================================================================================================
+
+
+def _rms_norm(x: torch.Tensor, w: torch.Tensor | None, eps: float) -> torch.Tensor:
+    xf = x.float()
+    y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return (y * w.float() if w is not None else y).to(torch.bfloat16)
+
+
+def _linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """bf16 GEMM, fp32 accumulation, bf16 out."""
+    return F.linear(x.to(torch.bfloat16), w)
+
+
+def swiglu_clamped(gate_up: torch.Tensor, limit: float) -> torch.Tensor:
+    """The FFN activation (vLLM's ``SiluAndMulWithClamp``): gate = the first half of the last dim,
+    clamped from above only; up = the second half, clamped both ways; returns silu(gate) · up, half the
+    width of ``gate_up``, in its dtype (``docs/decode.md#the-ffn-stand-in``)."""
+    d = gate_up.shape[-1] // 2
+    gate = gate_up[..., :d].clamp(max=limit)
+    up = gate_up[..., d:].clamp(-limit, limit)
+    return F.silu(gate) * up
+
+
+class CacheCapacityError(ValueError):
+    """A decode step would write past the space the caches were allocated with."""
+
+
+@dataclass
+class Rows:
+    """The T rows of one step: request id, absolute position and validity of each row (on the device)."""
+
+    req: torch.Tensor  # (T,) int64
+    pos: torch.Tensor  # (T,) int64 (0 for padding rows)
+    valid: torch.Tensor  # (T,) bool
+
+
+# ====================================================================================================
+# the decoder
+# ====================================================================================================
+
+
+class Decoder:
+    """A batch of ``num_requests`` requests decoding through the whole layer stack with paged caches.
+
+    >>> dec = Decoder(TINY, make_weights(TINY), num_requests=4, capacity=320)
+    >>> logits = dec.prefill([prompt0, prompt1, prompt2, prompt3])    # batched: all prompt tokens at once
+    >>> logits = dec.step(next_ids)                                   # one token per request
+
+    Caches (per layer, in ``self.layers[l]``): ``swa``, the window pool, pages of ``cfg.window_page``
+    tokens; for ratio r > 1 ``comp``, the compressed pool (pages of ``cfg.c4_page`` / ``cfg.c128_page``
+    compressed rows) and ``ring``, the compressor state; for ratio 4 ``idx_cache``, the indexer-K pool
+    (``cfg.index_page``), ``idx_ring`` and ``topk``, the ids the indexer chose (for the reference). Every
+    request owns ``capacity`` tokens of each, in pages drawn from a shuffled permutation (its block tables
+    ``bt_swa``, ``layers[l]["bt_c"]``, ``layers[l]["bt_i"]``). The window pool keeps the whole history (a
+    serving engine would free pages that slid out of the window); a step that would go past ``capacity``
+    raises :class:`CacheCapacityError` instead of overwriting.
+
+    ``backend`` ("auto", "triton" or "reference") is passed to every op; ``prefill`` defaults to
+    "reference" (in the CPU interpreter a kernel launch costs ~1 ms per program, too slow for hundreds of
+    prompt tokens), ``step`` to ``backend``. After each call ``attn_out`` holds every layer's attention
+    output (T, Hd) bf16; set ``prof = {}`` to collect per-op milliseconds.
+    """
+
+    def __init__(self, cfg: Config = TINY, weights: dict | None = None, *, num_requests: int = 4,
+                 capacity: int = 320, seed: int = 0, pad_heads: bool = True, index_hadamard: bool = True,
+                 backend: str = "auto", device=None):
+        check_config(cfg)
+        if num_requests < 1:
+            raise ValueError(f"num_requests: expected >= 1, got {num_requests}")
+        if capacity < 1 or capacity > cfg.max_position:
+            raise ValueError(f"capacity: expected 1..cfg.max_position={cfg.max_position} tokens, got {capacity}")
+        self.cfg, self.dev = cfg, device or DEVICE
+        self.backend = validate.backend(backend, SUPPORTED_BACKENDS)
+        self.index_hadamard = index_hadamard  # on both the indexer Q and K sides, or neither
+        self.w = weights if weights is not None else make_weights(cfg, seed, self.dev)
+        self.R, self.capacity = num_requests, capacity
+        self.H = cfg.num_heads
+        self.Hp = cfg.padded_heads if pad_heads else cfg.num_heads
+        self.lengths = torch.zeros(num_requests, dtype=torch.int64)  # host: tokens already in the caches
+        self.prof: dict[str, float] | None = None  # per-op milliseconds when profiling
+        self.attn_out: list[torch.Tensor] = []
+        g = generator(seed + 1)
+        dev = self.dev
+
+        def table(rows_per_req: int, page: int):
+            n = max(1, -(-rows_per_req // page))
+            perm = torch.randperm(num_requests * n, generator=g).to(torch.int32)
+            return perm.view(num_requests, n).to(dev), num_requests * n
+
+        # RoPE tables: theta 10000 for window-only layers, 160000 + YaRN for compressed ones
+        self.cos_sin = {}
+        for r in sorted(set(layer_ratio(cfg, i) for i in range(cfg.num_layers))):
+            key = "swa" if r == 0 else "comp"
+            if key not in self.cos_sin:
+                self.cos_sin[key] = (rope.cos_sin_cache(cfg.max_position, cfg.rope_dim, cfg.rope_theta, device=dev)
+                                     if r == 0 else
+                                     rope.cos_sin_cache(cfg.max_position, cfg.rope_dim, cfg.compress_rope_theta,
+                                                        yarn=cfg.yarn, device=dev))
+        self.bt_swa, n_swa = table(capacity, cfg.window_page)
+        self.layers = []
+        for li in range(cfg.num_layers):
+            r = layer_ratio(cfg, li)
+            st = dict(ratio=r, swa=kv_cache.allocate(n_swa, cfg.window_page, device=dev))
+            if r > 1:
+                page = cfg.c4_page if r == 4 else cfg.c128_page
+                st["page"] = page
+                st["bt_c"], n_c = table(capacity // r, page)
+                st["comp"] = kv_cache.allocate(n_c, page, device=dev)
+                st["ring"] = compressor.allocate_state(num_requests, r, cfg.head_dim, device=dev)
+            if r == 4:
+                st["bt_i"], n_i = table(capacity // 4, cfg.index_page)
+                st["idx_cache"] = indexer.allocate_k_cache(n_i, cfg.index_page, device=dev)
+                st["idx_ring"] = compressor.allocate_state(num_requests, 4, cfg.index_head_dim, device=dev)
+                st["topk"] = torch.full((num_requests, capacity, cfg.index_topk), -1, dtype=torch.int32)
+            self.layers.append(st)
+        self.tokens = torch.zeros(num_requests, capacity, dtype=torch.int64)  # host: the token history
+
+    # ------------------------------------------------------------------------------------------------
+    # public API
+    # ------------------------------------------------------------------------------------------------
+    def prefill(self, prompts, *, backend: str = "reference") -> torch.Tensor:
+        """Run every prompt token of every request through the stack in ONE batched step (each token is a
+        query row with its own window and compressed candidates).
+
+        Args: ``prompts``: ``num_requests`` sequences of token ids (each at least one token); the
+        Decoder must be fresh. Returns the logits (R, V) fp32 of each request's last prompt token."""
+        if len(prompts) != self.R:
+            raise ValueError(f"prompts: expected {self.R} prompts (num_requests), got {len(prompts)}")
+        if bool((self.lengths > 0).any()):
+            raise ValueError("prefill: the caches already hold tokens; prefill a fresh Decoder")
+        lens = torch.tensor([len(p) for p in prompts], dtype=torch.int64)
+        if bool((lens < 1).any()):
+            raise ValueError("prompts: every prompt needs at least one token")
+        ids = torch.cat([torch.as_tensor(p, dtype=torch.int64).cpu() for p in prompts])
+        self._check_ids(ids, "prompts")
+        req = torch.repeat_interleave(torch.arange(self.R), lens)
+        pos = torch.cat([torch.arange(n) for n in lens.tolist()])
+        rows = self._rows(req, pos, torch.ones_like(pos, dtype=torch.bool))
+        logits = self._forward(ids.to(self.dev), rows, validate.backend(backend, SUPPORTED_BACKENDS))
+        self.tokens[req, pos] = ids
+        self.lengths += lens
+        last = torch.cumsum(lens, 0) - 1
+        return logits[last.to(self.dev)]
+
+    def step(self, ids, *, active=None, backend: str | None = None) -> torch.Tensor:
+        """Decode one token per request.
+
+        Args: ``ids`` (R,) int64, the tokens at positions ``self.lengths``; ``active`` (R,) bool, False
+        marks a padding row (slot −1, all lengths 0: nothing written, its position kept); ``backend``
+        (default: the Decoder's). Returns the logits (R, V) fp32 (rows of inactive requests are
+        meaningless)."""
+        ids = torch.as_tensor(ids, dtype=torch.int64)
+        if tuple(ids.shape) != (self.R,):
+            raise ValueError(f"ids: expected shape ({self.R},), got {tuple(ids.shape)}")
+        self._check_ids(ids.cpu(), "ids")
+        act = torch.ones(self.R, dtype=torch.bool) if active is None else torch.as_tensor(active, dtype=torch.bool).cpu()
+        if tuple(act.shape) != (self.R,):
+            raise ValueError(f"active: expected shape ({self.R},), got {tuple(act.shape)}")
+        rows = self._rows(torch.arange(self.R), self.lengths.clone(), act)
+        be = self.backend if backend is None else validate.backend(backend, SUPPORTED_BACKENDS)
+        logits = self._forward(ids.to(self.dev), rows, be)
+        r = torch.arange(self.R)[act]
+        self.tokens[r, self.lengths[act]] = ids.cpu()[act]
+        self.lengths += act.long()
+        return logits
+
+    def history(self) -> tuple[list[torch.Tensor], list[dict]]:
+        """Per request: the tokens so far (L,) int64 and, per ratio-4 layer, the top-k local ids
+        (L, K_top) int32 the indexer chose at each position: what :func:`dsv4ref.decode.reference_forward`
+        needs to follow this run. Returns (tokens list, list of {layer: ids})."""
+        toks, topks = [], []
+        for r in range(self.R):
+            n = int(self.lengths[r])
+            toks.append(self.tokens[r, :n].clone())
+            topks.append({li: st["topk"][r, :n].clone() for li, st in enumerate(self.layers) if "topk" in st})
+        return toks, topks
+
+    # ------------------------------------------------------------------------------------------------
+    # bookkeeping
+    # ------------------------------------------------------------------------------------------------
+    def _op(self, name: str, fn, *args, **kw):
+        """Call a library op; when profiling, time it (device events) and add to ``self.prof[name]``."""
+        if self.prof is None:
+            return fn(*args, **kw)
+        with Timer(self.dev) as t:
+            out = fn(*args, **kw)
+        self.prof[name] = self.prof.get(name, 0.0) + t.ms
+        return out
+
+    def _check_ids(self, ids: torch.Tensor, name: str) -> None:
+        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.cfg.vocab_size):
+            raise ValueError(f"{name}: token ids must be in [0, {self.cfg.vocab_size}), got "
+                             f"{int(ids.min())}..{int(ids.max())}")
+
+    def _rows(self, req: torch.Tensor, pos: torch.Tensor, valid: torch.Tensor) -> Rows:
+        bad = valid & (pos >= self.capacity)
+        if bool(bad.any()):
+            i = int(bad.nonzero()[0, 0])
+            raise CacheCapacityError(
+                f"request {int(req[i])}: position {int(pos[i])} is past the cache capacity of {self.capacity} "
+                f"tokens per request; nothing was written (make a Decoder with a larger capacity=)")
+        return Rows(req.to(self.dev), torch.where(valid, pos, 0).to(self.dev), valid.to(self.dev))
+
+    @staticmethod
+    def _slots(bt: torch.Tensor, req: torch.Tensor, local: torch.Tensor, page: int, ok: torch.Tensor) -> torch.Tensor:
+        """Flat slots ``page · block_size + offset`` of local row ids ``local`` (any shape, broadcast with
+        ``req``) through block table ``bt``: −1 where not ``ok``."""
+        loc = torch.where(ok, local, 0).long()
+        pages = bt[req.view(-1, *([1] * (loc.dim() - 1))).expand_as(loc), loc // page].long()
+        return torch.where(ok, pages * page + loc % page, -1)
+
+    # ------------------------------------------------------------------------------------------------
+    # the stack
+    # ------------------------------------------------------------------------------------------------
+    def _forward(self, ids: torch.Tensor, rows: Rows, backend: str) -> torch.Tensor:
+        cfg, w = self.cfg, self.w
+        mk = dict(rms_eps=cfg.rms_norm_eps, hc_eps=cfg.hc_eps, sinkhorn_iters=cfg.hc_sinkhorn_iters, backend=backend)
+        self.attn_out = []  # per layer (T, Hd) bf16, for the agreement checks
+        h = w["embed"][ids]  # 0: (T, Hd) bf16
+        Hs = h[:, None, :].expand(-1, cfg.hc_mult, -1).contiguous()  # (T, M, Hd): h repeated, not split
+        ffn_out = post = comb = None
+        for li, L in enumerate(w["layers"]):
+            p = L["hc_attn"]
+            if li == 0:  # 1: mHC pre
+                post, comb, x = self._op("mhc", mhc.pre, Hs, p["fn"], p["scale"], p["base"], **mk)
+            else:  # 10 of the previous layer, fused with this layer's 1
+                Hs, post, comb, x = self._op("mhc", mhc.fused_post_pre, ffn_out, Hs, post, comb, p["fn"], p["scale"],
+                                             p["base"], **mk)
+            a = self.attention(li, x, rows, backend)  # 2..9
+            self.attn_out.append(a)
+            p = L["hc_ffn"]
+            Hs, post, comb, x = self._op("mhc", mhc.fused_post_pre, a, Hs, post, comb, p["fn"], p["scale"], p["base"], **mk)
+            ffn_out = self._op("ffn", self._ffn, L, x)  # 11
+        Hs = self._op("mhc", mhc.post, ffn_out, Hs, post, comb, backend=backend)  # 12
+        p = w["hc_head"]
+        y = self._op("mhc", mhc.head, Hs, p["fn"], p["scale"], p["base"], rms_eps=cfg.rms_norm_eps, hc_eps=cfg.hc_eps,
+                     backend=backend)
+        y = _rms_norm(y, w["final_norm"], cfg.rms_norm_eps)
+        return self._op("lm_head", lambda: y.float() @ w["lm_head"].float().T)
+
+    def _ffn(self, L: dict, x: torch.Tensor) -> torch.Tensor:
+        x = _rms_norm(x, L["ffn_norm"], self.cfg.rms_norm_eps)
+        gu = F.linear(x, L["w_gate_up"]).float()
+        return _linear(swiglu_clamped(gu, self.cfg.swiglu_limit).to(torch.bfloat16), L["w_down"])
+
+    def attention(self, li: int, x: torch.Tensor, rows: Rows, backend: str) -> torch.Tensor:
+        """Layer ``li``'s attention block (steps 2–9 of the step map) on the mHC layer input ``x`` (T, Hd)
+        bf16 of the step's ``rows``: writes this step's KV rows (window, compressed, indexer K) into the
+        caches and returns the block's output (T, Hd) bf16."""
+        cfg, L, st = self.cfg, self.w["layers"][li], self.layers[li]
+        r, T, D, H = st["ratio"], x.shape[0], cfg.head_dim, self.H
+        cos_sin = self.cos_sin["swa" if r == 0 else "comp"]
+        eps = cfg.rms_norm_eps
+        # 2-3: norm, one GEMM for [qr | kv], their norms, wq_b
+        x = _rms_norm(x, L["attn_norm"], eps)
+        qkv = self._op("proj", _linear, x, L["wqkv_a"])
+        qr = _rms_norm(qkv[:, :cfg.q_lora_rank], L["q_norm"], eps)
+        kv = _rms_norm(qkv[:, cfg.q_lora_rank:], L["kv_norm"], eps)
+        q = self._op("proj", _linear, qr, L["wq_b"]).view(T, H, D)
+        # 4: fused q-norm + RoPE + KV insert into the window cache (slot −1 for padding rows)
+        slots = self._slots(self.bt_swa, rows.req, rows.pos, cfg.window_page, rows.valid)
+        self._op("qnorm_rope_kv_insert", rope.qnorm_rope_kv_insert, q, kv, st["swa"], slots, rows.pos, cos_sin,
+                 eps=eps, block_size=cfg.window_page, backend=backend)
+        # 5: compressor (before the indexer and attention: a row completed by this token is visible to it)
+        if r > 1:
+            self._op("compressor", self._compress, li, x, rows, backend)
+        # 6: indexer (ratio 4): top-k local compressed ids; ratio 128: every visible compressed row
+        extra = {}
+        if r > 1:
+            n_c = torch.where(rows.valid, (rows.pos + 1) // r, 0)
+            if r == 4:
+                local = self._indexer(li, x, qr, rows, n_c, backend)
+            else:
+                j = torch.arange(max(1, self.capacity // r), device=self.dev)[None, :]
+                local = torch.where(j < n_c[:, None], j, -1)
+            ok = local >= 0
+            extra = dict(extra_cache=st["comp"], extra_block_size=st["page"],
+                         extra_slots=self._slots(st["bt_c"], rows.req, local, st["page"], ok).to(torch.int32),
+                         extra_lengths=ok.sum(1).to(torch.int32))
+        # 7: sparse MLA decode over window ∪ compressed rows, sink in the denominator
+        W = cfg.window
+        swa_len = torch.where(rows.valid, torch.clamp(rows.pos + 1, max=W), 0)
+        j = torch.arange(W, device=self.dev)[None, :]
+        ok = j < swa_len[:, None]  # packed prefix: [valid…, −1…]
+        swa_slots = self._slots(self.bt_swa, rows.req, rows.pos[:, None] - swa_len[:, None] + 1 + j, cfg.window_page, ok)
+        sink = L["sink"]
+        if self.Hp > H:  # head padding: zero q rows, −inf sinks, sliced off after
+            q = torch.cat([q, q.new_zeros(T, self.Hp - H, D)], dim=1)
+            sink = torch.cat([sink, sink.new_full((self.Hp - H,), -math.inf)])
+        o, _lse = self._op("sparse_mla", sparse_mla.decode, q, st["swa"], swa_slots.to(torch.int32),
+                           swa_len.to(torch.int32), block_size=cfg.window_page, sink=sink,
+                           scale=cfg.softmax_scale, backend=backend, **extra)
+        # 8: drop padded heads, inverse RoPE at the query position; 9: grouped o-projection
+        o = self._op("inv_rope", rope.apply_gptj, o[:, :H].contiguous(), rows.pos, cos_sin, inverse=True, backend=backend)
+        return self._op("o_proj", rope.grouped_o_proj, o, L["wo_a"], L["wo_b"])
+
+    def _compress(self, li: int, x: torch.Tensor, rows: Rows, backend: str) -> None:
+        """5: the compressed rows (and, ratio 4, indexer keys) completed by this step, rounded to bf16,
+        rotated at (p // r)·r, written through the cache writers."""
+        cfg, L, st = self.cfg, self.w["layers"][li], self.layers[li]
+        r, cos_sin, eps = st["ratio"], self.cos_sin["comp"], cfg.rms_norm_eps
+        out = compressor.compress(x, L["comp"], st["ring"], rows.req, rows.pos, rows.valid, ratio=r, eps=eps)
+        if out.rows.shape[0]:
+            row = rope.apply_gptj(out.rows.to(torch.bfloat16), rope.compressed_position(out.positions, r), cos_sin,
+                                  backend=backend)
+            slots = self._slots(st["bt_c"], out.requests, out.positions // r, st["page"], torch.ones_like(out.positions,
+                                                                                                        dtype=torch.bool))
+            kv_cache.insert(st["comp"], row.contiguous(), slots, block_size=st["page"], backend=backend)
+        if r == 4:
+            out = compressor.compress(x, L["idx_comp"], st["idx_ring"], rows.req, rows.pos, rows.valid, ratio=4, eps=eps)
+            if out.rows.shape[0]:
+                k = rope.apply_gptj(out.rows.to(torch.bfloat16), rope.compressed_position(out.positions, 4), cos_sin,
+                                    backend=backend)
+                slots = self._slots(st["bt_i"], out.requests, out.positions // 4, cfg.index_page,
+                                    torch.ones_like(out.positions, dtype=torch.bool))
+                indexer.insert_k(st["idx_cache"], k.contiguous(), slots, block_size=cfg.index_page,
+                                 hadamard=self.index_hadamard, backend=backend)
+
+    def _indexer(self, li: int, x: torch.Tensor, qr: torch.Tensor, rows: Rows, n_c: torch.Tensor,
+                 backend: str) -> torch.Tensor:
+        """6: the indexer's top-k local compressed ids (T, K_top) int, a packed prefix, −1 padded."""
+        cfg, L, st = self.cfg, self.w["layers"][li], self.layers[li]
+        T = x.shape[0]
+        iq = self._op("proj", _linear, qr, L["idx_wq_b"]).view(T, cfg.index_heads, cfg.index_head_dim)
+        wts = self._op("proj", _linear, x, L["idx_weights"]).float()  # from x, not qr
+        if int(n_c.max()) <= cfg.index_topk:  # short-context shortcut: every visible row, no logits needed
+            logits = None
+        else:
+            q8, _, w_out = self._op("indexer", indexer.quantize_q, iq, rows.pos, self.cos_sin["comp"], wts,
+                                    hadamard=self.index_hadamard, backend=backend)
+            logits = self._op("indexer", indexer.logits, q8, None, w_out, st["idx_cache"], rows.pos,
+                              block_table=st["bt_i"][rows.req], block_size=cfg.index_page,
+                              n_out=max(1, self.capacity // 4), backend=backend)
+        local = self._op("indexer", indexer.topk, logits, cfg.index_topk, positions=rows.pos)
+        local = torch.where(rows.valid[:, None], local, -1)
+        # packed prefix (valid ids first); order has no meaning for one softmax
+        local = torch.gather(local, 1, torch.argsort((local < 0).to(torch.int8), dim=1, stable=True))
+        v = rows.valid.cpu()
+        st["topk"][rows.req.cpu()[v], rows.pos.cpu()[v]] = local.cpu()[v]
+        return local
+
+
+# ====================================================================================================
+# where the bytes go (formulas; for the notebook's stacked bar)
+# ====================================================================================================
+
+
+def traffic_per_op(cfg: Config, context: int) -> dict[str, float]:
+    """Compulsory bytes moved per decoded token (one request, all layers) by each op of the step, at a
+    context of ``context`` tokens. Returns {op name: bytes} for sparse_mla, indexer, qnorm_rope_kv_insert,
+    compressor and mhc. Caches and activations only: weights are shared by the whole batch (at batch B
+    each token pays weights/B) and are left out. Conventions (``docs/decode.md#where-the-bytes-go``):
+
+    * sparse_mla: N_sel·584 (KV rows) + q and out bf16 (H·512·2 each) + lse fp32 + 4-byte slots;
+      N_sel = W (+ min(K_top, n_c) on ratio-4 layers, + n_c on ratio-128 layers), n_c = context // r.
+    * indexer: the logits kernel reads every visible indexer key (132 B: 128 e4m3 + fp32 scale) and writes
+      one fp32 logit per key; top-k reads the logits and writes K_top int32; Q quant reads bf16 q
+      (n_ih·128·2) and writes e4m3 q + fp32 weights.
+    * qnorm_rope_kv_insert: q read + written (bf16), kv row read (bf16), 584 B written.
+    * compressor: the fp32 state (kv, score) of this token written (2·coff·D·4 B), the window's states read
+      once per r tokens (amortised: coff·r·2·D·4 / r), the compressed row written once per r tokens
+      (584 B; indexer keys 132 B).
+    * mhc: two fused post+pre per layer, each reading and writing the M bf16 streams (M·Hd·2 B each way)
+      plus reading the sub-layer output (Hd·2).
+    """
+    check_config(cfg)
+    H, W, Hd, M = cfg.num_heads, cfg.window, cfg.hidden_size, cfg.hc_mult
+    t = dict(sparse_mla=0.0, indexer=0.0, qnorm_rope_kv_insert=0.0, compressor=0.0, mhc=0.0)
+    for li in range(cfg.num_layers):
+        r = layer_ratio(cfg, li)
+        n_c = context // r if r else 0
+        n_sel = W + (min(cfg.index_topk, n_c) if r == 4 else n_c)
+        t["sparse_mla"] += n_sel * (TOKEN_BYTES + 4) + 2 * H * 512 * 2 + 4 * H
+        t["qnorm_rope_kv_insert"] += 2 * H * 512 * 2 + 512 * 2 + TOKEN_BYTES
+        t["mhc"] += 2 * (2 * M * Hd * 2 + Hd * 2)
+        if r > 1:
+            coff = compressor.overlap(r)
+            for d, row in [(512, TOKEN_BYTES)] + ([(cfg.index_head_dim, FP8_K_RECORD)] if r == 4 else []):
+                t["compressor"] += 2 * coff * d * 4 + coff * r * 2 * d * 4 / r + row / r
+        if r == 4:
+            nih = cfg.index_heads
+            t["indexer"] += (nih * 128 * 2 + nih * (128 + 4) + n_c * (FP8_K_RECORD + 4) + n_c * 4
+                             + cfg.index_topk * 4)
+    return t

@@ -1,0 +1,235 @@
+"""The float64 dense reference of the decode step: one request's whole sequence, every position a query.
+
+Same weights and equations as the decode path (:mod:`.model`), but **no FP8, no paging and no sparsity**
+beyond the causal window and the top-k ids it is given (the ones the indexer chose, so both sides attend
+to the same rows). It computes the whole sequence at once, where the decode path goes token by token
+through caches, and shares no code with it: its RoPE is its own float64 rotation (not the fp32 tables),
+its compressor works on blocks of r tokens (not a ring). The mHC pieces are the mHC op's own readable
+references run at float64 (they are held to an independent oracle in ``tests/test_mhc.py``).
+
+Per layer l with ratio r, for all L positions p at once (``docs/decode.md#one-step-op-by-op``)::
+
+    x            = mHC pre(Hs)                              (L, Hd)       [mhc reference, float64]
+    x            = RMSNorm(x);  [qr | kv] = x·[W_qa ; W_kv]ᵀ;  qr, kv = RMSNorm(qr), RMSNorm(kv)
+    q            = rope(RMSNorm(qr·W_qbᵀ) per head, p)      (L, H, 512)   RoPE on dims 448..511
+    k            = rope(kv, p)                              (L, 512)      the window rows
+    c            = rope(compress(x), (p // r)·r)            (L // r, 512) the compressed rows
+    candidates   = window (p − W, p] ∪ compressed rows {top-k ids (r = 4) | all n_c = (p+1)//r (r = 128)}
+    o            = softmax(q·kᵀ·scale) @ k · σ(lse − sink)   (L, H, 512)   K = V; the sink in the denominator
+    a            = o_proj(rope⁻¹(o, p))                     (L, Hd)       grouped: wo_a per group, then wo_b
+    Hs           = mHC post(a);  x = mHC pre(Hs);  Hs = mHC post(FFN(RMSNorm(x)))
+    logits       = lm_head(RMSNorm(hc_head(Hs)))            (L, V)
+
+``bugs`` injects known mistakes on purpose (to show that the agreement check has teeth), ``fp8_kv``
+stores the KV rows as the cache does (e4m3 NoPE with UE8M0 scales, bf16 RoPE), which removes the FP8
+part of the error budget.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from einops import rearrange
+
+from .. import mhc
+from ..config import Config
+from ..formats import E4M3_MAX, KV_AMAX_FLOOR, NOPE_DIM, QUANT_BLOCK
+from ..rope import yarn_correction_range
+from .weights import check_config, layer_ratio, weights_to
+
+__all__ = ["reference_forward", "REFERENCE_BUGS", "compress", "inv_freq", "rope", "fp8_kv_sim", "index_scores"]
+
+#: deliberate bugs :func:`reference_forward` can inject, to show the agreement check has teeth
+REFERENCE_BUGS = ("no_sink", "no_inv_rope", "comb_not_transposed", "no_compressed", "rope_neox")
+
+
+def reference_forward(cfg: Config, weights: dict, tokens: torch.Tensor, topk: dict | None = None,
+                      bugs=(), fp8_kv: bool = False) -> dict:
+    """Float64 full-sequence forward of one request.
+
+    Args:
+        cfg, weights: the config and :func:`dsv4ref.decode.make_weights` dict (any device).
+        tokens: (L,) int token ids.
+        topk: {layer: (L, K_top) local compressed ids, −1 padded} for every ratio-4 layer (the indexer's
+            choice, e.g. from :meth:`dsv4ref.decode.Decoder.history`); ratio-128 layers use all rows.
+        bugs: names from :data:`REFERENCE_BUGS`.
+        fp8_kv: simulate the cache's FP8 storage of the KV rows (window and compressed).
+
+    Returns:
+        dict(logits (L, V), attn [per layer (L, Hd)], index_scores {layer: (L, n_c) unquantised indexer
+        logits, −inf where not visible}), all float64 on the CPU.
+    """
+    check_config(cfg)
+    for b in bugs:
+        if b not in REFERENCE_BUGS:
+            raise ValueError(f"bugs: {b!r} is not one of {REFERENCE_BUGS}")
+    w = weights_to(weights, "cpu", torch.float64)
+    tokens = torch.as_tensor(tokens, dtype=torch.int64).cpu()
+    L, H, M, W, eps = tokens.shape[0], cfg.num_heads, cfg.hc_mult, cfg.window, cfg.rms_norm_eps
+    neox = "rope_neox" in bugs
+    pos = torch.arange(L)
+    mk = dict(rms_eps=eps, hc_eps=cfg.hc_eps)
+    Hs = w["embed"][tokens][:, None, :].expand(L, M, -1).clone()  # (L, M, Hd): the embedding, M times
+
+    def mhc_post(x, Hs, post, comb):
+        if "comb_not_transposed" in bugs:
+            comb = comb.transpose(-1, -2)
+        return mhc.reference.post(x, Hs, post, comb, dtype=torch.float64)
+
+    def mhc_pre(Hs, p):  # -> (post, comb, x)
+        return mhc.reference.pre(Hs, p["fn"], p["scale"], p["base"], sinkhorn_iters=cfg.hc_sinkhorn_iters,
+                                 dtype=torch.float64, **mk)
+
+    out = dict(attn=[], index_scores={})
+    ffn_out = post = comb = None
+    for li, Lw in enumerate(w["layers"]):
+        r = layer_ratio(cfg, li)
+        inv = inv_freq(cfg, r)
+        if li > 0:
+            Hs = mhc_post(ffn_out, Hs, post, comb)
+        post, comb, x = mhc_pre(Hs, Lw["hc_attn"])
+        # attention: projections, norms, RoPE
+        x = rms_norm(x, Lw["attn_norm"], eps)
+        qkv = x @ Lw["wqkv_a"].T
+        qr = rms_norm(qkv[:, :cfg.q_lora_rank], Lw["q_norm"], eps)
+        kv = rms_norm(qkv[:, cfg.q_lora_rank:], Lw["kv_norm"], eps)
+        q = rearrange(qr @ Lw["wq_b"].T, "l (h d) -> l h d", h=H)
+        q = rope(rms_norm(q, None, eps), pos, inv, neox=neox)
+        k = rope(kv, pos, inv, neox=neox)
+        if fp8_kv:
+            k = fp8_kv_sim(k)
+        # candidates of each position: its window (L, W) and its compressed rows (L, n_sel)
+        win = pos[:, None] - W + 1 + torch.arange(W)[None, :]
+        cand, ok = [k[win.clamp(min=0)]], [win >= 0]
+        if r > 1 and "no_compressed" not in bugs:
+            c, cp = compress(Lw["comp"], r, x, eps)
+            ck = rope(c, cp - (r - 1), inv, neox=neox)  # rotated at (p // r)·r, the window's first position
+            if fp8_kv:
+                ck = fp8_kv_sim(ck)
+            n_c = (pos + 1) // r
+            if r == 4:
+                if topk is None or li not in topk:
+                    raise ValueError(f"topk: layer {li} has ratio 4; pass the indexer's top-k ids for it")
+                sel = torch.as_tensor(topk[li]).long().cpu()
+                if tuple(sel.shape[:1]) != (L,):
+                    raise ValueError(f"topk[{li}]: expected {L} rows, got shape {tuple(sel.shape)}")
+                if bool(((sel >= n_c[:, None]) & (sel >= 0)).any()):
+                    raise ValueError(f"topk[{li}]: an id is not yet visible (id >= (p+1)//4): causal mask broken")
+                out["index_scores"][li] = index_scores(cfg, Lw, x, qr, inv, pos)
+            else:
+                sel = torch.arange(max(1, L // r))[None, :].expand(L, -1)
+                sel = torch.where(sel < n_c[:, None], sel, -1)
+            if c.shape[0]:
+                cand.append(ck[sel.clamp(min=0)])
+                ok.append(sel >= 0)
+        kk, okk = torch.cat(cand, 1), torch.cat(ok, 1)  # (L, N, 512), (L, N)
+        # one softmax over all candidates; K = V; the sink only in the denominator
+        s = torch.einsum("lhd,lnd->lhn", q, kk) * cfg.softmax_scale
+        s = s.masked_fill(~okk[:, None, :], -math.inf)
+        lse = torch.logsumexp(s, dim=-1)
+        o = torch.einsum("lhn,lnd->lhd", torch.exp(s - lse[..., None]), kk)
+        if "no_sink" not in bugs:
+            o = o * torch.sigmoid(lse - Lw["sink"])[..., None]
+        if "no_inv_rope" not in bugs:
+            o = rope(o, pos, inv, inverse=True, neox=neox)
+        # grouped o-projection: contiguous head groups, wo_a per group, then wo_b
+        z = torch.einsum("lgk,gok->lgo", rearrange(o, "l (g h) d -> l g (h d)", g=cfg.o_groups), Lw["wo_a"])
+        a = rearrange(z, "l g o -> l (g o)") @ Lw["wo_b"].T
+        out["attn"].append(a)
+        # FFN (the MoE stand-in): clamped SwiGLU
+        Hs = mhc_post(a, Hs, post, comb)
+        post, comb, x = mhc_pre(Hs, Lw["hc_ffn"])
+        gate, up = (rms_norm(x, Lw["ffn_norm"], eps) @ Lw["w_gate_up"].T).chunk(2, dim=-1)
+        lim = cfg.swiglu_limit
+        ffn_out = (F.silu(gate.clamp(max=lim)) * up.clamp(-lim, lim)) @ Lw["w_down"].T
+    Hs = mhc_post(ffn_out, Hs, post, comb)
+    hp = w["hc_head"]
+    y = mhc.reference.head(Hs, hp["fn"], hp["scale"], hp["base"], dtype=torch.float64, **mk)
+    out["logits"] = rms_norm(y, w["final_norm"], eps) @ w["lm_head"].T
+    return out
+
+
+# ====================================================================================================
+# the pieces, float64
+# ====================================================================================================
+
+
+def rms_norm(x: torch.Tensor, w: torch.Tensor | None, eps: float) -> torch.Tensor:
+    y = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    return y * w if w is not None else y
+
+
+def inv_freq(cfg: Config, ratio: int) -> torch.Tensor:
+    """(32,) float64: θ^(−2i/64) for window-only layers (θ = rope_theta); compressed layers use
+    θ = compress_rope_theta with YaRN, a linear ramp between the original frequency (pairs below ``low``)
+    and the one slowed down by ``factor`` (pairs above ``high``)."""
+    R = cfg.rope_dim
+    i = torch.arange(R // 2, dtype=torch.float64)
+    if ratio == 0:
+        return cfg.rope_theta ** (-2 * i / R)
+    th = cfg.compress_rope_theta
+    pf = th ** (2 * i / R)
+    low, high = yarn_correction_range(R, th, cfg.yarn)
+    extra, inter = 1 / pf, 1 / (cfg.yarn["factor"] * pf)
+    ramp = ((i - low) / (high - low)).clamp(0, 1)
+    return inter * ramp + extra * (1 - ramp)
+
+
+def rope(x: torch.Tensor, pos: torch.Tensor, inv: torch.Tensor, inverse=False, neox=False) -> torch.Tensor:
+    """GPT-J rotation (pairs 2i, 2i+1) of the LAST 64 dims of x (L, ..., D) at positions pos (L,), by −angle
+    if ``inverse``. ``neox``: the wrong pairing (i, i + 32), a bug to inject."""
+    f = pos.double()[:, None] * inv[None, :]  # (L, 32)
+    f = f.view(f.shape[0], *([1] * (x.dim() - 2)), f.shape[1])
+    c, s = torch.cos(f), torch.sin(f) * (-1 if inverse else 1)
+    r = x[..., -64:]
+    e, o = (r[..., :32], r[..., 32:]) if neox else (r[..., 0::2], r[..., 1::2])
+    e2, o2 = e * c - o * s, e * s + o * c
+    rot = torch.cat([e2, o2], -1) if neox else torch.stack([e2, o2], -1).flatten(-2)
+    return torch.cat([x[..., :-64], rot], -1)
+
+
+def fp8_kv_sim(x: torch.Tensor) -> torch.Tensor:
+    """What the 584-B cache stores, simulated in float64: dims 0..447 through e4m3 with a power-of-two
+    scale per 64-block (amax floored at 1e-4, scale = 2^ceil(log2(amax / 448))), dims 448..511 rounded to
+    bf16 (``docs/formats.md``)."""
+    nope = rearrange(x[..., :NOPE_DIM], "... (b k) -> ... b k", k=QUANT_BLOCK)
+    amax = nope.abs().amax(-1, keepdim=True).clamp(min=KV_AMAX_FLOOR)
+    scale = torch.exp2(torch.ceil(torch.log2((amax / E4M3_MAX).float().double())))  # from the fp32 ratio, as the writer
+    q = (nope / scale).float().clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn).double() * scale
+    return torch.cat([rearrange(q, "... b k -> ... (b k)"), x[..., NOPE_DIM:].to(torch.bfloat16).double()], -1)
+
+
+def compress(cw: dict, r: int, x: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """All compressed rows of a sequence, float64: (L // r, D) and the boundary position of each.
+
+    Block b holds positions b·r … b·r + r − 1; its row is a per-channel softmax-weighted sum over its
+    window. Ratio 128: the window is block b. Ratio 4 (overlap): block b − 1's channels [0:D], then block
+    b's channels [D:2D] (block −1 is empty: score −∞, kv 0). Then RMSNorm with weight ``cw["norm"]``."""
+    nb, D = x.shape[0] // r, cw["norm"].shape[0]
+    xb = x[: nb * r]
+    kv = rearrange(xb @ cw["wkv"].T, "(b r) c -> b r c", r=r)  # (nb, r, coff·D)
+    score = rearrange(xb @ cw["wgate"].T, "(b r) c -> b r c", r=r) + cw["ape"]  # + the bias of p % r
+    if r == 4:
+        def older(t, fill):  # block b − 1's first D channels, at block b
+            return torch.cat([torch.full_like(t[:1, :, :D], fill), t[:-1, :, :D]])
+
+        kv = torch.cat([older(kv, 0.0), kv[..., D:]], dim=1)  # (nb, 2r, D)
+        score = torch.cat([older(score, -math.inf), score[..., D:]], dim=1)
+    c = (torch.softmax(score, dim=1) * kv).sum(1)
+    return rms_norm(c, cw["norm"], eps), torch.arange(nb) * r + r - 1
+
+
+def index_scores(cfg: Config, Lw: dict, x: torch.Tensor, qr: torch.Tensor, inv: torch.Tensor,
+                 pos: torch.Tensor) -> torch.Tensor:
+    """Unquantised indexer logits I[p, s] = Σ_h w[p, h]·ReLU(q[p, h]·k[s]) · 128^-0.5 · n_ih^-0.5, float64;
+    −inf for s >= (p+1)//4 (not yet complete). For a top-k recall check, not for the forward."""
+    c, cp = compress(Lw["idx_comp"], 4, x, cfg.rms_norm_eps)
+    k = rope(c, cp - 3, inv)
+    q = rope(rearrange(qr @ Lw["idx_wq_b"].T, "l (h d) -> l h d", h=cfg.index_heads), pos, inv)
+    wts = x @ Lw["idx_weights"].T
+    s = torch.einsum("lhd,sd->lhs", q, k).clamp(min=0)
+    s = (s * wts[..., None]).sum(1) * (cfg.index_head_dim**-0.5 * cfg.index_heads**-0.5)
+    vis = torch.arange(k.shape[0])[None, :] < ((pos + 1) // 4)[:, None]
+    return s.masked_fill(~vis, -math.inf)

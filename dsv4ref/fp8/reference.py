@@ -1,0 +1,64 @@
+"""FP8 e4m3fn with UE8M0 block scales, in plain torch: the definition the Triton kernels are held to.
+
+The format (drawn in ``docs/formats.md#fp8-e4m3fn``, ``docs/formats.md#ue8m0-scales``): a block of ``block``
+values along the last dim shares one scale byte ``b`` meaning 2^(b − 127). The scale rule::
+
+    amax = max(max|x|, floor)          floor = 1e-4 for the KV cache
+    s    = fp32(amax / qmax)           IEEE division; qmax = 448 for e4m3
+    b    = ceil(log2(s)) + 127         from the bits of s: exponent field + (mantissa != 0), in [1, 254]
+
+Stored values are ``q = e4m3(clamp(x · 2^-(b−127), ±448))`` (round to nearest, ties to even); the value
+read back is ``q · 2^(b−127)``, exact in fp32 and in bf16. Every function here is a line or two, so a
+reader can check it by eye; the float64 oracle that checks *these* lives in ``tests/test_fp8.py``.
+"""
+
+from __future__ import annotations
+
+import torch
+from einops import rearrange
+
+from ..formats import E4M3_MAX, KV_AMAX_FLOOR
+
+__all__ = ["e4m3_encode", "ue8m0_byte", "pow2", "inv_pow2", "quantize_ue8m0", "dequantize_ue8m0"]
+
+
+def e4m3_encode(x: torch.Tensor) -> torch.Tensor:
+    """fp32 → float8_e4m3fn: clamp to ±448 first (torch versions disagree on out-of-range casts:
+    2.11 gives NaN, 2.13 saturates), then torch's round-to-nearest-even cast."""
+    return x.float().clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+
+
+def ue8m0_byte(amax: torch.Tensor, floor: float = KV_AMAX_FLOOR, qmax: float = E4M3_MAX) -> torch.Tensor:
+    """UE8M0 byte (uint8) = ceil(log2(max(amax, floor) / qmax)) + 127, exactly, from the fp32 bits."""
+    s = torch.clamp(amax.float(), min=floor) / qmax  # torch fp32 division is correctly rounded
+    bits = s.view(torch.int32)
+    byte = ((bits >> 23) & 0xFF) + ((bits & 0x7FFFFF) != 0).int()
+    return byte.clamp(1, 254).to(torch.uint8)
+
+
+def pow2(byte: torch.Tensor) -> torch.Tensor:
+    """2^(byte − 127) as fp32, built from bits (exact; no exp2 rounding): the float whose exponent is byte."""
+    return (byte.to(torch.int32) << 23).view(torch.float32)
+
+
+def inv_pow2(byte: torch.Tensor) -> torch.Tensor:
+    """2^(127 − byte) as fp32 for a byte in [1, 253], exactly: multiplying by it equals dividing by 2^e."""
+    return ((254 - byte.to(torch.int32)) << 23).view(torch.float32)
+
+
+def quantize_ue8m0(
+    x: torch.Tensor, block: int = 64, amax_floor: float = KV_AMAX_FLOOR
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(q, scale)``: ``q`` float8_e4m3fn of x's shape, ``scale`` uint8 ``[..., D // block]``."""
+    xb = rearrange(x.float(), "... (n b) -> ... n b", b=block)
+    byte = ue8m0_byte(xb.abs().amax(dim=-1), amax_floor)
+    q = e4m3_encode(xb * inv_pow2(byte)[..., None])  # × 2^-e is exact, so it equals ÷ 2^e
+    return rearrange(q, "... n b -> ... (n b)"), byte
+
+
+def dequantize_ue8m0(
+    q: torch.Tensor, scale: torch.Tensor, block: int = 64, out_dtype: torch.dtype = torch.bfloat16
+) -> torch.Tensor:
+    """``q · 2^(scale − 127)`` blockwise, as ``out_dtype``; exact for every byte the quantiser writes."""
+    qb = rearrange(q.view(torch.float8_e4m3fn).float(), "... (n b) -> ... n b", b=block)
+    return rearrange(qb * pow2(scale)[..., None], "... n b -> ... (n b)").to(out_dtype)

@@ -1,0 +1,191 @@
+"""Launching the indexer kernels: the launch choices (:class:`IndexerLaunch`), the grids, and the
+fused indexer-Q registered as torch custom ops (``dsv4ref::indexer_q_fp8`` / ``dsv4ref::indexer_q_mxfp4``)
+with fake implementations, so ``torch.compile(fullgraph=True)`` traces through them.
+
+These functions do no argument checks: :mod:`dsv4ref.indexer` validates, then calls them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+
+from ..device import interpreting
+from ..formats import INDEX_HEAD_DIM, index_k_value_bytes
+from ..kv_cache.reference import flat_bytes
+from . import kernels
+from .reference import HADAMARD_SCALE, fold
+
+HEAD_DIM = INDEX_HEAD_DIM
+
+
+@dataclass(frozen=True)
+class IndexerLaunch:
+    """Launch choices of the indexer kernels. ``None`` = the measured default on this device.
+
+    Attributes:
+        quant_rows: rows ((token, head) pairs, or keys) per program of :func:`kernels.quantize_kernel`;
+            a power of two. 16.
+        logits_pages: pages of keys per program of :func:`kernels.logits_kernel`; None = 4 on a GPU
+            (the H200 figures in ``benchmarks/``), 1 in the Triton interpreter (smaller tiles run faster there).
+    """
+
+    quant_rows: int = 16
+    logits_pages: int | None = None
+
+    def __post_init__(self):
+        for name in ("quant_rows", "logits_pages"):
+            v = getattr(self, name)
+            if v is None and name == "logits_pages":
+                continue
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1 or v & (v - 1):
+                raise ValueError(f"IndexerLaunch.{name}: expected a power of two >= 1, got {v!r}")
+
+    def pages(self) -> int:
+        """The resolved ``logits_pages``."""
+        if self.logits_pages is not None:
+            return self.logits_pages
+        return 1 if interpreting() else 4
+
+
+DEFAULT = IndexerLaunch()
+
+
+def quantize(x16: torch.Tensor, rows: int, *, q_out: torch.Tensor, s_out: torch.Tensor, rows_per_program: int,
+             positions=None, cos_sin=None, weights=None, H: int = 1, fp4: bool = False, hadamard: bool = False,
+             wo_out=None, slots=None, block_size: int = 1, q_page_stride=None, s_page_stride=None) -> None:
+    """Launch :func:`kernels.quantize_kernel` over ``rows`` rows of ``x16`` (int16 view of bf16 [rows, 128]).
+
+    ``positions`` switches RoPE on, ``weights`` the weight fold (queries), ``slots`` the paged write (keys)."""
+    if rows == 0:
+        return
+    rope = positions is not None
+    dummy = q_out  # never dereferenced when its constexpr switch is off
+    kernels.quantize_kernel[(triton.cdiv(rows, rows_per_program),)](
+        x16, positions if rope else dummy, cos_sin if rope else dummy,
+        weights if weights is not None else dummy, slots if slots is not None else dummy,
+        q_out, s_out, wo_out if wo_out is not None else dummy,
+        rows, H, block_size,
+        q_page_stride if q_page_stride is not None else (64 if fp4 else 128),
+        s_page_stride if s_page_stride is not None else (4 if fp4 else 1),
+        fold(H), HADAMARD_SCALE,
+        ROWS=rows_per_program, ROPE=rope, HADAMARD=hadamard, FP4=fp4, HAS_W=weights is not None,
+        PAGED=slots is not None,
+        enable_fp_fusion=False,  # RoPE products rounded separately, as in the torch reference
+    )
+
+
+# ----------------------------------------------------------------------------------------------------
+# quantize_q: two custom ops (their schema carries the launch choice)
+# ----------------------------------------------------------------------------------------------------
+
+
+def _q_launch(index_q, positions, cos_sin, weights, hadamard, rows_per_program, fp4, q, s, wo):
+    T, H, _ = index_q.shape
+    quantize(index_q.contiguous().view(torch.int16), T * H, positions=positions.to(torch.int64).contiguous(),
+             cos_sin=cos_sin.contiguous(), weights=weights.float().contiguous(), H=H, fp4=fp4, hadamard=hadamard,
+             q_out=q, s_out=s, wo_out=wo, rows_per_program=rows_per_program)
+
+
+@torch.library.custom_op("dsv4ref::indexer_q_fp8", mutates_args=())
+def _q_fp8_op(index_q: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor, weights: torch.Tensor,
+              hadamard: bool, rows_per_program: int) -> tuple[torch.Tensor, torch.Tensor]:
+    T, H, _ = index_q.shape
+    q = torch.empty(T, H, HEAD_DIM, dtype=torch.uint8, device=index_q.device)
+    wo = torch.empty(T, H, dtype=torch.float32, device=index_q.device)
+    _q_launch(index_q, positions, cos_sin, weights, hadamard, rows_per_program, False, q, wo, wo)
+    return q, wo
+
+
+@_q_fp8_op.register_fake
+def _(index_q, positions, cos_sin, weights, hadamard, rows_per_program):
+    T, H, _ = index_q.shape
+    return index_q.new_empty(T, H, HEAD_DIM, dtype=torch.uint8), index_q.new_empty(T, H, dtype=torch.float32)
+
+
+@torch.library.custom_op("dsv4ref::indexer_q_mxfp4", mutates_args=())
+def _q_mxfp4_op(index_q: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor, weights: torch.Tensor,
+                hadamard: bool, rows_per_program: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    T, H, _ = index_q.shape
+    q = torch.empty(T, H, HEAD_DIM // 2, dtype=torch.uint8, device=index_q.device)
+    sc = torch.empty(T, H, 4, dtype=torch.uint8, device=index_q.device)
+    wo = torch.empty(T, H, dtype=torch.float32, device=index_q.device)
+    _q_launch(index_q, positions, cos_sin, weights, hadamard, rows_per_program, True, q, sc, wo)
+    return q, sc.view(torch.int32).reshape(T, H), wo
+
+
+@_q_mxfp4_op.register_fake
+def _(index_q, positions, cos_sin, weights, hadamard, rows_per_program):
+    T, H, _ = index_q.shape
+    return (index_q.new_empty(T, H, HEAD_DIM // 2, dtype=torch.uint8), index_q.new_empty(T, H, dtype=torch.int32),
+            index_q.new_empty(T, H, dtype=torch.float32))
+
+
+def quantize_q(index_q, positions, cos_sin, weights, *, fmt: str, hadamard: bool, launch: IndexerLaunch):
+    """The Triton path of :func:`dsv4ref.indexer.quantize_q`, through the registered custom op."""
+    if fmt == "fp8":
+        q, wo = torch.ops.dsv4ref.indexer_q_fp8(index_q, positions, cos_sin, weights, hadamard, launch.quant_rows)
+        return q.view(torch.float8_e4m3fn), None, wo
+    return torch.ops.dsv4ref.indexer_q_mxfp4(index_q, positions, cos_sin, weights, hadamard, launch.quant_rows)
+
+
+# ----------------------------------------------------------------------------------------------------
+# indexer K: quantise, paged write
+# ----------------------------------------------------------------------------------------------------
+
+
+def quantize_k(k: torch.Tensor, *, fmt: str, hadamard: bool, launch: IndexerLaunch):
+    """The Triton path of :func:`dsv4ref.indexer.quantize_k`."""
+    N = k.shape[0]
+    fp4 = fmt == "mxfp4"
+    q = torch.empty(N, index_k_value_bytes(fmt), dtype=torch.uint8, device=k.device)
+    s = torch.empty((N, 4) if fp4 else (N,), dtype=torch.uint8 if fp4 else torch.float32, device=k.device)
+    quantize(k.contiguous().view(torch.int16), N, fp4=fp4, hadamard=hadamard, q_out=q, s_out=s,
+             rows_per_program=launch.quant_rows)
+    return (q, s) if fp4 else (q.view(torch.float8_e4m3fn), s)
+
+
+def insert_k(k_cache: torch.Tensor, k: torch.Tensor, slots: torch.Tensor, *, block_size: int, fmt: str,
+             hadamard: bool, launch: IndexerLaunch) -> None:
+    """The Triton path of :func:`dsv4ref.indexer.insert_k`: quantise and write in one kernel.
+
+    The kernel addresses values through a uint8 view of the whole cache and the scales through a view
+    that starts at the first page's scale region (uint8 for mxfp4, fp32 for fp8)."""
+    fp4 = fmt == "mxfp4"
+    vb = index_k_value_bytes(fmt)
+    flat = flat_bytes(k_cache)
+    stride = k_cache.stride(0)
+    s_region = flat[block_size * vb:] if flat.numel() > block_size * vb else flat
+    s_out = s_region if fp4 else s_region[: (s_region.numel() // 4) * 4].view(torch.float32)
+    quantize(k.contiguous().view(torch.int16), slots.shape[0], fp4=fp4, hadamard=hadamard, q_out=flat, s_out=s_out,
+             slots=slots.to(torch.int64).contiguous(), block_size=block_size, q_page_stride=stride,
+             s_page_stride=stride if fp4 else stride // 4, rows_per_program=launch.quant_rows)
+
+
+# ----------------------------------------------------------------------------------------------------
+# logits
+# ----------------------------------------------------------------------------------------------------
+
+
+def logits(q, q_scales, weights_out, k_cache, positions, block_table, block_size: int, n_out: int,
+           launch: IndexerLaunch = DEFAULT) -> torch.Tensor:
+    """The logits kernel launch alone (no checks, no host syncs): what the benchmark times.
+
+    Grid (T, ⌈pages / PAGES⌉); the heads are padded to a power of two >= 16 for ``tl.dot``."""
+    T, H, _ = q.shape
+    out = torch.empty(T, n_out, dtype=torch.float32, device=q.device)
+    if T == 0 or n_out == 0:
+        return out
+    qs = q_scales.contiguous().view(torch.uint8) if q_scales is not None else q.view(torch.uint8)
+    n_pages = -(-n_out // block_size)
+    pages = launch.pages()
+    hp = max(16, triton.next_power_of_2(H))
+    bt = block_table.contiguous()
+    kernels.logits_kernel[(T, triton.cdiv(n_pages, pages))](
+        q.contiguous().view(torch.uint8), qs, weights_out.contiguous(), k_cache, k_cache.view(torch.float32),
+        bt, positions.to(torch.int64).contiguous(), out, n_out, bt.stride(0), k_cache.stride(0), H,
+        HP=hp, BC=block_size, PAGES=pages, FP4=q_scales is not None, DOT_FP32=interpreting(),
+    )
+    return out

@@ -1,0 +1,341 @@
+"""The lightning indexer in plain torch: the whole op, top to bottom (the math: ``docs/indexer.md``).
+
+A decode token t at position p sees n_c(p) = (p + 1) // 4 compressed rows. The indexer scores every one
+of them and keeps the best k::
+
+    query side   x      = fp32(bf16(RoPE_last64(index_q[t, h], p)))      (optionally × H_128·128^-½)
+                 q, e   = E4M3(x · 2^-e), e = ⌈log2(max(amax, 1e-4) / 448)⌉          one scale per (t, h)
+                 w_out  = w[t, h] · 2^e · 128^-½ · n_ih^-½                         the q scale FOLDED in
+    key side     k_s    = E4M3(k · 2^-e_s),  k_scale_s = 2^e_s (fp32)                one scale per key
+    scores       I[t, s] = Σ_h w_out[t, h] · ReLU(⟨q[t, h], k_s⟩) · k_scale_s         s < n_c(p_t)
+                         = −∞                                                     otherwise
+    selection    topk_local[t] = ids of the k largest I[t, :], −∞ → −1, padded with −1
+    global slots slot = block_table[t, l // B] · B + l % B                        (l = a local id ≥ 0)
+
+MXFP4 replaces E4M3 by E2M1 in 4 blocks of 32 with one UE8M0 byte each, and folds nothing.
+
+Every function here has the name of the public one in :mod:`dsv4ref.indexer` (which validates the
+arguments and dispatches between this file and the Triton kernels); helpers come first, the op after.
+All math is fp32, as in the kernels, except :func:`logits`, whose default ``dtype=torch.float64`` is
+the oracle the kernel is compared with.
+"""
+
+from __future__ import annotations
+
+import struct
+
+import torch
+
+from ..formats import (
+    E2M1_GRID,
+    E4M3_MAX,
+    FP4_AMAX_FLOOR,
+    FP4_BLOCK,
+    FP4_MAX,
+    INDEX_AMAX_FLOOR,
+    INDEX_HEAD_DIM,
+    INDEX_RATIO,
+    INDEX_ROPE_DIM,
+    index_k_offsets,
+    index_k_value_bytes,
+)
+from ..fp8.reference import inv_pow2, pow2
+from ..fp8.reference import e4m3_encode as e4m3
+from ..fp8.reference import ue8m0_byte
+from ..kv_cache.reference import flat_bytes
+
+HEAD_DIM = INDEX_HEAD_DIM  # 128
+ROPE_START = HEAD_DIM - INDEX_ROPE_DIM  # 64: dims 64..127 are rotated
+HADAMARD_SCALE = 128**-0.5  # fp32(2^-3.5), applied after the 7 butterfly stages
+
+
+# ----------------------------------------------------------------------------------------------------
+# small pieces: the causal count, the head weights, the fold constant
+# ----------------------------------------------------------------------------------------------------
+
+
+def n_compressed(positions: torch.Tensor) -> torch.Tensor:
+    """n_c(p) = (p + 1) // 4, int64: the complete ratio-4 windows visible at position p. Integer
+    division: p = 2 sees nothing, p = 3 sees row 0 (``docs/indexer.md#the-causal-mask``)."""
+    return torch.div(positions.to(torch.int64) + 1, INDEX_RATIO, rounding_mode="floor")
+
+
+def head_weights(x: torch.Tensor, weights_proj: torch.Tensor) -> torch.Tensor:
+    """The head weights w = x · W_wᵀ (fp32): an unquantised linear on the attention INPUT x (the tensor
+    that feeds wq_a / wkv), never on the q-LoRA latent qr."""
+    return x.float() @ weights_proj.float().t()
+
+
+def fold(n_heads: int) -> float:
+    """c = 128^-½ · n_ih^-½, computed in float64 and rounded to fp32 once (a Python float)."""
+    return struct.unpack("<f", struct.pack("<f", HEAD_DIM**-0.5 * n_heads**-0.5))[0]
+
+
+# ----------------------------------------------------------------------------------------------------
+# the query path: RoPE, bf16 round trip, Hadamard
+# ----------------------------------------------------------------------------------------------------
+
+
+def rope(x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor) -> torch.Tensor:
+    """GPT-J RoPE on the LAST 64 dims of x ``[T, H, 128]`` fp32, at each token's position.
+
+    ``cos_sin`` rows are ``[cos f_0..f_31 | sin f_0..f_31]``; the pairs are (64+2i, 64+2i+1)::
+
+        x'[64+2i]   = e·c_i − o·s_i          e = x[64+2i], o = x[64+2i+1]
+        x'[64+2i+1] = e·s_i + o·c_i
+
+    Each product is rounded to fp32 before the add (no FMA); the Triton kernel is launched with
+    ``enable_fp_fusion=False`` so it rounds the same way and the bytes match exactly.
+    """
+    cs = cos_sin[positions.long()]  # [T, 64]
+    c, s = cs[:, None, :32], cs[:, None, 32:]
+    e, o = x[..., ROPE_START::2], x[..., ROPE_START + 1::2]
+    out = x.clone()
+    out[..., ROPE_START::2] = e * c - o * s
+    out[..., ROPE_START + 1::2] = e * s + o * c
+    return out
+
+
+def hadamard_transform(x: torch.Tensor) -> torch.Tensor:
+    """Sylvester Hadamard over the last dim (128) as 7 butterfly stages, then × 128^-½ (fp32).
+
+    Stage h (= 1, 2, …, 64) replaces each pair (a, b) at distance h inside each 2h-block by (a+b, a−b).
+    H·128^-½ is symmetric, orthogonal and its own inverse.
+    """
+    n = x.shape[-1]
+    y = x.float()
+    h = 1
+    while h < n:
+        v = y.reshape(*y.shape[:-1], n // (2 * h), 2, h)
+        a, b = v[..., 0, :], v[..., 1, :]
+        y = torch.stack([a + b, a - b], dim=-2).reshape(*y.shape[:-1], n)
+        h *= 2
+    return y * torch.tensor(HADAMARD_SCALE, dtype=torch.float32, device=y.device)
+
+
+def prepare_q(index_q: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor,
+              hadamard: bool = False) -> torch.Tensor:
+    """The fp32 values that get quantised: RoPE, the bf16 round trip of the rotated dims, optional Hadamard."""
+    x = rope(index_q.float(), positions, cos_sin)
+    x[..., ROPE_START:] = x[..., ROPE_START:].to(torch.bfloat16).float()  # "match reference numerics"
+    return hadamard_transform(x) if hadamard else x
+
+
+# ----------------------------------------------------------------------------------------------------
+# the two number formats: FP8 (one 128-block) and MXFP4 (four 32-blocks of E2M1)
+# ----------------------------------------------------------------------------------------------------
+
+_E2M1_MID = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0])  # midpoints between grid values
+
+
+def e2m1_encode(y: torch.Tensor) -> torch.Tensor:
+    """fp32 -> 4-bit E2M1 codes (uint8 0..15): saturate to ±6, round to nearest, ties to the even code.
+
+    The magnitude code is the number of midpoints below |y|; on a midpoint between codes i and i+1 the
+    even one wins. The sign is bit 3, taken from the sign bit (so −0.1 → 0b1000)."""
+    mid = _E2M1_MID.to(y.device)
+    a = y.float().abs().clamp(max=FP4_MAX)[..., None]
+    odd = torch.arange(7, device=y.device) % 2 == 1
+    code = (mid < a).sum(-1) + ((mid == a) & odd).sum(-1)
+    return (code | (torch.signbit(y).to(code.dtype) << 3)).to(torch.uint8)
+
+
+def e2m1_decode(code: torch.Tensor) -> torch.Tensor:
+    """E2M1 codes (0..15) -> fp32 values: magnitude ``E2M1_GRID[code & 7]``, negative when bit 3 is set."""
+    grid = torch.tensor(E2M1_GRID, device=code.device)
+    c = code.long()
+    v = grid[c & 7]
+    return torch.where((c & 8) != 0, -v, v)
+
+
+def pack_nibbles(codes: torch.Tensor) -> torch.Tensor:
+    """[..., 2n] codes -> [..., n] bytes, element 2k in the LOW nibble."""
+    c = codes.to(torch.uint8)
+    return c[..., 0::2] | (c[..., 1::2] << 4)
+
+
+def unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
+    """[..., n] bytes -> [..., 2n] codes (the inverse of :func:`pack_nibbles`)."""
+    p = packed.to(torch.uint8)
+    return torch.stack([p & 15, p >> 4], dim=-1).reshape(*p.shape[:-1], 2 * p.shape[-1])
+
+
+def quantize_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One 128-block per row of fp32 ``x [..., 128]``: (e4m3 codes [..., 128], UE8M0 byte [...] uint8)."""
+    byte = ue8m0_byte(x.abs().amax(-1), INDEX_AMAX_FLOOR, E4M3_MAX)
+    return e4m3(x * inv_pow2(byte)[..., None]), byte
+
+
+def quantize_mxfp4(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Four 32-blocks per row of fp32 ``x [..., 128]``: (packed e2m1 [..., 64] uint8, UE8M0 bytes [..., 4] uint8)."""
+    xb = x.reshape(*x.shape[:-1], HEAD_DIM // FP4_BLOCK, FP4_BLOCK)
+    byte = ue8m0_byte(xb.abs().amax(-1), FP4_AMAX_FLOOR, FP4_MAX)
+    codes = e2m1_encode(xb * inv_pow2(byte)[..., None])
+    return pack_nibbles(codes.reshape(x.shape)), byte
+
+
+def mxfp4_values(packed: torch.Tensor, byte: torch.Tensor) -> torch.Tensor:
+    """Decode MXFP4: e2m1 codes × 2^(byte − 127) per 32-block, fp32 ``[..., 128]`` (exact)."""
+    codes = e2m1_decode(unpack_nibbles(packed))
+    return (codes.reshape(*codes.shape[:-1], HEAD_DIM // FP4_BLOCK, FP4_BLOCK) * pow2(byte)[..., None]).reshape(codes.shape)
+
+
+# ----------------------------------------------------------------------------------------------------
+# the op: quantise q, quantise and cache k, score, select, map to global slots
+# ----------------------------------------------------------------------------------------------------
+
+
+def quantize_q(index_q: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor, weights: torch.Tensor, *,
+               fmt: str = "fp8", hadamard: bool = False):
+    """The fused indexer-Q: ``(q, q_scales or None, weights_out)`` (see :func:`dsv4ref.indexer.quantize_q`).
+
+    FP8: the per-(token, head) scale 2^e is multiplied into the weight (exact), then c = :func:`fold`
+    once. MXFP4: the 4 block scales stay with q (packed into one int32, block 0 in the low byte); the
+    weight gets c only."""
+    x = prepare_q(index_q, positions, cos_sin, hadamard)
+    T, H, _ = x.shape
+    c = torch.tensor(fold(H), dtype=torch.float32, device=x.device)
+    if fmt == "fp8":
+        q, byte = quantize_fp8(x)
+        return q, None, (weights.float() * pow2(byte)) * c
+    packed, byte = quantize_mxfp4(x)
+    return packed, byte.contiguous().view(torch.int32).reshape(T, H), weights.float() * c
+
+
+def dequantize_q(q: torch.Tensor, q_scales: torch.Tensor | None) -> torch.Tensor:
+    """The values the logits see, fp32 ``[T, H, 128]``: e4m3 codes (FP8: the scale lives in the weights)
+    or e2m1 codes × 2^(byte−127) per 32-block (MXFP4). Exact."""
+    if q_scales is None:
+        return q.float()
+    return mxfp4_values(q, q_scales.contiguous().view(torch.uint8).reshape(*q_scales.shape, 4))
+
+
+def quantize_k(k: torch.Tensor, *, fmt: str = "fp8", hadamard: bool = False):
+    """Keys ``[N, 128]`` (already RoPE'd and bf16) → fp8 ``(codes, fp32 scale 2^e [N])`` or
+    mxfp4 ``(packed [N, 64], UE8M0 bytes [N, 4])``."""
+    x = hadamard_transform(k.float()) if hadamard else k.float()
+    if fmt == "fp8":
+        q, byte = quantize_fp8(x)
+        return q, pow2(byte)
+    return quantize_mxfp4(x)
+
+
+def insert_k(k_cache: torch.Tensor, k: torch.Tensor, slots: torch.Tensor, *, block_size: int, fmt: str = "fp8",
+             hadamard: bool = False) -> None:
+    """Quantise ``k[:len(slots)]`` and scatter the bytes into the SoA pages at ``slots`` (−1: skip), in place.
+
+    Page of B keys: ``[B × V value bytes][B × 4 scale bytes]``, V = 128 (fp8) or 64 (mxfp4)."""
+    keep = slots >= 0
+    q, s = quantize_k(k[: slots.shape[0]][keep], fmt=fmt, hadamard=hadamard)
+    vals, scales = index_k_offsets(k_cache.stride(0), block_size, slots[keep].to(torch.int64), fmt)
+    flat, dev = flat_bytes(k_cache), k_cache.device
+    flat[vals[:, None] + torch.arange(q.shape[1], device=dev)] = q.view(torch.uint8)
+    flat[scales[:, None] + torch.arange(4, device=dev)] = s.contiguous().view(torch.uint8).reshape(-1, 4)
+
+
+def read_k(k_cache: torch.Tensor, slots: torch.Tensor, *, block_size: int, fmt: str = "fp8"):
+    """Gather records back: what :func:`quantize_k` returned for those rows; slots −1 give zero records."""
+    keep = slots >= 0
+    vb, dev = index_k_value_bytes(fmt), k_cache.device
+    vals = torch.zeros(slots.shape[0], vb, dtype=torch.uint8, device=dev)
+    sc = torch.zeros(slots.shape[0], 4, dtype=torch.uint8, device=dev)
+    v_off, s_off = index_k_offsets(k_cache.stride(0), block_size, slots[keep].to(torch.int64), fmt)
+    flat = flat_bytes(k_cache)
+    vals[keep] = flat[v_off[:, None] + torch.arange(vb, device=dev)]
+    sc[keep] = flat[s_off[:, None] + torch.arange(4, device=dev)]
+    if fmt == "fp8":
+        return vals.view(torch.float8_e4m3fn), sc.view(torch.float32).reshape(-1)
+    return vals, sc
+
+
+def dequantize_k(values: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """fp32 key values as the logits use them: e4m3 codes (fp8; the fp32 scale is applied after the
+    head sum) or e2m1 codes × 2^(byte−127) per 32-block (mxfp4)."""
+    if values.dtype == torch.float8_e4m3fn:
+        return values.float()
+    return mxfp4_values(values, scales)
+
+
+def logits(q: torch.Tensor, q_scales: torch.Tensor | None, weights_out: torch.Tensor, k_cache: torch.Tensor,
+           positions: torch.Tensor, block_table: torch.Tensor, *, block_size: int, n_out: int,
+           dtype: torch.dtype = torch.float64) -> torch.Tensor:
+    """The scores ``[T, n_out]`` in ``dtype`` from the decoded codes (float64: the oracle)::
+
+        I[t, s] = Σ_h w_out[t, h] · ReLU(⟨q[t, h], k_s⟩) (· k_scale_s for fp8)     s < (p_t + 1) // 4, else −∞
+
+    Key s of token t lives at slot ``block_table[t, s // B] · B + s % B``."""
+    fmt = "fp8" if q_scales is None else "mxfp4"
+    T, dev = q.shape[0], q.device
+    qv = dequantize_q(q, q_scales).to(dtype)  # [T, H, 128]
+    s = torch.arange(n_out, device=dev)
+    live = s[None, :] < n_compressed(positions)[:, None]  # [T, n_out]: the causal mask
+    blk = (s // block_size).clamp(max=block_table.shape[1] - 1)
+    page = torch.where(live, block_table.long()[:, blk], 0)
+    slots = torch.where(live, page * block_size + s % block_size, -1)
+    vals, sc = read_k(k_cache, slots.reshape(-1), block_size=block_size, fmt=fmt)
+    kv = dequantize_k(vals, sc).to(dtype).reshape(T, n_out, HEAD_DIM)
+    dots = torch.einsum("thd,tsd->ths", qv, kv).clamp_min(0)  # ReLU per head, BEFORE the head sum
+    out = torch.einsum("th,ths->ts", weights_out.to(dtype), dots)
+    if fmt == "fp8":
+        out = out * sc.to(dtype).reshape(T, n_out)
+    return torch.where(live, out, float("-inf"))
+
+
+def logits_condition(q: torch.Tensor, q_scales: torch.Tensor | None, weights_out: torch.Tensor, k_cache: torch.Tensor,
+                     positions: torch.Tensor, block_table: torch.Tensor, *, block_size: int, n_out: int) -> torch.Tensor:
+    """Σ_h |w_out|·Σ_d |q_d·k_d|(·k_scale) per (t, s), float64 (1 where masked, ≥ 1e-30 elsewhere).
+
+    The scale of the fp32 accumulation error of :func:`logits`: divide the kernel's scores and the
+    oracle's by it, then compare with an absolute tolerance. Built by clearing every sign bit of q and of
+    the cached key values and scoring again (ReLU is then the identity)."""
+    fmt = "fp8" if q_scales is None else "mxfp4"
+    if fmt == "fp8":
+        abs_q = (q.view(torch.uint8) & 0x7F).view(torch.float8_e4m3fn)
+    else:
+        abs_q = q & 0x77  # both nibbles' sign bits
+    abs_cache = k_cache.clone()
+    abs_cache[:, : block_size * index_k_value_bytes(fmt)] &= 0x7F if fmt == "fp8" else 0x77
+    ref = logits(abs_q, q_scales, weights_out.abs(), abs_cache, positions, block_table, block_size=block_size,
+                 n_out=n_out)
+    return torch.where(torch.isfinite(ref), ref.clamp_min(1e-30), 1.0)
+
+
+def short_context_topk(positions: torch.Tensor, k: int) -> torch.Tensor:
+    """The shortcut: row t = [0, 1, …, n_c(t)−1, −1, …] (width k), int32. Valid only when every n_c ≤ k."""
+    n_c = n_compressed(positions)
+    ids = torch.arange(k, device=positions.device, dtype=torch.int32)
+    return torch.where(ids[None, :] < n_c[:, None], ids[None, :], -1).to(torch.int32)
+
+
+def topk(logits: torch.Tensor | None, k: int, *, positions: torch.Tensor | None = None,
+         out: torch.Tensor | None = None) -> torch.Tensor:
+    """Local ids of the k largest scores per row, int32 ``[T, k]``; −∞ entries and missing columns → −1.
+
+    With ``positions`` and every n_c ≤ k the scores are not read at all (the short-context shortcut):
+    the result is ``[0 … n_c−1, −1 …]``, the same set as the full path."""
+    T = logits.shape[0] if logits is not None else positions.shape[0]
+    dev = logits.device if logits is not None else positions.device
+    res = out if out is not None else torch.empty(T, k, dtype=torch.int32, device=dev)
+    res.fill_(-1)  # reset on every call
+    if positions is not None and (T == 0 or int(n_compressed(positions).max()) <= k):
+        return res.copy_(short_context_topk(positions, k))
+    if logits is None:
+        raise ValueError(f"logits: needed, because some n_c exceeds k={k} (no shortcut)")
+    kk = min(k, logits.shape[1])
+    if kk:
+        vals, ids = torch.topk(logits, kk, dim=1)
+        res[:, :kk] = torch.where(vals == float("-inf"), -1, ids).to(torch.int32)
+    return res
+
+
+def to_global(topk_local: torch.Tensor, block_table: torch.Tensor, slots: torch.Tensor | None = None, *,
+              block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Local ids → slots of the MAIN compressed cache ``block_table[t, l // B]·B + l % B`` (−1 stays −1),
+    and topk_len = the count of ids ≥ 0, forced to 0 (row −1) for an invalid token (``slots[t] < 0``)."""
+    ok = topk_local >= 0
+    if slots is not None:
+        ok = ok & (slots >= 0)[:, None]
+    loc = topk_local.long().clamp_min(0)
+    page = torch.gather(block_table.long(), 1, loc // block_size).clamp_min(0)
+    glob = torch.where(ok, page * block_size + loc % block_size, -1).to(torch.int32)
+    return glob, ok.sum(1).to(torch.int32)

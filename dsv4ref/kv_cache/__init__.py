@@ -1,0 +1,163 @@
+"""The paged FP8 KV cache of DeepSeek-V4 ("fp8_ds_mla", FlashMLA "MODEL1"): 584 bytes per token.
+
+A token's 512-dim latent row is stored as 448 e4m3 bytes (dims 0..447 in 7 blocks of 64, one UE8M0 scale
+each), 128 bytes of bf16 RoPE (dims 448..511, bit for bit) and 8 scale bytes (7 UE8M0 + a zero pad), in
+pages that are a structure of arrays: all tokens' 576 data bytes, then all tokens' 8 scale bytes, then
+padding up to a multiple of 576. The page is drawn in ``docs/formats.md#the-584-byte-kv-cache-page``; the
+math, conventions and pitfalls (each with the test that catches it) are in ``docs/kv_cache.md``.
+
+A slot is ``page · block_size + offset``; −1 means "no token": writers skip it, readers return zeros.
+
+Where to read what:
+
+* :mod:`dsv4ref.kv_cache.reference`: the writer and the reader in plain torch (``insert``, ``gather``);
+* :mod:`dsv4ref.kv_cache.kernels`: the two Triton kernels; the record encoder they share with the fused
+  RoPE insert is :func:`dsv4ref.tl.kv_record.kv_record`;
+* :mod:`dsv4ref.kv_cache.launch`: :class:`KVCacheLaunch`, the measured defaults, the custom ops.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .. import validate
+from ..device import DEVICE
+from ..formats import HEAD_DIM, TOKEN_BYTES, page_bytes
+from ..testing import randn
+from . import kernels, reference  # noqa: F401  (dsv4ref.kv_cache.kernels / .reference, for readers)
+from .launch import GATHER_DEFAULT, INSERT_DEFAULT, KVCacheLaunch
+from .reference import flat_bytes, token_offsets
+
+__all__ = ["page_bytes", "allocate", "insert", "gather", "check_cache", "check_writable", "flat_bytes",
+           "token_offsets", "example_inputs", "KVCacheLaunch", "TOKEN_BYTES", "SUPPORTED_BACKENDS"]
+
+SUPPORTED_BACKENDS = ("reference", "triton")  # from dsv4ref.validate.BACKENDS; "auto" = "triton"
+
+
+def allocate(num_blocks: int, block_size: int, device=None) -> torch.Tensor:
+    """A zeroed cache.
+
+    Args:
+        num_blocks: number of pages.
+        block_size: tokens per page.
+        device: default :data:`dsv4ref.DEVICE`.
+    Returns:
+        uint8 ``[num_blocks, page_bytes(block_size)]``, contiguous. Kernels take the page stride from
+        ``cache.stride(0)``, never from ``584·B``, so a cache may also be a strided view of a bigger buffer.
+    """
+    return torch.zeros(num_blocks, page_bytes(block_size), dtype=torch.uint8, device=device or DEVICE)
+
+
+def check_cache(cache: torch.Tensor, block_size: int) -> None:
+    """Raise a clear error unless ``cache`` is a uint8 ``[pages, bytes]`` tensor whose pages are contiguous
+    and large enough for ``block_size`` tokens (every op that reads or writes the cache calls this)."""
+    validate.tensor(cache, "cache", dtype=torch.uint8, ndim=2)
+    if cache.shape[1] < block_size * TOKEN_BYTES:
+        raise ValueError(f"cache: pages of {cache.shape[1]} bytes cannot hold block_size={block_size} tokens "
+                         f"({block_size * TOKEN_BYTES} bytes needed; page_bytes({block_size}) = {page_bytes(block_size)})")
+    if cache.stride(1) != 1 or cache.stride(0) < cache.shape[1]:
+        raise ValueError(f"cache: each page must be contiguous bytes (strides {cache.stride()})")
+
+
+def check_writable(cache: torch.Tensor) -> None:
+    """Writers only: raise unless every page starts at an even byte address (:func:`allocate` always gives
+    that). A view whose pages start at odd addresses passed in the interpreter, but the compiled insert
+    kernel wrote wrong NoPE bytes into it on the H200 (2026-11-30; cause not found; readers were right), so
+    writers refuse it."""
+    if cache.stride(0) % 2 or cache.storage_offset() % 2:
+        raise ValueError(f"cache: pages must start at even byte addresses to be written (page stride "
+                         f"{cache.stride(0)}, storage offset {cache.storage_offset()})")
+
+
+def insert(
+    cache: torch.Tensor,
+    kv: torch.Tensor,
+    slots: torch.Tensor,
+    *,
+    block_size: int,
+    backend: str = "auto",
+    launch: KVCacheLaunch | None = None,
+) -> None:
+    """Quantise rows of ``kv`` and write them into the paged cache, in place.
+
+    Args:
+        cache: uint8 ``[num_blocks, ≥ page_bytes(block_size)]``, pages contiguous and at even addresses;
+            the page stride is ``cache.stride(0)``.
+        kv: ``[T, 512]`` bf16 with contiguous rows, already RoPE'd on dims 448..511.
+        slots: ``[T']`` int64 or int32, ``T' ≤ T``; row i goes to slot ``slots[i]``, −1 means skip. Rows
+            ``T'..T-1`` of kv (padding) are ignored.
+        block_size: tokens per page.
+        backend: ``"auto"`` (= ``"triton"``), ``"triton"`` or ``"reference"``; identical bytes.
+        launch: the kernel's launch shape; None = :data:`dsv4ref.kv_cache.launch.INSERT_DEFAULT`.
+    Returns:
+        None. Only the 584 bytes of each written slot change (576 data + 8 scale bytes).
+    """
+    backend = validate.backend(backend, SUPPORTED_BACKENDS)
+    check_cache(cache, block_size)
+    check_writable(cache)
+    validate.tensor(kv, "kv", dtype=torch.bfloat16, ndim=2)
+    if kv.shape[1] != HEAD_DIM or kv.stride(1) != 1:
+        raise ValueError(f"kv: expected [T, {HEAD_DIM}] with contiguous rows, got shape {tuple(kv.shape)} "
+                         f"strides {kv.stride()}")
+    validate.tensor(slots, "slots", dtype=(torch.int64, torch.int32), ndim=1)
+    validate.same_device(cache=cache, kv=kv, slots=slots)
+    if slots.shape[0] > kv.shape[0]:
+        raise ValueError(f"slots: has {slots.shape[0]} entries but kv only {kv.shape[0]} rows")
+    validate.index_range(slots, "slots", cache.shape[0] * block_size)
+    if backend == "reference":
+        reference.insert(cache, kv, slots, block_size=block_size)
+        return
+    launch = launch or INSERT_DEFAULT
+    torch.ops.dsv4ref.kv_insert(cache, kv, slots.to(torch.int64), block_size, launch.tokens_per_program,
+                                launch.num_warps)
+
+
+def gather(
+    cache: torch.Tensor,
+    slots: torch.Tensor,
+    *,
+    block_size: int,
+    out: torch.Tensor | None = None,
+    backend: str = "auto",
+    launch: KVCacheLaunch | None = None,
+) -> torch.Tensor:
+    """Dequantise the rows at ``slots`` into bf16.
+
+    Args:
+        cache: uint8 pages as written by :func:`insert` (pages contiguous; any page stride, odd too).
+        slots: ``[S]`` int32 or int64 slots; −1 gives a zero row.
+        block_size: tokens per page.
+        out: optional preallocated ``[S, 512]`` bf16, contiguous (a workspace reused across calls).
+        backend: ``"auto"`` (= ``"triton"``), ``"triton"`` or ``"reference"``; identical values.
+        launch: the kernel's launch shape; None = :data:`dsv4ref.kv_cache.launch.GATHER_DEFAULT`.
+    Returns:
+        ``[S, 512]`` bf16 (``out`` itself when given): dims 0..447 are e4m3 × 2^(scale − 127) (exact),
+        dims 448..511 the stored bf16 bits; +0.0 everywhere for slot −1.
+    """
+    backend = validate.backend(backend, SUPPORTED_BACKENDS)
+    check_cache(cache, block_size)
+    validate.tensor(slots, "slots", dtype=(torch.int32, torch.int64), ndim=1)
+    validate.same_device(cache=cache, slots=slots)
+    validate.index_range(slots, "slots", cache.shape[0] * block_size)
+    if out is not None:
+        validate.tensor(out, "out", dtype=torch.bfloat16, shape=(slots.shape[0], HEAD_DIM), contiguous=True)
+    if backend == "reference":
+        ref = reference.gather(cache, slots, block_size=block_size)
+        if out is None:
+            return ref
+        out.copy_(ref)
+        return out
+    if out is None:
+        out = torch.empty(slots.shape[0], HEAD_DIM, dtype=torch.bfloat16, device=cache.device)
+    launch = launch or GATHER_DEFAULT
+    torch.ops.dsv4ref.kv_gather(cache, slots, out, block_size, launch.tokens_per_program, launch.num_warps)
+    return out
+
+
+def example_inputs(T: int, block_size: int, num_blocks: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A small insert problem on :data:`dsv4ref.DEVICE`: ``(kv [T, 512] bf16, slots [T] int64)``, the slots
+    distinct and random over ``num_blocks · block_size``, every ``T // 5``-th one −1 (padding)."""
+    kv = randn((T, HEAD_DIM), seed=seed)
+    slots = torch.randperm(num_blocks * block_size, generator=torch.Generator().manual_seed(seed))[:T].to(DEVICE)
+    slots[:: max(1, T // 5)] = -1
+    return kv, slots

@@ -1,0 +1,286 @@
+"""mHC: manifold-constrained hyper-connections (pre with Sinkhorn, post, fused post+pre, head).
+
+DeepSeek-V4 keeps ``M = 4`` residual streams per token, ``[T, M, Hd]`` bf16, and mixes them around every
+attention and FFN sub-layer. The math, shapes, conventions and pitfalls: ``docs/mhc.md``.
+
+* :func:`pre` turns the streams into the sub-layer's input and the weights post and comb will need;
+* :func:`post` writes the sub-layer's output back into the streams (``combᵀ @ streams``);
+* :func:`fused_post_pre` is post followed by the next sub-layer's pre, in one pass;
+* :func:`head` folds the streams into one hidden vector after the last layer;
+* :func:`sinkhorn` is the projection pre runs on the comb logits, on its own.
+
+Read in this order: ``reference.py`` (the whole op in PyTorch), ``kernels.py`` (the Triton kernels),
+``launch.py`` (:class:`MhcLaunch`, the measured defaults, the custom ops). Every function here checks its
+arguments, then dispatches on ``backend`` ("reference": ``reference.py`` in fp32; "triton"; "auto" =
+"triton"). ``launch=`` (an :class:`MhcLaunch`, None = the measured defaults) only affects "triton".
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .. import validate
+from ..device import DEVICE
+from ..testing import generator, randn
+from . import reference
+from .launch import DEFAULT, MhcLaunch, split_fn
+from .reference import HC_EPS, HC_MULT, POST_MULT, RMS_EPS, SINKHORN_ITERS
+
+__all__ = ["sinkhorn", "pre", "post", "fused_post_pre", "head", "example_params", "example_streams", "split_fn",
+           "MhcLaunch", "HC_MULT", "POST_MULT", "SINKHORN_ITERS", "HC_EPS", "RMS_EPS"]
+
+SUPPORTED = ("reference", "triton")
+
+
+# ====================================================================================================
+# Argument checks
+# ====================================================================================================
+
+
+def _finite(**tensors: torch.Tensor) -> None:
+    """Non-finite inputs are rejected (a sync, so behind validate.CHECK_VALUES)."""
+    for name, t in tensors.items():
+        if validate.CHECK_VALUES and t.numel() and not bool(torch.isfinite(t).all()):
+            raise ValueError(f"{name}: contains non-finite values (NaN or inf)")
+
+
+def _check_streams(residual: torch.Tensor, name: str = "residual") -> tuple[int, int, int]:
+    validate.tensor(residual, name, dtype=torch.bfloat16, ndim=3)
+    return tuple(residual.shape)
+
+
+def _check_mix_params(fn, scale, base, M: int, Hd: int, rows: int, n_scale: int, what: str) -> None:
+    validate.tensor(fn, "fn", dtype=torch.float32, ndim=2)
+    if fn.shape[0] != rows:
+        raise ValueError(f"fn: expected {rows} rows ({what}) for M={M} streams, got shape {tuple(fn.shape)}")
+    if fn.shape[1] != M * Hd:
+        raise ValueError(f"fn: expected {M * Hd} columns (M·Hd = {M}·{Hd}), got shape {tuple(fn.shape)}")
+    validate.tensor(scale, "scale", dtype=torch.float32, shape=(n_scale,))
+    validate.tensor(base, "base", dtype=torch.float32, shape=(rows,))
+
+
+def _check_pre(residual, fn, scale, base) -> tuple[int, int, int]:
+    T, M, Hd = _check_streams(residual)
+    _check_mix_params(fn, scale, base, M, Hd, M * (M + 2), 3, "M·(M+2)")
+    validate.same_device(residual=residual, fn=fn, scale=scale, base=base)
+    _finite(fn=fn, scale=scale, base=base)
+    return T, M, Hd
+
+
+def _check_post(x, residual, post, comb) -> tuple[int, int, int]:
+    T, M, Hd = _check_streams(residual)
+    validate.tensor(x, "x", dtype=torch.bfloat16, ndim=2)
+    if tuple(x.shape) != (T, Hd):
+        raise ValueError(f"x: expected shape {(T, Hd)} to match residual {tuple(residual.shape)}, got {tuple(x.shape)}")
+    validate.tensor(post, "post", dtype=torch.float32)
+    if tuple(post.shape) not in ((T, M), (T, M, 1)):
+        raise ValueError(f"post: expected shape {(T, M)} or {(T, M, 1)}, got {tuple(post.shape)}")
+    validate.tensor(comb, "comb", dtype=torch.float32, shape=(T, M, M))
+    validate.same_device(x=x, residual=residual, post=post, comb=comb)
+    _finite(x=x, residual=residual, post=post, comb=comb)
+    return T, M, Hd
+
+
+def _need_four(M: int) -> None:
+    if M != 4:
+        raise ValueError(f"residual: the Triton kernels are written for M = 4 streams (DeepSeek-V4), got M = {M}; "
+                         "use backend='reference' for other M")
+
+
+def _launch(launch: MhcLaunch | None) -> MhcLaunch:
+    if launch is None:
+        return DEFAULT
+    if not isinstance(launch, MhcLaunch):
+        raise TypeError(f"launch: expected an MhcLaunch or None, got {type(launch).__name__}")
+    return launch
+
+
+def _gate_buffers(T: int, M: int, Hd: int, device):
+    """Outputs of a pre: post [T, M] fp32, comb [T, M, M] fp32, layer input [T, Hd] bf16."""
+    return (torch.empty(T, M, dtype=torch.float32, device=device), torch.empty(T, M, M, dtype=torch.float32, device=device),
+            torch.empty(T, Hd, dtype=torch.bfloat16, device=device))
+
+
+# ====================================================================================================
+# Public API
+# ====================================================================================================
+
+
+def sinkhorn(logits: torch.Tensor, iters: int = SINKHORN_ITERS, eps: float = HC_EPS, *, backend: str = "auto",
+             launch: MhcLaunch | None = None) -> torch.Tensor:
+    """Project logits to a nearly doubly-stochastic matrix with the DSV4 schedule (docs/mhc.md#sinkhorn).
+
+    Pass 1 = row softmax + eps, then a column normalisation; passes 2..iters = row, then column (each divisor
+    + eps). The last step normalises columns, so column sums are 1 − O(eps); row sums are NOT exactly 1.
+
+    Args:
+        logits: ``[..., M, M]`` fp32 (any leading dims, any strides; "reference" also takes fp64); axis -2 is
+            the source stream i, axis -1 the destination stream j. "triton" needs M = 4.
+        iters: number of passes (>= 1); the model's is 20.
+        eps: the +eps of every step; the model's is 1e-6.
+        backend: "auto" | "reference" | "triton".
+        launch: :class:`MhcLaunch` (``sinkhorn_block``), None = the default.
+    Returns:
+        ``[..., M, M]``, the dtype of ``logits``, contiguous.
+    """
+    backend = validate.backend(backend, SUPPORTED)
+    validate.tensor(logits, "logits", dtype=(torch.float32, torch.float64) if backend == "reference" else torch.float32)
+    if logits.dim() < 2 or logits.shape[-1] != logits.shape[-2]:
+        raise ValueError(f"logits: expected [..., M, M], got shape {tuple(logits.shape)}")
+    if iters < 1:
+        raise ValueError(f"iters: expected >= 1, got {iters}")
+    _finite(logits=logits)
+    if backend == "reference":
+        return reference.sinkhorn(logits, iters, eps)
+    _need_four(logits.shape[-1])
+    src = logits.contiguous()
+    out = torch.empty_like(src)
+    torch.ops.dsv4ref.mhc_sinkhorn(src, out, int(iters), float(eps), _launch(launch).encode())
+    return out
+
+
+def pre(residual: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, *,
+        rms_eps: float = RMS_EPS, hc_eps: float = HC_EPS, post_mult: float = POST_MULT,
+        sinkhorn_iters: int = SINKHORN_ITERS, backend: str = "auto",
+        launch: MhcLaunch | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """mHC pre (docs/mhc.md#pre): the sub-layer input and the weights of the following post.
+
+    mix = (X @ fnᵀ)·rsqrt(mean(X²) + rms_eps) with X the flattened streams ``[T, M·Hd]``; pre = σ(mix[0:M]·
+    scale[0] + base[0:M]) + hc_eps; post = σ(mix[M:2M]·scale[1] + base[M:2M])·post_mult; comb = Sinkhorn(
+    mix[2M:]·scale[2] + base[2M:], as M×M row-major); layer input = Σ_i pre_i·residual_i.
+
+    Args:
+        residual: ``[T, M, Hd]`` bf16, the M residual streams (any strides; "triton" needs M = 4).
+        fn: ``[M·(M+2), M·Hd]`` fp32; rows: M pre, M post, M² comb (row-major: logit (i, j) is row 2M + M·i + j).
+        scale: ``[3]`` fp32: (α_pre, α_post, α_res).
+        base: ``[M·(M+2)]`` fp32, in fn's row order.
+        rms_eps, hc_eps, post_mult, sinkhorn_iters: the model's constants by default (1e-6, 1e-6, 2, 20).
+        backend: "auto" | "reference" | "triton".
+        launch: :class:`MhcLaunch`, None = the measured defaults (split-K on a GPU).
+    Returns:
+        ``(post, comb, layer_input)``: post ``[T, M]`` fp32 in (0, post_mult); comb ``[T, M, M]`` fp32,
+        ``comb[t, i, j]`` the weight from source stream i to destination j; layer_input ``[T, Hd]`` bf16.
+    """
+    backend = validate.backend(backend, SUPPORTED)
+    T, M, Hd = _check_pre(residual, fn, scale, base)
+    _finite(residual=residual)
+    if backend == "reference":
+        p, c, x = reference.pre(residual, fn, scale, base, rms_eps=rms_eps, hc_eps=hc_eps, post_mult=post_mult,
+                                sinkhorn_iters=sinkhorn_iters)
+        return p, c, x.to(torch.bfloat16)
+    _need_four(M)
+    p, c, out = _gate_buffers(T, M, Hd, residual.device)
+    torch.ops.dsv4ref.mhc_pre(residual.contiguous(), split_fn(fn, M), scale, base, p, c, out, rms_eps, hc_eps,
+                              post_mult, sinkhorn_iters, _launch(launch).encode())
+    return p, c, out
+
+
+def post(x: torch.Tensor, residual: torch.Tensor, post: torch.Tensor, comb: torch.Tensor, *,
+         backend: str = "auto", launch: MhcLaunch | None = None) -> torch.Tensor:
+    """mHC post (docs/mhc.md#post): new stream j = post_j·x + Σ_i comb[i, j]·residual_i, i.e. combᵀ @ residual.
+
+    Args:
+        x: ``[T, Hd]`` bf16, the sub-layer's output.
+        residual: ``[T, M, Hd]`` bf16, the streams the sub-layer's pre read ("triton" needs M = 4).
+        post: ``[T, M]`` or ``[T, M, 1]`` fp32, from :func:`pre`.
+        comb: ``[T, M, M]`` fp32, from :func:`pre`; ``comb[t, i, j]``: source i → destination j.
+        backend: "auto" | "reference" | "triton".
+        launch: :class:`MhcLaunch` (``post_block_t``, ``post_block_h``), None = the default.
+    Returns:
+        The new residual ``[T, M, Hd]`` bf16 (fp32 math, rounded to nearest even once).
+    """
+    backend = validate.backend(backend, SUPPORTED)
+    T, M, Hd = _check_post(x, residual, post, comb)
+    if backend == "reference":
+        return reference.post(x, residual, post, comb).to(torch.bfloat16)
+    _need_four(M)
+    out = torch.empty(T, M, Hd, dtype=torch.bfloat16, device=residual.device)
+    torch.ops.dsv4ref.mhc_post(x.contiguous(), residual.contiguous(), post.reshape(T, M).contiguous(),
+                               comb.contiguous(), out, _launch(launch).encode())
+    return out
+
+
+def fused_post_pre(x: torch.Tensor, residual: torch.Tensor, post: torch.Tensor, comb: torch.Tensor,
+                   fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, *, rms_eps: float = RMS_EPS,
+                   hc_eps: float = HC_EPS, post_mult: float = POST_MULT, sinkhorn_iters: int = SINKHORN_ITERS,
+                   backend: str = "auto", launch: MhcLaunch | None = None):
+    """:func:`post` with this sub-layer's ``post, comb``, then :func:`pre` of the NEXT sub-layer on the new
+    streams with its ``fn, scale, base`` (docs/mhc.md#fused-post-pre). Arguments as in those two.
+
+    Returns:
+        ``(residual', post', comb', layer_input)``: the new residual ``[T, M, Hd]`` bf16, the next post
+        ``[T, M]`` fp32, comb ``[T, M, M]`` fp32 and layer input ``[T, Hd]`` bf16: equal to post then pre, bit
+        for bit on the bf16 outputs and within 1e-6 on the fp32 ones, when that pre runs the same design
+        (by default the fused op runs one kernel and :func:`pre` split-K, whose sums run in another order:
+        pass ``launch=MhcLaunch(split_k=False)`` to the pre to compare).
+    """
+    backend = validate.backend(backend, SUPPORTED)
+    T, M, Hd = _check_post(x, residual, post, comb)
+    _check_pre(residual, fn, scale, base)
+    kw = dict(rms_eps=rms_eps, hc_eps=hc_eps, post_mult=post_mult, sinkhorn_iters=sinkhorn_iters)
+    if backend == "reference":
+        new, p, c, li = reference.fused_post_pre(x, residual, post, comb, fn, scale, base, **kw)
+        return new, p, c, li.to(torch.bfloat16)
+    _need_four(M)
+    new = torch.empty(T, M, Hd, dtype=torch.bfloat16, device=residual.device)
+    p, c, out = _gate_buffers(T, M, Hd, residual.device)
+    torch.ops.dsv4ref.mhc_fused_post_pre(x.contiguous(), residual.contiguous(), post.reshape(T, M).contiguous(),
+                                         comb.contiguous(), split_fn(fn, M), scale, base, new, p, c, out,
+                                         rms_eps, hc_eps, post_mult, sinkhorn_iters, _launch(launch).encode())
+    return new, p, c, out
+
+
+def head(hidden: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, *,
+         rms_eps: float = RMS_EPS, hc_eps: float = HC_EPS, backend: str = "auto",
+         launch: MhcLaunch | None = None) -> torch.Tensor:
+    """HC head (docs/mhc.md#head): out = Σ_m gate_m·hidden_m, gate = σ(mix·scale[0] + base) + hc_eps, mix the
+    RMS-scaled GEMM of the flattened streams as in :func:`pre`. No post, no Sinkhorn.
+
+    Args:
+        hidden: ``[T, M, Hd]`` bf16, the streams after the last layer's post ("triton" needs M = 4).
+        fn: ``[M, M·Hd]`` fp32 (``hc_head_fn``); scale: ``[1]`` fp32; base: ``[M]`` fp32.
+        rms_eps, hc_eps: the model's 1e-6 by default.
+        backend: "auto" | "reference" | "triton".
+        launch: :class:`MhcLaunch`, None = the measured defaults (split-K on a GPU).
+    Returns:
+        ``[T, Hd]`` bf16.
+    """
+    backend = validate.backend(backend, SUPPORTED)
+    T, M, Hd = _check_streams(hidden, "hidden")
+    _check_mix_params(fn, scale, base, M, Hd, M, 1, "M")
+    validate.same_device(hidden=hidden, fn=fn, scale=scale, base=base)
+    _finite(hidden=hidden, fn=fn, scale=scale, base=base)
+    if backend == "reference":
+        return reference.head(hidden, fn, scale, base, rms_eps=rms_eps, hc_eps=hc_eps).to(torch.bfloat16)
+    _need_four(M)
+    out = torch.empty(T, Hd, dtype=torch.bfloat16, device=hidden.device)
+    torch.ops.dsv4ref.mhc_head(hidden.contiguous(), split_fn(fn, M, head=True), scale, base, out, rms_eps, hc_eps,
+                               _launch(launch).encode())
+    return out
+
+
+# ====================================================================================================
+# Example inputs (notebooks, tests, check, bench)
+# ====================================================================================================
+
+
+def example_params(Hd: int, *, seed: int = 0, M: int = HC_MULT, head: bool = False, device=None):
+    """Seeded ``(fn, scale, base)`` fp32 with real magnitudes: fn ~ N(0, 1/(M·Hd)) so every mix logit has
+    std ≈ 1 for RMS-normalised streams; α = (0.8, 0.6, 1.5) (head: 0.9); base ~ N(0, 0.5).
+
+    Returns:
+        pre: fn ``[M·(M+2), M·Hd]``, scale ``[3]``, base ``[M·(M+2)]``; ``head=True``: fn ``[M, M·Hd]``,
+        scale ``[1]``, base ``[M]``. Drawn on the CPU, moved to ``device`` (default: dsv4ref.DEVICE).
+    """
+    g = generator(seed)
+    rows = M if head else M * (M + 2)
+    fn = torch.randn(rows, M * Hd, generator=g) / (M * Hd) ** 0.5
+    scale = torch.tensor([0.9] if head else [0.8, 0.6, 1.5])
+    base = torch.randn(rows, generator=g) * 0.5
+    dev = device or DEVICE
+    return fn.to(dev), scale.to(dev), base.to(dev)
+
+
+def example_streams(T: int, Hd: int, *, seed: int = 0, M: int = HC_MULT, device=None) -> torch.Tensor:
+    """Seeded streams ``[T, M, Hd]`` bf16 whose 64-wide blocks span 2^-4 .. 2^4 (``testing.randn`` octaves)."""
+    return randn((T, M, Hd), seed=seed, octaves=8, device=device)

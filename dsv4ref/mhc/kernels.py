@@ -1,0 +1,478 @@
+"""mHC Triton kernels: Sinkhorn, post, and pre / fused post+pre / head in two designs.
+
+The math these kernels implement is ``reference.py`` (and docs/mhc.md); how they are launched, and which
+design serves which op by default, is ``launch.py``.
+
+Conventions for every kernel below
+----------------------------------
+* bf16 tensors are passed as their ``torch.int16`` view and widened in integers (``load_bf16``): no bf16
+  arithmetic ever runs (the interpreter computes bf16 on raw bits, docs/triton_interpreter.md I3). bf16
+  outputs are rounded with ``bf16_rne_bits`` (integer round-to-nearest-even) and stored through int16.
+* The streams ``[T, 4, Hd]`` are contiguous: token t's stream i starts at ``(4·t + i)·Hd``.
+* ``M = 4`` is written into the kernels (DeepSeek-V4's ``hc_mult``): a 4×4 comb is a ``[BLOCK, 4, 4]`` tile
+  and the four streams are four named registers ``r0..r3``.
+
+The mix GEMM, fp32-exact on bf16 tensor cores
+---------------------------------------------
+``mix = X @ fnᵀ`` must be fp32-accurate (tf32 errs by ~1e-2 on comb). X is bf16 already, so only fn needs
+care: ``split_fn`` (launch.py) splits it exactly into three bf16 parts ``fn = hi + mid + lo`` (8 + 8 + 8
+significand bits), and ``X @ fnᵀ = X @ hiᵀ + X @ midᵀ + X @ loᵀ`` with fp32 accumulation. Every bf16×bf16
+product is exact in fp32, so three tensor-core dots reproduce the fp32 GEMM. Each chunk's dots start from a
+ZERO accumulator and the chunk sum is added to the running sum with a plain fp32 add: a tensor-core MMA adds
+into its accumulator with truncation aligned to the largest addend, so feeding it the running sum lost up to
+an ulp of the whole sum per MMA (measured on the H200 at K = 16 384: 2.6e-5 on post, over the 1e-5
+tolerance).
+
+Two designs for pre, fused post+pre and head
+--------------------------------------------
+* One kernel (``hc_kernel``): a program owns BLOCK_T tokens and the whole K = 4·Hd reduction. Pass 1 streams
+  the tokens' 4·Hd values once in BLOCK_K chunks (GEMM + Σ X²); the gates and 20 Sinkhorn passes run in
+  registers; pass 2 re-reads the chunks, last first (likeliest still in L2), for ``x = Σ_i pre_i·Hs_i``.
+  Every program reads all of fn (3.1 MB as bf16×3 at Hd = 4096) from L2 for only BLOCK_T tokens.
+* Split-K (``hc_partial_kernel`` + ``hc_finish_kernel``): program (s, tile) owns 64 tokens and the K-slice
+  of split s and writes partial mixes / Σ X² to a workspace; the finish kernel sums the partials in split
+  order (deterministic), runs the gates and Sinkhorn, and the weighted sum over a hidden range. 4× less fn
+  traffic and enough programs even at small T, but the streams are read twice.
+Fused post+pre (either design): pass 1 computes the new streams chunk by chunk, stores them (bf16, RNE) and
+feeds the STORED bf16 values to the GEMM, exactly as a separate pre would read them, with the post's FMAs in
+one fixed order (``post_stream``): its bf16 outputs equal post-then-pre bit for bit.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from ..tl import bf16_rne_bits, dot
+
+# ====================================================================================================
+# Building blocks
+# ====================================================================================================
+
+
+@triton.jit
+def load_bf16(ptr, offs, mask):
+    """bf16 through its int16 view -> (bf16 tensor for tl.dot, its exact fp32 value). The widening is done
+    in integers (bits << 16), so no bf16 arithmetic ever happens."""
+    bits = tl.load(ptr + offs, mask=mask, other=0)
+    f = ((bits.to(tl.int32) & 0xFFFF) << 16).to(tl.float32, bitcast=True)
+    return bits.to(tl.bfloat16, bitcast=True), f
+
+
+@triton.jit
+def load_streams(ptr, ro, Hd, mask):
+    """The 4 streams of a [BLOCK_T, BLOCK] chunk (stream i at ``ro + i·Hd``): (a0..a3 bf16, r0..r3 fp32)."""
+    a0, r0 = load_bf16(ptr, ro, mask)
+    a1, r1 = load_bf16(ptr, ro + Hd, mask)
+    a2, r2 = load_bf16(ptr, ro + 2 * Hd, mask)
+    a3, r3 = load_bf16(ptr, ro + 3 * Hd, mask)
+    return a0, a1, a2, a3, r0, r1, r2, r3
+
+
+@triton.jit
+def col(ptr, rows, stride, c, mask):
+    """A [BLOCK_T] fp32 vector: column ``c`` of a row-major [T, stride] fp32 matrix."""
+    return tl.load(ptr + rows * stride + c, mask=mask, other=0.0)
+
+
+@triton.jit
+def post_weights(post_ptr, comb_ptr, rows, rm, j: tl.constexpr):
+    """Destination stream j's post weights, [BLOCK_T] vectors: (post_j, comb[0, j], comb[1, j], comb[2, j],
+    comb[3, j]) from post [T, 4] and comb [T, 4, 4] (fp32, contiguous)."""
+    return (col(post_ptr, rows, 4, j, rm), col(comb_ptr, rows, 16, 0 * 4 + j, rm), col(comb_ptr, rows, 16, 1 * 4 + j, rm),
+            col(comb_ptr, rows, 16, 2 * 4 + j, rm), col(comb_ptr, rows, 16, 3 * 4 + j, rm))
+
+
+@triton.jit
+def post_stream(x, w, r0, r1, r2, r3):
+    """New stream j: post_j·x + Σ_i comb[i, j]·r_i (the SOURCE index i is summed: combᵀ), ``w`` from
+    ``post_weights``. One fixed order of operations with explicit FMAs, shared by the post and fused kernels,
+    so their bf16 outputs are equal bit for bit (with plain ``a*b + c*d`` the compiler chose different FMA
+    contractions in the two kernels on the H200: 3 of 540 672 values differed by an ulp)."""
+    p_j, c0j, c1j, c2j, c3j = w
+    y = p_j[:, None] * x
+    y = tl.fma(c0j[:, None], r0, y)
+    y = tl.fma(c1j[:, None], r1, y)
+    y = tl.fma(c2j[:, None], r2, y)
+    return tl.fma(c3j[:, None], r3, y)
+
+
+@triton.jit
+def weighted4(w0, w1, w2, w3, r0, r1, r2, r3, ROWS: tl.constexpr = True):
+    """Σ_i w_i·r_i in one fixed FMA order (so pre and the fused kernel agree bit for bit). ``ROWS``: the
+    weights are [BLOCK_T] vectors (one per token), else tiles of r's shape."""
+    if ROWS:
+        y = w0[:, None] * r0
+        y = tl.fma(w1[:, None], r1, y)
+        y = tl.fma(w2[:, None], r2, y)
+        y = tl.fma(w3[:, None], r3, y)
+    else:
+        y = w0 * r0
+        y = tl.fma(w1, r1, y)
+        y = tl.fma(w2, r2, y)
+        y = tl.fma(w3, r3, y)
+    return y
+
+
+@triton.jit
+def sinkhorn_tile(c, iters, eps):
+    """DSV4 Sinkhorn on a [BLOCK, 4, 4] fp32 tile in registers (axis 1 = source i, axis 2 = destination j).
+    Pass 1: row softmax + eps, column normalise. Passes 2..iters: row, then column normalise."""
+    c = tl.exp(c - tl.max(c, axis=2)[:, :, None])  # finite logits only (the public functions reject NaN/inf)
+    c = c / tl.sum(c, axis=2)[:, :, None] + eps
+    c = c / (tl.sum(c, axis=1)[:, None, :] + eps)
+    for _ in range(1, iters):
+        c = c / (tl.sum(c, axis=2)[:, :, None] + eps)
+        c = c / (tl.sum(c, axis=1)[:, None, :] + eps)
+    return c
+
+
+# ====================================================================================================
+# Sinkhorn and post
+# ====================================================================================================
+
+
+@triton.jit
+def sinkhorn_kernel(
+    in_ptr,  # [n, 4, 4] fp32 logits, contiguous
+    out_ptr,  # [n, 4, 4] fp32
+    n,  # number of 4×4 matrices
+    iters,  # Sinkhorn passes (>= 1)
+    eps,  # hc_eps
+    BLOCK: tl.constexpr,  # matrices per program
+):
+    m = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    i4 = tl.arange(0, 4)
+    offs = m[:, None, None] * 16 + i4[None, :, None] * 4 + i4[None, None, :]  # [BLOCK, 4, 4]
+    mask = offs < n * 16  # rows beyond n: masked (their zero logits never reach memory)
+    c = tl.load(in_ptr + offs, mask=mask, other=0.0)
+    tl.store(out_ptr + offs, sinkhorn_tile(c, iters, eps), mask=mask)
+
+
+# post:  new[t, j, h] = post[t, j]·x[t, h] + Σ_i comb[t, i, j]·residual[t, i, h]   (combᵀ @ residual)
+# A program owns a [BLOCK_T tokens × BLOCK_H dims] tile of all four streams: 5 rows read, 4 written.
+@triton.jit
+def post_kernel(
+    x_ptr,  # int16 view of x [T, Hd] bf16, contiguous
+    res_ptr,  # int16 view of residual [T, 4, Hd] bf16, contiguous
+    post_ptr,  # [T, 4] fp32
+    comb_ptr,  # [T, 4, 4] fp32; comb[t, i, j] = weight from source i to destination j
+    out_ptr,  # int16 view of the new residual [T, 4, Hd] bf16
+    T,
+    Hd,
+    BLOCK_T: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+):
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
+    h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    rm = rows < T
+    mask = rm[:, None] & (h < Hd)[None, :]
+    ro = rows[:, None] * (4 * Hd) + h[None, :]  # stream i at ro + i·Hd
+    _, x = load_bf16(x_ptr, rows[:, None] * Hd + h[None, :], mask)
+    _, _, _, _, r0, r1, r2, r3 = load_streams(res_ptr, ro, Hd, mask)
+    for j in tl.static_range(4):
+        y = post_stream(x, post_weights(post_ptr, comb_ptr, rows, rm, j), r0, r1, r2, r3)
+        tl.store(out_ptr + ro + j * Hd, bf16_rne_bits(y).to(tl.int16, bitcast=True), mask=mask)
+
+
+# ====================================================================================================
+# pre / fused post+pre / head: the pieces both designs share
+# ====================================================================================================
+
+
+@triton.jit
+def token_tile(tile, T, post_in_ptr, comb_in_ptr, FUSED: tl.constexpr, BLOCK_T: tl.constexpr):
+    """The prologue of a program that owns token tile ``tile``: (rows [BLOCK_T] int64, rm = rows < T, W).
+    ``W``, FUSED only: the post's weights for the 4 destination streams (``post_weights``), loaded once."""
+    rows = tile.to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
+    rm = rows < T
+    if FUSED:
+        W = (post_weights(post_in_ptr, comb_in_ptr, rows, rm, 0), post_weights(post_in_ptr, comb_in_ptr, rows, rm, 1),
+             post_weights(post_in_ptr, comb_in_ptr, rows, rm, 2), post_weights(post_in_ptr, comb_in_ptr, rows, rm, 3))
+    else:
+        W = 0  # unused
+    return rows, rm, W
+
+
+@triton.jit
+def stream_chunk(res_ptr, x_ptr, new_ptr, W, rows, h, Hd, mask, FUSED: tl.constexpr):
+    """Pass 1's input for one chunk ``h`` [BLOCK_K] of the tile's 4 streams: (a0..a3 bf16, r0..r3 fp32).
+
+    FUSED: the streams read are the ones BEFORE the post; the post is applied here (new stream j =
+    post_j·x + Σ_i comb[i, j]·r_i), rounded to bf16, stored to ``new_ptr``, and returned as the values the
+    GEMM sees, exactly the bf16 values a separate pre would read."""
+    ro = rows[:, None] * (4 * Hd) + h[None, :]  # stream i at ro + i·Hd
+    a0, a1, a2, a3, r0, r1, r2, r3 = load_streams(res_ptr, ro, Hd, mask)
+    if FUSED:
+        _, x = load_bf16(x_ptr, rows[:, None] * Hd + h[None, :], mask)
+        n0 = bf16_rne_bits(post_stream(x, W[0], r0, r1, r2, r3))
+        n1 = bf16_rne_bits(post_stream(x, W[1], r0, r1, r2, r3))
+        n2 = bf16_rne_bits(post_stream(x, W[2], r0, r1, r2, r3))
+        n3 = bf16_rne_bits(post_stream(x, W[3], r0, r1, r2, r3))
+        tl.store(new_ptr + ro, n0.to(tl.int16, bitcast=True), mask=mask)
+        tl.store(new_ptr + ro + Hd, n1.to(tl.int16, bitcast=True), mask=mask)
+        tl.store(new_ptr + ro + 2 * Hd, n2.to(tl.int16, bitcast=True), mask=mask)
+        tl.store(new_ptr + ro + 3 * Hd, n3.to(tl.int16, bitcast=True), mask=mask)
+        a0, r0 = n0.to(tl.bfloat16, bitcast=True), (n0.to(tl.uint32) << 16).to(tl.float32, bitcast=True)
+        a1, r1 = n1.to(tl.bfloat16, bitcast=True), (n1.to(tl.uint32) << 16).to(tl.float32, bitcast=True)
+        a2, r2 = n2.to(tl.bfloat16, bitcast=True), (n2.to(tl.uint32) << 16).to(tl.float32, bitcast=True)
+        a3, r3 = n3.to(tl.bfloat16, bitcast=True), (n3.to(tl.uint32) << 16).to(tl.float32, bitcast=True)
+    return a0, a1, a2, a3, r0, r1, r2, r3
+
+
+@triton.jit
+def gates(acc_g, acc_c, ssq, K, rows, rm, scale_ptr, base_ptr, post_ptr, comb_ptr, T, rms_eps, hc_eps, post_mult,
+          iters, store, HEAD: tl.constexpr, BLOCK_T: tl.constexpr):
+    """From the accumulated logits to the weights: the RMS factor of the flattened streams (applied AFTER the
+    GEMM, one scalar per token), pre = σ(·) + eps (head: the gate), and, unless HEAD and only where ``store``,
+    post = σ(·)·post_mult and comb = Sinkhorn(·) stored to ``post_ptr`` / ``comb_ptr``.
+
+    acc_g [BLOCK_T, 16]: [pre 0..3 | post 4..7 | 0] (head: [gate | 0]); acc_c [BLOCK_T, 16]: comb logit (i, j)
+    at 4i + j; ssq [BLOCK_T]: Σ X² over K = 4·Hd values. Returns pre as four [BLOCK_T] vectors w0..w3."""
+    rinv = tl.math.rsqrt(ssq / K + rms_eps)
+    i4 = tl.arange(0, 4)
+    g3 = tl.reshape(acc_g * rinv[:, None], (BLOCK_T, 4, 4))  # row 0: pre (head: gate), row 1: post
+    sel = i4[None, :, None]
+    pre = tl.sigmoid(tl.sum(tl.where(sel == 0, g3, 0.0), axis=1) * tl.load(scale_ptr)
+                     + tl.load(base_ptr + i4)[None, :]) + hc_eps  # [BLOCK_T, 4]
+    if not HEAD:
+        if store:
+            post = tl.sigmoid(tl.sum(tl.where(sel == 1, g3, 0.0), axis=1) * tl.load(scale_ptr + 1)
+                              + tl.load(base_ptr + 4 + i4)[None, :]) * post_mult
+            tl.store(post_ptr + rows[:, None] * 4 + i4[None, :], post, mask=rm[:, None] & (i4 < 4)[None, :])
+            cl = tl.reshape(acc_c * rinv[:, None], (BLOCK_T, 4, 4)) * tl.load(scale_ptr + 2) \
+                + tl.load(base_ptr + 8 + i4[:, None] * 4 + i4[None, :])[None, :, :]
+            comb = sinkhorn_tile(cl, iters, hc_eps)
+            co = rows[:, None, None] * 16 + i4[None, :, None] * 4 + i4[None, None, :]
+            tl.store(comb_ptr + co, comb, mask=co < T * 16)
+    w0 = tl.sum(tl.where(i4[None, :] == 0, pre, 0.0), axis=1)
+    w1 = tl.sum(tl.where(i4[None, :] == 1, pre, 0.0), axis=1)
+    w2 = tl.sum(tl.where(i4[None, :] == 2, pre, 0.0), axis=1)
+    w3 = tl.sum(tl.where(i4[None, :] == 3, pre, 0.0), axis=1)
+    return w0, w1, w2, w3
+
+
+@triton.jit
+def layer_input_chunk(src_ptr, out_ptr, rows, rm, h, Hd, w0, w1, w2, w3):
+    """out[rows, h] = bf16(Σ_i pre_i · stream_i[rows, h]) for one chunk ``h`` of the hidden dim."""
+    mask = rm[:, None] & (h < Hd)[None, :]
+    _, _, _, _, r0, r1, r2, r3 = load_streams(src_ptr, rows[:, None] * (4 * Hd) + h[None, :], Hd, mask)
+    y = weighted4(w0, w1, w2, w3, r0, r1, r2, r3)
+    tl.store(out_ptr + rows[:, None] * Hd + h[None, :], bf16_rne_bits(y).to(tl.int16, bitcast=True), mask=mask)
+
+
+# ====================================================================================================
+# Design 1: one kernel (hc_kernel)
+# ====================================================================================================
+
+
+@triton.jit
+def gemm_stream(a, k, kmask, fs_ptr, K, acc_g, acc_c, DOT_FP32: tl.constexpr, HEAD: tl.constexpr,
+                BLOCK_K: tl.constexpr):
+    """acc += a @ fnᵀ[k, :] for one stream chunk: a [BLOCK_T, BLOCK_K] bf16, fs = [G, 3, K, 16] bf16 (hi, mid,
+    lo; group 0 = gate columns, group 1 = comb columns). Three bf16 dots per group reproduce the fp32 product
+    exactly; the chunk's dots start from zero (module docstring: MMA truncation)."""
+    n16 = tl.arange(0, 16)
+    b_off = k.to(tl.int64)[:, None] * 16 + n16[None, :]  # [BLOCK_K, 16]
+    bm = kmask[:, None] & (n16 < 16)[None, :]  # full-shape mask (the interpreter wants mask.shape == ptr.shape)
+    part_g = tl.zeros_like(acc_g)
+    part_c = tl.zeros_like(acc_c)
+    for s in tl.static_range(3):
+        part_g = dot(a, tl.load(fs_ptr + s * K * 16 + b_off, mask=bm, other=0.0), part_g, DOT_FP32)
+        if not HEAD:
+            part_c = dot(a, tl.load(fs_ptr + (3 + s) * K * 16 + b_off, mask=bm, other=0.0), part_c, DOT_FP32)
+    return acc_g + part_g, acc_c + part_c
+
+
+@triton.jit
+def hc_kernel(
+    res_ptr,  # int16 view of residual [T, 4, Hd] bf16 (contiguous): the streams read by pre / head,
+    #           or, when FUSED, the streams *before* the post
+    x_ptr,  # FUSED: int16 view of the sub-layer output x [T, Hd] bf16
+    post_in_ptr,  # FUSED: [T, 4] fp32
+    comb_in_ptr,  # FUSED: [T, 4, 4] fp32
+    new_ptr,  # FUSED: int16 view of the new residual [T, 4, Hd] bf16 (written)
+    fs_ptr,  # [G, 3, 4·Hd, 16] bf16: split_fn(fn)
+    scale_ptr,  # [3] fp32 (pre, post, comb) or [1] for the head
+    base_ptr,  # [24] fp32 ([4] for the head)
+    post_ptr,  # [T, 4] fp32 out (not HEAD)
+    comb_ptr,  # [T, 4, 4] fp32 out (not HEAD)
+    out_ptr,  # int16 view of the layer input (head: the output) [T, Hd] bf16
+    T,
+    Hd,
+    rms_eps,
+    hc_eps,
+    post_mult,
+    iters,
+    HEAD: tl.constexpr,  # head: gates only (no post, no Sinkhorn)
+    FUSED: tl.constexpr,  # apply post(x, residual, post_in, comb_in) first, store it, run pre on it
+    BLOCK_T: tl.constexpr,  # tokens per program (>= 16: the M side of tl.dot)
+    BLOCK_K: tl.constexpr,  # hidden dims per chunk (>= 16: the K side of tl.dot)
+    DOT_FP32: tl.constexpr,  # interpreting(): see dsv4ref.tl.dot
+):
+    tl.static_assert(BLOCK_K >= 16)
+    tl.static_assert(BLOCK_T >= 16)
+    rows, rm, W = token_tile(tl.program_id(0), T, post_in_ptr, comb_in_ptr, FUSED, BLOCK_T)
+    kk = tl.arange(0, BLOCK_K)
+    K = 4 * Hd
+    acc_g = tl.zeros((BLOCK_T, 16), dtype=tl.float32)  # [pre 0..3 | post 4..7 | 0] (head: [gate | 0])
+    acc_c = tl.zeros((BLOCK_T, 16), dtype=tl.float32)  # comb logits, (i, j) at 4i + j
+    ssq = tl.zeros((BLOCK_T,), dtype=tl.float32)  # Σ X² over the flattened 4·Hd values
+
+    # ---- pass 1: the mix GEMM and Σ X², one chunk of all 4 streams at a time ---------------------------
+    for h0 in range(0, Hd, BLOCK_K):
+        h = h0 + kk
+        hm = h < Hd
+        a0, a1, a2, a3, r0, r1, r2, r3 = stream_chunk(res_ptr, x_ptr, new_ptr, W, rows, h, Hd,
+                                                      rm[:, None] & hm[None, :], FUSED)
+        ssq += tl.sum(weighted4(r0, r1, r2, r3, r0, r1, r2, r3, False), axis=1)  # Σ_i r_i², fixed FMA order
+        acc_g, acc_c = gemm_stream(a0, h, hm, fs_ptr, K, acc_g, acc_c, DOT_FP32, HEAD, BLOCK_K)
+        acc_g, acc_c = gemm_stream(a1, Hd + h, hm, fs_ptr, K, acc_g, acc_c, DOT_FP32, HEAD, BLOCK_K)
+        acc_g, acc_c = gemm_stream(a2, 2 * Hd + h, hm, fs_ptr, K, acc_g, acc_c, DOT_FP32, HEAD, BLOCK_K)
+        acc_g, acc_c = gemm_stream(a3, 3 * Hd + h, hm, fs_ptr, K, acc_g, acc_c, DOT_FP32, HEAD, BLOCK_K)
+
+    # ---- RMS factor, gates, Sinkhorn (in registers) --------------------------------------------------------
+    w0, w1, w2, w3 = gates(acc_g, acc_c, ssq, K, rows, rm, scale_ptr, base_ptr, post_ptr, comb_ptr, T, rms_eps,
+                           hc_eps, post_mult, iters, True, HEAD, BLOCK_T)
+
+    # ---- pass 2: x = Σ_i pre_i · stream_i, last chunk first (it is the likeliest to still be in L2) ----
+    if FUSED:
+        tl.debug_barrier()  # the new streams written above by other threads of this program
+        src_ptr = new_ptr
+    else:
+        src_ptr = res_ptr
+    n_chunks = tl.cdiv(Hd, BLOCK_K)
+    for c in range(0, n_chunks):
+        layer_input_chunk(src_ptr, out_ptr, rows, rm, (n_chunks - 1 - c) * BLOCK_K + kk, Hd, w0, w1, w2, w3)
+
+
+# ====================================================================================================
+# Design 2: split-K (hc_partial_kernel, then hc_finish_kernel)
+#
+# Why: hc_kernel gives each program 16 tokens and the WHOLE K = 4·Hd reduction, so every program streams
+# all of fn through L2 for only 16 tokens (256 programs × 3.1 MB ≈ 0.8 GB of L2 traffic against 0.13 GB of
+# streams at T = Hd = 4096). Raising BLOCK_T alone starves the 132 SMs of programs (BLOCK_T = 64: 64
+# programs). Splitting K gives both big token tiles (fn traffic / 4) and enough programs; small T (decode)
+# gets Hd/BLOCK_K programs instead of one.
+#
+# * hc_partial_kernel, grid (splits, token tiles): program (s, t) owns BLOCK_T tokens and the hidden range
+#   of split s (whole BLOCK_K chunks) of all 4 streams; it writes its partial mix [BLOCK_T, 32] and partial
+#   Σ X² [BLOCK_T] to fp32 workspaces [splits, T, 32] and [splits, T]. The gate and comb columns of fn are
+#   ONE [BLOCK_K, 32] tile per bf16 part (3 dots of N = 32 instead of 6 of N = 16).
+# * hc_finish_kernel, grid (hidden parts, token tiles): sums the partials in split order (fixed, so
+#   deterministic), runs ``gates`` (every hidden part of a tile needs pre; part 0 stores post and comb),
+#   then the weighted stream sum over its hidden range. The split index varies fastest in the first grid,
+#   so it finishes the LAST token tiles last; the second grid walks the token tiles in REVERSE, so it starts
+#   on the streams the first one read (or, fused, wrote) most recently, the likeliest still in the L2.
+# ====================================================================================================
+
+
+@triton.jit
+def gemm_stream32(a, k, kmask, fs_ptr, K, acc, DOT_FP32: tl.constexpr, NG: tl.constexpr, BLOCK_K: tl.constexpr):
+    """acc += a @ fnᵀ[k, :NG] for one stream chunk, NG = 32 (gate group | comb group) or 16 (head: one group).
+    fs = [G, 3, K, 16] bf16 (split_fn); column n of the tile is column n % 16 of group n // 16. Per-chunk
+    zero-start accumulator, as in ``gemm_stream``."""
+    n = tl.arange(0, NG)
+    b_off = ((n // 16) * 3 * K * 16 + n % 16).to(tl.int64)[None, :] + k.to(tl.int64)[:, None] * 16  # [BLOCK_K, NG]
+    bm = kmask[:, None] & (n < NG)[None, :]
+    part = tl.zeros_like(acc)
+    for s in tl.static_range(3):
+        part = dot(a, tl.load(fs_ptr + s * K * 16 + b_off, mask=bm, other=0.0), part, DOT_FP32)
+    return acc + part
+
+
+@triton.jit
+def hc_partial_kernel(
+    res_ptr,  # int16 view of residual [T, 4, Hd] bf16 (FUSED: the streams before the post)
+    x_ptr,  # FUSED: int16 view of x [T, Hd] bf16
+    post_in_ptr,  # FUSED: [T, 4] fp32
+    comb_in_ptr,  # FUSED: [T, 4, 4] fp32
+    new_ptr,  # FUSED: int16 view of the new residual [T, 4, Hd] bf16 (written)
+    fs_ptr,  # [G, 3, 4·Hd, 16] bf16: split_fn(fn)
+    ws_ptr,  # [splits, T, 32] fp32 workspace: partial mix columns (head: the first 16)
+    ssq_ptr,  # [splits, T] fp32 workspace: partial Σ X²
+    T,
+    Hd,
+    chunks_per_split,  # BLOCK_K chunks per split
+    HEAD: tl.constexpr,
+    FUSED: tl.constexpr,
+    BLOCK_T: tl.constexpr,  # >= 16 (the M side of tl.dot)
+    BLOCK_K: tl.constexpr,  # >= 16 (the K side of tl.dot)
+    DOT_FP32: tl.constexpr,
+):
+    tl.static_assert(BLOCK_K >= 16)
+    tl.static_assert(BLOCK_T >= 16)
+    NG: tl.constexpr = 16 if HEAD else 32
+    split = tl.program_id(0)
+    rows, rm, W = token_tile(tl.program_id(1), T, post_in_ptr, comb_in_ptr, FUSED, BLOCK_T)
+    kk = tl.arange(0, BLOCK_K)
+    K = 4 * Hd
+    acc = tl.zeros((BLOCK_T, NG), dtype=tl.float32)  # [pre | post | 0 | comb (i, j) at 16 + 4i + j]
+    ssq = tl.zeros((BLOCK_T,), dtype=tl.float32)
+    h_begin = split * chunks_per_split * BLOCK_K
+    h_end = tl.minimum(h_begin + chunks_per_split * BLOCK_K, Hd)
+    for h0 in range(h_begin, h_end, BLOCK_K):
+        h = h0 + kk
+        hm = h < h_end
+        a0, a1, a2, a3, r0, r1, r2, r3 = stream_chunk(res_ptr, x_ptr, new_ptr, W, rows, h, Hd,
+                                                      rm[:, None] & hm[None, :], FUSED)
+        ssq += tl.sum(weighted4(r0, r1, r2, r3, r0, r1, r2, r3, False), axis=1)
+        acc = gemm_stream32(a0, h, hm, fs_ptr, K, acc, DOT_FP32, NG, BLOCK_K)
+        acc = gemm_stream32(a1, Hd + h, hm, fs_ptr, K, acc, DOT_FP32, NG, BLOCK_K)
+        acc = gemm_stream32(a2, 2 * Hd + h, hm, fs_ptr, K, acc, DOT_FP32, NG, BLOCK_K)
+        acc = gemm_stream32(a3, 3 * Hd + h, hm, fs_ptr, K, acc, DOT_FP32, NG, BLOCK_K)
+    wo = split.to(tl.int64) * T + rows  # this split's rows of the workspace
+    n = tl.arange(0, NG)
+    tl.store(ws_ptr + wo[:, None] * 32 + n[None, :], acc, mask=rm[:, None] & (n < NG)[None, :])
+    tl.store(ssq_ptr + wo, ssq, mask=rm)
+
+
+@triton.jit
+def hc_finish_kernel(
+    src_ptr,  # int16 view of the streams x is summed from [T, 4, Hd] bf16 (FUSED: the new streams)
+    ws_ptr,  # [splits, T, 32] fp32 partial mixes from hc_partial_kernel
+    ssq_ptr,  # [splits, T] fp32 partial Σ X²
+    scale_ptr,  # [3] fp32 ([1] head)
+    base_ptr,  # [24] fp32 ([4] head)
+    post_ptr,  # [T, 4] fp32 out (not HEAD)
+    comb_ptr,  # [T, 4, 4] fp32 out (not HEAD)
+    out_ptr,  # int16 view of the layer input (head: the output) [T, Hd] bf16
+    T,
+    Hd,
+    splits,
+    h_per_part,  # hidden values per program along grid axis 0 (a multiple of BLOCK_H)
+    rms_eps,
+    hc_eps,
+    post_mult,
+    iters,
+    HEAD: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+):
+    part = tl.program_id(0)
+    tile = tl.num_programs(1) - 1 - tl.program_id(1)  # reverse token order (see the section comment)
+    rows = tile.to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
+    rm = rows < T
+    K = 4 * Hd
+    n16 = tl.arange(0, 16)
+    m16 = rm[:, None] & (n16 < 16)[None, :]
+    acc_g = tl.zeros((BLOCK_T, 16), dtype=tl.float32)
+    acc_c = tl.zeros((BLOCK_T, 16), dtype=tl.float32)
+    ssq = tl.zeros((BLOCK_T,), dtype=tl.float32)
+    for s in range(0, splits):  # split order: the same sum on every run
+        wo = s * T + rows
+        acc_g += tl.load(ws_ptr + wo[:, None] * 32 + n16[None, :], mask=m16, other=0.0)
+        if not HEAD:
+            acc_c += tl.load(ws_ptr + wo[:, None] * 32 + 16 + n16[None, :], mask=m16, other=0.0)
+        ssq += tl.load(ssq_ptr + wo, mask=rm, other=0.0)
+
+    # every hidden part needs pre; part 0 alone stores post and comb
+    w0, w1, w2, w3 = gates(acc_g, acc_c, ssq, K, rows, rm, scale_ptr, base_ptr, post_ptr, comb_ptr, T, rms_eps,
+                           hc_eps, post_mult, iters, part == 0, HEAD, BLOCK_T)
+
+    # ---- x = Σ_i pre_i · stream_i over this part's hidden range, last chunk first ---------------------
+    hh = tl.arange(0, BLOCK_H)
+    h_begin = part * h_per_part
+    n_chunks = tl.cdiv(tl.minimum(h_per_part, Hd - h_begin), BLOCK_H)
+    for c in range(0, n_chunks):
+        layer_input_chunk(src_ptr, out_ptr, rows, rm, h_begin + (n_chunks - 1 - c) * BLOCK_H + hh, Hd, w0, w1, w2, w3)

@@ -1,0 +1,270 @@
+"""How the mHC kernels are launched: :class:`MhcLaunch`, the fn split, the custom ops.
+
+Every launch choice (which design, tile sizes, warps, stages, split counts) is a field of the frozen
+:class:`MhcLaunch`, passed explicitly as ``launch=`` to the public functions and, encoded as an ``int[]``,
+to the ``torch.ops.dsv4ref.mhc_*`` custom ops, so a registered op reads nothing outside its schema.
+
+The defaults are what was measured fastest on one H200 (2026-11-30, T = Hd = 4096, torch 2.11, Triton 3.6;
+``benchmarks/RESULTS.md`` and ``benchmarks/mhc.md``), as a fraction of the roofline bound over compulsory
+bytes:
+
+======================  =====================================  ==========================
+op                      one kernel (``hc_kernel``)             split-K (partial + finish)
+======================  =====================================  ==========================
+pre                     336.5 µs, 12.3 % (BLOCK_T = 32)        **248.2 µs, 16.6 %**
+fused post+pre          **485.1 µs, 17.0 %**                   777.2 µs, 10.6 %
+head                    13.9 %                                 **218.0 µs, 18.8 %**
+post (``post_kernel``)  **80.2 µs, 91.8 %**                    —
+======================  =====================================  ==========================
+
+so ``split_k=None`` (the default) means split-K for pre and head and one kernel for fused post+pre. Split-K
+cuts fn's L2 traffic 4× but reads the streams twice; the fused op already reads and writes them once more,
+which is why it loses there. Both designs are the main path (each serves an op by default), so both live in
+``kernels.py``; ``MhcLaunch(split_k=True)`` / ``MhcLaunch(split_k=False)`` forces one for every op.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import weakref
+from dataclasses import dataclass
+
+import torch
+import triton
+
+from .. import validate
+from ..device import interpreting
+from ..formats import HC_MULT
+from . import kernels
+
+
+@dataclass(frozen=True)
+class MhcLaunch:
+    """Launch configuration of the mHC kernels (the defaults: measured on the H200, module docstring).
+
+    The interpreter pays about a millisecond per program, so a few of the defaults differ there (bigger
+    chunks, fewer programs); they never change a result.
+    """
+
+    split_k: bool | None = None  # None: split-K for pre and head, one kernel for fused post+pre (measured)
+    # one kernel (hc_kernel): BLOCK_T = 16 is the smallest M side of a tensor-core dot; 2 pipeline stages keep
+    # 4 streams × (A tile + 6 fn tiles) of shared memory well under the H200's 227 KB
+    block_t: int = 16  # tokens per program
+    block_k: int = 128 if interpreting() else 64  # hidden dims per chunk
+    num_warps: int = 4
+    num_stages: int = 2
+    # split-K, partial kernel: 64 tokens per program = 4× fewer fn re-reads from L2 than 16
+    split_block_t: int = 64
+    split_block_k: int = 128 if interpreting() else 64
+    split_warps: int = 8  # fused holds x, 4 streams and 4 new streams per chunk: 8 warps halve the registers
+    split_stages: int = 2  # per stage: 4 stream tiles (32 KB) + 3 fn tiles of 32 columns × 4 streams (48 KB)
+    splits: int | None = None  # force this many K splits (None: enough to reach target_programs)
+    target_programs: int = 4 if interpreting() else 528  # about 4 per SM on the H200's 132 SMs
+    # split-K, finish kernel
+    finish_block_t: int = 16
+    finish_block_h: int = 256
+    finish_warps: int = 4
+    # post_kernel and sinkhorn_kernel
+    post_block_t: int = 4
+    post_block_h: int = 256
+    sinkhorn_block: int = 256 if interpreting() else 16  # 4×4 matrices per program
+
+    def __post_init__(self):
+        for name in ("block_t", "block_k", "split_block_t", "split_block_k", "finish_block_t", "finish_block_h",
+                     "post_block_t", "post_block_h", "sinkhorn_block"):
+            validate.power_of_two(getattr(self, name), f"launch.{name}")
+        for name in ("block_t", "block_k", "split_block_t", "split_block_k", "finish_block_t"):
+            if getattr(self, name) < 16:  # the sides of a tensor-core dot; finish: the [16]-wide gate tiles
+                raise ValueError(f"launch.{name}: expected >= 16, got {getattr(self, name)}")
+        for name in ("num_warps", "num_stages", "split_warps", "split_stages", "finish_warps", "target_programs"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"launch.{name}: expected >= 1, got {getattr(self, name)}")
+        if self.splits is not None and self.splits < 1:
+            raise ValueError(f"launch.splits: expected None or >= 1, got {self.splits}")
+
+    def uses_split_k(self, fused: bool) -> bool:
+        """The design an op takes: ``split_k`` if set, else the measured default (one kernel for fused only)."""
+        return (not fused) if self.split_k is None else self.split_k
+
+    def split_plan(self, T: int, Hd: int) -> tuple[int, int]:
+        """(splits, BLOCK_K chunks per split) of the partial kernel: enough K splits that token tiles × splits
+        reaches ``target_programs`` (or ``splits`` if set), each a whole number of chunks, none empty."""
+        chunks = triton.cdiv(Hd, self.split_block_k)
+        want = self.splits or max(1, triton.cdiv(self.target_programs, triton.cdiv(T, self.split_block_t)))
+        cps = triton.cdiv(chunks, min(chunks, want))
+        return triton.cdiv(chunks, cps), cps
+
+    def encode(self) -> list[int]:
+        """The fields in declaration order as the custom ops' ``launch: int[]`` argument (None → −1)."""
+        return [-1 if v is None else int(v) for v in dataclasses.astuple(self)]
+
+    @classmethod
+    def decode(cls, values: list[int]) -> "MhcLaunch":
+        """The inverse of :meth:`encode`."""
+        kw = {f.name: (None if v == -1 else v) for f, v in zip(dataclasses.fields(cls), values)}
+        kw["split_k"] = None if kw["split_k"] is None else bool(kw["split_k"])
+        return cls(**kw)
+
+
+DEFAULT = MhcLaunch()
+
+
+# ====================================================================================================
+# fn split: fp32 = hi + mid + lo, three bf16 parts, exactly
+# ====================================================================================================
+
+
+def split3(w: torch.Tensor) -> torch.Tensor:
+    """``[3, *w.shape]`` bf16 with hi + mid + lo == w exactly (fp32 has 24 significand bits, bf16 has 8;
+    torch's fp32 -> bf16 cast rounds to nearest even, and each remainder is exact in fp32)."""
+    hi = w.to(torch.bfloat16)
+    r = w - hi.float()
+    mid = r.to(torch.bfloat16)
+    lo = (r - mid.float()).to(torch.bfloat16)
+    return torch.stack([hi, mid, lo])
+
+
+_SPLIT_CACHE: dict[int, tuple] = {}
+
+
+def split_fn(fn: torch.Tensor, M: int = HC_MULT, head: bool = False) -> torch.Tensor:
+    """The kernels' copy of ``fn``: bf16 ``[G, 3, M·Hd, 16]`` (G = 2 for pre: group 0 = the gate rows
+    [pre 0..3 | post 4..7 | zero], group 1 = the 16 comb rows; G = 1 for the head: [gate 0..3 | zero]).
+    K-major, so a kernel loads a ``[BLOCK_K, 16]`` tile of fnᵀ with contiguous rows.
+
+    fn is a weight: the split is cached per tensor object and version counter (an in-place update
+    invalidates it; the cache holds a weak reference, so a freed tensor's address is never reused)."""
+    key = id(fn)
+    hit = _SPLIT_CACHE.get(key)
+    if hit is not None and hit[0]() is fn and hit[1] == fn._version and hit[2] == head:
+        return hit[3]
+    K = fn.shape[1]
+    groups = 1 if head else 2
+    w = torch.zeros(groups, 16, K, dtype=torch.float32, device=fn.device)
+    if head:
+        w[0, :M] = fn
+    else:
+        w[0, : 2 * M] = fn[: 2 * M]  # pre, post
+        w[1, : M * M] = fn[2 * M :]  # comb, row-major (i, j)
+    out = split3(w).permute(1, 0, 3, 2).contiguous()  # [G, 3, K, 16]
+    if len(_SPLIT_CACHE) >= 16:
+        _SPLIT_CACHE.pop(next(iter(_SPLIT_CACHE)))
+    _SPLIT_CACHE[key] = (weakref.ref(fn), fn._version, head, out)
+    return out
+
+
+# ====================================================================================================
+# Launchers
+# ====================================================================================================
+
+
+def launch_hc(res, x, post_in, comb_in, new, fs, scale, base, post, comb, out, rms_eps, hc_eps, post_mult, iters, *,
+              head: bool, fused: bool, launch: MhcLaunch) -> None:
+    """Run pre (``fused=False``), fused post+pre (``fused=True``: x, post_in, comb_in, new given) or the head
+    (``head=True``: no post / comb outputs) into the given buffers, with the design ``launch`` picks.
+    Arguments that an op does not have are None; the kernels never touch them (``scale`` stands in)."""
+    T, M, Hd = res.shape
+    if T == 0:
+        return
+    i16 = lambda t: (t if t is not None else res).view(torch.int16)  # noqa: E731
+    opt = lambda t: t if t is not None else scale  # noqa: E731
+    ptrs = (res.view(torch.int16), i16(x), opt(post_in), opt(comb_in), i16(new), fs)
+    scalars = (float(rms_eps), float(hc_eps), float(post_mult), int(iters))
+    compiled = not interpreting()
+    L = launch
+    if not L.uses_split_k(fused):
+        kw = dict(num_warps=L.num_warps, num_stages=L.num_stages) if compiled else {}
+        kernels.hc_kernel[(triton.cdiv(T, L.block_t),)](
+            *ptrs, scale, base, opt(post), opt(comb), out.view(torch.int16), T, Hd, *scalars,
+            HEAD=head, FUSED=fused, BLOCK_T=L.block_t, BLOCK_K=L.block_k, DOT_FP32=not compiled, **kw)
+        return
+    n_split, cps = L.split_plan(T, Hd)
+    ws = torch.empty(n_split * T * 33, dtype=torch.float32, device=res.device)  # [S, T, 32] mix | [S, T] Σ X²
+    mix_ws, ssq_ws = ws[: n_split * T * 32], ws[n_split * T * 32 :]
+    kw = dict(num_warps=L.split_warps, num_stages=L.split_stages) if compiled else {}
+    kernels.hc_partial_kernel[(n_split, triton.cdiv(T, L.split_block_t))](
+        *ptrs, mix_ws, ssq_ws, T, Hd, cps,
+        HEAD=head, FUSED=fused, BLOCK_T=L.split_block_t, BLOCK_K=L.split_block_k, DOT_FP32=not compiled, **kw)
+    tiles = triton.cdiv(T, L.finish_block_t)
+    h_chunks = triton.cdiv(Hd, L.finish_block_h)
+    parts = min(h_chunks, max(1, triton.cdiv(L.target_programs, tiles)))
+    h_per_part = triton.cdiv(h_chunks, parts) * L.finish_block_h
+    parts = triton.cdiv(Hd, h_per_part)
+    kw = dict(num_warps=L.finish_warps) if compiled else {}
+    kernels.hc_finish_kernel[(parts, tiles)](
+        i16(new) if fused else ptrs[0], mix_ws, ssq_ws, scale, base, opt(post), opt(comb), out.view(torch.int16),
+        T, Hd, n_split, h_per_part, *scalars, HEAD=head, BLOCK_T=L.finish_block_t, BLOCK_H=L.finish_block_h, **kw)
+
+
+# ====================================================================================================
+# Custom ops: they write into given buffers (the tests poison them first). ``launch`` is
+# MhcLaunch.encode(): every launch choice travels in the schema.
+# ====================================================================================================
+
+
+@torch.library.custom_op("dsv4ref::mhc_pre", mutates_args=("post", "comb", "out"))
+def mhc_pre(residual: torch.Tensor, fs: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, post: torch.Tensor,
+            comb: torch.Tensor, out: torch.Tensor, rms_eps: float, hc_eps: float, post_mult: float, iters: int,
+            launch: list[int]) -> None:
+    launch_hc(residual, None, None, None, None, fs, scale, base, post, comb, out, rms_eps, hc_eps, post_mult, iters,
+              head=False, fused=False, launch=MhcLaunch.decode(launch))
+
+
+@mhc_pre.register_fake
+def _(residual, fs, scale, base, post, comb, out, rms_eps, hc_eps, post_mult, iters, launch):
+    return None
+
+
+@torch.library.custom_op("dsv4ref::mhc_fused_post_pre", mutates_args=("new", "post", "comb", "out"))
+def mhc_fused_post_pre(x: torch.Tensor, residual: torch.Tensor, post_in: torch.Tensor, comb_in: torch.Tensor,
+                       fs: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, new: torch.Tensor, post: torch.Tensor,
+                       comb: torch.Tensor, out: torch.Tensor, rms_eps: float, hc_eps: float, post_mult: float,
+                       iters: int, launch: list[int]) -> None:
+    launch_hc(residual, x, post_in, comb_in, new, fs, scale, base, post, comb, out, rms_eps, hc_eps, post_mult, iters,
+              head=False, fused=True, launch=MhcLaunch.decode(launch))
+
+
+@mhc_fused_post_pre.register_fake
+def _(x, residual, post_in, comb_in, fs, scale, base, new, post, comb, out, rms_eps, hc_eps, post_mult, iters, launch):
+    return None
+
+
+@torch.library.custom_op("dsv4ref::mhc_head", mutates_args=("out",))
+def mhc_head(hidden: torch.Tensor, fs: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, out: torch.Tensor,
+             rms_eps: float, hc_eps: float, launch: list[int]) -> None:
+    launch_hc(hidden, None, None, None, None, fs, scale, base, None, None, out, rms_eps, hc_eps, 1.0, 0,
+              head=True, fused=False, launch=MhcLaunch.decode(launch))
+
+
+@mhc_head.register_fake
+def _(hidden, fs, scale, base, out, rms_eps, hc_eps, launch):
+    return None
+
+
+@torch.library.custom_op("dsv4ref::mhc_post", mutates_args=("out",))
+def mhc_post(x: torch.Tensor, residual: torch.Tensor, post: torch.Tensor, comb: torch.Tensor, out: torch.Tensor,
+             launch: list[int]) -> None:
+    T, M, Hd = residual.shape
+    L = MhcLaunch.decode(launch)
+    if T:
+        grid = (triton.cdiv(T, L.post_block_t), triton.cdiv(Hd, L.post_block_h))
+        kernels.post_kernel[grid](x.view(torch.int16), residual.view(torch.int16), post, comb, out.view(torch.int16),
+                                  T, Hd, BLOCK_T=L.post_block_t, BLOCK_H=L.post_block_h)
+
+
+@mhc_post.register_fake
+def _(x, residual, post, comb, out, launch):
+    return None
+
+
+@torch.library.custom_op("dsv4ref::mhc_sinkhorn", mutates_args=("out",))
+def mhc_sinkhorn(logits: torch.Tensor, out: torch.Tensor, iters: int, eps: float, launch: list[int]) -> None:
+    n = logits.numel() // 16
+    block = MhcLaunch.decode(launch).sinkhorn_block
+    if n:
+        kernels.sinkhorn_kernel[(triton.cdiv(n, block),)](logits, out, n, iters, eps, BLOCK=block)
+
+
+@mhc_sinkhorn.register_fake
+def _(logits, out, iters, eps, launch):
+    return None

@@ -1,0 +1,285 @@
+"""The DeepSeek-V4 MoE feed-forward: routing, FP8 input staging, clamped-SwiGLU experts and the combine.
+
+``forward`` = ``route`` → ``stage`` → ``experts``::
+
+    ids, w = route(x, gate_weight, bias, k=6, routed_scale=1.5)          # [T, K] int32, [T, K] fp32
+    x_fp8, x_sf, ids64, w32 = stage(x, ids, w)                           # the mega-MoE input contract
+    y = experts(x, x_fp8, x_sf, ids64, w32, w13, w2, shared_w13, shared_w2, swiglu_limit=10.0)   # [T, Hd] bf16
+
+The math, the staging byte layout (with the packed int32 that comes out negative), the grouping by expert,
+the combine and the pitfalls with the tests that catch them are in ``docs/moe.md``.
+
+Where to read what:
+
+* :mod:`dsv4ref.moe.reference`: the whole op in plain torch (float32, or float64 as the tests' oracle);
+* :mod:`dsv4ref.moe.kernels`: the Triton kernels (staging, the two grouped expert GEMMs, the combine);
+* :mod:`dsv4ref.moe.launch`: :class:`MoeLaunch`, the grouping by expert and the custom ops.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .. import validate
+from ..formats import STAGE_BLOCK
+from . import kernels, reference  # noqa: F401  (dsv4ref.moe.kernels / .reference, for readers)
+from .launch import MoeLaunch, default_launch, experts_op_args, group_by_expert, stage_op_args
+from .reference import FLASH_MOE, TINY_MOE, MoeShape, example_inputs
+
+__all__ = ["route", "stage", "stage_into", "experts", "forward", "example_inputs", "group_by_expert", "MoeLaunch",
+           "default_launch", "MoeShape", "FLASH_MOE", "TINY_MOE", "ROUTE_BACKENDS", "SUPPORTED_BACKENDS"]
+
+ROUTE_BACKENDS = ("reference",)  # routing is plain torch (a GEMM, a sort, a gather); "auto" = "reference"
+SUPPORTED_BACKENDS = ("reference", "triton")  # stage / experts / forward; "auto" = "triton"
+INDEX_DTYPES = (torch.int32, torch.int64)
+
+
+def _checking() -> bool:
+    """Value checks read tensors (a host sync); they are skipped while torch.compile traces."""
+    return not torch.compiler.is_compiling()
+
+
+def _check_route(x, gate_weight, bias, k, hash_table, input_ids):
+    validate.tensor(x, "x", dtype=torch.bfloat16, ndim=2)
+    T, Hd = x.shape
+    validate.tensor(gate_weight, "gate_weight", dtype=(torch.bfloat16, torch.float32), ndim=2)
+    E = gate_weight.shape[0]
+    if gate_weight.shape[1] != Hd:
+        raise ValueError(f"gate_weight: expected shape (E, {Hd}) to match x {tuple(x.shape)}, got {tuple(gate_weight.shape)}")
+    if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= E:
+        raise ValueError(f"k: expected an int in [1, {E}] (E = {E} experts), got {k!r}")
+    if hash_table is None:
+        validate.tensor(bias, "bias", dtype=torch.float32, shape=(E,))
+    else:
+        validate.tensor(hash_table, "hash_table", dtype=INDEX_DTYPES, shape=(None, k))
+        if input_ids is None:
+            raise ValueError("input_ids: required on a hash-routed layer (hash_table given)")
+    if input_ids is not None:
+        validate.tensor(input_ids, "input_ids", dtype=INDEX_DTYPES, shape=(T,))
+        if hash_table is not None and _checking():
+            validate.index_range(input_ids, "input_ids", hash_table.shape[0])
+    validate.same_device(x=x, gate_weight=gate_weight, bias=bias, hash_table=hash_table, input_ids=input_ids)
+    if hash_table is not None and _checking() and T:
+        rows = hash_table[input_ids.clamp_min(0).long()]
+        validate.index_range(rows, "hash_table", E, allow_minus_one=False)
+        srt = rows.sort(dim=-1).values
+        dup = (srt[:, 1:] == srt[:, :-1]).any(dim=-1) & (input_ids >= 0)
+        if bool(dup.any()):
+            t = int(dup.nonzero()[0, 0])
+            raise ValueError(f"hash_table: row {int(input_ids[t])} (token {t}) repeats an expert id "
+                             f"{rows[t].tolist()}; each row must hold {k} distinct experts")
+
+
+def route(x, gate_weight, bias, *, k, routed_scale, hash_table=None, input_ids=None, backend="auto"):
+    """Pick K experts per token and their weights (the V4 gate).
+
+    ``z = fp32(x) @ fp32(gate_weight)ᵀ``, ``s = sqrt(softplus(z))``; the K experts with the largest
+    ``s + bias`` (ties to the lower id, listed in that order), or ``hash_table[input_ids]`` on a hash-routed
+    layer (the table's order); weights = the UNBIASED ``s`` at those ids, divided by max(their sum, 1e-20),
+    times ``routed_scale``.
+
+    Args:
+        x: ``[T, Hd]`` bf16, the ``ffn_norm`` output.
+        gate_weight: ``[E, Hd]`` bf16 (or fp32).
+        bias: ``[E]`` fp32 selection bias; not read on a hash-routed layer (may be None there).
+        k: experts per token, 1 ≤ k ≤ E.
+        routed_scale: the routed scaling factor (1.5 for V4-Flash).
+        hash_table: ``[vocab, K]`` int32/int64 token → experts table of a hash-routed layer (layers 0..2 of
+            V4-Flash), each row K distinct ids in [0, E) (a repeated id raises ValueError); None otherwise.
+        input_ids: ``[T]`` int32/int64 token ids: required with ``hash_table``; on any layer, an entry −1 marks
+            a padding row (CUDA-graph / DP padding), which gets ids −1 and weights 0.
+        backend: ``"auto"`` or ``"reference"`` (routing has no Triton kernel).
+    Returns:
+        ``(ids, weights)``: ids ``[T, K]`` int32 in [0, E) (−1 on padding rows); weights ``[T, K]`` fp32, each
+        non-padding row summing to ``routed_scale`` up to rounding (0 for a row whose K scores all underflow).
+    """
+    validate.backend(backend, ROUTE_BACKENDS, auto="reference")
+    _check_route(x, gate_weight, bias, k, hash_table, input_ids)
+    return reference.route(x, gate_weight, bias, k=k, routed_scale=float(routed_scale), hash_table=hash_table,
+                           input_ids=input_ids)
+
+
+def _check_stage(hidden, ids, weights):
+    validate.tensor(hidden, "hidden", dtype=torch.bfloat16, ndim=2)
+    T, Hd = hidden.shape
+    if Hd % STAGE_BLOCK:
+        raise ValueError(f"hidden: the hidden size must be a multiple of {STAGE_BLOCK}, got shape {tuple(hidden.shape)}")
+    validate.tensor(ids, "ids", dtype=INDEX_DTYPES, ndim=2)
+    validate.tensor(weights, "weights", dtype=torch.float32, ndim=2)
+    if tuple(weights.shape) != tuple(ids.shape):
+        raise ValueError(f"weights: expected the shape of ids {tuple(ids.shape)}, got {tuple(weights.shape)}")
+    if ids.shape[0] != T:
+        raise ValueError(f"ids: expected {T} rows (one per token of hidden), got shape {tuple(ids.shape)}")
+    validate.same_device(hidden=hidden, ids=ids, weights=weights)
+    return T, Hd, ids.shape[1]
+
+
+def stage(hidden, ids, weights, *, backend="auto"):
+    """Stage the MoE inputs for a grouped-expert consumer: FP8 activations with packed UE8M0 scales, plus
+    the top-k ids and weights (the contract of vLLM's mega-MoE staging kernel).
+
+    Per token and 32-value group: ``byte = ceil(log2(max(amax, 1e-4) / 448)) + 127`` from the fp32 bits,
+    ``x_fp8 = e4m3(clamp(x · 2^(127 − byte), ±448))`` (ties to even); the 4 bytes of each 128-block are one
+    little-endian int32 (byte 0 = dims [0, 32)), negative when byte 3 ≥ 128.
+
+    Args:
+        hidden: ``[T, Hd]`` bf16, any strides, ``Hd % 128 == 0`` (else ValueError).
+        ids: ``[T, K]`` int32/int64 expert ids (−1 = none: copied unchanged).
+        weights: ``[T, K]`` fp32, the same shape as ids (else ValueError).
+        backend: ``"auto"`` (= ``"triton"``), ``"triton"`` or ``"reference"``: identical bytes.
+    Returns:
+        ``(x_fp8, x_sf, ids, weights)``: ``[T, Hd]`` float8_e4m3fn; ``[T, Hd/128]`` int32 (row-major per
+        token, "K-major"); ``[T, K]`` int64 (−1 stays −1); ``[T, K]`` fp32, a bit copy. All contiguous.
+    """
+    backend = validate.backend(backend, SUPPORTED_BACKENDS)
+    T, Hd, K = _check_stage(hidden, ids, weights)
+    if backend == "reference":
+        q, sf, i64, w = reference.stage(hidden, ids, weights)
+        return q, sf, i64.contiguous(), w.contiguous()
+    out = _staged_buffers(T, Hd, K, hidden.device)
+    stage_into(hidden, ids, weights, *out, backend=backend)
+    return out
+
+
+def _staged_buffers(T, Hd, K, device):
+    return (torch.empty(T, Hd, dtype=torch.float8_e4m3fn, device=device),
+            torch.empty(T, Hd // STAGE_BLOCK, dtype=torch.int32, device=device),
+            torch.empty(T, K, dtype=torch.int64, device=device), torch.empty(T, K, dtype=torch.float32, device=device))
+
+
+def stage_into(hidden, ids, weights, x_fp8, x_sf, ids_out, weights_out, *, backend="auto", launch=None):
+    """:func:`stage`, written into rows [0, T) of preallocated buffers that may hold more rows (the
+    consumer's fixed-size input buffers): rows T.. are left as they are, and T = 0 writes nothing.
+
+    Args:
+        hidden, ids, weights: as in :func:`stage`.
+        x_fp8: ``[N ≥ T, Hd]`` float8_e4m3fn, unit stride along Hd.
+        x_sf: ``[N, Hd/128]`` int32, unit stride along Hd/128.
+        ids_out: ``[N, K]`` int64, unit stride along K.
+        weights_out: ``[N, K]`` fp32, unit stride along K.
+        backend: ``"auto"`` (= ``"triton"``), ``"triton"`` or ``"reference"``.
+        launch: :class:`MoeLaunch` (its ``stage_*`` fields); None = :func:`default_launch`.
+    Returns:
+        None (the buffers are written in place).
+    """
+    backend = validate.backend(backend, SUPPORTED_BACKENDS)
+    T, Hd, K = _check_stage(hidden, ids, weights)
+    for t, name, dt, cols in ((x_fp8, "x_fp8", torch.float8_e4m3fn, Hd), (x_sf, "x_sf", torch.int32, Hd // STAGE_BLOCK),
+                              (ids_out, "ids_out", torch.int64, K), (weights_out, "weights_out", torch.float32, K)):
+        validate.tensor(t, name, dtype=dt, shape=(None, cols))
+        if t.shape[0] < T or (cols > 1 and t.stride(1) != 1):
+            raise ValueError(f"{name}: expected at least {T} rows and unit stride along dim 1, got shape "
+                             f"{tuple(t.shape)} strides {t.stride()}")
+    validate.same_device(hidden=hidden, x_fp8=x_fp8, x_sf=x_sf, ids_out=ids_out, weights_out=weights_out)
+    if T == 0:
+        return None
+    if backend == "reference":
+        for buf, ref in zip((x_fp8, x_sf, ids_out, weights_out), reference.stage(hidden, ids, weights)):
+            buf[:T].copy_(ref)
+        return None
+    launch = launch or default_launch(T, K, 1)
+    torch.ops.dsv4ref.moe_stage(hidden, ids, weights, x_fp8.view(torch.uint8), x_sf, ids_out, weights_out,
+                                *stage_op_args(launch))
+    return None
+
+
+def _check_experts(x, x_fp8, x_sf, ids, weights, w13, w2, shared_w13, shared_w2, out):
+    validate.tensor(x, "x", dtype=torch.bfloat16, ndim=2)
+    T, Hd = x.shape
+    if Hd % STAGE_BLOCK:
+        raise ValueError(f"x: the hidden size must be a multiple of {STAGE_BLOCK}, got shape {tuple(x.shape)}")
+    validate.tensor(x_fp8, "x_fp8", dtype=torch.float8_e4m3fn, shape=(T, Hd))
+    validate.tensor(x_sf, "x_sf", dtype=torch.int32, shape=(T, Hd // STAGE_BLOCK))
+    if x_fp8.stride(1) != 1 or x_sf.stride(1) != 1:
+        raise ValueError(f"x_fp8, x_sf: expected unit stride along dim 1, got {x_fp8.stride()} and {x_sf.stride()}")
+    validate.tensor(ids, "ids", dtype=INDEX_DTYPES, ndim=2)
+    K = ids.shape[1]
+    validate.tensor(ids, "ids", shape=(T, K))
+    validate.tensor(weights, "weights", dtype=torch.float32, shape=(T, K))
+    validate.tensor(w13, "w13", dtype=torch.bfloat16, ndim=3)
+    E, I2 = w13.shape[:2]
+    if w13.shape[2] != Hd or I2 % 2:
+        raise ValueError(f"w13: expected [E, 2I, {Hd}] ([W1; W3] per expert), got {tuple(w13.shape)}")
+    validate.tensor(w2, "w2", dtype=torch.bfloat16, shape=(E, Hd, I2 // 2))
+    if (shared_w13 is None) != (shared_w2 is None):
+        raise ValueError("shared_w13, shared_w2: give both (the shared expert) or neither")
+    if shared_w13 is not None:
+        validate.tensor(shared_w13, "shared_w13", dtype=torch.bfloat16, ndim=2)
+        if shared_w13.shape[1] != Hd or shared_w13.shape[0] % 2:
+            raise ValueError(f"shared_w13: expected [2Is, {Hd}], got {tuple(shared_w13.shape)}")
+        validate.tensor(shared_w2, "shared_w2", dtype=torch.bfloat16, shape=(Hd, shared_w13.shape[0] // 2))
+    if out is not None:
+        validate.tensor(out, "out", dtype=torch.bfloat16, shape=(T, Hd))
+        if out.stride(1) != 1:
+            raise ValueError(f"out: expected unit stride along dim 1, got strides {out.stride()}")
+    validate.same_device(x=x, x_fp8=x_fp8, x_sf=x_sf, ids=ids, weights=weights, w13=w13, w2=w2, shared_w13=shared_w13,
+                         shared_w2=shared_w2, out=out)
+    if _checking():
+        validate.index_range(ids, "ids", E)
+    return T, Hd, K, E
+
+
+def experts(x, x_fp8, x_sf, ids, weights, w13, w2, shared_w13=None, shared_w2=None, *, swiglu_limit, out=None,
+            backend="auto", launch=None):
+    """The routed experts on the staged activations, the shared expert on ``x``, and the fp32 combine.
+
+    Per slot (t, k) with e = ids[t, k] ≥ 0 and ω = weights[t, k], on x̂ = dequant(x_fp8, x_sf) (exact)::
+
+        a, u = x̂ W1[e]ᵀ, x̂ W3[e]ᵀ;   h = silu(min(a, L)) · clamp(u, −L, L) · ω;   o = bf16(bf16(h) W2[e]ᵀ)
+
+    (the routing weight is applied BEFORE the down projection, as V4 does); ``out[t] = bf16(Σ_k o + shared)``
+    accumulated in fp32, where the shared expert is the same clamped SwiGLU on the bf16 ``x`` with ω = 1.
+    A −1 slot contributes exactly 0 whatever its weight; a repeated id in a row contributes twice.
+
+    Args:
+        x: ``[T, Hd]`` bf16 (the shared expert's input), ``Hd % 128 == 0``.
+        x_fp8, x_sf: ``[T, Hd]`` float8_e4m3fn and ``[T, Hd/128]`` int32 from :func:`stage`.
+        ids: ``[T, K]`` int32/int64 in [0, E) or −1.
+        weights: ``[T, K]`` fp32 routing weights (already × routed_scale).
+        w13: ``[E, 2I, Hd]`` bf16: rows [0, I) = W1 (gate), [I, 2I) = W3 (up), any strides.
+        w2: ``[E, Hd, I]`` bf16 (down), any strides.
+        shared_w13, shared_w2: ``[2Is, Hd]`` and ``[Hd, Is]`` bf16 of the shared expert, or both None.
+        swiglu_limit: L (10 for V4); ≤ 0 disables the clamp.
+        out: optional preallocated ``[T, Hd]`` bf16 (unit stride along Hd).
+        backend: ``"auto"`` (= ``"triton"``), ``"triton"`` or ``"reference"``.
+        launch: :class:`MoeLaunch`; None = :func:`default_launch`.
+    Returns:
+        ``[T, Hd]`` bf16 (``out`` when given).
+    """
+    backend = validate.backend(backend, SUPPORTED_BACKENDS)
+    T, Hd, K, E = _check_experts(x, x_fp8, x_sf, ids, weights, w13, w2, shared_w13, shared_w2, out)
+    if backend == "reference":
+        y = reference.experts(x, x_fp8, x_sf, ids, weights, w13, w2, shared_w13, shared_w2, swiglu_limit=float(swiglu_limit))
+        return y if out is None else out.copy_(y)
+    if out is None:
+        out = torch.empty(T, Hd, dtype=torch.bfloat16, device=x.device)
+    launch = launch or default_launch(T, K, E)
+    torch.ops.dsv4ref.moe_experts(x, x_fp8.view(torch.uint8), x_sf, ids, weights, w13, w2, shared_w13, shared_w2, out,
+                                  float(swiglu_limit), *experts_op_args(launch))
+    return out
+
+
+def forward(x, gate_weight, bias, w13, w2, shared_w13, shared_w2, *, k, routed_scale, swiglu_limit, hash_table=None,
+            input_ids=None, out=None, backend="auto", launch=None):
+    """One layer's MoE feed-forward: :func:`route` → :func:`stage` → :func:`experts`.
+
+    Args:
+        x: ``[T, Hd]`` bf16, the ``ffn_norm`` output, ``Hd % 128 == 0``.
+        gate_weight, bias, k, routed_scale, hash_table, input_ids: as in :func:`route`.
+        w13, w2, shared_w13, shared_w2, swiglu_limit, out: as in :func:`experts`.
+        backend: ``"auto"`` (= ``"triton"``), ``"triton"`` (Triton staging and experts; routing in torch) or
+            ``"reference"`` (all torch, fp32).
+        launch: :class:`MoeLaunch`; None = :func:`default_launch`.
+    Returns:
+        ``[T, Hd]`` bf16.
+    """
+    backend = validate.backend(backend, SUPPORTED_BACKENDS)
+    ids, w = route(x, gate_weight, bias, k=k, routed_scale=routed_scale, hash_table=hash_table, input_ids=input_ids)
+    launch = launch or default_launch(x.shape[0], k, w13.shape[0] if w13.dim() == 3 else 1)
+    if backend == "reference":
+        staged = stage(x, ids, w, backend=backend)
+    else:
+        staged = _staged_buffers(x.shape[0], x.shape[1], k, x.device)
+        stage_into(x, ids, w, *staged, backend=backend, launch=launch)
+    return experts(x, *staged, w13, w2, shared_w13, shared_w2, swiglu_limit=swiglu_limit, out=out, backend=backend,
+                   launch=launch)

@@ -1,0 +1,216 @@
+"""The MoE Triton kernels: input staging, the two grouped expert GEMMs, and the combine.
+
+Every kernel follows the interpreter-safe rules of :mod:`dsv4ref.tl`: bf16 is read through an int16 view
+and widened to fp32 in integers, all arithmetic is fp32, bf16 is written with integer round-half-even
+(``bf16_rne_bits``), e4m3 with ``e4m3_encode`` and dots go through ``dot`` (fp32 operands when
+interpreting). Strides are element strides. The math is drawn in ``docs/moe.md``.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from ..tl import bf16_rne_bits, dot, e4m3_encode, inv_pow2, pow2, ue8m0_byte
+
+
+@triton.jit
+def widen_bf16(bits):
+    """The 16 bits of a bf16 (loaded through an int16 view) → that value as fp32, exactly (−0 kept)."""
+    return (bits.to(tl.int32) << 16).to(tl.float32, bitcast=True)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Staging. Spec, per token t and 128-block kb (docs/moe.md#staging):
+#   for each of the 4 groups j of 32 values g:   byte_j = clamp(E(s) + (Mant(s) != 0), 1, 254),
+#                                                s = fp32(max(max|g|, 1e-4) / 448)
+#                                                q = e4m3(clamp(g · 2^(127 − byte_j), ±448))   (RNE)
+#   x_sf[t, kb] = int32 bits of byte_0 | byte_1 << 8 | byte_2 << 16 | byte_3 << 24
+#   on the first column block: ids_out[t, :K] = int64(ids[t, :K]) (−1 stays −1), weights_out = bit copy
+# ----------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def stage_kernel(
+    x_ptr,  # int16 view of hidden bf16 [T, Hd], any strides (stride_xt, stride_xh)
+    q_ptr,  # uint8 view of x_fp8 [≥T, Hd], unit stride along Hd, row stride stride_qt
+    sf_ptr,  # int32 x_sf [≥T, Hd/128], unit stride along Hd/128, row stride stride_st
+    ids_ptr,  # int32 or int64 ids [T, K] (stride_it, stride_ik)
+    w_ptr,  # int32 view of fp32 weights [T, K] (stride_wt, stride_wk): their bits are copied
+    ids_out_ptr,  # int64 [≥T, K], unit stride along K, row stride stride_iot
+    w_out_ptr,  # int32 view of fp32 [≥T, K], unit stride along K, row stride stride_wot
+    T, Hd, K,
+    stride_xt, stride_xh, stride_qt, stride_st, stride_it, stride_ik, stride_wt, stride_wk, stride_iot, stride_wot,
+    FLOOR: tl.constexpr,  # 1e-4, the amax floor
+    BLOCK_T: tl.constexpr,  # tokens per program
+    BLOCK_H: tl.constexpr,  # hidden values per program, a multiple of 128
+    BLOCK_TOPK: tl.constexpr,  # next_power_of_2(K)
+):
+    NB: tl.constexpr = BLOCK_H // 128  # scale words per program and row
+    rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    row_ok = rows < T
+    r64 = rows.to(tl.int64)
+    kb = tl.program_id(1) * NB + tl.arange(0, NB)  # [NB] 128-block (= scale word) index
+    i = tl.arange(0, 32)
+    word = tl.zeros((BLOCK_T, NB), dtype=tl.uint32)
+    for j in tl.static_range(4):  # the four 32-value groups of each block
+        col = kb[:, None] * 128 + j * 32 + i[None, :]  # [NB, 32]
+        m = row_ok[:, None, None] & (col < Hd)[None, :, :]
+        bits = tl.load(x_ptr + r64[:, None, None] * stride_xt + col[None, :, :].to(tl.int64) * stride_xh, mask=m, other=0)
+        g = widen_bf16(bits)  # [BLOCK_T, NB, 32] fp32
+        byte = ue8m0_byte(tl.max(tl.abs(g), axis=2), FLOOR, 448.0)  # [BLOCK_T, NB] int32 in [1, 254]
+        q = e4m3_encode(g * inv_pow2(byte)[:, :, None])  # × 2^(127 − byte) is exact
+        tl.store(q_ptr + r64[:, None, None] * stride_qt + col[None, :, :], q.to(tl.uint8, bitcast=True), mask=m)
+        word = word | (byte.to(tl.uint32) << (8 * j))
+    m_sf = row_ok[:, None] & (kb * 128 < Hd)[None, :]
+    tl.store(sf_ptr + r64[:, None] * stride_st + kb[None, :], word.to(tl.int32, bitcast=True), mask=m_sf)
+
+    if tl.program_id(1) == 0:  # the top-k copies, once per token
+        k = tl.arange(0, BLOCK_TOPK)
+        mk = row_ok[:, None] & (k < K)[None, :]
+        ids = tl.load(ids_ptr + r64[:, None] * stride_it + k[None, :] * stride_ik, mask=mk)
+        tl.store(ids_out_ptr + r64[:, None] * stride_iot + k[None, :], ids.to(tl.int64), mask=mk)  # sign-extends
+        wb = tl.load(w_ptr + r64[:, None] * stride_wt + k[None, :] * stride_wk, mask=mk)
+        tl.store(w_out_ptr + r64[:, None] * stride_wot + k[None, :], wb, mask=mk)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Experts: a grouped GEMM pair over slots sorted by expert (docs/moe.md#experts).
+#   rows r of one program all belong to expert e = tile_expert[tile] (E: no work, the program returns);
+#   slot = order[r] = t·K + k, token t = slot // K.
+#   gate_up_kernel:  a, u = x̂[t] @ W1[e]ᵀ, x̂[t] @ W3[e]ᵀ   (fp32 accumulation over Hd, BLOCK_H at a time)
+#                    h[r] = bf16( silu(min(a, L)) · clamp(u, −L, L) · ω[slot] )       ω: only if APPLY_W
+#   down_kernel:     o[slot] = bf16( h[r] @ W2[e]ᵀ )                                  one row per slot
+# x̂ is the staged activation (FP8_IN: e4m3 byte · 2^(byte_j − 127) from the packed word) or the bf16 x.
+# Both are exact in bf16, so the dots run on bf16 operands (fp32 when interpreting).
+# ----------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def gate_up_kernel(
+    x_ptr,  # int16 view of bf16 x [T, Hd] (stride_xt, stride_xh); read when not FP8_IN
+    xq_ptr,  # uint8 view of the staged e4m3 x_fp8 [T, Hd], unit stride along Hd (stride_qt); read when FP8_IN
+    xsf_ptr,  # int32 packed scales x_sf [T, Hd/128], unit stride along Hd/128 (stride_st); read when FP8_IN
+    order_ptr,  # int64 [R]: slot numbers t·K + k, grouped by expert
+    omega_ptr,  # fp32 [T·K]: the routing weight of each slot; read when APPLY_W
+    tile_expert_ptr, tile_row0_ptr, tile_row1_ptr,  # int32 [n_tiles]: expert, first row, end of the expert's rows
+    w13_ptr,  # bf16 [E, 2I, Hd] (stride_we, stride_wn, stride_wk): rows [0, I) = W1 (gate), [I, 2I) = W3 (up)
+    h_ptr,  # int16 view of the bf16 workspace h [R, I], contiguous
+    Hd, I, K, n_experts, limit,  # limit: L (inf = no clamp)
+    stride_xt, stride_xh, stride_qt, stride_st, stride_we, stride_wn, stride_wk,
+    BLOCK_M: tl.constexpr,  # rows per program (≥ 16)
+    BLOCK_N: tl.constexpr,  # intermediate columns per program
+    BLOCK_H: tl.constexpr,  # hidden values per step, a multiple of 128 (whole scale words) dividing Hd
+    FP8_IN: tl.constexpr,
+    APPLY_W: tl.constexpr,
+    DOT_FP32: tl.constexpr,  # = interpreting(): fp32 dot operands (the interpreter's bf16 dot is wrong)
+):
+    NB: tl.constexpr = BLOCK_H // 128
+    tile = tl.program_id(0)
+    e = tl.load(tile_expert_ptr + tile)
+    if e >= n_experts:
+        return
+    rows = tl.load(tile_row0_ptr + tile) + tl.arange(0, BLOCK_M)
+    rmask = rows < tl.load(tile_row1_ptr + tile)
+    slot = tl.load(order_ptr + rows, mask=rmask, other=0)
+    tok = slot // K
+    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    nmask = n < I
+    kh = tl.arange(0, BLOCK_H)
+    w1 = w13_ptr + e.to(tl.int64) * stride_we + n[None, :].to(tl.int64) * stride_wn + kh[:, None] * stride_wk
+    w3 = w1 + I * stride_wn
+    wmask = tl.broadcast_to(nmask[None, :], (BLOCK_H, BLOCK_N))
+    kb = tl.arange(0, NB)
+    kk = tl.arange(0, 128)
+    acc_a = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, Hd, BLOCK_H):
+        if FP8_IN:  # [BLOCK_M, NB, 128] e4m3 codes, times 2^(byte − 127) of their 32-group (byte j of the word)
+            col = k0 + kb[None, :, None] * 128 + kk[None, None, :]
+            q = tl.load(xq_ptr + tok[:, None, None] * stride_qt + col, mask=rmask[:, None, None], other=0)
+            word = tl.load(xsf_ptr + tok[:, None] * stride_st + k0 // 128 + kb[None, :], mask=rmask[:, None], other=0)
+            byte = (word[:, :, None] >> (8 * (kk // 32))[None, None, :]) & 0xFF
+            xv = tl.reshape(q.to(tl.float8e4nv, bitcast=True).to(tl.float32) * pow2(byte), (BLOCK_M, BLOCK_H))
+        else:
+            bits = tl.load(x_ptr + tok[:, None] * stride_xt + (k0 + kh[None, :]) * stride_xh, mask=rmask[:, None], other=0)
+            xv = (bits.to(tl.int32) << 16).to(tl.float32, bitcast=True)  # bf16 bits -> fp32, exactly
+        xb = xv.to(tl.bfloat16)  # exact: e4m3 · 2^k and bf16 values are bf16 values
+        acc_a = dot(xb, tl.load(w1 + k0 * stride_wk, mask=wmask, other=0.0), acc_a, DOT_FP32)
+        acc_u = dot(xb, tl.load(w3 + k0 * stride_wk, mask=wmask, other=0.0), acc_u, DOT_FP32)
+    a = tl.minimum(acc_a, limit)  # the gate is clamped from above only
+    u = tl.minimum(tl.maximum(acc_u, -limit), limit)
+    ea = tl.exp(-tl.abs(a))  # sigmoid without overflow: exp of a non-positive number
+    h = a * tl.where(a >= 0, 1.0 / (1.0 + ea), ea / (1.0 + ea)) * u
+    if APPLY_W:
+        h = h * tl.load(omega_ptr + slot, mask=rmask, other=0.0)[:, None]  # before w2, as V4 does
+    out = h_ptr + rows[:, None].to(tl.int64) * I + n[None, :]
+    tl.store(out, bf16_rne_bits(h).to(tl.int16, bitcast=True), mask=rmask[:, None] & nmask[None, :])
+
+
+@triton.jit
+def down_kernel(
+    h_ptr,  # bf16 workspace h [R, I], contiguous (written by gate_up_kernel)
+    order_ptr,  # int64 [R]: slot numbers, grouped by expert
+    tile_expert_ptr, tile_row0_ptr, tile_row1_ptr,  # int32 [n_tiles], as in gate_up_kernel
+    w2_ptr,  # bf16 [E, Hd, I] (stride_we, stride_wn, stride_wk)
+    o_ptr,  # int16 view of the bf16 slot outputs [T·K, Hd] (row stride stride_ot, unit stride along Hd)
+    Hd, I, n_experts,
+    stride_we, stride_wn, stride_wk, stride_ot,
+    BLOCK_M: tl.constexpr,  # rows per program (≥ 16)
+    BLOCK_N: tl.constexpr,  # hidden columns per program
+    BLOCK_K: tl.constexpr,  # intermediate values per step (≥ 16)
+    DOT_FP32: tl.constexpr,
+):
+    tile = tl.program_id(0)
+    e = tl.load(tile_expert_ptr + tile)
+    if e >= n_experts:
+        return
+    rows = tl.load(tile_row0_ptr + tile) + tl.arange(0, BLOCK_M)
+    rmask = rows < tl.load(tile_row1_ptr + tile)
+    slot = tl.load(order_ptr + rows, mask=rmask, other=0)
+    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    nmask = n < Hd
+    kk = tl.arange(0, BLOCK_K)
+    hrow = h_ptr + rows[:, None].to(tl.int64) * I + kk[None, :]
+    w = w2_ptr + e.to(tl.int64) * stride_we + n[None, :].to(tl.int64) * stride_wn + kk[:, None] * stride_wk
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, I, BLOCK_K):
+        kmask = (k0 + kk) < I
+        hv = tl.load(hrow + k0, mask=rmask[:, None] & kmask[None, :], other=0.0)
+        wv = tl.load(w + k0 * stride_wk, mask=kmask[:, None] & nmask[None, :], other=0.0)
+        acc = dot(hv, wv, acc, DOT_FP32)
+    out = o_ptr + slot[:, None] * stride_ot + n[None, :]
+    tl.store(out, bf16_rne_bits(acc).to(tl.int16, bitcast=True), mask=rmask[:, None] & nmask[None, :])
+
+
+# ----------------------------------------------------------------------------------------------------
+# Combine (docs/moe.md#combine):  out[t] = bf16( Σ_{k: ids[t,k] ≥ 0} o[t·K + k]  +  shared[t] )   in fp32.
+# One output row per token, read by slot: a repeated expert id in a row is two slots, two rows, two adds.
+# A −1 slot's row is never read (masked load), so its weight and its (unwritten) row cannot leak in.
+# ----------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def combine_kernel(
+    o_ptr,  # int16 view of the bf16 slot outputs [T·K, Hd] (row stride stride_ot)
+    ids_ptr,  # int64 ids [T, K], contiguous
+    shared_ptr,  # int16 view of the bf16 shared-expert output [T, Hd], contiguous; read when HAS_SHARED
+    out_ptr,  # int16 view of the bf16 output [T, Hd] (row stride stride_out, unit stride along Hd)
+    T, Hd, K,
+    stride_ot, stride_out,
+    HAS_SHARED: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+):
+    rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    r64 = rows.to(tl.int64)
+    ok = (rows < T)[:, None] & (cols < Hd)[None, :]
+    acc = tl.zeros((BLOCK_T, BLOCK_H), dtype=tl.float32)
+    for k in range(K):
+        e = tl.load(ids_ptr + r64 * K + k, mask=rows < T, other=-1)
+        m = ok & (e >= 0)[:, None]
+        acc += widen_bf16(tl.load(o_ptr + (r64 * K + k)[:, None] * stride_ot + cols[None, :], mask=m, other=0))
+    if HAS_SHARED:
+        acc += widen_bf16(tl.load(shared_ptr + r64[:, None] * Hd + cols[None, :], mask=ok, other=0))
+    tl.store(out_ptr + r64[:, None] * stride_out + cols[None, :], bf16_rne_bits(acc).to(tl.int16, bitcast=True), mask=ok)

@@ -1,0 +1,351 @@
+"""GPT-J RoPE on the last 64 dims, with YaRN; the fused Q-norm + RoPE + FP8 KV insert; inverse RoPE on the
+attention output; the grouped low-rank output projection. The math and its pitfalls: ``docs/rope.md``.
+
+DeepSeek-V4 rotates only the **last** R = 64 dims of every 512-dim head (dims 448..511) and pairs them
+**GPT-J style** (interleaved): pair i is (x[2i], x[2i+1]), read as the complex number x[2i] + j·x[2i+1] and
+multiplied by e^{j·p·inv_freq[i]}. NeoX (half-split) pairing, (x[i], x[i+32]), is here only as the
+contrast that breaks things.
+
+The cos/sin table is fp32 ``[max_pos, 64]``, row p = ``[cos f_0 … cos f_31 | sin f_0 … sin f_31]`` (not
+interleaved), f_i = fp32(p)·inv_freq[i]. Every kernel takes the table as an input; bit-exactness is judged
+given the same table.
+
+Where things are: :mod:`~dsv4ref.rope.reference` (the whole op in torch, read it first),
+:mod:`~dsv4ref.rope.kernels` (Triton), :mod:`~dsv4ref.rope.launch` (:class:`RopeLaunch`, custom ops).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .. import kv_cache, validate
+from ..device import DEVICE
+from ..formats import HEAD_DIM, ROPE_DIM
+from ..testing import randn
+from . import kernels, reference  # noqa: F401  (dsv4ref.rope.kernels / .reference for readers)
+from .launch import DEFAULT as _DEFAULT_LAUNCH
+from .launch import RopeLaunch
+
+__all__ = [
+    "inv_freq",
+    "yarn_correction_range",
+    "cos_sin_rows",
+    "cos_sin_cache",
+    "compressed_position",
+    "apply_gptj",
+    "apply_neox",
+    "qnorm_rope_kv_insert",
+    "grouped_o_proj",
+    "example_inputs",
+    "RopeLaunch",
+    "MAX_HEADS",
+    "SUPPORTED",
+]
+
+MAX_HEADS = 128  # FlashMLA-style kernels pad H to 64 or 128; more is rejected
+SUPPORTED = ("reference", "triton")  # backends of apply_gptj and qnorm_rope_kv_insert ("auto" = "triton")
+_REFERENCE_ONLY = ("reference",)  # apply_neox, grouped_o_proj
+
+# ----------------------------------------------------------------------------------------------------
+# Frequencies and the cos/sin table
+# ----------------------------------------------------------------------------------------------------
+
+_YARN_KEYS = ("factor", "original_max_position", "beta_fast", "beta_slow")
+
+
+def _check_freq_args(rope_dim, theta, yarn) -> None:
+    if isinstance(rope_dim, bool) or not isinstance(rope_dim, int) or rope_dim <= 0 or rope_dim % 2:
+        raise ValueError(f"rope_dim: expected a positive even number, got {rope_dim}")
+    if not theta > 1:
+        raise ValueError(f"theta: expected > 1, got {theta}")
+    if yarn is not None:
+        missing = set(_YARN_KEYS) - set(yarn)
+        if missing:
+            raise ValueError(f"yarn: missing keys {sorted(missing)}; expected factor, original_max_position, "
+                             f"beta_fast, beta_slow (as in dsv4ref.config.Config.yarn)")
+
+
+def yarn_correction_range(rope_dim: int, theta: float, yarn: dict) -> tuple[float, float]:
+    """(low, high) pair indices of YaRN's linear ramp (``docs/rope.md#yarn``).
+
+    corr(n) = R·ln(L0 / (2π n)) / (2 ln θ) is the pair index whose wavelength fits n times into the
+    original context L0. low = max(floor(corr(β_fast)), 0), high = min(ceil(corr(β_slow)), R − 1); if they
+    are equal, high += 0.001 (the ramp needs a non-zero width).
+
+    Args:
+        rope_dim: R, the rotary dims (64).
+        theta: the RoPE base θ.
+        yarn: dict(factor, original_max_position, beta_fast, beta_slow), e.g. ``config.FLASH.yarn``.
+    Returns:
+        ``(low, high)`` as floats. θ = 160000, L0 = 65536, β = (32, 1): ``(15.0, 25.0)``.
+    """
+    _check_freq_args(rope_dim, theta, yarn)
+    return reference.yarn_correction_range(rope_dim, theta, yarn)
+
+
+def inv_freq(rope_dim: int = ROPE_DIM, theta: float = 10000.0, yarn: dict | None = None) -> torch.Tensor:
+    """The angle per position of each rotary pair.
+
+    Plain RoPE: inv_freq[i] = θ^(−2i/R). With YaRN: pairs below ``low`` keep that (original) frequency,
+    pairs above ``high`` are slowed down by ``factor``, and the ramp blends linearly in between
+    (:func:`yarn_correction_range`).
+
+    Args:
+        rope_dim: R (even). theta: the base θ (> 1). yarn: None, or the dict of :func:`yarn_correction_range`.
+    Returns:
+        fp32 ``[rope_dim // 2]`` on the CPU.
+    """
+    _check_freq_args(rope_dim, theta, yarn)
+    return reference.inv_freq(rope_dim, theta, yarn)
+
+
+def cos_sin_rows(positions: torch.Tensor, rope_dim: int = ROPE_DIM, theta: float = 10000.0,
+                 yarn: dict | None = None) -> torch.Tensor:
+    """The table rows of the given positions only, bit-identical to ``cos_sin_cache(max_pos, …)[positions]``
+    (the same fp32 recipe). Lets tests look at position 2^20 − 1 without building the 256 MiB table.
+
+    Args:
+        positions: int64 or int32 ``[N]``, ≥ 0.
+        rope_dim, theta, yarn: as :func:`inv_freq`.
+    Returns:
+        fp32 ``[N, rope_dim]`` on ``positions.device``, row = ``[cos f_0 … | sin f_0 …]``.
+    """
+    validate.tensor(positions, "positions", dtype=(torch.int64, torch.int32), ndim=1)
+    _check_freq_args(rope_dim, theta, yarn)
+    return reference.cos_sin_rows(positions, rope_dim, theta, yarn)
+
+
+def cos_sin_cache(max_pos: int, rope_dim: int = ROPE_DIM, theta: float = 10000.0, yarn: dict | None = None,
+                  *, device=None) -> torch.Tensor:
+    """The cos/sin table of one layer (``docs/rope.md#the-cossin-table``).
+
+    Built on the CPU (so every machine gets the same bits), then moved to ``device``. DSV4 uses θ = 10000
+    without YaRN on window-only layers and θ = 160000 with YaRN on compressed layers. No mscale: the values
+    are plain cos and sin.
+
+    Args:
+        max_pos: rows (≥ 1). rope_dim, theta, yarn: as :func:`inv_freq` (``yarn`` e.g. ``config.FLASH.yarn``).
+        device: where the table goes (default: dsv4ref's device).
+    Returns:
+        fp32 ``[max_pos, rope_dim]``: row p = ``[cos f_0 … cos f_{R/2−1} | sin f_0 … sin f_{R/2−1}]``.
+    """
+    if max_pos < 1:
+        raise ValueError(f"max_pos: expected >= 1, got {max_pos}")
+    return cos_sin_rows(torch.arange(max_pos), rope_dim, theta, yarn).to(device or DEVICE)
+
+
+def compressed_position(p: torch.Tensor | int, ratio: int):
+    """The position a compressed key (and the indexer key) is rotated at: (p // r)·r, the first position
+    of its window of r tokens (``docs/rope.md#which-position-rotates-what``).
+
+    Args:
+        p: a position (int) or an integer tensor of positions.
+        ratio: the layer's compress ratio r; 0 or 1 (window-only layers) return p.
+    Returns:
+        The same type as ``p``.
+    """
+    return reference.compressed_position(p, ratio)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Rotation
+# ----------------------------------------------------------------------------------------------------
+
+
+def _check_table(cos_sin: torch.Tensor) -> int:
+    validate.tensor(cos_sin, "cos_sin", dtype=torch.float32, ndim=2)
+    R = cos_sin.shape[1]
+    if R <= 0 or R % 2:
+        raise ValueError(f"cos_sin: expected [max_pos, R] with R even, got shape {tuple(cos_sin.shape)}")
+    if cos_sin.stride(1) != 1:
+        raise ValueError(f"cos_sin: rows must be contiguous (strides {cos_sin.stride()})")
+    return R
+
+
+def _check_rotate_args(x, positions, cos_sin) -> int:
+    validate.tensor(x, "x", dtype=(torch.bfloat16, torch.float32))
+    R = _check_table(cos_sin)
+    if x.dim() < 1 or x.shape[-1] < R:
+        raise ValueError(f"x: the last dim must hold the {R} rotary dims, got shape {tuple(x.shape)}")
+    validate.tensor(positions, "positions", dtype=(torch.int64, torch.int32))
+    if tuple(positions.shape) not in (tuple(x.shape[:-1]), tuple(x.shape[:1])):
+        raise ValueError(f"positions: expected shape {tuple(x.shape[:-1])} (one per row) or {tuple(x.shape[:1])} "
+                         f"(one per token), got {tuple(positions.shape)}")
+    validate.same_device(x=x, positions=positions, cos_sin=cos_sin)
+    validate.index_range(positions, "positions", cos_sin.shape[0], allow_minus_one=False)
+    return R
+
+
+def apply_gptj(x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor, inverse: bool = False, *,
+               backend: str = "auto", launch: RopeLaunch | None = None) -> torch.Tensor:
+    """GPT-J (interleaved) RoPE on the LAST ``R = cos_sin.shape[1]`` dims of ``x`` (``docs/rope.md#pairing``).
+
+    x'[2i] = x[2i]·cos f_i − x[2i+1]·sin f_i,  x'[2i+1] = x[2i]·sin f_i + x[2i+1]·cos f_i  (f_i at the
+    row's position), on the slice x[..., D−R:]; dims 0..D−R−1 are copied bit for bit. fp32 arithmetic,
+    one rounding to x's dtype.
+
+    Args:
+        x: ``[..., D]`` bf16 or fp32 (``D ≥ R``, any strides), e.g. q ``[T, H, 512]`` or kv ``[T, 512]``.
+        positions: int64 or int32, of shape ``x.shape[:-1]`` (one per row) or ``x.shape[:1]`` (one per
+            token, shared by all heads); each in ``[0, max_pos)``.
+        cos_sin: fp32 ``[max_pos, R]`` from :func:`cos_sin_cache` (the layer's own: θ and YaRN differ per layer).
+        inverse: rotate by −f instead (the attention output, at the query's position: ``docs/rope.md#inverse-rope``).
+        backend: ``"auto"`` (= ``"triton"``), ``"triton"`` or ``"reference"`` (:func:`reference.apply_gptj`);
+            bit-identical results.
+        launch: :class:`RopeLaunch` (``rotate_rows``); None = the default.
+    Returns:
+        A new tensor of x's shape and dtype (contiguous).
+    """
+    backend = validate.backend(backend, SUPPORTED)
+    _check_rotate_args(x, positions, cos_sin)
+    if backend == "reference":
+        return reference.apply_gptj(x, positions, cos_sin, inverse)
+    launch = launch or _DEFAULT_LAUNCH
+    D = x.shape[-1]
+    x2 = x.reshape(-1, D)
+    if x2.numel() and x2.stride(1) != 1:
+        x2 = x2.contiguous()
+    out = x2.clone(memory_format=torch.contiguous_format)
+    per_row = tuple(positions.shape) == tuple(x.shape[:-1])
+    pos_div = 1 if per_row or x.dim() == 1 else math.prod(x.shape[1:-1])
+    torch.ops.dsv4ref.rope_gptj(x2, positions.reshape(-1).to(torch.int64), cos_sin, out, pos_div, inverse,
+                                launch.rotate_rows)
+    return out.view(x.shape)
+
+
+def apply_neox(x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor, inverse: bool = False, *,
+               backend: str = "auto") -> torch.Tensor:
+    """NeoX (half-split) RoPE on the last R dims: pairs (x[i], x[i + R/2]). NOT what DSV4 uses; here to show
+    what goes wrong when the pairing is mixed up (``docs/rope.md#pitfalls``).
+
+    Args:
+        x, positions, cos_sin, inverse: as :func:`apply_gptj`.
+        backend: ``"auto"`` or ``"reference"`` (the only one).
+    Returns:
+        A new tensor of x's shape and dtype.
+    """
+    validate.backend(backend, _REFERENCE_ONLY, auto="reference")
+    _check_rotate_args(x, positions, cos_sin)
+    return reference.apply_neox(x, positions, cos_sin, inverse)
+
+
+# ----------------------------------------------------------------------------------------------------
+# The fused Q-norm + RoPE + KV insert
+# ----------------------------------------------------------------------------------------------------
+
+
+def qnorm_rope_kv_insert(q: torch.Tensor, kv: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor,
+                         positions: torch.Tensor, cos_sin: torch.Tensor, *, block_size: int, eps: float = 1e-6,
+                         backend: str = "auto", launch: RopeLaunch | None = None) -> None:
+    """The attention prologue's fused step, in place (``docs/rope.md#the-fused-prologue-step``).
+
+    * q is overwritten by RoPE(RMSNorm(q)): weight-free RMSNorm over all 512 dims of each head, then GPT-J
+      RoPE on dims 448..511 at the token's position. Every row, padding rows included.
+    * kv (already kv_norm'ed) is rotated on dims 448..511 and written to ``cache`` at ``slots[t]`` exactly
+      as ``kv_cache.insert(cache, apply_gptj(kv, positions, cos_sin), slots, block_size=block_size)``
+      would: 448 e4m3 + 7 UE8M0 of the unrotated NoPE dims, the rotated RoPE dims as bf16. kv is not
+      modified. ``slots`` may be shorter than T (rows beyond it are padding); slot −1 writes nothing.
+
+    Args:
+        q: bf16 ``[T, H, 512]``, H ≤ :data:`MAX_HEADS`, last dim contiguous (other strides free).
+        kv: bf16 ``[T, 512]``, last dim contiguous.
+        cache: uint8 ``[num_blocks, ≥ page_bytes(block_size)]`` (:func:`dsv4ref.kv_cache.allocate`), written.
+        slots: int64 or int32 ``[T'']``, T'' ≤ T: ``page · block_size + offset`` per token, −1 = none.
+        positions: int64 or int32 ``[T]``, each in ``[0, cos_sin.shape[0])``.
+        cos_sin: fp32 ``[max_pos, 64]`` (:func:`cos_sin_cache`) of this layer.
+        block_size: tokens per cache page (required).
+        eps: rms_norm_eps (1e-6 for DSV4).
+        backend: ``"auto"`` (= ``"triton"``), ``"triton"`` (one kernel, :class:`RopeLaunch` picks which) or
+            ``"reference"`` (:func:`reference.qnorm_rope_kv_insert`); bit-identical results.
+        launch: :class:`RopeLaunch`; None = the measured default (2 heads per program, 1 warp).
+    Returns:
+        None (q and cache are updated in place).
+    """
+    backend = validate.backend(backend, SUPPORTED)
+    validate.tensor(q, "q", dtype=torch.bfloat16, ndim=3)
+    T, H, D = q.shape
+    if D != HEAD_DIM or q.stride(2) != 1:
+        raise ValueError(f"q: expected [T, H, {HEAD_DIM}] with a contiguous last dim, got shape {tuple(q.shape)} "
+                         f"strides {q.stride()}")
+    if H > MAX_HEADS:
+        raise ValueError(f"q: H = {H} query heads; at most {MAX_HEADS} are supported")
+    validate.tensor(kv, "kv", dtype=torch.bfloat16, shape=(T, HEAD_DIM))
+    if kv.stride(1) != 1:
+        raise ValueError(f"kv: expected a contiguous last dim (strides {kv.stride()})")
+    kv_cache.check_cache(cache, block_size)
+    kv_cache.check_writable(cache)
+    validate.tensor(slots, "slots", dtype=(torch.int64, torch.int32), ndim=1)
+    if slots.shape[0] > T:
+        raise ValueError(f"slots: has {slots.shape[0]} entries but q/kv only {T} rows")
+    validate.tensor(positions, "positions", dtype=(torch.int64, torch.int32), shape=(T,))
+    if _check_table(cos_sin) != ROPE_DIM:
+        raise ValueError(f"cos_sin: expected {ROPE_DIM} columns (cos 0..31 | sin 0..31), got shape {tuple(cos_sin.shape)}")
+    if not (isinstance(eps, (int, float)) and eps > 0):
+        raise ValueError(f"eps: expected a positive float, got {eps!r}")
+    validate.same_device(q=q, kv=kv, cache=cache, slots=slots, positions=positions, cos_sin=cos_sin)
+    validate.index_range(slots, "slots", cache.shape[0] * block_size)
+    validate.index_range(positions, "positions", cos_sin.shape[0], allow_minus_one=False)
+    if backend == "reference":
+        reference.qnorm_rope_kv_insert(q, kv, cache, slots, positions, cos_sin, block_size=block_size, eps=eps)
+        return
+    run = (launch or _DEFAULT_LAUNCH).resolve(q)
+    torch.ops.dsv4ref.qnorm_rope_kv_insert(q, kv, cache, slots.to(torch.int64), positions.to(torch.int64), cos_sin,
+                                           float(eps), block_size, run.heads_per_prog, run.warps)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Grouped low-rank output projection
+# ----------------------------------------------------------------------------------------------------
+
+
+def grouped_o_proj(o: torch.Tensor, wo_a: torch.Tensor, wo_b: torch.Tensor, *, backend: str = "auto") -> torch.Tensor:
+    """out = wo_b( concat_g( wo_a[g] @ o[t, heads of group g].flatten() ) ) (``docs/rope.md#grouped-output-projection``).
+
+    Args:
+        o: ``[T, H, 512]`` bf16: the attention output AFTER inverse RoPE, padded heads already removed.
+        wo_a: ``[G, o_lora, (H/G)·512]`` bf16: group g owns the contiguous heads [g·hpg, (g+1)·hpg).
+        wo_b: ``[Hd, G·o_lora]`` bf16.
+        backend: ``"auto"`` or ``"reference"`` (the only one).
+    Returns:
+        ``[T, Hd]`` bf16. Both GEMMs accumulate in fp32; the intermediate z is rounded to bf16 like an
+        activation between two bf16 GEMMs.
+    """
+    validate.backend(backend, _REFERENCE_ONLY, auto="reference")
+    validate.tensor(o, "o", dtype=torch.bfloat16, ndim=3)
+    validate.tensor(wo_a, "wo_a", dtype=torch.bfloat16, ndim=3)
+    validate.tensor(wo_b, "wo_b", dtype=torch.bfloat16, ndim=2)
+    validate.same_device(o=o, wo_a=wo_a, wo_b=wo_b)
+    T, H, D = o.shape
+    G, o_lora, width = wo_a.shape
+    if G < 1 or H % G:
+        raise ValueError(f"wo_a: G = {G} groups must divide H = {H} heads (o has shape {tuple(o.shape)})")
+    if width != (H // G) * D:
+        raise ValueError(f"wo_a: expected shape ({G}, o_lora, {(H // G) * D}) = (G, o_lora, H/G·{D}), "
+                         f"got {tuple(wo_a.shape)}")
+    if wo_b.shape[1] != G * o_lora:
+        raise ValueError(f"wo_b: expected shape (Hd, {G * o_lora}) = (Hd, G·o_lora), got {tuple(wo_b.shape)}")
+    return reference.grouped_o_proj(o, wo_a, wo_b)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Example inputs (tests, checks, notebooks)
+# ----------------------------------------------------------------------------------------------------
+
+
+def example_inputs(T: int, H: int, block_size: int, num_blocks: int, *, seed: int, cos_sin: torch.Tensor):
+    """Random inputs of :func:`qnorm_rope_kv_insert` on dsv4ref's device.
+
+    Returns:
+        ``(q, kv, slots, positions)``: q bf16 ``[T, H, 512]``, kv bf16 ``[T, 512]`` (random over many
+        octaves), slots int64 ``[T]`` (distinct, every ``max(1, T // 3)``-th one −1; needs
+        ``num_blocks·block_size ≥ T``), positions int64 ``[T]`` in ``[0, cos_sin.shape[0])``.
+    """
+    q = randn((T, H, HEAD_DIM), seed=seed)
+    kv = randn((T, HEAD_DIM), seed=seed + 1)
+    g = torch.Generator().manual_seed(seed)
+    positions = torch.randint(0, cos_sin.shape[0], (T,), generator=g).to(DEVICE)
+    slots = torch.randperm(num_blocks * block_size, generator=g)[:T].to(DEVICE)
+    slots[:: max(1, T // 3)] = -1
+    return q, kv, slots, positions

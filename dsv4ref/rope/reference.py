@@ -1,0 +1,152 @@
+"""RoPE in DeepSeek-V4, in plain torch: the whole op, top to bottom. Derivations: ``docs/rope.md``.
+
+1. Frequencies. Plain RoPE turns pair i by ``inv_freq[i] = θ^(−2i/R)`` radians per token (R = 64 rotary
+   dims, so 32 pairs). YaRN (compressed layers: θ = 160000, factor F = 16, original length L0 = 65536,
+   β_fast = 32, β_slow = 1) slows the low-frequency pairs down by F, with a linear ramp between
+   ``low = floor(corr(β_fast))`` and ``high = ceil(corr(β_slow))``, ``corr(n) = R·ln(L0 / (2π n)) / (2 ln θ)``.
+2. The table. fp32 ``[max_pos, R]``, row p = ``[cos f_0 … cos f_31 | sin f_0 … sin f_31]`` (two halves, NOT
+   interleaved), ``f_i = fp32(p) · inv_freq[i]``. No YaRN mscale: plain cos and sin.
+3. GPT-J rotation of the LAST R dims. Pair i is (x[2i], x[2i+1]) = the complex number x[2i] + j·x[2i+1],
+   multiplied by e^{j f_i}::
+
+       x'[2i]   = x[2i]·cos f_i − x[2i+1]·sin f_i
+       x'[2i+1] = x[2i]·sin f_i + x[2i+1]·cos f_i
+
+   The inverse (on the attention output, at the query's position) is the same with sin negated.
+   NeoX pairs (x[i], x[i + R/2]) instead: a different function, kept only as the contrast.
+4. The fused prologue step, per token t: q[t, h] ← RoPE(RMSNorm(q[t, h])) for every head (weight-free
+   RMSNorm over all 512 dims), and kv[t] → RoPE → the 584-byte FP8 cache record at ``slots[t]``.
+5. Grouped low-rank output projection: heads in G contiguous groups, ``out = wo_b(concat_g wo_a[g] · o_g)``.
+
+Rounding rules (every backend follows them, so kernels equal this file bit for bit): the rotation takes
+two separately rounded fp32 products and one add (no FMA), then rounds once to the output dtype (bf16:
+nearest-even); the RMSNorm sums squares in float64 (order-free), rounds to fp32, and takes a correctly
+rounded sqrt and division (never an approximate rsqrt).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from einops import rearrange
+
+from .. import kv_cache
+from ..formats import ROPE_DIM
+
+# ----------------------------------------------------------------------------------------------------
+# 1-2. Frequencies, YaRN and the cos/sin table
+# ----------------------------------------------------------------------------------------------------
+
+
+def yarn_correction_range(rope_dim: int, theta: float, yarn: dict) -> tuple[float, float]:
+    """(low, high): the pair indices where YaRN's ramp starts and ends. θ = 160000, L0 = 65536: (15, 25)."""
+    L0 = float(yarn["original_max_position"])
+
+    def corr(n: float) -> float:  # the pair whose wavelength fits n times into L0
+        return rope_dim * math.log(L0 / (2 * math.pi * n)) / (2 * math.log(theta))
+
+    low = max(math.floor(corr(float(yarn["beta_fast"]))), 0)
+    high = min(math.ceil(corr(float(yarn["beta_slow"]))), rope_dim - 1)
+    if low == high:
+        high += 0.001  # the ramp needs a non-zero width
+    return float(low), float(high)
+
+
+def inv_freq(rope_dim: int = ROPE_DIM, theta: float = 10000.0, yarn: dict | None = None) -> torch.Tensor:
+    """fp32 ``[rope_dim // 2]``: radians per position of each pair (CPU)."""
+    pf = theta ** (torch.arange(0, rope_dim, 2, dtype=torch.float32) / rope_dim)  # θ^(2i/R), fp32
+    extra = 1.0 / pf  # the original frequency
+    if yarn is None:
+        return extra
+    inter = 1.0 / (float(yarn["factor"]) * pf)  # slowed down by the factor
+    low, high = yarn_correction_range(rope_dim, theta, yarn)
+    ramp = ((torch.arange(rope_dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    return inter * ramp + extra * (1 - ramp)
+
+
+def cos_sin_rows(positions: torch.Tensor, rope_dim: int = ROPE_DIM, theta: float = 10000.0,
+                 yarn: dict | None = None) -> torch.Tensor:
+    """Rows ``positions`` of the table, fp32 ``[N, rope_dim]`` = ``[cos f | sin f]``; computed on the CPU
+    (every machine gets the same bits), returned on ``positions.device``."""
+    f = positions.cpu().to(torch.float32)[:, None] * inv_freq(rope_dim, theta, yarn)[None, :]  # fp32(p)·inv_freq
+    return torch.cat([torch.cos(f), torch.sin(f)], dim=1).to(positions.device)
+
+
+def compressed_position(p, ratio: int):
+    """(p // r)·r: a compressed key (and an indexer key) is rotated at the first position of its window."""
+    r = max(1, int(ratio))
+    return (p // r) * r
+
+
+# ----------------------------------------------------------------------------------------------------
+# 3. Rotation: GPT-J (DSV4) and NeoX (the contrast)
+# ----------------------------------------------------------------------------------------------------
+
+
+def cos_sin_for(x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor, inverse: bool):
+    """c, s of each row of x, shaped x.shape[:-1] + (R/2,); s negated for the inverse rotation."""
+    rows = cos_sin[positions.long()]
+    while rows.dim() < x.dim():
+        rows = rows.unsqueeze(-2)  # one position per token, shared by all heads
+    c, s = rows.chunk(2, dim=-1)  # [cos | sin]: two halves
+    return c, (-s if inverse else s)
+
+
+def rotate_pairs(x: torch.Tensor, positions, cos_sin, inverse: bool, pairing: str) -> torch.Tensor:
+    """Rotate the pairs of x's last R dims by their angles at ``positions``; ``pairing`` is the einops pattern
+    of the last R dims that names each pair's two members: ``(i two)`` = adjacent (GPT-J), ``(two i)`` =
+    half-split (NeoX)."""
+    R = cos_sin.shape[1]
+    c, s = cos_sin_for(x, positions, cos_sin, inverse)
+    e, o = rearrange(x[..., -R:].float(), f"... {pairing} -> two ... i", two=2)
+    rot = torch.stack([e * c - o * s, e * s + o * c])  # two rounded products and one add each (no FMA)
+    out = x.clone()
+    out[..., -R:] = rearrange(rot, f"two ... i -> ... {pairing}").to(x.dtype)  # one rounding to x's dtype
+    return out
+
+
+def apply_gptj(x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+    """GPT-J (interleaved) RoPE on x's last R dims: pair i = (x[2i], x[2i+1]). The rest is copied."""
+    return rotate_pairs(x, positions, cos_sin, inverse, "(i two)")
+
+
+def apply_neox(x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+    """NeoX (half-split) RoPE on x's last R dims: pair i = (x[i], x[i + R/2]). Not DSV4's convention."""
+    return rotate_pairs(x, positions, cos_sin, inverse, "(two i)")
+
+
+# ----------------------------------------------------------------------------------------------------
+# 4. The fused Q-norm + RoPE + KV insert
+# ----------------------------------------------------------------------------------------------------
+
+
+def qnorm_rope(q: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor, eps: float) -> torch.Tensor:
+    """The Q side, dsv4ref's canonical form: weight-free RMSNorm over all 512 dims of each head, then GPT-J
+    RoPE of the fp32 normalised values, rounded once to bf16."""
+    ss = (q.double() ** 2).sum(dim=-1, keepdim=True).float()  # order-free: fp64 sum, then one rounding
+    rr = 1.0 / torch.sqrt(ss / q.shape[-1] + eps)  # correctly rounded sqrt and division, fp32
+    return apply_gptj(q.float() * rr, positions, cos_sin).to(torch.bfloat16)
+
+
+def qnorm_rope_kv_insert(q: torch.Tensor, kv: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor,
+                         positions: torch.Tensor, cos_sin: torch.Tensor, *, block_size: int, eps: float = 1e-6) -> None:
+    """In place: q ← qnorm_rope(q); the rotated kv rows go into the cache exactly as ``kv_cache.insert``
+    writes them (448 e4m3 + 7 UE8M0 of the NoPE dims as given, the 64 rotated dims as bf16). Slot −1 and
+    rows beyond ``len(slots)`` write nothing; kv itself is not modified."""
+    q.copy_(qnorm_rope(q, positions, cos_sin, eps))
+    kv_cache.insert(cache, apply_gptj(kv, positions, cos_sin), slots, block_size=block_size, backend="reference")
+
+
+# ----------------------------------------------------------------------------------------------------
+# 5. Grouped low-rank output projection (after inverse RoPE)
+# ----------------------------------------------------------------------------------------------------
+
+
+def grouped_o_proj(o: torch.Tensor, wo_a: torch.Tensor, wo_b: torch.Tensor) -> torch.Tensor:
+    """out = wo_b(concat_g wo_a[g] @ o[t, heads of group g]), group g = heads [g·hpg, (g+1)·hpg). Both GEMMs
+    accumulate in fp32; z is rounded to bf16 like any activation between two bf16 GEMMs."""
+    og = rearrange(o.float(), "t (g h) d -> t g (h d)", g=wo_a.shape[0])  # contiguous head groups
+    z = torch.einsum("tgk,gok->tgo", og, wo_a.float()).to(torch.bfloat16)  # (T, G, o_lora)
+    return (rearrange(z, "t g o -> t (g o)").float() @ wo_b.float().T).to(torch.bfloat16)
+

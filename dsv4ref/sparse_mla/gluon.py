@@ -1,0 +1,646 @@
+"""Hopper-only fast path for sparse MLA decode, written in Gluon (``triton.experimental.gluon``).
+
+Same math and contract as :func:`dsv4ref.sparse_mla.decode` (spec: ``../shared/spec/sparse_mla.md`` §1,
+§3, §6, §7; page layout: ``formats.md`` §5): every head of token ``t`` attends to the listed slots of one
+or two FP8 paged caches with one softmax, the sink enters the denominator only, ``−1`` entries and
+entries past the lengths are ignored, a row with no valid entry gives ``out = 0`` and ``lse = −inf``,
+and P is rounded to bf16 before P·V (FlashMLA's numerics, as in the portable kernel).
+
+What is different from the portable Triton kernel (``kernels.py``), and why it is faster:
+
+* **Tensor cores driven explicitly (wgmma).** One program owns 64 heads of one token (H = 16 is padded to
+  64 rows: wgmma's M is 64 per warpgroup). Its two warpgroups (8 warps) split every MMA by columns:
+  for S = Q·Kᵀ each computes 32 of the 64 candidate columns over all 512 dims (no score work is done
+  twice); for O += P·V each owns 256 of the 512 output dims, so the 64×512 fp32 accumulator is 128
+  registers per thread and never spills.
+* **Q and the dequantised K tile live in shared memory** (NVMMA-swizzled, read by wgmma directly); the
+  same K tile is the B operand of both MMAs (transposed view for QKᵀ), so nothing is loaded twice.
+* **Software pipeline over candidate chunks of 64.** In iteration ``i`` the program: runs QKᵀ on tile
+  ``i``; does the online softmax; *issues* P·V on tile ``i`` asynchronously; while the tensor cores run
+  it, dequantises chunk ``i + 1`` (whose raw bytes were loaded one iteration earlier and sat in
+  registers) into the other shared buffer and issues the global loads of chunk ``i + 2``; then waits.
+  Global-load latency and the FP8 dequantisation thus overlap the MMAs instead of running in series.
+* The candidate list (both pools concatenated) is split over programs when one program per (token, head
+  block) would leave SMs idle (flash-decoding); a small merge kernel applies the sink once.
+
+This module imports Gluon lazily and guarded: on a CPU machine (the Triton interpreter) or a Triton
+without Gluon it still imports; :func:`available` says whether the backend can run here.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from dsv4ref import formats as F
+from dsv4ref.device import interpreting
+
+__all__ = ["available", "supports", "decode_gluon", "config"]
+
+LOG2E = 1.4426950408889634
+BLOCK_H = 64  # heads per program (wgmma M = 64 per warpgroup); smaller H is padded with masked rows
+BLOCK_N = 64  # candidates per chunk
+NUM_WARPS = 8  # two warpgroups split every MMA by columns
+# kernel variants (constexpr flags), measured in benchmarks/sparse_mla_gluon.py:
+#   WS: the warp-specialised kernel (4 producer warps dequantise into an NS-stage ring, 8 consumer warps run
+#       the MMAs); OVERLAP: its next QKᵀ is issued behind the current P·V; PRODUCER_REGS: the producer
+#       warps' register budget (setmaxnreg; the consumers get the rest); DEEP: the producer fetches slot
+#       indices half a chunk ahead of the row loads.
+#   Non-specialised kernel (WS False): PIPE: chunk i+1's raw bytes are loaded one iteration ahead and held
+#       in registers (else loaded after the P·V issue, latency exposed); P_SMEM: P reaches the P·V MMA through
+#       shared memory (else registers).
+VARIANT = dict(WS=True, NS=2, OVERLAP=False, PRODUCER_REGS=144, DEEP=True, PIPE=False, P_SMEM=True)
+_LAST: dict = {}  # the last compiled decode kernel (diagnostics: n_regs, n_spills, shared)
+
+_IMPORT_ERROR: BaseException | None = None
+_K = None  # the compiled-kernel namespace, built on first use
+
+try:  # Gluon ships with Triton >= 3.5; the Hopper ops live in its nvidia.hopper namespace
+    from triton.experimental import gluon as _gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import (
+        fence_async_shared,
+        mbarrier,
+        warpgroup_mma,
+        warpgroup_mma_wait,
+    )
+except Exception as e:  # pragma: no cover - depends on the installed Triton
+    _gluon = None
+    _IMPORT_ERROR = e
+
+
+def _define_kernels():
+    """Define the Gluon kernels (only called where Gluon imported). Returns a dict of them."""
+    # thread_barrier was renamed barrier in later Triton releases
+    _bar = getattr(gl, "thread_barrier", None) or getattr(gl, "barrier")
+
+    @_gluon.jit
+    def _slots(v, n1, stop, i1_ptr, i2_ptr):
+        """Virtual candidate ids v (pool 1 entries [0, n1), then pool 2's) -> (slot int64 >= 0, from pool 1,
+        valid). Entries at or past ``stop`` (the split's end, itself <= the token's length) and −1 entries are
+        invalid and read nothing."""
+        live = v < stop
+        in1 = v < n1
+        s1 = gl.load(i1_ptr + v, mask=live & in1, other=-1)
+        s2 = gl.load(i2_ptr + (v - n1), mask=live & (v >= n1), other=-1)
+        slot = gl.where(in1, s1, s2)
+        ok = slot >= 0
+        return gl.maximum(slot, 0).to(gl.int64), in1, ok
+
+    @_gluon.jit
+    def _load_raw(v0, n1, stop, i1_ptr, i2_ptr, c1_u8, c1_i16, c1_i64, bs1, ps1, c2_u8, c2_i16, c2_i64, bs2, ps2,
+                  BN: gl.constexpr, LU: gl.constexpr):
+        """Issue the global loads of one chunk: 7 e4m3 tiles [BN, 64] uint8, the RoPE tile [BN, 64] bf16 bits
+        (int16) and the 8 scale bytes of each row as one int64. Masked rows load zeros."""
+        rows = v0 + gl.arange(0, BN, gl.SliceLayout(1, LU))
+        slot, in1, ok = _slots(rows, n1, stop, i1_ptr, i2_ptr)
+        return _load_rows(slot, in1, ok, c1_u8, c1_i16, c1_i64, bs1, ps1, c2_u8, c2_i16, c2_i64, bs2, ps2, LU)
+
+    @_gluon.jit
+    def _load_rows(slot, in1, ok, c1_u8, c1_i16, c1_i64, bs1, ps1, c2_u8, c2_i16, c2_i64, bs2, ps2,
+                   LU: gl.constexpr):
+        """The global loads of rows whose slots are known (see :func:`_load_raw`)."""
+        bs = gl.where(in1, bs1, bs2)
+        ps = gl.where(in1, ps1, ps2)
+        page = slot // bs
+        off = slot - page * bs
+        data = page * ps + off * 576  # byte offset of the row's 576 data bytes (ps: page stride in bytes)
+        sidx = (page * ps + bs * 576 + off * 8) // 8  # int64-word index of the row's 8 scale bytes
+        ridx = (data + 448) // 2  # int16 index of the 64 RoPE values
+        col = gl.arange(0, 64, gl.SliceLayout(0, LU))
+        m2 = ok[:, None] & (col[None, :] >= 0)
+        p8 = gl.where(in1[:, None], c1_u8 + data[:, None], c2_u8 + data[:, None]) + col[None, :]
+        r0 = gl.load(p8, mask=m2, other=0)
+        r1 = gl.load(p8 + 64, mask=m2, other=0)
+        r2 = gl.load(p8 + 128, mask=m2, other=0)
+        r3 = gl.load(p8 + 192, mask=m2, other=0)
+        r4 = gl.load(p8 + 256, mask=m2, other=0)
+        r5 = gl.load(p8 + 320, mask=m2, other=0)
+        r6 = gl.load(p8 + 384, mask=m2, other=0)
+        p16 = gl.where(in1[:, None], c1_i16 + ridx[:, None], c2_i16 + ridx[:, None]) + col[None, :]
+        rr = gl.load(p16, mask=m2, other=0)
+        p64 = gl.where(in1, c1_i64 + sidx, c2_i64 + sidx)
+        sc = gl.load(p64, mask=ok, other=0)
+        return r0, r1, r2, r3, r4, r5, r6, rr, sc
+
+    @_gluon.jit
+    def _tile(raw, sc, b: gl.constexpr):
+        """e4m3 bytes × 2^(scale byte b − 127) -> bf16 (exact: every such product is a bf16 number)."""
+        e = ((sc >> (8 * b)) & 0xFF).to(gl.int32)
+        scale = gl.where(e == 0, 0x00400000, e << 23).to(gl.float32, bitcast=True)  # 2^(e − 127); e = 0: 2^-127
+        x = raw.to(gl.float8e4nv, bitcast=True).to(gl.float32) * scale[:, None]
+        return x.to(gl.bfloat16)
+
+    @_gluon.jit
+    def _dequant_store(kb, r0, r1, r2, r3, r4, r5, r6, rr, sc):
+        """Write one chunk's dequantised rows [BN, 512] bf16 into the shared buffer ``kb``."""
+        kb.slice(0, 64, dim=1).store(_tile(r0, sc, 0))
+        kb.slice(64, 64, dim=1).store(_tile(r1, sc, 1))
+        kb.slice(128, 64, dim=1).store(_tile(r2, sc, 2))
+        kb.slice(192, 64, dim=1).store(_tile(r3, sc, 3))
+        kb.slice(256, 64, dim=1).store(_tile(r4, sc, 4))
+        kb.slice(320, 64, dim=1).store(_tile(r5, sc, 5))
+        kb.slice(384, 64, dim=1).store(_tile(r6, sc, 6))
+        kb.slice(448, 64, dim=1).store(rr.to(gl.bfloat16, bitcast=True))
+
+    @_gluon.jit
+    def _decode_kernel(
+        q_ptr, q_st, q_sh,  # q [T, H, 512] bf16, last dim contiguous
+        sink_ptr,  # [H] fp32 (HAS_SINK)
+        out_ptr, lse_ptr,  # [T, H, 512] bf16, [T, H] fp32 (SPLITS == 1)
+        po_ptr, pml_ptr,  # [T, SPLITS, H, 512] fp32 partial acc, [T, SPLITS, H, 2] (m, l) log2 domain (SPLITS > 1)
+        c1_u8, c1_i16, c1_i64, i1_ptr, l1_ptr, K1, i1_st, bs1, ps1,  # pool 1: cache views, indices, lengths
+        c2_u8, c2_i16, c2_i64, i2_ptr, l2_ptr, K2, i2_st, bs2, ps2,  # pool 2 (HAS_POOL2)
+        H, qk_scale, chunk,
+        HAS_LEN1: gl.constexpr, HAS_POOL2: gl.constexpr, HAS_LEN2: gl.constexpr, HAS_SINK: gl.constexpr,
+        SPLITS: gl.constexpr, BH: gl.constexpr, BN: gl.constexpr, P_SMEM: gl.constexpr,
+        PIPE: gl.constexpr,
+    ):
+        gl.static_assert(BH == 64)
+        gl.static_assert(BN == 64)
+        # layouts: two warpgroups split every MMA's N (columns); raw loads 16 bytes per thread
+        O_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, 256, 16])
+        S_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
+                                                      instr_shape=[16, BN // 2, 16])
+        P_L: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=O_L, k_width=2)
+        LU: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [8, 1], [1, 0])
+        LQ: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [8, 1], [1, 0])
+        SH_L: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+
+        t = gl.program_id(0)
+        hb = gl.program_id(1)
+        sp = gl.program_id(2)
+        t64 = t.to(gl.int64)
+
+        # candidate range of this program: the two pools' valid prefixes, concatenated, then split
+        n1 = K1
+        if HAS_LEN1:
+            n1 = gl.minimum(gl.load(l1_ptr + t), K1)
+        n2 = 0
+        if HAS_POOL2:
+            n2 = K2
+            if HAS_LEN2:
+                n2 = gl.minimum(gl.load(l2_ptr + t), K2)
+        n = n1 + n2
+        start = sp * chunk
+        stop = gl.minimum(start + chunk, n)
+        i1 = i1_ptr + t64 * i1_st
+        i2 = i2_ptr + t64 * i2_st
+
+        # Q -> shared memory (padded heads: zero rows)
+        hq = hb * BH + gl.arange(0, BH, gl.SliceLayout(1, LQ))
+        dq = gl.arange(0, 512, gl.SliceLayout(0, LQ))
+        q = gl.load(q_ptr + t64 * q_st + hq[:, None].to(gl.int64) * q_sh + dq[None, :],
+                    mask=(hq[:, None] < H) & (dq[None, :] >= 0), other=0.0)
+        q_smem = gl.allocate_shared_memory(gl.bfloat16, [BH, 512], SH_L)
+        q_smem.store(q)
+        k_smem = gl.allocate_shared_memory(gl.bfloat16, [2, BN, 512], SH_L)
+        if P_SMEM:
+            p_smem = gl.allocate_shared_memory(gl.bfloat16, [BH, BN], SH_L)
+
+        # prologue: chunk 0 dequantised into buffer 0, chunk 1's raw bytes in registers
+        r0, r1, r2, r3, r4, r5, r6, rr, sc = _load_raw(start, n1, stop, i1, i2, c1_u8, c1_i16, c1_i64, bs1, ps1,
+                                                       c2_u8, c2_i16, c2_i64, bs2, ps2, BN, LU)
+        _dequant_store(k_smem.index(0), r0, r1, r2, r3, r4, r5, r6, rr, sc)
+        if PIPE:
+            r0, r1, r2, r3, r4, r5, r6, rr, sc = _load_raw(start + BN, n1, stop, i1, i2, c1_u8, c1_i16, c1_i64,
+                                                           bs1, ps1, c2_u8, c2_i16, c2_i64, bs2, ps2, BN, LU)
+        fence_async_shared()
+        _bar()
+
+        m = gl.full([BH], -float("inf"), gl.float32, gl.SliceLayout(1, S_L))
+        l = gl.zeros([BH], gl.float32, gl.SliceLayout(1, S_L))
+        acc = gl.zeros([BH, 512], gl.float32, O_L)
+        s0 = gl.zeros([BH, BN], gl.float32, S_L)
+        n_it = gl.cdiv(stop - start, BN)
+        for it in range(n_it):
+            cur = it % 2
+            kb = k_smem.index(cur)
+            v0 = start + it * BN
+            s = warpgroup_mma(q_smem, kb.permute((1, 0)), s0, use_acc=False)
+            cols = v0 + gl.arange(0, BN, gl.SliceLayout(0, S_L))
+            _, _, okc = _slots(cols, n1, stop, i1, i2)
+            s = gl.where(okc[None, :], s * qk_scale, -float("inf"))
+            m_new = gl.maximum(m, gl.max(s, axis=1))
+            m_safe = gl.where(m_new == -float("inf"), 0.0, m_new)
+            alpha = gl.exp2(m - m_safe)
+            p = gl.exp2(s - m_safe[:, None])
+            l = l * alpha + gl.sum(p, axis=1)
+            m = m_new
+            acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, O_L))[:, None]
+            if P_SMEM:  # P through shared memory: no P registers live while the MMA runs
+                p_smem.store(p.to(gl.bfloat16))
+                fence_async_shared()
+                _bar()
+                acc = warpgroup_mma(p_smem, kb, acc, is_async=True)
+            else:  # P as the register A operand (each warpgroup holds all 64 columns)
+                p_op = gl.convert_layout(p.to(gl.bfloat16), P_L)
+                acc = warpgroup_mma(p_op, kb, acc, is_async=True)
+            if PIPE:  # while the tensor cores run P·V: chunk it+1 -> the other buffer, chunk it+2's loads issued
+                _dequant_store(k_smem.index(1 - cur), r0, r1, r2, r3, r4, r5, r6, rr, sc)
+                r0, r1, r2, r3, r4, r5, r6, rr, sc = _load_raw(v0 + 2 * BN, n1, stop, i1, i2, c1_u8, c1_i16, c1_i64,
+                                                               bs1, ps1, c2_u8, c2_i16, c2_i64, bs2, ps2, BN, LU)
+            else:  # load and dequantise chunk it+1 only now (its load latency is exposed)
+                a0, a1, a2, a3, a4, a5, a6, ar, asc = _load_raw(v0 + BN, n1, stop, i1, i2, c1_u8, c1_i16, c1_i64,
+                                                                bs1, ps1, c2_u8, c2_i16, c2_i64, bs2, ps2, BN, LU)
+                _dequant_store(k_smem.index(1 - cur), a0, a1, a2, a3, a4, a5, a6, ar, asc)
+            fence_async_shared()
+            if P_SMEM:
+                acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+            else:
+                acc, p_op = warpgroup_mma_wait(num_outstanding=0, deps=(acc, p_op))
+            _bar()
+
+        h_o = hb * BH + gl.arange(0, BH, gl.SliceLayout(1, O_L))
+        d_o = gl.arange(0, 512, gl.SliceLayout(0, O_L))
+        h_s = hb * BH + gl.arange(0, BH, gl.SliceLayout(1, S_L))
+        if SPLITS == 1:
+            if HAS_SINK:
+                sink = gl.load(sink_ptr + h_s, mask=h_s < H, other=-float("inf"))
+            else:
+                sink = gl.full([BH], -float("inf"), gl.float32, gl.SliceLayout(1, S_L))
+            nonempty = l > 0
+            l_safe = gl.where(nonempty, l, 1.0)
+            m_s = gl.where(nonempty, m, 0.0)
+            lse = (m_s + gl.log2(l_safe)) * 0.6931471805599453
+            corr = 1.0 / (1.0 + gl.exp(sink - lse))  # σ(lse − sink): sink −inf -> 1, +inf -> 0
+            f = gl.where(nonempty, corr / l_safe, 0.0)
+            out = acc * gl.convert_layout(f, gl.SliceLayout(1, O_L))[:, None]
+            row = t64 * H + h_o.to(gl.int64)
+            gl.store(out_ptr + row[:, None] * 512 + d_o[None, :], out.to(gl.bfloat16),
+                     mask=(h_o[:, None] < H) & (d_o[None, :] >= 0))
+            gl.store(lse_ptr + t64 * H + h_s, gl.where(nonempty, lse, -float("inf")), mask=h_s < H)
+        else:
+            row = (t64 * SPLITS + sp) * H + h_o.to(gl.int64)
+            gl.store(po_ptr + row[:, None] * 512 + d_o[None, :], acc, mask=(h_o[:, None] < H) & (d_o[None, :] >= 0))
+            row_s = (t64 * SPLITS + sp) * H + h_s.to(gl.int64)
+            gl.store(pml_ptr + row_s * 2, m, mask=h_s < H)
+            gl.store(pml_ptr + row_s * 2 + 1, l, mask=h_s < H)
+
+    @_gluon.jit
+    def _merge_kernel(po_ptr, pml_ptr, sink_ptr, out_ptr, lse_ptr, H, HAS_SINK: gl.constexpr, SPLITS: gl.constexpr):
+        """Merge the SPLITS partial softmax states of one (token, head); apply the sink once (pitfalls #20)."""
+        ML: gl.constexpr = gl.BlockedLayout([1, 4], [1, 32], [1, 4], [1, 0])
+        t = gl.program_id(0).to(gl.int64)
+        h = gl.program_id(1)
+        s = gl.arange(0, SPLITS, gl.SliceLayout(1, ML))
+        d = gl.arange(0, 512, gl.SliceLayout(0, ML))
+        row = (t * SPLITS + s) * H + h
+        m_s = gl.load(pml_ptr + row * 2)
+        l_s = gl.load(pml_ptr + row * 2 + 1)
+        m = gl.max(m_s, axis=0)
+        m_safe = gl.where(m == -float("inf"), 0.0, m)
+        w = gl.exp2(m_s - m_safe)  # empty splits (m_s = −inf) weigh 0
+        l = gl.sum(w * l_s, axis=0)
+        acc = gl.sum(gl.load(po_ptr + row[:, None] * 512 + d[None, :]) * w[:, None], axis=0)
+        if HAS_SINK:
+            sink = gl.load(sink_ptr + h)
+        else:
+            sink = -float("inf")
+        nonempty = l > 0
+        l_safe = gl.where(nonempty, l, 1.0)
+        lse = (m_safe + gl.log2(l_safe)) * 0.6931471805599453
+        corr = 1.0 / (1.0 + gl.exp(sink - lse))
+        out = gl.where(nonempty, acc * (corr / l_safe), 0.0)
+        o = t * H + h
+        gl.store(out_ptr + o * 512 + d, out.to(gl.bfloat16))
+        gl.store(lse_ptr + o, gl.where(nonempty, lse, -float("inf")))
+
+
+    @_gluon.jit
+    def _softmax_step(s, m, l, okc, qk_scale):
+        """One online-softmax step on the raw scores s [BH, BN] (log2 domain after qk_scale); returns
+        (p, alpha, m, l). Masked columns (okc false) get p = 0; m_safe keeps every exponent finite (§7.1)."""
+        s = gl.where(okc[None, :], s * qk_scale, -float("inf"))
+        m_new = gl.maximum(m, gl.max(s, axis=1))
+        m_safe = gl.where(m_new == -float("inf"), 0.0, m_new)
+        alpha = gl.exp2(m - m_safe)
+        p = gl.exp2(s - m_safe[:, None])
+        l = l * alpha + gl.sum(p, axis=1)
+        return p, alpha, m_new, l
+
+    @_gluon.jit
+    def _epilogue(acc, m, l, t64, hb, sp, H, sink_ptr, out_ptr, lse_ptr, po_ptr, pml_ptr,
+                  HAS_SINK: gl.constexpr, SPLITS: gl.constexpr, BH: gl.constexpr, O_L: gl.constexpr,
+                  S_L: gl.constexpr):
+        """out = acc / l · σ(lse − sink) and lse (SPLITS == 1), or the partial (acc, m, l) for the merge."""
+        h_o = hb * BH + gl.arange(0, BH, gl.SliceLayout(1, O_L))
+        d_o = gl.arange(0, 512, gl.SliceLayout(0, O_L))
+        h_s = hb * BH + gl.arange(0, BH, gl.SliceLayout(1, S_L))
+        if SPLITS == 1:
+            if HAS_SINK:
+                sink = gl.load(sink_ptr + h_s, mask=h_s < H, other=-float("inf"))
+            else:
+                sink = gl.full([BH], -float("inf"), gl.float32, gl.SliceLayout(1, S_L))
+            nonempty = l > 0
+            l_safe = gl.where(nonempty, l, 1.0)
+            m_s = gl.where(nonempty, m, 0.0)
+            lse = (m_s + gl.log2(l_safe)) * 0.6931471805599453
+            corr = 1.0 / (1.0 + gl.exp(sink - lse))
+            f = gl.where(nonempty, corr / l_safe, 0.0)
+            out = acc * gl.convert_layout(f, gl.SliceLayout(1, O_L))[:, None]
+            row = t64 * H + h_o.to(gl.int64)
+            gl.store(out_ptr + row[:, None] * 512 + d_o[None, :], out.to(gl.bfloat16),
+                     mask=(h_o[:, None] < H) & (d_o[None, :] >= 0))
+            gl.store(lse_ptr + t64 * H + h_s, gl.where(nonempty, lse, -float("inf")), mask=h_s < H)
+        else:
+            row = (t64 * SPLITS + sp) * H + h_o.to(gl.int64)
+            gl.store(po_ptr + row[:, None] * 512 + d_o[None, :], acc, mask=(h_o[:, None] < H) & (d_o[None, :] >= 0))
+            row_s = (t64 * SPLITS + sp) * H + h_s.to(gl.int64)
+            gl.store(pml_ptr + row_s * 2, m, mask=h_s < H)
+            gl.store(pml_ptr + row_s * 2 + 1, l, mask=h_s < H)
+
+    @_gluon.jit
+    def _ws_producer(k_smem, ready, empty, start, n_it, n1, stop, i1, i2, c1_u8, c1_i16, c1_i64, bs1, ps1,
+                     c2_u8, c2_i16, c2_i64, bs2, ps2, BN: gl.constexpr, NS: gl.constexpr, DEEP: gl.constexpr,
+                     DIAG: gl.constexpr):
+        """Producer warps (4): gather + dequantise each chunk into the shared ring, half a chunk (32 rows)
+        at a time; the next half's row loads are in flight while the current half is dequantised. DEEP: the
+        slot indices are also fetched one half ahead, so the two dependent memory round trips of a gathered
+        row (index, then row) no longer sit in series."""
+        LP: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [4, 1], [1, 0])  # [32, 64] per pass
+        HALF: gl.constexpr = BN // 2
+        rows = gl.arange(0, HALF, gl.SliceLayout(1, LP))
+        if DIAG == 1:  # timing diagnostic only (wrong results): every row load masked off, no DRAM traffic
+            stop = start
+        if DEEP:
+            sa, ia, oa = _slots(start + rows, n1, stop, i1, i2)
+            r0, r1, r2, r3, r4, r5, r6, rr, sc = _load_rows(sa, ia, oa, c1_u8, c1_i16, c1_i64, bs1, ps1, c2_u8,
+                                                            c2_i16, c2_i64, bs2, ps2, LP)
+            sb, ib, ob = _slots(start + HALF + rows, n1, stop, i1, i2)
+            for it in range(n_it):
+                st = it % NS
+                v0 = start + it * BN
+                mbarrier.wait(empty.index(st), ((it // NS) & 1) ^ 1)
+                kb = k_smem.index(st)
+                _dequant_store(kb.slice(0, HALF, dim=0), r0, r1, r2, r3, r4, r5, r6, rr, sc)
+                r0, r1, r2, r3, r4, r5, r6, rr, sc = _load_rows(sb, ib, ob, c1_u8, c1_i16, c1_i64, bs1, ps1, c2_u8,
+                                                                c2_i16, c2_i64, bs2, ps2, LP)
+                sa, ia, oa = _slots(v0 + BN + rows, n1, stop, i1, i2)
+                _dequant_store(kb.slice(HALF, HALF, dim=0), r0, r1, r2, r3, r4, r5, r6, rr, sc)
+                r0, r1, r2, r3, r4, r5, r6, rr, sc = _load_rows(sa, ia, oa, c1_u8, c1_i16, c1_i64, bs1, ps1, c2_u8,
+                                                                c2_i16, c2_i64, bs2, ps2, LP)
+                sb, ib, ob = _slots(v0 + BN + HALF + rows, n1, stop, i1, i2)
+                fence_async_shared()
+                _bar()
+                mbarrier.arrive(ready.index(st))
+        else:
+            r0, r1, r2, r3, r4, r5, r6, rr, sc = _load_raw(start, n1, stop, i1, i2, c1_u8, c1_i16, c1_i64, bs1,
+                                                           ps1, c2_u8, c2_i16, c2_i64, bs2, ps2, HALF, LP)
+            for it in range(n_it):
+                st = it % NS
+                mbarrier.wait(empty.index(st), ((it // NS) & 1) ^ 1)
+                kb = k_smem.index(st)
+                v0 = start + it * BN
+                _dequant_store(kb.slice(0, HALF, dim=0), r0, r1, r2, r3, r4, r5, r6, rr, sc)
+                r0, r1, r2, r3, r4, r5, r6, rr, sc = _load_raw(v0 + HALF, n1, stop, i1, i2, c1_u8, c1_i16, c1_i64,
+                                                               bs1, ps1, c2_u8, c2_i16, c2_i64, bs2, ps2, HALF, LP)
+                _dequant_store(kb.slice(HALF, HALF, dim=0), r0, r1, r2, r3, r4, r5, r6, rr, sc)
+                r0, r1, r2, r3, r4, r5, r6, rr, sc = _load_raw(v0 + BN, n1, stop, i1, i2, c1_u8, c1_i16, c1_i64,
+                                                               bs1, ps1, c2_u8, c2_i16, c2_i64, bs2, ps2, HALF, LP)
+                fence_async_shared()
+                _bar()
+                mbarrier.arrive(ready.index(st))
+
+    @_gluon.jit
+    def _ws_consumer(q_smem, k_smem, p_smem, ready, empty, start, n_it, n1, stop, i1, i2, qk_scale,
+                     t64, hb, sp, H, sink_ptr, out_ptr, lse_ptr, po_ptr, pml_ptr,
+                     HAS_SINK: gl.constexpr, SPLITS: gl.constexpr, BH: gl.constexpr, BN: gl.constexpr,
+                     NS: gl.constexpr, OVERLAP: gl.constexpr, DIAG: gl.constexpr):
+        """Consumer warpgroups (the default 8 warps): S = Q·Kᵀ, online softmax, O += P·V on each ready
+        stage, then release the stage. OVERLAP: the next chunk's QKᵀ is issued right behind this chunk's
+        P·V, so the tensor cores run the two back to back."""
+        O_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, 256, 16])
+        S_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
+                                                      instr_shape=[16, BN // 2, 16])
+        m = gl.full([BH], -float("inf"), gl.float32, gl.SliceLayout(1, S_L))
+        l = gl.zeros([BH], gl.float32, gl.SliceLayout(1, S_L))
+        acc = gl.zeros([BH, 512], gl.float32, O_L)
+        s0 = gl.zeros([BH, BN], gl.float32, S_L)
+        cols = start + gl.arange(0, BN, gl.SliceLayout(0, S_L))
+        _, _, okc = _slots(cols, n1, stop, i1, i2)
+        if DIAG == 2:  # timing diagnostic only (wrong results): take each stage and release it, no MMA
+            for it in range(n_it):
+                mbarrier.wait(ready.index(it % NS), (it // NS) & 1)
+                _bar()
+                mbarrier.arrive(empty.index(it % NS))
+            n_it = 0
+        if OVERLAP:
+            mbarrier.wait(ready.index(0), 0, pred=n_it > 0)
+            s = warpgroup_mma(q_smem, k_smem.index(0).permute((1, 0)), s0, use_acc=False)
+        for it in range(n_it):
+            st = it % NS
+            kb = k_smem.index(st)
+            if not OVERLAP:
+                mbarrier.wait(ready.index(st), (it // NS) & 1)
+                s = warpgroup_mma(q_smem, kb.permute((1, 0)), s0, use_acc=False)
+            p, alpha, m, l = _softmax_step(s, m, l, okc, qk_scale)
+            acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, O_L))[:, None]
+            p_smem.store(p.to(gl.bfloat16))
+            fence_async_shared()
+            _bar()
+            acc = warpgroup_mma(p_smem, kb, acc, is_async=True)
+            _, _, okc = _slots(cols + (it + 1) * BN, n1, stop, i1, i2)  # next chunk's mask, fetched early
+            if OVERLAP:
+                nx = it + 1
+                sn = nx % NS
+                mbarrier.wait(ready.index(sn), (nx // NS) & 1, pred=nx < n_it)
+                s_next = warpgroup_mma(q_smem, k_smem.index(sn).permute((1, 0)), s0, use_acc=False, is_async=True)
+                acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
+                _bar()
+                mbarrier.arrive(empty.index(st))
+                s = warpgroup_mma_wait(num_outstanding=0, deps=(s_next,))
+            else:
+                acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+                _bar()
+                mbarrier.arrive(empty.index(st))
+        _epilogue(acc, m, l, t64, hb, sp, H, sink_ptr, out_ptr, lse_ptr, po_ptr, pml_ptr, HAS_SINK, SPLITS, BH, O_L, S_L)
+
+    @_gluon.jit
+    def _ws_kernel(
+        q_ptr, q_st, q_sh, sink_ptr, out_ptr, lse_ptr, po_ptr, pml_ptr,
+        c1_u8, c1_i16, c1_i64, i1_ptr, l1_ptr, K1, i1_st, bs1, ps1,
+        c2_u8, c2_i16, c2_i64, i2_ptr, l2_ptr, K2, i2_st, bs2, ps2,
+        H, qk_scale, chunk,
+        HAS_LEN1: gl.constexpr, HAS_POOL2: gl.constexpr, HAS_LEN2: gl.constexpr, HAS_SINK: gl.constexpr,
+        SPLITS: gl.constexpr, BH: gl.constexpr, BN: gl.constexpr, NS: gl.constexpr, OVERLAP: gl.constexpr,
+        PRODUCER_REGS: gl.constexpr, DEEP: gl.constexpr, DIAG: gl.constexpr = 0,
+    ):
+        """Warp-specialised variant: 4 producer warps fill an NS-stage ring of dequantised K tiles (mbarriers
+        ready / empty per stage); the 8 default warps (two warpgroups) only run the MMAs and the softmax."""
+        gl.static_assert(BH == 64)
+        gl.static_assert(BN == 64)
+        LQ: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [8, 1], [1, 0])
+        SH_L: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+        t = gl.program_id(0)
+        hb = gl.program_id(1)
+        sp = gl.program_id(2)
+        t64 = t.to(gl.int64)
+        n1 = K1
+        if HAS_LEN1:
+            n1 = gl.minimum(gl.load(l1_ptr + t), K1)
+        n2 = 0
+        if HAS_POOL2:
+            n2 = K2
+            if HAS_LEN2:
+                n2 = gl.minimum(gl.load(l2_ptr + t), K2)
+        n = n1 + n2
+        start = sp * chunk
+        stop = gl.minimum(start + chunk, n)
+        n_it = gl.maximum(gl.cdiv(stop - start, BN), 0)
+        i1 = i1_ptr + t64 * i1_st
+        i2 = i2_ptr + t64 * i2_st
+
+        hq = hb * BH + gl.arange(0, BH, gl.SliceLayout(1, LQ))
+        dq = gl.arange(0, 512, gl.SliceLayout(0, LQ))
+        q = gl.load(q_ptr + t64 * q_st + hq[:, None].to(gl.int64) * q_sh + dq[None, :],
+                    mask=(hq[:, None] < H) & (dq[None, :] >= 0), other=0.0)
+        q_smem = gl.allocate_shared_memory(gl.bfloat16, [BH, 512], SH_L)
+        q_smem.store(q)
+        k_smem = gl.allocate_shared_memory(gl.bfloat16, [NS, BN, 512], SH_L)
+        p_smem = gl.allocate_shared_memory(gl.bfloat16, [BH, BN], SH_L)
+        ready = gl.allocate_shared_memory(gl.int64, [NS, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [NS, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(NS):
+            mbarrier.init(ready.index(i), count=1)
+            mbarrier.init(empty.index(i), count=1)
+        fence_async_shared()
+        _bar()
+        gl.warp_specialize([
+            (_ws_consumer, (q_smem, k_smem, p_smem, ready, empty, start, n_it, n1, stop, i1, i2, qk_scale,
+                            t64, hb, sp, H, sink_ptr, out_ptr, lse_ptr, po_ptr, pml_ptr,
+                            HAS_SINK, SPLITS, BH, BN, NS, OVERLAP, DIAG)),
+            (_ws_producer, (k_smem, ready, empty, start, n_it, n1, stop, i1, i2, c1_u8, c1_i16, c1_i64, bs1, ps1,
+                            c2_u8, c2_i16, c2_i64, bs2, ps2, BN, NS, DEEP, DIAG)),
+        ], [4], [PRODUCER_REGS])
+
+    return {"decode": _decode_kernel, "merge": _merge_kernel, "ws": _ws_kernel}
+
+
+def _kernels():
+    global _K, _IMPORT_ERROR
+    if _K is None:
+        if _gluon is None:
+            _K = False
+        else:
+            try:
+                _K = _define_kernels()
+            except Exception as e:  # an incompatible Gluon API
+                _IMPORT_ERROR = e
+                _K = False
+    return _K or None
+
+
+def available(device: torch.device | None = None) -> bool:
+    """True where this backend can run: compiled Triton with Gluon (never the interpreter) and a CUDA
+    device of compute capability 9.x (Hopper: H100 / H200)."""
+    if interpreting() or not torch.cuda.is_available():
+        return False
+    dev = torch.device(device) if device is not None else torch.device("cuda")
+    if dev.type != "cuda":
+        return False
+    if torch.cuda.get_device_capability(dev)[0] != 9:
+        return False
+    return _kernels() is not None
+
+
+def _aligned(cache: torch.Tensor) -> bool:
+    return cache.data_ptr() % 16 == 0 and cache.stride(0) % 16 == 0 and cache.stride(1) == 1
+
+
+def supports(q: torch.Tensor, cache: torch.Tensor, extra_cache: torch.Tensor | None = None) -> bool:
+    """Whether :func:`decode_gluon` takes these inputs: Hopper, H <= 128, and caches whose pages start at
+    16-byte aligned addresses (every cache :func:`dsv4ref.kv_cache.allocate` makes; the kernel loads 16-byte
+    vectors and the 8 scale bytes of a row as one word). Otherwise use the portable kernel."""
+    return (available(q.device) and q.shape[1] <= 128 and _aligned(cache)
+            and (extra_cache is None or _aligned(extra_cache)))
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _sm_count(device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def config(T: int, H: int, K_total: int, device, *, num_splits: int | None = None) -> dict:
+    """Launch configuration: 64-head blocks, chunks of 64 candidates, and the number of list splits.
+
+    One program per (token, head block) holds ~200 KB of shared memory, so one runs per SM; the list is
+    split (flash-decoding) while that leaves SMs idle and every split keeps >= 4 chunks."""
+    n_hb = -(-H // BLOCK_H)
+    if num_splits is None:
+        num_splits = 1
+        sms = _sm_count(device)
+        while T * n_hb * num_splits * 2 <= sms + sms // 8 and K_total // (num_splits * 2) >= 4 * BLOCK_N:
+            num_splits *= 2
+    if num_splits < 1 or num_splits & (num_splits - 1):
+        raise ValueError(f"num_splits: expected a power of two, got {num_splits!r}")
+    return dict(num_splits=num_splits)
+
+
+def decode_gluon(q: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor, lengths: torch.Tensor | None, *,
+                 block_size: int, sink: torch.Tensor | None = None, scale: float = F.HEAD_DIM ** -0.5,
+                 extra_cache: torch.Tensor | None = None, extra_slots: torch.Tensor | None = None,
+                 extra_lengths: torch.Tensor | None = None, extra_block_size: int | None = None,
+                 num_splits: int | None = None, variant: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sparse MLA decode on Hopper: same arguments and results as :func:`dsv4ref.sparse_mla.decode`
+    (already-validated inputs; no value checks and no host sync here, so it can be graph-captured).
+
+    q ``[T, H, 512]`` bf16 (H <= 128); cache uint8 pages of ``block_size`` tokens; slots ``[T, K]`` int32
+    (−1 = no entry, rows contiguous); lengths ``[T]`` int32 or None (all K); sink ``[H]`` fp32 or None;
+    the optional extra pool likewise. Returns out ``[T, H, 512]`` bf16, lse ``[T, H]`` fp32 (natural log,
+    without the sink; −inf for empty rows)."""
+    kern = _kernels()
+    if kern is None or interpreting():
+        raise RuntimeError(f"the gluon backend needs compiled Triton with Gluon on a Hopper GPU ({_IMPORT_ERROR!r})")
+    T, H, D = q.shape
+    if D != F.HEAD_DIM or H > 128 or q.stride(2) != 1:
+        raise ValueError(f"q: expected [T, H <= 128, {F.HEAD_DIM}] with a contiguous last dim, got {tuple(q.shape)}")
+    for c, name in ((cache, "cache"), (extra_cache, "extra_cache")):
+        if c is not None and not _aligned(c):
+            raise ValueError(f"{name}: the gluon backend needs 16-byte aligned pages (data_ptr and stride(0) % 16 == 0)")
+    out = torch.empty(T, H, F.HEAD_DIM, dtype=torch.bfloat16, device=q.device)
+    lse = torch.empty(T, H, dtype=torch.float32, device=q.device)
+    if T == 0 or H == 0:
+        return out, lse
+    has_pool2 = extra_cache is not None
+    K1 = slots.shape[1]
+    K2 = extra_slots.shape[1] if has_pool2 else 0
+    cfg = config(T, H, K1 + K2, q.device, num_splits=num_splits)
+    S = cfg["num_splits"]
+    chunk = _cdiv(_cdiv(K1 + K2, S), BLOCK_N) * BLOCK_N or BLOCK_N
+
+    def views(c):
+        return c, c.view(torch.int16), c.view(torch.int64)
+
+    c1 = views(cache)
+    c2 = views(extra_cache) if has_pool2 else c1
+    l1 = lengths if lengths is not None else slots
+    i2 = extra_slots if has_pool2 else slots
+    l2 = extra_lengths if (has_pool2 and extra_lengths is not None) else i2
+    bs2 = extra_block_size if has_pool2 else block_size
+    if S > 1:
+        po = torch.empty(T, S, H, F.HEAD_DIM, dtype=torch.float32, device=q.device)
+        pml = torch.empty(T, S, H, 2, dtype=torch.float32, device=q.device)
+    else:
+        po = pml = lse  # unused
+    sink_arg = sink if sink is not None else lse
+    grid = (T, -(-H // BLOCK_H), S)
+    flags = dict(VARIANT, **(variant or {}))
+    args = (q, q.stride(0), q.stride(1), sink_arg, out, lse, po, pml,
+            *c1, slots, l1, K1, slots.stride(0), block_size, cache.stride(0),
+            *c2, i2, l2, K2, i2.stride(0), bs2, (extra_cache if has_pool2 else cache).stride(0),
+            H, float(scale) * LOG2E, chunk)
+    common = dict(HAS_LEN1=lengths is not None, HAS_POOL2=has_pool2,
+                  HAS_LEN2=has_pool2 and extra_lengths is not None, HAS_SINK=sink is not None, SPLITS=S,
+                  BH=BLOCK_H, BN=BLOCK_N, num_warps=NUM_WARPS)
+    if flags["WS"]:
+        _LAST["decode"] = kern["ws"][grid](*args, **common, NS=flags["NS"], OVERLAP=flags["OVERLAP"],
+                                           PRODUCER_REGS=flags["PRODUCER_REGS"], DEEP=flags["DEEP"],
+                                           DIAG=flags.get("DIAG", 0))
+    else:
+        _LAST["decode"] = kern["decode"][grid](*args, **common, P_SMEM=flags["P_SMEM"], PIPE=flags["PIPE"])
+    if S > 1:
+        kern["merge"][(T, H)](po, pml, sink_arg, out, lse, H, HAS_SINK=sink is not None, SPLITS=S, num_warps=4)
+    return out, lse

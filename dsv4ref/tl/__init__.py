@@ -1,0 +1,22 @@
+"""Interpreter-safe Triton building blocks shared by every dsv4ref kernel.
+
+* :mod:`dsv4ref.tl.numerics`: fp32 → e4m3 / UE8M0 / bf16 encoders, exact powers of two, ``dot``.
+* :mod:`dsv4ref.tl.paging`: slot → int64 byte offsets inside a page.
+* :mod:`dsv4ref.tl.kv_record`: the one 584-byte KV-cache record encoder (used by ``kv_cache.insert``
+  and the fused Q-norm + RoPE + KV insert).
+
+Why each helper exists (the interpreter bug it works around): ``docs/triton_interpreter.md``.
+"""
+
+from .numerics import (  # noqa: F401
+    E4M3_MAX,
+    bf16_rne_bits,
+    bf16_round,
+    dot,
+    e4m3_encode,
+    inv_pow2,
+    page_offsets,
+    pow2,
+    splat,
+    ue8m0_byte,
+)

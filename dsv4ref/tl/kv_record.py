@@ -1,0 +1,73 @@
+"""The one encoder of the 584-byte KV-cache record: used by ``kv_cache.insert`` and by the fused
+Q-norm + RoPE + KV insert of :mod:`dsv4ref.rope`.
+
+Spec (``docs/formats.md#the-584-byte-kv-cache-page``): a token's bf16 row k[0:512] becomes
+
+* 448 e4m3 bytes at ``data``: k[0:448] in 7 blocks of 64, each scaled by its own UE8M0 byte
+  (``docs/formats.md#ue8m0-scales``: amax floored at 1e-4, exact bit-field ceiling);
+* 128 bytes at ``data + 448``: the 64 RoPE dims as bf16, little-endian (dim 448 + j at bytes 448 + 2j,
+  449 + 2j), taken from the caller, which loads them as they are or rotates them first;
+* 8 bytes at ``scales``: the 7 UE8M0 bytes and a zero pad byte,
+
+where ``data = page·page_stride + 576·offset`` and ``scales = page·page_stride + 576·B + 8·offset`` for
+``slot = page·B + offset``: the two regions are NOT adjacent. Slot −1 writes nothing.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from ..formats import E4M3_MAX, KV_AMAX_FLOOR, N_SCALES, NOPE_DIM, QUANT_BLOCK, ROPE_DIM
+from .numerics import e4m3_encode, inv_pow2, page_offsets, ue8m0_byte
+
+_NOPE = tl.constexpr(NOPE_DIM)  # 448 e4m3 bytes, then the RoPE words
+_BLOCK = tl.constexpr(QUANT_BLOCK)  # 64 values per scale byte
+_N_SCALES = tl.constexpr(N_SCALES)  # 7 quant blocks
+_BLOCKS_P2 = tl.constexpr(triton.next_power_of_2(N_SCALES))  # 8: tile rows (tl.arange needs a power of two)
+_ROPE = tl.constexpr(ROPE_DIM)  # 64 bf16 values
+_FLOOR = tl.constexpr(KV_AMAX_FLOOR)
+_QMAX = tl.constexpr(E4M3_MAX)
+
+
+@triton.jit
+def kv_record(
+    cache_ptr,  # uint8 pages; page p starts at p · page_stride
+    cache16_ptr,  # int16 view of the same bytes (only read when ROPE16)
+    row,  # [TOK] pointers to each token's kv row, int16 view of bf16 (dims 0..447 are read from here)
+    slot,  # [TOK] int32/int64 slot = page · block_size + offset; −1 = write nothing
+    rope_bits,  # [TOK, 64] int16 (or int32 whose low 16 bits are) the bf16 bits to store for dims 448..511
+    block_size,  # tokens per page
+    page_stride,  # bytes between pages (the cache tensor's stride(0))
+    TOK: tl.constexpr,  # tokens in the tile (a power of two; 1 for one token)
+    ROPE16: tl.constexpr,  # pages start at even addresses: store the RoPE as 16-bit words, else byte pairs
+):
+    """Quantise and store the 584-byte records of ``TOK`` tokens (axis 0 of every tile is the token)."""
+    ok = slot >= 0
+    data, scales = page_offsets(tl.maximum(slot, 0), block_size, page_stride)  # [TOK] int64; −1 never addresses
+
+    # NoPE: a [TOK, 8, 64] tile, block rows 0..6 are the 7 quant blocks, row 7 is masked off.
+    # bf16 -> fp32 exactly, in integers (no bf16 arithmetic), then one scale byte per block.
+    blk = tl.arange(0, _BLOCKS_P2)[None, :, None]
+    dim = blk * _BLOCK + tl.arange(0, _BLOCK)[None, None, :]  # [1, 8, 64]: dim = 64·block + column
+    nope_ok = tl.broadcast_to(ok[:, None, None] & (blk < _N_SCALES), (TOK, _BLOCKS_P2, _BLOCK))  # mask: pointer's shape
+    bits = tl.load(row[:, None, None] + dim, mask=nope_ok, other=0).to(tl.int32) & 0xFFFF
+    x = (bits << 16).to(tl.float32, bitcast=True)
+    byte = ue8m0_byte(tl.max(tl.abs(x), axis=2), _FLOOR, _QMAX)  # [TOK, 8]; block row 7 unused
+    q = e4m3_encode(x * inv_pow2(byte)[:, :, None]).to(tl.uint8, bitcast=True)  # × 2^-e is exact
+    tl.store(cache_ptr + data[:, None, None] + dim, q, mask=nope_ok)
+
+    # RoPE: the caller's bf16 bits to bytes 448.. of the token's data, little-endian
+    j = tl.arange(0, _ROPE)[None, :]
+    rope_ok = tl.broadcast_to(ok[:, None], (TOK, _ROPE))
+    if ROPE16:
+        tl.store(cache16_ptr + (data[:, None] + _NOPE) // 2 + j, rope_bits.to(tl.int16), mask=rope_ok)
+    else:  # two byte stores, low byte first
+        r = rope_bits.to(tl.int32) & 0xFFFF
+        tl.store(cache_ptr + data[:, None] + _NOPE + 2 * j, (r & 0xFF).to(tl.uint8), mask=rope_ok)
+        tl.store(cache_ptr + data[:, None] + _NOPE + 1 + 2 * j, (r >> 8).to(tl.uint8), mask=rope_ok)
+
+    # scales: the 7 UE8M0 bytes and the zero pad byte
+    k = tl.arange(0, _BLOCKS_P2)[None, :]  # the 8 scale-row bytes line up with the 8 tile rows of byte
+    scale_ok = tl.broadcast_to(ok[:, None], (TOK, _BLOCKS_P2))
+    tl.store(cache_ptr + scales[:, None] + k, tl.where(k < _N_SCALES, byte, 0).to(tl.uint8), mask=scale_ok)

@@ -1,0 +1,135 @@
+"""Shared Triton building blocks, correct both compiled and in Triton's CPU interpreter.
+
+Every dsv4ref kernel uses these instead of re-writing them, so each of the interpreter's bugs
+(``docs/triton_interpreter.md``) is worked around in exactly one place:
+
+=====================  ============================================  ====================================
+helper                 what it does                                  interpreter bug it avoids
+=====================  ============================================  ====================================
+``e4m3_encode``        fp32 -> float8_e4m3fn, clamp ±448 + RNE       I5: wrong rounding, no saturation
+``ue8m0_byte``         amax -> UE8M0 exponent byte (exact ceil)      float log2 off by one at 2^k
+``pow2``               byte -> 2^(byte-127) as fp32 (exact)          none; an exponent add, no libdevice
+``bf16_rne_bits``      fp32 -> bf16 bits, round half to even         I4: fp32 -> bf16 truncates
+``dot``                tl.dot that upcasts to fp32 when interpreted  I2: bf16 tl.dot is garbage
+``page_offsets``       slot -> int64 byte offsets in a 584-B page    (int32 overflow past 2^31 bytes)
+=====================  ============================================  ====================================
+
+Arithmetic rule for all kernels (I3): ``.to(tl.float32)`` right after a bf16/fp8 load, do every add,
+compare and reduction in fp32, and convert only at the store.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+E4M3_MAX = 448.0  # for Python callers
+_E4M3_MAX = tl.constexpr(448.0)  # for kernels: a jit function may only read constexpr globals
+
+
+@triton.jit
+def e4m3_encode(x):
+    """fp32 tensor -> float8e4nv tensor: clamp to ±448, then round to nearest, ties to even.
+
+    "Grid-snap": put |x| on the e4m3 grid with one fp32 add/sub (the fp32 adder rounds half-to-even
+    onto a grid of spacing ``ulp``), so the final cast only converts an exactly representable value,
+    which even the interpreter's cast gets right.
+    """
+    a = tl.minimum(tl.abs(x), _E4M3_MAX)  # clamp first: saturates ±inf/huge values, keeps c finite
+    # biased fp32 exponent of |x|, floored at 121 (2^-6, the smallest normal e4m3): below it the e4m3
+    # spacing is fixed at 2^-9 (subnormals).
+    e = tl.maximum((a.to(tl.int32, bitcast=True) >> 23) & 0xFF, 121)
+    # c = 2^(e-127) * 2^(23-3): adding and subtracting c rounds |x| to 3 mantissa bits (spacing 2^(e-130)).
+    c = ((e + 20) << 23).to(tl.float32, bitcast=True)
+    r = (a + c) - c  # <= 448 still: 448 is on the grid
+    # Put the sign back as a bit, not by negation: compiled Triton negates as 0 - r, which turns -0.0 (and
+    # every negative value that rounds to zero) into +0, where torch gives the byte 0x80.
+    sign = x.to(tl.uint32, bitcast=True) & 0x80000000
+    y = (r.to(tl.uint32, bitcast=True) | sign).to(tl.float32, bitcast=True)
+    return y.to(tl.float8e4nv)
+
+
+@triton.jit
+def ue8m0_byte(amax, FLOOR: tl.constexpr, QMAX: tl.constexpr):
+    """UE8M0 scale byte for a block whose max |value| is ``amax`` (fp32), as int32 in [1, 254].
+
+    byte = ceil(log2(max(amax, FLOOR) / QMAX)) + 127, computed on the bits of the IEEE quotient
+    (docs/formats.md): the exponent field, plus one if any mantissa bit is set. No float log2, so a
+    block whose amax is exactly 448·2^k gets byte 127+k, not 128+k.
+    """
+    s = tl.math.div_rn(tl.maximum(amax, FLOOR), QMAX)  # correctly rounded: '/' may be approximate on GPUs
+    bits = s.to(tl.int32, bitcast=True)
+    byte = ((bits >> 23) & 0xFF) + ((bits & 0x7FFFFF) != 0).to(tl.int32)
+    return tl.minimum(tl.maximum(byte, 1), 254)
+
+
+@triton.jit
+def pow2(byte):
+    """2^(byte - 127) as fp32 for an int32 byte in [1, 254]: the float whose exponent field is ``byte``."""
+    return (byte << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def inv_pow2(byte):
+    """2^(127 - byte) as fp32 for an int32 byte in [1, 253], exactly."""
+    return ((254 - byte) << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def bf16_rne_bits(x):
+    """fp32 -> the 16 bits of bf16(x), rounded to nearest, ties to even (finite inputs), as uint16.
+
+    Store them through a ``torch.int16``/``uint16`` view of the bf16 output. ``x.to(tl.bfloat16)``
+    truncates in the interpreter (I4); this is exact on every backend.
+    """
+    u = x.to(tl.uint32, bitcast=True)
+    u = u + 0x7FFF + ((u >> 16) & 1)
+    return (u >> 16).to(tl.uint16)
+
+
+@triton.jit
+def bf16_round(x):
+    """fp32 -> fp32(bf16(x)) with round-to-nearest-even: the "bf16 round trip" some kernels need."""
+    u = x.to(tl.uint32, bitcast=True)
+    u = (u + 0x7FFF + ((u >> 16) & 1)) & 0xFFFF0000
+    return u.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def dot(a, b, acc, DOT_FP32: tl.constexpr):
+    """acc + a @ b with fp32 accumulation.
+
+    ``DOT_FP32`` (set by the launcher to ``interpreting()``) upcasts bf16/fp16 operands to fp32 first:
+    the interpreter multiplies bf16 bit patterns as integers (I2). bf16 values are exact in fp32 and in
+    tf32, so the upcast changes nothing but speed; compiled kernels keep the native tensor-core path.
+    """
+    if DOT_FP32:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+    else:
+        return tl.dot(a, b, acc)
+
+
+@triton.jit
+def page_offsets(slot, block_size, page_stride):
+    """Byte offsets of a token's two regions in the fp8_ds_mla page layout (docs/formats.md).
+
+    ``slot`` = page·block_size + offset (int64 or int32; −1 must be masked by the caller). Returns
+    ``(data, scales)``: ``data`` is the start of the 576 data bytes (448 e4m3 + 128 bytes of bf16 RoPE),
+    ``scales`` the start of the 8 scale bytes. All int64, so page·page_stride cannot overflow.
+    """
+    slot = slot.to(tl.int64)
+    page = slot // block_size
+    off = slot % block_size
+    base = page * page_stride
+    return base + off * 576, base + block_size * 576 + off * 8
+
+
+@triton.jit
+def splat(cond, like):
+    """A scalar condition as a boolean tensor of ``like``'s shape, for use in load/store masks.
+
+    In the interpreter (seen in Triton 3.9) ``scalar_bool & tensor_bool`` comes out as an integer
+    array, which ``tl.load``/``tl.store`` reject with "mask has unsupported dtype". Widening the scalar
+    to a tensor first keeps the mask boolean on every backend.
+    """
+    return (tl.zeros_like(like).to(tl.int32) + cond.to(tl.int32)) != 0

@@ -1,0 +1,154 @@
+"""Tolerances: every float comparison in dsv4ref names a row of :data:`TOLERANCES`, never a number.
+
+* :data:`TOLERANCES` is the one table, each row with the reason for its figure (``docs/tolerances.md``).
+* :func:`compare` returns a :class:`Report` (max abs/rel error, the tolerance used, PASS/FAIL);
+  :func:`assert_close` raises with the worst mismatches listed.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+
+
+@dataclass(frozen=True)
+class Tol:
+    atol: float
+    rtol: float
+    mode: str  # "exact" | "sum" (|a-b| <= atol + rtol|b|) | "or" (abs <= atol OR rel <= rtol, FlashMLA)
+    #            | "mass" (|a-b| <= atol + rtol·(|b| + mass): for weighted sums, mass = Σ_j w_j·|v_j|)
+    #            | "rel_l2" (per row of the last dim: ||a-b|| <= rtol·||b|| + atol)
+    cos: float | None  # max global cosine difference, or None
+    why: str
+
+
+TOLERANCES: dict[str, Tol] = {
+    "exact": Tol(0, 0, "exact", None, "bit patterns: fp8/UE8M0 bytes, exact dequant, integer RNE bf16"),
+    "fp32_elementwise": Tol(1e-5, 1e-5, "sum", None, "a few fp32 roundings (RoPE from a cos/sin table)"),
+    "fp32_reduction": Tol(1e-6, 8.01 / 65536, "or", None, "only accumulation order differs (FlashMLA's LSE figure)"),
+    "fp32_dot": Tol(1e-5, 1e-4, "sum", None, "ieee fp32 dot, order error ~ sqrt(K)*2^-24, K <= 512"),
+    "mhc": Tol(1e-5, 1e-5, "sum", None, "docs/mhc.md: fp32 path vs an fp64 oracle of the same schedule"),
+    "bf16_out": Tol(1e-3, 2.01 / 128, "or", 5e-6,
+                    "about 2 bf16 ulps (interpreter truncation <= 1 ulp, plus reordering); FlashMLA's figure"),
+    "bf16_gemm": Tol(1e-2, 1e-2, "sum", None, "bf16 GEMM with fp32 accumulation vs an fp32 reference (docs/rope.md)"),
+    "lse": Tol(1e-6, 8.01 / 65536, "or", None, "FlashMLA's LSE tolerance"),
+    "decode_step": Tol(1e-6, 2.0**-3, "rel_l2", None,
+                       "a whole decode step vs the float64 dense reference, per row: the e4m3 KV error (<= 2^-4"
+                       " relative per value) enters attention twice, through V and through the softmax weights"),
+    "bf16_weighted_sum": Tol(1e-6, 2.0**-8, "mass", None,
+                             "out = Σ_j p_j·v_j with p rounded to bf16 (rel 2^-9 each, as FlashMLA's kernels do) and"
+                             " the result rounded to bf16 (2^-9): |err| <= 2^-9·Σ p|v| + 2^-9·|out|, doubled for"
+                             " accumulation order and exp2; an elementwise relative check fails wherever outputs cancel"),
+    "route_weights": Tol(0.0, 1e-6, "sum", None,
+                         "MoE routing weights vs float64 on the same gate logits: sqrt(softplus) and a K-term"
+                         " normalisation in fp32 are a few ulps (6e-8 each); weights of padding rows must be exactly 0"),
+    "moe_out": Tol(1e-6, 2.0**-8, "mass", None,
+                   "MoE output vs a float64 oracle without roundings: h = swiglu·ω rounded to bf16 (2^-9 of Σ|h||W2|),"
+                   " each expert output rounded to bf16 (<= 2^-9 of the same mass) and the result rounded to bf16"
+                   " (2^-9·|out|): |err| <= 2^-8·(|out| + mass), mass = Σ_slots |h|·|W2|ᵀ (+ the shared expert's)"),
+}
+
+
+@dataclass
+class Report:
+    name: str
+    max_abs: float
+    max_rel: float
+    tol: str
+    passed: bool
+    detail: str = ""
+
+    def __str__(self) -> str:
+        t = TOLERANCES[self.tol]
+        verdict = "PASS" if self.passed else "FAIL"
+        return (f"{self.name}: {verdict} (max abs {self.max_abs:.3g}, max rel {self.max_rel:.3g}; "
+                f"tolerance '{self.tol}' {t.mode} atol={t.atol:g} rtol={t.rtol:g})" + (f" {self.detail}" if self.detail else ""))
+
+    def verdict(self) -> str:
+        """A device-independent line for notebooks: no error magnitudes, just the verdict."""
+        return f"{self.name}: {'PASS' if self.passed else 'FAIL'} (tolerance '{self.tol}')"
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    if t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2, torch.uint8, torch.int8):
+        return t.view(torch.uint8)
+    if t.dtype in (torch.bfloat16, torch.float16):
+        return t.view(torch.int16)
+    if t.dtype == torch.float32:
+        return t.view(torch.int32)
+    return t
+
+
+def compare(actual: torch.Tensor, expected: torch.Tensor, tol: str = "bf16_out", name: str = "result",
+            mass: torch.Tensor | None = None) -> Report:
+    """Compare ``actual`` with ``expected`` (ideally float64) under the named tolerance.
+
+    Non-finite entries must sit at the same positions with the same values (FlashMLA's rule), and are
+    then excluded. Mode "or" passes an element if abs err <= atol OR rel err <= rtol; mode "sum" uses
+    torch's atol + rtol·|expected|; mode "mass" uses atol + rtol·(|expected| + mass), where ``mass`` (same
+    shape) is Σ_j w_j·|v_j| of a weighted sum, the scale its rounding errors grow with. A cosine bound, where
+    the row has one, is checked on the whole tensor.
+    """
+    t = TOLERANCES[tol]
+    if tuple(actual.shape) != tuple(expected.shape):
+        return Report(name, math.inf, math.inf, tol, False, f"shape {tuple(actual.shape)} != {tuple(expected.shape)}")
+    a_cpu, e_cpu = actual.detach().cpu(), expected.detach().cpu()
+    if t.mode == "exact":
+        if a_cpu.dtype != e_cpu.dtype:
+            return Report(name, math.inf, math.inf, tol, False, f"dtype {a_cpu.dtype} != {e_cpu.dtype}")
+        diff = _bits(a_cpu) != _bits(e_cpu)
+        n = int(diff.sum())
+        err = 0.0 if n == 0 else math.inf
+        return Report(name, err, err, tol, n == 0, "" if n == 0 else f"{n} of {diff.numel()} differ")
+    a, e = a_cpu.double(), e_cpu.double()
+    fa, fe = torch.isfinite(a), torch.isfinite(e)
+    same_nonfinite = torch.equal(fa, fe) and torch.equal(a[~fa].nan_to_num(0.0, 1.0, -1.0), e[~fe].nan_to_num(0.0, 1.0, -1.0))
+    if not same_nonfinite:
+        return Report(name, math.inf, math.inf, tol, False, "non-finite entries differ in position or value")
+    if t.mode == "mass":
+        if mass is None:
+            raise ValueError(f"tolerance '{tol}' needs the mass argument")
+        m = mass.detach().cpu().double()[fe]
+    a, e = a[fe], e[fe]
+    if a.numel() == 0:
+        return Report(name, 0.0, 0.0, tol, True)
+    abs_err = (a - e).abs()
+    rel_err = abs_err / e.abs().clamp_min(1e-300)
+    if t.mode == "or":
+        ok = bool(((abs_err <= t.atol) | (rel_err <= t.rtol)).all())
+    elif t.mode == "mass":
+        ok = bool((abs_err <= t.atol + t.rtol * (e.abs() + m)).all())
+    elif t.mode == "rel_l2":
+        ar, er = a_cpu.double().reshape(-1, a_cpu.shape[-1]), e_cpu.double().reshape(-1, e_cpu.shape[-1])
+        ok = bool(((ar - er).norm(dim=-1) <= t.rtol * er.norm(dim=-1) + t.atol).all())
+    else:
+        ok = bool((abs_err <= t.atol + t.rtol * e.abs()).all())
+    detail = ""
+    if t.cos is not None:
+        denom = float((a * a).sum() + (e * e).sum())
+        cos_diff = 0.0 if denom == 0 else 1.0 - 2.0 * float((a * e).sum()) / denom
+        if cos_diff > t.cos:
+            ok, detail = False, f"cosine diff {cos_diff:.3g} > {t.cos:g}"
+    return Report(name, float(abs_err.max()), float(rel_err[e.abs() > 0].max()) if bool((e.abs() > 0).any()) else 0.0,
+                  tol, ok, detail)
+
+
+def assert_close(actual: torch.Tensor, expected: torch.Tensor, tol: str = "bf16_out", name: str = "result",
+                 mass: torch.Tensor | None = None) -> Report:
+    """:func:`compare`, raising AssertionError that lists the five worst elements on failure."""
+    r = compare(actual, expected, tol, name, mass)
+    if not r.passed:
+        msg = [str(r)]
+        if tuple(actual.shape) == tuple(expected.shape) and actual.numel():
+            a, e = actual.detach().cpu().double().flatten(), expected.detach().cpu().double().flatten()
+            err = (a - e).abs().nan_to_num(math.inf)
+            if TOLERANCES[tol].mode == "exact":
+                err = (_bits(actual.detach().cpu()).flatten() != _bits(expected.detach().cpu()).flatten()).double()
+            for i in err.topk(min(5, err.numel())).indices.tolist():
+                idx = tuple(int(v) for v in torch.unravel_index(torch.tensor(i), tuple(actual.shape)))
+                msg.append(f"  at {idx}: got {a[i].item()!r}, expected {e[i].item()!r}")
+        raise AssertionError("\n".join(msg))
+    return r

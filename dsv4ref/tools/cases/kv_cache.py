@@ -1,0 +1,64 @@
+"""``python -m dsv4ref check kv_cache`` / ``bench kv_cache``: the KV cache's check rows and benchmark cases."""
+
+from __future__ import annotations
+
+import torch
+
+from ... import kv_cache
+from ...device import DEVICE
+from ...formats import HEAD_DIM, TOKEN_BYTES
+from ...testing import compare
+from ..harness import BenchCase, CheckRow, bench, check
+
+
+@check("kv_cache.insert")
+def _check_insert() -> list[CheckRow]:
+    rows = []
+    for T, B, nb in [(37, 2, 40), (64, 61, 3), (100, 64, 4)]:
+        kv, slots = kv_cache.example_inputs(T, B, nb, seed=T)
+        ref, out = kv_cache.allocate(nb, B), kv_cache.allocate(nb, B)
+        kv_cache.insert(ref, kv, slots, block_size=B, backend="reference")
+        kv_cache.insert(out, kv, slots, block_size=B, backend="triton")
+        rows.append(CheckRow("kv_cache.insert", f"T={T} B={B} pages={nb}", compare(out, ref, "exact", "cache bytes")))
+    return rows
+
+
+@check("kv_cache.gather")
+def _check_gather() -> list[CheckRow]:
+    rows = []
+    for T, B, nb in [(37, 2, 40), (100, 64, 4)]:
+        kv, slots = kv_cache.example_inputs(T, B, nb, seed=T + 1)
+        cache = kv_cache.allocate(nb, B)
+        kv_cache.insert(cache, kv, slots, block_size=B)
+        got = kv_cache.gather(cache, slots, block_size=B, backend="triton")
+        want = kv_cache.gather(cache, slots, block_size=B, backend="reference")
+        rows.append(CheckRow("kv_cache.gather", f"S={T} B={B}", compare(got, want, "exact")))
+    return rows
+
+
+@bench("kv_cache")
+def _bench() -> list[BenchCase]:
+    """64k slots (the issue's size) and 256k slots, pages of 64, a random slot order. Four input sets
+    rotate: 4 × (37 MB cache + 64 MB kv + 64 MB out) per size, well past a 60 MB L2. Timed through the
+    custom ops with the default launch shapes."""
+    cases = []
+    for S in (65536, 262144):
+        B, n_sets, nb = 64, 4, S // 64
+        sets = []
+        for i in range(n_sets):
+            kv = torch.randn(S, HEAD_DIM, device=DEVICE, dtype=torch.bfloat16)
+            slots = torch.randperm(S, device=DEVICE)
+            sets.append((kv_cache.allocate(nb, B), kv, slots, torch.empty_like(kv)))
+        for c, kv, s, _ in sets:
+            kv_cache.insert(c, kv, s, block_size=B)
+        ins_bytes = S * (HEAD_DIM * 2 + 8 + TOKEN_BYTES)  # read kv + slot, write 584 B
+        gat_bytes = S * (TOKEN_BYTES + 8 + HEAD_DIM * 2)  # read 584 B + slot, write bf16 row
+        cases += [
+            BenchCase("kv_cache.insert", f"S={S} B={B}",
+                      lambda i, st=sets: torch.ops.dsv4ref.kv_insert(st[i][0], st[i][1], st[i][2], 64),
+                      n_sets, ins_bytes, note="kv 1024 + slot 8 + cache 584 B/token"),
+            BenchCase("kv_cache.gather", f"S={S} B={B}",
+                      lambda i, st=sets: torch.ops.dsv4ref.kv_gather(st[i][0], st[i][2], st[i][3], 64),
+                      n_sets, gat_bytes, note="cache 584 + slot 8 + out 1024 B/row"),
+        ]
+    return cases

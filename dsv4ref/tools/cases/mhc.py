@@ -1,0 +1,135 @@
+"""``python -m dsv4ref check mhc`` rows and ``bench mhc`` cases."""
+
+from __future__ import annotations
+
+import torch
+
+from ...device import DEVICE, interpreting
+from ...mhc import example_params, example_streams, fused_post_pre, head, post, pre, reference, sinkhorn
+from ...mhc.launch import MhcLaunch, split_fn
+from ...mhc.reference import HC_EPS, POST_MULT, RMS_EPS, SINKHORN_ITERS
+from ...testing import compare, generator, randn
+from ..harness import BenchCase, CheckRow, bench, check
+
+
+@check("mhc")
+def _check() -> list[CheckRow]:
+    rows = []
+    # fused == post then pre bit for bit holds for one design: give the separate pre the fused op's default
+    # (by default pre runs split-K and the fused op one kernel; their sums of squares differ in order)
+    same = MhcLaunch(split_k=MhcLaunch().uses_split_k(fused=True))
+    shapes = [(5, 256)] if interpreting() else [(5, 256), (33, 4096), (17, 7168)]
+    for T, Hd in shapes:
+        res = example_streams(T, Hd, seed=T)
+        x = randn((T, Hd), seed=T + 1, octaves=8)
+        fn, scale, base = example_params(Hd, seed=T + 2)
+        s = f"T={T} Hd={Hd}"
+        p64, c64, x64 = reference.pre(res, fn, scale, base, dtype=torch.float64)
+        p, c, li = pre(res, fn, scale, base)
+        rows += [CheckRow("mhc.pre post", s, compare(p, p64, "mhc")), CheckRow("mhc.pre comb", s, compare(c, c64, "mhc")),
+                 CheckRow("mhc.pre layer_input", s, compare(li, x64, "bf16_out"))]
+        new64 = reference.post(x, res, p64.float(), c64.float(), dtype=torch.float64)
+        rows.append(CheckRow("mhc.post", s, compare(post(x, res, p, c), new64, "bf16_out")))
+        got = fused_post_pre(x, res, p, c, fn, scale, base)
+        new = post(x, res, p, c)
+        sep = (new, *pre(new, fn, scale, base, launch=same))
+        rows.append(CheckRow("mhc.fused_post_pre residual", s, compare(got[0], sep[0], "exact", "== post")))
+        rows.append(CheckRow("mhc.fused_post_pre layer_input", s, compare(got[3], sep[3], "exact", "== post then pre")))
+        hfn, hscale, hbase = example_params(Hd, seed=T + 3, head=True)
+        h64 = reference.head(res, hfn, hscale, hbase, dtype=torch.float64)
+        rows.append(CheckRow("mhc.head", s, compare(head(res, hfn, hscale, hbase), h64, "bf16_out")))
+    logits = torch.randn(64, 4, 4, generator=generator(7)).to(DEVICE) * 3
+    rows.append(CheckRow("mhc.sinkhorn", "64 × 4×4, std 3", compare(sinkhorn(logits), reference.sinkhorn(logits.double()), "mhc")))
+    return rows
+
+
+@bench("mhc")
+def _bench() -> list[BenchCase]:
+    T, Hd, M = 4096, 4096, 4
+    n_sets = 2  # one set is ~300 MB already, far past the L2
+    sets = []
+    fn, scale, base = example_params(Hd)
+    fs = split_fn(fn, M)
+    for i in range(n_sets):
+        res = torch.randn(T, M, Hd, device=DEVICE, dtype=torch.bfloat16)
+        x = torch.randn(T, Hd, device=DEVICE, dtype=torch.bfloat16)
+        p, c = torch.rand(T, M, device=DEVICE) * 2, torch.rand(T, M, M, device=DEVICE) * 0.5
+        bufs = (torch.empty_like(res), torch.empty(T, M, device=DEVICE), torch.empty(T, M, M, device=DEVICE),
+                torch.empty_like(x))
+        sets.append((res, x, p, c, bufs))
+    stream = T * M * Hd * 2  # one pass over the bf16 streams
+    row = T * Hd * 2  # x or the layer input
+    small = T * (M + M * M) * 4  # post + comb (fp32)
+    fn_bytes = M * (M + 2) * M * Hd * 4
+    flops = 2 * T * M * (M + 2) * M * Hd  # the mix GEMM (logical; the bf16x3 split does 3× on tensor cores)
+    pre_b = stream + fn_bytes + small + row
+    post_b = row + stream + small + stream
+    fused_b = row + stream + small + stream + small + row + fn_bytes
+
+    hfn, hscale, hbase = example_params(Hd, head=True)
+    hfs = split_fn(hfn, M, head=True)
+    head_b = stream + M * M * Hd * 4 + row  # streams read once + fn [4, 4·Hd] fp32 + output written
+
+    # every case names its design explicitly (MhcLaunch(split_k=False / True)), so the defaults move no row
+    one = MhcLaunch(split_k=False).encode()
+    split = MhcLaunch(split_k=True).encode()
+    base_post = MhcLaunch().encode()
+
+    def run_pre(i, launch=one, src=None):
+        res, x, p, c, (new, p2, c2, out) = sets[i]
+        torch.ops.dsv4ref.mhc_pre(res if src is None else src, fs, scale, base, p2, c2, out, RMS_EPS, HC_EPS,
+                                  POST_MULT, SINKHORN_ITERS, launch)
+
+    def run_post(i):
+        res, x, p, c, (new, *_rest) = sets[i]
+        torch.ops.dsv4ref.mhc_post(x, res, p, c, new, base_post)
+
+    def run_fused(i, launch=one):
+        res, x, p, c, (new, p2, c2, out) = sets[i]
+        torch.ops.dsv4ref.mhc_fused_post_pre(x, res, p, c, fs, scale, base, new, p2, c2, out, RMS_EPS, HC_EPS,
+                                             POST_MULT, SINKHORN_ITERS, launch)
+
+    def run_separate(i):
+        run_post(i)
+        run_pre(i, src=sets[i][4][0])
+
+    def run_head(i, launch=one):
+        res, x, p, c, (new, p2, c2, out) = sets[i]
+        torch.ops.dsv4ref.mhc_head(res, hfs, hscale, hbase, out, RMS_EPS, HC_EPS, launch)
+
+    cases = [
+        BenchCase("mhc.pre", f"T={T} Hd={Hd} BLOCK_T=16", run_pre, n_sets, pre_b, flops,
+                  "streams read once + fn + post/comb + layer input"),
+        BenchCase("mhc.post", f"T={T} Hd={Hd}", run_post, n_sets, post_b, 0, "x + streams read, streams written"),
+        BenchCase("mhc.fused_post_pre", f"T={T} Hd={Hd}", run_fused, n_sets, fused_b, flops,
+                  "x + streams read, streams + layer input written"),
+        BenchCase("mhc.post+pre (separate)", f"T={T} Hd={Hd}", run_separate, n_sets, fused_b, flops,
+                  "fused op's compulsory bytes (so it compares)"),
+        BenchCase("mhc.head", f"T={T} Hd={Hd}", run_head, n_sets, head_b, flops // 6,
+                  "streams read once + fn + output written"),
+    ]
+    for bt in (32, 64):  # tile-size variants of pre: fewer fn re-reads from L2, fewer programs
+        launch = MhcLaunch(split_k=False, block_t=bt).encode()
+        try:
+            run_pre(0, launch)
+            cases.append(BenchCase("mhc.pre", f"T={T} Hd={Hd} BLOCK_T={bt}", lambda i, la=launch: run_pre(i, la), n_sets,
+                                   pre_b, flops, "as above"))
+        except Exception as e:  # a tile that does not compile on this device is reported, not fatal
+            print(f"mhc.pre BLOCK_T={bt}: skipped ({type(e).__name__}: {str(e)[:80]})")
+    # split-K: same compulsory bytes; it really reads the streams twice (the second read partly from L2) plus a
+    # [splits, T, 33] fp32 workspace written once and read per hidden part
+    sk_launch = MhcLaunch(split_k=True)
+    n_split, _ = sk_launch.split_plan(T, Hd)
+    sk = f"T={T} Hd={Hd} BLOCK_T={sk_launch.split_block_t} splits={n_split}"
+    for name, run, b, f, note in [
+        ("mhc.pre split-K", lambda i: run_pre(i, split), pre_b, flops, "as mhc.pre; moves ~2x the streams"),
+        ("mhc.fused_post_pre split-K", lambda i: run_fused(i, split), fused_b, flops,
+         "as mhc.fused_post_pre; re-reads the new streams"),
+        ("mhc.head split-K", lambda i: run_head(i, split), head_b, flops // 6, "as mhc.head; moves ~2x the streams"),
+    ]:
+        try:
+            run(0)
+            cases.append(BenchCase(name, sk, run, n_sets, b, f, note))
+        except Exception as e:  # reported, not fatal: the other rows still run
+            print(f"{name}: skipped ({type(e).__name__}: {str(e)[:120]})")
+    return cases

@@ -1,0 +1,192 @@
+"""Registries behind ``python -m dsv4ref check`` and ``python -m dsv4ref bench``.
+
+An op module registers
+
+* checks: ``@check("kv_cache.insert")`` on a function ``() -> list[CheckRow]`` that runs the Triton
+  kernel against its reference at a few shapes on :data:`dsv4ref.DEVICE`;
+* benchmarks: ``@bench("kv_cache.insert")`` on a function ``() -> list[BenchCase]`` giving what to time
+  and how many bytes / FLOPs it must move (the compulsory traffic, stated in the case's note).
+
+The benchmark runner measures the device's ceilings (device-to-device copy bandwidth, bf16 matmul rate)
+in the same run, then reports each case as achieved bytes/s and FLOP/s and the fraction of the roofline
+bound ``max(bytes / copy_bw, flops / matmul_rate)``.
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+import os
+import statistics
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from .cases import OPS
+from ..device import DEVICE, Timer, capture_graph, interpreting, synchronize
+from ..tolerances import Report
+
+CHECKS: dict[str, Callable[[], list["CheckRow"]]] = {}
+BENCHES: dict[str, Callable[[], list["BenchCase"]]] = {}
+
+
+@dataclass
+class CheckRow:
+    op: str
+    shape: str
+    report: Report
+
+
+@dataclass
+class BenchCase:
+    op: str
+    shape: str
+    run: Callable[[int], object]  # run(i) launches the op on input set i % n_sets
+    n_sets: int
+    bytes: float  # compulsory bytes moved per call
+    flops: float = 0.0
+    note: str = ""  # how the bytes were counted
+    extra: dict = field(default_factory=dict)
+
+
+def check(name: str):
+    def deco(fn):
+        CHECKS[name] = fn
+        return fn
+    return deco
+
+
+def bench(name: str):
+    def deco(fn):
+        BENCHES[name] = fn
+        return fn
+    return deco
+
+
+def load_ops() -> list[str]:
+    """Import every op's cases module (``dsv4ref.tools.cases.<op>``), so its checks and benchmarks
+    register. Returns the op names found."""
+    found = []
+    for m in OPS:
+        try:
+            importlib.import_module(f"dsv4ref.tools.cases.{m}")
+        except ModuleNotFoundError as e:
+            if e.name != f"dsv4ref.tools.cases.{m}":
+                raise
+            # not moved yet: the op module registers its own cases (to be removed once every op has moved)
+            try:
+                importlib.import_module(f"dsv4ref.{m}")
+            except ModuleNotFoundError as e2:
+                if e2.name != f"dsv4ref.{m}":
+                    raise
+                continue
+        found.append(m)
+    return found
+
+
+def run_checks(only=None):
+    """Yield the check rows of every registered op (``only``: an op-name prefix or a list of them), as each
+    check finishes, so a long run reports as it goes."""
+    load_ops()
+    prefixes = [only] if isinstance(only, str) else list(only or [""])
+    for name, fn in CHECKS.items():
+        if any(name.startswith(p) for p in prefixes):
+            yield from fn()
+
+
+# ------------------------------------------------------------------------------------------------
+# timing and ceilings
+# ------------------------------------------------------------------------------------------------
+
+
+def time_ms(run: Callable[[int], object], n_sets: int = 1, warmup: int = 5, reps: int = 30, graph: bool = True) -> float:
+    """Median device time of one call in ms.
+
+    Cycles through the ``n_sets`` input sets so no set stays in cache (each case should make the sum of
+    its sets larger than the L2). Where the device supports graphs, one graph holding one call per input
+    set is captured and replayed, so host launch overhead is not counted (it can exceed the kernel time
+    of a small op); otherwise the calls are timed eagerly with device events.
+    """
+    replay = None
+    if graph:
+        try:
+            replay = capture_graph(lambda: [run(i) for i in range(n_sets)])
+        except Exception:  # an op that syncs with the host cannot be captured: time it eagerly
+            replay = None
+    if replay is not None:
+        for _ in range(max(1, warmup // n_sets)):
+            replay()
+        synchronize()
+        times = []
+        for _ in range(max(3, reps // n_sets)):
+            with Timer() as t:
+                replay()
+            times.append(t.ms / n_sets)
+        return statistics.median(times)
+    for i in range(warmup):
+        run(i % n_sets)
+    synchronize()
+    times = []
+    for i in range(reps):
+        with Timer() as t:
+            run(i % n_sets)
+        times.append(t.ms)
+    return statistics.median(times)
+
+
+@dataclass
+class Ceilings:
+    copy_bytes_per_s: float
+    bf16_flops_per_s: float
+
+
+def measure_ceilings() -> Ceilings:
+    """Device-to-device copy bandwidth (bytes read + written) and bf16 matmul rate, measured now."""
+    n = 1 << 29  # 512 MiB, far above any L2
+    src = torch.empty(n, dtype=torch.uint8, device=DEVICE)
+    dst = torch.empty_like(src)
+    ms = time_ms(lambda i: dst.copy_(src), warmup=3, reps=20, graph=False)
+    copy = 2 * n / (ms * 1e-3)
+    del src, dst
+    m = 8192
+    a = torch.randn(m, m, device=DEVICE, dtype=torch.bfloat16)
+    b = torch.randn(m, m, device=DEVICE, dtype=torch.bfloat16)
+    ms = time_ms(lambda i: a @ b, warmup=3, reps=10, graph=False)
+    return Ceilings(copy, 2 * m**3 / (ms * 1e-3))
+
+
+@dataclass
+class BenchRow:
+    case: BenchCase
+    ms: float
+    bytes_per_s: float
+    flops_per_s: float
+    fraction: float  # of the roofline bound
+
+
+def run_benches(only=None, ceilings: Ceilings | None = None, on_row=None) -> tuple[Ceilings, list[BenchRow]]:
+    """Time the registered benchmarks. ``only``: an op-name prefix or a list of them (run in that order);
+    ``on_row(row)`` is called as each case finishes, so a long run reports as it goes."""
+    if interpreting() or DEVICE.type == "cpu":
+        raise RuntimeError("benchmarks need a GPU: on the CPU the kernels run in Triton's interpreter")
+    if os.environ.get("DSV4REF_BENCH") == "0":  # e.g. nbval on a GPU: run the notebooks, skip their timings
+        return ceilings or Ceilings(math.nan, math.nan), []
+    load_ops()
+    ceil = ceilings or measure_ceilings()
+    prefixes = [only] if isinstance(only, str) else list(only or [""])
+    names = [n for p in prefixes for n in BENCHES if n.startswith(p)]
+    rows = []
+    for name in dict.fromkeys(names):
+        for case in BENCHES[name]():
+            try:
+                ms = time_ms(case.run, case.n_sets)
+            except Exception as e:  # one case that fails to compile or run must not hide the others
+                print(f"{case.op} {case.shape}: FAILED {type(e).__name__}: {str(e).splitlines()[0][:200]}")
+                continue
+            s = ms * 1e-3
+            bound = max(case.bytes / ceil.copy_bytes_per_s, case.flops / ceil.bf16_flops_per_s)
+            rows.append(BenchRow(case, ms, case.bytes / s, case.flops / s, bound / s))
+            if on_row:
+                on_row(rows[-1])
+    return ceil, rows

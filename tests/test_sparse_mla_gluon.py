@@ -1,0 +1,212 @@
+"""The Hopper Gluon backend of sparse MLA decode (dsv4ref.sparse_mla.gluon) against a float64 oracle.
+
+GPU-only (compiled Triton with Gluon on a compute-capability-9 device); skipped everywhere else. Same
+tolerance ("bf16_weighted_sum": P rounded to bf16 before P·V, as FlashMLA and the portable kernel do) and
+the same adversarial data as tests/test_sparse_mla.py: poisoned slots past the lengths, −1 and duplicates
+inside the prefixes, empty rows, ±inf sinks, two pools with different page sizes, H 16 / 64 / 128, list
+splits (flash-decoding) on and off.
+"""
+
+import math
+
+import pytest
+import torch
+
+from dsv4ref import kv_cache
+from dsv4ref.device import DEVICE, interpreting
+from dsv4ref.sparse_mla import gluon as G
+from dsv4ref.testing import assert_close, generator, randn
+
+SCALE = 512 ** -0.5
+POISON_SLOT = 0
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(interpreting() or not G.available(DEVICE),
+                       reason="the gluon backend needs compiled Triton (Gluon) on a Hopper GPU"),
+]
+
+
+def make_cache(block_size, num_pages, seed, nope_zero=False):
+    """Random rows with per-64-block magnitudes over 2^-3..2^3 (many scale bytes); slot 0 is poisoned with
+    NaN e4m3 bytes, NaN RoPE values and 0xFF scale bytes (every entry past a length points at it)."""
+    n = block_size * num_pages
+    kv = randn((n, 512), seed=seed, octaves=6)
+    if nope_zero:
+        kv[:, :448] = 0
+    cache = kv_cache.allocate(num_pages, block_size)
+    kv_cache.insert(cache, kv, torch.arange(n, device=DEVICE), block_size=block_size, backend="reference")
+    cache[0, :448] = 0x7F
+    cache[0, 448:576:2] = 0xC0
+    cache[0, 449:576:2] = 0x7F
+    cache[0, block_size * 576:block_size * 576 + 8] = 0xFF
+    return cache
+
+
+def make_slots(T, K, block_size, num_pages, seed, lengths):
+    g = generator(seed)
+    idx = torch.randint(1, block_size * num_pages, (T, K), generator=g, dtype=torch.int32)
+    for t in range(T):
+        L = int(lengths[t])
+        if L >= 3:
+            idx[t, 1] = -1  # −1 inside the prefix
+        if L >= 4:
+            idx[t, 3] = idx[t, 2]  # a duplicate counts twice
+        idx[t, L:] = POISON_SLOT
+    return idx.to(DEVICE)
+
+
+def setup(T, H, K1, K2=0, bs1=16, bs2=2, pages1=8, pages2=64, seed=0, lengths1=None, lengths2=None,
+          nope_zero=False):
+    c1 = make_cache(bs1, pages1, seed + 1, nope_zero)
+    l1 = torch.tensor(lengths1 if lengths1 is not None else [max(K1 - 3 * t, 0) for t in range(T)], dtype=torch.int32)
+    pools = [(c1, make_slots(T, K1, bs1, pages1, seed + 2, l1), l1.to(DEVICE), bs1)]
+    if K2:
+        c2 = make_cache(bs2, pages2, seed + 3, nope_zero)
+        l2 = torch.tensor(lengths2 if lengths2 is not None else [max(K2 - 2 * t, 0) for t in range(T)],
+                          dtype=torch.int32)
+        pools.append((c2, make_slots(T, K2, bs2, pages2, seed + 4, l2), l2.to(DEVICE), bs2))
+    q = (randn((T, H, 512), seed=seed, octaves=4).float() * 0.25).to(torch.bfloat16)
+    return q, pools
+
+
+def oracle(q, pools, sink, scale):
+    """float64 attention over the dequantised rows, one token at a time (sparse_mla.md §1); also returns
+    mass = Σ p|v| (times the sink factor), the scale of the kernel's rounding error."""
+    T, H, _ = q.shape
+    out = torch.zeros(T, H, 512, dtype=torch.float64)
+    mass = torch.zeros(T, H, 512, dtype=torch.float64)
+    lse = torch.full((T, H), -math.inf, dtype=torch.float64)
+    q64 = q.cpu().double()
+    for t in range(T):
+        rows = []
+        for cache, idx, lens, bs in pools:
+            L = idx.shape[1] if lens is None else int(lens[t])
+            slots = [int(s) for s in idx[t, :L].tolist() if s >= 0]
+            if slots:
+                rows.append(kv_cache.gather(cache, torch.tensor(slots, dtype=torch.int32, device=cache.device),
+                                            block_size=bs, backend="reference").cpu().double())
+        if not rows:
+            continue
+        k = torch.cat(rows)
+        s = scale * q64[t] @ k.T
+        lse[t] = torch.logsumexp(s, dim=1)
+        p = torch.softmax(s, dim=1)
+        o, m = p @ k, p @ k.abs()
+        if sink is not None:
+            f = torch.sigmoid(lse[t] - sink.cpu().double())[:, None]
+            o, m = o * f, m * f
+        out[t], mass[t] = o, m
+    return out, lse, mass
+
+
+def run(q, pools, sink=None, scale=SCALE, num_splits=None):
+    (c1, i1, l1, b1), *rest = pools
+    kw = {}
+    if rest:
+        c2, i2, l2, b2 = rest[0]
+        kw = dict(extra_cache=c2, extra_slots=i2, extra_lengths=l2, extra_block_size=b2)
+    return G.decode_gluon(q, c1, i1, l1, block_size=b1, sink=sink, scale=scale, num_splits=num_splits, **kw)
+
+
+def check(out, lse, ref, name):
+    ref_out, ref_lse, mass = ref
+    assert out.dtype == torch.bfloat16 and lse.dtype == torch.float32
+    assert not torch.isnan(out).any(), f"{name}: NaN in out"
+    assert_close(out, ref_out, "bf16_weighted_sum", f"{name} out", mass=mass)
+    assert_close(lse, ref_lse, "lse", f"{name} lse")
+
+
+@pytest.mark.parametrize("splits", [1, 2])
+def test_two_pools_with_sink(splits):
+    """Pages of 16 and 2, short prefixes with a non-empty second pool, −1 and duplicates, poisoned slots
+    past the lengths, lengths that are not multiples of the 64-candidate chunk, a first chunk with no
+    valid entry, a finite sink."""
+    q, pools = setup(T=4, H=16, K1=140, K2=70, lengths1=[140, 5, 100, 0], lengths2=[70, 69, 0, 33])
+    pools[0][1][2, :64] = -1
+    sink = torch.linspace(-2.0, 6.0, 16).to(DEVICE)
+    ref = oracle(q, pools, sink, SCALE)
+    check(*run(q, pools, sink, num_splits=splits), ref, f"splits={splits}")
+    assert float(ref[0].abs().max()) > 0.1
+
+
+@pytest.mark.parametrize("H", [16, 64, 128, 40])
+def test_heads(H):
+    """H = 16 (padded to a 64-row block), 64, 128 (two blocks) and 40 (padded); a non-default scale."""
+    q, pools = setup(T=3, H=H, K1=96, K2=40, lengths1=[96, 77, 10], lengths2=[40, 0, 13], seed=H)
+    sink = randn((H,), seed=5, dtype=torch.float32, octaves=0) * 2
+    scale = 512 ** -0.55
+    ref = oracle(q, pools, sink, scale)
+    for splits in (1, 2):
+        check(*run(q, pools, sink, scale, num_splits=splits), ref, f"H={H} splits={splits}")
+
+
+@pytest.mark.parametrize("splits", [1, 2])
+def test_empty_rows_and_infinite_sinks(splits):
+    """Row 0: length 0; row 1: only −1 entries; row 2: normal. Empty rows: out 0, lse −inf, with any sink.
+    sink −inf == no sink; sink +inf gives out 0 and the same lse."""
+    q, pools = setup(T=3, H=16, K1=80, lengths1=[0, 6, 80])
+    pools[0][1][1, :6] = -1
+    base_out, base_lse = run(q, pools, num_splits=splits)
+    check(base_out, base_lse, oracle(q, pools, None, SCALE), "no sink")
+    assert torch.equal(base_out[:2].cpu(), torch.zeros(2, 16, 512, dtype=torch.bfloat16))
+    assert bool((base_lse[:2] == -math.inf).all()) and bool(torch.isfinite(base_lse[2]).all())
+    minf = torch.full((16,), -math.inf, device=DEVICE)
+    o, l = run(q, pools, minf, num_splits=splits)
+    assert torch.equal(o.cpu().view(torch.int16), base_out.cpu().view(torch.int16)) and torch.equal(l.cpu(), base_lse.cpu())
+    o, l = run(q, pools, -minf, num_splits=splits)
+    assert torch.equal(o.cpu(), torch.zeros_like(o.cpu())), "sink = +inf must zero the output"
+    assert torch.equal(l.cpu(), base_lse.cpu()), "lse excludes the sink"
+
+
+def test_sink_equal_to_lse_halves_the_output():
+    q, pools = setup(T=1, H=16, K1=24, lengths1=[21])
+    out, lse = run(q, pools)
+    half, lse2 = run(q, pools, lse[0].clone())
+    assert torch.equal(lse2.cpu(), lse.cpu())
+    assert_close(half, out.double() * 0.5, "bf16_out", "sink = lse")
+
+
+def test_value_width_is_512():
+    """NoPE zeroed: dims 448..511 (the RoPE part of V) must still reach the output (#15)."""
+    q, pools = setup(T=2, H=16, K1=16, lengths1=[16, 9], nope_zero=True)
+    out, lse = run(q, pools)
+    check(out, lse, oracle(q, pools, None, SCALE), "nope zero")
+    assert bool((out[..., :448] == 0).all())
+    assert int((out[..., 448:] != 0).sum()) > 0.9 * out[..., 448:].numel()
+
+
+def test_no_lengths_means_all_entries():
+    q, pools = setup(T=2, H=64, K1=72, K2=20, lengths1=[72, 72], lengths2=[20, 20])
+    pools = [(c, i, None, b) for c, i, _, b in pools]
+    for p in pools:
+        p[1][p[1] == POISON_SLOT] = 1
+    check(*run(q, pools), oracle(q, pools, None, SCALE), "lengths None")
+
+
+@pytest.mark.parametrize("H,K1,K2", [(64, 128, 512), (128, 128, 1024), (16, 128, 1920)])
+def test_real_shapes(H, K1, K2):
+    """The V4 shapes, pages of 64, both pools, a fully masked 64-entry chunk, default split heuristic."""
+    T = 8
+    q, pools = setup(T=T, H=H, K1=K1, K2=K2, bs1=64, bs2=64, pages1=40, pages2=200, seed=H,
+                     lengths1=[K1 - 7 * t for t in range(T)], lengths2=[K2 - 13 * t for t in range(T)])
+    pools[1][1][1, :64] = -1
+    sink = torch.linspace(-1.0, 3.0, H).to(DEVICE)
+    ref = oracle(q, pools, sink, SCALE)
+    for splits in (None, 1, 4):
+        check(*run(q, pools, sink, num_splits=splits), ref, f"H={H} splits={splits}")
+
+
+def test_matches_the_portable_kernel():
+    """Same inputs through the public portable backend: both within tolerance of each other's oracle."""
+    from dsv4ref import sparse_mla
+
+    q, pools = setup(T=4, H=64, K1=64, K2=200, bs1=64, bs2=64, pages1=8, pages2=20, seed=3)
+    (c1, i1, l1, b1), (c2, i2, l2, b2) = pools
+    sink = torch.linspace(-1.0, 1.0, 64).to(DEVICE)
+    a = sparse_mla.decode(q, c1, i1, l1, block_size=b1, sink=sink, extra_cache=c2, extra_slots=i2, extra_lengths=l2,
+                          extra_block_size=b2, backend="triton")
+    b = run(q, pools, sink)
+    ref = oracle(q, pools, sink, SCALE)
+    check(*a, ref, "portable")
+    check(*b, ref, "gluon")
