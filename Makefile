@@ -2,6 +2,9 @@
 VENV  := .venv
 PY    := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+# The interpreter's tl.dot is numpy matmul on tiny tiles: threaded BLAS only adds contention (2 test workers).
+export OPENBLAS_NUM_THREADS ?= 1
+export OMP_NUM_THREADS ?= 1
 
 .PHONY: lab test test-long lint setup notebooks check bench demo clean
 

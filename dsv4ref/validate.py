@@ -8,12 +8,37 @@ switched off on a hot path with ``DSV4REF_CHECK_VALUES=0`` once a caller is know
 
 from __future__ import annotations
 
+import contextlib
+import math
+import numbers
+import operator
 import os
 from collections.abc import Sequence
 
 import torch
 
-CHECK_VALUES = os.environ.get("DSV4REF_CHECK_VALUES", "1") != "0"
+CHECK_VALUES = os.environ.get("DSV4REF_CHECK_VALUES", "1") != "0"  # at import; checks read check_values()
+
+
+def check_values() -> bool:
+    """Whether value checks (index ranges, non-finite data) run now: ``DSV4REF_CHECK_VALUES`` read at call
+    time (default on), so a test or a caller can switch it with :func:`checking_values`."""
+    return os.environ.get("DSV4REF_CHECK_VALUES", "1") != "0"
+
+
+@contextlib.contextmanager
+def checking_values(on: bool = True):
+    """``with checking_values(False): ...`` runs the block with value checks off (the hot path), then
+    restores ``DSV4REF_CHECK_VALUES`` as it was."""
+    old = os.environ.get("DSV4REF_CHECK_VALUES")
+    os.environ["DSV4REF_CHECK_VALUES"] = "1" if on else "0"
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop("DSV4REF_CHECK_VALUES", None)
+        else:
+            os.environ["DSV4REF_CHECK_VALUES"] = old
 
 # The one list of backend names. Every public op takes ``backend=`` from it and declares the subset it
 # supports; "auto" resolves to the fastest correct backend on this device.
@@ -67,7 +92,7 @@ def same_device(**tensors: torch.Tensor | None) -> None:
 
 def index_range(t: torch.Tensor, name: str, hi: int, *, allow_minus_one: bool = True) -> None:
     """Every entry of integer tensor ``t`` is in [0, hi) (or −1, meaning "skip", if allowed)."""
-    if not CHECK_VALUES or t.numel() == 0:
+    if not check_values() or t.numel() == 0:
         return
     lo_ok = -1 if allow_minus_one else 0
     bad = (t < lo_ok) | (t >= hi)
@@ -88,6 +113,52 @@ def backend(b: str, supported: Sequence[str] = ("reference", "triton"), auto: st
 
 
 def power_of_two(v: int, name: str) -> int:
+    v = integer(v, name)
     if v <= 0 or v & (v - 1):
         raise ValueError(f"{name}: expected a power of two, got {v}")
     return v
+
+
+def integer(v, name: str, *, lo: int | None = None, hi: int | None = None) -> int:
+    """An int scalar (Python or numpy int; not bool, not float) in [lo, hi]; returns it as int."""
+    if isinstance(v, bool) or not isinstance(v, numbers.Integral):
+        raise TypeError(f"{name}: expected an int, got {type(v).__name__} {v!r}")
+    v = operator.index(v)
+    if (lo is not None and v < lo) or (hi is not None and v > hi):
+        rng = f">= {lo}" if hi is None else (f"<= {hi}" if lo is None else f"in [{lo}, {hi}]")
+        raise ValueError(f"{name}: expected an int {rng}, got {v}")
+    return v
+
+
+def scalar(v, name: str, *, lo: float | None = None, hi: float | None = None, finite: bool = True) -> float:
+    """A real scalar (int or float; not bool, not a tensor), finite unless ``finite=False``, in [lo, hi]."""
+    if isinstance(v, bool) or not isinstance(v, numbers.Real):
+        raise TypeError(f"{name}: expected a number, got {type(v).__name__} {v!r}")
+    v = float(v)
+    if finite and not math.isfinite(v):
+        raise ValueError(f"{name}: expected a finite number, got {v}")
+    if (lo is not None and v < lo) or (hi is not None and v > hi):
+        rng = f">= {lo}" if hi is None else (f"<= {hi}" if lo is None else f"in [{lo}, {hi}]")
+        raise ValueError(f"{name}: expected a number {rng}, got {v}")
+    return v
+
+
+def finite(t: torch.Tensor, name: str) -> None:
+    """Value check (skipped when :func:`check_values` is off): no NaN or ±inf in float tensor ``t``."""
+    if not check_values() or t.numel() == 0:
+        return
+    bad = ~torch.isfinite(t)
+    if bool(bad.any()):
+        i = tuple(bad.nonzero()[0].tolist())
+        raise ValueError(f"{name}: non-finite values (NaN or inf; the first at index {i} is {t[i].item()})")
+
+
+def distinct(t: torch.Tensor, name: str) -> None:
+    """Value check (skipped when :func:`check_values` is off): the entries >= 0 of 1-d integer ``t`` are
+    distinct (a slot list where two rows would write one slot; −1 entries may repeat)."""
+    if not check_values() or t.numel() < 2:
+        return
+    s = t[t >= 0].sort().values
+    dup = s[1:] == s[:-1]
+    if bool(dup.any()):
+        raise ValueError(f"{name}: {int(s[1:][dup][0])} appears more than once (each entry >= 0 must be distinct)")

@@ -79,8 +79,10 @@ def test_dropped_sink_fails():  # pitfall #17
 
 def test_write_to_slot_minus1_fails():  # pitfall #11
     def insert_clamped(cache, kv, slots, *, block_size):
-        n = slots.shape[0]
-        kv_cache.insert(cache, kv[:n], slots.clamp(min=0), block_size=block_size, backend="reference")
+        """Writes the row of the first −1 slot to slot 0, as a kernel that clamps instead of skipping."""
+        kv_cache.insert(cache, kv, slots, block_size=block_size, backend="reference")
+        i = (slots < 0).nonzero().flatten()[:1]
+        kv_cache.insert(cache, kv[i], torch.zeros_like(i), block_size=block_size, backend="reference")
 
     bad = _fails(conformance.run({"kv_cache.insert": insert_clamped}), "kv_cache.insert")
     assert {r.case for r in bad} == {"B61_minus1_slots_random_bytes"}

@@ -515,7 +515,7 @@ def test_weights_follow_x_not_qr():
     W = randn((H, Hd), seed=25, dtype=torch.float32, block=None, octaves=0)
     w = ix.head_weights(x, W)
     assert torch.equal(w, x.float() @ W.t())
-    with pytest.raises(RuntimeError):
+    with pytest.raises(ValueError, match="x: expected width"):
         ix.head_weights(qr, W)  # qr has the wrong width: it cannot be the input of weights_proj
     cs = table(64)
     iq = randn((T, H, 128), seed=26, block=32)
@@ -551,8 +551,10 @@ def test_bad_input_errors():
     small = ix.allocate_k_cache(2, 8)
     with pytest.raises(ValueError, match="k_cache"):
         ix.logits(q, None, wo, small, pos, block_size=16)
-    with pytest.raises(ValueError, match="block_size"):
-        ix.logits(q, None, wo, ix.allocate_k_cache(2, 24), pos, block_size=24)
+    with pytest.raises(TypeError, match="block_size"):
+        ix.logits(q, None, wo, ix.allocate_k_cache(2, 16), pos, block_size=16.0)
+    with pytest.raises(ValueError, match="k_cache: pages of 2112 bytes hold 16 fp8 keys"):
+        ix.logits(q, None, wo, ix.allocate_k_cache(2, 16), pos, block_size=8)  # issue 12: a 16-key page read as 8
     with pytest.raises(TypeError, match="q"):
         ix.logits(q, torch.zeros(2, 4, dtype=torch.int32, device=DEVICE), wo, ix.allocate_k_cache(2, 16, "mxfp4"),
                   pos, block_size=16)

@@ -20,7 +20,7 @@ import torch
 from dsv4ref import moe
 from dsv4ref.device import DEVICE
 from dsv4ref.moe import reference as ref
-from dsv4ref.moe.launch import experts_op_args, tile_table
+from dsv4ref.moe.launch import experts_op_args, stage_op_args, tile_table
 from dsv4ref.testing import assert_close, compare, generator, poison, randn
 
 BACKENDS = ["reference", "triton"]
@@ -630,7 +630,7 @@ def test_custom_ops_opcheck_and_compile():
     L = moe.default_launch(2, 1, 2)
     torch.library.opcheck(torch.ops.dsv4ref.moe_stage.default,
                           (d["x"], ids, w, torch.empty_like(st[0]).view(torch.uint8), *[torch.empty_like(t) for t in st[1:]],
-                           L.stage_block_t, L.stage_block_h, L.stage_warps),
+                           *stage_op_args(L)),
                           test_utils=("test_schema", "test_faketensor"))
     out = torch.empty(2, 128, dtype=torch.bfloat16, device=DEVICE)
     torch.library.opcheck(torch.ops.dsv4ref.moe_experts.default,
@@ -643,4 +643,4 @@ def test_custom_ops_opcheck_and_compile():
                            routed_scale=1.5, swiglu_limit=10.0)
 
     explain = torch._dynamo.explain(layer_fn)(d["x"])
-    assert explain.graph_break_count == 0
+    assert explain.graph_break_count == 0, explain.break_reasons

@@ -6,6 +6,7 @@ NaN), #19 (head padding / padded sink), #20 (split-merge applies the sink once, 
 """
 
 import dataclasses
+import json
 import math
 
 import pytest
@@ -14,7 +15,8 @@ import torch
 from dsv4ref import kv_cache, sparse_mla
 from dsv4ref.device import DEVICE, interpreting
 from dsv4ref.sparse_mla import SparseMlaLaunch, default_launch, reference
-from dsv4ref.sparse_mla.launch import attend, workspace
+from dsv4ref.sparse_mla.launch import attend, launch_for_sms, workspace
+from dsv4ref.sparse_mla.two_pass import seed_decode
 from dsv4ref.testing import assert_close, generator, poison, randn
 
 BACKENDS = sparse_mla.SUPPORTED  # ("reference", "two_pass", "triton")
@@ -296,6 +298,45 @@ def test_two_pass_reuses_its_workspace():
     ptr = workspace(1, q.device).data_ptr()
     run(q, pools, "two_pass")
     assert workspace(1, q.device).data_ptr() == ptr
+
+
+def test_seed_path_vs_float64():
+    """The seed's structure (per-token host loop, a gather launch per token and pool, bf16 attention over the
+    packed table) gives the same answer: the ladder's first rung is measured on a correct path."""
+    q, pools = setup(T=3, H=16, K1=20, K2=6, lengths1=[20, 4, 0], lengths2=[6, 3, 0])
+    (c1, i1, l1, b1), (c2, i2, l2, b2) = pools
+    sink = torch.linspace(-2.0, 2.0, 16).to(DEVICE)
+    out, lse = seed_decode(q, c1, i1, l1, block_size=b1, sink=sink, scale=sparse_mla.DEFAULT_SCALE, extra_cache=c2,
+                           extra_slots=i2, extra_lengths=l2, extra_block_size=b2)
+    check(out, lse, *oracle(q, pools, sink, sparse_mla.DEFAULT_SCALE), "seed")
+
+
+def test_h200_launch_and_the_ladder_file():
+    """launch_for_sms(…, 132) is what the H200 ran (splits 2 / 1 / 4 on the bench shapes), and
+    benchmarks/sparse_mla_ladder.json (notebook 04's chart data) matches the bench accounting and rungs."""
+    from dsv4ref.tools.cases import sparse_mla as cases
+
+    assert [launch_for_sms(T, H, K, 132).num_splits for T, H, K in cases.BENCH_SHAPES] == [2, 1, 4]
+    d = json.loads(cases.LADDER_PATH.read_text())
+    assert [(s["T"], s["H"], s["K"]) for s in d["shapes"]] == list(cases.BENCH_SHAPES)
+    assert [(s["bytes"], s["flops"]) for s in d["shapes"]] == [cases.bench_counts(*s) for s in cases.BENCH_SHAPES]
+    assert [r["key"] for r in d["rungs"]] == [k for k, _, _ in cases.RUNGS]
+    assert d["ceilings"]["copy_bytes_per_s"] > 0 and d["ceilings"]["bf16_flops_per_s"] > 0
+    for r in d["rungs"] + d["others"]:
+        assert len(r["us"]) == 3 and all(u is None or u > 0 for u in r["us"]) and r["source"]
+        assert (r["status"] == "measured") == all(u is not None for u in r["us"])
+
+
+def test_ladder_from_bench_rows():
+    """write_ladder's content from one run: every rung found by its bench op, missing ones pending."""
+    from dsv4ref.tools.cases import sparse_mla as cases
+    from dsv4ref.tools.harness import BenchCase, BenchRow, Ceilings
+
+    rows = [BenchRow(BenchCase(op, "", None, 1, 1.0, extra=dict(T=T, H=H, K=K)), 0.1, 0, 0, 0)
+            for _, op, _ in cases.RUNGS[:-1] for T, H, K in cases.BENCH_SHAPES]
+    d = cases.ladder(Ceilings(4e12, 7e14), rows, device="test", command="test")
+    assert [r["status"] for r in d["rungs"]] == ["measured"] * 4 + ["pending"]
+    assert d["rungs"][0]["us"] == [100.0] * 3 and d["rungs"][-1]["us"] == [None] * 3
 
 
 def test_custom_op_fake_impl():

@@ -45,7 +45,7 @@ def _route_cases() -> list[Case]:
                     ("x", "gate_weight", "bias"), tol=ROUTE_TOL,
                     why="an all-underflow row gives weights 0, not NaN (P3); z = −20 needs log1p (P2); ties go to the "
                         "lower id; ungrouped sqrt(softplus) top-k (P4)"))
-    d = example_inputs(6, seed=51, hash_layer=True)
+    d = example_inputs(6, seed=51, hash_layer=True, vocab=64)
     ids = d["input_ids"].cpu()
     ids[2] = -1
     out.append(Case("moe.route", "hash_layer_padding_nan_bias",
@@ -84,14 +84,16 @@ def _stage_cases() -> list[Case]:
 
 
 def _layer_cases() -> list[Case]:
-    shape = MoeShape(hidden=256, experts=8, k=2, intermediate=128, routed_scale=1.5, swiglu_limit=10.0, num_hash_layers=1)
-    d = {k: (v.cpu() if isinstance(v, torch.Tensor) else v) for k, v in example_inputs(10, shape, seed=56, octaves=16, weight_gain=2.0).items()}
+    # small enough for the golden files (about 60 KB of weights per case): Hd 128, E 4, I 16
+    shape = MoeShape(hidden=128, experts=4, k=2, intermediate=16, routed_scale=1.5, swiglu_limit=10.0, num_hash_layers=1)
+    d = {k: (v.cpu() if isinstance(v, torch.Tensor) else v)
+         for k, v in example_inputs(10, shape, seed=56, octaves=16, weight_gain=2.0).items()}
     ids, w = reference.route(d["x"], d["gate_weight"], d["bias"], k=2, routed_scale=1.5)
-    for t, row in enumerate(ids.tolist()):  # expert 5 gets no token
-        if 5 in row:
-            ids[t, row.index(5)] = next(e for e in range(8) if e != 5 and e not in row)
+    for t, row in enumerate(ids.tolist()):  # expert 3 gets no token
+        if 3 in row:
+            ids[t, row.index(3)] = next(e for e in range(4) if e != 3 and e not in row)
     ids[1, 1], w[1, 1] = -1, 1e6  # a −1 slot with a huge weight adds exactly 0 (P9)
-    ids[4] = torch.tensor([3, 3])  # a repeated expert: both slots add (P10)
+    ids[4] = torch.tensor([2, 2])  # a repeated expert: both slots add (P10)
     x_fp8, x_sf, ids64, w32 = reference.stage(d["x"], ids, w)
     weights = {k: d[k] for k in ("w13", "w2", "shared_w13", "shared_w2")}
     out = [Case("moe.experts", "clamp_minus1_duplicate_empty_expert",
@@ -99,7 +101,7 @@ def _layer_cases() -> list[Case]:
                 EXPERTS, tol={"out": "moe_out"},
                 why="pre-activations past ±10 in routed and shared experts (P5); −1 slot with weight 1e6 (P9); a repeated "
                     "id (P10); an expert with no token; weight applied before w2; compare with a tolerance (P15)")]
-    h = example_inputs(6, shape, seed=57, hash_layer=True, octaves=12)
+    h = example_inputs(6, shape, seed=57, hash_layer=True, octaves=12, vocab=64)
     h = {k: (v.cpu() if isinstance(v, torch.Tensor) else v) for k, v in h.items()}
     h["input_ids"][4] = -1
     out.append(Case("moe.forward", "hash_layer_padding_row",

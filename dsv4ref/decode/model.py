@@ -334,22 +334,25 @@ class Decoder:
         rotated at (p // r)·r, written through the cache writers."""
         cfg, L, st = self.cfg, self.w["layers"][li], self.layers[li]
         r, cos_sin, eps = st["ratio"], self.cos_sin["comp"], cfg.rms_norm_eps
-        out = compressor.compress(x, L["comp"], st["ring"], rows.req, rows.pos, rows.valid, ratio=r, eps=eps)
-        if out.rows.shape[0]:
+
+        def completed(weights: dict, state: compressor.CompressorState, bt: torch.Tensor, page: int):
+            """The rows this step completes: bf16, rotated at (p // r)·r, and their slots (row id p // r)."""
+            out = compressor.compress(x, weights, state, rows.req, rows.pos, rows.valid, ratio=r, eps=eps)
+            if out.rows.shape[0] == 0:
+                return None, None
             row = rope.apply_gptj(out.rows.to(torch.bfloat16), rope.compressed_position(out.positions, r), cos_sin,
                                   backend=backend)
-            slots = self._slots(st["bt_c"], out.requests, out.positions // r, st["page"], torch.ones_like(out.positions,
-                                                                                                        dtype=torch.bool))
-            kv_cache.insert(st["comp"], row.contiguous(), slots, block_size=st["page"], backend=backend)
-        if r == 4:
-            out = compressor.compress(x, L["idx_comp"], st["idx_ring"], rows.req, rows.pos, rows.valid, ratio=4, eps=eps)
-            if out.rows.shape[0]:
-                k = rope.apply_gptj(out.rows.to(torch.bfloat16), rope.compressed_position(out.positions, 4), cos_sin,
-                                    backend=backend)
-                slots = self._slots(st["bt_i"], out.requests, out.positions // 4, cfg.index_page,
-                                    torch.ones_like(out.positions, dtype=torch.bool))
-                indexer.insert_k(st["idx_cache"], k.contiguous(), slots, block_size=cfg.index_page,
-                                 hadamard=self.index_hadamard, backend=backend)
+            every = torch.ones_like(out.positions, dtype=torch.bool)
+            return row.contiguous(), self._slots(bt, out.requests, out.positions // r, page, every)
+
+        row, slots = completed(L["comp"], st["ring"], st["bt_c"], st["page"])
+        if row is not None:
+            kv_cache.insert(st["comp"], row, slots, block_size=st["page"], backend=backend)
+        if r == 4:  # the indexer's own compressor (D = 128), into the indexer-K pool
+            k, slots = completed(L["idx_comp"], st["idx_ring"], st["bt_i"], cfg.index_page)
+            if k is not None:
+                indexer.insert_k(st["idx_cache"], k, slots, block_size=cfg.index_page, hadamard=self.index_hadamard,
+                                 backend=backend)
 
     def _indexer(self, li: int, x: torch.Tensor, qr: torch.Tensor, rows: Rows, n_c: torch.Tensor,
                  backend: str) -> torch.Tensor:

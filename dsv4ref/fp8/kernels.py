@@ -7,10 +7,14 @@ Spec (the same rule as :mod:`dsv4ref.fp8.reference`, ``docs/formats.md#ue8m0-sca
     q    = e4m3(clamp(x · 2^(127 − byte), ±448))    round to nearest, ties to even
     x̂    = q · 2^(byte − 127)                        exact in fp32 and in bf16
 
+A block holding a NaN or ±inf is written as byte 255 and e4m3 NaN bytes (0x7F / 0xFF by the input's sign);
+the reader decodes every byte (0: 2^-127, 255: NaN) and writes NaN as the quiet NaN 0x7FC0 / 0x7FC00000
+(``docs/formats.md#non-finite-values``).
+
 Both kernels treat the input as ``n_blocks`` rows of ``BLOCK`` contiguous values and handle ``ROWS`` of
-them per program. The numerics live in the shared helpers of :mod:`dsv4ref.tl` (``ue8m0_byte``,
-``e4m3_encode``, ``pow2``, ``inv_pow2``, ``bf16_rne_bits``), written once for every kernel and correct in
-Triton's CPU interpreter too (``docs/triton_interpreter.md``).
+them per program. The numerics live in the shared helpers of :mod:`dsv4ref.tl` (``e4m3_ue8m0_blocks``:
+``ue8m0_byte`` + ``e4m3_encode`` + the policy; ``ue8m0_value``, ``bf16_rne_bits_nan``), written once for
+every kernel and correct in Triton's CPU interpreter too (``docs/triton_interpreter.md``).
 """
 
 from __future__ import annotations
@@ -18,22 +22,10 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ..formats import E4M3_MAX, UE8M0_BIAS
-from ..tl import bf16_rne_bits, e4m3_encode, inv_pow2, pow2, ue8m0_byte
+from ..formats import UE8M0_BIAS
+from ..tl import bf16_rne_bits_nan, canonical_nan, e4m3_decode, e4m3_ue8m0_blocks, ue8m0_value
 
-_QMAX = tl.constexpr(E4M3_MAX)  # 448
 _ONE = tl.constexpr(UE8M0_BIAS)  # the scale byte of 2^0; masked-off rows read it
-
-
-@triton.jit
-def e4m3_bits(x):
-    """fp32 tensor → the e4m3fn byte (uint8), for storing through a uint8 pointer.
-
-    (History: this once set the sign bit itself, because compiled Triton computes ``-r`` as ``0 - r``,
-    which loses −0: found by tests/test_fp8.py on the H200. ``dsv4ref.tl.e4m3_encode`` now restores the
-    sign bit, so every kernel has the fix.)
-    """
-    return e4m3_encode(x).to(tl.uint8, bitcast=True)
 
 
 @triton.jit
@@ -51,8 +43,7 @@ def quantize_kernel(
     mask = rows[:, None] < n_blocks
     offs = rows[:, None] * BLOCK + cols[None, :]
     x = tl.load(x_ptr + offs, mask=mask, other=0.0)
-    byte = ue8m0_byte(tl.max(tl.abs(x), axis=1), FLOOR, _QMAX)  # [ROWS]
-    q = e4m3_bits(x * inv_pow2(byte)[:, None])  # × 2^-e is exact, so it equals ÷ 2^e
+    q, byte = e4m3_ue8m0_blocks(x, FLOOR, 1)  # [ROWS, BLOCK] uint8, [ROWS] int32; NaN/inf block: 0x7F.., 255
     tl.store(q_ptr + offs, q, mask=mask)
     tl.store(s_ptr + rows, byte.to(tl.uint8), mask=rows < n_blocks)
 
@@ -60,7 +51,7 @@ def quantize_kernel(
 @triton.jit
 def dequantize_kernel(
     q_ptr,  # uint8 [n_blocks · BLOCK]: e4m3 bytes
-    s_ptr,  # uint8 [n_blocks]: UE8M0 bytes
+    s_ptr,  # uint8 [n_blocks]: UE8M0 bytes (any byte: 0 reads 2^-127, 255 reads NaN)
     out_ptr,  # [n_blocks · BLOCK]: int16 bits of bf16 when OUT_BF16, else fp32 (out)
     n_blocks,  # int
     BLOCK: tl.constexpr,  # values per scale
@@ -71,10 +62,10 @@ def dequantize_kernel(
     cols = tl.arange(0, BLOCK)
     mask = rows[:, None] < n_blocks
     offs = rows[:, None] * BLOCK + cols[None, :]
-    q = tl.load(q_ptr + offs, mask=mask, other=0).to(tl.float8e4nv, bitcast=True).to(tl.float32)
-    byte = tl.load(s_ptr + rows, mask=rows < n_blocks, other=_ONE).to(tl.int32)
-    y = q * pow2(byte)[:, None]  # exact: an exponent add
+    q = e4m3_decode(tl.load(q_ptr + offs, mask=mask, other=0))
+    byte = tl.load(s_ptr + rows, mask=rows < n_blocks, other=_ONE)
+    y = q * ue8m0_value(byte)[:, None]  # exact: an exponent add (NaN for byte 255 or a NaN code)
     if OUT_BF16:
-        tl.store(out_ptr + offs, bf16_rne_bits(y).to(tl.int16, bitcast=True), mask=mask)
+        tl.store(out_ptr + offs, bf16_rne_bits_nan(y).to(tl.int16, bitcast=True), mask=mask)
     else:
-        tl.store(out_ptr + offs, y, mask=mask)
+        tl.store(out_ptr + offs, canonical_nan(y), mask=mask)

@@ -41,8 +41,19 @@ def default_launch(block: int, *, dequantize: bool = False) -> Fp8Launch:
     return Fp8Launch(16 if dequantize or block <= 64 else 8)
 
 
+MAX_TILE = 1 << 20  # Triton's largest tensor: rows_per_program · block values
+
+
+def _check_tile(launch: Fp8Launch, block: int) -> None:
+    if launch.rows_per_program * block > MAX_TILE:
+        raise ValueError(f"launch: rows_per_program={launch.rows_per_program} × block={block} values per program "
+                         f"exceed Triton's {MAX_TILE}-element tile")
+
+
 def quantize(x: torch.Tensor, block: int, amax_floor: float, launch: Fp8Launch) -> tuple[torch.Tensor, torch.Tensor]:
-    """Run :func:`~dsv4ref.fp8.kernels.quantize_kernel` on validated arguments: ``(q uint8, scale uint8)``."""
+    """Run :func:`~dsv4ref.fp8.kernels.quantize_kernel` on validated arguments: ``(q uint8, scale uint8)``.
+    ``x`` may be any view: it is read through a contiguous fp32 copy."""
+    _check_tile(launch, block)
     xf = x.float().contiguous()
     q = torch.empty(x.shape, dtype=torch.uint8, device=x.device)
     s = torch.empty((*x.shape[:-1], x.shape[-1] // block), dtype=torch.uint8, device=x.device)
@@ -54,7 +65,9 @@ def quantize(x: torch.Tensor, block: int, amax_floor: float, launch: Fp8Launch) 
 
 
 def dequantize(q: torch.Tensor, scale: torch.Tensor, block: int, out_dtype: torch.dtype, launch: Fp8Launch) -> torch.Tensor:
-    """Run :func:`~dsv4ref.fp8.kernels.dequantize_kernel` on validated arguments (``q`` as uint8 bytes)."""
+    """Run :func:`~dsv4ref.fp8.kernels.dequantize_kernel` on validated arguments (``q`` as uint8 bytes; views
+    are read through contiguous copies)."""
+    _check_tile(launch, block)
     qb = q.contiguous()
     s = scale.contiguous()
     out = torch.empty(q.shape, dtype=out_dtype, device=q.device)

@@ -14,13 +14,13 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ..formats import E4M3_MAX, FP4_AMAX_FLOOR, FP4_MAX, INDEX_AMAX_FLOOR
-from ..tl import bf16_round, dot, e4m3_encode, inv_pow2, pow2, ue8m0_byte
+from ..formats import FP4_AMAX_FLOOR, FP4_MAX, INDEX_AMAX_FLOOR
+from ..tl import bf16_round, canonical_nan, dot, e4m3_ue8m0_blocks, inv_pow2, nonfinite, ue8m0_byte, ue8m0_value
 
 FP8_FLOOR: tl.constexpr = tl.constexpr(INDEX_AMAX_FLOOR)
-FP8_MAX: tl.constexpr = tl.constexpr(E4M3_MAX)
 FP4_FLOOR: tl.constexpr = tl.constexpr(FP4_AMAX_FLOOR)  # 6·2^-126
 FP4_QMAX: tl.constexpr = tl.constexpr(FP4_MAX)
+F16_UNDO: tl.constexpr = tl.constexpr(2.0**28)  # e2m1_f16 values carry 2^-14 on each side of a product
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -68,13 +68,44 @@ def e2m1_codes(y):
 
 @triton.jit
 def e2m1_value(code):
-    """int32 E2M1 code -> fp32 value, from bits (exact)."""
+    """int32 E2M1 code -> fp32 value, from bits (exact): the per-nibble decode of ``fp4_decode="nibble"``."""
     mag = code & 7
     e = mag >> 1
     m = mag & 1
     normal = (((e + 126) << 23) | (m << 22)).to(tl.float32, bitcast=True)  # (1 + m/2)·2^(e-1)
     v = tl.where(e == 0, m.to(tl.float32) * 0.5, normal)
     return tl.where((code & 8) != 0, -v, v)
+
+
+@triton.jit
+def e2m1_f16(b, HI: tl.constexpr):
+    """Packed e2m1 bytes (int32) -> fp16 ``value(code) · 2^-14`` of the low (even dim) or high (odd dim) nibble,
+    from integer shifts alone: no float arithmetic, no conversion instruction.
+
+    The three magnitude bits ``e1 e0 m`` are moved to the top of fp16's exponent and mantissa fields (exponent
+    = e, mantissa = m·2^9) and the sign bit to bit 15. For e >= 1 that is (1 + m/2)·2^(e−15) = value·2^-14; code
+    1 lands on the fp16 subnormal 2^-15 = 0.5·2^-14 and code 0 on zero. Exact for all 16 codes."""
+    if HI:
+        bits = ((b & 0x70) << 5) | ((b & 0x80) << 8)
+    else:
+        bits = ((b & 0x07) << 9) | ((b & 0x08) << 12)
+    return bits.to(tl.int16).to(tl.float16, bitcast=True)
+
+
+@triton.jit
+def e4m3_value(byte, NAN_FIX: tl.constexpr):
+    """e4m3 bytes (uint8) -> fp32. ``NAN_FIX`` (the interpreter) maps the NaN codes 0x7F / 0xFF to NaN: the
+    interpreter decodes them as ±480; compiled, the hardware conversion already gives NaN."""
+    v = byte.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+    if NAN_FIX:
+        v = tl.where((byte & 0x7F) == 0x7F, float("nan"), v)
+    return v
+
+
+@triton.jit
+def relu_nan(x):
+    """max(x, 0) that keeps NaN (compiled, tl.maximum would return 0 for a NaN: a NaN score must stay NaN)."""
+    return tl.maximum(x, 0.0, propagate_nan=tl.PropagateNan.ALL)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -85,6 +116,9 @@ def e2m1_value(code):
 #   HADAMARD: x = H_128 · x · 128^-½
 #   FP8:   e = ⌈log2(max(amax, 1e-4)/448)⌉, codes = e4m3(x·2^-e);  Q: w_out = (w·2^e)·fold;  K: scale = 2^e
 #   FP4:   per 32-block b: e_b = ⌈log2(max(amax_b, 6·2^-126)/6)⌉, codes = e2m1(x·2^-e_b); bytes e_b+127
+#   NON-FINITE (checks off; docs/indexer.md#non-finite-input): NaNs are made 0x7FC00000 first; a block
+#          holding NaN/±inf gets scale byte 255 (fp8 K: the fp32 scale NaN; fp8 Q: w_out NaN) and codes
+#          0x7F / 0x7 (e4m3 NaN, e2m1 max magnitude), with the sign bit where the value's sign bit is set
 #   PAGED: row r goes to slot[r] (−1: skip): values at page·q_page_stride + off·V, scales after B·V
 # ----------------------------------------------------------------------------------------------------
 
@@ -133,9 +167,12 @@ def quantize_kernel(
         r_even = x * c - xp * s  # e·c − o·s   (x = e, xp = o)
         r_odd = xp * s + x * c  # e·s + o·c   (xp = e, x = o): same products, same order of the add
         x = tl.where(rot, tl.where(even[None, :], r_even, r_odd), x)
-        x = bf16_round(x)  # the bf16 round trip (identity on dims 0..63, which are bf16 already)
+        # the bf16 round trip (identity on dims 0..63, which are bf16 already); NaN made quiet first, since
+        # compiled NaNs are 0x7FFFFFFF, which the rounding add would carry into -0.0
+        x = bf16_round(canonical_nan(x))
     if HADAMARD:
         x = hadamard128(x, ROWS, had_scale)
+    x = canonical_nan(x)  # NaN payloads and signs differ per device; the NaN bytes below must not
 
     if PAGED:
         slot = tl.load(slot_ptr + rows, mask=row_ok, other=-1)
@@ -148,8 +185,13 @@ def quantize_kernel(
 
     if FP4:
         xb = tl.reshape(x, (ROWS, 4, 32))
-        byte = ue8m0_byte(tl.max(tl.abs(xb), axis=2), FP4_FLOOR, FP4_QMAX)  # [ROWS, 4]
-        codes = tl.reshape(e2m1_codes(xb * inv_pow2(byte)[:, :, None]), (ROWS, 64, 2))
+        bad = tl.max(nonfinite(xb).to(tl.int32), axis=2) != 0  # [ROWS, 4]
+        fin = tl.where(nonfinite(xb), 0.0, xb)  # encode finite stand-ins; bad blocks are overwritten below
+        byte = ue8m0_byte(tl.max(tl.abs(fin), axis=2), FP4_FLOOR, FP4_QMAX)  # [ROWS, 4]
+        codes = e2m1_codes(fin * inv_pow2(byte)[:, :, None])
+        nan_codes = 7 | ((xb.to(tl.int32, bitcast=True) >> 28) & 8)  # max magnitude, the value's sign bit
+        codes = tl.reshape(tl.where(bad[:, :, None], nan_codes, codes), (ROWS, 64, 2))
+        byte = tl.where(bad, 255, byte)
         lo, hi = tl.split(codes)
         j = tl.arange(0, 64)
         qdst = q_ptr + page[:, None] * q_page_stride + off[:, None] * 64 + j[None, :]
@@ -159,17 +201,17 @@ def quantize_kernel(
         tl.store(sdst, byte.to(tl.uint8), mask=row_ok[:, None] & (b[None, :] >= 0))
         if HAS_W:
             w = tl.load(w_ptr + rows, mask=row_ok, other=0.0)
-            tl.store(wo_ptr + rows, w * fold, mask=row_ok)  # no q-scale fold in MXFP4
+            tl.store(wo_ptr + rows, canonical_nan(w * fold), mask=row_ok)  # no q-scale fold in MXFP4
     else:
-        byte = ue8m0_byte(tl.max(tl.abs(x), axis=1), FP8_FLOOR, FP8_MAX)  # [ROWS]
-        q = e4m3_encode(x * inv_pow2(byte)[:, None])  # × 2^-e is exact
+        q, byte = e4m3_ue8m0_blocks(x, FP8_FLOOR, 1)  # [ROWS, 128] bytes, [ROWS] scale bytes (255: NaN row)
         qdst = q_ptr + page[:, None] * q_page_stride + off[:, None] * 128 + d[None, :]
-        tl.store(qdst, q.to(tl.uint8, bitcast=True), mask=row_ok[:, None] & (d[None, :] >= 0))
+        tl.store(qdst, q, mask=row_ok[:, None] & (d[None, :] >= 0))
         if HAS_W:
             w = tl.load(w_ptr + rows, mask=row_ok, other=0.0)
-            tl.store(wo_ptr + rows, (w * pow2(byte)) * fold, mask=row_ok)  # w·2^e exact, then one rounding
+            # w·2^e exact, then one rounding; a NaN row (byte 255) gives w_out NaN
+            tl.store(wo_ptr + rows, canonical_nan((w * ue8m0_value(byte)) * fold), mask=row_ok)
         else:
-            tl.store(s_ptr + page * s_page_stride + off, pow2(byte), mask=row_ok)  # K: the fp32 scale 2^e
+            tl.store(s_ptr + page * s_page_stride + off, ue8m0_value(byte), mask=row_ok)  # K: fp32 2^e (or NaN)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -179,7 +221,37 @@ def quantize_kernel(
 #   I[t, s] = Σ_h w_out[t, h] · ReLU(⟨q[t, h], k_s⟩) · k_scale_s      s < n_c
 #           = −∞                                                     otherwise
 #   key s of token t: page block_table[t, s // BC], offset s % BC; one [BC × 128]·[128 × HP] dot per page
+#   NaN in, NaN out: a NaN code, scale or weight makes that score NaN (ReLU keeps NaN) on every backend
+#
+#   MXFP4, two decodes of the packed keys (IndexerLaunch.fp4_decode):
+#   nibble      unpack the two nibbles, decode each code to fp32 from its bits, × 2^(byte−127) per 32-block,
+#               interleave back to [BC, 128], bf16, one dot.  ~17 ALU ops and two conversions per value.
+#   f16_blocks  per 32-block b and nibble half: fp16 bits straight from the byte (e2m1_f16: value·2^-14,
+#               3 integer ops, no conversion), a [BC × 16]·[16 × HP] fp16 dot; the block's scales are applied
+#               to the [BC, HP] partial sum instead: Σ_b (acc_b · ks_b ⊗ qs_b), and the 2^28 goes into w.
 # ----------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def fp4_q_block(q_ptr, qs_ptr, row, hmask, B: tl.constexpr):
+    """The token's queries of 32-block ``B`` for ``f16_blocks``: ``(lo [16, HP], hi [16, HP])`` fp16 (even and
+    odd dims of the block, value·2^-14, transposed as the dot's B operand) and their scales ``[HP]`` fp32."""
+    c = tl.arange(0, 16)
+    qb = tl.load(q_ptr + row[:, None] * 64 + B * 16 + c[None, :], mask=hmask[:, None], other=0).to(tl.int32)
+    qs = ue8m0_value(tl.load(qs_ptr + row * 4 + B, mask=hmask, other=127))
+    return tl.trans(e2m1_f16(qb, False)), tl.trans(e2m1_f16(qb, True)), qs
+
+
+@triton.jit
+def fp4_k_block(s, kptr, sptr, live, qlo, qhi, qs, B: tl.constexpr, DOT_FP32: tl.constexpr):
+    """``s + ⟨k_b, q_b⟩ · ks_b ⊗ qs_b`` for 32-block ``B`` of a page of keys (``f16_blocks``).
+
+    ``kptr`` [BCP, 16]: each key's first packed byte (+ c); ``sptr`` [BCP]: each key's first scale byte."""
+    kb = tl.load(kptr + B * 16, mask=live[:, None], other=0).to(tl.int32)
+    ks = ue8m0_value(tl.load(sptr + B, mask=live, other=127))
+    acc = dot(e2m1_f16(kb, False), qlo, tl.zeros((kb.shape[0], qs.shape[0]), tl.float32), DOT_FP32)
+    acc = dot(e2m1_f16(kb, True), qhi, acc, DOT_FP32)  # exact: ≤ 32 products of small multiples of 2^-30
+    return s + acc * (ks[:, None] * qs[None, :])
 
 
 @triton.jit
@@ -189,7 +261,7 @@ def logits_kernel(
     w_ptr,  # fp32 [T, H] weights_out, contiguous
     cache_ptr,  # uint8 indexer-K pages (page p at p·page_stride bytes)
     cache_f32_ptr,  # the same bytes viewed as fp32 (FP8 scales)
-    bt_ptr,  # int32 [T, bt_stride] per-token block table (the token's request row)
+    bt_ptr,  # int32 or int64 [T, bt_stride] per-token block table (the token's request row)
     pos_ptr,  # int64 [T]
     out_ptr,  # fp32 [T, n_out], contiguous
     n_out,
@@ -197,58 +269,76 @@ def logits_kernel(
     page_stride,  # bytes per page (a multiple of 4)
     H,
     HP: tl.constexpr,  # H padded to a power of two >= 16 (tl.dot needs M, N >= 16)
-    BC: tl.constexpr,  # keys per page (power of two >= 16)
+    BC: tl.constexpr,  # keys per page (block_size: any int >= 1)
+    BCP: tl.constexpr,  # BC padded to a power of two >= 16 (the tile's rows)
     PAGES: tl.constexpr,  # pages per program
     FP4: tl.constexpr,
-    DOT_FP32: tl.constexpr,  # fp32 operands (the interpreter) instead of bf16 (exact for these values)
+    F16_BLOCKS: tl.constexpr,  # FP4 only: the f16_blocks decode instead of the nibble decode
+    DOT_FP32: tl.constexpr,  # the interpreter: fp32 operands (exact for these values), NaN codes decoded as NaN
 ):
-    tl.static_assert(BC >= 16)
+    tl.static_assert(BCP >= 16)
     t = tl.program_id(0).to(tl.int64)
     h = tl.arange(0, HP)
     d = tl.arange(0, 128)
-    j = tl.arange(0, BC)
+    j = tl.arange(0, BCP)
     hmask = h < H
+    row = t * H + h
     n_c = (tl.load(pos_ptr + t).to(tl.int64) + 1) // 4
-    w = tl.load(w_ptr + t * H + h, mask=hmask, other=0.0)  # padded heads weigh 0
+    w = tl.load(w_ptr + row, mask=hmask, other=0.0)  # padded heads weigh 0
 
-    # the token's queries, transposed to [128, HP] (the B operand), loaded once
+    # the token's queries, loaded once: [128, HP] (the B operand), or 4 blocks × 2 halves of [16, HP]
     if FP4:
-        pb = tl.arange(0, 64)
-        qb = tl.load(q_ptr + (t * H + h[:, None]) * 64 + pb[None, :], mask=hmask[:, None], other=0).to(tl.int32)
-        qc = tl.reshape(tl.join(qb & 15, qb >> 4), (HP, 128))  # low nibble = even dim
-        qsb = tl.load(qs_ptr + (t * H + h[:, None]) * 4 + tl.arange(0, 4)[None, :], mask=hmask[:, None],
-                      other=127).to(tl.int32)
-        qv = tl.reshape(tl.reshape(e2m1_value(qc), (HP, 4, 32)) * pow2(qsb)[:, :, None], (HP, 128))
+        if F16_BLOCKS:
+            ql0, qh0, qs0 = fp4_q_block(q_ptr, qs_ptr, row, hmask, 0)
+            ql1, qh1, qs1 = fp4_q_block(q_ptr, qs_ptr, row, hmask, 1)
+            ql2, qh2, qs2 = fp4_q_block(q_ptr, qs_ptr, row, hmask, 2)
+            ql3, qh3, qs3 = fp4_q_block(q_ptr, qs_ptr, row, hmask, 3)
+            w = w * F16_UNDO  # both operands carry 2^-14: put the 2^28 back once, here
+        else:
+            pb = tl.arange(0, 64)
+            qb = tl.load(q_ptr + row[:, None] * 64 + pb[None, :], mask=hmask[:, None], other=0).to(tl.int32)
+            qc = tl.reshape(tl.join(qb & 15, qb >> 4), (HP, 128))  # low nibble = even dim
+            qsb = tl.load(qs_ptr + row[:, None] * 4 + tl.arange(0, 4)[None, :], mask=hmask[:, None], other=127)
+            qv = tl.reshape(tl.reshape(e2m1_value(qc), (HP, 4, 32)) * ue8m0_value(qsb)[:, :, None], (HP, 128))
+            qT = tl.trans(qv) if DOT_FP32 else tl.trans(qv.to(tl.bfloat16))  # scaled e2m1 is exact in bf16
     else:
-        qv = tl.load(q_ptr + (t * H + h[:, None]) * 128 + d[None, :], mask=hmask[:, None], other=0)
-        qv = qv.to(tl.float8e4nv, bitcast=True).to(tl.float32)
-    if DOT_FP32:
-        qT = tl.trans(qv)
-    else:
-        qT = tl.trans(qv.to(tl.bfloat16))  # e4m3 and scaled e2m1 values are exact in bf16
+        qv = e4m3_value(tl.load(q_ptr + row[:, None] * 128 + d[None, :], mask=hmask[:, None], other=0), DOT_FP32)
+        qT = tl.trans(qv) if DOT_FP32 else tl.trans(qv.to(tl.bfloat16))  # e4m3 values are exact in bf16
 
     for p in range(PAGES):
         blk = tl.program_id(1).to(tl.int64) * PAGES + p
         cols = blk * BC + j  # local compressed ids of this page
-        live = cols < n_c
+        live = (j < BC) & (cols < n_c)
         page = tl.load(bt_ptr + t * bt_stride + blk, mask=blk * BC < n_c, other=0).to(tl.int64)
         base = page * page_stride
         if FP4:
-            kb = tl.load(cache_ptr + base + j[:, None] * 64 + tl.arange(0, 64)[None, :], mask=live[:, None],
-                         other=0).to(tl.int32)
-            kc = tl.reshape(tl.join(kb & 15, kb >> 4), (BC, 128))
-            ksb = tl.load(cache_ptr + base + BC * 64 + j[:, None] * 4 + tl.arange(0, 4)[None, :],
-                          mask=live[:, None], other=127).to(tl.int32)
-            kv = tl.reshape(tl.reshape(e2m1_value(kc), (BC, 4, 32)) * pow2(ksb)[:, :, None], (BC, 128))
-            kscale = tl.full((BC,), 1.0, tl.float32)
+            if F16_BLOCKS:
+                kptr = cache_ptr + base + j[:, None] * 64 + tl.arange(0, 16)[None, :]
+                sptr = cache_ptr + base + BC * 64 + j * 4
+                s = tl.zeros((BCP, HP), tl.float32)
+                s = fp4_k_block(s, kptr, sptr, live, ql0, qh0, qs0, 0, DOT_FP32)
+                s = fp4_k_block(s, kptr, sptr, live, ql1, qh1, qs1, 1, DOT_FP32)
+                s = fp4_k_block(s, kptr, sptr, live, ql2, qh2, qs2, 2, DOT_FP32)
+                s = fp4_k_block(s, kptr, sptr, live, ql3, qh3, qs3, 3, DOT_FP32)
+            else:
+                kb = tl.load(cache_ptr + base + j[:, None] * 64 + tl.arange(0, 64)[None, :], mask=live[:, None],
+                             other=0).to(tl.int32)
+                kc = tl.reshape(tl.join(kb & 15, kb >> 4), (BCP, 128))
+                ksb = tl.load(cache_ptr + base + BC * 64 + j[:, None] * 4 + tl.arange(0, 4)[None, :],
+                              mask=live[:, None], other=127)
+                kv = tl.reshape(tl.reshape(e2m1_value(kc), (BCP, 4, 32)) * ue8m0_value(ksb)[:, :, None], (BCP, 128))
+                if not DOT_FP32:
+                    kv = kv.to(tl.bfloat16)
+                s = dot(kv, qT, tl.zeros((BCP, HP), tl.float32), DOT_FP32)  # [BCP, HP] = ⟨k_s, q_h⟩
+            kscale = tl.full((BCP,), 1.0, tl.float32)
         else:
-            kv = tl.load(cache_ptr + base + j[:, None] * 128 + d[None, :], mask=live[:, None], other=0)
-            kv = kv.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+            kb = tl.load(cache_ptr + base + j[:, None] * 128 + d[None, :], mask=live[:, None], other=0)
+            kv = e4m3_value(kb, DOT_FP32)
             kscale = tl.load(cache_f32_ptr + base // 4 + BC * 32 + j, mask=live, other=1.0)
-        if not DOT_FP32:
-            kv = kv.to(tl.bfloat16)
-        s = dot(kv, qT, tl.zeros((BC, HP), tl.float32), DOT_FP32)  # [BC, HP] = ⟨k_s, q_h⟩
-        s = tl.maximum(s, 0.0) * w[None, :]  # ReLU per head, BEFORE the weighted head sum
+            if not DOT_FP32:
+                kv = kv.to(tl.bfloat16)
+            s = dot(kv, qT, tl.zeros((BCP, HP), tl.float32), DOT_FP32)  # [BCP, HP] = ⟨k_s, q_h⟩
+        s = relu_nan(s) * w[None, :]  # ReLU per head, BEFORE the weighted head sum
         logit = tl.sum(s, axis=1) * kscale
         logit = tl.where(live, logit, float("-inf"))
-        tl.store(out_ptr + t * n_out + cols, logit, mask=cols < n_out)
+        tl.store(out_ptr + t * n_out + cols, logit, mask=(j < BC) & (cols < n_out))

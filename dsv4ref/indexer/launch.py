@@ -21,6 +21,10 @@ from .reference import HADAMARD_SCALE, fold
 HEAD_DIM = INDEX_HEAD_DIM
 
 
+FP4_DECODES = ("nibble", "f16_blocks")  # IndexerLaunch.fp4_decode: see kernels.py, "logits"
+FP4_DECODE_DEFAULT = "nibble"  # the measured default (benchmarks/indexer.md); f16_blocks awaits its H200 run
+
+
 @dataclass(frozen=True)
 class IndexerLaunch:
     """Launch choices of the indexer kernels. ``None`` = the measured default on this device.
@@ -30,24 +34,38 @@ class IndexerLaunch:
             a power of two. 16.
         logits_pages: pages of keys per program of :func:`kernels.logits_kernel`; None = 4 on a GPU
             (the H200 figures in ``benchmarks/``), 1 in the Triton interpreter (smaller tiles run faster there).
+        logits_warps: warps per logits program, a power of two. 4.
+        fp4_decode: how the MXFP4 logits decode packed e2m1 keys (``FP4_DECODES``): ``"nibble"`` (each
+            code to fp32 from its bits, × the block scale, one bf16 dot per page) or ``"f16_blocks"`` (fp16
+            bits built from the byte by integer shifts, one fp16 dot per 32-block and nibble half, the block
+            scales applied to the partial sums). None = ``FP4_DECODE_DEFAULT``. Same scores either way,
+            within the fp32 summation tolerance.
     """
 
     quant_rows: int = 16
     logits_pages: int | None = None
+    logits_warps: int = 4
+    fp4_decode: str | None = None
 
     def __post_init__(self):
-        for name in ("quant_rows", "logits_pages"):
+        for name in ("quant_rows", "logits_pages", "logits_warps"):
             v = getattr(self, name)
             if v is None and name == "logits_pages":
                 continue
             if isinstance(v, bool) or not isinstance(v, int) or v < 1 or v & (v - 1):
                 raise ValueError(f"IndexerLaunch.{name}: expected a power of two >= 1, got {v!r}")
+        if self.fp4_decode is not None and self.fp4_decode not in FP4_DECODES:
+            raise ValueError(f"IndexerLaunch.fp4_decode: expected one of {FP4_DECODES} or None, got {self.fp4_decode!r}")
 
     def pages(self) -> int:
         """The resolved ``logits_pages``."""
         if self.logits_pages is not None:
             return self.logits_pages
         return 1 if interpreting() else 4
+
+    def decode(self) -> str:
+        """The resolved ``fp4_decode``."""
+        return self.fp4_decode or FP4_DECODE_DEFAULT
 
 
 DEFAULT = IndexerLaunch()
@@ -173,7 +191,8 @@ def logits(q, q_scales, weights_out, k_cache, positions, block_table, block_size
            launch: IndexerLaunch = DEFAULT) -> torch.Tensor:
     """The logits kernel launch alone (no checks, no host syncs): what the benchmark times.
 
-    Grid (T, ⌈pages / PAGES⌉); the heads are padded to a power of two >= 16 for ``tl.dot``."""
+    Grid (T, ⌈pages / PAGES⌉); the heads are padded to a power of two >= 16 for ``tl.dot``, and so are the
+    page's keys (any ``block_size`` works; the padding rows are masked)."""
     T, H, _ = q.shape
     out = torch.empty(T, n_out, dtype=torch.float32, device=q.device)
     if T == 0 or n_out == 0:
@@ -186,6 +205,8 @@ def logits(q, q_scales, weights_out, k_cache, positions, block_table, block_size
     kernels.logits_kernel[(T, triton.cdiv(n_pages, pages))](
         q.contiguous().view(torch.uint8), qs, weights_out.contiguous(), k_cache, k_cache.view(torch.float32),
         bt, positions.to(torch.int64).contiguous(), out, n_out, bt.stride(0), k_cache.stride(0), H,
-        HP=hp, BC=block_size, PAGES=pages, FP4=q_scales is not None, DOT_FP32=interpreting(),
+        HP=hp, BC=block_size, BCP=max(16, triton.next_power_of_2(block_size)), PAGES=pages,
+        FP4=q_scales is not None, F16_BLOCKS=launch.decode() == "f16_blocks", DOT_FP32=interpreting(),
+        num_warps=launch.logits_warps,
     )
     return out

@@ -14,6 +14,12 @@ of them and keeps the best k::
 
 MXFP4 replaces E4M3 by E2M1 in 4 blocks of 32 with one UE8M0 byte each, and folds nothing.
 
+Non-finite values (value checks off; with them on the public functions raise first): NaNs are made the
+quiet NaN 0x7FC00000, then a block holding a NaN or ±inf gets scale byte 255 (E8M0's NaN; the fp8 K scale is
+the fp32 NaN, and the fp8 Q weight w_out is NaN) and codes 0x7F (e4m3 NaN) / 0x7 (e2m1's largest magnitude),
+with the sign bit where the value's sign bit is set. Readers decode scale byte 0 as 2^-127 and 255 as NaN; a
+NaN anywhere in a score's inputs makes that score NaN, and :func:`topk` ranks a NaN score like −∞.
+
 Every function here has the name of the public one in :mod:`dsv4ref.indexer` (which validates the
 arguments and dispatches between this file and the Triton kernels); helpers come first, the op after.
 All math is fp32, as in the kernels, except :func:`logits`, whose default ``dtype=torch.float64`` is
@@ -28,7 +34,6 @@ import torch
 
 from ..formats import (
     E2M1_GRID,
-    E4M3_MAX,
     FP4_AMAX_FLOOR,
     FP4_BLOCK,
     FP4_MAX,
@@ -39,9 +44,7 @@ from ..formats import (
     index_k_offsets,
     index_k_value_bytes,
 )
-from ..fp8.reference import inv_pow2, pow2
-from ..fp8.reference import e4m3_encode as e4m3
-from ..fp8.reference import ue8m0_byte
+from ..fp8.reference import canonical_nan, inv_pow2, quantize_ue8m0, ue8m0_byte, ue8m0_value
 from ..kv_cache.reference import flat_bytes
 
 HEAD_DIM = INDEX_HEAD_DIM  # 128
@@ -118,7 +121,7 @@ def prepare_q(index_q: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Ten
     """The fp32 values that get quantised: RoPE, the bf16 round trip of the rotated dims, optional Hadamard."""
     x = rope(index_q.float(), positions, cos_sin)
     x[..., ROPE_START:] = x[..., ROPE_START:].to(torch.bfloat16).float()  # "match reference numerics"
-    return hadamard_transform(x) if hadamard else x
+    return canonical_nan(hadamard_transform(x) if hadamard else x)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -161,23 +164,31 @@ def unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
 
 
 def quantize_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """One 128-block per row of fp32 ``x [..., 128]``: (e4m3 codes [..., 128], UE8M0 byte [...] uint8)."""
-    byte = ue8m0_byte(x.abs().amax(-1), INDEX_AMAX_FLOOR, E4M3_MAX)
-    return e4m3(x * inv_pow2(byte)[..., None]), byte
+    """One 128-block per row of fp32 ``x [..., 128]``: (e4m3 codes [..., 128], UE8M0 byte [...] uint8).
+    The FP8 quantiser of :mod:`dsv4ref.fp8` with block 128 and the indexer's floor; a non-finite row gets
+    byte 255 and NaN codes."""
+    q, byte = quantize_ue8m0(x, HEAD_DIM, INDEX_AMAX_FLOOR)
+    return q, byte[..., 0]
 
 
 def quantize_mxfp4(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Four 32-blocks per row of fp32 ``x [..., 128]``: (packed e2m1 [..., 64] uint8, UE8M0 bytes [..., 4] uint8)."""
+    """Four 32-blocks per row of fp32 ``x [..., 128]``: (packed e2m1 [..., 64] uint8, UE8M0 bytes [..., 4] uint8).
+    A block holding NaN or ±inf gets byte 255 (E8M0's NaN) and codes 0x7 (0xF where the sign bit is set)."""
     xb = x.reshape(*x.shape[:-1], HEAD_DIM // FP4_BLOCK, FP4_BLOCK)
-    byte = ue8m0_byte(xb.abs().amax(-1), FP4_AMAX_FLOOR, FP4_MAX)
-    codes = e2m1_encode(xb * inv_pow2(byte)[..., None])
-    return pack_nibbles(codes.reshape(x.shape)), byte
+    bad = ~xb.isfinite().all(-1)
+    fin = torch.where(xb.isfinite(), xb, 0.0)  # finite stand-ins; bad blocks are overwritten below
+    byte = ue8m0_byte(fin.abs().amax(-1), FP4_AMAX_FLOOR, FP4_MAX)
+    nan_codes = 7 | (torch.signbit(xb).to(torch.uint8) << 3)
+    codes = torch.where(bad[..., None], nan_codes, e2m1_encode(fin * inv_pow2(byte)[..., None]))
+    return pack_nibbles(codes.reshape(x.shape)), byte.masked_fill(bad, 255)
 
 
 def mxfp4_values(packed: torch.Tensor, byte: torch.Tensor) -> torch.Tensor:
-    """Decode MXFP4: e2m1 codes × 2^(byte − 127) per 32-block, fp32 ``[..., 128]`` (exact)."""
+    """Decode MXFP4: e2m1 codes × 2^(byte − 127) per 32-block, fp32 ``[..., 128]`` (exact). Every scale byte
+    reads as E8M0 defines it: 0 is 2^-127, 255 is NaN (the whole block)."""
     codes = e2m1_decode(unpack_nibbles(packed))
-    return (codes.reshape(*codes.shape[:-1], HEAD_DIM // FP4_BLOCK, FP4_BLOCK) * pow2(byte)[..., None]).reshape(codes.shape)
+    blocks = codes.reshape(*codes.shape[:-1], HEAD_DIM // FP4_BLOCK, FP4_BLOCK)
+    return (blocks * ue8m0_value(byte)[..., None]).reshape(codes.shape)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -197,9 +208,9 @@ def quantize_q(index_q: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Te
     c = torch.tensor(fold(H), dtype=torch.float32, device=x.device)
     if fmt == "fp8":
         q, byte = quantize_fp8(x)
-        return q, None, (weights.float() * pow2(byte)) * c
+        return q, None, canonical_nan((weights.float() * ue8m0_value(byte)) * c)  # byte 255: w_out NaN
     packed, byte = quantize_mxfp4(x)
-    return packed, byte.contiguous().view(torch.int32).reshape(T, H), weights.float() * c
+    return packed, byte.contiguous().view(torch.int32).reshape(T, H), canonical_nan(weights.float() * c)
 
 
 def dequantize_q(q: torch.Tensor, q_scales: torch.Tensor | None) -> torch.Tensor:
@@ -213,10 +224,10 @@ def dequantize_q(q: torch.Tensor, q_scales: torch.Tensor | None) -> torch.Tensor
 def quantize_k(k: torch.Tensor, *, fmt: str = "fp8", hadamard: bool = False):
     """Keys ``[N, 128]`` (already RoPE'd and bf16) → fp8 ``(codes, fp32 scale 2^e [N])`` or
     mxfp4 ``(packed [N, 64], UE8M0 bytes [N, 4])``."""
-    x = hadamard_transform(k.float()) if hadamard else k.float()
+    x = canonical_nan(hadamard_transform(k.float()) if hadamard else k.float())
     if fmt == "fp8":
         q, byte = quantize_fp8(x)
-        return q, pow2(byte)
+        return q, ue8m0_value(byte)  # 2^e; NaN for a non-finite row
     return quantize_mxfp4(x)
 
 
@@ -269,8 +280,8 @@ def logits(q: torch.Tensor, q_scales: torch.Tensor | None, weights_out: torch.Te
     qv = dequantize_q(q, q_scales).to(dtype)  # [T, H, 128]
     s = torch.arange(n_out, device=dev)
     live = s[None, :] < n_compressed(positions)[:, None]  # [T, n_out]: the causal mask
-    blk = (s // block_size).clamp(max=block_table.shape[1] - 1)
-    page = torch.where(live, block_table.long()[:, blk], 0)
+    blk = (s // block_size).clamp(max=max(block_table.shape[1] - 1, 0))
+    page = torch.where(live, block_table.long()[:, blk], 0) if block_table.shape[1] else torch.zeros_like(live, dtype=torch.int64)
     slots = torch.where(live, page * block_size + s % block_size, -1)
     vals, sc = read_k(k_cache, slots.reshape(-1), block_size=block_size, fmt=fmt)
     kv = dequantize_k(vals, sc).to(dtype).reshape(T, n_out, HEAD_DIM)
@@ -310,32 +321,43 @@ def short_context_topk(positions: torch.Tensor, k: int) -> torch.Tensor:
 def topk(logits: torch.Tensor | None, k: int, *, positions: torch.Tensor | None = None,
          out: torch.Tensor | None = None) -> torch.Tensor:
     """Local ids of the k largest scores per row, int32 ``[T, k]``; −∞ entries and missing columns → −1.
+    A NaN score ranks like −∞ (never selected; the public function refuses NaN while value checks are on);
+    +∞ is a number and ranks first.
 
     With ``positions`` and every n_c ≤ k the scores are not read at all (the short-context shortcut):
     the result is ``[0 … n_c−1, −1 …]``, the same set as the full path."""
     T = logits.shape[0] if logits is not None else positions.shape[0]
     dev = logits.device if logits is not None else positions.device
+    shortcut = positions is not None and (T == 0 or int(n_compressed(positions).max()) <= k)
+    if logits is None and not shortcut:
+        raise ValueError(f"logits: needed, because some n_c exceeds k={k} (no shortcut)")
     res = out if out is not None else torch.empty(T, k, dtype=torch.int32, device=dev)
     res.fill_(-1)  # reset on every call
-    if positions is not None and (T == 0 or int(n_compressed(positions).max()) <= k):
+    if shortcut:
         return res.copy_(short_context_topk(positions, k))
-    if logits is None:
-        raise ValueError(f"logits: needed, because some n_c exceeds k={k} (no shortcut)")
     kk = min(k, logits.shape[1])
     if kk:
-        vals, ids = torch.topk(logits, kk, dim=1)
+        vals, ids = torch.topk(logits.masked_fill(logits.isnan(), float("-inf")), kk, dim=1)
         res[:, :kk] = torch.where(vals == float("-inf"), -1, ids).to(torch.int32)
     return res
 
 
 def to_global(topk_local: torch.Tensor, block_table: torch.Tensor, slots: torch.Tensor | None = None, *,
               block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Local ids → slots of the MAIN compressed cache ``block_table[t, l // B]·B + l % B`` (−1 stays −1),
-    and topk_len = the count of ids ≥ 0, forced to 0 (row −1) for an invalid token (``slots[t] < 0``)."""
-    ok = topk_local >= 0
+    """Local ids → slots of the MAIN compressed cache ``block_table[t, l // B]·B + l % B``, int64, and
+    topk_len = the number of slots ≥ 0 per row (int32).
+
+    −1 (none) for: an id < 0, an id past the block table, an id whose page entry is negative (an unmapped
+    page), and every id of an invalid token (``slots[t] < 0``)."""
+    loc = topk_local.long()
+    n_cols = block_table.shape[1]
+    ok = (loc >= 0) & (loc < n_cols * block_size)
     if slots is not None:
         ok = ok & (slots >= 0)[:, None]
-    loc = topk_local.long().clamp_min(0)
-    page = torch.gather(block_table.long(), 1, loc // block_size).clamp_min(0)
-    glob = torch.where(ok, page * block_size + loc % block_size, -1).to(torch.int32)
+    if n_cols:
+        page = torch.gather(block_table.long(), 1, torch.where(ok, loc // block_size, 0))
+    else:
+        page = torch.zeros_like(loc)
+    ok = ok & (page >= 0)
+    glob = torch.where(ok, page * block_size + loc % block_size, -1)
     return glob, ok.sum(1).to(torch.int32)

@@ -3,7 +3,11 @@
 Spec (the same as :mod:`dsv4ref.kv_cache.reference`; ``docs/kv_cache.md``)::
 
     insert:  for i < n with slots[i] >= 0: record(kv[i]) -> slot slots[i]     (584 bytes in two regions)
-    gather:  out[p] = slots[p] < 0 ? 0 : [e4m3 × 2^(scale − 127) (448) | stored bf16 RoPE (64)]
+    gather:  out[p] = slots[p] < 0 ? 0 : [e4m3 × E8M0(scale) (448) | stored bf16 RoPE (64)]
+
+E8M0(b) = 2^(b − 127) for 1..254, 2^-127 for 0, NaN for 255; a NaN comes out as bf16 0x7FC0. The writer
+turns a quant block holding a NaN or ±inf into byte 255 + e4m3 NaN bytes (the shared record encoder).
+``slots`` is read with its stride (any 1-d view, int32 or int64).
 
 Both kernels handle ``TOK`` slots per program; axis 0 of every tile is the token. The record encoder is
 the shared :func:`dsv4ref.tl.kv_record.kv_record` (the fused RoPE + insert of :mod:`dsv4ref.rope` uses it
@@ -17,7 +21,7 @@ import triton
 import triton.language as tl
 
 from ..formats import HEAD_DIM, N_SCALES, NOPE_DIM, QUANT_BLOCK, ROPE_DIM, SCALE_BYTES, UE8M0_BIAS
-from ..tl import bf16_rne_bits, page_offsets, pow2
+from ..tl import bf16_rne_bits_nan, e4m3_decode, page_offsets, ue8m0_value
 from ..tl.kv_record import kv_record
 
 _D = tl.constexpr(HEAD_DIM)  # 512: row width of kv and out
@@ -34,8 +38,9 @@ def insert_kernel(
     cache_ptr,  # uint8 pages, page p at p · page_stride
     cache16_ptr,  # int16 view of the same bytes (the RoPE words go through it when ROPE16)
     kv_ptr,  # int16 view of kv [T, 512] bf16, row stride kv_stride, last dim contiguous
-    slot_ptr,  # int64 [n]: the slot of row i; −1 = write nothing
+    slot_ptr,  # int32/int64 [n], stride slot_stride: the slot of row i; −1 = write nothing
     n,  # int: number of slots (rows of kv past it are padding)
+    slot_stride,  # int: elements between slots (a strided view is read as a view)
     kv_stride,  # int: elements between kv rows
     page_stride,  # int: bytes between pages (cache.stride(0))
     block_size,  # int: tokens per page
@@ -43,7 +48,7 @@ def insert_kernel(
     ROPE16: tl.constexpr,  # page_stride and the cache base are even: store RoPE as whole bf16 words
 ):
     t = tl.program_id(0) * TOK + tl.arange(0, TOK)  # [TOK]
-    slot = tl.load(slot_ptr + t, mask=t < n, other=-1)  # past the end = padding
+    slot = tl.load(slot_ptr + t.to(tl.int64) * slot_stride, mask=t < n, other=-1)  # past the end = padding
     row = kv_ptr + t.to(tl.int64) * kv_stride  # [TOK] row pointers
     j = tl.arange(0, _ROPE)[None, :]
     rope = tl.load(row[:, None] + _NOPE + j, mask=tl.broadcast_to((slot >= 0)[:, None], (TOK, _ROPE)), other=0)
@@ -54,16 +59,17 @@ def insert_kernel(
 def gather_kernel(
     cache_ptr,  # uint8 pages, page p at p · page_stride
     cache16_ptr,  # int16 view of the same bytes (the RoPE words are read through it when ROPE16)
-    slot_ptr,  # int32/int64 [n]: −1 = a zero row
+    slot_ptr,  # int32/int64 [n], stride slot_stride: −1 = a zero row
     out_ptr,  # int16 view of out [n, 512] bf16, contiguous
     n,  # int: number of slots
+    slot_stride,  # int: elements between slots
     page_stride,  # int: bytes between pages
     block_size,  # int: tokens per page
     TOK: tl.constexpr,  # slots per program (a power of two)
     ROPE16: tl.constexpr,  # pages start at even addresses: read RoPE as whole words, else byte pairs
 ):
     p = tl.program_id(0) * TOK + tl.arange(0, TOK)  # [TOK] output rows
-    slot = tl.load(slot_ptr + p, mask=p < n, other=-1).to(tl.int64)
+    slot = tl.load(slot_ptr + p.to(tl.int64) * slot_stride, mask=p < n, other=-1).to(tl.int64)
     ok = slot >= 0
     data, scales = page_offsets(tl.maximum(slot, 0), block_size, page_stride)  # [TOK] int64; −1 never addresses
     out_row = out_ptr + p.to(tl.int64) * _D  # [TOK]
@@ -78,12 +84,12 @@ def gather_kernel(
     rope_in = tl.broadcast_to(ok[:, None], (TOK, _ROPE))
     rope_out = tl.broadcast_to(rows_ok[:, None], (TOK, _ROPE))
 
-    # NoPE: e4m3 byte -> fp32, × 2^(scale − 127): exact, and exactly representable in bf16
+    # NoPE: e4m3 byte -> fp32, × E8M0(scale): exact, and exactly representable in bf16 (NaN: 0x7FC0)
     q = tl.load(cache_ptr + data[:, None, None] + dim, mask=nope_in, other=0)
     byte = tl.load(cache_ptr + scales[:, None] + k, mask=tl.broadcast_to(ok[:, None] & (k < _N_SCALES), (TOK, _SCALE_BYTES)),
                    other=_ONE)
-    nope = q.to(tl.float8e4nv, bitcast=True).to(tl.float32) * pow2(byte.to(tl.int32))[:, :, None]
-    tl.store(out_row[:, None, None] + dim, bf16_rne_bits(nope).to(tl.int16, bitcast=True), mask=nope_out)  # −1: zeros
+    nope = e4m3_decode(q) * ue8m0_value(byte)[:, :, None]
+    tl.store(out_row[:, None, None] + dim, bf16_rne_bits_nan(nope).to(tl.int16, bitcast=True), mask=nope_out)  # −1: zeros
 
     # RoPE: the stored bf16 bits, unchanged (other=0 gives the zero row for slot −1)
     if ROPE16:

@@ -54,30 +54,32 @@ def int16_view(cache: torch.Tensor) -> tuple[torch.Tensor, bool]:
 def launch_insert(cache: torch.Tensor, kv: torch.Tensor, slots: torch.Tensor, block_size: int,
                   launch: KVCacheLaunch = INSERT_DEFAULT) -> None:
     """Launch :func:`~dsv4ref.kv_cache.kernels.insert_kernel` directly (no argument checks, no dispatcher;
-    ``slots`` int64). For benchmarks of the bare kernel; callers use :func:`dsv4ref.kv_cache.insert`."""
+    ``slots`` int32/int64, any stride; kv rows with unit column stride). For benchmarks of the bare kernel;
+    callers use :func:`dsv4ref.kv_cache.insert`."""
     kv16 = kv.view(torch.int16)
     c16, rope16 = int16_view(cache)
     n, tok = slots.shape[0], launch.tokens_per_program
     if n:
-        insert_kernel[(triton.cdiv(n, tok),)](cache, c16, kv16, slots, n, kv16.stride(0), cache.stride(0), block_size,
-                                              TOK=tok, ROPE16=rope16, num_warps=launch.num_warps)
+        insert_kernel[(triton.cdiv(n, tok),)](cache, c16, kv16, slots, n, slots.stride(0), kv16.stride(0), cache.stride(0),
+                                              block_size, TOK=tok, ROPE16=rope16, num_warps=launch.num_warps)
 
 
 def launch_gather(cache: torch.Tensor, slots: torch.Tensor, out: torch.Tensor, block_size: int,
                   launch: KVCacheLaunch = GATHER_DEFAULT) -> None:
-    """Launch :func:`~dsv4ref.kv_cache.kernels.gather_kernel` directly into ``out`` [S, 512] bf16."""
+    """Launch :func:`~dsv4ref.kv_cache.kernels.gather_kernel` directly into ``out`` [S, 512] bf16, contiguous
+    (``slots`` int32/int64, any stride)."""
     c16, rope16 = int16_view(cache)
     n, tok = slots.shape[0], launch.tokens_per_program
     if n:
-        gather_kernel[(triton.cdiv(n, tok),)](cache, c16, slots, out.view(torch.int16), n, cache.stride(0), block_size,
-                                              TOK=tok, ROPE16=rope16, num_warps=launch.num_warps)
+        gather_kernel[(triton.cdiv(n, tok),)](cache, c16, slots, out.view(torch.int16), n, slots.stride(0), cache.stride(0),
+                                              block_size, TOK=tok, ROPE16=rope16, num_warps=launch.num_warps)
 
 
 @torch.library.custom_op("dsv4ref::kv_insert", mutates_args=("cache",))
 def kv_insert_op(cache: torch.Tensor, kv: torch.Tensor, slots: torch.Tensor, block_size: int,
                  tokens_per_program: int = INSERT_DEFAULT.tokens_per_program,
                  num_warps: int = INSERT_DEFAULT.num_warps) -> None:
-    """``torch.ops.dsv4ref.kv_insert``: the insert kernel on checked arguments (slots int64)."""
+    """``torch.ops.dsv4ref.kv_insert``: the insert kernel on checked arguments (slots int32/int64, any stride)."""
     launch_insert(cache, kv, slots, block_size, KVCacheLaunch(tokens_per_program, num_warps))
 
 

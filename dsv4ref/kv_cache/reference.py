@@ -15,6 +15,11 @@ Spec (``docs/kv_cache.md``, the page drawn in ``docs/formats.md#the-584-byte-kv-
 ``page_stride`` is the cache tensor's ``stride(0)`` (at least ``page_bytes(B)``). Writers skip slot −1
 and rows of kv past ``len(slots)``; readers give a zero row for slot −1.
 
+Non-finite values (``docs/formats.md#non-finite-values``): the writer encodes a quant block holding a NaN
+or ±inf as scale byte 255 + e4m3 NaN bytes (``fp8.quantize_ue8m0``'s rule) and copies the RoPE bits as
+they are; the reader decodes every scale byte as E8M0 defines it (0: 2^-127, 255: NaN) and gives every
+NaN of the NoPE part as bf16 0x7FC0.
+
 Both functions address the cache exactly as a kernel does: one flat byte view plus int64 offsets.
 """
 
@@ -71,14 +76,14 @@ def insert(cache: torch.Tensor, kv: torch.Tensor, slots: torch.Tensor, *, block_
 
 
 def gather(cache: torch.Tensor, slots: torch.Tensor, *, block_size: int) -> torch.Tensor:
-    """Rows ``[S, 512]`` bf16 at ``slots`` (−1: a zero row): e4m3 × 2^(scale − 127), then the RoPE bits."""
+    """Rows ``[S, 512]`` bf16 at ``slots`` (−1: a zero row): e4m3 × E8M0(scale), then the RoPE bits."""
     out = torch.zeros(slots.shape[0], HEAD_DIM, dtype=torch.bfloat16, device=cache.device)
     keep = slots >= 0  # never index memory with −1: those rows stay zero
     data, scales = token_offsets(cache, slots[keep], block_size)
     flat = flat_bytes(cache)
     record = flat[_span(data, DATA_BYTES)]  # [S', 576]
     q = rearrange(record[:, :NOPE_DIM].view(torch.float8_e4m3fn).float(), "s (n b) -> s n b", b=QUANT_BLOCK)
-    nope = q * fp8.pow2(flat[_span(scales, N_SCALES)])[..., None]  # exact
+    nope = q * fp8.ue8m0_value(flat[_span(scales, N_SCALES)])[..., None]  # exact; byte 0: 2^-127, 255: NaN
     rope = record[:, NOPE_DIM:].contiguous().view(torch.bfloat16)
-    out[keep] = torch.cat([rearrange(nope, "s n b -> s (n b)").to(torch.bfloat16), rope], dim=1)
+    out[keep] = torch.cat([fp8.canonical_nan(rearrange(nope, "s n b -> s (n b)").to(torch.bfloat16)), rope], dim=1)
     return out

@@ -43,7 +43,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ..tl import bf16_rne_bits, dot
+from ..tl import bf16_rne_bits_nan, dot
 
 # ====================================================================================================
 # Building blocks
@@ -51,21 +51,25 @@ from ..tl import bf16_rne_bits, dot
 
 
 @triton.jit
-def load_bf16(ptr, offs, mask):
+def load_bf16(ptr, offs, mask, CG: tl.constexpr = False):
     """bf16 through its int16 view -> (bf16 tensor for tl.dot, its exact fp32 value). The widening is done
-    in integers (bits << 16), so no bf16 arithmetic ever happens."""
-    bits = tl.load(ptr + offs, mask=mask, other=0)
+    in integers (bits << 16), so no bf16 arithmetic ever happens. ``CG``: load through the L2 only (PTX
+    ``ld.global.cg``), for data another program wrote during this launch (a stale L1 line must not answer)."""
+    if CG:
+        bits = tl.load(ptr + offs, mask=mask, other=0, cache_modifier=".cg")
+    else:
+        bits = tl.load(ptr + offs, mask=mask, other=0)
     f = ((bits.to(tl.int32) & 0xFFFF) << 16).to(tl.float32, bitcast=True)
     return bits.to(tl.bfloat16, bitcast=True), f
 
 
 @triton.jit
-def load_streams(ptr, ro, Hd, mask):
+def load_streams(ptr, ro, Hd, mask, CG: tl.constexpr = False):
     """The 4 streams of a [BLOCK_T, BLOCK] chunk (stream i at ``ro + i·Hd``): (a0..a3 bf16, r0..r3 fp32)."""
-    a0, r0 = load_bf16(ptr, ro, mask)
-    a1, r1 = load_bf16(ptr, ro + Hd, mask)
-    a2, r2 = load_bf16(ptr, ro + 2 * Hd, mask)
-    a3, r3 = load_bf16(ptr, ro + 3 * Hd, mask)
+    a0, r0 = load_bf16(ptr, ro, mask, CG)
+    a1, r1 = load_bf16(ptr, ro + Hd, mask, CG)
+    a2, r2 = load_bf16(ptr, ro + 2 * Hd, mask, CG)
+    a3, r3 = load_bf16(ptr, ro + 3 * Hd, mask, CG)
     return a0, a1, a2, a3, r0, r1, r2, r3
 
 
@@ -172,7 +176,7 @@ def post_kernel(
     _, _, _, _, r0, r1, r2, r3 = load_streams(res_ptr, ro, Hd, mask)
     for j in tl.static_range(4):
         y = post_stream(x, post_weights(post_ptr, comb_ptr, rows, rm, j), r0, r1, r2, r3)
-        tl.store(out_ptr + ro + j * Hd, bf16_rne_bits(y).to(tl.int16, bitcast=True), mask=mask)
+        tl.store(out_ptr + ro + j * Hd, bf16_rne_bits_nan(y).to(tl.int16, bitcast=True), mask=mask)
 
 
 # ====================================================================================================
@@ -205,10 +209,10 @@ def stream_chunk(res_ptr, x_ptr, new_ptr, W, rows, h, Hd, mask, FUSED: tl.conste
     a0, a1, a2, a3, r0, r1, r2, r3 = load_streams(res_ptr, ro, Hd, mask)
     if FUSED:
         _, x = load_bf16(x_ptr, rows[:, None] * Hd + h[None, :], mask)
-        n0 = bf16_rne_bits(post_stream(x, W[0], r0, r1, r2, r3))
-        n1 = bf16_rne_bits(post_stream(x, W[1], r0, r1, r2, r3))
-        n2 = bf16_rne_bits(post_stream(x, W[2], r0, r1, r2, r3))
-        n3 = bf16_rne_bits(post_stream(x, W[3], r0, r1, r2, r3))
+        n0 = bf16_rne_bits_nan(post_stream(x, W[0], r0, r1, r2, r3))
+        n1 = bf16_rne_bits_nan(post_stream(x, W[1], r0, r1, r2, r3))
+        n2 = bf16_rne_bits_nan(post_stream(x, W[2], r0, r1, r2, r3))
+        n3 = bf16_rne_bits_nan(post_stream(x, W[3], r0, r1, r2, r3))
         tl.store(new_ptr + ro, n0.to(tl.int16, bitcast=True), mask=mask)
         tl.store(new_ptr + ro + Hd, n1.to(tl.int16, bitcast=True), mask=mask)
         tl.store(new_ptr + ro + 2 * Hd, n2.to(tl.int16, bitcast=True), mask=mask)
@@ -253,12 +257,24 @@ def gates(acc_g, acc_c, ssq, K, rows, rm, scale_ptr, base_ptr, post_ptr, comb_pt
 
 
 @triton.jit
-def layer_input_chunk(src_ptr, out_ptr, rows, rm, h, Hd, w0, w1, w2, w3):
+def layer_input_chunk(src_ptr, out_ptr, rows, rm, h, Hd, w0, w1, w2, w3, CG: tl.constexpr = False):
     """out[rows, h] = bf16(Σ_i pre_i · stream_i[rows, h]) for one chunk ``h`` of the hidden dim."""
     mask = rm[:, None] & (h < Hd)[None, :]
-    _, _, _, _, r0, r1, r2, r3 = load_streams(src_ptr, rows[:, None] * (4 * Hd) + h[None, :], Hd, mask)
+    _, _, _, _, r0, r1, r2, r3 = load_streams(src_ptr, rows[:, None] * (4 * Hd) + h[None, :], Hd, mask, CG)
     y = weighted4(w0, w1, w2, w3, r0, r1, r2, r3)
-    tl.store(out_ptr + rows[:, None] * Hd + h[None, :], bf16_rne_bits(y).to(tl.int16, bitcast=True), mask=mask)
+    tl.store(out_ptr + rows[:, None] * Hd + h[None, :], bf16_rne_bits_nan(y).to(tl.int16, bitcast=True), mask=mask)
+
+
+@triton.jit
+def layer_input_range(src_ptr, out_ptr, rows, rm, h_begin, h_end, Hd, w0, w1, w2, w3, BLOCK: tl.constexpr,
+                      CG: tl.constexpr = False):
+    """``layer_input_chunk`` over the hidden range [h_begin, h_end) in BLOCK-wide chunks, LAST chunk first:
+    a pass that just read (or wrote) this range in order finds its latest chunks likeliest still in L2."""
+    hh = tl.arange(0, BLOCK)
+    n_chunks = tl.cdiv(h_end - h_begin, BLOCK)
+    for c in range(0, n_chunks):
+        layer_input_chunk(src_ptr, out_ptr, rows, rm, h_begin + (n_chunks - 1 - c) * BLOCK + hh, Hd, w0, w1, w2, w3,
+                          CG)
 
 
 # ====================================================================================================
@@ -341,9 +357,7 @@ def hc_kernel(
         src_ptr = new_ptr
     else:
         src_ptr = res_ptr
-    n_chunks = tl.cdiv(Hd, BLOCK_K)
-    for c in range(0, n_chunks):
-        layer_input_chunk(src_ptr, out_ptr, rows, rm, (n_chunks - 1 - c) * BLOCK_K + kk, Hd, w0, w1, w2, w3)
+    layer_input_range(src_ptr, out_ptr, rows, rm, 0, Hd, Hd, w0, w1, w2, w3, BLOCK_K)
 
 
 # ====================================================================================================
@@ -382,6 +396,64 @@ def gemm_stream32(a, k, kmask, fs_ptr, K, acc, DOT_FP32: tl.constexpr, NG: tl.co
 
 
 @triton.jit
+def partial_mix(res_ptr, x_ptr, new_ptr, fs_ptr, W, rows, rm, h_begin, h_end, Hd, DOT_FP32: tl.constexpr,
+                FUSED: tl.constexpr, NG: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr):
+    """The mix GEMM and Σ X² of a token tile over the hidden range [h_begin, h_end) (whole BLOCK_K chunks, the
+    last one cut at Hd), all 4 streams: (acc [BLOCK_T, NG] fp32 = [pre | post | 0 | comb (i, j) at 16 + 4i + j]
+    (head: [gate | 0]), ssq [BLOCK_T] fp32). FUSED: the post is applied and the new streams stored on the way
+    (``stream_chunk``)."""
+    kk = tl.arange(0, BLOCK_K)
+    K = 4 * Hd
+    acc = tl.zeros((BLOCK_T, NG), dtype=tl.float32)
+    ssq = tl.zeros((BLOCK_T,), dtype=tl.float32)
+    for h0 in range(h_begin, h_end, BLOCK_K):
+        h = h0 + kk
+        hm = h < h_end
+        a0, a1, a2, a3, r0, r1, r2, r3 = stream_chunk(res_ptr, x_ptr, new_ptr, W, rows, h, Hd,
+                                                      rm[:, None] & hm[None, :], FUSED)
+        ssq += tl.sum(weighted4(r0, r1, r2, r3, r0, r1, r2, r3, False), axis=1)
+        acc = gemm_stream32(a0, h, hm, fs_ptr, K, acc, DOT_FP32, NG, BLOCK_K)
+        acc = gemm_stream32(a1, Hd + h, hm, fs_ptr, K, acc, DOT_FP32, NG, BLOCK_K)
+        acc = gemm_stream32(a2, 2 * Hd + h, hm, fs_ptr, K, acc, DOT_FP32, NG, BLOCK_K)
+        acc = gemm_stream32(a3, 3 * Hd + h, hm, fs_ptr, K, acc, DOT_FP32, NG, BLOCK_K)
+    return acc, ssq
+
+
+@triton.jit
+def store_partial(ws_ptr, ssq_ptr, wo, rm, acc, ssq, NG: tl.constexpr):
+    """A tile's partial mix and Σ X² into the workspaces [splits, T, 32] / [splits, T] at rows ``wo``."""
+    n = tl.arange(0, NG)
+    tl.store(ws_ptr + wo[:, None] * 32 + n[None, :], acc, mask=rm[:, None] & (n < NG)[None, :])
+    tl.store(ssq_ptr + wo, ssq, mask=rm)
+
+
+@triton.jit
+def sum_partials(ws_ptr, ssq_ptr, rows, rm, T, splits, HEAD: tl.constexpr, BLOCK_T: tl.constexpr,
+                 CG: tl.constexpr = False):
+    """(acc_g, acc_c [BLOCK_T, 16], ssq [BLOCK_T]): the partials of ``rows`` summed in split order (fixed, so
+    the same sum on every run, whichever program does it), in the layout ``gates`` takes."""
+    n16 = tl.arange(0, 16)
+    m16 = rm[:, None] & (n16 < 16)[None, :]
+    acc_g = tl.zeros((BLOCK_T, 16), dtype=tl.float32)
+    acc_c = tl.zeros((BLOCK_T, 16), dtype=tl.float32)
+    ssq = tl.zeros((BLOCK_T,), dtype=tl.float32)
+    for s in range(0, splits):
+        wo = s * T + rows
+        if CG:
+            acc_g += tl.load(ws_ptr + wo[:, None] * 32 + n16[None, :], mask=m16, other=0.0, cache_modifier=".cg")
+            if not HEAD:
+                acc_c += tl.load(ws_ptr + wo[:, None] * 32 + 16 + n16[None, :], mask=m16, other=0.0,
+                                 cache_modifier=".cg")
+            ssq += tl.load(ssq_ptr + wo, mask=rm, other=0.0, cache_modifier=".cg")
+        else:
+            acc_g += tl.load(ws_ptr + wo[:, None] * 32 + n16[None, :], mask=m16, other=0.0)
+            if not HEAD:
+                acc_c += tl.load(ws_ptr + wo[:, None] * 32 + 16 + n16[None, :], mask=m16, other=0.0)
+            ssq += tl.load(ssq_ptr + wo, mask=rm, other=0.0)
+    return acc_g, acc_c, ssq
+
+
+@triton.jit
 def hc_partial_kernel(
     res_ptr,  # int16 view of residual [T, 4, Hd] bf16 (FUSED: the streams before the post)
     x_ptr,  # FUSED: int16 view of x [T, Hd] bf16
@@ -405,26 +477,11 @@ def hc_partial_kernel(
     NG: tl.constexpr = 16 if HEAD else 32
     split = tl.program_id(0)
     rows, rm, W = token_tile(tl.program_id(1), T, post_in_ptr, comb_in_ptr, FUSED, BLOCK_T)
-    kk = tl.arange(0, BLOCK_K)
-    K = 4 * Hd
-    acc = tl.zeros((BLOCK_T, NG), dtype=tl.float32)  # [pre | post | 0 | comb (i, j) at 16 + 4i + j]
-    ssq = tl.zeros((BLOCK_T,), dtype=tl.float32)
     h_begin = split * chunks_per_split * BLOCK_K
     h_end = tl.minimum(h_begin + chunks_per_split * BLOCK_K, Hd)
-    for h0 in range(h_begin, h_end, BLOCK_K):
-        h = h0 + kk
-        hm = h < h_end
-        a0, a1, a2, a3, r0, r1, r2, r3 = stream_chunk(res_ptr, x_ptr, new_ptr, W, rows, h, Hd,
-                                                      rm[:, None] & hm[None, :], FUSED)
-        ssq += tl.sum(weighted4(r0, r1, r2, r3, r0, r1, r2, r3, False), axis=1)
-        acc = gemm_stream32(a0, h, hm, fs_ptr, K, acc, DOT_FP32, NG, BLOCK_K)
-        acc = gemm_stream32(a1, Hd + h, hm, fs_ptr, K, acc, DOT_FP32, NG, BLOCK_K)
-        acc = gemm_stream32(a2, 2 * Hd + h, hm, fs_ptr, K, acc, DOT_FP32, NG, BLOCK_K)
-        acc = gemm_stream32(a3, 3 * Hd + h, hm, fs_ptr, K, acc, DOT_FP32, NG, BLOCK_K)
-    wo = split.to(tl.int64) * T + rows  # this split's rows of the workspace
-    n = tl.arange(0, NG)
-    tl.store(ws_ptr + wo[:, None] * 32 + n[None, :], acc, mask=rm[:, None] & (n < NG)[None, :])
-    tl.store(ssq_ptr + wo, ssq, mask=rm)
+    acc, ssq = partial_mix(res_ptr, x_ptr, new_ptr, fs_ptr, W, rows, rm, h_begin, h_end, Hd, DOT_FP32, FUSED, NG,
+                           BLOCK_T, BLOCK_K)
+    store_partial(ws_ptr, ssq_ptr, split.to(tl.int64) * T + rows, rm, acc, ssq, NG)
 
 
 @triton.jit
@@ -453,26 +510,140 @@ def hc_finish_kernel(
     tile = tl.num_programs(1) - 1 - tl.program_id(1)  # reverse token order (see the section comment)
     rows = tile.to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
     rm = rows < T
-    K = 4 * Hd
-    n16 = tl.arange(0, 16)
-    m16 = rm[:, None] & (n16 < 16)[None, :]
-    acc_g = tl.zeros((BLOCK_T, 16), dtype=tl.float32)
-    acc_c = tl.zeros((BLOCK_T, 16), dtype=tl.float32)
-    ssq = tl.zeros((BLOCK_T,), dtype=tl.float32)
-    for s in range(0, splits):  # split order: the same sum on every run
-        wo = s * T + rows
-        acc_g += tl.load(ws_ptr + wo[:, None] * 32 + n16[None, :], mask=m16, other=0.0)
-        if not HEAD:
-            acc_c += tl.load(ws_ptr + wo[:, None] * 32 + 16 + n16[None, :], mask=m16, other=0.0)
-        ssq += tl.load(ssq_ptr + wo, mask=rm, other=0.0)
-
+    acc_g, acc_c, ssq = sum_partials(ws_ptr, ssq_ptr, rows, rm, T, splits, HEAD, BLOCK_T)
     # every hidden part needs pre; part 0 alone stores post and comb
-    w0, w1, w2, w3 = gates(acc_g, acc_c, ssq, K, rows, rm, scale_ptr, base_ptr, post_ptr, comb_ptr, T, rms_eps,
-                           hc_eps, post_mult, iters, part == 0, HEAD, BLOCK_T)
-
-    # ---- x = Σ_i pre_i · stream_i over this part's hidden range, last chunk first ---------------------
-    hh = tl.arange(0, BLOCK_H)
+    w0, w1, w2, w3 = gates(acc_g, acc_c, ssq, 4 * Hd, rows, rm, scale_ptr, base_ptr, post_ptr, comb_ptr, T,
+                           rms_eps, hc_eps, post_mult, iters, part == 0, HEAD, BLOCK_T)
+    # x = Σ_i pre_i · stream_i over this part's hidden range, last chunk first
     h_begin = part * h_per_part
-    n_chunks = tl.cdiv(tl.minimum(h_per_part, Hd - h_begin), BLOCK_H)
-    for c in range(0, n_chunks):
-        layer_input_chunk(src_ptr, out_ptr, rows, rm, h_begin + (n_chunks - 1 - c) * BLOCK_H + hh, Hd, w0, w1, w2, w3)
+    layer_input_range(src_ptr, out_ptr, rows, rm, h_begin, tl.minimum(h_begin + h_per_part, Hd), Hd,
+                      w0, w1, w2, w3, BLOCK_H)
+
+
+# ====================================================================================================
+# Design 3: one pass (hc_one_pass_kernel), MhcLaunch(one_pass=True)
+#
+# Why: split-K reads the streams twice from HBM (the finish kernel runs after the whole partial kernel, so
+# only the last ~third of the 134 MB of streams is still in the 50 MB L2), and the one-kernel design
+# streams all of fn from L2 for every 16 tokens. Here ONE launch does both phases, and the second read of
+# any stream byte follows the first by about one program's lifetime, so it comes from L2.
+#
+# Work items. A token tile of BLOCK_T tokens × a hidden slice of ``chunks_per_slice`` BLOCK_K chunks (all 4
+# streams) is one item, numbered v = tile·slices + slice. A program takes its item number from an atomic
+# TICKET counter (not program_id): a program holding ticket v knows every ticket < v was taken by a program
+# that is already running, which makes the one wait below deadlock-free on any GPU (and in the interpreter,
+# which runs programs one after another, the wait is always already satisfied).
+#
+# Program v (tile g, slice s) runs two phases:
+#   A. partial of tile g, slice s: the mix GEMM + Σ X² of that slice (``partial_mix``, exactly as split-K's
+#      partial kernel; FUSED: the post first, the new streams stored), stored to the workspace. Then it
+#      counts itself in (atomic, acq_rel) on tile g's arrival counter; the LAST of the tile's ``slices``
+#      programs to arrive sums the partials in slice order (``sum_partials``: the same sum whichever program
+#      is last, so the result is deterministic), runs ``gates`` (post, comb stored), publishes the four pre
+#      weights [BLOCK_T, 4] and raises tile g's READY flag (release).
+#   B. layer input of tile g − LAG, slice s: waits for that tile's READY flag (acquire; its programs hold
+#      tickets < v, so they run, and usually finished long ago), loads its pre weights and re-reads slice s
+#      of tile g − LAG's streams (FUSED: the new streams) — read LAG·slices tickets ago, so from L2 — for
+#      x = Σ_i pre_i·stream_i. The last LAG tiles are finished by LAG·slices extra programs with no phase A.
+# Every program does the same work (one partial slice + one weighted-sum slice), so there is no tail of
+# finishers; the arithmetic is split-K's (same partial sums, same order, same gates, same FMAs), so with the
+# same slice plan its outputs equal split-K's bit for bit.
+#
+# Bytes at T = Hd = 4096, BLOCK_T = 64, BLOCK_K = 64, 4 chunks a slice (slices = 16, 1040 programs):
+#   HBM: streams read once 134.2 MB + layer input 33.6 MB + fn split 3.1 MB (once) + workspace 8.7 MB
+#        (+ the re-read misses; post/comb 0.3 MB)                       ≈ 180 MB ≈ 44 µs at 4.1 TB/s
+#   L2:  fn split 64 tiles × 3.1 MB = 201 MB, the stream re-read 134 MB, workspace 17 MB, plus the HBM
+#        traffic passing through                                        ≈ 520 MB
+#   Re-read distance: between the two reads of a byte the GPU reads about (1 + slices/132)·132 programs ×
+#        128 KB ≈ 19 MB of streams, under the H200's 50 MB L2 (the fn split, 3.1 MB, is hot throughout).
+# Expected: bounded by L2 bandwidth and the bf16×3 MMAs (12.9 GFLOP on tensor cores, ~35 µs at half the
+# measured matmul rate), not HBM: ≈ 65–80 µs for pre, i.e. 50–60 % of the copy-bandwidth bound over
+# compulsory bytes (41 µs), against 16.6 % for split-K. Fused: + x read and new streams written
+# (≈ 337 MB compulsory, 82 µs bound): ≈ 120–150 µs, 55–65 %. BLOCK_T = 128 halves the fn traffic (L2 ≈ 420
+# MB) at the cost of half the programs; the bench measures both (``benchmarks/mhc.md``).
+# ====================================================================================================
+
+
+@triton.jit
+def hc_one_pass_kernel(
+    res_ptr,  # int16 view of residual [T, 4, Hd] bf16 (FUSED: the streams before the post)
+    x_ptr,  # FUSED: int16 view of x [T, Hd] bf16
+    post_in_ptr,  # FUSED: [T, 4] fp32
+    comb_in_ptr,  # FUSED: [T, 4, 4] fp32
+    new_ptr,  # FUSED: int16 view of the new residual [T, 4, Hd] bf16 (written)
+    fs_ptr,  # [G, 3, 4·Hd, 16] bf16: split_fn(fn)
+    scale_ptr,  # [3] fp32 ([1] head)
+    base_ptr,  # [24] fp32 ([4] head)
+    post_ptr,  # [T, 4] fp32 out (not HEAD)
+    comb_ptr,  # [T, 4, 4] fp32 out (not HEAD)
+    out_ptr,  # int16 view of the layer input (head: the output) [T, Hd] bf16
+    ws_ptr,  # [slices, T, 32] fp32 workspace: partial mixes
+    ssq_ptr,  # [slices, T] fp32 workspace: partial Σ X²
+    wpre_ptr,  # [T, 4] fp32 workspace: the pre weights (head: the gates), published per tile
+    sync_ptr,  # [1 + 2·n_tiles] int32, ZEROED before the launch: ticket | arrivals per tile | READY per tile
+    T,
+    Hd,
+    n_tiles,  # cdiv(T, BLOCK_T)
+    slices,  # hidden slices per tile (the grid is (n_tiles + LAG)·slices programs)
+    chunks_per_slice,  # BLOCK_K chunks per slice
+    rms_eps,
+    hc_eps,
+    post_mult,
+    iters,
+    HEAD: tl.constexpr,
+    FUSED: tl.constexpr,
+    BLOCK_T: tl.constexpr,  # >= 16 (the M side of tl.dot)
+    BLOCK_K: tl.constexpr,  # >= 16 (the K side of tl.dot)
+    LAG: tl.constexpr,  # >= 1: phase B finishes the tile LAG tiles behind phase A's
+    SPIN_LIMIT: tl.constexpr,  # polls of a READY flag before giving up (then that slice is written as NaN)
+    DOT_FP32: tl.constexpr,
+):
+    tl.static_assert(BLOCK_K >= 16)
+    tl.static_assert(BLOCK_T >= 16)
+    tl.static_assert(LAG >= 1)
+    NG: tl.constexpr = 16 if HEAD else 32
+    v = tl.atomic_add(sync_ptr, 1)  # the ticket: this program's work item
+    tile = v // slices
+    s = v % slices
+    h_begin = s * chunks_per_slice * BLOCK_K
+    h_end = tl.minimum(h_begin + chunks_per_slice * BLOCK_K, Hd)
+
+    # ---- phase A: the partial mix of (tile, slice s); the tile's last arrival runs the gates ---------
+    if tile < n_tiles:
+        rows, rm, W = token_tile(tile, T, post_in_ptr, comb_in_ptr, FUSED, BLOCK_T)
+        acc, ssq = partial_mix(res_ptr, x_ptr, new_ptr, fs_ptr, W, rows, rm, h_begin, h_end, Hd, DOT_FP32, FUSED,
+                               NG, BLOCK_T, BLOCK_K)
+        store_partial(ws_ptr, ssq_ptr, s.to(tl.int64) * T + rows, rm, acc, ssq, NG)
+        tl.debug_barrier()  # every thread's stores (partials; FUSED: new streams) before the release below
+        if tl.atomic_add(sync_ptr + 1 + tile, 1, sem="acq_rel", scope="gpu") == slices - 1:  # the last one
+            acc_g, acc_c, ssq = sum_partials(ws_ptr, ssq_ptr, rows, rm, T, slices, HEAD, BLOCK_T, True)
+            w0, w1, w2, w3 = gates(acc_g, acc_c, ssq, 4 * Hd, rows, rm, scale_ptr, base_ptr, post_ptr, comb_ptr,
+                                   T, rms_eps, hc_eps, post_mult, iters, True, HEAD, BLOCK_T)
+            tl.store(wpre_ptr + rows * 4, w0, mask=rm)
+            tl.store(wpre_ptr + rows * 4 + 1, w1, mask=rm)
+            tl.store(wpre_ptr + rows * 4 + 2, w2, mask=rm)
+            tl.store(wpre_ptr + rows * 4 + 3, w3, mask=rm)
+            tl.debug_barrier()
+            tl.atomic_xchg(sync_ptr + 1 + n_tiles + tile, 1, sem="release", scope="gpu")
+
+    # ---- phase B: the layer input of (tile − LAG, slice s), from L2 ---------------------------------------
+    prev = tile - LAG
+    if (prev >= 0) & (prev < n_tiles):
+        ready = tl.atomic_add(sync_ptr + 1 + n_tiles + prev, 0, sem="acquire", scope="gpu")
+        polls = 0
+        while (ready == 0) & (polls < SPIN_LIMIT):
+            ready = tl.atomic_add(sync_ptr + 1 + n_tiles + prev, 0, sem="acquire", scope="gpu")
+            polls += 1
+        # a flag never raised (impossible while the ticket order holds) gives NaN, never a hang or a guess
+        bad = tl.where(ready != 0, 0.0, float("nan"))
+        rows = prev.to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
+        rm = rows < T
+        w0 = tl.load(wpre_ptr + rows * 4, mask=rm, other=0.0, cache_modifier=".cg") + bad
+        w1 = tl.load(wpre_ptr + rows * 4 + 1, mask=rm, other=0.0, cache_modifier=".cg") + bad
+        w2 = tl.load(wpre_ptr + rows * 4 + 2, mask=rm, other=0.0, cache_modifier=".cg") + bad
+        w3 = tl.load(wpre_ptr + rows * 4 + 3, mask=rm, other=0.0, cache_modifier=".cg") + bad
+        if FUSED:
+            src_ptr = new_ptr
+        else:
+            src_ptr = res_ptr
+        layer_input_range(src_ptr, out_ptr, rows, rm, h_begin, h_end, Hd, w0, w1, w2, w3, BLOCK_K, FUSED)

@@ -87,6 +87,16 @@ def stage_kernel(
 
 
 @triton.jit
+def tile_slots(tile_expert_ptr, tile_row0_ptr, tile_row1_ptr, order_ptr, BLOCK_M: tl.constexpr):
+    """This program's tile of a grouped GEMM: (expert e, its rows of ``order``, their mask, their slot numbers).
+    e = E marks a program past the real tiles."""
+    tile = tl.program_id(0)
+    rows = tl.load(tile_row0_ptr + tile) + tl.arange(0, BLOCK_M)
+    rmask = rows < tl.load(tile_row1_ptr + tile)
+    return tl.load(tile_expert_ptr + tile), rows, rmask, tl.load(order_ptr + rows, mask=rmask, other=0)
+
+
+@triton.jit
 def gate_up_kernel(
     x_ptr,  # int16 view of bf16 x [T, Hd] (stride_xt, stride_xh); read when not FP8_IN
     xq_ptr,  # uint8 view of the staged e4m3 x_fp8 [T, Hd], unit stride along Hd (stride_qt); read when FP8_IN
@@ -106,13 +116,9 @@ def gate_up_kernel(
     DOT_FP32: tl.constexpr,  # = interpreting(): fp32 dot operands (the interpreter's bf16 dot is wrong)
 ):
     NB: tl.constexpr = BLOCK_H // 128
-    tile = tl.program_id(0)
-    e = tl.load(tile_expert_ptr + tile)
-    if e >= n_experts:
+    e, rows, rmask, slot = tile_slots(tile_expert_ptr, tile_row0_ptr, tile_row1_ptr, order_ptr, BLOCK_M)
+    if e >= n_experts:  # past the real tiles: no work
         return
-    rows = tl.load(tile_row0_ptr + tile) + tl.arange(0, BLOCK_M)
-    rmask = rows < tl.load(tile_row1_ptr + tile)
-    slot = tl.load(order_ptr + rows, mask=rmask, other=0)
     tok = slot // K
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     nmask = n < I
@@ -161,13 +167,9 @@ def down_kernel(
     BLOCK_K: tl.constexpr,  # intermediate values per step (≥ 16)
     DOT_FP32: tl.constexpr,
 ):
-    tile = tl.program_id(0)
-    e = tl.load(tile_expert_ptr + tile)
+    e, rows, rmask, slot = tile_slots(tile_expert_ptr, tile_row0_ptr, tile_row1_ptr, order_ptr, BLOCK_M)
     if e >= n_experts:
         return
-    rows = tl.load(tile_row0_ptr + tile) + tl.arange(0, BLOCK_M)
-    rmask = rows < tl.load(tile_row1_ptr + tile)
-    slot = tl.load(order_ptr + rows, mask=rmask, other=0)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     nmask = n < Hd
     kk = tl.arange(0, BLOCK_K)

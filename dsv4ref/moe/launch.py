@@ -6,7 +6,7 @@ argument of their schema, so ``torch.compile`` sees them and no module global ch
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 import triton
@@ -51,9 +51,9 @@ class MoeLaunch:
     combine_warps: int = 4
 
     def __post_init__(self):
-        for name, v in vars(self).items():
-            if name != "expert_stages":
-                validate.power_of_two(v, name)
+        for f in fields(self):  # (not vars(self).items(): torch.compile cannot trace that on torch 2.11)
+            if f.name != "expert_stages":
+                validate.power_of_two(getattr(self, f.name), f.name)
         if self.expert_stages < 1:
             raise ValueError(f"expert_stages: expected >= 1, got {self.expert_stages}")
         for name in ("stage_block_h", "block_h"):
@@ -72,7 +72,10 @@ def default_launch(tokens: int, k: int, experts: int) -> MoeLaunch:
     block_m = 16 if per_expert <= 16 else 32 if per_expert <= 32 else 64
     if interpreting():
         return MoeLaunch(stage_block_t=16, block_m=block_m, block_n=256, block_h=512, block_k=256, combine_block_t=16)
-    return MoeLaunch(block_m=block_m)
+    if block_m == 64:  # prefill-sized groups: wider tiles, 8 warps
+        return MoeLaunch(stage_block_t=4, stage_block_h=512, stage_warps=2, block_m=64, block_n=128, block_k=128,
+                         expert_warps=8)
+    return MoeLaunch(stage_block_t=4, stage_block_h=512, stage_warps=2, block_m=block_m, expert_stages=4)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -224,7 +227,7 @@ def _(x, x_fp8, x_sf, ids, weights, w13, w2, shared_w13, shared_w2, out, swiglu_
     return None
 
 
-def stage_op_args(launch: MoeLaunch) -> tuple[int, int, int]:
+def stage_op_args(launch: MoeLaunch) -> tuple:
     """The launch fields of ``dsv4ref::moe_stage``, in schema order."""
     return launch.stage_block_t, launch.stage_block_h, launch.stage_warps
 

@@ -11,7 +11,8 @@ The arithmetic is the reference's, rule for rule (``docs/rope.md#rounding-rules`
 fp32 in integers (no bf16 arithmetic: the interpreter gets it wrong); the rotation is two separately
 rounded products and one add (the launcher passes ``enable_fp_fusion=False``: no FMA); the RMSNorm sums
 exact squares in float64 and uses ``sqrt_rn`` / ``div_rn`` (correctly rounded, never ``rsqrt``); results
-are rounded to bf16 nearest-even in integers (``bf16_rne_bits``).
+are rounded to bf16 nearest-even in integers (``bf16_rne_bits_nan``), every NaN as the one quiet NaN 0x7FC0
+(fp32 outputs: 0x7FC00000, ``canonical_nan``), as the reference writes it (``docs/rope.md#non-finite-input``).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import triton
 import triton.language as tl
 
 from ..formats import HEAD_DIM, NOPE_DIM, ROPE_DIM
-from ..tl import bf16_rne_bits
+from ..tl import bf16_rne_bits_nan, canonical_nan
 from ..tl.kv_record import kv_record
 
 # a jit function may only read constexpr globals
@@ -40,15 +41,17 @@ _INV_D = tl.constexpr(1.0 / HEAD_DIM)  # 2^-9: multiplying by it is exact
 @triton.jit
 def rotate_gptj_kernel(
     x_ptr,  # [N, D] rows: int16 view of bf16 when IS_BF16, else fp32; last dim contiguous, row stride x_stride
-    out_ptr,  # [N, D] same dtype, contiguous; only its last R dims are written (the rest is a copy of x)
-    pos_ptr,  # int64 [N // POS_DIV]: position of row n is pos[n // POS_DIV]
+    out_ptr,  # [N, D] same dtype (bf16 as int16), contiguous; only its last R dims are written (the rest is a
+    #           copy of x)
+    pos_ptr,  # int64 [N // POS_DIV], contiguous: position of row n is pos[n // POS_DIV]
     tab_ptr,  # fp32 [max_pos, R] cos/sin table, row stride tab_stride, last dim contiguous
     n_rows,  # N
     x_stride,  # elements between rows of x
     D,  # row length (R <= D)
     tab_stride,
     POS_DIV,  # rows per position (heads per token); 1 when positions has x's leading shape
-    R: tl.constexpr,  # rotary dims (64)
+    R: tl.constexpr,  # rotary dims (64; any even number)
+    R_P2: tl.constexpr,  # R rounded up to a power of two (the tile width; lanes >= R are masked off)
     ROWS: tl.constexpr,  # rows per program
     INVERSE: tl.constexpr,  # rotate by −f (sin negated)
     IS_BF16: tl.constexpr,
@@ -56,7 +59,7 @@ def rotate_gptj_kernel(
     # A [ROWS, R] tile of the rotary slice. Each element is loaded together with its pair partner
     # (index ^ 1), so output element d is x[d]·c ∓ x[d^1]·s with one vector, no shuffles.
     rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
-    j = tl.arange(0, R)
+    j = tl.arange(0, R_P2)
     ok = (rows < n_rows)[:, None] & (j < R)[None, :]
     col = D - R + j
     src = x_ptr + rows[:, None] * x_stride + col[None, :]
@@ -78,9 +81,9 @@ def rotate_gptj_kernel(
     r = x * c + tl.where(even, -(y * s), y * s)
     dst = out_ptr + rows[:, None] * D + col[None, :]
     if IS_BF16:
-        tl.store(dst, bf16_rne_bits(r).to(tl.int16, bitcast=True), mask=ok)
+        tl.store(dst, bf16_rne_bits_nan(r).to(tl.int16, bitcast=True), mask=ok)
     else:
-        tl.store(dst, r, mask=ok)
+        tl.store(dst, canonical_nan(r), mask=ok)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -102,7 +105,7 @@ def _kv_record(kv_ptr, cache_ptr, t, slot, trow, kv_stride, page_stride, block_s
     ck = tl.load(trow + j // 2)
     sk = tl.load(trow + 32 + j // 2)
     rk = e * ck + tl.where(j % 2 == 0, -(p * sk), p * sk)
-    rb = bf16_rne_bits(rk).to(tl.int32)
+    rb = bf16_rne_bits_nan(rk).to(tl.int32)
     one = tl.zeros([1], dtype=tl.int64)  # scalars -> [1] tiles; the RoPE words go out as byte pairs
     kv_record(cache_ptr, cache_ptr, row + one, slot + one, rb[None, :], block_size, page_stride, 1, False)
 
@@ -121,8 +124,8 @@ def qnorm_rope_kv_insert_mh_kernel(
     q_ptr,  # int32 view of q [T, H, 256]: word w holds the bf16 pair (dim 2w: low 16 bits, dim 2w+1: high)
     kv_ptr,  # int16 view of kv [T, 512] bf16 (last dim contiguous)
     cache_ptr,  # uint8 pages, page p at p * page_stride (the 584-B record layout, docs/formats.md)
-    slot_ptr,  # int64 [n_slots] (n_slots <= T); −1 = write nothing
-    pos_ptr,  # int64 [T]
+    slot_ptr,  # int64 [n_slots] (n_slots <= T), contiguous; −1 = write nothing
+    pos_ptr,  # int64 [T], contiguous
     tab_ptr,  # fp32 [max_pos, 64] cos/sin table, row stride tab_stride
     H,  # query heads
     NG,  # head groups: cdiv(H, HPP)
@@ -177,7 +180,7 @@ def qnorm_rope_kv_insert_mh_kernel(
             # RoPE on chunk 7: e·c − o·s and e·s + o·c, separately rounded products (no FMA)
             y_lo = tl.where(rope, e * c - o * s, e)
             y_hi = tl.where(rope, e * s + o * c, o)
-            packed = bf16_rne_bits(y_lo).to(tl.uint32) | (bf16_rne_bits(y_hi).to(tl.uint32) << 16)
+            packed = bf16_rne_bits_nan(y_lo).to(tl.uint32) | (bf16_rne_bits_nan(y_hi).to(tl.uint32) << 16)
             tl.store(q_ptr + word, packed.to(tl.int32, bitcast=True), mask=hmask)
     else:
         if DO_KV:
@@ -189,8 +192,8 @@ def qnorm_rope_kv_insert_kernel(
     q_ptr,  # int16 view of q [T, H, 512] bf16 (last dim contiguous), updated in place
     kv_ptr,  # int16 view of kv [T, 512] bf16 (last dim contiguous)
     cache_ptr,  # uint8 pages, page p at p * page_stride (the 584-B record layout, docs/formats.md)
-    slot_ptr,  # int64 [n_slots] (n_slots <= T); −1 = write nothing
-    pos_ptr,  # int64 [T]
+    slot_ptr,  # int64 [n_slots] (n_slots <= T), contiguous; −1 = write nothing
+    pos_ptr,  # int64 [T], contiguous
     tab_ptr,  # fp32 [max_pos, 64] cos/sin table, row stride tab_stride
     H,  # query heads; program (t, H) is token t's KV program
     n_slots,
@@ -229,7 +232,7 @@ def qnorm_rope_kv_insert_kernel(
             partner = ((tl.load(head + (d ^ 1)).to(tl.int32) & 0xFFFF) << 16).to(tl.float32, bitcast=True) * rr
             rot = xn * c + tl.where(d % 2 == 0, -(partner * s), partner * s)
             y = tl.where(is_rope, rot, xn)
-            tl.store(head + d, bf16_rne_bits(y).to(tl.int16, bitcast=True))
+            tl.store(head + d, bf16_rne_bits_nan(y).to(tl.int16, bitcast=True))
     else:
         if DO_KV:
             _kv_program(kv_ptr, cache_ptr, slot_ptr, t, n_slots, trow, kv_stride, page_stride, block_size)

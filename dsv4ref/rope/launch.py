@@ -89,25 +89,29 @@ def packable(q: torch.Tensor) -> bool:
 
 def rotate(x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor, out: torch.Tensor, pos_div: int,
            inverse: bool, rows: int) -> None:
-    """x, out: ``[N, D]`` (out contiguous, a copy of x); positions int64 ``[N // pos_div]``."""
+    """x, out: ``[N, D]`` with a contiguous last dim (out contiguous, a copy of x); positions int64
+    ``[N // pos_div]`` (made contiguous here: the kernel reads ``pos[n // pos_div]``)."""
     n, D = x.shape
     if n == 0:
         return
     bf16 = x.dtype == torch.bfloat16
     xv, ov = (x.view(torch.int16), out.view(torch.int16)) if bf16 else (x, out)
+    R = cos_sin.shape[1]
     kernels.rotate_gptj_kernel[(triton.cdiv(n, rows),)](
-        xv, ov, positions, cos_sin, n, x.stride(0), D, cos_sin.stride(0), pos_div,
-        R=cos_sin.shape[1], ROWS=rows, INVERSE=inverse, IS_BF16=bf16, enable_fp_fusion=False,
+        xv, ov, positions.contiguous(), cos_sin, n, x.stride(0), D, cos_sin.stride(0), pos_div,
+        R=R, R_P2=triton.next_power_of_2(R), ROWS=rows, INVERSE=inverse, IS_BF16=bf16, enable_fp_fusion=False,
     )
 
 
 def fused(q, kv, cache, slots, positions, cos_sin, eps: float, block_size: int, launch: RopeLaunch = DEFAULT, *,
           do_q: bool = True, do_kv: bool = True) -> None:
     """Launch the fused kernel chosen by ``launch`` (the per-head one when q is not :func:`packable`).
-    slots, positions: int64. ``do_q`` / ``do_kv`` = False skip that half (benchmarks of the unfused passes)."""
+    q, kv: last dim contiguous; slots, positions: int64 (made contiguous here: the kernels read them as
+    flat arrays). ``do_q`` / ``do_kv`` = False skip that half (benchmarks of the unfused passes)."""
     T, H, _ = q.shape
     if T == 0:
         return
+    slots, positions = slots.contiguous(), positions.contiguous()
     q16, kv16 = q.view(torch.int16), kv.view(torch.int16)
     hpp = launch.heads_per_prog
     if hpp and packable(q):

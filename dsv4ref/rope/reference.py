@@ -22,6 +22,11 @@ Rounding rules (every backend follows them, so kernels equal this file bit for b
 two separately rounded fp32 products and one add (no FMA), then rounds once to the output dtype (bf16:
 nearest-even); the RMSNorm sums squares in float64 (order-free), rounds to fp32, and takes a correctly
 rounded sqrt and division (never an approximate rsqrt).
+
+Non-finite input (``docs/rope.md#non-finite-input``) follows IEEE arithmetic through these same formulas,
+and every NaN a rotation or the norm produces is written as the one quiet NaN (bf16 0x7FC0, fp32
+0x7FC00000) — so a NaN in a q head makes the whole head NaN, bit-identical on every backend; dims that are
+only copied keep their bits.
 """
 
 from __future__ import annotations
@@ -31,8 +36,9 @@ import math
 import torch
 from einops import rearrange
 
-from .. import kv_cache
 from ..formats import ROPE_DIM
+from ..fp8.reference import canonical_nan
+from ..kv_cache import reference as kv_cache_reference
 
 # ----------------------------------------------------------------------------------------------------
 # 1-2. Frequencies, YaRN and the cos/sin table
@@ -102,7 +108,7 @@ def rotate_pairs(x: torch.Tensor, positions, cos_sin, inverse: bool, pairing: st
     e, o = rearrange(x[..., -R:].float(), f"... {pairing} -> two ... i", two=2)
     rot = torch.stack([e * c - o * s, e * s + o * c])  # two rounded products and one add each (no FMA)
     out = x.clone()
-    out[..., -R:] = rearrange(rot, f"two ... i -> ... {pairing}").to(x.dtype)  # one rounding to x's dtype
+    out[..., -R:] = canonical_nan(rearrange(rot, f"two ... i -> ... {pairing}").to(x.dtype))  # one rounding
     return out
 
 
@@ -126,16 +132,17 @@ def qnorm_rope(q: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor, 
     RoPE of the fp32 normalised values, rounded once to bf16."""
     ss = (q.double() ** 2).sum(dim=-1, keepdim=True).float()  # order-free: fp64 sum, then one rounding
     rr = 1.0 / torch.sqrt(ss / q.shape[-1] + eps)  # correctly rounded sqrt and division, fp32
-    return apply_gptj(q.float() * rr, positions, cos_sin).to(torch.bfloat16)
+    return canonical_nan(apply_gptj(q.float() * rr, positions, cos_sin).to(torch.bfloat16))
 
 
 def qnorm_rope_kv_insert(q: torch.Tensor, kv: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor,
                          positions: torch.Tensor, cos_sin: torch.Tensor, *, block_size: int, eps: float = 1e-6) -> None:
     """In place: q ← qnorm_rope(q); the rotated kv rows go into the cache exactly as ``kv_cache.insert``
-    writes them (448 e4m3 + 7 UE8M0 of the NoPE dims as given, the 64 rotated dims as bf16). Slot −1 and
-    rows beyond ``len(slots)`` write nothing; kv itself is not modified."""
+    writes them (448 e4m3 + 7 UE8M0 of the NoPE dims as given, the 64 rotated dims as bf16; a NoPE block
+    holding a NaN or ±inf as kv_cache's non-finite encoding). Slot −1 and rows beyond ``len(slots)`` write
+    nothing; kv itself is not modified."""
+    kv_cache_reference.insert(cache, apply_gptj(kv, positions, cos_sin), slots, block_size=block_size)
     q.copy_(qnorm_rope(q, positions, cos_sin, eps))
-    kv_cache.insert(cache, apply_gptj(kv, positions, cos_sin), slots, block_size=block_size, backend="reference")
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -146,7 +153,9 @@ def qnorm_rope_kv_insert(q: torch.Tensor, kv: torch.Tensor, cache: torch.Tensor,
 def grouped_o_proj(o: torch.Tensor, wo_a: torch.Tensor, wo_b: torch.Tensor) -> torch.Tensor:
     """out = wo_b(concat_g wo_a[g] @ o[t, heads of group g]), group g = heads [g·hpg, (g+1)·hpg). Both GEMMs
     accumulate in fp32; z is rounded to bf16 like any activation between two bf16 GEMMs."""
-    og = rearrange(o.float(), "t (g h) d -> t g (h d)", g=wo_a.shape[0])  # contiguous head groups
-    z = torch.einsum("tgk,gok->tgo", og, wo_a.float()).to(torch.bfloat16)  # (T, G, o_lora)
-    return (rearrange(z, "t g o -> t (g o)").float() @ wo_b.float().T).to(torch.bfloat16)
+    # fp32 copies in one layout, so that every input layout gives the same summation order (the same bits)
+    o, wo_a, wo_b = (t.float().contiguous() for t in (o, wo_a, wo_b))
+    og = rearrange(o, "t (g h) d -> t g (h d)", g=wo_a.shape[0])  # contiguous head groups
+    z = torch.einsum("tgk,gok->tgo", og, wo_a).to(torch.bfloat16)  # (T, G, o_lora)
+    return (rearrange(z, "t g o -> t (g o)").float() @ wo_b.T).to(torch.bfloat16)
 

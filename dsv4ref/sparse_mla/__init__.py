@@ -41,31 +41,64 @@ MAX_HEADS = 128
 __all__ = ["decode", "example_inputs", "SparseMlaLaunch", "default_launch", "SUPPORTED", "DEFAULT_SCALE"]
 
 
-def _check_pool(q, cache, slots, lengths, block_size, names):
-    cn, sname, lname, bname = names
-    T = q.shape[0]
-    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
-        raise ValueError(f"{bname}: expected a positive int, got {block_size!r}")
+def _one_device(**tensors: torch.Tensor | None) -> None:
+    """Every given tensor on q's device (the first keyword), else a ValueError naming the odd one out; and
+    not the meta device, whose tensors hold no values to attend over."""
+    (ref_name, ref), *rest = [(n, t) for n, t in tensors.items() if t is not None]
+    if ref.device.type == "meta":
+        raise ValueError(f"{ref_name}: a tensor on the meta device holds no values; decode needs real tensors")
+    for name, t in rest:
+        if t.device != ref.device:
+            raise ValueError(f"{name}: on {t.device}, but {ref_name} is on {ref.device} (every tensor argument "
+                             f"must be on one device)")
+
+
+def _check_layout(cache: torch.Tensor, block_size: int, cname: str) -> None:
+    """``cache`` is a KV cache laid out for ``block_size`` tokens per page (:func:`dsv4ref.kv_cache.check_cache`:
+    pages exactly ``page_bytes(block_size)`` wide, each contiguous), the error naming the caller's argument."""
     try:
         kv_cache.check_cache(cache, block_size)
-    except (TypeError, ValueError) as e:  # name the argument the caller used
+    except (TypeError, ValueError) as e:
         msg = str(e)
-        raise type(e)(msg.replace("cache:", f"{cn}:", 1) if msg.startswith("cache:") else f"{cn}: {msg}") from None
+        raise type(e)(msg.replace("cache:", f"{cname}:", 1) if msg.startswith("cache:") else f"{cname}: {msg}") from None
+
+
+def _check_pool(T, cache, slots, lengths, block_size, names):
+    """Metadata checks of one pool (no device sync); returns slots and lengths, made contiguous where they
+    were views with other strides (small index tensors: a copy is cheap, and every backend then reads the
+    same layout)."""
+    cn, sname, lname, bname = names
+    block_size = validate.integer(block_size, bname, lo=1)
+    _check_layout(cache, block_size, cn)
     validate.tensor(slots, sname, dtype=(torch.int32, torch.int64), ndim=2)
     if slots.shape[0] != T:
         raise ValueError(f"{sname}: expected {T} rows (one per token of q), got shape {tuple(slots.shape)}")
-    if slots.stride(1) != 1:
-        raise ValueError(f"{sname}: rows must be contiguous (strides {slots.stride()})")
-    validate.index_range(slots, sname, cache.shape[0] * block_size)
+    if slots.stride(1) != 1 and slots.shape[1] > 1:
+        slots = slots.contiguous()
     if lengths is not None:
-        validate.tensor(lengths, lname, dtype=torch.int32, shape=(T,))
-        if not lengths.is_contiguous():
-            raise ValueError(f"{lname}: expected a contiguous tensor")
-        bad = (lengths < 0) | (lengths > slots.shape[1])
-        if validate.CHECK_VALUES and T and bool(bad.any()):
-            i = int(bad.nonzero()[0][0])
-            raise ValueError(f"{lname}: entry {i} = {int(lengths[i])} is out of range; expected [0, {slots.shape[1]}]")
-    validate.same_device(**{cn: cache, sname: slots, lname: lengths})
+        validate.tensor(lengths, lname, dtype=(torch.int32, torch.int64), shape=(T,))
+        lengths = lengths.contiguous()
+    return slots, lengths, block_size
+
+
+def _check_values(q, sink, pools) -> None:
+    """The value checks (each a device sync; skipped with ``DSV4REF_CHECK_VALUES=0``): q finite, sink not
+    NaN, every slot −1 or inside its cache, every length in [0, K]."""
+    if not validate.check_values():
+        return
+    validate.finite(q, "q")
+    if sink is not None and sink.numel() and bool(sink.isnan().any()):
+        i = int(sink.isnan().nonzero()[0][0])
+        raise ValueError(f"sink: non-finite values: entry {i} is NaN (±inf are allowed: −inf = no sink, +inf "
+                         f"silences the head)")
+    for cache, slots, lengths, block_size, (cn, sname, lname, bname) in pools:
+        validate.index_range(slots, sname, cache.shape[0] * block_size)
+        if lengths is not None and lengths.numel():
+            bad = (lengths < 0) | (lengths > slots.shape[1])
+            if bool(bad.any()):
+                i = int(bad.nonzero()[0][0])
+                raise ValueError(f"{lname}: entry {i} = {int(lengths[i])} is out of range; expected "
+                                 f"[0, {slots.shape[1]}]")
 
 
 def decode(q: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor, lengths: torch.Tensor | None, *, block_size: int,
@@ -76,28 +109,35 @@ def decode(q: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor, lengths: t
     """Sparse MLA decode: every head of every token attends to its listed slots of one or two FP8 caches.
 
     Args:
-        q: ``[T, H, 512]`` bf16, last dim contiguous (any T and H strides); 1 ≤ H ≤ 128. Heads are padded
-            to the kernel's head block inside the kernel (masked rows), never here.
-        cache: uint8 pages ``[num_pages, page_stride]`` in the ``dsv4ref.kv_cache`` layout, ``block_size``
-            tokens per page.
-        slots: ``[T, K]`` int32 or int64 flat slots ``page · block_size + offset``, −1 = none; rows contiguous
-            (``slots.stride(1) == 1``).
-        lengths: ``[T]`` int32 in ``[0, K]``, contiguous: only the first ``lengths[t]`` entries of row t
-            count (None: all K).
-        block_size: tokens per page of ``cache`` (keyword-only, required).
-        sink: ``[H]`` fp32 sink logits (±inf allowed), in the softmax denominator only; None = no sink.
-        scale: softmax scale (DeepSeek-V4: 512^-0.5).
+        q: ``[T, H, 512]`` bf16, any strides (T = 0 is allowed); 1 ≤ H ≤ 128. Heads are padded to the
+            kernel's head block inside the kernel (masked rows), never here.
+        cache: uint8 pages ``[num_pages, kv_cache.page_bytes(block_size)]`` (exactly that width: the layout
+            for ``block_size`` tokens per page), each page contiguous; any page stride ≥ the width (a view of
+            a bigger buffer, odd addresses too).
+        slots: ``[T, K]`` int32 or int64 flat slots ``page · block_size + offset``, −1 = none; any strides.
+        lengths: ``[T]`` int32 or int64 in ``[0, K]``, any stride: only the first ``lengths[t]`` entries of
+            row t count (None: all K).
+        block_size: tokens per page of ``cache`` (keyword-only, required; an int ≥ 1).
+        sink: ``[H]`` fp32 sink logits, any stride, in the softmax denominator only; −inf = no sink, +inf
+            silences the head (out 0); NaN is refused. None = no sink.
+        scale: softmax scale, a finite number > 0 (DeepSeek-V4: 512^-0.5).
         extra_cache, extra_slots ``[T, K2]``, extra_lengths ``[T]`` (None = all K2), extra_block_size: the
-            second pool (the compressed rows next to the window), attended in the same softmax. Give
-            extra_cache, extra_slots and extra_block_size together.
+            second pool (the compressed rows next to the window), attended in the same softmax; the same
+            rules as the first. Give extra_cache, extra_slots and extra_block_size together.
         backend: "auto" (= "triton"), "reference", "two_pass" or "triton" (:data:`SUPPORTED`).
         launch: the kernels' :class:`SparseMlaLaunch`; None = :func:`default_launch` for this shape.
     Returns:
         ``(out, lse)``: out ``[T, H, 512]`` bf16, contiguous; lse ``[T, H]`` fp32, natural log, WITHOUT the
-        sink. A row with no valid entry gives out = 0 and lse = −inf.
+        sink. A row with no valid entry gives out = 0 and lse = −inf (FlashMLA writes +inf there).
 
-    Every entry of ``slots`` (also past the length) must be −1 or a slot inside its cache: checked here
-    with a device sync (``DSV4REF_CHECK_VALUES=0`` skips the value checks).
+    Raises ``TypeError`` (wrong type or dtype) or ``ValueError`` (shape, device, layout or value), the
+    message starting with the argument's name, before any work. Every tensor must be on one device. The
+    value checks (one device sync; ``DSV4REF_CHECK_VALUES=0`` skips them, read at call time) refuse a
+    non-finite q, a NaN sink, a slot that is neither −1 nor inside its cache (entries past the length too)
+    and a length outside [0, K]. With them off, every backend gives the same answer
+    (``docs/sparse_mla.md#non-finite-input``): a (token, head) whose q holds a NaN or ±inf, or whose token
+    counts a cache row holding a NaN or ±inf, gets out = NaN and lse = NaN, never the empty-row answer;
+    lengths are clamped to [0, K]; a slot below −1 counts as −1; a slot past the cache is undefined.
     """
     backend = validate.backend(backend, SUPPORTED, auto="triton")
     validate.tensor(q, "q", dtype=torch.bfloat16, ndim=3)
@@ -106,23 +146,32 @@ def decode(q: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor, lengths: t
         raise ValueError(f"q: expected the latent head dim {HEAD_DIM} (448 NoPE + 64 RoPE), got shape {tuple(q.shape)}")
     if not 1 <= H <= MAX_HEADS:
         raise ValueError(f"q: expected 1..{MAX_HEADS} heads, got {H}")
-    if q.stride(2) != 1:
-        raise ValueError(f"q: the last dim must be contiguous (strides {q.stride()})")
-    _check_pool(q, cache, slots, lengths, block_size, ("cache", "slots", "lengths", "block_size"))
+    names = ("cache", "slots", "lengths", "block_size")
+    slots, lengths, block_size = _check_pool(T, cache, slots, lengths, block_size, names)
+    pools = [(cache, slots, lengths, block_size, names)]
     extras = {"extra_cache": extra_cache, "extra_slots": extra_slots, "extra_block_size": extra_block_size}
     if any(e is not None for e in extras.values()) or extra_lengths is not None:
         missing = [n for n, e in extras.items() if e is None]
         if missing:
             raise ValueError(f"{', '.join(missing)}: the extra pool needs extra_cache, extra_slots and "
                              f"extra_block_size together")
-        _check_pool(q, extra_cache, extra_slots, extra_lengths, extra_block_size,
-                    ("extra_cache", "extra_slots", "extra_lengths", "extra_block_size"))
+        names2 = ("extra_cache", "extra_slots", "extra_lengths", "extra_block_size")
+        extra_slots, extra_lengths, extra_block_size = _check_pool(T, extra_cache, extra_slots, extra_lengths,
+                                                                   extra_block_size, names2)
+        pools.append((extra_cache, extra_slots, extra_lengths, extra_block_size, names2))
     if sink is not None:
         validate.tensor(sink, "sink", dtype=torch.float32, shape=(H,))
         sink = sink.contiguous()
+    scale = validate.scalar(scale, "scale")
+    if scale <= 0:
+        raise ValueError(f"scale: expected a number > 0, got {scale}")
     if launch is not None and not isinstance(launch, SparseMlaLaunch):
         raise TypeError(f"launch: expected a SparseMlaLaunch or None, got {type(launch).__name__}")
-    validate.same_device(q=q, cache=cache, extra_cache=extra_cache, sink=sink)
+    _one_device(q=q, cache=cache, slots=slots, lengths=lengths, sink=sink, extra_cache=extra_cache,
+                extra_slots=extra_slots, extra_lengths=extra_lengths)
+    if q.stride(2) != 1 and q.numel():  # the kernels read q rows as 512 contiguous values: copy the rare other view
+        q = q.contiguous()
+    _check_values(q, sink, pools)
     args = dict(block_size=block_size, sink=sink, scale=scale, extra_cache=extra_cache, extra_slots=extra_slots,
                 extra_lengths=extra_lengths, extra_block_size=extra_block_size)
     if backend == "reference":

@@ -9,19 +9,37 @@ and P is rounded to bf16 before P·V (FlashMLA's numerics, as in the portable ke
 What is different from the portable Triton kernel (``kernels.py``), and why it is faster:
 
 * **Tensor cores driven explicitly (wgmma).** One program owns 64 heads of one token (H = 16 is padded to
-  64 rows: wgmma's M is 64 per warpgroup). Its two warpgroups (8 warps) split every MMA by columns:
-  for S = Q·Kᵀ each computes 32 of the 64 candidate columns over all 512 dims (no score work is done
-  twice); for O += P·V each owns 256 of the 512 output dims, so the 64×512 fp32 accumulator is 128
-  registers per thread and never spills.
-* **Q and the dequantised K tile live in shared memory** (NVMMA-swizzled, read by wgmma directly); the
-  same K tile is the B operand of both MMAs (transposed view for QKᵀ), so nothing is loaded twice.
-* **Software pipeline over candidate chunks of 64.** In iteration ``i`` the program: runs QKᵀ on tile
-  ``i``; does the online softmax; *issues* P·V on tile ``i`` asynchronously; while the tensor cores run
-  it, dequantises chunk ``i + 1`` (whose raw bytes were loaded one iteration earlier and sat in
-  registers) into the other shared buffer and issues the global loads of chunk ``i + 2``; then waits.
-  Global-load latency and the FP8 dequantisation thus overlap the MMAs instead of running in series.
+  64 rows: wgmma's M is 64 per warpgroup; H = 128 takes two programs). Its two consumer warpgroups
+  (8 warps) split every MMA by columns: for S = Q·Kᵀ each computes 32 of the 64 candidate columns over all
+  512 dims (no score work is done twice); for O += P·V each owns 256 of the 512 output dims, so the
+  64×512 fp32 accumulator is 128 registers per thread instead of the portable kernel's spilled 128 KB.
+* **Q and the dequantised K tile live in shared memory** (NVMMA 128-byte swizzle, read by wgmma directly);
+  the same K tile is the B operand of both MMAs (a transposed view for QKᵀ), so nothing is loaded twice.
+* **Warp specialisation** (:func:`_ws_kernel`, the default): 4 producer warps gather the 584-byte rows of
+  each chunk of 64 candidates (half a chunk at a time, the next half's loads in flight and the slot
+  indices fetched half a chunk ahead), dequantise e4m3 × 2^(scale − 127) to bf16 and store them into a
+  2-stage ring of shared K tiles, signalling ``ready[stage]`` (an mbarrier); the 8 consumer warps wait for
+  it, run QKᵀ, the online softmax, P (bf16, through shared memory) · V, and release the stage
+  (``empty[stage]``). The producer runs on 144 registers, the consumers on the rest (setmaxnreg).
+  The column mask of the next chunk is fetched one chunk ahead so no index load sits on the MMA chain.
 * The candidate list (both pools concatenated) is split over programs when one program per (token, head
-  block) would leave SMs idle (flash-decoding); a small merge kernel applies the sink once.
+  block) would leave SMs idle (flash-decoding, fp32 partials); a small merge kernel applies the sink once.
+* :func:`_decode_kernel` is the first rung, kept for comparison (``variant={"WS": False}``): the same MMAs
+  with no specialisation; after issuing P·V asynchronously the same warps load and dequantise the next
+  chunk into the other buffer.
+
+Measured on the H200 (benchmarks/sparse_mla_gluon.py; T = 64; % of max(bytes / copy BW, FLOP / bf16 rate);
+2026-11-30, copy 3.99 TB/s, bf16 750 TFLOP/s): H 64 K 640 41.7 µs (19.5%), H 128 K 1152 87.1 µs (29.6%),
+H 16 K 2048 81.9 µs (24.2%); the portable fused kernel in the same run 81.0 / 176.8 / 106.1 µs. Below the
+35% floor. What limits it, from the two timing diagnostics (``variant={"DIAG": 1 | 2}``, wrong results):
+the consumer alone (no row loads) takes 35.7 / 81.3 / 67.6 µs, the producer alone (no MMA) 31.6 / 62.1 /
+55.8 µs; both sides are each 2–4× off their own bound, and the kernel runs at about the slower of the two.
+Producer: one half chunk (18.7 KB) of gathered rows in flight per SM is too little for the DRAM latency
+(holding more in registers spills: a loaded byte occupies a whole register), and Triton places a
+barrier between the 8 column-tile stores of a half chunk. Consumer: 64 × 64 × 512 QKᵀ as 32 narrow
+(n = 32) wgmma per warpgroup, cross-warpgroup softmax reductions and four CTA barriers per chunk.
+Next steps: cp.async / register-free staging of the raw rows (more bytes in flight), a cheaper dequant
+(bf16 exponent arithmetic instead of the fp32 round trip), the QKᵀ split by K dims (n = 64 per warpgroup).
 
 This module imports Gluon lazily and guarded: on a CPU machine (the Triton interpreter) or a Triton
 without Gluon it still imports; :func:`available` says whether the backend can run here.
@@ -590,13 +608,19 @@ def decode_gluon(q: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor, leng
     q ``[T, H, 512]`` bf16 (H <= 128); cache uint8 pages of ``block_size`` tokens; slots ``[T, K]`` int32
     (−1 = no entry, rows contiguous); lengths ``[T]`` int32 or None (all K); sink ``[H]`` fp32 or None;
     the optional extra pool likewise. Returns out ``[T, H, 512]`` bf16, lse ``[T, H]`` fp32 (natural log,
-    without the sink; −inf for empty rows)."""
+    without the sink; −inf for empty rows).
+
+    ``num_splits`` overrides the list-split heuristic (:func:`config`); ``variant`` overrides flags of
+    :data:`VARIANT` (benchmarks and tests only)."""
     kern = _kernels()
     if kern is None or interpreting():
         raise RuntimeError(f"the gluon backend needs compiled Triton with Gluon on a Hopper GPU ({_IMPORT_ERROR!r})")
     T, H, D = q.shape
     if D != F.HEAD_DIM or H > 128 or q.stride(2) != 1:
         raise ValueError(f"q: expected [T, H <= 128, {F.HEAD_DIM}] with a contiguous last dim, got {tuple(q.shape)}")
+    for x, name in ((slots, "slots"), (extra_slots, "extra_slots")):
+        if x is not None and x.shape[1] and x.stride(1) != 1:
+            raise ValueError(f"{name}: rows must be contiguous (strides {x.stride()})")
     for c, name in ((cache, "cache"), (extra_cache, "extra_cache")):
         if c is not None and not _aligned(c):
             raise ValueError(f"{name}: the gluon backend needs 16-byte aligned pages (data_ptr and stride(0) % 16 == 0)")

@@ -14,7 +14,13 @@ The fused kernel, one program per (token t, block of BLOCK_H heads, split sp of 
                                              masked loads (other = 0), so −1 reads nothing
         s  = q · kᵀ · scale · log2(e)        [BLOCK_H, BLOCK_N], −inf where the slot is −1
         online softmax update of (m, l, acc), the SAME tile k used as V: acc += p · k
-    epilogue: out = acc / l · σ(lse − sink), lse = ln 2 · (m + log2 l); empty rows: out 0, lse −inf
+    epilogue: out = acc / l · σ(lse − sink), lse = ln 2 · (m + log2 l); empty rows (l = 0): out 0, lse −inf
+
+Non-finite input (it reaches the kernels only with value checks off; ``docs/sparse_mla.md#non-finite-input``)
+poisons l: a query row holding a NaN or ±inf sets l = NaN after the loop, and a counted score that is not
+finite (a cache row holding a NaN or ±inf: E8M0 scale byte 255 reads as NaN) makes l NaN inside it (a −inf
+score, which would weigh 0, is turned into NaN first). l = NaN is "not empty" (NaN != 0), so the epilogue
+writes out = NaN and lse = NaN; the split merge carries it (0 · NaN = NaN). No extra branch in the loop.
 
 Block sizes (:class:`~dsv4ref.sparse_mla.launch.SparseMlaLaunch`; measured on the H200 in
 ``benchmarks/sparse_mla.md``): BLOCK_H = 16 heads for H ≤ 16, 32 for H ≤ 32, else 64 (H = 128 runs two
@@ -28,7 +34,7 @@ and writes its unnormalised state, without the sink, to two fp32 scratch tensors
 
 * ``part_o  [T, SPLITS, H, 512]`` fp32, contiguous: acc = Σ 2^(s − m)·k over the split's entries;
 * ``part_ml [T, SPLITS, H, 2]`` fp32, contiguous: ``(m, l)``, m the max of the log2-domain logits
-  ``s·log2(e)`` (−inf for a split with no valid entry) and l = Σ 2^(s − m) (0 then).
+  ``s·log2(e)`` (−inf for a split with no valid entry) and l = Σ 2^(s − m) (0 then; NaN for a poisoned row).
 
 :func:`merge_kernel` (one program per token and ``MERGE_BLOCK_H`` = 2 heads, 4 warps) folds the splits
 with the same rescaling as the loop, then runs the same epilogue once: the sink is applied after the
@@ -45,7 +51,7 @@ import triton
 import triton.language as tl
 
 from ..formats import HEAD_DIM, N_SCALES, NOPE_DIM, QUANT_BLOCK, ROPE_DIM
-from ..tl import bf16_rne_bits, dot, page_offsets, pow2
+from ..tl import bf16_rne_bits_nan, dot, nonfinite, page_offsets, ue8m0_value
 
 # The row as tiles of QUANT_BLOCK values: N_SCALES e4m3 tiles, then one bf16 RoPE tile (needs ROPE_DIM == QUANT_BLOCK).
 assert ROPE_DIM == QUANT_BLOCK and NOPE_DIM == N_SCALES * QUANT_BLOCK
@@ -56,16 +62,29 @@ _TILES = tl.constexpr(HEAD_DIM // QUANT_BLOCK)  # 8 tiles: 0..6 e4m3, 7 RoPE
 _ROPE_TILE = tl.constexpr(N_SCALES)  # 7
 _LN2 = tl.constexpr(0.6931471805599453)
 
-__all__ = ["load_rows_fp8", "load_rows_bf16", "attend_pool", "finish", "decode_kernel", "merge_kernel"]
+__all__ = ["e4m3_value", "load_rows_fp8", "load_rows_bf16", "attend_pool", "finish", "decode_kernel", "merge_kernel"]
 
 
 @triton.jit
-def load_rows_fp8(cache_ptr, slot, ok, block_size, page_stride, BLOCK_N: tl.constexpr, ROPE16: tl.constexpr):
+def e4m3_value(q8, INTERPRETED: tl.constexpr):
+    """e4m3fn bytes (uint8) -> fp32 values, NaN for the bytes 0x7F / 0xFF. Compiled, the cast does it all;
+    the interpreter decodes those two bytes as ±480 (``docs/triton_interpreter.md``), so there they are
+    mapped to NaN explicitly."""
+    x = q8.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+    if INTERPRETED:
+        x = tl.where((q8 & 0x7F) == 0x7F, float("nan"), x)
+    return x
+
+
+@triton.jit
+def load_rows_fp8(cache_ptr, slot, ok, block_size, page_stride, BLOCK_N: tl.constexpr, ROPE16: tl.constexpr,
+                  INTERPRETED: tl.constexpr):
     """Dequantised rows ``[BLOCK_N, 512]`` fp32 straight from the pages (``docs/formats.md``).
 
     cache_ptr: uint8 pages; slot: [BLOCK_N] int (≥ 0 where ``ok``); ok: [BLOCK_N] bool. Tiles 0..6 are e4m3
-    bytes × 2^(scale byte − 127) (exact), tile 7 the 64 bf16 RoPE values (two little-endian bytes each).
-    Rows with ``ok`` false load nothing (other = 0): a −1 or a NaN-filled page never reaches the math."""
+    bytes × the UE8M0 scale (2^(byte − 127); byte 0 = 2^-127, byte 255 = NaN, as the format defines), tile 7
+    the 64 bf16 RoPE values (two little-endian bytes each). Rows with ``ok`` false load nothing (other = 0):
+    a −1 or a NaN-filled page never reaches the math."""
     data, scales = page_offsets(slot, block_size, page_stride)  # [BLOCK_N] int64 each
     b = tl.arange(0, _TILES)
     c = tl.arange(0, _TILE)
@@ -73,10 +92,10 @@ def load_rows_fp8(cache_ptr, slot, ok, block_size, page_stride, BLOCK_N: tl.cons
     c3 = c[None, None, :]
     ok3 = (ok[:, None, None] & (b3 < _ROPE_TILE)) & (c3 >= 0)  # [BLOCK_N, 8, 64], the pointer's shape
     q8 = tl.load(cache_ptr + data[:, None, None] + b3 * _TILE + c3, mask=ok3, other=0)
-    x = q8.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+    x = e4m3_value(q8, INTERPRETED)
     ok2 = ok[:, None] & (b[None, :] < _ROPE_TILE)
-    sb = tl.load(cache_ptr + scales[:, None] + b[None, :], mask=ok2, other=127).to(tl.int32)
-    x = x * pow2(sb)[:, :, None]
+    sb = tl.load(cache_ptr + scales[:, None] + b[None, :], mask=ok2, other=127)
+    x = x * ue8m0_value(sb)[:, :, None]
     okr = ok[:, None] & (c[None, :] >= 0)
     if ROPE16:  # pages start at even byte addresses: read the 64 bf16 as int16 words (little-endian)
         w = tl.load(cache_ptr.to(tl.pointer_type(tl.int16)) + ((data + _NOPE) // 2)[:, None] + c[None, :],
@@ -107,7 +126,11 @@ def attend_pool(q, m, l, acc, kv_ptr, slots_ptr, row_base, start, stop, block_si
 
     m: running max of the log2-domain logits [BLOCK_H]; l: running Σ 2^(s − m) [BLOCK_H]; acc: running
     Σ 2^(s − m)·k [BLOCK_H, 512]. A chunk whose entries are all masked leaves m = −inf; ``m_safe`` keeps
-    every exponent finite: never −inf − (−inf)."""
+    every exponent finite: never −inf − (−inf).
+
+    A counted score that is not finite (only a cache row holding a NaN or ±inf makes one) turns l into NaN
+    for good: NaN and +inf do so through the exponentials, and −inf, which would silently weigh 0, is made
+    NaN first. The epilogue then writes NaN, never the empty-row answer."""
     jn = tl.arange(0, BLOCK_N)
     for j in range(start, stop, BLOCK_N):
         jj = j + jn
@@ -116,11 +139,12 @@ def attend_pool(q, m, l, acc, kv_ptr, slots_ptr, row_base, start, stop, block_si
         if KV_BF16:
             k = load_rows_bf16(kv_ptr, row_base + jj, ok)
         else:
-            k = load_rows_fp8(kv_ptr, tl.maximum(slot, 0), ok, block_size, page_stride, BLOCK_N, ROPE16)
+            k = load_rows_fp8(kv_ptr, tl.maximum(slot, 0), ok, block_size, page_stride, BLOCK_N, ROPE16, DOT_FP32)
         if not DOT_FP32:
             k = k.to(tl.bfloat16)  # exact: e4m3 × 2^e and the RoPE values are bf16 numbers
         s = dot(q, tl.trans(k), tl.zeros((BLOCK_H, BLOCK_N), dtype=tl.float32), DOT_FP32)
-        s = tl.where(ok[None, :], s * qk_scale, -float("inf"))
+        s = s * qk_scale
+        s = tl.where(ok[None, :], tl.where(s == -float("inf"), float("nan"), s), -float("inf"))
         m_new = tl.maximum(m, tl.max(s, axis=1))
         m_safe = tl.where(m_new == -float("inf"), 0.0, m_new)
         alpha = tl.exp2(m - m_safe)  # m = −inf (nothing yet) -> 0
@@ -138,9 +162,10 @@ def finish(m, l, acc, sink):
     """Epilogue: out = acc / l · σ(lse − sink), lse = ln Σ e^s; empty rows -> out 0, lse −inf.
 
     Emptiness comes from l (l ≥ 1 as soon as one entry is valid: the max entry contributes 2^0), never
-    from the running max. The sink enters as the correction factor 1 / (1 + e^(sink − lse)), right for
-    sink = −inf (factor 1) and +inf (factor 0) without NaN."""
-    nonempty = l > 0
+    from the running max; l = NaN (a poisoned row) is not empty and gives out = NaN, lse = NaN. The sink
+    enters as the correction factor 1 / (1 + e^(sink − lse)), right for sink = −inf (factor 1) and +inf
+    (factor 0) without NaN."""
+    nonempty = l != 0  # NaN != 0: a poisoned row is never taken for an empty one
     l_safe = tl.where(nonempty, l, 1.0)
     m_safe = tl.where(nonempty, m, 0.0)
     lse = (m_safe + tl.log2(l_safe)) * _LN2
@@ -161,7 +186,7 @@ def _store_out(out_ptr, lse_ptr, sink_ptr, t64, h, hm, H, m, l, acc, HAS_SINK: t
     out, lse = finish(m, l, acc, sink)
     row = t64 * H + h.to(tl.int64)
     d = tl.arange(0, _D)
-    tl.store(out_ptr + row[:, None] * _D + d[None, :], bf16_rne_bits(out).to(tl.int16, bitcast=True),
+    tl.store(out_ptr + row[:, None] * _D + d[None, :], bf16_rne_bits_nan(out).to(tl.int16, bitcast=True),
              mask=hm[:, None] & (d[None, :] >= 0))
     tl.store(lse_ptr + row, lse, mask=hm)
 
@@ -185,7 +210,7 @@ def decode_kernel(
     KV_BF16: tl.constexpr,  # True: kv*_ptr are bf16 workspaces, row = t·K + j (two-pass); False: FP8 pages
     SPLITS: tl.constexpr,  # candidate-list splits; > 1 writes the partials for merge_kernel
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
-    DOT_FP32: tl.constexpr,  # interpreter: fp32 dots (bf16 tl.dot is wrong there)
+    DOT_FP32: tl.constexpr,  # interpreter: fp32 dots (bf16 tl.dot is wrong there) and its e4m3 NaN fix
     ROPE16: tl.constexpr,  # every page starts at an even address: RoPE read as int16 words
 ):
     """Grid ``(T, cdiv(H, BLOCK_H), SPLITS)``. Writes out/lse (SPLITS == 1) or the split scratch."""
@@ -199,6 +224,7 @@ def decode_kernel(
     t64 = t.to(tl.int64)
     q = tl.load(q_ptr + t64 * q_stride_t + h[:, None].to(tl.int64) * q_stride_h + d[None, :],
                 mask=hm[:, None] & (d[None, :] >= 0), other=0.0).to(tl.float32)
+    q_bad = tl.max(nonfinite(q).to(tl.int32), axis=1) != 0  # [BLOCK_H]: a NaN/inf query poisons its row
     if not DOT_FP32:
         q = q.to(tl.bfloat16)  # exact: q was bf16
     m = tl.full((BLOCK_H,), -float("inf"), dtype=tl.float32)
@@ -221,6 +247,7 @@ def decode_kernel(
                                 tl.minimum(start2 + chunk2, n2), bs2, ps2, qk_scale, KV_BF16, BLOCK_H, BLOCK_N,
                                 DOT_FP32, ROPE16)
 
+    l = tl.where(q_bad, float("nan"), l)  # also when the row has no valid entry: never the empty-row answer
     if SPLITS == 1:
         _store_out(out_ptr, lse_ptr, sink_ptr, t64, h, hm, H, m, l, acc, HAS_SINK)
     else:  # the split's state, without the sink

@@ -1,7 +1,8 @@
 """How :mod:`dsv4ref.sparse_mla` launches its kernels: the launch shape, the launcher, the custom ops.
 
 * :class:`SparseMlaLaunch`: every launch choice (head block, candidate chunk, list splits, warps, stages),
-  passed explicitly as ``launch=``; :func:`default_launch` is the measured default.
+  passed explicitly as ``launch=``; :func:`default_launch` is the measured default (:func:`launch_for_sms`
+  gives it for any SM count, e.g. the H200's 132, on any machine).
 * :func:`attend`: runs :func:`~dsv4ref.sparse_mla.kernels.decode_kernel` (and the merge when split) on
   already-validated tensors, over FP8 pages (the fused path) or bf16 workspaces (the two-pass path).
 * Two ``torch.library`` custom ops with fakes, whose schemas carry every launch choice:
@@ -19,7 +20,7 @@ import triton
 
 from ..device import interpreting
 from ..formats import HEAD_DIM
-from ..validate import power_of_two
+from ..validate import integer, power_of_two
 from .kernels import decode_kernel, merge_kernel
 
 LOG2E = 1.4426950408889634
@@ -27,7 +28,7 @@ LOG2E = 1.4426950408889634
 # 4: 99.8, 8: 101.1, 16: 106.2 (too few programs: 64 for 132 SMs). H = 64 and 128: equal within noise.
 MERGE_BLOCK_H = 2
 
-__all__ = ["SparseMlaLaunch", "default_launch", "resolve", "launch_args", "attend", "fused_decode", "workspace",
+__all__ = ["SparseMlaLaunch", "default_launch", "launch_for_sms", "resolve", "launch_args", "attend", "fused_decode", "workspace",
            "MERGE_BLOCK_H"]
 
 
@@ -56,8 +57,7 @@ class SparseMlaLaunch:
                 raise ValueError(f"{name}: expected a power of two >= 16, got {getattr(self, name)}")
         power_of_two(self.num_splits, "num_splits")
         power_of_two(self.num_warps, "num_warps")
-        if self.num_stages < 1:
-            raise ValueError(f"num_stages: expected >= 1, got {self.num_stages}")
+        integer(self.num_stages, "num_stages", lo=1)
 
 
 _SM_COUNT: dict[str, int] = {}
@@ -75,23 +75,30 @@ def _sm_count(device: torch.device) -> int:
 
 
 def default_launch(T: int, H: int, K_total: int, device: torch.device) -> SparseMlaLaunch:
-    """The measured default for T tokens, H heads and K_total candidates per token (both pools).
+    """The measured default for T tokens, H heads and K_total candidates per token (both pools) on
+    ``device``: :func:`launch_for_sms` with the device's SM count (compiled) or the interpreter's shapes."""
+    return launch_for_sms(T, H, K_total, _sm_count(device), interpreted=interpreting())
+
+
+def launch_for_sms(T: int, H: int, K_total: int, sm_count: int, *, interpreted: bool = False) -> SparseMlaLaunch:
+    """The default launch on a device with ``sm_count`` streaming multiprocessors (the H200 has 132), so a
+    reader on any machine can see what a GPU runs.
 
     Tuned on the H200 at T = 64 (``benchmarks/sparse_mla.md``): heads in blocks of 16, 32 or 64 (H = 128:
     two blocks of 64); 32-candidate chunks with 16-head blocks, 64 otherwise (16 in the interpreter). The
     list is split only while T · head blocks would leave most SMs idle (target: two programs per SM for
     16-head blocks, one for 64-head blocks, whose partial states are 64·512 fp32) and each split keeps
-    ≥ 256 candidates."""
+    ≥ 256 candidates. ``interpreted``: Triton's CPU interpreter (16-candidate chunks, no split, 1 stage)."""
     block_h = 16 if H <= 16 else (32 if H <= 32 else 64)
-    block_n = 16 if interpreting() else (32 if block_h <= 16 else 64)
+    block_n = 16 if interpreted else (32 if block_h <= 16 else 64)
     num_splits = 1
-    if not interpreting():
-        target = 2 * _sm_count(device) if block_h <= 16 else _sm_count(device)
+    if not interpreted:
+        target = 2 * sm_count if block_h <= 16 else sm_count
         n_hb = triton.cdiv(H, block_h)
         while T * n_hb * num_splits * 2 <= target and K_total // (num_splits * 2) >= 256 and num_splits < 16:
             num_splits *= 2
     return SparseMlaLaunch(block_h, block_n, num_splits, num_warps=4 if block_h <= 16 else 8,
-                           num_stages=1 if interpreting() else 2)
+                           num_stages=1 if interpreted else 2)
 
 
 def _even_pages(cache: torch.Tensor) -> bool:

@@ -19,6 +19,10 @@ the 64 RoPE dims included)::
 * Duplicates are not removed: a slot listed twice counts twice.
 * Mask before use: an entry past its length or equal to −1 becomes slot −1 BEFORE the gather, and the
   reader returns a zero row for −1 without touching memory.
+* Non-finite input (reached only with value checks off; ``docs/sparse_mla.md#non-finite-input``): a row
+  (t, h) is **poisoned** when q[t, h] holds a NaN or ±inf, or when a counted score s_j is not finite (a
+  counted cache row holding a NaN or ±inf makes every head's score non-finite). A poisoned row gives
+  out = NaN and lse = NaN, also when it has no valid candidate: never the empty-row answer (0, −inf).
 
 The gather is fp32 math on the exactly dequantised rows (they are bf16 numbers); ``dtype=torch.float64``
 turns the same code into a float64 oracle (out not rounded to bf16).
@@ -29,7 +33,7 @@ from __future__ import annotations
 import math
 
 import torch
-from einops import einsum, rearrange
+from einops import einsum
 
 from .. import kv_cache
 from ..formats import HEAD_DIM
@@ -52,7 +56,7 @@ def _gather(cache, slots, lengths, block_size, dtype):
     keep = valid_mask(slots, lengths)
     masked = torch.where(keep, slots, -1).reshape(-1)  # mask before use: never read a slot that does not count
     rows = kv_cache.gather(cache, masked, block_size=block_size, backend="reference")
-    return rearrange(rows.to(dtype), "(t k) d -> t k d", t=slots.shape[0]), keep
+    return rows.to(dtype).view(*slots.shape, HEAD_DIM), keep  # [T, K, 512] (T = 0 or K = 0 too)
 
 
 def decode(q: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor, lengths: torch.Tensor | None, *, block_size: int,
@@ -72,6 +76,7 @@ def decode(q: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor, lengths: t
         k, keep = torch.cat([k, k2], dim=1), torch.cat([keep, keep2], dim=1)  # [T, K1 + K2, 512], [T, K1 + K2]
 
     s = scale * einsum(q.to(dtype), k, "t h d, t k d -> t h k")
+    poisoned = (keep[:, None, :] & ~torch.isfinite(s)).any(dim=-1) | ~torch.isfinite(q).all(dim=-1)  # [T, H]
     s = s.masked_fill(~keep[:, None, :], -math.inf)
     nonempty = keep.any(dim=1)[:, None].expand(-1, q.shape[1])  # [T, H]
     lse = torch.logsumexp(s, dim=-1)  # −inf for an empty row
@@ -82,9 +87,12 @@ def decode(q: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor, lengths: t
     out = einsum(p, k, "t h k, t k d -> t h d") * factor
     out = torch.where(nonempty[..., None], out, torch.zeros_like(out))
     lse = torch.where(nonempty, lse, torch.full_like(lse, -math.inf))
+    out = out.masked_fill(poisoned[..., None], math.nan)  # a NaN in, a NaN out: never the empty-row answer
+    lse = lse.masked_fill(poisoned, math.nan)
     if dtype == torch.float32:
         out = out.to(torch.bfloat16)
     if not with_mass:
         return out, lse
     mass = einsum(p, k.abs(), "t h k, t k d -> t h d") * factor
-    return out, lse, torch.where(nonempty[..., None], mass, torch.zeros_like(mass))
+    mass = torch.where(nonempty[..., None], mass, torch.zeros_like(mass))
+    return out, lse, mass.masked_fill(poisoned[..., None], math.nan)

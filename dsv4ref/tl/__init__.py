@@ -11,12 +11,18 @@ Why each helper exists (the interpreter bug it works around): ``docs/triton_inte
 from .numerics import (  # noqa: F401
     E4M3_MAX,
     bf16_rne_bits,
+    bf16_rne_bits_nan,
     bf16_round,
+    canonical_nan,
     dot,
+    e4m3_decode,
     e4m3_encode,
+    e4m3_ue8m0_blocks,
     inv_pow2,
+    nonfinite,
     page_offsets,
     pow2,
     splat,
     ue8m0_byte,
+    ue8m0_value,
 )

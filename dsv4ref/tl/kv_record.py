@@ -11,6 +11,10 @@ Spec (``docs/formats.md#the-584-byte-kv-cache-page``): a token's bf16 row k[0:51
 
 where ``data = page·page_stride + 576·offset`` and ``scales = page·page_stride + 576·B + 8·offset`` for
 ``slot = page·B + offset``: the two regions are NOT adjacent. Slot −1 writes nothing.
+
+A quant block holding a NaN or ±inf is written as scale byte 255 and e4m3 NaN bytes (0x7F, 0xFF for a set
+sign bit), exactly like ``fp8.quantize_ue8m0`` (``docs/formats.md#non-finite-values``); the RoPE bits are
+stored as given, NaN and inf included.
 """
 
 from __future__ import annotations
@@ -18,8 +22,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ..formats import E4M3_MAX, KV_AMAX_FLOOR, N_SCALES, NOPE_DIM, QUANT_BLOCK, ROPE_DIM
-from .numerics import e4m3_encode, inv_pow2, page_offsets, ue8m0_byte
+from ..formats import KV_AMAX_FLOOR, N_SCALES, NOPE_DIM, QUANT_BLOCK, ROPE_DIM
+from .numerics import e4m3_ue8m0_blocks, page_offsets
 
 _NOPE = tl.constexpr(NOPE_DIM)  # 448 e4m3 bytes, then the RoPE words
 _BLOCK = tl.constexpr(QUANT_BLOCK)  # 64 values per scale byte
@@ -27,7 +31,6 @@ _N_SCALES = tl.constexpr(N_SCALES)  # 7 quant blocks
 _BLOCKS_P2 = tl.constexpr(triton.next_power_of_2(N_SCALES))  # 8: tile rows (tl.arange needs a power of two)
 _ROPE = tl.constexpr(ROPE_DIM)  # 64 bf16 values
 _FLOOR = tl.constexpr(KV_AMAX_FLOOR)
-_QMAX = tl.constexpr(E4M3_MAX)
 
 
 @triton.jit
@@ -53,8 +56,7 @@ def kv_record(
     nope_ok = tl.broadcast_to(ok[:, None, None] & (blk < _N_SCALES), (TOK, _BLOCKS_P2, _BLOCK))  # mask: pointer's shape
     bits = tl.load(row[:, None, None] + dim, mask=nope_ok, other=0).to(tl.int32) & 0xFFFF
     x = (bits << 16).to(tl.float32, bitcast=True)
-    byte = ue8m0_byte(tl.max(tl.abs(x), axis=2), _FLOOR, _QMAX)  # [TOK, 8]; block row 7 unused
-    q = e4m3_encode(x * inv_pow2(byte)[:, :, None]).to(tl.uint8, bitcast=True)  # × 2^-e is exact
+    q, byte = e4m3_ue8m0_blocks(x, _FLOOR, 2)  # [TOK, 8, 64] uint8, [TOK, 8] int32; block row 7 unused
     tl.store(cache_ptr + data[:, None, None] + dim, q, mask=nope_ok)
 
     # RoPE: the caller's bf16 bits to bytes 448.. of the token's data, little-endian

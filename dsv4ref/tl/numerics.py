@@ -12,6 +12,12 @@ helper                 what it does                                  interpreter
 ``bf16_rne_bits``      fp32 -> bf16 bits, round half to even         I4: fp32 -> bf16 truncates
 ``dot``                tl.dot that upcasts to fp32 when interpreted  I2: bf16 tl.dot is garbage
 ``page_offsets``       slot -> int64 byte offsets in a 584-B page    (int32 overflow past 2^31 bytes)
+``e4m3_ue8m0_blocks``  fp32 tile -> e4m3 bytes + UE8M0 bytes, with   (GPU max/min drop NaN; the policy
+                       the non-finite policy (NaN block: 255, 0x7F)  is decided on the bits instead)
+``ue8m0_value``        any E8M0 byte -> fp32 (0: 2^-127, 255: NaN)   none; readers of others' pages
+``e4m3_decode``        e4m3fn byte -> fp32, 0x7F / 0xFF -> NaN       the interpreter decodes 0x7F as 480
+``bf16_rne_bits_nan``  ``bf16_rne_bits`` + NaN -> 0x7FC0             GPU NaN 0x7FFFFFFF would round to -0
+``canonical_nan``      fp32 NaN -> 0x7FC00000                        NaN payloads differ per device
 =====================  ============================================  ====================================
 
 Arithmetic rule for all kernels (I3): ``.to(tl.float32)`` right after a bf16/fp8 load, do every add,
@@ -133,3 +139,63 @@ def splat(cond, like):
     to a tensor first keeps the mask boolean on every backend.
     """
     return (tl.zeros_like(like).to(tl.int32) + cond.to(tl.int32)) != 0
+
+
+# ---- the non-finite policy (docs/formats.md#non-finite-values) ------------------------------------------
+# Decided on the bits, never with float compares or tl.max/tl.minimum (compiled, those may drop a NaN).
+
+
+@triton.jit
+def nonfinite(x):
+    """fp32 tensor -> bool tensor: NaN or ±inf (the exponent field is all ones)."""
+    return (x.to(tl.int32, bitcast=True) & 0x7F800000) == 0x7F800000
+
+
+@triton.jit
+def e4m3_ue8m0_blocks(x, FLOOR: tl.constexpr, AXIS: tl.constexpr):
+    """Block-quantise fp32 ``x``, one block per slice along ``AXIS``: ``(q, byte)`` with ``q`` the e4m3 bytes
+    (uint8, x's shape) and ``byte`` the UE8M0 scale bytes (int32, x's shape without ``AXIS``).
+
+    Finite blocks: :func:`ue8m0_byte` of max|x| (floored at ``FLOOR``), then ``e4m3(x · 2^(127 − byte))``.
+    A block holding any NaN or ±inf gets byte 255 (E8M0's NaN) and every e4m3 byte of it is NaN: 0x7F, or
+    0xFF where the input's sign bit is set. So it reads back as NaN, never as a plausible number.
+    """
+    byte = ue8m0_byte(tl.max(tl.abs(x), axis=AXIS), FLOOR, _E4M3_MAX)
+    q = e4m3_encode(x * tl.expand_dims(inv_pow2(byte), AXIS)).to(tl.uint8, bitcast=True)  # × 2^-e is exact
+    bad = tl.max(nonfinite(x).to(tl.int32), axis=AXIS) != 0
+    nan = (((x.to(tl.uint32, bitcast=True) >> 24) & 0x80) | 0x7F).to(tl.uint8)
+    return tl.where(tl.expand_dims(bad, AXIS), nan, q), tl.where(bad, 255, byte)
+
+
+@triton.jit
+def ue8m0_value(byte):
+    """Any UE8M0 (E8M0) scale byte -> its fp32 value: 2^(byte − 127) for 1..254, 2^-127 (an fp32
+    subnormal, 0x00400000) for 0, NaN for 255. For readers, which must read pages other writers made."""
+    b = byte.to(tl.int32)
+    bits = tl.where(b == 0, 0x00400000, tl.where(b == 255, 0x7FC00000, b << 23))
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def e4m3_decode(code):
+    """e4m3fn byte (uint8) -> fp32, exactly, NaN codes included: 0x7F / 0xFF give NaN (Triton 3.9's
+    interpreter decodes them as ±480; compiled, the cast is right and the select costs one instruction)."""
+    x = code.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+    nan = (code.to(tl.int32) & 0x7F) == 0x7F
+    return tl.where(nan, 0x7FC00000, x.to(tl.int32, bitcast=True)).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def bf16_rne_bits_nan(x):
+    """:func:`bf16_rne_bits` for every input: ±inf stay ±inf, every NaN gives 0x7FC0. (Compiled, a NaN
+    product is 0x7FFFFFFF, which the rounding add would carry into -0.0.)"""
+    nan = (x.to(tl.int32, bitcast=True) & 0x7FFFFFFF) > 0x7F800000
+    return tl.where(nan, 0x7FC0, bf16_rne_bits(x).to(tl.int32)).to(tl.uint16)
+
+
+@triton.jit
+def canonical_nan(y):
+    """fp32 -> fp32 with every NaN made the quiet NaN 0x7FC00000 (devices differ in NaN payloads)."""
+    bits = y.to(tl.int32, bitcast=True)
+    nan = (bits & 0x7FFFFFFF) > 0x7F800000
+    return tl.where(nan, 0x7FC00000, bits).to(tl.float32, bitcast=True)

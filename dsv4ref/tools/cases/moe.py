@@ -125,7 +125,7 @@ def _bench_stage() -> list[BenchCase]:
                       note="x 2 B + fp8 1 B + scales 1/32 B per value; ids/weights in and out")]
 
 
-def _flash_weights():
+def flash_weights():
     """V4-Flash expert weights in bf16 (12.9 GB routed + 50 MB shared): one set, far past any cache."""
     s = reference.FLASH_MOE
     g = torch.Generator(device=DEVICE).manual_seed(0)
@@ -143,7 +143,7 @@ def _bench_experts() -> list[BenchCase]:
     output; FLOPs: 2·3·Hd·I per slot and per token (shared). Workspaces (h, per-slot outputs) are not counted.
     Beside each: the reference in torch eager (a loop over experts) and with its expert MLP compiled."""
     s = reference.FLASH_MOE
-    w13, w2, sw13, sw2 = _flash_weights()
+    w13, w2, sw13, sw2 = flash_weights()
     cases = []
     for T in (64, 4096):
         n_sets = 2

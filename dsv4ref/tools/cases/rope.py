@@ -45,6 +45,21 @@ def _check_fused() -> list[CheckRow]:
             name = f"T={T} H={H} B={B}" + (f" hpp={hpp}" if hpp else "")
             rows.append(CheckRow("rope.qnorm_rope_kv_insert", f"{name} cache", compare(c_out, c_ref, "exact", "cache")))
             rows.append(CheckRow("rope.qnorm_rope_kv_insert", f"{name} q", compare(q_out, q_ref, "exact", "q")))
+    # the input contract (docs/rope.md#non-finite-input): strided slots / positions (every other entry of a
+    # longer list) and a NaN in one q head, which must come out as that head all NaN on both backends
+    T, H, B, nb = 4, 4, 5, 2
+    q, kv, slots, pos = rope.example_inputs(2 * T, H, B, nb, seed=11, cos_sin=table)
+    q, kv = q[:T].clone(), kv[:T]
+    q[1, 2, 9] = float("nan")
+    out = {}
+    for backend in ("reference", "triton"):
+        qq, cache = q.clone(), kv_cache.allocate(nb, B)
+        rope.qnorm_rope_kv_insert(qq, kv, cache, slots[::2], pos[::2], table, eps=1e-6, block_size=B, backend=backend)
+        out[backend] = qq, cache
+    name = f"T={T} H={H} B={B} slots[::2] NaN-head"
+    rows.append(CheckRow("rope.qnorm_rope_kv_insert", f"{name} cache",
+                         compare(out["triton"][1], out["reference"][1], "exact", "cache")))
+    rows.append(CheckRow("rope.qnorm_rope_kv_insert", f"{name} q", compare(out["triton"][0], out["reference"][0], "exact", "q")))
     return rows
 
 

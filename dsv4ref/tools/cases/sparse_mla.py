@@ -1,22 +1,33 @@
 """``python -m dsv4ref check sparse_mla`` / ``bench sparse_mla``: sparse MLA decode's check rows and benchmark cases.
 
+The bench cases are the rungs of notebook 04's ladder, all on the same inputs: the seed's structure
+(``sparse_mla.seed``), the clean two-pass path (``sparse_mla.two_pass``), the fused kernel with one program
+per (token, head block) (``sparse_mla.fused[split=1]``), the fused kernel with its default list split
+(``sparse_mla.fused``: flash-decoding) and, on Hopper, the warp-specialised Gluon kernel
+(``sparse_mla.gluon``). :func:`write_ladder` runs them and writes ``benchmarks/sparse_mla_ladder.json``,
+the data of the notebook's roofline chart.
+
 Also used by ``benchmarks/sparse_mla_sweep.py``: :data:`BENCH_SHAPES`, :func:`bench_inputs`, :func:`bench_counts`.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import datetime
+import json
 import math
+import pathlib
 
 import torch
 
 from ... import kv_cache, sparse_mla
-from ...device import DEVICE, interpreting
+from ...device import DEVICE, describe, interpreting
 from ...formats import HEAD_DIM, TOKEN_BYTES
 from ...sparse_mla import reference
 from ...sparse_mla.launch import default_launch, fused_decode, workspace
-from ...sparse_mla.two_pass import two_pass_decode
+from ...sparse_mla.two_pass import seed_decode, seed_plan, two_pass_decode
 from ...tolerances import compare
-from ..harness import BenchCase, CheckRow, bench, check
+from ..harness import BenchCase, CheckRow, bench, check, run_benches
 
 # The issue's shapes (T, H, K): T = 64 decode tokens; the window pool (128 slots, pages of 64) plus the
 # compressed pool (the rest, pages of 64), every entry valid.
@@ -36,7 +47,7 @@ def _check_decode() -> list[CheckRow]:
         inputs = sparse_mla.example_inputs(T, H, K1, K2, block_size=b1, extra_block_size=b2, pages=p1, extra_pages=p2,
                                            seed=T + H)
         ref_out, ref_lse, mass = reference.decode(**inputs, with_mass=True)
-        for name, fn in (("two_pass", two_pass_decode), ("triton", fused_decode)):
+        for name, fn in (("seed", seed_decode), ("two_pass", two_pass_decode), ("triton", fused_decode)):
             out, lse = fn(**inputs, scale=sparse_mla.DEFAULT_SCALE)
             shape = f"{name} T={T} H={H} K={K1}+{K2}"
             rows.append(CheckRow("sparse_mla.decode", shape + " out", compare(out, ref_out, "bf16_weighted_sum", mass=mass)))
@@ -80,6 +91,15 @@ def n_sets_for(T: int, K: int) -> int:
     return max(2, math.ceil(2.5 * L2_BYTES / (T * K * (kv_cache.page_bytes(64) / 64))))
 
 
+def _gluon():
+    """The Gluon module where it can run here (compiled Triton with Gluon on a Hopper GPU), else None."""
+    try:
+        from ...sparse_mla import gluon
+    except Exception:  # noqa: BLE001 - an incompatible Triton: the rung is reported missing, not fatal
+        return None
+    return gluon if gluon.available(DEVICE) else None
+
+
 @bench("sparse_mla")
 def _bench() -> list[BenchCase]:
     cases = []
@@ -87,15 +107,79 @@ def _bench() -> list[BenchCase]:
     # the two-pass workspace is shared: size it for the largest shape BEFORE any graph captures it, so no
     # captured graph keeps a pointer to a workspace that a later, larger shape replaced
     workspace(max(T * K for T, _, K, _ in shapes), DEVICE)
+    gluon = _gluon()
     for T, H, K, sets in shapes:
         byts, flops = bench_counts(T, H, K)
         launch = default_launch(T, H, K, DEVICE)
+        one = dataclasses.replace(launch, num_splits=1)
         shape = f"T={T} H={H} K={K} split={launch.num_splits}"
+        dims = dict(T=T, H=H, K=K)
+        scale = sparse_mla.DEFAULT_SCALE
+        # the seed's host loop runs once per input set, outside the timing: the issue's figures count
+        # device work only (its per-token gathers and the attention)
+        plans = [seed_plan(s["slots"], s["lengths"], s["extra_slots"], s["extra_lengths"]) for s in sets]
         # no validation, no host sync on these paths: the harness can capture them in a device graph
-        fused = lambda i, s=sets, L=launch: fused_decode(**s[i], scale=sparse_mla.DEFAULT_SCALE, launch=L)  # noqa: E731
-        two = lambda i, s=sets, L=launch: two_pass_decode(**s[i], scale=sparse_mla.DEFAULT_SCALE, launch=L)  # noqa: E731
-        cases.append(BenchCase("sparse_mla.fused", shape, fused, len(sets), byts, flops,
-                               note="584+4 B/row + q,out bf16 + lse; FLOP 2·H·K·1024"))
-        cases.append(BenchCase("sparse_mla.two_pass", shape, two, len(sets), byts, flops,
+        seed = lambda i, s=sets, p=plans, L=launch: seed_decode(**s[i], scale=scale, launch=L, plan=p[i])  # noqa: E731
+        two = lambda i, s=sets, L=launch: two_pass_decode(**s[i], scale=scale, launch=L)  # noqa: E731
+        fused1 = lambda i, s=sets, L=one: fused_decode(**s[i], scale=scale, launch=L)  # noqa: E731
+        fused = lambda i, s=sets, L=launch: fused_decode(**s[i], scale=scale, launch=L)  # noqa: E731
+        cases.append(BenchCase("sparse_mla.seed", shape, seed, len(sets), byts, flops, extra=dims,
+                               note="the seed's structure: a gather launch per token and pool, then bf16 attention"))
+        cases.append(BenchCase("sparse_mla.two_pass", shape, two, len(sets), byts, flops, extra=dims,
                                note="same compulsory bytes; really moves ~2632 B/row (584 + 2·1024 workspace)"))
+        cases.append(BenchCase("sparse_mla.fused[split=1]", f"T={T} H={H} K={K} split=1", fused1, len(sets), byts,
+                               flops, extra=dims, note="the fused kernel, one program per (token, head block)"))
+        cases.append(BenchCase("sparse_mla.fused", shape, fused, len(sets), byts, flops, extra=dims,
+                               note="584+4 B/row + q,out bf16 + lse; FLOP 2·H·K·1024"))
+        if gluon is not None:
+            g = lambda i, s=sets: gluon.decode_gluon(**s[i], scale=scale)  # noqa: E731
+            cases.append(BenchCase("sparse_mla.gluon", f"T={T} H={H} K={K}", g, len(sets), byts, flops, extra=dims,
+                                   note="warp-specialised Hopper kernel (dsv4ref/sparse_mla/gluon.py)"))
     return cases
+
+
+# ----------------------------------------------------------------------------------------------------
+# the ladder file: notebook 04's roofline chart
+# ----------------------------------------------------------------------------------------------------
+
+LADDER_PATH = pathlib.Path(__file__).resolve().parents[3] / "benchmarks" / "sparse_mla_ladder.json"
+#: (key, bench op, label) of each rung, in ladder order
+RUNGS = (
+    ("seed", "sparse_mla.seed", "seed: per-token gathers into bf16, then bf16 attention"),
+    ("two_pass", "sparse_mla.two_pass", "clean two-pass: one gather launch, then bf16 attention"),
+    ("fused", "sparse_mla.fused[split=1]", "fused: FP8 pages read once, one program per (token, head block)"),
+    ("split", "sparse_mla.fused", "fused + split list (flash-decoding): the default"),
+    ("gluon", "sparse_mla.gluon", "warp-specialised Hopper kernel (Gluon)"),
+)
+
+
+def ladder(ceil, rows, *, device: str, command: str) -> dict:
+    """The ladder file's content from one benchmark run: ceilings, the shapes with their compulsory bytes
+    and FLOPs, and per rung the µs per shape (None where the rung did not run)."""
+    shapes = [dict(T=T, H=H, K=K, bytes=bench_counts(T, H, K)[0], flops=bench_counts(T, H, K)[1],
+                   splits=default_launch(T, H, K, DEVICE).num_splits) for T, H, K in BENCH_SHAPES]
+    us = {(r.case.op, r.case.extra.get("T"), r.case.extra.get("H"), r.case.extra.get("K")): r.ms * 1e3 for r in rows}
+    rungs = []
+    for key, op, label in RUNGS:
+        vals = [us.get((op, s["T"], s["H"], s["K"])) for s in shapes]
+        rungs.append(dict(key=key, label=label, bench_op=op, us=[None if v is None else round(v, 1) for v in vals],
+                          status="measured" if all(v is not None for v in vals) else "pending",
+                          source=f"{command} ({datetime.date.today().isoformat()})"))
+    return dict(device=device, date=datetime.date.today().isoformat(), command=command,
+                ceilings=dict(copy_bytes_per_s=ceil.copy_bytes_per_s, bf16_flops_per_s=ceil.bf16_flops_per_s),
+                accounting="bytes: T·(K·(584 + 4) + H·512·2·2 + H·4 + 8); FLOP: T·2·H·K·(512 + 512); bound = "
+                           "max(bytes / copy, FLOP / bf16 matmul); times: median device-graph replay",
+                shapes=shapes, rungs=rungs, others=[])
+
+
+def write_ladder(path=LADDER_PATH, *, device: str = "", command: str = "dsv4ref.tools.cases.sparse_mla.write_ladder()"):
+    """Run every rung's bench case on this GPU and write the ladder file (default
+    ``benchmarks/sparse_mla_ladder.json``); the file's ``others`` (figures from other runs, each with its
+    source) are kept. Returns the content written."""
+    ceil, rows = run_benches("sparse_mla")
+    data = ladder(ceil, rows, device=device or describe(), command=command)
+    old = pathlib.Path(path)
+    if old.exists():  # figures this run does not measure (torch.compile of the reference) keep their own source
+        data["others"] = json.loads(old.read_text()).get("others", [])
+    pathlib.Path(path).write_text(json.dumps(data, indent=1, ensure_ascii=False) + "\n")
+    return data
