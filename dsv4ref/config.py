@@ -45,6 +45,13 @@ class Config:
     index_page: int = 64  # compressed tokens per page, indexer K cache
     ffn_intermediate: int = 2048
     swiglu_limit: float = 10.0
+    # the MoE feed-forward (docs/moe.md) and the MTP draft layer (docs/mtp.md)
+    n_routed_experts: int = 256  # E
+    num_experts_per_tok: int = 6  # K
+    moe_intermediate_size: int = 2048  # I, also the one shared expert's
+    routed_scaling_factor: float = 1.5
+    num_hash_layers: int = 3  # layers 0..n-1 route through a token -> experts table (tid2eid)
+    num_nextn_predict_layers: int = 1  # MTP layers (one SWA-only block after the last layer)
 
     # derived ------------------------------------------------------------------------------------
     @property
@@ -89,6 +96,7 @@ PRO = Config(
     name="DeepSeek-V4-Pro", vocab_size=129280, hidden_size=7168, num_layers=61,
     compress_ratios=(128, 128) + tuple(4 if i % 2 == 0 else 128 for i in range(2, 61)),  # unverified (config.md)
     num_heads=128, q_lora_rank=1536, o_groups=16, o_lora_rank=1024, index_topk=1024, ffn_intermediate=3072,
+    n_routed_experts=384, moe_intermediate_size=3072,  # unverified (docs/moe.md); hash layers, scale not found
 )
 
 TINY = Config(
@@ -96,6 +104,7 @@ TINY = Config(
     num_heads=16, q_lora_rank=128, o_groups=2, o_lora_rank=128, window=16, index_heads=8,
     index_head_dim=128, index_topk=16, max_position=4096, window_page=16, c4_page=16, c128_page=2,
     index_page=16, ffn_intermediate=512,
+    n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=128, num_hash_layers=1,  # docs/mtp.md
 )
 
 CONFIGS = {"flash": FLASH, "pro": PRO, "tiny": TINY}

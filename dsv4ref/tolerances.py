@@ -49,6 +49,17 @@ TOLERANCES: dict[str, Tol] = {
                    "MoE output vs a float64 oracle without roundings: h = swiglu·ω rounded to bf16 (2^-9 of Σ|h||W2|),"
                    " each expert output rounded to bf16 (<= 2^-9 of the same mass) and the result rounded to bf16"
                    " (2^-9·|out|): |err| <= 2^-8·(|out| + mass), mass = Σ_slots |h|·|W2|ᵀ (+ the shared expert's)"),
+    "compressor": Tol(1e-6, 2.0**-14, "rel_l2", None,
+                      "compressed rows vs the float64 whole-sequence oracle, per row: the fp32 projection GEMM over"
+                      " K = Hd (summation-order error ≈ sqrt(K/2)·2^-24 of the row norm: 2.7e-6 at Hd 4096), a"
+                      " per-channel softmax over <= 128 tokens and an RMSNorm (a few ulps, approximate exp/rsqrt on a"
+                      " GPU); 2^-14 leaves a 20x margin; zero rows (no boundary) must stay below 1e-6"),
+    "indexer_logits": Tol(1e-30, 2.0**-14, "mass", None,
+                          "indexer scores vs the float64 oracle on the same codes, mass = Σ_h |w_out|·Σ_d |q_d·k_d|"
+                          "(·k_scale) (reference.logits_condition): the products are exact (e4m3 / scaled e2m1 values"
+                          " in bf16 or fp16); only the fp32 sums over 128 dims and n_ih <= 64 heads round, at most"
+                          " ~(128 + 64)·2^-24 = 1.1e-5 of the mass in any order (2^-14 leaves a 5x margin); an"
+                          " elementwise relative check fails wherever ReLU'd heads of opposite-sign weights cancel"),
     "qnorm_rope_q": Tol(1e-5, 1e-2, "mass", None,
                         "q of the fused Q-norm + RoPE vs dsv4ref's fp32 form (docs/rope.md#exactness), mass = the"
                         " larger |expected| of each (2i, 2i+1) pair: a correct port may round q to bf16 after the norm"

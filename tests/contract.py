@@ -37,7 +37,10 @@ def unchanged(before: list, *bufs: torch.Tensor | None) -> bool:
     for a, b in zip(before, bufs):
         if a is None:
             continue
-        if a.shape != b.shape or not torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8)):
+        # clone(contiguous_format), not .contiguous(): a size-1 dim with stride 2 counts as contiguous, and
+        # then the byte view below fails
+        ca, cb = (x.clone(memory_format=torch.contiguous_format) for x in (a, b))
+        if a.shape != b.shape or not torch.equal(ca.view(torch.uint8), cb.view(torch.uint8)):
             return False
     return True
 

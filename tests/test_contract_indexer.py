@@ -82,7 +82,7 @@ def examples(n: int) -> int:
        q_view=st.sampled_from(VIEWS), w_view=st.sampled_from(VIEWS), pos_dtype=st.sampled_from([torch.int32, torch.int64]),
        pos_view=st.sampled_from(VIEWS), bad=NON_FINITE, bad_in=st.sampled_from(["index_q", "weights"]),
        where=st.integers(0, 10**6), checks=st.booleans(), seed=st.integers(0, 99))
-@settings(max_examples=examples(14))
+@settings(max_examples=examples(10))
 def test_quantize_q_backends_agree(T, H, fmt, hadamard, q_view, w_view, pos_dtype, pos_view, bad, bad_in, where,
                                    checks, seed):
     cs = ix.cos_sin_table(64)

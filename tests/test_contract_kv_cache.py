@@ -28,7 +28,7 @@ NAN, INF = float("nan"), float("inf")
 def random_cache(pages: int, B: int, seed: int) -> torch.Tensor:
     """Random bytes everywhere: every e4m3 code (NaN too), every scale byte (0 and 255 too), any RoPE bits."""
     n = pages * kc.page_bytes(B)
-    return torch.randint(0, 256, (n,), generator=generator(seed), dtype=torch.int64).to(torch.uint8).view(pages, -1).to(DEVICE)
+    return torch.randint(0, 256, (n,), generator=generator(seed), dtype=torch.int64).to(torch.uint8).view(pages, kc.page_bytes(B)).to(DEVICE)
 
 
 def i16(t: torch.Tensor) -> torch.Tensor:

@@ -227,6 +227,25 @@ def test_probe_qnorm_strided_slots_and_positions():
         assert same_bits(out["triton"][0], q_c)
 
 
+def test_positions_near_2_pow_20_int32_and_int64():
+    """The model's last positions (2^20 − 1 = the 1M-context end) as int32 and int64, through both backends
+    of both rotating ops: a 2^20-row table left unwritten except at the rows used (the OS commits only the
+    pages touched; the conformance suite cannot carry a 256 MiB table, so this is where it is checked)."""
+    pos = torch.tensor([(1 << 20) - 1, (1 << 20) - 2, 1 << 19], device=DEVICE)
+    table = torch.empty((1 << 20, 64), dtype=torch.float32, device=DEVICE)
+    table[pos] = rope.cos_sin_rows(pos.cpu(), 64, FLASH.compress_rope_theta, FLASH.yarn).to(DEVICE)
+    x, q, kv = randn((3, 2, 512), seed=20), randn((3, 2, 512), seed=21), randn((3, 512), seed=22)
+    for p in (pos, pos.to(torch.int32)):
+        assert same_bits(apply_gptj(x, p, table, True, backend="triton"), apply_gptj(x, p, table, True, backend="reference"))
+        out = {}
+        for backend in ("reference", "triton"):
+            qq, cache = q.clone(), kv_cache.allocate(1, 3)
+            qnorm_rope_kv_insert(qq, kv, cache, torch.tensor([2, -1, 0], device=DEVICE, dtype=p.dtype), p, table,
+                                 block_size=3, backend=backend)
+            out[backend] = qq, cache
+        assert same_bits(out["triton"][0], out["reference"][0]) and torch.equal(out["triton"][1], out["reference"][1])
+
+
 def _fused_args(**kw):
     a = dict(q=randn((2, 2, 512), seed=7), kv=randn((2, 512), seed=8), cache=kv_cache.allocate(2, 4),
              slots=torch.tensor([0, 5], device=DEVICE), positions=torch.tensor([1, 2], device=DEVICE), cos_sin=TAB,
@@ -454,14 +473,17 @@ def _rotate(y: torch.Tensor, positions, cos_sin, pairs: str) -> torch.Tensor:
 
 def _port(pairs="gptj", norm=True):
     """A plain-torch qnorm_rope_kv_insert with our signature, in vLLM's reference form: RMSNorm with rsqrt in
-    fp32, q rounded to bf16, then the fp32 rotation; kv rotated in fp32 and written by kv_cache.insert."""
+    fp32, q rounded to bf16, then the fp32 rotation; kv's last 64 dims rotated in fp32 (dims 0..447 as given:
+    a round trip through fp32 could flip a NaN's sign bit, which the cache encoding keeps), written by
+    kv_cache.insert."""
 
     def qnorm_rope_kv_insert_port(q, kv, cache, slots, positions, cos_sin, *, block_size, eps=1e-6):
         x = q.float()
         if norm:
             x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
         q.copy_(_rotate(x.to(torch.bfloat16).float(), positions, cos_sin, pairs).to(torch.bfloat16))
-        k = _rotate(kv.float(), positions, cos_sin, pairs).to(torch.bfloat16)
+        k = kv.clone()
+        k[:, -64:] = _rotate(kv.float(), positions, cos_sin, pairs)[:, -64:].to(torch.bfloat16)
         kv_cache.insert(cache, k, slots, block_size=block_size, backend="reference")
 
     return qnorm_rope_kv_insert_port

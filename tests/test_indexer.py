@@ -450,7 +450,7 @@ def test_to_global_shuffled_tables_invalid_tokens():
             l = int(local[t, j])
             want = -1 if l < 0 or slots[t] < 0 else int(bt[t, l // Bc]) * Bc + l % Bc
             assert int(glob[t, j]) == want
-    assert n.tolist() == [3, 0, 0, 1] and n.dtype == torch.int32
+    assert n.tolist() == [3, 0, 0, 1] and n.dtype == torch.int32 and glob.dtype == torch.int64
     with pytest.raises(ValueError, match="topk_local"):
         ix.to_global(torch.tensor([[20]], dtype=torch.int32, device=DEVICE), bt[:1].to(DEVICE), block_size=Bc)
 
@@ -501,6 +501,59 @@ def test_k_cache_writer_reader(fmt):
     else:
         packed, by = fp4_bytes(k.float())
         assert torch.equal(vals.cpu(), packed) and torch.equal(sc.cpu(), by)
+
+
+def fwht_f32(x: np.ndarray) -> np.ndarray:
+    """The fast Walsh-Hadamard transform in numpy fp32, written out as the textbook in-place loop (stage
+    h = 1, 2, …, 64: a[j], a[j+h] = a[j] + a[j+h], a[j] − a[j+h]), then × fp32(128^-½); rows in parallel."""
+    a = x.astype(np.float32).copy()
+    h = 1
+    while h < 128:
+        for i in range(0, 128, 2 * h):
+            for j in range(i, i + h):
+                u, v = a[:, j].copy(), a[:, j + h].copy()
+                a[:, j], a[:, j + h] = u + v, u - v
+        h *= 2
+    return a * np.float32(128**-0.5)
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "mxfp4"])
+def test_insert_k_hadamard_reference_vs_oracle_and_triton(fmt):
+    """Issue 12, 8c: the REFERENCE indexer-K writer with the Hadamard rotation on, held to an independent
+    oracle (numpy fp32 FWHT + this file's encoders + the page layout written out here) and to the Triton
+    writer, byte for byte, on a cache of random bytes."""
+    Bc, pages = 8, 3
+    k = randn((20, 128), seed=36, block=32, octaves=10)
+    k[3, :] = 0.0  # an all-zero key: the amax floor
+    slots = torch.randperm(pages * Bc, generator=generator(36))[:18].to(DEVICE)
+    slots[[2, 11]] = -1
+    snap = torch.randint(0, 256, (pages, ix.k_page_bytes(Bc, fmt)), generator=generator(37), dtype=torch.uint8)
+    ref, tri = snap.clone().to(DEVICE), snap.clone().to(DEVICE)
+    ix.insert_k(ref, k, slots, block_size=Bc, fmt=fmt, hadamard=True, backend="reference")
+    ix.insert_k(tri, k, slots, block_size=Bc, fmt=fmt, hadamard=True, backend="triton")
+    rot = torch.from_numpy(fwht_f32(k.float().cpu().numpy()))
+    H = torch.ones(1, 1, dtype=torch.float64)
+    while H.shape[0] < 128:
+        H = torch.cat([torch.cat([H, H], 1), torch.cat([H, -H], 1)], 0)
+    exact = k.double().cpu() @ H * 128**-0.5  # the oracle is a Hadamard rotation (to fp32 rounding)
+    assert float((rot.double() - exact).abs().max()) <= 1e-5 * float(exact.abs().max())
+    expect = snap.clone()
+    V = 128 if fmt == "fp8" else 64
+    if fmt == "fp8":
+        vals, e = fp8_bytes(rot)
+        scale = torch.exp2(e.float()).contiguous().view(torch.uint8).reshape(-1, 4)
+    else:
+        vals, scale = fp4_bytes(rot)
+    for i, s in enumerate(slots.tolist()):
+        if s >= 0:
+            p, o = divmod(s, Bc)
+            expect[p, o * V:(o + 1) * V] = vals[i]
+            expect[p, Bc * V + 4 * o: Bc * V + 4 * o + 4] = scale[i]
+    assert torch.equal(ref.cpu(), expect), "reference writer vs the independent oracle"
+    assert torch.equal(tri, ref), "Triton writer vs the reference writer"
+    plain = snap.clone().to(DEVICE)
+    ix.insert_k(plain, k, slots, block_size=Bc, fmt=fmt, hadamard=False, backend="reference")
+    assert not torch.equal(plain, ref)  # the rotation changes the bytes: the flag is honoured
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -600,11 +653,42 @@ def test_launch_choices_do_not_change_results(fmt):
     la = ix.logits(a[0], a[1], a[2], ex["k_cache"], ex["positions"], **kw)
     lb = ix.logits(a[0], a[1], a[2], ex["k_cache"], ex["positions"], **kw, launch=other)
     assert torch.equal(la, lb)
+    if fmt == "mxfp4":  # the integer fp16 decode: the same scores within the fp32 summation tolerance
+        lc = ix.logits(a[0], a[1], a[2], ex["k_cache"], ex["positions"], **kw,
+                       launch=ix.IndexerLaunch(fp4_decode="f16_blocks", logits_pages=4))
+        args = (a[0], a[1], a[2], ex["k_cache"], ex["positions"], ex["block_table"])
+        cond = ix.reference.logits_condition(*args, block_size=16, n_out=la.shape[1])
+        assert_close(lc.double() / cond, la.double() / cond, "fp32_dot", "f16_blocks vs nibble")
+        assert torch.equal(torch.isinf(lc), torch.isinf(la))
     cache = ix.allocate_k_cache(ex["k_cache"].shape[0], 16, fmt)
     ix.insert_k(cache, ex["k"], ex["slots"], block_size=16, fmt=fmt, launch=ix.IndexerLaunch(quant_rows=4))
     assert torch.equal(cache, ex["k_cache"])
     with pytest.raises(ValueError, match="quant_rows"):
         ix.IndexerLaunch(quant_rows=12)
+
+
+def test_e2m1_f16_decode_is_exact_for_every_byte():
+    """fp4_decode="f16_blocks" builds fp16 bits from each packed byte with integer shifts: for all 256 bytes
+    and both nibbles the value is exactly e2m1(code)·2^-14 (code 1 on the fp16 subnormal 2^-15, code 0 on
+    ±0, the sign in bit 15)."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def decode(b_ptr, lo_ptr, hi_ptr):
+        i = tl.arange(0, 256)
+        b = tl.load(b_ptr + i).to(tl.int32)
+        tl.store(lo_ptr + i, ix.kernels.e2m1_f16(b, False))
+        tl.store(hi_ptr + i, ix.kernels.e2m1_f16(b, True))
+
+    b = torch.arange(256, dtype=torch.uint8, device=DEVICE)
+    lo, hi = (torch.empty(256, dtype=torch.float16, device=DEVICE) for _ in range(2))
+    decode[(1,)](b, lo, hi)
+    codes = torch.stack([b & 15, b >> 4]).cpu()
+    want = ix.reference.e2m1_decode(codes).double() * 2.0**-14
+    assert torch.equal(torch.stack([lo, hi]).cpu().double(), want)
+    assert torch.equal(torch.signbit(torch.stack([lo, hi]).cpu()), (codes & 8) != 0)  # −0 for code 8 too
+    assert lo[1].item() == 2.0**-15 and hi[0x10].item() == 2.0**-15  # the subnormal: 0.5·2^-14
 
 
 def test_quantize_q_torch_compile_fullgraph():
@@ -637,8 +721,10 @@ def test_real_shapes_gpu():
     for fmt in ("fp8", "mxfp4"):
         ex = problem(8, 64, 2048, block_size=64, seed=32, fmt=fmt)
         q, qs, wo = ix.quantize_q(*qargs(ex), fmt=fmt)
-        lg = ix.logits(q, qs, wo, ex["k_cache"], ex["positions"], block_table=ex["block_table"], block_size=64)
         args = (q, qs, wo, ex["k_cache"], ex["positions"], ex["block_table"])
-        ref = ix.reference.logits(*args, block_size=64, n_out=lg.shape[1], dtype=torch.float64)
-        cond = ix.reference.logits_condition(*args, block_size=64, n_out=lg.shape[1])
-        assert_close(lg.double() / cond, ref / cond, "fp32_dot", f"{fmt} logits / condition")
+        for dec in (ix.launch.FP4_DECODES if fmt == "mxfp4" else ("nibble",)):
+            lg = ix.logits(q, qs, wo, ex["k_cache"], ex["positions"], block_table=ex["block_table"], block_size=64,
+                           launch=ix.IndexerLaunch(fp4_decode=dec))
+            ref = ix.reference.logits(*args, block_size=64, n_out=lg.shape[1], dtype=torch.float64)
+            cond = ix.reference.logits_condition(*args, block_size=64, n_out=lg.shape[1])
+            assert_close(lg.double() / cond, ref / cond, "fp32_dot", f"{fmt} {dec} logits / condition")

@@ -28,11 +28,16 @@ SHAPES = [(5, 256), (19, 256)] + ([] if interpreting() else [(33, 4096), (17, 71
 DEFAULT = MhcLaunch()
 
 
-@pytest.fixture(params=[False, True], ids=["one-kernel", "split-K"])
+DESIGNS = {"one-kernel": MhcLaunch(split_k=False), "split-K": MhcLaunch(split_k=True), "one-pass": MhcLaunch(one_pass=True)}
+
+
+@pytest.fixture(params=["one-kernel", "split-K"] + ([] if interpreting() else ["one-pass"]))
 def launch(request):
-    """Both Triton designs of pre / fused / head: the one kernel ``hc_kernel`` and the split-K pair
-    (``hc_partial_kernel`` + ``hc_finish_kernel``), selected with ``MhcLaunch(split_k=...)``."""
-    return MhcLaunch(split_k=request.param)
+    """The Triton designs of pre / fused / head: the one kernel ``hc_kernel``, the split-K pair
+    (``hc_partial_kernel`` + ``hc_finish_kernel``), selected with ``MhcLaunch(split_k=...)``, and, compiled
+    only (at the real hidden sizes), the one-pass kernel ``MhcLaunch(one_pass=True)``; the interpreter runs
+    the one-pass kernel in the ``test_one_pass_*`` tests below, at sizes that keep CI short."""
+    return DESIGNS[request.param]
 
 
 def case(T, Hd, seed=0):
@@ -233,7 +238,7 @@ def test_fused_equals_post_then_pre(T, Hd, launch):
     p, c, _ = mhc.pre(res, fn, scale, base)
     new, p2, c2, li = triton_fused(x, res, p, c, fn, scale, base, launch)
     new_sep = triton_post(x, res, p, c)
-    p_sep, c_sep, li_sep = triton_pre(new_sep, fn, scale, base, launch=launch)
+    p_sep, c_sep, li_sep = triton_pre(new_sep, fn, scale, base, launch=launch.pre_like_fused())
     assert_close(new, new_sep, "exact")
     assert_close(li, li_sep, "exact")
     assert_close(p2, p_sep, "fp32_reduction")  # abs 1e-6 (or rel 8e-5): docs/mhc.md#fused-post-pre
@@ -369,6 +374,48 @@ def test_post_transpose_4cycle(backend, launch):
     assert compare(buggy, p.double()[:, :, None] * x.double()[:, None, :] + torch.roll(res.double(), -1, dims=1), "bf16_out").passed
 
 
+def cycle_inputs(T=3, Hd=64, seed=21):
+    """A NON-symmetric comb, ≈ the 4-cycle P (source i -> destination i+1, a 1e-6 leak elsewhere), and post
+    weights that differ per stream: a transposed comb, or post applied to the wrong stream, moves values."""
+    res = mhc.example_streams(T, Hd, seed=seed)
+    x = randn((T, Hd), seed=seed + 1, octaves=8)
+    comb = (P4() * (1 - 3e-6) + 1e-6).expand(T, 4, 4).contiguous().to(DEVICE)
+    post = torch.tensor([0.25, 0.5, 1.0, 1.5]).expand(T, 4).contiguous().to(DEVICE)
+    return res, x, post, comb
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_public_post_4cycle(backend):
+    """issue 12 (8): the PUBLIC ``mhc.post`` (not torch.ops) on the 4-cycle: new stream j = post_j·x + stream
+    j−1. A wrapper that passed comb transposed would give stream j+1 and fail here (checked below)."""
+    res, x, post, comb = cycle_inputs()
+    for p in (post, post[:, :, None]):  # both accepted shapes
+        new = mhc.post(x, res, p, comb, backend=backend)
+        want = post.double()[:, :, None] * x.double()[:, None, :] + torch.roll(res.double(), 1, dims=1)
+        assert_close(new, want, "bf16_out")
+        assert_close(new, reference.post(x, res, post, comb, dtype=torch.float64), "bf16_out")
+    wrong = reference.post(x, res, post, comb.transpose(1, 2), dtype=torch.float64)  # what a transposing wrapper gives
+    assert not compare(wrong, want, "bf16_out").passed
+
+
+@pytest.mark.parametrize("backend,design", [("reference", None), ("triton", None), ("triton", "one-pass")])
+def test_public_fused_post_pre_4cycle(backend, design):
+    """issue 12 (8): the PUBLIC ``mhc.fused_post_pre`` on the 4-cycle: its new residual is post's (stream j−1
+    into j), and its pre part is the fp64 pre of exactly those streams."""
+    res, x, post, comb = cycle_inputs(T=5, Hd=256, seed=23)
+    fn, scale, base = mhc.example_params(256, seed=24)
+    new, p2, c2, li = mhc.fused_post_pre(x, res, post, comb, fn, scale, base, backend=backend,
+                                         launch=DESIGNS.get(design))
+    want = post.double()[:, :, None] * x.double()[:, None, :] + torch.roll(res.double(), 1, dims=1)
+    assert_close(new, want, "bf16_out")
+    wrong = reference.post(x, res, post, comb.transpose(1, 2), dtype=torch.float64)
+    assert not compare(wrong, want, "bf16_out").passed
+    p64, c64, x64 = oracle_pre(new, fn, scale, base)
+    assert_close(p2, p64, "mhc")
+    assert_close(c2, c64, "mhc")
+    assert_close(li, x64, "bf16_out")
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_identity_comb_preserves_streams(backend, launch):
     """base_comb = 30·I, fn = 0: comb ≈ I and new stream j = post_j·x + stream j (docs/mhc.md#checks, 3)."""
@@ -466,11 +513,65 @@ def test_split_fn_is_exact_and_cached():
     assert b is not a and torch.equal(b.float(), a.float() * 2)
 
 
+# ====================================================================================================
+# The one-pass design (MhcLaunch(one_pass=True); kernels.py "Design 3"), interpreter-sized
+# ====================================================================================================
+
+
+@pytest.mark.parametrize("lag", [1, 2])
+def test_one_pass_matches_fp64_and_fused_equals_post_then_pre(lag):
+    """T = 19 in 16-token tiles (two tiles, the second partial) × Hd = 88 in 32-wide chunks, two chunks a slice
+    (two slices, the last one a single partial chunk): every tile's last arrival runs the gates, phase B
+    finishes tile g − lag. pre and head match the fp64 oracle; fused == post then a pre of the same chunks,
+    bit for bit on bf16, 1e-6 on fp32."""
+    T, Hd = 19, 88
+    L = MhcLaunch(one_pass=True, one_pass_block_t=16, one_pass_block_k=32, one_pass_fused_block_k=32,
+                  one_pass_block_h=16, one_pass_slice_h=64, one_pass_lag=lag)
+    assert L.one_pass_plan(T, Hd) == (2, 2, 2, 32)
+    res, x, fn, scale, base = case(T, Hd, seed=31)
+    p, c, li = mhc.pre(res, fn, scale, base, launch=L)
+    p64, c64, x64 = oracle_pre(res, fn, scale, base)
+    assert_close(p, p64, "mhc", "post")
+    assert_close(c, c64, "mhc", "comb")
+    assert_close(li, x64, "bf16_out", "layer_input")
+    new, p2, c2, li2 = mhc.fused_post_pre(x, res, p, c, fn, scale, base, launch=L)
+    new_sep = mhc.post(x, res, p, c)
+    p3, c3, li3 = mhc.pre(new_sep, fn, scale, base, launch=L.pre_like_fused())
+    assert_close(new, new_sep, "exact")
+    assert_close(li2, li3, "exact")
+    assert_close(p2, p3, "fp32_reduction")
+    assert_close(c2, c3, "fp32_reduction")
+    hfn, hscale, hbase = mhc.example_params(Hd, seed=32, head=True)
+    assert_close(mhc.head(res, hfn, hscale, hbase, launch=L), reference.head(res, hfn, hscale, hbase, dtype=torch.float64),
+                 "bf16_out")
+
+
+@pytest.mark.parametrize("T,Hd,bt,bk,slice_h,slices", [(1, 4096, 128, 32, 128, None), (4096, 4096, 128, 32, 128, None),
+                                                       (4096, 4096, 128, 16, 128, None), (19, 320, 16, 128, 128, None),
+                                                       (3000, 7168, 64, 32, 256, None), (7, 100, 16, 16, 32, 1000),
+                                                       (300, 4096, 128, 32, 128, 5)])
+def test_one_pass_plan_covers_every_chunk_once(T, Hd, bt, bk, slice_h, slices):
+    """Every BLOCK_K chunk belongs to exactly one slice and no slice is empty; the grid is (tiles + lag)·slices."""
+    L = MhcLaunch(one_pass_block_t=bt, one_pass_block_k=bk, one_pass_fused_block_k=bk, one_pass_slice_h=slice_h,
+                  one_pass_slices=slices)
+    tiles, n, cps, got_bk = L.one_pass_plan(T, Hd)
+    chunks = -(-Hd // bk)
+    assert got_bk == bk and tiles == -(-T // bt)
+    assert 1 <= n <= chunks and cps >= 1
+    assert (n - 1) * cps < chunks <= n * cps
+
+
 def test_launch_is_explicit():
     """Every launch choice travels as an argument: an MhcLaunch round-trips through the custom ops' ``launch``
     int[] (their schema), and tiles a kernel cannot take are refused up front."""
-    for L in (MhcLaunch(), MhcLaunch(split_k=False, block_t=32, splits=3), MhcLaunch(split_k=True, target_programs=7)):
+    for L in (MhcLaunch(), MhcLaunch(split_k=False, block_t=32, splits=3), MhcLaunch(split_k=True, target_programs=7),
+              MhcLaunch(one_pass=True, one_pass_slices=3, one_pass_lag=2)):
         assert MhcLaunch.decode(L.encode()) == L
+    assert MhcLaunch(one_pass=True).design(fused=True) == "one_pass" and MhcLaunch().design(fused=False) == "split_k"
+    with pytest.raises(ValueError, match="launch.one_pass"):
+        MhcLaunch(one_pass=True, split_k=True)
+    with pytest.raises(ValueError, match="launch.one_pass_lag: expected an int >= 1"):
+        MhcLaunch(one_pass_lag=0)
     assert "[] launch" in str(torch.ops.dsv4ref.mhc_pre.default._schema)  # int[] (SymInt[])
     assert MhcLaunch().uses_split_k(fused=False) and not MhcLaunch().uses_split_k(fused=True)  # the measured defaults
     with pytest.raises(ValueError, match="launch.block_t: expected >= 16"):
@@ -481,10 +582,23 @@ def test_launch_is_explicit():
         mhc.pre(*case(2, 256)[:1], *case(2, 256)[2:], launch={"split_k": True})
 
 
-def test_empty_batch(launch):
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("design", list(DESIGNS))
+def test_empty_batch_every_function(backend, design):
+    """T = 0 on every backend and design: empty outputs of the right shapes and dtypes (issue 12, peer
+    disagreement (a): the reference once crashed here, in ``reshape(T, -1)``)."""
+    launch = DESIGNS[design]
     res, x, fn, scale, base = case(0, 256)
-    p, c, li = mhc.pre(res, fn, scale, base, launch=launch)
-    assert p.shape == (0, 4) and c.shape == (0, 4, 4) and li.shape == (0, 256)
+    hfn, hscale, hbase = mhc.example_params(256, head=True)
+    p0, c0 = torch.zeros(0, 4, device=DEVICE), torch.zeros(0, 4, 4, device=DEVICE)
+    kw = dict(backend=backend, launch=launch)
+    p, c, li = mhc.pre(res, fn, scale, base, **kw)
+    assert (p.shape, c.shape, li.shape) == ((0, 4), (0, 4, 4), (0, 256)) and li.dtype == torch.bfloat16
+    new, p2, c2, li2 = mhc.fused_post_pre(x, res, p0, c0, fn, scale, base, **kw)
+    assert (new.shape, p2.shape, c2.shape, li2.shape) == ((0, 4, 256), (0, 4), (0, 4, 4), (0, 256))
+    assert mhc.post(x, res, p0[:, :, None], c0, **kw).shape == (0, 4, 256)
+    assert mhc.head(res, hfn, hscale, hbase, **kw).shape == (0, 256)
+    assert mhc.sinkhorn(torch.zeros(0, 4, 4, device=DEVICE), **kw).shape == (0, 4, 4)
 
 
 # ====================================================================================================
@@ -492,7 +606,7 @@ def test_empty_batch(launch):
 # ====================================================================================================
 
 
-def test_bad_inputs_name_the_argument(monkeypatch):
+def test_bad_inputs_name_the_argument():
     res, x, fn, scale, base = case(2, 256)
     p, c, _ = mhc.pre(res, fn, scale, base)
     with pytest.raises(ValueError, match=r"fn: expected 24 rows \(M·\(M\+2\)\)"):
@@ -515,23 +629,27 @@ def test_bad_inputs_name_the_argument(monkeypatch):
         mhc.post(x, res, p, c[:, :3])
     with pytest.raises(ValueError, match=r"fn: expected 4 rows"):
         mhc.head(res, fn, scale[:1], base[:4])
-    with pytest.raises(ValueError, match="M = 4"):
+    with pytest.raises(ValueError, match="residual: the Triton kernels are written for M = 4"):
         mhc.post(x, res[:, :3].contiguous(), p[:, :3].contiguous(), c[:, :3, :3].contiguous())
     with pytest.raises(ValueError, match="logits: expected"):
         mhc.sinkhorn(torch.zeros(2, 4, 3, device=DEVICE))
+    with pytest.raises(ValueError, match="logits: the Triton kernels are written for M = 4"):  # not "residual"
+        mhc.sinkhorn(torch.zeros(2, 5, 5, device=DEVICE))
+    with pytest.raises(ValueError, match="hidden: the Triton kernels"):
+        mhc.head(res[:, :3].contiguous(), fn[:3, : 3 * 256].contiguous(), scale[:1], base[:3])
     with pytest.raises(ValueError, match="backend"):
         mhc.pre(res, fn, scale, base, backend="cuda")
     bad = res.clone()
     bad[1, 2, 3] = float("nan")
-    with pytest.raises(ValueError, match="residual: contains non-finite"):
+    with pytest.raises(ValueError, match="residual: non-finite values"):
         mhc.pre(bad, fn, scale, base)
     bad_fn = fn.clone()
     bad_fn[0, 0] = float("inf")
-    with pytest.raises(ValueError, match="fn: contains non-finite"):
+    with pytest.raises(ValueError, match="fn: non-finite values"):
         mhc.fused_post_pre(x, res, p, c, bad_fn, scale, base)
     bad_x = x.clone()
     bad_x[0, 0] = float("-inf")
-    with pytest.raises(ValueError, match="x: contains non-finite"):
+    with pytest.raises(ValueError, match="x: non-finite values"):
         mhc.post(bad_x, res, p, c)
-    monkeypatch.setattr(validate, "CHECK_VALUES", False)  # the value checks cost a sync; they can be off
-    mhc.post(bad_x, res, p, c)
+    with validate.checking_values(False):  # the value checks cost a sync; they can be off
+        mhc.post(bad_x, res, p, c)

@@ -90,11 +90,12 @@ def _qnorm_cases() -> list[Case]:
     out = []
     g = generator(21)
 
-    def case(name, q, kv, cache, slots, positions, cos_sin, block_size, why, eps=1e-6):
+    def case(name, q, kv, cache, slots, positions, cos_sin, block_size, why, eps=1e-6, check_values=True):
         out.append(Case("rope.qnorm_rope_kv_insert", name,
                         dict(q=q, kv=kv, cache=cache, slots=slots, positions=positions, cos_sin=cos_sin, eps=eps,
                              block_size=block_size),
-                        ("q", "kv", "cache", "slots", "positions", "cos_sin"), tol=dict(_Q_TOL), why=why))
+                        ("q", "kv", "cache", "slots", "positions", "cos_sin"), tol=dict(_Q_TOL), why=why,
+                        check_values=check_values))
 
     T, H = 5, 16
     pos = torch.tensor([0, 1, 299, 511, 37])
@@ -135,6 +136,17 @@ def _qnorm_cases() -> list[Case]:
          torch.tensor([9, 0, 33]), rope_table(TINY.rope_theta, None, 64), B,
          "a NaN in q makes its head NaN (never an empty-looking row); ±inf gives rr = 0 and NaN where it was "
          "(docs/rope.md#non-finite-input); kv finite")
+
+    T, H, B, P = 3, 1, 3, 2
+    kv = kv_rows(T, 56)
+    kv[0, 70] = float("nan")  # NoPE block 1 of the row written to slot 4
+    kv[1, 5] = float("-inf")  # NoPE block 0 of the row written to slot 0
+    kv[2, 449] = float("inf")  # a rotary dim: stored as the rotation gives it (±inf here, no NaN payload to match)
+    case("non_finite_kv_checks_off", randn((T, H, 512), seed=57, device="cpu", block=None, octaves=4), kv,
+         random_cache(P, B, 58), torch.tensor([4, 0, 2]), torch.tensor([1, 2, 3]), rope_table(TINY.rope_theta, None, 64),
+         B, "value checks off (the hot path): a NoPE block holding NaN/±inf is written as scale byte 255 and e4m3 "
+         "NaN bytes (0x7F/0xFF), the rotary dims as rotated — kv_cache.insert's encoding (docs/rope.md#non-finite-input)",
+         check_values=False)
 
     T, H, B, P = 3, 2, 4, 1
     case("no_slots_all_padding", randn((T, H, 512), seed=52, device="cpu", block=None, octaves=4), kv_rows(T, 53),

@@ -3,8 +3,8 @@ empty row, ±inf sinks, padded heads, strided q / slots views, int32 and int64 i
 page size of 1, an empty batch, and cache rows holding NaN / inf (the non-finite policy: their token's
 rows come out NaN, never as an empty row; ``docs/sparse_mla.md#non-finite-input``).
 
-A NaN query is refused while value checks are on (the suite's setting), so it has no case here; its
-checks-off behaviour is tested in ``tests/test_contract_sparse_mla.py``."""
+A NaN query is refused while value checks are on; the case ``nan_query_checks_off`` runs with them off
+(``Case.check_values=False``) and holds every implementation to the NaN-row rule."""
 
 from __future__ import annotations
 
@@ -124,6 +124,18 @@ def _more_cases(g) -> list[Case]:
                     pos, tol=tol, why="a counted row holding NaN (scale byte 255) or +inf (RoPE bits) makes every "
                                       "head of its token out NaN, lse NaN — never a finite or empty-row answer; the "
                                       "same rows past a length are never read"))
+    # value checks off: NaN / -inf in q -> that (token, head) is out NaN, lse NaN, also on a token with no
+    # valid candidate (whose other heads are the empty row: out 0, lse -inf)
+    qn = randn((3, H, 512), seed=48, device="cpu", block=None, octaves=2)
+    qn[0, 3, 100] = math.nan
+    qn[2, 5, 0] = -math.inf
+    sq = torch.randint(0, P2 * B2, (3, 8), generator=g, dtype=torch.int32)
+    out.append(Case("sparse_mla.decode", "nan_query_checks_off",
+                    dict(q=qn, cache=c2, slots=sq, lengths=torch.tensor([8, 5, 0], dtype=torch.int32), block_size=B2,
+                         sink=torch.randn(H, generator=g)),
+                    pos, tol=tol, check_values=False,
+                    why="value checks off: a NaN or ±inf in q[t, h] gives out NaN and lse NaN for that (token, head) "
+                        "only — on token 2, which has no valid candidate, too: never the empty-row answer (0, −inf)"))
     return out
 
 

@@ -26,12 +26,13 @@ import torch
 
 from ..device import DEVICE
 from ..tolerances import TOLERANCES, Report, compare
+from ..validate import checking_values
 
 __all__ = ["OPS", "Case", "Row", "op_modules", "outputs", "all_cases", "default_impls", "reference_impls", "run",
            "format_report", "save_golden", "load_golden", "tolerance_record"]
 
 #: The ops whose cases the suite runs, in report order: one module ``dsv4ref.conformance.<op>`` each.
-OPS = ("kv_cache", "rope", "sparse_mla", "mhc", "indexer", "moe")
+OPS = ("fp8", "kv_cache", "rope", "sparse_mla", "mhc", "indexer", "moe", "compressor")
 
 
 @dataclass
@@ -52,6 +53,7 @@ class Case:
     tol: dict = field(default_factory=dict)
     why: str = ""
     mass: dict = field(default_factory=dict)
+    check_values: bool = True  # False: run with value checks off (non-finite input under the documented policy)
 
 
 @dataclass
@@ -152,7 +154,8 @@ def _call(impl: Callable, case: Case, device=None) -> dict:
     args = {k: to_device(v, device) for k, v in case.inputs.items()}  # fresh copies: ops mutate
     pos = [args[k] for k in case.positional]
     kw = {k: v for k, v in args.items() if k not in case.positional}
-    return outputs()[case.op](impl(*pos, **kw), args)
+    with checking_values(case.check_values):
+        return outputs()[case.op](impl(*pos, **kw), args)
 
 
 def run(impls: dict[str, Callable] | None = None, cases: list[Case] | str | None = None) -> list[Row]:
@@ -208,8 +211,9 @@ def format_report(rows: list[Row], details: bool = True) -> str:
 def save_golden(directory, cases: list[Case] | None = None) -> list[pathlib.Path]:
     """Write each case to ``directory/<op>__<case>.pt``: a dict with keys op, case, why, positional
     (argument names passed positionally, in order), inputs (name → tensor or number), expected (output
-    name → tensor), tolerance (output name → {name, mode, atol, rtol, cos}) and mass (output name →
-    tensor). Returns the paths written."""
+    name → tensor), tolerance (output name → {name, mode, atol, rtol, cos}), mass (output name →
+    tensor), and ``check_values=False`` only for a case that runs with value checks off (non-finite input
+    under the documented policy). Returns the paths written."""
     d = pathlib.Path(directory)
     d.mkdir(parents=True, exist_ok=True)
     paths = []
@@ -218,7 +222,8 @@ def save_golden(directory, cases: list[Case] | None = None) -> list[pathlib.Path
         torch.save(dict(op=c.op, case=c.name, why=c.why, positional=list(c.positional),
                         inputs={k: v.cpu().clone() if isinstance(v, torch.Tensor) else v for k, v in c.inputs.items()},
                         expected={k: v.cpu().clone() for k, v in c.expected.items()}, tolerance=tolerance_record(c),
-                        mass={k: v.cpu().clone() for k, v in c.mass.items()}), p)
+                        mass={k: v.cpu().clone() for k, v in c.mass.items()},
+                        **({} if c.check_values else {"check_values": False})), p)
         paths.append(p)
     return paths
 
@@ -235,5 +240,6 @@ def load_golden(directory) -> list[Case]:
     for p in sorted(pathlib.Path(directory).glob("*.pt")):
         d = torch.load(p, weights_only=True)
         cases.append(Case(d["op"], d["case"], d["inputs"], tuple(d["positional"]), d["expected"],
-                          {o: t["name"] for o, t in d["tolerance"].items()}, d["why"], d.get("mass", {})))
+                          {o: t["name"] for o, t in d["tolerance"].items()}, d["why"], d.get("mass", {}),
+                          d.get("check_values", True)))
     return cases

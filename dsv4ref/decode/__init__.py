@@ -3,16 +3,18 @@
 The walk-through is ``docs/decode.md``. Two implementations of the same block of layers live here:
 
 * :class:`Decoder` (:mod:`.model`): the real data path. Paged FP8 caches (584 B/token, shuffled pages
-  behind block tables), the fused q-norm + RoPE + KV insert, a stateful compressor (:mod:`.compressor`:
-  ratio 4 with overlap, ratio 128, and the indexer's own ratio-4 compressor), the lightning indexer's
-  top-k, sparse MLA decode over window ∪ compressed rows with the attention sink, inverse RoPE, the
-  grouped o-projection, mHC around attention and around a small clamped-SwiGLU FFN, and the hc_head +
-  final norm + lm_head. Every op is a public library call with a ``backend`` switch.
+  behind block tables), the fused q-norm + RoPE + KV insert, the stateful compressor op
+  (:mod:`dsv4ref.compressor`: ratio 4 with overlap, ratio 128, and the indexer's own ratio-4 compressor),
+  the lightning indexer's top-k, sparse MLA decode over window ∪ compressed rows with the attention sink,
+  inverse RoPE, the grouped o-projection, mHC around attention and around the MoE feed-forward
+  (:mod:`dsv4ref.moe`; 8 experts, top-2, layer 0 hash-routed on the teaching config), and the hc_head +
+  final norm + lm_head. Every op is a public library call with a ``backend`` switch. With the MTP draft
+  layer (:mod:`dsv4ref.mtp`), :meth:`Decoder.speculate` drafts k tokens and verifies them in one step.
 * :func:`reference_forward` (:mod:`.reference`): the same block as a float64 full-sequence forward: no
-  FP8, no paging, no sparsity except the causal window and the top-k ids it is given.
+  FP8 KV, no paging, no sparsity except the causal window, the top-k ids and the expert ids it is given.
 
 :func:`agreement` compares the two under :data:`ATTN_TOL` / :data:`LOGITS_TOL`; :func:`run` drives a
-decoder; :func:`demo` is ``python -m dsv4ref demo`` (:mod:`.demo`). The weights are random and seeded
+decoder (:func:`run_speculative` with MTP speculation); :func:`demo` is ``python -m dsv4ref demo`` (:mod:`.demo`). The weights are random and seeded
 (:func:`make_weights`, :mod:`.weights`).
 
 Usage::
@@ -27,13 +29,15 @@ Usage::
 """
 
 from . import compressor
-from .demo import AGREEMENT_TOL, ATTN_TOL, LOGITS_TOL, StepAgreement, agreement, demo, rel_err, run
-from .model import CacheCapacityError, Decoder, Rows, swiglu_clamped, traffic_per_op
+from .demo import (AGREEMENT_TOL, ATTN_TOL, LOGITS_TOL, SpecStats, StepAgreement, agreement, demo, rel_err, run,
+                   run_speculative)
+from .model import CacheCapacityError, Decoder, History, Rows, Speculation, swiglu_clamped, traffic_per_op
 from .reference import REFERENCE_BUGS, reference_forward
 from .weights import check_config, layer_ratio, make_weights, weights_to
 
 __all__ = [
     "Decoder", "CacheCapacityError", "Rows", "check_config", "layer_ratio", "make_weights", "weights_to",
     "reference_forward", "REFERENCE_BUGS", "agreement", "StepAgreement", "rel_err", "ATTN_TOL", "LOGITS_TOL",
-    "AGREEMENT_TOL", "run", "demo", "traffic_per_op", "swiglu_clamped", "compressor",
+    "AGREEMENT_TOL", "run", "run_speculative", "SpecStats", "demo", "traffic_per_op", "swiglu_clamped", "compressor",
+    "History", "Speculation",
 ]

@@ -1,7 +1,7 @@
 """Run the decoder, hold it to the float64 dense reference, and ``python -m dsv4ref demo``.
 
-* :func:`run`: prefill random prompts, then greedy-decode, recording every step's logits and every
-  layer's attention output;
+* :func:`run`: prefill random prompts, then greedy-decode (plainly, or with MTP speculation), recording
+  every step's logits and every layer's attention output;
 * :func:`agreement`: compare those records with :func:`dsv4ref.decode.reference_forward` of each
   request's history, under :data:`ATTN_TOL` and :data:`LOGITS_TOL`;
 * :func:`demo`: both, printed.
@@ -22,7 +22,8 @@ from .model import Decoder
 from .reference import reference_forward
 from .weights import make_weights
 
-__all__ = ["ATTN_TOL", "LOGITS_TOL", "AGREEMENT_TOL", "rel_err", "StepAgreement", "agreement", "run", "demo"]
+__all__ = ["ATTN_TOL", "LOGITS_TOL", "AGREEMENT_TOL", "rel_err", "StepAgreement", "agreement", "run", "run_speculative",
+           "SpecStats", "demo"]
 
 #: Tolerances of the decode path against the float64 reference, on the row relative L2 error
 #: ||a − b|| / ||b|| (``docs/decode.md#tolerances``). The only lossy format on the path is the e4m3 KV
@@ -75,7 +76,9 @@ def agreement(cfg: Config, weights: dict, records, history, bugs=()) -> list[Ste
 
     Returns: one :class:`StepAgreement` per record."""
     toks, topks = history
-    refs = [reference_forward(cfg, weights, toks[r], topks[r], bugs=bugs) for r in range(len(toks))]
+    experts = getattr(history, "experts", None)  # the MoE's choices (Decoder.history().experts)
+    refs = [reference_forward(cfg, weights, toks[r], topks[r], bugs=bugs, experts=None if experts is None else experts[r])
+            for r in range(len(toks))]
     rows = []
     for step, pos, logits, attn, active in records:
         le, ae, top1, n = 0.0, 0.0, 0, 0
@@ -94,13 +97,21 @@ def agreement(cfg: Config, weights: dict, records, history, bugs=()) -> list[Ste
 
 def run(cfg: Config = TINY, *, steps: int = 8, prompt_lens=(133, 37, 5, 70), seed: int = 0, capacity: int | None = None,
         decode_backend: str = "auto", prefill_backend: str = "reference", pad_heads: bool = True,
-        inactive: dict | None = None, progress=None, profile: bool = False):
+        inactive: dict | None = None, progress=None, profile: bool = False, speculate: int = 0):
     """Prefill random prompts, then greedy-decode ``steps`` tokens.
 
     ``inactive``: {step: [request ids]} that sit out that step as padding; ``progress(i, n)`` is called
     after each step; ``profile`` collects per-op milliseconds in the decoder's ``prof``.
+    ``speculate = k > 0``: decode with MTP speculation instead (:func:`run_speculative`; ``inactive`` and
+    ``profile`` are not supported there).
     Returns (decoder, weights, records, tokens/s of the decode loop); records as :func:`agreement` takes
     them, the first one (step −1) the prefill's last prompt token."""
+    if speculate:
+        if inactive or profile:
+            raise ValueError("run: speculate does not take inactive= or profile=")
+        return run_speculative(cfg, steps=steps, k=speculate, prompt_lens=prompt_lens, seed=seed, capacity=capacity,
+                               decode_backend=decode_backend, prefill_backend=prefill_backend, pad_heads=pad_heads,
+                               progress=progress)
     R = len(prompt_lens)
     cap = capacity or (max(prompt_lens) + steps + 15) // 16 * 16
     w = make_weights(cfg, seed)
@@ -130,10 +141,89 @@ def run(cfg: Config = TINY, *, steps: int = 8, prompt_lens=(133, 37, 5, 70), see
     return dec, w, records, tps
 
 
-def demo(steps: int = 16) -> int:
+def _start(cfg, prompt_lens, seed, capacity, steps, decode_backend, prefill_backend, pad_heads):
+    """A Decoder with random prompts prefilled: (decoder, weights, first record, logits)."""
+    R = len(prompt_lens)
+    cap = capacity or (max(prompt_lens) + steps + 15) // 16 * 16
+    w = make_weights(cfg, seed)
+    dec = Decoder(cfg, w, num_requests=R, capacity=cap, seed=seed, pad_heads=pad_heads, backend=decode_backend)
+    g = generator(seed + 2)
+    prompts = [torch.randint(0, cfg.vocab_size, (n,), generator=g) for n in prompt_lens]
+    logits = dec.prefill(prompts, backend=prefill_backend)
+    last = torch.tensor(prompt_lens).cumsum(0) - 1
+    rec = (-1, torch.tensor(prompt_lens) - 1, logits.cpu(), [a[last.to(a.device)].cpu() for a in dec.attn_out],
+           torch.ones(R, dtype=torch.bool))
+    return dec, w, rec, logits
+
+
+@dataclass
+class SpecStats:
+    """Counts of a speculative run: ``rounds`` (draft + verify per request), ``drafted`` and ``accepted``
+    draft tokens, ``emitted`` tokens (accepted + one per round). ``rate`` = accepted / drafted."""
+
+    rounds: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    emitted: int = 0
+
+    @property
+    def rate(self) -> float:
+        return self.accepted / max(self.drafted, 1)
+
+
+def run_speculative(cfg: Config = TINY, *, steps: int = 8, k: int = 2, prompt_lens=(133, 37, 5, 70), seed: int = 0,
+                    capacity: int | None = None, decode_backend: str = "auto", prefill_backend: str = "reference",
+                    pad_heads: bool = True, progress=None):
+    """:func:`run` with MTP speculation: after the prefill, rounds of :meth:`Decoder.speculate` (k drafts,
+    one verification step of k + 1 rows per request) until every request has ``steps`` new tokens past its
+    prompt, the prefill's argmax included (a round may emit more; ``dec.tokens`` keeps them all). The draft layer's catch-up over the
+    prompt runs with ``prefill_backend``.
+
+    Returns (decoder, weights, records, tokens/s); ``dec.spec`` is the :class:`SpecStats` and
+    ``dec.generated`` the list of emitted tokens per request (the first ``steps`` are what plain greedy
+    decoding gives). Records: one per verified position j of each round (rows of requests that emitted
+    fewer tokens that round are inactive), as :func:`agreement` takes them."""
+    R = len(prompt_lens)
+    dec, w, rec, logits = _start(cfg, prompt_lens, seed, (capacity or max(prompt_lens) + steps + k + 15) // 16 * 16,
+                                 steps, decode_backend, prefill_backend, pad_heads)
+    records, stats = [rec], SpecStats()
+    gen = [[] for _ in range(R)]
+    nxt = logits.argmax(-1).cpu()
+    for r in range(R):
+        gen[r].append(int(nxt[r]))
+    synchronize()
+    t0 = time.perf_counter()
+    first = True
+    while min(len(g) for g in gen) < steps:
+        pos0 = dec.lengths.clone()
+        sp = dec.speculate(nxt, k, draft_backend=prefill_backend if first else None)
+        first = False
+        stats.rounds += 1
+        stats.drafted += R * k
+        stats.accepted += int(sp.accepted.sum())
+        stats.emitted += int(sp.accepted.sum()) + R
+        for r in range(R):
+            gen[r] += sp.emitted[r].tolist()
+        for j in range(k + 1):  # row j of each request: position pos0 + j, kept where j <= accepted
+            act = sp.accepted >= j
+            rows = (torch.arange(R) * (k + 1) + j).to(dec.attn_out[0].device)
+            records.append((len(records) - 1, pos0 + j, sp.logits[:, j].cpu(), [a[rows].cpu() for a in dec.attn_out], act))
+        nxt = sp.next
+        if progress:
+            progress(min(min(len(g) for g in gen), steps), steps)
+    synchronize()
+    tps = stats.emitted / (time.perf_counter() - t0)
+    dec.spec, dec.generated = stats, gen
+    return dec, w, records, tps
+
+
+def demo(steps: int = 16, speculate: int = 0) -> int:
     """``python -m dsv4ref demo``: prefill 4 requests (prompts of 133, 37, 5 and 70 tokens), decode
     ``steps`` tokens each through the Triton kernels, print tokens/s and per-step agreement.
-    Returns the exit code: 0 if every step agrees with the reference, else 1."""
+    ``speculate = k > 0``: then decode the same prompts again with MTP speculation (k drafts per round),
+    print the acceptance rate and whether the tokens equal plain greedy decoding's.
+    Returns the exit code: 0 if every step agrees with the reference (and speculation changed no token),
+    else 1."""
     cfg = TINY
     print(f"dsv4ref demo: {cfg.name}, {cfg.num_layers} layers, ratios {cfg.compress_ratios}; {describe()}")
 
@@ -164,4 +254,25 @@ def demo(steps: int = 16) -> int:
               f"{a.top1_agree:>4}/{a.n}  {'PASS' if a.passed else 'FAIL'}")
     ok = all(a.passed for a in rows)
     print("all steps agree" if ok else "DISAGREEMENT")
+    if speculate:
+        ok = _demo_speculation(cfg, dec, steps, speculate) and ok
     return 0 if ok else 1
+
+
+def _demo_speculation(cfg: Config, plain, steps: int, k: int) -> bool:
+    """The speculative half of the demo: same prompts, k drafts per round; prints the acceptance rate and
+    compares the tokens with the plain run ``plain`` (a Decoder after :func:`run`)."""
+    t0 = time.perf_counter()
+    dec, _, _, tps = run_speculative(cfg, steps=steps, k=k)
+    same = True
+    for r in range(dec.R):
+        n0 = int(plain.lengths[r]) - steps  # the prompt length: plain decoding fed its steps tokens from there
+        want = plain.tokens[r, n0: n0 + steps].tolist()
+        got = dec.generated[r][:steps]
+        same = same and got == want
+    s = dec.spec
+    print(f"MTP speculation, k = {k}: {s.rounds} rounds, {s.accepted}/{s.drafted} drafts accepted "
+          f"(acceptance rate {s.rate:.1%}), {s.emitted / max(s.rounds * dec.R, 1):.2f} tokens per request per target "
+          f"step; {tps:.1f} tokens/s ({time.perf_counter() - t0:.1f} s)")
+    print("speculative tokens == plain greedy tokens" if same else "SPECULATION CHANGED THE TOKENS")
+    return same

@@ -2,10 +2,16 @@
 
 Every box of ``docs/decode.md#one-step-op-by-op`` is a call of a public op with a ``backend`` switch
 (``"reference"`` = the op's plain-torch reference, ``"triton"`` / ``"auto"`` = its kernel): the fused
-q-norm + RoPE + KV insert, the compressor (plain torch, :mod:`.compressor`), the lightning indexer's
-top-k, sparse MLA decode over window ∪ compressed rows with the attention sink, inverse RoPE, the grouped
-o-projection, mHC around attention and around a small clamped-SwiGLU FFN (the MoE stand-in), and the
-hc_head + final norm + lm_head. Activations are bf16, the small glue (norms, GEMMs) fp32 math.
+q-norm + RoPE + KV insert, the compressor (:mod:`dsv4ref.compressor`), the lightning indexer's top-k,
+sparse MLA decode over window ∪ compressed rows with the attention sink, inverse RoPE, the grouped
+o-projection, mHC around attention and around the MoE feed-forward (:mod:`dsv4ref.moe`: routing, FP8
+staging, clamped-SwiGLU experts), and the hc_head + final norm + lm_head. Activations are bf16, the small
+glue (norms, GEMMs) fp32 math.
+
+With MTP (``cfg.num_nextn_predict_layers = 1``), :meth:`Decoder.speculate` drafts k tokens with the draft
+layer (:mod:`dsv4ref.mtp`: its own SWA-only block and KV cache), verifies them as k + 1 rows per request of
+ONE target step, keeps the target's greedy tokens (:func:`dsv4ref.mtp.greedy_accept`) and rolls the
+compressor state back past the rejected rows (``docs/mtp.md#verification``).
 """
 
 from __future__ import annotations
@@ -16,15 +22,15 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from .. import indexer, kv_cache, mhc, rope, sparse_mla, validate
+from .. import compressor as compressor_op
+from .. import indexer, kv_cache, mhc, moe, mtp, rope, sparse_mla, validate
 from ..config import TINY, Config
 from ..device import DEVICE, Timer
 from ..formats import FP8_K_RECORD, TOKEN_BYTES
 from ..testing import generator
-from . import compressor
 from .weights import check_config, layer_ratio, make_weights
 
-__all__ = ["Decoder", "CacheCapacityError", "Rows", "swiglu_clamped", "traffic_per_op"]
+__all__ = ["Decoder", "CacheCapacityError", "Rows", "History", "Speculation", "swiglu_clamped", "traffic_per_op"]
 
 #: backends the decode step can pass to every op it calls
 SUPPORTED_BACKENDS = ("reference", "triton")
@@ -47,9 +53,9 @@ def _linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 
 def swiglu_clamped(gate_up: torch.Tensor, limit: float) -> torch.Tensor:
-    """The FFN activation (vLLM's ``SiluAndMulWithClamp``): gate = the first half of the last dim,
+    """The experts' activation (vLLM's ``SiluAndMulWithClamp``): gate = the first half of the last dim,
     clamped from above only; up = the second half, clamped both ways; returns silu(gate) · up, half the
-    width of ``gate_up``, in its dtype (``docs/decode.md#the-ffn-stand-in``)."""
+    width of ``gate_up``, in its dtype. The MoE applies the same clamp (:func:`dsv4ref.moe.experts`)."""
     d = gate_up.shape[-1] // 2
     gate = gate_up[..., :d].clamp(max=limit)
     up = gate_up[..., d:].clamp(-limit, limit)
@@ -67,6 +73,33 @@ class Rows:
     req: torch.Tensor  # (T,) int64
     pos: torch.Tensor  # (T,) int64 (0 for padding rows)
     valid: torch.Tensor  # (T,) bool
+
+
+class History(tuple):
+    """What :func:`dsv4ref.decode.reference_forward` needs to follow a run: unpacks as ``(tokens, topks)``
+    (per request: the tokens (L,) int64 and {ratio-4 layer: (L, K_top) int32 indexer ids}); ``experts``
+    holds per request {layer: (L, K) int32 expert ids the MoE used} (key ``"mtp"``: the draft layer's, at
+    the positions the draft layer ran on verified rows)."""
+
+    def __new__(cls, tokens, topks, experts):
+        h = super().__new__(cls, (tokens, topks))
+        h.experts = experts
+        return h
+
+
+@dataclass
+class Speculation:
+    """One :meth:`Decoder.speculate` round: ``drafts`` (R, k) int64, ``target`` (R, k + 1) int64 (the target's
+    argmax at the k + 1 verification rows), ``accepted`` (R,) int64 (leading drafts that matched),
+    ``emitted`` [per request (accepted + 1,) int64], ``logits`` (R, k + 1, V) fp32 of the verification rows,
+    ``next`` (R,) int64 (each request's last emitted token: the next step's input)."""
+
+    drafts: torch.Tensor
+    target: torch.Tensor
+    accepted: torch.Tensor
+    emitted: list
+    logits: torch.Tensor
+    next: torch.Tensor
 
 
 # ====================================================================================================
@@ -93,7 +126,15 @@ class Decoder:
     ``backend`` ("auto", "triton" or "reference") is passed to every op; ``prefill`` defaults to
     "reference" (in the CPU interpreter a kernel launch costs ~1 ms per program, too slow for hundreds of
     prompt tokens), ``step`` to ``backend``. After each call ``attn_out`` holds every layer's attention
-    output (T, Hd) bf16; set ``prof = {}`` to collect per-op milliseconds.
+    output (T, Hd) bf16 and ``hidden`` the pre-hc_head residual (T, M, Hd) bf16; set ``prof = {}`` to
+    collect per-op milliseconds.
+
+    Each layer's feed-forward is the MoE (``cfg.n_routed_experts`` experts, top ``cfg.num_experts_per_tok``,
+    layers below ``cfg.num_hash_layers`` hash-routed by token id); ``layers[l]["experts"]`` records the ids
+    it used at each position (for the reference). With ``cfg.num_nextn_predict_layers = 1`` the draft layer
+    has its own window cache ``mtp_state["swa"]`` (same block tables) and :meth:`speculate` /
+    :meth:`draft` / :meth:`verify` run speculative decoding; ``mtp_done`` (R,) counts the positions whose
+    verified rows the draft layer has already seen.
     """
 
     def __init__(self, cfg: Config = TINY, weights: dict | None = None, *, num_requests: int = 4,
@@ -132,23 +173,35 @@ class Decoder:
                                      rope.cos_sin_cache(cfg.max_position, cfg.rope_dim, cfg.compress_rope_theta,
                                                         yarn=cfg.yarn, device=dev))
         self.bt_swa, n_swa = table(capacity, cfg.window_page)
+        K = cfg.num_experts_per_tok
         self.layers = []
         for li in range(cfg.num_layers):
             r = layer_ratio(cfg, li)
-            st = dict(ratio=r, swa=kv_cache.allocate(n_swa, cfg.window_page, device=dev))
+            st = dict(ratio=r, swa=kv_cache.allocate(n_swa, cfg.window_page, device=dev),
+                      experts=torch.full((num_requests, capacity, K), -1, dtype=torch.int32))
             if r > 1:
                 page = cfg.c4_page if r == 4 else cfg.c128_page
                 st["page"] = page
                 st["bt_c"], n_c = table(capacity // r, page)
                 st["comp"] = kv_cache.allocate(n_c, page, device=dev)
-                st["ring"] = compressor.allocate_state(num_requests, r, cfg.head_dim, device=dev)
+                st["ring"] = compressor_op.allocate_state(num_requests, r, cfg.head_dim, device=dev)
             if r == 4:
                 st["bt_i"], n_i = table(capacity // 4, cfg.index_page)
                 st["idx_cache"] = indexer.allocate_k_cache(n_i, cfg.index_page, device=dev)
-                st["idx_ring"] = compressor.allocate_state(num_requests, 4, cfg.index_head_dim, device=dev)
+                st["idx_ring"] = compressor_op.allocate_state(num_requests, 4, cfg.index_head_dim, device=dev)
                 st["topk"] = torch.full((num_requests, capacity, cfg.index_topk), -1, dtype=torch.int32)
             self.layers.append(st)
         self.tokens = torch.zeros(num_requests, capacity, dtype=torch.int64)  # host: the token history
+        self.hidden: torch.Tensor | None = None
+        self.mtp_state = None
+        if cfg.num_nextn_predict_layers and "mtp" in self.w:
+            # the draft layer: its own window cache (addressed through the same block tables), the target's
+            # pre-head residual of every position (its input), and how far it has read them
+            self.mtp_state = dict(ratio=0, swa=kv_cache.allocate(n_swa, cfg.window_page, device=dev),
+                                  experts=torch.full((num_requests, capacity, K), -1, dtype=torch.int32))
+            self.h_hist = torch.zeros(num_requests, capacity, cfg.hc_mult, cfg.hidden_size, dtype=torch.bfloat16,
+                                      device=dev)
+        self.mtp_done = torch.zeros(num_requests, dtype=torch.int64)  # host
 
     # ------------------------------------------------------------------------------------------------
     # public API
@@ -172,7 +225,7 @@ class Decoder:
         pos = torch.cat([torch.arange(n) for n in lens.tolist()])
         rows = self._rows(req, pos, torch.ones_like(pos, dtype=torch.bool))
         logits = self._forward(ids.to(self.dev), rows, validate.backend(backend, SUPPORTED_BACKENDS))
-        self.tokens[req, pos] = ids
+        self._keep(rows, torch.ones_like(pos, dtype=torch.bool), ids)
         self.lengths += lens
         last = torch.cumsum(lens, 0) - 1
         return logits[last.to(self.dev)]
@@ -194,21 +247,162 @@ class Decoder:
         rows = self._rows(torch.arange(self.R), self.lengths.clone(), act)
         be = self.backend if backend is None else validate.backend(backend, SUPPORTED_BACKENDS)
         logits = self._forward(ids.to(self.dev), rows, be)
-        r = torch.arange(self.R)[act]
-        self.tokens[r, self.lengths[act]] = ids.cpu()[act]
+        self._keep(rows, act, ids.cpu())
         self.lengths += act.long()
         return logits
 
-    def history(self) -> tuple[list[torch.Tensor], list[dict]]:
+    def history(self) -> History:
         """Per request: the tokens so far (L,) int64 and, per ratio-4 layer, the top-k local ids
-        (L, K_top) int32 the indexer chose at each position: what :func:`dsv4ref.decode.reference_forward`
-        needs to follow this run. Returns (tokens list, list of {layer: ids})."""
-        toks, topks = [], []
+        (L, K_top) int32 the indexer chose at each position; ``.experts``: per layer the MoE's expert ids
+        (L, K) int32. What :func:`dsv4ref.decode.reference_forward` needs to follow this run. Returns a
+        :class:`History` (unpacks as (tokens list, list of {layer: ids}))."""
+        toks, topks, experts = [], [], []
         for r in range(self.R):
             n = int(self.lengths[r])
             toks.append(self.tokens[r, :n].clone())
             topks.append({li: st["topk"][r, :n].clone() for li, st in enumerate(self.layers) if "topk" in st})
-        return toks, topks
+            e = {li: st["experts"][r, :n].clone() for li, st in enumerate(self.layers)}
+            if self.mtp_state is not None:
+                e["mtp"] = self.mtp_state["experts"][r, :int(self.mtp_done[r])].clone()
+            experts.append(e)
+        return History(toks, topks, experts)
+
+    def _keep(self, rows: Rows, keep: torch.Tensor, ids: torch.Tensor) -> None:
+        """Record the kept rows of the last target call: their tokens and (with MTP) their pre-head residual,
+        which the draft layer reads later. ``keep`` (T,) bool on the host, ``ids`` (T,) on the host."""
+        k = keep & rows.valid.cpu()
+        req, pos = rows.req.cpu()[k], rows.pos.cpu()[k]
+        self.tokens[req, pos] = ids[k]
+        if self.mtp_state is not None:
+            self.h_hist[req.to(self.dev), pos.to(self.dev)] = self.hidden[k.to(self.dev)]
+
+    # ------------------------------------------------------------------------------------------------
+    # speculative decoding with the MTP draft layer (docs/mtp.md)
+    # ------------------------------------------------------------------------------------------------
+    def speculate(self, next_ids, k: int, *, backend: str | None = None, draft_backend: str | None = None) -> Speculation:
+        """One round of greedy speculative decoding for every request: :meth:`draft` k tokens, then
+        :meth:`verify` them in one target step.
+
+        Args: ``next_ids`` (R,) int64, each request's next input token (the argmax of its last logits,
+        not yet in the caches); ``k`` drafts per request, 1 ≤ k ≤ 7; ``backend`` for the target step and the
+        chained drafts (default: the Decoder's); ``draft_backend`` for the draft layer's catch-up rows
+        (default ``backend``; after a prefill those are the whole prompt: "reference" is faster in the CPU
+        interpreter). Returns a :class:`Speculation`."""
+        drafts = self.draft(next_ids, k, backend=backend, catch_up_backend=draft_backend)
+        return self.verify(next_ids, drafts, backend=backend)
+
+    def draft(self, next_ids, k: int, *, backend: str | None = None, catch_up_backend: str | None = None) -> torch.Tensor:
+        """k draft tokens per request from the draft layer. Returns (R, k) int64.
+
+        First the draft layer reads every verified position q it has not seen yet (``mtp_done`` .. length − 1):
+        h_prev = the target's pre-head residual at q, the token at q + 1 (``next_ids`` for the last one); its
+        window cache gets their KV, and the last row's argmax is draft 1 (the token after ``next_ids``). Then
+        draft j (2..k) is one more row per request at the next position, with h_prev = the previous row's
+        output X and the token = draft j − 1. Those chained rows write KV at positions the next call
+        rewrites from verified rows."""
+        if self.mtp_state is None:
+            raise ValueError("draft: this Decoder has no MTP layer (cfg.num_nextn_predict_layers = 0 or no 'mtp' weights)")
+        next_ids = self._next_ids(next_ids)
+        k = validate.integer(k, "k", lo=1, hi=7)
+        be = self.backend if backend is None else validate.backend(backend, SUPPORTED_BACKENDS)
+        cbe = be if catch_up_backend is None else validate.backend(catch_up_backend, SUPPORTED_BACKENDS)
+        n = self.lengths - self.mtp_done  # catch-up rows per request
+        if bool((n < 1).any()):
+            raise ValueError("draft: every request needs a target step since its last draft (call verify or step)")
+        self._rows(torch.arange(self.R), self.lengths + k - 2, torch.ones(self.R, dtype=torch.bool))  # capacity
+        req = torch.repeat_interleave(torch.arange(self.R), n)
+        pos = torch.cat([torch.arange(int(a), int(b)) for a, b in zip(self.mtp_done, self.lengths)])
+        nxt = torch.where(pos + 1 < self.lengths[req], self.tokens[req, (pos + 1).clamp(max=self.capacity - 1)],
+                          next_ids[req])
+        rows = self._rows(req, pos, torch.ones_like(pos, dtype=torch.bool))
+        X, logits = self._mtp_forward(self.h_hist[rows.req, rows.pos], nxt.to(self.dev), rows, cbe, record=True)
+        self.mtp_done = self.lengths.clone()
+        last = (torch.cumsum(n, 0) - 1).to(self.dev)
+        drafts = [mtp.greedy_tokens(logits[last])]
+        X = X[last]
+        for j in range(1, k):
+            rows = self._rows(torch.arange(self.R), self.lengths - 1 + j, torch.ones(self.R, dtype=torch.bool))
+            X, logits = self._mtp_forward(X, drafts[-1], rows, be)
+            drafts.append(mtp.greedy_tokens(logits))
+        return torch.stack(drafts, 1).cpu()
+
+    def verify(self, next_ids, drafts, *, backend: str | None = None) -> Speculation:
+        """Greedy verification: ONE target step over the k + 1 rows [next, d_1, …, d_k] of every request (at
+        positions length … length + k), the target's argmax at each row, :func:`dsv4ref.mtp.greedy_accept`.
+
+        The accepted rows (next and the m matching drafts) stay in the caches; the rejected ones are rolled
+        back: the lengths advance by m + 1 only (their window / compressed-cache / indexer slots are rewritten
+        when those positions are decoded again, and nothing reads past a request's length), and the
+        compressor states get back the ring rows the rejected tokens overwrote. Returns a
+        :class:`Speculation`."""
+        next_ids = self._next_ids(next_ids)
+        drafts = torch.as_tensor(drafts, dtype=torch.int64).cpu()
+        if drafts.dim() != 2 or drafts.shape[0] != self.R or not 1 <= drafts.shape[1] <= 7:
+            raise ValueError(f"drafts: expected shape ({self.R}, k) with 1 <= k <= 7, got {tuple(drafts.shape)}")
+        self._check_ids(drafts.flatten(), "drafts")
+        be = self.backend if backend is None else validate.backend(backend, SUPPORTED_BACKENDS)
+        k = drafts.shape[1]
+        toks = torch.cat([next_ids[:, None], drafts], 1)  # (R, k + 1)
+        req = torch.arange(self.R).repeat_interleave(k + 1)
+        pos = (self.lengths[:, None] + torch.arange(k + 1)[None, :]).flatten()
+        rows = self._rows(req, pos, torch.ones_like(pos, dtype=torch.bool))
+        saved = self._ring_rows(rows)
+        logits = self._forward(toks.flatten().to(self.dev), rows, be)
+        target = mtp.greedy_tokens(logits).view(self.R, k + 1).cpu()
+        m = mtp.accepted_counts(drafts, target)
+        keep = (torch.arange(k + 1)[None, :] <= m[:, None]).flatten()
+        self._restore_ring_rows(saved, rows, ~keep)
+        self._keep(rows, keep, toks.flatten())
+        self.lengths += m + 1
+        emitted = [target[r, : int(m[r]) + 1].clone() for r in range(self.R)]
+        return Speculation(drafts, target, m, emitted, logits.view(self.R, k + 1, -1), target[torch.arange(self.R), m])
+
+    def _next_ids(self, next_ids) -> torch.Tensor:
+        next_ids = torch.as_tensor(next_ids, dtype=torch.int64).cpu()
+        if tuple(next_ids.shape) != (self.R,):
+            raise ValueError(f"next_ids: expected shape ({self.R},), got {tuple(next_ids.shape)}")
+        self._check_ids(next_ids, "next_ids")
+        return next_ids
+
+    def _mtp_forward(self, h_prev: torch.Tensor, tok: torch.Tensor, rows: Rows, backend: str, record: bool = False):
+        """The draft layer on rows at positions ``rows.pos``: input (h_prev (T, M, Hd) bf16, the next token ids
+        (T,)), its own block and window cache, its own head. Returns (X (T, M, Hd) bf16, logits (T, V) fp32).
+        ``record``: keep the block's expert ids (verified rows only)."""
+        cfg, wm, st = self.cfg, self.w["mtp"], self.mtp_state
+        B = wm["block"]
+        mk = dict(rms_eps=cfg.rms_norm_eps, hc_eps=cfg.hc_eps, sinkhorn_iters=cfg.hc_sinkhorn_iters, backend=backend)
+        X = self._op("mtp", mtp.draft_input, h_prev, self.w["embed"][tok], rows.pos, wm["enorm"], wm["hnorm"],
+                     wm["e_proj"], wm["h_proj"], eps=cfg.rms_norm_eps)
+        p = B["hc_attn"]
+        post, comb, x = self._op("mhc", mhc.pre, X, p["fn"], p["scale"], p["base"], **mk)
+        a = self._attention(B, st, x, rows, backend)
+        p = B["hc_ffn"]
+        X, post, comb, x = self._op("mhc", mhc.fused_post_pre, a, X, post, comb, p["fn"], p["scale"], p["base"], **mk)
+        sink = dict(experts=st["experts"]) if record else dict(experts=st["experts"].clone())
+        y = self._ffn(B, sink, x, torch.where(rows.valid, tok, -1), rows, backend)
+        X = self._op("mhc", mhc.post, y, X, post, comb, backend=backend)
+        return X, self._head(X, wm["hc_head"], wm["norm"], backend)
+
+    def _ring_rows(self, rows: Rows) -> list:
+        """The compressor-state rows the step's tokens will overwrite (position p at ring row p % n), saved
+        so a rejected token's write can be undone. Returns [(state, saved kv, saved score)]."""
+        saved = []
+        for st in self.layers:
+            for key in ("ring", "idx_ring"):
+                if key in st:
+                    state = st[key]
+                    idx = (rows.req, rows.pos % state.kv.shape[1])
+                    saved.append((state, state.kv[idx].clone(), state.score[idx].clone()))
+        return saved
+
+    def _restore_ring_rows(self, saved: list, rows: Rows, undo: torch.Tensor) -> None:
+        """Put back the saved ring rows of the step's tokens marked ``undo`` (T,) bool (their positions are
+        distinct modulo n as long as k + 1 <= 8, the smallest ring)."""
+        u = undo.to(self.dev)
+        for state, kv, score in saved:
+            idx = (rows.req[u], rows.pos[u] % state.kv.shape[1])
+            state.kv[idx] = kv[u]
+            state.score[idx] = score[u]
 
     # ------------------------------------------------------------------------------------------------
     # bookkeeping
@@ -251,6 +445,7 @@ class Decoder:
         cfg, w = self.cfg, self.w
         mk = dict(rms_eps=cfg.rms_norm_eps, hc_eps=cfg.hc_eps, sinkhorn_iters=cfg.hc_sinkhorn_iters, backend=backend)
         self.attn_out = []  # per layer (T, Hd) bf16, for the agreement checks
+        input_ids = torch.where(rows.valid, ids, -1)  # the MoE's padding marker (and a hash layer's key)
         h = w["embed"][ids]  # 0: (T, Hd) bf16
         Hs = h[:, None, :].expand(-1, cfg.hc_mult, -1).contiguous()  # (T, M, Hd): h repeated, not split
         ffn_out = post = comb = None
@@ -265,24 +460,42 @@ class Decoder:
             self.attn_out.append(a)
             p = L["hc_ffn"]
             Hs, post, comb, x = self._op("mhc", mhc.fused_post_pre, a, Hs, post, comb, p["fn"], p["scale"], p["base"], **mk)
-            ffn_out = self._op("ffn", self._ffn, L, x)  # 11
+            ffn_out = self._ffn(L, self.layers[li], x, input_ids, rows, backend)  # 11
         Hs = self._op("mhc", mhc.post, ffn_out, Hs, post, comb, backend=backend)  # 12
-        p = w["hc_head"]
-        y = self._op("mhc", mhc.head, Hs, p["fn"], p["scale"], p["base"], rms_eps=cfg.rms_norm_eps, hc_eps=cfg.hc_eps,
-                     backend=backend)
-        y = _rms_norm(y, w["final_norm"], cfg.rms_norm_eps)
-        return self._op("lm_head", lambda: y.float() @ w["lm_head"].float().T)
+        self.hidden = Hs  # the pre-hc_head residual: what the draft layer reads
+        return self._head(Hs, w["hc_head"], w["final_norm"], backend)
 
-    def _ffn(self, L: dict, x: torch.Tensor) -> torch.Tensor:
-        x = _rms_norm(x, L["ffn_norm"], self.cfg.rms_norm_eps)
-        gu = F.linear(x, L["w_gate_up"]).float()
-        return _linear(swiglu_clamped(gu, self.cfg.swiglu_limit).to(torch.bfloat16), L["w_down"])
+    def _head(self, Hs: torch.Tensor, hc: dict, norm: torch.Tensor, backend: str) -> torch.Tensor:
+        """hc_head → RMSNorm → the shared lm_head: (T, V) fp32 (the target's head, or the draft layer's with its
+        own ``hc``/``norm``)."""
+        cfg = self.cfg
+        y = self._op("mhc", mhc.head, Hs, hc["fn"], hc["scale"], hc["base"], rms_eps=cfg.rms_norm_eps,
+                     hc_eps=cfg.hc_eps, backend=backend)
+        y = _rms_norm(y, norm, cfg.rms_norm_eps)
+        return self._op("lm_head", lambda: y.float() @ self.w["lm_head"].float().T)
+
+    def _ffn(self, L: dict, st: dict, x: torch.Tensor, input_ids: torch.Tensor, rows: Rows, backend: str) -> torch.Tensor:
+        """11: the MoE feed-forward on the ffn_norm of ``x``: route (hash layers by token id, padding rows −1),
+        stage, experts + shared expert. Records the expert ids of the valid rows in ``st["experts"]``."""
+        cfg, m = self.cfg, L["moe"]
+        x = _rms_norm(x, L["ffn_norm"], cfg.rms_norm_eps)
+        ids, wts = self._op("moe", moe.route, x, m["gate_weight"], m["bias"], k=cfg.num_experts_per_tok,
+                            routed_scale=cfg.routed_scaling_factor, hash_table=m["tid2eid"], input_ids=input_ids)
+        staged = self._op("moe", moe.stage, x, ids, wts, backend=backend)
+        y = self._op("moe", moe.experts, x, *staged, m["w13"], m["w2"], m["shared_w13"], m["shared_w2"],
+                     swiglu_limit=cfg.swiglu_limit, backend=backend)
+        v = rows.valid.cpu()
+        st["experts"][rows.req.cpu()[v], rows.pos.cpu()[v]] = ids.cpu()[v]
+        return y
 
     def attention(self, li: int, x: torch.Tensor, rows: Rows, backend: str) -> torch.Tensor:
         """Layer ``li``'s attention block (steps 2–9 of the step map) on the mHC layer input ``x`` (T, Hd)
         bf16 of the step's ``rows``: writes this step's KV rows (window, compressed, indexer K) into the
         caches and returns the block's output (T, Hd) bf16."""
-        cfg, L, st = self.cfg, self.w["layers"][li], self.layers[li]
+        return self._attention(self.w["layers"][li], self.layers[li], x, rows, backend)
+
+    def _attention(self, L: dict, st: dict, x: torch.Tensor, rows: Rows, backend: str) -> torch.Tensor:
+        cfg = self.cfg
         r, T, D, H = st["ratio"], x.shape[0], cfg.head_dim, self.H
         cos_sin = self.cos_sin["swa" if r == 0 else "comp"]
         eps = cfg.rms_norm_eps
@@ -298,13 +511,13 @@ class Decoder:
                  eps=eps, block_size=cfg.window_page, backend=backend)
         # 5: compressor (before the indexer and attention: a row completed by this token is visible to it)
         if r > 1:
-            self._op("compressor", self._compress, li, x, rows, backend)
+            self._compress(L, st, x, rows, backend)
         # 6: indexer (ratio 4): top-k local compressed ids; ratio 128: every visible compressed row
         extra = {}
         if r > 1:
             n_c = torch.where(rows.valid, (rows.pos + 1) // r, 0)
             if r == 4:
-                local = self._indexer(li, x, qr, rows, n_c, backend)
+                local = self._indexer(L, st, x, qr, rows, n_c, backend)
             else:
                 j = torch.arange(max(1, self.capacity // r), device=self.dev)[None, :]
                 local = torch.where(j < n_c[:, None], j, -1)
@@ -329,35 +542,33 @@ class Decoder:
         o = self._op("inv_rope", rope.apply_gptj, o[:, :H].contiguous(), rows.pos, cos_sin, inverse=True, backend=backend)
         return self._op("o_proj", rope.grouped_o_proj, o, L["wo_a"], L["wo_b"])
 
-    def _compress(self, li: int, x: torch.Tensor, rows: Rows, backend: str) -> None:
+    def _compress(self, L: dict, st: dict, x: torch.Tensor, rows: Rows, backend: str) -> None:
         """5: the compressed rows (and, ratio 4, indexer keys) completed by this step, rounded to bf16,
-        rotated at (p // r)·r, written through the cache writers."""
-        cfg, L, st = self.cfg, self.w["layers"][li], self.layers[li]
+        rotated at (p // r)·r, written through the cache writers. The compressor op returns one row per
+        token with a ``done`` flag, so no host sync: rows that complete nothing get slot −1 (not written)."""
+        cfg = self.cfg
         r, cos_sin, eps = st["ratio"], self.cos_sin["comp"], cfg.rms_norm_eps
 
-        def completed(weights: dict, state: compressor.CompressorState, bt: torch.Tensor, page: int):
-            """The rows this step completes: bf16, rotated at (p // r)·r, and their slots (row id p // r)."""
-            out = compressor.compress(x, weights, state, rows.req, rows.pos, rows.valid, ratio=r, eps=eps)
-            if out.rows.shape[0] == 0:
-                return None, None
-            row = rope.apply_gptj(out.rows.to(torch.bfloat16), rope.compressed_position(out.positions, r), cos_sin,
+        def completed(weights: dict, state: compressor_op.CompressorState, bt: torch.Tensor, page: int):
+            """This step's rows: bf16, rotated at (p // r)·r, and their slots (row id p // r, −1 if not done)."""
+            out, done = self._op("compressor", compressor_op.compress, x, weights["wkv"], weights["wgate"],
+                                 weights["ape"], weights["norm"], state.kv, state.score, rows.req, rows.pos,
+                                 ratio=r, eps=eps, valid=rows.valid, backend=backend)
+            row = rope.apply_gptj(out.to(torch.bfloat16), rope.compressed_position(rows.pos, r), cos_sin,
                                   backend=backend)
-            every = torch.ones_like(out.positions, dtype=torch.bool)
-            return row.contiguous(), self._slots(bt, out.requests, out.positions // r, page, every)
+            return row.contiguous(), self._slots(bt, rows.req, rows.pos // r, page, done)
 
         row, slots = completed(L["comp"], st["ring"], st["bt_c"], st["page"])
-        if row is not None:
-            kv_cache.insert(st["comp"], row, slots, block_size=st["page"], backend=backend)
+        kv_cache.insert(st["comp"], row, slots, block_size=st["page"], backend=backend)
         if r == 4:  # the indexer's own compressor (D = 128), into the indexer-K pool
             k, slots = completed(L["idx_comp"], st["idx_ring"], st["bt_i"], cfg.index_page)
-            if k is not None:
-                indexer.insert_k(st["idx_cache"], k, slots, block_size=cfg.index_page, hadamard=self.index_hadamard,
-                                 backend=backend)
+            indexer.insert_k(st["idx_cache"], k, slots, block_size=cfg.index_page, hadamard=self.index_hadamard,
+                             backend=backend)
 
-    def _indexer(self, li: int, x: torch.Tensor, qr: torch.Tensor, rows: Rows, n_c: torch.Tensor,
+    def _indexer(self, L: dict, st: dict, x: torch.Tensor, qr: torch.Tensor, rows: Rows, n_c: torch.Tensor,
                  backend: str) -> torch.Tensor:
         """6: the indexer's top-k local compressed ids (T, K_top) int, a packed prefix, −1 padded."""
-        cfg, L, st = self.cfg, self.w["layers"][li], self.layers[li]
+        cfg = self.cfg
         T = x.shape[0]
         iq = self._op("proj", _linear, qr, L["idx_wq_b"]).view(T, cfg.index_heads, cfg.index_head_dim)
         wts = self._op("proj", _linear, x, L["idx_weights"]).float()  # from x, not qr
@@ -412,7 +623,7 @@ def traffic_per_op(cfg: Config, context: int) -> dict[str, float]:
         t["qnorm_rope_kv_insert"] += 2 * H * 512 * 2 + 512 * 2 + TOKEN_BYTES
         t["mhc"] += 2 * (2 * M * Hd * 2 + Hd * 2)
         if r > 1:
-            coff = compressor.overlap(r)
+            coff = compressor_op.overlap(r)
             for d, row in [(512, TOKEN_BYTES)] + ([(cfg.index_head_dim, FP8_K_RECORD)] if r == 4 else []):
                 t["compressor"] += 2 * coff * d * 4 + coff * r * 2 * d * 4 / r + row / r
         if r == 4:

@@ -5,7 +5,10 @@ beyond the causal window and the top-k ids it is given (the ones the indexer cho
 to the same rows). It computes the whole sequence at once, where the decode path goes token by token
 through caches, and shares no code with it: its RoPE is its own float64 rotation (not the fp32 tables),
 its compressor works on blocks of r tokens (not a ring). The mHC pieces are the mHC op's own readable
-references run at float64 (they are held to an independent oracle in ``tests/test_mhc.py``).
+references run at float64 (they are held to an independent oracle in ``tests/test_mhc.py``), and so is the
+MoE's, fed the expert ids the decode path chose (as the top-k ids: both sides then run the same experts).
+The MoE's FP8 input staging is part of its definition (the experts read e4m3 activations with UE8M0
+scales), so the reference stages too; what it leaves out are the bf16 roundings.
 
 Per layer l with ratio r, for all L positions p at once (``docs/decode.md#one-step-op-by-op``)::
 
@@ -17,7 +20,7 @@ Per layer l with ratio r, for all L positions p at once (``docs/decode.md#one-st
     candidates   = window (p − W, p] ∪ compressed rows {top-k ids (r = 4) | all n_c = (p+1)//r (r = 128)}
     o            = softmax(q·kᵀ·scale) @ k · σ(lse − sink)   (L, H, 512)   K = V; the sink in the denominator
     a            = o_proj(rope⁻¹(o, p))                     (L, Hd)       grouped: wo_a per group, then wo_b
-    Hs           = mHC post(a);  x = mHC pre(Hs);  Hs = mHC post(FFN(RMSNorm(x)))
+    Hs           = mHC post(a);  x = mHC pre(Hs);  Hs = mHC post(MoE(RMSNorm(x)))   [moe reference, float64]
     logits       = lm_head(RMSNorm(hc_head(Hs)))            (L, V)
 
 ``bugs`` injects known mistakes on purpose (to show that the agreement check has teeth), ``fp8_kv``
@@ -30,23 +33,23 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 from einops import rearrange
 
-from .. import mhc
+from .. import mhc, moe
+from ..compressor import compress_sequence
 from ..config import Config
 from ..formats import E4M3_MAX, KV_AMAX_FLOOR, NOPE_DIM, QUANT_BLOCK
 from ..rope import yarn_correction_range
 from .weights import check_config, layer_ratio, weights_to
 
-__all__ = ["reference_forward", "REFERENCE_BUGS", "compress", "inv_freq", "rope", "fp8_kv_sim", "index_scores"]
+__all__ = ["reference_forward", "REFERENCE_BUGS", "block", "moe_f64", "compress", "inv_freq", "rope", "fp8_kv_sim", "index_scores"]
 
 #: deliberate bugs :func:`reference_forward` can inject, to show the agreement check has teeth
 REFERENCE_BUGS = ("no_sink", "no_inv_rope", "comb_not_transposed", "no_compressed", "rope_neox")
 
 
 def reference_forward(cfg: Config, weights: dict, tokens: torch.Tensor, topk: dict | None = None,
-                      bugs=(), fp8_kv: bool = False) -> dict:
+                      bugs=(), fp8_kv: bool = False, experts: dict | None = None) -> dict:
     """Float64 full-sequence forward of one request.
 
     Args:
@@ -56,10 +59,15 @@ def reference_forward(cfg: Config, weights: dict, tokens: torch.Tensor, topk: di
             choice, e.g. from :meth:`dsv4ref.decode.Decoder.history`); ratio-128 layers use all rows.
         bugs: names from :data:`REFERENCE_BUGS`.
         fp8_kv: simulate the cache's FP8 storage of the KV rows (window and compressed).
+        experts: {layer: (L, K) expert ids} the decode path's MoE chose (``Decoder.history().experts``), so
+            both sides run the same experts (the weights are still the reference's own float64 scores at
+            those ids); None: the reference routes by itself (a near-tie between the K-th and (K+1)-th
+            expert then flips on rounding noise, and that token's FFN output is a different one).
 
     Returns:
         dict(logits (L, V), attn [per layer (L, Hd)], index_scores {layer: (L, n_c) unquantised indexer
-        logits, −inf where not visible}), all float64 on the CPU.
+        logits, −inf where not visible}, hidden (L, M, Hd) the pre-hc_head residual (what the MTP layer
+        reads), experts {layer: (L, K) the ids used}), all float64 on the CPU (ids int32).
     """
     check_config(cfg)
     for b in bugs:
@@ -67,11 +75,40 @@ def reference_forward(cfg: Config, weights: dict, tokens: torch.Tensor, topk: di
             raise ValueError(f"bugs: {b!r} is not one of {REFERENCE_BUGS}")
     w = weights_to(weights, "cpu", torch.float64)
     tokens = torch.as_tensor(tokens, dtype=torch.int64).cpu()
-    L, H, M, W, eps = tokens.shape[0], cfg.num_heads, cfg.hc_mult, cfg.window, cfg.rms_norm_eps
-    neox = "rope_neox" in bugs
-    pos = torch.arange(L)
-    mk = dict(rms_eps=eps, hc_eps=cfg.hc_eps)
+    L, M, eps = tokens.shape[0], cfg.hc_mult, cfg.rms_norm_eps
     Hs = w["embed"][tokens][:, None, :].expand(L, M, -1).clone()  # (L, M, Hd): the embedding, M times
+    out = dict(attn=[], index_scores={}, experts={})
+    for li, Lw in enumerate(w["layers"]):
+        r = layer_ratio(cfg, li)
+        if r == 4 and (topk is None or li not in topk):
+            raise ValueError(f"topk: layer {li} has ratio 4; pass the indexer's top-k ids for it")
+        Hs, a, sc, ids = block(cfg, Lw, r, Hs, tokens, topk=None if topk is None else topk.get(li), bugs=bugs,
+                               fp8_kv=fp8_kv, experts=None if experts is None else experts.get(li),
+                               hash_layer=li < cfg.num_hash_layers, layer=li)
+        out["attn"].append(a)
+        out["experts"][li] = ids
+        if sc is not None:
+            out["index_scores"][li] = sc
+    hp = w["hc_head"]
+    out["hidden"] = Hs
+    y = mhc.reference.head(Hs, hp["fn"], hp["scale"], hp["base"], dtype=torch.float64, rms_eps=eps, hc_eps=cfg.hc_eps)
+    out["logits"] = rms_norm(y, w["final_norm"], eps) @ w["lm_head"].T
+    return out
+
+
+def block(cfg: Config, Lw: dict, r: int, Hs: torch.Tensor, tokens: torch.Tensor, *, topk=None, bugs=(),
+          fp8_kv: bool = False, experts=None, hash_layer: bool = False, layer: int = 0, positions=None):
+    """One V4 block in float64 over a whole sequence: mHC pre → attention → mHC post, mHC pre → MoE → mHC post.
+
+    Args: ``Lw`` one layer's weights (float64, CPU), ``r`` its ratio, ``Hs`` (L, M, Hd) the streams in,
+    ``tokens`` (L,) (a hash layer routes by them), ``topk`` (L, K_top) for ratio 4, ``experts`` (L, K) ids to
+    use (None: route here), ``positions`` (L,) (default 0..L−1). Returns ``(Hs, attn (L, Hd), index_scores
+    or None, expert ids (L, K) int32)``."""
+    L, H, W, eps = Hs.shape[0], cfg.num_heads, cfg.window, cfg.rms_norm_eps
+    neox = "rope_neox" in bugs
+    pos = torch.arange(L) if positions is None else positions
+    inv = inv_freq(cfg, r)
+    mk = dict(rms_eps=eps, hc_eps=cfg.hc_eps)
 
     def mhc_post(x, Hs, post, comb):
         if "comb_not_transposed" in bugs:
@@ -82,73 +119,77 @@ def reference_forward(cfg: Config, weights: dict, tokens: torch.Tensor, topk: di
         return mhc.reference.pre(Hs, p["fn"], p["scale"], p["base"], sinkhorn_iters=cfg.hc_sinkhorn_iters,
                                  dtype=torch.float64, **mk)
 
-    out = dict(attn=[], index_scores={})
-    ffn_out = post = comb = None
-    for li, Lw in enumerate(w["layers"]):
-        r = layer_ratio(cfg, li)
-        inv = inv_freq(cfg, r)
-        if li > 0:
-            Hs = mhc_post(ffn_out, Hs, post, comb)
-        post, comb, x = mhc_pre(Hs, Lw["hc_attn"])
-        # attention: projections, norms, RoPE
-        x = rms_norm(x, Lw["attn_norm"], eps)
-        qkv = x @ Lw["wqkv_a"].T
-        qr = rms_norm(qkv[:, :cfg.q_lora_rank], Lw["q_norm"], eps)
-        kv = rms_norm(qkv[:, cfg.q_lora_rank:], Lw["kv_norm"], eps)
-        q = rearrange(qr @ Lw["wq_b"].T, "l (h d) -> l h d", h=H)
-        q = rope(rms_norm(q, None, eps), pos, inv, neox=neox)
-        k = rope(kv, pos, inv, neox=neox)
+    post, comb, x = mhc_pre(Hs, Lw["hc_attn"])
+    # attention: projections, norms, RoPE
+    x = rms_norm(x, Lw["attn_norm"], eps)
+    qkv = x @ Lw["wqkv_a"].T
+    qr = rms_norm(qkv[:, :cfg.q_lora_rank], Lw["q_norm"], eps)
+    kv = rms_norm(qkv[:, cfg.q_lora_rank:], Lw["kv_norm"], eps)
+    q = rearrange(qr @ Lw["wq_b"].T, "l (h d) -> l h d", h=H)
+    q = rope(rms_norm(q, None, eps), pos, inv, neox=neox)
+    k = rope(kv, pos, inv, neox=neox)
+    if fp8_kv:
+        k = fp8_kv_sim(k)
+    # candidates of each position: its window (L, W) and its compressed rows (L, n_sel)
+    j = torch.arange(L)
+    win = j[:, None] - W + 1 + torch.arange(W)[None, :]
+    cand, ok = [k[win.clamp(min=0)]], [win >= 0]
+    scores = None
+    if r > 1 and "no_compressed" not in bugs:
+        c, cp = compress(Lw["comp"], r, x, eps)
+        ck = rope(c, cp - (r - 1), inv, neox=neox)  # rotated at (p // r)·r, the window's first position
         if fp8_kv:
-            k = fp8_kv_sim(k)
-        # candidates of each position: its window (L, W) and its compressed rows (L, n_sel)
-        win = pos[:, None] - W + 1 + torch.arange(W)[None, :]
-        cand, ok = [k[win.clamp(min=0)]], [win >= 0]
-        if r > 1 and "no_compressed" not in bugs:
-            c, cp = compress(Lw["comp"], r, x, eps)
-            ck = rope(c, cp - (r - 1), inv, neox=neox)  # rotated at (p // r)·r, the window's first position
-            if fp8_kv:
-                ck = fp8_kv_sim(ck)
-            n_c = (pos + 1) // r
-            if r == 4:
-                if topk is None or li not in topk:
-                    raise ValueError(f"topk: layer {li} has ratio 4; pass the indexer's top-k ids for it")
-                sel = torch.as_tensor(topk[li]).long().cpu()
-                if tuple(sel.shape[:1]) != (L,):
-                    raise ValueError(f"topk[{li}]: expected {L} rows, got shape {tuple(sel.shape)}")
-                if bool(((sel >= n_c[:, None]) & (sel >= 0)).any()):
-                    raise ValueError(f"topk[{li}]: an id is not yet visible (id >= (p+1)//4): causal mask broken")
-                out["index_scores"][li] = index_scores(cfg, Lw, x, qr, inv, pos)
-            else:
-                sel = torch.arange(max(1, L // r))[None, :].expand(L, -1)
-                sel = torch.where(sel < n_c[:, None], sel, -1)
-            if c.shape[0]:
-                cand.append(ck[sel.clamp(min=0)])
-                ok.append(sel >= 0)
-        kk, okk = torch.cat(cand, 1), torch.cat(ok, 1)  # (L, N, 512), (L, N)
-        # one softmax over all candidates; K = V; the sink only in the denominator
-        s = torch.einsum("lhd,lnd->lhn", q, kk) * cfg.softmax_scale
-        s = s.masked_fill(~okk[:, None, :], -math.inf)
-        lse = torch.logsumexp(s, dim=-1)
-        o = torch.einsum("lhn,lnd->lhd", torch.exp(s - lse[..., None]), kk)
-        if "no_sink" not in bugs:
-            o = o * torch.sigmoid(lse - Lw["sink"])[..., None]
-        if "no_inv_rope" not in bugs:
-            o = rope(o, pos, inv, inverse=True, neox=neox)
-        # grouped o-projection: contiguous head groups, wo_a per group, then wo_b
-        z = torch.einsum("lgk,gok->lgo", rearrange(o, "l (g h) d -> l g (h d)", g=cfg.o_groups), Lw["wo_a"])
-        a = rearrange(z, "l g o -> l (g o)") @ Lw["wo_b"].T
-        out["attn"].append(a)
-        # FFN (the MoE stand-in): clamped SwiGLU
-        Hs = mhc_post(a, Hs, post, comb)
-        post, comb, x = mhc_pre(Hs, Lw["hc_ffn"])
-        gate, up = (rms_norm(x, Lw["ffn_norm"], eps) @ Lw["w_gate_up"].T).chunk(2, dim=-1)
-        lim = cfg.swiglu_limit
-        ffn_out = (F.silu(gate.clamp(max=lim)) * up.clamp(-lim, lim)) @ Lw["w_down"].T
-    Hs = mhc_post(ffn_out, Hs, post, comb)
-    hp = w["hc_head"]
-    y = mhc.reference.head(Hs, hp["fn"], hp["scale"], hp["base"], dtype=torch.float64, **mk)
-    out["logits"] = rms_norm(y, w["final_norm"], eps) @ w["lm_head"].T
-    return out
+            ck = fp8_kv_sim(ck)
+        n_c = (j + 1) // r
+        if r == 4:
+            sel = torch.as_tensor(topk).long().cpu()
+            if tuple(sel.shape[:1]) != (L,):
+                raise ValueError(f"topk[{layer}]: expected {L} rows, got shape {tuple(sel.shape)}")
+            if bool(((sel >= n_c[:, None]) & (sel >= 0)).any()):
+                raise ValueError(f"topk[{layer}]: an id is not yet visible (id >= (p+1)//4): causal mask broken")
+            scores = index_scores(cfg, Lw, x, qr, inv, pos)
+        else:
+            sel = torch.arange(max(1, L // r))[None, :].expand(L, -1)
+            sel = torch.where(sel < n_c[:, None], sel, -1)
+        if c.shape[0]:
+            cand.append(ck[sel.clamp(min=0)])
+            ok.append(sel >= 0)
+    kk, okk = torch.cat(cand, 1), torch.cat(ok, 1)  # (L, N, 512), (L, N)
+    # one softmax over all candidates; K = V; the sink only in the denominator
+    s = torch.einsum("lhd,lnd->lhn", q, kk) * cfg.softmax_scale
+    s = s.masked_fill(~okk[:, None, :], -math.inf)
+    lse = torch.logsumexp(s, dim=-1)
+    o = torch.einsum("lhn,lnd->lhd", torch.exp(s - lse[..., None]), kk)
+    if "no_sink" not in bugs:
+        o = o * torch.sigmoid(lse - Lw["sink"])[..., None]
+    if "no_inv_rope" not in bugs:
+        o = rope(o, pos, inv, inverse=True, neox=neox)
+    # grouped o-projection: contiguous head groups, wo_a per group, then wo_b
+    z = torch.einsum("lgk,gok->lgo", rearrange(o, "l (g h) d -> l g (h d)", g=cfg.o_groups), Lw["wo_a"])
+    a = rearrange(z, "l g o -> l (g o)") @ Lw["wo_b"].T
+    # the MoE feed-forward
+    Hs = mhc_post(a, Hs, post, comb)
+    post, comb, x = mhc_pre(Hs, Lw["hc_ffn"])
+    y, ids = moe_f64(cfg, Lw["moe"], rms_norm(x, Lw["ffn_norm"], eps), tokens, experts, hash_layer)
+    return mhc_post(y, Hs, post, comb), a, scores, ids
+
+
+def moe_f64(cfg: Config, m: dict, x: torch.Tensor, tokens: torch.Tensor, experts=None, hash_layer: bool = False):
+    """The MoE feed-forward in float64 (``docs/moe.md``): routing on float64 scores, the FP8 input staging
+    (the experts' defined input, so both sides read the same e4m3 activations), experts and shared expert
+    without roundings. ``experts``: (L, K) ids to use instead of routing (their weights are still this
+    function's scores at those ids). Returns ``(y (L, Hd) float64, ids (L, K) int32)``."""
+    if experts is not None:
+        table, ids_in = torch.as_tensor(experts).long().cpu(), torch.arange(x.shape[0])
+    else:
+        table, ids_in = (m["tid2eid"], tokens) if hash_layer else (None, None)
+    ids, wts = moe.reference.route(x, m["gate_weight"], m["bias"], k=cfg.num_experts_per_tok,
+                                   routed_scale=cfg.routed_scaling_factor, hash_table=table, input_ids=ids_in,
+                                   dtype=torch.float64)
+    x_fp8, x_sf, ids64, _ = moe.reference.stage(x, ids, wts.float())
+    y = moe.reference.experts(x, x_fp8, x_sf, ids64, wts, m["w13"], m["w2"], m["shared_w13"], m["shared_w2"],
+                              swiglu_limit=cfg.swiglu_limit, dtype=torch.float64)
+    return y, ids
 
 
 # ====================================================================================================
@@ -202,23 +243,10 @@ def fp8_kv_sim(x: torch.Tensor) -> torch.Tensor:
 
 
 def compress(cw: dict, r: int, x: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """All compressed rows of a sequence, float64: (L // r, D) and the boundary position of each.
-
-    Block b holds positions b·r … b·r + r − 1; its row is a per-channel softmax-weighted sum over its
-    window. Ratio 128: the window is block b. Ratio 4 (overlap): block b − 1's channels [0:D], then block
-    b's channels [D:2D] (block −1 is empty: score −∞, kv 0). Then RMSNorm with weight ``cw["norm"]``."""
-    nb, D = x.shape[0] // r, cw["norm"].shape[0]
-    xb = x[: nb * r]
-    kv = rearrange(xb @ cw["wkv"].T, "(b r) c -> b r c", r=r)  # (nb, r, coff·D)
-    score = rearrange(xb @ cw["wgate"].T, "(b r) c -> b r c", r=r) + cw["ape"]  # + the bias of p % r
-    if r == 4:
-        def older(t, fill):  # block b − 1's first D channels, at block b
-            return torch.cat([torch.full_like(t[:1, :, :D], fill), t[:-1, :, :D]])
-
-        kv = torch.cat([older(kv, 0.0), kv[..., D:]], dim=1)  # (nb, 2r, D)
-        score = torch.cat([older(score, -math.inf), score[..., D:]], dim=1)
-    c = (torch.softmax(score, dim=1) * kv).sum(1)
-    return rms_norm(c, cw["norm"], eps), torch.arange(nb) * r + r - 1
+    """All compressed rows of a sequence, float64: (L // r, D) and the boundary position of each. The
+    compressor op's whole-sequence form, written with blocks of r tokens (not the decode path's ring):
+    :func:`dsv4ref.compressor.compress_sequence`."""
+    return compress_sequence(x, cw["wkv"], cw["wgate"], cw["ape"], cw["norm"], ratio=r, eps=eps, dtype=torch.float64)
 
 
 def index_scores(cfg: Config, Lw: dict, x: torch.Tensor, qr: torch.Tensor, inv: torch.Tensor,

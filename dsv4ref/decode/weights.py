@@ -19,7 +19,7 @@ from ..config import TINY, Config
 from ..device import DEVICE
 from ..testing import generator
 
-__all__ = ["check_config", "layer_ratio", "make_weights", "weights_to"]
+__all__ = ["check_config", "layer_ratio", "make_weights", "block_weights", "moe_weights", "Draw", "weights_to"]
 
 
 def check_config(cfg: Config) -> Config:
@@ -46,6 +46,15 @@ def check_config(cfg: Config) -> Config:
         raise ValueError(f"cfg.window: expected >= 1, got {cfg.window}")
     if cfg.hc_mult < 1 or cfg.index_topk < 1:
         raise ValueError("cfg.hc_mult and cfg.index_topk must be >= 1")
+    if not 1 <= cfg.num_experts_per_tok <= cfg.n_routed_experts:
+        raise ValueError(f"cfg.num_experts_per_tok: expected 1..n_routed_experts={cfg.n_routed_experts}, got "
+                         f"{cfg.num_experts_per_tok}")
+    if cfg.hidden_size % 128 or cfg.moe_intermediate_size < 16:
+        raise ValueError(f"cfg.hidden_size / moe_intermediate_size: the MoE staging needs Hd % 128 == 0 and I >= 16, "
+                         f"got {cfg.hidden_size} / {cfg.moe_intermediate_size}")
+    if not 0 <= cfg.num_hash_layers <= cfg.num_layers or cfg.num_nextn_predict_layers not in (0, 1):
+        raise ValueError(f"cfg.num_hash_layers / num_nextn_predict_layers: expected 0..num_layers and 0 or 1, got "
+                         f"{cfg.num_hash_layers} / {cfg.num_nextn_predict_layers}")
     return cfg
 
 
@@ -61,76 +70,122 @@ def make_weights(cfg: Config = TINY, seed: int = 0, device=None) -> dict:
 
     Returns a dict: ``embed`` (V, Hd) bf16; ``layers``: one dict per layer (``ratio``, ``hc_attn`` /
     ``hc_ffn`` mHC parameters {fn, scale, base}, ``attn_norm``, ``wqkv_a`` = [W_q_a ; W_kv], ``q_norm``,
-    ``kv_norm``, ``wq_b``, ``sink`` (H,), ``wo_a`` (G, o_lora, hpg·512), ``wo_b``, ``ffn_norm``,
-    ``w_gate_up``, ``w_down``; ratio > 1: ``comp`` (the compressor: wkv, wgate, ape, norm); ratio 4:
-    ``idx_comp``, ``idx_wq_b``, ``idx_weights``); ``hc_head``; ``final_norm``; ``lm_head`` (V, Hd).
+    ``kv_norm``, ``wq_b``, ``sink`` (H,), ``wo_a`` (G, o_lora, hpg·512), ``wo_b``, ``ffn_norm``, ``moe``
+    (the MoE feed-forward: ``gate_weight`` (E, Hd), ``bias`` (E,) fp32 near 8.08 or None on a hash layer,
+    ``tid2eid`` (V, K) int64 with distinct ids per row on a hash layer (layers < ``num_hash_layers``) or
+    None, ``w13`` (E, 2I, Hd), ``w2`` (E, Hd, I), ``shared_w13`` (2I, Hd), ``shared_w2`` (Hd, I)); ratio > 1:
+    ``comp`` (the compressor: wkv, wgate, ape, norm); ratio 4: ``idx_comp``, ``idx_wq_b``, ``idx_weights``);
+    ``hc_head``; ``final_norm``; ``lm_head`` (V, Hd); and, when ``cfg.num_nextn_predict_layers`` is 1,
+    ``mtp`` (:func:`dsv4ref.mtp.make_weights`: the draft layer's own parameters and its SWA-only block;
+    it has no embedding or LM head of its own, the draft layer uses ``embed`` and ``lm_head``).
     Linear weights are bf16 ``[out, in]`` with std 1/sqrt(in); norms, mHC parameters, sinks and
-    compressor position biases are fp32."""
+    compressor position biases are fp32. The MoE weights of layer l come from their own generator (seed
+    ``seed + 1000 + l``), the MTP's from seed ``seed + 2000``."""
     check_config(cfg)
-    g = generator(seed)
-    Hd, H, D, M = cfg.hidden_size, cfg.num_heads, cfg.head_dim, cfg.hc_mult
+    draw = Draw(generator(seed))
+    layers = [block_weights(cfg, draw, layer_ratio(cfg, li), li, seed) for li in range(cfg.num_layers)]
+    w = dict(
+        embed=torch.randn(cfg.vocab_size, cfg.hidden_size, generator=draw.g).to(torch.bfloat16),
+        layers=layers,
+        hc_head=draw.mhc_params(cfg.hc_mult, cfg),
+        final_norm=draw.norm_w(cfg.hidden_size),
+        lm_head=draw.lin(cfg.vocab_size, cfg.hidden_size),
+    )
+    if cfg.num_nextn_predict_layers:
+        from ..mtp import make_weights as mtp_weights  # (mtp imports this module)
 
-    def lin(out_f, in_f, scale=1.0):
-        return (torch.randn(out_f, in_f, generator=g) * (scale / math.sqrt(in_f))).to(torch.bfloat16)
+        w["mtp"] = mtp_weights(cfg, w, seed + 2000)
+    return weights_to(w, device or DEVICE)
 
-    def norm_w(n, octaves=0):
-        w = 1.0 + 0.1 * torch.randn(n, generator=g)
-        if octaves:  # a power-of-two factor per 64-block: varied FP8 scale bytes
-            e = torch.randint(-octaves, octaves + 1, (n // 64,), generator=g).float()
+
+class Draw:
+    """Seeded draws of the weight kinds of a block, in the order the caller asks for them."""
+
+    def __init__(self, g: torch.Generator):
+        self.g = g
+
+    def lin(self, out_f: int, in_f: int, scale: float = 1.0) -> torch.Tensor:
+        """bf16 ``[out_f, in_f]``, std scale/sqrt(in_f)."""
+        return (torch.randn(out_f, in_f, generator=self.g) * (scale / math.sqrt(in_f))).to(torch.bfloat16)
+
+    def norm_w(self, n: int, octaves: int = 0) -> torch.Tensor:
+        """fp32 RMSNorm weight 1 + N(0, 0.1²); ``octaves``: a power-of-two factor per 64-block (varied FP8
+        scale bytes)."""
+        w = 1.0 + 0.1 * torch.randn(n, generator=self.g)
+        if octaves:
+            e = torch.randint(-octaves, octaves + 1, (n // 64,), generator=self.g).float()
             w = w * torch.exp2(e).repeat_interleave(64)
         return w
 
-    def mhc_params(n_out):
-        return dict(fn=torch.randn(n_out, M * Hd, generator=g) / math.sqrt(M * Hd),
+    def mhc_params(self, n_out: int, cfg: Config) -> dict:
+        """mHC mix parameters {fn, scale, base}: a pre/post mix (n_out = M·(M+2)) or a head (n_out = M)."""
+        M, Hd = cfg.hc_mult, cfg.hidden_size
+        return dict(fn=torch.randn(n_out, M * Hd, generator=self.g) / math.sqrt(M * Hd),
                     scale=torch.tensor([0.5, 0.5, 1.0]) if n_out > M else torch.tensor([0.5]),
-                    base=torch.cat([0.2 * torch.randn(2 * M, generator=g),
-                                    (2.0 * torch.eye(M) + 0.7 * torch.randn(M, M, generator=g)).flatten()])
-                    if n_out > M else 0.2 * torch.randn(M, generator=g))
+                    base=torch.cat([0.2 * torch.randn(2 * M, generator=self.g),
+                                    (2.0 * torch.eye(M) + 0.7 * torch.randn(M, M, generator=self.g)).flatten()])
+                    if n_out > M else 0.2 * torch.randn(M, generator=self.g))
 
-    def compressor(r, d):
+    def compressor(self, r: int, d: int, cfg: Config) -> dict:
         coff = 2 if r == 4 else 1
-        return dict(wkv=lin(coff * d, Hd), wgate=lin(coff * d, Hd), ape=0.5 * torch.randn(r, coff * d, generator=g),
-                    norm=norm_w(d, octaves=1 if d == D else 0))
+        return dict(wkv=self.lin(coff * d, cfg.hidden_size), wgate=self.lin(coff * d, cfg.hidden_size),
+                    ape=0.5 * torch.randn(r, coff * d, generator=self.g),
+                    norm=self.norm_w(d, octaves=1 if d == cfg.head_dim else 0))
 
-    layers = []
-    for li in range(cfg.num_layers):
-        r = layer_ratio(cfg, li)
-        L = dict(
-            ratio=r,
-            hc_attn=mhc_params(cfg.hc_mix), hc_ffn=mhc_params(cfg.hc_mix),
-            attn_norm=norm_w(Hd),
-            wqkv_a=lin(cfg.q_lora_rank + D, Hd),  # [W_q_a ; W_kv]: one GEMM
-            q_norm=norm_w(cfg.q_lora_rank), kv_norm=norm_w(D, octaves=1),
-            wq_b=lin(H * D, cfg.q_lora_rank),
-            sink=torch.randn(H, generator=g),
-            wo_a=torch.stack([lin(cfg.o_lora_rank, cfg.heads_per_group * D) for _ in range(cfg.o_groups)]),
-            wo_b=lin(Hd, cfg.o_groups * cfg.o_lora_rank, scale=0.25),  # updates small next to the stream
-            ffn_norm=norm_w(Hd),
-            w_gate_up=lin(2 * cfg.ffn_intermediate, Hd, scale=2.0),
-            w_down=lin(Hd, cfg.ffn_intermediate, scale=0.25),
-        )
-        if r > 1:
-            L["comp"] = compressor(r, D)
-        if r == 4:
-            L["idx_comp"] = compressor(4, cfg.index_head_dim)
-            L["idx_wq_b"] = lin(cfg.index_heads * cfg.index_head_dim, cfg.q_lora_rank)
-            L["idx_weights"] = lin(cfg.index_heads, Hd)
-        layers.append(L)
-    w = dict(
-        embed=torch.randn(cfg.vocab_size, Hd, generator=g).to(torch.bfloat16),
-        layers=layers,
-        hc_head=mhc_params(M),
-        final_norm=norm_w(Hd),
-        lm_head=lin(cfg.vocab_size, Hd),
+
+def block_weights(cfg: Config, draw: Draw, r: int, layer: int, seed: int) -> dict:
+    """One layer's weights (the keys of :func:`make_weights`' ``layers`` entries) for compress ratio ``r``;
+    its MoE from the generator of seed ``seed + 1000 + layer``, hash-routed when layer < num_hash_layers."""
+    Hd, H, D = cfg.hidden_size, cfg.num_heads, cfg.head_dim
+    L = dict(
+        ratio=r,
+        hc_attn=draw.mhc_params(cfg.hc_mix, cfg), hc_ffn=draw.mhc_params(cfg.hc_mix, cfg),
+        attn_norm=draw.norm_w(Hd),
+        wqkv_a=draw.lin(cfg.q_lora_rank + D, Hd),  # [W_q_a ; W_kv]: one GEMM
+        q_norm=draw.norm_w(cfg.q_lora_rank), kv_norm=draw.norm_w(D, octaves=1),
+        wq_b=draw.lin(H * D, cfg.q_lora_rank),
+        sink=torch.randn(H, generator=draw.g),
+        wo_a=torch.stack([draw.lin(cfg.o_lora_rank, cfg.heads_per_group * D) for _ in range(cfg.o_groups)]),
+        wo_b=draw.lin(Hd, cfg.o_groups * cfg.o_lora_rank, scale=0.25),  # updates small next to the stream
+        ffn_norm=draw.norm_w(Hd),
+        moe=moe_weights(cfg, generator(seed + 1000 + layer), hash_layer=layer < cfg.num_hash_layers),
     )
-    return weights_to(w, device or DEVICE)
+    if r > 1:
+        L["comp"] = draw.compressor(r, D, cfg)
+    if r == 4:
+        L["idx_comp"] = draw.compressor(4, cfg.index_head_dim, cfg)
+        L["idx_wq_b"] = draw.lin(cfg.index_heads * cfg.index_head_dim, cfg.q_lora_rank)
+        L["idx_weights"] = draw.lin(cfg.index_heads, Hd)
+    return L
+
+
+def moe_weights(cfg: Config, g: torch.Generator, *, hash_layer: bool) -> dict:
+    """One layer's MoE feed-forward (``docs/moe.md``), drawn from ``g``: gate (E, Hd) bf16 std 1/sqrt(Hd);
+    on a hash layer ``tid2eid`` (V, K) int64, K distinct experts per token, and no bias; otherwise ``bias``
+    ≈ 8.08 + N(0, 0.02²) (the near-uniform bias of V4-Flash); experts and the shared expert with gate/up
+    std 1/sqrt(Hd) and down std 0.25/sqrt(I) (updates small next to the residual stream). The gate/up
+    pre-activations are then about N(0, 1): the ±swiglu_limit clamp is a no-op here (larger weights make
+    the FFN dominate the stream, and the decode step's error budget with it: docs/mtp.md#the-teaching-weights);
+    tests/test_moe.py drives the clamp with inputs over many octaves."""
+    Hd, E, K, I = cfg.hidden_size, cfg.n_routed_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size
+
+    def w(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=g) * (scale / math.sqrt(shape[-1]))).to(torch.bfloat16)
+
+    return dict(
+        gate_weight=w(E, Hd),
+        bias=None if hash_layer else 8.08 + 0.02 * torch.randn(E, generator=g),
+        tid2eid=torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(cfg.vocab_size)]) if hash_layer else None,
+        w13=w(E, 2 * I, Hd), w2=w(E, Hd, I, scale=0.25),
+        shared_w13=w(2 * I, Hd), shared_w2=w(Hd, I, scale=0.25),
+    )
 
 
 def weights_to(obj, device, dtype: torch.dtype | None = None):
     """A copy of a (nested dict / list of) weights with every tensor moved to ``device`` (and, if
-    ``dtype`` is given, converted to it). Non-tensors are returned as they are."""
-    if isinstance(obj, torch.Tensor):
-        return obj.to(device=device, dtype=dtype or obj.dtype)
+    ``dtype`` is given, every floating-point tensor converted to it). Non-tensors are returned as they are."""
+    if isinstance(obj, torch.Tensor):  # integer tensors (tid2eid) keep their dtype
+        return obj.to(device=device, dtype=dtype if dtype is not None and obj.is_floating_point() else obj.dtype)
     if isinstance(obj, dict):
         return {k: weights_to(v, device, dtype) for k, v in obj.items()}
     if isinstance(obj, list):

@@ -15,7 +15,17 @@ import triton
 import triton.language as tl
 
 from ..formats import FP4_AMAX_FLOOR, FP4_MAX, INDEX_AMAX_FLOOR
-from ..tl import bf16_round, canonical_nan, dot, e4m3_ue8m0_blocks, inv_pow2, nonfinite, ue8m0_byte, ue8m0_value
+from ..tl import (
+    bf16_round,
+    canonical_nan,
+    dot,
+    e4m3_decode,
+    e4m3_ue8m0_blocks,
+    inv_pow2,
+    nonfinite,
+    ue8m0_byte,
+    ue8m0_value,
+)
 
 FP8_FLOOR: tl.constexpr = tl.constexpr(INDEX_AMAX_FLOOR)
 FP4_FLOOR: tl.constexpr = tl.constexpr(FP4_AMAX_FLOOR)  # 6·2^-126
@@ -94,11 +104,13 @@ def e2m1_f16(b, HI: tl.constexpr):
 
 @triton.jit
 def e4m3_value(byte, NAN_FIX: tl.constexpr):
-    """e4m3 bytes (uint8) -> fp32. ``NAN_FIX`` (the interpreter) maps the NaN codes 0x7F / 0xFF to NaN: the
-    interpreter decodes them as ±480; compiled, the hardware conversion already gives NaN."""
-    v = byte.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+    """e4m3 bytes (uint8) -> fp32 in the logits' hot loop. ``NAN_FIX`` (set when interpreting) goes through
+    :func:`dsv4ref.tl.e4m3_decode`, whose select makes 0x7F / 0xFF NaN (the interpreter reads them as ±480);
+    compiled, the plain cast already gives NaN, so the FP8 kernel does not pay for the select."""
     if NAN_FIX:
-        v = tl.where((byte & 0x7F) == 0x7F, float("nan"), v)
+        v = e4m3_decode(byte)
+    else:
+        v = byte.to(tl.float8e4nv, bitcast=True).to(tl.float32)
     return v
 
 
@@ -300,10 +312,14 @@ def logits_kernel(
             qc = tl.reshape(tl.join(qb & 15, qb >> 4), (HP, 128))  # low nibble = even dim
             qsb = tl.load(qs_ptr + row[:, None] * 4 + tl.arange(0, 4)[None, :], mask=hmask[:, None], other=127)
             qv = tl.reshape(tl.reshape(e2m1_value(qc), (HP, 4, 32)) * ue8m0_value(qsb)[:, :, None], (HP, 128))
-            qT = tl.trans(qv) if DOT_FP32 else tl.trans(qv.to(tl.bfloat16))  # scaled e2m1 is exact in bf16
+            if not DOT_FP32:
+                qv = qv.to(tl.bfloat16)  # scaled e2m1 values are exact in bf16
+            qT = tl.trans(qv)
     else:
         qv = e4m3_value(tl.load(q_ptr + row[:, None] * 128 + d[None, :], mask=hmask[:, None], other=0), DOT_FP32)
-        qT = tl.trans(qv) if DOT_FP32 else tl.trans(qv.to(tl.bfloat16))  # e4m3 values are exact in bf16
+        if not DOT_FP32:
+            qv = qv.to(tl.bfloat16)  # e4m3 values are exact in bf16
+        qT = tl.trans(qv)
 
     for p in range(PAGES):
         blk = tl.program_id(1).to(tl.int64) * PAGES + p

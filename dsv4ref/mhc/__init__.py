@@ -38,15 +38,19 @@ SUPPORTED = ("reference", "triton")
 
 
 def _finite(**tensors: torch.Tensor) -> None:
-    """Non-finite inputs are rejected (a sync, so behind validate.CHECK_VALUES)."""
+    """The non-finite policy (docs/mhc.md#the-input-contract): with value checks on (the default), a NaN or
+    ±inf in any data tensor raises ``ValueError("<name>: non-finite values ...")`` before any work; with
+    ``DSV4REF_CHECK_VALUES=0`` nothing is read here (no sync) and IEEE arithmetic propagates them."""
     for name, t in tensors.items():
-        if validate.CHECK_VALUES and t.numel() and not bool(torch.isfinite(t).all()):
-            raise ValueError(f"{name}: contains non-finite values (NaN or inf)")
+        validate.finite(t, name)
 
 
 def _check_streams(residual: torch.Tensor, name: str = "residual") -> tuple[int, int, int]:
     validate.tensor(residual, name, dtype=torch.bfloat16, ndim=3)
-    return tuple(residual.shape)
+    T, M, Hd = residual.shape
+    if M < 1 or Hd < 1:
+        raise ValueError(f"{name}: expected [T, M, Hd] with M >= 1 streams and Hd >= 1, got shape {tuple(residual.shape)}")
+    return T, M, Hd
 
 
 def _check_mix_params(fn, scale, base, M: int, Hd: int, rows: int, n_scale: int, what: str) -> None:
@@ -59,11 +63,21 @@ def _check_mix_params(fn, scale, base, M: int, Hd: int, rows: int, n_scale: int,
     validate.tensor(base, "base", dtype=torch.float32, shape=(rows,))
 
 
-def _check_pre(residual, fn, scale, base) -> tuple[int, int, int]:
-    T, M, Hd = _check_streams(residual)
+def _check_scalars(rms_eps, hc_eps, post_mult=None, sinkhorn_iters=None) -> None:
+    """The scalar arguments: eps values finite and >= 0, post_mult finite, the pass count an int >= 1 (the
+    same rule as :func:`sinkhorn`'s ``iters``)."""
+    validate.scalar(rms_eps, "rms_eps", lo=0.0)
+    validate.scalar(hc_eps, "hc_eps", lo=0.0)
+    if post_mult is not None:
+        validate.scalar(post_mult, "post_mult")
+    if sinkhorn_iters is not None:
+        validate.integer(sinkhorn_iters, "sinkhorn_iters", lo=1)
+
+
+def _check_pre(residual, fn, scale, base, name: str = "residual") -> tuple[int, int, int]:
+    T, M, Hd = _check_streams(residual, name)
     _check_mix_params(fn, scale, base, M, Hd, M * (M + 2), 3, "M·(M+2)")
-    validate.same_device(residual=residual, fn=fn, scale=scale, base=base)
-    _finite(fn=fn, scale=scale, base=base)
+    validate.same_device(**{name: residual}, fn=fn, scale=scale, base=base)
     return T, M, Hd
 
 
@@ -77,13 +91,12 @@ def _check_post(x, residual, post, comb) -> tuple[int, int, int]:
         raise ValueError(f"post: expected shape {(T, M)} or {(T, M, 1)}, got {tuple(post.shape)}")
     validate.tensor(comb, "comb", dtype=torch.float32, shape=(T, M, M))
     validate.same_device(x=x, residual=residual, post=post, comb=comb)
-    _finite(x=x, residual=residual, post=post, comb=comb)
     return T, M, Hd
 
 
-def _need_four(M: int) -> None:
+def _need_four(M: int, name: str) -> None:
     if M != 4:
-        raise ValueError(f"residual: the Triton kernels are written for M = 4 streams (DeepSeek-V4), got M = {M}; "
+        raise ValueError(f"{name}: the Triton kernels are written for M = 4 streams (DeepSeek-V4), got M = {M}; "
                          "use backend='reference' for other M")
 
 
@@ -93,6 +106,12 @@ def _launch(launch: MhcLaunch | None) -> MhcLaunch:
     if not isinstance(launch, MhcLaunch):
         raise TypeError(f"launch: expected an MhcLaunch or None, got {type(launch).__name__}")
     return launch
+
+
+def _c(t: torch.Tensor) -> torch.Tensor:
+    """What a kernel reads: the kernels take contiguous tensors, so any other layout (a strided view, a
+    storage offset, a transpose, an expand) is copied first. Strides are honoured, never ignored."""
+    return t.contiguous()
 
 
 def _gate_buffers(T: int, M: int, Hd: int, device):
@@ -114,28 +133,33 @@ def sinkhorn(logits: torch.Tensor, iters: int = SINKHORN_ITERS, eps: float = HC_
     + eps). The last step normalises columns, so column sums are 1 − O(eps); row sums are NOT exactly 1.
 
     Args:
-        logits: ``[..., M, M]`` fp32 (any leading dims, any strides; "reference" also takes fp64); axis -2 is
-            the source stream i, axis -1 the destination stream j. "triton" needs M = 4.
-        iters: number of passes (>= 1); the model's is 20.
-        eps: the +eps of every step; the model's is 1e-6.
+        logits: ``[..., M, M]`` fp32, any leading dims, any strides (a non-contiguous view is copied before
+            the kernel); axis -2 is the source stream i, axis -1 the destination stream j. "triton" needs
+            M = 4. Finite (docs/mhc.md#the-input-contract). The float64 oracle is ``reference.sinkhorn``.
+        iters: number of passes, an int >= 1; the model's is 20.
+        eps: the +eps of every step, finite and >= 0; the model's is 1e-6.
         backend: "auto" | "reference" | "triton".
         launch: :class:`MhcLaunch` (``sinkhorn_block``), None = the default.
     Returns:
-        ``[..., M, M]``, the dtype of ``logits``, contiguous.
+        ``[..., M, M]`` fp32, contiguous.
+    Raises:
+        TypeError / ValueError naming the argument (docs/mhc.md#the-input-contract).
     """
     backend = validate.backend(backend, SUPPORTED)
-    validate.tensor(logits, "logits", dtype=(torch.float32, torch.float64) if backend == "reference" else torch.float32)
-    if logits.dim() < 2 or logits.shape[-1] != logits.shape[-2]:
+    validate.tensor(logits, "logits", dtype=torch.float32)
+    if logits.dim() < 2 or logits.shape[-1] != logits.shape[-2] or logits.shape[-1] < 1:
         raise ValueError(f"logits: expected [..., M, M], got shape {tuple(logits.shape)}")
-    if iters < 1:
-        raise ValueError(f"iters: expected >= 1, got {iters}")
+    validate.integer(iters, "iters", lo=1)
+    validate.scalar(eps, "eps", lo=0.0)
+    launch = _launch(launch)
+    if backend == "triton":
+        _need_four(logits.shape[-1], "logits")
     _finite(logits=logits)
     if backend == "reference":
-        return reference.sinkhorn(logits, iters, eps)
-    _need_four(logits.shape[-1])
-    src = logits.contiguous()
+        return reference.sinkhorn(logits, iters, eps).contiguous()
+    src = _c(logits)
     out = torch.empty_like(src)
-    torch.ops.dsv4ref.mhc_sinkhorn(src, out, int(iters), float(eps), _launch(launch).encode())
+    torch.ops.dsv4ref.mhc_sinkhorn(src, out, int(iters), float(eps), launch.encode())
     return out
 
 
@@ -149,29 +173,38 @@ def pre(residual: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: tor
     scale[0] + base[0:M]) + hc_eps; post = σ(mix[M:2M]·scale[1] + base[M:2M])·post_mult; comb = Sinkhorn(
     mix[2M:]·scale[2] + base[2M:], as M×M row-major); layer input = Σ_i pre_i·residual_i.
 
+    Every tensor may be any strided view (it is copied to contiguous before a kernel reads it); every data
+    tensor must be finite (docs/mhc.md#the-input-contract).
+
     Args:
-        residual: ``[T, M, Hd]`` bf16, the M residual streams (any strides; "triton" needs M = 4).
+        residual: ``[T, M, Hd]`` bf16, the M residual streams, T >= 0, M, Hd >= 1 ("triton" needs M = 4).
         fn: ``[M·(M+2), M·Hd]`` fp32; rows: M pre, M post, M² comb (row-major: logit (i, j) is row 2M + M·i + j).
         scale: ``[3]`` fp32: (α_pre, α_post, α_res).
         base: ``[M·(M+2)]`` fp32, in fn's row order.
-        rms_eps, hc_eps, post_mult, sinkhorn_iters: the model's constants by default (1e-6, 1e-6, 2, 20).
+        rms_eps, hc_eps: finite, >= 0; post_mult: finite; sinkhorn_iters: an int >= 1. The model's
+            constants by default (1e-6, 1e-6, 2, 20).
         backend: "auto" | "reference" | "triton".
         launch: :class:`MhcLaunch`, None = the measured defaults (split-K on a GPU).
     Returns:
         ``(post, comb, layer_input)``: post ``[T, M]`` fp32 in (0, post_mult); comb ``[T, M, M]`` fp32,
         ``comb[t, i, j]`` the weight from source stream i to destination j; layer_input ``[T, Hd]`` bf16.
+    Raises:
+        TypeError / ValueError naming the argument, before any work.
     """
     backend = validate.backend(backend, SUPPORTED)
     T, M, Hd = _check_pre(residual, fn, scale, base)
-    _finite(residual=residual)
+    _check_scalars(rms_eps, hc_eps, post_mult, sinkhorn_iters)
+    launch = _launch(launch)
+    if backend == "triton":
+        _need_four(M, "residual")
+    _finite(residual=residual, fn=fn, scale=scale, base=base)
     if backend == "reference":
         p, c, x = reference.pre(residual, fn, scale, base, rms_eps=rms_eps, hc_eps=hc_eps, post_mult=post_mult,
                                 sinkhorn_iters=sinkhorn_iters)
         return p, c, x.to(torch.bfloat16)
-    _need_four(M)
     p, c, out = _gate_buffers(T, M, Hd, residual.device)
-    torch.ops.dsv4ref.mhc_pre(residual.contiguous(), split_fn(fn, M), scale, base, p, c, out, rms_eps, hc_eps,
-                              post_mult, sinkhorn_iters, _launch(launch).encode())
+    torch.ops.dsv4ref.mhc_pre(_c(residual), split_fn(fn, M), _c(scale), _c(base), p, c, out, float(rms_eps),
+                              float(hc_eps), float(post_mult), int(sinkhorn_iters), launch.encode())
     return p, c, out
 
 
@@ -183,20 +216,26 @@ def post(x: torch.Tensor, residual: torch.Tensor, post: torch.Tensor, comb: torc
         x: ``[T, Hd]`` bf16, the sub-layer's output.
         residual: ``[T, M, Hd]`` bf16, the streams the sub-layer's pre read ("triton" needs M = 4).
         post: ``[T, M]`` or ``[T, M, 1]`` fp32, from :func:`pre`.
-        comb: ``[T, M, M]`` fp32, from :func:`pre`; ``comb[t, i, j]``: source i → destination j.
+        comb: ``[T, M, M]`` fp32, from :func:`pre`; ``comb[t, i, j]``: source i → destination j (not
+            symmetric in general: a transposed comb is a different, wrong model).
+        All four: any strides (copied to contiguous first), finite (docs/mhc.md#the-input-contract).
         backend: "auto" | "reference" | "triton".
         launch: :class:`MhcLaunch` (``post_block_t``, ``post_block_h``), None = the default.
     Returns:
         The new residual ``[T, M, Hd]`` bf16 (fp32 math, rounded to nearest even once).
+    Raises:
+        TypeError / ValueError naming the argument, before any work.
     """
     backend = validate.backend(backend, SUPPORTED)
     T, M, Hd = _check_post(x, residual, post, comb)
+    launch = _launch(launch)
+    if backend == "triton":
+        _need_four(M, "residual")
+    _finite(x=x, residual=residual, post=post, comb=comb)
     if backend == "reference":
         return reference.post(x, residual, post, comb).to(torch.bfloat16)
-    _need_four(M)
     out = torch.empty(T, M, Hd, dtype=torch.bfloat16, device=residual.device)
-    torch.ops.dsv4ref.mhc_post(x.contiguous(), residual.contiguous(), post.reshape(T, M).contiguous(),
-                               comb.contiguous(), out, _launch(launch).encode())
+    torch.ops.dsv4ref.mhc_post(_c(x), _c(residual), _c(post.reshape(T, M)), _c(comb), out, launch.encode())
     return out
 
 
@@ -205,7 +244,8 @@ def fused_post_pre(x: torch.Tensor, residual: torch.Tensor, post: torch.Tensor, 
                    hc_eps: float = HC_EPS, post_mult: float = POST_MULT, sinkhorn_iters: int = SINKHORN_ITERS,
                    backend: str = "auto", launch: MhcLaunch | None = None):
     """:func:`post` with this sub-layer's ``post, comb``, then :func:`pre` of the NEXT sub-layer on the new
-    streams with its ``fn, scale, base`` (docs/mhc.md#fused-post-pre). Arguments as in those two.
+    streams with its ``fn, scale, base`` (docs/mhc.md#fused-post-pre). Arguments (shapes, dtypes, any
+    strides, finite values, the scalar ranges) as in those two.
 
     Returns:
         ``(residual', post', comb', layer_input)``: the new residual ``[T, M, Hd]`` bf16, the next post
@@ -213,20 +253,26 @@ def fused_post_pre(x: torch.Tensor, residual: torch.Tensor, post: torch.Tensor, 
         for bit on the bf16 outputs and within 1e-6 on the fp32 ones, when that pre runs the same design
         (by default the fused op runs one kernel and :func:`pre` split-K, whose sums run in another order:
         pass ``launch=MhcLaunch(split_k=False)`` to the pre to compare).
+    Raises:
+        TypeError / ValueError naming the argument, before any work.
     """
     backend = validate.backend(backend, SUPPORTED)
     T, M, Hd = _check_post(x, residual, post, comb)
     _check_pre(residual, fn, scale, base)
+    _check_scalars(rms_eps, hc_eps, post_mult, sinkhorn_iters)
+    launch = _launch(launch)
+    if backend == "triton":
+        _need_four(M, "residual")
+    _finite(x=x, residual=residual, post=post, comb=comb, fn=fn, scale=scale, base=base)
     kw = dict(rms_eps=rms_eps, hc_eps=hc_eps, post_mult=post_mult, sinkhorn_iters=sinkhorn_iters)
     if backend == "reference":
         new, p, c, li = reference.fused_post_pre(x, residual, post, comb, fn, scale, base, **kw)
         return new, p, c, li.to(torch.bfloat16)
-    _need_four(M)
     new = torch.empty(T, M, Hd, dtype=torch.bfloat16, device=residual.device)
     p, c, out = _gate_buffers(T, M, Hd, residual.device)
-    torch.ops.dsv4ref.mhc_fused_post_pre(x.contiguous(), residual.contiguous(), post.reshape(T, M).contiguous(),
-                                         comb.contiguous(), split_fn(fn, M), scale, base, new, p, c, out,
-                                         rms_eps, hc_eps, post_mult, sinkhorn_iters, _launch(launch).encode())
+    torch.ops.dsv4ref.mhc_fused_post_pre(_c(x), _c(residual), _c(post.reshape(T, M)), _c(comb), split_fn(fn, M),
+                                         _c(scale), _c(base), new, p, c, out, float(rms_eps), float(hc_eps),
+                                         float(post_mult), int(sinkhorn_iters), launch.encode())
     return new, p, c, out
 
 
@@ -239,23 +285,29 @@ def head(hidden: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torc
     Args:
         hidden: ``[T, M, Hd]`` bf16, the streams after the last layer's post ("triton" needs M = 4).
         fn: ``[M, M·Hd]`` fp32 (``hc_head_fn``); scale: ``[1]`` fp32; base: ``[M]`` fp32.
-        rms_eps, hc_eps: the model's 1e-6 by default.
+        All four: any strides (copied to contiguous first), finite (docs/mhc.md#the-input-contract).
+        rms_eps, hc_eps: finite, >= 0; the model's 1e-6 by default.
         backend: "auto" | "reference" | "triton".
         launch: :class:`MhcLaunch`, None = the measured defaults (split-K on a GPU).
     Returns:
         ``[T, Hd]`` bf16.
+    Raises:
+        TypeError / ValueError naming the argument, before any work.
     """
     backend = validate.backend(backend, SUPPORTED)
     T, M, Hd = _check_streams(hidden, "hidden")
     _check_mix_params(fn, scale, base, M, Hd, M, 1, "M")
     validate.same_device(hidden=hidden, fn=fn, scale=scale, base=base)
+    _check_scalars(rms_eps, hc_eps)
+    launch = _launch(launch)
+    if backend == "triton":
+        _need_four(M, "hidden")
     _finite(hidden=hidden, fn=fn, scale=scale, base=base)
     if backend == "reference":
         return reference.head(hidden, fn, scale, base, rms_eps=rms_eps, hc_eps=hc_eps).to(torch.bfloat16)
-    _need_four(M)
     out = torch.empty(T, Hd, dtype=torch.bfloat16, device=hidden.device)
-    torch.ops.dsv4ref.mhc_head(hidden.contiguous(), split_fn(fn, M, head=True), scale, base, out, rms_eps, hc_eps,
-                               _launch(launch).encode())
+    torch.ops.dsv4ref.mhc_head(_c(hidden), split_fn(fn, M, head=True), _c(scale), _c(base), out, float(rms_eps),
+                               float(hc_eps), launch.encode())
     return out
 
 

@@ -257,9 +257,9 @@ def gates(acc_g, acc_c, ssq, K, rows, rm, scale_ptr, base_ptr, post_ptr, comb_pt
 
 
 @triton.jit
-def layer_input_chunk(src_ptr, out_ptr, rows, rm, h, Hd, w0, w1, w2, w3, CG: tl.constexpr = False):
-    """out[rows, h] = bf16(Σ_i pre_i · stream_i[rows, h]) for one chunk ``h`` of the hidden dim."""
-    mask = rm[:, None] & (h < Hd)[None, :]
+def layer_input_chunk(src_ptr, out_ptr, rows, rm, h, h_end, Hd, w0, w1, w2, w3, CG: tl.constexpr = False):
+    """out[rows, h] = bf16(Σ_i pre_i · stream_i[rows, h]) for one chunk ``h`` of the hidden dim (h < h_end <= Hd)."""
+    mask = rm[:, None] & (h < h_end)[None, :]
     _, _, _, _, r0, r1, r2, r3 = load_streams(src_ptr, rows[:, None] * (4 * Hd) + h[None, :], Hd, mask, CG)
     y = weighted4(w0, w1, w2, w3, r0, r1, r2, r3)
     tl.store(out_ptr + rows[:, None] * Hd + h[None, :], bf16_rne_bits_nan(y).to(tl.int16, bitcast=True), mask=mask)
@@ -273,8 +273,8 @@ def layer_input_range(src_ptr, out_ptr, rows, rm, h_begin, h_end, Hd, w0, w1, w2
     hh = tl.arange(0, BLOCK)
     n_chunks = tl.cdiv(h_end - h_begin, BLOCK)
     for c in range(0, n_chunks):
-        layer_input_chunk(src_ptr, out_ptr, rows, rm, h_begin + (n_chunks - 1 - c) * BLOCK + hh, Hd, w0, w1, w2, w3,
-                          CG)
+        layer_input_chunk(src_ptr, out_ptr, rows, rm, h_begin + (n_chunks - 1 - c) * BLOCK + hh, h_end, Hd,
+                          w0, w1, w2, w3, CG)
 
 
 # ====================================================================================================
@@ -565,6 +565,52 @@ def hc_finish_kernel(
 
 
 @triton.jit
+def gemm_wide(a, k, kmask, fs_ptr, K, part, DOT_FP32: tl.constexpr, NG: tl.constexpr, BLOCK_K: tl.constexpr):
+    """part + a @ [hi | mid | lo | 0]ᵀ[k, :] for one stream chunk in ONE dot of N = 4·NG (NG = 32; head 16):
+    column p·NG + c of the product is column c (``gemm_stream32``'s numbering) of bf16 part p (3: zero
+    padding, masked, so never loaded). One wide dot instead of three narrow ones: three times fewer MMA
+    waits and full-width tensor-core instructions; the parts are summed once, at the end (``fold_parts``)."""
+    n = tl.arange(0, 4 * NG)
+    b = n // 16  # 16-column block: part p, group g (written so that Triton sees 16-wide contiguous runs,
+    p = b // (NG // 16)  # which lets it pipeline this load with cp.async; (n % NG) // 16 hides them)
+    g = b % (NG // 16)
+    col = ((g * 3 + p) * K * 16 + n % 16).to(tl.int64)  # fs = [G, 3, K, 16] bf16 (split_fn)
+    b_off = col[None, :] + k.to(tl.int64)[:, None] * 16  # [BLOCK_K, 4·NG]
+    bm = kmask[:, None] & (p < 3)[None, :]
+    return dot(a, tl.load(fs_ptr + b_off, mask=bm, other=0.0), part, DOT_FP32)
+
+
+@triton.jit
+def fold_parts(acc, NG: tl.constexpr, BLOCK_T: tl.constexpr):
+    """[BLOCK_T, 4·NG] (hi | mid | lo | 0 products) -> [BLOCK_T, NG]: their sum, the fp32 product X @ fnᵀ."""
+    return tl.sum(tl.reshape(acc, (BLOCK_T, 4, NG)), axis=1)
+
+
+@triton.jit
+def partial_mix_wide(res_ptr, x_ptr, new_ptr, fs_ptr, W, rows, rm, h_begin, h_end, Hd, DOT_FP32: tl.constexpr,
+                     FUSED: tl.constexpr, NG: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr):
+    """``partial_mix`` with the wide GEMM: per chunk, the 4 streams' dots chain into one zero-started
+    [BLOCK_T, 4·NG] partial (a chain of 4·BLOCK_K/16 MMAs, each bf16 part in its own columns), added to the
+    running sum in plain fp32 (the kernels.py docstring: MMA truncation); the parts are folded at the end."""
+    kk = tl.arange(0, BLOCK_K)
+    K = 4 * Hd
+    acc = tl.zeros((BLOCK_T, NG), dtype=tl.float32)
+    ssq = tl.zeros((BLOCK_T,), dtype=tl.float32)
+    for h0 in range(h_begin, h_end, BLOCK_K):
+        h = h0 + kk
+        hm = h < h_end
+        a0, a1, a2, a3, r0, r1, r2, r3 = stream_chunk(res_ptr, x_ptr, new_ptr, W, rows, h, Hd,
+                                                      rm[:, None] & hm[None, :], FUSED)
+        ssq += tl.sum(weighted4(r0, r1, r2, r3, r0, r1, r2, r3, False), axis=1)
+        part = gemm_wide(a0, h, hm, fs_ptr, K, tl.zeros((BLOCK_T, 4 * NG), dtype=tl.float32), DOT_FP32, NG, BLOCK_K)
+        part = gemm_wide(a1, Hd + h, hm, fs_ptr, K, part, DOT_FP32, NG, BLOCK_K)
+        part = gemm_wide(a2, 2 * Hd + h, hm, fs_ptr, K, part, DOT_FP32, NG, BLOCK_K)
+        part = gemm_wide(a3, 3 * Hd + h, hm, fs_ptr, K, part, DOT_FP32, NG, BLOCK_K)
+        acc += fold_parts(part, NG, BLOCK_T)
+    return acc, ssq
+
+
+@triton.jit
 def hc_one_pass_kernel(
     res_ptr,  # int16 view of residual [T, 4, Hd] bf16 (FUSED: the streams before the post)
     x_ptr,  # FUSED: int16 view of x [T, Hd] bf16
@@ -594,6 +640,7 @@ def hc_one_pass_kernel(
     FUSED: tl.constexpr,
     BLOCK_T: tl.constexpr,  # >= 16 (the M side of tl.dot)
     BLOCK_K: tl.constexpr,  # >= 16 (the K side of tl.dot)
+    BLOCK_H: tl.constexpr,  # hidden dims per chunk of phase B (the weighted sum)
     LAG: tl.constexpr,  # >= 1: phase B finishes the tile LAG tiles behind phase A's
     SPIN_LIMIT: tl.constexpr,  # polls of a READY flag before giving up (then that slice is written as NaN)
     DOT_FP32: tl.constexpr,
@@ -611,8 +658,8 @@ def hc_one_pass_kernel(
     # ---- phase A: the partial mix of (tile, slice s); the tile's last arrival runs the gates ---------
     if tile < n_tiles:
         rows, rm, W = token_tile(tile, T, post_in_ptr, comb_in_ptr, FUSED, BLOCK_T)
-        acc, ssq = partial_mix(res_ptr, x_ptr, new_ptr, fs_ptr, W, rows, rm, h_begin, h_end, Hd, DOT_FP32, FUSED,
-                               NG, BLOCK_T, BLOCK_K)
+        acc, ssq = partial_mix_wide(res_ptr, x_ptr, new_ptr, fs_ptr, W, rows, rm, h_begin, h_end, Hd, DOT_FP32,
+                                    FUSED, NG, BLOCK_T, BLOCK_K)
         store_partial(ws_ptr, ssq_ptr, s.to(tl.int64) * T + rows, rm, acc, ssq, NG)
         tl.debug_barrier()  # every thread's stores (partials; FUSED: new streams) before the release below
         if tl.atomic_add(sync_ptr + 1 + tile, 1, sem="acq_rel", scope="gpu") == slices - 1:  # the last one
@@ -646,4 +693,4 @@ def hc_one_pass_kernel(
             src_ptr = new_ptr
         else:
             src_ptr = res_ptr
-        layer_input_range(src_ptr, out_ptr, rows, rm, h_begin, h_end, Hd, w0, w1, w2, w3, BLOCK_K, FUSED)
+        layer_input_range(src_ptr, out_ptr, rows, rm, h_begin, h_end, Hd, w0, w1, w2, w3, BLOCK_H, FUSED)

@@ -71,24 +71,28 @@ class MhcLaunch:
     # one pass (hc_one_pass_kernel), NOT the default until measured: pre, fused post+pre and head in one launch
     # whose second read of the streams comes from L2 (kernels.py, "Design 3"); overrides split_k
     one_pass: bool = False
-    one_pass_block_t: int = 64  # tokens per work item (fn is read from L2 once per tile: 64 tiles at T = 4096)
-    one_pass_block_k: int = 128 if interpreting() else 64  # hidden dims per chunk
-    one_pass_chunks: int = 4  # chunks per hidden slice: 16 slices of 256 at Hd = 4096 (128 KB of streams each)
-    one_pass_slices: int | None = None  # force this many slices (None: from one_pass_chunks / target_programs)
+    one_pass_block_t: int = 32 if interpreting() else 128  # tokens per tile: fn is read from L2 once per tile
+    one_pass_block_k: int = 128 if interpreting() else 32  # hidden dims per GEMM chunk (pre, head)
+    one_pass_fused_block_k: int = 128 if interpreting() else 16  # fused: x, 4 streams and 4 new ones live
+    one_pass_block_h: int = 128 if interpreting() else 64  # hidden dims per chunk of the weighted sum
+    one_pass_slice_h: int = 128  # hidden dims per work item: 128 tokens × 4 × 128 × 2 B = 128 KB of streams
+    one_pass_slices: int | None = None  # force this many slices (None: from one_pass_slice_h / target_programs)
     one_pass_lag: int = 1  # the weighted sum runs this many tiles behind the partials (>= 1)
-    one_pass_warps: int = 8
-    one_pass_stages: int = 2  # per stage 4 stream tiles (32 KB) + 12 fn tiles [64, 32] (48 KB): 160 KB
+    one_pass_warps: int = 8  # two warpgroups, one per 64-token half of the tile (wgmma's M = 64)
+    one_pass_stages: int = 3  # per stage 4 stream tiles [128, 32] (32 KB) + 4 fn tiles [32, 128] (32 KB)
+    one_pass_fused_stages: int = 4  # per stage x + 4 stream tiles [128, 16] (20 KB) + 4 fn tiles [16, 128]
 
     def __post_init__(self):
         for name in ("block_t", "block_k", "split_block_t", "split_block_k", "finish_block_t", "finish_block_h",
-                     "post_block_t", "post_block_h", "sinkhorn_block", "one_pass_block_t", "one_pass_block_k"):
+                     "post_block_t", "post_block_h", "sinkhorn_block", "one_pass_block_t", "one_pass_block_k",
+                     "one_pass_fused_block_k", "one_pass_block_h", "one_pass_slice_h"):
             validate.power_of_two(getattr(self, name), f"launch.{name}")
         for name in ("block_t", "block_k", "split_block_t", "split_block_k", "finish_block_t", "one_pass_block_t",
-                     "one_pass_block_k"):
+                     "one_pass_block_k", "one_pass_fused_block_k"):
             if getattr(self, name) < 16:  # the sides of a tensor-core dot; finish: the [16]-wide gate tiles
                 raise ValueError(f"launch.{name}: expected >= 16, got {getattr(self, name)}")
         for name in ("num_warps", "num_stages", "split_warps", "split_stages", "finish_warps", "target_programs",
-                     "one_pass_chunks", "one_pass_lag", "one_pass_warps", "one_pass_stages"):
+                     "one_pass_lag", "one_pass_warps", "one_pass_stages", "one_pass_fused_stages"):
             validate.integer(getattr(self, name), f"launch.{name}", lo=1)
         for name in ("splits", "one_pass_slices"):
             if getattr(self, name) is not None:
@@ -97,6 +101,8 @@ class MhcLaunch:
             v = getattr(self, name)
             if not (isinstance(v, bool) or (v is None and name == "split_k")):
                 raise TypeError(f"launch.{name}: expected a bool{' or None' if name == 'split_k' else ''}, got {v!r}")
+        if self.one_pass_slice_h < max(self.one_pass_block_k, self.one_pass_fused_block_k):
+            raise ValueError(f"launch.one_pass_slice_h: expected >= the one-pass BLOCK_K tiles, got {self.one_pass_slice_h}")
         if self.one_pass and self.split_k is not None:
             raise ValueError(f"launch.one_pass: one_pass=True picks the design; leave split_k None (got {self.split_k})")
 
@@ -111,16 +117,26 @@ class MhcLaunch:
             return "one_pass"
         return "split_k" if self.uses_split_k(fused) else "one_kernel"
 
-    def one_pass_plan(self, T: int, Hd: int) -> tuple[int, int, int]:
-        """(token tiles, hidden slices per tile, BLOCK_K chunks per slice) of the one-pass kernel: slices of
-        ``one_pass_chunks`` chunks, more (down to one chunk each) while tiles × slices is short of
-        ``target_programs`` (small T), or ``one_pass_slices`` if set; each a whole number of chunks, none empty."""
+    def pre_like_fused(self) -> "MhcLaunch":
+        """The launch under which :func:`~dsv4ref.mhc.pre` runs the arithmetic :func:`~dsv4ref.mhc.fused_post_pre`
+        runs under this one (same design, same chunks), so that fused == post then pre bit for bit."""
+        if self.one_pass:
+            return dataclasses.replace(self, one_pass_block_k=self.one_pass_fused_block_k,
+                                       one_pass_stages=self.one_pass_fused_stages)
+        return dataclasses.replace(self, split_k=self.uses_split_k(fused=True))
+
+    def one_pass_plan(self, T: int, Hd: int, fused: bool = False) -> tuple[int, int, int, int]:
+        """(token tiles, hidden slices per tile, BLOCK_K chunks per slice, BLOCK_K) of the one-pass kernel:
+        slices of ``one_pass_slice_h`` hidden dims, more (down to one chunk each) while tiles × slices is short
+        of ``target_programs`` (small T), or ``one_pass_slices`` if set; each a whole number of chunks, none
+        empty."""
+        bk = self.one_pass_fused_block_k if fused else self.one_pass_block_k
         tiles = triton.cdiv(T, self.one_pass_block_t)
-        chunks = triton.cdiv(Hd, self.one_pass_block_k)
-        want = self.one_pass_slices or max(triton.cdiv(chunks, self.one_pass_chunks),
+        chunks = triton.cdiv(Hd, bk)
+        want = self.one_pass_slices or max(triton.cdiv(chunks, self.one_pass_slice_h // bk),
                                            triton.cdiv(self.target_programs, max(tiles, 1)))
         cps = triton.cdiv(chunks, min(chunks, want))
-        return tiles, triton.cdiv(chunks, cps), cps
+        return tiles, triton.cdiv(chunks, cps), cps, bk
 
     def split_plan(self, T: int, Hd: int) -> tuple[int, int]:
         """(splits, BLOCK_K chunks per split) of the partial kernel: enough K splits that token tiles × splits
@@ -211,15 +227,16 @@ def launch_hc(res, x, post_in, comb_in, new, fs, scale, base, post, comb, out, r
     L = launch
     design = L.design(fused)
     if design == "one_pass":
-        tiles, slices, cps = L.one_pass_plan(T, Hd)
+        tiles, slices, cps, bk = L.one_pass_plan(T, Hd, fused)
         ws = torch.empty(slices * T * 33 + T * 4, dtype=torch.float32, device=res.device)
         mix_ws, ssq_ws, wpre = ws[: slices * T * 32], ws[slices * T * 32 : slices * T * 33], ws[slices * T * 33 :]
         sync = torch.zeros(1 + 2 * tiles, dtype=torch.int32, device=res.device)  # ticket | arrivals | READY
-        kw = dict(num_warps=L.one_pass_warps, num_stages=L.one_pass_stages) if compiled else {}
+        stages = L.one_pass_fused_stages if fused else L.one_pass_stages
+        kw = dict(num_warps=L.one_pass_warps, num_stages=stages) if compiled else {}
         kernels.hc_one_pass_kernel[((tiles + L.one_pass_lag) * slices,)](
             *ptrs, scale, base, opt(post), opt(comb), out.view(torch.int16), mix_ws, ssq_ws, wpre, sync,
-            T, Hd, tiles, slices, cps, *scalars, HEAD=head, FUSED=fused, BLOCK_T=L.one_pass_block_t,
-            BLOCK_K=L.one_pass_block_k, LAG=L.one_pass_lag, SPIN_LIMIT=1 << 24, DOT_FP32=not compiled, **kw)
+            T, Hd, tiles, slices, cps, *scalars, HEAD=head, FUSED=fused, BLOCK_T=L.one_pass_block_t, BLOCK_K=bk,
+            BLOCK_H=L.one_pass_block_h, LAG=L.one_pass_lag, SPIN_LIMIT=1 << 24, DOT_FP32=not compiled, **kw)
         return
     if design == "one_kernel":
         kw = dict(num_warps=L.num_warps, num_stages=L.num_stages) if compiled else {}

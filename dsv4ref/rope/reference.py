@@ -107,8 +107,8 @@ def rotate_pairs(x: torch.Tensor, positions, cos_sin, inverse: bool, pairing: st
     c, s = cos_sin_for(x, positions, cos_sin, inverse)
     e, o = rearrange(x[..., -R:].float(), f"... {pairing} -> two ... i", two=2)
     rot = torch.stack([e * c - o * s, e * s + o * c])  # two rounded products and one add each (no FMA)
-    out = x.clone()
-    out[..., -R:] = canonical_nan(rearrange(rot, f"two ... i -> ... {pairing}").to(x.dtype))  # one rounding
+    out = x.clone(memory_format=torch.contiguous_format)  # every backend returns a contiguous tensor
+    out[..., -R:] = canonical_nan(rearrange(rot, f"two ... i -> ... {pairing}").to(x.dtype))  # one rounding, one NaN
     return out
 
 

@@ -10,7 +10,8 @@ Read in this order:
 * :mod:`~dsv4ref.sparse_mla.reference`: the whole op in plain torch (the definition);
 * :mod:`~dsv4ref.sparse_mla.kernels`: the fused Triton kernel and the split merge;
 * :mod:`~dsv4ref.sparse_mla.launch`: :class:`SparseMlaLaunch`, the launcher and the custom ops;
-* :mod:`~dsv4ref.sparse_mla.two_pass`: the seed's two-pass design, for comparison.
+* :mod:`~dsv4ref.sparse_mla.two_pass`: the seed's two-pass design, for comparison (and
+  ``two_pass.seed_decode``, the seed's own per-token structure, measured as the first rung of the ladder).
 
 Backends (``backend=``, from :data:`dsv4ref.validate.BACKENDS`):
 

@@ -49,16 +49,6 @@ def kv_record(
     ok = slot >= 0
     data, scales = page_offsets(tl.maximum(slot, 0), block_size, page_stride)  # [TOK] int64; −1 never addresses
 
-    # NoPE: a [TOK, 8, 64] tile, block rows 0..6 are the 7 quant blocks, row 7 is masked off.
-    # bf16 -> fp32 exactly, in integers (no bf16 arithmetic), then one scale byte per block.
-    blk = tl.arange(0, _BLOCKS_P2)[None, :, None]
-    dim = blk * _BLOCK + tl.arange(0, _BLOCK)[None, None, :]  # [1, 8, 64]: dim = 64·block + column
-    nope_ok = tl.broadcast_to(ok[:, None, None] & (blk < _N_SCALES), (TOK, _BLOCKS_P2, _BLOCK))  # mask: pointer's shape
-    bits = tl.load(row[:, None, None] + dim, mask=nope_ok, other=0).to(tl.int32) & 0xFFFF
-    x = (bits << 16).to(tl.float32, bitcast=True)
-    q, byte = e4m3_ue8m0_blocks(x, _FLOOR, 2)  # [TOK, 8, 64] uint8, [TOK, 8] int32; block row 7 unused
-    tl.store(cache_ptr + data[:, None, None] + dim, q, mask=nope_ok)
-
     # RoPE: the caller's bf16 bits to bytes 448.. of the token's data, little-endian
     j = tl.arange(0, _ROPE)[None, :]
     rope_ok = tl.broadcast_to(ok[:, None], (TOK, _ROPE))
@@ -68,6 +58,16 @@ def kv_record(
         r = rope_bits.to(tl.int32) & 0xFFFF
         tl.store(cache_ptr + data[:, None] + _NOPE + 2 * j, (r & 0xFF).to(tl.uint8), mask=rope_ok)
         tl.store(cache_ptr + data[:, None] + _NOPE + 1 + 2 * j, (r >> 8).to(tl.uint8), mask=rope_ok)
+
+    # NoPE: a [TOK, 8, 64] tile, block rows 0..6 are the 7 quant blocks, row 7 is masked off.
+    # bf16 -> fp32 exactly, in integers (no bf16 arithmetic), then one scale byte per block.
+    blk = tl.arange(0, _BLOCKS_P2)[None, :, None]
+    dim = blk * _BLOCK + tl.arange(0, _BLOCK)[None, None, :]  # [1, 8, 64]: dim = 64·block + column
+    nope_ok = tl.broadcast_to(ok[:, None, None] & (blk < _N_SCALES), (TOK, _BLOCKS_P2, _BLOCK))  # mask: pointer's shape
+    bits = tl.load(row[:, None, None] + dim, mask=nope_ok, other=0).to(tl.int32) & 0xFFFF
+    x = (bits << 16).to(tl.float32, bitcast=True)
+    q, byte = e4m3_ue8m0_blocks(x, _FLOOR, 2)  # [TOK, 8, 64] uint8, [TOK, 8] int32; block row 7 unused
+    tl.store(cache_ptr + data[:, None, None] + dim, q, mask=nope_ok)
 
     # scales: the 7 UE8M0 bytes and the zero pad byte
     k = tl.arange(0, _BLOCKS_P2)[None, :]  # the 8 scale-row bytes line up with the 8 tile rows of byte

@@ -158,13 +158,18 @@ def e4m3_ue8m0_blocks(x, FLOOR: tl.constexpr, AXIS: tl.constexpr):
 
     Finite blocks: :func:`ue8m0_byte` of max|x| (floored at ``FLOOR``), then ``e4m3(x · 2^(127 − byte))``.
     A block holding any NaN or ±inf gets byte 255 (E8M0's NaN) and every e4m3 byte of it is NaN: 0x7F, or
-    0xFF where the input's sign bit is set. So it reads back as NaN, never as a plausible number.
+    0xFF where the value is not a NaN and its sign bit is set. So it reads back as NaN, never as a number.
+
+    max|x| is taken on the bits (|x| as int32 orders like the float, NaN and inf on top): one integer
+    reduction finds both the scale and the non-finite blocks, the same on every device (a float max may
+    drop a NaN), and x dies before the encoder runs (a kernel tile of 8 KV tokens stays in registers).
     """
-    byte = ue8m0_byte(tl.max(tl.abs(x), axis=AXIS), FLOOR, _E4M3_MAX)
-    q = e4m3_encode(x * tl.expand_dims(inv_pow2(byte), AXIS)).to(tl.uint8, bitcast=True)  # × 2^-e is exact
-    bad = tl.max(nonfinite(x).to(tl.int32), axis=AXIS) != 0
-    nan = (((x.to(tl.uint32, bitcast=True) >> 24) & 0x80) | 0x7F).to(tl.uint8)
-    return tl.where(tl.expand_dims(bad, AXIS), nan, q), tl.where(bad, 255, byte)
+    mag = tl.max(x.to(tl.int32, bitcast=True) & 0x7FFFFFFF, axis=AXIS)  # |x| bits: >= 0x7F800000 is NaN / inf
+    bad = mag >= 0x7F800000
+    byte = ue8m0_byte(mag.to(tl.float32, bitcast=True), FLOOR, _E4M3_MAX)
+    # × 2^-e is exact; a NaN is made the positive quiet NaN first, so its code carries no sign on any device
+    q = e4m3_encode(canonical_nan(x * tl.expand_dims(inv_pow2(byte), AXIS))).to(tl.uint8, bitcast=True)
+    return tl.where(tl.expand_dims(bad, AXIS), q | 0x7F, q), tl.where(bad, 255, byte)
 
 
 @triton.jit

@@ -32,6 +32,7 @@ import torch
 # %matplotlib inline
 from dsv4ref import conformance, kv_cache, rope, validate
 from dsv4ref.config import FLASH, TINY
+from dsv4ref.conformance.rope import pair_max  # the scale of the q tolerance: each pair's larger magnitude
 from dsv4ref.device import DEVICE, describe
 from dsv4ref.testing import compare, generator, randn
 
@@ -292,7 +293,7 @@ print(compare(q_kernel, q_ref, "exact", "q vs the canonical reference").verdict(
 xq = q.float()
 vllm_style = rope.apply_gptj((xq / torch.sqrt(xq.pow(2).mean(-1, keepdim=True) + 1e-6)).to(torch.bfloat16), positions, table)
 print(compare(vllm_style, q_kernel, "qnorm_rope_q", "the vLLM-style q vs the kernel's",
-              mass=conformance.rope.pair_max(q_kernel)).verdict())
+              mass=pair_max(q_kernel)).verdict())
 rms = q_kernel.double().pow(2).mean(-1).sqrt()
 print("every head has RMS 1 after the kernel (within 1e-2):", bool(((rms - 1).abs() < 1e-2).all()))
 
@@ -461,8 +462,9 @@ def make_port(pairs):
         x = q.float()
         x = (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)).to(torch.bfloat16).float()
         q.copy_(rotate(x, positions, cos_sin).to(torch.bfloat16))
-        kv_cache.insert(cache, rotate(kv.float(), positions, cos_sin).to(torch.bfloat16), slots, block_size=block_size,
-                        backend="reference")
+        k = kv.clone()  # dims 0..447 go to the cache exactly as given
+        k[:, 448:] = rotate(kv.float(), positions, cos_sin)[:, 448:].to(torch.bfloat16)
+        kv_cache.insert(cache, k, slots, block_size=block_size, backend="reference")
 
     return qnorm_rope_kv_insert
 

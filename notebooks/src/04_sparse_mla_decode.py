@@ -1,22 +1,28 @@
 # %% [markdown]
-# # 04 · Sparse MLA decode over the FP8 paged cache, with an attention sink
+# # 04 · Sparse MLA decode over the FP8 paged cache, and the ladder to a fast kernel
 #
 # This is the heart of a DeepSeek-V4 decode step. Every query head of a new token attends to a **sparse**
 # set of cached tokens, the sliding window plus the compressed rows the indexer picked, and every one of
 # those tokens is stored as a single 512-dim **latent** row in the 584-byte FP8 page format of notebook 01.
 # A learned **sink** logit per head sits in the softmax denominator.
 #
-# The order is the usual one: the reference (what the op computes), how the candidate sets are built, the
-# online softmax, the fused kernel walked through, the checks, and then the performance story: the seed's
-# two-pass design against the fused kernel, on a roofline with numbers measured on an H200.
-# The math, the conventions and the pitfalls are written up in `docs/sparse_mla.md`; the code is the folder
-# `dsv4ref/sparse_mla/`: `reference.py` (the whole op in plain torch), `kernels.py` (the fused Triton kernel
-# and the split merge), `launch.py` (the launch shape `SparseMlaLaunch`, the custom ops) and `two_pass.py`.
+# Part A says what the op computes: the reference (§1), the sink (§2), the candidate sets (§3) and the online
+# softmax (§4). Part B is the **ladder**: five implementations of the same op, each measured on an H200 on
+# the same inputs, from the seed's path at about 3 % of the hardware bound to a warp-specialised Hopper
+# kernel, with what changed at each rung, why it is faster and what still limits it (§5–§10): the fused
+# kernel's source, its block sizes and the split/merge scratch format are all here. Part C holds the checks
+# (§11), the bytes (§12) and the roofline of every rung (§13), then the lessons (§14).
+#
+# The math, the conventions, the input contract and the pitfalls are written up in `docs/sparse_mla.md`; the
+# code is the folder `dsv4ref/sparse_mla/`: `reference.py` (the whole op in plain torch), `two_pass.py` (the
+# seed's design, twice), `kernels.py` (the fused Triton kernel and the split merge), `launch.py` (the launch
+# shape `SparseMlaLaunch`, the custom ops) and `gluon.py` (the Hopper kernel).
 
 # %%
 import dsv4ref  # first: picks the device, sets TRITON_INTERPRET on a CPU-only machine
 import dataclasses
 import inspect
+import json
 import warnings
 
 warnings.filterwarnings("ignore")
@@ -29,8 +35,9 @@ import matplotlib.pyplot as plt
 import torch
 
 # %matplotlib inline
-from dsv4ref import kv_cache, sparse_mla
-from dsv4ref.sparse_mla import kernels, reference
+from dsv4ref import kv_cache, sparse_mla, validate
+from dsv4ref.sparse_mla import kernels, reference, two_pass
+from dsv4ref.sparse_mla.launch import launch_for_sms
 from dsv4ref.config import TINY
 from dsv4ref.device import DEVICE, describe
 from dsv4ref.testing import compare, generator, randn
@@ -238,7 +245,75 @@ print("online result equals the one-shot softmax:", compare(acc / l, full, "fp32
       "| lse equal:", abs(m + math.log(l) - float(torch.logsumexp(s_all[valid], 0))) < 1e-12)
 
 # %% [markdown]
-# ## 5. The fused kernel, walked through
+# ## 5. The ladder
+#
+# One op, five implementations, all giving the reference's answer (§11). The bound of a case is
+# max(bytes / copy bandwidth, FLOPs / bf16 matmul rate) with both ceilings measured in the same run; "of the
+# bound" is how close a rung gets to it. The three benchmark shapes have T = 64 decode tokens and H heads
+# reading K candidates each (a window pool of 128 plus the compressed pool, pages of 64): H 64, K 640
+# (V4-Flash), H 128, K 1152 (V4-Pro) and H 16, K 2048 (tensor parallelism: few heads, long lists).
+#
+# | rung | what changed | why it is faster | what still limits it |
+# |---|---|---|---|
+# | 0. the seed's two-pass path | — (vLLM's first portable port) | — | a Python loop over tokens with a host sync each; 2·T gather launches of a few rows each; 2632 B moved per row |
+# | 1. clean two-pass | the index table is one tensor op; one gather launch for all tokens; a reused workspace | 2 launches instead of 2·T + 1, each filling the GPU | still 2632 B per row (584 read, 1024 written, 1024 read back); a latency-bound attention loop |
+# | 2. fused | the attention loop reads the FP8 pages itself and dequantises in registers; the K tile is reused as V | 584 B per row, 4.5× fewer; one launch; no workspace | one program per (token, 64 heads): ≤ one wave of programs; a 64 × 512 fp32 accumulator that spills; load → dequantise → QKᵀ → softmax → P·V in series in every warp |
+# | 3. split list (flash-decoding) | the candidate list is split over S programs; a merge kernel folds their partial states | S× more programs in flight where T · head blocks leaves SMs idle | partial-state traffic and a second launch; every program is still the serial chain of rung 2 |
+# | 4. warp-specialised (Gluon, Hopper) | producer warps dequantise FP8 pages into shared memory while two consumer warpgroups run the MMAs, each owning 256 of the 512 output dims | loads and dequantisation overlap the tensor-core work; the accumulator fits in registers | measured in the GPU run (§13): each side's own speed — bytes in flight for the producer, narrow MMAs and barriers for the consumer |
+#
+# The rest of this part takes the rungs one by one, on the small example of §1.
+
+# %% [markdown]
+# ## 6. Rung 0: the seed's two-pass path
+#
+# The seed (vLLM's first XPU port) ran sparse MLA in two passes. **Pass 1** dequantises every selected row into
+# a bf16 workspace with the KV cache's reader kernel; **pass 2** is a bf16 sparse attention kernel over the
+# workspace. Its kernel cut each token's list at one length, so the host first **packed** each token's valid
+# slots `[valid compressed…, valid window…, −1…]`: a Python loop over tokens that reads every length on the
+# host (a device synchronisation per token) and gathers token by token. It also accepted the sink argument
+# and never applied it (pitfall #17).
+#
+# `two_pass.seed_decode` keeps that structure on our kernels (with the sink applied, so its answer is right
+# and its time is comparable). The benchmark builds the plan once per input set and times only the device
+# work, as the issue's figures do; the host loop comes on top in real use.
+
+# %%
+print(inspect.getsource(two_pass.seed_plan))
+print(inspect.getsource(two_pass.seed_decode))
+
+# %%
+plan = two_pass.seed_plan(slots, lengths, inputs["extra_slots"], inputs["extra_lengths"])
+print("packed rows per token:", [int((plan.table[t] >= 0).sum()) for t in range(T)],
+      "| gather launches:", sum(int(r is not None and r.numel() > 0) for row in plan.per_token for r in row))
+_, _, mass = reference.decode(**inputs, with_mass=True)
+o, l = two_pass.seed_decode(**inputs, scale=sparse_mla.DEFAULT_SCALE, plan=plan)
+print(compare(o, out_ref, "bf16_weighted_sum", "seed out", mass).verdict(), "|", compare(l, lse_ref, "lse", "seed lse").verdict())
+
+# %% [markdown]
+# **What limits it.** On the H200 the device work alone takes 248 µs (H 64), 671 µs (H 128) and 674 µs (H 16),
+# 3–4 % of the bound. With T = 64 there are 128 gather launches, one per token and pool, of 128 to 1920 rows
+# each: at 4 rows per single-warp program, each launch occupies a fraction of the 132 SMs for a few µs, and
+# the launches run one after another. Then every selected row crosses memory three times: 584 B read,
+# 1024 B of bf16 written, the same 1024 B read back.
+#
+# ## 7. Rung 1: the clean two-pass path
+#
+# The same two passes, without the loop. The index table is one elementwise op per pool (an entry past its
+# length or equal to −1 becomes −1, which the reader turns into a zero row and pass 2 into a masked entry),
+# pass 1 is **one** gather launch over all T·K entries into a workspace that is reused across calls, and pass 2
+# is the fused kernel's own attention loop reading bf16 rows (so the sink, the empty-row rule and the split
+# merge are the same code). No host synchronisation: a device graph can capture it.
+
+# %%
+print(inspect.getsource(two_pass.two_pass_decode))
+
+# %% [markdown]
+# **Why it is faster:** two launches that each fill the GPU instead of 2·T + 1 small ones: 90, 155 and 147 µs,
+# 2.7–4.6× the seed. **What limits it:** the 2632 bytes per row are still there, and the attention loop of pass
+# 2 is latency-bound (rung 2 says why). At H 128 that loop is the whole story: there the fused kernel of rung 2,
+# which runs the same loop with the dequantisation inside it, is even a little slower (170 against 155 µs).
+#
+# ## 8. Rung 2: the fused kernel, walked through
 #
 # `dsv4ref.sparse_mla.kernels.decode_kernel` runs one program per (token, block of heads, split of the list).
 #
@@ -248,59 +323,207 @@ print("online result equals the one-shot softmax:", compare(acc / l, full, "fp32
 #    other = −1, so entries past the length are never read, not even the slot number.
 # 3. **Addresses in int64**: `dsv4ref.tl.page_offsets` turns a slot into the two byte offsets of the 584-byte
 #    record (576 data bytes at page_base + off·576, 8 scale bytes at page_base + B·576 + off·8).
-# 4. **Dequantise in registers, 8 tiles of 64**: tiles 0..6 are e4m3 bytes × 2^(scale − 127) (`pow2`, exact),
-#    tile 7 is the 64 bf16 RoPE values. Every load is masked by "slot ≥ 0", so a −1 entry or a page holding
-#    NaN bytes never reaches the math (0 × NaN would still be NaN: pitfall #12).
-# 5. **Scores and online softmax** in fp32: s = q · kᵀ (one dot over 512), masked to −∞, the m/l/acc update.
+# 4. **Dequantise in registers, 8 tiles of 64** (`load_rows_fp8`): tiles 0..6 are e4m3 bytes × the UE8M0
+#    scale 2^(byte − 127) (exact; byte 255 is NaN, as E8M0 defines it), tile 7 is the 64 bf16 RoPE values.
+#    Every load is masked by "slot ≥ 0", so a −1 entry or a page holding NaN bytes never reaches the math
+#    (0 × NaN would still be NaN: pitfall #12).
+# 5. **Scores and online softmax** in fp32 (`attend_pool`): s = q · kᵀ (one dot over 512), masked to −∞, the
+#    m/l/acc update of §4 in the log2 domain.
 # 6. **The same tile is V**: acc += p · k. Nothing is loaded twice and no bf16 copy of the KV is written.
 # 7. Both pools go through the same loop (another base pointer, page size and length).
 # 8. **Epilogue** (`finish`): out = acc / l · σ(lse − sink), stored as bf16 with integer round-to-nearest-even;
-#    empty rows → 0 and lse = −∞.
+#    empty rows (l = 0) → 0 and lse = −∞; a poisoned row (l = NaN: a NaN query or a NaN/∞ cache row, §11)
+#    → NaN, never the empty-row answer.
 #
-# **Block sizes** (`SparseMlaLaunch`, chosen by `default_launch` from measurements on the H200): BLOCK_H = 16
-# heads when H ≤ 16, 32 when H ≤ 32, else 64 (H = 128 runs two blocks of 64); BLOCK_N = 32 candidates per
-# chunk with 16-head blocks and 64 with larger ones (16 here, in the interpreter); 4 warps for 16-head blocks,
-# 8 above. The list is split over several programs only when T × head blocks would leave most SMs idle.
-#
-# **Split / merge scratch.** With `num_splits = S > 1`, split s takes entries [s·chunk, (s+1)·chunk) of each
-# pool and, instead of finishing, writes its state *without the sink* to two fp32 buffers:
-# `part_o [T, S, H, 512]` (the unnormalised acc = Σ 2^(s − m)·k) and `part_ml [T, S, H, 2]` (m, the max of the
-# log2-domain logits, −∞ for an empty split, and l = Σ 2^(s − m)). `merge_kernel` rescales each split by
-# 2^(m_s − m), sums, and runs the same `finish` once: the sink is applied after the merge (pitfall #20).
-#
-# Here is the kernel and its two helpers, as the library runs them:
+# Here is the kernel and its helpers, as the library runs them (`.fn` is the Python function under
+# `@triton.jit`; `inspect.getsource` of the jit object itself fails in the interpreter):
 
 # %%
-for kernel in (kernels.decode_kernel, kernels.attend_pool, kernels.finish):
-    print(inspect.getsource(kernel.fn))  # .fn: the Python function under @triton.jit
+for kernel in (kernels.decode_kernel, kernels.attend_pool, kernels.load_rows_fp8, kernels.finish):
+    print(inspect.getsource(kernel.fn))
 
 # %% [markdown]
-# The **two-pass** backend is the seed's design written cleanly (`dsv4ref/sparse_mla/two_pass.py`): one
-# `kv_cache.gather` launch dequantises every listed slot into a reused bf16 workspace (entries past the length
-# become zero rows), then the same attention loop reads bf16 rows from the workspace. No per-token Python
-# loop, no host synchronisation, and the sink is applied.
-#
-# The checks: every backend against the fp32 reference on the example of §1 (both pools, −1 holes,
-# duplicates, partial lengths, a finite sink), under the tolerances of `dsv4ref.tolerances`: lse with
-# FlashMLA's figure; out with `bf16_weighted_sum`. Compiled, the kernels round P to bf16 before P·V (as
-# FlashMLA does), an error of up to 2^-9 per weight, so an output's error scales with Σ_j p_j·|v_j| — its
-# "mass" — not with the output itself, which can cancel to near zero. The reference gives that mass alongside
-# its result (`with_mass=True`). The launch shape is an explicit argument: here the list is split in 4.
+# **Block sizes.** `SparseMlaLaunch` holds every launch choice, passed as `launch=` (None = the measured
+# default). `launch_for_sms` gives the default for a device with a given number of SMs, so this cell shows what
+# the H200 (132 SMs) runs on the three benchmark shapes, on any machine. BLOCK_H = 16 heads when H ≤ 16, 32
+# when H ≤ 32, else 64 (H = 128 runs two blocks); BLOCK_N = 32 candidates per chunk with 16-head blocks and 64
+# with larger ones; 4 warps for 16-head blocks, 8 above; 2 pipeline stages. (In Triton's interpreter the chunk
+# is 16 and nothing is split.)
 
 # %%
-_, _, mass = reference.decode(**inputs, with_mass=True)
-for backend in ("two_pass", "triton"):
-    o, l = sparse_mla.decode(**inputs, backend=backend)
-    print(compare(o, out_ref, "bf16_weighted_sum", f"{backend} out", mass).verdict(), "|",
-          compare(l, lse_ref, "lse", f"{backend} lse").verdict())
-split4 = dataclasses.replace(sparse_mla.default_launch(T, H, 32, DEVICE), num_splits=4)
-print(split4)
-o, l = sparse_mla.decode(**inputs, backend="triton", launch=split4)
-print(compare(o, out_ref, "bf16_weighted_sum", "triton, list split in 4 + merge", mass).verdict())
+BENCH = ((64, 64, 640), (64, 128, 1152), (64, 16, 2048))
+print(f"{'T':>3} {'H':>4} {'K':>5} | {'BLOCK_H':>7} {'BLOCK_N':>7} {'warps':>5} {'stages':>6} {'splits':>6} | "
+      f"{'programs':>8} {'acc per program':>16}")
+for Tb, Hb, Kb in BENCH:
+    L = launch_for_sms(Tb, Hb, Kb, 132)
+    progs = Tb * -(-Hb // L.block_h) * L.num_splits
+    print(f"{Tb:>3} {Hb:>4} {Kb:>5} | {L.block_h:>7} {L.block_n:>7} {L.num_warps:>5} {L.num_stages:>6} "
+          f"{L.num_splits:>6} | {progs:>8} {L.block_h * 512 * 4 // 1024:>11} KB fp32")
+print(launch_for_sms(64, 64, 640, 132))
+
+# %% [markdown]
+# **Why it is faster than two-pass:** 584 + 4 bytes per selected row instead of 2632, one launch, no workspace:
+# 70 µs at H 64 (1.3× rung 1) and 101 µs at H 16 (1.5×), with the split of rung 3 on. **What limits it:** it is
+# latency-bound, not bandwidth-bound (a profiler saw issue slots 27 % busy, tensor units 25 %, DRAM about
+# 20 %). A 64-head program keeps a 64 × 512 fp32 accumulator: 128 KB, about 128 registers per thread at 8 warps
+# before the K tile, q and the dequantisation temporaries, so it spills and only one program fits an SM. And
+# every warp runs load → dequantise → QKᵀ → softmax → P·V in series: while it waits for the page bytes, no
+# MMA runs, and while it runs MMAs, no bytes arrive. Two cheaper fixes were measured and removed: splitting
+# the 512 output dims over 2 or 4 programs (each recomputing the scores: slower, 8.0 % and 5.0 % at H 64
+# against 11 %), and an exact P·V (P as two bf16 halves: 6–9× slower). With one program per (token, head
+# block), H 64 launches 128 programs and H 16 only 64: an SM with no program is an idle SM. That is rung 3.
+#
+# ## 9. Rung 3: the split list (flash-decoding)
+#
+# When T · head blocks would leave SMs idle, the candidate list of each token is split over S programs
+# (S a power of two; `launch_for_sms` doubles S while that fills the SMs and every split keeps ≥ 256
+# candidates). Split s takes entries `[s·chunk, (s+1)·chunk)` of each pool (chunk = ceil(K / S) rounded up to
+# BLOCK_N, per pool) and, instead of finishing, writes its softmax state **without the sink** to two fp32
+# scratch tensors, both contiguous:
+#
+# | tensor | shape | element | holds |
+# |---|---|---|---|
+# | `part_o` | `[T, S, H, 512]` | fp32 | acc_s = Σ_j 2^(x_j − m_s) · k_j over the split's entries, unnormalised |
+# | `part_ml` | `[T, S, H, 2]` | fp32 | (m_s, l_s): m_s = max_j x_j, l_s = Σ_j 2^(x_j − m_s); an empty split has (−∞, 0) |
+#
+# with x_j = s_j · log2(e), the log2-domain logit. Head h of split s of token t sits at row (t·S + s)·H + h of
+# both. `merge_kernel` (one program per token and 2 heads) computes m = max_s m_s, weighs split s by
+# w_s = 2^(m_s − m) (0 for an empty split), sums l = Σ w_s l_s and acc = Σ w_s acc_s, and runs the same
+# epilogue once: out = acc / l · σ(lse − sink), lse = ln 2 · (m + log2 l). The sink is applied after the
+# merge, never per split, and lse stays in one unit until the single exit (pitfall #20).
+
+# %%
+print(inspect.getsource(kernels.merge_kernel.fn))
+
+# %% [markdown]
+# The same format in a few lines of float64 torch, for token 0 of the example (its window list in 2 splits plus
+# its compressed list as a third): write each split's state, merge it as the kernel does, and compare with the
+# reference.
+
+# %%
+def split_state(q_t, rows, scale):
+    """(acc [H, 512], m [H], l [H]) of one split: the part_o / part_ml entries, log2 domain."""
+    x = (q_t @ rows.T) * scale * math.log2(math.e)  # [H, n]
+    m = x.max(dim=1).values if rows.shape[0] else torch.full((q_t.shape[0],), -math.inf, dtype=torch.float64)
+    p = torch.exp2(x - m[:, None])
+    return p @ rows, m, p.sum(dim=1)
+
+
+q0 = q[0].double()
+g1 = kv_cache.gather(inputs["cache"], slots[0, : int(lengths[0])][slots[0, : int(lengths[0])] >= 0],
+                     block_size=inputs["block_size"]).double()
+es, el = inputs["extra_slots"][0], int(inputs["extra_lengths"][0])
+g2 = kv_cache.gather(inputs["extra_cache"], es[:el][es[:el] >= 0], block_size=inputs["extra_block_size"]).double()
+parts = [split_state(q0, r, sparse_mla.DEFAULT_SCALE) for r in (g1[: len(g1) // 2], g1[len(g1) // 2:], g2)]
+part_o = torch.stack([p[0] for p in parts])  # [S, H, 512]: this token's slice of part_o
+part_ml = torch.stack([torch.stack([p[1], p[2]], dim=-1) for p in parts])  # [S, H, 2]
+m = part_ml[..., 0].max(dim=0).values
+w = torch.exp2(part_ml[..., 0] - m)  # [S, H]
+l_m = (w * part_ml[..., 1]).sum(dim=0)
+acc = (w[..., None] * part_o).sum(dim=0)
+lse0 = math.log(2) * (m + torch.log2(l_m))
+out0 = acc / l_m[:, None] * torch.sigmoid(lse0 - sink.double())[:, None]  # the sink, once, after the merge
+print("part_o", tuple(part_o.shape), "part_ml", tuple(part_ml.shape), "| per-split m of head 0:",
+      [round(float(v), 3) for v in part_ml[:, 0, 0]])
+print(compare(out0, out_ref[0].double(), "bf16_out", "merged out").verdict(), "|",
+      compare(lse0, lse_ref[0].double(), "lse", "merged lse").verdict())
+
+# %% [markdown]
+# Scratch bytes at the benchmark shapes (written once, read once by the merge), against the compulsory bytes
+# of the op:
+
+# %%
+for Tb, Hb, Kb in BENCH:
+    S = launch_for_sms(Tb, Hb, Kb, 132).num_splits
+    scratch = Tb * S * Hb * (512 + 2) * 4 if S > 1 else 0
+    comp = Tb * (Kb * 588 + Hb * 512 * 4 + Hb * 4 + 8)
+    print(f"H={Hb:<3} K={Kb:<5} S={S}: scratch {scratch / 1e6:5.1f} MB written + read, "
+          f"compulsory {comp / 1e6:5.1f} MB ({2 * scratch / comp:4.0%} extra traffic)")
+
+# %% [markdown]
+# **Why it is faster:** at H 64 the split doubles the programs (128 → 256) and at H 16 quadruples them
+# (64 → 256): 70 µs and 101 µs with the split, against the unsplit kernel's time at those shapes, which the
+# next GPU run fills in (§13; an early sweep had H 64 with 32-candidate chunks at 6.2 % of the bound unsplit
+# and 9.4 % split in 2). H 128 already has 128 programs of 64 heads and does not split. **What limits it:**
+# the partial states are big: at H 64 they add 16.8 MB written and read back to 32.5 MB of compulsory
+# traffic; the merge is a second launch; and each program is still the serial chain of rung 2: splitting
+# spreads the latency over more SMs, it does not hide it. The fused kernel stays at 11–19 % of the bound.
+#
+# ## 10. Rung 4: the warp-specialised Hopper kernel
+#
+# FlashMLA reaches about half of this bound with hand-written FP8 sparse decode on Hopper. Its answer to both
+# limits of rung 2 is **warp specialisation**, which Triton 3.6 can express through Gluon
+# (`triton.experimental.gluon`: `warp_specialize`, mbarriers, TMA, async warpgroup MMA). The kernel in
+# `dsv4ref/sparse_mla/gluon.py` (GPU-only: compiled Triton on a Hopper GPU) is built that way:
+#
+# * **One program per (token, 64 heads)**, 12 warps in three roles. wgmma's M is 64 rows per warpgroup, so
+#   64 heads are one MMA tile (H = 16 is padded to 64 masked rows; H = 128 takes two programs).
+# * **Producer warps (4)** gather each chunk of 64 candidates' 584-byte rows, dequantise e4m3 × 2^(scale − 127)
+#   to bf16 and store the tile into a ring of shared-memory buffers (NVMMA 128-byte swizzle, which wgmma reads
+#   directly), then arrive on that stage's `ready` mbarrier. They fetch the next slot indices ahead of the
+#   row loads, so no index load sits on the critical path.
+# * **Two consumer warpgroups (8 warps)** wait on `ready`, compute S = Q·Kᵀ with wgmma (the same shared K tile,
+#   seen transposed, with Q resident in shared memory), run the online softmax, and compute O += P·V with the
+#   **same tile** as V. Each warpgroup owns **256 of the 512 output dims**, so its accumulator is
+#   64 × 256 fp32 = 128 registers per thread: no spill. Then they release the stage on its `empty` mbarrier
+#   for the producers to refill.
+# * Register budgets per role (`setmaxnreg`): the producers need few, the consumers take the rest.
+# * The list split and the merge of rung 3 stay (fp32 partials, the sink once, after the merge).
+#
+# **Why it should be faster:** the bytes of chunk i + 1 arrive and are dequantised while the tensor cores work
+# on chunk i, so the kernel runs at about the slower of the two sides instead of their sum, and the
+# accumulator no longer spills. **What limits it** comes from the GPU run: each side's own speed (how many
+# bytes the producers keep in flight against the DRAM latency; how narrow the consumers' MMAs are and how
+# many barriers each chunk costs). The module docstring of `dsv4ref.sparse_mla.gluon` keeps the diagnostics
+# (producer alone, consumer alone) that say which side binds. A schematic of the difference (not a measurement):
+
+# %%
+fig, axes = plt.subplots(2, 1, figsize=(10, 3.2), sharex=True)
+steps = [("load + dequantise", 3.0, "tab:orange"), ("QKᵀ + softmax + P·V", 2.0, "tab:blue")]
+t0 = 0.0
+for i in range(4):  # rung 2: one warp does everything in series
+    for name, dur, color in steps:
+        axes[0].barh(0, dur, left=t0, color=color, edgecolor="white", label=name if i == 0 else None)
+        t0 += dur
+for i in range(4):  # rung 4: producers and consumers overlap; the slower side sets the pace
+    axes[1].barh(1, 3.0, left=3.0 * i, color="tab:orange", edgecolor="white")
+    axes[1].barh(0, 2.0, left=3.0 * (i + 1), color="tab:blue", edgecolor="white")
+axes[0].set_yticks([0], ["every warp"])
+axes[1].set_yticks([0, 1], ["consumer warpgroups", "producer warps"])
+axes[0].set_title("rung 2: in series per chunk (4 chunks)")
+axes[1].set_title("rung 4: warp-specialised, a ring of shared-memory stages between the roles")
+axes[1].set_xlabel("time (arbitrary units)")
+axes[0].legend(fontsize=8, loc="upper right")
+plt.tight_layout()
+plt.show()
+
+# %% [markdown]
+# ## 11. The checks: every rung against the reference
+#
+# Every rung on the example of §1 (both pools, −1 holes, duplicates, partial lengths, a finite sink), under the
+# tolerances of `dsv4ref.tolerances`: lse with FlashMLA's figure; out with `bf16_weighted_sum`. Compiled, the
+# kernels round P to bf16 before P·V (as FlashMLA does), an error of up to 2^-9 per weight, so an output's
+# error scales with Σ_j p_j·|v_j| — its "mass" — not with the output itself, which can cancel to near zero.
+# The reference gives that mass alongside its result (`with_mass=True`). The launch shape is an explicit
+# argument: the last line splits the list in 4 (rung 3 in the interpreter).
+
+# %%
+rungs = {
+    "seed (rung 0)": lambda: two_pass.seed_decode(**inputs, scale=sparse_mla.DEFAULT_SCALE),
+    "two_pass (rung 1)": lambda: sparse_mla.decode(**inputs, backend="two_pass"),
+    "triton (rung 2)": lambda: sparse_mla.decode(**inputs, backend="triton"),
+    "triton, split in 4 (rung 3)": lambda: sparse_mla.decode(
+        **inputs, backend="triton", launch=dataclasses.replace(sparse_mla.default_launch(T, H, 32, DEVICE), num_splits=4)),
+}
+for name, run in rungs.items():
+    o, l = run()
+    print(f"{name:<28}", compare(o, out_ref, "bf16_weighted_sum", "out", mass).verdict(), "|",
+          compare(l, lse_ref, "lse", "lse").verdict())
 
 # %%
 # Empty rows and poisoned memory: row 0 has length 0, row 1 only -1 entries; every entry past a length
-# points at slot 0, whose bytes we overwrite with NaN codes. No NaN may come out.
+# points at slot 0, whose bytes we overwrite with NaN codes. No NaN may come out: rows past a length are
+# never read.
 b1 = inputs["block_size"]
 c_bad = inputs["cache"].clone()
 c_bad[0, :576] = 0x7F
@@ -316,11 +539,35 @@ for backend in sparse_mla.SUPPORTED:
           f"their lse: {sorted(set(l[:2].flatten().cpu().tolist()))}; row 2 finite: {bool(torch.isfinite(l[2]).all())}")
 
 # %% [markdown]
-# ## 6. Bytes moved: two-pass vs fused
+# **A NaN is never an empty row.** A query holding a NaN is refused while value checks are on (the default:
+# one device sync per call). With them off (`DSV4REF_CHECK_VALUES=0`, the hot path; here the context manager
+# `validate.checking_values(False)`), every backend writes out = NaN and lse = NaN for exactly that
+# (token, head), also when the token has no valid candidate, whose honest answer would otherwise be the
+# empty row's (0, −∞). The kernels get there without a branch in the loop: a NaN query sets the softmax sum
+# l to NaN, and the epilogue treats only l == 0 as empty. The whole input contract is in
+# `docs/sparse_mla.md#input-contract`.
+
+# %%
+q_nan = q.clone()
+q_nan[1, 3, 7] = float("nan")
+try:
+    sparse_mla.decode(**{**inputs, "q": q_nan})
+except ValueError as e:
+    print("checks on:", str(e))
+empty = {**inputs, "q": q_nan, "lengths": torch.zeros_like(lengths),
+         "extra_lengths": torch.zeros_like(inputs["extra_lengths"])}  # no token has a valid candidate
+with validate.checking_values(False):
+    for backend in sparse_mla.SUPPORTED:
+        o, l = sparse_mla.decode(**empty, backend=backend)
+        print(f"checks off, {backend:>9}: head (1, 3) out NaN: {bool(o[1, 3].isnan().all())}, lse {float(l[1, 3])}; "
+              f"the other rows: out 0 {bool((o[~l.isnan()] == 0).all())}, lse {sorted(set(l[~l.isnan()].tolist()))}")
+
+# %% [markdown]
+# ## 12. Bytes moved: two-pass against fused
 #
-# Per selected row, the fused kernel reads the 584-byte record once (plus a 4-byte index). The two-pass path
-# reads the same 584 bytes, **writes** a 1024-byte bf16 row to the workspace and **reads it back**: 2632
-# bytes, 4.5× more, plus a second launch. In a memory-bound op that is the whole story.
+# Per selected row, the fused kernel reads the 584-byte record once (plus a 4-byte index). The two-pass paths
+# read the same 584 bytes, **write** a 1024-byte bf16 row to the workspace and **read it back**: 2632 bytes,
+# 4.5× more, plus a second launch. In a memory-bound op that is the whole story.
 
 # %%
 def traffic(T, H, K, per_row):
@@ -330,9 +577,9 @@ def traffic(T, H, K, per_row):
 shapes = [("V4-Flash\nH=64 K=640", 64, 640), ("V4-Pro\nH=128 K=1152", 128, 1152), ("TP/memory-bound\nH=16 K=2048", 16, 2048)]
 fig, axes = plt.subplots(1, 2, figsize=(11, 3.6))
 ax = axes[0]
-parts = [("read FP8 record", 584, 584), ("write bf16 workspace", 0, 1024), ("read bf16 workspace", 0, 1024)]
+parts_b = [("read FP8 record", 584, 584), ("write bf16 workspace", 0, 1024), ("read bf16 workspace", 0, 1024)]
 bottom = np.zeros(2)
-for name, fused_b, two_b in parts:
+for name, fused_b, two_b in parts_b:
     vals = np.array([fused_b, two_b])
     ax.bar(["fused", "two-pass"], vals, bottom=bottom, label=name)
     bottom += vals
@@ -354,73 +601,108 @@ for name, h, k in shapes:
           f"FLOP/byte (fused) {64 * 2 * h * k * 1024 / traffic(64, h, k, 588):5.0f}")
 
 # %% [markdown]
-# ## 7. The roofline, with numbers measured on an H200
+# ## 13. The roofline: every rung, measured on an H200
 #
-# The bound of a case is max(bytes / copy bandwidth, FLOPs / bf16 matmul rate), with both ceilings measured
-# in the same run (`python -m dsv4ref bench sparse_mla`). The figures below are **constants copied from that
-# run** (device, date and command in `benchmarks/RESULTS.md`); this notebook does not time anything on
-# the CPU. FLOPs count the real H, bytes count 584 B + 4 B of index per selected row plus q, out and lse.
+# The figures come from one file, `benchmarks/sparse_mla_ladder.json`: the µs of every rung on the three
+# shapes, the ceilings (copy bandwidth, bf16 matmul rate) and the compulsory bytes and FLOPs of each shape.
+# `python -m dsv4ref bench sparse_mla` times every rung on the same inputs (bench cases `sparse_mla.seed`,
+# `.two_pass`, `.fused[split=1]`, `.fused`, `.gluon`), and `write_ladder()` in `dsv4ref.tools.cases.sparse_mla`
+# rewrites the file from one such run. This notebook times nothing: it draws the file, so its output is the
+# same on every machine. A rung marked "pending" has no figure yet for that shape; each rung names its source.
+#
+# The x axis is the arithmetic intensity (FLOP per compulsory byte; the same for every rung of a shape,
+# since every rung does the same useful work), the y axis the achieved FLOP rate. A point on the roof would
+# be at 100 % of the bound.
 
 # %%
-MEASURED = dict(  # H200 (Triton 3.6, torch 2.11), 2026-11-30, python -m dsv4ref bench sparse_mla (graph replay)
-    copy_tb_s=4.11, bf16_tflop_s=778,
-    # (H, K): µs for (fused with P·V split into two bf16 halves: a variant since removed from the code,
-    # fused default (bf16 P), two-pass)
-    cases={
-        (64, 640): (440.5, 71.5, 90.3),
-        (128, 1152): (1507.4, 167.6, 155.3),
-        (16, 2048): (105.9, 99.6, 147.3),
-    },
-)
+from dsv4ref.tools.cases.sparse_mla import LADDER_PATH
+
+ladder = json.loads(LADDER_PATH.read_text())
+bw, peak = ladder["ceilings"]["copy_bytes_per_s"], ladder["ceilings"]["bf16_flops_per_s"]
+print(f"{ladder['device']}, {ladder['date']}: copy {bw / 1e12:.2f} TB/s, bf16 matmul {peak / 1e12:.0f} TFLOP/s; "
+      f"ridge at {peak / bw:.0f} FLOP/byte")
+print("accounting:", ladder["accounting"])
 
 # %%
-bw, peak = MEASURED["copy_tb_s"] * 1e12, MEASURED["bf16_tflop_s"] * 1e12
-fig, ax = plt.subplots(figsize=(8, 4.5))
-ai = np.logspace(0, 3, 200)
-ax.loglog(ai, np.minimum(ai * bw, peak) / 1e12, color="black", label="roofline (measured ceilings)")
-for (h, k), (f_us, p_us, t_us) in MEASURED["cases"].items():
-    byts = 64 * (k * 588 + h * 512 * 4 + h * 4 + 8)
-    fl = 64 * 2 * h * k * 1024
-    for us, mk, name in ((f_us, "o", "fused, P split (removed)"), (p_us, "^", "fused (bf16 P)"), (t_us, "x", "two-pass")):
-        ax.scatter([fl / byts], [fl / (us * 1e-6) / 1e12], marker=mk, s=40, label=f"{name} H={h} K={k}")
-ax.set_xlabel("FLOP per compulsory byte")
-ax.set_ylabel("TFLOP/s")
-ax.set_title("sparse MLA decode, T = 64, H200")
-ax.legend(fontsize=6, loc="lower right", ncol=3)
+markers = dict(seed="v", two_pass="s", fused="D", split="o", gluon="*", torch_compile="x")
+colors = dict(seed="tab:gray", two_pass="tab:brown", fused="tab:orange", split="tab:blue", gluon="tab:green",
+              torch_compile="tab:purple")
+fig, axes = plt.subplots(1, 2, figsize=(12, 6.2), gridspec_kw=dict(width_ratios=[1.25, 1]))
+ax = axes[0]
+ai = np.logspace(1, 3, 200)
+ax.loglog(ai, np.minimum(ai * bw, peak) / 1e12, color="black", lw=1.2, label="roof: min(AI · copy BW, bf16 peak)")
+for sh in ladder["shapes"]:
+    x = sh["flops"] / sh["bytes"]
+    ax.axvline(x, color="grey", lw=0.4, ls=":")
+    ax.annotate(f"H {sh['H']}, K {sh['K']}", (x, 1.2), rotation=90, fontsize=7, ha="right", va="bottom", color="grey")
+for r in ladder["rungs"] + ladder["others"]:
+    pts = [(sh["flops"] / sh["bytes"], sh["flops"] / (us * 1e-6) / 1e12) for sh, us in zip(ladder["shapes"], r["us"])
+           if us is not None]
+    label = r["label"] + ("" if r["status"] == "measured" else f" ({r['status']})")
+    if pts:
+        ax.scatter(*zip(*pts), marker=markers[r["key"]], color=colors[r["key"]], s=45, label=label, zorder=3)
+    else:
+        ax.scatter([], [], marker=markers[r["key"]], color=colors[r["key"]], label=label)
+ax.set_xlabel("arithmetic intensity (FLOP per compulsory byte)")
+ax.set_ylabel("achieved TFLOP/s")
+ax.set_ylim(1, 2 * peak / 1e12)
+ax.set_title("sparse MLA decode, T = 64: the ladder on the roofline")
+ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.13), ncol=2)
+ax = axes[1]
+width = 0.8 / len(ladder["rungs"])
+for i, r in enumerate(ladder["rungs"]):
+    frac = [0 if us is None else max(sh["bytes"] / bw, sh["flops"] / peak) / (us * 1e-6)
+            for sh, us in zip(ladder["shapes"], r["us"])]
+    ax.bar(np.arange(3) + (i - 2) * width, np.array(frac) * 100, width, color=colors[r["key"]], label=r["key"])
+ax.axhline(50, color="black", lw=0.6, ls="--")
+ax.text(2.45, 51, "FlashMLA's level", fontsize=7, ha="right")
+ax.axhline(35, color="black", lw=0.6, ls=":")
+ax.text(2.45, 36, "the issue's floor", fontsize=7, ha="right")
+ax.set_xticks(range(3), [f"H {s['H']}\nK {s['K']}" for s in ladder["shapes"]], fontsize=8)
+ax.set_ylabel("% of the bound")
+ax.set_ylim(0, 60)
+ax.set_title("fraction of max(bytes / BW, FLOP / peak)")
+ax.legend(fontsize=7)
+plt.tight_layout()
 plt.show()
-for (h, k), times in MEASURED["cases"].items():
-    byts = 64 * (k * 588 + h * 512 * 4 + h * 4 + 8)
-    fl = 64 * 2 * h * k * 1024
-    bound = max(byts / bw, fl / peak) * 1e6
-    print(f"H={h:<3} K={k:<5} bound {bound:5.1f} us | " + " | ".join(
-        f"{n} {us:6.1f} us = {bound / us:5.1%}" for n, us in zip(("P split (removed)", "fused (default)", "two-pass"), times)))
+
+# %%
+print(f"{'rung':<14} {'shape':<14} {'µs':>7} {'TFLOP/s':>8} {'TB/s':>6} {'of bound':>9} {'vs last rung':>13}")
+prev = [None, None, None]
+for r in ladder["rungs"] + ladder["others"]:
+    for i, (sh, us) in enumerate(zip(ladder["shapes"], r["us"])):
+        shape = f"H {sh['H']} K {sh['K']}"
+        if us is None:
+            print(f"{r['key']:<14} {shape:<14} {r['status']:>7}")
+            continue
+        bound = max(sh["bytes"] / bw, sh["flops"] / peak)
+        gain = f"{prev[i] / us:5.2f}×" if prev[i] and r in ladder["rungs"] else ""
+        print(f"{r['key']:<14} {shape:<14} {us:7.1f} {sh['flops'] / us / 1e6:8.1f} {sh['bytes'] / us / 1e6:6.2f} "
+              f"{bound / (us * 1e-6):9.1%} {gain:>13}")
+        if r in ladder["rungs"]:
+            prev[i] = us
+for r in ladder["rungs"] + ladder["others"]:
+    print(f"- {r['key']}: {r['source']}")
 
 # %% [markdown]
-# ## 8. The measured result
+# ## 14. From 3 % to FlashMLA's level: what each rung teaches
 #
-# Where it stands (T = 64, fraction of the measured roofline bound; the issue's goal was ≥ 50% and ≥ 3× the
-# two-pass path): **the goal is missed.**
+# * **Rung 0 → 1: launches and host syncs first.** Nothing about the math changed; 2·T tiny launches and a
+#   host loop became two full-width launches. A kernel developer looks at the launch count before the kernel.
+# * **Rung 1 → 2: bytes.** Fusing the dequantisation into the attention loop cut 2632 B per row to 584 and
+#   removed the workspace. That only pays where the loop is near the memory roof (H 16, and H 64 with the
+#   split); at H 128 the loop itself was the limit.
+# * **Rung 2 → 3: occupancy.** T × head blocks programs is often less than one per SM; splitting the list
+#   (flash-decoding) buys programs at the price of fp32 partials and a merge. The merge must apply the sink
+#   once and keep lse in one unit.
+# * **Rung 3 → 4: latency.** A warp that loads, dequantises, multiplies and reduces in series waits most of the
+#   time, and a 64 × 512 fp32 accumulator in one warpgroup spills. Give the loads and the dequantisation to
+#   producer warps, the MMAs to two consumer warpgroups that each own half the output dims, and connect them
+#   with a ring of shared-memory stages and mbarriers: the roles overlap, and the kernel runs at the pace of
+#   the slower one. Then make each side fast on its own (bytes in flight for the producer, wide MMAs and few
+#   barriers for the consumer): that is the distance between rung 4 and FlashMLA's level.
 #
-# * With P rounded to bf16 before the P·V product (FlashMLA's numerics, the default) the fused kernel reaches
-#   11.1 % (H = 64, K = 640), 14.8 % (H = 128, K = 1152) and 19.4 % (H = 16, K = 2048) of the bound: 1.26×,
-#   0.93× and 1.48× the two-pass path. A first probe of the design reached 15–22 % (`docs/sparse_mla.md`,
-#   performance); the limits it found
-#   (a 64 × 512 fp32 accumulator spilling at 8 warps, load → dequant → dot → softmax → dot in series) apply
-#   here too.
-# * Splitting the output dims over 2 or 4 programs (so the accumulator no longer spills) was measured and is
-#   slower (8.0 % and 5.0 % at H = 64, against 11.1 %): each slice recomputes the scores and the
-#   dequantisation. That variant was removed from the code; its design and figures stay in
-#   `benchmarks/sparse_mla.md`.
-# * bf16 P fails an elementwise relative tolerance (`bf16_out`) on test data with a wide value range:
-#   outputs that cancel to near zero get abs errors ~ 2^-9 · Σ p|v|. The tests therefore hold it to that
-#   derived bound (`bf16_weighted_sum`). A variant that splits P into two bf16 halves (`pv_split`, two P·V
-#   products, ~16 bits of p) passes `bf16_out` too, at 1.6–18 % of the bound: 6–9× slower with 64-head
-#   blocks, so it was removed from the code too (figures in `benchmarks/sparse_mla.md`).
-# * The two-pass path is not far behind because its attention loop is the same latency-bound code; its
-#   4.5× extra bytes only show where a kernel nears the memory roofline. Closing the gap (warp
-#   specialisation: producer warps loading and dequantising, consumer warps doing the MMAs) is the open work.
-#
-# On a GPU the next cell runs the benchmark itself (it is skipped on the CPU, where Triton is interpreted).
+# On a GPU the next cell times every rung itself (it is skipped on the CPU, where Triton is interpreted).
 
 # %%
 # NBVAL_IGNORE_OUTPUT
@@ -430,7 +712,7 @@ if not dsv4ref.interpreting():
     ceil, rows = run_benches("sparse_mla")
     print(f"copy {ceil.copy_bytes_per_s / 1e12:.2f} TB/s, bf16 {ceil.bf16_flops_per_s / 1e12:.0f} TFLOP/s")
     for r in rows:
-        print(f"{r.case.op:<22} {r.case.shape:<32} {r.ms * 1e3:8.1f} us {r.bytes_per_s / 1e9:7.0f} GB/s "
+        print(f"{r.case.op:<26} {r.case.shape:<32} {r.ms * 1e3:8.1f} us {r.bytes_per_s / 1e9:7.0f} GB/s "
               f"{r.flops_per_s / 1e12:6.1f} TFLOP/s {r.fraction:7.1%} of bound")
 else:
     print("interpreting: no timings on the CPU")

@@ -176,6 +176,24 @@ _, sc_word, _ = ix.quantize_q(iq1, torch.zeros(1, dtype=torch.int64, device=DEVI
 print("q scale word (int32):", f"0x{int(sc_word[0, 0]) & 0xFFFFFFFF:08x}", " (block 0 in the low byte)")
 
 # %% [markdown]
+# **Decoding in the logits kernel.** Hopper has no FP4 tensor-core instruction, so every packed byte is decoded
+# before the dot product. The first decode (`fp4_decode="nibble"`) builds each code's fp32 value from its bits,
+# multiplies by the block scale and converts to bf16: two float conversions per value, and conversions issue at
+# 1/8 the rate of FP32 arithmetic on an H100/H200. The second (`IndexerLaunch(fp4_decode="f16_blocks")`) uses
+# no float instruction at all: shifting the three magnitude bits into the top of fp16's exponent and mantissa
+# fields gives exactly value·2⁻¹⁴ for every code (code 1, the value 0.5, lands on an fp16 *subnormal*), so the
+# tensor cores can take the result as it is. The scales are applied per 32-block to the partial dot products
+# instead (`docs/indexer.md`, "Decoding MXFP4 keys").
+
+# %%
+print(inspect.getsource(ix.kernels.e2m1_f16.fn))
+codes = torch.arange(8, dtype=torch.int32)
+f16 = ((codes << 9).to(torch.int16).view(torch.float16).double() * 2.0**14).tolist()
+print("code:                ", codes.tolist())
+print("fp16 bits · 2^14:    ", f16)
+print("E2M1 value (decoder):", ix.reference.e2m1_decode(codes).tolist())
+
+# %% [markdown]
 # ## 5. The key cache and the logits
 #
 # Keys are quantised the same way (one 128-block, the scale stored as the fp32 value 2^e) and written into
@@ -301,7 +319,53 @@ glob, n = ix.to_global(local, bt, torch.tensor([12, -1], device=DEVICE), block_s
 print("global ids:", glob.cpu().tolist(), "| topk_len:", n.cpu().tolist())
 
 # %% [markdown]
-# ## 7. A registered op: `torch.compile` traces straight through
+# ## 7. The input contract: the same answer or the same error on every backend
+#
+# A reference is the contract a port is held to, so every public function checks its arguments first (a
+# `TypeError` or `ValueError` whose message starts with the argument's name, nothing written) and the kernels
+# honour strided views (`docs/indexer.md`, "The input contract"). Three cases where an unchecked call used to
+# give a plausible wrong answer:
+
+# %%
+from dsv4ref import validate
+
+ex16 = ix.example_inputs(2, 4, 32, block_size=16, seed=2)
+q16, _, w16 = ix.quantize_q(ex16["index_q"], ex16["positions"], ex16["cos_sin"], ex16["weights"])
+try:  # a cache of 16-key pages read as 8-key pages: its "scales" would be key bytes
+    ix.logits(q16, None, w16, ex16["k_cache"], ex16["positions"], block_size=8, block_table=ex16["block_table"])
+except ValueError as e:
+    print("ValueError:", e)
+glob, n = ix.to_global(torch.tensor([[0, 1, -1]], dtype=torch.int32), torch.tensor([[2**25]]), block_size=64)
+print("page 2^25 of 64-slot pages:", glob.tolist(), glob.dtype, "(int32 would wrap to -2^31)")
+scores = torch.tensor([[1.0, float("nan"), 3.0, float("-inf")]])
+try:
+    ix.topk(scores, 2)
+except ValueError as e:
+    print("ValueError:", e)
+
+# %% [markdown]
+# **Non-finite input.** While value checks are on (the default) a NaN or ±∞ in the data raises. With
+# `DSV4REF_CHECK_VALUES=0` (the hot path; `validate.checking_values(False)` in a `with` block) nothing is
+# scanned, and every backend writes the same thing: a block holding a NaN or ±∞ reads back as NaN (FP8 codes
+# 0x7F, or 0xFF where the sign bit is set, with a NaN scale; MXFP4 scale byte 255), a NaN score stays NaN, and
+# top-k ranks a NaN like −∞:
+
+# %%
+k_bad = ex16["k"][:2].clone()
+k_bad[0, 9] = float("nan")
+try:
+    ix.quantize_k(k_bad)
+except ValueError as e:
+    print("ValueError:", e)
+with validate.checking_values(False):
+    for backend in ("reference", "triton"):
+        codes8, scale = ix.quantize_k(k_bad, backend=backend)
+        print(f"{backend:9} key 0: codes {[hex(b) for b in codes8.view(torch.uint8)[0, :4].tolist()]}…, scale "
+              f"{scale[0].item()} | key 1 scale {scale[1].item()}")
+    print("top-2 of", scores.tolist(), "->", sorted(ix.topk(scores, 2)[0].tolist()))
+
+# %% [markdown]
+# ## 8. A registered op: `torch.compile` traces straight through
 #
 # The fused query path is registered with `torch.library.custom_op` as `dsv4ref::indexer_q_fp8` and
 # `dsv4ref::indexer_q_mxfp4`, each with a `register_fake` that only states output shapes and dtypes. Model
@@ -326,7 +390,7 @@ got, want = compiled(iq, pos, cs, w), indexer_q(iq, pos, cs, w)
 print("compiled == eager:", all(torch.equal(a, b) for a, b in zip(got, want)))
 
 # %% [markdown]
-# ## 8. Performance
+# ## 9. Performance
 #
 # Each key is used by 64 heads × 128 dims × 2 FLOPs = 16 384 FLOPs: 124 FLOP per key byte for FP8, below
 # the H200's ridge point for dense bf16 (≈ 200 FLOP/B), so FP8 logits are bound by the key bytes. MXFP4 halves
@@ -354,5 +418,7 @@ else:
 # %% [markdown]
 # Measured on an H200 (2026-11-30, `benchmarks/RESULTS.md`, ceilings 4.11 TB/s and 778 TFLOP/s measured in the
 # same run): FP8 logits 138.4 µs, 2.07 TB/s of key bytes, **50.3 % of the bound** (the target, ≥ 50 %, is
-# met); MXFP4 425.2 µs, **10.4 %** — Hopper has no FP4 MMA, so the kernel decodes nibbles to bf16 with ALU
-# work first. MXFP4 halves the bytes but, here, not the time.
+# met); MXFP4 with the `"nibble"` decode 425.2 µs, **10.4 %** — Hopper has no FP4 MMA, so the kernel decodes
+# nibbles to bf16 with ALU work and float conversions first. MXFP4 halves the bytes but, there, not the time.
+# The benchmark times the `"f16_blocks"` decode (section 4) beside it, as `indexer.logits.mxfp4.f16_blocks`;
+# `benchmarks/indexer.md` has its operation count and the figure once measured.

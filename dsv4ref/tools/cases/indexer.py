@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 
 from ... import indexer as ix
+from ... import validate
 from ...device import DEVICE
 from ...formats import INDEX_HEAD_DIM, index_k_page_bytes
 from ...testing import compare, generator, randn
@@ -42,21 +45,60 @@ def _check_insert_k() -> list[CheckRow]:
     return rows
 
 
+@check("indexer.non_finite")
+def _check_non_finite() -> list[CheckRow]:
+    """Value checks off (``docs/indexer.md#non-finite-input``): NaN / ±inf inputs give the reference's bytes on
+    the kernels (NaN blocks), and a NaN-encoded key or query gives NaN scores in the same places."""
+    rows = []
+    ex = ix.example_inputs(3, 8, 40, block_size=16, seed=9)
+    iq, k = ex["index_q"].clone(), ex["k"].clone()
+    iq[0, 1, 5], iq[0, 2, 70], iq[0, 3, 100] = float("nan"), float("inf"), float("-inf")  # token 0 only
+    k[4, 9], k[7, 66], k[9, 120] = float("nan"), float("-inf"), float("inf")
+    with validate.checking_values(False), warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # numpy's inf − inf warnings, in the interpreter only
+        for fmt in ix.FMTS:
+            for had in (False, True):
+                shape = f"NaN/±inf in, {fmt}{' hadamard' if had else ''}"
+                args = (iq, ex["positions"], ex["cos_sin"], ex["weights"])
+                r = ix.quantize_q(*args, fmt=fmt, hadamard=had, backend="reference")
+                o = ix.quantize_q(*args, fmt=fmt, hadamard=had, backend="triton")
+                for a, b, name in zip(o, r, ("q bytes", "q scales", "weights_out")):
+                    if a is not None:
+                        rows.append(CheckRow("indexer.quantize_q", shape, compare(a, b, "exact", name)))
+                caches = [ix.allocate_k_cache(ex["k_cache"].shape[0], 16, fmt) for _ in range(2)]
+                for cache, b in zip(caches, ("reference", "triton")):
+                    ix.insert_k(cache, k, ex["slots"], block_size=16, fmt=fmt, hadamard=had, backend=b)
+                rows.append(CheckRow("indexer.insert_k", shape, compare(caches[1], caches[0], "exact", "cache bytes")))
+                q, qs, wo = r
+                kw = dict(block_table=ex["block_table"], block_size=16)
+                got = ix.logits(q, qs, wo, caches[0], ex["positions"], **kw, backend="triton")
+                ref = ix.logits(q, qs, wo, caches[0], ex["positions"], **kw, backend="reference")
+                cond = ix.reference.logits_condition(q, qs, wo, caches[0], ex["positions"], ex["block_table"],
+                                                     block_size=16, n_out=ref.shape[1])
+                rows.append(CheckRow("indexer.logits", shape + " (NaN scores)",
+                                     compare(got.double() / cond, ref.double() / cond, "fp32_dot", "logits")))
+    return rows
+
+
 @check("indexer.logits")
 def _check_logits() -> list[CheckRow]:
+    """Every format and MXFP4 decode (``IndexerLaunch.fp4_decode``), at a page of 64 and an odd page of 24."""
     rows = []
     for fmt in ix.FMTS:
-        ex = ix.example_inputs(4, 16, 40, block_size=16, fmt=fmt, seed=7)
-        q, qs, wo = ix.quantize_q(ex["index_q"], ex["positions"], ex["cos_sin"], ex["weights"], fmt=fmt)
-        got = ix.logits(q, qs, wo, ex["k_cache"], ex["positions"], block_table=ex["block_table"],
-                        block_size=ex["block_size"], backend="triton")
-        args = (q, qs, wo, ex["k_cache"], ex["positions"], ex["block_table"])
-        kw = dict(block_size=ex["block_size"], n_out=got.shape[1])
-        ref = ix.reference.logits(*args, **kw, dtype=torch.float64)
-        # normalise by the condition scale Σ_h |w|·Σ_d |q k| so "fp32_dot" (atol 1e-5) bounds the fp32 sum error
-        cond = ix.reference.logits_condition(*args, **kw)
-        rows.append(CheckRow("indexer.logits", f"T=4 H=16 n_c<=40 Bc=16 {fmt}",
-                             compare(got.double() / cond, ref / cond, "fp32_dot", "logits / condition")))
+        for bs in (64, 24):
+            ex = ix.example_inputs(4, 64, 150, block_size=bs, fmt=fmt, seed=7)
+            q, qs, wo = ix.quantize_q(ex["index_q"], ex["positions"], ex["cos_sin"], ex["weights"], fmt=fmt)
+            args = (q, qs, wo, ex["k_cache"], ex["positions"], ex["block_table"])
+            kw = dict(block_size=bs, n_out=150)
+            ref = ix.reference.logits(*args, **kw, dtype=torch.float64)
+            # normalise by the condition scale Σ_h |w|·Σ_d |q k| so "fp32_dot" (atol 1e-5) bounds the fp32 sum error
+            cond = ix.reference.logits_condition(*args, **kw)
+            for dec in (ix.launch.FP4_DECODES if fmt == "mxfp4" else ("nibble",)):
+                got = ix.logits(q, qs, wo, ex["k_cache"], ex["positions"], block_table=ex["block_table"], block_size=bs,
+                                backend="triton", launch=ix.IndexerLaunch(fp4_decode=dec))
+                rows.append(CheckRow("indexer.logits", f"T=4 H=64 n_c<=150 Bc={bs} {fmt}"
+                                     + (f" {dec}" if fmt == "mxfp4" else ""),
+                                     compare(got.double() / cond, ref / cond, "fp32_dot", "logits / condition")))
     return rows
 
 
@@ -76,13 +118,20 @@ def _check_topk() -> list[CheckRow]:
 
 @bench("indexer")
 def _bench() -> list[BenchCase]:
-    """The logits kernel alone (``dsv4ref.indexer.launch.logits``) at T = 64 tokens × n_c = 32 768 keys."""
+    """The logits kernel alone (``dsv4ref.indexer.launch.logits``) at T = 64 tokens × n_c = 32 768 keys: FP8, and
+    MXFP4 with each decode (``IndexerLaunch.fp4_decode``) and a few tile choices for the new one, side by side."""
     T, H, n_c, Bc = 64, 64, 32768, 64
     pages_per_tok = n_c // Bc
     pos = torch.full((T,), 4 * n_c + 2, dtype=torch.int64, device=DEVICE)  # n_c = 32768 for every token
     cases = []
     g = torch.Generator(device=DEVICE).manual_seed(0)
     cs = ix.cos_sin_table(4 * n_c + 8)
+    variants = {"fp8": [("", ix.IndexerLaunch())],
+                "mxfp4": [("", ix.IndexerLaunch(fp4_decode="nibble")),
+                          (".f16_blocks", ix.IndexerLaunch(fp4_decode="f16_blocks")),
+                          (".f16_blocks.p2", ix.IndexerLaunch(fp4_decode="f16_blocks", logits_pages=2)),
+                          (".f16_blocks.p8", ix.IndexerLaunch(fp4_decode="f16_blocks", logits_pages=8)),
+                          (".f16_blocks.w8", ix.IndexerLaunch(fp4_decode="f16_blocks", logits_warps=8))]}
     for fmt in ix.FMTS:
         rec = index_k_page_bytes(1, fmt)
         n_sets = 2  # 2 × 277 MB (fp8) / 143 MB (mxfp4) of keys: far beyond the 60 MB L2
@@ -105,11 +154,12 @@ def _bench() -> list[BenchCase]:
         nbytes = T * n_c * rec + T * H * (INDEX_HEAD_DIM if fmt == "fp8" else 68) + T * H * 4 \
             + T * pages_per_tok * 4 + T * n_c * 4
         flops = 2.0 * T * n_c * H * INDEX_HEAD_DIM
+        for suffix, launch in variants[fmt]:
+            def run(i, sets=sets, launch=launch):
+                q, qs, wo, cache, bt = sets[i]
+                return ix.launch.logits(q, qs, wo, cache, pos, bt, Bc, n_c, launch)
 
-        def run(i, sets=sets):
-            q, qs, wo, cache, bt = sets[i]
-            return ix.launch.logits(q, qs, wo, cache, pos, bt, Bc, n_c)
-
-        cases.append(BenchCase(f"indexer.logits.{fmt}", f"T={T} H={H} n_c={n_c} Bc={Bc}", run, n_sets, nbytes,
-                               flops, note=f"keys {rec} B/key/token + q + w + block table + fp32 logits out"))
+            cases.append(BenchCase(f"indexer.logits.{fmt}{suffix}", f"T={T} H={H} n_c={n_c} Bc={Bc}", run, n_sets,
+                                   nbytes, flops, note=f"keys {rec} B/key/token + q + w + block table + fp32 logits "
+                                                       f"out; launch {launch}"))
     return cases

@@ -1,0 +1,163 @@
+"""Multi-token prediction (MTP): DeepSeek-V4's draft layer and greedy verification, for speculative decoding.
+
+::
+
+    X = draft_input(h_prev, embed[tok_next], positions, enorm, hnorm, e_proj, h_proj, eps=1e-6)   # [T, M, Hd]
+    X = <one SWA-only V4 block with its own KV cache>                   # dsv4ref.decode.Decoder.draft runs it
+    logits = draft_logits(X, hc_fn, hc_scale, hc_base, norm, lm_head)   # [T, V] fp32: own head, shared LM head
+    drafts = greedy_tokens(logits)                                      # argmax, ties to the lowest id
+    ...
+    emitted = greedy_accept(drafts, target)     # drafts [k], target [k+1] = the target's argmax at k+1 rows
+
+With greedy decoding, speculation cannot change the output: every emitted token is the target's own argmax
+at its position, computed from the same tokens as plain decoding would (``docs/mtp.md#why-greedy-output-cannot-change``).
+The math, the shapes, the cache and the pitfalls with the tests that catch them: ``docs/mtp.md``.
+
+* :mod:`dsv4ref.mtp.reference`: the pieces in plain torch (float32, or float64 as the tests' oracle);
+* :class:`dsv4ref.decode.Decoder` (``draft`` / ``verify`` / ``speculate``): the draft layer's block, its
+  KV cache, the batched verification and the roll-back of the compressor state after rejected drafts.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .. import mhc, validate
+from . import reference
+from .reference import greedy_tokens
+
+__all__ = ["greedy_accept", "greedy_tokens", "accepted_counts", "draft_input", "draft_logits", "make_weights",
+           "SUPPORTED_BACKENDS"]
+
+SUPPORTED_BACKENDS = ("reference", "triton")  # draft_logits' hc head; "auto" = "triton"
+INDEX_DTYPES = (torch.int32, torch.int64)
+
+
+def greedy_accept(drafts: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """Greedy verification of k draft tokens: the tokens the target model emits.
+
+    ``target[j]`` is the target's argmax at verification row j (ties to the lowest id), i.e. its own choice
+    for the position that ``drafts[j]`` claims; ``target[k]`` is the bonus token after the last draft. The
+    emitted tokens are the agreeing prefix of the drafts, then the target's token at the first disagreement;
+    or all k drafts plus the bonus token when every draft agrees. Since the agreeing drafts equal the
+    target's tokens, that is ``target[:m + 1]`` with m the number of leading agreements.
+
+    Args:
+        drafts: ``[k]`` int64 (or int32) token ids ≥ 0, k ≥ 0.
+        target: ``[k + 1]`` int64 (or int32) token ids ≥ 0, on the same device.
+    Returns:
+        ``[m + 1]`` int64, 1 ≤ m + 1 ≤ k + 1: the emitted tokens, in order.
+
+    >>> greedy_accept(torch.tensor([5, 7, 9]), torch.tensor([5, 7, 8, 2]))
+    tensor([5, 7, 8])
+    """
+    validate.tensor(drafts, "drafts", dtype=INDEX_DTYPES, ndim=1)
+    k = drafts.shape[0]
+    validate.tensor(target, "target", dtype=INDEX_DTYPES, shape=(k + 1,))
+    validate.same_device(drafts=drafts, target=target)
+    if validate.check_values():
+        for t, name in ((drafts, "drafts"), (target, "target")):
+            if t.numel() and int(t.min()) < 0:
+                raise ValueError(f"{name}: token ids must be >= 0, got {t.tolist()}")
+    m = int(accepted_counts(drafts[None], target[None])[0])
+    return target[: m + 1].to(torch.int64).clone()
+
+
+def accepted_counts(drafts: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """For a batch: ``[R]`` int64, the number of leading drafts of each row that equal the target's token
+    (0..k); row r then emits ``target[r, :count + 1]``. ``drafts`` ``[R, k]``, ``target`` ``[R, k + 1]``."""
+    agree = (drafts.long() == target[:, : drafts.shape[1]].long()).to(torch.int64)
+    return agree.cumprod(dim=1).sum(dim=1)  # leading run of agreements
+
+
+def draft_input(h_prev, embed_rows, positions, enorm, hnorm, e_proj, h_proj, *, eps, hc_mult=None):
+    """The draft layer's block input ``X = h_proj(hnorm(h_prev[m])) + e_proj(enorm(e))`` for every stream m.
+
+    ``e`` is the shared embedding of the NEXT token (the one at position q + 1), zeroed on rows at position 0;
+    ``hnorm`` is an RMSNorm over Hd of each stream separately; ``e_proj(e)`` is added to all M streams.
+    bf16 GEMMs with fp32 accumulation; the result is rounded to bf16 once.
+
+    Args:
+        h_prev: ``[T, M, Hd]`` bf16, or the flat stash ``[T, M·Hd]`` with ``hc_mult=M``: the target's
+            pre-hc_head residual at each row's position q (or the previous draft's output X).
+        embed_rows: ``[T, Hd]`` bf16, ``embed[tok_{q+1}]``.
+        positions: ``[T]`` int32/int64, q.
+        enorm, hnorm: ``[Hd]`` fp32 RMSNorm weights.  e_proj, h_proj: ``[Hd, Hd]`` bf16.
+        eps: the RMSNorm epsilon (1e-6).  hc_mult: M, required when ``h_prev`` is flat.
+    Returns:
+        ``[T, M, Hd]`` bf16.
+    """
+    validate.tensor(h_prev, "h_prev", dtype=torch.bfloat16)
+    if h_prev.dim() == 2:
+        if hc_mult is None or h_prev.shape[1] % hc_mult:
+            raise ValueError(f"h_prev: a flat [T, M·Hd] stash needs hc_mult=M dividing {h_prev.shape[1]}, got {hc_mult}")
+        h_prev = h_prev.reshape(h_prev.shape[0], hc_mult, -1)
+    validate.tensor(h_prev, "h_prev", ndim=3)
+    T, M, Hd = h_prev.shape
+    validate.tensor(embed_rows, "embed_rows", dtype=torch.bfloat16, shape=(T, Hd))
+    validate.tensor(positions, "positions", dtype=INDEX_DTYPES, shape=(T,))
+    for t, name in ((enorm, "enorm"), (hnorm, "hnorm")):
+        validate.tensor(t, name, dtype=torch.float32, shape=(Hd,))
+    for t, name in ((e_proj, "e_proj"), (h_proj, "h_proj")):
+        validate.tensor(t, name, dtype=torch.bfloat16, shape=(Hd, Hd))
+    validate.scalar(eps, "eps", lo=0.0)
+    validate.same_device(h_prev=h_prev, embed_rows=embed_rows, positions=positions, enorm=enorm, hnorm=hnorm,
+                         e_proj=e_proj, h_proj=h_proj)
+    return reference.draft_input(h_prev, embed_rows, positions, enorm, hnorm, e_proj, h_proj, eps=float(eps))
+
+
+def draft_logits(X, hc_fn, hc_scale, hc_base, norm, lm_head, *, rms_eps=1e-6, hc_eps=1e-6, backend="auto"):
+    """The draft layer's logits: the MTP's OWN hc head and norm, then the SHARED LM head.
+
+    ``y = HCHead(X)`` (:func:`dsv4ref.mhc.head` with the MTP's ``hc_head`` parameters), ``y = RMSNorm(y)·norm``
+    rounded to bf16, ``logits = fp32(y) @ fp32(lm_head)ᵀ``: the target's head, with the MTP's parameters.
+
+    Args:
+        X: ``[T, M, Hd]`` bf16, the draft block's output streams.
+        hc_fn, hc_scale, hc_base: ``[M, M·Hd]``, ``[1]``, ``[M]`` fp32, the MTP's own ``hc_head``.
+        norm: ``[Hd]`` fp32, the MTP's own final norm.  lm_head: ``[V, Hd]`` bf16, the target's.
+        rms_eps, hc_eps: 1e-6.  backend: for the hc head: "auto" | "reference" | "triton".
+    Returns:
+        ``[T, V]`` fp32.
+    """
+    validate.tensor(X, "X", dtype=torch.bfloat16, ndim=3)
+    Hd = X.shape[2]
+    validate.tensor(norm, "norm", dtype=torch.float32, shape=(Hd,))
+    validate.tensor(lm_head, "lm_head", dtype=torch.bfloat16, shape=(None, Hd))
+    y = mhc.head(X, hc_fn, hc_scale, hc_base, rms_eps=rms_eps, hc_eps=hc_eps, backend=backend)
+    y = reference.rms_norm(y, norm, rms_eps).to(torch.bfloat16)
+    return y.float() @ lm_head.float().T
+
+
+def make_weights(cfg, target_weights: dict, seed: int) -> dict:
+    """The draft layer's own weights for ``cfg`` (one SWA-only block at layer index ``cfg.num_layers``), as
+    :func:`dsv4ref.decode.make_weights` stores them under ``"mtp"``; drawn on the CPU.
+
+    Returns dict(``e_proj``, ``h_proj`` ``[Hd, Hd]`` bf16, ``enorm``, ``hnorm``, ``norm`` ``[Hd]`` fp32,
+    ``hc_head`` {fn ``[M, M·Hd]``, scale ``[1]``, base ``[M]``}, ``block``: a layer dict of ratio 0 with a
+    non-hash MoE). No embedding and no LM head: the draft layer uses the target's.
+
+    A trained MTP approximates "the target's next token after tok_{q+1}". These random ones are built to
+    do the same for the random target, whose residual stream is dominated by the current token's embedding
+    (its sub-layer updates are small): ``e_proj`` = the identity, ``h_proj`` small, ``norm`` and ``hc_head``
+    the target's own ``final_norm`` and ``hc_head`` perturbed by 10 % (they stay the MTP's OWN parameters,
+    different from the target's). ``target_weights``: the target's weight dict (read for those two)."""
+    from ..decode.weights import Draw, block_weights  # (decode imports this package)
+    from ..testing import generator
+
+    g = generator(seed)
+    draw = Draw(g)
+    Hd = cfg.hidden_size
+    hc = target_weights["hc_head"]
+
+    def jitter(t):
+        return t * (1.0 + 0.1 * torch.randn(t.shape, generator=g))
+
+    return dict(
+        e_proj=torch.eye(Hd).to(torch.bfloat16),
+        h_proj=draw.lin(Hd, Hd, scale=0.1),
+        enorm=draw.norm_w(Hd), hnorm=draw.norm_w(Hd),
+        norm=jitter(target_weights["final_norm"].float().cpu()),
+        hc_head={k: jitter(v.float().cpu()) for k, v in hc.items()},
+        block=block_weights(cfg, draw, 0, cfg.num_layers, seed),
+    )

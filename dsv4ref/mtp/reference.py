@@ -1,0 +1,75 @@
+"""The MTP draft layer and greedy verification in plain torch (``docs/mtp.md``).
+
+The draft layer (one per V4 model: ``num_nextn_predict_layers = 1``) predicts the token TWO positions ahead
+of the target's row q, from the target's pre-hc_head residual at q (M streams) and the token at q + 1::
+
+    e    = embed(tok_{q+1})                    [Hd]      the SHARED embedding (the MTP has none of its own)
+    e    = 0                     if q == 0    (vLLM: the position-0 row of a prefill has no previous token)
+    e    = RMSNorm(e)·enorm                    [Hd]
+    hm   = RMSNorm(h_prev[m])·hnorm            [Hd]      PER STREAM m = 0..M−1, not over M·Hd
+    X[m] = h_proj(hm) + e_proj(e)              [M, Hd]   h_proj on each stream, e_proj(e) broadcast to all M
+    X    = Block(X, q)                                   one SWA-only V4 block with its own KV cache
+    y    = HCHead(X; the MTP's OWN hc_head)    [Hd]
+    logits = lm_head(RMSNorm(y)·norm_mtp)      [V]       its own norm, the SHARED LM head
+    draft  = argmax(logits)                              ties to the lowest token id
+
+The block is the decode step's own layer code (:class:`dsv4ref.decode.Decoder` runs it); this module holds
+the pieces around it. Greedy verification of k drafts d_1..d_k: the target runs the k + 1 rows
+[t, d_1, …, d_k] in ONE decode call; a_j is its argmax at row j (the target's choice for the position d_{j+1}
+claims); the emitted tokens are a_0..a_m, where m is the number of leading drafts that equal the target's
+choice (all k: the last one, a_k, is the "bonus" token).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..mhc import reference as mhc_reference
+
+__all__ = ["greedy_accept", "greedy_tokens", "rms_norm", "draft_input", "draft_logits"]
+
+
+def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
+    """argmax over the last dim, ties to the lowest token id (``torch.argmax`` returns the first maximal
+    index), int64."""
+    return logits.argmax(dim=-1)
+
+
+def greedy_accept(drafts: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """The emitted tokens: the target's tokens up to and including the first position where the draft
+    disagrees, or all k + 1 (the k drafts, which equal the target's, and the bonus token) when none does.
+
+    Written as the loop of the rule; :func:`dsv4ref.mtp.greedy_accept` is the same in one vectorised line."""
+    out = []
+    for j in range(drafts.shape[0]):
+        out.append(int(target[j]))
+        if int(drafts[j]) != int(target[j]):
+            return torch.tensor(out, dtype=torch.int64, device=target.device)
+    out.append(int(target[drafts.shape[0]]))
+    return torch.tensor(out, dtype=torch.int64, device=target.device)
+
+
+def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float, dtype=torch.float32) -> torch.Tensor:
+    """x · rsqrt(mean(x²) + eps) · w over the last dim, computed in ``dtype``."""
+    xf = x.to(dtype)
+    return xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * w.to(dtype)
+
+
+def draft_input(h_prev, embed_rows, positions, enorm, hnorm, e_proj, h_proj, *, eps, dtype=torch.float32):
+    """``X [T, M, Hd]``: ``h_proj(hnorm(h_prev[m])) + e_proj(enorm(e))`` per stream, e zeroed where the
+    position is 0. float32: the norms are rounded to bf16 before the projections (their outputs feed bf16
+    GEMMs) and X is rounded to bf16; float64: no rounding (the oracle)."""
+    rnd = (lambda v: v.to(torch.bfloat16).to(dtype)) if dtype != torch.float64 else (lambda v: v)
+    e = torch.where((positions == 0)[:, None], 0.0, embed_rows.to(dtype))
+    e = rnd(rms_norm(e, enorm, eps, dtype))  # [T, Hd]
+    hm = rnd(rms_norm(h_prev, hnorm, eps, dtype))  # [T, M, Hd]: the norm runs over Hd, stream by stream
+    x = hm @ h_proj.to(dtype).T + (e @ e_proj.to(dtype).T)[:, None, :]  # e_proj(e) broadcast to the M streams
+    return x.to(torch.bfloat16) if dtype != torch.float64 else x
+
+
+def draft_logits(X, hc_fn, hc_scale, hc_base, norm, lm_head, *, rms_eps, hc_eps, dtype=torch.float32):
+    """``[T, V]`` in ``dtype``: ``lm_head(RMSNorm(HCHead(X))·norm)`` with the MTP's own hc_head parameters and
+    norm. float32: the head output and the norm are rounded to bf16 as in the target's head; float64: none."""
+    rnd = (lambda v: v.to(torch.bfloat16).to(dtype)) if dtype != torch.float64 else (lambda v: v)
+    y = rnd(mhc_reference.head(X, hc_fn, hc_scale, hc_base, rms_eps=rms_eps, hc_eps=hc_eps, dtype=dtype))
+    return rnd(rms_norm(y, norm, rms_eps, dtype)) @ lm_head.to(dtype).T
