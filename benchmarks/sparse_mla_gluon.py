@@ -25,7 +25,7 @@ import torch  # noqa: E402
 
 import dsv4ref  # noqa: E402,F401
 from dsv4ref import kv_cache  # noqa: E402
-from dsv4ref.device import DEVICE, capture_graph  # noqa: E402
+from dsv4ref.device import DEVICE, capture_graph, empty_cache, synchronize  # noqa: E402
 from dsv4ref.sparse_mla import gluon as G  # noqa: E402
 from dsv4ref.testing import compare, randn  # noqa: E402
 from dsv4ref.tools.harness import measure_ceilings, time_ms  # noqa: E402
@@ -124,7 +124,7 @@ def correctness():
         for name, fn in runs:
             try:
                 out, lse = fn()
-                torch.cuda.synchronize()
+                synchronize()
                 r1 = compare(out, ref_out.double(), "bf16_weighted_sum", "out", mass=mass)
                 r2 = compare(lse, ref_lse.double(), "lse", "lse")
                 good = r1.passed and r2.passed and not bool(torch.isnan(out).any())
@@ -166,7 +166,7 @@ def main():
         for name, fn in runs:
             try:
                 fn(0)
-                torch.cuda.synchronize()
+                synchronize()
                 graphed = capture_graph(lambda: [fn(i) for i in range(n_sets)]) is not None
                 us = time_ms(fn, n_sets) * 1e3
                 extra = ""
@@ -179,7 +179,7 @@ def main():
             except Exception as e:
                 print(f"{name:<30} FAILED {type(e).__name__}: {str(e)[:800]}", flush=True)
         sets = None  # free this shape's inputs
-        torch.cuda.empty_cache()
+        empty_cache()
     print("\ncorrectness:", "all gluon variants PASS" if ok else "SOME GLUON CHECK FAILED")
     return 0 if ok else 1
 

@@ -101,6 +101,32 @@ class Timer:
             self.ms = self._start.elapsed_time(self._end)
 
 
+def capability(device: torch.device | None = None) -> tuple[int, int] | None:
+    """(major, minor) compute capability of a CUDA device; None on any other device."""
+    dev = torch.device(device) if device is not None else DEVICE
+    if dev.type != "cuda" or not torch.cuda.is_available():
+        return None
+    return torch.cuda.get_device_capability(dev)
+
+
+def sm_count(device: torch.device | None = None) -> int:
+    """Streaming multiprocessors (CUDA) / compute units (XPU) of a device; 1 on a CPU."""
+    dev = torch.device(device) if device is not None else DEVICE
+    if dev.type == "cuda":
+        return torch.cuda.get_device_properties(dev).multi_processor_count
+    if dev.type == "xpu":
+        return torch.xpu.get_device_properties(dev).gpu_subslice_count
+    return 1
+
+
+def empty_cache() -> None:
+    """Give cached device memory back (benchmarks between cases); a no-op on CPU."""
+    if DEVICE.type == "cuda":
+        torch.cuda.empty_cache()
+    elif DEVICE.type == "xpu":
+        torch.xpu.empty_cache()
+
+
 def describe() -> str:
     """One line naming the device, for logs and notebook cells marked NBVAL_IGNORE_OUTPUT."""
     import triton

@@ -1,7 +1,10 @@
 # Import dsv4ref before anything defines a Triton kernel: it picks the device and, on a CPU-only
 # machine, switches Triton to its interpreter (which must happen before any @triton.jit).
 import dsv4ref  # noqa: F401
+import os as _os
+
 import pytest
+from hypothesis import HealthCheck, settings
 import torch
 
 from dsv4ref.device import DEVICE, interpreting
@@ -23,9 +26,6 @@ torch.set_printoptions(precision=6)
 
 # Property-based tests (hypothesis): a small, derandomised profile in `make test` (CI), a long one via
 # `make test-long` (HYPOTHESIS_PROFILE=long).
-import os as _os
-
-from hypothesis import HealthCheck, settings
 
 settings.register_profile("ci", max_examples=20, deadline=None, derandomize=True, print_blob=True,
                           suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])

@@ -131,8 +131,9 @@ def test_probe_nan_and_inf_encode_as_nan_with_checks_off():
     assert scales_row0[7] == 0
     assert scales_row1[0] == 255 and int((scales_row1[:7] == 255).sum()) == 1
     data0 = page1[576:1152]
-    sign = torch.signbit(kv[0, 320:384].float().cpu()).to(torch.uint8) << 7
-    assert bool((data0[64:128] & 0x7F == 0x7F).all()) and torch.equal(data0[320:384], sign | 0x7F)
+    sign = torch.signbit(kv[0, 320:384].float().cpu()).to(torch.uint8) << 7  # no NaN in this block: −inf, finite
+    assert bool((data0[64:128] & 0x7F == 0x7F).all()) and data0[64 + 3] == 0x7F and torch.equal(data0[320:384], sign | 0x7F)
+    assert page0[10] == 0x7F  # a NaN's own sign bit is not kept
     assert torch.equal(page0[448:576], kv[1, 448:].cpu().contiguous().view(torch.uint8))  # RoPE inf copied
     with validate.checking_values(False):
         kind, out = run_gather(cache, torch.tensor([3, 0, -1], device=DEVICE), block_size=B)

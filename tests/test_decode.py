@@ -189,7 +189,7 @@ def test_traffic_formulas():
     keys = 21 * (1 << 18) * (132 + 4 + 4)
     assert keys < t1m["indexer"] < keys * 1.01
     # window-only layer at any context: 128 rows of 584 B + 4-B indices + q/out bf16 + lse
-    one = traffic_per_op(FLASH.replace(num_layers=1, compress_ratios=(0,)), 10**6)["sparse_mla"]
+    one = traffic_per_op(FLASH.replace(num_layers=1, compress_ratios=(0,), num_hash_layers=0), 10**6)["sparse_mla"]
     assert one == 128 * 588 + 2 * 64 * 512 * 2 + 4 * 64
 
 
@@ -230,11 +230,12 @@ def test_stateful_compressor_matches_the_block_reference(ratio, chunks):
 
 
 def test_compressor_ignores_padding_rows():
+    """A padding row (a request sitting out the step) completes nothing and leaves its request's ring alone."""
     cw = make_weights(TINY, 0, device="cpu")["layers"][1]["comp"]
     x = randn((8, TINY.hidden_size), seed=8, device="cpu", block=None, octaves=2)
-    st = compressor.allocate_state(1, 4, TINY.head_dim, device="cpu")
-    valid = torch.tensor([True] * 3 + [False] + [True] * 4)
-    out = compressor.compress(x, cw, st, torch.zeros(8, dtype=torch.int64), torch.arange(8), valid, ratio=4,
-                              eps=TINY.rms_norm_eps)
-    assert out.positions.tolist() == [7]  # position 3 (a boundary) was a padding row
-    assert torch.isinf(st.score[0, 3]).all() and not torch.isinf(st.score[0, 7]).any()
+    st = compressor.allocate_state(2, 4, TINY.head_dim, device="cpu")
+    req, pos = torch.tensor([0] * 4 + [1] * 4), torch.tensor([0, 1, 2, 3] * 2)
+    valid = torch.tensor([True] * 4 + [False] * 4)
+    out = compressor.compress(x, cw, st, req, pos, valid, ratio=4, eps=TINY.rms_norm_eps)
+    assert out.requests.tolist() == [0] and out.positions.tolist() == [3]  # request 1's p = 3 was padding
+    assert torch.isinf(st.score[1]).all() and not torch.isinf(st.score[0, :4]).any()

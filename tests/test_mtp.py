@@ -11,6 +11,8 @@
 Each pitfall of docs/mtp.md#pitfalls (P12–P14 of the MoE/MTP list, and the roll-back) names its test here.
 """
 
+import copy
+
 import pytest
 import torch
 
@@ -115,7 +117,7 @@ def test_e_proj_is_broadcast_to_every_stream(w):
         assert torch.equal(X[:, m], X[:, 0])
     want = reference.draft_input(*[_input(wm, e_proj=e_proj)[k] for k in ("h_prev", "embed_rows", "positions")],
                                  wm["enorm"], wm["hnorm"], e_proj, torch.zeros(HD, HD), eps=EPS, dtype=torch.float64)
-    assert_close(X[:, 0], want[:, 0], "bf16_out")
+    assert_close(X[:, 0], want[:, 0], "bf16_gemm")  # the normed e rounded to bf16 before a bf16 GEMM
     assert X[:, 0].abs().sum() > 0
 
 
@@ -126,7 +128,7 @@ def test_hnorm_is_per_stream(w):
     zero = torch.zeros(HD, HD, dtype=torch.bfloat16)
     a = _input(wm, e_proj=zero)
     scaled = (a["h_prev"].float() * torch.tensor([1.0, 4.0, 0.25, 64.0])[None, :, None]).to(torch.bfloat16)
-    assert torch.equal(mtp.draft_input(**(a | dict(h_prev=scaled))), mtp.draft_input(**a))
+    assert_close(mtp.draft_input(**(a | dict(h_prev=scaled))), mtp.draft_input(**a), "bf16_out")  # eps, rsqrt ulps
     # the wrong norm (over M·Hd) is not scale-free per stream
     flat = scaled.float().reshape(5, -1)
     wrong = (flat * torch.rsqrt(flat.pow(2).mean(-1, keepdim=True) + EPS)).reshape(5, M, HD)
@@ -210,19 +212,28 @@ def test_speculation_equals_plain_decoding(plain):
     assert all(a.passed for a in rows if a.n)
 
 
+@pytest.fixture(scope="module")
+def prefilled(plain):
+    """A fresh Decoder with the plain run's prompts prefilled (copied by each test that uses it)."""
+    dec0, _ = plain
+    dec = decode.Decoder(TINY, decode.make_weights(TINY, 0), num_requests=len(PROMPTS), capacity=dec0.capacity, seed=0,
+                         backend="reference")
+    toks0, _ = dec0.history()
+    logits = dec.prefill([toks0[r][:n] for r, n in enumerate(PROMPTS)])
+    return dec, logits.argmax(-1).cpu()
+
+
 @pytest.mark.parametrize("corrupt", [None, 1, 0])
-def test_forced_drafts_and_the_rollback(plain, corrupt):
+def test_forced_drafts_and_the_rollback(plain, prefilled, corrupt):
     """Drafts taken from the plain run (all accepted, plus the bonus), with draft ``corrupt`` wrong (the ones
     after it rejected), or the first one wrong. After each round the compressor rings hold, for every
     position still in the request's history, what the plain run holds there: the rejected rows' writes were
-    undone (without that the next boundary would read a rejected token's kv)."""
+    undone (without that the next boundary would read a rejected token's kv). The run stays short of the
+    ratio-128 ring's wrap, so the ratio-4 rings carry the check."""
     dec0, _ = plain
     k = 3
-    w = decode.make_weights(TINY, 0)
-    dec = decode.Decoder(TINY, w, num_requests=len(PROMPTS), capacity=dec0.capacity, seed=0, backend="reference")
+    dec, nxt = copy.deepcopy(prefilled)
     toks0, _ = dec0.history()
-    logits = dec.prefill([toks0[r][:n] for r, n in enumerate(PROMPTS)])
-    nxt = logits.argmax(-1).cpu()
     for _ in range(2):
         L = dec.lengths.clone()
         drafts = torch.stack([toks0[r][int(L[r]) + 1: int(L[r]) + 1 + k] for r in range(len(PROMPTS))])
@@ -231,10 +242,14 @@ def test_forced_drafts_and_the_rollback(plain, corrupt):
         sp = dec.verify(nxt, drafts)
         want_m = k if corrupt is None else corrupt
         assert sp.accepted.tolist() == [want_m] * len(PROMPTS)
-        for r in range(len(PROMPTS)):
-            assert sp.emitted[r].tolist() == toks0[r][int(L[r]) + 1: int(L[r]) + 2 + want_m].tolist()
+        for r in range(len(PROMPTS)):  # (the plain run stops before the last round's bonus token)
+            want = toks0[r][int(L[r]) + 1: int(L[r]) + 2 + want_m].tolist()
+            assert sp.emitted[r].tolist()[:len(want)] == want and len(want) >= want_m
         nxt = sp.next
     assert (dec.lengths == L + want_m + 1).all()
+    ref, _ = copy.deepcopy(prefilled)  # plain steps to the same lengths, with the same tokens
+    while int(ref.lengths[0]) < int(dec.lengths[0]):
+        ref.step(torch.stack([toks0[r][int(ref.lengths[r])] for r in range(len(PROMPTS))]))
     for li, st in enumerate(dec.layers):
         for key in ("ring", "idx_ring"):
             if key not in st:
@@ -242,8 +257,11 @@ def test_forced_drafts_and_the_rollback(plain, corrupt):
             n = st[key].kv.shape[1]
             for r in range(len(PROMPTS)):
                 p = torch.arange(max(0, int(dec.lengths[r]) - n), int(dec.lengths[r]))
-                got, ref = st[key].kv[r, p % n], dec0.layers[li][key].kv[r, p % n]
-                assert_close(got, ref, "fp32_dot", f"layer {li} {key} request {r}")
+                got, want = st[key].kv[r, p % n], ref.layers[li][key].kv[r, p % n]
+                # the same tokens, batched differently (k + 1 rows per call): bf16 activations may differ by an
+                # ulp, and an ulp can flip an e4m3 rounding of a cached row, so deeper layers drift by ~1 %;
+                # a rejected token's kv left in a ring row is another token's (relative error ~1.4)
+                assert_close(got, want, "decode_step", f"layer {li} {key} request {r}")
 
 
 def test_speculate_checks_its_arguments(plain):

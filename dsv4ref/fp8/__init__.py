@@ -53,7 +53,7 @@ def quantize_ue8m0(
         x: ``[..., D]`` fp32, bf16 or fp16, any strides (views are read as views), ``D % block == 0``.
             Finite: a NaN or ±inf raises ``ValueError("x: non-finite values ...")`` while value checks are on
             (the default); with ``DSV4REF_CHECK_VALUES=0`` its block is written as scale byte 255 and e4m3 NaN
-            codes (0x7F, 0xFF for a set sign bit), so it reads back as NaN.
+            codes (0x7F; 0xFF for a value that is not a NaN and has its sign bit set), so it reads back as NaN.
         block: values per scale, an int power of two in [1, 65536] (64 for the KV cache, 128 for the indexer).
         amax_floor: a finite number >= 0; amax is raised to at least this before the scale is chosen, so
             all-zero blocks get a finite scale (1e-4 gives byte 105).

@@ -7,7 +7,7 @@ Spec (the same rule as :mod:`dsv4ref.fp8.reference`, ``docs/formats.md#ue8m0-sca
     q    = e4m3(clamp(x · 2^(127 − byte), ±448))    round to nearest, ties to even
     x̂    = q · 2^(byte − 127)                        exact in fp32 and in bf16
 
-A block holding a NaN or ±inf is written as byte 255 and e4m3 NaN bytes (0x7F / 0xFF by the input's sign);
+A block holding a NaN or ±inf is written as byte 255 and e4m3 NaN bytes (0x7F; 0xFF for a non-NaN negative);
 the reader decodes every byte (0: 2^-127, 255: NaN) and writes NaN as the quiet NaN 0x7FC0 / 0x7FC00000
 (``docs/formats.md#non-finite-values``).
 

@@ -13,9 +13,9 @@ reader can check it by eye; the float64 oracle that checks *these* lives in ``te
 
 Non-finite values (``docs/formats.md#non-finite-values``; the public functions raise on them while value
 checks are on): a block holding a NaN or ±inf is written as scale byte 255 (E8M0's NaN) and e4m3 NaN bytes
-(0x7F, 0xFF where the input's sign bit is set), so it reads back as NaN. Readers decode every scale byte
-the format defines: 0 is 2^-127, 255 is NaN; a NaN comes out as the quiet NaN 0x7FC0 (bf16) / 0x7FC00000
-(fp32) on every device.
+(0x7F; 0xFF where the value is not a NaN and its sign bit is set), so it reads back as NaN. Readers decode
+every scale byte the format defines: 0 is 2^-127, 255 is NaN; a NaN comes out as the quiet NaN 0x7FC0
+(bf16) / 0x7FC00000 (fp32) on every device.
 """
 
 from __future__ import annotations
@@ -36,8 +36,10 @@ def e4m3_encode(x: torch.Tensor) -> torch.Tensor:
 
 
 def e4m3_nan(x: torch.Tensor) -> torch.Tensor:
-    """The e4m3fn NaN byte (uint8) for each element of ``x``: 0x7F, or 0xFF where x's sign bit is set."""
-    return (torch.signbit(x).to(torch.uint8) << 7) | 0x7F
+    """The e4m3fn NaN byte (uint8) for each element of ``x`` in a non-finite block: 0x7F, or 0xFF where the
+    element is not a NaN and its sign bit is set (±inf, negative values, −0.0). A NaN's own sign is not
+    kept: devices disagree on it (a GPU product of a NaN is the positive 0x7FFFFFFF)."""
+    return ((torch.signbit(x) & ~x.isnan()).to(torch.uint8) << 7) | 0x7F
 
 
 def ue8m0_byte(amax: torch.Tensor, floor: float = KV_AMAX_FLOOR, qmax: float = E4M3_MAX) -> torch.Tensor:

@@ -63,14 +63,14 @@ def _check_mix_params(fn, scale, base, M: int, Hd: int, rows: int, n_scale: int,
     validate.tensor(base, "base", dtype=torch.float32, shape=(rows,))
 
 
-def _check_scalars(rms_eps, hc_eps, post_mult=None, sinkhorn_iters=None) -> None:
-    """The scalar arguments: eps values finite and >= 0, post_mult finite, the pass count an int >= 1 (the
-    same rule as :func:`sinkhorn`'s ``iters``)."""
+def _check_scalars(rms_eps, hc_eps, *pre_only) -> None:
+    """The scalar arguments: eps values finite and >= 0; for pre (``pre_only`` = post_mult, sinkhorn_iters)
+    post_mult finite and the pass count an int >= 1 (the same rule as :func:`sinkhorn`'s ``iters``)."""
     validate.scalar(rms_eps, "rms_eps", lo=0.0)
     validate.scalar(hc_eps, "hc_eps", lo=0.0)
-    if post_mult is not None:
+    if pre_only:
+        post_mult, sinkhorn_iters = pre_only
         validate.scalar(post_mult, "post_mult")
-    if sinkhorn_iters is not None:
         validate.integer(sinkhorn_iters, "sinkhorn_iters", lo=1)
 
 

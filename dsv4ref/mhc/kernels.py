@@ -7,7 +7,8 @@ Conventions for every kernel below
 ----------------------------------
 * bf16 tensors are passed as their ``torch.int16`` view and widened in integers (``load_bf16``): no bf16
   arithmetic ever runs (the interpreter computes bf16 on raw bits, docs/triton_interpreter.md I3). bf16
-  outputs are rounded with ``bf16_rne_bits`` (integer round-to-nearest-even) and stored through int16.
+  outputs are rounded with ``bf16_rne_bits_nan`` (integer round-to-nearest-even; a NaN stays NaN) and
+  stored through int16.
 * The streams ``[T, 4, Hd]`` are contiguous: token t's stream i starts at ``(4·t + i)·Hd``.
 * ``M = 4`` is written into the kernels (DeepSeek-V4's ``hc_mult``): a 4×4 comb is a ``[BLOCK, 4, 4]`` tile
   and the four streams are four named registers ``r0..r3``.
@@ -23,8 +24,8 @@ into its accumulator with truncation aligned to the largest addend, so feeding i
 an ulp of the whole sum per MMA (measured on the H200 at K = 16 384: 2.6e-5 on post, over the 1e-5
 tolerance).
 
-Two designs for pre, fused post+pre and head
---------------------------------------------
+Three designs for pre, fused post+pre and head
+----------------------------------------------
 * One kernel (``hc_kernel``): a program owns BLOCK_T tokens and the whole K = 4·Hd reduction. Pass 1 streams
   the tokens' 4·Hd values once in BLOCK_K chunks (GEMM + Σ X²); the gates and 20 Sinkhorn passes run in
   registers; pass 2 re-reads the chunks, last first (likeliest still in L2), for ``x = Σ_i pre_i·Hs_i``.
@@ -33,7 +34,11 @@ Two designs for pre, fused post+pre and head
   of split s and writes partial mixes / Σ X² to a workspace; the finish kernel sums the partials in split
   order (deterministic), runs the gates and Sinkhorn, and the weighted sum over a hidden range. 4× less fn
   traffic and enough programs even at small T, but the streams are read twice.
-Fused post+pre (either design): pass 1 computes the new streams chunk by chunk, stores them (bf16, RNE) and
+* One pass (``hc_one_pass_kernel``, not the default until measured): work items (128-token tile, hidden
+  slice) taken from an atomic ticket; each program computes one item's partial mix, the tile's last arrival
+  runs the gates, and the same program then computes the layer input of the same slice of the PREVIOUS
+  tile, whose streams it re-reads from L2. One wide dot per stream chunk. See "Design 3" below.
+Fused post+pre (every design): pass 1 computes the new streams chunk by chunk, stores them (bf16, RNE) and
 feeds the STORED bf16 values to the GEMM, exactly as a separate pre would read them, with the post's FMAs in
 one fixed order (``post_stream``): its bf16 outputs equal post-then-pre bit for bit.
 """
@@ -122,7 +127,9 @@ def weighted4(w0, w1, w2, w3, r0, r1, r2, r3, ROWS: tl.constexpr = True):
 def sinkhorn_tile(c, iters, eps):
     """DSV4 Sinkhorn on a [BLOCK, 4, 4] fp32 tile in registers (axis 1 = source i, axis 2 = destination j).
     Pass 1: row softmax + eps, column normalise. Passes 2..iters: row, then column normalise."""
-    c = tl.exp(c - tl.max(c, axis=2)[:, :, None])  # finite logits only (the public functions reject NaN/inf)
+    # with value checks off a NaN / +inf logit makes its matrix NaN (docs/mhc.md#non-finite-values): compiled,
+    # tl.max may drop a NaN, but exp(NaN − m) is NaN all the same
+    c = tl.exp(c - tl.max(c, axis=2)[:, :, None])
     c = c / tl.sum(c, axis=2)[:, :, None] + eps
     c = c / (tl.sum(c, axis=1)[:, None, :] + eps)
     for _ in range(1, iters):
@@ -397,11 +404,17 @@ def gemm_stream32(a, k, kmask, fs_ptr, K, acc, DOT_FP32: tl.constexpr, NG: tl.co
 
 @triton.jit
 def partial_mix(res_ptr, x_ptr, new_ptr, fs_ptr, W, rows, rm, h_begin, h_end, Hd, DOT_FP32: tl.constexpr,
-                FUSED: tl.constexpr, NG: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr):
+                FUSED: tl.constexpr, NG: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr,
+                WIDE: tl.constexpr = False):
     """The mix GEMM and Σ X² of a token tile over the hidden range [h_begin, h_end) (whole BLOCK_K chunks, the
     last one cut at Hd), all 4 streams: (acc [BLOCK_T, NG] fp32 = [pre | post | 0 | comb (i, j) at 16 + 4i + j]
     (head: [gate | 0]), ssq [BLOCK_T] fp32). FUSED: the post is applied and the new streams stored on the way
-    (``stream_chunk``)."""
+    (``stream_chunk``).
+
+    ``WIDE`` (the one-pass kernel): per chunk the 4 streams' wide dots (``gemm_wide``) chain into one
+    zero-started [BLOCK_T, 4·NG] partial (a chain of 4·BLOCK_K/16 MMAs, each bf16 part in its own columns),
+    folded and added to the running sum in plain fp32. Otherwise 3 narrow dots per stream (``gemm_stream32``),
+    each stream's chain zero-started."""
     kk = tl.arange(0, BLOCK_K)
     K = 4 * Hd
     acc = tl.zeros((BLOCK_T, NG), dtype=tl.float32)
@@ -411,12 +424,42 @@ def partial_mix(res_ptr, x_ptr, new_ptr, fs_ptr, W, rows, rm, h_begin, h_end, Hd
         hm = h < h_end
         a0, a1, a2, a3, r0, r1, r2, r3 = stream_chunk(res_ptr, x_ptr, new_ptr, W, rows, h, Hd,
                                                       rm[:, None] & hm[None, :], FUSED)
-        ssq += tl.sum(weighted4(r0, r1, r2, r3, r0, r1, r2, r3, False), axis=1)
-        acc = gemm_stream32(a0, h, hm, fs_ptr, K, acc, DOT_FP32, NG, BLOCK_K)
-        acc = gemm_stream32(a1, Hd + h, hm, fs_ptr, K, acc, DOT_FP32, NG, BLOCK_K)
-        acc = gemm_stream32(a2, 2 * Hd + h, hm, fs_ptr, K, acc, DOT_FP32, NG, BLOCK_K)
-        acc = gemm_stream32(a3, 3 * Hd + h, hm, fs_ptr, K, acc, DOT_FP32, NG, BLOCK_K)
+        ssq += tl.sum(weighted4(r0, r1, r2, r3, r0, r1, r2, r3, False), axis=1)  # Σ_i r_i², fixed FMA order
+        if WIDE:
+            part = gemm_wide(a0, h, hm, fs_ptr, K, tl.zeros((BLOCK_T, 4 * NG), dtype=tl.float32), DOT_FP32, NG,
+                             BLOCK_K)
+            part = gemm_wide(a1, Hd + h, hm, fs_ptr, K, part, DOT_FP32, NG, BLOCK_K)
+            part = gemm_wide(a2, 2 * Hd + h, hm, fs_ptr, K, part, DOT_FP32, NG, BLOCK_K)
+            part = gemm_wide(a3, 3 * Hd + h, hm, fs_ptr, K, part, DOT_FP32, NG, BLOCK_K)
+            acc += fold_parts(part, NG, BLOCK_T)
+        else:
+            acc = gemm_stream32(a0, h, hm, fs_ptr, K, acc, DOT_FP32, NG, BLOCK_K)
+            acc = gemm_stream32(a1, Hd + h, hm, fs_ptr, K, acc, DOT_FP32, NG, BLOCK_K)
+            acc = gemm_stream32(a2, 2 * Hd + h, hm, fs_ptr, K, acc, DOT_FP32, NG, BLOCK_K)
+            acc = gemm_stream32(a3, 3 * Hd + h, hm, fs_ptr, K, acc, DOT_FP32, NG, BLOCK_K)
     return acc, ssq
+
+
+@triton.jit
+def gemm_wide(a, k, kmask, fs_ptr, K, part, DOT_FP32: tl.constexpr, NG: tl.constexpr, BLOCK_K: tl.constexpr):
+    """part + a @ [hi | mid | lo | 0]ᵀ[k, :] for one stream chunk in ONE dot of N = 4·NG (NG = 32; head 16):
+    column p·NG + c of the product is column c (``gemm_stream32``'s numbering) of bf16 part p (3: zero
+    padding, masked, so never loaded). One wide dot instead of three narrow ones: three times fewer MMA
+    waits and full-width tensor-core instructions; the parts are summed per chunk (``fold_parts``)."""
+    n = tl.arange(0, 4 * NG)
+    b = n // 16  # 16-column block: part p, group g (written so that Triton sees 16-wide contiguous runs,
+    p = b // (NG // 16)  # which lets it pipeline this load with cp.async; (n % NG) // 16 hides them)
+    g = b % (NG // 16)
+    col = ((g * 3 + p) * K * 16 + n % 16).to(tl.int64)  # fs = [G, 3, K, 16] bf16 (split_fn)
+    b_off = col[None, :] + k.to(tl.int64)[:, None] * 16  # [BLOCK_K, 4·NG]
+    bm = kmask[:, None] & (p < 3)[None, :]
+    return dot(a, tl.load(fs_ptr + b_off, mask=bm, other=0.0), part, DOT_FP32)
+
+
+@triton.jit
+def fold_parts(acc, NG: tl.constexpr, BLOCK_T: tl.constexpr):
+    """[BLOCK_T, 4·NG] (hi | mid | lo | 0 products) -> [BLOCK_T, NG]: their sum, the fp32 product X @ fnᵀ."""
+    return tl.sum(tl.reshape(acc, (BLOCK_T, 4, NG)), axis=1)
 
 
 @triton.jit
@@ -521,103 +564,73 @@ def hc_finish_kernel(
 
 
 # ====================================================================================================
-# Design 3: one pass (hc_one_pass_kernel), MhcLaunch(one_pass=True)
+# Design 3: one pass (hc_one_pass_kernel), MhcLaunch(one_pass=True) — issue 14, item 3
 #
-# Why: split-K reads the streams twice from HBM (the finish kernel runs after the whole partial kernel, so
-# only the last ~third of the 134 MB of streams is still in the 50 MB L2), and the one-kernel design
-# streams all of fn from L2 for every 16 tokens. Here ONE launch does both phases, and the second read of
-# any stream byte follows the first by about one program's lifetime, so it comes from L2.
+# Why: split-K reads the streams twice from HBM (its finish kernel starts after the whole partial kernel, so
+# only the last ~third of the 134 MB of streams is still in the 50 MB L2), and the one-kernel design streams
+# all of fn from L2 for every 16 tokens. A token tile's streams (128 tokens × 4 × 4096 × 2 B = 4 MB) cannot
+# stay in shared memory or registers (227 KB + 256 KB per SM) across the whole K loop, and the weighted sum
+# needs the gates, which need the whole K loop. So: ONE launch in which the second read of every stream byte
+# follows the first by about one program's lifetime, and comes from L2.
 #
 # Work items. A token tile of BLOCK_T tokens × a hidden slice of ``chunks_per_slice`` BLOCK_K chunks (all 4
 # streams) is one item, numbered v = tile·slices + slice. A program takes its item number from an atomic
-# TICKET counter (not program_id): a program holding ticket v knows every ticket < v was taken by a program
-# that is already running, which makes the one wait below deadlock-free on any GPU (and in the interpreter,
-# which runs programs one after another, the wait is always already satisfied).
+# TICKET counter (not program_id): a program holding ticket v knows that every ticket < v was taken by a
+# program that is already running, which makes the one wait below deadlock-free on any GPU, whatever order
+# the hardware starts programs in (and in the interpreter, which runs programs one after another, the wait
+# is always already satisfied).
 #
 # Program v (tile g, slice s) runs two phases:
-#   A. partial of tile g, slice s: the mix GEMM + Σ X² of that slice (``partial_mix``, exactly as split-K's
-#      partial kernel; FUSED: the post first, the new streams stored), stored to the workspace. Then it
-#      counts itself in (atomic, acq_rel) on tile g's arrival counter; the LAST of the tile's ``slices``
-#      programs to arrive sums the partials in slice order (``sum_partials``: the same sum whichever program
-#      is last, so the result is deterministic), runs ``gates`` (post, comb stored), publishes the four pre
-#      weights [BLOCK_T, 4] and raises tile g's READY flag (release).
+#   A. partial of tile g, slice s: the mix GEMM + Σ X² of that slice (``partial_mix_wide``; FUSED: the post
+#      first, the new streams stored), stored to the workspace. Then it counts itself in (atomic, acq_rel)
+#      on tile g's arrival counter; the LAST of the tile's ``slices`` programs to arrive sums the partials
+#      in slice order (``sum_partials``: the same sum whichever program is last, so the result is
+#      deterministic), runs ``gates`` (post, comb stored), publishes the four pre weights and raises tile
+#      g's READY flag (release).
 #   B. layer input of tile g − LAG, slice s: waits for that tile's READY flag (acquire; its programs hold
-#      tickets < v, so they run, and usually finished long ago), loads its pre weights and re-reads slice s
-#      of tile g − LAG's streams (FUSED: the new streams) — read LAG·slices tickets ago, so from L2 — for
-#      x = Σ_i pre_i·stream_i. The last LAG tiles are finished by LAG·slices extra programs with no phase A.
-# Every program does the same work (one partial slice + one weighted-sum slice), so there is no tail of
-# finishers; the arithmetic is split-K's (same partial sums, same order, same gates, same FMAs), so with the
-# same slice plan its outputs equal split-K's bit for bit.
+#      tickets < v, so they are running, and have usually finished), loads its pre weights and re-reads
+#      slice s of tile g − LAG's streams (FUSED: the new streams, through L2 only: ``.cg``) — read about one
+#      program lifetime ago, so from L2 — for x = Σ_i pre_i·stream_i. The last LAG tiles are finished by
+#      LAG·slices extra programs that have no phase A.
+# Every program does the same work (one partial slice + one weighted-sum slice): no tail of finishers.
 #
-# Bytes at T = Hd = 4096, BLOCK_T = 64, BLOCK_K = 64, 4 chunks a slice (slices = 16, 1040 programs):
-#   HBM: streams read once 134.2 MB + layer input 33.6 MB + fn split 3.1 MB (once) + workspace 8.7 MB
-#        (+ the re-read misses; post/comb 0.3 MB)                       ≈ 180 MB ≈ 44 µs at 4.1 TB/s
-#   L2:  fn split 64 tiles × 3.1 MB = 201 MB, the stream re-read 134 MB, workspace 17 MB, plus the HBM
-#        traffic passing through                                        ≈ 520 MB
-#   Re-read distance: between the two reads of a byte the GPU reads about (1 + slices/132)·132 programs ×
-#        128 KB ≈ 19 MB of streams, under the H200's 50 MB L2 (the fn split, 3.1 MB, is hot throughout).
-# Expected: bounded by L2 bandwidth and the bf16×3 MMAs (12.9 GFLOP on tensor cores, ~35 µs at half the
-# measured matmul rate), not HBM: ≈ 65–80 µs for pre, i.e. 50–60 % of the copy-bandwidth bound over
-# compulsory bytes (41 µs), against 16.6 % for split-K. Fused: + x read and new streams written
-# (≈ 337 MB compulsory, 82 µs bound): ≈ 120–150 µs, 55–65 %. BLOCK_T = 128 halves the fn traffic (L2 ≈ 420
-# MB) at the cost of half the programs; the bench measures both (``benchmarks/mhc.md``).
+# The GEMM (``gemm_wide``): per stream chunk ONE dot of N = 128 = [hi | mid | lo | 0] × 32 columns instead of
+# three dots of N = 32, the four streams' dots chained into one zero-started partial per chunk (a chain of
+# 4·BLOCK_K/16 MMAs; each bf16 part in its own columns, so the truncation the module docstring describes
+# stays relative to a chunk's partial sum) and folded (hi + mid + lo) in registers. Compiled for sm_90
+# (Triton 3.9, ahead of time, no GPU): 4 wgmma waits per chunk instead of 12, every load of the K loop
+# pipelined with cp.async (3 stages), 203 registers and no spills for pre at BLOCK_T = 128, BLOCK_K = 32
+# (164 KB of shared memory: one program per SM, 8 warps); fused at BLOCK_K = 16, 4 stages: 254 registers,
+# no spills, 127 KB. (The split-K partial kernel, for comparison: 192 registers; fused 1.6 KB of spills.)
+#
+# Bytes at T = Hd = 4096 with the defaults (BLOCK_T 128, BLOCK_K 32, slices of 128 dims: 32 tiles × 32 slices,
+# 1056 programs), pre:
+#   compulsory: streams 134.2 MB + layer input 33.6 MB + fn 1.6 MB + post/comb 0.3 MB = 169.7 MB = 41 µs at
+#        the H200's 4.1 TB/s copy rate (the bound the bench divides by);
+#   HBM actually: + the fn split 3.1 MB once + the workspace 17.3 MB (slices × T × 33 fp32, written once)
+#        + re-read misses                                                    ≈ 190 MB ≈ 46 µs;
+#   L2 (SM side): streams 134 MB twice, fn split 32 tiles × 3.1 MB = 101 MB, workspace 35 MB, layer input
+#        34 MB                                                                ≈ 440 MB ≈ 63–80 µs at 5.5–7 TB/s;
+#   re-read distance: between the two reads of a byte the GPU reads about (132 + slices) programs × 128 KB
+#        ≈ 21 MB of streams: under the 50 MB L2 (the 3.1 MB fn split stays hot throughout);
+#   tensor cores: 2 · 4096 · 16 384 · 128 = 17.2 GFLOP (72 of the 128 columns useful), ≈ 38 µs at 60 % of
+#        the measured 763 TFLOP/s, overlapped with the loads by the pipeline.
+# Expected: L2-bound, ≈ 65–85 µs, i.e. 49–64 % of the copy-bandwidth bound (today: split-K 248 µs, 16.6 %).
+# Fused post+pre: compulsory 337 MB (82 µs); HBM ≈ 355 MB, L2 ≈ 600 MB: ≈ 95–115 µs, 70–85 % (today
+# 485 µs, 17 %). What could still cost: the four MMA waits per chunk serialise the tensor cores with the
+# loads of one warpgroup pair (one program per SM), and phase B's loads are not software-pipelined. The bench
+# rows vary BLOCK_T (64), the slice (256) and LAG (2); benchmarks/mhc.md says what to read from them.
 # ====================================================================================================
 
 
 @triton.jit
-def gemm_wide(a, k, kmask, fs_ptr, K, part, DOT_FP32: tl.constexpr, NG: tl.constexpr, BLOCK_K: tl.constexpr):
-    """part + a @ [hi | mid | lo | 0]ᵀ[k, :] for one stream chunk in ONE dot of N = 4·NG (NG = 32; head 16):
-    column p·NG + c of the product is column c (``gemm_stream32``'s numbering) of bf16 part p (3: zero
-    padding, masked, so never loaded). One wide dot instead of three narrow ones: three times fewer MMA
-    waits and full-width tensor-core instructions; the parts are summed once, at the end (``fold_parts``)."""
-    n = tl.arange(0, 4 * NG)
-    b = n // 16  # 16-column block: part p, group g (written so that Triton sees 16-wide contiguous runs,
-    p = b // (NG // 16)  # which lets it pipeline this load with cp.async; (n % NG) // 16 hides them)
-    g = b % (NG // 16)
-    col = ((g * 3 + p) * K * 16 + n % 16).to(tl.int64)  # fs = [G, 3, K, 16] bf16 (split_fn)
-    b_off = col[None, :] + k.to(tl.int64)[:, None] * 16  # [BLOCK_K, 4·NG]
-    bm = kmask[:, None] & (p < 3)[None, :]
-    return dot(a, tl.load(fs_ptr + b_off, mask=bm, other=0.0), part, DOT_FP32)
-
-
-@triton.jit
-def fold_parts(acc, NG: tl.constexpr, BLOCK_T: tl.constexpr):
-    """[BLOCK_T, 4·NG] (hi | mid | lo | 0 products) -> [BLOCK_T, NG]: their sum, the fp32 product X @ fnᵀ."""
-    return tl.sum(tl.reshape(acc, (BLOCK_T, 4, NG)), axis=1)
-
-
-@triton.jit
-def partial_mix_wide(res_ptr, x_ptr, new_ptr, fs_ptr, W, rows, rm, h_begin, h_end, Hd, DOT_FP32: tl.constexpr,
-                     FUSED: tl.constexpr, NG: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr):
-    """``partial_mix`` with the wide GEMM: per chunk, the 4 streams' dots chain into one zero-started
-    [BLOCK_T, 4·NG] partial (a chain of 4·BLOCK_K/16 MMAs, each bf16 part in its own columns), added to the
-    running sum in plain fp32 (the kernels.py docstring: MMA truncation); the parts are folded at the end."""
-    kk = tl.arange(0, BLOCK_K)
-    K = 4 * Hd
-    acc = tl.zeros((BLOCK_T, NG), dtype=tl.float32)
-    ssq = tl.zeros((BLOCK_T,), dtype=tl.float32)
-    for h0 in range(h_begin, h_end, BLOCK_K):
-        h = h0 + kk
-        hm = h < h_end
-        a0, a1, a2, a3, r0, r1, r2, r3 = stream_chunk(res_ptr, x_ptr, new_ptr, W, rows, h, Hd,
-                                                      rm[:, None] & hm[None, :], FUSED)
-        ssq += tl.sum(weighted4(r0, r1, r2, r3, r0, r1, r2, r3, False), axis=1)
-        part = gemm_wide(a0, h, hm, fs_ptr, K, tl.zeros((BLOCK_T, 4 * NG), dtype=tl.float32), DOT_FP32, NG, BLOCK_K)
-        part = gemm_wide(a1, Hd + h, hm, fs_ptr, K, part, DOT_FP32, NG, BLOCK_K)
-        part = gemm_wide(a2, 2 * Hd + h, hm, fs_ptr, K, part, DOT_FP32, NG, BLOCK_K)
-        part = gemm_wide(a3, 3 * Hd + h, hm, fs_ptr, K, part, DOT_FP32, NG, BLOCK_K)
-        acc += fold_parts(part, NG, BLOCK_T)
-    return acc, ssq
-
-
-@triton.jit
 def hc_one_pass_kernel(
-    res_ptr,  # int16 view of residual [T, 4, Hd] bf16 (FUSED: the streams before the post)
-    x_ptr,  # FUSED: int16 view of x [T, Hd] bf16
-    post_in_ptr,  # FUSED: [T, 4] fp32
-    comb_in_ptr,  # FUSED: [T, 4, 4] fp32
-    new_ptr,  # FUSED: int16 view of the new residual [T, 4, Hd] bf16 (written)
-    fs_ptr,  # [G, 3, 4·Hd, 16] bf16: split_fn(fn)
+    res_ptr,  # residual [T, 4, Hd] as int16 (FUSED: the streams before the post); contiguous, as are all below
+    x_ptr,  # FUSED: x [T, Hd] as int16
+    post_in_ptr,  # FUSED: the post weights [T, 4] fp32 the new streams are made with
+    comb_in_ptr,  # FUSED: comb [T, 4, 4] fp32, source i -> destination j
+    new_ptr,  # FUSED: the new residual [T, 4, Hd] as int16 (written in phase A, re-read in phase B)
+    fs_ptr,  # split_fn(fn): [G, 3, 4·Hd, 16] bf16
     scale_ptr,  # [3] fp32 ([1] head)
     base_ptr,  # [24] fp32 ([4] head)
     post_ptr,  # [T, 4] fp32 out (not HEAD)
@@ -658,8 +671,8 @@ def hc_one_pass_kernel(
     # ---- phase A: the partial mix of (tile, slice s); the tile's last arrival runs the gates ---------
     if tile < n_tiles:
         rows, rm, W = token_tile(tile, T, post_in_ptr, comb_in_ptr, FUSED, BLOCK_T)
-        acc, ssq = partial_mix_wide(res_ptr, x_ptr, new_ptr, fs_ptr, W, rows, rm, h_begin, h_end, Hd, DOT_FP32,
-                                    FUSED, NG, BLOCK_T, BLOCK_K)
+        acc, ssq = partial_mix(res_ptr, x_ptr, new_ptr, fs_ptr, W, rows, rm, h_begin, h_end, Hd, DOT_FP32, FUSED,
+                               NG, BLOCK_T, BLOCK_K, True)
         store_partial(ws_ptr, ssq_ptr, s.to(tl.int64) * T + rows, rm, acc, ssq, NG)
         tl.debug_barrier()  # every thread's stores (partials; FUSED: new streams) before the release below
         if tl.atomic_add(sync_ptr + 1 + tile, 1, sem="acq_rel", scope="gpu") == slices - 1:  # the last one

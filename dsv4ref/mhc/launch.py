@@ -21,6 +21,12 @@ so ``split_k=None`` (the default) means split-K for pre and head and one kernel 
 cuts fn's L2 traffic 4× but reads the streams twice; the fused op already reads and writes them once more,
 which is why it loses there. Both designs are the main path (each serves an op by default), so both live in
 ``kernels.py``; ``MhcLaunch(split_k=True)`` / ``MhcLaunch(split_k=False)`` forces one for every op.
+
+``MhcLaunch(one_pass=True)`` selects the third design, ``hc_one_pass_kernel`` (issue 14, item 3: one launch,
+the streams' second read from L2; kernels.py "Design 3" has the byte count and the expected 49–64 % for pre,
+70–85 % for fused). It is not the default until an H200 run has measured it: the ``mhc.* one-pass`` rows of
+``python -m dsv4ref bench mhc``. Its launcher zeroes a small int32 sync buffer (ticket, per-tile arrival
+counters and ready flags) and a workspace of partial mixes per call.
 """
 
 from __future__ import annotations
@@ -167,11 +173,21 @@ DEFAULT = MhcLaunch()
 # ====================================================================================================
 
 
+_BF16_MAX = float(torch.finfo(torch.bfloat16).max)
+
+
 def split3(w: torch.Tensor) -> torch.Tensor:
     """``[3, *w.shape]`` bf16 with hi + mid + lo == w exactly (fp32 has 24 significand bits, bf16 has 8;
-    torch's fp32 -> bf16 cast rounds to nearest even, and each remainder is exact in fp32)."""
+    torch's fp32 -> bf16 cast rounds to nearest even, and each remainder is exact in fp32), for every |w| >=
+    2^-110 (below, bf16's subnormal spacing 2^-133 rounds the last part: far below any weight's scale) and 0.
+
+    Every fp32 value splits exactly: one that rounds past bf16's largest finite value keeps that value as
+    its ``hi`` (not inf) and the rest in ``mid``; a non-finite value (value checks off) splits as
+    (value, 0, 0), so the GEMM sees the same ±inf / NaN as an fp32 GEMM (never inf − inf = NaN parts)."""
     hi = w.to(torch.bfloat16)
-    r = w - hi.float()
+    hi = torch.where(torch.isinf(hi) & torch.isfinite(w), torch.full_like(w, _BF16_MAX).copysign(w), hi.float())
+    hi = hi.to(torch.bfloat16)
+    r = torch.where(torch.isfinite(w), w - hi.float(), torch.zeros_like(w))
     mid = r.to(torch.bfloat16)
     lo = (r - mid.float()).to(torch.bfloat16)
     return torch.stack([hi, mid, lo])
@@ -236,7 +252,7 @@ def launch_hc(res, x, post_in, comb_in, new, fs, scale, base, post, comb, out, r
         kernels.hc_one_pass_kernel[((tiles + L.one_pass_lag) * slices,)](
             *ptrs, scale, base, opt(post), opt(comb), out.view(torch.int16), mix_ws, ssq_ws, wpre, sync,
             T, Hd, tiles, slices, cps, *scalars, HEAD=head, FUSED=fused, BLOCK_T=L.one_pass_block_t, BLOCK_K=bk,
-            BLOCK_H=L.one_pass_block_h, LAG=L.one_pass_lag, SPIN_LIMIT=1 << 24, DOT_FP32=not compiled, **kw)
+            BLOCK_H=L.one_pass_block_h, LAG=L.one_pass_lag, SPIN_LIMIT=1 << 16, DOT_FP32=not compiled, **kw)
         return
     if design == "one_kernel":
         kw = dict(num_warps=L.num_warps, num_stages=L.num_stages) if compiled else {}

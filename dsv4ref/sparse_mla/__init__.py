@@ -29,14 +29,14 @@ from .. import kv_cache, validate
 from ..device import DEVICE
 from ..formats import HEAD_DIM
 from ..testing import randn
-from . import reference
+from . import gluon, reference
 from .launch import SparseMlaLaunch, default_launch, fused_decode
 from .reference import DEFAULT_SCALE
 from .two_pass import two_pass_decode
 
-# The backends this op implements, named from the one list dsv4ref.validate.BACKENDS ("auto" -> "triton").
-# "gluon" (a GPU-only backend in sparse_mla/gluon.py) is not wired here yet.
-SUPPORTED = ("reference", "two_pass", "triton")
+# The backends this op implements, named from the one list dsv4ref.validate.BACKENDS. "auto" is "gluon" where
+# it runs (compiled Triton with Gluon on a Hopper GPU, 16-byte aligned pages), else "triton".
+SUPPORTED = ("reference", "two_pass", "triton", "gluon")
 MAX_HEADS = 128
 
 __all__ = ["decode", "example_inputs", "SparseMlaLaunch", "default_launch", "SUPPORTED", "DEFAULT_SCALE"]
@@ -125,7 +125,8 @@ def decode(q: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor, lengths: t
         extra_cache, extra_slots ``[T, K2]``, extra_lengths ``[T]`` (None = all K2), extra_block_size: the
             second pool (the compressed rows next to the window), attended in the same softmax; the same
             rules as the first. Give extra_cache, extra_slots and extra_block_size together.
-        backend: "auto" (= "triton"), "reference", "two_pass" or "triton" (:data:`SUPPORTED`).
+        backend: "auto", "reference", "two_pass", "triton" or "gluon" (:data:`SUPPORTED`). "auto" is the
+            warp-specialised Hopper kernel (:mod:`dsv4ref.sparse_mla.gluon`) where it runs, else "triton".
         launch: the kernels' :class:`SparseMlaLaunch`; None = :func:`default_launch` for this shape.
     Returns:
         ``(out, lse)``: out ``[T, H, 512]`` bf16, contiguous; lse ``[T, H]`` fp32, natural log, WITHOUT the
@@ -140,6 +141,7 @@ def decode(q: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor, lengths: t
     counts a cache row holding a NaN or ±inf, gets out = NaN and lse = NaN, never the empty-row answer;
     lengths are clamped to [0, K]; a slot below −1 counts as −1; a slot past the cache is undefined.
     """
+    auto = backend == "auto"
     backend = validate.backend(backend, SUPPORTED, auto="triton")
     validate.tensor(q, "q", dtype=torch.bfloat16, ndim=3)
     T, H, D = q.shape
@@ -179,6 +181,12 @@ def decode(q: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor, lengths: t
         return reference.decode(q, cache, slots, lengths, **args)
     if backend == "two_pass":
         return two_pass_decode(q, cache, slots, lengths, **args, launch=launch)
+    if backend == "gluon" or (auto and launch is None and gluon.available(q.device)
+                              and gluon.supports(q, cache, extra_cache)):
+        if not gluon.available(q.device):
+            raise ValueError("backend: 'gluon' needs compiled Triton with Gluon on a Hopper GPU")
+        return gluon.decode_op(q, cache, slots, lengths, extra_cache, extra_slots, extra_lengths, sink,
+                               block_size, extra_block_size or 0, scale)
     return fused_decode(q, cache, slots, lengths, **args, launch=launch)
 
 

@@ -1,7 +1,7 @@
 """Hopper-only fast path for sparse MLA decode, written in Gluon (``triton.experimental.gluon``).
 
-Same math and contract as :func:`dsv4ref.sparse_mla.decode` (spec: ``../shared/spec/sparse_mla.md`` §1,
-§3, §6, §7; page layout: ``formats.md`` §5): every head of token ``t`` attends to the listed slots of one
+Same math and contract as :func:`dsv4ref.sparse_mla.decode` (docs/sparse_mla.md; page layout:
+docs/formats.md): every head of token ``t`` attends to the listed slots of one
 or two FP8 paged caches with one softmax, the sink enters the denominator only, ``−1`` entries and
 entries past the lengths are ignored, a row with no valid entry gives ``out = 0`` and ``lse = −inf``,
 and P is rounded to bf16 before P·V (FlashMLA's numerics, as in the portable kernel).
@@ -50,7 +50,7 @@ from __future__ import annotations
 import torch
 
 from dsv4ref import formats as F
-from dsv4ref.device import interpreting
+from dsv4ref.device import capability, interpreting, sm_count
 
 __all__ = ["available", "supports", "decode_gluon", "config"]
 
@@ -551,12 +551,10 @@ def _kernels():
 def available(device: torch.device | None = None) -> bool:
     """True where this backend can run: compiled Triton with Gluon (never the interpreter) and a CUDA
     device of compute capability 9.x (Hopper: H100 / H200)."""
-    if interpreting() or not torch.cuda.is_available():
+    if interpreting():
         return False
-    dev = torch.device(device) if device is not None else torch.device("cuda")
-    if dev.type != "cuda":
-        return False
-    if torch.cuda.get_device_capability(dev)[0] != 9:
+    cap = capability(device)
+    if cap is None or cap[0] != 9:
         return False
     return _kernels() is not None
 
@@ -578,7 +576,7 @@ def _cdiv(a: int, b: int) -> int:
 
 
 def _sm_count(device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
+    return sm_count(device)
 
 
 def config(T: int, H: int, K_total: int, device, *, num_splits: int | None = None) -> dict:
@@ -668,3 +666,22 @@ def decode_gluon(q: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor, leng
     if S > 1:
         kern["merge"][(T, H)](po, pml, sink_arg, out, lse, H, HAS_SINK=sink is not None, SPLITS=S, num_warps=4)
     return out, lse
+
+
+# ---- registered as a torch custom op (with a fake), like every other dsv4ref kernel ----------------------
+
+
+@torch.library.custom_op("dsv4ref::sparse_mla_decode_gluon", mutates_args=())
+def decode_op(q: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor, lengths: torch.Tensor | None,
+              extra_cache: torch.Tensor | None, extra_slots: torch.Tensor | None, extra_lengths: torch.Tensor | None,
+              sink: torch.Tensor | None, block_size: int, extra_block_size: int, scale: float
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+    return decode_gluon(q, cache, slots, lengths, block_size=block_size, sink=sink, scale=scale,
+                        extra_cache=extra_cache, extra_slots=extra_slots, extra_lengths=extra_lengths,
+                        extra_block_size=extra_block_size if extra_cache is not None else None)
+
+
+@decode_op.register_fake
+def _(q, cache, slots, lengths, extra_cache, extra_slots, extra_lengths, sink, block_size, extra_block_size, scale):
+    T, H, D = q.shape
+    return q.new_empty(T, H, D), q.new_empty(T, H, dtype=torch.float32)

@@ -68,8 +68,8 @@ __all__ = ["e4m3_value", "load_rows_fp8", "load_rows_bf16", "attend_pool", "fini
 @triton.jit
 def e4m3_value(q8, INTERPRETED: tl.constexpr):
     """e4m3fn bytes (uint8) -> fp32 values, NaN for the bytes 0x7F / 0xFF. Compiled, the cast does it all;
-    the interpreter decodes those two bytes as ±480 (``docs/triton_interpreter.md``), so there they are
-    mapped to NaN explicitly."""
+    Triton's interpreter (seen with 3.9) decodes those two bytes as ±480, so there they are mapped to NaN
+    explicitly."""
     x = q8.to(tl.float8e4nv, bitcast=True).to(tl.float32)
     if INTERPRETED:
         x = tl.where((q8 & 0x7F) == 0x7F, float("nan"), x)

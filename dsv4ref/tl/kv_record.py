@@ -12,9 +12,13 @@ Spec (``docs/formats.md#the-584-byte-kv-cache-page``): a token's bf16 row k[0:51
 where ``data = page·page_stride + 576·offset`` and ``scales = page·page_stride + 576·B + 8·offset`` for
 ``slot = page·B + offset``: the two regions are NOT adjacent. Slot −1 writes nothing.
 
-A quant block holding a NaN or ±inf is written as scale byte 255 and e4m3 NaN bytes (0x7F, 0xFF for a set
-sign bit), exactly like ``fp8.quantize_ue8m0`` (``docs/formats.md#non-finite-values``); the RoPE bits are
-stored as given, NaN and inf included.
+A quant block holding a NaN or ±inf is written as scale byte 255 and e4m3 NaN bytes (0x7F; 0xFF for a
+value that is not a NaN and has its sign bit set), exactly like ``fp8.quantize_ue8m0``
+(``docs/formats.md#non-finite-values``); the RoPE bits are stored as given, NaN and inf included.
+
+The RoPE words are stored first, so their registers are free before the NoPE tile is loaded: ptxas (Triton
+3.9, sm_90) gives ``kv_cache.insert``'s kernel at 8 tokens × 1 warp 209 registers, 226 with the RoPE stored
+last (220 before the non-finite policy); at 4 tokens × 1 warp 103 (127).
 """
 
 from __future__ import annotations

@@ -166,7 +166,9 @@ def e4m3_ue8m0_blocks(x, FLOOR: tl.constexpr, AXIS: tl.constexpr):
     """
     mag = tl.max(x.to(tl.int32, bitcast=True) & 0x7FFFFFFF, axis=AXIS)  # |x| bits: >= 0x7F800000 is NaN / inf
     bad = mag >= 0x7F800000
-    byte = ue8m0_byte(mag.to(tl.float32, bitcast=True), FLOOR, _E4M3_MAX)
+    # a NaN / inf block is encoded at scale 1, for the signs of its codes only (its byte would be 254, and
+    # 2^-127 is not an fp32: inf · 0 would lose the sign of an inf)
+    byte = tl.where(bad, 127, ue8m0_byte(mag.to(tl.float32, bitcast=True), FLOOR, _E4M3_MAX))
     # × 2^-e is exact; a NaN is made the positive quiet NaN first, so its code carries no sign on any device
     q = e4m3_encode(canonical_nan(x * tl.expand_dims(inv_pow2(byte), AXIS))).to(tl.uint8, bitcast=True)
     return tl.where(tl.expand_dims(bad, AXIS), q | 0x7F, q), tl.where(bad, 255, byte)

@@ -42,7 +42,6 @@
 # what CI has. Import `dsv4ref` *first*: it must switch Triton to the interpreter before any kernel is defined.
 
 # %%
-import dsv4ref  # first: picks the device, sets TRITON_INTERPRET on a CPU-only machine
 import warnings
 
 warnings.filterwarnings("ignore")
@@ -95,11 +94,11 @@ steps = [
     ("RMSNorm + q/kv projections", f"x [{T}, {c.hidden_size}]",
      f"q [{T}, {c.num_heads}, {c.head_dim}] bf16, kv [{T}, {c.head_dim}] bf16"),
     ("q-norm + RoPE + FP8 KV insert (02)", "q, kv, slot, pos",
-     f"q rotated in place; 584 B/token into the window cache"),
+     "q rotated in place; 584 B/token into the window cache"),
     ("compressor (r > 1)", "kv states of the last r tokens", "one compressed row every r tokens"),
     ("lightning indexer (r = 4; 05)", f"index q [{T}, {c.index_heads}, {c.index_head_dim}]",
      f"top-{c.index_topk} compressed ids [{T}, {c.index_topk}] int32"),
-    ("sparse MLA decode + sink (04)", f"q, window ∪ compressed slots",
+    ("sparse MLA decode + sink (04)", "q, window ∪ compressed slots",
      f"o [{T}, {c.num_heads}, {c.head_dim}] bf16, lse [{T}, {c.num_heads}] fp32"),
     ("inverse RoPE + grouped o-proj (02)", f"o [{T}, {c.num_heads}, {c.head_dim}]",
      f"[{T}, {c.o_groups}, {c.o_lora_rank}] -> [{T}, {c.hidden_size}]"),

@@ -29,7 +29,7 @@ import matplotlib.pyplot as plt
 import torch
 
 # %matplotlib inline
-from dsv4ref import fp8, kv_cache
+from dsv4ref import fp8, kv_cache, validate
 from dsv4ref.device import DEVICE, describe
 from dsv4ref.testing import compare, generator, randn
 from dsv4ref.tl.kv_record import kv_record
@@ -219,6 +219,51 @@ print("distinct scale bytes:", len(set(s_ref.flatten().tolist())), "  row 0:", s
 d_ref = fp8.dequantize_ue8m0(q_ref, s_ref, backend="reference")
 d_tri = fp8.dequantize_ue8m0(q_tri, s_tri, backend="triton")
 print(compare(d_tri, d_ref, "exact", "dequantised bf16").verdict())
+
+# %% [markdown]
+# ### NaN and inf: one policy, every backend
+#
+# e4m3 has no infinities and a UE8M0 byte no sign, so a block holding a NaN or ±inf has no honest finite
+# encoding. dsv4ref's policy (`docs/formats.md#non-finite-values`), the same in the reference and the kernels:
+#
+# * **value checks on** (the default): the call raises a `ValueError` naming the argument, before writing;
+# * **checks off** (`DSV4REF_CHECK_VALUES=0`, the hot path; `dsv4ref.validate.checking_values(False)` for a
+#   block of code, as below): the block gets **scale byte 255**, E8M0's NaN, and every code of it is an e4m3 NaN, 0x7F
+#   (0xFF for a value that is not a NaN and has its sign bit set). It reads back as NaN, never as a plausible
+#   number; the block next to it is untouched.
+#
+# `kv_cache.insert` and `gather` follow the same rule for the 7 NoPE blocks of a row.
+
+# %%
+xn = torch.ones(2, 128, device=DEVICE)  # row 0: block 0 holds a NaN, block 1 a −inf; row 1 is finite
+xn[0, 3], xn[0, 64], xn[0, 65] = float("nan"), -float("inf"), -2.0
+try:
+    fp8.quantize_ue8m0(xn)
+except ValueError as e:
+    print("checks on: ValueError:", e)
+with validate.checking_values(False):
+    for backend in ("reference", "triton"):
+        qn, sn = fp8.quantize_ue8m0(xn, backend=backend)
+        b = qn.view(torch.uint8).cpu()
+        back = fp8.dequantize_ue8m0(qn, sn, out_dtype=torch.float32, backend=backend).cpu()
+        print(f"{backend:<9} scale bytes {sn.cpu().tolist()}; codes in block 0: {sorted(set(b[0, :64].tolist()))}, "
+              f"block 1: {sorted(set(b[0, 64:].tolist()))}")
+        print(f"{'':<9} read back: block 0 all NaN {bool(back[0, :64].isnan().all())}, block 1 all NaN "
+              f"{bool(back[0, 64:].isnan().all())}, row 1 starts {back[1, :2].tolist()}")
+
+# %% [markdown]
+# A reader must also read pages it did not write, so it decodes **every** scale byte as E8M0 defines it:
+# 1..254 are 2^(b − 127), **0 is 2^−127** (an fp32 subnormal, not 0) and **255 is NaN** (not inf, which the
+# shortcut "byte << 23 as fp32 bits" would give). Every NaN comes out as the same quiet NaN bits on every
+# device. Each row below is 64 codes 0x38 (1.0) under one scale byte:
+
+# %%
+s255 = torch.tensor([[0], [1], [127], [254], [255]], dtype=torch.uint8, device=DEVICE)
+ones = torch.full((5, 64), 0x38, dtype=torch.uint8, device=DEVICE)
+for backend in ("reference", "triton"):
+    v = fp8.dequantize_ue8m0(ones, s255, out_dtype=torch.float32, backend=backend).cpu()
+    print(f"{backend:<9} bytes {s255.flatten().tolist()} read as {v[:, 0].tolist()}; NaN bits "
+          f"{hex(v[4, 0:1].view(torch.int32).item())}")
 
 # %% [markdown]
 # ## 5. The quantisation error, as a picture
@@ -420,6 +465,7 @@ print("RoPE dims bit-identical to the input:", torch.equal(out[read >= 0, 448:].
 # | 9 | AoS record instead of the SoA page, or stride 584·B | all but page 0 / token 0 wrong | `test_golden_page_B2`, `test_golden_page_B2_writer`, `test_wrong_layout_readers_fail`, `test_insert_into_strided_cache_view` |
 # | 10 | int32 byte offsets | corruption past ~57k pages | `test_offsets_past_2_pow_31_strided_view` (CPU too), `test_int64_offsets_real_58k_pages` (GPU, 2.2 GB) |
 # | 11 | writes for slot −1; slots assumed as long as the batch | page 0 corrupted under padding | `test_short_slots_and_padding_rows`, `test_insert_bytes_exact_and_nothing_else_touched` (snapshot) |
+# | — | a NaN / inf block written as a finite number; E8M0 bytes 0 / 255 read as 0 / inf | poison that looks plausible | `tests/test_contract_fp8.py`, `tests/test_contract_kv_cache.py` (`test_probe_*`) |
 #
 # Two of them, live. An **array-of-structures reader** treats token t's 584 bytes as one record at 584·t,
 # and a **512-byte reshape** (the V3.2/BF16 habit) at 512·t. Run both on the page drawn above:

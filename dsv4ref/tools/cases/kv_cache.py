@@ -40,7 +40,9 @@ def _check_gather() -> list[CheckRow]:
 def _bench() -> list[BenchCase]:
     """64k slots (the issue's size) and 256k slots, pages of 64, a random slot order. Four input sets
     rotate: 4 × (37 MB cache + 64 MB kv + 64 MB out) per size, well past a 60 MB L2. Timed through the
-    custom ops with the default launch shapes."""
+    custom ops with the default launch shapes, and (64k only) the insert with the other launch shapes whose
+    register counts the non-finite policy and the RoPE-first store changed (docs/kv_cache.md#the-kernels:
+    4 × 1 now 103 registers, 8 × 2 104, 16 × 4 109, the default 8 × 1 209), to pick the default again."""
     cases = []
     for S in (65536, 262144):
         B, n_sets, nb = 64, 4, S // 64
@@ -61,4 +63,13 @@ def _bench() -> list[BenchCase]:
                       lambda i, st=sets: torch.ops.dsv4ref.kv_gather(st[i][0], st[i][2], st[i][3], 64),
                       n_sets, gat_bytes, note="cache 584 + slot 8 + out 1024 B/row"),
         ]
+        if S == 65536:
+            for tok, warps in INSERT_SHAPES:
+                cases.append(BenchCase("kv_cache.insert", f"S={S} B={B} launch={tok}x{warps}",
+                                       lambda i, st=sets, t=tok, w=warps: torch.ops.dsv4ref.kv_insert(
+                                           st[i][0], st[i][1], st[i][2], 64, t, w),
+                                       n_sets, ins_bytes, note=f"{tok} tokens x {warps} warps per program"))
     return cases
+
+
+INSERT_SHAPES = ((4, 1), (8, 2), (16, 2), (16, 4))  # besides the default 8 x 1

@@ -17,7 +17,7 @@ def _check() -> list[CheckRow]:
     rows = []
     # fused == post then pre bit for bit holds for one design: give the separate pre the fused op's default
     # (by default pre runs split-K and the fused op one kernel; their sums of squares differ in order)
-    same = MhcLaunch(split_k=MhcLaunch().uses_split_k(fused=True))
+    same = MhcLaunch().pre_like_fused()
     shapes = [(5, 256)] if interpreting() else [(5, 256), (33, 4096), (17, 7168)]
     for T, Hd in shapes:
         res = example_streams(T, Hd, seed=T)
@@ -38,6 +38,26 @@ def _check() -> list[CheckRow]:
         hfn, hscale, hbase = example_params(Hd, seed=T + 3, head=True)
         h64 = reference.head(res, hfn, hscale, hbase, dtype=torch.float64)
         rows.append(CheckRow("mhc.head", s, compare(head(res, hfn, hscale, hbase), h64, "bf16_out")))
+    # the one-pass design (MhcLaunch(one_pass=True), not the default yet): the same checks at real sizes
+    one = MhcLaunch(one_pass=True)
+    for T, Hd in [(5, 256)] if interpreting() else [(33, 4096), (300, 4096), (17, 7168)]:
+        res = example_streams(T, Hd, seed=T)
+        x = randn((T, Hd), seed=T + 1, octaves=8)
+        fn, scale, base = example_params(Hd, seed=T + 2)
+        s = f"T={T} Hd={Hd} one-pass"
+        p64, c64, x64 = reference.pre(res, fn, scale, base, dtype=torch.float64)
+        p, c, li = pre(res, fn, scale, base, launch=one)
+        rows += [CheckRow("mhc.pre post", s, compare(p, p64, "mhc")), CheckRow("mhc.pre comb", s, compare(c, c64, "mhc")),
+                 CheckRow("mhc.pre layer_input", s, compare(li, x64, "bf16_out"))]
+        got = fused_post_pre(x, res, p, c, fn, scale, base, launch=one)
+        new = post(x, res, p, c)
+        sep = (new, *pre(new, fn, scale, base, launch=one.pre_like_fused()))
+        rows.append(CheckRow("mhc.fused_post_pre residual", s, compare(got[0], sep[0], "exact", "== post")))
+        rows.append(CheckRow("mhc.fused_post_pre layer_input", s, compare(got[3], sep[3], "exact", "== post then pre")))
+        rows.append(CheckRow("mhc.fused_post_pre post", s, compare(got[1], sep[1], "fp32_reduction", "== post then pre")))
+        hfn, hscale, hbase = example_params(Hd, seed=T + 3, head=True)
+        h64 = reference.head(res, hfn, hscale, hbase, dtype=torch.float64)
+        rows.append(CheckRow("mhc.head", s, compare(head(res, hfn, hscale, hbase, launch=one), h64, "bf16_out")))
     logits = torch.randn(64, 4, 4, generator=generator(7)).to(DEVICE) * 3
     rows.append(CheckRow("mhc.sinkhorn", "64 × 4×4, std 3", compare(sinkhorn(logits), reference.sinkhorn(logits.double()), "mhc")))
     return rows
@@ -132,4 +152,29 @@ def _bench() -> list[BenchCase]:
             cases.append(BenchCase(name, sk, run, n_sets, b, f, note))
         except Exception as e:  # reported, not fatal: the other rows still run
             print(f"{name}: skipped ({type(e).__name__}: {str(e)[:120]})")
+    # one pass (issue 14 item 3; kernels.py "Design 3"): the default tile and the variants the notes name,
+    # each row's shape saying which (tile tokens, GEMM chunk, hidden slice, lag); same compulsory bytes
+    one_pass = [
+        ("mhc.pre one-pass", MhcLaunch(one_pass=True), run_pre, pre_b, flops),
+        ("mhc.pre one-pass", MhcLaunch(one_pass=True, one_pass_block_t=64), run_pre, pre_b, flops),
+        ("mhc.pre one-pass", MhcLaunch(one_pass=True, one_pass_slice_h=256), run_pre, pre_b, flops),
+        ("mhc.pre one-pass", MhcLaunch(one_pass=True, one_pass_lag=2), run_pre, pre_b, flops),
+        ("mhc.fused_post_pre one-pass", MhcLaunch(one_pass=True), run_fused, fused_b, flops),
+        ("mhc.fused_post_pre one-pass", MhcLaunch(one_pass=True, one_pass_fused_block_k=32, one_pass_fused_stages=3),
+         run_fused, fused_b, flops),
+        ("mhc.fused_post_pre one-pass", MhcLaunch(one_pass=True, one_pass_slice_h=256), run_fused, fused_b, flops),
+        ("mhc.head one-pass", MhcLaunch(one_pass=True), run_head, head_b, flops // 6),
+    ]
+    for name, L, runner, b, f in one_pass:
+        fused = "fused" in name
+        tiles, slices, _, bk = L.one_pass_plan(T, Hd, fused)
+        shape = (f"T={T} Hd={Hd} BLOCK_T={L.one_pass_block_t} BLOCK_K={bk} slice={L.one_pass_slice_h} "
+                 f"lag={L.one_pass_lag} ({(tiles + L.one_pass_lag) * slices} programs)")
+        enc = L.encode()
+        try:
+            runner(0, enc)
+            cases.append(BenchCase(name, shape, lambda i, r=runner, e=enc: r(i, e), n_sets, b, f,
+                                   "as the op above; one launch, the second read of the streams from L2"))
+        except Exception as e:  # reported, not fatal: the other rows still run
+            print(f"{name} {shape}: skipped ({type(e).__name__}: {str(e)[:120]})")
     return cases
