@@ -233,3 +233,23 @@ def test_bad_arguments_raise():
         compressor.compress(**d, launch=dict(block_j=4))
     with pytest.raises(ValueError, match="block_j"):
         compressor.CompressorLaunch(block_j=16)
+
+
+def test_conformance_suite_has_teeth():
+    """The compressor's conformance cases pass through the kernel and fail an implementation with the
+    overlap halves swapped (C2: the older tokens read channels [D:2D])."""
+    from dsv4ref import conformance
+
+    rows = conformance.run(cases="compressor")
+    assert len({r.case for r in rows}) >= 6 and all(r.passed for r in rows), conformance.format_report(rows)
+
+    def swapped(x, wkv, wgate, ape, norm, *args, ratio, **kw):
+        if ratio == 4:
+            D = norm.shape[0]
+            wkv, wgate, ape = (torch.cat([t[..., D:, :], t[..., :D, :]], -2) if t.dim() == 2 and t.shape[0] == 2 * D
+                               else torch.cat([t[:, D:], t[:, :D]], -1) for t in (wkv, wgate, ape))
+        return compressor.compress(x, wkv, wgate, ape, norm, *args, ratio=ratio, backend="reference", **kw)
+
+    bad = [r for r in conformance.run({"compressor.compress": swapped}, "compressor") if not r.passed]
+    assert {r.case for r in bad} >= {"r4_prefill_two_requests_start_mask", "r4_decode_step_from_ring"}
+    assert all(r.case.startswith("r4") for r in bad)

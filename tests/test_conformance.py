@@ -46,17 +46,22 @@ def test_golden_files_match_the_cases_of_this_checkout():
         g = stored[(c.op, c.name)]
         assert list(g.inputs) == list(c.inputs) and g.positional == c.positional
         for k, v in c.inputs.items():
-            if isinstance(v, torch.Tensor):
-                assert torch.equal(g.inputs[k], v), (c.op, c.name, k)
+            if isinstance(v, torch.Tensor):  # bit for bit (NaN inputs included)
+                w = g.inputs[k]
+                assert w.dtype == v.dtype and w.shape == v.shape, (c.op, c.name, k)
+                assert torch.equal(w.flatten().contiguous().view(torch.uint8), v.flatten().contiguous().view(torch.uint8)), \
+                    (c.op, c.name, k)
             else:
                 assert g.inputs[k] == v
 
 
 def test_golden_format():
     paths = sorted(GOLDEN.glob("*.pt"))
-    assert sum(p.stat().st_size for p in paths) < 4 * 2**20  # a few MB at most
+    assert max(p.stat().st_size for p in paths) < 2 * 2**20  # no case over 2 MiB
+    assert sum(p.stat().st_size for p in paths) < 16 * 2**20  # ~150 cases of ~9 ops: a clone stays small
     d = torch.load(paths[0], weights_only=True)  # loadable without unpickling code
-    assert set(d) == {"op", "case", "why", "positional", "inputs", "expected", "tolerance", "mass"}
+    keys = {"op", "case", "why", "positional", "inputs", "expected", "tolerance", "mass"}
+    assert keys <= set(d) <= keys | {"check_values"}  # check_values: absent in files written before it existed
     for t in d["tolerance"].values():
         assert t["name"] in TOLERANCES and {"mode", "atol", "rtol", "cos"} <= set(t)
 
@@ -126,3 +131,31 @@ def test_one_cases_module_per_op():
         cs = mod.cases()
         assert cs and all(c.op in mod.OUTPUTS and c.expected == {} for c in cs)
         assert set(c.op for c in cs) == set(mod.OUTPUTS), op  # every function of the op has a case
+
+
+def test_safetensors_golden_files_hold_the_same_cases():
+    """golden/*.safetensors (language-neutral) carry exactly what golden/*.pt carry, and pass the suite."""
+    from dsv4ref.conformance import safetensors_io
+
+    pt = {(c.op, c.name): c for c in conformance.load_golden(GOLDEN)}
+    st = {(c.op, c.name): c for c in safetensors_io.load(GOLDEN)}
+    assert set(st) == set(pt)
+
+    def bits(t):
+        return t.flatten().contiguous().view(torch.uint8)
+
+    for key, a in pt.items():
+        b = st[key]
+        assert (a.positional, a.tol, a.check_values, a.why) == (b.positional, b.tol, b.check_values, b.why), key
+        assert set(a.inputs) == set(b.inputs), key
+        for k, v in a.inputs.items():
+            w = b.inputs[k]
+            if isinstance(v, torch.Tensor):
+                assert v.dtype == w.dtype and v.shape == w.shape and torch.equal(bits(v), bits(w)), (key, k)
+            else:
+                assert v == w or (v != v and w != w), (key, k)
+        for k, v in a.expected.items():
+            assert torch.equal(bits(v), bits(b.expected[k])), (key, k)
+    sample = [st[k] for k in sorted(st)[::7]]  # a spread of ops, through the kernels
+    rows = conformance.run(conformance.default_impls(), sample)
+    assert rows and all(r.passed for r in rows), conformance.format_report(rows)

@@ -518,12 +518,12 @@ def test_split_fn_is_exact_and_cached():
 # ====================================================================================================
 
 
-@pytest.mark.parametrize("lag", [1, 2])
-def test_one_pass_matches_fp64_and_fused_equals_post_then_pre(lag):
+def test_one_pass_matches_fp64_and_fused_equals_post_then_pre(lag=2):
     """T = 19 in 16-token tiles (two tiles, the second partial) × Hd = 56 in two hidden slices of one 32-wide
-    chunk (the second partial): every tile's last arrival runs the gates, phase B finishes tile g − lag. pre
-    and head match the fp64 oracle; fused == post then a pre of the same chunks, bit for bit on bf16, 1e-6
-    on fp32. (Tiny on purpose: the interpreter pays ~10 ms per helper call.)"""
+    chunk (the second partial): every tile's last arrival runs the gates, phase B finishes tile g − lag (2
+    here; the default 1 runs in test_public_fused_post_pre_4cycle and tests/test_contract_mhc.py). pre and
+    head match the fp64 oracle; fused == post then a pre of the same chunks, bit for bit on bf16, 1e-6 on
+    fp32. (Tiny on purpose: the interpreter pays ~10 ms per helper call.)"""
     T, Hd = 19, 56
     L = MhcLaunch(one_pass=True, one_pass_block_t=16, one_pass_block_k=32, one_pass_fused_block_k=32,
                   one_pass_block_h=32, one_pass_slice_h=32, one_pass_lag=lag)

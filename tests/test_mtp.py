@@ -282,3 +282,29 @@ def test_speculate_checks_its_arguments(plain):
     no_mtp = decode.Decoder(TINY.replace(num_nextn_predict_layers=0), num_requests=1, capacity=16, backend="reference")
     with pytest.raises(ValueError, match="no MTP layer"):
         no_mtp.draft(torch.tensor([1]), 1)
+
+
+def test_conformance_suite_has_teeth():
+    """The MTP's conformance cases pass, and fail a verification that emits every row's target token (no stop at
+    the first mismatch) or a draft input with the norm over M·Hd."""
+    from dsv4ref import conformance
+
+    rows = conformance.run(cases="mtp")
+    assert len({(r.op, r.case) for r in rows}) >= 8 and all(r.passed for r in rows), conformance.format_report(rows)
+
+    def no_stop(drafts, target):
+        return target.to(torch.int64).clone()
+
+    bad = {r.case for r in conformance.run({"mtp.greedy_accept": no_stop}, "mtp") if not r.passed}
+    assert bad == {"third_draft_wrong", "first_draft_wrong", "no_skipping_after_a_mismatch"}
+
+    def flat_norm(h_prev, embed_rows, positions, enorm, hnorm, e_proj, h_proj, *, eps, hc_mult=None):
+        T, Hd = h_prev.shape[0], hnorm.shape[0]
+        hf = h_prev.reshape(T, -1).float()  # P14: one RMS over all M·Hd values
+        hm = (hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + eps)).reshape(T, -1, Hd) * hnorm
+        e = reference.rms_norm(torch.where((positions == 0)[:, None], 0.0, embed_rows.float()), enorm, eps)
+        x = hm.bfloat16().float() @ h_proj.float().T + (e.bfloat16().float() @ e_proj.float().T)[:, None, :]
+        return x.bfloat16()
+
+    bad = {r.case for r in conformance.run({"mtp.draft_input": flat_norm}, "mtp") if not r.passed}
+    assert "streams_over_octaves_position0" in bad

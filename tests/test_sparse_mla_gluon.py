@@ -71,7 +71,7 @@ def setup(T, H, K1, K2=0, bs1=16, bs2=2, pages1=8, pages2=64, seed=0, lengths1=N
 
 
 def oracle(q, pools, sink, scale):
-    """float64 attention over the dequantised rows, one token at a time (sparse_mla.md §1); also returns
+    """float64 attention over the dequantised rows, one token at a time (docs/sparse_mla.md); also returns
     mass = Σ p|v| (times the sink factor), the scale of the kernel's rounding error."""
     T, H, _ = q.shape
     out = torch.zeros(T, H, 512, dtype=torch.float64)

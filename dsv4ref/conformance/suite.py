@@ -32,7 +32,7 @@ __all__ = ["OPS", "Case", "Row", "op_modules", "outputs", "all_cases", "default_
            "format_report", "save_golden", "load_golden", "tolerance_record"]
 
 #: The ops whose cases the suite runs, in report order: one module ``dsv4ref.conformance.<op>`` each.
-OPS = ("fp8", "kv_cache", "rope", "sparse_mla", "mhc", "indexer", "moe", "compressor")
+OPS = ("fp8", "kv_cache", "rope", "sparse_mla", "mhc", "indexer", "moe", "compressor", "mtp")
 
 
 @dataclass

@@ -113,15 +113,8 @@ def run(cfg: Config = TINY, *, steps: int = 8, prompt_lens=(133, 37, 5, 70), see
                                decode_backend=decode_backend, prefill_backend=prefill_backend, pad_heads=pad_heads,
                                progress=progress)
     R = len(prompt_lens)
-    cap = capacity or (max(prompt_lens) + steps + 15) // 16 * 16
-    w = make_weights(cfg, seed)
-    dec = Decoder(cfg, w, num_requests=R, capacity=cap, seed=seed, pad_heads=pad_heads, backend=decode_backend)
-    g = generator(seed + 2)
-    prompts = [torch.randint(0, cfg.vocab_size, (n,), generator=g) for n in prompt_lens]
-    logits = dec.prefill(prompts, backend=prefill_backend)
-    last = (torch.tensor(prompt_lens).cumsum(0) - 1)
-    records = [(-1, torch.tensor(prompt_lens) - 1, logits.cpu(), [a[last.to(a.device)].cpu() for a in dec.attn_out],
-                torch.ones(R, dtype=torch.bool))]
+    dec, w, rec, logits = _start(cfg, prompt_lens, seed, capacity, steps, decode_backend, prefill_backend, pad_heads)
+    records = [rec]
     synchronize()
     t0 = time.perf_counter()
     if profile:
@@ -273,6 +266,6 @@ def _demo_speculation(cfg: Config, plain, steps: int, k: int) -> bool:
     s = dec.spec
     print(f"MTP speculation, k = {k}: {s.rounds} rounds, {s.accepted}/{s.drafted} drafts accepted "
           f"(acceptance rate {s.rate:.1%}), {s.emitted / max(s.rounds * dec.R, 1):.2f} tokens per request per target "
-          f"step; {tps:.1f} tokens/s ({time.perf_counter() - t0:.1f} s)")
+          f"step; {tps:.3g} tokens/s ({time.perf_counter() - t0:.1f} s)")
     print("speculative tokens == plain greedy tokens" if same else "SPECULATION CHANGED THE TOKENS")
     return same

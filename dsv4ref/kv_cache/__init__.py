@@ -7,6 +7,7 @@ padding up to a multiple of 576. The page is drawn in ``docs/formats.md#the-584-
 math, conventions and pitfalls (each with the test that catches it) are in ``docs/kv_cache.md``.
 
 A slot is ``page · block_size + offset``; −1 means "no token": writers skip it, readers return zeros.
+What each argument may be, the errors, and what NaN / inf input does: ``docs/kv_cache.md#the-input-contract``.
 
 Where to read what:
 

@@ -85,8 +85,8 @@ class MhcLaunch:
     one_pass_slices: int | None = None  # force this many slices (None: from one_pass_slice_h / target_programs)
     one_pass_lag: int = 1  # the weighted sum runs this many tiles behind the partials (>= 1)
     one_pass_warps: int = 8  # two warpgroups, one per 64-token half of the tile (wgmma's M = 64)
-    one_pass_stages: int = 3  # per stage 4 stream tiles [128, 32] (32 KB) + 4 fn tiles [32, 128] (32 KB)
-    one_pass_fused_stages: int = 4  # per stage x + 4 stream tiles [128, 16] (20 KB) + 4 fn tiles [16, 128]
+    one_pass_stages: int = 3  # per stage 4 stream tiles [128, 32] + 4 fn tiles [32, 128]: 164 KB in all (sm_90)
+    one_pass_fused_stages: int = 4  # per stage x + 4 stream tiles [128, 16] + 4 fn tiles [16, 128]: 127 KB in all
 
     def __post_init__(self):
         for name in ("block_t", "block_k", "split_block_t", "split_block_k", "finish_block_t", "finish_block_h",

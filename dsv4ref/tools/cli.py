@@ -43,6 +43,9 @@ def build_parser() -> argparse.ArgumentParser:
     cf.add_argument("--reference", action="store_true", help="hold the torch references to the suite instead")
     d = sub.add_parser("demo", help="prefill + greedy decode with the teaching config on the picked device")
     d.add_argument("--steps", type=_positive, default=16, help="decode steps (>= 1)")
+    d.add_argument("--speculate", type=int, default=0, choices=range(0, 8), metavar="K",
+                   help="then decode again with MTP speculation, K drafts per step (1..7): prints the acceptance "
+                        "rate and checks the tokens equal plain greedy decoding's (0 = off)")
     return p
 
 
@@ -130,7 +133,7 @@ def _cmd_conformance(args) -> int:
 def _cmd_demo(args) -> int:
     from ..decode import demo
 
-    return demo(steps=args.steps)
+    return demo(steps=args.steps, speculate=args.speculate)
 
 
 def main(argv=None) -> int:

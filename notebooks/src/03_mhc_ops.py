@@ -339,23 +339,44 @@ print(compare(h_k, h_ref, "bf16_out", "head").verdict())
 # outputs over K = 16 384 must be fp32-exact, so it runs as three bf16 MMAs (an exact split of `fn`) padded
 # to N = 32, and every token tile streams the whole 3.1 MB bf16×3 `fn` from L2. Split-K (each program owns a
 # slice of K for 64 tokens, a second small kernel finishes the gates, Sinkhorn and the weighted sum) cuts
-# that L2 traffic 4× and buys 1.35×, but reads the streams twice. A single pass that keeps a token tile's
-# streams on chip across both phases is the next step.
+# that L2 traffic 4× and buys 1.35×, but reads the streams twice.
 #
-# Both designs live in `kernels.py` (`hc_kernel`; `hc_partial_kernel` + `hc_finish_kernel`): which one an op
-# takes is a **launch choice**, as are the tile sizes, warps and split counts. They are the fields of one frozen
-# dataclass, `mhc.MhcLaunch`, passed explicitly as `launch=` (None = the measured defaults above:
-# `split_k=None` means split-K for pre and head, one kernel for fused). Forcing a design changes the speed,
-# never the result:
+# **A third design, one pass** (`kernels.hc_one_pass_kernel`, `MhcLaunch(one_pass=True)`). A tile's streams
+# (128 tokens × 4 × 4096 bf16 = 4 MB) do not fit on chip across the K loop, and the weighted sum needs the
+# gates, which need the whole loop. So the second read must come from **L2**, and therefore soon after the
+# first. One launch; work items are (128-token tile, 128-dim hidden slice) pairs, taken from an atomic
+# *ticket*:
+#
+# 1. a program computes its item's partial mix (GEMM + Σ X² of the slice) and counts itself in on the tile's
+#    counter; the tile's **last** arrival sums the partials in slice order, runs the gates and Sinkhorn and
+#    raises the tile's *ready* flag;
+# 2. the same program then writes the layer input of the same slice of the **previous** tile, whose streams
+#    were read one program lifetime ago (~20 MB of traffic back, inside the 50 MB L2).
+#
+# The ticket is what makes the wait in step 2 safe: every lower ticket belongs to a program that is already
+# running (and the interpreter, which runs one program after another, never waits at all). Its GEMM is one
+# wide dot (N = 128: hi | mid | lo | zeros) per stream chunk instead of three narrow ones. Expected on the
+# H200: about 50–64 % for pre and 70–85 % for fused (`benchmarks/mhc.md`); it is not the default until a GPU
+# run has measured it.
+#
+# All three designs live in `kernels.py`: which one an op takes is a **launch choice**, as are the tile sizes,
+# warps and split counts. They are the fields of one frozen dataclass, `mhc.MhcLaunch`, passed explicitly as
+# `launch=` (None = the measured defaults above: `split_k=None` means split-K for pre and head, one kernel
+# for fused). Forcing a design changes the speed, never the result:
 
 # %%
 print("default design, pre / head: split-K =", mhc.MhcLaunch().uses_split_k(fused=False),
       "| fused post+pre: split-K =", mhc.MhcLaunch().uses_split_k(fused=True))
-for name, launch in (("one kernel", mhc.MhcLaunch(split_k=False)), ("split-K", mhc.MhcLaunch(split_k=True, splits=2))):
+for name, launch in (("one kernel", mhc.MhcLaunch(split_k=False)), ("split-K", mhc.MhcLaunch(split_k=True, splits=2)),
+                     ("one pass", mhc.MhcLaunch(one_pass=True))):
     p_l, c_l, x_l = mhc.pre(res, fn, scale, base, launch=launch)
     print(compare(c_l, comb_w, "mhc", f"pre, {name}: comb").verdict(), "|",
           compare(x_l, x_ref, "bf16_out", "layer input").verdict())
 print(inspect.getsource(mhc.launch.MhcLaunch.split_plan))
+h200 = mhc.MhcLaunch(one_pass=True, one_pass_block_t=128, one_pass_block_k=32, target_programs=528)  # its GPU defaults
+tiles, slices, cps, bk = h200.one_pass_plan(4096, 4096)
+print(f"one pass at T = Hd = 4096 on the H200: {tiles} tiles × {slices} slices of {cps} × {bk} dims, "
+      f"{(tiles + 1) * slices} programs")
 
 # %% [markdown]
 # The cell below re-measures on a GPU; it does not run in the interpreter.
@@ -371,3 +392,44 @@ if not interpreting():
         print(f"{r.case.op:<26} {r.case.shape:<28} {r.ms * 1e3:8.1f} us  {r.fraction:6.1%} of bound")
 else:
     print("interpreter: no timings (they would measure numpy)")
+
+
+# %% [markdown]
+# ## 9. The input contract
+#
+# Every public function checks its arguments before any work and gives, on every backend, the float64
+# oracle's answer or the same error naming the argument ([`docs/mhc.md#the-input-contract`](../docs/mhc.md#the-input-contract)).
+# Any layout is read as the view it is — here `scale` and `base` as every-other-element views of bigger
+# buffers, which the Triton launcher once passed through as if contiguous:
+
+# %%
+big_s, big_b = torch.zeros(6, device=DEVICE), torch.zeros(48, device=DEVICE)
+big_s[::2], big_b[::2] = scale, base
+p_v, c_v, x_v = mhc.pre(res, fn, big_s[::2], big_b[::2])
+print("strided scale/base == contiguous, bit for bit:", torch.equal(c_v, comb_k) and torch.equal(x_v, x_k))
+for bad in (dict(sinkhorn_iters=0), dict(hc_eps=float("nan"))):
+    try:
+        mhc.pre(res, fn, scale, base, **bad)
+    except ValueError as e:
+        print("ValueError:", e)
+
+# %% [markdown]
+# mHC gives no meaning to a NaN or an infinity, so with value checks on (the default) one raises. With them
+# off (`DSV4REF_CHECK_VALUES=0`, the hot path: no device sync), IEEE arithmetic decides, the same on every
+# backend: a NaN in one token's streams makes exactly that token's outputs NaN.
+
+# %%
+from dsv4ref import validate
+
+bad_res = res.clone()
+bad_res[2, 1, 7] = float("nan")
+try:
+    mhc.pre(bad_res, fn, scale, base)
+except ValueError as e:
+    print("checks on: ValueError:", str(e)[:60], "...")
+with validate.checking_values(False):
+    for backend in ("reference", "triton"):
+        p_n, c_n, x_n = mhc.pre(bad_res, fn, scale, base, backend=backend)
+        print(f"checks off, {backend:<9}: NaN rows of post / comb / layer input:",
+              p_n.isnan().all(dim=1).nonzero().flatten().tolist(), c_n.isnan().flatten(1).all(dim=1).nonzero().flatten().tolist(),
+              x_n.float().isnan().all(dim=1).nonzero().flatten().tolist())

@@ -48,8 +48,8 @@ print(describe())
 #
 # One token per request enters as an id and leaves as 512 logits. Inside, every layer runs the same
 # attention prologue, then a ratio-dependent middle (compressor, indexer), then sparse attention over
-# the **window ∪ compressed** candidates with the sink, and mHC around attention and around a small
-# FFN. Shapes below are for T = 4 tokens of the teaching config (H = 16 heads, Hd = 256, M = 4 streams,
+# the **window ∪ compressed** candidates with the sink, and mHC around attention and around the MoE
+# feed-forward (notebook 07: 8 experts, top-2, layer 0 hash-routed). Shapes below are for T = 4 tokens of the teaching config (H = 16 heads, Hd = 256, M = 4 streams,
 # W = 16, K_top = 16); the 512-dim latent head keeps the real byte format.
 
 # %%
@@ -65,7 +65,7 @@ stages = [
     ("inverse RoPE", "o[:, :16, 448:512] rotated by -p"),
     ("grouped o-proj", "(T, 2, 4096) -> wo_a -> (T, 256) -> wo_b -> (T, 256)"),
     ("mHC post + pre (ffn)", "Hs' = post*a + comb^T Hs;  next x"),
-    ("clamped SwiGLU FFN", "x -> (T, 1024) -> silu(min(g,10))*clamp(u,+-10) -> (T, 256)"),
+    ("MoE (8 experts, top-2)", "route -> FP8 stage -> 2 clamped-SwiGLU experts + shared -> (T, 256)"),
     ("... x 4 layers, then", "mHC post; hc_head -> (T, 256); RMSNorm; lm_head -> logits (T, 512)"),
 ]
 fig, ax = plt.subplots(figsize=(11, 6.2))
@@ -98,7 +98,8 @@ print(inspect.getsource(decode.Decoder.attention))
 #
 # ### The compressor
 #
-# The compressed pools are filled by the compressor (`dsv4ref.decode.compressor`, plain torch for now): a
+# The compressed pools are filled by the compressor (the op `dsv4ref.compressor`; `dsv4ref.decode.compressor`
+# is the decode step's compacted view of it, used here): a
 # ring of the last coff·r tokens' (kv, score) per request; at a boundary token ((p+1) % r == 0) a
 # **per-channel** softmax over the window's tokens, with overlap on ratio 4 (the older 4 tokens give
 # channels 0..511, the newer 4 give 512..1023), then RMSNorm; the decoder then rounds the row to bf16,
@@ -121,6 +122,49 @@ for r, layer in ((4, 1), (128, 2)):
     want, _ = decode.reference.compress({k: v.double() for k, v in cw.items()}, r, x.double(), TINY.rms_norm_eps)
     err = float(decode.rel_err(torch.cat(got), want).max())
     print(f"ratio {r:>3}: {len(at)} rows, written at p = {at[:3]} ...; row error vs float64 < 1e-5: {err < 1e-5}")
+
+# %% [markdown]
+# ### The compressor as an op
+#
+# The decode step calls the op directly: `compressor.compress(x, wkv, wgate, ape, norm, state.kv, state.score,
+# requests, positions, ratio=, eps=, valid=)` returns **one row per token** and a `done` flag instead of the
+# completed rows only, so no host sync is needed: the step rotates all T rows and writes them with slot −1
+# where not done. Its Triton path is three launches: a projection GEMM pair (bf16 operands, fp32
+# accumulation) into a workspace, one program per token that gathers a boundary token's window from the
+# workspace or the ring and runs an online per-channel softmax and the RMSNorm, and the ring update, which
+# must come **after** the window reads (a step of more than coff·r tokens overwrites ring rows its own
+# boundaries still read). As plain torch (gathers, `torch.where`, a host sync per layer) the compressor
+# took about a third of a decode step on the H200; the kernels are not re-measured here (the benchmark case
+# is `python -m dsv4ref bench compressor`). The heart of it, the window of one boundary token:
+
+# %%
+from dsv4ref import compressor as compressor_op
+
+src = inspect.getsource(compressor_op.kernels.compress_kernel.fn)  # .fn: the Python function under @triton.jit
+print(src[src.index("    if boundary:"): src.index("    else:")])
+
+# %% [markdown]
+# The Triton kernels (interpreted here) on a 13-token prefill and then single tokens, both ratios, against
+# the float64 whole-sequence oracle (the named tolerance `"compressor"`, `docs/compressor.md`):
+
+# %%
+for r, dim in ((4, 512), (4, 128), (128, 512)):
+    cw = compressor_op.example_inputs(r, dim=dim, hidden=TINY.hidden_size, seed=r, device="cpu")
+    xs = x[:130] if r == 128 else x[:17]
+    state = compressor_op.allocate_state(1, r, dim, device="cpu")
+    got, p0 = [], 0
+    for n in ((128, 1, 1) if r == 128 else (13, 1, 1, 1, 1)):
+        p = torch.arange(p0, p0 + n)
+        rows, done = compressor_op.compress(xs[p0:p0 + n], cw["wkv"], cw["wgate"], cw["ape"], cw["norm"], state.kv,
+                                            state.score, torch.zeros(n, dtype=torch.int64), p, ratio=r,
+                                            eps=TINY.rms_norm_eps, backend="triton")
+        got.append(rows[done])
+        p0 += n
+    want, _ = compressor_op.compress_sequence(xs, cw["wkv"], cw["wgate"], cw["ape"], cw["norm"], ratio=r,
+                                              eps=TINY.rms_norm_eps)
+    rep = decode.rel_err(torch.cat(got), want)
+    print(f"ratio {r:>3}, D = {dim}: {want.shape[0]} rows; Triton vs float64 within 2^-14 per row: "
+          f"{bool((rep <= 2**-14).all())}")
 
 # %% [markdown]
 #
@@ -305,12 +349,15 @@ plt.show()
 def my_post(x, residual, post, comb):
     """new_j = post_j·x + Σ_i comb[j, i]·res_i   <- the bug: should be comb[i, j]"""
     mixed = torch.einsum("tji,tih->tjh", comb.float(), residual.float())
-    return (post.reshape(post.shape[0], -1, 1) * x.float()[:, None] + mixed).to(torch.bfloat16)
+    return (post.reshape(*residual.shape[:2], 1) * x.float()[:, None] + mixed).to(torch.bfloat16)
 
 
 print(conformance.format_report(conformance.run({"mhc.post": my_post}), details=False))
 
 # %% [markdown]
+# The 4-cycle trap and the random combs catch it; a symmetric comb such as the identity cannot, which is
+# why a test with one never finds this bug.
+#
 # And this checkout's own kernels, op by op (the same suite `tests/test_conformance.py` runs):
 
 # %%
