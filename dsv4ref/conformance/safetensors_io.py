@@ -10,7 +10,7 @@ A case's file holds
 * tensors ``inputs.<name>``, ``expected.<name>`` and ``mass.<name>`` (contiguous copies);
 * ``__metadata__``: ``op``, ``case``, ``why``, ``positional`` (a JSON list of argument names passed
   positionally), ``scalars`` (a JSON object of the non-tensor inputs: numbers, booleans, null, small
-  dicts), ``tolerance`` (JSON: output name → {name, mode, atol, rtol, cos}), ``check_values``
+  dicts; a non-finite float as ``{"float": "inf"}``, a dtype as ``{"dtype": "float32"}``), ``tolerance`` (JSON: output name → {name, mode, atol, rtol, cos}), ``check_values``
   ("true" / "false": whether the case runs with the library's value checks on).
 """
 
@@ -26,6 +26,8 @@ from .suite import Case, tolerance_record
 
 
 def _jsonable(v):
+    if isinstance(v, torch.dtype):
+        return {"dtype": str(v).removeprefix("torch.")}  # e.g. {"dtype": "float32"}
     if isinstance(v, float) and not math.isfinite(v):
         return {"float": repr(v)}  # JSON has no inf / nan: spelled out, read back by _from_json
     if isinstance(v, dict):
@@ -38,6 +40,8 @@ def _jsonable(v):
 def _from_json(v):
     if isinstance(v, dict) and set(v) == {"float"}:
         return float(v["float"])
+    if isinstance(v, dict) and set(v) == {"dtype"}:
+        return getattr(torch, v["dtype"])
     if isinstance(v, dict):
         return {k: _from_json(x) for k, x in v.items()}
     if isinstance(v, list):

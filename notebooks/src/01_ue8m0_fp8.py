@@ -489,6 +489,57 @@ for rec in (584, 512):
 # perfectly and only misaligns from page 1 on, which is why `test_wrong_layout_readers_fail` reads
 # slots on several pages, and why the golden test builds a B = 2 page by hand, byte by byte.
 #
+# ## 9b. Holding your own port to the suite
+#
+# Porting starts here. Below is the gather written a second time from this notebook alone, in plain
+# **numpy** — no torch arithmetic, no Triton — the way a port to another backend starts. It is then held to
+# the conformance suite, which runs it on the same adversarial cases the tests use (odd page sizes, −1
+# slots, repeated slots, strided slot views, scale bytes 0 and 255, a cache full of random bytes) and
+# compares what it returns with the reference, under the tolerance each case names. Swap in your XPU or CUDA
+# kernel behind the same signature and the same call holds it to account.
+
+# %%
+import numpy as np
+
+from dsv4ref import conformance
+
+
+def numpy_gather(cache, slots, *, block_size, **unused):
+    """kv_cache.gather from the byte map above, in numpy: returns [S, 512] bf16 (as a torch tensor)."""
+    raw = cache.cpu().numpy()  # uint8 [pages, page_bytes]
+    s = slots.cpu().numpy().astype(np.int64)
+    out = np.zeros((len(s), 512), dtype=np.float32)
+    e4m3 = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float().numpy()  # the 256 codes
+    for i, slot in enumerate(s):
+        if slot < 0:
+            continue  # −1: a zero row
+        page, t = divmod(int(slot), block_size)
+        data = raw[page, 576 * t: 576 * t + 576]
+        scale_bytes = raw[page, 576 * block_size + 8 * t: 576 * block_size + 8 * t + 7].astype(np.int64)
+        scales = np.where(scale_bytes == 255, np.nan, np.ldexp(1.0, scale_bytes - 127)).astype(np.float32)
+        with np.errstate(over="ignore"):  # e4m3 · 2^127 can exceed fp32: inf, as in fp32 arithmetic anywhere
+            out[i, :448] = e4m3[data[:448]] * np.repeat(scales, 64)  # fp32 × fp32, one rounding (E8M0 255: NaN)
+    out = torch.from_numpy(out).to(torch.bfloat16)
+    out[out.isnan()] = float("nan")  # dequantised NaNs: one bit pattern (0x7FC0), whatever sign they came with
+    for i, slot in enumerate(s):  # the RoPE dims are the stored bf16 bits, copied as they are (NaN payloads too)
+        if slot >= 0:
+            page, t = divmod(int(slot), block_size)
+            bits = raw[page, 576 * t + 448: 576 * t + 576].view(np.int16)
+            out[i, 448:] = torch.from_numpy(bits.copy()).view(torch.bfloat16)
+    return out.to(cache.device)
+
+
+rows = conformance.run({"kv_cache.gather": numpy_gather})
+print(f"numpy gather: {sum(r.passed for r in rows)} of {len(rows)} conformance rows PASS")
+for r in rows:
+    print(f"  {r.case:<44} {'PASS' if r.passed else 'FAIL'}")
+
+# %% [markdown]
+# A port that reads the scales with a 584-byte stride, or forgets that byte 255 means NaN, fails named rows
+# here. The same call takes every op at once: `conformance.run({"kv_cache.gather": ..., "kv_cache.insert":
+# ..., "sparse_mla.decode": ...})`, and `python -m dsv4ref conformance --golden golden` replays the frozen
+# golden files (`golden/README.md` shows how to load them from C++).
+#
 # ## 10. Performance
 #
 # Both kernels are pure data movement, so the roofline is memory bandwidth. Per token, the bytes that must

@@ -266,11 +266,13 @@ print(f"top-16 overlap with the float64 indexer over {tot // K} selections: >= 8
 # #17 of `docs/conformance.md`). One does **not**: a transposed comb (#22) barely moves anything here,
 # because the random comb of this model sits near the identity, where comb ≈ combᵀ. That is exactly why
 # the conformance suite has a 4-cycle trap (section 6): an end-to-end check is not a substitute for the
-# op-level ones.
+# op-level ones. We check the first three records (the prefill's last token and two steps): a missing sink
+# scales o by σ(lse − sink), which moves towards 1 as the context, and lse with it, grows, so by the 24th
+# step its error (about 0.11) has shrunk to the size of the FP8 budget.
 
 # %%
 for bug in decode.REFERENCE_BUGS:
-    bad = decode.agreement(TINY, w, recs[-3:], dec.history(), bugs=(bug,))
+    bad = decode.agreement(TINY, w, recs[:3], dec.history(), bugs=(bug,))
     verdict = "caught (FAIL)" if not any(a.passed for a in bad) else "NOT caught (still PASS)"
     print(f"  {bug:<22} {verdict}")
 
