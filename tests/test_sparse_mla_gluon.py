@@ -11,6 +11,7 @@ import math
 
 import pytest
 import torch
+from test_sparse_mla import oracle as portable_oracle
 
 from dsv4ref import kv_cache
 from dsv4ref.device import DEVICE, interpreting
@@ -71,33 +72,10 @@ def setup(T, H, K1, K2=0, bs1=16, bs2=2, pages1=8, pages2=64, seed=0, lengths1=N
 
 
 def oracle(q, pools, sink, scale):
-    """float64 attention over the dequantised rows, one token at a time (docs/sparse_mla.md); also returns
-    mass = Σ p|v| (times the sink factor), the scale of the kernel's rounding error."""
-    T, H, _ = q.shape
-    out = torch.zeros(T, H, 512, dtype=torch.float64)
-    mass = torch.zeros(T, H, 512, dtype=torch.float64)
-    lse = torch.full((T, H), -math.inf, dtype=torch.float64)
-    q64 = q.cpu().double()
-    for t in range(T):
-        rows = []
-        for cache, idx, lens, bs in pools:
-            L = idx.shape[1] if lens is None else int(lens[t])
-            slots = [int(s) for s in idx[t, :L].tolist() if s >= 0]
-            if slots:
-                rows.append(kv_cache.gather(cache, torch.tensor(slots, dtype=torch.int32, device=cache.device),
-                                            block_size=bs, backend="reference").cpu().double())
-        if not rows:
-            continue
-        k = torch.cat(rows)
-        s = scale * q64[t] @ k.T
-        lse[t] = torch.logsumexp(s, dim=1)
-        p = torch.softmax(s, dim=1)
-        o, m = p @ k, p @ k.abs()
-        if sink is not None:
-            f = torch.sigmoid(lse[t] - sink.cpu().double())[:, None]
-            o, m = o * f, m * f
-        out[t], mass[t] = o, m
-    return out, lse, mass
+    """The float64 oracle of tests/test_sparse_mla.py (docs/sparse_mla.md), as (out, lse, mass): mass =
+    Σ p|v| (times the sink factor), the scale of the kernel's rounding error."""
+    out, lse = portable_oracle(q, pools, sink, scale)
+    return out, lse, out.mass
 
 
 def run(q, pools, sink=None, scale=SCALE, num_splits=None):
