@@ -14,6 +14,7 @@ import torch
 
 from dsv4ref import compressor
 from dsv4ref.compressor import reference
+from dsv4ref.device import DEVICE
 from dsv4ref.testing import assert_close, compare, randn
 
 EPS = 1e-6
@@ -21,7 +22,7 @@ HD = 256
 
 
 def _weights(ratio, dim=512, seed=0):
-    return compressor.example_inputs(ratio, dim=dim, hidden=HD, seed=seed, device="cpu")
+    return compressor.example_inputs(ratio, dim=dim, hidden=HD, seed=seed, device=DEVICE)
 
 
 def _run(ratio, plan, *, dim=512, backend="reference", seed=0, state=None, x=None):
@@ -31,8 +32,8 @@ def _run(ratio, plan, *, dim=512, backend="reference", seed=0, state=None, x=Non
     w = _weights(ratio, dim, seed)
     R = len(plan)
     lens = [sum(p) for p in plan]
-    xs = x or [randn((n, HD), seed=seed + 10 + q, device="cpu", block=None, octaves=2) for q, n in enumerate(lens)]
-    st = state or compressor.allocate_state(R, ratio, dim, device="cpu")
+    xs = x or [randn((n, HD), seed=seed + 10 + q, device=DEVICE, block=None, octaves=2) for q, n in enumerate(lens)]
+    st = state or compressor.allocate_state(R, ratio, dim, device=DEVICE)
     got = [[] for _ in range(R)]
     gpos = [[] for _ in range(R)]
     done_at = [0] * R
@@ -40,8 +41,8 @@ def _run(ratio, plan, *, dim=512, backend="reference", seed=0, state=None, x=Non
         req, pos, rows_x = [], [], []
         for q in range(R):
             n = plan[q][s]
-            p = torch.arange(done_at[q], done_at[q] + n)
-            req.append(torch.full((n,), q))
+            p = torch.arange(done_at[q], done_at[q] + n, device=DEVICE)
+            req.append(torch.full((n,), q, device=DEVICE))
             pos.append(p)
             rows_x.append(xs[q][done_at[q]:done_at[q] + n])
             done_at[q] += n
@@ -156,7 +157,7 @@ def test_ring_is_read_before_it_is_overwritten(backend):
 def test_start_is_masked_whatever_the_state_holds(backend):
     """C3: positions before the sequence start are masked by position, not by the state's −inf: a ring full of
     finite garbage gives the same first rows."""
-    st = compressor.allocate_state(1, 4, 512, device="cpu")
+    st = compressor.allocate_state(1, 4, 512, device=DEVICE)
     st.kv.normal_(generator=torch.Generator().manual_seed(3))
     st.score.normal_(generator=torch.Generator().manual_seed(4))
     xs, got, gpos, _, w = _run(4, [[9]], backend=backend, state=st)
@@ -167,11 +168,11 @@ def test_start_is_masked_whatever_the_state_holds(backend):
 def test_padding_rows_are_ignored(backend):
     """C6: a padding row (valid False) completes no row and writes no ring row, even at a boundary position."""
     w = _weights(4)
-    x = randn((9, HD), seed=8, device="cpu", block=None, octaves=2)
-    st = compressor.allocate_state(2, 4, 512, device="cpu")
-    req = torch.tensor([1, 0, 0, 0, 0, 0, 0, 0, 0])
-    pos = torch.tensor([3, 0, 1, 2, 3, 4, 5, 6, 7])
-    valid = torch.tensor([False] + [True] * 8)
+    x = randn((9, HD), seed=8, device=DEVICE, block=None, octaves=2)
+    st = compressor.allocate_state(2, 4, 512, device=DEVICE)
+    req = torch.tensor([1, 0, 0, 0, 0, 0, 0, 0, 0], device=DEVICE)
+    pos = torch.tensor([3, 0, 1, 2, 3, 4, 5, 6, 7], device=DEVICE)
+    valid = torch.tensor([False] + [True] * 8, device=DEVICE)
     rows, done = compressor.compress(x, w["wkv"], w["wgate"], w["ape"], w["norm"], st.kv, st.score, req, pos,
                                      ratio=4, eps=EPS, valid=valid, backend=backend)
     assert done.tolist() == [False] * 4 + [True] + [False] * 3 + [True]
@@ -183,8 +184,8 @@ def test_padding_rows_are_ignored(backend):
 
 def test_strided_x_and_int32_indices():
     """x may be a strided view; requests / positions may be int32."""
-    d = compressor.example_step(4, (9, 4), device="cpu")
-    wide = torch.zeros(d["x"].shape[0], 2 * HD, dtype=torch.bfloat16)
+    d = compressor.example_step(4, (9, 4), device=DEVICE)
+    wide = torch.zeros(d["x"].shape[0], 2 * HD, dtype=torch.bfloat16, device=DEVICE)
     wide[:, ::2] = d["x"]
     d2 = {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in d.items()}
     d2["x"], d2["requests"], d2["positions"] = wide[:, ::2], d["requests"].int(), d["positions"].int()
@@ -195,7 +196,7 @@ def test_strided_x_and_int32_indices():
 
 
 def test_empty_step_leaves_the_state_alone():
-    d = compressor.example_step(128, (0,), device="cpu")
+    d = compressor.example_step(128, (0,), device=DEVICE)
     before = d["state_kv"].clone()
     for backend in ("reference", "triton"):
         rows, done = compressor.compress(**d, backend=backend)
@@ -204,7 +205,7 @@ def test_empty_step_leaves_the_state_alone():
 
 
 def test_bad_arguments_raise():
-    d = compressor.example_step(4, (5,), device="cpu")
+    d = compressor.example_step(4, (5,), device=DEVICE)
 
     def call(**kw):
         return compressor.compress(**(d | kw), backend="reference")
@@ -220,13 +221,13 @@ def test_bad_arguments_raise():
     with pytest.raises(ValueError, match="state_kv"):
         call(state_kv=d["state_kv"][:, :4])
     with pytest.raises(ValueError, match="requests"):
-        call(requests=torch.full((5,), 7))
+        call(requests=torch.full((5,), 7, device=DEVICE))
     with pytest.raises(ValueError, match="positions"):
-        call(positions=torch.tensor([0, 1, 2, -1, 4]))
+        call(positions=torch.tensor([0, 1, 2, -1, 4], device=DEVICE))
     with pytest.raises(ValueError, match="one run"):  # out of order
-        call(positions=torch.tensor([0, 2, 1, 3, 4]))
+        call(positions=torch.tensor([0, 2, 1, 3, 4], device=DEVICE))
     with pytest.raises(ValueError, match="one run"):  # one request split into two runs
-        call(requests=torch.tensor([0, 0, 1, 0, 0]), positions=torch.tensor([0, 1, 0, 2, 3]))
+        call(requests=torch.tensor([0, 0, 1, 0, 0], device=DEVICE), positions=torch.tensor([0, 1, 0, 2, 3], device=DEVICE))
     with pytest.raises(ValueError, match="backend"):
         compressor.compress(**d, backend="gluon")
     with pytest.raises(TypeError, match="launch"):

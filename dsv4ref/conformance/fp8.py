@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from .. import fp8
+from ..device import DEVICE
 from ..testing import generator, randn
 from .suite import Case
 
@@ -66,7 +67,7 @@ def cases() -> list[Case]:
     quant("block128_fp32_3d", randn((2, 3, 256), seed=82, dtype=torch.float32, block=128, octaves=60), 128,
           "fp32 input over 60 octaves, a 3-d shape, the indexer's block of 128")
     quant("block32_fp16_floor0", randn((5, 96), seed=83, dtype=torch.float16, block=32, octaves=20)
-          .index_fill(0, torch.tensor([1]), 0.0), 32,
+          .index_fill(0, torch.tensor([1], device=DEVICE), 0.0), 32,
           "fp16 input, block 32, amax_floor = 0: an all-zero block gets byte 1 (the clamp), not byte 0", floor=0.0)
     quant("column_major_x", _column_major(randn((6, 128), seed=84, octaves=24)), 64,
           "x stored column-major: read by value, not as if contiguous")

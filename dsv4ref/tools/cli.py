@@ -36,6 +36,8 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("op", nargs="*", help="only ops whose name starts with one of these (e.g. kv_cache, rope.apply)")
     b = sub.add_parser("bench", help="time the kernels against this device's measured ceilings (GPU only)")
     b.add_argument("op", nargs="*", help="only ops whose name starts with one of these, in this order")
+    b.add_argument("--ladder", metavar="JSON", help="also write the sparse-MLA ladder (notebook 04) from this run's rows "
+                                                    "to JSON (e.g. benchmarks/sparse_mla_ladder.json)")
     cf = sub.add_parser("conformance", help="the conformance suite: this checkout's kernels (or --reference) on the "
                                             "adversarial cases, or on the stored golden vectors (--golden DIR)")
     cf.add_argument("op", nargs="*", help="only ops whose name starts with one of these")
@@ -120,6 +122,12 @@ def _cmd_bench(args) -> int:
     if not rows:
         print("bench: no case ran", file=sys.stderr)
         return 2
+    if args.ladder:  # the sparse-MLA ladder of notebook 04, from this run's rows
+        from .cases.sparse_mla import write_ladder
+
+        data = write_ladder(args.ladder, command="python -m dsv4ref bench --ladder " + args.ladder, measured=(ceil, rows))
+        pending = [r["key"] for r in data["rungs"] if r["status"] != "measured"]
+        print(f"ladder written to {args.ladder}" + (f"; not measured: {', '.join(pending)}" if pending else ""))
     return 0
 
 

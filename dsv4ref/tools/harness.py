@@ -48,6 +48,10 @@ class BenchCase:
     flops: float = 0.0
     note: str = ""  # how the bytes were counted
     extra: dict = field(default_factory=dict)
+    # the torch reference of the same call, timed beside the kernel under torch.compile: (fn, args) where
+    # fn(*args(i)) computes what run(i) computes. fn is compiled once (static shapes); every input set
+    # has the same shapes, so the sets share one compiled graph.
+    reference: tuple[Callable, Callable[[int], tuple]] | None = None
 
 
 def check(name: str):
@@ -165,9 +169,12 @@ class BenchRow:
     fraction: float  # of the roofline bound
 
 
-def run_benches(only=None, ceilings: Ceilings | None = None, on_row=None) -> tuple[Ceilings, list[BenchRow]]:
+def run_benches(only=None, ceilings: Ceilings | None = None, on_row=None,
+                compile_reference: bool = True) -> tuple[Ceilings, list[BenchRow]]:
     """Time the registered benchmarks. ``only``: an op-name prefix or a list of them (run in that order);
-    ``on_row(row)`` is called as each case finishes, so a long run reports as it goes."""
+    ``on_row(row)`` is called as each case finishes, so a long run reports as it goes. A case that names
+    its ``reference`` is followed by that reference under ``torch.compile`` (``compile_reference=False``
+    skips them)."""
     if interpreting() or DEVICE.type == "cpu":
         raise RuntimeError("benchmarks need a GPU: on the CPU the kernels run in Triton's interpreter")
     if os.environ.get("DSV4REF_BENCH") == "0":  # e.g. nbval on a GPU: run the notebooks, skip their timings
@@ -184,9 +191,36 @@ def run_benches(only=None, ceilings: Ceilings | None = None, on_row=None) -> tup
             except Exception as e:  # one case that fails to compile or run must not hide the others
                 print(f"{case.op} {case.shape}: FAILED {type(e).__name__}: {str(e).splitlines()[0][:200]}")
                 continue
-            s = ms * 1e-3
-            bound = max(case.bytes / ceil.copy_bytes_per_s, case.flops / ceil.bf16_flops_per_s)
-            rows.append(BenchRow(case, ms, case.bytes / s, case.flops / s, bound / s))
+            rows.append(_row(case, ms, ceil))
             if on_row:
                 on_row(rows[-1])
+            if case.reference is not None and compile_reference:
+                try:
+                    ref = compiled_case(case)
+                    rows.append(_row(ref, time_ms(ref.run, ref.n_sets), ceil))
+                except Exception as e:  # the reference not compiling must not hide the kernels' rows
+                    print(f"{case.op}[torch.compile] {case.shape}: FAILED {type(e).__name__}: "
+                          f"{str(e).splitlines()[0][:200] if str(e) else ''}")
+                    continue
+                if on_row:
+                    on_row(rows[-1])
     return ceil, rows
+
+
+def _row(case: BenchCase, ms: float, ceil: Ceilings) -> BenchRow:
+    s = ms * 1e-3
+    bound = max(case.bytes / ceil.copy_bytes_per_s, case.flops / ceil.bf16_flops_per_s)
+    return BenchRow(case, ms, case.bytes / s, case.flops / s, bound / s)
+
+
+def compiled_case(case: BenchCase) -> BenchCase:
+    """The case's torch reference under ``torch.compile`` (same input sets, same byte and FLOP counts), as
+    a case of its own named ``<op>[torch.compile]``. Compiled and run once per set here, outside any timing
+    or graph capture."""
+    fn, args = case.reference
+    cfn = torch.compile(fn, dynamic=False)
+    for i in range(case.n_sets):
+        cfn(*args(i))
+    synchronize()
+    return BenchCase(f"{case.op}[torch.compile]", case.shape, lambda i: cfn(*args(i)), case.n_sets, case.bytes,
+                     case.flops, "the torch reference under torch.compile, same inputs", extra=case.extra)

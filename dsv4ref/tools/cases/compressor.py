@@ -81,4 +81,8 @@ def _bench() -> list[BenchCase]:
                                    note))
             cases.append(BenchCase("compressor.compress (torch reference)", f"r={ratio} R={R} Hd={Hd}, {what}",
                                    run_ref, 1, nbytes, flops, note))
+            cases[-2].reference = (
+                lambda x, p, w=w, st=st, ratio=ratio: compressor.reference.compress(
+                    x, w["wkv"], w["wgate"], w["ape"], w["norm"], st.kv, st.score, req, p, ratio=ratio, eps=EPS),
+                lambda i, x=x, p=p: (x, p))
     return cases

@@ -10,6 +10,7 @@ from ... import indexer as ix
 from ... import validate
 from ...device import DEVICE
 from ...formats import INDEX_HEAD_DIM, index_k_page_bytes
+from ...indexer import reference as ix_reference
 from ...testing import compare, generator, randn
 from ..harness import BenchCase, CheckRow, bench, check
 
@@ -162,4 +163,9 @@ def _bench() -> list[BenchCase]:
             cases.append(BenchCase(f"indexer.logits.{fmt}{suffix}", f"T={T} H={H} n_c={n_c} Bc={Bc}", run, n_sets,
                                    nbytes, flops, note=f"keys {rec} B/key/token + q + w + block table + fp32 logits "
                                                        f"out; launch {launch}"))
+        # the torch reference in fp32 (the float64 oracle would not be a fair speed comparison)
+        cases[-len(variants[fmt])].reference = (
+            lambda q, qs, wo, cache, bt: ix_reference.logits(q, qs, wo, cache, pos, bt, block_size=Bc, n_out=n_c,
+                                                             dtype=torch.float32),
+            lambda i, sets=sets: sets[i])
     return cases

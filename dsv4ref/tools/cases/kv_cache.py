@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from ... import kv_cache
+from ...kv_cache import reference
 from ...device import DEVICE
 from ...formats import HEAD_DIM, TOKEN_BYTES
 from ...testing import compare
@@ -58,10 +59,13 @@ def _bench() -> list[BenchCase]:
         cases += [
             BenchCase("kv_cache.insert", f"S={S} B={B}",
                       lambda i, st=sets: torch.ops.dsv4ref.kv_insert(st[i][0], st[i][1], st[i][2], 64),
-                      n_sets, ins_bytes, note="kv 1024 + slot 8 + cache 584 B/token"),
+                      n_sets, ins_bytes, note="kv 1024 + slot 8 + cache 584 B/token",
+                      reference=(lambda c, kv, s: reference.insert(c, kv, s, block_size=64),
+                                 lambda i, st=sets: st[i][:3])),
             BenchCase("kv_cache.gather", f"S={S} B={B}",
                       lambda i, st=sets: torch.ops.dsv4ref.kv_gather(st[i][0], st[i][2], st[i][3], 64),
-                      n_sets, gat_bytes, note="cache 584 + slot 8 + out 1024 B/row"),
+                      n_sets, gat_bytes, note="cache 584 + slot 8 + out 1024 B/row",
+                      reference=(lambda c, s: reference.gather(c, s, block_size=64), lambda i, st=sets: (st[i][0], st[i][2]))),
         ]
         if S == 65536:
             for tok, warps in INSERT_SHAPES:

@@ -6,6 +6,7 @@ import torch
 
 from ...device import DEVICE, interpreting
 from ...mhc import example_params, example_streams, fused_post_pre, head, post, pre, reference, sinkhorn
+from ...mhc import reference as mhc_reference
 from ...mhc.launch import MhcLaunch, split_fn
 from ...mhc.reference import HC_EPS, POST_MULT, RMS_EPS, SINKHORN_ITERS
 from ...testing import compare, generator, randn
@@ -128,6 +129,12 @@ def _bench() -> list[BenchCase]:
         BenchCase("mhc.head", f"T={T} Hd={Hd}", run_head, n_sets, head_b, flops // 6,
                   "streams read once + fn + output written"),
     ]
+    # the torch references of pre, post, fused post-pre and head, beside them under torch.compile
+    cases[0].reference = (lambda r: mhc_reference.pre(r, fn, scale, base), lambda i: (sets[i][0],))
+    cases[1].reference = (mhc_reference.post, lambda i: sets[i][1::-1] + sets[i][2:4])
+    cases[2].reference = (lambda x, r, p, c: mhc_reference.fused_post_pre(x, r, p, c, fn, scale, base),
+                          lambda i: sets[i][1::-1] + sets[i][2:4])
+    cases[4].reference = (lambda r: mhc_reference.head(r, hfn, hscale, hbase), lambda i: (sets[i][0],))
     for bt in (32, 64):  # tile-size variants of pre: fewer fn re-reads from L2, fewer programs
         launch = MhcLaunch(split_k=False, block_t=bt).encode()
         try:

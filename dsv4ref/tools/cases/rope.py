@@ -7,6 +7,7 @@ import torch
 from ... import kv_cache, rope
 from ...device import DEVICE
 from ...formats import HEAD_DIM, ROPE_DIM, TOKEN_BYTES
+from ...rope import reference as rope_reference
 from ...rope.launch import MH_SWEEP, RopeLaunch, fused
 from ...testing import compare, randn
 from ..harness import BenchCase, CheckRow, bench, check
@@ -105,6 +106,9 @@ def _bench() -> list[BenchCase]:
                         (lambda i, lc=lc: run_fused(i, lc)), n_sets, fused_bytes, note=note,
                         extra={"heads_per_prog": lc.heads_per_prog, "num_warps": lc.warps})
               for lc in MH_SWEEP]
+    cases[0].reference = (lambda q, kv, c, s, p: rope_reference.qnorm_rope_kv_insert(q, kv, c, s, p, table, block_size=B,
+                                                                                     eps=1e-6),
+                          lambda i: sets[i][:5])
     cases.append(BenchCase("rope.three_passes", shape, three, n_sets, fused_bytes,
                            note="same compulsory bytes as fused (actual traffic +2 KiB/token for the kv temp)",
                            extra={"actual_bytes": three_bytes}))

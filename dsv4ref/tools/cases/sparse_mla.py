@@ -130,7 +130,8 @@ def _bench() -> list[BenchCase]:
         cases.append(BenchCase("sparse_mla.fused[split=1]", f"T={T} H={H} K={K} split=1", fused1, len(sets), byts,
                                flops, extra=dims, note="the fused kernel, one program per (token, head block)"))
         cases.append(BenchCase("sparse_mla.fused", shape, fused, len(sets), byts, flops, extra=dims,
-                               note="584+4 B/row + q,out bf16 + lse; FLOP 2·H·K·1024"))
+                               note="584+4 B/row + q,out bf16 + lse; FLOP 2·H·K·1024",
+                               reference=(lambda kw: reference.decode(**kw), lambda i, s=sets: (s[i],))))
         if gluon is not None:
             g = lambda i, s=sets: gluon.decode_gluon(**s[i], scale=scale)  # noqa: E731
             cases.append(BenchCase("sparse_mla.gluon", f"T={T} H={H} K={K}", g, len(sets), byts, flops, extra=dims,
@@ -172,11 +173,12 @@ def ladder(ceil, rows, *, device: str, command: str) -> dict:
                 shapes=shapes, rungs=rungs, others=[])
 
 
-def write_ladder(path=LADDER_PATH, *, device: str = "", command: str = "dsv4ref.tools.cases.sparse_mla.write_ladder()"):
-    """Run every rung's bench case on this GPU and write the ladder file (default
-    ``benchmarks/sparse_mla_ladder.json``); the file's ``others`` (figures from other runs, each with its
-    source) are kept. Returns the content written."""
-    ceil, rows = run_benches("sparse_mla")
+def write_ladder(path=LADDER_PATH, *, device: str = "", command: str = "dsv4ref.tools.cases.sparse_mla.write_ladder()",
+                 measured=None):
+    """Run every rung's bench case on this GPU (or take ``measured`` = ``(ceilings, rows)`` of a bench run
+    that included them) and write the ladder file (default ``benchmarks/sparse_mla_ladder.json``); the
+    file's ``others`` (figures from other runs, each with its source) are kept. Returns the content written."""
+    ceil, rows = measured or run_benches("sparse_mla")
     data = ladder(ceil, rows, device=device or describe(), command=command)
     old = pathlib.Path(path)
     if old.exists():  # figures this run does not measure (torch.compile of the reference) keep their own source
