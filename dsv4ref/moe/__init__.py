@@ -35,8 +35,19 @@ INDEX_DTYPES = (torch.int32, torch.int64)
 
 
 def _checking() -> bool:
-    """Value checks read tensors (a host sync); they are skipped while torch.compile traces."""
-    return not torch.compiler.is_compiling()
+    """Whether the value checks run: they read tensors (ranges, duplicates, non-finite data: a host sync), so
+    they run only while ``DSV4REF_CHECK_VALUES`` is on (the default; read at call time) and never while
+    torch.compile traces. With them off, route / stage / experts do no host sync (a device graph can hold
+    them) and non-finite input follows the written rules of docs/contract.md#moe."""
+    return validate.check_values() and not torch.compiler.is_compiling()
+
+
+def _no_nan(t, name, what):
+    """Value check: no NaN in ``t`` (±inf allowed: it has a meaning there)."""
+    bad = torch.isnan(t)
+    if bool(bad.any()):
+        i = tuple(bad.nonzero()[0].tolist())
+        raise ValueError(f"{name}: NaN at index {i} ({what})")
 
 
 def _check_route(x, gate_weight, bias, k, hash_table, input_ids):
@@ -59,7 +70,12 @@ def _check_route(x, gate_weight, bias, k, hash_table, input_ids):
         if hash_table is not None and _checking():
             validate.index_range(input_ids, "input_ids", hash_table.shape[0])
     validate.same_device(x=x, gate_weight=gate_weight, bias=bias, hash_table=hash_table, input_ids=input_ids)
-    if hash_table is not None and _checking() and T:
+    if not _checking():
+        return
+    validate.finite(x, "x")
+    if hash_table is None:
+        _no_nan(bias, "bias", "a NaN selection bias would pick its expert silently; ±inf is allowed: never / always")
+    if hash_table is not None and T:
         rows = hash_table[input_ids.clamp_min(0).long()]
         validate.index_range(rows, "hash_table", E, allow_minus_one=False)
         srt = rows.sort(dim=-1).values
@@ -92,11 +108,25 @@ def route(x, gate_weight, bias, *, k, routed_scale, hash_table=None, input_ids=N
     Returns:
         ``(ids, weights)``: ids ``[T, K]`` int32 in [0, E) (−1 on padding rows); weights ``[T, K]`` fp32, each
         non-padding row summing to ``routed_scale`` up to rounding (0 for a row whose K scores all underflow).
+    Raises:
+        TypeError / ValueError naming the argument. With value checks on (the default): a NaN or ±inf in ``x``
+        (``"x: non-finite values ..."``), a NaN in ``bias`` (±inf is allowed: never / always selected), a hash
+        row with a repeated or out-of-range id, ``input_ids`` past the table. With ``DSV4REF_CHECK_VALUES=0``
+        nothing is read on the host, and a row whose scores s are not all finite (a NaN / ±inf in its x or in
+        ``gate_weight``), or every row when ``bias`` holds a NaN (not on a hash layer), gets NaN weights (its ids
+        are what the stable sort gives: NaN keys rank first), so the layer's output for it is NaN.
     """
     validate.backend(backend, ROUTE_BACKENDS, auto="reference")
     _check_route(x, gate_weight, bias, k, hash_table, input_ids)
     return reference.route(x, gate_weight, bias, k=k, routed_scale=float(routed_scale), hash_table=hash_table,
                            input_ids=input_ids)
+
+
+def _check_stage_values(hidden):
+    """Value check (checks on): the hidden states are finite (every row is staged, and the shared expert reads
+    every row of x)."""
+    if _checking():
+        validate.finite(hidden, "hidden")
 
 
 def _check_stage(hidden, ids, weights):
@@ -123,9 +153,12 @@ def stage(hidden, ids, weights, *, backend="auto"):
     little-endian int32 (byte 0 = dims [0, 32)), negative when byte 3 ≥ 128.
 
     Args:
-        hidden: ``[T, Hd]`` bf16, any strides, ``Hd % 128 == 0`` (else ValueError).
-        ids: ``[T, K]`` int32/int64 expert ids (−1 = none: copied unchanged).
-        weights: ``[T, K]`` fp32, the same shape as ids (else ValueError).
+        hidden: ``[T, Hd]`` bf16, any strides, ``Hd % 128 == 0`` (else ValueError). Finite while value checks
+            are on (else ``ValueError("hidden: non-finite values ...")`` before any write); with
+            ``DSV4REF_CHECK_VALUES=0`` a 32-group holding a NaN or ±inf is staged as scale byte 255 (E8M0's NaN)
+            and e4m3 bytes 0x7F (0xFF for a non-NaN value with its sign bit set), on every backend.
+        ids: ``[T, K]`` int32/int64 expert ids (−1 = none: copied unchanged, never read as values).
+        weights: ``[T, K]`` fp32, the same shape as ids (else ValueError); any bits (a bit copy).
         backend: ``"auto"`` (= ``"triton"``), ``"triton"`` or ``"reference"``: identical bytes.
     Returns:
         ``(x_fp8, x_sf, ids, weights)``: ``[T, Hd]`` float8_e4m3fn; ``[T, Hd/128]`` int32 (row-major per
@@ -134,6 +167,7 @@ def stage(hidden, ids, weights, *, backend="auto"):
     backend = validate.backend(backend, SUPPORTED_BACKENDS)
     T, Hd, K = _check_stage(hidden, ids, weights)
     if backend == "reference":
+        _check_stage_values(hidden)
         q, sf, i64, w = reference.stage(hidden, ids, weights)
         return q, sf, i64.contiguous(), w.contiguous()
     out = _staged_buffers(T, Hd, K, hidden.device)
@@ -171,6 +205,9 @@ def stage_into(hidden, ids, weights, x_fp8, x_sf, ids_out, weights_out, *, backe
             raise ValueError(f"{name}: expected at least {T} rows and unit stride along dim 1, got shape "
                              f"{tuple(t.shape)} strides {t.stride()}")
     validate.same_device(hidden=hidden, x_fp8=x_fp8, x_sf=x_sf, ids_out=ids_out, weights_out=weights_out)
+    if launch is not None and not isinstance(launch, MoeLaunch):
+        raise TypeError(f"launch: expected a MoeLaunch or None, got {type(launch).__name__}")
+    _check_stage_values(hidden)
     if T == 0:
         return None
     if backend == "reference":
@@ -183,7 +220,7 @@ def stage_into(hidden, ids, weights, x_fp8, x_sf, ids_out, weights_out, *, backe
     return None
 
 
-def _check_experts(x, x_fp8, x_sf, ids, weights, w13, w2, shared_w13, shared_w2, out):
+def _check_experts(x, x_fp8, x_sf, ids, weights, w13, w2, shared_w13, shared_w2, out, launch=None):
     validate.tensor(x, "x", dtype=torch.bfloat16, ndim=2)
     T, Hd = x.shape
     if Hd % STAGE_BLOCK:
@@ -214,9 +251,34 @@ def _check_experts(x, x_fp8, x_sf, ids, weights, w13, w2, shared_w13, shared_w2,
             raise ValueError(f"out: expected unit stride along dim 1, got strides {out.stride()}")
     validate.same_device(x=x, x_fp8=x_fp8, x_sf=x_sf, ids=ids, weights=weights, w13=w13, w2=w2, shared_w13=shared_w13,
                          shared_w2=shared_w2, out=out)
-    if _checking():
+    if launch is not None and not isinstance(launch, MoeLaunch):
+        raise TypeError(f"launch: expected a MoeLaunch or None, got {type(launch).__name__}")
+    if _checking() and T:
         validate.index_range(ids, "ids", E)
+        _check_experts_values(x, x_fp8, x_sf, ids, weights, shared_w13 is not None)
     return T, Hd, K, E
+
+
+def _check_experts_values(x, x_fp8, x_sf, ids, weights, shared):
+    """Value checks (checks on): the weights of the slots that are read (id ≥ 0) finite; no NaN code or NaN
+    scale byte in the staged activations (what :func:`stage` writes for a non-finite group with checks off);
+    x finite where the shared expert reads it. The expert weights are parameters: not read here."""
+    bad = ~torch.isfinite(weights) & (ids >= 0)
+    if bool(bad.any()):
+        t, k = bad.nonzero()[0].tolist()
+        raise ValueError(f"weights: non-finite value {weights[t, k].item()} at ({t}, {k}), a slot of expert "
+                         f"{int(ids[t, k])}")
+    nan_code = (x_fp8.view(torch.uint8) & 0x7F) == 0x7F
+    if bool(nan_code.any()):
+        raise ValueError(f"x_fp8: e4m3 NaN codes (0x7F / 0xFF), the first at {tuple(nan_code.nonzero()[0].tolist())}: "
+                         "a non-finite group staged with value checks off")
+    nan_byte = x_sf.view(torch.uint8) == 255
+    if bool(nan_byte.any()):
+        t, b = nan_byte.nonzero()[0].tolist()
+        raise ValueError(f"x_sf: scale byte 255 (E8M0 NaN) in row {t}, group {b}: a non-finite group staged with "
+                         "value checks off")
+    if shared:
+        validate.finite(x, "x")
 
 
 def experts(x, x_fp8, x_sf, ids, weights, w13, w2, shared_w13=None, shared_w2=None, *, swiglu_limit, out=None,
@@ -245,9 +307,18 @@ def experts(x, x_fp8, x_sf, ids, weights, w13, w2, shared_w13=None, shared_w2=No
         launch: :class:`MoeLaunch`; None = :func:`default_launch`.
     Returns:
         ``[T, Hd]`` bf16 (``out`` when given).
+    Raises:
+        TypeError / ValueError naming the argument, before ``out`` is touched. With value checks on (the
+        default): ids out of range, a non-finite weight of a slot with id ≥ 0, e4m3 NaN codes in ``x_fp8`` or
+        scale byte 255 in ``x_sf``, a NaN / ±inf in ``x`` when the shared expert is given. The expert weights
+        are not value-checked (layer parameters; reading 13 GB per call would double the op's cost).
+        With ``DSV4REF_CHECK_VALUES=0`` nothing is read on the host and every backend does IEEE arithmetic
+        through the formula: a staged NaN group (or a NaN ω) makes its slot's output row NaN, a non-finite x
+        reaches the shared expert's GEMMs as it is, a NaN in an expert's weights reaches every token routed to
+        it; the clamp lets NaN through (as torch's does); every NaN in ``out`` is 0x7FC0.
     """
     backend = validate.backend(backend, SUPPORTED_BACKENDS)
-    T, Hd, K, E = _check_experts(x, x_fp8, x_sf, ids, weights, w13, w2, shared_w13, shared_w2, out)
+    T, Hd, K, E = _check_experts(x, x_fp8, x_sf, ids, weights, w13, w2, shared_w13, shared_w2, out, launch)
     if backend == "reference":
         y = reference.experts(x, x_fp8, x_sf, ids, weights, w13, w2, shared_w13, shared_w2, swiglu_limit=float(swiglu_limit))
         return y if out is None else out.copy_(y)

@@ -2,8 +2,9 @@
 
 Every kernel follows the interpreter-safe rules of :mod:`dsv4ref.tl`: bf16 is read through an int16 view
 and widened to fp32 in integers, all arithmetic is fp32, bf16 is written with integer round-half-even
-(``bf16_rne_bits``), e4m3 with ``e4m3_encode`` and dots go through ``dot`` (fp32 operands when
-interpreting). Strides are element strides. The math is drawn in ``docs/moe.md``.
+(``bf16_rne_bits_nan``: every NaN is 0x7FC0), e4m3 and UE8M0 bytes come from ``e4m3_ue8m0_blocks`` (the
+non-finite policy included), staged bytes are read with ``e4m3_decode`` / ``ue8m0_value`` and dots go through
+``dot`` (fp32 operands when interpreting). Strides are element strides. The math is drawn in ``docs/moe.md``.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ..tl import bf16_rne_bits, dot, e4m3_encode, inv_pow2, pow2, ue8m0_byte
+from ..tl import bf16_rne_bits_nan, dot, e4m3_decode, e4m3_ue8m0_blocks, ue8m0_value
 
 
 @triton.jit
@@ -25,9 +26,69 @@ def widen_bf16(bits):
 #   for each of the 4 groups j of 32 values g:   byte_j = clamp(E(s) + (Mant(s) != 0), 1, 254),
 #                                                s = fp32(max(max|g|, 1e-4) / 448)
 #                                                q = e4m3(clamp(g · 2^(127 − byte_j), ±448))   (RNE)
+#                 a group holding a NaN or ±inf: byte_j = 255, every q = 0x7F (0xFF: a non-NaN with its sign set)
 #   x_sf[t, kb] = int32 bits of byte_0 | byte_1 << 8 | byte_2 << 16 | byte_3 << 24
 #   on the first column block: ids_out[t, :K] = int64(ids[t, :K]) (−1 stays −1), weights_out = bit copy
+# The numerics (scale, encoder, non-finite policy) are the one shared helper e4m3_ue8m0_blocks. The launch
+# choices (MoeLaunch.stage_*) only change how a tile is read and how tiles map to programs, never the bytes:
+#   TILE_LOAD = False: four loads of [BLOCK_T, NB, 32] (group j of every 128-block), one per lane of the word;
+#   TILE_LOAD = True:  one load of the contiguous [BLOCK_T, BLOCK_H] tile (16-byte vectors when the hidden
+#                      stride is 1), seen as [BLOCK_T, BLOCK_H/32, 32] for the group amax;
+#   PERSISTENT: a fixed number of programs walks the tiles with a grid stride (no tail wave), else one
+#               program per (token block, column block);
+#   EVICT / STORE_CACHE: cache hints on the streamed input (eviction_policy) and the outputs (cache_modifier).
 # ----------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _stage_topk(ids_ptr, w_ptr, ids_out_ptr, w_out_ptr, rows, row_ok, r64, K, stride_it, stride_ik, stride_wt,
+                stride_wk, stride_iot, stride_wot, BLOCK_TOPK: tl.constexpr):
+    """The top-k copies of one token block: int64 ids (sign-extended), weight bits unchanged."""
+    k = tl.arange(0, BLOCK_TOPK)
+    mk = row_ok[:, None] & (k < K)[None, :]
+    ids = tl.load(ids_ptr + r64[:, None] * stride_it + k[None, :] * stride_ik, mask=mk)
+    tl.store(ids_out_ptr + r64[:, None] * stride_iot + k[None, :], ids.to(tl.int64), mask=mk)  # sign-extends
+    wb = tl.load(w_ptr + r64[:, None] * stride_wt + k[None, :] * stride_wk, mask=mk)
+    tl.store(w_out_ptr + r64[:, None] * stride_wot + k[None, :], wb, mask=mk)
+
+
+@triton.jit
+def _stage_tile(x_ptr, q_ptr, sf_ptr, T, Hd, tt, th, stride_xt, stride_xh, stride_qt, stride_st,
+                FLOOR: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, TILE_LOAD: tl.constexpr,
+                EVICT: tl.constexpr, STORE_CACHE: tl.constexpr):
+    """Stage tokens [tt·BLOCK_T, +BLOCK_T) × hidden values [th·BLOCK_H, +BLOCK_H): e4m3 bytes and packed words.
+    Returns (rows, row_ok, r64) for the top-k copies."""
+    NB: tl.constexpr = BLOCK_H // 128  # scale words per tile row
+    rows = tt * BLOCK_T + tl.arange(0, BLOCK_T)
+    row_ok = rows < T
+    r64 = rows.to(tl.int64)
+    kb = th * NB + tl.arange(0, NB)  # [NB] 128-block (= scale word) index
+    if TILE_LOAD:
+        col = th * BLOCK_H + tl.arange(0, BLOCK_H)  # [BLOCK_H]
+        m = row_ok[:, None] & (col < Hd)[None, :]
+        bits = tl.load(x_ptr + r64[:, None] * stride_xt + col[None, :].to(tl.int64) * stride_xh, mask=m, other=0,
+                       eviction_policy=EVICT)
+        g = tl.reshape(widen_bf16(bits), (BLOCK_T, NB * 4, 32))  # groups of 32 along the row
+        q, byte = e4m3_ue8m0_blocks(g, FLOOR, 2)  # [BLOCK_T, NB·4, 32] uint8, [BLOCK_T, NB·4] int32
+        tl.store(q_ptr + r64[:, None] * stride_qt + col[None, :], tl.reshape(q, (BLOCK_T, BLOCK_H)), mask=m,
+                 cache_modifier=STORE_CACHE)
+        lane = (8 * tl.arange(0, 4)).to(tl.uint32)
+        word = tl.sum(tl.reshape(byte.to(tl.uint32), (BLOCK_T, NB, 4)) << lane[None, None, :], axis=2)  # disjoint bits
+    else:
+        i = tl.arange(0, 32)
+        word = tl.zeros((BLOCK_T, NB), dtype=tl.uint32)
+        for j in tl.static_range(4):  # the four 32-value groups of each block
+            col = kb[:, None] * 128 + j * 32 + i[None, :]  # [NB, 32]
+            m = row_ok[:, None, None] & (col < Hd)[None, :, :]
+            bits = tl.load(x_ptr + r64[:, None, None] * stride_xt + col[None, :, :].to(tl.int64) * stride_xh, mask=m,
+                           other=0, eviction_policy=EVICT)
+            q, byte = e4m3_ue8m0_blocks(widen_bf16(bits), FLOOR, 2)  # [BLOCK_T, NB, 32] uint8, [BLOCK_T, NB] int32
+            tl.store(q_ptr + r64[:, None, None] * stride_qt + col[None, :, :], q, mask=m, cache_modifier=STORE_CACHE)
+            word = word | (byte.to(tl.uint32) << (8 * j))
+    m_sf = row_ok[:, None] & (kb * 128 < Hd)[None, :]
+    tl.store(sf_ptr + r64[:, None] * stride_st + kb[None, :], word.to(tl.int32, bitcast=True), mask=m_sf,
+             cache_modifier=STORE_CACHE)
+    return rows, row_ok, r64
 
 
 @triton.jit
@@ -42,36 +103,30 @@ def stage_kernel(
     T, Hd, K,
     stride_xt, stride_xh, stride_qt, stride_st, stride_it, stride_ik, stride_wt, stride_wk, stride_iot, stride_wot,
     FLOOR: tl.constexpr,  # 1e-4, the amax floor
-    BLOCK_T: tl.constexpr,  # tokens per program
-    BLOCK_H: tl.constexpr,  # hidden values per program, a multiple of 128
+    BLOCK_T: tl.constexpr,  # tokens per tile
+    BLOCK_H: tl.constexpr,  # hidden values per tile, a multiple of 128
     BLOCK_TOPK: tl.constexpr,  # next_power_of_2(K)
+    TILE_LOAD: tl.constexpr,  # one contiguous [BLOCK_T, BLOCK_H] load instead of four group loads
+    PERSISTENT: tl.constexpr,  # grid-stride loop over the tiles (grid = a fixed number of programs)
+    EVICT: tl.constexpr,  # eviction_policy of the input load: "" or "evict_first"
+    STORE_CACHE: tl.constexpr,  # cache_modifier of the output stores: "" or ".cs" (streaming)
 ):
-    NB: tl.constexpr = BLOCK_H // 128  # scale words per program and row
-    rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
-    row_ok = rows < T
-    r64 = rows.to(tl.int64)
-    kb = tl.program_id(1) * NB + tl.arange(0, NB)  # [NB] 128-block (= scale word) index
-    i = tl.arange(0, 32)
-    word = tl.zeros((BLOCK_T, NB), dtype=tl.uint32)
-    for j in tl.static_range(4):  # the four 32-value groups of each block
-        col = kb[:, None] * 128 + j * 32 + i[None, :]  # [NB, 32]
-        m = row_ok[:, None, None] & (col < Hd)[None, :, :]
-        bits = tl.load(x_ptr + r64[:, None, None] * stride_xt + col[None, :, :].to(tl.int64) * stride_xh, mask=m, other=0)
-        g = widen_bf16(bits)  # [BLOCK_T, NB, 32] fp32
-        byte = ue8m0_byte(tl.max(tl.abs(g), axis=2), FLOOR, 448.0)  # [BLOCK_T, NB] int32 in [1, 254]
-        q = e4m3_encode(g * inv_pow2(byte)[:, :, None])  # × 2^(127 − byte) is exact
-        tl.store(q_ptr + r64[:, None, None] * stride_qt + col[None, :, :], q.to(tl.uint8, bitcast=True), mask=m)
-        word = word | (byte.to(tl.uint32) << (8 * j))
-    m_sf = row_ok[:, None] & (kb * 128 < Hd)[None, :]
-    tl.store(sf_ptr + r64[:, None] * stride_st + kb[None, :], word.to(tl.int32, bitcast=True), mask=m_sf)
-
-    if tl.program_id(1) == 0:  # the top-k copies, once per token
-        k = tl.arange(0, BLOCK_TOPK)
-        mk = row_ok[:, None] & (k < K)[None, :]
-        ids = tl.load(ids_ptr + r64[:, None] * stride_it + k[None, :] * stride_ik, mask=mk)
-        tl.store(ids_out_ptr + r64[:, None] * stride_iot + k[None, :], ids.to(tl.int64), mask=mk)  # sign-extends
-        wb = tl.load(w_ptr + r64[:, None] * stride_wt + k[None, :] * stride_wk, mask=mk)
-        tl.store(w_out_ptr + r64[:, None] * stride_wot + k[None, :], wb, mask=mk)
+    if PERSISTENT:
+        n_h = tl.cdiv(Hd, BLOCK_H)
+        for tile in range(tl.program_id(0), tl.cdiv(T, BLOCK_T) * n_h, tl.num_programs(0)):
+            th = tile % n_h
+            rows, row_ok, r64 = _stage_tile(x_ptr, q_ptr, sf_ptr, T, Hd, tile // n_h, th, stride_xt, stride_xh,
+                                            stride_qt, stride_st, FLOOR, BLOCK_T, BLOCK_H, TILE_LOAD, EVICT, STORE_CACHE)
+            if th == 0:  # the top-k copies, once per token
+                _stage_topk(ids_ptr, w_ptr, ids_out_ptr, w_out_ptr, rows, row_ok, r64, K, stride_it, stride_ik,
+                            stride_wt, stride_wk, stride_iot, stride_wot, BLOCK_TOPK)
+    else:
+        rows, row_ok, r64 = _stage_tile(x_ptr, q_ptr, sf_ptr, T, Hd, tl.program_id(0), tl.program_id(1), stride_xt,
+                                        stride_xh, stride_qt, stride_st, FLOOR, BLOCK_T, BLOCK_H, TILE_LOAD, EVICT,
+                                        STORE_CACHE)
+        if tl.program_id(1) == 0:  # the top-k copies, once per token
+            _stage_topk(ids_ptr, w_ptr, ids_out_ptr, w_out_ptr, rows, row_ok, r64, K, stride_it, stride_ik, stride_wt,
+                        stride_wk, stride_iot, stride_wot, BLOCK_TOPK)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -136,21 +191,24 @@ def gate_up_kernel(
             q = tl.load(xq_ptr + tok[:, None, None] * stride_qt + col, mask=rmask[:, None, None], other=0)
             word = tl.load(xsf_ptr + tok[:, None] * stride_st + k0 // 128 + kb[None, :], mask=rmask[:, None], other=0)
             byte = (word[:, :, None] >> (8 * (kk // 32))[None, None, :]) & 0xFF
-            xv = tl.reshape(q.to(tl.float8e4nv, bitcast=True).to(tl.float32) * pow2(byte), (BLOCK_M, BLOCK_H))
+            # every byte as the formats define it: e4m3 0x7F / 0xFF and scale byte 255 are NaN, byte 0 is 2^-127
+            xv = tl.reshape(e4m3_decode(q) * ue8m0_value(byte), (BLOCK_M, BLOCK_H))
         else:
             bits = tl.load(x_ptr + tok[:, None] * stride_xt + (k0 + kh[None, :]) * stride_xh, mask=rmask[:, None], other=0)
             xv = (bits.to(tl.int32) << 16).to(tl.float32, bitcast=True)  # bf16 bits -> fp32, exactly
-        xb = xv.to(tl.bfloat16)  # exact: e4m3 · 2^k and bf16 values are bf16 values
+        xb = xv.to(tl.bfloat16)  # exact: e4m3 · 2^k and bf16 values are bf16 values (NaN stays NaN)
         acc_a = dot(xb, tl.load(w1 + k0 * stride_wk, mask=wmask, other=0.0), acc_a, DOT_FP32)
         acc_u = dot(xb, tl.load(w3 + k0 * stride_wk, mask=wmask, other=0.0), acc_u, DOT_FP32)
-    a = tl.minimum(acc_a, limit)  # the gate is clamped from above only
-    u = tl.minimum(tl.maximum(acc_u, -limit), limit)
+    # the gate is clamped from above only. Written with compares, not tl.minimum / tl.maximum: compiled, those
+    # return the number when one operand is NaN, and a NaN must go through as torch's clamp lets it
+    a = tl.where(acc_a > limit, limit, acc_a)
+    u = tl.where(acc_u > limit, limit, tl.where(acc_u < -limit, -limit, acc_u))
     ea = tl.exp(-tl.abs(a))  # sigmoid without overflow: exp of a non-positive number
     h = a * tl.where(a >= 0, 1.0 / (1.0 + ea), ea / (1.0 + ea)) * u
     if APPLY_W:
         h = h * tl.load(omega_ptr + slot, mask=rmask, other=0.0)[:, None]  # before w2, as V4 does
     out = h_ptr + rows[:, None].to(tl.int64) * I + n[None, :]
-    tl.store(out, bf16_rne_bits(h).to(tl.int16, bitcast=True), mask=rmask[:, None] & nmask[None, :])
+    tl.store(out, bf16_rne_bits_nan(h).to(tl.int16, bitcast=True), mask=rmask[:, None] & nmask[None, :])
 
 
 @triton.jit
@@ -182,7 +240,7 @@ def down_kernel(
         wv = tl.load(w + k0 * stride_wk, mask=kmask[:, None] & nmask[None, :], other=0.0)
         acc = dot(hv, wv, acc, DOT_FP32)
     out = o_ptr + slot[:, None] * stride_ot + n[None, :]
-    tl.store(out, bf16_rne_bits(acc).to(tl.int16, bitcast=True), mask=rmask[:, None] & nmask[None, :])
+    tl.store(out, bf16_rne_bits_nan(acc).to(tl.int16, bitcast=True), mask=rmask[:, None] & nmask[None, :])
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -215,4 +273,4 @@ def combine_kernel(
         acc += widen_bf16(tl.load(o_ptr + (r64 * K + k)[:, None] * stride_ot + cols[None, :], mask=m, other=0))
     if HAS_SHARED:
         acc += widen_bf16(tl.load(shared_ptr + r64[:, None] * Hd + cols[None, :], mask=ok, other=0))
-    tl.store(out_ptr + r64[:, None] * stride_out + cols[None, :], bf16_rne_bits(acc).to(tl.int16, bitcast=True), mask=ok)
+    tl.store(out_ptr + r64[:, None] * stride_out + cols[None, :], bf16_rne_bits_nan(acc).to(tl.int16, bitcast=True), mask=ok)

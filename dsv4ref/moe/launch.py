@@ -19,6 +19,11 @@ from .kernels import combine_kernel, down_kernel, gate_up_kernel, stage_kernel
 __all__ = ["MoeLaunch", "default_launch", "group_by_expert", "tile_table"]
 
 
+STAGE_LOADS = ("groups", "tile")
+STAGE_CACHE_HINTS = {"": ("", ""), "evict_first": ("evict_first", ""), "stream": ("evict_first", ".cs")}  # load, store
+NOT_POWERS_OF_TWO = ("expert_stages", "stage_load", "stage_programs", "stage_stages", "stage_cache")
+
+
 @dataclass(frozen=True)
 class MoeLaunch:
     """Launch shape of the MoE kernels (powers of two, except ``expert_stages``).
@@ -27,6 +32,15 @@ class MoeLaunch:
         stage_block_t, stage_block_h: tokens and hidden values per staging program (``stage_block_h`` a
             multiple of 128: one packed scale word per 128 values).
         stage_warps: warps per staging program.
+        stage_load: how a staging program reads its tile: ``"groups"`` (four loads of 32-value groups, one per
+            byte of the packed word) or ``"tile"`` (one contiguous [stage_block_t, stage_block_h] load, 16-byte
+            vectors, viewed as groups of 32 for the amax). Same bytes either way.
+        stage_programs: 0 = one staging program per tile; n ≥ 1 = a persistent grid of n programs that walk the
+            tiles with a grid stride (the caller picks n, e.g. a multiple of the SM count: no device query here).
+        stage_stages: software-pipeline stages of the staging kernel (only the persistent loop has a loop to
+            pipeline).
+        stage_cache: cache hints of the staging kernel: ``""`` (none), ``"evict_first"`` (the streamed bf16 input
+            is loaded evict-first) or ``"stream"`` (that, and the outputs are stored with ``.cs``, streaming).
         block_m: slot rows per expert-GEMM program (≥ 16: the smallest ``tl.dot`` on a GPU). Rows of one
             program belong to one expert, so an expert with c slots takes ceil(c / block_m) programs.
         block_n: output columns per expert-GEMM program (intermediate columns in the gate/up GEMM,
@@ -40,6 +54,10 @@ class MoeLaunch:
     stage_block_t: int = 1
     stage_block_h: int = 1024
     stage_warps: int = 4
+    stage_load: str = "groups"
+    stage_programs: int = 0
+    stage_stages: int = 3
+    stage_cache: str = ""
     block_m: int = 16
     block_n: int = 64
     block_h: int = 128
@@ -52,10 +70,15 @@ class MoeLaunch:
 
     def __post_init__(self):
         for f in fields(self):  # (not vars(self).items(): torch.compile cannot trace that on torch 2.11)
-            if f.name != "expert_stages":
+            if f.name not in NOT_POWERS_OF_TWO:
                 validate.power_of_two(getattr(self, f.name), f.name)
-        if self.expert_stages < 1:
-            raise ValueError(f"expert_stages: expected >= 1, got {self.expert_stages}")
+        for name in ("expert_stages", "stage_stages"):
+            validate.integer(getattr(self, name), name, lo=1)
+        validate.integer(self.stage_programs, "stage_programs", lo=0)
+        if self.stage_load not in STAGE_LOADS:
+            raise ValueError(f"stage_load: expected one of {STAGE_LOADS}, got {self.stage_load!r}")
+        if self.stage_cache not in STAGE_CACHE_HINTS:
+            raise ValueError(f"stage_cache: expected one of {tuple(STAGE_CACHE_HINTS)}, got {self.stage_cache!r}")
         for name in ("stage_block_h", "block_h"):
             if getattr(self, name) < STAGE_BLOCK:
                 raise ValueError(f"{name}: expected a multiple of {STAGE_BLOCK}, got {getattr(self, name)}")
@@ -127,29 +150,38 @@ def tile_table(counts: torch.Tensor, offsets: torch.Tensor, block_m: int, n_rows
 # ----------------------------------------------------------------------------------------------------
 
 
-def _stage(hidden, ids, weights, x_fp8, x_sf, ids_out, weights_out, block_t, block_h, num_warps):
+def _stage(hidden, ids, weights, x_fp8, x_sf, ids_out, weights_out, block_t, block_h, num_warps, load, programs,
+           num_stages, cache):
     T, Hd = hidden.shape
     K = ids.shape[1]
     bh = min(block_h, triton.next_power_of_2(Hd))
     wv, wov = weights.view(torch.int32), weights_out.view(torch.int32)
-    stage_kernel[(triton.cdiv(T, block_t), triton.cdiv(Hd, bh))](
+    n_t, n_h = triton.cdiv(T, block_t), triton.cdiv(Hd, bh)
+    grid = (programs,) if programs else (n_t, n_h)  # persistent: `programs` programs walk the n_t·n_h tiles
+    evict, store_cache = STAGE_CACHE_HINTS[cache]
+    stage_kernel[grid](
         hidden.view(torch.int16), x_fp8.view(torch.uint8), x_sf, ids, wv, ids_out, wov, T, Hd, K,
         hidden.stride(0), hidden.stride(1), x_fp8.stride(0), x_sf.stride(0), ids.stride(0), ids.stride(1),
         wv.stride(0), wv.stride(1), ids_out.stride(0), wov.stride(0),
-        FLOOR=STAGE_AMAX_FLOOR, BLOCK_T=block_t, BLOCK_H=bh, BLOCK_TOPK=triton.next_power_of_2(K), num_warps=num_warps)
+        FLOOR=STAGE_AMAX_FLOOR, BLOCK_T=block_t, BLOCK_H=bh, BLOCK_TOPK=triton.next_power_of_2(K),
+        TILE_LOAD=load == "tile", PERSISTENT=programs > 0, EVICT=evict, STORE_CACHE=store_cache,
+        num_warps=num_warps, num_stages=num_stages)
 
 
 @torch.library.custom_op("dsv4ref::moe_stage", mutates_args=("x_fp8", "x_sf", "ids_out", "weights_out"))
 def moe_stage_op(hidden: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, x_fp8: torch.Tensor, x_sf: torch.Tensor,
-                 ids_out: torch.Tensor, weights_out: torch.Tensor, block_t: int, block_h: int, num_warps: int) -> None:
+                 ids_out: torch.Tensor, weights_out: torch.Tensor, block_t: int, block_h: int, num_warps: int, load: str,
+                 programs: int, num_stages: int, cache: str) -> None:
     """Rows [0, T) of the four output buffers (which may have more rows: those stay as they are). ``x_fp8``
     is passed as its uint8 bytes (torch has no arithmetic on fp8 tensors, which op checks need)."""
     if hidden.shape[0]:
-        _stage(hidden, ids, weights, x_fp8, x_sf, ids_out, weights_out, block_t, block_h, num_warps)
+        _stage(hidden, ids, weights, x_fp8, x_sf, ids_out, weights_out, block_t, block_h, num_warps, load, programs,
+               num_stages, cache)
 
 
 @moe_stage_op.register_fake
-def _(hidden, ids, weights, x_fp8, x_sf, ids_out, weights_out, block_t, block_h, num_warps):
+def _(hidden, ids, weights, x_fp8, x_sf, ids_out, weights_out, block_t, block_h, num_warps, load, programs, num_stages,
+      cache):
     return None
 
 
@@ -197,7 +229,7 @@ def _experts(x, x_fp8, x_sf, ids, weights, w13, w2, shared_w13, shared_w2, out, 
     if shared_w13 is not None:  # the shared expert: one "expert" that every token uses with ω = 1, on bf16 x
         shared = torch.empty(T, Hd, dtype=torch.bfloat16, device=x.device)
         tokens = torch.arange(T, device=x.device)
-        both = torch.tensor([0, T], device=x.device)
+        both = torch.arange(0, 2 * T, T, device=x.device)  # [0, T] made on the device (torch.tensor would copy from the host)
         _mlp(x, xq, x_sf, tokens, both[1:], both, omega, shared_w13[None], shared_w2[None], shared, 1, False, limit, launch)
     ov = out.view(torch.int16)
     bh = min(launch.combine_block_h, triton.next_power_of_2(Hd))
@@ -229,7 +261,8 @@ def _(x, x_fp8, x_sf, ids, weights, w13, w2, shared_w13, shared_w2, out, swiglu_
 
 def stage_op_args(launch: MoeLaunch) -> tuple:
     """The launch fields of ``dsv4ref::moe_stage``, in schema order."""
-    return launch.stage_block_t, launch.stage_block_h, launch.stage_warps
+    return (launch.stage_block_t, launch.stage_block_h, launch.stage_warps, launch.stage_load, launch.stage_programs,
+            launch.stage_stages, launch.stage_cache)
 
 
 def experts_op_args(launch: MoeLaunch) -> tuple[int, ...]:

@@ -17,6 +17,8 @@ Staging (the mega-MoE input contract, per token and 32-value group g of the hidd
     byte_g   = ceil(log2(max(amax_g, 1e-4) / 448)) + 127        exact, from the fp32 bits
     x_fp8    = e4m3(clamp(x · 2^(127 − byte_g), ±448))           round to nearest, ties to even
     x_sf[kb] = int32 whose little-endian bytes are the 4 group bytes of 128-block kb (may be negative)
+    a group holding a NaN or ±inf: byte_g = 255 (E8M0's NaN), e4m3 bytes 0x7F (0xFF: a non-NaN with its
+    sign bit set), fp8.quantize_ue8m0's rule (value checks off; with them on, the public stage raises)
 
 One routed slot (token t, slot k, expert e = ids[t, k] ≥ 0, weight ω = w[t, k])::
 
@@ -81,7 +83,10 @@ def scores(z: torch.Tensor) -> torch.Tensor:
 
 def route(x, gate_weight, bias, *, k, routed_scale, hash_table=None, input_ids=None, dtype=torch.float32):
     """``(ids [T, K] int32, weights [T, K] dtype)``; rows whose ``input_ids`` is −1 are padding (ids −1,
-    weights 0). ``bias`` is not read on a hash-routed layer (``hash_table`` given)."""
+    weights 0). ``bias`` is not read on a hash-routed layer (``hash_table`` given).
+
+    Non-finite input (reached only with value checks off): a row whose scores s are not all finite, or every
+    row when a bias entry is NaN, gets NaN weights (its ids: the stable sort's order, NaN keys first)."""
     z = x.to(dtype) @ gate_weight.to(dtype).T  # [T, E]: the gate GEMM, in fp32 for the backend
     s = scores(z)
     if hash_table is not None:
@@ -91,6 +96,10 @@ def route(x, gate_weight, bias, *, k, routed_scale, hash_table=None, input_ids=N
         ids = torch.sort(s + bias.to(dtype), dim=-1, descending=True, stable=True).indices[:, :k]
     w = s.gather(1, ids)  # unbiased scores
     w = w / w.sum(dim=-1, keepdim=True).clamp_min(WEIGHT_SUM_FLOOR) * routed_scale
+    bad = ~torch.isfinite(s).all(dim=-1)  # NaN / inf scores: the row's weights are NaN, never plausible numbers
+    if hash_table is None:
+        bad = bad | torch.isnan(bias).any()  # (device ops only: no host sync)
+    w = w.masked_fill(bad[:, None], math.nan)
     ids = ids.to(torch.int32)
     if input_ids is not None:
         pad = (input_ids < 0)[:, None]
@@ -113,9 +122,10 @@ def stage(hidden, ids, weights):
 
 
 def dequantize_staged(x_fp8, x_sf, dtype=torch.float32):
-    """x̂ = e4m3 value · 2^(byte − 127) per 32-group: exact in fp32 (and in bf16)."""
+    """x̂ = e4m3 value · 2^(byte − 127) per 32-group: exact in fp32 (and in bf16). Every byte as the formats
+    define it: e4m3 0x7F / 0xFF and scale byte 255 are NaN, scale byte 0 is 2^-127."""
     byte = (x_sf[..., None].to(torch.int64) >> (8 * torch.arange(STAGE_GROUPS, device=x_sf.device))) & 0xFF
-    scale = fp8.pow2(rearrange(byte, "t b j -> t (b j)")).to(dtype)  # [T, Hd/32]
+    scale = fp8.ue8m0_value(rearrange(byte, "t b j -> t (b j)")).to(dtype)  # [T, Hd/32]
     q = rearrange(x_fp8.view(torch.float8_e4m3fn).to(dtype), "t (g i) -> t g i", i=STAGE_GROUP)
     return rearrange(q * scale[..., None], "t g i -> t (g i)")
 
@@ -160,7 +170,7 @@ def experts(x, x_fp8, x_sf, ids, weights, w13, w2, shared_w13, shared_w2, *, swi
             y.index_add_(0, tok, o)  # accumulates repeated indices; `y[tok] += o` would drop one
     if shared_w13 is not None:
         y += expert_mlp(x, shared_w13, shared_w2, torch.ones(T, device=x.device), swiglu_limit, dtype, mass=mass)
-    return y if dtype == torch.float64 else y.to(torch.bfloat16)
+    return y if dtype == torch.float64 else fp8.canonical_nan(y.to(torch.bfloat16))  # NaN: 0x7FC0 everywhere
 
 
 def forward(x, gate_weight, bias, w13, w2, shared_w13, shared_w2, *, k, routed_scale, swiglu_limit, hash_table=None,

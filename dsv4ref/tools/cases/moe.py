@@ -1,7 +1,8 @@
 """``python -m dsv4ref check moe`` / ``bench moe``: the MoE's check rows and benchmark cases.
 
 Checks run on any device (tiny shapes, so the interpreter finishes in seconds). Benchmarks, at V4-Flash
-size (Hd 4096, E 256, K 6, I 2048): the staging kernel at T = 4096 against copy bandwidth, and the expert
+size (Hd 4096, E 256, K 6, I 2048): the staging kernel at T = 4096 against copy bandwidth (beside two
+``copy_`` calls moving the same bytes, timed the same way: the part of the gap a copy of that size has too), and the expert
 kernels at T = 64 (decode: bound by the expert weights read) and T = 4096 (prefill: bound by the FLOPs),
 each beside torch eager and ``torch.compile`` of the reference on the same inputs.
 """
@@ -10,12 +11,12 @@ from __future__ import annotations
 
 import torch
 
-from ... import moe
+from ... import moe, validate
 from ...device import DEVICE
 from ...formats import STAGE_BLOCK
 from ...moe import reference
 from ...moe.launch import experts_op_args, stage_op_args
-from ...testing import compare, generator
+from ...testing import compare, generator, randn
 from ..harness import BenchCase, CheckRow, bench, check
 
 WORKED = [  # gate logits z (E = 8, K = 2, scale 1.5), bias entries, expected ids and weights
@@ -49,16 +50,20 @@ def _check_route() -> list[CheckRow]:
 @check("moe.stage")
 def _check_stage() -> list[CheckRow]:
     rows = []
-    for T, Hd, K, strided in [(37, 512, 6, False), (5, 256, 3, True)]:
+    for T, Hd, K, strided, nonfinite in [(37, 512, 6, False, False), (5, 256, 3, True, False), (9, 512, 6, False, True)]:
         d = moe.example_inputs(T, moe.TINY_MOE, seed=T, octaves=24)
         x = torch.cat([d["x"]] * (Hd // moe.TINY_MOE.hidden), dim=1)
         if strided:
             x = torch.cat([x, x], dim=1)[:, ::2]
+        if nonfinite:  # NaN / ±inf groups in lanes 0..3 of the packed words: byte 255, codes 0x7F / 0xFF
+            for t, h, v in ((1, 3, "nan"), (2, 39, "inf"), (3, 65, "-inf"), (4, 255, "-nan"), (8, 300, "inf")):
+                x[t, h] = float(v)
         ids = torch.randint(-1, 256, (T, K), generator=generator(T)).to(torch.int32).to(DEVICE)
         w = torch.rand(T, K, generator=generator(T + 1)).to(DEVICE)
-        got = moe.stage(x, ids, w, backend="triton")
-        want = moe.stage(x, ids, w, backend="reference")
-        shape = f"T={T} Hd={Hd} K={K}" + (" strided" if strided else "")
+        with validate.checking_values(not nonfinite):
+            got = moe.stage(x, ids, w, backend="triton")
+            want = moe.stage(x, ids, w, backend="reference")
+        shape = f"T={T} Hd={Hd} K={K}" + (" strided" if strided else "") + (" NaN/inf, checks off" if nonfinite else "")
         for name, g, r in zip(("x_fp8", "x_sf", "ids", "weights"), got, want):
             rows.append(CheckRow("moe.stage", f"{shape} {name}", compare(g, r, "exact", name)))
     return rows
@@ -103,26 +108,61 @@ def _check_forward() -> list[CheckRow]:
 # ----------------------------------------------------------------------------------------------------
 
 
-@bench("moe.stage")
-def _bench_stage() -> list[BenchCase]:
-    """T = 4096 tokens, Hd = 4096, K = 6; four input sets of 32 MB hidden + 16 MB fp8 out rotate."""
-    T, Hd, K, n_sets = 4096, 4096, 6, 4
+STAGE_BENCH = (4096, 4096, 6, 4)  # T, Hd, K, input sets: 4 × (32 MB in + 16.5 MB out), past the H200's 60 MB L2
+
+
+def stage_bytes(T: int, Hd: int, K: int) -> int:
+    """Compulsory bytes of one staging call: x 2 B + e4m3 1 B + scale 1/32 B per value; ids and weights read
+    (4 + 4 B) and written (8 + 4 B) per slot."""
+    return T * (Hd * 2 + Hd + Hd // STAGE_BLOCK * 4 + K * (4 + 4 + 8 + 4))
+
+
+def stage_sets(T: int, Hd: int, K: int, n_sets: int) -> list[tuple]:
+    """``n_sets`` argument tuples of ``dsv4ref::moe_stage`` (before the launch fields): x bf16 [T, Hd] with a
+    power-of-two scale per 32-group over 16 octaves (so the scale bytes vary as in a model), int32 ids, fp32
+    weights, and the four output buffers (x_fp8 as uint8)."""
     sets = []
-    for _ in range(n_sets):
-        x = torch.randn(T, Hd, device=DEVICE, dtype=torch.bfloat16)
+    for i in range(n_sets):
+        x = randn((T, Hd), seed=100 + i, block=STAGE_BLOCK // 4, octaves=16)
         ids = torch.randint(0, 256, (T, K), device=DEVICE, dtype=torch.int32)
         w = torch.rand(T, K, device=DEVICE)
         out = (torch.empty(T, Hd, dtype=torch.uint8, device=DEVICE), torch.empty(T, Hd // STAGE_BLOCK, dtype=torch.int32, device=DEVICE),
                torch.empty(T, K, dtype=torch.int64, device=DEVICE), torch.empty(T, K, dtype=torch.float32, device=DEVICE))
         sets.append((x, ids, w, *out))
+    return sets
+
+
+def same_size_copies(T: int, Hd: int, K: int, n_sets: int) -> list[BenchCase]:
+    """Two ``copy_`` baselines moving what staging moves, timed the same way (graph replay, sets rotated):
+    ``bf16 -> e4m3``: x [T, Hd] bf16 into an e4m3 [T, Hd] (reads 2 B, writes 1 B per value: staging's bulk traffic
+    and its 2:1 read/write split, with torch's conversion instead of the scale search); ``uint8``: a byte copy
+    of stage_bytes / 2 (the same total bytes, read = written). Against the 512 MiB copy ceiling they show how
+    much a copy of this size loses to launch and tail alone."""
+    src = [torch.randn(T, Hd, device=DEVICE, dtype=torch.bfloat16) for _ in range(n_sets)]
+    dst = [torch.empty(T, Hd, device=DEVICE, dtype=torch.float8_e4m3fn) for _ in range(n_sets)]
+    n = stage_bytes(T, Hd, K) // 2
+    usrc = [torch.empty(n, device=DEVICE, dtype=torch.uint8) for _ in range(n_sets)]
+    udst = [torch.empty_like(u) for u in usrc]
+    shape = f"T={T} Hd={Hd} K={K}"
+    return [BenchCase("moe.stage[same-size copy bf16->e4m3]", shape, lambda i: dst[i].copy_(src[i]), n_sets, T * Hd * 3,
+                      note="torch copy_ with conversion: 2 B read + 1 B written per value"),
+            BenchCase("moe.stage[same-size copy uint8]", shape, lambda i: udst[i].copy_(usrc[i]), n_sets, 2 * n,
+                      note="torch copy_ of stage_bytes / 2 bytes: the same total traffic as staging")]
+
+
+@bench("moe.stage")
+def _bench_stage() -> list[BenchCase]:
+    """The default launch at T = 4096, Hd = 4096, K = 6 (four input sets rotate), and the same-size copies."""
+    T, Hd, K, n_sets = STAGE_BENCH
+    sets = stage_sets(T, Hd, K, n_sets)
     launch = moe.default_launch(T, K, 256)
-    nbytes = T * (Hd * 2 + Hd + Hd // STAGE_BLOCK * 4 + K * (4 + 4 + 8 + 4))
 
     def run(i):
         torch.ops.dsv4ref.moe_stage(*sets[i], *stage_op_args(launch))
 
-    return [BenchCase("moe.stage", f"T={T} Hd={Hd} K={K}", run, n_sets, nbytes,
-                      note="x 2 B + fp8 1 B + scales 1/32 B per value; ids/weights in and out")]
+    return [BenchCase("moe.stage", f"T={T} Hd={Hd} K={K}", run, n_sets, stage_bytes(T, Hd, K),
+                      note="x 2 B + fp8 1 B + scales 1/32 B per value; ids/weights in and out")] + \
+        same_size_copies(T, Hd, K, n_sets)
 
 
 def flash_weights():
