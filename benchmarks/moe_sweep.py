@@ -26,6 +26,7 @@ import time
 import torch
 
 import dsv4ref
+from dsv4ref.device import sm_count
 from dsv4ref import moe, validate
 from dsv4ref.moe import reference
 from dsv4ref.moe.launch import experts_op_args, stage_op_args
@@ -115,7 +116,7 @@ def sweep_stage():
             L2 = dataclasses.replace(L, stage_cache=cache)
             run(name(L2), L2)
     print("C. persistent grid on the two fastest", flush=True)
-    sms = torch.cuda.get_device_properties(dev).multi_processor_count
+    sms = sm_count(dev)
     for L in fastest(2):
         for per_sm in (1, 2, 4, 8):
             for stages in (1, 3):

@@ -7,7 +7,9 @@
 # wheels in .whl/ (see benchmarks/RESULTS.md for the command that fetches them) and is installed to /tmp/site.
 #
 #   device run:  bash scripts/gpu-check.sh            (carry: [".whl"])
-#   env knobs:   STAGES="unit nbval check bench memcheck"   BENCH_OP="indexer sparse_mla"   MEMCHECK_TESTS=tests/test_kv_cache.py
+#   stages:      unit nbval check bench memcheck, moe_sweep and gluon_sweep (benchmarks/*.py),
+#                decode (the demo eager and graphed), probe (PROBE=script)
+#   env knobs:   STAGES="unit nbval check bench memcheck"   UNIT_TESTS="tests/test_moe.py ..."   BENCH_OP="indexer sparse_mla"   MEMCHECK_TESTS=tests/test_kv_cache.py
 #                LIMIT_UNIT=420 LIMIT_NBVAL=420 LIMIT_CHECK=300 LIMIT_BENCH=420 LIMIT_MEMCHECK=420 (seconds per stage)
 #   nbval runs with DSV4REF_BENCH=0: the notebooks' benchmark cells (ignored by nbval) skip their timings.
 set -uo pipefail
@@ -45,15 +47,24 @@ stage() {  # stage NAME LIMIT_S COMMAND...
   echo "$name rc=$rc ${dt}s"
 }
 
+# The GPU image has no notebook stack unless .whl/ brought it: skip the tests that need jupytext / jupyter.
+NB_SKIP=""
+python3 -c "import jupytext" 2>/dev/null || NB_SKIP="--ignore=tests/test_lab.py --deselect tests/test_project.py::test_notebooks_match_their_sources"
+
 for s in $STAGES; do
   case $s in
-    unit)     stage unit ${LIMIT_UNIT:-420} python3 -m pytest tests -q -o addopts="" -p no:cacheprovider -n ${WORKERS:-8} --dist loadscope ;;
+    unit)     stage unit ${LIMIT_UNIT:-420} python3 -m pytest ${UNIT_TESTS:-tests} -v -o addopts="" -p no:cacheprovider -p no:benchmark \
+                -n ${WORKERS:-8} --dist loadfile --tb=short -rfE $NB_SKIP ;;
+    moe_sweep)   stage moe_sweep ${LIMIT_MOE_SWEEP:-150} python3 benchmarks/moe_sweep.py ;;
+    gluon_sweep) stage gluon_sweep ${LIMIT_GLUON_SWEEP:-240} python3 benchmarks/sparse_mla_gluon.py ;;
+    decode)   stage decode ${LIMIT_DECODE:-120} python3 -m dsv4ref demo --steps 16 --graph ;;
     nbval)    DSV4REF_BENCH=0 stage nbval ${LIMIT_NBVAL:-420} python3 -m pytest notebooks -q -o addopts="" -p no:cacheprovider --nbval --nbval-current-env \
                 --nbval-sanitize-with notebooks/nbval_sanitize.cfg --nbval-cell-timeout 300 -n 4 --dist loadscope ;;
     check)    stage check ${LIMIT_CHECK:-300} python3 -m dsv4ref check ;;
-    bench)    TAIL=60 stage bench ${LIMIT_BENCH:-420} python3 -m dsv4ref bench ${BENCH_OP:-} ;;
-    memcheck) stage memcheck ${LIMIT_MEMCHECK:-420} compute-sanitizer --tool memcheck --print-limit 20 python3 -m pytest ${MEMCHECK_TESTS:-tests} \
-                -q -x -o addopts="" -p no:cacheprovider ;;
+    bench)    TAIL=60 stage bench ${LIMIT_BENCH:-420} python3 -m dsv4ref bench --ladder "$OUT/sparse_mla_ladder.json" ${BENCH_OP:-} ;;
+    probe)    stage probe ${LIMIT_PROBE:-60} python3 ${PROBE:-scripts/probe.py} ;;
+    memcheck) stage memcheck ${LIMIT_MEMCHECK:-420} compute-sanitizer --tool memcheck --print-limit 20 --error-exitcode 3 \
+                python3 -m pytest ${MEMCHECK_TESTS:-tests} -q -o addopts="" -p no:cacheprovider -p no:benchmark $NB_SKIP ;;
   esac
 done
 cat "$REPORT"

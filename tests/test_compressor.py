@@ -158,8 +158,8 @@ def test_start_is_masked_whatever_the_state_holds(backend):
     """C3: positions before the sequence start are masked by position, not by the state's −inf: a ring full of
     finite garbage gives the same first rows."""
     st = compressor.allocate_state(1, 4, 512, device=DEVICE)
-    st.kv.normal_(generator=torch.Generator().manual_seed(3))
-    st.score.normal_(generator=torch.Generator().manual_seed(4))
+    st.kv.copy_(torch.randn(st.kv.shape, generator=torch.Generator().manual_seed(3)))
+    st.score.copy_(torch.randn(st.score.shape, generator=torch.Generator().manual_seed(4)))
     xs, got, gpos, _, w = _run(4, [[9]], backend=backend, state=st)
     _check_against_oracle(xs, got, gpos, w, 4)
 

@@ -78,7 +78,7 @@ def rotate_gptj_kernel(
         s = -s
     even = (j % 2 == 0)[None, :]
     # even d: e·c − o·s ; odd d: o·c + e·s (= e·s + o·c). Two rounded products and one add.
-    r = x * c + tl.where(even, -(y * s), y * s)
+    r = tl.where(even, x * c - y * s, x * c + y * s)  # subtract: compiled, −(v) is 0 − v (loses a −0)
     dst = out_ptr + rows[:, None] * D + col[None, :]
     if IS_BF16:
         tl.store(dst, bf16_rne_bits_nan(r).to(tl.int16, bitcast=True), mask=ok)
@@ -104,7 +104,7 @@ def _kv_record(kv_ptr, cache_ptr, t, slot, trow, kv_stride, page_stride, block_s
     p = ((tl.load(row + 448 + (j ^ 1)).to(tl.int32) & 0xFFFF) << 16).to(tl.float32, bitcast=True)
     ck = tl.load(trow + j // 2)
     sk = tl.load(trow + 32 + j // 2)
-    rk = e * ck + tl.where(j % 2 == 0, -(p * sk), p * sk)
+    rk = tl.where(j % 2 == 0, e * ck - p * sk, e * ck + p * sk)
     rb = bf16_rne_bits_nan(rk).to(tl.int32)
     one = tl.zeros([1], dtype=tl.int64)  # scalars -> [1] tiles; the RoPE words go out as byte pairs
     kv_record(cache_ptr, cache_ptr, row + one, slot + one, rb[None, :], block_size, page_stride, 1, False)
@@ -230,7 +230,9 @@ def qnorm_rope_kv_insert_kernel(
             c = tl.load(trow + i, mask=is_rope, other=1.0)
             s = tl.load(trow + _HALF + i, mask=is_rope, other=0.0)
             partner = ((tl.load(head + (d ^ 1)).to(tl.int32) & 0xFFFF) << 16).to(tl.float32, bitcast=True) * rr
-            rot = xn * c + tl.where(d % 2 == 0, -(partner * s), partner * s)
+            # even dims subtract: compiled Triton negates −(v) as 0 − v, so x·c + (−(+0)) would give +0 where
+            # the reference's x·c − y·s gives −0 (seen on the H200 with a zeroed row)
+            rot = tl.where(d % 2 == 0, xn * c - partner * s, xn * c + partner * s)
             y = tl.where(is_rope, rot, xn)
             tl.store(head + d, bf16_rne_bits_nan(y).to(tl.int16, bitcast=True))
     else:
