@@ -12,7 +12,6 @@ from __future__ import annotations
 import torch
 
 from .. import fp8
-from ..device import DEVICE
 from ..testing import generator, randn
 from .suite import Case
 
@@ -64,26 +63,26 @@ def cases() -> list[Case]:
     quant("block64_hard_blocks", hard, 64,
           "amax = 448·2^k gets byte 127 + k, not 128 + k (#3); all-zero / −0 blocks byte 105 (−0 codes 0x80); "
           "tiny blocks become e4m3 subnormals; ±449 saturates to ±448")
-    quant("block128_fp32_3d", randn((2, 3, 256), seed=82, dtype=torch.float32, block=128, octaves=60), 128,
+    quant("block128_fp32_3d", randn((2, 3, 256), seed=82, dtype=torch.float32, block=128, octaves=60, device="cpu"), 128,
           "fp32 input over 60 octaves, a 3-d shape, the indexer's block of 128")
-    quant("block32_fp16_floor0", randn((5, 96), seed=83, dtype=torch.float16, block=32, octaves=20)
-          .index_fill(0, torch.tensor([1], device=DEVICE), 0.0), 32,
+    quant("block32_fp16_floor0", randn((5, 96), seed=83, dtype=torch.float16, block=32, octaves=20, device="cpu")
+          .index_fill(0, torch.tensor([1]), 0.0), 32,
           "fp16 input, block 32, amax_floor = 0: an all-zero block gets byte 1 (the clamp), not byte 0", floor=0.0)
-    quant("column_major_x", _column_major(randn((6, 128), seed=84, octaves=24)), 64,
+    quant("column_major_x", _column_major(randn((6, 128), seed=84, octaves=24, device="cpu")), 64,
           "x stored column-major: read by value, not as if contiguous")
     quant("empty_rows", torch.zeros(0, 3, 128, dtype=torch.bfloat16), 64, "no rows: empty q and scale, nothing launched")
-    x = randn((3, 256), seed=85, dtype=torch.float32, octaves=24)
+    x = randn((3, 256), seed=85, dtype=torch.float32, octaves=24, device="cpu")
     x[0, 5], x[0, 64 + 9], x[0, 192 + 1], x[1, 2], x[2, 255] = float("nan"), float("inf"), -float("inf"), -float("nan"), 448.0
     quant("nonfinite_checks_off", x, 64,
           "value checks off: a block holding NaN / ±inf is scale byte 255 and e4m3 NaN codes 0x7F (0xFF for a set sign "
           "bit); the other blocks of the row are unaffected", check_values=False)
-    quant("block1", randn((2, 16), seed=86, dtype=torch.float32, octaves=30), 1,
+    quant("block1", randn((2, 16), seed=86, dtype=torch.float32, octaves=30, device="cpu"), 1,
           "one value per scale: every value lands in (224, 448] after scaling")
 
     # ---- dequantize_ue8m0 -------------------------------------------------------------------------------
     q, s = fp8.quantize_ue8m0(hard, 64, backend="reference")
     dequant("block64_bf16_of_quantised", q, s, 64, torch.bfloat16, "the round trip: exact in bf16")
-    q, s = fp8.quantize_ue8m0(randn((2, 3, 256), seed=87, dtype=torch.float32, block=128, octaves=60), 128,
+    q, s = fp8.quantize_ue8m0(randn((2, 3, 256), seed=87, dtype=torch.float32, block=128, octaves=60, device="cpu"), 128,
                               backend="reference")
     dequant("block128_fp32_3d", q, s, 128, torch.float32, "exact in fp32 over 60 octaves")
     codes = torch.arange(256, dtype=torch.int64).to(torch.uint8).reshape(4, 64).repeat(4, 1)  # every code, 4 times
