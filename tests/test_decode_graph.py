@@ -26,11 +26,12 @@ class HostSync(AssertionError):
 
 
 #: Python entry points of a host sync: reading a value (item, tolist, bool/int/float/index of a tensor, cpu,
-#: numpy) and the ops whose output shape depends on the data (nonzero, unique, bincount, masked_select,
-#: indexing with a bool mask).
+#: numpy), the ops whose output shape depends on the data (nonzero, unique, bincount, masked_select, indexing
+#: with a bool mask), and a tensor made from host data (torch.tensor / as_tensor: on a GPU an H2D copy from
+#: pageable memory, which waits for the stream and cannot be captured).
 _TENSOR_SYNCS = ("item", "tolist", "__bool__", "__int__", "__float__", "__index__", "cpu", "numpy", "nonzero",
                  "unique", "bincount", "masked_select")
-_TORCH_SYNCS = ("nonzero", "unique", "bincount", "masked_select")
+_TORCH_SYNCS = ("nonzero", "unique", "bincount", "masked_select", "tensor", "as_tensor")
 
 
 def _bool_index(self, idx, *rest):
@@ -76,11 +77,11 @@ def test_the_guard_has_teeth():
     """Each kind of sync the decode path used to make raises under the guard, only from dsv4ref code."""
     t = torch.arange(4)
     calls = ("bool(t.any())", "int(t.max())", "t.cpu()", "t.tolist()", "t[t > 1]", "t.nonzero()",
-             "validate.index_range(t, 't', 2)")
+             "torch.tensor([0, 4])", "validate.index_range(t, 't', 2)")
     for call in calls:
         rec = []
         with no_host_sync(rec), pytest.raises(HostSync), validate.checking_values(True):
-            exec(call, {"__name__": "dsv4ref.fake", "t": t, "validate": validate})  # as if from a dsv4ref module
+            exec(call, {"__name__": "dsv4ref.fake", "t": t, "torch": torch, "validate": validate})  # as if from a dsv4ref module
         assert rec, call
     rec = []
     with no_host_sync(rec, tolerate=("dsv4ref.fake",)):
@@ -102,7 +103,8 @@ def test_step_device_part_makes_no_host_sync(monkeypatch):
     """One public step (graph=True, Triton kernels, value checks off): its device part runs to the end with every
     host-sync entry point raising, and gives the same logits and cache bytes as an eager step without the guard.
     Request 2 is a padding row. A sync inside dsv4ref.moe is recorded, not raised: if one happens the test
-    xfails naming it (moe.route's value checks ignore DSV4REF_CHECK_VALUES until the MoE change lands)."""
+    xfails naming it (moe.route's hash-table check ignores DSV4REF_CHECK_VALUES, and moe.experts makes a
+    torch.tensor on the device, until the MoE change lands)."""
     prompts = (133, 6, 9)  # n_c = 33 > K_top on request 0: the indexer's logits and top-k run
     dec, logits = _decoder(prompts, "triton", graph=True)
     twin = copy.deepcopy(dec)

@@ -55,7 +55,11 @@ def _bench() -> list[BenchCase]:
         nbytes = weight_bytes + T * sum(traffic_per_op(TINY, ctx).values())
         note = f"tokens/s = {T} / time; weights + caches at context {ctx}"
         for graph in (False, True):
-            dec, ids = _warm_decoder(w, prompts, graph)
+            try:
+                dec, ids = _warm_decoder(w, prompts, graph)
+            except Exception as e:  # a capture that fails (a host sync in the step) is reported, not fatal
+                print(f"decode.step T={T} graph={graph}: skipped ({type(e).__name__}: {str(e).splitlines()[0][:160]})")
+                continue
 
             def step(dec=dec, ids=ids):
                 with checking_values(False):
