@@ -140,6 +140,15 @@ def describe() -> str:
     return f"{name}; torch {torch.__version__}; triton {triton.__version__}"
 
 
+def capturing(device: torch.device | None = None) -> bool:
+    """True while the current stream of ``device`` is recording a graph (for code that must run eagerly, e.g. a
+    benchmark case that times host work too, to refuse :func:`capture_graph`). False on a CPU."""
+    dev = device or DEVICE
+    mod = getattr(torch, dev.type, None) if dev.type in ("cuda", "xpu") else None
+    check = getattr(mod, "is_current_stream_capturing", None)
+    return bool(check()) if check is not None else False
+
+
 def capture_graph(fn, device: torch.device | None = None):
     """Record ``fn()`` (a sequence of kernel launches, no host syncs) as a device graph and return a
     function that replays it, or None where graphs are not available (CPU; an XPU torch without graphs).

@@ -239,3 +239,83 @@ def test_compressor_ignores_padding_rows():
     out = compressor.compress(x, cw, st, req, pos, valid, ratio=4, eps=TINY.rms_norm_eps)
     assert out.requests.tolist() == [0] and out.positions.tolist() == [3]  # request 1's p = 3 was padding
     assert torch.isinf(st.score[1]).all() and not torch.isinf(st.score[0, :4]).any()
+
+
+# ------------------------------------------------------------------------------------------------
+# the indexer K cache, byte for byte (issue 12 item 8a)
+# ------------------------------------------------------------------------------------------------
+
+
+def _window_start(p):
+    return p // 4 * 4  # the ratio-4 compressor's window start: where the model rotates the indexer key
+
+
+@pytest.fixture(scope="module")
+def indexer_run():
+    """Prefill 3 requests, then 9 greedy steps through the torch ops, recording every layer's input rows.
+    Request 2 sits out step 4. The prompts put boundary tokens ((p + 1) % 4 == 0) inside the decode steps."""
+    w = make_weights(TINY, 0)
+    dec = Decoder(TINY, w, num_requests=3, capacity=64, backend="reference")
+    seen = []  # (layer, layer input x, rows) of every call, prefill included
+    attention = dec.attention
+
+    def spy(li, x, rows, backend):
+        seen.append((li, x.clone(), rows))
+        return attention(li, x, rows, backend)
+
+    dec.attention = spy
+    g = torch.Generator().manual_seed(5)
+    logits = dec.prefill([torch.randint(0, TINY.vocab_size, (n,), generator=g) for n in (37, 6, 10)])
+    for s in range(9):
+        logits = dec.step(logits.argmax(-1), active=torch.tensor([True, True, s != 4]))
+    return dec, seen
+
+
+def _expected_index_k_cache(dec, seen, li, rotate_at):
+    """The indexer-K pool of ratio-4 layer ``li`` rebuilt outside the decoder: the layer inputs after
+    attn_norm through the indexer compressor (its torch reference, fed the same chunks), each completed key
+    rounded to bf16, RoPE'd (the layer's table) at ``rotate_at(p)`` for its boundary token p, and written by the
+    indexer's reference writer with the Hadamard rotation into a zeroed pool at slot bt_i[request, p // 4]."""
+    from dsv4ref import compressor as comp
+    from dsv4ref import indexer, rope
+    from dsv4ref.indexer import reference as iref
+
+    cfg, L, st = TINY, dec.w["layers"][li], dec.layers[li]
+    cw, eps, page = L["idx_comp"], cfg.rms_norm_eps, cfg.index_page
+    state = comp.allocate_state(dec.R, 4, cfg.index_head_dim, device=dec.dev)
+    cache = torch.zeros_like(st["idx_cache"])
+    assert torch.equal(cache, indexer.allocate_k_cache(cache.shape[0], page, device=dec.dev))  # a fresh pool is zeros
+    n = 0
+    for lj, x, rows in seen:
+        if lj != li:
+            continue
+        xf = x.float()  # attn_norm, as the decoder computes it (fp32 math, bf16 out)
+        xn = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * L["attn_norm"].float()).to(torch.bfloat16)
+        out, done = comp.compress(xn, cw["wkv"], cw["wgate"], cw["ape"], cw["norm"], state.kv, state.score, rows.req,
+                                  rows.pos, ratio=4, eps=eps, valid=rows.valid, backend="reference")
+        p, req = rows.pos[done], rows.req[done]
+        k = rope.apply_gptj(out[done].to(torch.bfloat16), rotate_at(p), dec.cos_sin["comp"], backend="reference")
+        local = p // 4
+        slots = st["bt_i"][req, local // page].long() * page + local % page
+        iref.insert_k(cache, k.contiguous(), slots, block_size=page, hadamard=True)
+        n += int(done.sum())
+    return cache, n
+
+
+@pytest.mark.parametrize("rotate_at, same", [(_window_start, True), (lambda p: p, False), (lambda p: p // 4, False)],
+                         ids=["(p//4)*4", "p (planted)", "p//4 (planted)"])
+def test_indexer_k_cache_holds_keys_rotated_at_the_window_start(indexer_run, rotate_at, same):
+    """The decode step's indexer-K pools hold, byte for byte, the reference writer's records of the indexer
+    compressor's keys rotated at (p // 4)·4 (issue 12 item 8a). A wrong position costs the indexer only some
+    recall (0.985 → 0.88), which test_indexer_picks_the_float64_top_k would accept; the bytes do not.
+
+    Byte-exact because the decoder ran the torch ops here (its compressor is the same fp32 reference); through
+    the Triton compressor the fp32 rows may differ in the last bit, and a bf16 rounding then flips a byte.
+    The planted positions (the boundary token p, the row id p // 4) must give other bytes."""
+    dec, seen = indexer_run
+    steps_boundaries = sum(int(((rows.pos + 1) % 4 == 0)[rows.valid].sum()) for li, _, rows in seen[-9 * 4:] if li == 1)
+    assert steps_boundaries >= 4  # keys written by decode steps, not only by the prefill
+    for li in (1, 3):  # the ratio-4 layers
+        want, n = _expected_index_k_cache(dec, seen, li, rotate_at)
+        assert n == sum(int(dec.lengths[r]) // 4 for r in range(dec.R))  # one key per complete window of 4
+        assert torch.equal(dec.layers[li]["idx_cache"], want) is same, f"layer {li}"

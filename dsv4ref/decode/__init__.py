@@ -9,7 +9,8 @@ The walk-through is ``docs/decode.md``. Two implementations of the same block of
   inverse RoPE, the grouped o-projection, mHC around attention and around the MoE feed-forward
   (:mod:`dsv4ref.moe`; 8 experts, top-2, layer 0 hash-routed on the teaching config), and the hc_head +
   final norm + lm_head. Every op is a public library call with a ``backend`` switch. With the MTP draft
-  layer (:mod:`dsv4ref.mtp`), :meth:`Decoder.speculate` drafts k tokens and verifies them in one step.
+  layer (:mod:`dsv4ref.mtp`), :meth:`Decoder.speculate` drafts k tokens and verifies them in one step. With
+  ``graph=True`` (value checks off) each step's device part is one replayed device graph (:class:`StepGraph`).
 * :func:`reference_forward` (:mod:`.reference`): the same block as a float64 full-sequence forward: no
   FP8 KV, no paging, no sparsity except the causal window, the top-k ids and the expert ids it is given.
 
@@ -29,9 +30,9 @@ Usage::
 """
 
 from . import compressor
-from .demo import (AGREEMENT_TOL, ATTN_TOL, LOGITS_TOL, SpecStats, StepAgreement, agreement, demo, rel_err, run,
-                   run_speculative)
-from .model import CacheCapacityError, Decoder, History, Rows, Speculation, swiglu_clamped, traffic_per_op
+from .demo import (AGREEMENT_TOL, ATTN_TOL, LOGITS_TOL, SpecStats, StepAgreement, agreement, demo, graph_speed, rel_err,
+                   run, run_speculative)
+from .model import CacheCapacityError, Decoder, History, Rows, Speculation, StepGraph, swiglu_clamped, traffic_per_op
 from .reference import REFERENCE_BUGS, reference_forward
 from .weights import check_config, layer_ratio, make_weights, weights_to
 
@@ -39,5 +40,5 @@ __all__ = [
     "Decoder", "CacheCapacityError", "Rows", "check_config", "layer_ratio", "make_weights", "weights_to",
     "reference_forward", "REFERENCE_BUGS", "agreement", "StepAgreement", "rel_err", "ATTN_TOL", "LOGITS_TOL",
     "AGREEMENT_TOL", "run", "run_speculative", "SpecStats", "demo", "traffic_per_op", "swiglu_clamped", "compressor",
-    "History", "Speculation",
+    "History", "Speculation", "StepGraph", "graph_speed",
 ]

@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import time
 from dataclasses import dataclass
@@ -16,14 +17,15 @@ from dataclasses import dataclass
 import torch
 
 from ..config import TINY, Config
-from ..device import DEVICE, describe, interpreting, synchronize
+from ..device import DEVICE, Timer, describe, interpreting, synchronize
+from ..validate import checking_values
 from ..testing import generator
 from .model import Decoder
 from .reference import reference_forward
 from .weights import make_weights
 
 __all__ = ["ATTN_TOL", "LOGITS_TOL", "AGREEMENT_TOL", "rel_err", "StepAgreement", "agreement", "run", "run_speculative",
-           "SpecStats", "demo"]
+           "SpecStats", "demo", "graph_speed"]
 
 #: Tolerances of the decode path against the float64 reference, on the row relative L2 error
 #: ||a − b|| / ||b|| (``docs/decode.md#tolerances``). The only lossy format on the path is the e4m3 KV
@@ -97,13 +99,14 @@ def agreement(cfg: Config, weights: dict, records, history, bugs=()) -> list[Ste
 
 def run(cfg: Config = TINY, *, steps: int = 8, prompt_lens=(133, 37, 5, 70), seed: int = 0, capacity: int | None = None,
         decode_backend: str = "auto", prefill_backend: str = "reference", pad_heads: bool = True,
-        inactive: dict | None = None, progress=None, profile: bool = False, speculate: int = 0):
+        inactive: dict | None = None, progress=None, profile: bool = False, speculate: int = 0, graph: bool = False):
     """Prefill random prompts, then greedy-decode ``steps`` tokens.
 
     ``inactive``: {step: [request ids]} that sit out that step as padding; ``progress(i, n)`` is called
     after each step; ``profile`` collects per-op milliseconds in the decoder's ``prof``.
     ``speculate = k > 0``: decode with MTP speculation instead (:func:`run_speculative`; ``inactive`` and
-    ``profile`` are not supported there).
+    ``profile`` are not supported there). ``graph``: ``Decoder(graph=True)``, the steps run with value checks
+    off (``docs/decode.md#one-step-one-graph``).
     Returns (decoder, weights, records, tokens/s of the decode loop); records as :func:`agreement` takes
     them, the first one (step −1) the prefill's last prompt token."""
     if speculate:
@@ -113,19 +116,22 @@ def run(cfg: Config = TINY, *, steps: int = 8, prompt_lens=(133, 37, 5, 70), see
                                decode_backend=decode_backend, prefill_backend=prefill_backend, pad_heads=pad_heads,
                                progress=progress)
     R = len(prompt_lens)
-    dec, w, rec, logits = _start(cfg, prompt_lens, seed, capacity, steps, decode_backend, prefill_backend, pad_heads)
+    dec, w, rec, logits = _start(cfg, prompt_lens, seed, capacity, steps, decode_backend, prefill_backend, pad_heads,
+                                 graph)
     records = [rec]
     synchronize()
     t0 = time.perf_counter()
     if profile:
         dec.prof = {}
+    checks = checking_values(False) if graph else contextlib.nullcontext()
     for s in range(steps):
         act = torch.ones(R, dtype=torch.bool)
         for r in (inactive or {}).get(s, []):
             act[r] = False
         ids = logits.argmax(-1).cpu()
         pos = dec.lengths.clone()
-        logits = dec.step(ids, active=act)
+        with checks:
+            logits = dec.step(ids, active=act)
         records.append((s, pos, logits.cpu(), [a.cpu() for a in dec.attn_out], act))
         if progress:
             progress(s + 1, steps)
@@ -134,12 +140,13 @@ def run(cfg: Config = TINY, *, steps: int = 8, prompt_lens=(133, 37, 5, 70), see
     return dec, w, records, tps
 
 
-def _start(cfg, prompt_lens, seed, capacity, steps, decode_backend, prefill_backend, pad_heads):
+def _start(cfg, prompt_lens, seed, capacity, steps, decode_backend, prefill_backend, pad_heads, graph=False):
     """A Decoder with random prompts prefilled: (decoder, weights, first record, logits)."""
     R = len(prompt_lens)
     cap = capacity or (max(prompt_lens) + steps + 15) // 16 * 16
     w = make_weights(cfg, seed)
-    dec = Decoder(cfg, w, num_requests=R, capacity=cap, seed=seed, pad_heads=pad_heads, backend=decode_backend)
+    dec = Decoder(cfg, w, num_requests=R, capacity=cap, seed=seed, pad_heads=pad_heads, backend=decode_backend,
+                  graph=graph)
     g = generator(seed + 2)
     prompts = [torch.randint(0, cfg.vocab_size, (n,), generator=g) for n in prompt_lens]
     logits = dec.prefill(prompts, backend=prefill_backend)
@@ -210,13 +217,15 @@ def run_speculative(cfg: Config = TINY, *, steps: int = 8, k: int = 2, prompt_le
     return dec, w, records, tps
 
 
-def demo(steps: int = 16, speculate: int = 0) -> int:
+def demo(steps: int = 16, speculate: int = 0, graph: bool = False) -> int:
     """``python -m dsv4ref demo``: prefill 4 requests (prompts of 133, 37, 5 and 70 tokens), decode
     ``steps`` tokens each through the Triton kernels, print tokens/s and per-step agreement.
     ``speculate = k > 0``: then decode the same prompts again with MTP speculation (k drafts per round),
-    print the acceptance rate and whether the tokens equal plain greedy decoding's.
-    Returns the exit code: 0 if every step agrees with the reference (and speculation changed no token),
-    else 1."""
+    print the acceptance rate and whether the tokens equal plain greedy decoding's. ``graph``: then decode the
+    same prompts eagerly and as replayed device graphs (value checks off for both), print tokens/s of each and
+    where the rest of a graphed step's time goes, and check the tokens are the same.
+    Returns the exit code: 0 if every step agrees with the reference (and speculation or graphs changed no
+    token), else 1."""
     cfg = TINY
     print(f"dsv4ref demo: {cfg.name}, {cfg.num_layers} layers, ratios {cfg.compress_ratios}; {describe()}")
 
@@ -249,7 +258,56 @@ def demo(steps: int = 16, speculate: int = 0) -> int:
     print("all steps agree" if ok else "DISAGREEMENT")
     if speculate:
         ok = _demo_speculation(cfg, dec, steps, speculate) and ok
+    if graph:
+        ok = _demo_graph(cfg, steps) and ok
     return 0 if ok else 1
+
+
+def graph_speed(cfg: Config = TINY, steps: int = 16, prompt_lens=(133, 37, 5, 70), replays: int = 20) -> dict:
+    """Warm greedy steps eagerly and with ``Decoder(graph=True)``, value checks off for both: after one untimed
+    step (the kernels compiled; the graph captured), ``steps`` timed steps each, every step's argmax read back
+    as the demo does. Then the graph's replay alone, ``replays`` times (replaying one step again rewrites the
+    same bytes). Returns {"eager", "graph": tokens/s; "eager_ms", "graph_ms", "replay_ms": ms per step;
+    "same": the two runs' tokens are equal; "captured": a device graph was captured (False on a CPU)}."""
+    out, decs = {}, {}
+    R = len(prompt_lens)
+    with checking_values(False):
+        for graph in (False, True):
+            dec, _, _, logits = _start(cfg, prompt_lens, 0, None, steps + 1, "auto", "reference", True, graph)
+            ids = dec.step(logits.argmax(-1).cpu()).argmax(-1).cpu()  # warm-up (and capture)
+            synchronize()
+            t0 = time.perf_counter()
+            for _ in range(steps):
+                ids = dec.step(ids).argmax(-1).cpu()
+            synchronize()
+            dt = time.perf_counter() - t0
+            key = "graph" if graph else "eager"
+            out[key], out[key + "_ms"], decs[key] = R * steps / dt, dt / steps * 1e3, dec
+        g = next(iter(decs["graph"].graphs.values()))
+        synchronize()
+        with Timer() as t:
+            for _ in range(replays):
+                g.replay()
+    out["replay_ms"], out["captured"] = t.ms / replays, g.captured
+    out["same"] = torch.equal(decs["eager"].tokens, decs["graph"].tokens)
+    return out
+
+
+def _demo_graph(cfg: Config, steps: int) -> bool:
+    """The graph half of the demo (:func:`graph_speed`), printed. Returns whether the tokens were the same."""
+    try:
+        s = graph_speed(cfg, steps)
+    except Exception as e:  # a host sync in the step makes the capture fail: say so, fail the demo
+        print(f"graph=True failed: {type(e).__name__}: {str(e).splitlines()[0][:200]}")
+        return False
+    how = "one device graph per step" if s["captured"] else "no device graphs here: the same static-buffer step, eagerly"
+    print(f"value checks off, {steps} warm steps each: eager {s['eager']:.1f} tokens/s ({s['eager_ms']:.2f} ms/step); "
+          f"graph=True {s['graph']:.1f} tokens/s ({s['graph_ms']:.2f} ms/step; {how})")
+    print(f"  of a graphed step: replay {s['replay_ms']:.2f} ms (the device part: every layer and the lm head), "
+          f"host {max(s['graph_ms'] - s['replay_ms'], 0):.2f} ms (ids to the host, rows, copies into the static "
+          f"inputs, the argmax read back, the token history)")
+    print("graph tokens == eager tokens" if s["same"] else "THE GRAPH CHANGED THE TOKENS")
+    return s["same"]
 
 
 def _demo_speculation(cfg: Config, plain, steps: int, k: int) -> bool:

@@ -25,12 +25,13 @@ import torch.nn.functional as F
 from .. import compressor as compressor_op
 from .. import indexer, kv_cache, mhc, moe, mtp, rope, sparse_mla, validate
 from ..config import TINY, Config
-from ..device import DEVICE, Timer
+from ..device import DEVICE, Timer, capture_graph
 from ..formats import FP8_K_RECORD, TOKEN_BYTES
 from ..testing import generator
 from .weights import check_config, layer_ratio, make_weights
 
-__all__ = ["Decoder", "CacheCapacityError", "Rows", "History", "Speculation", "swiglu_clamped", "traffic_per_op"]
+__all__ = ["Decoder", "CacheCapacityError", "Rows", "History", "Speculation", "StepGraph", "swiglu_clamped",
+           "traffic_per_op"]
 
 #: backends the decode step can pass to every op it calls
 SUPPORTED_BACKENDS = ("reference", "triton")
@@ -68,11 +69,16 @@ class CacheCapacityError(ValueError):
 
 @dataclass
 class Rows:
-    """The T rows of one step: request id, absolute position and validity of each row (on the device)."""
+    """The T rows of one step: request id, absolute position and validity of each row (on the device), the
+    same three on the host (``host``), and ``shortcut``: every row sees at most K_top compressed rows of a
+    ratio-4 layer (the indexer's short-context shortcut), decided on the host so the device part never
+    reads a position back."""
 
     req: torch.Tensor  # (T,) int64
     pos: torch.Tensor  # (T,) int64 (0 for padding rows)
     valid: torch.Tensor  # (T,) bool
+    shortcut: bool = True
+    host: tuple | None = None  # (req, pos, valid) on the CPU
 
 
 class History(tuple):
@@ -100,6 +106,43 @@ class Speculation:
     emitted: list
     logits: torch.Tensor
     next: torch.Tensor
+
+
+@dataclass
+class StepGraph:
+    """The device part of :meth:`Decoder.step` over static buffers, captured once (per backend and indexer
+    shortcut) and replayed every step (``docs/decode.md#one-step-one-graph``).
+
+    ``ids`` (R,) int64 and ``rows`` are the static inputs (the host copies each step's values in); ``logits``,
+    ``attn_out`` and ``hidden`` the static outputs (tensors of the captured call, refreshed by each replay);
+    ``replay()`` runs the step; ``captured`` is False where the device has no graphs (CPU), where replay calls
+    the same function over the same buffers; ``replays`` counts the steps run."""
+
+    ids: torch.Tensor
+    rows: Rows
+    logits: torch.Tensor | None = None
+    attn_out: list | None = None
+    hidden: torch.Tensor | None = None
+    replay: object = None
+    captured: bool = False
+    replays: int = 0
+
+
+def _static_outputs(g: StepGraph, device_part):
+    """A replay for devices without graphs: run ``device_part`` again and copy its outputs into the tensors of
+    the first call, as a graph's replay refreshes its captured outputs in place (so a caller that keeps an
+    output across steps sees what it would see on a GPU)."""
+    logits, attn_out, hidden = g.logits, list(g.attn_out), g.hidden
+
+    def replay():
+        device_part()
+        logits.copy_(g.logits)
+        for a, b in zip(attn_out, g.attn_out):
+            a.copy_(b)
+        hidden.copy_(g.hidden)
+        g.logits, g.attn_out, g.hidden = logits, attn_out, hidden
+
+    return replay
 
 
 # ====================================================================================================
@@ -135,11 +178,17 @@ class Decoder:
     has its own window cache ``mtp_state["swa"]`` (same block tables) and :meth:`speculate` /
     :meth:`draft` / :meth:`verify` run speculative decoding; ``mtp_done`` (R,) counts the positions whose
     verified rows the draft layer has already seen.
+
+    ``graph=True`` (needs ``DSV4REF_CHECK_VALUES=0``): :meth:`step` splits into host bookkeeping (ids, rows,
+    positions, the indexer's shortcut decision) and a device part over static buffers, captured once per
+    (backend, shortcut) with :func:`dsv4ref.device.capture_graph` into a :class:`StepGraph` (``graphs``) and
+    replayed; the tokens are the eager path's, bit for bit (``docs/decode.md#one-step-one-graph``). The
+    per-position records (``experts``, ``topk``) live on the device, so the step reads nothing back.
     """
 
     def __init__(self, cfg: Config = TINY, weights: dict | None = None, *, num_requests: int = 4,
                  capacity: int = 320, seed: int = 0, pad_heads: bool = True, index_hadamard: bool = True,
-                 backend: str = "auto", device=None):
+                 backend: str = "auto", device=None, graph: bool = False):
         check_config(cfg)
         if num_requests < 1:
             raise ValueError(f"num_requests: expected >= 1, got {num_requests}")
@@ -173,12 +222,17 @@ class Decoder:
                                      rope.cos_sin_cache(cfg.max_position, cfg.rope_dim, cfg.compress_rope_theta,
                                                         yarn=cfg.yarn, device=dev))
         self.bt_swa, n_swa = table(capacity, cfg.window_page)
+
+        def record(width: int):
+            """Ids chosen at each position, on the device (written inside the step without a host sync);
+            one spare column ``capacity`` takes the writes of padding rows."""
+            return torch.full((num_requests, capacity + 1, width), -1, dtype=torch.int32, device=dev)
+
         K = cfg.num_experts_per_tok
         self.layers = []
         for li in range(cfg.num_layers):
             r = layer_ratio(cfg, li)
-            st = dict(ratio=r, swa=kv_cache.allocate(n_swa, cfg.window_page, device=dev),
-                      experts=torch.full((num_requests, capacity, K), -1, dtype=torch.int32))
+            st = dict(ratio=r, swa=kv_cache.allocate(n_swa, cfg.window_page, device=dev), experts=record(K))
             if r > 1:
                 page = cfg.c4_page if r == 4 else cfg.c128_page
                 st["page"] = page
@@ -189,7 +243,7 @@ class Decoder:
                 st["bt_i"], n_i = table(capacity // 4, cfg.index_page)
                 st["idx_cache"] = indexer.allocate_k_cache(n_i, cfg.index_page, device=dev)
                 st["idx_ring"] = compressor_op.allocate_state(num_requests, 4, cfg.index_head_dim, device=dev)
-                st["topk"] = torch.full((num_requests, capacity, cfg.index_topk), -1, dtype=torch.int32)
+                st["topk"] = record(cfg.index_topk)
             self.layers.append(st)
         self.tokens = torch.zeros(num_requests, capacity, dtype=torch.int64)  # host: the token history
         self.hidden: torch.Tensor | None = None
@@ -197,11 +251,12 @@ class Decoder:
         if cfg.num_nextn_predict_layers and "mtp" in self.w:
             # the draft layer: its own window cache (addressed through the same block tables), the target's
             # pre-head residual of every position (its input), and how far it has read them
-            self.mtp_state = dict(ratio=0, swa=kv_cache.allocate(n_swa, cfg.window_page, device=dev),
-                                  experts=torch.full((num_requests, capacity, K), -1, dtype=torch.int32))
+            self.mtp_state = dict(ratio=0, swa=kv_cache.allocate(n_swa, cfg.window_page, device=dev), experts=record(K))
             self.h_hist = torch.zeros(num_requests, capacity, cfg.hc_mult, cfg.hidden_size, dtype=torch.bfloat16,
                                       device=dev)
         self.mtp_done = torch.zeros(num_requests, dtype=torch.int64)  # host
+        self.graph = graph  # step() through captured device graphs (StepGraph), one per (backend, shortcut)
+        self.graphs: dict[tuple, StepGraph] = {}
 
     # ------------------------------------------------------------------------------------------------
     # public API
@@ -237,19 +292,60 @@ class Decoder:
         marks a padding row (slot −1, all lengths 0: nothing written, its position kept); ``backend``
         (default: the Decoder's). Returns the logits (R, V) fp32 (rows of inactive requests are
         meaningless)."""
-        ids = torch.as_tensor(ids, dtype=torch.int64)
+        # host bookkeeping: the ids, the rows (request, position, validity), the shortcut decision
+        ids = torch.as_tensor(ids, dtype=torch.int64).cpu()
         if tuple(ids.shape) != (self.R,):
             raise ValueError(f"ids: expected shape ({self.R},), got {tuple(ids.shape)}")
-        self._check_ids(ids.cpu(), "ids")
+        self._check_ids(ids, "ids")
         act = torch.ones(self.R, dtype=torch.bool) if active is None else torch.as_tensor(active, dtype=torch.bool).cpu()
         if tuple(act.shape) != (self.R,):
             raise ValueError(f"active: expected shape ({self.R},), got {tuple(act.shape)}")
         rows = self._rows(torch.arange(self.R), self.lengths.clone(), act)
         be = self.backend if backend is None else validate.backend(backend, SUPPORTED_BACKENDS)
-        logits = self._forward(ids.to(self.dev), rows, be)
-        self._keep(rows, act, ids.cpu())
+        # the device part: the whole stack, eagerly or as one replayed graph
+        logits = self._replay(ids, rows, be) if self.graph else self._forward(ids.to(self.dev), rows, be)
+        self._keep(rows, act, ids)
         self.lengths += act.long()
         return logits
+
+    def _replay(self, ids: torch.Tensor, rows: Rows, backend: str) -> torch.Tensor:
+        """The device part of :meth:`step` through a :class:`StepGraph`: copy this step's ids and rows into the
+        graph's static inputs, replay (capture first if there is no graph for this backend and shortcut yet).
+        Returns a copy of the logits; ``attn_out`` and ``hidden`` are the graph's buffers (overwritten by the
+        next replay)."""
+        if self.prof is not None:
+            raise ValueError("graph: profiling (prof) times each op with host syncs; it cannot run in a graph")
+        if validate.check_values():
+            raise ValueError("graph: capturing the step needs DSV4REF_CHECK_VALUES=0 (value checks read tensors "
+                             "on the host); use dsv4ref.validate.checking_values(False)")
+        key = (backend, rows.shortcut)
+        g = self.graphs.get(key)
+        fresh = g is None
+        if fresh:
+            g = StepGraph(ids.to(self.dev), Rows(rows.req.clone(), rows.pos.clone(), rows.valid.clone(), rows.shortcut))
+        else:
+            g.ids.copy_(ids)
+            g.rows.req.copy_(rows.req)
+            g.rows.pos.copy_(rows.pos)
+            g.rows.valid.copy_(rows.valid)
+
+        def device_part():
+            g.logits = self._forward(g.ids, g.rows, backend)
+            g.attn_out, g.hidden = self.attn_out, self.hidden
+
+        if fresh:
+            # capture_graph runs the step once (warm-up) and records it; the step is idempotent (every write
+            # lands on the same slot / ring row with the same bytes), so the replay below repeats it harmlessly
+            g.replay = capture_graph(device_part, self.dev)
+            g.captured = g.replay is not None
+            if g.replay is None:  # no device graphs here (CPU): a stand-in with a graph's static outputs
+                device_part()
+                g.replay = _static_outputs(g, device_part)
+            self.graphs[key] = g
+        g.replay()
+        g.replays += 1
+        self.attn_out, self.hidden = list(g.attn_out), g.hidden
+        return g.logits.clone()
 
     def history(self) -> History:
         """Per request: the tokens so far (L,) int64 and, per ratio-4 layer, the top-k local ids
@@ -257,21 +353,24 @@ class Decoder:
         (L, K) int32. What :func:`dsv4ref.decode.reference_forward` needs to follow this run. Returns a
         :class:`History` (unpacks as (tokens list, list of {layer: ids}))."""
         toks, topks, experts = [], [], []
+        topk = {li: st["topk"].cpu() for li, st in enumerate(self.layers) if "topk" in st}
+        exp = {li: st["experts"].cpu() for li, st in enumerate(self.layers)}
         for r in range(self.R):
             n = int(self.lengths[r])
             toks.append(self.tokens[r, :n].clone())
-            topks.append({li: st["topk"][r, :n].clone() for li, st in enumerate(self.layers) if "topk" in st})
-            e = {li: st["experts"][r, :n].clone() for li, st in enumerate(self.layers)}
+            topks.append({li: t[r, :n].clone() for li, t in topk.items()})
+            e = {li: t[r, :n].clone() for li, t in exp.items()}
             if self.mtp_state is not None:
-                e["mtp"] = self.mtp_state["experts"][r, :int(self.mtp_done[r])].clone()
+                e["mtp"] = self.mtp_state["experts"][r, :int(self.mtp_done[r])].cpu()
             experts.append(e)
         return History(toks, topks, experts)
 
     def _keep(self, rows: Rows, keep: torch.Tensor, ids: torch.Tensor) -> None:
         """Record the kept rows of the last target call: their tokens and (with MTP) their pre-head residual,
         which the draft layer reads later. ``keep`` (T,) bool on the host, ``ids`` (T,) on the host."""
-        k = keep & rows.valid.cpu()
-        req, pos = rows.req.cpu()[k], rows.pos.cpu()[k]
+        hreq, hpos, hvalid = rows.host
+        k = keep & hvalid
+        req, pos = hreq[k], hpos[k]
         self.tokens[req, pos] = ids[k]
         if self.mtp_state is not None:
             self.h_hist[req.to(self.dev), pos.to(self.dev)] = self.hidden[k.to(self.dev)]
@@ -422,13 +521,24 @@ class Decoder:
                              f"{int(ids.min())}..{int(ids.max())}")
 
     def _rows(self, req: torch.Tensor, pos: torch.Tensor, valid: torch.Tensor) -> Rows:
+        """The step's rows from host tensors (req, pos, valid): the capacity check and the indexer's shortcut
+        decision happen here, on the host, before anything runs on the device."""
+        req, pos, valid = req.cpu(), pos.cpu(), valid.cpu()
         bad = valid & (pos >= self.capacity)
         if bool(bad.any()):
             i = int(bad.nonzero()[0, 0])
             raise CacheCapacityError(
                 f"request {int(req[i])}: position {int(pos[i])} is past the cache capacity of {self.capacity} "
                 f"tokens per request; nothing was written (make a Decoder with a larger capacity=)")
-        return Rows(req.to(self.dev), torch.where(valid, pos, 0).to(self.dev), valid.to(self.dev))
+        pos = torch.where(valid, pos, 0)
+        n_c = (pos[valid] + 1) // 4  # the ratio-4 layers' visible compressed rows
+        shortcut = n_c.numel() == 0 or int(n_c.max()) <= self.cfg.index_topk
+        return Rows(req.to(self.dev), pos.to(self.dev), valid.to(self.dev), shortcut, (req, pos, valid))
+
+    def _record_at(self, rows: Rows) -> tuple:
+        """Where a step writes its per-position records (``experts``, ``topk``): (request, position), the spare
+        column ``capacity`` for padding rows. Device tensors: no host sync."""
+        return rows.req, torch.where(rows.valid, rows.pos, self.capacity)
 
     @staticmethod
     def _slots(bt: torch.Tensor, req: torch.Tensor, local: torch.Tensor, page: int, ok: torch.Tensor) -> torch.Tensor:
@@ -484,8 +594,7 @@ class Decoder:
         staged = self._op("moe", moe.stage, x, ids, wts, backend=backend)
         y = self._op("moe", moe.experts, x, *staged, m["w13"], m["w2"], m["shared_w13"], m["shared_w2"],
                      swiglu_limit=cfg.swiglu_limit, backend=backend)
-        v = rows.valid.cpu()
-        st["experts"][rows.req.cpu()[v], rows.pos.cpu()[v]] = ids.cpu()[v]
+        st["experts"][self._record_at(rows)] = ids.to(torch.int32)
         return y
 
     def attention(self, li: int, x: torch.Tensor, rows: Rows, backend: str) -> torch.Tensor:
@@ -572,20 +681,19 @@ class Decoder:
         T = x.shape[0]
         iq = self._op("proj", _linear, qr, L["idx_wq_b"]).view(T, cfg.index_heads, cfg.index_head_dim)
         wts = self._op("proj", _linear, x, L["idx_weights"]).float()  # from x, not qr
-        if int(n_c.max()) <= cfg.index_topk:  # short-context shortcut: every visible row, no logits needed
-            logits = None
+        if rows.shortcut:  # short-context shortcut (decided on the host): every visible row, no logits needed
+            local = self._op("indexer", indexer.short_context_topk, rows.pos, cfg.index_topk)
         else:
             q8, _, w_out = self._op("indexer", indexer.quantize_q, iq, rows.pos, self.cos_sin["comp"], wts,
                                     hadamard=self.index_hadamard, backend=backend)
             logits = self._op("indexer", indexer.logits, q8, None, w_out, st["idx_cache"], rows.pos,
                               block_table=st["bt_i"][rows.req], block_size=cfg.index_page,
                               n_out=max(1, self.capacity // 4), backend=backend)
-        local = self._op("indexer", indexer.topk, logits, cfg.index_topk, positions=rows.pos)
+            local = self._op("indexer", indexer.topk, logits, cfg.index_topk)
         local = torch.where(rows.valid[:, None], local, -1)
         # packed prefix (valid ids first); order has no meaning for one softmax
         local = torch.gather(local, 1, torch.argsort((local < 0).to(torch.int8), dim=1, stable=True))
-        v = rows.valid.cpu()
-        st["topk"][rows.req.cpu()[v], rows.pos.cpu()[v]] = local.cpu()[v]
+        st["topk"][self._record_at(rows)] = local.to(torch.int32)
         return local
 
 

@@ -48,6 +48,9 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--speculate", type=int, default=0, choices=range(0, 8), metavar="K",
                    help="then decode again with MTP speculation, K drafts per step (1..7): prints the acceptance "
                         "rate and checks the tokens equal plain greedy decoding's (0 = off)")
+    d.add_argument("--graph", action="store_true",
+                   help="then decode again eagerly and as one replayed device graph per step (value checks off): "
+                        "prints tokens/s of both and checks the tokens are the same")
     return p
 
 
@@ -141,7 +144,7 @@ def _cmd_conformance(args) -> int:
 def _cmd_demo(args) -> int:
     from ..decode import demo
 
-    return demo(steps=args.steps, speculate=args.speculate)
+    return demo(steps=args.steps, speculate=args.speculate, graph=args.graph)
 
 
 def main(argv=None) -> int:

@@ -404,3 +404,57 @@ if not dsv4ref.interpreting():
         print(f"  {k:<22} {v / tot:6.1%}")
 else:
     print("interpreting Triton on the CPU: timings would measure the interpreter; run on a GPU")
+
+# %% [markdown]
+# ## 8. One step, one graph
+#
+# At this size a step is launch-bound, so the lever is to stop launching: record the whole device part of a
+# step once as a **device graph** and replay it. That needs a device part that never reads a value back to the
+# host (a host sync cannot be recorded), over buffers that stay put. `Decoder(graph=True)` splits `step` in two
+# (`docs/decode.md#one-step-one-graph`):
+#
+# * **host bookkeeping**, before the graph: the ids, each row's request, position and validity, the capacity
+#   check, and the indexer's short-context decision (max n_c ≤ K_top, computed from the host's positions);
+#   these are copied into the graph's static inputs;
+# * **the device part**: every layer (attention, compressor, indexer, MoE, mHC) and the lm head, captured by
+#   `dsv4ref.device.capture_graph` once per (backend, shortcut) and replayed every step. The expert and top-k
+#   ids it records are written on the device; value checks must be off (`DSV4REF_CHECK_VALUES=0`).
+#
+# The tokens are the eager path's, bit for bit. Below: 8 steps of 3 requests, one of which crosses the end of
+# the indexer shortcut (n_c goes from 16 to 17), so a second graph is captured. (On a CPU there are no device
+# graphs: the same static-buffer step runs eagerly, through the torch ops here; on a GPU, through the Triton
+# kernels and real graphs.)
+
+# %%
+from dsv4ref.validate import checking_values
+
+be = "reference" if dsv4ref.interpreting() else "triton"
+with checking_values(False):
+    pair = {}
+    for graph in (False, True):
+        dg = decode.Decoder(TINY, decode.make_weights(TINY, 0), num_requests=3, capacity=96, backend=be, graph=graph)
+        g = torch.Generator().manual_seed(3)
+        lg = dg.prefill([torch.randint(0, TINY.vocab_size, (n,), generator=g) for n in (66, 9, 5)])
+        for s in range(8):
+            lg = dg.step(lg.argmax(-1).cpu())
+        pair[graph] = dg
+print("graphs captured (indexer shortcut):", [k[1] for k in pair[True].graphs],
+      " replays:", [g.replays for g in pair[True].graphs.values()])
+print("graph tokens == eager tokens:", torch.equal(pair[True].tokens, pair[False].tokens))
+
+# %% [markdown]
+# On a GPU the cell below times warm steps both ways (`decode.graph_speed`, what `python -m dsv4ref demo --graph`
+# prints): tokens/s eager and graphed, and of a graphed step, how long the replay takes alone; the rest is host
+# work (the argmax read back, the rows, the copies into the static inputs). Measured on the H200:
+# `benchmarks/decode.md`.
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+import os
+
+if not dsv4ref.interpreting() and os.environ.get("DSV4REF_BENCH") != "0":
+    sp = decode.graph_speed(TINY, steps=32)
+    print(f"eager {sp['eager']:.0f} tokens/s, graph=True {sp['graph']:.0f} tokens/s (4 requests); replay "
+          f"{sp['replay_ms']:.2f} ms of a {sp['graph_ms']:.2f} ms graphed step; same tokens: {sp['same']}")
+else:
+    print("interpreting Triton on the CPU (or DSV4REF_BENCH=0): no timings; run on a GPU")

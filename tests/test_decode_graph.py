@@ -1,0 +1,212 @@
+"""The decode step as one device graph (issue 14 item 5): ``Decoder(graph=True)``.
+
+With value checks off (``DSV4REF_CHECK_VALUES=0``) the device part of a step (every layer: attention,
+compressor, indexer, MoE, mHC, and the lm head) must not read anything back to the host, so that
+``dsv4ref.device.capture_graph`` can record it once and replay it every step. On the CPU there are no device
+graphs; the proxy is :func:`no_host_sync`: the Python entry points of a host sync raise while the device part
+runs, when called from dsv4ref code. On a GPU the same tests capture real graphs.
+"""
+
+import contextlib
+import copy
+import sys
+
+import pytest
+import torch
+from torch.overrides import TorchFunctionMode
+
+from dsv4ref import validate
+from dsv4ref.config import TINY
+from dsv4ref.decode import Decoder, make_weights
+from dsv4ref.decode import model as decode_model
+from dsv4ref.device import DEVICE, interpreting
+
+
+class HostSync(AssertionError):
+    """A host sync from dsv4ref code during the device part of a step."""
+
+
+#: The entry points of a host sync: reading a value (item, tolist, bool/int/float/index of a tensor, cpu,
+#: numpy), the ops whose output shape depends on the data (nonzero, unique, bincount, masked_select, indexing
+#: with a bool mask), and a tensor made from host data (torch.tensor / as_tensor: on a GPU an H2D copy from
+#: pageable memory, which waits for the stream and cannot be captured).
+TENSOR_SYNCS = ("item", "tolist", "__bool__", "__int__", "__float__", "__index__", "cpu", "numpy", "nonzero",
+                "unique", "bincount", "masked_select")
+TORCH_SYNCS = ("nonzero", "unique", "bincount", "masked_select", "tensor", "as_tensor")
+
+
+def _where(depth: int) -> str:
+    """module:line of the frame ``depth`` levels up, skipping torch's own frames and this module's."""
+    f = sys._getframe(depth + 1)
+    while f is not None and (f.f_globals.get("__name__", "").startswith("torch") or f.f_globals is globals()):
+        f = f.f_back
+    return "" if f is None else f"{f.f_globals.get('__name__', '')}:{f.f_lineno}"
+
+
+class _Guard(TorchFunctionMode):
+    """Indexing with a bool mask (``t[mask]``, ``t[mask] = v``): seen as a torch function, because patching
+    ``torch.Tensor.__getitem__`` would leave the type's sequence slot changed (every 0-d tensor a sequence)."""
+
+    def __init__(self, hit):
+        super().__init__()
+        self.hit = hit
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if getattr(func, "__name__", "") in ("__getitem__", "__setitem__") and len(args) > 1:
+            idx = args[1] if isinstance(args[1], tuple) else (args[1],)
+            if any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in idx):
+                self.hit(func.__name__ + " (bool mask)", _where(1))
+        return func(*args, **(kwargs or {}))
+
+
+@contextlib.contextmanager
+def no_host_sync(record: list, tolerate: tuple = ()):
+    """While active, a host sync called from a dsv4ref module is appended to ``record`` as (module:line, what)
+    and raises :class:`HostSync`, except from modules starting with a name in ``tolerate`` (recorded only).
+    Calls from torch or Triton themselves (the interpreter reads its tensors on the host) are let through.
+    The entry points are patched on torch.Tensor / torch (so calls inside the dsv4ref custom ops' Python
+    implementations are seen too); bool-mask indexing is seen by a torch function mode, which does not see
+    inside a custom op."""
+    def hit(name, where):
+        if where.startswith("dsv4ref"):
+            if (where, name) not in record:  # a patched dunder may be seen twice: as itself and through the mode
+                record.append((where, name))
+            if not where.startswith(tolerate or ("\0",)):
+                raise HostSync(f"host sync {name} from {where}")
+
+    saved = []
+
+    def guard(owner, name):
+        orig = getattr(owner, name)
+
+        def wrapper(*a, **k):
+            hit(name, _where(1))
+            return orig(*a, **k)
+
+        saved.append((owner, name, vars(owner).get(name)))  # None: inherited, deleted again on exit
+        setattr(owner, name, wrapper)
+
+    try:
+        for n in TENSOR_SYNCS:
+            guard(torch.Tensor, n)
+        for n in TORCH_SYNCS:
+            guard(torch, n)
+        with _Guard(hit):
+            yield record
+    finally:
+        for owner, name, orig in reversed(saved):
+            if orig is None:
+                delattr(owner, name)
+            else:
+                setattr(owner, name, orig)
+
+
+def test_the_guard_has_teeth():
+    """Each kind of sync the decode path used to make raises under the guard, only from dsv4ref code."""
+    t = torch.arange(4)
+    calls = ("bool(t.any())", "int(t.max())", "t.cpu()", "t.tolist()", "t[t > 1]", "t.nonzero()",
+             "torch.tensor([0, 4])", "validate.index_range(t, 't', 2)")
+    for call in calls:
+        rec = []
+        with no_host_sync(rec), pytest.raises(HostSync), validate.checking_values(True):
+            exec(call, {"__name__": "dsv4ref.fake", "t": t, "torch": torch, "validate": validate})  # as if from a dsv4ref module
+        assert rec, call
+    rec = []
+    with no_host_sync(rec, tolerate=("dsv4ref.fake",)):
+        exec("bool(t.any())", {"__name__": "dsv4ref.fake", "t": t})  # tolerated: recorded only
+        assert bool(t.any())  # from a test module: let through
+    assert len(rec) == 1
+    # torch left as it was (a 0-d tensor is no sequence; its dunders work)
+    assert torch.tensor([[torch.tensor(1.0), torch.tensor(2.0)]]).shape == (1, 2)
+    assert bool(torch.tensor(1)) and int(torch.tensor(3)) == 3 and [0, 5][torch.tensor(1)] == 5
+    assert not any(n in vars(torch.Tensor) for n in TENSOR_SYNCS if n != "unique")
+
+
+def _decoder(prompts, backend, graph, seed=0):
+    w = make_weights(TINY, seed)
+    dec = Decoder(TINY, w, num_requests=len(prompts), capacity=160, pad_heads=not interpreting(), backend=backend,
+                  graph=graph)
+    g = torch.Generator().manual_seed(seed + 3)
+    logits = dec.prefill([torch.randint(0, TINY.vocab_size, (n,), generator=g) for n in prompts])
+    return dec, logits
+
+
+def test_step_device_part_makes_no_host_sync(monkeypatch):
+    """One public step (graph=True, Triton kernels, value checks off): its device part runs to the end with every
+    host-sync entry point raising, and gives the same logits and cache bytes as an eager step without the guard.
+    Request 2 is a padding row. A sync inside dsv4ref.moe is recorded, not raised: if one happens the test
+    xfails naming it (moe.route's hash-table check ignores DSV4REF_CHECK_VALUES, and moe.experts makes a
+    torch.tensor on the device, until the MoE change lands)."""
+    prompts = (133, 6, 9)  # n_c = 33 > K_top on request 0: the indexer's logits and top-k run
+    dec, logits = _decoder(prompts, "triton", graph=True)
+    twin = copy.deepcopy(dec)
+    twin.graph = False
+    ids, act = logits.argmax(-1).cpu(), torch.tensor([True, True, False])
+    rec = []
+
+    def capture(fn, device=None):  # replay = the device part under the guard (on a GPU too: no real capture)
+        def guarded():
+            with no_host_sync(rec, tolerate=("dsv4ref.moe",)):
+                fn()
+        return guarded
+
+    monkeypatch.setattr(decode_model, "capture_graph", capture)
+    with validate.checking_values(False):
+        got = dec.step(ids, active=act)
+        want = twin.step(ids, active=act)
+    assert dec.graphs and next(iter(dec.graphs.values())).replays == 1
+    assert torch.equal(got, want)
+    for st, st2 in zip(dec.layers, twin.layers):
+        for key in ("swa", "comp", "idx_cache", "experts", "topk"):
+            if key in st:
+                assert torch.equal(st[key], st2[key]), key
+    if rec:
+        pytest.xfail(f"host syncs in dsv4ref.moe with DSV4REF_CHECK_VALUES=0: {sorted(set(rec))}")
+
+
+# on the CPU the graph path runs the reference ops (fast; the ops are exercised through Triton above); on a GPU
+# it runs the Triton kernels and captures real device graphs
+GRAPH_BACKEND = "reference" if interpreting() else "triton"
+
+
+@pytest.mark.parametrize("prompts", [(66, 9, 5), (133, 37, 5, 70)])
+def test_graph_step_equals_eager(prompts):
+    """Decoder(graph=True) gives the eager path's logits bit for bit and its tokens, step after step: across the
+    indexer shortcut's end (request 0 of (66, 9, 5) sees n_c = 16 = K_top, then 17: a second graph), compressor
+    boundaries, and a padding row; one graph per (backend, shortcut), replayed every step."""
+    steps = 8
+    with validate.checking_values(False):
+        eager, lg_e = _decoder(prompts, GRAPH_BACKEND, graph=False)
+        graphed, lg_g = _decoder(prompts, GRAPH_BACKEND, graph=True)
+        R = len(prompts)
+        kept_e, kept_g = [], []  # every step's logits, compared again at the end: a replay must not overwrite them
+        for s in range(steps):
+            act = torch.ones(R, dtype=torch.bool)
+            act[R - 1] = s != 2  # the last request sits out step 2
+            lg_e = eager.step(lg_e.argmax(-1).cpu(), active=act)
+            lg_g = graphed.step(lg_g.argmax(-1).cpu(), active=act)
+            assert torch.equal(lg_g, lg_e), f"step {s}"
+            kept_e.append(lg_e)
+            kept_g.append(lg_g)
+            assert all(torch.equal(a, b) for a, b in zip(graphed.attn_out, eager.attn_out))
+    assert all(torch.equal(a, b) for a, b in zip(kept_g, kept_e))
+    assert torch.equal(graphed.tokens, eager.tokens) and torch.equal(graphed.lengths, eager.lengths)
+    he, hg = eager.history(), graphed.history()
+    assert all(torch.equal(a, b) for a, b in zip(he[0], hg[0]))
+    assert all(torch.equal(a[li], b[li]) for a, b in zip(he[1], hg[1]) for li in a)
+    assert all(torch.equal(a[li], b[li]) for a, b in zip(he.experts, hg.experts) for li in a)
+    keys = sorted(graphed.graphs)
+    want = [(GRAPH_BACKEND, False), (GRAPH_BACKEND, True)] if prompts[0] == 66 else [(GRAPH_BACKEND, False)]
+    assert keys == want
+    assert sum(g.replays for g in graphed.graphs.values()) == steps
+    assert all(g.captured == (DEVICE.type != "cpu") for g in graphed.graphs.values())
+
+
+def test_graph_needs_value_checks_off():
+    dec, logits = _decoder((5, 6), "reference", graph=True)
+    with validate.checking_values(True), pytest.raises(ValueError, match="DSV4REF_CHECK_VALUES=0"):
+        dec.step(logits.argmax(-1).cpu())
+    dec.prof = {}
+    with validate.checking_values(False), pytest.raises(ValueError, match="profiling"):
+        dec.step(logits.argmax(-1).cpu())
+    assert dec.lengths.tolist() == [5, 6]  # nothing ran
