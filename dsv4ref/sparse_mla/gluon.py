@@ -339,10 +339,11 @@ def _define_kernels():
     @_gluon.jit
     def _epilogue(acc, m, l, t64, hb, sp, H, sink_ptr, out_ptr, lse_ptr, po_ptr, pml_ptr,
                   HAS_SINK: gl.constexpr, SPLITS: gl.constexpr, BH: gl.constexpr, O_L: gl.constexpr,
-                  S_L: gl.constexpr):
-        """out = acc / l · σ(lse − sink) and lse (SPLITS == 1), or the partial (acc, m, l) for the merge."""
+                  S_L: gl.constexpr, D0: gl.constexpr = 0, DW: gl.constexpr = 512, ML: gl.constexpr = True):
+        """out = acc / l · σ(lse − sink) and lse (SPLITS == 1), or the partial (acc, m, l) for the merge.
+        acc holds output columns [D0, D0 + DW); ML: this caller also writes lse (or m, l)."""
         h_o = hb * BH + gl.arange(0, BH, gl.SliceLayout(1, O_L))
-        d_o = gl.arange(0, 512, gl.SliceLayout(0, O_L))
+        d_o = D0 + gl.arange(0, DW, gl.SliceLayout(0, O_L))
         h_s = hb * BH + gl.arange(0, BH, gl.SliceLayout(1, S_L))
         if SPLITS == 1:
             if HAS_SINK:
@@ -359,13 +360,15 @@ def _define_kernels():
             row = t64 * H + h_o.to(gl.int64)
             gl.store(out_ptr + row[:, None] * 512 + d_o[None, :], out.to(gl.bfloat16),
                      mask=(h_o[:, None] < H) & (d_o[None, :] >= 0))
-            gl.store(lse_ptr + t64 * H + h_s, gl.where(nonempty, lse, -float("inf")), mask=h_s < H)
+            if ML:
+                gl.store(lse_ptr + t64 * H + h_s, gl.where(nonempty, lse, -float("inf")), mask=h_s < H)
         else:
             row = (t64 * SPLITS + sp) * H + h_o.to(gl.int64)
             gl.store(po_ptr + row[:, None] * 512 + d_o[None, :], acc, mask=(h_o[:, None] < H) & (d_o[None, :] >= 0))
-            row_s = (t64 * SPLITS + sp) * H + h_s.to(gl.int64)
-            gl.store(pml_ptr + row_s * 2, m, mask=h_s < H)
-            gl.store(pml_ptr + row_s * 2 + 1, l, mask=h_s < H)
+            if ML:
+                row_s = (t64 * SPLITS + sp) * H + h_s.to(gl.int64)
+                gl.store(pml_ptr + row_s * 2, m, mask=h_s < H)
+                gl.store(pml_ptr + row_s * 2 + 1, l, mask=h_s < H)
 
     @_gluon.jit
     def _ws_producer(k_smem, ready, empty, start, n_it, n1, stop, i1, i2, c1_u8, c1_i16, c1_i64, bs1, ps1,
@@ -473,6 +476,254 @@ def _define_kernels():
                 mbarrier.arrive(empty.index(st))
         _epilogue(acc, m, l, t64, hb, sp, H, sink_ptr, out_ptr, lse_ptr, po_ptr, pml_ptr, HAS_SINK, SPLITS, BH, O_L, S_L)
 
+    # ---- packed producer and K-split consumers (flags PACKED, KSPLIT of _ws_kernel) ----------------------
+
+    @_gluon.jit
+    def _load_rows_packed(slot, in1, ok, c1_i64, bs1, ps1, c2_i64, bs2, ps2, LW: gl.constexpr):
+        """The global loads of rows whose slots are known, kept packed: each e4m3 tile [R, 64] as [R, 8]
+        int64 words (8 bytes per two registers, where a uint8 tensor costs a register per byte), the RoPE
+        values as [R, 16] int64 words (4 bf16 each), the 8 scale bytes as one int64. Masked rows load zeros."""
+        bs = gl.where(in1, bs1, bs2)
+        ps = gl.where(in1, ps1, ps2)
+        page = slot // bs
+        off = slot - page * bs
+        data = (page * ps + off * 576) // 8  # int64-word index of the row's 576 data bytes (16-byte aligned)
+        sidx = (page * ps + bs * 576 + off * 8) // 8
+        col = gl.arange(0, 8, gl.SliceLayout(0, LW))
+        m2 = ok[:, None] & (col[None, :] >= 0)
+        p = gl.where(in1[:, None], c1_i64 + data[:, None], c2_i64 + data[:, None]) + col[None, :]
+        w0 = gl.load(p, mask=m2, other=0)
+        w1 = gl.load(p + 8, mask=m2, other=0)
+        w2 = gl.load(p + 16, mask=m2, other=0)
+        w3 = gl.load(p + 24, mask=m2, other=0)
+        w4 = gl.load(p + 32, mask=m2, other=0)
+        w5 = gl.load(p + 40, mask=m2, other=0)
+        w6 = gl.load(p + 48, mask=m2, other=0)
+        col16 = gl.arange(0, 16, gl.SliceLayout(0, LW))
+        pr = gl.where(in1[:, None], c1_i64 + data[:, None], c2_i64 + data[:, None]) + (56 + col16[None, :])
+        rr = gl.load(pr, mask=ok[:, None] & (col16[None, :] >= 0), other=0)
+        sc = gl.load(gl.where(in1, c1_i64 + sidx, c2_i64 + sidx), mask=ok, other=0)
+        return w0, w1, w2, w3, w4, w5, w6, rr, sc
+
+    @_gluon.jit
+    def _bytes_of(w):
+        """[R, C] int64 words -> [R, 8·C] uint8, byte i of word j at column 8j + i (little-endian). The
+        joins add in-register dimensions; the innermost join is the most significant bit of the byte index."""
+        lo = w.to(gl.int32)
+        hi = (w >> 32).to(gl.int32)
+        x = gl.join(gl.join(gl.join(lo & 255, hi & 255), gl.join((lo >> 16) & 255, (hi >> 16) & 255)),
+                    gl.join(gl.join((lo >> 8) & 255, (hi >> 8) & 255), gl.join((lo >> 24) & 255, (hi >> 24) & 255)))
+        return gl.reshape(x, [w.shape[0], 8 * w.shape[1]]).to(gl.uint8)
+
+    @_gluon.jit
+    def _halves_of(w):
+        """[R, C] int64 words -> [R, 4·C] int16: 16-bit value q of word j at column 4j + q."""
+        lo = w.to(gl.int32)
+        hi = (w >> 32).to(gl.int32)
+        x = gl.join(gl.join(lo & 0xFFFF, hi & 0xFFFF), gl.join((lo >> 16) & 0xFFFF, (hi >> 16) & 0xFFFF))
+        return gl.reshape(x, [w.shape[0], 4 * w.shape[1]]).to(gl.int16)
+
+    @_gluon.jit
+    def _dequant_store_packed(kb, raw):
+        """Write one half chunk of packed rows (:func:`_load_rows_packed`) dequantised into ``kb`` [R, 512]."""
+        w0, w1, w2, w3, w4, w5, w6, rr, sc = raw
+        x = _bytes_of(w0)
+        sc = gl.convert_layout(sc, gl.SliceLayout(1, x.type.layout))
+        kb.slice(0, 64, dim=1).store(_tile(x, sc, 0))
+        kb.slice(64, 64, dim=1).store(_tile(_bytes_of(w1), sc, 1))
+        kb.slice(128, 64, dim=1).store(_tile(_bytes_of(w2), sc, 2))
+        kb.slice(192, 64, dim=1).store(_tile(_bytes_of(w3), sc, 3))
+        kb.slice(256, 64, dim=1).store(_tile(_bytes_of(w4), sc, 4))
+        kb.slice(320, 64, dim=1).store(_tile(_bytes_of(w5), sc, 5))
+        kb.slice(384, 64, dim=1).store(_tile(_bytes_of(w6), sc, 6))
+        kb.slice(448, 64, dim=1).store(_halves_of(rr).to(gl.bfloat16, bitcast=True))
+
+    @_gluon.jit
+    def _ws_producer_packed(k_smem, ready, empty, start, n_it, n1, stop, i1, i2, c1_i64, bs1, ps1,
+                            c2_i64, bs2, ps2, BN: gl.constexpr, NS: gl.constexpr, SETS: gl.constexpr,
+                            DIAG: gl.constexpr):
+        """Producer warps (4) holding the gathered rows packed (int64 words: no byte or 16-bit value lives in a
+        register of its own), SETS half chunks at once. SETS = 1: the DEEP producer's schedule (one half in
+        flight, issued right after the previous half is dequantised); SETS = 2: double-buffered (one half in
+        flight while the other is dequantised, two while waiting for a free stage); SETS = 3: two in flight
+        (37 KB per SM) while the third is dequantised. Slot indices are fetched one half ahead of the rows."""
+        LW: gl.constexpr = gl.BlockedLayout([1, 2], [8, 4], [4, 1], [1, 0])  # [32, 8] int64 = 16 B per thread
+        HALF: gl.constexpr = BN // 2
+        rows = gl.arange(0, HALF, gl.SliceLayout(1, LW))
+        if DIAG == 1:  # timing diagnostic only (wrong results): every row load masked off, no DRAM traffic
+            stop = start
+        sa, ia, oa = _slots(start + rows, n1, stop, i1, i2)
+        a = _load_rows_packed(sa, ia, oa, c1_i64, bs1, ps1, c2_i64, bs2, ps2, LW)
+        if SETS == 1:  # one half in registers (as the DEEP producer, packed): the leanest, for small budgets
+            sa, ia, oa = _slots(start + HALF + rows, n1, stop, i1, i2)
+            for it in range(n_it):
+                st = it % NS
+                v0 = start + it * BN
+                mbarrier.wait(empty.index(st), ((it // NS) & 1) ^ 1)
+                kb = k_smem.index(st)
+                _dequant_store_packed(kb.slice(0, HALF, dim=0), a)
+                a = _load_rows_packed(sa, ia, oa, c1_i64, bs1, ps1, c2_i64, bs2, ps2, LW)
+                sa, ia, oa = _slots(v0 + BN + rows, n1, stop, i1, i2)
+                _dequant_store_packed(kb.slice(HALF, HALF, dim=0), a)
+                a = _load_rows_packed(sa, ia, oa, c1_i64, bs1, ps1, c2_i64, bs2, ps2, LW)
+                sa, ia, oa = _slots(v0 + BN + HALF + rows, n1, stop, i1, i2)
+                fence_async_shared()
+                _bar()
+                mbarrier.arrive(ready.index(st))
+            n_it = 0
+        sa, ia, oa = _slots(start + HALF + rows, n1, stop, i1, i2)
+        b = _load_rows_packed(sa, ia, oa, c1_i64, bs1, ps1, c2_i64, bs2, ps2, LW)
+        if SETS == 3:
+            sa, ia, oa = _slots(start + 2 * HALF + rows, n1, stop, i1, i2)
+            c = _load_rows_packed(sa, ia, oa, c1_i64, bs1, ps1, c2_i64, bs2, ps2, LW)
+        sa, ia, oa = _slots(start + SETS * HALF + rows, n1, stop, i1, i2)
+        for it in range(n_it):
+            st = it % NS
+            v0 = start + it * BN
+            mbarrier.wait(empty.index(st), ((it // NS) & 1) ^ 1)
+            kb = k_smem.index(st)
+            # half 2·it from a; its registers then take half 2·it + SETS
+            _dequant_store_packed(kb.slice(0, HALF, dim=0), a)
+            a = _load_rows_packed(sa, ia, oa, c1_i64, bs1, ps1, c2_i64, bs2, ps2, LW)
+            sa, ia, oa = _slots(v0 + (SETS + 1) * HALF + rows, n1, stop, i1, i2)
+            # half 2·it + 1 from b; then half 2·it + SETS + 1
+            _dequant_store_packed(kb.slice(HALF, HALF, dim=0), b)
+            b = _load_rows_packed(sa, ia, oa, c1_i64, bs1, ps1, c2_i64, bs2, ps2, LW)
+            sa, ia, oa = _slots(v0 + (SETS + 2) * HALF + rows, n1, stop, i1, i2)
+            fence_async_shared()
+            _bar()
+            mbarrier.arrive(ready.index(st))
+            if SETS == 3:  # rotate: the sets now hold halves 2·it + 2 (c), 2·it + 3 (a), 2·it + 4 (b)
+                a, b, c = c, a, b
+
+    @_gluon.jit
+    def _ws_producer_of(k_smem, ready, empty, start, n_it, n1, stop, i1, i2, c1_u8, c1_i16, c1_i64, bs1, ps1,
+                        c2_u8, c2_i16, c2_i64, bs2, ps2, BN: gl.constexpr, NS: gl.constexpr, DEEP: gl.constexpr,
+                        PACKED: gl.constexpr, DIAG: gl.constexpr):
+        """The producer partition the flags pick: packed (PACKED half chunks in registers) or byte-wise."""
+        if PACKED:
+            _ws_producer_packed(k_smem, ready, empty, start, n_it, n1, stop, i1, i2, c1_i64, bs1, ps1,
+                                c2_i64, bs2, ps2, BN, NS, PACKED, DIAG)
+        else:
+            _ws_producer(k_smem, ready, empty, start, n_it, n1, stop, i1, i2, c1_u8, c1_i16, c1_i64, bs1, ps1,
+                         c2_u8, c2_i16, c2_i64, bs2, ps2, BN, NS, DEEP, DIAG)
+
+    @_gluon.jit
+    def _softmax_step2(sa, sb, m, l, oka, okb, qk_scale):
+        """:func:`_softmax_step` on a score tile held as two column halves (sa, sb)."""
+        sa = gl.where(oka[None, :], sa * qk_scale, -float("inf"))
+        sb = gl.where(okb[None, :], sb * qk_scale, -float("inf"))
+        m_new = gl.maximum(m, gl.maximum(gl.max(sa, axis=1), gl.max(sb, axis=1)))
+        m_safe = gl.where(m_new == -float("inf"), 0.0, m_new)
+        alpha = gl.exp2(m - m_safe)
+        pa = gl.exp2(sa - m_safe[:, None])
+        pb = gl.exp2(sb - m_safe[:, None])
+        l = l * alpha + (gl.sum(pa, axis=1) + gl.sum(pb, axis=1))
+        return pa, pb, alpha, m_new, l
+
+    @_gluon.jit
+    def _ks_consumer(q_smem, k_smem, x_smem, ready, empty, xfull, xfree, start, n_it, n1, stop, i1, i2, qk_scale,
+                     t64, hb, sp, H, sink_ptr, out_ptr, lse_ptr, po_ptr, pml_ptr,
+                     W: gl.constexpr, HAS_SINK: gl.constexpr, SPLITS: gl.constexpr, BH: gl.constexpr,
+                     BN: gl.constexpr, NS: gl.constexpr, HALVES: gl.constexpr, DIAG: gl.constexpr):
+        """One consumer warpgroup (its own partition; W = 0 or 1) of the K-split scheme. It owns dims
+        [256·W, 256·W + 256): S_W = Q[:, dims] · K[:, dims]ᵀ is a partial score over all 64 candidates; the two
+        warpgroups swap partials through shared memory (mbarriers xfull / xfree, no CTA-wide barrier), each
+        forms S = S_0 + S_1 (the same bits in both: fp32 addition commutes) and runs the same online softmax,
+        so no row max or sum crosses warpgroups. P stays in registers as the A operand of O[:, dims] += P · V[:,
+        dims]. Each warpgroup releases the stage (empty counts two arrivals).
+        HALVES: S is computed, swapped and exponentiated as two [64, 32] column halves (n = 32 MMAs), so the
+        partner's partial is in registers one half at a time (16 registers, not 32): with the 128-register
+        accumulator that is what lets the consumer fit beside a producer of 144 registers."""
+        O_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 256, 16])
+        SN: gl.constexpr = BN // 2 if HALVES else BN
+        S_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, SN, 16])
+        P_L: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=O_L, k_width=2)
+        D0: gl.constexpr = 256 * W
+        q_h = q_smem.slice(D0, 256, dim=1)
+        m = gl.full([BH], -float("inf"), gl.float32, gl.SliceLayout(1, S_L))
+        l = gl.zeros([BH], gl.float32, gl.SliceLayout(1, S_L))
+        acc = gl.zeros([BH, 256], gl.float32, O_L)
+        s0 = gl.zeros([BH, SN], gl.float32, S_L)
+        cols = start + gl.arange(0, SN, gl.SliceLayout(0, S_L))
+        _, _, okc = _slots(cols, n1, stop, i1, i2)
+        if HALVES:
+            _, _, okb = _slots(cols + SN, n1, stop, i1, i2)
+        if DIAG == 2:  # timing diagnostic only (wrong results): take each stage and release it, no MMA
+            for it in range(n_it):
+                mbarrier.wait(ready.index(it % NS), (it // NS) & 1)
+                _bar()
+                mbarrier.arrive(empty.index(it % NS))
+            n_it = 0
+        for it in range(n_it):
+            st = it % NS
+            k_h = k_smem.index(st).slice(D0, 256, dim=1)
+            xw = x_smem.index(W)
+            xo = x_smem.index(1 - W)
+            mbarrier.wait(ready.index(st), (it // NS) & 1)
+            if HALVES:
+                s = warpgroup_mma(q_h, k_h.slice(0, SN, dim=0).permute((1, 0)), s0, use_acc=False)
+                sb = warpgroup_mma(q_h, k_h.slice(SN, SN, dim=0).permute((1, 0)), s0, use_acc=False)
+                mbarrier.wait(xfree.index(W), (it & 1) ^ 1)  # the other warpgroup has read my previous partial
+                xw.slice(0, SN, dim=1).store(s)
+                xw.slice(SN, SN, dim=1).store(sb)
+            else:
+                s = warpgroup_mma(q_h, k_h.permute((1, 0)), s0, use_acc=False)
+                mbarrier.wait(xfree.index(W), (it & 1) ^ 1)
+                xw.store(s)
+            _bar()
+            mbarrier.arrive(xfull.index(W))
+            mbarrier.wait(xfull.index(1 - W), it & 1)
+            if HALVES:
+                s = s + xo.slice(0, SN, dim=1).load(S_L)
+                sb = sb + xo.slice(SN, SN, dim=1).load(S_L)
+            else:
+                s = s + xo.load(S_L)
+            _bar()
+            mbarrier.arrive(xfree.index(1 - W))
+            if HALVES:
+                p, pb, alpha, m, l = _softmax_step2(s, sb, m, l, okc, okb, qk_scale)
+            else:
+                p, alpha, m, l = _softmax_step(s, m, l, okc, qk_scale)
+            acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, O_L))[:, None]
+            if HALVES:
+                p_op = gl.convert_layout(p.to(gl.bfloat16), P_L)
+                acc = warpgroup_mma(p_op, k_h.slice(0, SN, dim=0), acc, is_async=True)
+                pb_op = gl.convert_layout(pb.to(gl.bfloat16), P_L)
+                acc = warpgroup_mma(pb_op, k_h.slice(SN, SN, dim=0), acc, is_async=True)
+                _, _, okc = _slots(cols + (it + 1) * BN, n1, stop, i1, i2)  # next chunk's mask, fetched early
+                _, _, okb = _slots(cols + (it + 1) * BN + SN, n1, stop, i1, i2)
+                acc, p_op, pb_op = warpgroup_mma_wait(num_outstanding=0, deps=(acc, p_op, pb_op))
+            else:
+                p_op = gl.convert_layout(p.to(gl.bfloat16), P_L)
+                acc = warpgroup_mma(p_op, k_h, acc, is_async=True)
+                _, _, okc = _slots(cols + (it + 1) * BN, n1, stop, i1, i2)
+                acc, p_op = warpgroup_mma_wait(num_outstanding=0, deps=(acc, p_op))
+            _bar()
+            mbarrier.arrive(empty.index(st))
+        _epilogue(acc, m, l, t64, hb, sp, H, sink_ptr, out_ptr, lse_ptr, po_ptr, pml_ptr, HAS_SINK, SPLITS, BH,
+                  O_L, S_L, D0, 256, W == 0)
+
+    @_gluon.jit
+    def _ks_consumer1(q_smem, k_smem, x_smem, ready, empty, xfull, xfree, start, n_it, n1, stop, i1, i2, qk_scale,
+                      t64, hb, sp, H, sink_ptr, out_ptr, lse_ptr, po_ptr, pml_ptr,
+                      HAS_SINK: gl.constexpr, SPLITS: gl.constexpr, BH: gl.constexpr, BN: gl.constexpr,
+                      NS: gl.constexpr, HALVES: gl.constexpr, DIAG: gl.constexpr):
+        """The second consumer warpgroup (a worker partition: the columns W = 1)."""
+        _ks_consumer(q_smem, k_smem, x_smem, ready, empty, xfull, xfree, start, n_it, n1, stop, i1, i2, qk_scale,
+                     t64, hb, sp, H, sink_ptr, out_ptr, lse_ptr, po_ptr, pml_ptr, 1, HAS_SINK, SPLITS, BH, BN,
+                     NS, HALVES, DIAG)
+
+    @_gluon.jit
+    def _ks_consumer0(q_smem, k_smem, x_smem, ready, empty, xfull, xfree, start, n_it, n1, stop, i1, i2, qk_scale,
+                      t64, hb, sp, H, sink_ptr, out_ptr, lse_ptr, po_ptr, pml_ptr,
+                      HAS_SINK: gl.constexpr, SPLITS: gl.constexpr, BH: gl.constexpr, BN: gl.constexpr,
+                      NS: gl.constexpr, HALVES: gl.constexpr, DIAG: gl.constexpr):
+        """The first consumer warpgroup (the default partition: the columns W = 0)."""
+        _ks_consumer(q_smem, k_smem, x_smem, ready, empty, xfull, xfree, start, n_it, n1, stop, i1, i2, qk_scale,
+                     t64, hb, sp, H, sink_ptr, out_ptr, lse_ptr, po_ptr, pml_ptr, 0, HAS_SINK, SPLITS, BH, BN,
+                     NS, HALVES, DIAG)
+
     @_gluon.jit
     def _ws_kernel(
         q_ptr, q_st, q_sh, sink_ptr, out_ptr, lse_ptr, po_ptr, pml_ptr,
@@ -481,13 +732,17 @@ def _define_kernels():
         H, qk_scale, chunk,
         HAS_LEN1: gl.constexpr, HAS_POOL2: gl.constexpr, HAS_LEN2: gl.constexpr, HAS_SINK: gl.constexpr,
         SPLITS: gl.constexpr, BH: gl.constexpr, BN: gl.constexpr, NS: gl.constexpr, OVERLAP: gl.constexpr,
-        PRODUCER_REGS: gl.constexpr, DEEP: gl.constexpr, DIAG: gl.constexpr = 0,
+        PRODUCER_REGS: gl.constexpr, DEEP: gl.constexpr, DIAG: gl.constexpr = 0, PACKED: gl.constexpr = 0,
+        KSPLIT: gl.constexpr = 0,
     ):
         """Warp-specialised variant: 4 producer warps fill an NS-stage ring of dequantised K tiles (mbarriers
-        ready / empty per stage); the 8 default warps (two warpgroups) only run the MMAs and the softmax."""
+        ready / empty per stage); the 8 default warps (two warpgroups) only run the MMAs and the softmax.
+        PACKED (2 or 3): the packed producer with that many half chunks in registers; KSPLIT (1, or 2 for the
+        score halves): the two consumer warpgroups are two partitions splitting QKᵀ by dims (the launch then
+        has 4 default warps, not 8)."""
         gl.static_assert(BH == 64)
         gl.static_assert(BN == 64)
-        LQ: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [8, 1], [1, 0])
+        LQ: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [gl.num_warps(), 1], [1, 0])
         SH_L: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
         t = gl.program_id(0)
         hb = gl.program_id(1)
@@ -515,23 +770,57 @@ def _define_kernels():
         q_smem = gl.allocate_shared_memory(gl.bfloat16, [BH, 512], SH_L)
         q_smem.store(q)
         k_smem = gl.allocate_shared_memory(gl.bfloat16, [NS, BN, 512], SH_L)
-        p_smem = gl.allocate_shared_memory(gl.bfloat16, [BH, BN], SH_L)
         ready = gl.allocate_shared_memory(gl.int64, [NS, 1], mbarrier.MBarrierLayout())
         empty = gl.allocate_shared_memory(gl.int64, [NS, 1], mbarrier.MBarrierLayout())
         for i in gl.static_range(NS):
             mbarrier.init(ready.index(i), count=1)
-            mbarrier.init(empty.index(i), count=1)
+            mbarrier.init(empty.index(i), count=2 if KSPLIT else 1)
+        if KSPLIT:  # the two partial-score buffers (fp32, 16 KB each) and their handshakes; no P buffer
+            x_smem = gl.allocate_shared_memory(gl.float32, [2, BH, BN], gl.NVMMASharedLayout(
+                swizzle_byte_width=128, element_bitwidth=32, rank=2))
+            xfull = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+            xfree = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+            for i in gl.static_range(2):
+                mbarrier.init(xfull.index(i), count=1)
+                mbarrier.init(xfree.index(i), count=1)
+        else:
+            p_smem = gl.allocate_shared_memory(gl.bfloat16, [BH, BN], SH_L)
         fence_async_shared()
         _bar()
-        gl.warp_specialize([
-            (_ws_consumer, (q_smem, k_smem, p_smem, ready, empty, start, n_it, n1, stop, i1, i2, qk_scale,
-                            t64, hb, sp, H, sink_ptr, out_ptr, lse_ptr, po_ptr, pml_ptr,
-                            HAS_SINK, SPLITS, BH, BN, NS, OVERLAP, DIAG)),
-            (_ws_producer, (k_smem, ready, empty, start, n_it, n1, stop, i1, i2, c1_u8, c1_i16, c1_i64, bs1, ps1,
-                            c2_u8, c2_i16, c2_i64, bs2, ps2, BN, NS, DEEP, DIAG)),
-        ], [4], [PRODUCER_REGS])
+        # (the partitions' argument tuples are written out in each call: a tuple bound to a name first
+        # would turn its constexpr members into tensors)
+        if KSPLIT:  # registers: 512 per thread slot over three 4-warp partitions; the consumers split the rest
+            gl.warp_specialize([
+                (_ks_consumer0, (q_smem, k_smem, x_smem, ready, empty, xfull, xfree, start, n_it, n1, stop, i1, i2,
+                                 qk_scale, t64, hb, sp, H, sink_ptr, out_ptr, lse_ptr, po_ptr, pml_ptr, HAS_SINK,
+                                 SPLITS, BH, BN, NS, KSPLIT == 2, DIAG)),
+                (_ks_consumer1, (q_smem, k_smem, x_smem, ready, empty, xfull, xfree, start, n_it, n1, stop, i1, i2,
+                                 qk_scale, t64, hb, sp, H, sink_ptr, out_ptr, lse_ptr, po_ptr, pml_ptr, HAS_SINK,
+                                 SPLITS, BH, BN, NS, KSPLIT == 2, DIAG)),
+                (_ws_producer_of, (k_smem, ready, empty, start, n_it, n1, stop, i1, i2, c1_u8, c1_i16, c1_i64, bs1,
+                                   ps1, c2_u8, c2_i16, c2_i64, bs2, ps2, BN, NS, DEEP, PACKED, DIAG)),
+            ], [4, 4], [(512 - PRODUCER_REGS) // 16 * 8, PRODUCER_REGS])
+        else:
+            gl.warp_specialize([
+                (_ws_consumer, (q_smem, k_smem, p_smem, ready, empty, start, n_it, n1, stop, i1, i2, qk_scale,
+                                t64, hb, sp, H, sink_ptr, out_ptr, lse_ptr, po_ptr, pml_ptr,
+                                HAS_SINK, SPLITS, BH, BN, NS, OVERLAP, DIAG)),
+                (_ws_producer_of, (k_smem, ready, empty, start, n_it, n1, stop, i1, i2, c1_u8, c1_i16, c1_i64, bs1,
+                                   ps1, c2_u8, c2_i16, c2_i64, bs2, ps2, BN, NS, DEEP, PACKED, DIAG)),
+            ], [4], [PRODUCER_REGS])
 
     return {"decode": _decode_kernel, "merge": _merge_kernel, "ws": _ws_kernel}
+
+
+def _kernel_and_flags(kern: dict, flags: dict):
+    """The decode kernel a full set of :data:`VARIANT` flags selects, and its variant constexprs (the
+    launcher and benchmarks/gluon_compile_check.py share this)."""
+    if flags["WS"]:
+        ksplit = int(flags.get("KSPLIT", 0))
+        return kern["ws"], dict(NS=flags["NS"], OVERLAP=flags["OVERLAP"], PRODUCER_REGS=flags["PRODUCER_REGS"],
+                                DEEP=flags["DEEP"], DIAG=flags.get("DIAG", 0), PACKED=flags.get("PACKED", 0),
+                                KSPLIT=ksplit, num_warps=4 if ksplit else NUM_WARPS)
+    return kern["decode"], dict(P_SMEM=flags["P_SMEM"], PIPE=flags["PIPE"], num_warps=NUM_WARPS)
 
 
 def _kernels():
@@ -656,13 +945,9 @@ def decode_gluon(q: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor, leng
             H, float(scale) * LOG2E, chunk)
     common = dict(HAS_LEN1=lengths is not None, HAS_POOL2=has_pool2,
                   HAS_LEN2=has_pool2 and extra_lengths is not None, HAS_SINK=sink is not None, SPLITS=S,
-                  BH=BLOCK_H, BN=BLOCK_N, num_warps=NUM_WARPS)
-    if flags["WS"]:
-        _LAST["decode"] = kern["ws"][grid](*args, **common, NS=flags["NS"], OVERLAP=flags["OVERLAP"],
-                                           PRODUCER_REGS=flags["PRODUCER_REGS"], DEEP=flags["DEEP"],
-                                           DIAG=flags.get("DIAG", 0))
-    else:
-        _LAST["decode"] = kern["decode"][grid](*args, **common, P_SMEM=flags["P_SMEM"], PIPE=flags["PIPE"])
+                  BH=BLOCK_H, BN=BLOCK_N)
+    fn, const = _kernel_and_flags(kern, flags)
+    _LAST["decode"] = fn[grid](*args, **common, **const)
     if S > 1:
         kern["merge"][(T, H)](po, pml, sink_arg, out, lse, H, HAS_SINK=sink is not None, SPLITS=S, num_warps=4)
     return out, lse
