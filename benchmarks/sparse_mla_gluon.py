@@ -11,6 +11,11 @@ with the portable fused Triton kernel timed on the same inputs (not a test; prin
    L2), each timed as a device-graph replay (harness.time_ms): µs and % of max(bytes / copy BW, FLOP /
    bf16 matmul rate). Bytes: 584 B + a 4-byte index per selected row, q and out in bf16, lse fp32, lengths;
    FLOP: 2·H·K·(512 + 512) with the real H.
+4. A summary table (default split) of every kernel at the three shapes.
+
+A variant that does not compile or fails a check is reported and left out of the timing (its diagnostics
+too). The round-2 variants (PACKED / KSPLIT flags) are timed at the default split only; their register
+and spill figures come from benchmarks/gluon_compile_check.py, which needs no GPU.
 """
 
 from __future__ import annotations

@@ -41,6 +41,28 @@ barrier between the 8 column-tile stores of a half chunk. Consumer: 64 × 64 × 
 Next steps: cp.async / register-free staging of the raw rows (more bytes in flight), a cheaper dequant
 (bf16 exponent arithmetic instead of the fp32 round trip), the QKᵀ split by K dims (n = 64 per warpgroup).
 
+Round 2 (flags of :func:`_ws_kernel`, compiled and register-checked on a CPU machine with
+benchmarks/gluon_compile_check.py; not yet timed). What the compile check showed about the kernel above:
+the consumer warps run on 176 registers (setmaxnreg) and spill in their loop; the producer holds the
+gathered bytes as one 16-bit register each (ptxas spills them as ``STL.S16``), which is why it needs 144
+registers for a single half chunk in flight; and Triton puts a barrier between any two stores into one
+shared buffer (it does not tell disjoint slices apart), 16 per chunk in the producer.
+
+* ``PACKED`` (1, 2 or 3): the producer loads each row as int64 words and keeps them so across the loop
+  (4 bytes per register), unpacks the bytes only to dequantise (shifts, then ``gl.join`` / ``reshape`` in
+  registers), and writes a half chunk with one store (PACKED 1) or two (2, 3) instead of eight. PACKED 1
+  keeps the DEEP producer's schedule in about 96 registers instead of 144; PACKED 2 double-buffers (the
+  next half's loads in flight while the current half is dequantised); PACKED 3 triple-buffers (needs more
+  registers than a 4-warp producer can have beside the consumers: not in the benchmark).
+* ``KSPLIT`` (1, 2): the consumers become two 4-warp partitions (:func:`_ks_consumer`), each owning 256 of
+  the 512 dims: S_w = Q[:, dims] · K[:, dims]ᵀ over all 64 candidates (n = 64 wgmma, half the Q bytes
+  read per warpgroup), the two partials swapped through 32 KB of shared memory with mbarriers (no
+  CTA-wide barrier), S = S_0 + S_1 formed identically in both (fp32 addition commutes), the same online
+  softmax in both (no cross-warpgroup max or sum), P kept in registers as the A operand of
+  O[:, dims] += P · V[:, dims] (no P buffer, no barrier before P·V). It needs about 200 registers per
+  consumer thread, so only a lean producer fits beside it (PACKED 1 at 96). KSPLIT 2 computes and swaps
+  S as two n = 32 halves (less live at once, narrower MMAs).
+
 This module imports Gluon lazily and guarded: on a CPU machine (the Triton interpreter) or a Triton
 without Gluon it still imports; :func:`available` says whether the backend can run here.
 """
@@ -63,6 +85,8 @@ NUM_WARPS = 8  # two warpgroups split every MMA by columns
 #       the MMAs); OVERLAP: its next QKᵀ is issued behind the current P·V; PRODUCER_REGS: the producer
 #       warps' register budget (setmaxnreg; the consumers get the rest); DEEP: the producer fetches slot
 #       indices half a chunk ahead of the row loads.
+#       PACKED: the producer keeps rows as int64 words, 1-3 half chunks in registers (0: the byte-wise
+#       producer); KSPLIT: two 4-warp consumer partitions splitting QKᵀ by dims (2: as two score halves).
 #   Non-specialised kernel (WS False): PIPE: chunk i+1's raw bytes are loaded one iteration ahead and held
 #       in registers (else loaded after the P·V issue, latency exposed); P_SMEM: P reaches the P·V MMA through
 #       shared memory (else registers).
@@ -499,9 +523,14 @@ def _define_kernels():
         w4 = gl.load(p + 32, mask=m2, other=0)
         w5 = gl.load(p + 40, mask=m2, other=0)
         w6 = gl.load(p + 48, mask=m2, other=0)
-        col16 = gl.arange(0, 16, gl.SliceLayout(0, LW))
-        pr = gl.where(in1[:, None], c1_i64 + data[:, None], c2_i64 + data[:, None]) + (56 + col16[None, :])
-        rr = gl.load(pr, mask=ok[:, None] & (col16[None, :] >= 0), other=0)
+        # the RoPE words: 4 per thread, so that as 16 bf16 they sit in the layout of a dequantised e4m3 tile
+        LR: gl.constexpr = gl.BlockedLayout([1, 4], LW.threads_per_warp, LW.warps_per_cta, [1, 0])
+        col16 = gl.arange(0, 16, gl.SliceLayout(0, LR))
+        data_r = gl.convert_layout(data, gl.SliceLayout(1, LR))
+        in1_r = gl.convert_layout(in1, gl.SliceLayout(1, LR))
+        ok_r = gl.convert_layout(ok, gl.SliceLayout(1, LR))
+        pr = gl.where(in1_r[:, None], c1_i64 + data_r[:, None], c2_i64 + data_r[:, None]) + (56 + col16[None, :])
+        rr = gl.load(pr, mask=ok_r[:, None] & (col16[None, :] >= 0), other=0)
         sc = gl.load(gl.where(in1, c1_i64 + sidx, c2_i64 + sidx), mask=ok, other=0)
         return w0, w1, w2, w3, w4, w5, w6, rr, sc
 
@@ -524,19 +553,31 @@ def _define_kernels():
         return gl.reshape(x, [w.shape[0], 4 * w.shape[1]]).to(gl.int16)
 
     @_gluon.jit
-    def _dequant_store_packed(kb, raw):
-        """Write one half chunk of packed rows (:func:`_load_rows_packed`) dequantised into ``kb`` [R, 512]."""
+    def _side_by_side(a, b):
+        """Two [R, C] tiles -> one [R, 2C] tile (a in columns [0, C), b in [C, 2C)), in registers."""
+        x = gl.permute(gl.join(a, b), (0, 2, 1))
+        return gl.reshape(x, [a.shape[0], 2 * a.shape[1]])
+
+    @_gluon.jit
+    def _dequant_store_packed(kb, raw, ONE_STORE: gl.constexpr):
+        """Write one half chunk of packed rows (:func:`_load_rows_packed`) dequantised into ``kb`` [R, 512]:
+        the eight 64-column tiles are put side by side in registers and stored at once (ONE_STORE), or as two
+        stores of four tiles (half the temporaries, for the fuller register budgets). Triton puts a barrier
+        between two stores into one shared buffer (it does not tell disjoint slices apart): eight stores
+        cost seven barriers per half chunk, one store none."""
         w0, w1, w2, w3, w4, w5, w6, rr, sc = raw
         x = _bytes_of(w0)
         sc = gl.convert_layout(sc, gl.SliceLayout(1, x.type.layout))
-        kb.slice(0, 64, dim=1).store(_tile(x, sc, 0))
-        kb.slice(64, 64, dim=1).store(_tile(_bytes_of(w1), sc, 1))
-        kb.slice(128, 64, dim=1).store(_tile(_bytes_of(w2), sc, 2))
-        kb.slice(192, 64, dim=1).store(_tile(_bytes_of(w3), sc, 3))
-        kb.slice(256, 64, dim=1).store(_tile(_bytes_of(w4), sc, 4))
-        kb.slice(320, 64, dim=1).store(_tile(_bytes_of(w5), sc, 5))
-        kb.slice(384, 64, dim=1).store(_tile(_bytes_of(w6), sc, 6))
-        kb.slice(448, 64, dim=1).store(_halves_of(rr).to(gl.bfloat16, bitcast=True))
+        t01 = _side_by_side(_tile(x, sc, 0), _tile(_bytes_of(w1), sc, 1))
+        t23 = _side_by_side(_tile(_bytes_of(w2), sc, 2), _tile(_bytes_of(w3), sc, 3))
+        if not ONE_STORE:
+            kb.slice(0, 256, dim=1).store(_side_by_side(t01, t23))
+        t45 = _side_by_side(_tile(_bytes_of(w4), sc, 4), _tile(_bytes_of(w5), sc, 5))
+        t67 = _side_by_side(_tile(_bytes_of(w6), sc, 6), _halves_of(rr).to(gl.bfloat16, bitcast=True))
+        if ONE_STORE:
+            kb.store(_side_by_side(_side_by_side(t01, t23), _side_by_side(t45, t67)))
+        else:
+            kb.slice(256, 256, dim=1).store(_side_by_side(t45, t67))
 
     @_gluon.jit
     def _ws_producer_packed(k_smem, ready, empty, start, n_it, n1, stop, i1, i2, c1_i64, bs1, ps1,
@@ -561,10 +602,10 @@ def _define_kernels():
                 v0 = start + it * BN
                 mbarrier.wait(empty.index(st), ((it // NS) & 1) ^ 1)
                 kb = k_smem.index(st)
-                _dequant_store_packed(kb.slice(0, HALF, dim=0), a)
+                _dequant_store_packed(kb.slice(0, HALF, dim=0), a, SETS == 1)
                 a = _load_rows_packed(sa, ia, oa, c1_i64, bs1, ps1, c2_i64, bs2, ps2, LW)
                 sa, ia, oa = _slots(v0 + BN + rows, n1, stop, i1, i2)
-                _dequant_store_packed(kb.slice(HALF, HALF, dim=0), a)
+                _dequant_store_packed(kb.slice(HALF, HALF, dim=0), a, SETS == 1)
                 a = _load_rows_packed(sa, ia, oa, c1_i64, bs1, ps1, c2_i64, bs2, ps2, LW)
                 sa, ia, oa = _slots(v0 + BN + HALF + rows, n1, stop, i1, i2)
                 fence_async_shared()
@@ -583,11 +624,11 @@ def _define_kernels():
             mbarrier.wait(empty.index(st), ((it // NS) & 1) ^ 1)
             kb = k_smem.index(st)
             # half 2·it from a; its registers then take half 2·it + SETS
-            _dequant_store_packed(kb.slice(0, HALF, dim=0), a)
+            _dequant_store_packed(kb.slice(0, HALF, dim=0), a, SETS == 1)
             a = _load_rows_packed(sa, ia, oa, c1_i64, bs1, ps1, c2_i64, bs2, ps2, LW)
             sa, ia, oa = _slots(v0 + (SETS + 1) * HALF + rows, n1, stop, i1, i2)
             # half 2·it + 1 from b; then half 2·it + SETS + 1
-            _dequant_store_packed(kb.slice(HALF, HALF, dim=0), b)
+            _dequant_store_packed(kb.slice(HALF, HALF, dim=0), b, SETS == 1)
             b = _load_rows_packed(sa, ia, oa, c1_i64, bs1, ps1, c2_i64, bs2, ps2, LW)
             sa, ia, oa = _slots(v0 + (SETS + 2) * HALF + rows, n1, stop, i1, i2)
             fence_async_shared()
