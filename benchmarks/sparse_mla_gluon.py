@@ -43,8 +43,8 @@ VARIANTS = {  # dsv4ref.sparse_mla.gluon.VARIANT flags
     "gluon ws deep": dict(WS=True, OVERLAP=False, PRODUCER_REGS=144, DEEP=True),
     "gluon ws deep overlap": dict(WS=True, OVERLAP=True, PRODUCER_REGS=144, DEEP=True),
     # 2026-11-30 round 2 (designs in gluon.py's docstring; register figures: benchmarks/gluon_compile_check.py)
-    "gluon ws packed1 p120": dict(WS=True, OVERLAP=False, PRODUCER_REGS=120, PACKED=1),
-    "gluon ws packed2 p152": dict(WS=True, OVERLAP=False, PRODUCER_REGS=152, PACKED=2),
+    "gluon ws packed1": dict(WS=True, OVERLAP=False, PRODUCER_REGS=104, PACKED=1),
+    "gluon ws packed1 overlap": dict(WS=True, OVERLAP=True, PRODUCER_REGS=104, PACKED=1),
     "gluon ws ksplit packed1": dict(WS=True, OVERLAP=False, PRODUCER_REGS=96, PACKED=1, KSPLIT=1),
     "gluon ws ksplit2 packed1": dict(WS=True, OVERLAP=False, PRODUCER_REGS=96, PACKED=1, KSPLIT=2),
 }

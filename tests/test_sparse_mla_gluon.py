@@ -111,7 +111,8 @@ def test_two_pools_with_sink(splits):
 
 # kernel variants other than the default (gluon.VARIANT flags; benchmarks/sparse_mla_gluon.py times them)
 VARIANTS = {
-    "packed producer": dict(WS=True, PRODUCER_REGS=120, PACKED=1),
+    "packed producer": dict(WS=True, PRODUCER_REGS=104, PACKED=1),
+    "packed producer, overlapped QK": dict(WS=True, PRODUCER_REGS=104, PACKED=1, OVERLAP=True),
     "double-buffered packed producer": dict(WS=True, PRODUCER_REGS=152, PACKED=2),
     "k-split consumers": dict(WS=True, PRODUCER_REGS=96, PACKED=1, KSPLIT=1),
     "k-split consumers, score halves": dict(WS=True, PRODUCER_REGS=96, PACKED=1, KSPLIT=2),

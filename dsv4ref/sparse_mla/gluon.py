@@ -51,7 +51,8 @@ shared buffer (it does not tell disjoint slices apart), 16 per chunk in the prod
 * ``PACKED`` (1, 2 or 3): the producer loads each row as int64 words and keeps them so across the loop
   (4 bytes per register), unpacks the bytes only to dequantise (shifts, then ``gl.join`` / ``reshape`` in
   registers), and writes a half chunk with one store (PACKED 1) or two (2, 3) instead of eight. PACKED 1
-  keeps the DEEP producer's schedule in about 96 registers instead of 144; PACKED 2 double-buffers (the
+  keeps the DEEP producer's schedule in about 100 registers instead of 144 (at PRODUCER_REGS 104 the
+  consumers get 200 and neither side spills, OVERLAP included); PACKED 2 double-buffers (the
   next half's loads in flight while the current half is dequantised); PACKED 3 triple-buffers (needs more
   registers than a 4-warp producer can have beside the consumers: not in the benchmark).
 * ``KSPLIT`` (1, 2): the consumers become two 4-warp partitions (:func:`_ks_consumer`), each owning 256 of
