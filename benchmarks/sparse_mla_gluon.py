@@ -14,7 +14,7 @@ with the portable fused Triton kernel timed on the same inputs (not a test; prin
 4. A summary table (default split) of every kernel at the three shapes.
 
 A variant that does not compile or fails a check is reported and left out of the timing (its diagnostics
-too). The round-2 variants (PACKED / KSPLIT flags) are timed at the default split only; their register
+too). The round-2 variants (PACKED / KSPLIT flags; "cpasync" is PACKED 4) are timed at the default split only; their register
 and spill figures come from benchmarks/gluon_compile_check.py, which needs no GPU.
 """
 
@@ -45,17 +45,19 @@ VARIANTS = {  # dsv4ref.sparse_mla.gluon.VARIANT flags
     # 2026-11-30 round 2 (designs in gluon.py's docstring; register figures: benchmarks/gluon_compile_check.py)
     "gluon ws packed1": dict(WS=True, OVERLAP=False, PRODUCER_REGS=104, PACKED=1),
     "gluon ws packed1 overlap": dict(WS=True, OVERLAP=True, PRODUCER_REGS=104, PACKED=1),
+    "gluon ws cpasync": dict(WS=True, OVERLAP=False, PRODUCER_REGS=120, PACKED=4),
+    "gluon ws cpasync overlap": dict(WS=True, OVERLAP=True, PRODUCER_REGS=120, PACKED=4),
     "gluon ws ksplit packed1": dict(WS=True, OVERLAP=False, PRODUCER_REGS=96, PACKED=1, KSPLIT=1),
     "gluon ws ksplit2 packed1": dict(WS=True, OVERLAP=False, PRODUCER_REGS=96, PACKED=1, KSPLIT=2),
 }
-NEW = {k for k in VARIANTS if "packed" in k}  # timed at the default split only (keeps the run short)
+NEW = {k for k in VARIANTS if "packed" in k or "cpasync" in k}  # timed at the default split only (keeps the run short)
 # timing diagnostics (wrong results, never checked): DIAG 1 = the producer loads nothing (MMA + softmax +
 # dequant ALU only); DIAG 2 = the consumer runs no MMA (gather + dequant only)
 DIAGS = {
     "diag: no row loads": dict(WS=True, OVERLAP=False, PRODUCER_REGS=144, DEEP=True, DIAG=1),
     "diag: no MMA/softmax": dict(WS=True, OVERLAP=False, PRODUCER_REGS=144, DEEP=True, DIAG=2),
     "diag ksplit: no row loads": dict(VARIANTS["gluon ws ksplit packed1"], DIAG=1),
-    "diag ksplit: no MMA/softmax": dict(VARIANTS["gluon ws ksplit packed1"], DIAG=2),
+    "diag cpasync: no MMA/softmax": dict(VARIANTS["gluon ws cpasync"], DIAG=2),
 }
 
 

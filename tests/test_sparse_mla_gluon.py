@@ -114,6 +114,7 @@ VARIANTS = {
     "packed producer": dict(WS=True, PRODUCER_REGS=104, PACKED=1),
     "packed producer, overlapped QK": dict(WS=True, PRODUCER_REGS=104, PACKED=1, OVERLAP=True),
     "double-buffered packed producer": dict(WS=True, PRODUCER_REGS=152, PACKED=2),
+    "cp.async-staged producer": dict(WS=True, PRODUCER_REGS=120, PACKED=4),
     "k-split consumers": dict(WS=True, PRODUCER_REGS=96, PACKED=1, KSPLIT=1),
     "k-split consumers, score halves": dict(WS=True, PRODUCER_REGS=96, PACKED=1, KSPLIT=2),
 }

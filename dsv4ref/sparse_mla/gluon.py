@@ -54,7 +54,11 @@ shared buffer (it does not tell disjoint slices apart), 16 per chunk in the prod
   keeps the DEEP producer's schedule in about 100 registers instead of 144 (at PRODUCER_REGS 104 the
   consumers get 200 and neither side spills, OVERLAP included); PACKED 2 double-buffers (the
   next half's loads in flight while the current half is dequantised); PACKED 3 triple-buffers (needs more
-  registers than a 4-warp producer can have beside the consumers: not in the benchmark).
+  registers than a 4-warp producer can have beside the consumers: not in the benchmark). PACKED 4 is
+  PACKED 1's register footprint with PACKED 2's overlap: the next half chunk travels by cp.async
+  (``async_copy``, zero-filled where masked) into a 20 KB raw staging buffer in shared memory, which the
+  8-warp consumer layout leaves free (226 KB in all), and is read into registers only when the current
+  half has been dequantised.
 * ``KSPLIT`` (1, 2): the consumers become two 4-warp partitions (:func:`_ks_consumer`), each owning 256 of
   the 512 dims: S_w = Q[:, dims] · K[:, dims]ᵀ over all 64 candidates (n = 64 wgmma, half the Q bytes
   read per warpgroup), the two partials swapped through 32 KB of shared memory with mbarriers (no
@@ -86,8 +90,8 @@ NUM_WARPS = 8  # two warpgroups split every MMA by columns
 #       the MMAs); OVERLAP: its next QKᵀ is issued behind the current P·V; PRODUCER_REGS: the producer
 #       warps' register budget (setmaxnreg; the consumers get the rest); DEEP: the producer fetches slot
 #       indices half a chunk ahead of the row loads.
-#       PACKED: the producer keeps rows as int64 words, 1-3 half chunks in registers (0: the byte-wise
-#       producer); KSPLIT: two 4-warp consumer partitions splitting QKᵀ by dims (2: as two score halves).
+#       PACKED: the producer keeps rows as int64 words, 1-3 half chunks in registers, or 4: one in registers
+#       and the next in flight into shared memory by cp.async (0: the byte-wise producer); KSPLIT: two 4-warp consumer partitions splitting QKᵀ by dims (2: as two score halves).
 #   Non-specialised kernel (WS False): PIPE: chunk i+1's raw bytes are loaded one iteration ahead and held
 #       in registers (else loaded after the P·V issue, latency exposed); P_SMEM: P reaches the P·V MMA through
 #       shared memory (else registers).
@@ -101,6 +105,7 @@ try:  # Gluon ships with Triton >= 3.5; the Hopper ops live in its nvidia.hopper
     from triton.experimental import gluon as _gluon
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.hopper import (
+        async_copy,
         fence_async_shared,
         mbarrier,
         warpgroup_mma,
@@ -504,10 +509,10 @@ def _define_kernels():
     # ---- packed producer and K-split consumers (flags PACKED, KSPLIT of _ws_kernel) ----------------------
 
     @_gluon.jit
-    def _load_rows_packed(slot, in1, ok, c1_i64, bs1, ps1, c2_i64, bs2, ps2, LW: gl.constexpr):
-        """The global loads of rows whose slots are known, kept packed: each e4m3 tile [R, 64] as [R, 8]
-        int64 words (8 bytes per two registers, where a uint8 tensor costs a register per byte), the RoPE
-        values as [R, 16] int64 words (4 bf16 each), the 8 scale bytes as one int64. Masked rows load zeros."""
+    def _row_ptrs_packed(slot, in1, ok, c1_i64, bs1, ps1, c2_i64, bs2, ps2, LW: gl.constexpr):
+        """Addresses (as int64-word pointers) and masks of the rows whose slots are known: the first e4m3 tile
+        [R, 8] words (tile b at + 8·b), the RoPE words [R, 16] (4 per thread, so that as 16 bf16 they sit in
+        the layout of a dequantised e4m3 tile) and the scale word [R]."""
         bs = gl.where(in1, bs1, bs2)
         ps = gl.where(in1, ps1, ps2)
         page = slot // bs
@@ -517,6 +522,22 @@ def _define_kernels():
         col = gl.arange(0, 8, gl.SliceLayout(0, LW))
         m2 = ok[:, None] & (col[None, :] >= 0)
         p = gl.where(in1[:, None], c1_i64 + data[:, None], c2_i64 + data[:, None]) + col[None, :]
+        LR: gl.constexpr = gl.BlockedLayout([1, 4], LW.threads_per_warp, LW.warps_per_cta, [1, 0])
+        col16 = gl.arange(0, 16, gl.SliceLayout(0, LR))
+        data_r = gl.convert_layout(data, gl.SliceLayout(1, LR))
+        in1_r = gl.convert_layout(in1, gl.SliceLayout(1, LR))
+        ok_r = gl.convert_layout(ok, gl.SliceLayout(1, LR))
+        pr = gl.where(in1_r[:, None], c1_i64 + data_r[:, None], c2_i64 + data_r[:, None]) + (56 + col16[None, :])
+        mr = ok_r[:, None] & (col16[None, :] >= 0)
+        psc = gl.where(in1, c1_i64 + sidx, c2_i64 + sidx)
+        return p, m2, pr, mr, psc
+
+    @_gluon.jit
+    def _load_rows_packed(slot, in1, ok, c1_i64, bs1, ps1, c2_i64, bs2, ps2, LW: gl.constexpr):
+        """The global loads of rows whose slots are known, kept packed: each e4m3 tile [R, 64] as [R, 8]
+        int64 words (8 bytes per two registers, where a uint8 tensor costs a register per byte), the RoPE
+        values as [R, 16] int64 words (4 bf16 each), the 8 scale bytes as one int64. Masked rows load zeros."""
+        p, m2, pr, mr, psc = _row_ptrs_packed(slot, in1, ok, c1_i64, bs1, ps1, c2_i64, bs2, ps2, LW)
         w0 = gl.load(p, mask=m2, other=0)
         w1 = gl.load(p + 8, mask=m2, other=0)
         w2 = gl.load(p + 16, mask=m2, other=0)
@@ -524,15 +545,44 @@ def _define_kernels():
         w4 = gl.load(p + 32, mask=m2, other=0)
         w5 = gl.load(p + 40, mask=m2, other=0)
         w6 = gl.load(p + 48, mask=m2, other=0)
-        # the RoPE words: 4 per thread, so that as 16 bf16 they sit in the layout of a dequantised e4m3 tile
+        rr = gl.load(pr, mask=mr, other=0)
+        sc = gl.load(psc, mask=ok, other=0)
+        return w0, w1, w2, w3, w4, w5, w6, rr, sc
+
+    @_gluon.jit
+    def _copy_rows_async(raw_w, raw_r, raw_s, slot, in1, ok, c1_i64, bs1, ps1, c2_i64, bs2, ps2,
+                         LW: gl.constexpr):
+        """Issue cp.async copies of the rows whose slots are known into the raw staging buffers (raw_w
+        [8·R, 8] (tile b in rows [b·R, b·R + R)), raw_r [R, 16], raw_s [R] int64; masked rows are
+        zero-filled) and commit them as one group:
+        the bytes travel without occupying a register."""
+        p, m2, pr, mr, psc = _row_ptrs_packed(slot, in1, ok, c1_i64, bs1, ps1, c2_i64, bs2, ps2, LW)
+        R: gl.constexpr = raw_r.shape[0]
+        for b in gl.static_range(7):
+            async_copy.async_copy_global_to_shared(raw_w.slice(b * R, R, dim=0), p + 8 * b, mask=m2)
+        async_copy.async_copy_global_to_shared(raw_r, pr, mask=mr)
+        async_copy.async_copy_global_to_shared(raw_s, psc, mask=ok)
+        async_copy.commit_group()
+
+    @_gluon.jit
+    def _read_rows_async(raw_w, raw_r, raw_s, LW: gl.constexpr):
+        """Wait for the copies of :func:`_copy_rows_async`, and read them (what :func:`_load_rows_packed`
+        returns). The barriers: every thread's copies have landed before any thread reads, and every thread
+        has read before the buffers are refilled."""
         LR: gl.constexpr = gl.BlockedLayout([1, 4], LW.threads_per_warp, LW.warps_per_cta, [1, 0])
-        col16 = gl.arange(0, 16, gl.SliceLayout(0, LR))
-        data_r = gl.convert_layout(data, gl.SliceLayout(1, LR))
-        in1_r = gl.convert_layout(in1, gl.SliceLayout(1, LR))
-        ok_r = gl.convert_layout(ok, gl.SliceLayout(1, LR))
-        pr = gl.where(in1_r[:, None], c1_i64 + data_r[:, None], c2_i64 + data_r[:, None]) + (56 + col16[None, :])
-        rr = gl.load(pr, mask=ok_r[:, None] & (col16[None, :] >= 0), other=0)
-        sc = gl.load(gl.where(in1, c1_i64 + sidx, c2_i64 + sidx), mask=ok, other=0)
+        async_copy.wait_group(0)
+        _bar()
+        R: gl.constexpr = raw_r.shape[0]
+        w0 = raw_w.slice(0, R, dim=0).load(LW)
+        w1 = raw_w.slice(R, R, dim=0).load(LW)
+        w2 = raw_w.slice(2 * R, R, dim=0).load(LW)
+        w3 = raw_w.slice(3 * R, R, dim=0).load(LW)
+        w4 = raw_w.slice(4 * R, R, dim=0).load(LW)
+        w5 = raw_w.slice(5 * R, R, dim=0).load(LW)
+        w6 = raw_w.slice(6 * R, R, dim=0).load(LW)
+        rr = raw_r.load(LR)
+        sc = raw_s.load(gl.SliceLayout(1, LW))
+        _bar()
         return w0, w1, w2, w3, w4, w5, w6, rr, sc
 
     @_gluon.jit
@@ -588,12 +638,44 @@ def _define_kernels():
         register of its own), SETS half chunks at once. SETS = 1: the DEEP producer's schedule (one half in
         flight, issued right after the previous half is dequantised); SETS = 2: double-buffered (one half in
         flight while the other is dequantised, two while waiting for a free stage); SETS = 3: two in flight
-        (37 KB per SM) while the third is dequantised. Slot indices are fetched one half ahead of the rows."""
+        (37 KB per SM) while the third is dequantised; SETS = 4: one half in registers being dequantised
+        while the next travels by cp.async into a shared-memory staging buffer (SETS = 1's registers,
+        SETS = 2's overlap). Slot indices are fetched one half ahead of the rows."""
         LW: gl.constexpr = gl.BlockedLayout([1, 2], [8, 4], [4, 1], [1, 0])  # [32, 8] int64 = 16 B per thread
         HALF: gl.constexpr = BN // 2
         rows = gl.arange(0, HALF, gl.SliceLayout(1, LW))
         if DIAG == 1:  # timing diagnostic only (wrong results): every row load masked off, no DRAM traffic
             stop = start
+        if SETS == 4:  # one half in registers, the next one in flight through shared memory (cp.async)
+            R_L: gl.constexpr = gl.SwizzledSharedLayout(vec=2, per_phase=1, max_phase=1, order=[1, 0])
+            raw_w = gl.allocate_shared_memory(gl.int64, [8 * HALF, 8], R_L)  # 7 tiles (shapes are powers of 2)
+            raw_r = gl.allocate_shared_memory(gl.int64, [HALF, 16], R_L)
+            raw_s = gl.allocate_shared_memory(gl.int64, [HALF], gl.SwizzledSharedLayout(
+                vec=1, per_phase=1, max_phase=1, order=[0]))
+            sa, ia, oa = _slots(start + rows, n1, stop, i1, i2)
+            _copy_rows_async(raw_w, raw_r, raw_s, sa, ia, oa, c1_i64, bs1, ps1, c2_i64, bs2, ps2, LW)
+            sa, ia, oa = _slots(start + HALF + rows, n1, stop, i1, i2)
+            a = _read_rows_async(raw_w, raw_r, raw_s, LW)
+            _copy_rows_async(raw_w, raw_r, raw_s, sa, ia, oa, c1_i64, bs1, ps1, c2_i64, bs2, ps2, LW)
+            sa, ia, oa = _slots(start + 2 * HALF + rows, n1, stop, i1, i2)
+            for it in range(n_it):
+                st = it % NS
+                v0 = start + it * BN
+                mbarrier.wait(empty.index(st), ((it // NS) & 1) ^ 1)
+                kb = k_smem.index(st)
+                _dequant_store_packed(kb.slice(0, HALF, dim=0), a, True)  # half 2·it; 2·it + 1 in flight
+                a = _read_rows_async(raw_w, raw_r, raw_s, LW)
+                _copy_rows_async(raw_w, raw_r, raw_s, sa, ia, oa, c1_i64, bs1, ps1, c2_i64, bs2, ps2, LW)
+                sa, ia, oa = _slots(v0 + BN + HALF + rows, n1, stop, i1, i2)
+                _dequant_store_packed(kb.slice(HALF, HALF, dim=0), a, True)  # half 2·it + 1; 2·it + 2 in flight
+                a = _read_rows_async(raw_w, raw_r, raw_s, LW)
+                _copy_rows_async(raw_w, raw_r, raw_s, sa, ia, oa, c1_i64, bs1, ps1, c2_i64, bs2, ps2, LW)
+                sa, ia, oa = _slots(v0 + 2 * BN + rows, n1, stop, i1, i2)
+                fence_async_shared()
+                _bar()
+                mbarrier.arrive(ready.index(st))
+            async_copy.wait_group(0)  # the last (empty) copies, before the partition ends
+            n_it = 0
         sa, ia, oa = _slots(start + rows, n1, stop, i1, i2)
         a = _load_rows_packed(sa, ia, oa, c1_i64, bs1, ps1, c2_i64, bs2, ps2, LW)
         if SETS == 1:  # one half in registers (as the DEEP producer, packed): the leanest, for small budgets
@@ -642,7 +724,8 @@ def _define_kernels():
     def _ws_producer_of(k_smem, ready, empty, start, n_it, n1, stop, i1, i2, c1_u8, c1_i16, c1_i64, bs1, ps1,
                         c2_u8, c2_i16, c2_i64, bs2, ps2, BN: gl.constexpr, NS: gl.constexpr, DEEP: gl.constexpr,
                         PACKED: gl.constexpr, DIAG: gl.constexpr):
-        """The producer partition the flags pick: packed (PACKED half chunks in registers) or byte-wise."""
+        """The producer partition the flags pick: packed (PACKED 1-3 half chunks in registers, 4: cp.async
+        staging) or byte-wise."""
         if PACKED:
             _ws_producer_packed(k_smem, ready, empty, start, n_it, n1, stop, i1, i2, c1_i64, bs1, ps1,
                                 c2_i64, bs2, ps2, BN, NS, PACKED, DIAG)
@@ -779,7 +862,8 @@ def _define_kernels():
     ):
         """Warp-specialised variant: 4 producer warps fill an NS-stage ring of dequantised K tiles (mbarriers
         ready / empty per stage); the 8 default warps (two warpgroups) only run the MMAs and the softmax.
-        PACKED (2 or 3): the packed producer with that many half chunks in registers; KSPLIT (1, or 2 for the
+        PACKED (1-3): the packed producer with that many half chunks in registers (4: one, and the next one
+        staged through shared memory by cp.async); KSPLIT (1, or 2 for the
         score halves): the two consumer warpgroups are two partitions splitting QKᵀ by dims (the launch then
         has 4 default warps, not 8)."""
         gl.static_assert(BH == 64)
