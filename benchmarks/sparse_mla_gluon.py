@@ -48,7 +48,6 @@ VARIANTS = {  # dsv4ref.sparse_mla.gluon.VARIANT flags
     "gluon ws cpasync": dict(WS=True, OVERLAP=False, PRODUCER_REGS=120, PACKED=4),
     "gluon ws cpasync overlap": dict(WS=True, OVERLAP=True, PRODUCER_REGS=120, PACKED=4),
     "gluon ws ksplit packed1": dict(WS=True, OVERLAP=False, PRODUCER_REGS=96, PACKED=1, KSPLIT=1),
-    "gluon ws ksplit2 packed1": dict(WS=True, OVERLAP=False, PRODUCER_REGS=96, PACKED=1, KSPLIT=2),
 }
 NEW = {k for k in VARIANTS if "packed" in k or "cpasync" in k}  # timed at the default split only (keeps the run short)
 # timing diagnostics (wrong results, never checked): DIAG 1 = the producer loads nothing (MMA + softmax +
