@@ -11,6 +11,11 @@ with the portable fused Triton kernel timed on the same inputs (not a test; prin
    L2), each timed as a device-graph replay (harness.time_ms): µs and % of max(bytes / copy BW, FLOP /
    bf16 matmul rate). Bytes: 584 B + a 4-byte index per selected row, q and out in bf16, lse fp32, lengths;
    FLOP: 2·H·K·(512 + 512) with the real H.
+4. A summary table (default split) of every kernel at the three shapes.
+
+A variant that does not compile or fails a check is reported and left out of the timing (its diagnostics
+too). The round-2 variants (PACKED / KSPLIT flags; "cpasync" is PACKED 4) are timed at the default split only; their register
+and spill figures come from benchmarks/gluon_compile_check.py, which needs no GPU.
 """
 
 from __future__ import annotations
@@ -37,17 +42,27 @@ VARIANTS = {  # dsv4ref.sparse_mla.gluon.VARIANT flags
     "gluon ws": dict(WS=True, OVERLAP=False, PRODUCER_REGS=144, DEEP=False),
     "gluon ws deep": dict(WS=True, OVERLAP=False, PRODUCER_REGS=144, DEEP=True),
     "gluon ws deep overlap": dict(WS=True, OVERLAP=True, PRODUCER_REGS=144, DEEP=True),
+    # 2026-11-30 round 2 (designs in gluon.py's docstring; register figures: benchmarks/gluon_compile_check.py)
+    "gluon ws packed1": dict(WS=True, OVERLAP=False, PRODUCER_REGS=104, PACKED=1),
+    "gluon ws packed1 overlap": dict(WS=True, OVERLAP=True, PRODUCER_REGS=104, PACKED=1),
+    "gluon ws cpasync": dict(WS=True, OVERLAP=False, PRODUCER_REGS=120, PACKED=4),
+    "gluon ws cpasync overlap": dict(WS=True, OVERLAP=True, PRODUCER_REGS=120, PACKED=4),
+    "gluon ws ksplit packed1": dict(WS=True, OVERLAP=False, PRODUCER_REGS=96, PACKED=1, KSPLIT=1),
 }
+NEW = {k for k in VARIANTS if "packed" in k or "cpasync" in k}  # timed at the default split only (keeps the run short)
 # timing diagnostics (wrong results, never checked): DIAG 1 = the producer loads nothing (MMA + softmax +
 # dequant ALU only); DIAG 2 = the consumer runs no MMA (gather + dequant only)
 DIAGS = {
     "diag: no row loads": dict(WS=True, OVERLAP=False, PRODUCER_REGS=144, DEEP=True, DIAG=1),
     "diag: no MMA/softmax": dict(WS=True, OVERLAP=False, PRODUCER_REGS=144, DEEP=True, DIAG=2),
+    "diag ksplit: no row loads": dict(VARIANTS["gluon ws ksplit packed1"], DIAG=1),
+    "diag cpasync: no MMA/softmax": dict(VARIANTS["gluon ws cpasync"], DIAG=2),
 }
 
 
 if os.environ.get("GLUON_BENCH_VARIANTS"):  # e.g. "gluon ws,gluon v1 (no ws) psmem": time only these
     VARIANTS = {k: v for k, v in VARIANTS.items() if k in os.environ["GLUON_BENCH_VARIANTS"].split(",")}
+FAILED: set = set()  # variants that failed a check (or did not compile): not timed, diagnostics included
 
 
 def portable(q, pools, sink):
@@ -122,6 +137,9 @@ def correctness():
             for sp in (1, 2):
                 runs.append((f"{name} split{sp}", lambda v=v, sp=sp: gluon(q, pools, sink, v, sp)))
         for name, fn in runs:
+            base = name.rsplit(" split", 1)[0]
+            if base in FAILED:
+                continue
             try:
                 out, lse = fn()
                 synchronize()
@@ -129,12 +147,21 @@ def correctness():
                 r2 = compare(lse, ref_lse.double(), "lse", "lse")
                 good = r1.passed and r2.passed and not bool(torch.isnan(out).any())
                 ok &= good or name == "portable"
-                print(f"check H={H:<3} {name:<26} {'PASS' if good else 'FAIL'} out max_abs {r1.max_abs:.2e} "
+                if not good and name != "portable":
+                    FAILED.add(base)
+                print(f"check H={H:<3} {name:<30} {'PASS' if good else 'FAIL'} out max_abs {r1.max_abs:.2e} "
                       f"lse max_abs {r2.max_abs:.2e}", flush=True)
             except Exception as e:
                 ok = False
-                print(f"check H={H:<3} {name:<26} ERROR {type(e).__name__}: {str(e)[:1500]}", flush=True)
+                FAILED.add(base)
+                print(f"check H={H:<3} {name:<30} ERROR {type(e).__name__}: {str(e)[:1500]}", flush=True)
     return ok
+
+
+def _failed_diag(flags):
+    """A diagnostic of a variant that failed its checks is skipped too."""
+    base = {k: v for k, v in flags.items() if k != "DIAG"}
+    return any(VARIANTS[n] == base for n in FAILED if n in VARIANTS)
 
 
 def main():
@@ -144,6 +171,7 @@ def main():
         print(f"gluon backend not available here ({G._IMPORT_ERROR!r})")
         return 1
     ok = correctness()
+    rows = []
     ceil = measure_ceilings()
     print(f"ceilings: copy {ceil.copy_bytes_per_s / 1e12:.2f} TB/s, bf16 {ceil.bf16_flops_per_s / 1e12:.0f} TFLOP/s",
           flush=True)
@@ -156,8 +184,11 @@ def main():
               f"gluon default splits {G.config(T, H, K, DEVICE)['num_splits']}", flush=True)
         runs = [("portable triton (fused)", lambda i: portable(*sets[i][:2], sets[i][2]))]
         for name, v in list(VARIANTS.items()) + list(DIAGS.items()):
+            if name in FAILED or (name.startswith("diag") and _failed_diag(v)):
+                print(f"{name:<30} skipped (failed its correctness check)", flush=True)
+                continue
             runs.append((name, lambda i, v=v: gluon(*sets[i][:2], sets[i][2], v)))
-            if name.startswith("diag"):
+            if name.startswith("diag") or name in NEW:
                 continue
             if not quick:
                 for sp in (1, 2):
@@ -173,6 +204,7 @@ def main():
                 k = G._LAST.get("decode")
                 if name.startswith("gluon") and k is not None:
                     extra = f" regs {getattr(k, 'n_regs', '?')} spills {getattr(k, 'n_spills', '?')}"
+                rows.append((T, H, K, name, us, bound_us / us))
                 print(f"{name:<30} {us:8.1f} us  {byts / us / 1e3:7.0f} GB/s  {flops / us / 1e6:6.1f} TFLOP/s  "
                       f"{bound_us / us:6.1%} of bound{'' if graphed else ' (EAGER: graph capture failed)'}{extra}",
                       flush=True)
@@ -180,8 +212,24 @@ def main():
                 print(f"{name:<30} FAILED {type(e).__name__}: {str(e)[:800]}", flush=True)
         sets = None  # free this shape's inputs
         empty_cache()
-    print("\ncorrectness:", "all gluon variants PASS" if ok else "SOME GLUON CHECK FAILED")
+    summary(rows)
+    print("\ncorrectness:", "all gluon variants PASS" if ok else f"SOME GLUON CHECK FAILED: {sorted(FAILED)}")
     return 0 if ok else 1
+
+
+def summary(rows):
+    """One line per kernel: µs and % of the bound at each shape (default split), side by side."""
+    names = []
+    for r in rows:
+        if r[3] not in names:
+            names.append(r[3])
+    print("\n== summary: us (% of bound) per shape " + "  ".join(f"H{H} K{K}" for _, H, K in SHAPES))
+    for n in names:
+        cells = []
+        for T, H, K in SHAPES:
+            hit = [r for r in rows if r[:4] == (T, H, K, n)]
+            cells.append(f"{hit[0][4]:7.1f} ({hit[0][5]:5.1%})" if hit else f"{'-':>16}")
+        print(f"{n:<30} " + "  ".join(cells), flush=True)
 
 
 if __name__ == "__main__":

@@ -78,13 +78,14 @@ def oracle(q, pools, sink, scale):
     return out, lse, out.mass
 
 
-def run(q, pools, sink=None, scale=SCALE, num_splits=None):
+def run(q, pools, sink=None, scale=SCALE, num_splits=None, variant=None):
     (c1, i1, l1, b1), *rest = pools
     kw = {}
     if rest:
         c2, i2, l2, b2 = rest[0]
         kw = dict(extra_cache=c2, extra_slots=i2, extra_lengths=l2, extra_block_size=b2)
-    return G.decode_gluon(q, c1, i1, l1, block_size=b1, sink=sink, scale=scale, num_splits=num_splits, **kw)
+    return G.decode_gluon(q, c1, i1, l1, block_size=b1, sink=sink, scale=scale, num_splits=num_splits,
+                          variant=variant, **kw)
 
 
 def check(out, lse, ref, name):
@@ -106,6 +107,32 @@ def test_two_pools_with_sink(splits):
     ref = oracle(q, pools, sink, SCALE)
     check(*run(q, pools, sink, num_splits=splits), ref, f"splits={splits}")
     assert float(ref[0].abs().max()) > 0.1
+
+
+# kernel variants other than the default (gluon.VARIANT flags; benchmarks/sparse_mla_gluon.py times them)
+VARIANTS = {
+    "packed producer": dict(WS=True, PRODUCER_REGS=104, PACKED=1),
+    "packed producer, overlapped QK": dict(WS=True, PRODUCER_REGS=104, PACKED=1, OVERLAP=True),
+    "double-buffered packed producer": dict(WS=True, PRODUCER_REGS=152, PACKED=2),
+    "cp.async-staged producer": dict(WS=True, PRODUCER_REGS=120, PACKED=4),
+    "k-split consumers": dict(WS=True, PRODUCER_REGS=96, PACKED=1, KSPLIT=1),
+    "k-split consumers, score halves": dict(WS=True, PRODUCER_REGS=96, PACKED=1, KSPLIT=2),
+}
+
+
+@pytest.mark.parametrize("name", sorted(VARIANTS))
+def test_variants(name):
+    """Every variant on the adversarial two-pool case (holes, poisoned slots, an all-masked first chunk,
+    empty rows), H 16 / 64 / 128, with and without the list split."""
+    for H in (16, 64, 128):
+        q, pools = setup(T=4, H=H, K1=140, K2=70, lengths1=[140, 5, 100, 0], lengths2=[70, 69, 0, 0], seed=H)
+        pools[0][1][2, :64] = -1
+        sink = torch.linspace(-2.0, 6.0, H).to(DEVICE)
+        ref = oracle(q, pools, sink, SCALE)
+        for splits in (1, 2):
+            out, lse = run(q, pools, sink, num_splits=splits, variant=VARIANTS[name])
+            check(out, lse, ref, f"{name} H={H} splits={splits}")
+            assert bool((lse[3] == -math.inf).all()) and not bool(out[3].any()), "an empty row: out 0, lse -inf"
 
 
 @pytest.mark.parametrize("H", [16, 64, 128, 40])

@@ -41,6 +41,33 @@ barrier between the 8 column-tile stores of a half chunk. Consumer: 64 × 64 × 
 Next steps: cp.async / register-free staging of the raw rows (more bytes in flight), a cheaper dequant
 (bf16 exponent arithmetic instead of the fp32 round trip), the QKᵀ split by K dims (n = 64 per warpgroup).
 
+Round 2 (flags of :func:`_ws_kernel`, compiled and register-checked on a CPU machine with
+benchmarks/gluon_compile_check.py; not yet timed). What the compile check showed about the kernel above:
+the consumer warps run on 176 registers (setmaxnreg) and spill in their loop; the producer holds the
+gathered bytes as one 16-bit register each (ptxas spills them as ``STL.S16``), which is why it needs 144
+registers for a single half chunk in flight; and Triton puts a barrier between any two stores into one
+shared buffer (it does not tell disjoint slices apart), 16 per chunk in the producer.
+
+* ``PACKED`` (1, 2 or 3): the producer loads each row as int64 words and keeps them so across the loop
+  (4 bytes per register), unpacks the bytes only to dequantise (shifts, then ``gl.join`` / ``reshape`` in
+  registers), and writes a half chunk with one store (PACKED 1) or two (2, 3) instead of eight. PACKED 1
+  keeps the DEEP producer's schedule in about 100 registers instead of 144 (at PRODUCER_REGS 104 the
+  consumers get 200 and neither side spills, OVERLAP included); PACKED 2 double-buffers (the
+  next half's loads in flight while the current half is dequantised); PACKED 3 triple-buffers (needs more
+  registers than a 4-warp producer can have beside the consumers: not in the benchmark). PACKED 4 is
+  PACKED 1's register footprint with PACKED 2's overlap: the next half chunk travels by cp.async
+  (``async_copy``, zero-filled where masked) into a 20 KB raw staging buffer in shared memory, which the
+  8-warp consumer layout leaves free (226 KB in all), and is read into registers only when the current
+  half has been dequantised.
+* ``KSPLIT`` (1, 2): the consumers become two 4-warp partitions (:func:`_ks_consumer`), each owning 256 of
+  the 512 dims: S_w = Q[:, dims] · K[:, dims]ᵀ over all 64 candidates (n = 64 wgmma, half the Q bytes
+  read per warpgroup), the two partials swapped through 32 KB of shared memory with mbarriers (no
+  CTA-wide barrier), S = S_0 + S_1 formed identically in both (fp32 addition commutes), the same online
+  softmax in both (no cross-warpgroup max or sum), P kept in registers as the A operand of
+  O[:, dims] += P · V[:, dims] (no P buffer, no barrier before P·V). It needs about 200 registers per
+  consumer thread, so only a lean producer fits beside it (PACKED 1 at 96). KSPLIT 2 computes and swaps
+  S as two n = 32 halves (less live at once, narrower MMAs).
+
 This module imports Gluon lazily and guarded: on a CPU machine (the Triton interpreter) or a Triton
 without Gluon it still imports; :func:`available` says whether the backend can run here.
 """
@@ -63,6 +90,8 @@ NUM_WARPS = 8  # two warpgroups split every MMA by columns
 #       the MMAs); OVERLAP: its next QKᵀ is issued behind the current P·V; PRODUCER_REGS: the producer
 #       warps' register budget (setmaxnreg; the consumers get the rest); DEEP: the producer fetches slot
 #       indices half a chunk ahead of the row loads.
+#       PACKED: the producer keeps rows as int64 words, 1-3 half chunks in registers, or 4: one in registers
+#       and the next in flight into shared memory by cp.async (0: the byte-wise producer); KSPLIT: two 4-warp consumer partitions splitting QKᵀ by dims (2: as two score halves).
 #   Non-specialised kernel (WS False): PIPE: chunk i+1's raw bytes are loaded one iteration ahead and held
 #       in registers (else loaded after the P·V issue, latency exposed); P_SMEM: P reaches the P·V MMA through
 #       shared memory (else registers).
@@ -76,6 +105,7 @@ try:  # Gluon ships with Triton >= 3.5; the Hopper ops live in its nvidia.hopper
     from triton.experimental import gluon as _gluon
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.hopper import (
+        async_copy,
         fence_async_shared,
         mbarrier,
         warpgroup_mma,
@@ -339,10 +369,11 @@ def _define_kernels():
     @_gluon.jit
     def _epilogue(acc, m, l, t64, hb, sp, H, sink_ptr, out_ptr, lse_ptr, po_ptr, pml_ptr,
                   HAS_SINK: gl.constexpr, SPLITS: gl.constexpr, BH: gl.constexpr, O_L: gl.constexpr,
-                  S_L: gl.constexpr):
-        """out = acc / l · σ(lse − sink) and lse (SPLITS == 1), or the partial (acc, m, l) for the merge."""
+                  S_L: gl.constexpr, D0: gl.constexpr = 0, DW: gl.constexpr = 512, ML: gl.constexpr = True):
+        """out = acc / l · σ(lse − sink) and lse (SPLITS == 1), or the partial (acc, m, l) for the merge.
+        acc holds output columns [D0, D0 + DW); ML: this caller also writes lse (or m, l)."""
         h_o = hb * BH + gl.arange(0, BH, gl.SliceLayout(1, O_L))
-        d_o = gl.arange(0, 512, gl.SliceLayout(0, O_L))
+        d_o = D0 + gl.arange(0, DW, gl.SliceLayout(0, O_L))
         h_s = hb * BH + gl.arange(0, BH, gl.SliceLayout(1, S_L))
         if SPLITS == 1:
             if HAS_SINK:
@@ -359,13 +390,15 @@ def _define_kernels():
             row = t64 * H + h_o.to(gl.int64)
             gl.store(out_ptr + row[:, None] * 512 + d_o[None, :], out.to(gl.bfloat16),
                      mask=(h_o[:, None] < H) & (d_o[None, :] >= 0))
-            gl.store(lse_ptr + t64 * H + h_s, gl.where(nonempty, lse, -float("inf")), mask=h_s < H)
+            if ML:
+                gl.store(lse_ptr + t64 * H + h_s, gl.where(nonempty, lse, -float("inf")), mask=h_s < H)
         else:
             row = (t64 * SPLITS + sp) * H + h_o.to(gl.int64)
             gl.store(po_ptr + row[:, None] * 512 + d_o[None, :], acc, mask=(h_o[:, None] < H) & (d_o[None, :] >= 0))
-            row_s = (t64 * SPLITS + sp) * H + h_s.to(gl.int64)
-            gl.store(pml_ptr + row_s * 2, m, mask=h_s < H)
-            gl.store(pml_ptr + row_s * 2 + 1, l, mask=h_s < H)
+            if ML:
+                row_s = (t64 * SPLITS + sp) * H + h_s.to(gl.int64)
+                gl.store(pml_ptr + row_s * 2, m, mask=h_s < H)
+                gl.store(pml_ptr + row_s * 2 + 1, l, mask=h_s < H)
 
     @_gluon.jit
     def _ws_producer(k_smem, ready, empty, start, n_it, n1, stop, i1, i2, c1_u8, c1_i16, c1_i64, bs1, ps1,
@@ -473,6 +506,349 @@ def _define_kernels():
                 mbarrier.arrive(empty.index(st))
         _epilogue(acc, m, l, t64, hb, sp, H, sink_ptr, out_ptr, lse_ptr, po_ptr, pml_ptr, HAS_SINK, SPLITS, BH, O_L, S_L)
 
+    # ---- packed producer and K-split consumers (flags PACKED, KSPLIT of _ws_kernel) ----------------------
+
+    @_gluon.jit
+    def _row_ptrs_packed(slot, in1, ok, c1_i64, bs1, ps1, c2_i64, bs2, ps2, LW: gl.constexpr):
+        """Addresses (as int64-word pointers) and masks of the rows whose slots are known: the first e4m3 tile
+        [R, 8] words (tile b at + 8·b), the RoPE words [R, 16] (4 per thread, so that as 16 bf16 they sit in
+        the layout of a dequantised e4m3 tile) and the scale word [R]."""
+        bs = gl.where(in1, bs1, bs2)
+        ps = gl.where(in1, ps1, ps2)
+        page = slot // bs
+        off = slot - page * bs
+        data = (page * ps + off * 576) // 8  # int64-word index of the row's 576 data bytes (16-byte aligned)
+        sidx = (page * ps + bs * 576 + off * 8) // 8
+        col = gl.arange(0, 8, gl.SliceLayout(0, LW))
+        m2 = ok[:, None] & (col[None, :] >= 0)
+        p = gl.where(in1[:, None], c1_i64 + data[:, None], c2_i64 + data[:, None]) + col[None, :]
+        LR: gl.constexpr = gl.BlockedLayout([1, 4], LW.threads_per_warp, LW.warps_per_cta, [1, 0])
+        col16 = gl.arange(0, 16, gl.SliceLayout(0, LR))
+        data_r = gl.convert_layout(data, gl.SliceLayout(1, LR))
+        in1_r = gl.convert_layout(in1, gl.SliceLayout(1, LR))
+        ok_r = gl.convert_layout(ok, gl.SliceLayout(1, LR))
+        pr = gl.where(in1_r[:, None], c1_i64 + data_r[:, None], c2_i64 + data_r[:, None]) + (56 + col16[None, :])
+        mr = ok_r[:, None] & (col16[None, :] >= 0)
+        psc = gl.where(in1, c1_i64 + sidx, c2_i64 + sidx)
+        return p, m2, pr, mr, psc
+
+    @_gluon.jit
+    def _load_rows_packed(slot, in1, ok, c1_i64, bs1, ps1, c2_i64, bs2, ps2, LW: gl.constexpr):
+        """The global loads of rows whose slots are known, kept packed: each e4m3 tile [R, 64] as [R, 8]
+        int64 words (8 bytes per two registers, where a uint8 tensor costs a register per byte), the RoPE
+        values as [R, 16] int64 words (4 bf16 each), the 8 scale bytes as one int64. Masked rows load zeros."""
+        p, m2, pr, mr, psc = _row_ptrs_packed(slot, in1, ok, c1_i64, bs1, ps1, c2_i64, bs2, ps2, LW)
+        w0 = gl.load(p, mask=m2, other=0)
+        w1 = gl.load(p + 8, mask=m2, other=0)
+        w2 = gl.load(p + 16, mask=m2, other=0)
+        w3 = gl.load(p + 24, mask=m2, other=0)
+        w4 = gl.load(p + 32, mask=m2, other=0)
+        w5 = gl.load(p + 40, mask=m2, other=0)
+        w6 = gl.load(p + 48, mask=m2, other=0)
+        rr = gl.load(pr, mask=mr, other=0)
+        sc = gl.load(psc, mask=ok, other=0)
+        return w0, w1, w2, w3, w4, w5, w6, rr, sc
+
+    @_gluon.jit
+    def _copy_rows_async(raw_w, raw_r, raw_s, slot, in1, ok, c1_i64, bs1, ps1, c2_i64, bs2, ps2,
+                         LW: gl.constexpr):
+        """Issue cp.async copies of the rows whose slots are known into the raw staging buffers (raw_w
+        [8·R, 8] (tile b in rows [b·R, b·R + R)), raw_r [R, 16], raw_s [R] int64; masked rows are
+        zero-filled) and commit them as one group:
+        the bytes travel without occupying a register."""
+        p, m2, pr, mr, psc = _row_ptrs_packed(slot, in1, ok, c1_i64, bs1, ps1, c2_i64, bs2, ps2, LW)
+        R: gl.constexpr = raw_r.shape[0]
+        for b in gl.static_range(7):
+            async_copy.async_copy_global_to_shared(raw_w.slice(b * R, R, dim=0), p + 8 * b, mask=m2)
+        async_copy.async_copy_global_to_shared(raw_r, pr, mask=mr)
+        async_copy.async_copy_global_to_shared(raw_s, psc, mask=ok)
+        async_copy.commit_group()
+
+    @_gluon.jit
+    def _read_rows_async(raw_w, raw_r, raw_s, LW: gl.constexpr):
+        """Wait for the copies of :func:`_copy_rows_async`, and read them (what :func:`_load_rows_packed`
+        returns). The barriers: every thread's copies have landed before any thread reads, and every thread
+        has read before the buffers are refilled."""
+        LR: gl.constexpr = gl.BlockedLayout([1, 4], LW.threads_per_warp, LW.warps_per_cta, [1, 0])
+        async_copy.wait_group(0)
+        _bar()
+        R: gl.constexpr = raw_r.shape[0]
+        w0 = raw_w.slice(0, R, dim=0).load(LW)
+        w1 = raw_w.slice(R, R, dim=0).load(LW)
+        w2 = raw_w.slice(2 * R, R, dim=0).load(LW)
+        w3 = raw_w.slice(3 * R, R, dim=0).load(LW)
+        w4 = raw_w.slice(4 * R, R, dim=0).load(LW)
+        w5 = raw_w.slice(5 * R, R, dim=0).load(LW)
+        w6 = raw_w.slice(6 * R, R, dim=0).load(LW)
+        rr = raw_r.load(LR)
+        sc = raw_s.load(gl.SliceLayout(1, LW))
+        _bar()
+        return w0, w1, w2, w3, w4, w5, w6, rr, sc
+
+    @_gluon.jit
+    def _bytes_of(w):
+        """[R, C] int64 words -> [R, 8·C] uint8, byte i of word j at column 8j + i (little-endian). The
+        joins add in-register dimensions; the innermost join is the most significant bit of the byte index."""
+        lo = w.to(gl.int32)
+        hi = (w >> 32).to(gl.int32)
+        x = gl.join(gl.join(gl.join(lo & 255, hi & 255), gl.join((lo >> 16) & 255, (hi >> 16) & 255)),
+                    gl.join(gl.join((lo >> 8) & 255, (hi >> 8) & 255), gl.join((lo >> 24) & 255, (hi >> 24) & 255)))
+        return gl.reshape(x, [w.shape[0], 8 * w.shape[1]]).to(gl.uint8)
+
+    @_gluon.jit
+    def _halves_of(w):
+        """[R, C] int64 words -> [R, 4·C] int16: 16-bit value q of word j at column 4j + q."""
+        lo = w.to(gl.int32)
+        hi = (w >> 32).to(gl.int32)
+        x = gl.join(gl.join(lo & 0xFFFF, hi & 0xFFFF), gl.join((lo >> 16) & 0xFFFF, (hi >> 16) & 0xFFFF))
+        return gl.reshape(x, [w.shape[0], 4 * w.shape[1]]).to(gl.int16)
+
+    @_gluon.jit
+    def _side_by_side(a, b):
+        """Two [R, C] tiles -> one [R, 2C] tile (a in columns [0, C), b in [C, 2C)), in registers."""
+        x = gl.permute(gl.join(a, b), (0, 2, 1))
+        return gl.reshape(x, [a.shape[0], 2 * a.shape[1]])
+
+    @_gluon.jit
+    def _dequant_store_packed(kb, raw, ONE_STORE: gl.constexpr):
+        """Write one half chunk of packed rows (:func:`_load_rows_packed`) dequantised into ``kb`` [R, 512]:
+        the eight 64-column tiles are put side by side in registers and stored at once (ONE_STORE), or as two
+        stores of four tiles (half the temporaries, for the fuller register budgets). Triton puts a barrier
+        between two stores into one shared buffer (it does not tell disjoint slices apart): eight stores
+        cost seven barriers per half chunk, one store none."""
+        w0, w1, w2, w3, w4, w5, w6, rr, sc = raw
+        x = _bytes_of(w0)
+        sc = gl.convert_layout(sc, gl.SliceLayout(1, x.type.layout))
+        t01 = _side_by_side(_tile(x, sc, 0), _tile(_bytes_of(w1), sc, 1))
+        t23 = _side_by_side(_tile(_bytes_of(w2), sc, 2), _tile(_bytes_of(w3), sc, 3))
+        if not ONE_STORE:
+            kb.slice(0, 256, dim=1).store(_side_by_side(t01, t23))
+        t45 = _side_by_side(_tile(_bytes_of(w4), sc, 4), _tile(_bytes_of(w5), sc, 5))
+        t67 = _side_by_side(_tile(_bytes_of(w6), sc, 6), _halves_of(rr).to(gl.bfloat16, bitcast=True))
+        if ONE_STORE:
+            kb.store(_side_by_side(_side_by_side(t01, t23), _side_by_side(t45, t67)))
+        else:
+            kb.slice(256, 256, dim=1).store(_side_by_side(t45, t67))
+
+    @_gluon.jit
+    def _ws_producer_packed(k_smem, ready, empty, start, n_it, n1, stop, i1, i2, c1_i64, bs1, ps1,
+                            c2_i64, bs2, ps2, BN: gl.constexpr, NS: gl.constexpr, SETS: gl.constexpr,
+                            DIAG: gl.constexpr):
+        """Producer warps (4) holding the gathered rows packed (int64 words: no byte or 16-bit value lives in a
+        register of its own), SETS half chunks at once. SETS = 1: the DEEP producer's schedule (one half in
+        flight, issued right after the previous half is dequantised); SETS = 2: double-buffered (one half in
+        flight while the other is dequantised, two while waiting for a free stage); SETS = 3: two in flight
+        (37 KB per SM) while the third is dequantised; SETS = 4: one half in registers being dequantised
+        while the next travels by cp.async into a shared-memory staging buffer (SETS = 1's registers,
+        SETS = 2's overlap). Slot indices are fetched one half ahead of the rows."""
+        LW: gl.constexpr = gl.BlockedLayout([1, 2], [8, 4], [4, 1], [1, 0])  # [32, 8] int64 = 16 B per thread
+        HALF: gl.constexpr = BN // 2
+        rows = gl.arange(0, HALF, gl.SliceLayout(1, LW))
+        if DIAG == 1:  # timing diagnostic only (wrong results): every row load masked off, no DRAM traffic
+            stop = start
+        if SETS == 4:  # one half in registers, the next one in flight through shared memory (cp.async)
+            R_L: gl.constexpr = gl.SwizzledSharedLayout(vec=2, per_phase=1, max_phase=1, order=[1, 0])
+            raw_w = gl.allocate_shared_memory(gl.int64, [8 * HALF, 8], R_L)  # 7 tiles (shapes are powers of 2)
+            raw_r = gl.allocate_shared_memory(gl.int64, [HALF, 16], R_L)
+            raw_s = gl.allocate_shared_memory(gl.int64, [HALF], gl.SwizzledSharedLayout(
+                vec=1, per_phase=1, max_phase=1, order=[0]))
+            sa, ia, oa = _slots(start + rows, n1, stop, i1, i2)
+            _copy_rows_async(raw_w, raw_r, raw_s, sa, ia, oa, c1_i64, bs1, ps1, c2_i64, bs2, ps2, LW)
+            sa, ia, oa = _slots(start + HALF + rows, n1, stop, i1, i2)
+            a = _read_rows_async(raw_w, raw_r, raw_s, LW)
+            _copy_rows_async(raw_w, raw_r, raw_s, sa, ia, oa, c1_i64, bs1, ps1, c2_i64, bs2, ps2, LW)
+            sa, ia, oa = _slots(start + 2 * HALF + rows, n1, stop, i1, i2)
+            for it in range(n_it):
+                st = it % NS
+                v0 = start + it * BN
+                mbarrier.wait(empty.index(st), ((it // NS) & 1) ^ 1)
+                kb = k_smem.index(st)
+                _dequant_store_packed(kb.slice(0, HALF, dim=0), a, True)  # half 2·it; 2·it + 1 in flight
+                a = _read_rows_async(raw_w, raw_r, raw_s, LW)
+                _copy_rows_async(raw_w, raw_r, raw_s, sa, ia, oa, c1_i64, bs1, ps1, c2_i64, bs2, ps2, LW)
+                sa, ia, oa = _slots(v0 + BN + HALF + rows, n1, stop, i1, i2)
+                _dequant_store_packed(kb.slice(HALF, HALF, dim=0), a, True)  # half 2·it + 1; 2·it + 2 in flight
+                a = _read_rows_async(raw_w, raw_r, raw_s, LW)
+                _copy_rows_async(raw_w, raw_r, raw_s, sa, ia, oa, c1_i64, bs1, ps1, c2_i64, bs2, ps2, LW)
+                sa, ia, oa = _slots(v0 + 2 * BN + rows, n1, stop, i1, i2)
+                fence_async_shared()
+                _bar()
+                mbarrier.arrive(ready.index(st))
+            async_copy.wait_group(0)  # the last (empty) copies, before the partition ends
+            n_it = 0
+        sa, ia, oa = _slots(start + rows, n1, stop, i1, i2)
+        a = _load_rows_packed(sa, ia, oa, c1_i64, bs1, ps1, c2_i64, bs2, ps2, LW)
+        if SETS == 1:  # one half in registers (as the DEEP producer, packed): the leanest, for small budgets
+            sa, ia, oa = _slots(start + HALF + rows, n1, stop, i1, i2)
+            for it in range(n_it):
+                st = it % NS
+                v0 = start + it * BN
+                mbarrier.wait(empty.index(st), ((it // NS) & 1) ^ 1)
+                kb = k_smem.index(st)
+                _dequant_store_packed(kb.slice(0, HALF, dim=0), a, SETS == 1)
+                a = _load_rows_packed(sa, ia, oa, c1_i64, bs1, ps1, c2_i64, bs2, ps2, LW)
+                sa, ia, oa = _slots(v0 + BN + rows, n1, stop, i1, i2)
+                _dequant_store_packed(kb.slice(HALF, HALF, dim=0), a, SETS == 1)
+                a = _load_rows_packed(sa, ia, oa, c1_i64, bs1, ps1, c2_i64, bs2, ps2, LW)
+                sa, ia, oa = _slots(v0 + BN + HALF + rows, n1, stop, i1, i2)
+                fence_async_shared()
+                _bar()
+                mbarrier.arrive(ready.index(st))
+            n_it = 0
+        sa, ia, oa = _slots(start + HALF + rows, n1, stop, i1, i2)
+        b = _load_rows_packed(sa, ia, oa, c1_i64, bs1, ps1, c2_i64, bs2, ps2, LW)
+        if SETS == 3:
+            sa, ia, oa = _slots(start + 2 * HALF + rows, n1, stop, i1, i2)
+            c = _load_rows_packed(sa, ia, oa, c1_i64, bs1, ps1, c2_i64, bs2, ps2, LW)
+        sa, ia, oa = _slots(start + SETS * HALF + rows, n1, stop, i1, i2)
+        for it in range(n_it):
+            st = it % NS
+            v0 = start + it * BN
+            mbarrier.wait(empty.index(st), ((it // NS) & 1) ^ 1)
+            kb = k_smem.index(st)
+            # half 2·it from a; its registers then take half 2·it + SETS
+            _dequant_store_packed(kb.slice(0, HALF, dim=0), a, SETS == 1)
+            a = _load_rows_packed(sa, ia, oa, c1_i64, bs1, ps1, c2_i64, bs2, ps2, LW)
+            sa, ia, oa = _slots(v0 + (SETS + 1) * HALF + rows, n1, stop, i1, i2)
+            # half 2·it + 1 from b; then half 2·it + SETS + 1
+            _dequant_store_packed(kb.slice(HALF, HALF, dim=0), b, SETS == 1)
+            b = _load_rows_packed(sa, ia, oa, c1_i64, bs1, ps1, c2_i64, bs2, ps2, LW)
+            sa, ia, oa = _slots(v0 + (SETS + 2) * HALF + rows, n1, stop, i1, i2)
+            fence_async_shared()
+            _bar()
+            mbarrier.arrive(ready.index(st))
+            if SETS == 3:  # rotate: the sets now hold halves 2·it + 2 (c), 2·it + 3 (a), 2·it + 4 (b)
+                a, b, c = c, a, b
+
+    @_gluon.jit
+    def _ws_producer_of(k_smem, ready, empty, start, n_it, n1, stop, i1, i2, c1_u8, c1_i16, c1_i64, bs1, ps1,
+                        c2_u8, c2_i16, c2_i64, bs2, ps2, BN: gl.constexpr, NS: gl.constexpr, DEEP: gl.constexpr,
+                        PACKED: gl.constexpr, DIAG: gl.constexpr):
+        """The producer partition the flags pick: packed (PACKED 1-3 half chunks in registers, 4: cp.async
+        staging) or byte-wise."""
+        if PACKED:
+            _ws_producer_packed(k_smem, ready, empty, start, n_it, n1, stop, i1, i2, c1_i64, bs1, ps1,
+                                c2_i64, bs2, ps2, BN, NS, PACKED, DIAG)
+        else:
+            _ws_producer(k_smem, ready, empty, start, n_it, n1, stop, i1, i2, c1_u8, c1_i16, c1_i64, bs1, ps1,
+                         c2_u8, c2_i16, c2_i64, bs2, ps2, BN, NS, DEEP, DIAG)
+
+    @_gluon.jit
+    def _softmax_step2(sa, sb, m, l, oka, okb, qk_scale):
+        """:func:`_softmax_step` on a score tile held as two column halves (sa, sb)."""
+        sa = gl.where(oka[None, :], sa * qk_scale, -float("inf"))
+        sb = gl.where(okb[None, :], sb * qk_scale, -float("inf"))
+        m_new = gl.maximum(m, gl.maximum(gl.max(sa, axis=1), gl.max(sb, axis=1)))
+        m_safe = gl.where(m_new == -float("inf"), 0.0, m_new)
+        alpha = gl.exp2(m - m_safe)
+        pa = gl.exp2(sa - m_safe[:, None])
+        pb = gl.exp2(sb - m_safe[:, None])
+        l = l * alpha + (gl.sum(pa, axis=1) + gl.sum(pb, axis=1))
+        return pa, pb, alpha, m_new, l
+
+    @_gluon.jit
+    def _ks_consumer(q_smem, k_smem, x_smem, ready, empty, xfull, xfree, start, n_it, n1, stop, i1, i2, qk_scale,
+                     t64, hb, sp, H, sink_ptr, out_ptr, lse_ptr, po_ptr, pml_ptr,
+                     W: gl.constexpr, HAS_SINK: gl.constexpr, SPLITS: gl.constexpr, BH: gl.constexpr,
+                     BN: gl.constexpr, NS: gl.constexpr, HALVES: gl.constexpr, DIAG: gl.constexpr):
+        """One consumer warpgroup (its own partition; W = 0 or 1) of the K-split scheme. It owns dims
+        [256·W, 256·W + 256): S_W = Q[:, dims] · K[:, dims]ᵀ is a partial score over all 64 candidates; the two
+        warpgroups swap partials through shared memory (mbarriers xfull / xfree, no CTA-wide barrier), each
+        forms S = S_0 + S_1 (the same bits in both: fp32 addition commutes) and runs the same online softmax,
+        so no row max or sum crosses warpgroups. P stays in registers as the A operand of O[:, dims] += P · V[:,
+        dims]. Each warpgroup releases the stage (empty counts two arrivals).
+        HALVES: S is computed, swapped and exponentiated as two [64, 32] column halves (n = 32 MMAs), so the
+        partner's partial is in registers one half at a time (16 registers, not 32): with the 128-register
+        accumulator that is what lets the consumer fit beside a producer of 144 registers."""
+        O_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 256, 16])
+        SN: gl.constexpr = BN // 2 if HALVES else BN
+        S_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, SN, 16])
+        P_L: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=O_L, k_width=2)
+        D0: gl.constexpr = 256 * W
+        q_h = q_smem.slice(D0, 256, dim=1)
+        m = gl.full([BH], -float("inf"), gl.float32, gl.SliceLayout(1, S_L))
+        l = gl.zeros([BH], gl.float32, gl.SliceLayout(1, S_L))
+        acc = gl.zeros([BH, 256], gl.float32, O_L)
+        s0 = gl.zeros([BH, SN], gl.float32, S_L)
+        cols = start + gl.arange(0, SN, gl.SliceLayout(0, S_L))
+        _, _, okc = _slots(cols, n1, stop, i1, i2)
+        if HALVES:
+            _, _, okb = _slots(cols + SN, n1, stop, i1, i2)
+        if DIAG == 2:  # timing diagnostic only (wrong results): take each stage and release it, no MMA
+            for it in range(n_it):
+                mbarrier.wait(ready.index(it % NS), (it // NS) & 1)
+                _bar()
+                mbarrier.arrive(empty.index(it % NS))
+            n_it = 0
+        for it in range(n_it):
+            st = it % NS
+            k_h = k_smem.index(st).slice(D0, 256, dim=1)
+            xw = x_smem.index(W)
+            xo = x_smem.index(1 - W)
+            mbarrier.wait(ready.index(st), (it // NS) & 1)
+            if HALVES:
+                s = warpgroup_mma(q_h, k_h.slice(0, SN, dim=0).permute((1, 0)), s0, use_acc=False)
+                sb = warpgroup_mma(q_h, k_h.slice(SN, SN, dim=0).permute((1, 0)), s0, use_acc=False)
+                mbarrier.wait(xfree.index(W), (it & 1) ^ 1)  # the other warpgroup has read my previous partial
+                xw.slice(0, SN, dim=1).store(s)
+                xw.slice(SN, SN, dim=1).store(sb)
+            else:
+                s = warpgroup_mma(q_h, k_h.permute((1, 0)), s0, use_acc=False)
+                mbarrier.wait(xfree.index(W), (it & 1) ^ 1)
+                xw.store(s)
+            _bar()
+            mbarrier.arrive(xfull.index(W))
+            mbarrier.wait(xfull.index(1 - W), it & 1)
+            if HALVES:
+                s = s + xo.slice(0, SN, dim=1).load(S_L)
+                sb = sb + xo.slice(SN, SN, dim=1).load(S_L)
+            else:
+                s = s + xo.load(S_L)
+            _bar()
+            mbarrier.arrive(xfree.index(1 - W))
+            if HALVES:
+                p, pb, alpha, m, l = _softmax_step2(s, sb, m, l, okc, okb, qk_scale)
+            else:
+                p, alpha, m, l = _softmax_step(s, m, l, okc, qk_scale)
+            acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, O_L))[:, None]
+            if HALVES:
+                p_op = gl.convert_layout(p.to(gl.bfloat16), P_L)
+                acc = warpgroup_mma(p_op, k_h.slice(0, SN, dim=0), acc, is_async=True)
+                pb_op = gl.convert_layout(pb.to(gl.bfloat16), P_L)
+                acc = warpgroup_mma(pb_op, k_h.slice(SN, SN, dim=0), acc, is_async=True)
+                _, _, okc = _slots(cols + (it + 1) * BN, n1, stop, i1, i2)  # next chunk's mask, fetched early
+                _, _, okb = _slots(cols + (it + 1) * BN + SN, n1, stop, i1, i2)
+                acc, p_op, pb_op = warpgroup_mma_wait(num_outstanding=0, deps=(acc, p_op, pb_op))
+            else:
+                p_op = gl.convert_layout(p.to(gl.bfloat16), P_L)
+                acc = warpgroup_mma(p_op, k_h, acc, is_async=True)
+                _, _, okc = _slots(cols + (it + 1) * BN, n1, stop, i1, i2)
+                acc, p_op = warpgroup_mma_wait(num_outstanding=0, deps=(acc, p_op))
+            _bar()
+            mbarrier.arrive(empty.index(st))
+        _epilogue(acc, m, l, t64, hb, sp, H, sink_ptr, out_ptr, lse_ptr, po_ptr, pml_ptr, HAS_SINK, SPLITS, BH,
+                  O_L, S_L, D0, 256, W == 0)
+
+    @_gluon.jit
+    def _ks_consumer1(q_smem, k_smem, x_smem, ready, empty, xfull, xfree, start, n_it, n1, stop, i1, i2, qk_scale,
+                      t64, hb, sp, H, sink_ptr, out_ptr, lse_ptr, po_ptr, pml_ptr,
+                      HAS_SINK: gl.constexpr, SPLITS: gl.constexpr, BH: gl.constexpr, BN: gl.constexpr,
+                      NS: gl.constexpr, HALVES: gl.constexpr, DIAG: gl.constexpr):
+        """The second consumer warpgroup (a worker partition: the columns W = 1)."""
+        _ks_consumer(q_smem, k_smem, x_smem, ready, empty, xfull, xfree, start, n_it, n1, stop, i1, i2, qk_scale,
+                     t64, hb, sp, H, sink_ptr, out_ptr, lse_ptr, po_ptr, pml_ptr, 1, HAS_SINK, SPLITS, BH, BN,
+                     NS, HALVES, DIAG)
+
+    @_gluon.jit
+    def _ks_consumer0(q_smem, k_smem, x_smem, ready, empty, xfull, xfree, start, n_it, n1, stop, i1, i2, qk_scale,
+                      t64, hb, sp, H, sink_ptr, out_ptr, lse_ptr, po_ptr, pml_ptr,
+                      HAS_SINK: gl.constexpr, SPLITS: gl.constexpr, BH: gl.constexpr, BN: gl.constexpr,
+                      NS: gl.constexpr, HALVES: gl.constexpr, DIAG: gl.constexpr):
+        """The first consumer warpgroup (the default partition: the columns W = 0)."""
+        _ks_consumer(q_smem, k_smem, x_smem, ready, empty, xfull, xfree, start, n_it, n1, stop, i1, i2, qk_scale,
+                     t64, hb, sp, H, sink_ptr, out_ptr, lse_ptr, po_ptr, pml_ptr, 0, HAS_SINK, SPLITS, BH, BN,
+                     NS, HALVES, DIAG)
+
     @_gluon.jit
     def _ws_kernel(
         q_ptr, q_st, q_sh, sink_ptr, out_ptr, lse_ptr, po_ptr, pml_ptr,
@@ -481,13 +857,18 @@ def _define_kernels():
         H, qk_scale, chunk,
         HAS_LEN1: gl.constexpr, HAS_POOL2: gl.constexpr, HAS_LEN2: gl.constexpr, HAS_SINK: gl.constexpr,
         SPLITS: gl.constexpr, BH: gl.constexpr, BN: gl.constexpr, NS: gl.constexpr, OVERLAP: gl.constexpr,
-        PRODUCER_REGS: gl.constexpr, DEEP: gl.constexpr, DIAG: gl.constexpr = 0,
+        PRODUCER_REGS: gl.constexpr, DEEP: gl.constexpr, DIAG: gl.constexpr = 0, PACKED: gl.constexpr = 0,
+        KSPLIT: gl.constexpr = 0,
     ):
         """Warp-specialised variant: 4 producer warps fill an NS-stage ring of dequantised K tiles (mbarriers
-        ready / empty per stage); the 8 default warps (two warpgroups) only run the MMAs and the softmax."""
+        ready / empty per stage); the 8 default warps (two warpgroups) only run the MMAs and the softmax.
+        PACKED (1-3): the packed producer with that many half chunks in registers (4: one, and the next one
+        staged through shared memory by cp.async); KSPLIT (1, or 2 for the
+        score halves): the two consumer warpgroups are two partitions splitting QKᵀ by dims (the launch then
+        has 4 default warps, not 8)."""
         gl.static_assert(BH == 64)
         gl.static_assert(BN == 64)
-        LQ: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [8, 1], [1, 0])
+        LQ: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [gl.num_warps(), 1], [1, 0])
         SH_L: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
         t = gl.program_id(0)
         hb = gl.program_id(1)
@@ -515,23 +896,57 @@ def _define_kernels():
         q_smem = gl.allocate_shared_memory(gl.bfloat16, [BH, 512], SH_L)
         q_smem.store(q)
         k_smem = gl.allocate_shared_memory(gl.bfloat16, [NS, BN, 512], SH_L)
-        p_smem = gl.allocate_shared_memory(gl.bfloat16, [BH, BN], SH_L)
         ready = gl.allocate_shared_memory(gl.int64, [NS, 1], mbarrier.MBarrierLayout())
         empty = gl.allocate_shared_memory(gl.int64, [NS, 1], mbarrier.MBarrierLayout())
         for i in gl.static_range(NS):
             mbarrier.init(ready.index(i), count=1)
-            mbarrier.init(empty.index(i), count=1)
+            mbarrier.init(empty.index(i), count=2 if KSPLIT else 1)
+        if KSPLIT:  # the two partial-score buffers (fp32, 16 KB each) and their handshakes; no P buffer
+            x_smem = gl.allocate_shared_memory(gl.float32, [2, BH, BN], gl.NVMMASharedLayout(
+                swizzle_byte_width=128, element_bitwidth=32, rank=2))
+            xfull = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+            xfree = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+            for i in gl.static_range(2):
+                mbarrier.init(xfull.index(i), count=1)
+                mbarrier.init(xfree.index(i), count=1)
+        else:
+            p_smem = gl.allocate_shared_memory(gl.bfloat16, [BH, BN], SH_L)
         fence_async_shared()
         _bar()
-        gl.warp_specialize([
-            (_ws_consumer, (q_smem, k_smem, p_smem, ready, empty, start, n_it, n1, stop, i1, i2, qk_scale,
-                            t64, hb, sp, H, sink_ptr, out_ptr, lse_ptr, po_ptr, pml_ptr,
-                            HAS_SINK, SPLITS, BH, BN, NS, OVERLAP, DIAG)),
-            (_ws_producer, (k_smem, ready, empty, start, n_it, n1, stop, i1, i2, c1_u8, c1_i16, c1_i64, bs1, ps1,
-                            c2_u8, c2_i16, c2_i64, bs2, ps2, BN, NS, DEEP, DIAG)),
-        ], [4], [PRODUCER_REGS])
+        # (the partitions' argument tuples are written out in each call: a tuple bound to a name first
+        # would turn its constexpr members into tensors)
+        if KSPLIT:  # registers: 512 per thread slot over three 4-warp partitions; the consumers split the rest
+            gl.warp_specialize([
+                (_ks_consumer0, (q_smem, k_smem, x_smem, ready, empty, xfull, xfree, start, n_it, n1, stop, i1, i2,
+                                 qk_scale, t64, hb, sp, H, sink_ptr, out_ptr, lse_ptr, po_ptr, pml_ptr, HAS_SINK,
+                                 SPLITS, BH, BN, NS, KSPLIT == 2, DIAG)),
+                (_ks_consumer1, (q_smem, k_smem, x_smem, ready, empty, xfull, xfree, start, n_it, n1, stop, i1, i2,
+                                 qk_scale, t64, hb, sp, H, sink_ptr, out_ptr, lse_ptr, po_ptr, pml_ptr, HAS_SINK,
+                                 SPLITS, BH, BN, NS, KSPLIT == 2, DIAG)),
+                (_ws_producer_of, (k_smem, ready, empty, start, n_it, n1, stop, i1, i2, c1_u8, c1_i16, c1_i64, bs1,
+                                   ps1, c2_u8, c2_i16, c2_i64, bs2, ps2, BN, NS, DEEP, PACKED, DIAG)),
+            ], [4, 4], [(512 - PRODUCER_REGS) // 16 * 8, PRODUCER_REGS])
+        else:
+            gl.warp_specialize([
+                (_ws_consumer, (q_smem, k_smem, p_smem, ready, empty, start, n_it, n1, stop, i1, i2, qk_scale,
+                                t64, hb, sp, H, sink_ptr, out_ptr, lse_ptr, po_ptr, pml_ptr,
+                                HAS_SINK, SPLITS, BH, BN, NS, OVERLAP, DIAG)),
+                (_ws_producer_of, (k_smem, ready, empty, start, n_it, n1, stop, i1, i2, c1_u8, c1_i16, c1_i64, bs1,
+                                   ps1, c2_u8, c2_i16, c2_i64, bs2, ps2, BN, NS, DEEP, PACKED, DIAG)),
+            ], [4], [PRODUCER_REGS])
 
     return {"decode": _decode_kernel, "merge": _merge_kernel, "ws": _ws_kernel}
+
+
+def _kernel_and_flags(kern: dict, flags: dict):
+    """The decode kernel a full set of :data:`VARIANT` flags selects, and its variant constexprs (the
+    launcher and benchmarks/gluon_compile_check.py share this)."""
+    if flags["WS"]:
+        ksplit = int(flags.get("KSPLIT", 0))
+        return kern["ws"], dict(NS=flags["NS"], OVERLAP=flags["OVERLAP"], PRODUCER_REGS=flags["PRODUCER_REGS"],
+                                DEEP=flags["DEEP"], DIAG=flags.get("DIAG", 0), PACKED=flags.get("PACKED", 0),
+                                KSPLIT=ksplit, num_warps=4 if ksplit else NUM_WARPS)
+    return kern["decode"], dict(P_SMEM=flags["P_SMEM"], PIPE=flags["PIPE"], num_warps=NUM_WARPS)
 
 
 def _kernels():
@@ -656,13 +1071,9 @@ def decode_gluon(q: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor, leng
             H, float(scale) * LOG2E, chunk)
     common = dict(HAS_LEN1=lengths is not None, HAS_POOL2=has_pool2,
                   HAS_LEN2=has_pool2 and extra_lengths is not None, HAS_SINK=sink is not None, SPLITS=S,
-                  BH=BLOCK_H, BN=BLOCK_N, num_warps=NUM_WARPS)
-    if flags["WS"]:
-        _LAST["decode"] = kern["ws"][grid](*args, **common, NS=flags["NS"], OVERLAP=flags["OVERLAP"],
-                                           PRODUCER_REGS=flags["PRODUCER_REGS"], DEEP=flags["DEEP"],
-                                           DIAG=flags.get("DIAG", 0))
-    else:
-        _LAST["decode"] = kern["decode"][grid](*args, **common, P_SMEM=flags["P_SMEM"], PIPE=flags["PIPE"])
+                  BH=BLOCK_H, BN=BLOCK_N)
+    fn, const = _kernel_and_flags(kern, flags)
+    _LAST["decode"] = fn[grid](*args, **common, **const)
     if S > 1:
         kern["merge"][(T, H)](po, pml, sink_arg, out, lse, H, HAS_SINK=sink is not None, SPLITS=S, num_warps=4)
     return out, lse
