@@ -28,7 +28,7 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from dsv4ref.sparse_mla import gluon as G  # noqa: E402
 
 # the variants the GPU benchmark times (kept in one place: benchmarks/sparse_mla_gluon.py imports none of
-# torch.cuda at import time, so its VARIANTS / DIAGS tables are importable here)
+# the CUDA runtime at import time, so its VARIANTS / DIAGS tables are importable here)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from sparse_mla_gluon import DIAGS, VARIANTS  # noqa: E402
 
