@@ -80,6 +80,14 @@ def _stage_cases() -> list[Case]:
     out.append(Case("moe.stage", "thirty_octaves_K1", dict(hidden=x, ids=torch.tensor([[7], [-1], [0]]), weights=torch.ones(3, 1)),
                     ("hidden", "ids", "weights"), tol=STAGE_TOL,
                     why="every 32-group its own scale byte over 30 octaves: x_sf bytes are exponents, not values (P6)"))
+    x = randn((3, 256), seed=58, block=32, octaves=12, device="cpu")
+    x[0, 3], x[0, 40], x[1, 64 + 7], x[2, 200], x[2, 255] = float("nan"), float("inf"), -float("inf"), -float("nan"), 448.0
+    out.append(Case("moe.stage", "nonfinite_groups_checks_off", dict(hidden=x, ids=torch.tensor([[1, 2], [3, -1], [0, 5]]),
+                                                                     weights=torch.full((3, 2), 0.5)),
+                    ("hidden", "ids", "weights"), tol=STAGE_TOL, check_values=False,
+                    why="value checks off: a 32-group holding NaN or ±inf is staged as scale byte 255 (the packed word's "
+                        "lane) with e4m3 0x7F, or 0xFF for a non-NaN value with its sign bit set; the other groups of the "
+                        "row are untouched (docs/contract.md, the MoE section)"))
     return out
 
 
