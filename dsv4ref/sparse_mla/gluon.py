@@ -28,8 +28,11 @@ What is different from the portable Triton kernel (``kernels.py``), and why it i
   with no specialisation; after issuing P·V asynchronously the same warps load and dequantise the next
   chunk into the other buffer.
 
-Measured on the H200 (benchmarks/sparse_mla_gluon.py; T = 64; % of max(bytes / copy BW, FLOP / bf16 rate);
-2026-11-30, copy 3.99 TB/s, bf16 750 TFLOP/s): H 64 K 640 41.7 µs (19.5%), H 128 K 1152 87.1 µs (29.6%),
+Measured on the H200, session 3 (benchmarks/runs/2026-11-30_s3_h200_gluon_sweep.log): the packed producer
+(``PACKED=1``, now the default) 37.5 µs (21.3%) at H 64 K 640 and 82.6 µs (30.0%) at H 128 K 1152, against
+42.3 / 89.9 µs for the byte-wise producer in the same call; the K-split consumer 40.6 / 90.6 µs (it spills
+in its loop). Session 2, the byte-wise producer (benchmarks/sparse_mla_gluon.py; T = 64; % of max(bytes /
+copy BW, FLOP / bf16 rate); 2026-11-30, copy 3.99 TB/s, bf16 750 TFLOP/s): H 64 K 640 41.7 µs (19.5%), H 128 K 1152 87.1 µs (29.6%),
 H 16 K 2048 81.9 µs (24.2%); the portable fused kernel in the same run 81.0 / 176.8 / 106.1 µs. Below the
 35% floor. What limits it, from the two timing diagnostics (``variant={"DIAG": 1 | 2}``, wrong results):
 the consumer alone (no row loads) takes 35.7 / 81.3 / 67.6 µs, the producer alone (no MMA) 31.6 / 62.1 /
