@@ -290,8 +290,9 @@ o, l = two_pass.seed_decode(**inputs, scale=sparse_mla.DEFAULT_SCALE, plan=plan)
 print(compare(o, out_ref, "bf16_weighted_sum", "seed out", mass).verdict(), "|", compare(l, lse_ref, "lse", "seed lse").verdict())
 
 # %% [markdown]
-# **What limits it.** On the H200 the device work alone takes 248 µs (H 64), 671 µs (H 128) and 674 µs (H 16),
-# 3–4 % of the bound. With T = 64 there are 128 gather launches, one per token and pool, of 128 to 1920 rows
+# **What limits it.** In the ladder's H200 run (§13) this structure's device work alone takes 541 µs (H 64),
+# 606 µs (H 128) and 593 µs (H 16), 1.5–4.2 % of the bound (vLLM's own path measured 248 / 671 / 674 µs, 3–4 %,
+# when the project started). With T = 64 there are 128 gather launches, one per token and pool, of 128 to 1920 rows
 # each: at 4 rows per single-warp program, each launch occupies a fraction of the 132 SMs for a few µs, and
 # the launches run one after another. Then every selected row crosses memory three times: 584 B read,
 # 1024 B of bf16 written, the same 1024 B read back.
@@ -308,10 +309,10 @@ print(compare(o, out_ref, "bf16_weighted_sum", "seed out", mass).verdict(), "|",
 print(inspect.getsource(two_pass.two_pass_decode))
 
 # %% [markdown]
-# **Why it is faster:** two launches that each fill the GPU instead of 2·T + 1 small ones: 90, 155 and 147 µs,
-# 2.7–4.6× the seed. **What limits it:** the 2632 bytes per row are still there, and the attention loop of pass
+# **Why it is faster:** two launches that each fill the GPU instead of 2·T + 1 small ones: 104, 183 and 175 µs,
+# 3.3–5.2× the seed. **What limits it:** the 2632 bytes per row are still there, and the attention loop of pass
 # 2 is latency-bound (rung 2 says why). At H 128 that loop is the whole story: there the fused kernel of rung 2,
-# which runs the same loop with the dequantisation inside it, is even a little slower (170 against 155 µs).
+# which runs the same loop with the dequantisation inside it, is even a little slower (192 against 183 µs).
 #
 # ## 8. Rung 2: the fused kernel, walked through
 #
@@ -363,7 +364,7 @@ print(launch_for_sms(64, 64, 640, 132))
 
 # %% [markdown]
 # **Why it is faster than two-pass:** 584 + 4 bytes per selected row instead of 2632, one launch, no workspace:
-# 70 µs at H 64 (1.3× rung 1) and 101 µs at H 16 (1.5×), with the split of rung 3 on. **What limits it:** it is
+# 78 µs at H 64 (1.3× rung 1) and 101 µs at H 16 (1.7×), with the split of rung 3 on. **What limits it:** it is
 # latency-bound, not bandwidth-bound (a profiler saw issue slots 27 % busy, tensor units 25 %, DRAM about
 # 20 %). A 64-head program keeps a 64 × 512 fp32 accumulator: 128 KB, about 128 registers per thread at 8 warps
 # before the K tile, q and the dequantisation temporaries, so it spills and only one program fits an SM. And
@@ -442,12 +443,11 @@ for Tb, Hb, Kb in BENCH:
 
 # %% [markdown]
 # **Why it is faster:** at H 64 the split doubles the programs (128 → 256) and at H 16 quadruples them
-# (64 → 256): 70 µs and 101 µs with the split, against the unsplit kernel's time at those shapes, which the
-# next GPU run fills in (§13; an early sweep had H 64 with 32-candidate chunks at 6.2 % of the bound unsplit
-# and 9.4 % split in 2). H 128 already has 128 programs of 64 heads and does not split. **What limits it:**
+# (64 → 256): 78 µs and 101 µs with the split, against 114 µs and 292 µs unsplit (1.5× and 2.9×, the
+# `fused[split=1]` rows of the same run). H 128 already has 128 programs of 64 heads and does not split. **What limits it:**
 # the partial states are big: at H 64 they add 16.8 MB written and read back to 32.5 MB of compulsory
 # traffic; the merge is a second launch; and each program is still the serial chain of rung 2: splitting
-# spreads the latency over more SMs, it does not hide it. The fused kernel stays at 11–19 % of the bound.
+# spreads the latency over more SMs, it does not hide it. The fused kernel stays at 10–19 % of the bound.
 #
 # ## 10. Rung 4: the warp-specialised Hopper kernel
 #
@@ -472,10 +472,15 @@ for Tb, Hb, Kb in BENCH:
 #
 # **Why it should be faster:** the bytes of chunk i + 1 arrive and are dequantised while the tensor cores work
 # on chunk i, so the kernel runs at about the slower of the two sides instead of their sum, and the
-# accumulator no longer spills. **What limits it** comes from the GPU run: each side's own speed (how many
-# bytes the producers keep in flight against the DRAM latency; how narrow the consumers' MMAs are and how
-# many barriers each chunk costs). The module docstring of `dsv4ref.sparse_mla.gluon` keeps the diagnostics
-# (producer alone, consumer alone) that say which side binds. A schematic of the difference (not a measurement):
+# accumulator no longer spills. Measured (§13): 42 / 89 / 84 µs, 19 / 29 / 23 % of the bound, 1.2–2.2× rung 3;
+# the packed producer that is now the default (the producer keeps rows as 64-bit words instead of one register
+# per byte, and stores a half chunk at once instead of in 8 barrier-separated pieces) 37.5 / 82.6 µs at H 64 /
+# H 128 in a later call (`benchmarks/sparse_mla.md`). **What limits it:** each side's own speed. Timed alone,
+# the consumer (no row loads at all) takes 36 µs at H 64 and the producer (no MMAs) 32 µs, both about 4× the
+# 8 µs bound: the producer keeps too few bytes in flight against the DRAM latency, and the consumer's chain
+# (32 narrow wgmma per chunk, the softmax between QKᵀ and P·V, CTA barriers) is serial. The overlap works —
+# the kernel runs at about the slower side — but both sides must get faster. A schematic of the difference (not
+# a measurement):
 
 # %%
 fig, axes = plt.subplots(2, 1, figsize=(10, 3.2), sharex=True)
@@ -606,8 +611,8 @@ for name, h, k in shapes:
 # The figures come from one file, `benchmarks/sparse_mla_ladder.json`: the µs of every rung on the three
 # shapes, the ceilings (copy bandwidth, bf16 matmul rate) and the compulsory bytes and FLOPs of each shape.
 # `python -m dsv4ref bench sparse_mla` times every rung on the same inputs (bench cases `sparse_mla.seed`,
-# `.two_pass`, `.fused[split=1]`, `.fused`, `.gluon`), and `write_ladder()` in `dsv4ref.tools.cases.sparse_mla`
-# rewrites the file from one such run. This notebook times nothing: it draws the file, so its output is the
+# `.two_pass`, `.fused[split=1]`, `.fused`, `.gluon`, and the torch reference under `torch.compile`), and
+# `python -m dsv4ref bench --ladder benchmarks/sparse_mla_ladder.json` rewrites the file from that one run. This notebook times nothing: it draws the file, so its output is the
 # same on every machine. A rung marked "pending" has no figure yet for that shape; each rung names its source.
 #
 # The x axis is the arithmetic intensity (FLOP per compulsory byte; the same for every rung of a shape,

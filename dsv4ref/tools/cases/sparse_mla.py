@@ -170,7 +170,18 @@ def ladder(ceil, rows, *, device: str, command: str) -> dict:
                 ceilings=dict(copy_bytes_per_s=ceil.copy_bytes_per_s, bf16_flops_per_s=ceil.bf16_flops_per_s),
                 accounting="bytes: T·(K·(584 + 4) + H·512·2·2 + H·4 + 8); FLOP: T·2·H·K·(512 + 512); bound = "
                            "max(bytes / copy, FLOP / bf16 matmul); times: median device-graph replay",
-                shapes=shapes, rungs=rungs, others=[])
+                shapes=shapes, rungs=rungs, others=_compiled_reference(us, shapes, command))
+
+
+def _compiled_reference(us: dict, shapes: list[dict], command: str) -> list[dict]:
+    """The reference under torch.compile, when the run timed it (bench rows ``sparse_mla.fused[torch.compile]``):
+    drawn beside the rungs, not one of them."""
+    vals = [us.get(("sparse_mla.fused[torch.compile]", s["T"], s["H"], s["K"])) for s in shapes]
+    if any(v is None for v in vals):
+        return []
+    return [dict(key="torch_compile", label="torch.compile of the reference", us=[round(v, 1) for v in vals],
+                 status="measured", source=f"{command} ({datetime.date.today().isoformat()}): the fp32 reference "
+                                           "compiled with static shapes, timed with device events")]
 
 
 def write_ladder(path=LADDER_PATH, *, device: str = "", command: str = "dsv4ref.tools.cases.sparse_mla.write_ladder()",
@@ -181,7 +192,7 @@ def write_ladder(path=LADDER_PATH, *, device: str = "", command: str = "dsv4ref.
     ceil, rows = measured or run_benches("sparse_mla")
     data = ladder(ceil, rows, device=device or describe(), command=command)
     old = pathlib.Path(path)
-    if old.exists():  # figures this run does not measure (torch.compile of the reference) keep their own source
+    if old.exists() and not data["others"]:  # figures this run did not measure keep their own source
         data["others"] = json.loads(old.read_text()).get("others", [])
     pathlib.Path(path).write_text(json.dumps(data, indent=1, ensure_ascii=False) + "\n")
     return data
