@@ -328,16 +328,17 @@ else:
     print("interpreting on the CPU: no timings here (see benchmarks/moe.md for the H200 figures)")
 
 # %% [markdown]
-# Measured on an H200 (2026-11-30, [`benchmarks/moe.md`](../benchmarks/moe.md); ceilings 4.04 TB/s copy and
-# 789 TFLOP/s bf16 measured in the same run), with bf16 expert weights:
+# Measured on an H200 in one run with every other op (2026-11-30, [`benchmarks/RESULTS.md`](../benchmarks/RESULTS.md),
+# [`benchmarks/moe.md`](../benchmarks/moe.md); ceilings 4.05 TB/s copy and 760 TFLOP/s bf16 measured in the same
+# run), with bf16 expert weights:
 #
 # | case | time | of the roofline bound |
 # |---|---|---|
-# | staging, T = 4096, Hd = 4096 | 21.5 µs | 58 % of copy (the target was 80 %) |
-# | experts, T = 64 (decode) | 3.19 ms | 79 % (bound: 10.4 GB of expert weights) |
-# | experts, T = 4096 (prefill) | 6.45 ms | 49 % (each expert's weights read by two 64-row tiles) |
-# | torch reference, eager / `torch.compile`, T = 64 | 57.6 / 60.8 ms | 4.4 % / 4.2 % |
-# | torch reference, eager / `torch.compile`, T = 4096 | 99.1 / 107.7 ms | 3.2 % / 3.0 % |
+# | staging, T = 4096, Hd = 4096 | 26.6 µs | 48 % of copy (the target was 80 %; a torch copy of the same 51 MB: 79 %) |
+# | experts, T = 64 (decode) | 2.52 ms | at the bound of 10.5 GB of expert weights (part of them served from L2) |
+# | experts, T = 4096 (prefill) | 6.73 ms | 48 % (each expert's weights read by two 64-row tiles) |
+# | torch reference, eager / `torch.compile`, T = 64 | 80.2 / 122.4 ms | 3.2 % / 2.1 % |
+# | torch reference, eager / `torch.compile`, T = 4096 | 133.2 / 178.2 ms | 2.4 % / 1.8 % |
 #
 # The reference's Python loop over 256 experts (one `torch.where` and a host sync each) is what `torch.compile`
 # cannot remove: only the per-expert MLP gets compiled. The grouped kernels launch a fixed grid with no sync.
