@@ -179,7 +179,8 @@ print("q scale word (int32):", f"0x{int(sc_word[0, 0]) & 0xFFFFFFFF:08x}", " (bl
 # **Decoding in the logits kernel.** Hopper has no FP4 tensor-core instruction, so every packed byte is decoded
 # before the dot product. The first decode (`fp4_decode="nibble"`) builds each code's fp32 value from its bits,
 # multiplies by the block scale and converts to bf16: two float conversions per value, and conversions issue at
-# 1/8 the rate of FP32 arithmetic on an H100/H200. The second (`IndexerLaunch(fp4_decode="f16_blocks")`) uses
+# 1/8 the rate of FP32 arithmetic on an H100/H200. The second (`IndexerLaunch(fp4_decode="f16_blocks")`, the
+# default since it measured 1.36× faster on the H200) uses
 # no float instruction at all: shifting the three magnitude bits into the top of fp16's exponent and mantissa
 # fields gives exactly value·2⁻¹⁴ for every code (code 1, the value 0.5, lands on an fp16 *subnormal*), so the
 # tensor cores can take the result as it is. The scales are applied per 32-block to the partial dot products
@@ -416,9 +417,11 @@ else:
     print("interpreting on the CPU: no timings here (see benchmarks/indexer.md for the H200 figures)")
 
 # %% [markdown]
-# Measured on an H200 (2026-11-30, `benchmarks/RESULTS.md`, ceilings 4.11 TB/s and 778 TFLOP/s measured in the
-# same run): FP8 logits 138.4 µs, 2.07 TB/s of key bytes, **50.3 % of the bound** (the target, ≥ 50 %, is
-# met); MXFP4 with the `"nibble"` decode 425.2 µs, **10.4 %** — Hopper has no FP4 MMA, so the kernel decodes
-# nibbles to bf16 with ALU work and float conversions first. MXFP4 halves the bytes but, there, not the time.
-# The benchmark times the `"f16_blocks"` decode (section 4) beside it, as `indexer.logits.mxfp4.f16_blocks`;
-# `benchmarks/indexer.md` has its operation count and the figure once measured.
+# Measured on an H200 in one run with every other op (2026-11-30, `benchmarks/RESULTS.md`, ceilings 4.05 TB/s
+# and 760 TFLOP/s measured in it): FP8 logits 142.0 µs, 2.01 TB/s of key bytes, **49.7 % of the bound** (the
+# target, ≥ 50 %, sits on the line); MXFP4 with the `"nibble"` decode 401.9 µs, **11.2 %** — Hopper has no FP4
+# MMA, so the kernel decodes nibbles to bf16 with ALU work and float conversions first; with the
+# `"f16_blocks"` decode (now the default) 295.0 µs, **15.3 %**, and 270.7 µs (16.7 %) with 8 pages per program.
+# MXFP4 halves the bytes but, here, not the time: the 30 % goal is missed, and the torch reference under
+# `torch.compile` takes 3.4–5.4 ms (1.3 %).
+# `benchmarks/indexer.md` has the decode's operation count, the sweep and the next suspects.
