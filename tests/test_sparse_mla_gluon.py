@@ -215,3 +215,32 @@ def test_matches_the_portable_kernel():
     ref = oracle(q, pools, sink, SCALE)
     check(*a, ref, "portable")
     check(*b, ref, "gluon")
+
+
+@pytest.mark.parametrize("splits", [1, 2])
+def test_non_finite_rows_follow_the_contract(splits):
+    """Value checks off (docs/contract.md): a listed row whose scale byte is 255 (E8M0's NaN) or a query with
+    a NaN makes that token's attention rows NaN, out and lse, as the reference does; never the empty-row
+    answer (out 0, lse −inf); the other tokens are untouched. The Gluon backend's E8M0 decode reads byte 255
+    as NaN (it read it as +inf before session 3)."""
+    from dsv4ref import sparse_mla
+    from dsv4ref.validate import checking_values
+
+    bs = 16
+    q, pools = setup(T=4, H=16, K1=40, bs1=bs, lengths1=[40, 40, 40, 0])
+    (c1, i1, l1, b1), = pools
+    others = set(i1[0].tolist()) | set(i1[2].tolist())
+    slot = next(s for s in i1[1].tolist() if s > POISON_SLOT and s not in others)  # listed by token 1 only
+    page, off = divmod(slot, bs)
+    c1[page, bs * 576 + off * 8 + 2] = 255  # token 1 attends to a row whose third scale byte is E8M0's NaN
+    q[2, 5, 100] = float("nan")  # token 2, head 5: a NaN query
+    with checking_values(False):
+        want_out, want_lse = sparse_mla.decode(q, c1, i1, l1, block_size=bs, backend="reference")
+        out, lse = run(q, pools, num_splits=splits)
+    nan_rows = torch.isnan(want_lse)
+    assert nan_rows[1].all() and nan_rows[2, 5] and not nan_rows[0].any() and not nan_rows[3].any()
+    assert torch.equal(torch.isnan(lse), nan_rows) and torch.equal(torch.isnan(out).all(-1), nan_rows)
+    assert torch.equal(lse[3], want_lse[3]) and not out[3].any()  # the empty row stays the empty row
+    ref_out, ref_lse, mass = oracle(q[:1], [(c1, i1[:1], l1[:1], bs)], None, SCALE)  # token 0: all finite
+    assert_close(out[:1], ref_out, "bf16_weighted_sum", "finite token", mass=mass)
+    assert_close(lse[:1], ref_lse, "lse", "finite token lse")

@@ -179,7 +179,9 @@ def _define_kernels():
     def _tile(raw, sc, b: gl.constexpr):
         """e4m3 bytes × 2^(scale byte b − 127) -> bf16 (exact: every such product is a bf16 number)."""
         e = ((sc >> (8 * b)) & 0xFF).to(gl.int32)
-        scale = gl.where(e == 0, 0x00400000, e << 23).to(gl.float32, bitcast=True)  # 2^(e − 127); e = 0: 2^-127
+        # E8M0 as the format defines it (docs/formats.md): 2^(e − 127); byte 0 is 2^-127, byte 255 is NaN
+        bits = gl.where(e == 0, 0x00400000, gl.where(e == 255, 0x7FC00000, e << 23))
+        scale = bits.to(gl.float32, bitcast=True)
         x = raw.to(gl.float8e4nv, bitcast=True).to(gl.float32) * scale[:, None]
         return x.to(gl.bfloat16)
 
