@@ -74,8 +74,8 @@ def rotate_gptj_kernel(
     trow = tab_ptr + pos[:, None] * tab_stride + (j // 2)[None, :]
     c = tl.load(trow, mask=ok, other=0.0)
     s = tl.load(trow + R // 2, mask=ok, other=0.0)
-    if INVERSE:
-        s = -s
+    if INVERSE:  # −s as torch does it: flip the sign bit (compiled, −s is 0 − s, which keeps sin(0) = +0)
+        s = (s.to(tl.int32, bitcast=True) ^ -2147483648).to(tl.float32, bitcast=True)
     even = (j % 2 == 0)[None, :]
     # even d: e·c − o·s ; odd d: o·c + e·s (= e·s + o·c). Two rounded products and one add.
     r = tl.where(even, x * c - y * s, x * c + y * s)  # subtract: compiled, −(v) is 0 − v (loses a −0)
