@@ -109,14 +109,22 @@ def capability(device: torch.device | None = None) -> tuple[int, int] | None:
     return torch.cuda.get_device_capability(dev)
 
 
+_SM_COUNT: dict[str, int] = {}
+
+
 def sm_count(device: torch.device | None = None) -> int:
-    """Streaming multiprocessors (CUDA) / compute units (XPU) of a device; 1 on a CPU."""
+    """Streaming multiprocessors (CUDA) / compute units (XPU) of a device; 1 on a CPU. Read once per device
+    (launch defaults ask for it on every call)."""
     dev = torch.device(device) if device is not None else DEVICE
-    if dev.type == "cuda":
-        return torch.cuda.get_device_properties(dev).multi_processor_count
-    if dev.type == "xpu":
-        return torch.xpu.get_device_properties(dev).gpu_subslice_count
-    return 1
+    key = str(dev)
+    if key not in _SM_COUNT:
+        if dev.type == "cuda":
+            _SM_COUNT[key] = torch.cuda.get_device_properties(dev).multi_processor_count
+        elif dev.type == "xpu":
+            _SM_COUNT[key] = torch.xpu.get_device_properties(dev).gpu_subslice_count
+        else:
+            _SM_COUNT[key] = 1
+    return _SM_COUNT[key]
 
 
 def empty_cache() -> None:

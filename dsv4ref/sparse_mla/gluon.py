@@ -997,10 +997,6 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def _sm_count(device) -> int:
-    return sm_count(device)
-
-
 def config(T: int, H: int, K_total: int, device, *, num_splits: int | None = None) -> dict:
     """Launch configuration: 64-head blocks, chunks of 64 candidates, and the number of list splits.
 
@@ -1009,7 +1005,7 @@ def config(T: int, H: int, K_total: int, device, *, num_splits: int | None = Non
     n_hb = -(-H // BLOCK_H)
     if num_splits is None:
         num_splits = 1
-        sms = _sm_count(device)
+        sms = sm_count(device)
         while T * n_hb * num_splits * 2 <= sms + sms // 8 and K_total // (num_splits * 2) >= 4 * BLOCK_N:
             num_splits *= 2
     if num_splits < 1 or num_splits & (num_splits - 1):

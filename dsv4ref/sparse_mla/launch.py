@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 import triton
 
-from ..device import interpreting
+from ..device import interpreting, sm_count
 from ..formats import HEAD_DIM
 from ..validate import integer, power_of_two
 from .kernels import decode_kernel, merge_kernel
@@ -60,24 +60,10 @@ class SparseMlaLaunch:
         integer(self.num_stages, "num_stages", lo=1)
 
 
-_SM_COUNT: dict[str, int] = {}
-
-
-def _sm_count(device: torch.device) -> int:
-    """Streaming multiprocessors (or equivalent) of ``device``; 1 on CPU."""
-    if device.type == "cpu":
-        return 1
-    key = str(device)
-    if key not in _SM_COUNT:
-        props = getattr(torch, device.type).get_device_properties(device)
-        _SM_COUNT[key] = int(getattr(props, "multi_processor_count", 0) or getattr(props, "gpu_subslice_count", 0) or 64)
-    return _SM_COUNT[key]
-
-
 def default_launch(T: int, H: int, K_total: int, device: torch.device) -> SparseMlaLaunch:
     """The measured default for T tokens, H heads and K_total candidates per token (both pools) on
     ``device``: :func:`launch_for_sms` with the device's SM count (compiled) or the interpreter's shapes."""
-    return launch_for_sms(T, H, K_total, _sm_count(device), interpreted=interpreting())
+    return launch_for_sms(T, H, K_total, sm_count(device), interpreted=interpreting())
 
 
 def launch_for_sms(T: int, H: int, K_total: int, sm_count: int, *, interpreted: bool = False) -> SparseMlaLaunch:
