@@ -37,11 +37,12 @@ from dsv4ref.tools.harness import measure_ceilings, time_ms  # noqa: E402
 
 SHAPES = ((64, 64, 640), (64, 128, 1152), (64, 16, 2048))
 L2_BYTES = 60e6
-VARIANTS = {  # dsv4ref.sparse_mla.gluon.VARIANT flags
+VARIANTS = {  # dsv4ref.sparse_mla.gluon.VARIANT flags, over the default (which is PACKED=1: the byte-wise
+    # producer of the first rows says PACKED=0)
     "gluon v1 (no ws) psmem": dict(WS=False, PIPE=False, P_SMEM=True),
-    "gluon ws": dict(WS=True, OVERLAP=False, PRODUCER_REGS=144, DEEP=False),
-    "gluon ws deep": dict(WS=True, OVERLAP=False, PRODUCER_REGS=144, DEEP=True),
-    "gluon ws deep overlap": dict(WS=True, OVERLAP=True, PRODUCER_REGS=144, DEEP=True),
+    "gluon ws": dict(WS=True, OVERLAP=False, PRODUCER_REGS=144, DEEP=False, PACKED=0),
+    "gluon ws deep": dict(WS=True, OVERLAP=False, PRODUCER_REGS=144, DEEP=True, PACKED=0),
+    "gluon ws deep overlap": dict(WS=True, OVERLAP=True, PRODUCER_REGS=144, DEEP=True, PACKED=0),
     # 2026-11-30 round 2 (designs in gluon.py's docstring; register figures: benchmarks/gluon_compile_check.py)
     "gluon ws packed1": dict(WS=True, OVERLAP=False, PRODUCER_REGS=104, PACKED=1),
     "gluon ws packed1 overlap": dict(WS=True, OVERLAP=True, PRODUCER_REGS=104, PACKED=1),
@@ -53,8 +54,8 @@ NEW = {k for k in VARIANTS if "packed" in k or "cpasync" in k}  # timed at the d
 # timing diagnostics (wrong results, never checked): DIAG 1 = the producer loads nothing (MMA + softmax +
 # dequant ALU only); DIAG 2 = the consumer runs no MMA (gather + dequant only)
 DIAGS = {
-    "diag: no row loads": dict(WS=True, OVERLAP=False, PRODUCER_REGS=144, DEEP=True, DIAG=1),
-    "diag: no MMA/softmax": dict(WS=True, OVERLAP=False, PRODUCER_REGS=144, DEEP=True, DIAG=2),
+    "diag: no row loads": dict(WS=True, OVERLAP=False, PRODUCER_REGS=144, DEEP=True, DIAG=1, PACKED=0),
+    "diag: no MMA/softmax": dict(WS=True, OVERLAP=False, PRODUCER_REGS=144, DEEP=True, DIAG=2, PACKED=0),
     "diag ksplit: no row loads": dict(VARIANTS["gluon ws ksplit packed1"], DIAG=1),
     "diag cpasync: no MMA/softmax": dict(VARIANTS["gluon ws cpasync"], DIAG=2),
 }
