@@ -198,6 +198,33 @@ def _define_kernels():
         kb.slice(448, 64, dim=1).store(rr.to(gl.bfloat16, bitcast=True))
 
     @_gluon.jit
+    def _candidate_range(t, sp, chunk, K1, l1_ptr, K2, l2_ptr, HAS_LEN1: gl.constexpr, HAS_POOL2: gl.constexpr,
+                         HAS_LEN2: gl.constexpr):
+        """Token t's candidates are pool 1's valid prefix then pool 2's, concatenated; list split ``sp`` owns
+        ``[start, stop)`` of them. Returns (n1 = pool 1's valid count, start, stop)."""
+        n1 = K1
+        if HAS_LEN1:
+            n1 = gl.minimum(gl.load(l1_ptr + t), K1)
+        n2 = 0
+        if HAS_POOL2:
+            n2 = K2
+            if HAS_LEN2:
+                n2 = gl.minimum(gl.load(l2_ptr + t), K2)
+        start = sp * chunk
+        return n1, start, gl.minimum(start + chunk, n1 + n2)
+
+    @_gluon.jit
+    def _q_to_shared(q_ptr, t64, q_st, q_sh, hb, H, BH: gl.constexpr, LQ: gl.constexpr, SH_L: gl.constexpr):
+        """Token t's query rows of head block hb, [BH, 512] bf16, in shared memory (padded heads: zero rows)."""
+        hq = hb * BH + gl.arange(0, BH, gl.SliceLayout(1, LQ))
+        dq = gl.arange(0, 512, gl.SliceLayout(0, LQ))
+        q = gl.load(q_ptr + t64 * q_st + hq[:, None].to(gl.int64) * q_sh + dq[None, :],
+                    mask=(hq[:, None] < H) & (dq[None, :] >= 0), other=0.0)
+        q_smem = gl.allocate_shared_memory(gl.bfloat16, [BH, 512], SH_L)
+        q_smem.store(q)
+        return q_smem
+
+    @_gluon.jit
     def _decode_kernel(
         q_ptr, q_st, q_sh,  # q [T, H, 512] bf16, last dim contiguous
         sink_ptr,  # [H] fp32 (HAS_SINK)
@@ -227,27 +254,12 @@ def _define_kernels():
         t64 = t.to(gl.int64)
 
         # candidate range of this program: the two pools' valid prefixes, concatenated, then split
-        n1 = K1
-        if HAS_LEN1:
-            n1 = gl.minimum(gl.load(l1_ptr + t), K1)
-        n2 = 0
-        if HAS_POOL2:
-            n2 = K2
-            if HAS_LEN2:
-                n2 = gl.minimum(gl.load(l2_ptr + t), K2)
-        n = n1 + n2
-        start = sp * chunk
-        stop = gl.minimum(start + chunk, n)
+        n1, start, stop = _candidate_range(t, sp, chunk, K1, l1_ptr, K2, l2_ptr, HAS_LEN1, HAS_POOL2, HAS_LEN2)
         i1 = i1_ptr + t64 * i1_st
         i2 = i2_ptr + t64 * i2_st
 
         # Q -> shared memory (padded heads: zero rows)
-        hq = hb * BH + gl.arange(0, BH, gl.SliceLayout(1, LQ))
-        dq = gl.arange(0, 512, gl.SliceLayout(0, LQ))
-        q = gl.load(q_ptr + t64 * q_st + hq[:, None].to(gl.int64) * q_sh + dq[None, :],
-                    mask=(hq[:, None] < H) & (dq[None, :] >= 0), other=0.0)
-        q_smem = gl.allocate_shared_memory(gl.bfloat16, [BH, 512], SH_L)
-        q_smem.store(q)
+        q_smem = _q_to_shared(q_ptr, t64, q_st, q_sh, hb, H, BH, LQ, SH_L)
         k_smem = gl.allocate_shared_memory(gl.bfloat16, [2, BN, 512], SH_L)
         if P_SMEM:
             p_smem = gl.allocate_shared_memory(gl.bfloat16, [BH, BN], SH_L)
@@ -881,27 +893,12 @@ def _define_kernels():
         hb = gl.program_id(1)
         sp = gl.program_id(2)
         t64 = t.to(gl.int64)
-        n1 = K1
-        if HAS_LEN1:
-            n1 = gl.minimum(gl.load(l1_ptr + t), K1)
-        n2 = 0
-        if HAS_POOL2:
-            n2 = K2
-            if HAS_LEN2:
-                n2 = gl.minimum(gl.load(l2_ptr + t), K2)
-        n = n1 + n2
-        start = sp * chunk
-        stop = gl.minimum(start + chunk, n)
+        n1, start, stop = _candidate_range(t, sp, chunk, K1, l1_ptr, K2, l2_ptr, HAS_LEN1, HAS_POOL2, HAS_LEN2)
         n_it = gl.maximum(gl.cdiv(stop - start, BN), 0)
         i1 = i1_ptr + t64 * i1_st
         i2 = i2_ptr + t64 * i2_st
 
-        hq = hb * BH + gl.arange(0, BH, gl.SliceLayout(1, LQ))
-        dq = gl.arange(0, 512, gl.SliceLayout(0, LQ))
-        q = gl.load(q_ptr + t64 * q_st + hq[:, None].to(gl.int64) * q_sh + dq[None, :],
-                    mask=(hq[:, None] < H) & (dq[None, :] >= 0), other=0.0)
-        q_smem = gl.allocate_shared_memory(gl.bfloat16, [BH, 512], SH_L)
-        q_smem.store(q)
+        q_smem = _q_to_shared(q_ptr, t64, q_st, q_sh, hb, H, BH, LQ, SH_L)
         k_smem = gl.allocate_shared_memory(gl.bfloat16, [NS, BN, 512], SH_L)
         ready = gl.allocate_shared_memory(gl.int64, [NS, 1], mbarrier.MBarrierLayout())
         empty = gl.allocate_shared_memory(gl.int64, [NS, 1], mbarrier.MBarrierLayout())
