@@ -11,50 +11,20 @@ import math
 
 import pytest
 import torch
+from test_sparse_mla import POISON_SLOT, make_cache, make_slots
 from test_sparse_mla import oracle as portable_oracle
 
-from dsv4ref import kv_cache
 from dsv4ref.device import DEVICE, interpreting
 from dsv4ref.sparse_mla import gluon as G
-from dsv4ref.testing import assert_close, generator, randn
+from dsv4ref.testing import assert_close, randn
 
 SCALE = 512 ** -0.5
-POISON_SLOT = 0
 
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(interpreting() or not G.available(DEVICE),
                        reason="the gluon backend needs compiled Triton (Gluon) on a Hopper GPU"),
 ]
-
-
-def make_cache(block_size, num_pages, seed, nope_zero=False):
-    """Random rows with per-64-block magnitudes over 2^-3..2^3 (many scale bytes); slot 0 is poisoned with
-    NaN e4m3 bytes, NaN RoPE values and 0xFF scale bytes (every entry past a length points at it)."""
-    n = block_size * num_pages
-    kv = randn((n, 512), seed=seed, octaves=6)
-    if nope_zero:
-        kv[:, :448] = 0
-    cache = kv_cache.allocate(num_pages, block_size)
-    kv_cache.insert(cache, kv, torch.arange(n, device=DEVICE), block_size=block_size, backend="reference")
-    cache[0, :448] = 0x7F
-    cache[0, 448:576:2] = 0xC0
-    cache[0, 449:576:2] = 0x7F
-    cache[0, block_size * 576:block_size * 576 + 8] = 0xFF
-    return cache
-
-
-def make_slots(T, K, block_size, num_pages, seed, lengths):
-    g = generator(seed)
-    idx = torch.randint(1, block_size * num_pages, (T, K), generator=g, dtype=torch.int32)
-    for t in range(T):
-        L = int(lengths[t])
-        if L >= 3:
-            idx[t, 1] = -1  # −1 inside the prefix
-        if L >= 4:
-            idx[t, 3] = idx[t, 2]  # a duplicate counts twice
-        idx[t, L:] = POISON_SLOT
-    return idx.to(DEVICE)
 
 
 def setup(T, H, K1, K2=0, bs1=16, bs2=2, pages1=8, pages2=64, seed=0, lengths1=None, lengths2=None,
