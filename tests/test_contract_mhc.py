@@ -59,6 +59,25 @@ def _expect_same_error(got, name_hint=None):
     assert len({v for _, v in got.values()}) == 1, got
 
 
+def _poisoned_run(draw, op, args: dict):
+    """``args`` with one drawn argument given a drawn NaN / ±inf (or none), each in a drawn layout, and ``op``
+    run on every backend with value checks drawn on or off. Returns ``(args, got, refused)``: ``refused`` is
+    the poisoned argument's name when the checked call had to refuse it (every backend raised the same
+    error), else None."""
+    bad_arg = draw(st.sampled_from(list(args)))
+    bad = draw(NONFINITE)
+    checks = draw(st.booleans())
+    args = dict(args)
+    args[bad_arg] = _inject(args[bad_arg], bad)
+    args = {k: _layout(draw, v) for k, v in args.items()}
+    with validate.checking_values(checks):
+        got = _run(op, *args.values())
+    if bad is not None and checks and args[bad_arg].numel():
+        _expect_same_error(got)
+        return args, got, bad_arg
+    return args, got, None
+
+
 def _draw_case(draw, Hd_choices=(16, 33)):
     T = draw(st.sampled_from([0, 1, 5, 17]))
     Hd = draw(st.sampled_from(list(Hd_choices)))
@@ -106,17 +125,9 @@ def test_pre_contract(data):
     draw = data.draw
     T, Hd, seed = _draw_case(draw)
     res, fn, scale, base = _stream_inputs(draw, T, Hd, seed)
-    bad_arg = draw(st.sampled_from(["residual", "fn", "scale", "base"]))
-    bad = draw(NONFINITE)
-    checks = draw(st.booleans())
-    args = dict(residual=res, fn=fn, scale=scale, base=base)
-    args[bad_arg] = _inject(args[bad_arg], bad)
-    args = {k: _layout(draw, v) for k, v in args.items()}
-    with validate.checking_values(checks):
-        got = _run(mhc.pre, *args.values())
-    if bad is not None and checks and args[bad_arg].numel():
-        _expect_same_error(got)
-        with validate.checking_values(True), pytest.raises(ValueError, match=f"^{bad_arg}: non-finite values"):
+    args, got, refused = _poisoned_run(draw, mhc.pre, dict(residual=res, fn=fn, scale=scale, base=base))
+    if refused:
+        with validate.checking_values(True), pytest.raises(ValueError, match=f"^{refused}: non-finite values"):
             mhc.pre(*args.values(), backend="triton")
         return
     p64, c64, x64 = reference.pre(*args.values(), dtype=torch.float64)
@@ -140,17 +151,9 @@ def test_post_contract(data):
     if draw(st.booleans()):
         post = post[:, :, None]
     comb = mhc.sinkhorn(torch.randn(T, 4, 4, generator=g).to(DEVICE) * 2, backend="reference")  # not symmetric
-    bad_arg = draw(st.sampled_from(["x", "residual", "post", "comb"]))
-    bad = draw(NONFINITE)
-    checks = draw(st.booleans())
-    args = dict(x=x, residual=res, post=post, comb=comb)
-    args[bad_arg] = _inject(args[bad_arg], bad)
-    args = {k: _layout(draw, v) for k, v in args.items()}
-    with validate.checking_values(checks):
-        got = _run(mhc.post, *args.values())
-    if bad is not None and checks and args[bad_arg].numel():
-        _expect_same_error(got)
-        with validate.checking_values(True), pytest.raises(ValueError, match=f"^{bad_arg}: non-finite values"):
+    args, got, refused = _poisoned_run(draw, mhc.post, dict(x=x, residual=res, post=post, comb=comb))
+    if refused:
+        with validate.checking_values(True), pytest.raises(ValueError, match=f"^{refused}: non-finite values"):
             mhc.post(*args.values(), backend="triton")
         return
     want = reference.post(*args.values(), dtype=torch.float64)
@@ -169,16 +172,8 @@ def test_fused_post_pre_contract(data):
     g = generator(seed + 4)
     post = (2 * torch.rand(T, 4, generator=g)).to(DEVICE)
     comb = mhc.sinkhorn(torch.randn(T, 4, 4, generator=g).to(DEVICE) * 2, backend="reference")
-    bad_arg = draw(st.sampled_from(["x", "residual", "post", "comb", "fn", "scale", "base"]))
-    bad = draw(NONFINITE)
-    checks = draw(st.booleans())
-    args = dict(x=x, residual=res, post=post, comb=comb, fn=fn, scale=scale, base=base)
-    args[bad_arg] = _inject(args[bad_arg], bad)
-    args = {k: _layout(draw, v) for k, v in args.items()}
-    with validate.checking_values(checks):
-        got = _run(mhc.fused_post_pre, *args.values())
-    if bad is not None and checks and args[bad_arg].numel():
-        _expect_same_error(got)
+    args, got, refused = _poisoned_run(draw, mhc.fused_post_pre, dict(x=x, residual=res, post=post, comb=comb, fn=fn, scale=scale, base=base))
+    if refused:
         return
     a = list(args.values())
     want_new = reference.post(*a[:4], dtype=torch.float64)
@@ -198,16 +193,8 @@ def test_head_contract(data):
     draw = data.draw
     T, Hd, seed = _draw_case(draw)
     hidden, fn, scale, base = _stream_inputs(draw, T, Hd, seed, head=True)
-    bad_arg = draw(st.sampled_from(["hidden", "fn", "scale", "base"]))
-    bad = draw(NONFINITE)
-    checks = draw(st.booleans())
-    args = dict(hidden=hidden, fn=fn, scale=scale, base=base)
-    args[bad_arg] = _inject(args[bad_arg], bad)
-    args = {k: _layout(draw, v) for k, v in args.items()}
-    with validate.checking_values(checks):
-        got = _run(mhc.head, *args.values())
-    if bad is not None and checks and args[bad_arg].numel():
-        _expect_same_error(got)
+    args, got, refused = _poisoned_run(draw, mhc.head, dict(hidden=hidden, fn=fn, scale=scale, base=base))
+    if refused:
         return
     want = reference.head(*args.values(), dtype=torch.float64)
     for b, (kind, out) in got.items():
