@@ -272,8 +272,8 @@ def test_route_stage_experts_do_not_sync_with_checks_off(hash_layer):
     x[7, 11] = NAN  # a non-finite row, staged with the NaN encoding
     sw = (d["w13"], d["w2"], d["shared_w13"], d["shared_w2"])
     rk = dict(k=2, routed_scale=1.5, hash_table=d["hash_table"], input_ids=input_ids)
-    launch = moe.MoeLaunch(stage_block_t=4, stage_block_h=128, block_m=16, block_n=128, block_h=256, block_k=128,
-                           combine_block_t=16)
+    launch = moe.MoeLaunch(stage_block_t=4, stage_block_h=128, block_m=16, block_n=64, block_h=128, block_k=128,
+                           expert_stages=2, combine_block_t=16)  # tiles that fit a GPU's shared memory
     with validate.checking_values(False):
         ids_r, w_r = moe.route(x, d["gate_weight"], d["bias"], **rk)
         staged_r = moe.stage(x, ids_r, w_r, backend="reference")

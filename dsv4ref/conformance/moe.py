@@ -97,6 +97,9 @@ def _layer_cases() -> list[Case]:
     d = {k: (v.cpu() if isinstance(v, torch.Tensor) else v)
          for k, v in example_inputs(10, shape, seed=56, octaves=16, weight_gain=2.0).items()}
     ids, w = reference.route(d["x"], d["gate_weight"], d["bias"], k=2, routed_scale=1.5)
+    # routing weights on a 2^-12 grid: softplus and sqrt differ in the last bit between CPU builds (AVX2 vs
+    # AVX-512 torch), and the golden inputs must be the same bytes wherever the case is built
+    w = torch.round(w * 4096) / 4096
     for t, row in enumerate(ids.tolist()):  # expert 3 gets no token
         if 3 in row:
             ids[t, row.index(3)] = next(e for e in range(4) if e != 3 and e not in row)
