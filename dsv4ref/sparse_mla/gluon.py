@@ -204,25 +204,33 @@ def _define_kernels():
         ``[start, stop)`` of them. Returns (n1 = pool 1's valid count, start, stop)."""
         n1 = K1
         if HAS_LEN1:
-            n1 = gl.minimum(gl.load(l1_ptr + t), K1)
+            n1 = gl.minimum(gl.load(l1_ptr + t), K1).to(gl.int32)  # int64 lengths too: counts index smem stages
         n2 = 0
         if HAS_POOL2:
             n2 = K2
             if HAS_LEN2:
-                n2 = gl.minimum(gl.load(l2_ptr + t), K2)
+                n2 = gl.minimum(gl.load(l2_ptr + t), K2).to(gl.int32)
         start = sp * chunk
         return n1, start, gl.minimum(start + chunk, n1 + n2)
 
     @_gluon.jit
     def _q_to_shared(q_ptr, t64, q_st, q_sh, hb, H, BH: gl.constexpr, LQ: gl.constexpr, SH_L: gl.constexpr):
-        """Token t's query rows of head block hb, [BH, 512] bf16, in shared memory (padded heads: zero rows)."""
+        """Token t's query rows of head block hb, [BH, 512] bf16, in shared memory (padded heads: zero rows),
+        and each head's poison word [BH] fp32: NaN where the query row holds a NaN or ±inf, else 0. The
+        epilogue adds it to l, so such a row comes out NaN even with no valid candidate (the contract), where
+        its scores alone would leave the empty-row answer."""
         hq = hb * BH + gl.arange(0, BH, gl.SliceLayout(1, LQ))
         dq = gl.arange(0, 512, gl.SliceLayout(0, LQ))
         q = gl.load(q_ptr + t64 * q_st + hq[:, None].to(gl.int64) * q_sh + dq[None, :],
                     mask=(hq[:, None] < H) & (dq[None, :] >= 0), other=0.0)
         q_smem = gl.allocate_shared_memory(gl.bfloat16, [BH, 512], SH_L)
         q_smem.store(q)
-        return q_smem
+        expo = q.to(gl.int16, bitcast=True) & 0x7F80  # bf16 exponent all ones: NaN or ±inf
+        bad = gl.max((expo == 0x7F80).to(gl.int32), axis=1) != 0
+        qbad_smem = gl.allocate_shared_memory(gl.float32, [BH], gl.SwizzledSharedLayout(
+            vec=1, per_phase=1, max_phase=1, order=[0]))
+        qbad_smem.store(gl.where(bad, float("nan"), 0.0))
+        return q_smem, qbad_smem
 
     @_gluon.jit
     def _decode_kernel(
@@ -259,7 +267,7 @@ def _define_kernels():
         i2 = i2_ptr + t64 * i2_st
 
         # Q -> shared memory (padded heads: zero rows)
-        q_smem = _q_to_shared(q_ptr, t64, q_st, q_sh, hb, H, BH, LQ, SH_L)
+        q_smem, qbad_smem = _q_to_shared(q_ptr, t64, q_st, q_sh, hb, H, BH, LQ, SH_L)
         k_smem = gl.allocate_shared_memory(gl.bfloat16, [2, BN, 512], SH_L)
         if P_SMEM:
             p_smem = gl.allocate_shared_memory(gl.bfloat16, [BH, BN], SH_L)
@@ -286,7 +294,8 @@ def _define_kernels():
             s = warpgroup_mma(q_smem, kb.permute((1, 0)), s0, use_acc=False)
             cols = v0 + gl.arange(0, BN, gl.SliceLayout(0, S_L))
             _, _, okc = _slots(cols, n1, stop, i1, i2)
-            s = gl.where(okc[None, :], s * qk_scale, -float("inf"))
+            s = s * qk_scale
+            s = gl.where(okc[None, :], gl.where(s == -float("inf"), float("nan"), s), -float("inf"))
             m_new = gl.maximum(m, gl.max(s, axis=1))
             m_safe = gl.where(m_new == -float("inf"), 0.0, m_new)
             alpha = gl.exp2(m - m_safe)
@@ -317,6 +326,7 @@ def _define_kernels():
                 acc, p_op = warpgroup_mma_wait(num_outstanding=0, deps=(acc, p_op))
             _bar()
 
+        l = l + qbad_smem.load(gl.SliceLayout(1, S_L))  # NaN for a query row holding NaN / ±inf
         h_o = hb * BH + gl.arange(0, BH, gl.SliceLayout(1, O_L))
         d_o = gl.arange(0, 512, gl.SliceLayout(0, O_L))
         h_s = hb * BH + gl.arange(0, BH, gl.SliceLayout(1, S_L))
@@ -325,7 +335,7 @@ def _define_kernels():
                 sink = gl.load(sink_ptr + h_s, mask=h_s < H, other=-float("inf"))
             else:
                 sink = gl.full([BH], -float("inf"), gl.float32, gl.SliceLayout(1, S_L))
-            nonempty = l > 0
+            nonempty = l != 0  # NaN != 0: a poisoned row is never taken for an empty one
             l_safe = gl.where(nonempty, l, 1.0)
             m_s = gl.where(nonempty, m, 0.0)
             lse = (m_s + gl.log2(l_safe)) * 0.6931471805599453
@@ -363,7 +373,7 @@ def _define_kernels():
             sink = gl.load(sink_ptr + h)
         else:
             sink = -float("inf")
-        nonempty = l > 0
+        nonempty = l != 0  # NaN != 0: a poisoned row is never taken for an empty one
         l_safe = gl.where(nonempty, l, 1.0)
         lse = (m_safe + gl.log2(l_safe)) * 0.6931471805599453
         corr = 1.0 / (1.0 + gl.exp(sink - lse))
@@ -376,8 +386,11 @@ def _define_kernels():
     @_gluon.jit
     def _softmax_step(s, m, l, okc, qk_scale):
         """One online-softmax step on the raw scores s [BH, BN] (log2 domain after qk_scale); returns
-        (p, alpha, m, l). Masked columns (okc false) get p = 0; m_safe keeps every exponent finite (§7.1)."""
-        s = gl.where(okc[None, :], s * qk_scale, -float("inf"))
+        (p, alpha, m, l). Masked columns (okc false) get p = 0; m_safe keeps every exponent finite (§7.1).
+        Non-finite input (docs/contract.md): a counted score that is NaN, +inf or −inf turns l into NaN for
+        good (−inf, which would weigh 0, is made NaN first; the max ignores NaN, the sum does not)."""
+        s = s * qk_scale
+        s = gl.where(okc[None, :], gl.where(s == -float("inf"), float("nan"), s), -float("inf"))
         m_new = gl.maximum(m, gl.max(s, axis=1))
         m_safe = gl.where(m_new == -float("inf"), 0.0, m_new)
         alpha = gl.exp2(m - m_safe)
@@ -386,11 +399,13 @@ def _define_kernels():
         return p, alpha, m_new, l
 
     @_gluon.jit
-    def _epilogue(acc, m, l, t64, hb, sp, H, sink_ptr, out_ptr, lse_ptr, po_ptr, pml_ptr,
+    def _epilogue(acc, m, l, qbad_smem, t64, hb, sp, H, sink_ptr, out_ptr, lse_ptr, po_ptr, pml_ptr,
                   HAS_SINK: gl.constexpr, SPLITS: gl.constexpr, BH: gl.constexpr, O_L: gl.constexpr,
                   S_L: gl.constexpr, D0: gl.constexpr = 0, DW: gl.constexpr = 512, ML: gl.constexpr = True):
         """out = acc / l · σ(lse − sink) and lse (SPLITS == 1), or the partial (acc, m, l) for the merge.
-        acc holds output columns [D0, D0 + DW); ML: this caller also writes lse (or m, l)."""
+        acc holds output columns [D0, D0 + DW); ML: this caller also writes lse (or m, l). qbad_smem: the
+        heads' poison words (:func:`_q_to_shared`), added to l."""
+        l = l + qbad_smem.load(gl.SliceLayout(1, S_L))
         h_o = hb * BH + gl.arange(0, BH, gl.SliceLayout(1, O_L))
         d_o = D0 + gl.arange(0, DW, gl.SliceLayout(0, O_L))
         h_s = hb * BH + gl.arange(0, BH, gl.SliceLayout(1, S_L))
@@ -399,7 +414,7 @@ def _define_kernels():
                 sink = gl.load(sink_ptr + h_s, mask=h_s < H, other=-float("inf"))
             else:
                 sink = gl.full([BH], -float("inf"), gl.float32, gl.SliceLayout(1, S_L))
-            nonempty = l > 0
+            nonempty = l != 0  # NaN != 0: a poisoned row is never taken for an empty one
             l_safe = gl.where(nonempty, l, 1.0)
             m_s = gl.where(nonempty, m, 0.0)
             lse = (m_s + gl.log2(l_safe)) * 0.6931471805599453
@@ -472,7 +487,7 @@ def _define_kernels():
                 mbarrier.arrive(ready.index(st))
 
     @_gluon.jit
-    def _ws_consumer(q_smem, k_smem, p_smem, ready, empty, start, n_it, n1, stop, i1, i2, qk_scale,
+    def _ws_consumer(q_smem, qbad_smem, k_smem, p_smem, ready, empty, start, n_it, n1, stop, i1, i2, qk_scale,
                      t64, hb, sp, H, sink_ptr, out_ptr, lse_ptr, po_ptr, pml_ptr,
                      HAS_SINK: gl.constexpr, SPLITS: gl.constexpr, BH: gl.constexpr, BN: gl.constexpr,
                      NS: gl.constexpr, OVERLAP: gl.constexpr, DIAG: gl.constexpr):
@@ -523,7 +538,7 @@ def _define_kernels():
                 acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
                 _bar()
                 mbarrier.arrive(empty.index(st))
-        _epilogue(acc, m, l, t64, hb, sp, H, sink_ptr, out_ptr, lse_ptr, po_ptr, pml_ptr, HAS_SINK, SPLITS, BH, O_L, S_L)
+        _epilogue(acc, m, l, qbad_smem, t64, hb, sp, H, sink_ptr, out_ptr, lse_ptr, po_ptr, pml_ptr, HAS_SINK, SPLITS, BH, O_L, S_L)
 
     # ---- packed producer and K-split consumers (flags PACKED, KSPLIT of _ws_kernel) ----------------------
 
@@ -755,8 +770,10 @@ def _define_kernels():
     @_gluon.jit
     def _softmax_step2(sa, sb, m, l, oka, okb, qk_scale):
         """:func:`_softmax_step` on a score tile held as two column halves (sa, sb)."""
-        sa = gl.where(oka[None, :], sa * qk_scale, -float("inf"))
-        sb = gl.where(okb[None, :], sb * qk_scale, -float("inf"))
+        sa = sa * qk_scale
+        sb = sb * qk_scale
+        sa = gl.where(oka[None, :], gl.where(sa == -float("inf"), float("nan"), sa), -float("inf"))
+        sb = gl.where(okb[None, :], gl.where(sb == -float("inf"), float("nan"), sb), -float("inf"))
         m_new = gl.maximum(m, gl.maximum(gl.max(sa, axis=1), gl.max(sb, axis=1)))
         m_safe = gl.where(m_new == -float("inf"), 0.0, m_new)
         alpha = gl.exp2(m - m_safe)
@@ -766,7 +783,7 @@ def _define_kernels():
         return pa, pb, alpha, m_new, l
 
     @_gluon.jit
-    def _ks_consumer(q_smem, k_smem, x_smem, ready, empty, xfull, xfree, start, n_it, n1, stop, i1, i2, qk_scale,
+    def _ks_consumer(q_smem, qbad_smem, k_smem, x_smem, ready, empty, xfull, xfree, start, n_it, n1, stop, i1, i2, qk_scale,
                      t64, hb, sp, H, sink_ptr, out_ptr, lse_ptr, po_ptr, pml_ptr,
                      W: gl.constexpr, HAS_SINK: gl.constexpr, SPLITS: gl.constexpr, BH: gl.constexpr,
                      BN: gl.constexpr, NS: gl.constexpr, HALVES: gl.constexpr, DIAG: gl.constexpr):
@@ -845,26 +862,26 @@ def _define_kernels():
                 acc, p_op = warpgroup_mma_wait(num_outstanding=0, deps=(acc, p_op))
             _bar()
             mbarrier.arrive(empty.index(st))
-        _epilogue(acc, m, l, t64, hb, sp, H, sink_ptr, out_ptr, lse_ptr, po_ptr, pml_ptr, HAS_SINK, SPLITS, BH,
+        _epilogue(acc, m, l, qbad_smem, t64, hb, sp, H, sink_ptr, out_ptr, lse_ptr, po_ptr, pml_ptr, HAS_SINK, SPLITS, BH,
                   O_L, S_L, D0, 256, W == 0)
 
     @_gluon.jit
-    def _ks_consumer1(q_smem, k_smem, x_smem, ready, empty, xfull, xfree, start, n_it, n1, stop, i1, i2, qk_scale,
+    def _ks_consumer1(q_smem, qbad_smem, k_smem, x_smem, ready, empty, xfull, xfree, start, n_it, n1, stop, i1, i2, qk_scale,
                       t64, hb, sp, H, sink_ptr, out_ptr, lse_ptr, po_ptr, pml_ptr,
                       HAS_SINK: gl.constexpr, SPLITS: gl.constexpr, BH: gl.constexpr, BN: gl.constexpr,
                       NS: gl.constexpr, HALVES: gl.constexpr, DIAG: gl.constexpr):
         """The second consumer warpgroup (a worker partition: the columns W = 1)."""
-        _ks_consumer(q_smem, k_smem, x_smem, ready, empty, xfull, xfree, start, n_it, n1, stop, i1, i2, qk_scale,
+        _ks_consumer(q_smem, qbad_smem, k_smem, x_smem, ready, empty, xfull, xfree, start, n_it, n1, stop, i1, i2, qk_scale,
                      t64, hb, sp, H, sink_ptr, out_ptr, lse_ptr, po_ptr, pml_ptr, 1, HAS_SINK, SPLITS, BH, BN,
                      NS, HALVES, DIAG)
 
     @_gluon.jit
-    def _ks_consumer0(q_smem, k_smem, x_smem, ready, empty, xfull, xfree, start, n_it, n1, stop, i1, i2, qk_scale,
+    def _ks_consumer0(q_smem, qbad_smem, k_smem, x_smem, ready, empty, xfull, xfree, start, n_it, n1, stop, i1, i2, qk_scale,
                       t64, hb, sp, H, sink_ptr, out_ptr, lse_ptr, po_ptr, pml_ptr,
                       HAS_SINK: gl.constexpr, SPLITS: gl.constexpr, BH: gl.constexpr, BN: gl.constexpr,
                       NS: gl.constexpr, HALVES: gl.constexpr, DIAG: gl.constexpr):
         """The first consumer warpgroup (the default partition: the columns W = 0)."""
-        _ks_consumer(q_smem, k_smem, x_smem, ready, empty, xfull, xfree, start, n_it, n1, stop, i1, i2, qk_scale,
+        _ks_consumer(q_smem, qbad_smem, k_smem, x_smem, ready, empty, xfull, xfree, start, n_it, n1, stop, i1, i2, qk_scale,
                      t64, hb, sp, H, sink_ptr, out_ptr, lse_ptr, po_ptr, pml_ptr, 0, HAS_SINK, SPLITS, BH, BN,
                      NS, HALVES, DIAG)
 
@@ -898,7 +915,7 @@ def _define_kernels():
         i1 = i1_ptr + t64 * i1_st
         i2 = i2_ptr + t64 * i2_st
 
-        q_smem = _q_to_shared(q_ptr, t64, q_st, q_sh, hb, H, BH, LQ, SH_L)
+        q_smem, qbad_smem = _q_to_shared(q_ptr, t64, q_st, q_sh, hb, H, BH, LQ, SH_L)
         k_smem = gl.allocate_shared_memory(gl.bfloat16, [NS, BN, 512], SH_L)
         ready = gl.allocate_shared_memory(gl.int64, [NS, 1], mbarrier.MBarrierLayout())
         empty = gl.allocate_shared_memory(gl.int64, [NS, 1], mbarrier.MBarrierLayout())
@@ -921,10 +938,10 @@ def _define_kernels():
         # would turn its constexpr members into tensors)
         if KSPLIT:  # registers: 512 per thread slot over three 4-warp partitions; the consumers split the rest
             gl.warp_specialize([
-                (_ks_consumer0, (q_smem, k_smem, x_smem, ready, empty, xfull, xfree, start, n_it, n1, stop, i1, i2,
+                (_ks_consumer0, (q_smem, qbad_smem, k_smem, x_smem, ready, empty, xfull, xfree, start, n_it, n1, stop, i1, i2,
                                  qk_scale, t64, hb, sp, H, sink_ptr, out_ptr, lse_ptr, po_ptr, pml_ptr, HAS_SINK,
                                  SPLITS, BH, BN, NS, KSPLIT == 2, DIAG)),
-                (_ks_consumer1, (q_smem, k_smem, x_smem, ready, empty, xfull, xfree, start, n_it, n1, stop, i1, i2,
+                (_ks_consumer1, (q_smem, qbad_smem, k_smem, x_smem, ready, empty, xfull, xfree, start, n_it, n1, stop, i1, i2,
                                  qk_scale, t64, hb, sp, H, sink_ptr, out_ptr, lse_ptr, po_ptr, pml_ptr, HAS_SINK,
                                  SPLITS, BH, BN, NS, KSPLIT == 2, DIAG)),
                 (_ws_producer_of, (k_smem, ready, empty, start, n_it, n1, stop, i1, i2, c1_u8, c1_i16, c1_i64, bs1,
@@ -932,7 +949,7 @@ def _define_kernels():
             ], [4, 4], [(512 - PRODUCER_REGS) // 16 * 8, PRODUCER_REGS])
         else:
             gl.warp_specialize([
-                (_ws_consumer, (q_smem, k_smem, p_smem, ready, empty, start, n_it, n1, stop, i1, i2, qk_scale,
+                (_ws_consumer, (q_smem, qbad_smem, k_smem, p_smem, ready, empty, start, n_it, n1, stop, i1, i2, qk_scale,
                                 t64, hb, sp, H, sink_ptr, out_ptr, lse_ptr, po_ptr, pml_ptr,
                                 HAS_SINK, SPLITS, BH, BN, NS, OVERLAP, DIAG)),
                 (_ws_producer_of, (k_smem, ready, empty, start, n_it, n1, stop, i1, i2, c1_u8, c1_i16, c1_i64, bs1,
