@@ -58,7 +58,11 @@ DIAGS = {
     "diag: no MMA/softmax": dict(WS=True, OVERLAP=False, PRODUCER_REGS=144, DEEP=True, DIAG=2, PACKED=0),
     "diag ksplit: no row loads": dict(VARIANTS["gluon ws ksplit packed1"], DIAG=1),
     "diag cpasync: no MMA/softmax": dict(VARIANTS["gluon ws cpasync"], DIAG=2),
+    # DIAG 3 = neither: what is left is the fixed cost (launch, Q to shared memory, the epilogue's stores,
+    # the split merge); timed at every split count below, like the variants of SPLIT_SWEEP
+    "diag cpasync: fixed cost only": dict(VARIANTS["gluon ws cpasync"], DIAG=3),
 }
+SPLIT_SWEEP = {"gluon ws cpasync", "gluon ws packed1", "diag cpasync: fixed cost only"}  # timed at splits 1, 2, 4
 
 
 if os.environ.get("GLUON_BENCH_VARIANTS"):  # e.g. "gluon ws,gluon v1 (no ws) psmem": time only these
@@ -189,6 +193,11 @@ def main():
                 print(f"{name:<30} skipped (failed its correctness check)", flush=True)
                 continue
             runs.append((name, lambda i, v=v: gluon(*sets[i][:2], sets[i][2], v)))
+            if name in SPLIT_SWEEP:
+                for sp in (1, 2, 4):
+                    if sp != G.config(T, H, K, DEVICE)["num_splits"]:
+                        runs.append((f"{name} split{sp}", lambda i, v=v, sp=sp: gluon(*sets[i][:2], sets[i][2], v, sp)))
+                continue
             if name.startswith("diag") or name in NEW:
                 continue
             if not quick:

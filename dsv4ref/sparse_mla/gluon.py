@@ -445,7 +445,7 @@ def _define_kernels():
         LP: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [4, 1], [1, 0])  # [32, 64] per pass
         HALF: gl.constexpr = BN // 2
         rows = gl.arange(0, HALF, gl.SliceLayout(1, LP))
-        if DIAG == 1:  # timing diagnostic only (wrong results): every row load masked off, no DRAM traffic
+        if DIAG == 1 or DIAG == 3:  # timing diagnostic only (wrong results): every row load masked off
             stop = start
         if DEEP:
             sa, ia, oa = _slots(start + rows, n1, stop, i1, i2)
@@ -503,7 +503,7 @@ def _define_kernels():
         s0 = gl.zeros([BH, BN], gl.float32, S_L)
         cols = start + gl.arange(0, BN, gl.SliceLayout(0, S_L))
         _, _, okc = _slots(cols, n1, stop, i1, i2)
-        if DIAG == 2:  # timing diagnostic only (wrong results): take each stage and release it, no MMA
+        if DIAG >= 2:  # timing diagnostic only (wrong results): take each stage and release it, no MMA
             for it in range(n_it):
                 mbarrier.wait(ready.index(it % NS), (it // NS) & 1)
                 _bar()
@@ -678,7 +678,7 @@ def _define_kernels():
         LW: gl.constexpr = gl.BlockedLayout([1, 2], [8, 4], [4, 1], [1, 0])  # [32, 8] int64 = 16 B per thread
         HALF: gl.constexpr = BN // 2
         rows = gl.arange(0, HALF, gl.SliceLayout(1, LW))
-        if DIAG == 1:  # timing diagnostic only (wrong results): every row load masked off, no DRAM traffic
+        if DIAG == 1 or DIAG == 3:  # timing diagnostic only (wrong results): every row load masked off
             stop = start
         if SETS == 4:  # one half in registers, the next one in flight through shared memory (cp.async)
             R_L: gl.constexpr = gl.SwizzledSharedLayout(vec=2, per_phase=1, max_phase=1, order=[1, 0])
@@ -810,7 +810,7 @@ def _define_kernels():
         _, _, okc = _slots(cols, n1, stop, i1, i2)
         if HALVES:
             _, _, okb = _slots(cols + SN, n1, stop, i1, i2)
-        if DIAG == 2:  # timing diagnostic only (wrong results): take each stage and release it, no MMA
+        if DIAG >= 2:  # timing diagnostic only (wrong results): take each stage and release it, no MMA
             for it in range(n_it):
                 mbarrier.wait(ready.index(it % NS), (it // NS) & 1)
                 _bar()
