@@ -417,6 +417,17 @@ def test_stage_launch_fields_are_checked():
     assert stage_op_args(SNAP, "trunc")[-1] == "trunc" and stage_op_args(SNAP)[-1] == ""
 
 
+def test_stage_snap_bytes_of_a_one_column_x_sf():
+    """snap stores scale bytes through a uint8 view of x_sf; at Hd = 128 x_sf has one column whose stride may
+    be anything (stage_into accepts it), which a dtype view refuses: the launcher re-strides it first."""
+    h = randn((3, 128), seed=42, device=DEVICE)
+    ids, w = torch.zeros(3, 2, dtype=torch.int32, device=DEVICE), torch.rand(3, 2, generator=generator(43)).to(DEVICE)
+    sf = torch.full((15,), -7777, dtype=torch.int32, device=DEVICE).as_strided((3, 1), (5, 3))
+    q, i64, w32 = poison((3, 128), torch.float8_e4m3fn), poison((3, 2), torch.int64), poison((3, 2), torch.float32)
+    moe.stage_into(h, ids, w, q, sf, i64, w32, backend="triton", launch=SNAP)
+    check_staged((q, sf, i64, w32), h, ids, w)
+
+
 @pytest.mark.parametrize("K", [1, 2, 3, 6])
 def test_stage_topk_copies_keep_the_masked_tail(K):
     """int32 −1 ids become int64 −1; weights are bit copies (−0.0, a subnormal, a NaN payload); columns K..7 and

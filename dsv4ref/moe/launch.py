@@ -204,7 +204,11 @@ def _stage(hidden, ids, weights, x_fp8, x_sf, ids_out, weights_out, block_t, blo
     const = stage_constexprs(Hd, K, block_t, block_h, load, programs, cache, encode, diag)
     wv, wov = weights.view(torch.int32), weights_out.view(torch.int32)
     xv = hidden.view(torch.int16)
-    sf = x_sf if const["ENCODE"] == "blocks" else x_sf.view(torch.uint8)  # "snap": one byte per 32-group
+    sf = x_sf
+    if const["ENCODE"] != "blocks":  # "snap" stores one byte per 32-group, through the bytes of x_sf
+        if sf.stride(1) != 1:  # one column (Hd = 128): its stride is never used, but view() requires 1
+            sf = sf.as_strided(sf.shape, (sf.stride(0), 1))
+        sf = sf.view(torch.uint8)
     n_t, n_h = triton.cdiv(T, block_t), triton.cdiv(Hd, const["BLOCK_H"])
     grid = (programs,) if programs else (n_t, n_h)  # persistent: `programs` programs walk the n_t·n_h tiles
     stage_kernel[grid](
