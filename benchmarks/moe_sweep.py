@@ -171,16 +171,15 @@ def sweep_stage(ceil):
         bw = nbytes / (ms * 1e-3)
         print(f"  {stage_name(row):62s} {ms * 1e3:7.1f} us  {bw / ceil.copy_bytes_per_s:6.1%} of ceiling  "
               f"{bw / best_copy:6.1%} of same-size copy")
-    for L in [DIAG_BLOCKS, DIAG_SNAP] + best:
-        base = stage_name(L)
+    for base in dict.fromkeys(stage_name(L) for L in [DIAG_BLOCKS, DIAG_SNAP] + best):
         full = results.get(base, (None,))[0]
         if full is None:
             continue
         parts = [f"{d} {(full - diags[(base, d)]) * 1e3:+.1f}" for d in STAGE_DIAGS[1:] if (base, d) in diags]
         print(f"  {base}: {full * 1e3:.1f} µs = {full * 1e3 - copy_us:+.1f} µs over the copy; full − DIAG: "
               + ", ".join(parts))
-    print("  (full − finite: the non-finite policy; − notopk: the top-k copies; − cast: the grid-snap against the"
-          " GPU's cvt; − trunc: amax + encoder; − loads: the stores.)")
+    print("  (full − finite: the non-finite policy; − notopk: the top-k copies; − cast: the grid-snap over the"
+          " GPU's cvt; − trunc: amax + encoder; − loads: all but the reads.)")
     print(f"staging sweep: {time.perf_counter() - t0:.0f} s", flush=True)
 
 
