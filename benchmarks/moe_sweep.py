@@ -1,22 +1,31 @@
 """Launch sweep of the MoE kernels on a GPU (the figures in benchmarks/moe.md).
 
-    PYTHONPATH=. python3 benchmarks/moe_sweep.py            # staging only (the 80 %-of-copy question), ~90 s
+    PYTHONPATH=. python3 benchmarks/moe_sweep.py            # staging only (the 80 %-of-copy question), ~100 s
     PYTHONPATH=. python3 benchmarks/moe_sweep.py experts    # the expert kernels (allocates 13 GB of weights)
     PYTHONPATH=. python3 benchmarks/moe_sweep.py all
 
 Staging at T = 4096, Hd = 4096, K = 6, four input sets rotated past the L2, every call timed through the
 custom op (no argument checks) by graph replay (dsv4ref.tools.harness.time_ms). Printed first: the 512 MiB
 copy ceiling and two copies moving staging's bytes timed the same way (what a copy of this size loses to
-launch and tail alone). Then each variant (MoeLaunch stage_* fields), in three phases:
+launch and tail alone). Then, in order of priority (new variants stop starting after STAGE_BUDGET_S):
 
-  A. the default, the best shape of the first sweep, and the tile-load variant over tile shapes and warps;
-  B. cache hints (evict_first loads, streaming stores) on the three fastest of A;
-  C. the persistent grid (1, 2, 4, 8 programs per SM; 1 or 3 pipeline stages) on the two fastest so far.
+  A. the references: the default, the session-3 fastest (tile 1 × 1024, 2 warps, streaming stores);
+  B. DIAG rows on tile 1 × 1024, 2 warps, which take the gap to a copy apart: the shared encoder without its
+     non-finite parts ("finite"), without the top-k copies ("notopk"); the new "snap" encoder, and it with
+     each part taken away: "finite", "notopk", "cast" (the GPU's cvt instead of the grid-snap), "trunc" (no
+     amax and no encoder: the traffic alone), "loads" (the reads alone);
+  C. stage_encode="snap" over tile shapes and warps (8–32 values per thread);
+  D. cache hints (evict_first loads, streaming stores) on the three fastest of C, then a register cap
+     (stage_maxnreg 40 / 48: more programs resident per SM, against spills) on the three fastest snap rows;
+  E. the DIAG rows again on the fastest snap variant, when that is not the shape of B.
 
 Before it is timed, every variant's four outputs are compared byte for byte with the reference on input set
-0 (real magnitudes, with NaN / ±inf groups planted: the checks-off encoding is checked too); a variant
-that differs, or fails to compile, is reported and skipped. Each line gives µs, % of the copy ceiling
-and % of the best same-size copy's bandwidth. New variants stop starting after STAGE_BUDGET_S seconds.
+0 (real magnitudes, with NaN / ±inf groups planted: the checks-off encoding is checked too); a variant that
+differs, or fails to compile, is reported and skipped. DIAG rows (marked so) write other bytes by design and
+are timed unchecked, except "cast", which is checked and reported (it should be exact compiled). Each line
+gives µs, % of the copy ceiling and % of the best same-size copy's bandwidth; the summary takes the DIAG rows
+apart into µs per part. The variant lists are module constants, so benchmarks/moe_stage_compile_check.py
+compiles the same kernels for sm_90a on a machine with no GPU.
 """
 
 import dataclasses
@@ -26,24 +35,51 @@ import time
 import torch
 
 import dsv4ref
-from dsv4ref.device import sm_count
-from dsv4ref import moe, validate
-from dsv4ref.moe import reference
-from dsv4ref.moe.launch import experts_op_args, stage_op_args
-from dsv4ref.tools.cases.moe import STAGE_BENCH, flash_weights, same_size_copies, stage_bytes, stage_sets
-from dsv4ref.tools.harness import measure_ceilings, time_ms
+from dsv4ref import moe
+from dsv4ref.moe.launch import STAGE_DIAGS, experts_op_args, stage_op_args
 
-STAGE_BUDGET_S = 75.0
-dev = dsv4ref.DEVICE
-what = sys.argv[1] if len(sys.argv) > 1 else "stage"
-if what not in ("stage", "experts", "all"):
-    raise SystemExit(f"usage: {sys.argv[0]} [stage|experts|all], got {what!r}")
-ceil = measure_ceilings()
-print(f"copy ceiling (512 MiB) {ceil.copy_bytes_per_s / 1e12:.2f} TB/s, bf16 matmul {ceil.bf16_flops_per_s / 1e12:.0f} TFLOP/s",
-      flush=True)
+STAGE_BUDGET_S = 85.0  # new staging variants stop starting after this (the whole run must stay under 120 s)
+DIAG_CHECKED = ("cast",)  # DIAG rows whose bytes should still be the contract's
 
 
-def sweep_stage():
+def tile(bt, bh, warps, **kw):
+    return moe.MoeLaunch(stage_block_t=bt, stage_block_h=bh, stage_warps=warps, stage_load="tile", **kw)
+
+
+SESSION3_BEST = tile(1, 1024, 2, stage_cache="stream")
+DIAG_BLOCKS = tile(1, 1024, 2)  # the shared encoder on the session-3 fastest shape
+DIAG_SNAP = tile(1, 1024, 2, stage_encode="snap")
+# (rows, DIAGs): "" is the contract
+STAGE_DIAG_ROWS = [(DIAG_BLOCKS, ("", "finite", "notopk")),
+                   (DIAG_SNAP, ("", "finite", "notopk", "cast", "trunc", "loads"))]
+# C: tokens × values per program and warps, 8 to 32 values per thread
+SNAP_SHAPES = [(1, 512, 1), (1, 512, 2), (1, 1024, 1), (1, 1024, 4), (1, 2048, 2), (1, 2048, 4), (1, 2048, 8),
+               (1, 4096, 4), (1, 4096, 8), (2, 1024, 2), (2, 1024, 4), (4, 512, 2), (4, 512, 4), (2, 2048, 4),
+               (2, 2048, 8), (4, 1024, 4), (4, 1024, 8)]
+SNAP_GRID = [tile(bt, bh, w, stage_encode="snap") for bt, bh, w in SNAP_SHAPES]
+CACHE_HINTS = ("evict_first", "stream")
+MAXNREGS = (40, 48)
+
+
+def stage_name(L, diag=""):
+    s = f"{L.stage_encode:6s} {L.stage_load:6s} {L.stage_block_t}x{L.stage_block_h} w{L.stage_warps}"
+    if L.stage_cache:
+        s += f" cache={L.stage_cache}"
+    if L.stage_programs:
+        s += f" persistent={L.stage_programs} stages={L.stage_stages}"
+    if L.stage_maxnreg:
+        s += f" maxnreg={L.stage_maxnreg}"
+    if diag:
+        s += f" DIAG={diag}"
+    return s
+
+
+def sweep_stage(ceil):
+    from dsv4ref import validate
+    from dsv4ref.moe import reference
+    from dsv4ref.tools.cases.moe import STAGE_BENCH, same_size_copies, stage_bytes, stage_sets
+    from dsv4ref.tools.harness import time_ms
+
     t0 = time.perf_counter()
     T, Hd, K, n_sets = STAGE_BENCH
     nbytes = stage_bytes(T, Hd, K)
@@ -64,72 +100,94 @@ def sweep_stage():
         best_copy = max(best_copy, bw)
         print(f"  {case.op:40s} {ms * 1e3:7.1f} us  {bw / 1e12:.2f} TB/s = {bw / ceil.copy_bytes_per_s:6.1%} of the ceiling",
               flush=True)
+    copy_us = nbytes / best_copy * 1e6  # staging's bytes at the same-size copy's bandwidth
 
-    results = {}
+    results, diags = {}, {}  # label -> (ms, launch); (label of the row's contract variant, diag) -> ms
 
-    def run(label, L):
-        if time.perf_counter() - t0 > STAGE_BUDGET_S:
-            print(f"  {label:60s} skipped (time budget)", flush=True)
+    def run(L, diag=""):
+        label = stage_name(L, diag)
+        if label in results or (stage_name(L), diag) in diags:
             return
+        if time.perf_counter() - t0 > STAGE_BUDGET_S:
+            print(f"  {label:62s} skipped (time budget)", flush=True)
+            return
+        args = stage_op_args(L, diag)
         x, ids, w, q, sf, i64, w32 = sets[0]
         for b in (q, sf, i64, w32):
             b.fill_(-1 if b.dtype != torch.uint8 else 0x7F)  # poison: an unwritten byte shows
         try:
-            torch.ops.dsv4ref.moe_stage(*sets[0], *stage_op_args(L))
-            bad = [n for n, g, r in zip(("x_fp8", "x_sf", "ids", "weights"), (q, sf, i64, w32), want)
-                   if not torch.equal(g.view(torch.uint8), r.view(torch.uint8))]
-            if bad:
-                print(f"  {label:60s} WRONG BYTES in {', '.join(bad)}: skipped", flush=True)
-                return
-            ms = time_ms(lambda i: torch.ops.dsv4ref.moe_stage(*sets[i], *stage_op_args(L)), n_sets)
+            torch.ops.dsv4ref.moe_stage(*sets[0], *args)
+            note = ""
+            if not diag or diag in DIAG_CHECKED:
+                bad = [n for n, g, r in zip(("x_fp8", "x_sf", "ids", "weights"), (q, sf, i64, w32), want)
+                       if not torch.equal(g.view(torch.uint8), r.view(torch.uint8))]
+                if bad and not diag:
+                    print(f"  {label:62s} WRONG BYTES in {', '.join(bad)}: skipped", flush=True)
+                    return
+                note = f"  (bytes differ in {', '.join(bad)})" if bad else "  (bytes exact)" if diag else ""
+            ms = time_ms(lambda i: torch.ops.dsv4ref.moe_stage(*sets[i], *args), n_sets)
         except Exception as e:  # e.g. out of registers / shared memory
-            print(f"  {label:60s} FAILED {type(e).__name__}: {str(e).splitlines()[0][:100]}", flush=True)
+            print(f"  {label:62s} FAILED {type(e).__name__}: {str(e).splitlines()[0][:100]}", flush=True)
             return
         bw = nbytes / (ms * 1e-3)
-        results[label] = (ms, L)
-        print(f"  {label:60s} {ms * 1e3:7.1f} us  {bw / ceil.copy_bytes_per_s:6.1%} of ceiling  "
-              f"{bw / best_copy:6.1%} of same-size copy", flush=True)
+        if diag:
+            diags[(stage_name(L), diag)] = ms
+        else:
+            results[label] = (ms, L)
+        print(f"  {label:62s} {ms * 1e3:7.1f} us  {bw / ceil.copy_bytes_per_s:6.1%} of ceiling  "
+              f"{bw / best_copy:6.1%} of same-size copy{note}", flush=True)
 
-    def name(L):
-        s = f"{L.stage_load:6s} {L.stage_block_t}x{L.stage_block_h} w{L.stage_warps}"
-        if L.stage_cache:
-            s += f" cache={L.stage_cache}"
-        if L.stage_programs:
-            s += f" persistent={L.stage_programs} stages={L.stage_stages}"
-        return s
+    def fastest(n, encode=None):
+        rows = [r for r in results.values() if encode is None or r[1].stage_encode == encode]
+        return [L for _, L in sorted(rows, key=lambda r: r[0])[:n]]
 
-    def fastest(n):
-        return [L for _, L in sorted(results.values(), key=lambda r: r[0])[:n]]
-
-    print("A. load and tile shape", flush=True)
+    print("A. references", flush=True)
     default = moe.default_launch(T, K, 256)
-    run("default: " + name(default), default)
-    run(name(moe.MoeLaunch(stage_block_t=1, stage_block_h=2048, stage_warps=2)),
-        moe.MoeLaunch(stage_block_t=1, stage_block_h=2048, stage_warps=2))
-    for bt, bh in ((1, 1024), (1, 2048), (1, 4096), (2, 1024), (2, 2048), (4, 512), (4, 1024), (8, 512), (8, 1024)):
-        for wp in (2, 4, 8):
-            L = moe.MoeLaunch(stage_block_t=bt, stage_block_h=bh, stage_warps=wp, stage_load="tile")
-            run(name(L), L)
-    print("B. cache hints on the three fastest", flush=True)
-    for L in fastest(3):
-        for cache in ("evict_first", "stream"):
-            L2 = dataclasses.replace(L, stage_cache=cache)
-            run(name(L2), L2)
-    print("C. persistent grid on the two fastest", flush=True)
-    sms = sm_count(dev)
-    for L in fastest(2):
-        for per_sm in (1, 2, 4, 8):
-            for stages in (1, 3):
-                L2 = dataclasses.replace(L, stage_programs=per_sm * sms, stage_stages=stages)
-                run(name(L2) + f" ({per_sm}/SM)", L2)
-    ms, L = sorted(results.values(), key=lambda r: r[0])[0]
-    bw = nbytes / (ms * 1e-3)
-    print(f"\nfastest: {name(L)}: {ms * 1e3:.1f} us, {bw / ceil.copy_bytes_per_s:.1%} of the copy ceiling, "
-          f"{bw / best_copy:.1%} of the same-size copy; default {results.get('default: ' + name(default), (float('nan'),))[0] * 1e3:.1f} us"
-          f"\n{L}\nstaging sweep: {time.perf_counter() - t0:.0f} s", flush=True)
+    run(default)
+    run(SESSION3_BEST)
+    print("B. DIAG: the gap taken apart (DIAG rows write other bytes by design: timing only)", flush=True)
+    for L, ds in STAGE_DIAG_ROWS:
+        for d in ds:
+            run(L, d)
+    print("C. snap: tile shapes and warps", flush=True)
+    for L in SNAP_GRID:
+        run(L)
+    print("D. cache hints, then a register cap, on the three fastest snap variants", flush=True)
+    for L in fastest(3, "snap"):
+        for cache in CACHE_HINTS:
+            run(dataclasses.replace(L, stage_cache=cache))
+    for L in fastest(3, "snap"):
+        for n in MAXNREGS:
+            run(dataclasses.replace(L, stage_maxnreg=n))
+    best = fastest(1, "snap")
+    if best and stage_name(dataclasses.replace(best[0], stage_cache="", stage_maxnreg=0)) != stage_name(DIAG_SNAP):
+        print("E. DIAG rows on the fastest snap variant", flush=True)
+        for d in STAGE_DIAG_ROWS[1][1][1:]:
+            run(best[0], d)
+
+    print(f"\nsummary (µs; a copy of staging's {nbytes / 1e6:.1f} MB at the same-size copy's bandwidth: {copy_us:.1f} µs)")
+    for row in [r for r in (default, SESSION3_BEST) if stage_name(r) in results] + fastest(3):
+        ms = results[stage_name(row)][0]
+        bw = nbytes / (ms * 1e-3)
+        print(f"  {stage_name(row):62s} {ms * 1e3:7.1f} us  {bw / ceil.copy_bytes_per_s:6.1%} of ceiling  "
+              f"{bw / best_copy:6.1%} of same-size copy")
+    for base in dict.fromkeys(stage_name(L) for L in [DIAG_BLOCKS, DIAG_SNAP] + best):
+        full = results.get(base, (None,))[0]
+        if full is None:
+            continue
+        parts = [f"{d} {(full - diags[(base, d)]) * 1e3:+.1f}" for d in STAGE_DIAGS[1:] if (base, d) in diags]
+        print(f"  {base}: {full * 1e3:.1f} µs = {full * 1e3 - copy_us:+.1f} µs over the copy; full − DIAG: "
+              + ", ".join(parts))
+    print("  (full − finite: the non-finite policy; − notopk: the top-k copies; − cast: the grid-snap over the"
+          " GPU's cvt; − trunc: amax + encoder; − loads: all but the reads.)")
+    print(f"staging sweep: {time.perf_counter() - t0:.0f} s", flush=True)
 
 
-def sweep_experts():
+def sweep_experts(ceil):
+    from dsv4ref.tools.cases.moe import flash_weights
+    from dsv4ref.tools.harness import time_ms
+
+    dev = dsv4ref.DEVICE
     Hd = 4096
     w13, w2, sw13, sw2 = flash_weights()
     GRIDS = {  # block_m, block_n, block_h, block_k, warps, stages
@@ -159,7 +217,19 @@ def sweep_experts():
             print(f"experts T={T} {L}: {ms * 1e3:8.1f} us {frac:.1%} of bound", flush=True)
 
 
-if what in ("stage", "all"):
-    sweep_stage()
-if what in ("experts", "all"):
-    sweep_experts()
+def main(what):
+    from dsv4ref.tools.harness import measure_ceilings
+
+    if what not in ("stage", "experts", "all"):
+        raise SystemExit(f"usage: {sys.argv[0]} [stage|experts|all], got {what!r}")
+    ceil = measure_ceilings()
+    print(f"copy ceiling (512 MiB) {ceil.copy_bytes_per_s / 1e12:.2f} TB/s, bf16 matmul "
+          f"{ceil.bf16_flops_per_s / 1e12:.0f} TFLOP/s", flush=True)
+    if what in ("stage", "all"):
+        sweep_stage(ceil)
+    if what in ("experts", "all"):
+        sweep_experts(ceil)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1] if len(sys.argv) > 1 else "stage")

@@ -34,6 +34,11 @@ VARIANTS = {  # staging launch variants: every one must write the reference's by
                                             stage_stages=2, stage_cache="stream"),
     "groups_persistent_evict": moe.MoeLaunch(stage_block_t=1, stage_block_h=256, stage_programs=5,
                                              stage_cache="evict_first"),
+    "snap": moe.MoeLaunch(stage_block_t=2, stage_block_h=256, stage_load="tile", stage_encode="snap"),
+    "snap_wide_stream": moe.MoeLaunch(stage_block_t=4, stage_block_h=512, stage_load="tile", stage_encode="snap",
+                                      stage_cache="stream"),
+    "snap_persistent": moe.MoeLaunch(stage_block_t=1, stage_block_h=128, stage_load="tile", stage_encode="snap",
+                                     stage_programs=4),
 }
 
 

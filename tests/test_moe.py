@@ -24,6 +24,9 @@ from dsv4ref.moe.launch import experts_op_args, stage_op_args, tile_table
 from dsv4ref.testing import assert_close, compare, generator, poison, randn
 
 BACKENDS = ["reference", "triton"]
+# staging: "triton-snap" is the triton backend with stage_encode="snap" (ue8m0_byte_bits + e4m3_snap)
+SNAP = moe.MoeLaunch(stage_block_t=4, stage_block_h=256, stage_load="tile", stage_encode="snap")
+STAGE_BACKENDS = ["reference", "triton", "triton-snap"]
 SHAPE = moe.TINY_MOE  # Hd 256, E 8, K 2, I 128
 
 
@@ -283,13 +286,16 @@ def test_route_signature_and_argument_errors():
 # ----------------------------------------------------------------------------------------------------
 
 
-def stage_with(backend, hidden, ids, w):
-    """stage() through stage_into on poisoned buffers (so an unwritten byte shows)."""
+def stage_with(backend, hidden, ids, w, launch=None):
+    """stage() through stage_into on poisoned buffers (so an unwritten byte shows); backend "triton-snap" is
+    "triton" with the SNAP launch."""
     T, Hd = hidden.shape
     K = ids.shape[1]
     bufs = (poison((T, Hd), torch.float8_e4m3fn), poison((T, Hd // 128), torch.int32), poison((T, K), torch.int64),
             poison((T, K), torch.float32))
-    moe.stage_into(hidden, ids, w, *bufs, backend=backend)
+    if backend == "triton-snap":
+        backend, launch = "triton", launch or SNAP
+    moe.stage_into(hidden, ids, w, *bufs, backend=backend, launch=launch)
     return bufs
 
 
@@ -314,7 +320,7 @@ def worked_block() -> torch.Tensor:
     return h.to(torch.bfloat16)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", STAGE_BACKENDS)
 def test_stage_worked_table_and_packed_words(backend):
     h = worked_block().to(DEVICE)
     ids = torch.tensor([[3, -1]], dtype=torch.int32, device=DEVICE)
@@ -324,14 +330,14 @@ def test_stage_worked_table_and_packed_words(backend):
     word = st[1][0].cpu()
     assert word[0].item() == -2139130007  # bytes (105, 119, 127, 128) = 0x807F7769: bit 31 set by byte 3
     assert word[1].item() == (105 | 119 << 8 | 112 << 16 | 105 << 24)
-    assert torch.equal(moe.stage(torch.zeros(1, 128, dtype=torch.bfloat16, device=DEVICE), ids, w, backend=backend)[1].cpu(),
+    assert torch.equal(stage_with(backend, torch.zeros(1, 128, dtype=torch.bfloat16, device=DEVICE), ids, w)[1].cpu(),
                        torch.tensor([[1768515945]], dtype=torch.int32))  # 0x69696969
     b = staged_bytes(st[0])[0]
     assert [b[i].item() for i in (0, 5, 32, 33, 64, 96, 97)] == [0x00, 0x80, 0x78, 0x70, 0x7E, 0x76, 0xF6]
     assert b[160].item() == 0x7E  # 1.75 = 448·2^-8 exactly: byte 119, not 120
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", STAGE_BACKENDS)
 def test_p7_p8_amax_448_pow2_in_each_lane(backend):
     """amax = 448·2^k for k = −20..20 in each of the four lanes (bytes) of a packed word: byte 127 + k
     exactly (a float log2 goes one too high: P8), and lane 3 ≥ 128 makes the word negative (a saturating
@@ -355,7 +361,7 @@ def test_p7_p8_amax_448_pow2_in_each_lane(backend):
     assert ((words[:, 3] < 0) == torch.tensor([k >= 1 for k in ks])).all()
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", STAGE_BACKENDS)
 def test_stage_random_rows_exact_and_decode_bound(backend):
     """Spec tests 9 and 10: groups over 24 octaves, −0.0 entries, all-zero groups (byte 105); the dequant of
     the staged bytes is exact and within max(2^-4·|x|, 2^-10·2^e) of the input."""
@@ -377,6 +383,49 @@ def test_stage_random_rows_exact_and_decode_bound(backend):
     assert torch.equal(deq, val), "dequant is exact"
     x = h.cpu().double()
     assert ((deq - x).abs() <= torch.maximum(2.0**-4 * x.abs(), 2.0**-10 * torch.exp2(e))).all()
+
+
+@pytest.mark.parametrize("launch", [moe.MoeLaunch(stage_block_t=16, stage_block_h=256, stage_load="tile", stage_encode="snap"),
+                                    moe.MoeLaunch(stage_block_t=8, stage_block_h=128, stage_load="tile", stage_encode="snap",
+                                                  stage_warps=1)], ids=["16x256", "8x128_w1"])
+def test_stage_snap_every_finite_bf16(launch):
+    """ue8m0_byte_bits + e4m3_snap against the integer oracle on every finite bf16 value (65280, T 255 × Hd 256):
+    once in groups of 32 neighbouring bit patterns (the codes of every binade, both signs, the ue8m0 carry at
+    mantissa 1.75), once shuffled, so that most groups span many octaves (e4m3 subnormals, values that round to
+    ±0: −0 must stay 0x80, and ties to even at every grid spacing)."""
+    bits = torch.arange(0, 0x10000, dtype=torch.int32)
+    v = bits[(bits & 0x7F80) != 0x7F80].to(torch.int16).view(torch.bfloat16)  # the finite bit patterns
+    ids = torch.zeros(255, 1, dtype=torch.int32, device=DEVICE)
+    w = torch.ones(255, 1, device=DEVICE)
+    for h in (v, v[torch.randperm(v.numel(), generator=generator(40))]):
+        h = h.reshape(255, 256).to(DEVICE)
+        check_staged(stage_with("triton", h, ids, w, launch), h, ids, w)
+
+
+def test_stage_launch_fields_are_checked():
+    """stage_encode / stage_maxnreg take only what exists; the DIAG variants are not MoeLaunch values (their
+    bytes are not the contract) and reach the custom op only through stage_op_args(launch, diag)."""
+    for kw, msg in ((dict(stage_encode="cast"), "stage_encode"), (dict(stage_encode="snap"), "needs \"tile\""),
+                    (dict(stage_maxnreg=8), "stage_maxnreg"), (dict(stage_maxnreg=256), "stage_maxnreg")):
+        with pytest.raises(ValueError, match=msg):
+            moe.MoeLaunch(**kw)
+    h = randn((2, 128), seed=41, device=DEVICE)
+    ids, w = torch.zeros(2, 1, dtype=torch.int32, device=DEVICE), torch.ones(2, 1, device=DEVICE)
+    bufs = stage_with("reference", h, ids, w)
+    with pytest.raises(ValueError, match="diag"):
+        torch.ops.dsv4ref.moe_stage(h, ids, w, bufs[0].view(torch.uint8), *bufs[1:], *stage_op_args(SNAP, "fast"))
+    assert stage_op_args(SNAP, "trunc")[-1] == "trunc" and stage_op_args(SNAP)[-1] == ""
+
+
+def test_stage_snap_bytes_of_a_one_column_x_sf():
+    """snap stores scale bytes through a uint8 view of x_sf; at Hd = 128 x_sf has one column whose stride may
+    be anything (stage_into accepts it), which a dtype view refuses: the launcher re-strides it first."""
+    h = randn((3, 128), seed=42, device=DEVICE)
+    ids, w = torch.zeros(3, 2, dtype=torch.int32, device=DEVICE), torch.rand(3, 2, generator=generator(43)).to(DEVICE)
+    sf = torch.full((15,), -7777, dtype=torch.int32, device=DEVICE).as_strided((3, 1), (5, 3))
+    q, i64, w32 = poison((3, 128), torch.float8_e4m3fn), poison((3, 2), torch.int64), poison((3, 2), torch.float32)
+    moe.stage_into(h, ids, w, q, sf, i64, w32, backend="triton", launch=SNAP)
+    check_staged((q, sf, i64, w32), h, ids, w)
 
 
 @pytest.mark.parametrize("K", [1, 2, 3, 6])

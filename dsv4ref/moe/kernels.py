@@ -12,7 +12,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ..tl import bf16_rne_bits_nan, dot, e4m3_decode, e4m3_ue8m0_blocks, ue8m0_value
+from ..tl import (bf16_rne_bits_nan, dot, e4m3_decode, e4m3_encode, e4m3_nan_codes, e4m3_snap, e4m3_ue8m0_blocks,
+                  inv_pow2, ue8m0_byte, ue8m0_byte_bits, ue8m0_value)
 
 
 @triton.jit
@@ -29,14 +30,26 @@ def widen_bf16(bits):
 #                 a group holding a NaN or ±inf: byte_j = 255, every q = 0x7F (0xFF: a non-NaN with its sign set)
 #   x_sf[t, kb] = int32 bits of byte_0 | byte_1 << 8 | byte_2 << 16 | byte_3 << 24
 #   on the first column block: ids_out[t, :K] = int64(ids[t, :K]) (−1 stays −1), weights_out = bit copy
-# The numerics (scale, encoder, non-finite policy) are the one shared helper e4m3_ue8m0_blocks. The launch
-# choices (MoeLaunch.stage_*) only change how a tile is read and how tiles map to programs, never the bytes:
-#   TILE_LOAD = False: four loads of [BLOCK_T, NB, 32] (group j of every 128-block), one per lane of the word;
-#   TILE_LOAD = True:  one load of the contiguous [BLOCK_T, BLOCK_H] tile (16-byte vectors when the hidden
-#                      stride is 1), seen as [BLOCK_T, BLOCK_H/32, 32] for the group amax;
+# The launch choices (MoeLaunch.stage_*) change how a tile is read, encoded and mapped to programs, never the
+# bytes:
+#   ENCODE = "blocks" (_stage_tile_blocks): the shared helper e4m3_ue8m0_blocks (scale, encoder and the
+#            non-finite policy, per value), the four bytes of a word or-ed into the int32 x_sf;
+#       LOAD = "groups": four loads of [BLOCK_T, NB, 32] (group j of every 128-block), one per byte of the word;
+#       LOAD = "tile":   one load of the contiguous [BLOCK_T, BLOCK_H] tile (16-byte vectors when the hidden
+#                        stride is 1), seen as [BLOCK_T, BLOCK_H/32, 32] for the group amax;
+#   ENCODE = "snap" (_stage_tile_snap, LOAD = "tile"): ue8m0_byte_bits + e4m3_snap, the same bytes in about
+#            half the instructions per value; the non-finite policy (e4m3_nan_codes, byte 255) only in a tile
+#            that holds a NaN / ±inf group (one tile-wide test per program); the scale bytes stored as bytes
+#            through a uint8 view of x_sf (little-endian: byte j of word kb is group 4·kb + j), which spares
+#            the cross-thread gather of a word's four bytes;
 #   PERSISTENT: a fixed number of programs walks the tiles with a grid stride (no tail wave), else one
 #               program per (token block, column block);
 #   EVICT / STORE_CACHE: cache hints on the streamed input (eviction_policy) and the outputs (cache_modifier).
+# DIAG variants, for timing only (their bytes are NOT the contract; only the custom op takes them, never a
+# MoeLaunch): ENCODE = "cast" ("snap" with the GPU's saturating cvt instead of the grid-snap: exact when
+# compiled, wrong in the interpreter, I5), "trunc" (no amax, no encoder: the high byte of each bf16 stored,
+# scale bytes 0: the traffic alone), "loads" (the tile read and summed per group into the scale bytes, no
+# e4m3 store: the reads alone); NONFINITE = False (the non-finite policy left out); TOPK = False (no top-k).
 # ----------------------------------------------------------------------------------------------------
 
 
@@ -53,23 +66,35 @@ def _stage_topk(ids_ptr, w_ptr, ids_out_ptr, w_out_ptr, rows, row_ok, r64, K, st
 
 
 @triton.jit
-def _stage_tile(x_ptr, q_ptr, sf_ptr, T, Hd, tt, th, stride_xt, stride_xh, stride_qt, stride_st,
-                FLOOR: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, TILE_LOAD: tl.constexpr,
-                EVICT: tl.constexpr, STORE_CACHE: tl.constexpr):
-    """Stage tokens [tt·BLOCK_T, +BLOCK_T) × hidden values [th·BLOCK_H, +BLOCK_H): e4m3 bytes and packed words.
-    Returns (rows, row_ok, r64) for the top-k copies."""
+def _blocks(x, FLOOR: tl.constexpr, NONFINITE: tl.constexpr):
+    """(e4m3 bytes, scale bytes) of fp32 [.., G, 32] through the shared e4m3_ue8m0_blocks; NONFINITE = False
+    (DIAG) is the same without its non-finite parts (no canonical NaN, no per-value select, no byte 255)."""
+    if NONFINITE:
+        q, byte = e4m3_ue8m0_blocks(x, FLOOR, 2)
+    else:
+        byte = ue8m0_byte(tl.max(x.to(tl.int32, bitcast=True) & 0x7FFFFFFF, axis=2).to(tl.float32, bitcast=True),
+                          FLOOR, 448.0)
+        q = e4m3_encode(x * inv_pow2(byte)[:, :, None]).to(tl.uint8, bitcast=True)
+    return q, byte
+
+
+@triton.jit
+def _stage_tile_blocks(x_ptr, q_ptr, sf_ptr, T, Hd, tt, th, stride_xt, stride_xh, stride_qt, stride_st,
+                       FLOOR: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, LOAD: tl.constexpr,
+                       NONFINITE: tl.constexpr, EVICT: tl.constexpr, STORE_CACHE: tl.constexpr):
+    """ENCODE = "blocks": stage tokens [tt·BLOCK_T, +BLOCK_T) × hidden values [th·BLOCK_H, +BLOCK_H) into e4m3
+    bytes and int32 words (sf_ptr: the int32 x_sf). Returns (rows, row_ok, r64) for the top-k copies."""
     NB: tl.constexpr = BLOCK_H // 128  # scale words per tile row
     rows = tt * BLOCK_T + tl.arange(0, BLOCK_T)
     row_ok = rows < T
     r64 = rows.to(tl.int64)
     kb = th * NB + tl.arange(0, NB)  # [NB] 128-block (= scale word) index
-    if TILE_LOAD:
+    if LOAD == "tile":
         col = th * BLOCK_H + tl.arange(0, BLOCK_H)  # [BLOCK_H]
         m = row_ok[:, None] & (col < Hd)[None, :]
         bits = tl.load(x_ptr + r64[:, None] * stride_xt + col[None, :].to(tl.int64) * stride_xh, mask=m, other=0,
                        eviction_policy=EVICT)
-        g = tl.reshape(widen_bf16(bits), (BLOCK_T, NB * 4, 32))  # groups of 32 along the row
-        q, byte = e4m3_ue8m0_blocks(g, FLOOR, 2)  # [BLOCK_T, NB·4, 32] uint8, [BLOCK_T, NB·4] int32
+        q, byte = _blocks(tl.reshape(widen_bf16(bits), (BLOCK_T, NB * 4, 32)), FLOOR, NONFINITE)  # groups of 32
         tl.store(q_ptr + r64[:, None] * stride_qt + col[None, :], tl.reshape(q, (BLOCK_T, BLOCK_H)), mask=m,
                  cache_modifier=STORE_CACHE)
         lane = (8 * tl.arange(0, 4)).to(tl.uint32)
@@ -82,7 +107,7 @@ def _stage_tile(x_ptr, q_ptr, sf_ptr, T, Hd, tt, th, stride_xt, stride_xh, strid
             m = row_ok[:, None, None] & (col < Hd)[None, :, :]
             bits = tl.load(x_ptr + r64[:, None, None] * stride_xt + col[None, :, :].to(tl.int64) * stride_xh, mask=m,
                            other=0, eviction_policy=EVICT)
-            q, byte = e4m3_ue8m0_blocks(widen_bf16(bits), FLOOR, 2)  # [BLOCK_T, NB, 32] uint8, [BLOCK_T, NB] int32
+            q, byte = _blocks(widen_bf16(bits), FLOOR, NONFINITE)  # [BLOCK_T, NB, 32] uint8, [BLOCK_T, NB] int32
             tl.store(q_ptr + r64[:, None, None] * stride_qt + col[None, :, :], q, mask=m, cache_modifier=STORE_CACHE)
             word = word | (byte.to(tl.uint32) << (8 * j))
     m_sf = row_ok[:, None] & (kb * 128 < Hd)[None, :]
@@ -92,10 +117,80 @@ def _stage_tile(x_ptr, q_ptr, sf_ptr, T, Hd, tt, th, stride_xt, stride_xh, strid
 
 
 @triton.jit
+def _snap_or_cast(x, byte, ENCODE: tl.constexpr):
+    """e4m3 bytes (uint8) of fp32 [BLOCK_T, NG, 32] at the group bytes [BLOCK_T, NG]: e4m3_snap, or (DIAG
+    "cast") the GPU's saturating cvt of x · 2^(127 − byte), which the interpreter does not round right (I5)."""
+    if ENCODE == "snap":
+        return e4m3_snap(x, byte[:, :, None])
+    else:
+        return (x * inv_pow2(byte)[:, :, None]).to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+
+
+@triton.jit
+def _stage_tile_snap(x_ptr, q_ptr, sf_ptr, T, Hd, tt, th, stride_xt, stride_xh, stride_qt, stride_st,
+                     FLOOR: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, ENCODE: tl.constexpr,
+                     NONFINITE: tl.constexpr, EVICT: tl.constexpr, STORE_CACHE: tl.constexpr):
+    """ENCODE = "snap" (or a DIAG): the same tile as _stage_tile_blocks with LOAD = "tile"; sf_ptr is the uint8
+    view of x_sf (stride_st in bytes) and one scale byte is stored per 32-group."""
+    NG: tl.constexpr = BLOCK_H // 32  # 32-value groups per tile row
+    rows = tt * BLOCK_T + tl.arange(0, BLOCK_T)
+    row_ok = rows < T
+    r64 = rows.to(tl.int64)
+    col = th * BLOCK_H + tl.arange(0, BLOCK_H)  # [BLOCK_H]
+    m = row_ok[:, None] & (col < Hd)[None, :]
+    bits = tl.load(x_ptr + r64[:, None] * stride_xt + col[None, :].to(tl.int64) * stride_xh, mask=m, other=0,
+                   eviction_policy=EVICT)
+    xb = tl.reshape(bits.to(tl.int32) << 16, (BLOCK_T, NG, 32))  # fp32 bits of the bf16 values, exactly
+    x = xb.to(tl.float32, bitcast=True)
+    q_out = q_ptr + r64[:, None] * stride_qt + col[None, :]
+    if ENCODE == "trunc":  # DIAG: no amax, no encoder
+        tl.store(q_out, tl.reshape((xb >> 24).to(tl.uint8), (BLOCK_T, BLOCK_H)), mask=m, cache_modifier=STORE_CACHE)
+        byte = tl.zeros((BLOCK_T, NG), dtype=tl.int32)
+    elif ENCODE == "loads":  # DIAG: the reads alone (summed per group so that they are not optimised away)
+        byte = tl.sum(xb, axis=2)
+    else:
+        amax = tl.max(xb & 0x7FFFFFFF, axis=2)  # [BLOCK_T, NG] |x| bits: >= 0x7F800000 is NaN / inf
+        byte = ue8m0_byte_bits(amax, FLOOR)
+        bad = amax >= 0x7F800000
+        # Every tile is stored as if finite, straight from the cvt (no branch between the cvt and the store,
+        # which would unpack the packed bytes one per register). A tile that holds a non-finite group (rare)
+        # then reloads its values and stores them again with the policy applied: the same thread rewrites
+        # the same bytes, so its second store wins, and x need not stay live across the tile-wide test.
+        tl.store(q_out, tl.reshape(_snap_or_cast(x, byte, ENCODE), (BLOCK_T, BLOCK_H)), mask=m,
+                 cache_modifier=STORE_CACHE)
+        if NONFINITE and tl.max(tl.max(bad.to(tl.int32), axis=1), axis=0) > 0:
+            bits = tl.load(x_ptr + r64[:, None] * stride_xt + col[None, :].to(tl.int64) * stride_xh, mask=m, other=0)
+            xb = tl.reshape(bits.to(tl.int32) << 16, (BLOCK_T, NG, 32))
+            q = tl.where(bad[:, :, None], e4m3_nan_codes(xb),
+                         _snap_or_cast(xb.to(tl.float32, bitcast=True), byte, ENCODE))
+            tl.store(q_out, tl.reshape(q, (BLOCK_T, BLOCK_H)), mask=m, cache_modifier=STORE_CACHE)
+        if NONFINITE:
+            byte = tl.where(bad, 255, byte)
+    g = th * NG + tl.arange(0, NG)  # [NG] group index = byte index in the row of x_sf's bytes
+    tl.store(sf_ptr + r64[:, None] * stride_st + g[None, :], byte.to(tl.uint8), mask=row_ok[:, None] & (g * 32 < Hd)[None, :],
+             cache_modifier=STORE_CACHE)
+    return rows, row_ok, r64
+
+
+@triton.jit
+def _stage_tile(x_ptr, q_ptr, sf_ptr, T, Hd, tt, th, stride_xt, stride_xh, stride_qt, stride_st,
+                FLOOR: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, LOAD: tl.constexpr,
+                ENCODE: tl.constexpr, NONFINITE: tl.constexpr, EVICT: tl.constexpr, STORE_CACHE: tl.constexpr):
+    """One tile, by ENCODE. Returns (rows, row_ok, r64) for the top-k copies."""
+    if ENCODE == "blocks":
+        return _stage_tile_blocks(x_ptr, q_ptr, sf_ptr, T, Hd, tt, th, stride_xt, stride_xh, stride_qt, stride_st,
+                                  FLOOR, BLOCK_T, BLOCK_H, LOAD, NONFINITE, EVICT, STORE_CACHE)
+    else:
+        return _stage_tile_snap(x_ptr, q_ptr, sf_ptr, T, Hd, tt, th, stride_xt, stride_xh, stride_qt, stride_st,
+                                FLOOR, BLOCK_T, BLOCK_H, ENCODE, NONFINITE, EVICT, STORE_CACHE)
+
+
+@triton.jit
 def stage_kernel(
     x_ptr,  # int16 view of hidden bf16 [T, Hd], any strides (stride_xt, stride_xh)
     q_ptr,  # uint8 view of x_fp8 [≥T, Hd], unit stride along Hd, row stride stride_qt
-    sf_ptr,  # int32 x_sf [≥T, Hd/128], unit stride along Hd/128, row stride stride_st
+    sf_ptr,  # ENCODE "blocks": int32 x_sf [≥T, Hd/128], unit stride along Hd/128, row stride stride_st;
+    # otherwise its uint8 view [≥T, Hd/32] (little-endian bytes), row stride stride_st in bytes
     ids_ptr,  # int32 or int64 ids [T, K] (stride_it, stride_ik)
     w_ptr,  # int32 view of fp32 weights [T, K] (stride_wt, stride_wk): their bits are copied
     ids_out_ptr,  # int64 [≥T, K], unit stride along K, row stride stride_iot
@@ -106,7 +201,10 @@ def stage_kernel(
     BLOCK_T: tl.constexpr,  # tokens per tile
     BLOCK_H: tl.constexpr,  # hidden values per tile, a multiple of 128
     BLOCK_TOPK: tl.constexpr,  # next_power_of_2(K)
-    TILE_LOAD: tl.constexpr,  # one contiguous [BLOCK_T, BLOCK_H] load instead of four group loads
+    LOAD: tl.constexpr,  # "groups" | "tile" (see above)
+    ENCODE: tl.constexpr,  # "blocks" | "snap"; DIAG: "cast" | "trunc" | "loads"
+    NONFINITE: tl.constexpr,  # True; False = DIAG: the non-finite policy left out
+    TOPK: tl.constexpr,  # True; False = DIAG: no top-k copies
     PERSISTENT: tl.constexpr,  # grid-stride loop over the tiles (grid = a fixed number of programs)
     EVICT: tl.constexpr,  # eviction_policy of the input load: "" or "evict_first"
     STORE_CACHE: tl.constexpr,  # cache_modifier of the output stores: "" or ".cs" (streaming)
@@ -116,15 +214,16 @@ def stage_kernel(
         for tile in range(tl.program_id(0), tl.cdiv(T, BLOCK_T) * n_h, tl.num_programs(0)):
             th = tile % n_h
             rows, row_ok, r64 = _stage_tile(x_ptr, q_ptr, sf_ptr, T, Hd, tile // n_h, th, stride_xt, stride_xh,
-                                            stride_qt, stride_st, FLOOR, BLOCK_T, BLOCK_H, TILE_LOAD, EVICT, STORE_CACHE)
-            if th == 0:  # the top-k copies, once per token
+                                            stride_qt, stride_st, FLOOR, BLOCK_T, BLOCK_H, LOAD, ENCODE, NONFINITE,
+                                            EVICT, STORE_CACHE)
+            if TOPK and th == 0:  # the top-k copies, once per token
                 _stage_topk(ids_ptr, w_ptr, ids_out_ptr, w_out_ptr, rows, row_ok, r64, K, stride_it, stride_ik,
                             stride_wt, stride_wk, stride_iot, stride_wot, BLOCK_TOPK)
     else:
         rows, row_ok, r64 = _stage_tile(x_ptr, q_ptr, sf_ptr, T, Hd, tl.program_id(0), tl.program_id(1), stride_xt,
-                                        stride_xh, stride_qt, stride_st, FLOOR, BLOCK_T, BLOCK_H, TILE_LOAD, EVICT,
-                                        STORE_CACHE)
-        if tl.program_id(1) == 0:  # the top-k copies, once per token
+                                        stride_xh, stride_qt, stride_st, FLOOR, BLOCK_T, BLOCK_H, LOAD, ENCODE,
+                                        NONFINITE, EVICT, STORE_CACHE)
+        if TOPK and tl.program_id(1) == 0:  # the top-k copies, once per token
             _stage_topk(ids_ptr, w_ptr, ids_out_ptr, w_out_ptr, rows, row_ok, r64, K, stride_it, stride_ik, stride_wt,
                         stride_wk, stride_iot, stride_wot, BLOCK_TOPK)
 

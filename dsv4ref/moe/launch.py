@@ -16,12 +16,21 @@ from ..device import interpreting
 from ..formats import STAGE_AMAX_FLOOR, STAGE_BLOCK
 from .kernels import combine_kernel, down_kernel, gate_up_kernel, stage_kernel
 
-__all__ = ["MoeLaunch", "default_launch", "group_by_expert", "tile_table"]
+__all__ = ["MoeLaunch", "default_launch", "group_by_expert", "tile_table", "stage_constexprs", "stage_op_args"]
 
 
 STAGE_LOADS = ("groups", "tile")
+STAGE_ENCODES = ("blocks", "snap")
 STAGE_CACHE_HINTS = {"": ("", ""), "evict_first": ("evict_first", ""), "stream": ("evict_first", ".cs")}  # load, store
-NOT_POWERS_OF_TWO = ("expert_stages", "stage_load", "stage_programs", "stage_stages", "stage_cache")
+# DIAG variants of the staging kernel, for timing only: their bytes are NOT the contract, so no MoeLaunch can
+# ask for them; benchmarks/moe_sweep.py passes them to the custom op through stage_op_args(launch, diag).
+#   cast: "snap" with the GPU's saturating cvt for the grid-snap (exact compiled; the interpreter's cast is wrong)
+#   trunc: no amax and no encoder (the high byte of each bf16 stored, scale bytes 0): the traffic alone
+#   loads: the tile read and summed per group into x_sf, no e4m3 store: the reads alone
+#   finite: the non-finite policy left out;  notopk: no top-k copies
+STAGE_DIAGS = ("", "cast", "trunc", "loads", "finite", "notopk")
+NOT_POWERS_OF_TWO = ("expert_stages", "stage_load", "stage_programs", "stage_stages", "stage_cache", "stage_encode",
+                     "stage_maxnreg")
 
 
 @dataclass(frozen=True)
@@ -33,8 +42,15 @@ class MoeLaunch:
             multiple of 128: one packed scale word per 128 values).
         stage_warps: warps per staging program.
         stage_load: how a staging program reads its tile: ``"groups"`` (four loads of 32-value groups, one per
-            byte of the packed word) or ``"tile"`` (one contiguous [stage_block_t, stage_block_h] load, 16-byte
-            vectors, viewed as groups of 32 for the amax). Same bytes either way.
+            byte of the packed word; ``stage_encode="blocks"`` only) or ``"tile"`` (one contiguous
+            [stage_block_t, stage_block_h] load, 16-byte vectors, viewed as groups of 32 for the amax). Same
+            bytes either way.
+        stage_encode: ``"blocks"`` (the shared ``e4m3_ue8m0_blocks``, which applies the non-finite policy per
+            value) or ``"snap"`` (``ue8m0_byte_bits`` + ``e4m3_snap``: the same bytes in under half the
+            instructions per value; the non-finite policy only in a tile that holds a NaN / ±inf group; the
+            scale bytes stored one by one; ``stage_load="tile"`` only).
+        stage_maxnreg: 0 = the registers ptxas picks for the staging kernel; n in [16, 255] caps them at n
+            (Triton's ``maxnreg``): more resident programs per SM, i.e. more loads in flight, against spills.
         stage_programs: 0 = one staging program per tile; n ≥ 1 = a persistent grid of n programs that walk the
             tiles with a grid stride (the caller picks n, e.g. a multiple of the SM count: no device query here).
         stage_stages: software-pipeline stages of the staging kernel (only the persistent loop has a loop to
@@ -58,6 +74,8 @@ class MoeLaunch:
     stage_programs: int = 0
     stage_stages: int = 3
     stage_cache: str = ""
+    stage_encode: str = "blocks"
+    stage_maxnreg: int = 0
     block_m: int = 16
     block_n: int = 64
     block_h: int = 128
@@ -75,8 +93,14 @@ class MoeLaunch:
         for name in ("expert_stages", "stage_stages"):
             validate.integer(getattr(self, name), name, lo=1)
         validate.integer(self.stage_programs, "stage_programs", lo=0)
+        validate.integer(self.stage_maxnreg, "stage_maxnreg", lo=0, hi=255)
+        if 0 < self.stage_maxnreg < 16:
+            raise ValueError(f"stage_maxnreg: expected 0 or 16..255, got {self.stage_maxnreg}")
         if self.stage_load not in STAGE_LOADS:
             raise ValueError(f"stage_load: expected one of {STAGE_LOADS}, got {self.stage_load!r}")
+        if self.stage_encode not in STAGE_ENCODES:
+            raise ValueError(f"stage_encode: expected one of {STAGE_ENCODES}, got {self.stage_encode!r}")
+        _check_stage_pair(self.stage_load, self.stage_encode)
         if self.stage_cache not in STAGE_CACHE_HINTS:
             raise ValueError(f"stage_cache: expected one of {tuple(STAGE_CACHE_HINTS)}, got {self.stage_cache!r}")
         for name in ("stage_block_h", "block_h"):
@@ -85,6 +109,12 @@ class MoeLaunch:
         for name in ("block_m", "block_n", "block_k"):
             if getattr(self, name) < 16:
                 raise ValueError(f"{name}: expected >= 16 (tl.dot's smallest tile on a GPU), got {getattr(self, name)}")
+
+
+def _check_stage_pair(load: str, encode: str) -> None:
+    """The (stage_load, stage_encode) pairs that exist: "snap" reads whole tiles ("tile")."""
+    if encode != "blocks" and load != "tile":
+        raise ValueError(f"stage_load={load!r} does not go with stage_encode={encode!r}: \"snap\" needs \"tile\"")
 
 
 def default_launch(tokens: int, k: int, experts: int) -> MoeLaunch:
@@ -150,38 +180,59 @@ def tile_table(counts: torch.Tensor, offsets: torch.Tensor, block_m: int, n_rows
 # ----------------------------------------------------------------------------------------------------
 
 
+def stage_constexprs(Hd: int, K: int, block_t: int, block_h: int, load: str, programs: int, cache: str, encode: str,
+                     diag: str) -> dict:
+    """The constexpr arguments of ``stage_kernel`` for these launch fields (also what
+    benchmarks/moe_stage_compile_check.py compiles ahead of time)."""
+    if diag not in STAGE_DIAGS:
+        raise ValueError(f"diag: expected one of {STAGE_DIAGS}, got {diag!r}")
+    if encode not in STAGE_ENCODES:
+        raise ValueError(f"encode: expected one of {STAGE_ENCODES}, got {encode!r}")
+    if diag in ("cast", "trunc", "loads"):  # DIAG encodings, in place of "snap"
+        encode = diag
+    _check_stage_pair(load, encode)
+    evict, store_cache = STAGE_CACHE_HINTS[cache]
+    return dict(FLOOR=STAGE_AMAX_FLOOR, BLOCK_T=block_t, BLOCK_H=min(block_h, triton.next_power_of_2(Hd)),
+                BLOCK_TOPK=triton.next_power_of_2(K), LOAD=load, ENCODE=encode, NONFINITE=diag != "finite",
+                TOPK=diag != "notopk", PERSISTENT=programs > 0, EVICT=evict, STORE_CACHE=store_cache)
+
+
 def _stage(hidden, ids, weights, x_fp8, x_sf, ids_out, weights_out, block_t, block_h, num_warps, load, programs,
-           num_stages, cache):
+           num_stages, cache, encode, maxnreg, diag):
     T, Hd = hidden.shape
     K = ids.shape[1]
-    bh = min(block_h, triton.next_power_of_2(Hd))
+    const = stage_constexprs(Hd, K, block_t, block_h, load, programs, cache, encode, diag)
     wv, wov = weights.view(torch.int32), weights_out.view(torch.int32)
-    n_t, n_h = triton.cdiv(T, block_t), triton.cdiv(Hd, bh)
+    xv = hidden.view(torch.int16)
+    sf = x_sf
+    if const["ENCODE"] != "blocks":  # "snap" stores one byte per 32-group, through the bytes of x_sf
+        if sf.stride(1) != 1:  # one column (Hd = 128): its stride is never used, but view() requires 1
+            sf = sf.as_strided(sf.shape, (sf.stride(0), 1))
+        sf = sf.view(torch.uint8)
+    n_t, n_h = triton.cdiv(T, block_t), triton.cdiv(Hd, const["BLOCK_H"])
     grid = (programs,) if programs else (n_t, n_h)  # persistent: `programs` programs walk the n_t·n_h tiles
-    evict, store_cache = STAGE_CACHE_HINTS[cache]
     stage_kernel[grid](
-        hidden.view(torch.int16), x_fp8.view(torch.uint8), x_sf, ids, wv, ids_out, wov, T, Hd, K,
-        hidden.stride(0), hidden.stride(1), x_fp8.stride(0), x_sf.stride(0), ids.stride(0), ids.stride(1),
-        wv.stride(0), wv.stride(1), ids_out.stride(0), wov.stride(0),
-        FLOOR=STAGE_AMAX_FLOOR, BLOCK_T=block_t, BLOCK_H=bh, BLOCK_TOPK=triton.next_power_of_2(K),
-        TILE_LOAD=load == "tile", PERSISTENT=programs > 0, EVICT=evict, STORE_CACHE=store_cache,
-        num_warps=num_warps, num_stages=num_stages)
+        xv, x_fp8.view(torch.uint8), sf, ids, wv, ids_out, wov, T, Hd, K,
+        xv.stride(0), xv.stride(1), x_fp8.stride(0), sf.stride(0), ids.stride(0), ids.stride(1),
+        wv.stride(0), wv.stride(1), ids_out.stride(0), wov.stride(0), **const, num_warps=num_warps,
+        num_stages=num_stages, **({"maxnreg": maxnreg} if maxnreg else {}))
 
 
 @torch.library.custom_op("dsv4ref::moe_stage", mutates_args=("x_fp8", "x_sf", "ids_out", "weights_out"))
 def moe_stage_op(hidden: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, x_fp8: torch.Tensor, x_sf: torch.Tensor,
                  ids_out: torch.Tensor, weights_out: torch.Tensor, block_t: int, block_h: int, num_warps: int, load: str,
-                 programs: int, num_stages: int, cache: str) -> None:
+                 programs: int, num_stages: int, cache: str, encode: str, maxnreg: int, diag: str) -> None:
     """Rows [0, T) of the four output buffers (which may have more rows: those stay as they are). ``x_fp8``
-    is passed as its uint8 bytes (torch has no arithmetic on fp8 tensors, which op checks need)."""
+    is passed as its uint8 bytes (torch has no arithmetic on fp8 tensors, which op checks need). ``diag``:
+    "" (the contract), or one of the DIAG variants of ``STAGE_DIAGS`` (timing only, wrong bytes)."""
     if hidden.shape[0]:
         _stage(hidden, ids, weights, x_fp8, x_sf, ids_out, weights_out, block_t, block_h, num_warps, load, programs,
-               num_stages, cache)
+               num_stages, cache, encode, maxnreg, diag)
 
 
 @moe_stage_op.register_fake
 def _(hidden, ids, weights, x_fp8, x_sf, ids_out, weights_out, block_t, block_h, num_warps, load, programs, num_stages,
-      cache):
+      cache, encode, maxnreg, diag):
     return None
 
 
@@ -259,10 +310,11 @@ def _(x, x_fp8, x_sf, ids, weights, w13, w2, shared_w13, shared_w2, out, swiglu_
     return None
 
 
-def stage_op_args(launch: MoeLaunch) -> tuple:
-    """The launch fields of ``dsv4ref::moe_stage``, in schema order."""
+def stage_op_args(launch: MoeLaunch, diag: str = "") -> tuple:
+    """The launch fields of ``dsv4ref::moe_stage``, in schema order. ``diag``: "" for the contract, or a DIAG
+    variant of ``STAGE_DIAGS`` (benchmarks only: its bytes are wrong)."""
     return (launch.stage_block_t, launch.stage_block_h, launch.stage_warps, launch.stage_load, launch.stage_programs,
-            launch.stage_stages, launch.stage_cache)
+            launch.stage_stages, launch.stage_cache, launch.stage_encode, launch.stage_maxnreg, diag)
 
 
 def experts_op_args(launch: MoeLaunch) -> tuple[int, ...]:

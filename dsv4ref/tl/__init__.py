@@ -17,6 +17,8 @@ from .numerics import (  # noqa: F401
     dot,
     e4m3_decode,
     e4m3_encode,
+    e4m3_nan_codes,
+    e4m3_snap,
     e4m3_ue8m0_blocks,
     inv_pow2,
     nonfinite,
@@ -24,5 +26,6 @@ from .numerics import (  # noqa: F401
     pow2,
     splat,
     ue8m0_byte,
+    ue8m0_byte_bits,
     ue8m0_value,
 )

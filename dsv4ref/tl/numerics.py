@@ -18,6 +18,11 @@ helper                 what it does                                  interpreter
 ``e4m3_decode``        e4m3fn byte -> fp32, 0x7F / 0xFF -> NaN       the interpreter decodes 0x7F as 480
 ``bf16_rne_bits_nan``  ``bf16_rne_bits`` + NaN -> 0x7FC0             GPU NaN 0x7FFFFFFF would round to -0
 ``canonical_nan``      fp32 NaN -> 0x7FC00000                        NaN payloads differ per device
+``ue8m0_byte_bits``    amax bits -> ``ue8m0_byte`` (QMAX 448) in     none; integers only, no division
+                       four integer ops
+``e4m3_snap``          finite fp32 block -> e4m3 bytes at a given    I5, as ``e4m3_encode``; fewer
+                       scale byte, one fma grid-snap per value       instructions per value
+``e4m3_nan_codes``     the e4m3 bytes of a non-finite block          (GPU max/min drop NaN)
 =====================  ============================================  ====================================
 
 Arithmetic rule for all kernels (I3): ``.to(tl.float32)`` right after a bf16/fp8 load, do every add,
@@ -206,3 +211,58 @@ def canonical_nan(y):
     bits = y.to(tl.int32, bitcast=True)
     nan = (bits & 0x7FFFFFFF) > 0x7F800000
     return tl.where(nan, 0x7FC00000, bits).to(tl.float32, bitcast=True)
+
+
+# ---- a cheaper encoder for finite blocks (MoE staging's ``stage_encode="snap"``) -----------------------------
+# The same bytes as e4m3_ue8m0_blocks, in fewer instructions per value: the scale byte from the amax bits with
+# integers only (no division), one fma grid-snap per value with the rounding grid read off x's own exponent,
+# and no per-value non-finite work (the caller overwrites a non-finite block with e4m3_nan_codes / byte 255,
+# only in a tile that holds one). Compiled for sm_90a, e4m3_snap is 6.5 SASS instructions per value (and, on
+# half of it, the integer ALU pipe 3): and, max, add, fma, sub, or, half a cvt. A whole staging tile with it
+# runs 13–17 instructions per value against 27 with e4m3_ue8m0_blocks (benchmarks/moe_stage_compile_check.py).
+
+
+@triton.jit
+def ue8m0_byte_bits(amax_bits, FLOOR: tl.constexpr):
+    """:func:`ue8m0_byte` with QMAX = 448 from the int32 bits of a finite amax >= 0: four integer operations.
+
+    With a = M·2^E (M in [1, 2)), a / 448 = (M / 1.75)·2^(E − 8) and M / 1.75 lies in [0.57, 1.15), so
+    ceil(log2(a / 448)) = E − 8 + (M > 1.75); M > 1.75 is a mantissa field above 0x600000, which adding
+    0x1FFFFF carries into the exponent field. This is exact for every normal a, and it is what ``ue8m0_byte``
+    reads off the correctly rounded fp32 quotient: that quotient never rounds onto a power of two from above
+    (for M > 1.75, M / 1.75 >= 1 + 0.57·2^-23 rounds to >= 1 + 2^-23) nor reaches 1/2 (M / 1.75 >= 0.57). The
+    floor (1e-4) gives 105 and the largest bf16 247, so the [1, 254] clamp of ``ue8m0_byte`` never acts.
+    """
+    floor_bits = tl.full([], FLOOR, tl.float32).to(tl.int32, bitcast=True)
+    return ((tl.maximum(amax_bits, floor_bits) + 0x1FFFFF) >> 23) - 8
+
+
+@triton.jit
+def e4m3_snap(x, byte):
+    """e4m3 bytes (uint8) of x · 2^(127 − byte) for finite fp32 ``x`` whose block scale byte is ``byte`` (int32,
+    broadcast against x), round to nearest, ties to even: the bytes :func:`e4m3_encode` gives for a block
+    whose byte came from its own amax (so |x · 2^(127 − byte)| <= 448 and no clamp is needed).
+
+    Grid-snap as in ``e4m3_encode``: c = 2^(max(e_y, −6) + 20), with e_y the exponent of y = x · 2^d
+    (d = 127 − byte), and r = (|x| · 2^d + c) − c rounds |y| onto the e4m3 grid of its binade. e_y is read
+    off x's own bits: max(E_x + d, 121) + 20 = max(E_x, byte − 6) + (147 − byte) as biased exponent fields, so
+    per value this is one and, one max, one add, an fma, a subtraction and the sign or-ed back as a bit (so
+    −0.0 and the negative values that round to zero keep their sign, as torch's cast does). The product
+    |x| · 2^d is exact (a power-of-two scaling), so the GPU's fused multiply-add and the interpreter's separate
+    multiply and add round the same sum once; where the product would underflow fp32 it lies far below half
+    the grid spacing (2^-10) and both give 0. Not for NaN / ±inf.
+    """
+    xb = x.to(tl.int32, bitcast=True)
+    c = (tl.maximum(xb & 0x7F800000, (byte - 6) << 23) + ((147 - byte) << 23)).to(tl.float32, bitcast=True)
+    r = (tl.abs(x) * inv_pow2(byte) + c) - c
+    sign = x.to(tl.uint32, bitcast=True) & 0x80000000
+    return (r.to(tl.uint32, bitcast=True) | sign).to(tl.float32, bitcast=True).to(tl.float8e4nv).to(tl.uint8,
+                                                                                                    bitcast=True)
+
+
+@triton.jit
+def e4m3_nan_codes(xb):
+    """The e4m3 byte of each value of a non-finite block, from its fp32 bits (int32): 0x7F, or 0xFF where the
+    value is not a NaN and its sign bit is set (the bytes e4m3_ue8m0_blocks writes there)."""
+    nan = (xb & 0x7FFFFFFF) > 0x7F800000
+    return tl.where(nan, 0x7F, ((xb >> 24) & 0x80) | 0x7F).to(tl.uint8)
