@@ -819,12 +819,13 @@ def test_mxfp4_decodes_real_and_hard_scale_bytes(dec):
     ref = ix.reference.logits(*args, block_size=16, n_out=128, dtype=torch.float64)
     cond = ix.reference.logits_condition(*args, block_size=16, n_out=128)
     assert bool(ref[1:, 120].isnan().all()) and int(ref.isnan().sum()) == 3 and bool(ref[0, 96:].isneginf().all())
-    for pages in (4, 2):
+    tiles = [(4, 1), (2, 1)] + ([(4, 2), (4, 4)] if dec == "f16_scaled" else [])  # (pages, pages per dot)
+    for pages, tile in tiles:
         lg = ix.launch.logits(q, qs, wo, cache, ex["positions"], ex["block_table"], 16, 128,
-                              ix.IndexerLaunch(fp4_decode=dec, logits_pages=pages))
+                              ix.IndexerLaunch(fp4_decode=dec, logits_pages=pages, logits_tile_pages=tile))
         assert torch.equal(lg.isnan(), ref.isnan()) and torch.equal(lg == float("-inf"), ref == float("-inf"))
         f = ref.isfinite()
-        assert_close(lg.double()[f] / cond[f], ref[f] / cond[f], "fp32_dot", f"{dec} pages {pages}")
+        assert_close(lg.double()[f] / cond[f], ref[f] / cond[f], "fp32_dot", f"{dec} pages {pages} tile {tile}")
 
 
 def test_quantize_q_torch_compile_fullgraph():

@@ -243,12 +243,20 @@ def quantize_kernel(
 #   key s of token t: page block_table[t, s // BC], offset s % BC; one [BC × 128]·[128 × HP] dot per page
 #   NaN in, NaN out: a NaN code, scale or weight makes that score NaN (ReLU keeps NaN) on every backend
 #
-#   MXFP4, two decodes of the packed keys (IndexerLaunch.fp4_decode):
+#   MXFP4, three decodes of the packed keys (IndexerLaunch.fp4_decode):
 #   nibble      unpack the two nibbles, decode each code to fp32 from its bits, × 2^(byte−127) per 32-block,
 #               interleave back to [BC, 128], bf16, one dot.  ~17 ALU ops and two conversions per value.
 #   f16_blocks  per 32-block b and nibble half: fp16 bits straight from the byte (e2m1_f16: value·2^-14,
 #               3 integer ops, no conversion), a [BC × 16]·[16 × HP] fp16 dot; the block's scales are applied
 #               to the [BC, HP] partial sum instead: Σ_b (acc_b · ks_b ⊗ qs_b), and the 2^28 goes into w.
+#               8 dots (each waited for) and 4 × [BC × HP] scale products per page.
+#   f16_scaled  each vector's block scales RELATIVE to its largest byte ride in the fp16 operands:
+#                 k[s, d] = e2m1 · 2^(byte_b − top_s + 1),   q[h, d] = e2m1 · 2^(byte_b − top_h + 13)
+#               (keys: e2m1_f16_pairs builds a byte's two fp16 values in 4 integer ops, one fp16 multiply
+#               applies the block's power of two), so a page is ONE [BC × 128]·[128 × HP] dot, and
+#               I[t, s] = 2^(top_s − 128) · Σ_h (w_h · 2^(top_h − 140)) · ReLU(acc[s, h]).
+#               Exact while every key's bytes span <= 24, every head's <= 36 and every largest byte is in
+#               [64, 190]; a program whose bytes leave that range runs the f16_blocks arithmetic instead.
 # ----------------------------------------------------------------------------------------------------
 
 
@@ -370,19 +378,20 @@ def fp4_pages_fast(cache_ptr, page, blk, page_stride, n_c, BC: tl.constexpr, BCP
 
 
 @triton.jit
-def fp4_scale_bytes(cache_ptr, base, j, live, BC: tl.constexpr):
-    """A page's key scale bytes, [BCP, 4] int32 (127 for the keys that are not read)."""
-    return tl.load(cache_ptr + base + BC * 64 + j[:, None] * 4 + tl.arange(0, 4)[None, :], mask=live[:, None],
-                   other=127).to(tl.int32)
+def fp4_scale_bytes(cache_ptr, srow, live):
+    """The scale bytes of a tile of keys, [TILE, 4] int32 (127 for the keys that are not read); ``srow`` [TILE]:
+    each key's first scale byte."""
+    return tl.load(cache_ptr + srow[:, None] + tl.arange(0, 4)[None, :], mask=live[:, None], other=127).to(tl.int32)
 
 
 @triton.jit
-def fp4_scaled_page(cache_ptr, base, j, live, ksb, qT, w_fast, BCP: tl.constexpr, DOT_FP32: tl.constexpr):
-    """One page's logits [BCP] by ``f16_scaled``'s fast path: one [BCP × 128]·[128 × HP] fp16 dot.
-    ``ksb``: the page's scale bytes (:func:`fp4_scale_bytes`), loaded one page ahead by the caller."""
-    kb = tl.load(cache_ptr + base + j[:, None] * 64 + tl.arange(0, 64)[None, :], mask=live[:, None], other=0)
-    kv, ktop, _ = fp4_k_scaled(kb, ksb, BCP, DOT_FP32)
-    s = dot(kv, qT, tl.zeros((BCP, qT.shape[1]), tl.float32), DOT_FP32)  # [BCP, HP] over all 128 dims
+def fp4_scaled_tile(cache_ptr, krow, live, ksb, qT, w_fast, DOT_FP32: tl.constexpr):
+    """A tile of keys' logits [TILE] by ``f16_scaled``'s fast path: one [TILE × 128]·[128 × HP] fp16 dot.
+    ``krow`` [TILE]: each key's first packed byte; ``ksb``: the tile's scale bytes (:func:`fp4_scale_bytes`),
+    loaded one tile ahead by the caller."""
+    kb = tl.load(cache_ptr + krow[:, None] + tl.arange(0, 64)[None, :], mask=live[:, None], other=0)
+    kv, ktop, _ = fp4_k_scaled(kb, ksb, krow.shape[0], DOT_FP32)
+    s = dot(kv, qT, tl.zeros((krow.shape[0], qT.shape[1]), tl.float32), DOT_FP32)  # [TILE, HP], all 128 dims
     return head_sum(s, w_fast) * pow2(tl.maximum(ktop - K_SHIFT, 1))  # × 2^(top − 127 − K_SHIFT) per key
 
 
@@ -423,20 +432,29 @@ def page_rows(bt_ptr, t, bt_stride, page_stride, n_c, p, BC: tl.constexpr, BCP: 
 
 
 @triton.jit
-def page_rows_of(page, page_stride, n_c, p, BC: tl.constexpr, BCP: tl.constexpr, PAGES: tl.constexpr):
-    """:func:`page_rows` from the program's page ids, loaded before the loop (``page`` [PAGES]; 0 where masked):
-    the page table is not read inside the loop, so nothing in it waits for a load to learn an address."""
-    j = tl.arange(0, BCP)
-    cols = (tl.program_id(1).to(tl.int64) * PAGES + p) * BC + j
-    this = tl.sum(tl.where(tl.arange(0, PAGES) == p, page, 0), axis=0)
-    return cols, (j < BC) & (cols < n_c), this * page_stride
+def tile_rows(page, page_stride, n_c, it, BC: tl.constexpr, BCP: tl.constexpr, PAGES: tl.constexpr,
+              TP: tl.constexpr):
+    """Tile ``it`` of this program: its ``TP`` pages' rows stacked, ``TP·BCP`` keys (one dot's rows), from the
+    program's page ids ``page`` [PAGES] loaded before the loop, so that no load in the loop waits for another
+    to learn its address. Returns ``(cols, valid, live, krow, srow)`` [TILE]: local key ids, rows that are keys
+    of a page (offset < BC), rows the token sees, each key's first packed byte and first scale byte."""
+    jt = tl.arange(0, TP * BCP)
+    off = jt % BCP
+    slot = jt // BCP  # which of the tile's pages (0 when TP = 1)
+    base = tl.zeros((TP * BCP,), tl.int64)
+    for k in tl.static_range(TP):
+        this = tl.sum(tl.where(tl.arange(0, PAGES) == it * TP + k, page, 0), axis=0)
+        base = tl.where(slot == k, this * page_stride, base)
+    cols = (tl.program_id(1).to(tl.int64) * PAGES + it * TP + slot) * BC + off
+    valid = off < BC
+    return cols, valid, valid & (cols < n_c), base + off * 64, base + BC * 64 + off * 4
 
 
 @triton.jit
-def store_logits(out_ptr, t, n_out, cols, live, logit, BC: tl.constexpr):
-    """Write a page's logits, −∞ for the keys the token cannot see (s >= n_c)."""
-    j = tl.arange(0, cols.shape[0])
-    tl.store(out_ptr + t * n_out + cols, tl.where(live, logit, float("-inf")), mask=(j < BC) & (cols < n_out))
+def store_logits(out_ptr, t, n_out, cols, valid, live, logit):
+    """Write a page's (a tile's) logits, −∞ for the keys the token cannot see (s >= n_c); ``valid``: the rows
+    that are keys (offset in the page < BC)."""
+    tl.store(out_ptr + t * n_out + cols, tl.where(live, logit, float("-inf")), mask=valid & (cols < n_out))
 
 
 @triton.jit
@@ -458,6 +476,7 @@ def logits_kernel(
     BC: tl.constexpr,  # keys per page (block_size: any int >= 1)
     BCP: tl.constexpr,  # BC padded to a power of two >= 16 (the tile's rows)
     PAGES: tl.constexpr,  # pages per program
+    TP: tl.constexpr,  # f16_scaled: pages per dot tile (TP·BCP rows), a power of two dividing PAGES
     FP4: tl.constexpr,
     FP4_DECODE: tl.constexpr,  # FP4 only: "nibble", "f16_blocks" or "f16_scaled" (IndexerLaunch.fp4_decode)
     DOT_FP32: tl.constexpr,  # the interpreter: fp32 operands (exact for these values), NaN codes decoded as NaN
@@ -483,22 +502,23 @@ def logits_kernel(
                                                                         BCP)
         if fast:
             w_fast = w * pow2(tl.maximum(qtop - Q_SHIFT, 1))  # w · 2^(top − 127 − Q_SHIFT) per head
-            # the scale bytes are loaded a page ahead by hand: 2-byte loads are not among the ones the compiler
-            # prefetches (cp.async moves >= 4 bytes), and the page's decode cannot start without them
-            cols, live, base = page_rows_of(page, page_stride, n_c, 0, BC, BCP, PAGES)
-            ksb = fp4_scale_bytes(cache_ptr, base, j, live, BC)
-            for p in range(PAGES):
-                cols_n, live_n, base_n = page_rows_of(page, page_stride, n_c, p + 1, BC, BCP, PAGES)
-                ksb_n = fp4_scale_bytes(cache_ptr, base_n, j, live_n & (p + 1 < PAGES), BC)
-                logit = fp4_scaled_page(cache_ptr, base, j, live, ksb, qT, w_fast, BCP, DOT_FP32)
-                store_logits(out_ptr, t, n_out, cols, live, logit, BC)
-                cols, live, base, ksb = cols_n, live_n, base_n, ksb_n
+            # tiles of TP pages (TP·BCP keys: the rows of one dot); the scale bytes are loaded a tile ahead by
+            # hand: 2-byte loads are not among the ones the compiler prefetches (cp.async moves >= 4 bytes), and
+            # a tile's decode cannot start without them
+            cols, valid, live, krow, srow = tile_rows(page, page_stride, n_c, 0, BC, BCP, PAGES, TP)
+            ksb = fp4_scale_bytes(cache_ptr, srow, live)
+            for it in range(PAGES // TP):
+                cols_n, valid_n, live_n, krow_n, srow_n = tile_rows(page, page_stride, n_c, it + 1, BC, BCP, PAGES, TP)
+                ksb_n = fp4_scale_bytes(cache_ptr, srow_n, live_n & (it + 1 < PAGES // TP))
+                logit = fp4_scaled_tile(cache_ptr, krow, live, ksb, qT, w_fast, DOT_FP32)
+                store_logits(out_ptr, t, n_out, cols, valid, live, logit)
+                cols, valid, live, krow, ksb = cols_n, valid_n, live_n, krow_n, ksb_n
         else:
             for p in tl.range(PAGES, num_stages=1):
                 cols, live, base = page_rows(bt_ptr, t, bt_stride, page_stride, n_c, p, BC, BCP, PAGES)
                 logit = fp4_blocks_page(cache_ptr, base, j, live, q_ptr, qs_ptr, row, hmask, w, BC, BCP, HP,
                                         DOT_FP32)
-                store_logits(out_ptr, t, n_out, cols, live, logit, BC)
+                store_logits(out_ptr, t, n_out, cols, j < BC, live, logit)
     else:
         # the token's queries, loaded once: [128, HP] (the B operand), or 4 blocks × 2 halves of [16, HP]
         if FP4:
@@ -554,4 +574,4 @@ def logits_kernel(
                 if not DOT_FP32:
                     kv = kv.to(tl.bfloat16)
                 s = dot(kv, qT, tl.zeros((BCP, HP), tl.float32), DOT_FP32)  # [BCP, HP] = ⟨k_s, q_h⟩
-            store_logits(out_ptr, t, n_out, cols, live, head_sum(s, w) * kscale, BC)
+            store_logits(out_ptr, t, n_out, cols, j < BC, live, head_sum(s, w) * kscale)

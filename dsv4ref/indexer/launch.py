@@ -51,6 +51,10 @@ class IndexerLaunch:
             outside that exact range take an exact slow path (see ``kernels.fp4_pages_fast``).
         logits_maxnreg: the register cap of the logits kernel (ptxas ``maxnreg``), None = ``SCALED_MAXNREG``
             for ``"f16_scaled"`` and no cap for the others. Ignored by the interpreter.
+        logits_tile_pages: ``"f16_scaled"`` only: pages per dot (the dot's rows are this many pages of keys), a
+            power of two; 1. With 8 warps, 2 pages of 64 keys give each warpgroup its own 64 keys (with one page,
+            two warpgroups would split the heads and both decode the same keys). Must divide the resolved
+            ``logits_pages``; ignored by the other decodes.
     """
 
     quant_rows: int = 16
@@ -58,9 +62,10 @@ class IndexerLaunch:
     logits_warps: int = 4
     fp4_decode: str | None = None
     logits_maxnreg: int | None = None
+    logits_tile_pages: int = 1
 
     def __post_init__(self):
-        for name in ("quant_rows", "logits_pages", "logits_warps"):
+        for name in ("quant_rows", "logits_pages", "logits_warps", "logits_tile_pages"):
             v = getattr(self, name)
             if v is None and name == "logits_pages":
                 continue
@@ -71,6 +76,9 @@ class IndexerLaunch:
             raise ValueError(f"IndexerLaunch.logits_maxnreg: expected an int in [24, 255] or None, got {v!r}")
         if self.fp4_decode is not None and self.fp4_decode not in FP4_DECODES:
             raise ValueError(f"IndexerLaunch.fp4_decode: expected one of {FP4_DECODES} or None, got {self.fp4_decode!r}")
+        if self.logits_pages is not None and self.logits_tile_pages > self.logits_pages:
+            raise ValueError(f"IndexerLaunch.logits_tile_pages: {self.logits_tile_pages} does not divide "
+                             f"logits_pages={self.logits_pages}")
 
     def pages(self) -> int:
         """The resolved ``logits_pages``."""
@@ -81,6 +89,13 @@ class IndexerLaunch:
     def decode(self) -> str:
         """The resolved ``fp4_decode``."""
         return self.fp4_decode or FP4_DECODE_DEFAULT
+
+    def tile_pages(self, fp4: bool) -> int:
+        """The resolved ``logits_tile_pages``: 1 unless the MXFP4 logits use ``"f16_scaled"``; never more than
+        :meth:`pages` (the interpreter's default of 1 page per program takes 1-page tiles)."""
+        if not (fp4 and self.decode() == "f16_scaled"):
+            return 1
+        return min(self.logits_tile_pages, self.pages())
 
     def maxnreg(self, fp4: bool) -> int | None:
         """The resolved ``logits_maxnreg`` for a launch of the FP8 (``fp4=False``) or MXFP4 logits."""
@@ -231,7 +246,7 @@ def logits(q, q_scales, weights_out, k_cache, positions, block_table, block_size
         k_cache.view(torch.int32),
         bt, positions.to(torch.int64).contiguous(), out, n_out, bt.stride(0), k_cache.stride(0), H,
         HP=hp, BC=block_size, BCP=max(16, triton.next_power_of_2(block_size)), PAGES=pages,
-        FP4=fp4, FP4_DECODE=launch.decode(), DOT_FP32=interpreting(),
+        TP=launch.tile_pages(fp4), FP4=fp4, FP4_DECODE=launch.decode(), DOT_FP32=interpreting(),
         num_warps=launch.logits_warps, **opts,
     )
     return out
