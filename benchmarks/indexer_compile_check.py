@@ -3,7 +3,8 @@ machine with no GPU, and print what decides its speed before any device time is 
 shared memory, PTX lines, and for the page loop (of the SASS loops that hold no other loop, the one with the
 most HGMMA): SASS instructions per page per thread (and of them integer ones) and per page for the whole
 program (× warps: what the SM must issue), tensor-core dots (``tl.dot``) and HGMMA instructions per page, the
-waits for them, and spill instructions inside the loop.
+waits for them, and spill instructions inside the loop; and the SASS outside any loop (run once per program:
+the query decode, the checks, the first loads).
 
     PYTHONPATH=<triton-3.6 site-packages>:. python benchmarks/indexer_compile_check.py [NAME_PART ...]
 
@@ -88,8 +89,11 @@ def stats(ck, const, warps: int) -> str:
     dots = len(re.findall(r"warp_group_dot ", ttgir)) + len(re.findall(r"tt\.dot ", ttgir))
     loop_dots = _loop_dots(ttgir)
     int_ops = sum(b[k] for k in ("IMAD", "LOP3", "PRMT", "SHF", "IADD3", "LEA", "SEL", "ISETP"))
+    outer = [r for r in loops if not any(o != r and o[0] <= r[0] and r[1] <= o[1] for o in loops)]
+    straight = len(ops) - sum(sum(body(*r).values()) for r in outer)  # prologue, epilogue: once per program
     return (f"regs {regs.group(1) if regs else '?':>3}  spill {spill.group(1) if spill else '?'}/"
             f"{spill.group(2) if spill else '?'} B  smem {ck.metadata.shared:>6} B  PTX {ptx.count(chr(10)):>5} lines  "
+            f"SASS outside loops {straight:>5}  "
             f"| page loop: {n / per:5.1f} SASS/page/thread ({int_ops / per:5.1f} integer), "
             f"{n * warps / per:5.0f} warp-instr/page, dots/page {loop_dots / per:4.2f} "
             f"(kernel {dots}), HGMMA/page {b['HGMMA'] / per:4.1f}, waits/page {b['WAIT'] / per:4.1f}, "

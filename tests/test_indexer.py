@@ -737,7 +737,7 @@ def test_f16_scaled_operands_exact_and_fast_range():
         tl.store(kv_ptr + r[:, None] * 128 + tl.arange(0, 128)[None, :], kv)
         tl.store(ktop_ptr + r, ktop)
         tl.store(kok_ptr + r, kok.to(tl.int32))
-        qT, qtop, qok = ix.kernels.fp4_q_scaled(kb_ptr, ks_ptr, r, r >= 0, 16)
+        qT, qtop, qok = ix.kernels.fp4_q_scaled(kb_ptr, ks_ptr, r, r >= 0, 16, INTERPRET)
         tl.store(qT_ptr + tl.arange(0, 128)[:, None] * 16 + (r - tl.program_id(0) * 16)[None, :]
                  + tl.program_id(0) * 2048, qT)
         tl.store(qtop_ptr + r, qtop)

@@ -326,7 +326,7 @@ def dot_order(x, ROWS: tl.constexpr):
 
 
 @triton.jit
-def fp4_q_scaled(q_ptr, qs_ptr, row, hmask, HP: tl.constexpr):
+def fp4_q_scaled(q_ptr, qs_ptr, row, hmask, HP: tl.constexpr, INTERPRET: tl.constexpr):
     """The token's queries for ``f16_scaled``: ``(qT [128, HP] fp16 in :func:`dot_order`, top [HP] int32,
     ok [HP] bool)``.
 
@@ -336,13 +336,15 @@ def fp4_q_scaled(q_ptr, qs_ptr, row, hmask, HP: tl.constexpr):
     instead. Exact in fp16 while the head's bytes span at most ``Q_SPAN``; ``ok`` says so, and that ``top_h``
     is in [SCALED_LO, SCALED_HI]."""
     pb = tl.arange(0, 64)
-    qb = tl.load(q_ptr + row[:, None] * 64 + pb[None, :], mask=hmask[:, None], other=0).to(tl.int32)
+    qb = tl.load(q_ptr + row[:, None] * 64 + pb[None, :], mask=hmask[:, None], other=0)
     qsb = tl.load(qs_ptr + row[:, None] * 4 + tl.arange(0, 4)[None, :], mask=hmask[:, None], other=127).to(tl.int32)
     top = tl.max(qsb, axis=1)
     ok = (top - tl.min(qsb, axis=1) <= Q_SPAN) & (top >= SCALED_LO) & (top <= SCALED_HI)
-    rel = pow2(tl.maximum(qsb - top[:, None] + (127 + Q_SHIFT), 1))  # 2^(byte − top + Q_SHIFT), fp32
-    qv = tl.reshape(e2m1_value(tl.join(qb & 15, qb >> 4)), (HP, 4, 16, 2)) * rel[:, :, None, None]
-    return tl.trans(dot_order(qv.to(tl.float16), HP)), top, ok
+    # 2^(byte − top + Q_SHIFT): an fp32 power of two, exact in fp16 down to its subnormal 2^-24 (d >= -37)
+    rel = pow2(tl.maximum(qsb - top[:, None] + (127 + Q_SHIFT), 1)).to(tl.float16)
+    # the keys' integer decode (e2m1 · 2^-14), × 2^14 and × rel: two exact fp16 multiplies per pair of values
+    qv = tl.reshape(f16_halves(e2m1_f16_pairs(qb), INTERPRET), (HP, 4, 16, 2)) * 16384.0
+    return tl.trans(dot_order(qv * rel[:, :, None, None], HP)), top, ok
 
 
 @triton.jit
@@ -495,7 +497,7 @@ def logits_kernel(
         # one dot per page when every scale byte of the token's queries and of the program's pages folds exactly;
         # otherwise (rare: a block 2^24 below its key's largest, a scale outside 2^±63) all its pages go the
         # f16_blocks way. Two loops, not a branch per page: a branch in the loop costs registers and pipelining.
-        qT, qtop, qok = fp4_q_scaled(q_ptr, qs_ptr, row, hmask, HP)
+        qT, qtop, qok = fp4_q_scaled(q_ptr, qs_ptr, row, hmask, HP, DOT_FP32)
         blk = tl.program_id(1).to(tl.int64) * PAGES + tl.arange(0, PAGES)
         page = tl.load(bt_ptr + t * bt_stride + blk, mask=blk * BC < n_c, other=0).to(tl.int64)  # [PAGES]
         fast = (tl.min(qok.to(tl.int32), axis=0) != 0) & fp4_pages_fast(cache_ptr, page, blk, page_stride, n_c, BC,
