@@ -85,6 +85,8 @@ def stats(ck, const, warps: int) -> str:
     lo, hi = max(inner, key=lambda r: body(*r)["HGMMA"])
     b = body(lo, hi)
     per = const["TP"] if const["FP4_DECODE"] == "f16_scaled" else 1  # pages per loop iteration
+    if const["PAGES"] == per:  # one iteration: the compiler drops the page loop, there is none to show
+        lo, hi, b = 0, -1, collections.Counter()
     n = sum(b.values())
     dots = len(re.findall(r"warp_group_dot ", ttgir)) + len(re.findall(r"tt\.dot ", ttgir))
     loop_dots = _loop_dots(ttgir)
