@@ -198,6 +198,11 @@ def test_logits_backends_agree(T, H, n_keys, block_size, fmt, q_view, w_view, bt
     assert compare(out.double() / cond, ref.double() / cond, "fp32_dot", "logits").passed
     assert torch.equal(out.isnan(), ref.isnan()) and torch.equal(out == -INF, ref == -INF)
     assert nan_key or not bool(ref.isnan().any())
+    if fmt == "mxfp4":  # the one-dot decode, two pages per program and per dot (a NaN key: its exact slow path)
+        f16s = ix.IndexerLaunch(fp4_decode="f16_scaled", logits_pages=2, logits_tile_pages=2)
+        out = ix.logits(as_view(q, q_view), as_view(qs, q_view), as_view(wo, w_view), cache, pos, **kw, launch=f16s)
+        assert compare(out.double() / cond, ref.double() / cond, "fp32_dot", "f16_scaled logits").passed
+        assert torch.equal(out.isnan(), ref.isnan()) and torch.equal(out == -INF, ref == -INF)
 
 
 @given(T=st.integers(0, 4), n=st.integers(0, 12), k=st.integers(1, 8), view=st.sampled_from(VIEWS),

@@ -653,13 +653,14 @@ def test_launch_choices_do_not_change_results(fmt):
     la = ix.logits(a[0], a[1], a[2], ex["k_cache"], ex["positions"], **kw)
     lb = ix.logits(a[0], a[1], a[2], ex["k_cache"], ex["positions"], **kw, launch=other)
     assert torch.equal(la, lb)
-    if fmt == "mxfp4":  # the integer fp16 decode: the same scores within the fp32 summation tolerance
-        lc = ix.logits(a[0], a[1], a[2], ex["k_cache"], ex["positions"], **kw,
-                       launch=ix.IndexerLaunch(fp4_decode="f16_blocks", logits_pages=4))
+    if fmt == "mxfp4":  # the integer fp16 decodes: the same scores within the fp32 summation tolerance
         args = (a[0], a[1], a[2], ex["k_cache"], ex["positions"], ex["block_table"])
         cond = ix.reference.logits_condition(*args, block_size=16, n_out=la.shape[1])
-        assert_close(lc.double() / cond, la.double() / cond, "fp32_dot", "f16_blocks vs nibble")
-        assert torch.equal(torch.isinf(lc), torch.isinf(la))
+        for dec in ix.launch.FP4_DECODES[1:]:
+            lc = ix.logits(a[0], a[1], a[2], ex["k_cache"], ex["positions"], **kw,
+                           launch=ix.IndexerLaunch(fp4_decode=dec, logits_pages=4))
+            assert_close(lc.double() / cond, la.double() / cond, "fp32_dot", f"{dec} vs nibble")
+            assert torch.equal(torch.isinf(lc), torch.isinf(la))
     cache = ix.allocate_k_cache(ex["k_cache"].shape[0], 16, fmt)
     ix.insert_k(cache, ex["k"], ex["slots"], block_size=16, fmt=fmt, launch=ix.IndexerLaunch(quant_rows=4))
     assert torch.equal(cache, ex["k_cache"])
@@ -689,6 +690,142 @@ def test_e2m1_f16_decode_is_exact_for_every_byte():
     assert torch.equal(torch.stack([lo, hi]).cpu().double(), want)
     assert torch.equal(torch.signbit(torch.stack([lo, hi]).cpu()), (codes & 8) != 0)  # −0 for code 8 too
     assert lo[1].item() == 2.0**-15 and hi[0x10].item() == 2.0**-15  # the subnormal: 0.5·2^-14
+
+
+def _dot_order(v: torch.Tensor) -> torch.Tensor:
+    """[..., 128] values in dim order -> the K order of the f16_scaled operands (kernels.dot_order): dim
+    32·b + 2·c + n (block b, byte c of the block, nibble n) goes to position 2·(4·c + b) + n."""
+    return v.reshape(*v.shape[:-1], 4, 16, 2).transpose(-3, -2).reshape(v.shape)
+
+
+def _scaled_operand_case():
+    """Scale-byte patterns for f16_scaled's operand builders, with the expected "fast path" flag: spans at and
+    past the exact limits (K_SPAN 24 for keys, Q_SPAN 36 for queries), largest bytes at and past SCALED_LO /
+    SCALED_HI, and the hard bytes 0, 1, 254, 255. Every packed byte 0..255 appears in the codes (64 per row)."""
+    k = ix.kernels
+    lo, hi = k.SCALED_LO.value, k.SCALED_HI.value
+    pats = []
+    for top in (lo, 127, hi):
+        for span in range(k.Q_SPAN.value + 2):
+            pats.append(([top, top - span, top - span // 2, top], span))
+    pats += [([lo - 1] * 4, 99), ([hi + 1] * 4, 99), ([0, 127, 127, 127], 127), ([1, 1, 1, 1], 99),
+             ([254, 200, 254, 254], 99), ([127, 255, 127, 127], 99), ([0, 0, 0, 0], 99)]
+    byts = torch.tensor([p for p, _ in pats], dtype=torch.uint8)
+    spans = torch.tensor([sp for _, sp in pats])
+    codes = torch.arange(64 * len(pats), dtype=torch.int64).reshape(len(pats), 64) * 37 % 256
+    return codes.to(torch.uint8), byts, spans
+
+
+def test_f16_scaled_operands_exact_and_fast_range():
+    """fp4_decode="f16_scaled" folds each vector's block scales, relative to its largest, into fp16 operands:
+    keys e2m1·2^(byte − top + 1) (integer decode × one fp16 multiply), queries e2m1·2^(byte − top + 13). Within
+    the fast range (span <= 24 for keys, <= 36 for queries, top in [64, 190]) every value is exact, down to the
+    fp16 subnormals at the span limits; outside it the builders say so, and the kernel takes its exact slow
+    path (test_mxfp4_decodes_real_and_hard_scale_bytes)."""
+    import triton
+    import triton.language as tl
+
+    kern = ix.kernels  # host-side constants; the jit function reaches the helpers through ix
+
+    @triton.jit
+    def build(kb_ptr, ks_ptr, kv_ptr, ktop_ptr, kok_ptr, qT_ptr, qtop_ptr, qok_ptr, INTERPRET: tl.constexpr):
+        r = tl.program_id(0) * 16 + tl.arange(0, 16)
+        c = tl.arange(0, 64)
+        kb = tl.load(kb_ptr + r[:, None] * 64 + c[None, :])
+        ksb = tl.load(ks_ptr + r[:, None] * 4 + tl.arange(0, 4)[None, :]).to(tl.int32)
+        kv, ktop, kok = ix.kernels.fp4_k_scaled(kb, ksb, 16, INTERPRET)
+        tl.store(kv_ptr + r[:, None] * 128 + tl.arange(0, 128)[None, :], kv)
+        tl.store(ktop_ptr + r, ktop)
+        tl.store(kok_ptr + r, kok.to(tl.int32))
+        qT, qtop, qok = ix.kernels.fp4_q_scaled(kb_ptr, ks_ptr, r, r >= 0, 16, INTERPRET)
+        tl.store(qT_ptr + tl.arange(0, 128)[:, None] * 16 + (r - tl.program_id(0) * 16)[None, :]
+                 + tl.program_id(0) * 2048, qT)
+        tl.store(qtop_ptr + r, qtop)
+        tl.store(qok_ptr + r, qok.to(tl.int32))
+
+    codes, byts, spans = _scaled_operand_case()
+    n = -(-codes.shape[0] // 16) * 16
+    codes = torch.cat([codes, codes[: n - codes.shape[0]]])
+    byts, spans = torch.cat([byts, byts[: n - byts.shape[0]]]), torch.cat([spans, spans[: n - spans.shape[0]]])
+    kv = torch.empty(n, 128, dtype=torch.float16, device=DEVICE)
+    qT = torch.empty(n // 16, 128, 16, dtype=torch.float16, device=DEVICE)
+    ktop, kok, qtop, qok = (torch.empty(n, dtype=torch.int32, device=DEVICE) for _ in range(4))
+    build[(n // 16,)](codes.to(DEVICE), byts.to(DEVICE), kv, ktop, kok, qT, qtop, qok, interpreting())
+    top = byts.int().amax(1)
+    in_range = (top >= kern.SCALED_LO.value) & (top <= kern.SCALED_HI.value)
+    assert torch.equal(ktop.cpu(), top) and torch.equal(qtop.cpu(), top)
+    assert torch.equal(kok.cpu().bool(), in_range & (spans <= kern.K_SPAN.value))
+    assert torch.equal(qok.cpu().bool(), in_range & (spans <= kern.Q_SPAN.value))
+    e2m1 = ix.reference.e2m1_decode(ix.reference.unpack_nibbles(codes)).double()  # [n, 128] in dim order
+    rel = (byts.double() - top[:, None].double()).repeat_interleave(32, 1)
+    neg = _dot_order((ix.reference.unpack_nibbles(codes) & 8) != 0)
+    got_k, got_q = kv.cpu().double(), qT.cpu().permute(0, 2, 1).reshape(n, 128).double()
+    for got, shift, ok in ((got_k, 1, kok), (got_q, 13, qok)):
+        want = _dot_order(e2m1 * torch.exp2(rel + shift))
+        fast = ok.cpu().bool()
+        assert torch.equal(got[fast], want[fast]) and torch.equal(torch.signbit(got[fast]), neg[fast])
+    assert bool((spans[kok.cpu().bool()] == kern.K_SPAN.value).any())  # the limits themselves are exact
+    assert bool((spans[qok.cpu().bool()] == kern.Q_SPAN.value).any())
+
+
+def _hard_scale_problem(seed=40):
+    """Real magnitudes (example_inputs: RoPE, bf16, Hadamard, blocks spread over 8 octaves) through the
+    quantisers, then scale bytes set by hand: queries and keys at the exact limits of f16_scaled's fast path
+    (span 24 / 36, top 64 / 190), just past them (span 25 / 37, top 191), and the hard bytes 0, 1, 254 and 255.
+    Every product of a key scale and a query scale stays a normal fp32 number (the f16_blocks method's exact
+    range), so the float64 oracle rounded once is the right answer."""
+    T, H, Bc, n = 4, 8, 16, 128
+    pos = torch.tensor([4 * 96 - 1] + [4 * n - 1] * (T - 1))  # token 0 sees keys 0..95, the others all 128
+    ex = ix.example_inputs(T, H, n, block_size=Bc, fmt="mxfp4", seed=seed, hadamard=True, positions=pos)
+    q, qs, wo = ix.quantize_q(ex["index_q"], ex["positions"], ex["cos_sin"], ex["weights"], fmt="mxfp4",
+                              hadamard=True)
+    qb = qs.view(torch.uint8).reshape(T, H, 4).clone()
+    cache = ex["k_cache"].clone()
+
+    def set_key(s, byts):  # the 4 scale bytes of local key s
+        page, off = divmod(int(ex["slots"][s]), Bc)
+        cache[page, Bc * 64 + 4 * off: Bc * 64 + 4 * off + 4] = torch.tensor(byts, dtype=torch.uint8)
+
+    def key_top(s):
+        page, off = divmod(int(ex["slots"][s]), Bc)
+        return int(cache[page, Bc * 64 + 4 * off: Bc * 64 + 4 * off + 4].max())
+
+    # keys 0..63: the first program of 4 pages, fast with its limit cases; keys 64..127: slow (hard bytes)
+    t0 = key_top(5)
+    set_key(5, [t0, t0 - 24, t0 - 7, t0])  # span 24: the fast path's limit
+    set_key(20, [90, 66, 70, 80])  # small values, span 24
+    set_key(70, [t0, t0 - 25, t0, t0])  # span 25: its program goes the slow way
+    set_key(75, [0, 127, 120, 127])  # 2^-127 (the E8M0 subnormal) next to ordinary blocks
+    set_key(90, [1, 1, 1, 1])  # the encoder's floor
+    set_key(99, [127, 254, 110, 127])  # 2^127 (its products stay in range: the queries' block 1 is small) …
+    page, off = divmod(int(ex["slots"][99]), Bc)
+    cache[page, 64 * off + 16: 64 * off + 32] &= 0xBB  # … and its codes <= 1.5: 6·2^127 is past fp32's range
+    set_key(120, [127, 255, 127, 127])  # E8M0 NaN: NaN scores for this key
+    qb[:, :, 1] = torch.minimum(qb[:, :, 1], torch.tensor(115, dtype=torch.uint8))
+    qb[0, 2] = torch.tensor([190, 170, 166, 180], dtype=torch.uint8)  # top 190 (token 0 does not see key 99)
+    qb[1, 4] = torch.tensor([100, 64, 100, 90], dtype=torch.uint8)  # span 36: the queries' limit
+    qb[2, 1] = torch.tensor([100, 63, 100, 90], dtype=torch.uint8)  # span 37: token 2 goes the slow way
+    qb[3, 6] = torch.tensor([191, 110, 170, 171], dtype=torch.uint8)  # top 191: token 3 too
+    return ex, q, qb.view(torch.int32).reshape(T, H), wo, cache
+
+
+@pytest.mark.parametrize("dec", ix.launch.FP4_DECODES)
+def test_mxfp4_decodes_real_and_hard_scale_bytes(dec):
+    """Every MXFP4 decode equals the float64 oracle within the normalised "fp32_dot" row, NaN and −∞ in the
+    same places, on real magnitudes with scale bytes at and past f16_scaled's exact limits and the hard bytes
+    0, 1, 254, 255 (one program per token takes f16_scaled's fast path, one its slow path)."""
+    ex, q, qs, wo, cache = _hard_scale_problem()
+    args = (q, qs, wo, cache, ex["positions"], ex["block_table"])
+    ref = ix.reference.logits(*args, block_size=16, n_out=128, dtype=torch.float64)
+    cond = ix.reference.logits_condition(*args, block_size=16, n_out=128)
+    assert bool(ref[1:, 120].isnan().all()) and int(ref.isnan().sum()) == 3 and bool(ref[0, 96:].isneginf().all())
+    tiles = [(4, 1), (2, 1)] + ([(4, 2), (4, 4)] if dec == "f16_scaled" else [])  # (pages, pages per dot)
+    for pages, tile in tiles:
+        lg = ix.launch.logits(q, qs, wo, cache, ex["positions"], ex["block_table"], 16, 128,
+                              ix.IndexerLaunch(fp4_decode=dec, logits_pages=pages, logits_tile_pages=tile))
+        assert torch.equal(lg.isnan(), ref.isnan()) and torch.equal(lg == float("-inf"), ref == float("-inf"))
+        f = ref.isfinite()
+        assert_close(lg.double()[f] / cond[f], ref[f] / cond[f], "fp32_dot", f"{dec} pages {pages} tile {tile}")
 
 
 def test_quantize_q_torch_compile_fullgraph():

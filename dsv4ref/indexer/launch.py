@@ -21,8 +21,11 @@ from .reference import HADAMARD_SCALE, fold
 HEAD_DIM = INDEX_HEAD_DIM
 
 
-FP4_DECODES = ("nibble", "f16_blocks")  # IndexerLaunch.fp4_decode: see kernels.py, "logits"
+FP4_DECODES = ("nibble", "f16_blocks", "f16_scaled")  # IndexerLaunch.fp4_decode: see kernels.py, "logits"
 FP4_DECODE_DEFAULT = "f16_blocks"  # measured 1.36x faster than "nibble" on the H200 (benchmarks/indexer.md)
+# f16_scaled's register cap: its fast loop needs ~114 registers, its rare exact fallback ~155, and ptxas sizes the
+# kernel for the larger; 128 keeps 4 programs of 4 warps per SM (65 536 registers) and spills in the fallback only
+SCALED_MAXNREG = 128
 
 
 @dataclass(frozen=True)
@@ -42,22 +45,40 @@ class IndexerLaunch:
             within the fp32 summation tolerance. H200, 64 tokens × 32 768 keys × 64 heads
             (``benchmarks/indexer.md``, one run, 2026-11-30): ``"nibble"`` 401.9 µs, 11.2 % of the roofline
             bound; ``"f16_blocks"`` 295.0 µs, 15.3 % (the default), 270.7 µs with 8 pages per program.
+            ``"f16_scaled"`` (not yet measured): the block scales relative to each key's (query head's) largest
+            ride inside the fp16 operands, so ONE fp16 dot over all 128 dims per page, no per-block scale
+            products; 4 integer operations and one fp16 multiply per packed byte. Programs whose scale bytes fall
+            outside that exact range take an exact slow path (see ``kernels.fp4_pages_fast``).
+        logits_maxnreg: the register cap of the logits kernel (ptxas ``maxnreg``), None = ``SCALED_MAXNREG``
+            for ``"f16_scaled"`` and no cap for the others. Ignored by the interpreter.
+        logits_tile_pages: ``"f16_scaled"`` only: pages per dot (the dot's rows are this many pages of keys), a
+            power of two; 1. With 8 warps, 2 pages of 64 keys give each warpgroup its own 64 keys (with one page,
+            two warpgroups would split the heads and both decode the same keys). Must divide the resolved
+            ``logits_pages``; ignored by the other decodes.
     """
 
     quant_rows: int = 16
     logits_pages: int | None = None
     logits_warps: int = 4
     fp4_decode: str | None = None
+    logits_maxnreg: int | None = None
+    logits_tile_pages: int = 1
 
     def __post_init__(self):
-        for name in ("quant_rows", "logits_pages", "logits_warps"):
+        for name in ("quant_rows", "logits_pages", "logits_warps", "logits_tile_pages"):
             v = getattr(self, name)
             if v is None and name == "logits_pages":
                 continue
             if isinstance(v, bool) or not isinstance(v, int) or v < 1 or v & (v - 1):
                 raise ValueError(f"IndexerLaunch.{name}: expected a power of two >= 1, got {v!r}")
+        v = self.logits_maxnreg
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or not 24 <= v <= 255):
+            raise ValueError(f"IndexerLaunch.logits_maxnreg: expected an int in [24, 255] or None, got {v!r}")
         if self.fp4_decode is not None and self.fp4_decode not in FP4_DECODES:
             raise ValueError(f"IndexerLaunch.fp4_decode: expected one of {FP4_DECODES} or None, got {self.fp4_decode!r}")
+        if self.logits_pages is not None and self.logits_tile_pages > self.logits_pages:
+            raise ValueError(f"IndexerLaunch.logits_tile_pages: {self.logits_tile_pages} does not divide "
+                             f"logits_pages={self.logits_pages}")
 
     def pages(self) -> int:
         """The resolved ``logits_pages``."""
@@ -68,6 +89,19 @@ class IndexerLaunch:
     def decode(self) -> str:
         """The resolved ``fp4_decode``."""
         return self.fp4_decode or FP4_DECODE_DEFAULT
+
+    def tile_pages(self, fp4: bool) -> int:
+        """The resolved ``logits_tile_pages``: 1 unless the MXFP4 logits use ``"f16_scaled"``; never more than
+        :meth:`pages` (the interpreter's default of 1 page per program takes 1-page tiles)."""
+        if not (fp4 and self.decode() == "f16_scaled"):
+            return 1
+        return min(self.logits_tile_pages, self.pages())
+
+    def maxnreg(self, fp4: bool) -> int | None:
+        """The resolved ``logits_maxnreg`` for a launch of the FP8 (``fp4=False``) or MXFP4 logits."""
+        if self.logits_maxnreg is not None:
+            return self.logits_maxnreg
+        return SCALED_MAXNREG if fp4 and self.decode() == "f16_scaled" else None
 
 
 DEFAULT = IndexerLaunch()
@@ -204,11 +238,15 @@ def logits(q, q_scales, weights_out, k_cache, positions, block_table, block_size
     pages = launch.pages()
     hp = max(16, triton.next_power_of_2(H))
     bt = block_table.contiguous()
+    fp4 = q_scales is not None
+    cap = launch.maxnreg(fp4)
+    opts = {"maxnreg": cap} if cap is not None and not interpreting() else {}
     kernels.logits_kernel[(T, triton.cdiv(n_pages, pages))](
         q.contiguous().view(torch.uint8), qs, weights_out.contiguous(), k_cache, k_cache.view(torch.float32),
+        k_cache.view(torch.int32),
         bt, positions.to(torch.int64).contiguous(), out, n_out, bt.stride(0), k_cache.stride(0), H,
         HP=hp, BC=block_size, BCP=max(16, triton.next_power_of_2(block_size)), PAGES=pages,
-        FP4=q_scales is not None, F16_BLOCKS=launch.decode() == "f16_blocks", DOT_FP32=interpreting(),
-        num_warps=launch.logits_warps,
+        TP=launch.tile_pages(fp4), FP4=fp4, FP4_DECODE=launch.decode(), DOT_FP32=interpreting(),
+        num_warps=launch.logits_warps, **opts,
     )
     return out

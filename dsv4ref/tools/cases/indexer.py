@@ -117,46 +117,61 @@ def _check_topk() -> list[CheckRow]:
     return [CheckRow("indexer.topk", "T=6 n<=300 k=64", compare(got.cpu(), exp.sort(dim=1).values, "exact", "id sets"))]
 
 
+BENCH_SHAPE = dict(T=64, H=64, n_c=32768, Bc=64)  # 64 decode tokens × 32 768 compressed keys (a 128K context)
+
+
+def logits_bench_inputs(fmt: str, n_sets: int = 2, seed: int = 0, T: int = 64, H: int = 64, n_c: int = 32768,
+                        Bc: int = 64):
+    """The logits benchmark's inputs: ``(positions, sets, bytes, flops)`` with ``sets`` a list of ``n_sets``
+    tuples ``(q, q_scales, weights_out, cache, block_table)`` (2 sets: 2 × 277 MB (fp8) / 143 MB (mxfp4) of
+    keys, far beyond the 60 MB L2). Cache bytes are random (fp8: no NaN codes, scales 2^-10..2^9; mxfp4: scale
+    bytes 117..136), block tables shuffled per token, queries quantised from N(0, 1). ``bytes``: the
+    compulsory traffic of one call; ``flops``: 2·T·n_c·H·128. Shared by ``bench indexer`` and
+    ``benchmarks/indexer_sweep.py``."""
+    pages_per_tok = n_c // Bc
+    pos = torch.full((T,), 4 * n_c + 2, dtype=torch.int64, device=DEVICE)  # n_c visible keys for every token
+    g = torch.Generator(device=DEVICE).manual_seed(seed)
+    cs = ix.cos_sin_table(4 * n_c + 8)
+    rec = index_k_page_bytes(1, fmt)
+    sets = []
+    for _ in range(n_sets):
+        cache = torch.randint(0, 256, (T * pages_per_tok, Bc * rec), dtype=torch.uint8, device=DEVICE, generator=g)
+        if fmt == "fp8":
+            cache.view(T * pages_per_tok, Bc, rec)[:, :, :INDEX_HEAD_DIM] &= 0x77  # no NaN codes (0x7F / 0xFF)
+            sc = cache[:, Bc * INDEX_HEAD_DIM:].view(torch.float32)
+            sc.copy_(torch.exp2(torch.randint(-10, 10, sc.shape, device=DEVICE, generator=g).float()))
+        else:
+            cache[:, Bc * 64:] = torch.randint(117, 137, (T * pages_per_tok, Bc * 4), dtype=torch.uint8,
+                                               device=DEVICE, generator=g)
+        bt = torch.randperm(T * pages_per_tok, device=DEVICE, generator=g).to(torch.int32).view(T, pages_per_tok)
+        iq = torch.randn(T, H, INDEX_HEAD_DIM, device=DEVICE, generator=g).to(torch.bfloat16)
+        w = torch.randn(T, H, device=DEVICE, generator=g)
+        q, qs, wo = ix.quantize_q(iq, pos, cs, w, fmt=fmt)
+        sets.append((q, qs, wo, cache, bt))
+    nbytes = T * n_c * rec + T * H * (INDEX_HEAD_DIM if fmt == "fp8" else 68) + T * H * 4 \
+        + T * pages_per_tok * 4 + T * n_c * 4
+    return pos, sets, nbytes, 2.0 * T * n_c * H * INDEX_HEAD_DIM
+
+
 @bench("indexer")
 def _bench() -> list[BenchCase]:
     """The logits kernel alone (``dsv4ref.indexer.launch.logits``) at T = 64 tokens × n_c = 32 768 keys: FP8, and
-    MXFP4 with each decode (``IndexerLaunch.fp4_decode``) and a few tile choices for the new one, side by side."""
-    T, H, n_c, Bc = 64, 64, 32768, 64
-    pages_per_tok = n_c // Bc
-    pos = torch.full((T,), 4 * n_c + 2, dtype=torch.int64, device=DEVICE)  # n_c = 32768 for every token
+    MXFP4 with each decode (``IndexerLaunch.fp4_decode``) and a few tile choices for the new one, side by side.
+    The full grid of launch choices: ``benchmarks/indexer_sweep.py``."""
+    T, H, n_c, Bc = (BENCH_SHAPE[k] for k in ("T", "H", "n_c", "Bc"))
     cases = []
-    g = torch.Generator(device=DEVICE).manual_seed(0)
-    cs = ix.cos_sin_table(4 * n_c + 8)
     variants = {"fp8": [("", ix.IndexerLaunch())],
                 "mxfp4": [("", ix.IndexerLaunch(fp4_decode="nibble")),
                           (".f16_blocks", ix.IndexerLaunch(fp4_decode="f16_blocks")),
-                          (".f16_blocks.p2", ix.IndexerLaunch(fp4_decode="f16_blocks", logits_pages=2)),
                           (".f16_blocks.p8", ix.IndexerLaunch(fp4_decode="f16_blocks", logits_pages=8)),
-                          (".f16_blocks.w8", ix.IndexerLaunch(fp4_decode="f16_blocks", logits_warps=8))]}
+                          (".f16_scaled", ix.IndexerLaunch(fp4_decode="f16_scaled")),
+                          (".f16_scaled.p8", ix.IndexerLaunch(fp4_decode="f16_scaled", logits_pages=8))]}
     for fmt in ix.FMTS:
         rec = index_k_page_bytes(1, fmt)
-        n_sets = 2  # 2 × 277 MB (fp8) / 143 MB (mxfp4) of keys: far beyond the 60 MB L2
-        sets = []
-        for i in range(n_sets):
-            cache = torch.randint(0, 256, (T * pages_per_tok, Bc * rec), dtype=torch.uint8, device=DEVICE,
-                                  generator=g)
-            if fmt == "fp8":
-                cache.view(T * pages_per_tok, Bc, rec)[:, :, :INDEX_HEAD_DIM] &= 0x77  # no NaN codes (0x7F / 0xFF)
-                sc = cache[:, Bc * INDEX_HEAD_DIM:].view(torch.float32)
-                sc.copy_(torch.exp2(torch.randint(-10, 10, sc.shape, device=DEVICE, generator=g).float()))
-            else:
-                cache[:, Bc * 64:] = torch.randint(117, 137, (T * pages_per_tok, Bc * 4), dtype=torch.uint8,
-                                                   device=DEVICE, generator=g)
-            bt = torch.randperm(T * pages_per_tok, device=DEVICE, generator=g).to(torch.int32).view(T, pages_per_tok)
-            iq = torch.randn(T, H, INDEX_HEAD_DIM, device=DEVICE, generator=g).to(torch.bfloat16)
-            w = torch.randn(T, H, device=DEVICE, generator=g)
-            q, qs, wo = ix.quantize_q(iq, pos, cs, w, fmt=fmt)
-            sets.append((q, qs, wo, cache, bt))
-        nbytes = T * n_c * rec + T * H * (INDEX_HEAD_DIM if fmt == "fp8" else 68) + T * H * 4 \
-            + T * pages_per_tok * 4 + T * n_c * 4
-        flops = 2.0 * T * n_c * H * INDEX_HEAD_DIM
+        n_sets = 2
+        pos, sets, nbytes, flops = logits_bench_inputs(fmt, n_sets, T=T, H=H, n_c=n_c, Bc=Bc)
         for suffix, launch in variants[fmt]:
-            def run(i, sets=sets, launch=launch):
+            def run(i, sets=sets, launch=launch, pos=pos):
                 q, qs, wo, cache, bt = sets[i]
                 return ix.launch.logits(q, qs, wo, cache, pos, bt, Bc, n_c, launch)
 
@@ -165,7 +180,7 @@ def _bench() -> list[BenchCase]:
                                                        f"out; launch {launch}"))
         # the torch reference in fp32 (the float64 oracle would not be a fair speed comparison)
         cases[-len(variants[fmt])].reference = (
-            lambda q, qs, wo, cache, bt: ix_reference.logits(q, qs, wo, cache, pos, bt, block_size=Bc, n_out=n_c,
-                                                             dtype=torch.float32),
+            lambda q, qs, wo, cache, bt, pos=pos: ix_reference.logits(q, qs, wo, cache, pos, bt, block_size=Bc,
+                                                                     n_out=n_c, dtype=torch.float32),
             lambda i, sets=sets: sets[i])
     return cases
