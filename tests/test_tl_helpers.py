@@ -15,7 +15,8 @@ import triton.language as tl
 from conftest import interp_bug
 from dsv4ref.device import DEVICE, interpreting
 from dsv4ref.testing import assert_close, generator
-from dsv4ref.tl import bf16_rne_bits, dot, e4m3_encode, ue8m0_byte
+from dsv4ref.tl import bf16_rne_bits, dot, e4m3_encode, e4m3_ue8m0_blocks, ue8m0_byte
+from dsv4ref.tl.numerics import bf16_bits, e4m3_ue8m0_tile, ue8m0_byte_448
 
 
 @triton.jit
@@ -179,3 +180,85 @@ def test_raw_triton_bf16_dot():
     a = torch.randn(32, 32, generator=generator(7)).bfloat16()
     b = torch.randn(32, 32, generator=generator(8)).bfloat16()
     assert_close(_dot(a.to(DEVICE), b.to(DEVICE), raw=True), a.double() @ b.double(), "fp32_dot")
+
+
+# ----------------------------------------------------------------------------------------------------
+# the fast paths of the KV writer and reader (dsv4ref.tl.numerics; benchmarks/kv_cache.md, issue 14)
+# ----------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _ue8m0_448_kernel(a_ptr, out_ptr, n, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    m = offs < n
+    a = tl.load(a_ptr + offs, mask=m, other=1.0)
+    tl.store(out_ptr + offs, ue8m0_byte_448(a, 1e-4) - ue8m0_byte(a, 1e-4, 448.0), mask=m)
+
+
+def test_ue8m0_byte_448_is_ue8m0_byte():
+    """The division-free byte equals the correctly rounded quotient's: every non-negative finite bf16 (what the
+    KV writer's amax is), 448·2^k and its fp32 neighbours, random fp32 values."""
+    g = generator(3)
+    bf = torch.arange(0, 0x7F80, dtype=torch.int32).to(torch.int16).view(torch.bfloat16).float()
+    edges = torch.tensor([448.0 * 2.0**k for k in range(-30, 31)])
+    near = torch.cat([edges, torch.nextafter(edges, edges * 2), torch.nextafter(edges, edges * 0)])
+    rnd = torch.exp(torch.empty(50_000).uniform_(math.log(1e-30), math.log(1e30), generator=g))
+    a = torch.cat([bf, near, rnd, torch.tensor([0.0, -0.0, 1e-4, 3.4e38])])
+    out = torch.empty(a.shape, dtype=torch.int32, device=DEVICE)
+    _ue8m0_448_kernel[(triton.cdiv(a.numel(), 4096),)](a.to(DEVICE), out, a.numel(), BLOCK=4096)
+    assert int(out.abs().max()) == 0
+
+
+@triton.jit
+def _tile_kernel(x_ptr, q_ptr, b_ptr, R: tl.constexpr, NATIVE: tl.constexpr, FAST: tl.constexpr):
+    """[R, 64] fp32 -> the e4m3 bytes and UE8M0 bytes of its R blocks, by the tile helper or the blocks helper."""
+    r = tl.arange(0, R)[:, None]
+    c = tl.arange(0, 64)[None, :]
+    x = tl.load(x_ptr + r * 64 + c)
+    if FAST:
+        q, byte = e4m3_ue8m0_tile(x, 1e-4, 1, NATIVE)
+    else:
+        q, byte = e4m3_ue8m0_blocks(x, 1e-4, 1)
+    tl.store(q_ptr + r * 64 + c, q)
+    tl.store(b_ptr + tl.arange(0, R), byte)
+
+
+@pytest.mark.parametrize("nonfinite", [False, True])
+def test_e4m3_ue8m0_tile_is_e4m3_ue8m0_blocks(nonfinite):
+    """Same bytes as the policy helper, on a finite tile (the fast path; compiled, with the hardware e4m3 cast)
+    and on a tile with NaN / ±inf blocks (the policy path): bf16-valued rows over 2^-40..2^40, signed zeros,
+    amax = 448·2^k, all-zero blocks."""
+    g = generator(4)
+    R = 64
+    x = torch.randn(R, 64, generator=g) * torch.exp2(torch.randint(-40, 40, (R, 1), generator=g).float())
+    x[0], x[1] = 0.0, -0.0
+    x[2, 5], x[3, 7] = 448.0 * 2.0**-3, -448.0 * 2.0**5
+    x = x.bfloat16().float()
+    if nonfinite:
+        x[4, 3], x[5, 0], x[6, 63] = float("nan"), float("inf"), -float("inf")
+        x[7, 9] = (torch.tensor(0xFFC00001, dtype=torch.int64).to(torch.int32)).view(torch.float32)  # NaN, sign set
+    got, want = [], []
+    for fast, dst in ((True, got), (False, want)):
+        q = torch.empty(R, 64, dtype=torch.uint8, device=DEVICE)
+        b = torch.empty(R, dtype=torch.int32, device=DEVICE)
+        _tile_kernel[(1,)](x.to(DEVICE), q, b, R=R, NATIVE=not interpreting(), FAST=fast)
+        dst += [q.cpu(), b.cpu()]
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    assert bool((want[1] == 255).any()) == nonfinite
+
+
+@triton.jit
+def _bf16_bits_kernel(x_ptr, out_ptr, n, NATIVE: tl.constexpr, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    m = offs < n
+    x = tl.load(x_ptr + offs, mask=m, other=0.0)
+    tl.store(out_ptr + offs, bf16_bits(x, NATIVE).to(tl.int16), mask=m)
+
+
+def test_bf16_bits_native_is_bf16_rne_bits():
+    """The cast the KV reader uses: the integer rounding, or compiled the hardware cast, give torch's bits (the
+    tie sweep of test_bf16_rne_matches_torch, plus ±inf and fp32 subnormals)."""
+    x = torch.cat([_bf16_sweep(), torch.tensor([float("inf"), -float("inf"), 2.0**-130, -(2.0**-136), 3 * 2.0**-140])])
+    out = torch.empty(x.shape, dtype=torch.int16, device=DEVICE)
+    _bf16_bits_kernel[(triton.cdiv(x.numel(), 4096),)](x.to(DEVICE), out, x.numel(), NATIVE=not interpreting(), BLOCK=4096)
+    assert torch.equal(out.cpu(), x.to(torch.bfloat16).view(torch.int16))

@@ -150,7 +150,7 @@ def insert(
         return
     launch = launch or INSERT_DEFAULT
     kv = kv if kv.stride(1) == 1 else kv.contiguous()  # the kernel reads rows of unit column stride
-    torch.ops.dsv4ref.kv_insert(cache, kv, slots, block_size, launch.tokens_per_program, launch.num_warps)
+    torch.ops.dsv4ref.kv_insert(cache, kv, slots, block_size, *launch.op_args())
 
 
 def _check_finite_rows(kv: torch.Tensor, slots: torch.Tensor) -> None:
@@ -207,7 +207,7 @@ def gather(
     if out is None:
         out = torch.empty(slots.shape[0], HEAD_DIM, dtype=torch.bfloat16, device=cache.device)
     launch = launch or GATHER_DEFAULT
-    torch.ops.dsv4ref.kv_gather(cache, slots, out, block_size, launch.tokens_per_program, launch.num_warps)
+    torch.ops.dsv4ref.kv_gather(cache, slots, out, block_size, *launch.op_args())
     return out
 
 

@@ -13,6 +13,7 @@ import torch
 import triton
 
 from .. import validate
+from ..device import interpreting, sm_count
 from .kernels import gather_kernel, insert_kernel
 
 __all__ = ["KVCacheLaunch", "INSERT_DEFAULT", "GATHER_DEFAULT", "launch_insert", "launch_gather", "int16_view"]
@@ -20,26 +21,55 @@ __all__ = ["KVCacheLaunch", "INSERT_DEFAULT", "GATHER_DEFAULT", "launch_insert",
 
 @dataclass(frozen=True)
 class KVCacheLaunch:
-    """Launch shape of the insert / gather kernels.
+    """Launch shape of the insert / gather kernels. No field changes a byte of the result.
 
     Attributes:
-        tokens_per_program: slots handled by one program (a power of two; 1 = one program per token).
+        tokens_per_program: slots handled by one tile (a power of two; 1 = one token per program).
         num_warps: Triton warps per program (a power of two).
+        native_casts: compiled kernels convert with the hardware's e4m3 (insert, finite tiles) / bf16 (gather)
+            casts instead of the integer encoders of :mod:`dsv4ref.tl.numerics` (about 8 instructions a value for
+            e4m3, 4 for bf16; the compiled casts are exact on the H200 by
+            ``tests/test_tl_helpers.py::test_raw_triton_fp8_cast_is_exact`` / ``..._bf16_cast_rounds``). Off by
+            default until a GPU run has timed it and checked its bytes (``benchmarks/kv_cache_sweep2.py``). The
+            interpreter's casts are wrong (I4, I5): interpreted launches always take the integer encoders.
+        evict_first: load the streamed input (insert: the kv rows; gather: the cache bytes) with the
+            ``evict_first`` L2 policy.
+        streaming_stores: store the output (insert: the cache records; gather: the rows) with ``.cs``.
+        programs_per_sm: 0: one program per tile; k > 0: a persistent grid of at most k programs per SM, each
+            looping over tiles pid, pid + grid, ...
+        pipeline_stages: with ``programs_per_sm``, 2 or more software-pipelines that loop (Triton's ``tl.range``
+            ``num_stages``: the next tiles' loads go through shared memory with ``cp.async`` while this tile is
+            encoded and stored); 0 or 1: no pipelining.
     """
 
     tokens_per_program: int
     num_warps: int = 1
+    native_casts: bool = False
+    evict_first: bool = False
+    streaming_stores: bool = False
+    programs_per_sm: int = 0
+    pipeline_stages: int = 0
 
     def __post_init__(self):
         validate.power_of_two(self.tokens_per_program, "tokens_per_program")
         validate.power_of_two(self.num_warps, "num_warps")
+        for name in ("native_casts", "evict_first", "streaming_stores"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"{name}: expected a bool, got {type(getattr(self, name)).__name__}")
+        validate.integer(self.programs_per_sm, "programs_per_sm", lo=0)
+        validate.integer(self.pipeline_stages, "pipeline_stages", lo=0, hi=8)
+
+    def op_args(self) -> tuple:
+        """The launch as the trailing arguments of ``torch.ops.dsv4ref.kv_insert`` / ``kv_gather``."""
+        return (self.tokens_per_program, self.num_warps, self.native_casts, self.evict_first, self.streaming_stores,
+                self.programs_per_sm, self.pipeline_stages)
 
 
 # The defaults, measured on the H200 (benchmarks/kv_cache.md; B = 64, random slot order, CUDA-graph
 # kernel time as a fraction of the measured copy bandwidth). One warp per program is best: 4 warps per
 # 1.6 KB token starve occupancy (insert 1 × 4: 26.9 %, 1 × 1: 54.7 % at 64k slots).
-INSERT_DEFAULT = KVCacheLaunch(tokens_per_program=8, num_warps=1)  # 68.0 % at 64k slots, 74.9 % at 256k
-GATHER_DEFAULT = KVCacheLaunch(tokens_per_program=4, num_warps=1)  # 79.9 % at 64k slots, 89.6 % at 256k
+INSERT_DEFAULT = KVCacheLaunch(tokens_per_program=8, num_warps=1)  # 68.0 % at 64k slots, 74.9 % at 256k (session 1)
+GATHER_DEFAULT = KVCacheLaunch(tokens_per_program=4, num_warps=1)  # 79.9 % at 64k slots, 89.6 % at 256k (session 1)
 
 
 def int16_view(cache: torch.Tensor) -> tuple[torch.Tensor, bool]:
@@ -51,6 +81,25 @@ def int16_view(cache: torch.Tensor) -> tuple[torch.Tensor, bool]:
     return cache, False
 
 
+def _grid_and_flags(cache: torch.Tensor, n: int, block_size: int, launch: KVCacheLaunch) -> tuple[int, dict]:
+    """The grid and the kernel's launch constexprs (metadata only: no device sync)."""
+    tiles = triton.cdiv(n, launch.tokens_per_program)
+    grid = tiles
+    if launch.programs_per_sm:
+        grid = min(tiles, launch.programs_per_sm * sm_count(cache.device))
+    flags = dict(
+        TOK=launch.tokens_per_program,
+        NATIVE=launch.native_casts and not interpreting(),
+        SLOT32=cache.shape[0] * block_size < 2**31,  # pages · B slots: the slot fits int32 (numerics.page_offsets32)
+        PERSISTENT=grid < tiles,
+        LOAD_POLICY="evict_first" if launch.evict_first else "",
+        STORE_CACHE=".cs" if launch.streaming_stores else "",
+        STAGES=launch.pipeline_stages if grid < tiles else 0,
+        num_warps=launch.num_warps,
+    )
+    return grid, flags
+
+
 def launch_insert(cache: torch.Tensor, kv: torch.Tensor, slots: torch.Tensor, block_size: int,
                   launch: KVCacheLaunch = INSERT_DEFAULT) -> None:
     """Launch :func:`~dsv4ref.kv_cache.kernels.insert_kernel` directly (no argument checks, no dispatcher;
@@ -58,10 +107,11 @@ def launch_insert(cache: torch.Tensor, kv: torch.Tensor, slots: torch.Tensor, bl
     callers use :func:`dsv4ref.kv_cache.insert`."""
     kv16 = kv.view(torch.int16)
     c16, rope16 = int16_view(cache)
-    n, tok = slots.shape[0], launch.tokens_per_program
+    n = slots.shape[0]
     if n:
-        insert_kernel[(triton.cdiv(n, tok),)](cache, c16, kv16, slots, n, slots.stride(0), kv16.stride(0), cache.stride(0),
-                                              block_size, TOK=tok, ROPE16=rope16, num_warps=launch.num_warps)
+        grid, flags = _grid_and_flags(cache, n, block_size, launch)
+        insert_kernel[(grid,)](cache, c16, kv16, slots, n, slots.stride(0), kv16.stride(0), cache.stride(0), block_size,
+                               ROPE16=rope16, **flags)
 
 
 def launch_gather(cache: torch.Tensor, slots: torch.Tensor, out: torch.Tensor, block_size: int,
@@ -69,35 +119,47 @@ def launch_gather(cache: torch.Tensor, slots: torch.Tensor, out: torch.Tensor, b
     """Launch :func:`~dsv4ref.kv_cache.kernels.gather_kernel` directly into ``out`` [S, 512] bf16, contiguous
     (``slots`` int32/int64, any stride)."""
     c16, rope16 = int16_view(cache)
-    n, tok = slots.shape[0], launch.tokens_per_program
+    n = slots.shape[0]
     if n:
-        gather_kernel[(triton.cdiv(n, tok),)](cache, c16, slots, out.view(torch.int16), n, slots.stride(0), cache.stride(0),
-                                              block_size, TOK=tok, ROPE16=rope16, num_warps=launch.num_warps)
+        grid, flags = _grid_and_flags(cache, n, block_size, launch)
+        gather_kernel[(grid,)](cache, c16, slots, out.view(torch.int16), n, slots.stride(0), cache.stride(0), block_size,
+                               ROPE16=rope16, **flags)
+
+
+_I, _G = INSERT_DEFAULT, GATHER_DEFAULT
 
 
 @torch.library.custom_op("dsv4ref::kv_insert", mutates_args=("cache",))
 def kv_insert_op(cache: torch.Tensor, kv: torch.Tensor, slots: torch.Tensor, block_size: int,
-                 tokens_per_program: int = INSERT_DEFAULT.tokens_per_program,
-                 num_warps: int = INSERT_DEFAULT.num_warps) -> None:
+                 tokens_per_program: int = _I.tokens_per_program, num_warps: int = _I.num_warps,
+                 native_casts: bool = _I.native_casts, evict_first: bool = _I.evict_first,
+                 streaming_stores: bool = _I.streaming_stores, programs_per_sm: int = _I.programs_per_sm,
+                 pipeline_stages: int = _I.pipeline_stages) -> None:
     """``torch.ops.dsv4ref.kv_insert``: the insert kernel on checked arguments (slots int32/int64, any stride)."""
-    launch_insert(cache, kv, slots, block_size, KVCacheLaunch(tokens_per_program, num_warps))
+    launch_insert(cache, kv, slots, block_size, KVCacheLaunch(tokens_per_program, num_warps, native_casts, evict_first,
+                                                              streaming_stores, programs_per_sm, pipeline_stages))
 
 
 @kv_insert_op.register_fake
-def _(cache, kv, slots, block_size, tokens_per_program=INSERT_DEFAULT.tokens_per_program,
-      num_warps=INSERT_DEFAULT.num_warps):
+def _(cache, kv, slots, block_size, tokens_per_program=_I.tokens_per_program, num_warps=_I.num_warps,
+      native_casts=_I.native_casts, evict_first=_I.evict_first, streaming_stores=_I.streaming_stores,
+      programs_per_sm=_I.programs_per_sm, pipeline_stages=_I.pipeline_stages):
     return None
 
 
 @torch.library.custom_op("dsv4ref::kv_gather", mutates_args=("out",))
 def kv_gather_op(cache: torch.Tensor, slots: torch.Tensor, out: torch.Tensor, block_size: int,
-                 tokens_per_program: int = GATHER_DEFAULT.tokens_per_program,
-                 num_warps: int = GATHER_DEFAULT.num_warps) -> None:
+                 tokens_per_program: int = _G.tokens_per_program, num_warps: int = _G.num_warps,
+                 native_casts: bool = _G.native_casts, evict_first: bool = _G.evict_first,
+                 streaming_stores: bool = _G.streaming_stores, programs_per_sm: int = _G.programs_per_sm,
+                 pipeline_stages: int = _G.pipeline_stages) -> None:
     """``torch.ops.dsv4ref.kv_gather``: the gather kernel on checked arguments, into ``out``."""
-    launch_gather(cache, slots, out, block_size, KVCacheLaunch(tokens_per_program, num_warps))
+    launch_gather(cache, slots, out, block_size, KVCacheLaunch(tokens_per_program, num_warps, native_casts, evict_first,
+                                                               streaming_stores, programs_per_sm, pipeline_stages))
 
 
 @kv_gather_op.register_fake
-def _(cache, slots, out, block_size, tokens_per_program=GATHER_DEFAULT.tokens_per_program,
-      num_warps=GATHER_DEFAULT.num_warps):
+def _(cache, slots, out, block_size, tokens_per_program=_G.tokens_per_program, num_warps=_G.num_warps,
+      native_casts=_G.native_casts, evict_first=_G.evict_first, streaming_stores=_G.streaming_stores,
+      programs_per_sm=_G.programs_per_sm, pipeline_stages=_G.pipeline_stages):
     return None

@@ -10,6 +10,7 @@ Why each helper exists (the interpreter bug it works around): ``docs/triton_inte
 
 from .numerics import (  # noqa: F401
     E4M3_MAX,
+    bf16_bits,
     bf16_rne_bits,
     bf16_rne_bits_nan,
     bf16_round,
@@ -19,13 +20,17 @@ from .numerics import (  # noqa: F401
     e4m3_encode,
     e4m3_nan_codes,
     e4m3_snap,
+    e4m3_finite,
     e4m3_ue8m0_blocks,
+    e4m3_ue8m0_tile,
     inv_pow2,
     nonfinite,
     page_offsets,
+    page_offsets32,
     pow2,
     splat,
     ue8m0_byte,
     ue8m0_byte_bits,
+    ue8m0_byte_448,
     ue8m0_value,
 )

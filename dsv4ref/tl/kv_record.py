@@ -14,11 +14,12 @@ where ``data = page·page_stride + 576·offset`` and ``scales = page·page_strid
 
 A quant block holding a NaN or ±inf is written as scale byte 255 and e4m3 NaN bytes (0x7F; 0xFF for a
 value that is not a NaN and has its sign bit set), exactly like ``fp8.quantize_ue8m0``
-(``docs/formats.md#non-finite-values``); the RoPE bits are stored as given, NaN and inf included.
+(``docs/formats.md#non-finite-values``); the RoPE bits are stored as given, NaN and inf included. That policy
+costs per-value work, so it runs only for a tile that holds such a block (``e4m3_ue8m0_tile``: one
+NaN-propagating amax per block, one branch per tile); a finite tile runs the plain encoder.
 
-The RoPE words are stored first, so their registers are free before the NoPE tile is loaded: ptxas (Triton
-3.9, sm_90) gives ``kv_cache.insert``'s kernel at 8 tokens × 1 warp 209 registers, 226 with the RoPE stored
-last (220 before the non-finite policy); at 4 tokens × 1 warp 103 (127).
+The RoPE words are stored first, so their registers are free before the NoPE tile is loaded. What ptxas makes
+of ``kv_cache.insert``'s kernel is printed by ``benchmarks/kv_cache_compile_check.py`` (Triton 3.6, sm_90a).
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ import triton
 import triton.language as tl
 
 from ..formats import KV_AMAX_FLOOR, N_SCALES, NOPE_DIM, QUANT_BLOCK, ROPE_DIM
-from .numerics import e4m3_ue8m0_blocks, page_offsets
+from .numerics import e4m3_ue8m0_tile, page_offsets, page_offsets32
 
 _NOPE = tl.constexpr(NOPE_DIM)  # 448 e4m3 bytes, then the RoPE words
 _BLOCK = tl.constexpr(QUANT_BLOCK)  # 64 values per scale byte
@@ -48,32 +49,42 @@ def kv_record(
     page_stride,  # bytes between pages (the cache tensor's stride(0))
     TOK: tl.constexpr,  # tokens in the tile (a power of two; 1 for one token)
     ROPE16: tl.constexpr,  # pages start at even addresses: store the RoPE as 16-bit words, else byte pairs
+    NATIVE: tl.constexpr = False,  # compiled only: the hardware's exact e4m3 cast for finite tiles (e4m3_finite)
+    SLOT32: tl.constexpr = False,  # the cache has < 2^31 slots: divide the slot in int32 (page_offsets32)
+    LOAD_POLICY: tl.constexpr = "",  # eviction policy of the kv row load ("" or "evict_first")
+    STORE_CACHE: tl.constexpr = "",  # cache modifier of the record stores ("" or ".cs", streaming)
 ):
     """Quantise and store the 584-byte records of ``TOK`` tokens (axis 0 of every tile is the token)."""
     ok = slot >= 0
-    data, scales = page_offsets(tl.maximum(slot, 0), block_size, page_stride)  # [TOK] int64; −1 never addresses
+    if SLOT32:
+        data, scales = page_offsets32(tl.maximum(slot, 0), block_size, page_stride)  # [TOK] int64; −1 never addresses
+    else:
+        data, scales = page_offsets(tl.maximum(slot, 0), block_size, page_stride)
 
     # RoPE: the caller's bf16 bits to bytes 448.. of the token's data, little-endian
     j = tl.arange(0, _ROPE)[None, :]
     rope_ok = tl.broadcast_to(ok[:, None], (TOK, _ROPE))
     if ROPE16:
-        tl.store(cache16_ptr + (data[:, None] + _NOPE) // 2 + j, rope_bits.to(tl.int16), mask=rope_ok)
+        tl.store(cache16_ptr + (data[:, None] + _NOPE) // 2 + j, rope_bits.to(tl.int16), mask=rope_ok,
+                 cache_modifier=STORE_CACHE)
     else:  # two byte stores, low byte first
         r = rope_bits.to(tl.int32) & 0xFFFF
-        tl.store(cache_ptr + data[:, None] + _NOPE + 2 * j, (r & 0xFF).to(tl.uint8), mask=rope_ok)
-        tl.store(cache_ptr + data[:, None] + _NOPE + 1 + 2 * j, (r >> 8).to(tl.uint8), mask=rope_ok)
+        tl.store(cache_ptr + data[:, None] + _NOPE + 2 * j, (r & 0xFF).to(tl.uint8), mask=rope_ok, cache_modifier=STORE_CACHE)
+        tl.store(cache_ptr + data[:, None] + _NOPE + 1 + 2 * j, (r >> 8).to(tl.uint8), mask=rope_ok,
+                 cache_modifier=STORE_CACHE)
 
     # NoPE: a [TOK, 8, 64] tile, block rows 0..6 are the 7 quant blocks, row 7 is masked off.
     # bf16 -> fp32 exactly, in integers (no bf16 arithmetic), then one scale byte per block.
     blk = tl.arange(0, _BLOCKS_P2)[None, :, None]
     dim = blk * _BLOCK + tl.arange(0, _BLOCK)[None, None, :]  # [1, 8, 64]: dim = 64·block + column
     nope_ok = tl.broadcast_to(ok[:, None, None] & (blk < _N_SCALES), (TOK, _BLOCKS_P2, _BLOCK))  # mask: pointer's shape
-    bits = tl.load(row[:, None, None] + dim, mask=nope_ok, other=0).to(tl.int32) & 0xFFFF
+    bits = tl.load(row[:, None, None] + dim, mask=nope_ok, other=0, eviction_policy=LOAD_POLICY).to(tl.int32) & 0xFFFF
     x = (bits << 16).to(tl.float32, bitcast=True)
-    q, byte = e4m3_ue8m0_blocks(x, _FLOOR, 2)  # [TOK, 8, 64] uint8, [TOK, 8] int32; block row 7 unused
-    tl.store(cache_ptr + data[:, None, None] + dim, q, mask=nope_ok)
+    q, byte = e4m3_ue8m0_tile(x, _FLOOR, 2, NATIVE)  # [TOK, 8, 64] uint8, [TOK, 8] int32; block row 7 unused
+    tl.store(cache_ptr + data[:, None, None] + dim, q, mask=nope_ok, cache_modifier=STORE_CACHE)
 
     # scales: the 7 UE8M0 bytes and the zero pad byte
     k = tl.arange(0, _BLOCKS_P2)[None, :]  # the 8 scale-row bytes line up with the 8 tile rows of byte
     scale_ok = tl.broadcast_to(ok[:, None], (TOK, _BLOCKS_P2))
-    tl.store(cache_ptr + scales[:, None] + k, tl.where(k < _N_SCALES, byte, 0).to(tl.uint8), mask=scale_ok)
+    tl.store(cache_ptr + scales[:, None] + k, tl.where(k < _N_SCALES, byte, 0).to(tl.uint8), mask=scale_ok,
+             cache_modifier=STORE_CACHE)

@@ -23,6 +23,12 @@ helper                 what it does                                  interpreter
 ``e4m3_snap``          finite fp32 block -> e4m3 bytes at a given    I5, as ``e4m3_encode``; fewer
                        scale byte, one fma grid-snap per value       instructions per value
 ``e4m3_nan_codes``     the e4m3 bytes of a non-finite block          (GPU max/min drop NaN)
+``e4m3_ue8m0_tile``    ``e4m3_ue8m0_blocks``' bytes; the policy runs  (per-value policy work, paid only by
+                       only for a tile holding a NaN / inf block     a tile that needs it)
+``ue8m0_byte_448``     ``ue8m0_byte`` for QMAX 448, no division      (a division per block)
+``e4m3_finite``        finite fp32 -> e4m3 byte; NATIVE: the cast    I5 (NATIVE is False interpreted)
+``bf16_bits``          fp32 -> bf16 bits; NATIVE: the cast           I4 (NATIVE is False interpreted)
+``page_offsets32``     ``page_offsets`` with an int32 slot division  (int64 division is a slow call)
 =====================  ============================================  ====================================
 
 Arithmetic rule for all kernels (I3): ``.to(tl.float32)`` right after a bf16/fp8 load, do every add,
@@ -136,6 +142,18 @@ def page_offsets(slot, block_size, page_stride):
 
 
 @triton.jit
+def page_offsets32(slot, block_size, page_stride):
+    """:func:`page_offsets` with the slot divided in int32, for a cache of fewer than 2^31 slots (the launcher
+    checks ``pages · block_size < 2^31``; a 584-byte token makes that a 1.25 TB cache). The products that
+    address bytes, ``page · page_stride`` and the offsets inside a page, stay int64."""
+    s = slot.to(tl.int32)
+    page = s // block_size
+    off = (s - page * block_size).to(tl.int64)
+    base = page.to(tl.int64) * page_stride
+    return base + off * 576, base + block_size.to(tl.int64) * 576 + off * 8
+
+
+@triton.jit
 def splat(cond, like):
     """A scalar condition as a boolean tensor of ``like``'s shape, for use in load/store masks.
 
@@ -177,6 +195,74 @@ def e4m3_ue8m0_blocks(x, FLOOR: tl.constexpr, AXIS: tl.constexpr):
     # × 2^-e is exact; a NaN is made the positive quiet NaN first, so its code carries no sign on any device
     q = e4m3_encode(canonical_nan(x * tl.expand_dims(inv_pow2(byte), AXIS))).to(tl.uint8, bitcast=True)
     return tl.where(tl.expand_dims(bad, AXIS), q | 0x7F, q), tl.where(bad, 255, byte)
+
+
+@triton.jit
+def _max_nan(a, b):
+    """tl.reduce combiner: the larger of a and b, and NaN if either is NaN (``max.NaN.f32``; the plain
+    ``tl.maximum`` drops a NaN on the GPU and in the interpreter alike)."""
+    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
+
+
+@triton.jit
+def e4m3_ue8m0_tile(x, FLOOR: tl.constexpr, AXIS: tl.constexpr, NATIVE: tl.constexpr):
+    """:func:`e4m3_ue8m0_blocks` with the same bytes for every input, at the cost of the finite encoder when the
+    whole tile is finite: one NaN-propagating max|x| per block (the amax the scale needs anyway) says whether a
+    block holds a NaN or ±inf, and one branch per tile (the same for every thread of the program) sends a tile
+    with such a block to :func:`e4m3_ue8m0_blocks`. A finite tile skips the policy's per-value work
+    (``canonical_nan``, the NaN-code select): there ``ue8m0_byte(amax)`` and ``e4m3(x · 2^(127 − byte))`` are
+    exactly what :func:`e4m3_ue8m0_blocks` computes, with ``e4m3`` the hardware's conversion when ``NATIVE``
+    (compiled only; see :func:`e4m3_finite`)."""
+    amax = tl.reduce(tl.abs(x), AXIS, _max_nan)  # |x| bits >= 0x7F800000: the block holds a NaN or ±inf
+    bad = (amax.to(tl.int32, bitcast=True) >= 0x7F800000).to(tl.int32)
+    if tl.max(bad) == 0:
+        byte = ue8m0_byte_448(amax, FLOOR)
+        q = e4m3_finite(x * tl.expand_dims(inv_pow2(byte), AXIS), NATIVE)
+    else:
+        q, byte = e4m3_ue8m0_blocks(x, FLOOR, AXIS)
+    return q, byte
+
+
+@triton.jit
+def ue8m0_byte_448(amax, FLOOR: tl.constexpr):
+    """:func:`ue8m0_byte` for ``QMAX = 448`` (e4m3) and a finite fp32 ``amax``, without the division: the same byte.
+
+    With ``a = max(amax, FLOOR) = 1.m · 2^E`` (normal: ``FLOOR`` is), ``a / 448 = (1.m / 1.75) · 2^(E − 8)`` and
+    ``1.m / 1.75`` lies in (4/7, 8/7), so ``ceil(log2(a / 448)) = E − 8 + (1.m > 1.75)``: the exponent field
+    minus 8, plus one if the mantissa field exceeds 0x600000 (1.75's). ``ue8m0_byte`` takes the ceiling of the
+    correctly rounded quotient, which is the same: ``RN(a / 448)`` is a power of two only when ``a`` is exactly
+    448·2^k (the fp32 neighbours of 448·2^k are 2^-23 / 1.75 away, more than the half ulp of 2^k), and otherwise
+    stays inside the binade of ``a / 448``. Checked against ``ue8m0_byte`` for every positive finite bf16 and
+    random fp32 values in ``tests/test_tl_helpers.py``."""
+    bits = tl.maximum(amax, FLOOR).to(tl.int32, bitcast=True)
+    byte = (bits >> 23) - 8 + ((bits & 0x7FFFFF) > 0x600000).to(tl.int32)
+    return tl.minimum(tl.maximum(byte, 1), 254)
+
+
+@triton.jit
+def e4m3_finite(x, NATIVE: tl.constexpr):
+    """fp32 with |x| <= 448 (finite) -> its e4m3fn byte (uint8), round to nearest even: :func:`e4m3_encode`, or
+    with ``NATIVE`` the compiled cast (``cvt.rn.satfinite.e4m3x2.f32``: one instruction for two values, where
+    the grid-snap takes about eight per value). The compiled cast is exact: on the H200 it gives torch's byte
+    for every finite bf16, every e4m3 tie and its neighbours, signed zeros and subnormals
+    (``tests/test_tl_helpers.py::test_raw_triton_fp8_cast_is_exact``). ``NATIVE`` must be False in the
+    interpreter, whose cast misrounds (I5); launchers pass ``not interpreting()``."""
+    if NATIVE:
+        return x.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+    else:
+        return e4m3_encode(x).to(tl.uint8, bitcast=True)
+
+
+@triton.jit
+def bf16_bits(x, NATIVE: tl.constexpr):
+    """fp32 (not NaN) -> the bits of bf16(x), round to nearest even, as int32 in [0, 65535]: :func:`bf16_rne_bits`,
+    or with ``NATIVE`` the compiled cast (``cvt.rn.bf16x2.f32``, two values per instruction), exact on the H200
+    (``tests/test_tl_helpers.py::test_raw_triton_bf16_cast_rounds``). ``NATIVE`` must be False in the interpreter,
+    whose cast truncates (I4). A NaN gives a different NaN per path: callers select 0x7FC0 for it."""
+    if NATIVE:
+        return x.to(tl.bfloat16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+    else:
+        return bf16_rne_bits(x).to(tl.int32)
 
 
 @triton.jit
