@@ -78,8 +78,9 @@ class MhcLaunch:
     post_block_h: int = 256
     sinkhorn_block: int = 256 if interpreting() else 16  # 4×4 matrices per program
     # one pass (hc_one_pass_kernel): pre, fused post+pre and head in one launch whose second read of the
-    # streams comes from L2 (kernels.py, "Design 3"); overrides split_k. NOT the default until an H200 run of
-    # benchmarks/mhc_sweep.py has measured it; then this ONE line picks it for every op, the decode step's too
+    # streams comes from L2 (kernels.py, "Design 3"); an explicit split_k (True / False) overrides it. NOT the
+    # default until an H200 run of benchmarks/mhc_sweep.py has measured it; then this ONE line picks it for
+    # every op that does not set split_k, the decode step's too
     one_pass: bool = False
     # pre and head: tiles, warps, pipeline stages, register cap (2 programs per SM at 8 warps need <= 128)
     one_pass_block_t: int = 32 if interpreting() else 128  # tokens per tile: fn is read from L2 once per tile
@@ -97,6 +98,8 @@ class MhcLaunch:
     one_pass_block_h: int = 128 if interpreting() else 64  # hidden dims per chunk of the weighted sum
     one_pass_slice_h: int = 128  # hidden dims per work item: 128 tokens × 4 × 128 × 2 B = 128 KB of streams
     one_pass_slices: int | None = None  # force this many slices (None: from one_pass_slice_h / target_programs)
+    one_pass_max_slices: int = 32  # small T: no more slices than this for target_programs' sake (the last
+    #                                arrival sums every slice's partial; decode-sized T would make 256)
     one_pass_lag: int = 2  # the weighted sum runs this many tiles behind the partials (>= 1)
     one_pass_sum_unroll: int = 4  # the last arrival has this many slices' partials in flight per round
     one_pass_one_dot: int = 2  # dots per chunk: 0 one per stream, 1 one (tiles joined), 2 one (one load; fused: 1)
@@ -116,7 +119,7 @@ class MhcLaunch:
             if getattr(self, name) < 16:  # the sides of a tensor-core dot; finish: the [16]-wide gate tiles
                 raise ValueError(f"launch.{name}: expected >= 16, got {getattr(self, name)}")
         for name in ("num_warps", "num_stages", "split_warps", "split_stages", "finish_warps", "target_programs",
-                     "one_pass_lag", "one_pass_warps", "one_pass_stages", "one_pass_fused_warps",
+                     "one_pass_max_slices", "one_pass_lag", "one_pass_warps", "one_pass_stages", "one_pass_fused_warps",
                      "one_pass_fused_stages"):
             validate.integer(getattr(self, name), f"launch.{name}", lo=1)
         for name in ("splits", "one_pass_slices"):
@@ -132,24 +135,24 @@ class MhcLaunch:
                 raise TypeError(f"launch.{name}: expected a bool{' or None' if name == 'split_k' else ''}, got {v!r}")
         if self.one_pass_slice_h < max(self.one_pass_block_k, self.one_pass_fused_block_k):
             raise ValueError(f"launch.one_pass_slice_h: expected >= the one-pass BLOCK_K tiles, got {self.one_pass_slice_h}")
-        if self.one_pass and self.split_k is not None:
-            raise ValueError(f"launch.one_pass: one_pass=True picks the design; leave split_k None (got {self.split_k})")
 
     def uses_split_k(self, fused: bool) -> bool:
-        """The design an op takes: ``split_k`` if set, else the measured default (one kernel for fused only).
-        (``one_pass=True`` overrides both: :meth:`design`.)"""
+        """Split-K or not, between the first two designs: ``split_k`` if set, else the measured default (one
+        kernel for fused only). (Whether ``one_pass`` applies first: :meth:`design`.)"""
         return (not fused) if self.split_k is None else self.split_k
 
     def design(self, fused: bool) -> str:
-        """"one_pass", "split_k" or "one_kernel": the kernels an op runs with this launch."""
-        if self.one_pass:
+        """"one_pass", "split_k" or "one_kernel": the kernels an op runs with this launch. An explicit
+        ``split_k`` picks one of the first two (so ``MhcLaunch(split_k=...)`` means the same whatever the
+        ``one_pass`` default is); otherwise ``one_pass``, otherwise the measured default per op."""
+        if self.split_k is None and self.one_pass:
             return "one_pass"
         return "split_k" if self.uses_split_k(fused) else "one_kernel"
 
     def pre_like_fused(self) -> "MhcLaunch":
         """The launch under which :func:`~dsv4ref.mhc.pre` runs the arithmetic :func:`~dsv4ref.mhc.fused_post_pre`
         runs under this one (same design, same chunks), so that fused == post then pre bit for bit."""
-        if self.one_pass:  # the fused tiles (the order of every tl.sum depends on them); the same sums of squares
+        if self.design(fused=True) == "one_pass":  # the fused tiles (every tl.sum's order depends on them)
             return dataclasses.replace(self, one_pass_block_t=self.one_pass_fused_block_t,
                                        one_pass_block_k=self.one_pass_fused_block_k,
                                        one_pass_warps=self.one_pass_fused_warps,
@@ -168,14 +171,15 @@ class MhcLaunch:
 
     def one_pass_plan(self, T: int, Hd: int, fused: bool = False) -> tuple[int, int, int, int]:
         """(token tiles, hidden slices per tile, BLOCK_K chunks per slice, BLOCK_K) of the one-pass kernel:
-        slices of ``one_pass_slice_h`` hidden dims, more (down to one chunk each) while tiles × slices is short
-        of ``target_programs`` (small T), or ``one_pass_slices`` if set; each a whole number of chunks, none
-        empty."""
+        slices of ``one_pass_slice_h`` hidden dims, more (down to one chunk each, at most
+        ``one_pass_max_slices``) while tiles × slices is short of ``target_programs`` (small T), or
+        ``one_pass_slices`` if set; each a whole number of chunks, none empty."""
         bt, bk = self.one_pass_tile(fused)[:2]
         tiles = triton.cdiv(T, bt)
         chunks = triton.cdiv(Hd, bk)
         want = self.one_pass_slices or max(triton.cdiv(chunks, self.one_pass_slice_h // bk),
-                                           triton.cdiv(self.target_programs, max(tiles, 1)))
+                                           min(self.one_pass_max_slices,
+                                               triton.cdiv(self.target_programs, max(tiles, 1))))
         cps = triton.cdiv(chunks, min(chunks, want))
         return tiles, triton.cdiv(chunks, cps), cps, bk
 
