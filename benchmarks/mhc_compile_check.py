@@ -113,13 +113,25 @@ def check(name: str, op: str) -> str:
     return "\n".join([head_line] + [f"{'':27s}loop: {_loop_line(b)}" for b in _loops(sass)])
 
 
+def kernel_key(name: str, op: str) -> tuple:
+    """What a launch of ``op`` under candidate ``name`` compiles and runs: equal keys, the same kernel."""
+    _grid, consts, opts, _sizes, plan = one_pass_args(one_pass_variant(name), T, HD, op == "head", op == "fused")
+    return op, tuple(sorted(consts.items())), tuple(sorted(opts.items())), plan
+
+
 if __name__ == "__main__":
     want = sys.argv[1:]
     print(f"{kernels.__file__}, triton {triton.__version__}, sm_90a, T = Hd = {T}", flush=True)
-    for name, (ops, _fields) in ONE_PASS_VARIANTS.items():
+    seen: dict[tuple, str] = {}
+    for name in ONE_PASS_VARIANTS:
         if want and not any(w in name for w in want):
             continue
-        for op in ops:
+        for op in ("pre", "fused", "head"):
+            key = kernel_key(name, op)
+            if key in seen:
+                print(f"{name:20s} {op:5s} = {seen[key]!r} (the same kernel)", flush=True)
+                continue
+            seen[key] = name
             try:
                 print(check(name, op), flush=True)
             except Exception as e:  # a variant that does not compile is reported, not fatal

@@ -6,26 +6,29 @@ at T = Hd = 4096), with the current defaults beside it and the decode step run w
 
 Every candidate is a row of ``dsv4ref.mhc.launch.ONE_PASS_VARIANTS`` (MhcLaunch fields; kernels.py "Design 3"
 says which suspect each one attacks; ``benchmarks/mhc_compile_check.py`` prints their registers, shared
-memory and loops). Phases, one process and one GPU:
+memory and loops), run for pre, fused and head; a candidate whose fields leave an op's kernel as an earlier
+candidate's shares that row (``= ...``). Phases, one process and one GPU:
 
 1. the copy ceiling (512 MiB, as ``python -m dsv4ref bench``);
-2. compiling, in parallel: worker processes run each (op, candidate) once on random inputs at the sizes
-   the sweep uses, so Triton's on-disk cache serves the main process (a serial compile of the ~80 kernel
-   specialisations would take most of the time limit); one more worker runs a decode step of the teaching
-   config with one-pass (the step's other kernels compile there). Nothing is timed before they end;
+2. compiling, in parallel: worker processes run each distinct (op, candidate) once on random inputs at the
+   sizes the sweep uses, so Triton's on-disk cache serves the main process (a serial compile of the ~90
+   kernel specialisations would take most of the time limit); one more worker runs decode steps of the
+   teaching config (the step's other kernels compile there). Nothing is timed before they end;
 3. checks, before any timing: each candidate against the float64 oracle with the tests' tolerances
    (tests/test_mhc.py) at T = 4096 and at T = 37 (one partial tile: the decode-like plan), Hd = 4096;
    fused also == post then pre (the new streams and the layer input bit for bit, post / comb within
    1e-6) with the pre of the same arithmetic (``MhcLaunch.pre_like_fused``). A candidate that fails or does
    not compile is reported and not timed;
-4. timing by graph replay (``dsv4ref.tools.harness.time_ms``), two input sets of ~300 MB rotated past the
+4. timing by graph replay (``dsv4ref.tools.harness.time_ms``), two input sets of ~340 MB rotated past the
    L2: µs and % of the copy ceiling over the compulsory bytes ``python -m dsv4ref bench mhc`` counts
-   (``dsv4ref.tools.cases.mhc.compulsory_bytes``); the current defaults first; no new candidate starts after
-   ``BUDGET_S`` seconds from the start; then T = 37 rows (decode-sized) of the defaults and the best;
-5. the decode step (teaching config, 4 requests, 3 steps, eager and graphed) with ``Decoder(mhc_launch=...)``
-   = the best candidates merged: every step against the float64 reference (``agreement``), and its logits
-   against the same steps with today's defaults;
-6. a summary: the best candidate per op, and the MhcLaunch field defaults that make it the default.
+   (``dsv4ref.tools.cases.mhc.compulsory_bytes``); today's defaults first; no new candidate starts after
+   ``BUDGET_S`` seconds from the start;
+5. the proposal: the ONE candidate with the least total time over the ops (per-op winners may set the
+   fields the ops share differently, and their mix was never timed);
+6. the summary: today's default, the fastest candidate and the proposal per op, and the ``MhcLaunch`` lines
+   that make the proposal the default; then T = 37 rows (decode-sized, µs) of the three, and the decode
+   step (teaching config, 4 requests, 3 eager and 2 graphed steps) with ``Decoder(mhc_launch=proposal)``:
+   every step against the float64 reference (``agreement``), the eager logits against today's defaults.
 
 How the decode step picks the design: it passes ``Decoder.mhc_launch`` (None = ``MhcLaunch()``) as ``launch=``
 to every mHC call, so flipping ``one_pass: bool = False`` to True in ``MhcLaunch`` switches the step, the
@@ -149,7 +152,7 @@ def main() -> None:
     from dsv4ref import DEVICE
     from dsv4ref.device import synchronize
     from dsv4ref.mhc import MhcLaunch, example_params, example_streams, reference, split_fn
-    from dsv4ref.mhc.launch import ONE_PASS_VARIANTS, one_pass_variant
+    from dsv4ref.mhc.launch import ONE_PASS_VARIANTS, one_pass_args, one_pass_variant
     from dsv4ref.testing import compare, randn
     from dsv4ref.tools.cases.mhc import compulsory_bytes
     from dsv4ref.tools.harness import measure_ceilings, time_ms
@@ -162,13 +165,31 @@ def main() -> None:
     print(f"{el()} copy ceiling (512 MiB) {copy / 1e12:.2f} TB/s; {DEVICE}", flush=True)
 
     # ---- 2. compile in parallel ----------------------------------------------------------------------
-    jobs = [(op, "defaults") for op in ops] + [(op, n) for n, (vops, _) in ONE_PASS_VARIANTS.items() for op in ops
-                                               if op in vops]
+    launches = {"defaults": MhcLaunch(), **{name: one_pass_variant(name) for name in ONE_PASS_VARIANTS}}
+
+    def kernel_key(op: str, name: str) -> tuple:
+        """Equal keys: the same kernels at both sizes (a field an op does not use changes nothing for it)."""
+        if name == "defaults":
+            return op, name
+        return op, tuple((tuple(sorted(c.items())), tuple(sorted(o.items())), plan)
+                         for _g, c, o, _s, plan in (one_pass_args(launches[name], T, HD, op == "head", op == "fused")
+                                                    for T in (T_BIG, T_SMALL)))
+
+    jobs, same_as, first = [], {}, {}  # same_as: (op, name) -> the earlier candidate with the same kernel
+    for op in ops:
+        for name in launches:
+            key = kernel_key(op, name)
+            if key in first:
+                same_as[op, name] = first[key]
+            else:
+                first[key] = name
+                jobs.append((op, name))
     workers = max(2, min(14, (os.cpu_count() or 4) - 2))
     pool = cf.ProcessPoolExecutor(max_workers=workers, mp_context=mp.get_context("spawn"))
     decode_future = pool.submit(_decode_task, {}) if with_decode else None
     futures = {job: pool.submit(_compile_task, *job) for job in jobs}
-    print(f"{el()} compiling {len(jobs)} (op, candidate) pairs in {workers} processes", flush=True)
+    print(f"{el()} compiling {len(jobs)} distinct (op, candidate) kernels in {workers} processes "
+          f"({len(same_as)} more pairs run one of them)", flush=True)
 
     # ---- 3. checks (oracles once per op and size) --------------------------------------------------------
     M = 4
@@ -214,8 +235,6 @@ def main() -> None:
                 return f"T={T}: " + "; ".join(bad)
         return None
 
-    launches = {name: one_pass_variant(name) for name in ONE_PASS_VARIANTS}
-    launches["defaults"] = MhcLaunch()
     passed = []
     for (op, name), fut in futures.items():
         try:
@@ -261,63 +280,72 @@ def main() -> None:
         results[(op, name)] = ms
         b = nb[op]
         fields = "" if name == "defaults" else ", ".join(f"{k.removeprefix('one_pass_')}={v}"
-                                                         for k, v in ONE_PASS_VARIANTS[name][1].items())
+                                                         for k, v in ONE_PASS_VARIANTS[name].items())
+        twins = [n for (o, n), c in same_as.items() if o == op and c == name]
         print(f"{op:5s} {name:22s} {L.design(op == 'fused'):10s} {ms * 1e3:8.1f} {b / (ms * 1e-3) / 1e12:6.2f} "
-              f"{100 * b / (ms * 1e-3) / copy:7.1f} %   {fields}", flush=True)
+              f"{100 * b / (ms * 1e-3) / copy:7.1f} %   {fields}" + (f"  (= {', '.join(twins)})" if twins else ""),
+              flush=True)
+        for n in twins:
+            results[(op, n)] = ms
 
     best = {}
     for op in ops:
         mine = [(ms, name) for (o, name), ms in results.items() if o == op and name != "defaults"]
         if mine:
             best[op] = min(mine)
-    # decode-sized rows: T = 37, today's defaults against the best candidate (µs only: tiny byte counts)
+    # ---- 5. the proposal: ONE candidate for all ops (the per-op winners may set shared fields differently) -
+    both = [n for n in launches if n != "defaults" and all((op, n) in results for op in ops)]
+    joint = min(both, key=lambda n: sum(results[op, n] for op in ops), default=None)
+    proposal = one_pass_variant(joint) if joint else None
+
+    # ---- 6. summary (before the decode step: what the lead needs, should the call be cut short) ------------
+    def pct(op, ms):
+        return f"{ms * 1e3:.1f} µs = {100 * nb[op] / (ms * 1e-3) / copy:.1f} %"
+
+    print(f"\nsummary (T = {T_BIG}, Hd = {HD}, % of the copy ceiling over compulsory bytes; goal: pre and fused >= 50 %)")
     for op in ops:
-        for name in ("defaults", best.get(op, (0, None))[1]):
-            if name is None or (op, name) not in passed:
+        base = results.get((op, "defaults"))
+        line = f"  {op:5s} today's default ({MhcLaunch().design(op == 'fused')}): {pct(op, base) if base else 'not timed'}"
+        if op in best:
+            line += f"; fastest one-pass {best[op][1]!r}: {pct(op, best[op][0])}"
+        if joint:
+            line += f"; proposed {joint!r}: {pct(op, results[op, joint])}"
+        print(line)
+    if joint is None:
+        print("no one-pass candidate passed and was timed for every op: keep the defaults", flush=True)
+    else:
+        fields = ONE_PASS_VARIANTS[joint]
+        default_fields = {f.name: f.default for f in dataclasses.fields(MhcLaunch)}
+        diff = {k: v for k, v in fields.items() if default_fields.get(k) != v}
+        print(f"the proposal: the candidate with the least total time over {', '.join(ops)} ({joint!r}); to make it "
+              "the default, in dsv4ref/mhc/launch.py MhcLaunch: one_pass: bool = True"
+              + ("" if not diff else "; and " + ", ".join(f"{k}: ... = {v}" for k, v in diff.items())), flush=True)
+
+    # decode-sized rows: T = 37, today's defaults, the fastest candidate and the proposal (µs only)
+    for op in ops:
+        done = set()
+        for name in ("defaults", best.get(op, (0, None))[1], joint):
+            canon = same_as.get((op, name), name)
+            if name is None or canon in done or (op, canon) not in passed:
                 continue
-            L = launches[name]
+            done.add(canon)
+            L = launches[canon]
             small = [_inputs(T_SMALL)] * 2
             small_outs = [run_op(op, L, T_SMALL, s) for s in small]
             ms = time_ms(lambda i, L=L, op=op: run_op(op, L, T_SMALL, small[i], small_outs[i]), n_sets=2, **tkw)
             print(f"{op:5s} T={T_SMALL:<4d} {name:15s} {L.design(op == 'fused'):10s} {ms * 1e3:8.1f} µs", flush=True)
 
-    # ---- 5. the decode step with the best candidates merged ------------------------------------------------
-    merged = MhcLaunch(one_pass=True)
-    changes = {}
-    for op in ("pre", "fused"):  # head shares the pre fields; fused has its own tiles
-        if op in best:
-            f = ONE_PASS_VARIANTS[best[op][1]][1]
-            keep = (lambda k: "fused" in k) if op == "fused" else (lambda k: "fused" not in k)
-            changes.update({k: v for k, v in f.items() if keep(k)})
-    try:
-        merged = dataclasses.replace(merged, **changes)
-    except Exception as e:  # e.g. a field pair the two winners set differently: keep the defaults
-        print(f"merging the winners' fields failed ({e}); the decode step runs MhcLaunch(one_pass=True)")
-    if with_decode:
-        print(f"\n{el()} decode step, teaching config, mhc_launch = MhcLaunch(one_pass=True, **{changes})", flush=True)
+    if with_decode and proposal is not None:
+        print(f"\n{el()} decode step, teaching config, mhc_launch = one_pass_variant({joint!r})", flush=True)
         if decode_err and not decode_err.startswith("still compiling"):
             print(f"  one-pass decode step FAILED in the compile worker: {decode_err}", flush=True)
         else:
             try:
-                decode_check(merged)
+                decode_check(proposal)
             except Exception as e:
                 print(f"  decode step FAILED: {type(e).__name__}: {str(e)[:300]}", flush=True)
     print(f"{el()} done", flush=True)
 
-    # ---- 6. summary ---------------------------------------------------------------------------------------
-    print(f"\nsummary (T = {T_BIG}, Hd = {HD}, % of the copy ceiling over compulsory bytes; goal: pre and fused >= 50 %)")
-    for op in ops:
-        base = results.get((op, "defaults"))
-        line = f"  {op:5s} today's default {MhcLaunch().design(op == 'fused')}: " + (
-            f"{base * 1e3:.1f} µs = {100 * nb[op] / (base * 1e-3) / copy:.1f} %" if base else "not timed")
-        if op in best:
-            ms, name = best[op]
-            line += f"; best one-pass {name!r}: {ms * 1e3:.1f} µs = {100 * nb[op] / (ms * 1e-3) / copy:.1f} %"
-        print(line)
-    default_fields = {f.name: f.default for f in dataclasses.fields(MhcLaunch)}
-    diff = {k: v for k, v in changes.items() if default_fields.get(k) != v}
-    print("to make the winners the default, in dsv4ref/mhc/launch.py MhcLaunch: one_pass: bool = True"
-          + ("" if not diff else "; and " + ", ".join(f"{k} = {v}" for k, v in diff.items())))
 
 
 def decode_check(L) -> None:

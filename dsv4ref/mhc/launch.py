@@ -103,7 +103,7 @@ class MhcLaunch:
     one_pass_lag: int = 2  # the weighted sum runs this many tiles behind the partials (>= 1)
     one_pass_sum_unroll: int = 4  # the last arrival has this many slices' partials in flight per round
     one_pass_one_dot: int = 2  # dots per chunk: 0 one per stream, 1 one (tiles joined), 2 one (one load; fused: 1)
-    one_pass_chain: bool = False  # the slice's MMAs chain into one partial instead of one per chunk
+    one_pass_chain: bool = False  # pre / head: the slice's MMAs chain into one partial instead of one per chunk
     one_pass_pack_ws: bool = True  # workspace rows of the live columns only (pre 24, head 4) instead of 32
     one_pass_prefetch: bool = False  # pre / head: phase B's first stream chunk loaded before the READY wait
     one_pass_hw_round: bool = True  # compiled: bf16 outputs rounded by the hardware conversion (same bits)
@@ -209,41 +209,41 @@ _BOOLS = ("one_pass", "one_pass_chain", "one_pass_pack_ws", "one_pass_prefetch",
 
 DEFAULT = MhcLaunch()
 
-# The one-pass candidates of issue 14: name -> (the ops it is timed for, MhcLaunch fields on top of
-# MhcLaunch(one_pass=True)). "s3" is the design as session 3 measured it (pre 229 µs, fused 410 µs, head 136 µs
-# at T = Hd = 4096; its loads of the streams now go through a bf16 pointer, so its dots read them from shared
-# memory); every other row names what it changes. benchmarks/mhc_sweep.py checks and times them on a GPU,
+# The one-pass candidates of issue 14: name -> MhcLaunch fields on top of MhcLaunch(one_pass=True), each run for
+# pre, fused and head (a field an op does not use leaves its kernel as another candidate's: benchmarks/
+# mhc_sweep.py times each distinct kernel once, ``one_pass_args`` says which are the same). "s3" is the design
+# as session 3 measured it (pre 229 µs, fused 410 µs, head 136 µs at T = Hd = 4096; its streams now load
+# through a bf16 pointer, so its dots read them from shared memory); every other row names what it changes.
 # benchmarks/mhc_compile_check.py compiles them for sm_90a on a CPU, tests/test_mhc.py runs every distinct
-# kernel among them in the interpreter. kernels.py "Design 3" says which suspect each switch attacks.
+# kernel among them in the interpreter; kernels.py "Design 3" says which suspect each switch attacks.
 _S3 = dict(one_pass_block_k=32, one_pass_stages=3, one_pass_maxnreg=None, one_pass_lag=1, one_pass_sum_unroll=1,
            one_pass_one_dot=0, one_pass_pack_ws=False, one_pass_prefetch=False, one_pass_hw_round=False)
 _FIX = dict(one_pass_lag=2, one_pass_sum_unroll=8, one_pass_pack_ws=True)  # the last arrival off the critical path
 _ONE_PER_SM = dict(one_pass_block_k=32, one_pass_stages=3, one_pass_maxnreg=None)  # 160 KB, up to 255 registers
-ONE_PASS_VARIANTS: dict[str, tuple[tuple[str, ...], dict]] = {
-    "s3": (("pre", "fused", "head"), _S3),
-    "s3 slice256": (("pre", "fused", "head"), {**_S3, "one_pass_slice_h": 256}),
-    "s3 +sum8": (("pre",), {**_S3, "one_pass_sum_unroll": 8}),
-    "s3 +sum8 lag2 pack": (("pre", "fused", "head"), {**_S3, **_FIX}),
-    "1/SM prefetch": (("pre", "head"), {**_ONE_PER_SM, **_FIX, "one_pass_prefetch": True}),
-    "1/SM one_dot1": (("pre",), {**_ONE_PER_SM, **_FIX, "one_pass_one_dot": 1}),
-    "default": (("pre", "fused", "head"), {}),  # MhcLaunch's one-pass field defaults: 2 programs per SM
-    "default lag3": (("pre", "fused"), {"one_pass_lag": 3}),
-    "default slice256": (("pre", "fused", "head"), {"one_pass_slice_h": 256}),
-    "default chain": (("pre", "head"), {"one_pass_chain": True}),
-    "default 4st": (("pre",), {"one_pass_stages": 4}),  # 112 KB: still 2 per SM
-    "default sum8": (("pre",), {"one_pass_sum_unroll": 8}),
-    "default int-round": (("pre", "fused"), {"one_pass_hw_round": False}),
-    "default bt64 4w": (("pre", "fused"), {"one_pass_block_t": 64, "one_pass_warps": 4, "one_pass_maxnreg": None,
-                                           "one_pass_fused_block_t": 64, "one_pass_fused_warps": 4,
-                                           "one_pass_fused_stages": 3}),
-    "default fused 3st": (("fused",), {"one_pass_fused_stages": 3}),
-    "default fused 4 dots": (("fused",), {"one_pass_one_dot": 0}),
+ONE_PASS_VARIANTS: dict[str, dict] = {
+    "s3": _S3,
+    "s3 slice256": {**_S3, "one_pass_slice_h": 256},
+    "s3 +sum8": {**_S3, "one_pass_sum_unroll": 8},
+    "s3 +sum8 lag2 pack": {**_S3, **_FIX},
+    "1/SM prefetch": {**_ONE_PER_SM, **_FIX, "one_pass_prefetch": True},
+    "1/SM one_dot1": {**_ONE_PER_SM, **_FIX, "one_pass_one_dot": 1},
+    "default": {},  # MhcLaunch's one-pass field defaults: pre / head 2 programs per SM
+    "default lag3": {"one_pass_lag": 3},
+    "default slice256": {"one_pass_slice_h": 256},
+    "default chain": {"one_pass_chain": True},
+    "default 4st": {"one_pass_stages": 4},  # 112 KB: still 2 per SM
+    "default sum8": {"one_pass_sum_unroll": 8},
+    "default int-round": {"one_pass_hw_round": False},
+    "default bt64 4w": {"one_pass_block_t": 64, "one_pass_warps": 4, "one_pass_maxnreg": None,
+                        "one_pass_fused_block_t": 64, "one_pass_fused_warps": 4, "one_pass_fused_stages": 3},
+    "default fused 3st": {"one_pass_fused_stages": 3},
+    "default 4 dots": {"one_pass_one_dot": 0},
 }
 
 
 def one_pass_variant(name: str, **overrides) -> MhcLaunch:
     """``MhcLaunch(one_pass=True)`` with the fields of ``ONE_PASS_VARIANTS[name]``, then ``overrides``."""
-    return MhcLaunch(one_pass=True, **{**ONE_PASS_VARIANTS[name][1], **overrides})
+    return MhcLaunch(one_pass=True, **{**ONE_PASS_VARIANTS[name], **overrides})
 
 
 # ====================================================================================================
@@ -315,7 +315,9 @@ def one_pass_args(L: MhcLaunch, T: int, Hd: int, head: bool, fused: bool):
     ws_stride = (4 if head else 24) if L.one_pass_pack_ws else 32
     consts = dict(HEAD=head, FUSED=fused, BLOCK_T=bt, BLOCK_K=bk, BLOCK_H=L.one_pass_block_h, LAG=L.one_pass_lag,
                   SPIN_LIMIT=1 << 16, SUM_UNROLL=L.one_pass_sum_unroll, ONE_DOT=L.one_pass_one_dot,
-                  CHAIN=L.one_pass_chain, WS_GATE=ws_gate, WS_STRIDE=ws_stride,
+                  CHAIN=L.one_pass_chain and not fused,  # fused feeds its dot from registers: ptxas would
+                  #                                        serialise every wgmma of a loop-carried chain (C7515)
+                  WS_GATE=ws_gate, WS_STRIDE=ws_stride,
                   PREFETCH=L.one_pass_prefetch and not fused,  # the fused phase B reads what phase A wrote
                   HW_ROUND=L.one_pass_hw_round and not interpreting())  # the interpreter's cast truncates
     opts = dict(num_warps=warps, num_stages=stages, maxnreg=maxnreg)
