@@ -19,6 +19,7 @@ from dsv4ref.decode import (ATTN_TOL, LOGITS_TOL, CacheCapacityError, Decoder, a
                             reference_forward, rel_err, run, traffic_per_op)
 from dsv4ref.decode import reference as dense
 from dsv4ref.device import interpreting
+from dsv4ref.mhc import MhcLaunch
 from dsv4ref.testing import assert_close, randn
 from dsv4ref.tolerances import TOLERANCES
 
@@ -93,11 +94,15 @@ def test_short_prompts_use_every_visible_row(long_run):
         assert sorted(i for i in ids[p].tolist() if i >= 0) == list(range(n_c))
 
 
-def test_triton_step_matches():
+@pytest.mark.parametrize("mhc_design", ["default", "one-pass"])
+def test_triton_step_matches(mhc_design):
     """One decode step through the Triton kernels (interpreted on the CPU) agrees with the reference
     and with the same step through the torch ops. Heads unpadded here to keep the interpreter quick;
-    the demo and the GPU run use Hp = 64."""
-    dec, w, recs, _ = run(TINY, steps=0, prompt_lens=(133, 6), pad_heads=False)
+    the demo and the GPU run use Hp = 64. ``one-pass``: every mHC call of the step (pre, fused post+pre, post,
+    head) runs the one-pass design, ``Decoder(mhc_launch=MhcLaunch(one_pass=True))``: what the step does once
+    that design is the default (benchmarks/mhc.md)."""
+    launch = MhcLaunch(one_pass=True) if mhc_design == "one-pass" else None
+    dec, w, recs, _ = run(TINY, steps=0, prompt_lens=(133, 6), pad_heads=False, mhc_launch=launch)
     twin = copy.deepcopy(dec)
     ids = recs[0][2].argmax(-1)
     pos = dec.lengths.clone()

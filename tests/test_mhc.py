@@ -13,7 +13,7 @@ import torch
 
 from dsv4ref import config, mhc, validate
 from dsv4ref.mhc import MhcLaunch, reference
-from dsv4ref.mhc.launch import split3
+from dsv4ref.mhc.launch import ONE_PASS_VARIANTS, one_pass_variant, split3
 from dsv4ref.device import DEVICE, interpreting
 from dsv4ref.testing import assert_close, compare, generator, poison, randn
 
@@ -518,15 +518,28 @@ def test_split_fn_is_exact_and_cached():
 # ====================================================================================================
 
 
-def test_one_pass_matches_fp64_and_fused_equals_post_then_pre(lag=2):
-    """T = 19 in 16-token tiles (two tiles, the second partial) × Hd = 56 in two hidden slices of one 32-wide
-    chunk (the second partial): every tile's last arrival runs the gates, phase B finishes tile g − lag (2
-    here; the default 1 runs in test_public_fused_post_pre_4cycle and tests/test_contract_mhc.py). pre and
-    head match the fp64 oracle; fused == post then a pre of the same chunks, bit for bit on bf16, 1e-6 on
-    fp32. (Tiny on purpose: the interpreter pays ~10 ms per helper call.)"""
+# the interpreter-sized tiles; every other field is the candidate's (lag, partial-sum rounds, dots per chunk,
+# MMA chain, workspace packing, prefetch: the switches that change the kernel's code)
+SMALL = dict(one_pass_block_t=16, one_pass_block_k=32, one_pass_fused_block_t=16, one_pass_fused_block_k=32,
+             one_pass_block_h=32, one_pass_slice_h=32, one_pass_maxnreg=None, one_pass_fused_maxnreg=None)
+_SWITCHES = ("one_pass_lag", "one_pass_sum_unroll", "one_pass_one_dot", "one_pass_chain", "one_pass_pack_ws",
+             "one_pass_prefetch")
+_KERNELS: dict = {}
+for _name in ONE_PASS_VARIANTS:  # the first candidate of each distinct kernel
+    _KERNELS.setdefault(tuple(getattr(one_pass_variant(_name), k) for k in _SWITCHES), _name)
+ONE_PASS_KERNELS = list(_KERNELS.values())
+
+
+@pytest.mark.parametrize("variant", ONE_PASS_KERNELS)
+def test_one_pass_matches_fp64_and_fused_equals_post_then_pre(variant):
+    """Every distinct kernel among the one-pass candidates (launch.ONE_PASS_VARIANTS, the ones
+    benchmarks/mhc_sweep.py times), at T = 19 in 16-token tiles (two tiles, the second partial) × Hd = 56 in
+    two hidden slices of one 32-wide chunk (the second partial): every tile's last arrival runs the gates,
+    phase B finishes tile g − lag. pre and head match the fp64 oracle; fused == post then a pre of the same
+    arithmetic (``pre_like_fused``), bit for bit on bf16, 1e-6 on fp32. (Tiny on purpose: the interpreter pays
+    ~10 ms per helper call. The compiled kernels: the GPU tests and the sweep, at the real sizes.)"""
     T, Hd = 19, 56
-    L = MhcLaunch(one_pass=True, one_pass_block_t=16, one_pass_block_k=32, one_pass_fused_block_k=32,
-                  one_pass_block_h=32, one_pass_slice_h=32, one_pass_lag=lag)
+    L = one_pass_variant(variant, **SMALL)
     assert L.one_pass_plan(T, Hd) == (2, 2, 1, 32)
     res, x, fn, scale, base = case(T, Hd, seed=31)
     p, c, li = mhc.pre(res, fn, scale, base, launch=L)
@@ -565,13 +578,24 @@ def test_launch_is_explicit():
     """Every launch choice travels as an argument: an MhcLaunch round-trips through the custom ops' ``launch``
     int[] (their schema), and tiles a kernel cannot take are refused up front."""
     for L in (MhcLaunch(), MhcLaunch(split_k=False, block_t=32, splits=3), MhcLaunch(split_k=True, target_programs=7),
-              MhcLaunch(one_pass=True, one_pass_slices=3, one_pass_lag=2)):
+              MhcLaunch(one_pass=True, one_pass_slices=3, one_pass_lag=2),
+              *(one_pass_variant(n) for n in ONE_PASS_VARIANTS)):
         assert MhcLaunch.decode(L.encode()) == L
-    assert MhcLaunch(one_pass=True).design(fused=True) == "one_pass" and MhcLaunch().design(fused=False) == "split_k"
-    with pytest.raises(ValueError, match="launch.one_pass"):
-        MhcLaunch(one_pass=True, split_k=True)
+    assert MhcLaunch(one_pass=True).design(fused=True) == "one_pass"
+    # the default: split-K for pre until one_pass (one line in MhcLaunch) is made the default after its H200 run
+    assert MhcLaunch().design(fused=False) == ("one_pass" if MhcLaunch().one_pass else "split_k")
+    # an explicit split_k picks one of the first two designs whatever one_pass says (so the tests' and the bench's
+    # MhcLaunch(split_k=...) keep their meaning when one_pass becomes the default)
+    assert MhcLaunch(one_pass=True, split_k=True).design(fused=False) == "split_k"
+    assert MhcLaunch(one_pass=True, split_k=False).pre_like_fused().design(fused=False) == "one_kernel"
     with pytest.raises(ValueError, match="launch.one_pass_lag: expected an int >= 1"):
         MhcLaunch(one_pass_lag=0)
+    with pytest.raises(ValueError, match="launch.one_pass_one_dot: expected an int in"):
+        MhcLaunch(one_pass_one_dot=3)
+    with pytest.raises(ValueError, match="launch.one_pass_maxnreg: expected an int in"):
+        MhcLaunch(one_pass_maxnreg=300)
+    with pytest.raises(TypeError, match="launch.one_pass_chain: expected a bool"):
+        MhcLaunch(one_pass_chain=1)
     assert "[] launch" in str(torch.ops.dsv4ref.mhc_pre.default._schema)  # int[] (SymInt[])
     assert MhcLaunch().uses_split_k(fused=False) and not MhcLaunch().uses_split_k(fused=True)  # the measured defaults
     with pytest.raises(ValueError, match="launch.block_t: expected >= 16"):

@@ -99,14 +99,16 @@ def agreement(cfg: Config, weights: dict, records, history, bugs=()) -> list[Ste
 
 def run(cfg: Config = TINY, *, steps: int = 8, prompt_lens=(133, 37, 5, 70), seed: int = 0, capacity: int | None = None,
         decode_backend: str = "auto", prefill_backend: str = "reference", pad_heads: bool = True,
-        inactive: dict | None = None, progress=None, profile: bool = False, speculate: int = 0, graph: bool = False):
+        inactive: dict | None = None, progress=None, profile: bool = False, speculate: int = 0, graph: bool = False,
+        mhc_launch=None):
     """Prefill random prompts, then greedy-decode ``steps`` tokens.
 
     ``inactive``: {step: [request ids]} that sit out that step as padding; ``progress(i, n)`` is called
     after each step; ``profile`` collects per-op milliseconds in the decoder's ``prof``.
     ``speculate = k > 0``: decode with MTP speculation instead (:func:`run_speculative`; ``inactive`` and
     ``profile`` are not supported there). ``graph``: ``Decoder(graph=True)``, the steps run with value checks
-    off (``docs/decode.md#one-step-one-graph``).
+    off (``docs/decode.md#one-step-one-graph``). ``mhc_launch``: the mHC calls' :class:`~dsv4ref.mhc.MhcLaunch`
+    (``Decoder(mhc_launch=...)``; None: the defaults).
     Returns (decoder, weights, records, tokens/s of the decode loop); records as :func:`agreement` takes
     them, the first one (step −1) the prefill's last prompt token."""
     if speculate:
@@ -117,7 +119,7 @@ def run(cfg: Config = TINY, *, steps: int = 8, prompt_lens=(133, 37, 5, 70), see
                                progress=progress)
     R = len(prompt_lens)
     dec, w, rec, logits = _start(cfg, prompt_lens, seed, capacity, steps, decode_backend, prefill_backend, pad_heads,
-                                 graph)
+                                 graph, mhc_launch)
     records = [rec]
     synchronize()
     t0 = time.perf_counter()
@@ -140,13 +142,14 @@ def run(cfg: Config = TINY, *, steps: int = 8, prompt_lens=(133, 37, 5, 70), see
     return dec, w, records, tps
 
 
-def _start(cfg, prompt_lens, seed, capacity, steps, decode_backend, prefill_backend, pad_heads, graph=False):
+def _start(cfg, prompt_lens, seed, capacity, steps, decode_backend, prefill_backend, pad_heads, graph=False,
+           mhc_launch=None):
     """A Decoder with random prompts prefilled: (decoder, weights, first record, logits)."""
     R = len(prompt_lens)
     cap = capacity or (max(prompt_lens) + steps + 15) // 16 * 16
     w = make_weights(cfg, seed)
     dec = Decoder(cfg, w, num_requests=R, capacity=cap, seed=seed, pad_heads=pad_heads, backend=decode_backend,
-                  graph=graph)
+                  graph=graph, mhc_launch=mhc_launch)
     g = generator(seed + 2)
     prompts = [torch.randint(0, cfg.vocab_size, (n,), generator=g) for n in prompt_lens]
     logits = dec.prefill(prompts, backend=prefill_backend)

@@ -166,6 +166,8 @@ class Decoder:
     serving engine would free pages that slid out of the window); a step that would go past ``capacity``
     raises :class:`CacheCapacityError` instead of overwriting.
 
+    ``mhc_launch`` (an :class:`~dsv4ref.mhc.MhcLaunch`, None = the library default ``MhcLaunch()``) is passed
+    as ``launch=`` to every mHC call: the design (split-K / one kernel / one pass) the step's mHC ops run.
     ``backend`` ("auto", "triton" or "reference") is passed to every op; ``prefill`` defaults to
     "reference" (in the CPU interpreter a kernel launch costs ~1 ms per program, too slow for hundreds of
     prompt tokens), ``step`` to ``backend``. After each call ``attn_out`` holds every layer's attention
@@ -188,7 +190,7 @@ class Decoder:
 
     def __init__(self, cfg: Config = TINY, weights: dict | None = None, *, num_requests: int = 4,
                  capacity: int = 320, seed: int = 0, pad_heads: bool = True, index_hadamard: bool = True,
-                 backend: str = "auto", device=None, graph: bool = False):
+                 backend: str = "auto", device=None, graph: bool = False, mhc_launch: mhc.MhcLaunch | None = None):
         check_config(cfg)
         if num_requests < 1:
             raise ValueError(f"num_requests: expected >= 1, got {num_requests}")
@@ -196,6 +198,9 @@ class Decoder:
             raise ValueError(f"capacity: expected 1..cfg.max_position={cfg.max_position} tokens, got {capacity}")
         self.cfg, self.dev = cfg, device or DEVICE
         self.backend = validate.backend(backend, SUPPORTED_BACKENDS)
+        if mhc_launch is not None and not isinstance(mhc_launch, mhc.MhcLaunch):
+            raise TypeError(f"mhc_launch: expected an MhcLaunch or None, got {type(mhc_launch).__name__}")
+        self.mhc_launch = mhc_launch  # every mHC call's launch= (None: dsv4ref.mhc's defaults, MhcLaunch())
         self.index_hadamard = index_hadamard  # on both the indexer Q and K sides, or neither
         self.w = weights if weights is not None else make_weights(cfg, seed, self.dev)
         self.R, self.capacity = num_requests, capacity
@@ -469,7 +474,8 @@ class Decoder:
         ``record``: keep the block's expert ids (verified rows only)."""
         cfg, wm, st = self.cfg, self.w["mtp"], self.mtp_state
         B = wm["block"]
-        mk = dict(rms_eps=cfg.rms_norm_eps, hc_eps=cfg.hc_eps, sinkhorn_iters=cfg.hc_sinkhorn_iters, backend=backend)
+        mk = dict(rms_eps=cfg.rms_norm_eps, hc_eps=cfg.hc_eps, sinkhorn_iters=cfg.hc_sinkhorn_iters, backend=backend,
+                  launch=self.mhc_launch)
         X = self._op("mtp", mtp.draft_input, h_prev, self.w["embed"][tok], rows.pos, wm["enorm"], wm["hnorm"],
                      wm["e_proj"], wm["h_proj"], eps=cfg.rms_norm_eps)
         p = B["hc_attn"]
@@ -479,7 +485,7 @@ class Decoder:
         X, post, comb, x = self._op("mhc", mhc.fused_post_pre, a, X, post, comb, p["fn"], p["scale"], p["base"], **mk)
         sink = dict(experts=st["experts"]) if record else dict(experts=st["experts"].clone())
         y = self._ffn(B, sink, x, torch.where(rows.valid, tok, -1), rows, backend)
-        X = self._op("mhc", mhc.post, y, X, post, comb, backend=backend)
+        X = self._op("mhc", mhc.post, y, X, post, comb, backend=backend, launch=self.mhc_launch)
         return X, self._head(X, wm["hc_head"], wm["norm"], backend)
 
     def _ring_rows(self, rows: Rows) -> list:
@@ -553,7 +559,8 @@ class Decoder:
     # ------------------------------------------------------------------------------------------------
     def _forward(self, ids: torch.Tensor, rows: Rows, backend: str) -> torch.Tensor:
         cfg, w = self.cfg, self.w
-        mk = dict(rms_eps=cfg.rms_norm_eps, hc_eps=cfg.hc_eps, sinkhorn_iters=cfg.hc_sinkhorn_iters, backend=backend)
+        mk = dict(rms_eps=cfg.rms_norm_eps, hc_eps=cfg.hc_eps, sinkhorn_iters=cfg.hc_sinkhorn_iters, backend=backend,
+                  launch=self.mhc_launch)
         self.attn_out = []  # per layer (T, Hd) bf16, for the agreement checks
         input_ids = torch.where(rows.valid, ids, -1)  # the MoE's padding marker (and a hash layer's key)
         h = w["embed"][ids]  # 0: (T, Hd) bf16
@@ -571,7 +578,7 @@ class Decoder:
             p = L["hc_ffn"]
             Hs, post, comb, x = self._op("mhc", mhc.fused_post_pre, a, Hs, post, comb, p["fn"], p["scale"], p["base"], **mk)
             ffn_out = self._ffn(L, self.layers[li], x, input_ids, rows, backend)  # 11
-        Hs = self._op("mhc", mhc.post, ffn_out, Hs, post, comb, backend=backend)  # 12
+        Hs = self._op("mhc", mhc.post, ffn_out, Hs, post, comb, backend=backend, launch=self.mhc_launch)  # 12
         self.hidden = Hs  # the pre-hc_head residual: what the draft layer reads
         return self._head(Hs, w["hc_head"], w["final_norm"], backend)
 
@@ -580,7 +587,7 @@ class Decoder:
         own ``hc``/``norm``)."""
         cfg = self.cfg
         y = self._op("mhc", mhc.head, Hs, hc["fn"], hc["scale"], hc["base"], rms_eps=cfg.rms_norm_eps,
-                     hc_eps=cfg.hc_eps, backend=backend)
+                     hc_eps=cfg.hc_eps, backend=backend, launch=self.mhc_launch)
         y = _rms_norm(y, norm, cfg.rms_norm_eps)
         return self._op("lm_head", lambda: y.float() @ self.w["lm_head"].float().T)
 

@@ -79,6 +79,33 @@ def load_streams(ptr, ro, Hd, mask, CG: tl.constexpr = False):
 
 
 @triton.jit
+def bf16_bits(x, HW: tl.constexpr = False):
+    """fp32 -> the uint16 bits of bf16(x), round to nearest even, every NaN 0x7FC0: ``bf16_rne_bits_nan``
+    (integer arithmetic, ~9 instructions a value, right in the interpreter) or, ``HW`` (compiled kernels only:
+    the interpreter's cast truncates, docs/triton_interpreter.md I4), the hardware conversion (cvt.rn.bf16x2:
+    one instruction per two values) with NaN made 0x7FC0 after it. The same bits for every input."""
+    if HW:
+        b = x.to(tl.bfloat16, fp_downcast_rounding="rtne").to(tl.uint16, bitcast=True)
+        return tl.where(x != x, 0x7FC0, b.to(tl.int32)).to(tl.uint16)
+    else:
+        return bf16_rne_bits_nan(x)
+
+
+@triton.jit
+def load_streams_bf16(ptr, ro, Hd, mask):
+    """``load_streams`` through a bf16 pointer (the int16 view reinterpreted): the loaded tiles go straight
+    to a tensor-core dot, which then reads its A operand from shared memory (an int16 load bitcast to bf16
+    in registers makes the compiler feed the dot from registers); the fp32 values are ``.to(tl.float32)``
+    right after the load, which the interpreter gets right (docs/triton_interpreter.md I3)."""
+    p = ptr.to(tl.pointer_type(tl.bfloat16), bitcast=True)
+    a0 = tl.load(p + ro, mask=mask, other=0.0)
+    a1 = tl.load(p + ro + Hd, mask=mask, other=0.0)
+    a2 = tl.load(p + ro + 2 * Hd, mask=mask, other=0.0)
+    a3 = tl.load(p + ro + 3 * Hd, mask=mask, other=0.0)
+    return a0, a1, a2, a3, a0.to(tl.float32), a1.to(tl.float32), a2.to(tl.float32), a3.to(tl.float32)
+
+
+@triton.jit
 def col(ptr, rows, stride, c, mask):
     """A [BLOCK_T] fp32 vector: column ``c`` of a row-major [T, stride] fp32 matrix."""
     return tl.load(ptr + rows * stride + c, mask=mask, other=0.0)
@@ -206,20 +233,21 @@ def token_tile(tile, T, post_in_ptr, comb_in_ptr, FUSED: tl.constexpr, BLOCK_T: 
 
 
 @triton.jit
-def stream_chunk(res_ptr, x_ptr, new_ptr, W, rows, h, Hd, mask, FUSED: tl.constexpr):
+def stream_chunk(res_ptr, x_ptr, new_ptr, W, rows, h, Hd, mask, FUSED: tl.constexpr, HW: tl.constexpr = False):
     """Pass 1's input for one chunk ``h`` [BLOCK_K] of the tile's 4 streams: (a0..a3 bf16, r0..r3 fp32).
 
     FUSED: the streams read are the ones BEFORE the post; the post is applied here (new stream j =
     post_j·x + Σ_i comb[i, j]·r_i), rounded to bf16, stored to ``new_ptr``, and returned as the values the
-    GEMM sees, exactly the bf16 values a separate pre would read."""
+    GEMM sees, exactly the bf16 values a separate pre would read. ``HW``: rounded by ``bf16_bits``' hardware
+    path (the same bits)."""
     ro = rows[:, None] * (4 * Hd) + h[None, :]  # stream i at ro + i·Hd
     a0, a1, a2, a3, r0, r1, r2, r3 = load_streams(res_ptr, ro, Hd, mask)
     if FUSED:
         _, x = load_bf16(x_ptr, rows[:, None] * Hd + h[None, :], mask)
-        n0 = bf16_rne_bits_nan(post_stream(x, W[0], r0, r1, r2, r3))
-        n1 = bf16_rne_bits_nan(post_stream(x, W[1], r0, r1, r2, r3))
-        n2 = bf16_rne_bits_nan(post_stream(x, W[2], r0, r1, r2, r3))
-        n3 = bf16_rne_bits_nan(post_stream(x, W[3], r0, r1, r2, r3))
+        n0 = bf16_bits(post_stream(x, W[0], r0, r1, r2, r3), HW)
+        n1 = bf16_bits(post_stream(x, W[1], r0, r1, r2, r3), HW)
+        n2 = bf16_bits(post_stream(x, W[2], r0, r1, r2, r3), HW)
+        n3 = bf16_bits(post_stream(x, W[3], r0, r1, r2, r3), HW)
         tl.store(new_ptr + ro, n0.to(tl.int16, bitcast=True), mask=mask)
         tl.store(new_ptr + ro + Hd, n1.to(tl.int16, bitcast=True), mask=mask)
         tl.store(new_ptr + ro + 2 * Hd, n2.to(tl.int16, bitcast=True), mask=mask)
@@ -264,24 +292,26 @@ def gates(acc_g, acc_c, ssq, K, rows, rm, scale_ptr, base_ptr, post_ptr, comb_pt
 
 
 @triton.jit
-def layer_input_chunk(src_ptr, out_ptr, rows, rm, h, h_end, Hd, w0, w1, w2, w3, CG: tl.constexpr = False):
-    """out[rows, h] = bf16(Σ_i pre_i · stream_i[rows, h]) for one chunk ``h`` of the hidden dim (h < h_end <= Hd)."""
+def layer_input_chunk(src_ptr, out_ptr, rows, rm, h, h_end, Hd, w0, w1, w2, w3, CG: tl.constexpr = False,
+                      HW: tl.constexpr = False):
+    """out[rows, h] = bf16(Σ_i pre_i · stream_i[rows, h]) for one chunk ``h`` of the hidden dim (h < h_end <= Hd).
+    ``HW``: rounded by ``bf16_bits``' hardware path (the same bits)."""
     mask = rm[:, None] & (h < h_end)[None, :]
     _, _, _, _, r0, r1, r2, r3 = load_streams(src_ptr, rows[:, None] * (4 * Hd) + h[None, :], Hd, mask, CG)
     y = weighted4(w0, w1, w2, w3, r0, r1, r2, r3)
-    tl.store(out_ptr + rows[:, None] * Hd + h[None, :], bf16_rne_bits_nan(y).to(tl.int16, bitcast=True), mask=mask)
+    tl.store(out_ptr + rows[:, None] * Hd + h[None, :], bf16_bits(y, HW).to(tl.int16, bitcast=True), mask=mask)
 
 
 @triton.jit
 def layer_input_range(src_ptr, out_ptr, rows, rm, h_begin, h_end, Hd, w0, w1, w2, w3, BLOCK: tl.constexpr,
-                      CG: tl.constexpr = False):
+                      CG: tl.constexpr = False, HW: tl.constexpr = False):
     """``layer_input_chunk`` over the hidden range [h_begin, h_end) in BLOCK-wide chunks, LAST chunk first:
     a pass that just read (or wrote) this range in order finds its latest chunks likeliest still in L2."""
     hh = tl.arange(0, BLOCK)
     n_chunks = tl.cdiv(h_end - h_begin, BLOCK)
     for c in range(0, n_chunks):
         layer_input_chunk(src_ptr, out_ptr, rows, rm, h_begin + (n_chunks - 1 - c) * BLOCK + hh, h_end, Hd,
-                          w0, w1, w2, w3, CG)
+                          w0, w1, w2, w3, CG, HW)
 
 
 # ====================================================================================================
@@ -404,17 +434,12 @@ def gemm_stream32(a, k, kmask, fs_ptr, K, acc, DOT_FP32: tl.constexpr, NG: tl.co
 
 @triton.jit
 def partial_mix(res_ptr, x_ptr, new_ptr, fs_ptr, W, rows, rm, h_begin, h_end, Hd, DOT_FP32: tl.constexpr,
-                FUSED: tl.constexpr, NG: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr,
-                WIDE: tl.constexpr = False):
+                FUSED: tl.constexpr, NG: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr):
     """The mix GEMM and Σ X² of a token tile over the hidden range [h_begin, h_end) (whole BLOCK_K chunks, the
     last one cut at Hd), all 4 streams: (acc [BLOCK_T, NG] fp32 = [pre | post | 0 | comb (i, j) at 16 + 4i + j]
     (head: [gate | 0]), ssq [BLOCK_T] fp32). FUSED: the post is applied and the new streams stored on the way
-    (``stream_chunk``).
-
-    ``WIDE`` (the one-pass kernel): per chunk the 4 streams' wide dots (``gemm_wide``) chain into one
-    zero-started [BLOCK_T, 4·NG] partial (a chain of 4·BLOCK_K/16 MMAs, each bf16 part in its own columns),
-    folded and added to the running sum in plain fp32. Otherwise 3 narrow dots per stream (``gemm_stream32``),
-    each stream's chain zero-started."""
+    (``stream_chunk``). 3 narrow dots per stream (``gemm_stream32``), each stream's chain zero-started. (The
+    one-pass kernel's version, with wide dots: ``partial_mix_one_pass``.)"""
     kk = tl.arange(0, BLOCK_K)
     K = 4 * Hd
     acc = tl.zeros((BLOCK_T, NG), dtype=tl.float32)
@@ -425,41 +450,11 @@ def partial_mix(res_ptr, x_ptr, new_ptr, fs_ptr, W, rows, rm, h_begin, h_end, Hd
         a0, a1, a2, a3, r0, r1, r2, r3 = stream_chunk(res_ptr, x_ptr, new_ptr, W, rows, h, Hd,
                                                       rm[:, None] & hm[None, :], FUSED)
         ssq += tl.sum(weighted4(r0, r1, r2, r3, r0, r1, r2, r3, False), axis=1)  # Σ_i r_i², fixed FMA order
-        if WIDE:
-            part = gemm_wide(a0, h, hm, fs_ptr, K, tl.zeros((BLOCK_T, 4 * NG), dtype=tl.float32), DOT_FP32, NG,
-                             BLOCK_K)
-            part = gemm_wide(a1, Hd + h, hm, fs_ptr, K, part, DOT_FP32, NG, BLOCK_K)
-            part = gemm_wide(a2, 2 * Hd + h, hm, fs_ptr, K, part, DOT_FP32, NG, BLOCK_K)
-            part = gemm_wide(a3, 3 * Hd + h, hm, fs_ptr, K, part, DOT_FP32, NG, BLOCK_K)
-            acc += fold_parts(part, NG, BLOCK_T)
-        else:
-            acc = gemm_stream32(a0, h, hm, fs_ptr, K, acc, DOT_FP32, NG, BLOCK_K)
-            acc = gemm_stream32(a1, Hd + h, hm, fs_ptr, K, acc, DOT_FP32, NG, BLOCK_K)
-            acc = gemm_stream32(a2, 2 * Hd + h, hm, fs_ptr, K, acc, DOT_FP32, NG, BLOCK_K)
-            acc = gemm_stream32(a3, 3 * Hd + h, hm, fs_ptr, K, acc, DOT_FP32, NG, BLOCK_K)
+        acc = gemm_stream32(a0, h, hm, fs_ptr, K, acc, DOT_FP32, NG, BLOCK_K)
+        acc = gemm_stream32(a1, Hd + h, hm, fs_ptr, K, acc, DOT_FP32, NG, BLOCK_K)
+        acc = gemm_stream32(a2, 2 * Hd + h, hm, fs_ptr, K, acc, DOT_FP32, NG, BLOCK_K)
+        acc = gemm_stream32(a3, 3 * Hd + h, hm, fs_ptr, K, acc, DOT_FP32, NG, BLOCK_K)
     return acc, ssq
-
-
-@triton.jit
-def gemm_wide(a, k, kmask, fs_ptr, K, part, DOT_FP32: tl.constexpr, NG: tl.constexpr, BLOCK_K: tl.constexpr):
-    """part + a @ [hi | mid | lo | 0]ᵀ[k, :] for one stream chunk in ONE dot of N = 4·NG (NG = 32; head 16):
-    column p·NG + c of the product is column c (``gemm_stream32``'s numbering) of bf16 part p (3: zero
-    padding, masked, so never loaded). One wide dot instead of three narrow ones: three times fewer MMA
-    waits and full-width tensor-core instructions; the parts are summed per chunk (``fold_parts``)."""
-    n = tl.arange(0, 4 * NG)
-    b = n // 16  # 16-column block: part p, group g (written so that Triton sees 16-wide contiguous runs,
-    p = b // (NG // 16)  # which lets it pipeline this load with cp.async; (n % NG) // 16 hides them)
-    g = b % (NG // 16)
-    col = ((g * 3 + p) * K * 16 + n % 16).to(tl.int64)  # fs = [G, 3, K, 16] bf16 (split_fn)
-    b_off = col[None, :] + k.to(tl.int64)[:, None] * 16  # [BLOCK_K, 4·NG]
-    bm = kmask[:, None] & (p < 3)[None, :]
-    return dot(a, tl.load(fs_ptr + b_off, mask=bm, other=0.0), part, DOT_FP32)
-
-
-@triton.jit
-def fold_parts(acc, NG: tl.constexpr, BLOCK_T: tl.constexpr):
-    """[BLOCK_T, 4·NG] (hi | mid | lo | 0 products) -> [BLOCK_T, NG]: their sum, the fp32 product X @ fnᵀ."""
-    return tl.sum(tl.reshape(acc, (BLOCK_T, 4, NG)), axis=1)
 
 
 @triton.jit
@@ -471,8 +466,7 @@ def store_partial(ws_ptr, ssq_ptr, wo, rm, acc, ssq, NG: tl.constexpr):
 
 
 @triton.jit
-def sum_partials(ws_ptr, ssq_ptr, rows, rm, T, splits, HEAD: tl.constexpr, BLOCK_T: tl.constexpr,
-                 CG: tl.constexpr = False):
+def sum_partials(ws_ptr, ssq_ptr, rows, rm, T, splits, HEAD: tl.constexpr, BLOCK_T: tl.constexpr):
     """(acc_g, acc_c [BLOCK_T, 16], ssq [BLOCK_T]): the partials of ``rows`` summed in split order (fixed, so
     the same sum on every run, whichever program does it), in the layout ``gates`` takes."""
     n16 = tl.arange(0, 16)
@@ -482,17 +476,10 @@ def sum_partials(ws_ptr, ssq_ptr, rows, rm, T, splits, HEAD: tl.constexpr, BLOCK
     ssq = tl.zeros((BLOCK_T,), dtype=tl.float32)
     for s in range(0, splits):
         wo = s * T + rows
-        if CG:
-            acc_g += tl.load(ws_ptr + wo[:, None] * 32 + n16[None, :], mask=m16, other=0.0, cache_modifier=".cg")
-            if not HEAD:
-                acc_c += tl.load(ws_ptr + wo[:, None] * 32 + 16 + n16[None, :], mask=m16, other=0.0,
-                                 cache_modifier=".cg")
-            ssq += tl.load(ssq_ptr + wo, mask=rm, other=0.0, cache_modifier=".cg")
-        else:
-            acc_g += tl.load(ws_ptr + wo[:, None] * 32 + n16[None, :], mask=m16, other=0.0)
-            if not HEAD:
-                acc_c += tl.load(ws_ptr + wo[:, None] * 32 + 16 + n16[None, :], mask=m16, other=0.0)
-            ssq += tl.load(ssq_ptr + wo, mask=rm, other=0.0)
+        acc_g += tl.load(ws_ptr + wo[:, None] * 32 + n16[None, :], mask=m16, other=0.0)
+        if not HEAD:
+            acc_c += tl.load(ws_ptr + wo[:, None] * 32 + 16 + n16[None, :], mask=m16, other=0.0)
+        ssq += tl.load(ssq_ptr + wo, mask=rm, other=0.0)
     return acc_g, acc_c, ssq
 
 
@@ -581,12 +568,12 @@ def hc_finish_kernel(
 # is always already satisfied).
 #
 # Program v (tile g, slice s) runs two phases:
-#   A. partial of tile g, slice s: the mix GEMM + Σ X² of that slice (``partial_mix_wide``; FUSED: the post
-#      first, the new streams stored), stored to the workspace. Then it counts itself in (atomic, acq_rel)
-#      on tile g's arrival counter; the LAST of the tile's ``slices`` programs to arrive sums the partials
-#      in slice order (``sum_partials``: the same sum whichever program is last, so the result is
-#      deterministic), runs ``gates`` (post, comb stored), publishes the four pre weights and raises tile
-#      g's READY flag (release).
+#   A. partial of tile g, slice s: the mix GEMM + Σ X² of that slice (``partial_mix_one_pass``; FUSED: the
+#      post first, the new streams stored), stored to the workspace. Then it counts itself in (atomic,
+#      acq_rel) on tile g's arrival counter; the LAST of the tile's ``slices`` programs to arrive sums the
+#      partials (``sum_partials_rounds``: one fixed order, the same sum whichever program is last, so the
+#      result is deterministic), runs ``gates`` (post, comb stored), publishes the four pre weights and raises
+#      tile g's READY flag (release).
 #   B. layer input of tile g − LAG, slice s: waits for that tile's READY flag (acquire; its programs hold
 #      tickets < v, so they are running, and have usually finished), loads its pre weights and re-reads
 #      slice s of tile g − LAG's streams (FUSED: the new streams, through L2 only: ``.cg``) — read about one
@@ -594,33 +581,200 @@ def hc_finish_kernel(
 #      LAG·slices extra programs that have no phase A.
 # Every program does the same work (one partial slice + one weighted-sum slice): no tail of finishers.
 #
-# The GEMM (``gemm_wide``): per stream chunk ONE dot of N = 128 = [hi | mid | lo | 0] × 32 columns instead of
-# three dots of N = 32, the four streams' dots chained into one zero-started partial per chunk (a chain of
-# 4·BLOCK_K/16 MMAs; each bf16 part in its own columns, so the truncation the module docstring describes
-# stays relative to a chunk's partial sum) and folded (hi + mid + lo) in registers. Compiled for sm_90
-# (Triton 3.9, ahead of time, no GPU): 4 wgmma waits per chunk instead of 12, every load of the K loop
-# pipelined with cp.async (3 stages), 203 registers and no spills for pre at BLOCK_T = 128, BLOCK_K = 32
-# (164 KB of shared memory: one program per SM, 8 warps); fused at BLOCK_K = 16, 4 stages: 254 registers,
-# no spills, 127 KB. (The split-K partial kernel, for comparison: 192 registers; fused 1.6 KB of spills.)
+# The GEMM: per stream chunk ONE dot of N = 128 = [hi | mid | lo | 0] × 32 columns (``gemm_wide``) instead
+# of three dots of N = 32, the four streams' dots chained into one zero-started partial per chunk (each bf16
+# part in its own columns, so the truncation the module docstring describes stays relative to a chunk's
+# partial sum) and folded (hi + mid + lo) in registers (``fold_parts``).
 #
-# Bytes at T = Hd = 4096 with the defaults (BLOCK_T 128, BLOCK_K 32, slices of 128 dims: 32 tiles × 32 slices,
-# 1056 programs), pre:
+# What the H200 measured (session 3, T = Hd = 4096): pre 229 µs (18.3 % of the copy bound), 170 µs with
+# slices of 256 (24.6 %); fused 410 / 308 µs; head 136 µs — 2–3× under the byte model below. Compiled for
+# sm_90a with Triton 3.6 on a CPU (benchmarks/mhc_compile_check.py), what serialises it:
+#   * the tile's LAST ARRIVAL summed the 32 slices' partials in a loop whose loads are consumed by the next
+#     add before the next loads issue: 32 dependent L2 round trips (~20 µs), then Sinkhorn, while phase B
+#     of the next tile's programs spun on its READY flag. Fitted to the four measured pre rows, a program
+#     lived ~29 µs for ~9 µs of its own work;
+#   * one program per SM (160 KB of shared memory): nothing hides a program's own latencies (the ticket,
+#     the pipeline fill, the release fence, the READY wait, phase B's two load rounds);
+#   * four MMA waits per chunk, and the streams loaded through an int16 pointer and bitcast in registers,
+#     which made every dot read its A operand from registers (204 registers);
+#   * the fused K loop is instruction-bound: 1306 instructions per 16-dim chunk, a third of them the
+#     integer round-to-nearest-even of the new streams.
+# The switches (constexprs here, fields of MhcLaunch, each timed by benchmarks/mhc_sweep.py):
+#   SUM_UNROLL  the last arrival has SUM_UNROLL slices' loads in flight per round (the same sum, in the same
+#               order): 32 / SUM_UNROLL round trips;
+#   LAG         phase B finishes the tile LAG tiles back, so its READY flag was raised long ago;
+#   PREFETCH    (pre, head) phase B's first chunk of streams is loaded BEFORE the flag wait (the fused op's
+#               phase B reads streams other programs wrote: after the wait). +64 registers;
+#   ONE_DOT     1: the 4 streams' chunks joined side by side in registers, ONE dot (one MMA wait) per chunk;
+#               2 (pre, head): the 4 streams' chunk loaded as ONE [BLOCK_T, 4·BLOCK_K] tile through a bf16
+#               pointer, so the one dot reads it from shared memory (pre at BLOCK_K 32: 140 registers);
+#   CHAIN       the MMAs of the whole slice chain into one partial (folded once per slice), so the dot's
+#               accumulator is carried by the loop and Triton keeps one wgmma group in flight across chunks
+#               (wait_group 1). Only with ONE_DOT = 2: with the A operand in registers ptxas serialises
+#               every wgmma (its C7515). The MMA truncation is then relative to a slice's partial: 8× longer
+#               chains than per chunk, 32× shorter than the chain that failed; the sweep checks it;
+#   WS_GATE / WS_STRIDE  the workspace rows packed to the live columns (pre 8 + 16, head 4) instead of 32;
+#   HW_ROUND    (compiled only) bf16 outputs rounded by the hardware conversion, NaN made 0x7FC0 after it
+#               (``bf16_bits``: the same bits): the fused K loop 1290 -> 1041 instructions, phase B 719 -> 605;
+#   plus BLOCK_K / num_stages / maxnreg: at BLOCK_K 16, 3 stages and <= 128 registers, pre and head fit TWO
+#   programs per SM (80 KB, 128 registers, no spills); BLOCK_T 64 at 4 warps: pre 3 per SM, fused 2 per SM.
+# Compile figures of every candidate: benchmarks/mhc.md, "One-pass variants (issue 14)".
+#
+# Bytes at T = Hd = 4096 with BLOCK_T 128, BLOCK_K 32, slices of 128 dims (32 tiles × 32 slices), pre:
 #   compulsory: streams 134.2 MB + layer input 33.6 MB + fn 1.6 MB + post/comb 0.3 MB = 169.7 MB = 41 µs at
 #        the H200's 4.1 TB/s copy rate (the bound the bench divides by);
-#   HBM actually: + the fn split 3.1 MB once + the workspace 17.3 MB (slices × T × 33 fp32, written once)
-#        + re-read misses                                                    ≈ 190 MB ≈ 46 µs;
+#   HBM actually: + the fn split 3.1 MB once + the workspace 17.3 MB (slices × T × 33 fp32, written once;
+#        13.1 MB packed) + re-read misses                                   ≈ 190 MB ≈ 46 µs;
 #   L2 (SM side): streams 134 MB twice, fn split 32 tiles × 3.1 MB = 101 MB, workspace 35 MB, layer input
 #        34 MB                                                                ≈ 440 MB ≈ 63–80 µs at 5.5–7 TB/s;
-#   re-read distance: between the two reads of a byte the GPU reads about (132 + slices) programs × 128 KB
-#        ≈ 21 MB of streams: under the 50 MB L2 (the 3.1 MB fn split stays hot throughout);
+#   re-read distance: between the two reads of a byte the GPU reads about (132 + LAG·slices) programs ×
+#        128 KB ≈ 21 MB (LAG 1) of streams: under the 50 MB L2 (the 3.1 MB fn split stays hot throughout);
 #   tensor cores: 2 · 4096 · 16 384 · 128 = 17.2 GFLOP (72 of the 128 columns useful), ≈ 38 µs at 60 % of
 #        the measured 763 TFLOP/s, overlapped with the loads by the pipeline.
-# Expected: L2-bound, ≈ 65–85 µs, i.e. 49–64 % of the copy-bandwidth bound (today: split-K 248 µs, 16.6 %).
-# Fused post+pre: compulsory 337 MB (82 µs); HBM ≈ 355 MB, L2 ≈ 600 MB: ≈ 95–115 µs, 70–85 % (today
-# 485 µs, 17 %). What could still cost: the four MMA waits per chunk serialise the tensor cores with the
-# loads of one warpgroup pair (one program per SM), and phase B's loads are not software-pipelined. The bench
-# rows vary BLOCK_T (64), the slice (256) and LAG (2); benchmarks/mhc.md says what to read from them.
+# Fused post+pre: compulsory 337 MB (82 µs); HBM ≈ 355 MB, L2 ≈ 600 MB.
 # ====================================================================================================
+
+
+@triton.jit
+def fn_columns(K, NG: tl.constexpr):
+    """The N axis of a wide fn tile, [hi | mid | lo | 0] × NG columns (NG = 32; head 16): (col [4·NG] int64,
+    the offset of column n inside one K row of fs = [G, 3, K, 16] bf16 (split_fn); live [4·NG], False on the
+    zero part 3, which is masked, so never loaded). Column p·NG + c is column c (``gemm_stream32``'s
+    numbering: gate group, then comb group) of bf16 part p."""
+    n = tl.arange(0, 4 * NG)
+    b = n // 16  # 16-column block: part p, group g (written so that Triton sees 16-wide contiguous runs,
+    p = b // (NG // 16)  # which lets it pipeline this load with cp.async; (n % NG) // 16 hides them)
+    g = b % (NG // 16)
+    return ((g * 3 + p) * K * 16 + n % 16).to(tl.int64), p < 3
+
+
+@triton.jit
+def gemm_tile(a, k, kmask, fs_ptr, K, part, DOT_FP32: tl.constexpr, NG: tl.constexpr):
+    """part + a @ [hi | mid | lo | 0]ᵀ[k, :] in ONE dot of N = 4·NG (NG = 32; head 16): a [BLOCK_T, n_k] bf16,
+    k [n_k] its fn rows (``kmask``: rows past the slice read as zero). Three times fewer MMA waits than three
+    narrow dots, full-width tensor-core instructions; the parts are summed later (``fold_parts``)."""
+    col, live = fn_columns(K, NG)
+    b_off = col[None, :] + k.to(tl.int64)[:, None] * 16  # [n_k, 4·NG]
+    return dot(a, tl.load(fs_ptr + b_off, mask=kmask[:, None] & live[None, :], other=0.0), part, DOT_FP32)
+
+
+@triton.jit
+def join4(a0, a1, a2, a3, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr):
+    """[a0 | a1 | a2 | a3]: four [BLOCK_T, BLOCK_K] tiles side by side, [BLOCK_T, 4·BLOCK_K] (tl.join stacks on a
+    new last axis: j[t, k, u, v] = a_{2v+u}[t, k]; the permute puts stream 2v + u at columns (2v + u)·BLOCK_K)."""
+    j = tl.join(tl.join(a0, a1), tl.join(a2, a3))
+    return tl.reshape(tl.permute(j, (0, 3, 2, 1)), (BLOCK_T, 4 * BLOCK_K))
+
+
+@triton.jit
+def fold_parts(acc, NG: tl.constexpr, BLOCK_T: tl.constexpr):
+    """[BLOCK_T, 4·NG] (hi | mid | lo | 0 products) -> [BLOCK_T, NG]: their sum, the fp32 product X @ fnᵀ."""
+    return tl.sum(tl.reshape(acc, (BLOCK_T, 4, NG)), axis=1)
+
+
+@triton.jit
+def partial_mix_one_pass(res_ptr, x_ptr, new_ptr, fs_ptr, W, rows, rm, h_begin, h_end, Hd, DOT_FP32: tl.constexpr,
+                         FUSED: tl.constexpr, NG: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr,
+                         ONE_DOT: tl.constexpr, CHAIN: tl.constexpr, HW: tl.constexpr):
+    """``partial_mix`` with wide dots (``gemm_tile``), for the one-pass kernel: (acc [BLOCK_T, NG] fp32, ssq
+    [BLOCK_T] fp32) of the hidden range [h_begin, h_end), all 4 streams (FUSED: the post applied, the new
+    streams stored). Per BLOCK_K chunk of the 4 streams:
+
+    * ``ONE_DOT = 0``: four dots of K = BLOCK_K, one per stream (four MMA waits);
+    * ``ONE_DOT = 1``: the four tiles joined side by side in registers (``join4``), one dot of K = 4·BLOCK_K;
+      the tiles and their Σ X² are exactly those of 0, so 0 and 1 give the same bits;
+    * ``ONE_DOT = 2`` (FUSED: as 1): ONE [BLOCK_T, 4·BLOCK_K] load of the 4 streams' chunk (column r = stream
+      r // BLOCK_K, dim r % BLOCK_K), one dot that reads it from shared memory; Σ X² summed over that tile.
+
+    Not ``CHAIN``: each chunk's MMAs start from zero, the folded chunk product is added to ``acc`` in fp32
+    (the MMA-truncation rule of the module docstring, per chunk). ``CHAIN``: the range's MMAs chain into one
+    [BLOCK_T, 4·NG] partial, folded once at the end, so the dot's accumulator is carried by the loop."""
+    kk = tl.arange(0, BLOCK_K)
+    r4 = tl.arange(0, 4 * BLOCK_K)
+    K = 4 * Hd
+    acc = tl.zeros((BLOCK_T, NG), dtype=tl.float32)
+    ssq = tl.zeros((BLOCK_T,), dtype=tl.float32)
+    run = tl.zeros((BLOCK_T, 4 * NG), dtype=tl.float32)  # CHAIN: the range's products so far, per bf16 part
+    for h0 in range(h_begin, h_end, BLOCK_K):
+        if CHAIN:
+            part = run
+        else:
+            part = tl.zeros((BLOCK_T, 4 * NG), dtype=tl.float32)
+        if (ONE_DOT == 2) and not FUSED:
+            h4 = h0 + r4 % BLOCK_K
+            k4 = (r4 // BLOCK_K) * Hd + h4  # = the fn row of column r: token t's stream i starts at (4t + i)·Hd
+            p = res_ptr.to(tl.pointer_type(tl.bfloat16), bitcast=True)
+            a = tl.load(p + rows[:, None] * (4 * Hd) + k4[None, :], mask=rm[:, None] & (h4 < h_end)[None, :], other=0.0)
+            x = a.to(tl.float32)
+            ssq += tl.sum(x * x, axis=1)
+            part = gemm_tile(a, k4, h4 < h_end, fs_ptr, K, part, DOT_FP32, NG)
+        else:
+            h = h0 + kk
+            hm = h < h_end
+            if FUSED:
+                a0, a1, a2, a3, r0, r1, r2, r3 = stream_chunk(res_ptr, x_ptr, new_ptr, W, rows, h, Hd,
+                                                              rm[:, None] & hm[None, :], FUSED, HW)
+            else:  # through a bf16 pointer, so that the dots read the tiles from shared memory
+                a0, a1, a2, a3, r0, r1, r2, r3 = load_streams_bf16(res_ptr, rows[:, None] * (4 * Hd) + h[None, :], Hd,
+                                                                   rm[:, None] & hm[None, :])
+            ssq += tl.sum(weighted4(r0, r1, r2, r3, r0, r1, r2, r3, False), axis=1)  # Σ_i r_i², fixed FMA order
+            if ONE_DOT == 0:
+                part = gemm_tile(a0, h, hm, fs_ptr, K, part, DOT_FP32, NG)
+                part = gemm_tile(a1, Hd + h, hm, fs_ptr, K, part, DOT_FP32, NG)
+                part = gemm_tile(a2, 2 * Hd + h, hm, fs_ptr, K, part, DOT_FP32, NG)
+                part = gemm_tile(a3, 3 * Hd + h, hm, fs_ptr, K, part, DOT_FP32, NG)
+            else:
+                h4 = h0 + r4 % BLOCK_K
+                part = gemm_tile(join4(a0, a1, a2, a3, BLOCK_T, BLOCK_K), (r4 // BLOCK_K) * Hd + h4, h4 < h_end,
+                                 fs_ptr, K, part, DOT_FP32, NG)
+        if CHAIN:
+            run = part
+        else:
+            acc += fold_parts(part, NG, BLOCK_T)
+    if CHAIN:
+        acc = fold_parts(run, NG, BLOCK_T)
+    return acc, ssq
+
+
+@triton.jit
+def store_partial_packed(ws_ptr, ssq_ptr, wo, rm, acc, ssq, NG: tl.constexpr, WS_GATE: tl.constexpr,
+                         WS_STRIDE: tl.constexpr):
+    """acc [BLOCK_T, NG] (``partial_mix`` layout: gate group at columns 0..15, comb group at 16..31) into the
+    workspace rows ``wo`` of stride WS_STRIDE: the first WS_GATE gate columns at 0.., the comb group at
+    WS_GATE.. (WS_GATE = 16, WS_STRIDE = 32: the columns as they are; 8 / 24 (head 4 / 4): the live ones
+    only). ssq into its own [slices, T] workspace."""
+    n = tl.arange(0, NG)
+    dst = tl.where(n < 16, n, n - 16 + WS_GATE)
+    keep = (n < WS_GATE) | (n >= 16)
+    tl.store(ws_ptr + wo[:, None] * WS_STRIDE + dst[None, :], acc, mask=rm[:, None] & keep[None, :])
+    tl.store(ssq_ptr + wo, ssq, mask=rm)
+
+
+@triton.jit
+def sum_partials_rounds(ws_ptr, ssq_ptr, rows, rm, T, slices, HEAD: tl.constexpr, BLOCK_T: tl.constexpr,
+                        UNROLL: tl.constexpr, WS_GATE: tl.constexpr, WS_STRIDE: tl.constexpr):
+    """(acc_g, acc_c [BLOCK_T, 16], ssq [BLOCK_T]) for ``gates``: the ``slices`` partials of ``rows`` added in
+    slice order (fixed: the same sum whichever program runs it), in rounds of UNROLL slices. A round is
+    unrolled and its loads do not depend on its adds, so all UNROLL slices' loads are in flight together:
+    slices / UNROLL L2 round trips instead of one per slice; the sum (and its bits) do not depend on UNROLL.
+    Loads through L2 only (``.cg``): other programs wrote the workspace during this launch."""
+    n16 = tl.arange(0, 16)
+    mg = rm[:, None] & (n16 < WS_GATE)[None, :]
+    mc = rm[:, None] & (n16 < 16)[None, :]
+    acc_g = tl.zeros((BLOCK_T, 16), dtype=tl.float32)
+    acc_c = tl.zeros((BLOCK_T, 16), dtype=tl.float32)
+    ssq = tl.zeros((BLOCK_T,), dtype=tl.float32)
+    for s0 in range(0, slices, UNROLL):
+        for u in tl.static_range(UNROLL):
+            sl = tl.zeros_like(rows) + (s0 + u)  # the slice, per row (int64, as rows)
+            ok = sl < slices
+            wo = sl * T + rows  # its workspace rows
+            at = ws_ptr + wo[:, None] * WS_STRIDE + n16[None, :]
+            acc_g += tl.load(at, mask=mg & ok[:, None], other=0.0, cache_modifier=".cg")
+            if not HEAD:
+                acc_c += tl.load(at + WS_GATE, mask=mc & ok[:, None], other=0.0, cache_modifier=".cg")
+            ssq += tl.load(ssq_ptr + wo, mask=rm & ok, other=0.0, cache_modifier=".cg")
+    return acc_g, acc_c, ssq
 
 
 @triton.jit
@@ -636,7 +790,7 @@ def hc_one_pass_kernel(
     post_ptr,  # [T, 4] fp32 out (not HEAD)
     comb_ptr,  # [T, 4, 4] fp32 out (not HEAD)
     out_ptr,  # int16 view of the layer input (head: the output) [T, Hd] bf16
-    ws_ptr,  # [slices, T, 32] fp32 workspace: partial mixes
+    ws_ptr,  # [slices, T, WS_STRIDE] fp32 workspace: partial mixes
     ssq_ptr,  # [slices, T] fp32 workspace: partial Σ X²
     wpre_ptr,  # [T, 4] fp32 workspace: the pre weights (head: the gates), published per tile
     sync_ptr,  # [1 + 2·n_tiles] int32, ZEROED before the launch: ticket | arrivals per tile | READY per tile
@@ -656,11 +810,19 @@ def hc_one_pass_kernel(
     BLOCK_H: tl.constexpr,  # hidden dims per chunk of phase B (the weighted sum)
     LAG: tl.constexpr,  # >= 1: phase B finishes the tile LAG tiles behind phase A's
     SPIN_LIMIT: tl.constexpr,  # polls of a READY flag before giving up (then that slice is written as NaN)
+    SUM_UNROLL: tl.constexpr,  # slices' partials per load round of the last arrival's sum
+    ONE_DOT: tl.constexpr,  # one dot per chunk for the 4 streams (gemm_joined) instead of four
+    CHAIN: tl.constexpr,  # the slice's MMAs in one chain (partial_mix_one_pass)
+    WS_GATE: tl.constexpr,  # gate columns kept per workspace row (16: all; pre 8, head 4: the live ones)
+    WS_STRIDE: tl.constexpr,  # workspace row length (32, or pre 24 / head 4 packed)
+    PREFETCH: tl.constexpr,  # not FUSED: phase B's first stream chunk loaded before the READY wait
+    HW_ROUND: tl.constexpr,  # compiled only: bf16 outputs rounded by the hardware conversion (bf16_bits)
     DOT_FP32: tl.constexpr,
 ):
     tl.static_assert(BLOCK_K >= 16)
     tl.static_assert(BLOCK_T >= 16)
     tl.static_assert(LAG >= 1)
+    tl.static_assert(not (PREFETCH and FUSED))  # the fused phase B reads streams written in this launch
     NG: tl.constexpr = 16 if HEAD else 32
     v = tl.atomic_add(sync_ptr, 1)  # the ticket: this program's work item
     tile = v // slices
@@ -671,12 +833,13 @@ def hc_one_pass_kernel(
     # ---- phase A: the partial mix of (tile, slice s); the tile's last arrival runs the gates ---------
     if tile < n_tiles:
         rows, rm, W = token_tile(tile, T, post_in_ptr, comb_in_ptr, FUSED, BLOCK_T)
-        acc, ssq = partial_mix(res_ptr, x_ptr, new_ptr, fs_ptr, W, rows, rm, h_begin, h_end, Hd, DOT_FP32, FUSED,
-                               NG, BLOCK_T, BLOCK_K, True)
-        store_partial(ws_ptr, ssq_ptr, s.to(tl.int64) * T + rows, rm, acc, ssq, NG)
+        acc, ssq = partial_mix_one_pass(res_ptr, x_ptr, new_ptr, fs_ptr, W, rows, rm, h_begin, h_end, Hd, DOT_FP32,
+                                        FUSED, NG, BLOCK_T, BLOCK_K, ONE_DOT, CHAIN, HW_ROUND)
+        store_partial_packed(ws_ptr, ssq_ptr, s.to(tl.int64) * T + rows, rm, acc, ssq, NG, WS_GATE, WS_STRIDE)
         tl.debug_barrier()  # every thread's stores (partials; FUSED: new streams) before the release below
         if tl.atomic_add(sync_ptr + 1 + tile, 1, sem="acq_rel", scope="gpu") == slices - 1:  # the last one
-            acc_g, acc_c, ssq = sum_partials(ws_ptr, ssq_ptr, rows, rm, T, slices, HEAD, BLOCK_T, True)
+            acc_g, acc_c, ssq = sum_partials_rounds(ws_ptr, ssq_ptr, rows, rm, T, slices, HEAD, BLOCK_T, SUM_UNROLL,
+                                                    WS_GATE, WS_STRIDE)
             w0, w1, w2, w3 = gates(acc_g, acc_c, ssq, 4 * Hd, rows, rm, scale_ptr, base_ptr, post_ptr, comb_ptr,
                                    T, rms_eps, hc_eps, post_mult, iters, True, HEAD, BLOCK_T)
             tl.store(wpre_ptr + rows * 4, w0, mask=rm)
@@ -689,6 +852,14 @@ def hc_one_pass_kernel(
     # ---- phase B: the layer input of (tile − LAG, slice s), from L2 ---------------------------------------
     prev = tile - LAG
     if (prev >= 0) & (prev < n_tiles):
+        rows = prev.to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
+        rm = rows < T
+        hh = tl.arange(0, BLOCK_H)
+        n_chunks = tl.cdiv(h_end - h_begin, BLOCK_H)
+        if PREFETCH:  # the range's LAST chunk (layer_input_range's first), read before the wait hides it
+            hl = h_begin + (n_chunks - 1) * BLOCK_H + hh
+            ml = rm[:, None] & (hl < h_end)[None, :]
+            _, _, _, _, q0, q1, q2, q3 = load_streams(res_ptr, rows[:, None] * (4 * Hd) + hl[None, :], Hd, ml)
         ready = tl.atomic_add(sync_ptr + 1 + n_tiles + prev, 0, sem="acquire", scope="gpu")
         polls = 0
         while (ready == 0) & (polls < SPIN_LIMIT):
@@ -696,8 +867,6 @@ def hc_one_pass_kernel(
             polls += 1
         # a flag never raised (impossible while the ticket order holds) gives NaN, never a hang or a guess
         bad = tl.where(ready != 0, 0.0, float("nan"))
-        rows = prev.to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
-        rm = rows < T
         w0 = tl.load(wpre_ptr + rows * 4, mask=rm, other=0.0, cache_modifier=".cg") + bad
         w1 = tl.load(wpre_ptr + rows * 4 + 1, mask=rm, other=0.0, cache_modifier=".cg") + bad
         w2 = tl.load(wpre_ptr + rows * 4 + 2, mask=rm, other=0.0, cache_modifier=".cg") + bad
@@ -706,4 +875,11 @@ def hc_one_pass_kernel(
             src_ptr = new_ptr
         else:
             src_ptr = res_ptr
-        layer_input_range(src_ptr, out_ptr, rows, rm, h_begin, h_end, Hd, w0, w1, w2, w3, BLOCK_H, FUSED)
+        if PREFETCH:
+            y = weighted4(w0, w1, w2, w3, q0, q1, q2, q3)
+            tl.store(out_ptr + rows[:, None] * Hd + hl[None, :], bf16_bits(y, HW_ROUND).to(tl.int16, bitcast=True),
+                     mask=ml)
+            layer_input_range(src_ptr, out_ptr, rows, rm, h_begin, h_begin + (n_chunks - 1) * BLOCK_H, Hd,
+                              w0, w1, w2, w3, BLOCK_H, FUSED, HW_ROUND)
+        else:
+            layer_input_range(src_ptr, out_ptr, rows, rm, h_begin, h_end, Hd, w0, w1, w2, w3, BLOCK_H, FUSED, HW_ROUND)

@@ -22,11 +22,14 @@ cuts fn's L2 traffic 4× but reads the streams twice; the fused op already reads
 which is why it loses there. Both designs are the main path (each serves an op by default), so both live in
 ``kernels.py``; ``MhcLaunch(split_k=True)`` / ``MhcLaunch(split_k=False)`` forces one for every op.
 
-``MhcLaunch(one_pass=True)`` selects the third design, ``hc_one_pass_kernel`` (issue 14, item 3: one launch,
-the streams' second read from L2; kernels.py "Design 3" has the byte count and the expected 49–64 % for pre,
-70–85 % for fused). It is not the default until an H200 run has measured it: the ``mhc.* one-pass`` rows of
-``python -m dsv4ref bench mhc``. Its launcher zeroes a small int32 sync buffer (ticket, per-tile arrival
-counters and ready flags) and a workspace of partial mixes per call.
+``MhcLaunch(one_pass=True)`` selects the third design, ``hc_one_pass_kernel`` (issue 14: one launch, the
+streams' second read from L2; kernels.py "Design 3"). Session 3 measured it at 18–25 % (pre), 20–27 % (fused)
+and 30 % (head); ``ONE_PASS_VARIANTS`` below lists the candidates that attack what compiling it showed, and
+``benchmarks/mhc_sweep.py`` checks and times them in one H200 call. It is not the default until that run has
+measured them: then ``one_pass: bool = True`` (one line) makes it the default of every op and of the decode
+step, with the ``one_pass_*`` field defaults (the "default" candidate). Its launcher zeroes a small int32
+sync buffer (ticket, per-tile arrival counters and ready flags) and allocates a workspace of partial mixes
+per call.
 """
 
 from __future__ import annotations
@@ -74,73 +77,109 @@ class MhcLaunch:
     post_block_t: int = 4
     post_block_h: int = 256
     sinkhorn_block: int = 256 if interpreting() else 16  # 4×4 matrices per program
-    # one pass (hc_one_pass_kernel), NOT the default until measured: pre, fused post+pre and head in one launch
-    # whose second read of the streams comes from L2 (kernels.py, "Design 3"); overrides split_k
+    # one pass (hc_one_pass_kernel): pre, fused post+pre and head in one launch whose second read of the
+    # streams comes from L2 (kernels.py, "Design 3"); an explicit split_k (True / False) overrides it. NOT the
+    # default until an H200 run of benchmarks/mhc_sweep.py has measured it; then this ONE line picks it for
+    # every op that does not set split_k, the decode step's too
     one_pass: bool = False
+    # pre and head: tiles, warps, pipeline stages, register cap (2 programs per SM at 8 warps need <= 128)
     one_pass_block_t: int = 32 if interpreting() else 128  # tokens per tile: fn is read from L2 once per tile
-    one_pass_block_k: int = 128 if interpreting() else 32  # hidden dims per GEMM chunk (pre, head)
-    one_pass_fused_block_k: int = 128 if interpreting() else 16  # fused: x, 4 streams and 4 new ones live
+    one_pass_block_k: int = 128 if interpreting() else 16  # hidden dims per stream per GEMM chunk
+    one_pass_warps: int = 8  # two warpgroups, one per 64-token half of the tile (wgmma's M = 64)
+    one_pass_stages: int = 3  # per stage the 4 streams' chunk [128, 64] + its fn tile [64, 128]: 80 KB in all
+    one_pass_maxnreg: int | None = 128  # with 80 KB: 2 programs per SM (8 warps × 128 registers = half the file)
+    # fused post+pre: x, the 4 streams and the 4 new ones are live per chunk, hence its own tiles
+    one_pass_fused_block_t: int = 32 if interpreting() else 128
+    one_pass_fused_block_k: int = 128 if interpreting() else 16
+    one_pass_fused_warps: int = 8
+    one_pass_fused_stages: int = 4  # per stage x + 4 stream tiles [128, 16] + the fn tile [64, 128]: 124 KB
+    one_pass_fused_maxnreg: int | None = None
+    # all three: work items, phase B, and the issue-14 switches (kernels.py "Design 3" says what each attacks)
     one_pass_block_h: int = 128 if interpreting() else 64  # hidden dims per chunk of the weighted sum
     one_pass_slice_h: int = 128  # hidden dims per work item: 128 tokens × 4 × 128 × 2 B = 128 KB of streams
     one_pass_slices: int | None = None  # force this many slices (None: from one_pass_slice_h / target_programs)
-    one_pass_lag: int = 1  # the weighted sum runs this many tiles behind the partials (>= 1)
-    one_pass_warps: int = 8  # two warpgroups, one per 64-token half of the tile (wgmma's M = 64)
-    one_pass_stages: int = 3  # per stage 4 stream tiles [128, 32] + 4 fn tiles [32, 128]: 164 KB in all (sm_90)
-    one_pass_fused_stages: int = 4  # per stage x + 4 stream tiles [128, 16] + 4 fn tiles [16, 128]: 127 KB in all
+    one_pass_max_slices: int = 32  # small T: no more slices than this for target_programs' sake (the last
+    #                                arrival sums every slice's partial; decode-sized T would make 256)
+    one_pass_lag: int = 2  # the weighted sum runs this many tiles behind the partials (>= 1)
+    one_pass_sum_unroll: int = 4  # the last arrival has this many slices' partials in flight per round
+    one_pass_one_dot: int = 2  # dots per chunk: 0 one per stream, 1 one (tiles joined), 2 one (one load; fused: 1)
+    one_pass_chain: bool = False  # pre / head: the slice's MMAs chain into one partial instead of one per chunk
+    one_pass_pack_ws: bool = True  # workspace rows of the live columns only (pre 24, head 4) instead of 32
+    one_pass_prefetch: bool = False  # pre / head: phase B's first stream chunk loaded before the READY wait
+    one_pass_hw_round: bool = True  # compiled: bf16 outputs rounded by the hardware conversion (same bits)
 
     def __post_init__(self):
         for name in ("block_t", "block_k", "split_block_t", "split_block_k", "finish_block_t", "finish_block_h",
                      "post_block_t", "post_block_h", "sinkhorn_block", "one_pass_block_t", "one_pass_block_k",
-                     "one_pass_fused_block_k", "one_pass_block_h", "one_pass_slice_h"):
+                     "one_pass_fused_block_t", "one_pass_fused_block_k", "one_pass_block_h", "one_pass_slice_h",
+                     "one_pass_sum_unroll"):
             validate.power_of_two(getattr(self, name), f"launch.{name}")
         for name in ("block_t", "block_k", "split_block_t", "split_block_k", "finish_block_t", "one_pass_block_t",
-                     "one_pass_block_k", "one_pass_fused_block_k"):
+                     "one_pass_block_k", "one_pass_fused_block_t", "one_pass_fused_block_k"):
             if getattr(self, name) < 16:  # the sides of a tensor-core dot; finish: the [16]-wide gate tiles
                 raise ValueError(f"launch.{name}: expected >= 16, got {getattr(self, name)}")
         for name in ("num_warps", "num_stages", "split_warps", "split_stages", "finish_warps", "target_programs",
-                     "one_pass_lag", "one_pass_warps", "one_pass_stages", "one_pass_fused_stages"):
+                     "one_pass_max_slices", "one_pass_lag", "one_pass_warps", "one_pass_stages", "one_pass_fused_warps",
+                     "one_pass_fused_stages"):
             validate.integer(getattr(self, name), f"launch.{name}", lo=1)
         for name in ("splits", "one_pass_slices"):
             if getattr(self, name) is not None:
                 validate.integer(getattr(self, name), f"launch.{name}", lo=1)
-        for name in ("split_k", "one_pass"):
+        for name in ("one_pass_maxnreg", "one_pass_fused_maxnreg"):  # ptxas takes 24..255 registers per thread
+            if getattr(self, name) is not None:
+                validate.integer(getattr(self, name), f"launch.{name}", lo=24, hi=255)
+        validate.integer(self.one_pass_one_dot, "launch.one_pass_one_dot", lo=0, hi=2)
+        for name in ("split_k",) + _BOOLS:
             v = getattr(self, name)
             if not (isinstance(v, bool) or (v is None and name == "split_k")):
                 raise TypeError(f"launch.{name}: expected a bool{' or None' if name == 'split_k' else ''}, got {v!r}")
         if self.one_pass_slice_h < max(self.one_pass_block_k, self.one_pass_fused_block_k):
             raise ValueError(f"launch.one_pass_slice_h: expected >= the one-pass BLOCK_K tiles, got {self.one_pass_slice_h}")
-        if self.one_pass and self.split_k is not None:
-            raise ValueError(f"launch.one_pass: one_pass=True picks the design; leave split_k None (got {self.split_k})")
 
     def uses_split_k(self, fused: bool) -> bool:
-        """The design an op takes: ``split_k`` if set, else the measured default (one kernel for fused only).
-        (``one_pass=True`` overrides both: :meth:`design`.)"""
+        """Split-K or not, between the first two designs: ``split_k`` if set, else the measured default (one
+        kernel for fused only). (Whether ``one_pass`` applies first: :meth:`design`.)"""
         return (not fused) if self.split_k is None else self.split_k
 
     def design(self, fused: bool) -> str:
-        """"one_pass", "split_k" or "one_kernel": the kernels an op runs with this launch."""
-        if self.one_pass:
+        """"one_pass", "split_k" or "one_kernel": the kernels an op runs with this launch. An explicit
+        ``split_k`` picks one of the first two (so ``MhcLaunch(split_k=...)`` means the same whatever the
+        ``one_pass`` default is); otherwise ``one_pass``, otherwise the measured default per op."""
+        if self.split_k is None and self.one_pass:
             return "one_pass"
         return "split_k" if self.uses_split_k(fused) else "one_kernel"
 
     def pre_like_fused(self) -> "MhcLaunch":
         """The launch under which :func:`~dsv4ref.mhc.pre` runs the arithmetic :func:`~dsv4ref.mhc.fused_post_pre`
         runs under this one (same design, same chunks), so that fused == post then pre bit for bit."""
-        if self.one_pass:
-            return dataclasses.replace(self, one_pass_block_k=self.one_pass_fused_block_k,
-                                       one_pass_stages=self.one_pass_fused_stages)
+        if self.design(fused=True) == "one_pass":  # the fused tiles (every tl.sum's order depends on them)
+            return dataclasses.replace(self, one_pass_block_t=self.one_pass_fused_block_t,
+                                       one_pass_block_k=self.one_pass_fused_block_k,
+                                       one_pass_warps=self.one_pass_fused_warps,
+                                       one_pass_stages=self.one_pass_fused_stages,
+                                       one_pass_maxnreg=self.one_pass_fused_maxnreg,
+                                       one_pass_one_dot=min(self.one_pass_one_dot, 1))
         return dataclasses.replace(self, split_k=self.uses_split_k(fused=True))
+
+    def one_pass_tile(self, fused: bool) -> tuple[int, int, int, int, int | None]:
+        """(BLOCK_T, BLOCK_K, warps, stages, maxnreg) of the one-pass kernel for pre / head or (``fused``) the
+        fused op."""
+        if fused:
+            return (self.one_pass_fused_block_t, self.one_pass_fused_block_k, self.one_pass_fused_warps,
+                    self.one_pass_fused_stages, self.one_pass_fused_maxnreg)
+        return self.one_pass_block_t, self.one_pass_block_k, self.one_pass_warps, self.one_pass_stages, self.one_pass_maxnreg
 
     def one_pass_plan(self, T: int, Hd: int, fused: bool = False) -> tuple[int, int, int, int]:
         """(token tiles, hidden slices per tile, BLOCK_K chunks per slice, BLOCK_K) of the one-pass kernel:
-        slices of ``one_pass_slice_h`` hidden dims, more (down to one chunk each) while tiles × slices is short
-        of ``target_programs`` (small T), or ``one_pass_slices`` if set; each a whole number of chunks, none
-        empty."""
-        bk = self.one_pass_fused_block_k if fused else self.one_pass_block_k
-        tiles = triton.cdiv(T, self.one_pass_block_t)
+        slices of ``one_pass_slice_h`` hidden dims, more (down to one chunk each, at most
+        ``one_pass_max_slices``) while tiles × slices is short of ``target_programs`` (small T), or
+        ``one_pass_slices`` if set; each a whole number of chunks, none empty."""
+        bt, bk = self.one_pass_tile(fused)[:2]
+        tiles = triton.cdiv(T, bt)
         chunks = triton.cdiv(Hd, bk)
         want = self.one_pass_slices or max(triton.cdiv(chunks, self.one_pass_slice_h // bk),
-                                           triton.cdiv(self.target_programs, max(tiles, 1)))
+                                           min(self.one_pass_max_slices,
+                                               triton.cdiv(self.target_programs, max(tiles, 1))))
         cps = triton.cdiv(chunks, min(chunks, want))
         return tiles, triton.cdiv(chunks, cps), cps, bk
 
@@ -161,11 +200,50 @@ class MhcLaunch:
         """The inverse of :meth:`encode`."""
         kw = {f.name: (None if v == -1 else v) for f, v in zip(dataclasses.fields(cls), values)}
         kw["split_k"] = None if kw["split_k"] is None else bool(kw["split_k"])
-        kw["one_pass"] = bool(kw["one_pass"])
+        for name in _BOOLS:
+            kw[name] = bool(kw[name])
         return cls(**kw)
 
 
+_BOOLS = ("one_pass", "one_pass_chain", "one_pass_pack_ws", "one_pass_prefetch", "one_pass_hw_round")
+
 DEFAULT = MhcLaunch()
+
+# The one-pass candidates of issue 14: name -> MhcLaunch fields on top of MhcLaunch(one_pass=True), each run for
+# pre, fused and head (a field an op does not use leaves its kernel as another candidate's: benchmarks/
+# mhc_sweep.py times each distinct kernel once, ``one_pass_args`` says which are the same). "s3" is the design
+# as session 3 measured it (pre 229 µs, fused 410 µs, head 136 µs at T = Hd = 4096; its streams now load
+# through a bf16 pointer, so its dots read them from shared memory); every other row names what it changes.
+# benchmarks/mhc_compile_check.py compiles them for sm_90a on a CPU, tests/test_mhc.py runs every distinct
+# kernel among them in the interpreter; kernels.py "Design 3" says which suspect each switch attacks.
+_S3 = dict(one_pass_block_k=32, one_pass_stages=3, one_pass_maxnreg=None, one_pass_lag=1, one_pass_sum_unroll=1,
+           one_pass_one_dot=0, one_pass_pack_ws=False, one_pass_prefetch=False, one_pass_hw_round=False)
+_FIX = dict(one_pass_lag=2, one_pass_sum_unroll=8, one_pass_pack_ws=True)  # the last arrival off the critical path
+_ONE_PER_SM = dict(one_pass_block_k=32, one_pass_stages=3, one_pass_maxnreg=None)  # 160 KB, up to 255 registers
+ONE_PASS_VARIANTS: dict[str, dict] = {
+    "s3": _S3,
+    "s3 slice256": {**_S3, "one_pass_slice_h": 256},
+    "s3 +sum8": {**_S3, "one_pass_sum_unroll": 8},
+    "s3 +sum8 lag2 pack": {**_S3, **_FIX},
+    "1/SM prefetch": {**_ONE_PER_SM, **_FIX, "one_pass_prefetch": True},
+    "1/SM one_dot1": {**_ONE_PER_SM, **_FIX, "one_pass_one_dot": 1},
+    "default": {},  # MhcLaunch's one-pass field defaults: pre / head 2 programs per SM
+    "default lag3": {"one_pass_lag": 3},
+    "default slice256": {"one_pass_slice_h": 256},
+    "default chain": {"one_pass_chain": True},
+    "default 4st": {"one_pass_stages": 4},  # 112 KB: still 2 per SM
+    "default sum8": {"one_pass_sum_unroll": 8},
+    "default int-round": {"one_pass_hw_round": False},
+    "default bt64 4w": {"one_pass_block_t": 64, "one_pass_warps": 4, "one_pass_maxnreg": None,
+                        "one_pass_fused_block_t": 64, "one_pass_fused_warps": 4, "one_pass_fused_stages": 3},
+    "default fused 3st": {"one_pass_fused_stages": 3},
+    "default 4 dots": {"one_pass_one_dot": 0},
+}
+
+
+def one_pass_variant(name: str, **overrides) -> MhcLaunch:
+    """``MhcLaunch(one_pass=True)`` with the fields of ``ONE_PASS_VARIANTS[name]``, then ``overrides``."""
+    return MhcLaunch(one_pass=True, **{**ONE_PASS_VARIANTS[name], **overrides})
 
 
 # ====================================================================================================
@@ -227,6 +305,26 @@ def split_fn(fn: torch.Tensor, M: int = HC_MULT, head: bool = False) -> torch.Te
 # ====================================================================================================
 
 
+def one_pass_args(L: MhcLaunch, T: int, Hd: int, head: bool, fused: bool):
+    """What ``hc_one_pass_kernel`` is launched with for a [T, 4, Hd] op (shared with
+    benchmarks/mhc_compile_check.py, which compiles exactly these): (grid, constexprs but DOT_FP32, compile
+    options, (mix workspace, Σ X² workspace, sync buffer) element counts, (tiles, slices, chunks per slice))."""
+    tiles, slices, cps, bk = L.one_pass_plan(T, Hd, fused)
+    bt, _, warps, stages, maxnreg = L.one_pass_tile(fused)
+    ws_gate = (4 if head else 8) if L.one_pass_pack_ws else 16  # gate columns kept per workspace row
+    ws_stride = (4 if head else 24) if L.one_pass_pack_ws else 32
+    consts = dict(HEAD=head, FUSED=fused, BLOCK_T=bt, BLOCK_K=bk, BLOCK_H=L.one_pass_block_h, LAG=L.one_pass_lag,
+                  SPIN_LIMIT=1 << 16, SUM_UNROLL=L.one_pass_sum_unroll, ONE_DOT=L.one_pass_one_dot,
+                  CHAIN=L.one_pass_chain and not fused,  # fused feeds its dot from registers: ptxas would
+                  #                                        serialise every wgmma of a loop-carried chain (C7515)
+                  WS_GATE=ws_gate, WS_STRIDE=ws_stride,
+                  PREFETCH=L.one_pass_prefetch and not fused,  # the fused phase B reads what phase A wrote
+                  HW_ROUND=L.one_pass_hw_round and not interpreting())  # the interpreter's cast truncates
+    opts = dict(num_warps=warps, num_stages=stages, maxnreg=maxnreg)
+    sizes = (slices * T * ws_stride, slices * T, 1 + 2 * tiles)
+    return ((tiles + L.one_pass_lag) * slices,), consts, opts, sizes, (tiles, slices, cps)
+
+
 def launch_hc(res, x, post_in, comb_in, new, fs, scale, base, post, comb, out, rms_eps, hc_eps, post_mult, iters, *,
               head: bool, fused: bool, launch: MhcLaunch) -> None:
     """Run pre (``fused=False``), fused post+pre (``fused=True``: x, post_in, comb_in, new given) or the head
@@ -243,16 +341,13 @@ def launch_hc(res, x, post_in, comb_in, new, fs, scale, base, post, comb, out, r
     L = launch
     design = L.design(fused)
     if design == "one_pass":
-        tiles, slices, cps, bk = L.one_pass_plan(T, Hd, fused)
-        ws = torch.empty(slices * T * 33 + T * 4, dtype=torch.float32, device=res.device)
-        mix_ws, ssq_ws, wpre = ws[: slices * T * 32], ws[slices * T * 32 : slices * T * 33], ws[slices * T * 33 :]
-        sync = torch.zeros(1 + 2 * tiles, dtype=torch.int32, device=res.device)  # ticket | arrivals | READY
-        stages = L.one_pass_fused_stages if fused else L.one_pass_stages
-        kw = dict(num_warps=L.one_pass_warps, num_stages=stages) if compiled else {}
-        kernels.hc_one_pass_kernel[((tiles + L.one_pass_lag) * slices,)](
+        grid, consts, opts, (n_mix, n_ssq, n_sync), (tiles, slices, cps) = one_pass_args(L, T, Hd, head, fused)
+        ws = torch.empty(n_mix + n_ssq + T * 4, dtype=torch.float32, device=res.device)
+        mix_ws, ssq_ws, wpre = ws[:n_mix], ws[n_mix : n_mix + n_ssq], ws[n_mix + n_ssq :]
+        sync = torch.zeros(n_sync, dtype=torch.int32, device=res.device)  # ticket | arrivals | READY
+        kernels.hc_one_pass_kernel[grid](
             *ptrs, scale, base, opt(post), opt(comb), out.view(torch.int16), mix_ws, ssq_ws, wpre, sync,
-            T, Hd, tiles, slices, cps, *scalars, HEAD=head, FUSED=fused, BLOCK_T=L.one_pass_block_t, BLOCK_K=bk,
-            BLOCK_H=L.one_pass_block_h, LAG=L.one_pass_lag, SPIN_LIMIT=1 << 16, DOT_FP32=not compiled, **kw)
+            T, Hd, tiles, slices, cps, *scalars, **consts, DOT_FP32=not compiled, **(opts if compiled else {}))
         return
     if design == "one_kernel":
         kw = dict(num_warps=L.num_warps, num_stages=L.num_stages) if compiled else {}

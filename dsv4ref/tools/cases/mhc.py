@@ -7,7 +7,7 @@ import torch
 from ...device import DEVICE, interpreting
 from ...mhc import example_params, example_streams, fused_post_pre, head, post, pre, reference, sinkhorn
 from ...mhc import reference as mhc_reference
-from ...mhc.launch import MhcLaunch, split_fn
+from ...mhc.launch import MhcLaunch, one_pass_variant, split_fn
 from ...mhc.reference import HC_EPS, POST_MULT, RMS_EPS, SINKHORN_ITERS
 from ...testing import compare, generator, randn
 from ..harness import BenchCase, CheckRow, bench, check
@@ -64,6 +64,19 @@ def _check() -> list[CheckRow]:
     return rows
 
 
+def compulsory_bytes(T: int, Hd: int, M: int = 4) -> dict[str, int]:
+    """The bytes each op must move at least (what the bench divides by the copy rate), and the logical mix-GEMM
+    FLOPs: {"pre", "post", "fused", "head", "flops"}. Shared with benchmarks/mhc_sweep.py."""
+    stream = T * M * Hd * 2  # one pass over the bf16 streams
+    row = T * Hd * 2  # x or the layer input
+    small = T * (M + M * M) * 4  # post + comb (fp32)
+    fn_bytes = M * (M + 2) * M * Hd * 4
+    return dict(pre=stream + fn_bytes + small + row, post=row + stream + small + stream,
+                fused=row + stream + small + stream + small + row + fn_bytes,
+                head=stream + M * M * Hd * 4 + row,  # streams read once + fn [4, 4·Hd] fp32 + output written
+                flops=2 * T * M * (M + 2) * M * Hd)  # logical; the bf16x3 split does 3× that on tensor cores
+
+
 @bench("mhc")
 def _bench() -> list[BenchCase]:
     T, Hd, M = 4096, 4096, 4
@@ -78,18 +91,11 @@ def _bench() -> list[BenchCase]:
         bufs = (torch.empty_like(res), torch.empty(T, M, device=DEVICE), torch.empty(T, M, M, device=DEVICE),
                 torch.empty_like(x))
         sets.append((res, x, p, c, bufs))
-    stream = T * M * Hd * 2  # one pass over the bf16 streams
-    row = T * Hd * 2  # x or the layer input
-    small = T * (M + M * M) * 4  # post + comb (fp32)
-    fn_bytes = M * (M + 2) * M * Hd * 4
-    flops = 2 * T * M * (M + 2) * M * Hd  # the mix GEMM (logical; the bf16x3 split does 3× on tensor cores)
-    pre_b = stream + fn_bytes + small + row
-    post_b = row + stream + small + stream
-    fused_b = row + stream + small + stream + small + row + fn_bytes
+    nb = compulsory_bytes(T, Hd, M)
+    pre_b, post_b, fused_b, head_b, flops = nb["pre"], nb["post"], nb["fused"], nb["head"], nb["flops"]
 
     hfn, hscale, hbase = example_params(Hd, head=True)
     hfs = split_fn(hfn, M, head=True)
-    head_b = stream + M * M * Hd * 4 + row  # streams read once + fn [4, 4·Hd] fp32 + output written
 
     # every case names its design explicitly (MhcLaunch(split_k=False / True)), so the defaults move no row
     one = MhcLaunch(split_k=False).encode()
@@ -159,29 +165,22 @@ def _bench() -> list[BenchCase]:
             cases.append(BenchCase(name, sk, run, n_sets, b, f, note))
         except Exception as e:  # reported, not fatal: the other rows still run
             print(f"{name}: skipped ({type(e).__name__}: {str(e)[:120]})")
-    # one pass (issue 14 item 3; kernels.py "Design 3"): the default tile and the variants the notes name,
-    # each row's shape saying which (tile tokens, GEMM chunk, hidden slice, lag); same compulsory bytes
-    one_pass = [
-        ("mhc.pre one-pass", MhcLaunch(one_pass=True), run_pre, pre_b, flops),
-        ("mhc.pre one-pass", MhcLaunch(one_pass=True, one_pass_block_t=64), run_pre, pre_b, flops),
-        ("mhc.pre one-pass", MhcLaunch(one_pass=True, one_pass_slice_h=256), run_pre, pre_b, flops),
-        ("mhc.pre one-pass", MhcLaunch(one_pass=True, one_pass_lag=2), run_pre, pre_b, flops),
-        ("mhc.fused_post_pre one-pass", MhcLaunch(one_pass=True), run_fused, fused_b, flops),
-        ("mhc.fused_post_pre one-pass", MhcLaunch(one_pass=True, one_pass_fused_block_k=32, one_pass_fused_stages=3),
-         run_fused, fused_b, flops),
-        ("mhc.fused_post_pre one-pass", MhcLaunch(one_pass=True, one_pass_slice_h=256), run_fused, fused_b, flops),
-        ("mhc.head one-pass", MhcLaunch(one_pass=True), run_head, head_b, flops // 6),
-    ]
-    for name, L, runner, b, f in one_pass:
-        fused = "fused" in name
-        tiles, slices, _, bk = L.one_pass_plan(T, Hd, fused)
-        shape = (f"T={T} Hd={Hd} BLOCK_T={L.one_pass_block_t} BLOCK_K={bk} slice={L.one_pass_slice_h} "
-                 f"lag={L.one_pass_lag} ({(tiles + L.one_pass_lag) * slices} programs)")
-        enc = L.encode()
-        try:
-            runner(0, enc)
-            cases.append(BenchCase(name, shape, lambda i, r=runner, e=enc: r(i, e), n_sets, b, f,
-                                   "as the op above; one launch, the second read of the streams from L2"))
-        except Exception as e:  # reported, not fatal: the other rows still run
-            print(f"{name} {shape}: skipped ({type(e).__name__}: {str(e)[:120]})")
+    # one pass (issue 14; kernels.py "Design 3"): the design as session 3 measured it and the field defaults
+    # (benchmarks/mhc_sweep.py times every candidate of ONE_PASS_VARIANTS); same compulsory bytes
+    runners = {"pre": ("mhc.pre", run_pre, pre_b, flops), "fused": ("mhc.fused_post_pre", run_fused, fused_b, flops),
+               "head": ("mhc.head", run_head, head_b, flops // 6)}
+    for variant in ("s3", "default"):
+        for op in ("pre", "fused", "head"):
+            name, runner, b, f = runners[op]
+            L = one_pass_variant(variant)
+            tiles, slices, _, bk = L.one_pass_plan(T, Hd, op == "fused")
+            shape = (f"T={T} Hd={Hd} {variant}: BLOCK_T={L.one_pass_tile(op == 'fused')[0]} BLOCK_K={bk} "
+                     f"slice={L.one_pass_slice_h} lag={L.one_pass_lag} ({(tiles + L.one_pass_lag) * slices} programs)")
+            enc = L.encode()
+            try:
+                runner(0, enc)
+                cases.append(BenchCase(f"{name} one-pass", shape, lambda i, r=runner, e=enc: r(i, e), n_sets, b, f,
+                                       "as the op above; one launch, the second read of the streams from L2"))
+            except Exception as e:  # reported, not fatal: the other rows still run
+                print(f"{name} one-pass {shape}: skipped ({type(e).__name__}: {str(e)[:120]})")
     return cases

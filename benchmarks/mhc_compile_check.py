@@ -1,0 +1,138 @@
+"""Compile the one-pass mHC kernel (dsv4ref.mhc, kernels.py "Design 3") for sm_90a on a machine with no GPU, for
+every candidate of ``dsv4ref.mhc.launch.ONE_PASS_VARIANTS`` and every op it is timed for, and print what
+serialises it: registers, spills, shared memory (so programs per SM), and per loop of the SASS its
+instruction count, tensor-core instructions (HGMMA), MMA waits (WARPGROUP.DEPBAR), cp.async copies (LDGSTS),
+plain global loads (LDG) and barriers. The loops, in order: the K loop (HGMMA), the last arrival's sum of
+partials (LDG), Sinkhorn, the READY spin, phase B (LDG).
+
+    PYTHONPATH=<triton-3.6 site-packages>:. python benchmarks/mhc_compile_check.py [NAME ...]
+
+Arguments: only the variants whose names contain one of them. The shapes are the bench's, T = Hd = 4096,
+with the specialisation a real launch gets (pointers and T, Hd, tiles, slices divisible by 16; a chunk
+count of 1 is a constant). Programs per SM: min(by registers, by shared memory), 228 KB and 64 K registers
+per SM; one program per SM means nothing hides the program's own latencies (ticket, pipeline fill, the
+release fence, the READY wait).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+sys.path.insert(0, ROOT)
+os.environ["DSV4REF_DEVICE"] = "cpu"
+import dsv4ref.device  # noqa: E402,F401  (on a CPU box this sets TRITON_INTERPRET ...)
+
+os.environ.pop("TRITON_INTERPRET", None)  # ... which must be off when the kernels are defined, to compile them
+
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+from dsv4ref.mhc import kernels  # noqa: E402
+from dsv4ref.mhc.launch import ONE_PASS_VARIANTS, one_pass_args, one_pass_variant  # noqa: E402
+
+T = HD = 4096
+BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+_F32 = {"post_in_ptr", "comb_in_ptr", "scale_ptr", "base_ptr", "post_ptr", "comb_ptr", "ws_ptr", "ssq_ptr", "wpre_ptr"}
+_INS = re.compile(r"/\*([0-9a-f]{4,})\*/\s+([^;]*;)")
+
+
+def _signature(fn, consts: dict, values: dict) -> tuple[dict, dict, dict]:
+    """(signature, constexprs, attrs) as a launch at the bench's shape would specialise them."""
+    sig, attrs = {}, {}
+    consts = dict(consts)
+    for i, name in enumerate(fn.arg_names):
+        if name in consts:
+            sig[name] = "constexpr"
+        elif name.endswith("_ptr"):
+            sig[name] = "*fp32" if name in _F32 else ("*bf16" if name == "fs_ptr" else
+                                                      ("*i32" if name == "sync_ptr" else "*i16"))
+            attrs[(i,)] = [["tt.divisibility", 16]]
+        elif name in ("rms_eps", "hc_eps", "post_mult"):
+            sig[name] = "fp32"
+        elif values.get(name) == 1:  # Triton specialises an int argument equal to 1 to a constant
+            sig[name] = "constexpr"
+            consts[name] = 1
+        else:
+            sig[name] = "i32"
+            if values.get(name, 1) % 16 == 0:
+                attrs[(i,)] = [["tt.divisibility", 16]]
+    return sig, consts, attrs
+
+
+def _loops(sass: str) -> list[list[str]]:
+    """The instructions of every loop (a backward branch's target .. the branch), in address order."""
+    ins = [(int(a, 16), t) for a, t in _INS.findall(sass)]
+    out = []
+    for a, t in ins:
+        m = re.search(r"BRA (?:[!P0-9U]+, )?0x([0-9a-f]+)", t)
+        if m and int(m.group(1), 16) < a:
+            out.append([x for b, x in ins if int(m.group(1), 16) <= b <= a])
+    return out
+
+
+def _loop_line(body: list[str]) -> str:
+    j = "\n".join(body)
+    ldg = len(re.findall(r"\bLDG\.", j))
+    return (f"{len(body)} ins, {j.count('HGMMA')} hgmma / {j.count('WARPGROUP.DEPBAR')} waits, "
+            f"{j.count('LDGSTS')} cp.async, {ldg} ldg, {j.count('BAR.SYNC')} bar")
+
+
+def check(name: str, op: str) -> str:
+    L = one_pass_variant(name)
+    head, fused = op == "head", op == "fused"
+    _grid, consts, opts, _sizes, (tiles, slices, cps) = one_pass_args(L, T, HD, head, fused)
+    values = dict(T=T, Hd=HD, n_tiles=tiles, slices=slices, chunks_per_slice=cps, iters=20)
+    sig, const, attrs = _signature(kernels.hc_one_pass_kernel, {**consts, "DOT_FP32": False}, values)
+    options = {k: v for k, v in opts.items() if v is not None}
+    c = triton.compile(ASTSource(fn=kernels.hc_one_pass_kernel, signature=sig, constexprs=const, attrs=attrs),
+                       target=GPUTarget("cuda", 90, 32), options=options)
+    with tempfile.TemporaryDirectory() as tmp:
+        ptx, cubin = os.path.join(tmp, "k.ptx"), os.path.join(tmp, "k.cubin")
+        with open(ptx, "w") as f:
+            f.write(c.asm["ptx"])
+        with open(cubin, "wb") as f:
+            f.write(c.asm["cubin"])
+        log = subprocess.run([os.path.join(BIN, "ptxas"), "-v", "--gpu-name", "sm_90a", ptx, "-o", os.devnull]
+                             + ([f"--maxrregcount={opts['maxnreg']}"] if opts["maxnreg"] else []),
+                             capture_output=True, text=True).stderr
+        sass = subprocess.run([os.path.join(BIN, "cuobjdump"), "-sass", cubin], capture_output=True, text=True).stdout
+    regs = int(re.search(r"Used (\d+) registers", log).group(1))
+    spill = int(re.search(r"(\d+) bytes spill stores", log).group(1))
+    smem = c.metadata.shared
+    threads = 32 * opts["num_warps"]
+    per_sm = min(65536 // (regs * threads), (228 * 1024) // (smem + 1024))
+    serial = " SERIALISED wgmma (ptxas C7515)" if "C7515" in log else ""
+    head_line = (f"{name:20s} {op:5s} {regs:3d} regs, {spill:4d} B spilled, {smem // 1024:3d} KB smem, "
+                 f"{per_sm} per SM, {(tiles + L.one_pass_lag) * slices} programs{serial}")
+    return "\n".join([head_line] + [f"{'':27s}loop: {_loop_line(b)}" for b in _loops(sass)])
+
+
+def kernel_key(name: str, op: str) -> tuple:
+    """What a launch of ``op`` under candidate ``name`` compiles and runs: equal keys, the same kernel."""
+    _grid, consts, opts, _sizes, plan = one_pass_args(one_pass_variant(name), T, HD, op == "head", op == "fused")
+    return op, tuple(sorted(consts.items())), tuple(sorted(opts.items())), plan
+
+
+if __name__ == "__main__":
+    want = sys.argv[1:]
+    print(f"{kernels.__file__}, triton {triton.__version__}, sm_90a, T = Hd = {T}", flush=True)
+    seen: dict[tuple, str] = {}
+    for name in ONE_PASS_VARIANTS:
+        if want and not any(w in name for w in want):
+            continue
+        for op in ("pre", "fused", "head"):
+            key = kernel_key(name, op)
+            if key in seen:
+                print(f"{name:20s} {op:5s} = {seen[key]!r} (the same kernel)", flush=True)
+                continue
+            seen[key] = name
+            try:
+                print(check(name, op), flush=True)
+            except Exception as e:  # a variant that does not compile is reported, not fatal
+                print(f"{name:20s} {op:5s} FAILED: {type(e).__name__}: {str(e)[:300]}", flush=True)
