@@ -7,8 +7,9 @@
 # wheels in .whl/ (see benchmarks/RESULTS.md for the command that fetches them) and is installed to /tmp/site.
 #
 #   device run:  bash scripts/gpu-check.sh            (carry: [".whl"])
-#   stages:      unit nbval check bench memcheck, moe_sweep and gluon_sweep (benchmarks/*.py),
-#                decode (the demo eager and graphed), probe (PROBE=script)
+#   stages:      unit nbval check bench memcheck, moe_sweep gluon_sweep kv_sweep indexer_sweep mhc_sweep
+#                (benchmarks/*.py), profile (ncu on the Gluon kernel), decode (the demo eager and graphed),
+#                probe (PROBE=script)
 #   env knobs:   STAGES="unit nbval check bench memcheck"   UNIT_TESTS="tests/test_moe.py ..."   BENCH_OP="indexer sparse_mla"   MEMCHECK_TESTS=tests/test_kv_cache.py
 #                LIMIT_UNIT=420 LIMIT_NBVAL=420 LIMIT_CHECK=300 LIMIT_BENCH=420 LIMIT_MEMCHECK=420 (seconds per stage)
 #   nbval runs with DSV4REF_BENCH=0: the notebooks' benchmark cells (ignored by nbval) skip their timings.
@@ -56,7 +57,13 @@ for s in $STAGES; do
     unit)     stage unit ${LIMIT_UNIT:-420} python3 -m pytest ${UNIT_TESTS:-tests} -v -o addopts="" -p no:cacheprovider -p no:benchmark \
                 -n ${WORKERS:-8} --dist loadfile --tb=short -rfE $NB_SKIP ;;
     moe_sweep)   stage moe_sweep ${LIMIT_MOE_SWEEP:-150} python3 benchmarks/moe_sweep.py ;;
-    gluon_sweep) stage gluon_sweep ${LIMIT_GLUON_SWEEP:-240} python3 benchmarks/sparse_mla_gluon.py ;;
+    gluon_sweep) stage gluon_sweep ${LIMIT_GLUON_SWEEP:-240} python3 benchmarks/sparse_mla_gluon.py ${GLUON_SWEEP_ARGS:-} ;;
+    kv_sweep)    stage kv_sweep ${LIMIT_KV_SWEEP:-150} python3 benchmarks/${KV_SWEEP:-kv_cache_sweep.py} ;;
+    indexer_sweep) stage indexer_sweep ${LIMIT_INDEXER_SWEEP:-150} python3 benchmarks/indexer_sweep.py ;;
+    mhc_sweep)   stage mhc_sweep ${LIMIT_MHC_SWEEP:-180} python3 benchmarks/mhc_sweep.py ;;
+    profile)     stage profile ${LIMIT_PROFILE:-120} ncu --kernel-name regex:_ws_kernel --launch-skip 3 --launch-count 1 \
+                   --section SpeedOfLight --section WarpStateStats --section SchedulerStats --section Occupancy \
+                   python3 benchmarks/gluon_profile.py ${PROFILE_ARGS:-} ;;
     decode)   stage decode ${LIMIT_DECODE:-120} python3 -m dsv4ref demo --steps 16 --graph ;;
     nbval)    DSV4REF_BENCH=0 stage nbval ${LIMIT_NBVAL:-420} python3 -m pytest notebooks -q -o addopts="" -p no:cacheprovider --nbval --nbval-current-env \
                 --nbval-sanitize-with notebooks/nbval_sanitize.cfg --nbval-cell-timeout 300 -n 4 --dist loadscope ;;

@@ -405,7 +405,7 @@ def test_stage_snap_every_finite_bf16(launch):
 def test_stage_launch_fields_are_checked():
     """stage_encode / stage_maxnreg take only what exists; the DIAG variants are not MoeLaunch values (their
     bytes are not the contract) and reach the custom op only through stage_op_args(launch, diag)."""
-    for kw, msg in ((dict(stage_encode="cast"), "stage_encode"), (dict(stage_encode="snap"), "needs \"tile\""),
+    for kw, msg in ((dict(stage_encode="cast"), "stage_encode"), (dict(stage_encode="snap", stage_load="groups"), "needs \"tile\""),
                     (dict(stage_maxnreg=8), "stage_maxnreg"), (dict(stage_maxnreg=256), "stage_maxnreg")):
         with pytest.raises(ValueError, match=msg):
             moe.MoeLaunch(**kw)

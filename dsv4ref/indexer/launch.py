@@ -22,7 +22,8 @@ HEAD_DIM = INDEX_HEAD_DIM
 
 
 FP4_DECODES = ("nibble", "f16_blocks", "f16_scaled")  # IndexerLaunch.fp4_decode: see kernels.py, "logits"
-FP4_DECODE_DEFAULT = "f16_blocks"  # measured 1.36x faster than "nibble" on the H200 (benchmarks/indexer.md)
+FP4_DECODE_DEFAULT = "f16_scaled"  # session 4, H200: 2.5x "f16_blocks", 35.8 % of the bound (benchmarks/indexer.md)
+SCALED_PAGES = 16  # pages per program of "f16_scaled" on a GPU (the sweep's fastest: 118 µs; 8 pages 124 µs, 4 135 µs)
 # f16_scaled's register cap: its fast loop needs ~114 registers, its rare exact fallback ~155, and ptxas sizes the
 # kernel for the larger; 128 keeps 4 programs of 4 warps per SM (65 536 registers) and spills in the fallback only
 SCALED_MAXNREG = 128
@@ -35,8 +36,9 @@ class IndexerLaunch:
     Attributes:
         quant_rows: rows ((token, head) pairs, or keys) per program of :func:`kernels.quantize_kernel`;
             a power of two. 16.
-        logits_pages: pages of keys per program of :func:`kernels.logits_kernel`; None = 4 on a GPU
-            (the H200 figures in ``benchmarks/``), 1 in the Triton interpreter (smaller tiles run faster there).
+        logits_pages: pages of keys per program of :func:`kernels.logits_kernel`; None = 4 on a GPU, 16 for
+            MXFP4 keys decoded ``"f16_scaled"`` (the H200 figures in ``benchmarks/``), 1 in the Triton
+            interpreter (smaller tiles run faster there).
         logits_warps: warps per logits program, a power of two. 4.
         fp4_decode: how the MXFP4 logits decode packed e2m1 keys (``FP4_DECODES``): ``"nibble"`` (each
             code to fp32 from its bits, × the block scale, one bf16 dot per page) or ``"f16_blocks"`` (fp16
@@ -44,8 +46,9 @@ class IndexerLaunch:
             scales applied to the partial sums). None = ``FP4_DECODE_DEFAULT``. Same scores either way,
             within the fp32 summation tolerance. H200, 64 tokens × 32 768 keys × 64 heads
             (``benchmarks/indexer.md``, one run, 2026-11-30): ``"nibble"`` 401.9 µs, 11.2 % of the roofline
-            bound; ``"f16_blocks"`` 295.0 µs, 15.3 % (the default), 270.7 µs with 8 pages per program.
-            ``"f16_scaled"`` (not yet measured): the block scales relative to each key's (query head's) largest
+            bound; ``"f16_blocks"`` 295.0 µs, 15.3 %, 270.7 µs with 8 pages per program. ``"f16_scaled"``
+            (the default since session 4: 118.3 µs, 35.8 % at 16 pages per program, checked against the
+            float64 reference in the same H200 call): the block scales relative to each key's (query head's) largest
             ride inside the fp16 operands, so ONE fp16 dot over all 128 dims per page, no per-block scale
             products; 4 integer operations and one fp16 multiply per packed byte. Programs whose scale bytes fall
             outside that exact range take an exact slow path (see ``kernels.fp4_pages_fast``).
@@ -80,11 +83,14 @@ class IndexerLaunch:
             raise ValueError(f"IndexerLaunch.logits_tile_pages: {self.logits_tile_pages} does not divide "
                              f"logits_pages={self.logits_pages}")
 
-    def pages(self) -> int:
-        """The resolved ``logits_pages``."""
+    def pages(self, fp4: bool = False) -> int:
+        """The resolved ``logits_pages``: 1 interpreted; on a GPU 4, or ``SCALED_PAGES`` for MXFP4 keys
+        decoded ``"f16_scaled"``."""
         if self.logits_pages is not None:
             return self.logits_pages
-        return 1 if interpreting() else 4
+        if interpreting():
+            return 1
+        return SCALED_PAGES if fp4 and self.decode() == "f16_scaled" else 4
 
     def decode(self) -> str:
         """The resolved ``fp4_decode``."""
@@ -95,7 +101,7 @@ class IndexerLaunch:
         :meth:`pages` (the interpreter's default of 1 page per program takes 1-page tiles)."""
         if not (fp4 and self.decode() == "f16_scaled"):
             return 1
-        return min(self.logits_tile_pages, self.pages())
+        return min(self.logits_tile_pages, self.pages(fp4))
 
     def maxnreg(self, fp4: bool) -> int | None:
         """The resolved ``logits_maxnreg`` for a launch of the FP8 (``fp4=False``) or MXFP4 logits."""
@@ -235,10 +241,10 @@ def logits(q, q_scales, weights_out, k_cache, positions, block_table, block_size
         return out
     qs = q_scales.contiguous().view(torch.uint8) if q_scales is not None else q.view(torch.uint8)
     n_pages = -(-n_out // block_size)
-    pages = launch.pages()
+    fp4 = q_scales is not None
+    pages = launch.pages(fp4)
     hp = max(16, triton.next_power_of_2(H))
     bt = block_table.contiguous()
-    fp4 = q_scales is not None
     cap = launch.maxnreg(fp4)
     opts = {"maxnreg": cap} if cap is not None and not interpreting() else {}
     kernels.logits_kernel[(T, triton.cdiv(n_pages, pages))](

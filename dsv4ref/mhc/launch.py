@@ -78,10 +78,11 @@ class MhcLaunch:
     post_block_h: int = 256
     sinkhorn_block: int = 256 if interpreting() else 16  # 4×4 matrices per program
     # one pass (hc_one_pass_kernel): pre, fused post+pre and head in one launch whose second read of the
-    # streams comes from L2 (kernels.py, "Design 3"); an explicit split_k (True / False) overrides it. NOT the
-    # default until an H200 run of benchmarks/mhc_sweep.py has measured it; then this ONE line picks it for
-    # every op that does not set split_k, the decode step's too
-    one_pass: bool = False
+    # streams comes from L2 (kernels.py, "Design 3"); an explicit split_k (True / False) overrides it. The
+    # default on a GPU since session 4's H200 sweep (T = Hd = 4096: pre 148 µs vs 250 split-K, fused 276 vs
+    # 610, head 116 vs 215; benchmarks/mhc.md); in the interpreter the measured per-op designs stay (the
+    # lessons' CPU cost), and the tests run every design explicitly
+    one_pass: bool = not interpreting()
     # pre and head: tiles, warps, pipeline stages, register cap (2 programs per SM at 8 warps need <= 128)
     one_pass_block_t: int = 32 if interpreting() else 128  # tokens per tile: fn is read from L2 once per tile
     one_pass_block_k: int = 128 if interpreting() else 16  # hidden dims per stream per GEMM chunk
@@ -96,7 +97,7 @@ class MhcLaunch:
     one_pass_fused_maxnreg: int | None = None
     # all three: work items, phase B, and the issue-14 switches (kernels.py "Design 3" says what each attacks)
     one_pass_block_h: int = 128 if interpreting() else 64  # hidden dims per chunk of the weighted sum
-    one_pass_slice_h: int = 128  # hidden dims per work item: 128 tokens × 4 × 128 × 2 B = 128 KB of streams
+    one_pass_slice_h: int = 256  # hidden dims per work item: 128 tokens × 4 × 256 × 2 B = 256 KB of streams
     one_pass_slices: int | None = None  # force this many slices (None: from one_pass_slice_h / target_programs)
     one_pass_max_slices: int = 32  # small T: no more slices than this for target_programs' sake (the last
     #                                arrival sums every slice's partial; decode-sized T would make 256)

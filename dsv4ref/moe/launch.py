@@ -67,14 +67,16 @@ class MoeLaunch:
         combine_block_t, combine_block_h, combine_warps: the combine's tile and warps.
     """
 
+    # staging: the fastest byte-exact shape of the session-4 H200 sweep (16.4 µs at T = Hd = 4096: 76 % of the
+    # 512 MiB copy ceiling, 97.5 % of a same-size copy; benchmarks/moe.md)
     stage_block_t: int = 1
     stage_block_h: int = 1024
-    stage_warps: int = 4
-    stage_load: str = "groups"
+    stage_warps: int = 1
+    stage_load: str = "tile"
     stage_programs: int = 0
     stage_stages: int = 3
-    stage_cache: str = ""
-    stage_encode: str = "blocks"
+    stage_cache: str = "stream"
+    stage_encode: str = "snap"
     stage_maxnreg: int = 0
     block_m: int = 16
     block_n: int = 64
@@ -126,9 +128,8 @@ def default_launch(tokens: int, k: int, experts: int) -> MoeLaunch:
     if interpreting():
         return MoeLaunch(stage_block_t=16, block_m=block_m, block_n=256, block_h=512, block_k=256, combine_block_t=16)
     if block_m == 64:  # prefill-sized groups: wider tiles, 8 warps
-        return MoeLaunch(stage_block_t=4, stage_block_h=512, stage_warps=2, block_m=64, block_n=128, block_k=128,
-                         expert_warps=8)
-    return MoeLaunch(stage_block_t=4, stage_block_h=512, stage_warps=2, block_m=block_m, expert_stages=4)
+        return MoeLaunch(block_m=64, block_n=128, block_k=128, expert_warps=8)
+    return MoeLaunch(block_m=block_m, expert_stages=4)
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -150,7 +150,9 @@ def page_offsets32(slot, block_size, page_stride):
     page = s // block_size
     off = (s - page * block_size).to(tl.int64)
     base = page.to(tl.int64) * page_stride
-    return base + off * 576, base + block_size.to(tl.int64) * 576 + off * 8
+    # block_size · 576 in int32 (< 2^31 by the launcher's check), widened by the int64 sum; no .to() on it: a
+    # compiled launch specialises block_size == 1 to the Python int 1, which has no .to()
+    return base + off * 576, (base + off * 8) + block_size * 576
 
 
 @triton.jit
