@@ -479,8 +479,20 @@ for Tb, Hb, Kb in BENCH:
 # the consumer (no row loads at all) takes 36 µs at H 64 and the producer (no MMAs) 32 µs, both about 4× the
 # 8 µs bound: the producer keeps too few bytes in flight against the DRAM latency, and the consumer's chain
 # (32 narrow wgmma per chunk, the softmax between QKᵀ and P·V, CTA barriers) is serial. The overlap works —
-# the kernel runs at about the slower side — but both sides must get faster. A schematic of the difference (not
-# a measurement):
+# the kernel runs at about the slower side — but both sides must get faster.
+#
+# **Session 4 looked under both sides** with a third timing diagnostic: no row loads *and* no MMAs. What is left
+# — launch, Q to shared memory, the producer's conversion ALU and shared-memory stores, the mbarrier handshakes,
+# the epilogue and the split merge — still takes **24 / 42 / 34 µs** of the 37 / 83 / 71 µs. Timed over split
+# counts 1, 2, 4 it costs about 1.4–1.8 µs per 64-candidate iteration, as much as an iteration's row bytes
+# (≈ 1.2 µs per SM) or its MMAs (≈ 1.45 µs). The producer's SASS has ≈ 1 600 instructions per iteration per
+# thread (Triton already converts e4m3 in pairs; ≈ 2.5 instructions a value go to unpacking bytes from the
+# packed words), issued by **one producer warp per scheduler**; Nsight Compute shows 0.32 instructions issued
+# per scheduler per cycle, 3 warps resident per scheduler and 0.48 eligible, DRAM at 16 % of its peak. So the
+# kernel is **latency-bound at one CTA per SM**: a second producer warpgroup would need registers the 64 × 512
+# fp32 accumulator (128 per consumer thread) leaves no room for. In the final run: 39.6 / 83.3 / 74.4 µs,
+# 20.3 / 31.1 / 26.4 % of the bound (`benchmarks/sparse_mla.md`, `benchmarks/RESULTS.md`). A schematic of the
+# difference between rungs 2 and 4 (not a measurement):
 
 # %%
 fig, axes = plt.subplots(2, 1, figsize=(10, 3.2), sharex=True)

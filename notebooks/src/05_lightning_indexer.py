@@ -179,8 +179,8 @@ print("q scale word (int32):", f"0x{int(sc_word[0, 0]) & 0xFFFFFFFF:08x}", " (bl
 # **Decoding in the logits kernel.** Hopper has no FP4 tensor-core instruction, so every packed byte is decoded
 # before the dot product. The first decode (`fp4_decode="nibble"`) builds each code's fp32 value from its bits,
 # multiplies by the block scale and converts to bf16: two float conversions per value, and conversions issue at
-# 1/8 the rate of FP32 arithmetic on an H100/H200. The second (`IndexerLaunch(fp4_decode="f16_blocks")`, the
-# default since it measured 1.36× faster on the H200) uses
+# 1/8 the rate of FP32 arithmetic on an H100/H200. The second (`IndexerLaunch(fp4_decode="f16_blocks")`,
+# 1.36× faster on the H200; the third, `"f16_scaled"`, the default, builds on it: see the H200 section) uses
 # no float instruction at all: shifting the three magnitude bits into the top of fp16's exponent and mantissa
 # fields gives exactly value·2⁻¹⁴ for every code (code 1, the value 0.5, lands on an fp16 *subnormal*), so the
 # tensor cores can take the result as it is. The scales are applied per 32-block to the partial dot products
@@ -421,7 +421,13 @@ else:
 # and 760 TFLOP/s measured in it): FP8 logits 142.0 µs, 2.01 TB/s of key bytes, **49.7 % of the bound** (the
 # target, ≥ 50 %, sits on the line); MXFP4 with the `"nibble"` decode 401.9 µs, **11.2 %** — Hopper has no FP4
 # MMA, so the kernel decodes nibbles to bf16 with ALU work and float conversions first; with the
-# `"f16_blocks"` decode (now the default) 295.0 µs, **15.3 %**, and 270.7 µs (16.7 %) with 8 pages per program.
-# MXFP4 halves the bytes but, here, not the time: the 30 % goal is missed, and the torch reference under
-# `torch.compile` takes 3.4–5.4 ms (1.3 %).
+# `"f16_blocks"` decode 295.0 µs, **15.3 %**, and 270.7 µs (16.7 %) with 8 pages per program.
+#
+# **Session 4: `fp4_decode="f16_scaled"`, the default now.** Each key's (and query head's) block scales,
+# taken relative to its largest one, ride inside the fp16 operands, so a page is **one** fp16 dot over all
+# 128 dims with one wait, instead of eight dots each followed by a scale product; the largest scales are
+# applied once, to the score. Measured in one H200 run with every other op (ceilings 4.04 TB/s, 746 TFLOP/s):
+# **119.6 µs, 38.5 % of the bound** at 16 pages per program (the goal, ≥ 30 %, is met), 2.5× `f16_blocks`;
+# FP8 138.7 µs (51.1 %). A program whose scale bytes fall outside the range where the fold is exact takes the
+# `f16_blocks` arithmetic instead. The torch reference under `torch.compile` takes 3.5–5.4 ms (1.3 %).
 # `benchmarks/indexer.md` has the decode's operation count, the sweep and the next suspects.
