@@ -1,16 +1,23 @@
 """Compile the KV-cache insert and gather kernels of a dsv4ref checkout for sm_90a with Triton, on a machine
-with no GPU, and print registers, spills, global loads/stores and PTX length: how the session-3 regression
-(insert 67.7 % → 49.4 %, gather 79.1 % → 56.8 % of copy on the H200) was located without device time.
+with no GPU, and print registers, spills, global loads/stores, PTX length and SASS instructions: how the
+session-3 regression (insert 67.7 % → 49.4 %, gather 79.1 % → 56.8 % of copy on the H200) was located without
+device time, and how its fix was checked.
 
-    PYTHONPATH=<triton-3.6 site-packages> python benchmarks/kv_cache_compile_check.py <checkout root>
+    PYTHONPATH=<triton-3.6 site-packages> python benchmarks/kv_cache_compile_check.py <checkout root> [NAME=VALUE ...]
 
 A checkout from before the one-folder-per-op layout (``dsv4ref/kv_cache.py``, e.g. ``git worktree add ../s1
 9c1928b``) and one after it (``dsv4ref/kv_cache/kernels.py``) are both understood. Launch shapes: the defaults
 (insert 8 tokens, gather 4 slots per program, 1 warp); pointers and the row / page strides 16-byte aligned, as
-Triton specialises them at a real launch.
+Triton specialises them at a real launch. The kernel constexprs a checkout has (``NATIVE``, ``SLOT32``, ...) are
+set as the launcher sets them for a compiled ``allocate()`` cache and the default launch; ``NAME=VALUE`` arguments
+override them (``NATIVE=1``: the hardware casts of ``native_casts=True``; ``TOK=4``; ``WARPS=2``; ``PERSISTENT=1 STAGES=2``).
+
+``SASS`` counts the instructions of the cubin; ``hot`` leaves out the block a uniform branch skips (the writer's
+non-finite tile path, which a finite tile never runs), so it is what a finite tile executes at most.
 """
 
 import importlib
+import inspect
 import os
 import re
 import subprocess
@@ -22,6 +29,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 ROOT = sys.argv[1].rstrip("/")
+OVERRIDE = {k: int(v) for k, v in (a.split("=") for a in sys.argv[2:])}
 sys.path.insert(0, ROOT)
 os.environ["DSV4REF_DEVICE"] = "cpu"
 importlib.import_module("dsv4ref.device")  # on a CPU box this sets TRITON_INTERPRET ...
@@ -36,23 +44,54 @@ INSERT = ("insert", m._insert_kernel if OLD else m.insert_kernel, 8,
 GATHER = ("gather", m._gather_kernel if OLD else m.gather_kernel, 4,
           {"cache_ptr": "*u8", "cache16_ptr": "*i16", "slot_ptr": "*i64", "out_ptr": "*i16", "n": "i32", **SLOT,
            "page_stride": "i32", "block_size": "i32", "TOK": "constexpr", "ROPE16": "constexpr"})
-PTXAS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+# what the launcher passes for a compiled launch of the defaults (kernels without a constexpr keep their own)
+LAUNCHED = {"NATIVE": 0, "SLOT32": 1, "PERSISTENT": 0, "LOAD_POLICY": "", "STORE_CACHE": "", "STAGES": 0}
+BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
 
-print(m.__file__, "triton", triton.__version__)
+
+def cold_instructions(sass_lines: list[str]) -> int:
+    """Instructions in blocks entered only by a forward uniform branch that jumps over a block ending in an
+    unconditional forward jump (an if / else whose else part a finite tile never runs)."""
+    addr = [int(re.match(r"\s+/\*([0-9a-f]+)\*/", line).group(1), 16) for line in sass_lines]
+    where = {a: i for i, a in enumerate(addr)}
+    cold = 0
+    for a, line in zip(addr, sass_lines):
+        hit = re.search(r"@!?P\d BRA (0x[0-9a-f]+)", line)
+        if hit and int(hit.group(1), 16) - a > 4096 and int(hit.group(1), 16) - 16 in where:
+            x = int(hit.group(1), 16)
+            prev = sass_lines[where[x - 16]]
+            jump = re.search(r"\*/\s+BRA (0x[0-9a-f]+)", prev)
+            if jump and int(jump.group(1), 16) > x:
+                cold += (int(jump.group(1), 16) - x) // 16
+    return cold
+
+
+print(m.__file__, "triton", triton.__version__, OVERRIDE or "")
 for name, fn, tok, sig in (INSERT, GATHER):
-    const = {"TOK": tok, "ROPE16": True, **({"slot_stride": 1} if SLOT else {})}
+    params = inspect.signature(fn.fn).parameters
+    const = {"TOK": OVERRIDE.get("TOK", tok), "ROPE16": True, **({"slot_stride": 1} if SLOT else {})}
+    for k, v in LAUNCHED.items():
+        if k in params:
+            sig[k] = "constexpr"
+            const[k] = OVERRIDE.get(k, v)
     aligned = {(i,): [["tt.divisibility", 16]] for i, (k, v) in enumerate(sig.items())
                if v.startswith("*") or k in ("kv_stride", "page_stride")}
     compiled = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=const, attrs=aligned),
-                              target=GPUTarget("cuda", 90, 32), options={"num_warps": 1})
+                              target=GPUTarget("cuda", 90, 32), options={"num_warps": OVERRIDE.get("WARPS", 1)})
     ptx = compiled.asm["ptx"]
-    with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
+    d = tempfile.mkdtemp()
+    with open(os.path.join(d, "k.ptx"), "w") as f:
         f.write(ptx)
-    log = subprocess.run([PTXAS, "-v", "--gpu-name", "sm_90a", f.name, "-o", os.devnull],
+    log = subprocess.run([os.path.join(BIN, "ptxas"), "-v", "--gpu-name", "sm_90a", f.name, "-o", os.path.join(d, "k.cubin")],
                          capture_output=True, text=True).stderr
+    sass = subprocess.run([os.path.join(BIN, "cuobjdump"), "-sass", os.path.join(d, "k.cubin")],
+                          capture_output=True, text=True).stdout
+    ins = [line for line in sass.splitlines() if re.match(r"\s+/\*[0-9a-f]{4,}\*/", line)]
     regs = re.search(r"Used (\d+) registers", log)
     spills = re.search(r"(\d+) bytes spill stores", log)
     loads, stores = len(re.findall(r"\bld\.global", ptx)), len(re.findall(r"\bst\.global", ptx))
     v4 = len(re.findall(r"(?:ld|st)\.global[.\w]*\.v4\.", ptx))
-    print(f"{name}: {regs and regs.group(1)} registers, {spills and spills.group(1)} B spilled, "
-          f"{loads} ld.global / {stores} st.global ({v4} of them 16-byte), {ptx.count(chr(10))} PTX lines")
+    print(f"{name} ({const['TOK']} x {OVERRIDE.get('WARPS', 1)}): {regs and regs.group(1)} registers, "
+          f"{spills and spills.group(1)} B spilled, {loads} ld.global / {stores} st.global ({v4} of them 16-byte), "
+          f"{ptx.count(chr(10))} PTX lines, {len(ins)} SASS ({len(ins) - cold_instructions(ins)} hot), "
+          f"{compiled.metadata.shared} B shared memory")

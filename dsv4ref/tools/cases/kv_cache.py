@@ -41,9 +41,9 @@ def _check_gather() -> list[CheckRow]:
 def _bench() -> list[BenchCase]:
     """64k slots (the issue's size) and 256k slots, pages of 64, a random slot order. Four input sets
     rotate: 4 × (37 MB cache + 64 MB kv + 64 MB out) per size, well past a 60 MB L2. Timed through the
-    custom ops with the default launch shapes, and (64k only) the insert with the other launch shapes whose
-    register counts the non-finite policy and the RoPE-first store changed (docs/kv_cache.md#the-kernels:
-    4 × 1 now 103 registers, 8 × 2 104, 16 × 4 109, the default 8 × 1 209), to pick the default again."""
+    custom ops with the default launch shapes, and (64k only) the insert with other launch shapes, to pick the
+    default again (registers per shape: ``benchmarks/kv_cache_compile_check.py``; every ``KVCacheLaunch`` variant,
+    checked and timed: ``benchmarks/kv_cache_sweep2.py``)."""
     cases = []
     for S in (65536, 262144):
         B, n_sets, nb = 64, 4, S // 64
