@@ -16,7 +16,7 @@ from conftest import interp_bug
 from dsv4ref.device import DEVICE, interpreting
 from dsv4ref.testing import assert_close, generator
 from dsv4ref.tl import bf16_rne_bits, dot, e4m3_encode, e4m3_ue8m0_blocks, ue8m0_byte
-from dsv4ref.tl.numerics import bf16_bits, e4m3_ue8m0_tile, ue8m0_byte_448
+from dsv4ref.tl.numerics import bf16_bits, e4m3_ue8m0_tile, ue8m0_byte_bits
 
 
 @triton.jit
@@ -192,10 +192,10 @@ def _ue8m0_448_kernel(a_ptr, out_ptr, n, BLOCK: tl.constexpr):
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     m = offs < n
     a = tl.load(a_ptr + offs, mask=m, other=1.0)
-    tl.store(out_ptr + offs, ue8m0_byte_448(a, 1e-4) - ue8m0_byte(a, 1e-4, 448.0), mask=m)
+    tl.store(out_ptr + offs, ue8m0_byte_bits(a.to(tl.int32, bitcast=True), 1e-4) - ue8m0_byte(a, 1e-4, 448.0), mask=m)
 
 
-def test_ue8m0_byte_448_is_ue8m0_byte():
+def test_ue8m0_byte_bits_is_ue8m0_byte():
     """The division-free byte equals the correctly rounded quotient's: every non-negative finite bf16 (what the
     KV writer's amax is), 448·2^k and its fp32 neighbours, random fp32 values."""
     g = generator(3)

@@ -31,6 +31,5 @@ from .numerics import (  # noqa: F401
     splat,
     ue8m0_byte,
     ue8m0_byte_bits,
-    ue8m0_byte_448,
     ue8m0_value,
 )

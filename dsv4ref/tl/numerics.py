@@ -25,7 +25,6 @@ helper                 what it does                                  interpreter
 ``e4m3_nan_codes``     the e4m3 bytes of a non-finite block          (GPU max/min drop NaN)
 ``e4m3_ue8m0_tile``    ``e4m3_ue8m0_blocks``' bytes; the policy runs  (per-value policy work, paid only by
                        only for a tile holding a NaN / inf block     a tile that needs it)
-``ue8m0_byte_448``     ``ue8m0_byte`` for QMAX 448, no division      (a division per block)
 ``e4m3_finite``        finite fp32 -> e4m3 byte; NATIVE: the cast    I5 (NATIVE is False interpreted)
 ``bf16_bits``          fp32 -> bf16 bits; NATIVE: the cast           I4 (NATIVE is False interpreted)
 ``page_offsets32``     ``page_offsets`` with an int32 slot division  (int64 division is a slow call)
@@ -218,27 +217,11 @@ def e4m3_ue8m0_tile(x, FLOOR: tl.constexpr, AXIS: tl.constexpr, NATIVE: tl.const
     amax = tl.reduce(tl.abs(x), AXIS, _max_nan)  # |x| bits >= 0x7F800000: the block holds a NaN or ±inf
     bad = (amax.to(tl.int32, bitcast=True) >= 0x7F800000).to(tl.int32)
     if tl.max(bad) == 0:
-        byte = ue8m0_byte_448(amax, FLOOR)
+        byte = ue8m0_byte_bits(amax.to(tl.int32, bitcast=True), FLOOR)  # amax finite here: its bits
         q = e4m3_finite(x * tl.expand_dims(inv_pow2(byte), AXIS), NATIVE)
     else:
         q, byte = e4m3_ue8m0_blocks(x, FLOOR, AXIS)
     return q, byte
-
-
-@triton.jit
-def ue8m0_byte_448(amax, FLOOR: tl.constexpr):
-    """:func:`ue8m0_byte` for ``QMAX = 448`` (e4m3) and a finite fp32 ``amax``, without the division: the same byte.
-
-    With ``a = max(amax, FLOOR) = 1.m · 2^E`` (normal: ``FLOOR`` is), ``a / 448 = (1.m / 1.75) · 2^(E − 8)`` and
-    ``1.m / 1.75`` lies in (4/7, 8/7), so ``ceil(log2(a / 448)) = E − 8 + (1.m > 1.75)``: the exponent field
-    minus 8, plus one if the mantissa field exceeds 0x600000 (1.75's). ``ue8m0_byte`` takes the ceiling of the
-    correctly rounded quotient, which is the same: ``RN(a / 448)`` is a power of two only when ``a`` is exactly
-    448·2^k (the fp32 neighbours of 448·2^k are 2^-23 / 1.75 away, more than the half ulp of 2^k), and otherwise
-    stays inside the binade of ``a / 448``. Checked against ``ue8m0_byte`` for every positive finite bf16 and
-    random fp32 values in ``tests/test_tl_helpers.py``."""
-    bits = tl.maximum(amax, FLOOR).to(tl.int32, bitcast=True)
-    byte = (bits >> 23) - 8 + ((bits & 0x7FFFFF) > 0x600000).to(tl.int32)
-    return tl.minimum(tl.maximum(byte, 1), 254)
 
 
 @triton.jit
