@@ -34,7 +34,7 @@ Three designs for pre, fused post+pre and head
   of split s and writes partial mixes / Σ X² to a workspace; the finish kernel sums the partials in split
   order (deterministic), runs the gates and Sinkhorn, and the weighted sum over a hidden range. 4× less fn
   traffic and enough programs even at small T, but the streams are read twice.
-* One pass (``hc_one_pass_kernel``, not the default until measured): work items (128-token tile, hidden
+* One pass (``hc_one_pass_kernel``, the default on a GPU since session 4's H200 run): work items (128-token tile, hidden
   slice) taken from an atomic ticket; each program computes one item's partial mix, the tile's last arrival
   runs the gates, and the same program then computes the layer input of the same slice of the PREVIOUS
   tile, whose streams it re-reads from L2. One wide dot per stream chunk. See "Design 3" below.

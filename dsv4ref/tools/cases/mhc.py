@@ -39,7 +39,7 @@ def _check() -> list[CheckRow]:
         hfn, hscale, hbase = example_params(Hd, seed=T + 3, head=True)
         h64 = reference.head(res, hfn, hscale, hbase, dtype=torch.float64)
         rows.append(CheckRow("mhc.head", s, compare(head(res, hfn, hscale, hbase), h64, "bf16_out")))
-    # the one-pass design (MhcLaunch(one_pass=True), not the default yet): the same checks at real sizes
+    # the one-pass design (MhcLaunch(one_pass=True), the GPU default): the same checks at real sizes
     one = MhcLaunch(one_pass=True)
     for T, Hd in [(5, 256)] if interpreting() else [(33, 4096), (300, 4096), (17, 7168)]:
         res = example_streams(T, Hd, seed=T)
