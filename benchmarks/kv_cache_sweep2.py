@@ -29,7 +29,7 @@ import torch
 import dsv4ref
 from dsv4ref import kv_cache as kc
 from dsv4ref import validate
-from dsv4ref.device import DEVICE, describe, synchronize
+from dsv4ref.device import DEVICE, describe, empty_cache, synchronize
 from dsv4ref.kv_cache import reference
 from dsv4ref.kv_cache.kernels import gather_kernel, insert_kernel
 from dsv4ref.kv_cache.launch import KVCacheLaunch, _grid_and_flags, int16_view, launch_gather, launch_insert
@@ -220,7 +220,7 @@ def main():
                 print(f"{op:<7} {S:>7} {name:<22} {ms * 1e3:>8.1f} {byts / (ms * 1e-3) / 1e9:>6.0f} {frac:>8.1%}", flush=True)
         sets.clear()
         del want_cache, want_out
-        torch.cuda.empty_cache()
+        empty_cache()
 
     print(f"\nsummary (kernel time by graph replay, % of {bw / 1e12:.2f} TB/s copy; every timed variant byte-exact):")
     for (op, S), rows in results.items():
