@@ -34,6 +34,7 @@ from dsv4ref.kv_cache import reference
 from dsv4ref.kv_cache.kernels import gather_kernel, insert_kernel
 from dsv4ref.kv_cache.launch import KVCacheLaunch, _grid_and_flags, int16_view, launch_gather, launch_insert
 from dsv4ref.tools.harness import measure_ceilings, time_ms
+from kv_cache_sweep import make_sets  # the same four rotated input sets (pages of 64) as the first sweep
 
 L = KVCacheLaunch
 # The first of each list is the default launch; the rest in order of interest (a tight budget cuts the tail).
@@ -67,16 +68,6 @@ B = 64
 PER_TOKEN = 1024 + 8 + kc.TOKEN_BYTES
 
 
-def make_sets(S: int, n_sets: int = 4):
-    sets = []
-    for i in range(n_sets):
-        g = torch.Generator(device=DEVICE).manual_seed(i)
-        kv = torch.randn(S, 512, device=DEVICE, dtype=torch.bfloat16, generator=g)
-        slots = torch.randperm(S, device=DEVICE, generator=g)
-        cache = kc.allocate(S // B, B)
-        launch_insert(cache, kv, slots, B)
-        sets.append((cache, kv, slots, torch.empty_like(kv)))
-    return sets
 
 
 def hard_inputs(T: int = 32768, pages: int = 640):
