@@ -15,19 +15,14 @@ and the page stride 16-byte divisible, as Triton specialises them at a real laun
 from __future__ import annotations
 
 import collections
-import importlib
 import os
 import re
 import subprocess
 import sys
 import tempfile
 
-ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
-sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-os.environ["DSV4REF_DEVICE"] = "cpu"
-importlib.import_module("dsv4ref.device")  # on a CPU box this sets TRITON_INTERPRET ...
-os.environ.pop("TRITON_INTERPRET", None)  # ... which must be off when the kernels are defined, to compile them
+from aot import BIN  # noqa: E402  (first: the kernels below are then defined for compiling)
 
 import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
@@ -39,7 +34,6 @@ from indexer_sweep import VARIANTS  # noqa: E402
 SIG = {"q_ptr": "*u8", "qs_ptr": "*u8", "w_ptr": "*fp32", "cache_ptr": "*u8", "cache_f32_ptr": "*fp32",
        "cache_i32_ptr": "*i32", "bt_ptr": "*i32", "pos_ptr": "*i64", "out_ptr": "*fp32", "n_out": "i32",
        "bt_stride": "i32", "page_stride": "i32", "H": "i32"}
-BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
 OP = re.compile(r"\s*/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)([.\w]*)(.*?);")
 
 

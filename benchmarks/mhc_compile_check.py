@@ -22,12 +22,8 @@ import subprocess
 import sys
 import tempfile
 
-ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
-sys.path.insert(0, ROOT)
-os.environ["DSV4REF_DEVICE"] = "cpu"
-import dsv4ref.device  # noqa: E402,F401  (on a CPU box this sets TRITON_INTERPRET ...)
-
-os.environ.pop("TRITON_INTERPRET", None)  # ... which must be off when the kernels are defined, to compile them
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from aot import BIN  # noqa: E402  (first: the kernels below are then defined for compiling)
 
 import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
@@ -37,7 +33,6 @@ from dsv4ref.mhc import kernels  # noqa: E402
 from dsv4ref.mhc.launch import ONE_PASS_VARIANTS, one_pass_args, one_pass_variant  # noqa: E402
 
 T = HD = 4096
-BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
 _F32 = {"post_in_ptr", "comb_in_ptr", "scale_ptr", "base_ptr", "post_ptr", "comb_ptr", "ws_ptr", "ssq_ptr", "wpre_ptr"}
 _INS = re.compile(r"/\*([0-9a-f]{4,})\*/\s+([^;]*;)")
 

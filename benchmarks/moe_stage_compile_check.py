@@ -22,19 +22,14 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import importlib
 import os
 import re
 import subprocess
 import sys
 import tempfile
 
-ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
-sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-os.environ["DSV4REF_DEVICE"] = "cpu"
-importlib.import_module("dsv4ref.device")  # on a CPU box this sets TRITON_INTERPRET ...
-os.environ.pop("TRITON_INTERPRET", None)  # ... which must be off when the kernels are defined, to compile them
+from aot import BIN  # noqa: E402  (first: the kernels below are then defined for compiling)
 
 import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
@@ -47,7 +42,6 @@ from moe_sweep import DIAG_SNAP, MAXNREGS, SESSION3_BEST, SNAP_GRID, STAGE_DIAG_
 from dsv4ref import moe  # noqa: E402
 
 T, HD, K = 4096, 4096, 6
-BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
 ALU = ("LOP3", "SHF", "PRMT", "SEL", "FSEL", "ISETP", "FSETP", "VIMNMX", "VIMNMX3", "IMNMX", "FMNMX", "LEA", "IADD3",
        "VIADD", "PLOP3", "SGXT", "BMSK", "IABS", "POPC", "FLO")
 FMA = ("FFMA", "FADD", "FMUL", "IMAD")

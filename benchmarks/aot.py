@@ -1,0 +1,25 @@
+"""The shared preamble of the ahead-of-time compile checks (``benchmarks/*_compile_check.py``): import it before
+any dsv4ref kernel module, and the kernels are defined for compiling (sm_90a, ``triton.compile``) rather than
+for Triton's interpreter, on a machine with no GPU.
+
+``dsv4ref.device`` sets ``TRITON_INTERPRET`` on a CPU box; a kernel module imported while it is set defines
+interpreted kernels, which never compile. So: the repository root on the path, the device layer on the CPU,
+then the variable dropped. ``BIN`` is the directory of the ptxas / cuobjdump that ship with Triton.
+
+(``kv_cache_compile_check.py`` keeps its own preamble: it imports the kernels of any checkout given on its
+command line, older layouts included.)
+"""
+
+import importlib
+import os
+import sys
+
+ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+sys.path.insert(0, ROOT)
+os.environ["DSV4REF_DEVICE"] = "cpu"
+importlib.import_module("dsv4ref.device")  # on a CPU box this sets TRITON_INTERPRET ...
+os.environ.pop("TRITON_INTERPRET", None)  # ... which must be off when the kernels are defined, to compile them
+
+import triton  # noqa: E402
+
+BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
