@@ -49,10 +49,6 @@ VARIANTS = {  # dsv4ref.sparse_mla.gluon.VARIANT flags, over the default (which 
     "gluon ws cpasync": dict(WS=True, OVERLAP=False, PRODUCER_REGS=120, PACKED=4),
     "gluon ws cpasync overlap": dict(WS=True, OVERLAP=True, PRODUCER_REGS=120, PACKED=4),
     "gluon ws ksplit packed1": dict(WS=True, OVERLAP=False, PRODUCER_REGS=96, PACKED=1, KSPLIT=1),
-    # session 4: the producer's e4m3 -> bf16 conversion as PTX (DEQ_ASM), on the two best producers
-    "gluon ws packed1 asm": dict(WS=True, OVERLAP=False, PRODUCER_REGS=104, PACKED=1, DEQ_ASM=True),
-    "gluon ws cpasync asm": dict(WS=True, OVERLAP=False, PRODUCER_REGS=120, PACKED=4, DEQ_ASM=True),
-    "gluon ws packed2 asm": dict(WS=True, OVERLAP=False, PRODUCER_REGS=120, PACKED=2, DEQ_ASM=True),
 }
 NEW = {k for k in VARIANTS if "packed" in k or "cpasync" in k}  # timed at the default split only (keeps the run short)
 # timing diagnostics (wrong results, never checked): DIAG 1 = the producer loads nothing (MMA + softmax +
@@ -65,11 +61,8 @@ DIAGS = {
     # DIAG 3 = neither: what is left is the fixed cost (launch, Q to shared memory, the epilogue's stores,
     # the split merge); timed at every split count below, like the variants of SPLIT_SWEEP
     "diag cpasync: fixed cost only": dict(VARIANTS["gluon ws cpasync"], DIAG=3),
-    "diag cpasync asm: no loads, no MMA": dict(VARIANTS["gluon ws cpasync asm"], DIAG=3),
-    "diag cpasync asm: no MMA/softmax": dict(VARIANTS["gluon ws cpasync asm"], DIAG=2),
-    "diag cpasync asm: no row loads": dict(VARIANTS["gluon ws cpasync asm"], DIAG=1),
 }
-SPLIT_SWEEP = {"gluon ws cpasync", "gluon ws cpasync asm", "diag cpasync: fixed cost only"}  # timed at splits 1, 2, 4
+SPLIT_SWEEP = {"gluon ws cpasync", "gluon ws packed1", "diag cpasync: fixed cost only"}  # timed at splits 1, 2, 4
 
 
 if os.environ.get("GLUON_BENCH_VARIANTS"):  # e.g. "gluon ws,gluon v1 (no ws) psmem": time only these

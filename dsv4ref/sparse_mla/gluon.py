@@ -186,42 +186,6 @@ def _define_kernels():
         return x.to(gl.bfloat16)
 
     @_gluon.jit
-    def _tile_asm(raw, sc, b: gl.constexpr):
-        """:func:`_tile` with the per-value work written as PTX, four values per instruction group: the two
-        e4m3 pairs of a 32-bit word become f16x2 in one ``cvt`` each (Hopper converts fp8 in pairs), then
-        f32, × the scale, and two values per bf16x2 ``cvt``. The same roundings as :func:`_tile` (e4m3 ->
-        f16 and f16 -> f32 are exact; one fp32 multiply; one RNE to bf16), so the same bits; byte 255 (NaN
-        scale) and the e4m3 NaN codes give NaN as there. Why: the 4 producer warps are issue-bound on
-        this conversion (the DIAG 3 timing: no loads and no MMA still take 2/3 of the kernel's time), and
-        the Triton-level conversion also unpacks each byte into a register of its own first."""
-        e = ((sc >> (8 * b)) & 0xFF).to(gl.int32)
-        bits = gl.where(e == 0, 0x00400000, gl.where(e == 255, 0x7FC00000, e << 23))
-        scale = bits.to(gl.float32, bitcast=True)[:, None]
-        return gl.inline_asm_elementwise(
-            """{
-            .reg .b16 a0, a1;
-            .reg .b32 h0, h1;
-            .reg .f16 f0, f1, f2, f3;
-            .reg .f32 x0, x1, x2, x3;
-            mov.b32 {a0, a1}, $2;
-            cvt.rn.f16x2.e4m3x2 h0, a0;
-            cvt.rn.f16x2.e4m3x2 h1, a1;
-            mov.b32 {f0, f1}, h0;
-            mov.b32 {f2, f3}, h1;
-            cvt.f32.f16 x0, f0;
-            cvt.f32.f16 x1, f1;
-            cvt.f32.f16 x2, f2;
-            cvt.f32.f16 x3, f3;
-            mul.rn.f32 x0, x0, $3;
-            mul.rn.f32 x1, x1, $4;
-            mul.rn.f32 x2, x2, $5;
-            mul.rn.f32 x3, x3, $6;
-            cvt.rn.bf16x2.f32 $0, x1, x0;
-            cvt.rn.bf16x2.f32 $1, x3, x2;
-            }""",
-            "=r,=r,r,r,r,r,r", [raw, scale], dtype=gl.bfloat16, is_pure=True, pack=4)
-
-    @_gluon.jit
     def _dequant_store(kb, r0, r1, r2, r3, r4, r5, r6, rr, sc):
         """Write one chunk's dequantised rows [BN, 512] bf16 into the shared buffer ``kb``."""
         kb.slice(0, 64, dim=1).store(_tile(r0, sc, 0))
@@ -680,7 +644,7 @@ def _define_kernels():
         return gl.reshape(x, [a.shape[0], 2 * a.shape[1]])
 
     @_gluon.jit
-    def _dequant_store_packed(kb, raw, ONE_STORE: gl.constexpr, DEQ_ASM: gl.constexpr = False):
+    def _dequant_store_packed(kb, raw, ONE_STORE: gl.constexpr):
         """Write one half chunk of packed rows (:func:`_load_rows_packed`) dequantised into ``kb`` [R, 512]:
         the eight 64-column tiles are put side by side in registers and stored at once (ONE_STORE), or as two
         stores of four tiles (half the temporaries, for the fuller register budgets). Triton puts a barrier
@@ -689,20 +653,12 @@ def _define_kernels():
         w0, w1, w2, w3, w4, w5, w6, rr, sc = raw
         x = _bytes_of(w0)
         sc = gl.convert_layout(sc, gl.SliceLayout(1, x.type.layout))
-        if DEQ_ASM:
-            t01 = _side_by_side(_tile_asm(x, sc, 0), _tile_asm(_bytes_of(w1), sc, 1))
-            t23 = _side_by_side(_tile_asm(_bytes_of(w2), sc, 2), _tile_asm(_bytes_of(w3), sc, 3))
-        else:
-            t01 = _side_by_side(_tile(x, sc, 0), _tile(_bytes_of(w1), sc, 1))
-            t23 = _side_by_side(_tile(_bytes_of(w2), sc, 2), _tile(_bytes_of(w3), sc, 3))
+        t01 = _side_by_side(_tile(x, sc, 0), _tile(_bytes_of(w1), sc, 1))
+        t23 = _side_by_side(_tile(_bytes_of(w2), sc, 2), _tile(_bytes_of(w3), sc, 3))
         if not ONE_STORE:
             kb.slice(0, 256, dim=1).store(_side_by_side(t01, t23))
-        if DEQ_ASM:
-            t45 = _side_by_side(_tile_asm(_bytes_of(w4), sc, 4), _tile_asm(_bytes_of(w5), sc, 5))
-            t67 = _side_by_side(_tile_asm(_bytes_of(w6), sc, 6), _halves_of(rr).to(gl.bfloat16, bitcast=True))
-        else:
-            t45 = _side_by_side(_tile(_bytes_of(w4), sc, 4), _tile(_bytes_of(w5), sc, 5))
-            t67 = _side_by_side(_tile(_bytes_of(w6), sc, 6), _halves_of(rr).to(gl.bfloat16, bitcast=True))
+        t45 = _side_by_side(_tile(_bytes_of(w4), sc, 4), _tile(_bytes_of(w5), sc, 5))
+        t67 = _side_by_side(_tile(_bytes_of(w6), sc, 6), _halves_of(rr).to(gl.bfloat16, bitcast=True))
         if ONE_STORE:
             kb.store(_side_by_side(_side_by_side(t01, t23), _side_by_side(t45, t67)))
         else:
@@ -711,7 +667,7 @@ def _define_kernels():
     @_gluon.jit
     def _ws_producer_packed(k_smem, ready, empty, start, n_it, n1, stop, i1, i2, c1_i64, bs1, ps1,
                             c2_i64, bs2, ps2, BN: gl.constexpr, NS: gl.constexpr, SETS: gl.constexpr,
-                            DIAG: gl.constexpr, DEQ_ASM: gl.constexpr = False):
+                            DIAG: gl.constexpr):
         """Producer warps (4) holding the gathered rows packed (int64 words: no byte or 16-bit value lives in a
         register of its own), SETS half chunks at once. SETS = 1: the DEEP producer's schedule (one half in
         flight, issued right after the previous half is dequantised); SETS = 2: double-buffered (one half in
@@ -741,11 +697,11 @@ def _define_kernels():
                 v0 = start + it * BN
                 mbarrier.wait(empty.index(st), ((it // NS) & 1) ^ 1)
                 kb = k_smem.index(st)
-                _dequant_store_packed(kb.slice(0, HALF, dim=0), a, True, DEQ_ASM)  # half 2·it; 2·it + 1 in flight
+                _dequant_store_packed(kb.slice(0, HALF, dim=0), a, True)  # half 2·it; 2·it + 1 in flight
                 a = _read_rows_async(raw_w, raw_r, raw_s, LW)
                 _copy_rows_async(raw_w, raw_r, raw_s, sa, ia, oa, c1_i64, bs1, ps1, c2_i64, bs2, ps2, LW)
                 sa, ia, oa = _slots(v0 + BN + HALF + rows, n1, stop, i1, i2)
-                _dequant_store_packed(kb.slice(HALF, HALF, dim=0), a, True, DEQ_ASM)  # half 2·it + 1; 2·it + 2 in flight
+                _dequant_store_packed(kb.slice(HALF, HALF, dim=0), a, True)  # half 2·it + 1; 2·it + 2 in flight
                 a = _read_rows_async(raw_w, raw_r, raw_s, LW)
                 _copy_rows_async(raw_w, raw_r, raw_s, sa, ia, oa, c1_i64, bs1, ps1, c2_i64, bs2, ps2, LW)
                 sa, ia, oa = _slots(v0 + 2 * BN + rows, n1, stop, i1, i2)
@@ -763,10 +719,10 @@ def _define_kernels():
                 v0 = start + it * BN
                 mbarrier.wait(empty.index(st), ((it // NS) & 1) ^ 1)
                 kb = k_smem.index(st)
-                _dequant_store_packed(kb.slice(0, HALF, dim=0), a, SETS == 1, DEQ_ASM)
+                _dequant_store_packed(kb.slice(0, HALF, dim=0), a, SETS == 1)
                 a = _load_rows_packed(sa, ia, oa, c1_i64, bs1, ps1, c2_i64, bs2, ps2, LW)
                 sa, ia, oa = _slots(v0 + BN + rows, n1, stop, i1, i2)
-                _dequant_store_packed(kb.slice(HALF, HALF, dim=0), a, SETS == 1, DEQ_ASM)
+                _dequant_store_packed(kb.slice(HALF, HALF, dim=0), a, SETS == 1)
                 a = _load_rows_packed(sa, ia, oa, c1_i64, bs1, ps1, c2_i64, bs2, ps2, LW)
                 sa, ia, oa = _slots(v0 + BN + HALF + rows, n1, stop, i1, i2)
                 fence_async_shared()
@@ -785,11 +741,11 @@ def _define_kernels():
             mbarrier.wait(empty.index(st), ((it // NS) & 1) ^ 1)
             kb = k_smem.index(st)
             # half 2·it from a; its registers then take half 2·it + SETS
-            _dequant_store_packed(kb.slice(0, HALF, dim=0), a, SETS == 1, DEQ_ASM)
+            _dequant_store_packed(kb.slice(0, HALF, dim=0), a, SETS == 1)
             a = _load_rows_packed(sa, ia, oa, c1_i64, bs1, ps1, c2_i64, bs2, ps2, LW)
             sa, ia, oa = _slots(v0 + (SETS + 1) * HALF + rows, n1, stop, i1, i2)
             # half 2·it + 1 from b; then half 2·it + SETS + 1
-            _dequant_store_packed(kb.slice(HALF, HALF, dim=0), b, SETS == 1, DEQ_ASM)
+            _dequant_store_packed(kb.slice(HALF, HALF, dim=0), b, SETS == 1)
             b = _load_rows_packed(sa, ia, oa, c1_i64, bs1, ps1, c2_i64, bs2, ps2, LW)
             sa, ia, oa = _slots(v0 + (SETS + 2) * HALF + rows, n1, stop, i1, i2)
             fence_async_shared()
@@ -801,12 +757,12 @@ def _define_kernels():
     @_gluon.jit
     def _ws_producer_of(k_smem, ready, empty, start, n_it, n1, stop, i1, i2, c1_u8, c1_i16, c1_i64, bs1, ps1,
                         c2_u8, c2_i16, c2_i64, bs2, ps2, BN: gl.constexpr, NS: gl.constexpr, DEEP: gl.constexpr,
-                        PACKED: gl.constexpr, DIAG: gl.constexpr, DEQ_ASM: gl.constexpr):
+                        PACKED: gl.constexpr, DIAG: gl.constexpr):
         """The producer partition the flags pick: packed (PACKED 1-3 half chunks in registers, 4: cp.async
-        staging) or byte-wise; DEQ_ASM (packed only): the e4m3 -> bf16 conversion as PTX (:func:`_tile_asm`)."""
+        staging) or byte-wise."""
         if PACKED:
             _ws_producer_packed(k_smem, ready, empty, start, n_it, n1, stop, i1, i2, c1_i64, bs1, ps1,
-                                c2_i64, bs2, ps2, BN, NS, PACKED, DIAG, DEQ_ASM)
+                                c2_i64, bs2, ps2, BN, NS, PACKED, DIAG)
         else:
             _ws_producer(k_smem, ready, empty, start, n_it, n1, stop, i1, i2, c1_u8, c1_i16, c1_i64, bs1, ps1,
                          c2_u8, c2_i16, c2_i64, bs2, ps2, BN, NS, DEEP, DIAG)
@@ -938,7 +894,7 @@ def _define_kernels():
         HAS_LEN1: gl.constexpr, HAS_POOL2: gl.constexpr, HAS_LEN2: gl.constexpr, HAS_SINK: gl.constexpr,
         SPLITS: gl.constexpr, BH: gl.constexpr, BN: gl.constexpr, NS: gl.constexpr, OVERLAP: gl.constexpr,
         PRODUCER_REGS: gl.constexpr, DEEP: gl.constexpr, DIAG: gl.constexpr = 0, PACKED: gl.constexpr = 0,
-        KSPLIT: gl.constexpr = 0, DEQ_ASM: gl.constexpr = False,
+        KSPLIT: gl.constexpr = 0,
     ):
         """Warp-specialised variant: 4 producer warps fill an NS-stage ring of dequantised K tiles (mbarriers
         ready / empty per stage); the 8 default warps (two warpgroups) only run the MMAs and the softmax.
@@ -989,7 +945,7 @@ def _define_kernels():
                                  qk_scale, t64, hb, sp, H, sink_ptr, out_ptr, lse_ptr, po_ptr, pml_ptr, HAS_SINK,
                                  SPLITS, BH, BN, NS, KSPLIT == 2, DIAG)),
                 (_ws_producer_of, (k_smem, ready, empty, start, n_it, n1, stop, i1, i2, c1_u8, c1_i16, c1_i64, bs1,
-                                   ps1, c2_u8, c2_i16, c2_i64, bs2, ps2, BN, NS, DEEP, PACKED, DIAG, DEQ_ASM)),
+                                   ps1, c2_u8, c2_i16, c2_i64, bs2, ps2, BN, NS, DEEP, PACKED, DIAG)),
             ], [4, 4], [(512 - PRODUCER_REGS) // 16 * 8, PRODUCER_REGS])
         else:
             gl.warp_specialize([
@@ -997,7 +953,7 @@ def _define_kernels():
                                 t64, hb, sp, H, sink_ptr, out_ptr, lse_ptr, po_ptr, pml_ptr,
                                 HAS_SINK, SPLITS, BH, BN, NS, OVERLAP, DIAG)),
                 (_ws_producer_of, (k_smem, ready, empty, start, n_it, n1, stop, i1, i2, c1_u8, c1_i16, c1_i64, bs1,
-                                   ps1, c2_u8, c2_i16, c2_i64, bs2, ps2, BN, NS, DEEP, PACKED, DIAG, DEQ_ASM)),
+                                   ps1, c2_u8, c2_i16, c2_i64, bs2, ps2, BN, NS, DEEP, PACKED, DIAG)),
             ], [4], [PRODUCER_REGS])
 
     return {"decode": _decode_kernel, "merge": _merge_kernel, "ws": _ws_kernel}
@@ -1010,7 +966,7 @@ def _kernel_and_flags(kern: dict, flags: dict):
         ksplit = int(flags.get("KSPLIT", 0))
         return kern["ws"], dict(NS=flags["NS"], OVERLAP=flags["OVERLAP"], PRODUCER_REGS=flags["PRODUCER_REGS"],
                                 DEEP=flags["DEEP"], DIAG=flags.get("DIAG", 0), PACKED=flags.get("PACKED", 0),
-                                KSPLIT=ksplit, DEQ_ASM=bool(flags.get("DEQ_ASM", False)), num_warps=4 if ksplit else NUM_WARPS)
+                                KSPLIT=ksplit, num_warps=4 if ksplit else NUM_WARPS)
     return kern["decode"], dict(P_SMEM=flags["P_SMEM"], PIPE=flags["PIPE"], num_warps=NUM_WARPS)
 
 
