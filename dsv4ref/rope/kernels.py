@@ -107,7 +107,7 @@ def _kv_record(kv_ptr, cache_ptr, t, slot, trow, kv_stride, page_stride, block_s
     rk = tl.where(j % 2 == 0, e * ck - p * sk, e * ck + p * sk)
     rb = bf16_rne_bits_nan(rk).to(tl.int32)
     one = tl.zeros([1], dtype=tl.int64)  # scalars -> [1] tiles; the RoPE words go out as byte pairs
-    # every constexpr passed explicitly: compiled Triton cannot bind a callee's str default (LOAD_POLICY)
+    # NATIVE, SLOT32 off; no cache hints (kv_record takes every constexpr explicitly)
     kv_record(cache_ptr, cache_ptr, row + one, slot + one, rb[None, :], block_size, page_stride, 1, False,
               False, False, "", "")
 

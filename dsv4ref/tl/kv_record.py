@@ -49,11 +49,13 @@ def kv_record(
     page_stride,  # bytes between pages (the cache tensor's stride(0))
     TOK: tl.constexpr,  # tokens in the tile (a power of two; 1 for one token)
     ROPE16: tl.constexpr,  # pages start at even addresses: store the RoPE as 16-bit words, else byte pairs
-    NATIVE: tl.constexpr = False,  # compiled only: the hardware's exact e4m3 cast for finite tiles (e4m3_finite)
-    SLOT32: tl.constexpr = False,  # the cache has < 2^31 slots: divide the slot in int32 (page_offsets32)
-    LOAD_POLICY: tl.constexpr = "",  # eviction policy of the kv row load ("" or "evict_first")
-    STORE_CACHE: tl.constexpr = "",  # cache modifier of the record stores ("" or ".cs", streaming)
+    NATIVE: tl.constexpr,  # compiled only: the hardware's exact e4m3 cast for finite tiles (e4m3_finite)
+    SLOT32: tl.constexpr,  # the cache has < 2^31 slots: divide the slot in int32 (page_offsets32)
+    LOAD_POLICY: tl.constexpr,  # eviction policy of the kv row load ("" or "evict_first")
+    STORE_CACHE: tl.constexpr,  # cache modifier of the record stores ("" or ".cs", streaming)
 ):
+    # No defaults: compiled Triton cannot bind a jitted callee's str default (LOAD_POLICY = "" failed to compile
+    # in the fused RoPE + KV insert on the H200), so every caller passes every constexpr.
     """Quantise and store the 584-byte records of ``TOK`` tokens (axis 0 of every tile is the token)."""
     ok = slot >= 0
     if SLOT32:
