@@ -49,6 +49,9 @@ VARIANTS = {  # dsv4ref.sparse_mla.gluon.VARIANT flags, over the default (which 
     "gluon ws cpasync": dict(WS=True, OVERLAP=False, PRODUCER_REGS=120, PACKED=4),
     "gluon ws cpasync overlap": dict(WS=True, OVERLAP=True, PRODUCER_REGS=120, PACKED=4),
     "gluon ws ksplit packed1": dict(WS=True, OVERLAP=False, PRODUCER_REGS=96, PACKED=1, KSPLIT=1),
+    # session 5: role-split consumers (a scorer warpgroup with n = 64 QKᵀ and in-warpgroup softmax, a P·V one)
+    "gluon ws roles packed1": dict(WS=True, OVERLAP=False, PRODUCER_REGS=104, PACKED=1, ROLES=1, PV_REGS=160),
+    "gluon ws roles packed1 overlap": dict(WS=True, OVERLAP=True, PRODUCER_REGS=104, PACKED=1, ROLES=1, PV_REGS=160),
 }
 NEW = {k for k in VARIANTS if "packed" in k or "cpasync" in k}  # timed at the default split only (keeps the run short)
 # timing diagnostics (wrong results, never checked): DIAG 1 = the producer loads nothing (MMA + softmax +
@@ -61,12 +64,18 @@ DIAGS = {
     # DIAG 3 = neither: what is left is the fixed cost (launch, Q to shared memory, the epilogue's stores,
     # the split merge); timed at every split count below, like the variants of SPLIT_SWEEP
     "diag cpasync: fixed cost only": dict(VARIANTS["gluon ws cpasync"], DIAG=3),
+    "diag roles: no row loads": dict(VARIANTS["gluon ws roles packed1"], DIAG=1),
+    "diag roles: no MMA/softmax": dict(VARIANTS["gluon ws roles packed1"], DIAG=2),
+    "diag roles: fixed cost only": dict(VARIANTS["gluon ws roles packed1"], DIAG=3),
 }
-SPLIT_SWEEP = {"gluon ws cpasync", "gluon ws packed1", "diag cpasync: fixed cost only"}  # timed at splits 1, 2, 4
+SPLIT_SWEEP = {"gluon ws cpasync", "gluon ws packed1", "diag cpasync: fixed cost only",  # timed at splits 1, 2, 4
+               "gluon ws roles packed1", "diag roles: fixed cost only"}
 
 
 if os.environ.get("GLUON_BENCH_VARIANTS"):  # e.g. "gluon ws,gluon v1 (no ws) psmem": time only these
     VARIANTS = {k: v for k, v in VARIANTS.items() if k in os.environ["GLUON_BENCH_VARIANTS"].split(",")}
+if os.environ.get("GLUON_BENCH_DIAGS"):  # e.g. "diag roles": time only the diagnostics whose names contain one
+    DIAGS = {k: v for k, v in DIAGS.items() if any(s in k for s in os.environ["GLUON_BENCH_DIAGS"].split(","))}
 FAILED: set = set()  # variants that failed a check (or did not compile): not timed, diagnostics included
 
 

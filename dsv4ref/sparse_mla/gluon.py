@@ -885,6 +885,112 @@ def _define_kernels():
                      t64, hb, sp, H, sink_ptr, out_ptr, lse_ptr, po_ptr, pml_ptr, 0, HAS_SINK, SPLITS, BH, BN,
                      NS, HALVES, DIAG)
 
+    # ---- role-split consumers (flag ROLES of _ws_kernel) -------------------------------------------------
+
+    @_gluon.jit
+    def _roles_scorer(q_smem, qbad_smem, k_smem, p_smem, a_smem, ml_smem, ready, empty, pfull, pfree, fin,
+                      start, n_it, n1, stop, i1, i2, qk_scale, t64, hb, sp, H, sink_ptr, out_ptr, lse_ptr, po_ptr,
+                      pml_ptr, HAS_SINK: gl.constexpr, SPLITS: gl.constexpr, BH: gl.constexpr, BN: gl.constexpr,
+                      NS: gl.constexpr, OVERLAP: gl.constexpr, DIAG: gl.constexpr):
+        """The scoring warpgroup (the default partition, 4 warps) of the role split: S = Q·Kᵀ for all 64
+        candidates as n = 64 wgmma (Q read once per chunk, not once per warpgroup), the online softmax with
+        every row max and sum inside one warpgroup (no CTA barrier), then P (bf16) and the rescale factor
+        alpha are published to the P·V warpgroup through a 2-deep shared buffer (mbarriers pfull / pfree),
+        and its own half of the output, O[:, 0:256] += P · V[:, 0:256], runs with P in registers.
+        OVERLAP: the next chunk's QKᵀ is issued right behind this chunk's P·V."""
+        O_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 256, 16])
+        S_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BN, 16])
+        P_L: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=O_L, k_width=2)
+        m = gl.full([BH], -float("inf"), gl.float32, gl.SliceLayout(1, S_L))
+        l = gl.zeros([BH], gl.float32, gl.SliceLayout(1, S_L))
+        acc = gl.zeros([BH, 256], gl.float32, O_L)
+        s0 = gl.zeros([BH, BN], gl.float32, S_L)
+        cols = start + gl.arange(0, BN, gl.SliceLayout(0, S_L))
+        _, _, okc = _slots(cols, n1, stop, i1, i2)
+        if DIAG >= 2:  # timing diagnostic only (wrong results): take each stage and release it, no MMA
+            for it in range(n_it):
+                mbarrier.wait(ready.index(it % NS), (it // NS) & 1)
+                _bar()
+                mbarrier.arrive(empty.index(it % NS))
+            n_it = 0
+        if OVERLAP:
+            mbarrier.wait(ready.index(0), 0, pred=n_it > 0)
+            s = warpgroup_mma(q_smem, k_smem.index(0).permute((1, 0)), s0, use_acc=False)
+        for it in range(n_it):
+            st = it % NS
+            b = it % 2
+            kb = k_smem.index(st)
+            if not OVERLAP:
+                mbarrier.wait(ready.index(st), (it // NS) & 1)
+                s = warpgroup_mma(q_smem, kb.permute((1, 0)), s0, use_acc=False)
+            p, alpha, m, l = _softmax_step(s, m, l, okc, qk_scale)
+            pb = p.to(gl.bfloat16)
+            mbarrier.wait(pfree.index(b), ((it // 2) & 1) ^ 1)  # the P·V warpgroup is done with buffer b
+            p_smem.index(b).store(pb)
+            a_smem.index(b).store(alpha)
+            fence_async_shared()  # P is read by the other warpgroup's wgmma (the async proxy)
+            _bar()
+            mbarrier.arrive(pfull.index(b))
+            acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, O_L))[:, None]
+            p_op = gl.convert_layout(pb, P_L)
+            acc = warpgroup_mma(p_op, kb.slice(0, 256, dim=1), acc, is_async=True)
+            _, _, okc = _slots(cols + (it + 1) * BN, n1, stop, i1, i2)  # next chunk's mask, fetched early
+            if OVERLAP:
+                nx = it + 1
+                sn = nx % NS
+                mbarrier.wait(ready.index(sn), (nx // NS) & 1, pred=nx < n_it)
+                s_next = warpgroup_mma(q_smem, k_smem.index(sn).permute((1, 0)), s0, use_acc=False, is_async=True)
+                acc, p_op = warpgroup_mma_wait(num_outstanding=1, deps=(acc, p_op))
+                _bar()
+                mbarrier.arrive(empty.index(st))
+                s = warpgroup_mma_wait(num_outstanding=0, deps=(s_next,))
+            else:
+                acc, p_op = warpgroup_mma_wait(num_outstanding=0, deps=(acc, p_op))
+                _bar()
+                mbarrier.arrive(empty.index(st))
+        ml_smem.index(0).store(m)  # the final row max and sum, for the P·V warpgroup's epilogue
+        ml_smem.index(1).store(l)
+        _bar()
+        mbarrier.arrive(fin)
+        _epilogue(acc, m, l, qbad_smem, t64, hb, sp, H, sink_ptr, out_ptr, lse_ptr, po_ptr, pml_ptr, HAS_SINK, SPLITS,
+                  BH, O_L, S_L, 0, 256, True)
+
+    @_gluon.jit
+    def _roles_pv(q_smem, qbad_smem, k_smem, p_smem, a_smem, ml_smem, ready, empty, pfull, pfree, fin,
+                  start, n_it, n1, stop, i1, i2, qk_scale, t64, hb, sp, H, sink_ptr, out_ptr, lse_ptr, po_ptr,
+                  pml_ptr, HAS_SINK: gl.constexpr, SPLITS: gl.constexpr, BH: gl.constexpr, BN: gl.constexpr,
+                  NS: gl.constexpr, OVERLAP: gl.constexpr, DIAG: gl.constexpr):
+        """The P·V warpgroup (a worker partition, 4 warps) of the role split: for each chunk it waits for
+        the scorer's P and alpha, rescales its half of the output and runs O[:, 256:512] += P · V[:, 256:512]
+        with P read from shared memory; it computes no score and no softmax, so it needs only the
+        accumulator's registers. Both warpgroups release the K stage (empty counts two arrivals)."""
+        O_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 256, 16])
+        S_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BN, 16])
+        acc = gl.zeros([BH, 256], gl.float32, O_L)
+        if DIAG >= 2:  # timing diagnostic only (wrong results): take each stage and release it, no MMA
+            for it in range(n_it):
+                mbarrier.wait(ready.index(it % NS), (it // NS) & 1)
+                _bar()
+                mbarrier.arrive(empty.index(it % NS))
+            n_it = 0
+        for it in range(n_it):
+            st = it % NS
+            b = it % 2
+            mbarrier.wait(ready.index(st), (it // NS) & 1)
+            mbarrier.wait(pfull.index(b), (it // 2) & 1)
+            alpha = a_smem.index(b).load(gl.SliceLayout(1, O_L))
+            acc = acc * alpha[:, None]
+            acc = warpgroup_mma(p_smem.index(b), k_smem.index(st).slice(256, 256, dim=1), acc, is_async=True)
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+            _bar()
+            mbarrier.arrive(pfree.index(b))
+            mbarrier.arrive(empty.index(st))
+        mbarrier.wait(fin, 0)
+        m = ml_smem.index(0).load(gl.SliceLayout(1, S_L))
+        l = ml_smem.index(1).load(gl.SliceLayout(1, S_L))
+        _epilogue(acc, m, l, qbad_smem, t64, hb, sp, H, sink_ptr, out_ptr, lse_ptr, po_ptr, pml_ptr, HAS_SINK, SPLITS,
+                  BH, O_L, S_L, 256, 256, False)
+
     @_gluon.jit
     def _ws_kernel(
         q_ptr, q_st, q_sh, sink_ptr, out_ptr, lse_ptr, po_ptr, pml_ptr,
@@ -894,14 +1000,15 @@ def _define_kernels():
         HAS_LEN1: gl.constexpr, HAS_POOL2: gl.constexpr, HAS_LEN2: gl.constexpr, HAS_SINK: gl.constexpr,
         SPLITS: gl.constexpr, BH: gl.constexpr, BN: gl.constexpr, NS: gl.constexpr, OVERLAP: gl.constexpr,
         PRODUCER_REGS: gl.constexpr, DEEP: gl.constexpr, DIAG: gl.constexpr = 0, PACKED: gl.constexpr = 0,
-        KSPLIT: gl.constexpr = 0,
+        KSPLIT: gl.constexpr = 0, ROLES: gl.constexpr = 0, PV_REGS: gl.constexpr = 152,
     ):
         """Warp-specialised variant: 4 producer warps fill an NS-stage ring of dequantised K tiles (mbarriers
         ready / empty per stage); the 8 default warps (two warpgroups) only run the MMAs and the softmax.
         PACKED (1-3): the packed producer with that many half chunks in registers (4: one, and the next one
         staged through shared memory by cp.async); KSPLIT (1, or 2 for the
         score halves): the two consumer warpgroups are two partitions splitting QKᵀ by dims (the launch then
-        has 4 default warps, not 8)."""
+        has 4 default warps, not 8); ROLES: the two consumer warpgroups take different roles, a scorer (QKᵀ,
+        softmax, half of P·V; the default partition) and a P·V warpgroup on PV_REGS registers (the other half)."""
         gl.static_assert(BH == 64)
         gl.static_assert(BN == 64)
         LQ: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [gl.num_warps(), 1], [1, 0])
@@ -921,8 +1028,20 @@ def _define_kernels():
         empty = gl.allocate_shared_memory(gl.int64, [NS, 1], mbarrier.MBarrierLayout())
         for i in gl.static_range(NS):
             mbarrier.init(ready.index(i), count=1)
-            mbarrier.init(empty.index(i), count=2 if KSPLIT else 1)
-        if KSPLIT:  # the two partial-score buffers (fp32, 16 KB each) and their handshakes; no P buffer
+            mbarrier.init(empty.index(i), count=2 if (KSPLIT or ROLES) else 1)
+        if ROLES:  # P (bf16) and alpha, 2 deep, from the scorer to the P·V warpgroup; the final (m, l)
+            p_smem = gl.allocate_shared_memory(gl.bfloat16, [2, BH, BN], SH_L)
+            V_L: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0])  # per [BH] row
+            a_smem = gl.allocate_shared_memory(gl.float32, [2, BH], V_L)
+            ml_smem = gl.allocate_shared_memory(gl.float32, [2, BH], V_L)
+            pfull = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+            pfree = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+            fin = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+            for i in gl.static_range(2):
+                mbarrier.init(pfull.index(i), count=1)
+                mbarrier.init(pfree.index(i), count=1)
+            mbarrier.init(fin, count=1)
+        elif KSPLIT:  # the two partial-score buffers (fp32, 16 KB each) and their handshakes; no P buffer
             x_smem = gl.allocate_shared_memory(gl.float32, [2, BH, BN], gl.NVMMASharedLayout(
                 swizzle_byte_width=128, element_bitwidth=32, rank=2))
             xfull = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
@@ -936,7 +1055,18 @@ def _define_kernels():
         _bar()
         # (the partitions' argument tuples are written out in each call: a tuple bound to a name first
         # would turn its constexpr members into tensors)
-        if KSPLIT:  # registers: 512 per thread slot over three 4-warp partitions; the consumers split the rest
+        if ROLES:  # registers: 512 per thread slot over three 4-warp partitions; the scorer gets the rest
+            gl.warp_specialize([
+                (_roles_scorer, (q_smem, qbad_smem, k_smem, p_smem, a_smem, ml_smem, ready, empty, pfull, pfree, fin,
+                                 start, n_it, n1, stop, i1, i2, qk_scale, t64, hb, sp, H, sink_ptr, out_ptr, lse_ptr,
+                                 po_ptr, pml_ptr, HAS_SINK, SPLITS, BH, BN, NS, OVERLAP, DIAG)),
+                (_roles_pv, (q_smem, qbad_smem, k_smem, p_smem, a_smem, ml_smem, ready, empty, pfull, pfree, fin,
+                             start, n_it, n1, stop, i1, i2, qk_scale, t64, hb, sp, H, sink_ptr, out_ptr, lse_ptr,
+                             po_ptr, pml_ptr, HAS_SINK, SPLITS, BH, BN, NS, OVERLAP, DIAG)),
+                (_ws_producer_of, (k_smem, ready, empty, start, n_it, n1, stop, i1, i2, c1_u8, c1_i16, c1_i64, bs1,
+                                   ps1, c2_u8, c2_i16, c2_i64, bs2, ps2, BN, NS, DEEP, PACKED, DIAG)),
+            ], [4, 4], [PV_REGS, PRODUCER_REGS])
+        elif KSPLIT:  # registers: 512 per thread slot over three 4-warp partitions; the consumers split the rest
             gl.warp_specialize([
                 (_ks_consumer0, (q_smem, qbad_smem, k_smem, x_smem, ready, empty, xfull, xfree, start, n_it, n1, stop, i1, i2,
                                  qk_scale, t64, hb, sp, H, sink_ptr, out_ptr, lse_ptr, po_ptr, pml_ptr, HAS_SINK,
@@ -964,9 +1094,11 @@ def _kernel_and_flags(kern: dict, flags: dict):
     launcher and benchmarks/gluon_compile_check.py share this)."""
     if flags["WS"]:
         ksplit = int(flags.get("KSPLIT", 0))
+        roles = int(flags.get("ROLES", 0))
         return kern["ws"], dict(NS=flags["NS"], OVERLAP=flags["OVERLAP"], PRODUCER_REGS=flags["PRODUCER_REGS"],
                                 DEEP=flags["DEEP"], DIAG=flags.get("DIAG", 0), PACKED=flags.get("PACKED", 0),
-                                KSPLIT=ksplit, num_warps=4 if ksplit else NUM_WARPS)
+                                KSPLIT=ksplit, ROLES=roles, PV_REGS=flags.get("PV_REGS", 152),
+                                num_warps=4 if (ksplit or roles) else NUM_WARPS)
     return kern["decode"], dict(P_SMEM=flags["P_SMEM"], PIPE=flags["PIPE"], num_warps=NUM_WARPS)
 
 
