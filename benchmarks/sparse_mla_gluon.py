@@ -52,6 +52,10 @@ VARIANTS = {  # dsv4ref.sparse_mla.gluon.VARIANT flags, over the default (which 
     # session 5: role-split consumers (a scorer warpgroup with n = 64 QKᵀ and in-warpgroup softmax, a P·V one)
     "gluon ws roles packed1": dict(WS=True, OVERLAP=False, PRODUCER_REGS=104, PACKED=1, ROLES=1, PV_REGS=160),
     "gluon ws roles packed1 overlap": dict(WS=True, OVERLAP=True, PRODUCER_REGS=104, PACKED=1, ROLES=1, PV_REGS=160),
+    # session 5: the integer dequantisation (bit moves + bf16x2 multiplies, gluon._pairs_bf16)
+    "gluon ws packed1 deq": dict(WS=True, OVERLAP=False, PRODUCER_REGS=104, PACKED=1, DEQ=1),
+    "gluon ws roles packed1 deq": dict(WS=True, OVERLAP=False, PRODUCER_REGS=104, PACKED=1, ROLES=1, PV_REGS=160,
+                                       DEQ=1),
 }
 NEW = {k for k in VARIANTS if "packed" in k or "cpasync" in k}  # timed at the default split only (keeps the run short)
 # timing diagnostics (wrong results, never checked): DIAG 1 = the producer loads nothing (MMA + softmax +
@@ -67,9 +71,12 @@ DIAGS = {
     "diag roles: no row loads": dict(VARIANTS["gluon ws roles packed1"], DIAG=1),
     "diag roles: no MMA/softmax": dict(VARIANTS["gluon ws roles packed1"], DIAG=2),
     "diag roles: fixed cost only": dict(VARIANTS["gluon ws roles packed1"], DIAG=3),
+    "diag roles deq: no row loads": dict(VARIANTS["gluon ws roles packed1 deq"], DIAG=1),
+    "diag roles deq: no MMA/softmax": dict(VARIANTS["gluon ws roles packed1 deq"], DIAG=2),
+    "diag roles deq: fixed cost only": dict(VARIANTS["gluon ws roles packed1 deq"], DIAG=3),
 }
 SPLIT_SWEEP = {"gluon ws cpasync", "gluon ws packed1", "diag cpasync: fixed cost only",  # timed at splits 1, 2, 4
-               "gluon ws roles packed1", "diag roles: fixed cost only"}
+               "gluon ws roles packed1 deq", "diag roles deq: fixed cost only"}
 
 
 if os.environ.get("GLUON_BENCH_VARIANTS"):  # e.g. "gluon ws,gluon v1 (no ws) psmem": time only these

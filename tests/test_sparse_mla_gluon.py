@@ -14,6 +14,7 @@ import torch
 from test_sparse_mla import POISON_SLOT, make_cache, make_slots
 from test_sparse_mla import oracle as portable_oracle
 
+from dsv4ref import kv_cache
 from dsv4ref.device import DEVICE, interpreting
 from dsv4ref.sparse_mla import gluon as G
 from dsv4ref.testing import assert_close, randn
@@ -87,7 +88,58 @@ VARIANTS = {
     "cp.async-staged producer": dict(WS=True, PRODUCER_REGS=120, PACKED=4),
     "k-split consumers": dict(WS=True, PRODUCER_REGS=96, PACKED=1, KSPLIT=1),
     "k-split consumers, score halves": dict(WS=True, PRODUCER_REGS=96, PACKED=1, KSPLIT=2),
+    "role-split consumers": dict(WS=True, PRODUCER_REGS=104, PACKED=1, ROLES=1, PV_REGS=160),
+    "role-split consumers, integer dequant": dict(WS=True, PRODUCER_REGS=104, PACKED=1, ROLES=1, PV_REGS=160, DEQ=1),
+    "integer dequant": dict(WS=True, PRODUCER_REGS=104, PACKED=1, DEQ=1),
 }
+
+
+@pytest.mark.parametrize("name", ["default", "role-split consumers, integer dequant", "integer dequant"])
+def test_every_e4m3_code_and_scale_byte(name):
+    """Each token attends to one row, with q = 0, so its output is that row's dequantised values (p = 1, l = 1)
+    bit for bit: rows cover all 254 finite e4m3 codes (both zeros and the subnormals included) under scale
+    bytes from 0 to 254 (2^-127 .. 2^127, products overflowing to ±inf and underflowing to bf16 subnormals or
+    0 included), and rows holding a NaN code or the NaN scale byte 255 must come out NaN. The gluon
+    dequantisation (fp32 or integer path) must match the reference's bytes -> values exactly."""
+    bs, pages = 64, 8
+    n = bs * pages
+    cache = kv_cache.allocate(pages, bs)
+    g = torch.Generator().manual_seed(7)
+    codes = torch.arange(256, dtype=torch.int64)
+    finite = codes[(codes & 0x7F) != 0x7F]
+    e4 = finite[torch.randint(0, finite.numel(), (n, 448), generator=g)]
+    e4[:, :finite.numel()] = finite  # every finite code in every row
+    scales = torch.tensor([0, 1, 2, 7, 60, 100, 120, 126, 127, 128, 134, 135, 140, 200, 240, 245, 254])
+    sc = scales[torch.randint(0, scales.numel(), (n, 7), generator=g)]
+    nan_code_rows = torch.arange(5, n, 37)
+    e4[nan_code_rows, (nan_code_rows * 13) % 448] = 0x7F + 0x80 * (nan_code_rows % 2)
+    nan_scale_rows = torch.arange(11, n, 53)
+    sc[nan_scale_rows, nan_scale_rows % 7] = 255
+    rope = randn((n, 64), seed=3, octaves=6).to(torch.bfloat16).view(torch.uint8).view(n, 128).cpu()
+    flat = torch.zeros(pages, cache.shape[1], dtype=torch.uint8)
+    for r in range(n):
+        pg, off = divmod(r, bs)
+        flat[pg, off * 576:off * 576 + 448] = e4[r].to(torch.uint8)
+        flat[pg, off * 576 + 448:off * 576 + 576] = rope[r]
+        flat[pg, bs * 576 + off * 8:bs * 576 + off * 8 + 7] = sc[r].to(torch.uint8)
+    cache.copy_(flat.to(cache.device))
+    slots = torch.arange(n, dtype=torch.int32, device=DEVICE).view(n, 1)
+    lengths = torch.ones(n, dtype=torch.int32, device=DEVICE)
+    q = torch.zeros(n, 16, 512, dtype=torch.bfloat16, device=DEVICE)
+    rows = kv_cache.gather(cache, slots.view(-1), block_size=bs, backend="reference")  # [n, 512] bf16
+    out, lse = G.decode_gluon(q, cache, slots, lengths, block_size=bs, scale=SCALE,
+                              variant=None if name == "default" else VARIANTS[name])
+    bad = torch.zeros(n, dtype=torch.bool)
+    bad[nan_code_rows] = True
+    bad[nan_scale_rows] = True
+    bad = bad.to(DEVICE)
+    want = rows[:, None, :].expand(n, 16, 512)
+    good = ~bad & ~torch.isinf(rows).any(1) & ~torch.isnan(rows).any(1)
+    assert int(good.sum()) > n // 2
+    assert torch.equal(out[good].view(torch.int16), want[good].contiguous().view(torch.int16)), \
+        f"{name}: dequantised rows differ from the reference's bytes -> values"
+    assert bool(torch.isnan(out[bad]).all()) and bool(torch.isnan(lse[bad]).all()), f"{name}: NaN rows"
+    assert bool((lse[good] == 0).all())
 
 
 @pytest.mark.parametrize("name", sorted(VARIANTS))
