@@ -136,8 +136,16 @@ def test_every_e4m3_code_and_scale_byte(name):
     want = rows[:, None, :].expand(n, 16, 512)
     good = ~bad & ~torch.isinf(rows).any(1) & ~torch.isnan(rows).any(1)
     assert int(good.sum()) > n // 2
-    assert torch.equal(out[good].view(torch.int16), want[good].contiguous().view(torch.int16)), \
-        f"{name}: dequantised rows differ from the reference's bytes -> values"
+    # values compared (−0 == +0: P·V adds the row to a +0 accumulator); bf16 subnormal outputs are left out,
+    # as the tensor cores' P·V may flush them whatever the dequantisation did
+    normal = (want.abs() >= 2.0 ** -126) | (want == 0)
+    diff = (out != want) & normal & good[:, None, None]
+    if bool(diff.any()):
+        r, h, c = (int(x) for x in diff.nonzero()[0])
+        tiles = torch.bincount(diff.any(1).nonzero()[:, 1] // 64, minlength=8).tolist()
+        raise AssertionError(f"{name}: {int(diff.sum())} values differ; first row {r} col {c}: got "
+                             f"{float(out[r, h, c])} want {float(want[r, h, c])} (scale bytes {sc[r].tolist()}); "
+                             f"mismatching (row, col) pairs per 64-column tile: {tiles}")
     assert bool(torch.isnan(out[bad]).all()) and bool(torch.isnan(lse[bad]).all()), f"{name}: NaN rows"
     assert bool((lse[good] == 0).all())
 

@@ -695,11 +695,10 @@ def _define_kernels():
         return gl.reshape(x, [w.shape[0], 4 * w.shape[1]]), seen
 
     @_gluon.jit
-    def _dequant_store_words(kb, raw):
+    def _dequant_store_words(kb32, raw):
         """One half chunk of packed rows (:func:`_load_rows_packed`) dequantised into ``kb`` [R, 512] bf16 by
-        :func:`_tile_words`, the integer path, and stored at once as [R, 256] int32 through an int32 view of
-        the same swizzled buffer (the 128-byte swizzle moves 16-byte pieces, so the bytes land where a bf16
-        store puts them). A row holding an e4m3 NaN code gets NaN RoPE values instead: its scores are then NaN
+        :func:`_tile_words`, the integer path, and stored at once as [R, 256] int32 pairs into ``kb32``, an
+        int32 view of the same swizzled rows (:func:`_ws_producer_packed`). A row holding an e4m3 NaN code gets NaN RoPE values instead: its scores are then NaN
         for every head, which is what the NaN would have done (docs/contract.md)."""
         w0, w1, w2, w3, w4, w5, w6, rr, sc = raw
         sc = gl.convert_layout(sc, gl.SliceLayout(1, w0.type.layout))
@@ -715,17 +714,16 @@ def _define_kernels():
         rope = gl.reshape(gl.join(rr.to(gl.int32), (rr >> 32).to(gl.int32)), [rr.shape[0], 2 * rr.shape[1]])
         rope = gl.convert_layout(rope, t6.type.layout)
         rope = gl.where(gl.convert_layout(nan_row, gl.SliceLayout(1, t6.type.layout))[:, None], 0x7FC07FC0, rope)
-        W_L: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=32, rank=2)
-        kb32 = kb._reinterpret(gl.int32, [kb.shape[0], 256], W_L)
         kb32.store(_side_by_side(_side_by_side(_side_by_side(t0, t1), _side_by_side(t2, t3)),
                                  _side_by_side(_side_by_side(t4, t5), _side_by_side(t6, rope))))
 
     @_gluon.jit
-    def _dequant_half(kb, raw, ONE_STORE: gl.constexpr, DEQ: gl.constexpr):
-        """Dequantise one half chunk into ``kb``: DEQ 0 the fp32 path (:func:`_dequant_store_packed`); DEQ 1
-        the integer path (:func:`_dequant_store_words`; the same bits)."""
+    def _dequant_half(kb, kb32, raw, ONE_STORE: gl.constexpr, DEQ: gl.constexpr):
+        """Dequantise one half chunk into ``kb`` (bf16; ``kb32``: the same rows as int32 pairs): DEQ 0 the fp32
+        path (:func:`_dequant_store_packed`); DEQ 1 the integer path (:func:`_dequant_store_words`; the same
+        bits)."""
         if DEQ:
-            _dequant_store_words(kb, raw)
+            _dequant_store_words(kb32, raw)
         else:
             _dequant_store_packed(kb, raw, ONE_STORE)
 
@@ -763,6 +761,10 @@ def _define_kernels():
         SETS = 2's overlap). Slot indices are fetched one half ahead of the rows."""
         LW: gl.constexpr = gl.BlockedLayout([1, 2], [8, 4], [4, 1], [1, 0])  # [32, 8] int64 = 16 B per thread
         HALF: gl.constexpr = BN // 2
+        # the ring seen as int32 pairs (DEQ 1 stores words): the 128-byte swizzle moves 16-byte pieces, so the
+        # bytes land where a bf16 store puts them; made once from the whole allocation, then indexed like it
+        W_L: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=32, rank=2)
+        k32 = k_smem._reinterpret(gl.int32, [NS, BN, 256], W_L)
         rows = gl.arange(0, HALF, gl.SliceLayout(1, LW))
         if DIAG == 1 or DIAG == 3:  # timing diagnostic only (wrong results): every row load masked off
             stop = start
@@ -783,11 +785,11 @@ def _define_kernels():
                 v0 = start + it * BN
                 mbarrier.wait(empty.index(st), ((it // NS) & 1) ^ 1)
                 kb = k_smem.index(st)
-                _dequant_half(kb.slice(0, HALF, dim=0), a, True, DEQ)  # half 2·it; 2·it + 1 in flight
+                _dequant_half(kb.slice(0, HALF, dim=0), k32.index(st).slice(0, HALF, dim=0), a, True, DEQ)  # half 2·it; 2·it + 1 in flight
                 a = _read_rows_async(raw_w, raw_r, raw_s, LW)
                 _copy_rows_async(raw_w, raw_r, raw_s, sa, ia, oa, c1_i64, bs1, ps1, c2_i64, bs2, ps2, LW)
                 sa, ia, oa = _slots(v0 + BN + HALF + rows, n1, stop, i1, i2)
-                _dequant_half(kb.slice(HALF, HALF, dim=0), a, True, DEQ)  # half 2·it + 1; 2·it + 2 in flight
+                _dequant_half(kb.slice(HALF, HALF, dim=0), k32.index(st).slice(HALF, HALF, dim=0), a, True, DEQ)  # half 2·it + 1; 2·it + 2 in flight
                 a = _read_rows_async(raw_w, raw_r, raw_s, LW)
                 _copy_rows_async(raw_w, raw_r, raw_s, sa, ia, oa, c1_i64, bs1, ps1, c2_i64, bs2, ps2, LW)
                 sa, ia, oa = _slots(v0 + 2 * BN + rows, n1, stop, i1, i2)
@@ -805,10 +807,10 @@ def _define_kernels():
                 v0 = start + it * BN
                 mbarrier.wait(empty.index(st), ((it // NS) & 1) ^ 1)
                 kb = k_smem.index(st)
-                _dequant_half(kb.slice(0, HALF, dim=0), a, SETS == 1, DEQ)
+                _dequant_half(kb.slice(0, HALF, dim=0), k32.index(st).slice(0, HALF, dim=0), a, SETS == 1, DEQ)
                 a = _load_rows_packed(sa, ia, oa, c1_i64, bs1, ps1, c2_i64, bs2, ps2, LW)
                 sa, ia, oa = _slots(v0 + BN + rows, n1, stop, i1, i2)
-                _dequant_half(kb.slice(HALF, HALF, dim=0), a, SETS == 1, DEQ)
+                _dequant_half(kb.slice(HALF, HALF, dim=0), k32.index(st).slice(HALF, HALF, dim=0), a, SETS == 1, DEQ)
                 a = _load_rows_packed(sa, ia, oa, c1_i64, bs1, ps1, c2_i64, bs2, ps2, LW)
                 sa, ia, oa = _slots(v0 + BN + HALF + rows, n1, stop, i1, i2)
                 fence_async_shared()
@@ -827,11 +829,11 @@ def _define_kernels():
             mbarrier.wait(empty.index(st), ((it // NS) & 1) ^ 1)
             kb = k_smem.index(st)
             # half 2·it from a; its registers then take half 2·it + SETS
-            _dequant_half(kb.slice(0, HALF, dim=0), a, SETS == 1, DEQ)
+            _dequant_half(kb.slice(0, HALF, dim=0), k32.index(st).slice(0, HALF, dim=0), a, SETS == 1, DEQ)
             a = _load_rows_packed(sa, ia, oa, c1_i64, bs1, ps1, c2_i64, bs2, ps2, LW)
             sa, ia, oa = _slots(v0 + (SETS + 1) * HALF + rows, n1, stop, i1, i2)
             # half 2·it + 1 from b; then half 2·it + SETS + 1
-            _dequant_half(kb.slice(HALF, HALF, dim=0), b, SETS == 1, DEQ)
+            _dequant_half(kb.slice(HALF, HALF, dim=0), k32.index(st).slice(HALF, HALF, dim=0), b, SETS == 1, DEQ)
             b = _load_rows_packed(sa, ia, oa, c1_i64, bs1, ps1, c2_i64, bs2, ps2, LW)
             sa, ia, oa = _slots(v0 + (SETS + 2) * HALF + rows, n1, stop, i1, i2)
             fence_async_shared()
