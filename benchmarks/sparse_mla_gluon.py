@@ -37,32 +37,28 @@ from dsv4ref.tools.harness import measure_ceilings, time_ms  # noqa: E402
 
 SHAPES = ((64, 64, 640), (64, 128, 1152), (64, 16, 2048))
 L2_BYTES = 60e6
-VARIANTS = {  # dsv4ref.sparse_mla.gluon.VARIANT flags, over the default (which is PACKED=1: the byte-wise
-    # producer of the first rows says PACKED=0)
+VARIANTS = {  # dsv4ref.sparse_mla.gluon.VARIANT flags, over the default (PACKED=1, ROLES=1: the rows of earlier
+    # sessions say PACKED=0 / ROLES=0 where they differ)
     "gluon v1 (no ws) psmem": dict(WS=False, PIPE=False, P_SMEM=True),
-    "gluon ws": dict(WS=True, OVERLAP=False, PRODUCER_REGS=144, DEEP=False, PACKED=0),
-    "gluon ws deep": dict(WS=True, OVERLAP=False, PRODUCER_REGS=144, DEEP=True, PACKED=0),
-    "gluon ws deep overlap": dict(WS=True, OVERLAP=True, PRODUCER_REGS=144, DEEP=True, PACKED=0),
+    "gluon ws": dict(WS=True, OVERLAP=False, PRODUCER_REGS=144, DEEP=False, PACKED=0, ROLES=0),
+    "gluon ws deep": dict(WS=True, OVERLAP=False, PRODUCER_REGS=144, DEEP=True, PACKED=0, ROLES=0),
+    "gluon ws deep overlap": dict(WS=True, OVERLAP=True, PRODUCER_REGS=144, DEEP=True, PACKED=0, ROLES=0),
     # 2026-11-30 round 2 (designs in gluon.py's docstring; register figures: benchmarks/gluon_compile_check.py)
-    "gluon ws packed1": dict(WS=True, OVERLAP=False, PRODUCER_REGS=104, PACKED=1),
-    "gluon ws packed1 overlap": dict(WS=True, OVERLAP=True, PRODUCER_REGS=104, PACKED=1),
-    "gluon ws cpasync": dict(WS=True, OVERLAP=False, PRODUCER_REGS=120, PACKED=4),
-    "gluon ws cpasync overlap": dict(WS=True, OVERLAP=True, PRODUCER_REGS=120, PACKED=4),
-    "gluon ws ksplit packed1": dict(WS=True, OVERLAP=False, PRODUCER_REGS=96, PACKED=1, KSPLIT=1),
+    "gluon ws packed1": dict(WS=True, OVERLAP=False, PRODUCER_REGS=104, PACKED=1, ROLES=0),
+    "gluon ws packed1 overlap": dict(WS=True, OVERLAP=True, PRODUCER_REGS=104, PACKED=1, ROLES=0),
+    "gluon ws cpasync": dict(WS=True, OVERLAP=False, PRODUCER_REGS=120, PACKED=4, ROLES=0),
+    "gluon ws cpasync overlap": dict(WS=True, OVERLAP=True, PRODUCER_REGS=120, PACKED=4, ROLES=0),
+    "gluon ws ksplit packed1": dict(WS=True, OVERLAP=False, PRODUCER_REGS=96, PACKED=1, KSPLIT=1, ROLES=0),
     # session 5: role-split consumers (a scorer warpgroup with n = 64 QKᵀ and in-warpgroup softmax, a P·V one)
     "gluon ws roles packed1": dict(WS=True, OVERLAP=False, PRODUCER_REGS=104, PACKED=1, ROLES=1, PV_REGS=160),
     "gluon ws roles packed1 overlap": dict(WS=True, OVERLAP=True, PRODUCER_REGS=104, PACKED=1, ROLES=1, PV_REGS=160),
-    # session 5: the integer dequantisation (bit moves + bf16x2 multiplies, gluon._pairs_bf16)
-    "gluon ws packed1 deq": dict(WS=True, OVERLAP=False, PRODUCER_REGS=104, PACKED=1, DEQ=1),
-    "gluon ws roles packed1 deq": dict(WS=True, OVERLAP=False, PRODUCER_REGS=104, PACKED=1, ROLES=1, PV_REGS=160,
-                                       DEQ=1),
 }
 NEW = {k for k in VARIANTS if "packed" in k or "cpasync" in k}  # timed at the default split only (keeps the run short)
 # timing diagnostics (wrong results, never checked): DIAG 1 = the producer loads nothing (MMA + softmax +
 # dequant ALU only); DIAG 2 = the consumer runs no MMA (gather + dequant only)
 DIAGS = {
-    "diag: no row loads": dict(WS=True, OVERLAP=False, PRODUCER_REGS=144, DEEP=True, DIAG=1, PACKED=0),
-    "diag: no MMA/softmax": dict(WS=True, OVERLAP=False, PRODUCER_REGS=144, DEEP=True, DIAG=2, PACKED=0),
+    "diag: no row loads": dict(WS=True, OVERLAP=False, PRODUCER_REGS=144, DEEP=True, DIAG=1, PACKED=0, ROLES=0),
+    "diag: no MMA/softmax": dict(WS=True, OVERLAP=False, PRODUCER_REGS=144, DEEP=True, DIAG=2, PACKED=0, ROLES=0),
     "diag ksplit: no row loads": dict(VARIANTS["gluon ws ksplit packed1"], DIAG=1),
     "diag cpasync: no MMA/softmax": dict(VARIANTS["gluon ws cpasync"], DIAG=2),
     # DIAG 3 = neither: what is left is the fixed cost (launch, Q to shared memory, the epilogue's stores,
@@ -71,12 +67,9 @@ DIAGS = {
     "diag roles: no row loads": dict(VARIANTS["gluon ws roles packed1"], DIAG=1),
     "diag roles: no MMA/softmax": dict(VARIANTS["gluon ws roles packed1"], DIAG=2),
     "diag roles: fixed cost only": dict(VARIANTS["gluon ws roles packed1"], DIAG=3),
-    "diag roles deq: no row loads": dict(VARIANTS["gluon ws roles packed1 deq"], DIAG=1),
-    "diag roles deq: no MMA/softmax": dict(VARIANTS["gluon ws roles packed1 deq"], DIAG=2),
-    "diag roles deq: fixed cost only": dict(VARIANTS["gluon ws roles packed1 deq"], DIAG=3),
 }
 SPLIT_SWEEP = {"gluon ws cpasync", "gluon ws packed1", "diag cpasync: fixed cost only",  # timed at splits 1, 2, 4
-               "gluon ws roles packed1 deq", "diag roles deq: fixed cost only"}
+               "gluon ws roles packed1", "diag roles: fixed cost only"}
 
 
 if os.environ.get("GLUON_BENCH_VARIANTS"):  # e.g. "gluon ws,gluon v1 (no ws) psmem": time only these

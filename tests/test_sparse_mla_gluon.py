@@ -82,25 +82,23 @@ def test_two_pools_with_sink(splits):
 
 # kernel variants other than the default (gluon.VARIANT flags; benchmarks/sparse_mla_gluon.py times them)
 VARIANTS = {
-    "packed producer": dict(WS=True, PRODUCER_REGS=104, PACKED=1),
-    "packed producer, overlapped QK": dict(WS=True, PRODUCER_REGS=104, PACKED=1, OVERLAP=True),
-    "double-buffered packed producer": dict(WS=True, PRODUCER_REGS=152, PACKED=2),
-    "cp.async-staged producer": dict(WS=True, PRODUCER_REGS=120, PACKED=4),
-    "k-split consumers": dict(WS=True, PRODUCER_REGS=96, PACKED=1, KSPLIT=1),
-    "k-split consumers, score halves": dict(WS=True, PRODUCER_REGS=96, PACKED=1, KSPLIT=2),
-    "role-split consumers": dict(WS=True, PRODUCER_REGS=104, PACKED=1, ROLES=1, PV_REGS=160),
-    "role-split consumers, integer dequant": dict(WS=True, PRODUCER_REGS=104, PACKED=1, ROLES=1, PV_REGS=160, DEQ=1),
-    "integer dequant": dict(WS=True, PRODUCER_REGS=104, PACKED=1, DEQ=1),
+    "packed producer, overlapped QK": dict(WS=True, PRODUCER_REGS=104, PACKED=1, OVERLAP=True, ROLES=0),
+    "double-buffered packed producer": dict(WS=True, PRODUCER_REGS=152, PACKED=2, ROLES=0),
+    "cp.async-staged producer": dict(WS=True, PRODUCER_REGS=120, PACKED=4, ROLES=0),
+    "k-split consumers": dict(WS=True, PRODUCER_REGS=96, PACKED=1, KSPLIT=1, ROLES=0),
+    "k-split consumers, score halves": dict(WS=True, PRODUCER_REGS=96, PACKED=1, KSPLIT=2, ROLES=0),
+    "column-split consumers (session 4's default)": dict(WS=True, PRODUCER_REGS=104, PACKED=1, ROLES=0),
+    "role-split consumers, overlapped QK": dict(WS=True, PRODUCER_REGS=104, PACKED=1, ROLES=1, OVERLAP=True),
 }
 
 
-@pytest.mark.parametrize("name", ["default", "role-split consumers, integer dequant", "integer dequant"])
+@pytest.mark.parametrize("name", ["default", "column-split consumers (session 4's default)"])
 def test_every_e4m3_code_and_scale_byte(name):
     """Each token attends to one row, with q = 0, so its output is that row's dequantised values (p = 1, l = 1)
     bit for bit: rows cover all 254 finite e4m3 codes (both zeros and the subnormals included) under scale
     bytes from 0 to 254 (2^-127 .. 2^127, products overflowing to ±inf and underflowing to bf16 subnormals or
     0 included), and rows holding a NaN code or the NaN scale byte 255 must come out NaN. The gluon
-    dequantisation (fp32 or integer path) must match the reference's bytes -> values exactly."""
+    dequantisation must match the reference's bytes -> values exactly."""
     bs, pages = 64, 8
     n = bs * pages
     cache = kv_cache.allocate(pages, bs)

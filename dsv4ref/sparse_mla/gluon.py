@@ -95,12 +95,19 @@ NUM_WARPS = 8  # two warpgroups split every MMA by columns
 #       indices half a chunk ahead of the row loads.
 #       PACKED: the producer keeps rows as int64 words, 1-3 half chunks in registers, or 4: one in registers
 #       and the next in flight into shared memory by cp.async (0: the byte-wise producer); KSPLIT: two 4-warp consumer partitions splitting QKᵀ by dims (2: as two score halves).
+#       ROLES: two 4-warp consumer partitions with different roles: a scorer (all of QKᵀ as n = 64 wgmma, the
+#       softmax inside one warpgroup, half of P·V) and a P·V warpgroup on PV_REGS registers (the other half,
+#       P read from shared memory).
 #   Non-specialised kernel (WS False): PIPE: chunk i+1's raw bytes are loaded one iteration ahead and held
 #       in registers (else loaded after the P·V issue, latency exposed); P_SMEM: P reaches the P·V MMA through
 #       shared memory (else registers).
 # default: the packed producer (H200, benchmarks/runs/2026-11-30_s3_h200_gluon_sweep.log: H 64 37.5 µs against
 # 42.3 µs for the byte-wise producer, H 128 82.6 against 89.9; every check passed at H 16 / 64 / 128)
-VARIANT = dict(WS=True, NS=2, OVERLAP=False, PRODUCER_REGS=104, DEEP=True, PIPE=False, P_SMEM=True, PACKED=1)
+# session 5: the role-split consumers (ROLES=1) are the default: 37.2-37.7 / 79.0-80.8 / 72.1-73.1 µs against
+# 38.1-39.4 / 83.4-84.5 / 74.0-76.0 µs for the column-split pair in the same H200 calls
+# (benchmarks/runs/2026-12-01_s5_h200_gluon_*.log; every check passed at H 16 / 64 / 128)
+VARIANT = dict(WS=True, NS=2, OVERLAP=False, PRODUCER_REGS=104, DEEP=True, PIPE=False, P_SMEM=True, PACKED=1,
+               ROLES=1, PV_REGS=160)
 _LAST: dict = {}  # the last compiled decode kernel (diagnostics: n_regs, n_spills, shared)
 
 _IMPORT_ERROR: BaseException | None = None
@@ -644,90 +651,6 @@ def _define_kernels():
         return gl.reshape(x, [a.shape[0], 2 * a.shape[1]])
 
     @_gluon.jit
-    def _pairs_bf16(w, f2, seen):
-        """Four e4m3 bytes (one int32 word) -> four bf16 (two int32 words, little-endian pairs) times the row's
-        power-of-two scale f2 (a bf16 pair, both halves 2^(e − 127)), in integer bit moves and bf16x2
-        multiplies: no fp32 round trip and no byte in a register of its own. ``prmt`` puts byte i in the high
-        byte of a 16-bit lane, so its sign is the lane's sign bit and its 4-bit exponent and 3-bit mantissa
-        sit 4 bits above a bf16's; shifted down and masked, the lane is a bf16 of the byte's value × 2^−120
-        (bf16's exponent bias 127 against e4m3's 7; an e4m3 subnormal lands on a bf16 subnormal with the same
-        factor). Times 2^120 that is the byte's value exactly; times f2 the product is rounded once, as the
-        reference rounds it (scale byte 255: NaN). ``seen`` keeps each lane's largest exponent-mantissa
-        field: 0x07F0 only comes from a NaN code (0x7F / 0xFF), which this arithmetic reads as 480, so the
-        caller poisons that row."""
-        return gl.inline_asm_elementwise(
-            """{
-            .reg .b32 z, c, x0, x1, s0, s1;
-            mov.b32 z, 0;
-            mov.b32 c, 0x7B807B80;
-            prmt.b32 x0, $3, z, 0x1404;
-            prmt.b32 x1, $3, z, 0x3424;
-            shr.b32 s0, x0, 4;
-            shr.b32 s1, x1, 4;
-            and.b32 s0, s0, 0x07F007F0;
-            and.b32 s1, s1, 0x07F007F0;
-            max.u16x2 $2, $5, s0;
-            max.u16x2 $2, $2, s1;
-            and.b32 x0, x0, 0x80008000;
-            and.b32 x1, x1, 0x80008000;
-            or.b32 s0, s0, x0;
-            or.b32 s1, s1, x1;
-            mul.rn.bf16x2 s0, s0, c;
-            mul.rn.bf16x2 s1, s1, c;
-            mul.rn.bf16x2 $0, s0, $4;
-            mul.rn.bf16x2 $1, s1, $4;
-            }""",
-            "=r,=r,=r,r,r,r", [w, f2, seen], dtype=(gl.int32, gl.int32, gl.int32), is_pure=True, pack=1)
-
-    @_gluon.jit
-    def _tile_words(w, sc, b: gl.constexpr, seen):
-        """One e4m3 tile held as [R, 8] int64 words -> its 64 bf16 values as [R, 32] int32 words (pairs), by
-        :func:`_pairs_bf16`; sc: the rows' 8 scale bytes (int64); seen: [R, 8] int32, see there."""
-        e = ((sc >> (8 * b)) & 0xFF).to(gl.int32)
-        f = gl.where(e == 0, 0x40, gl.where(e == 255, 0x7FC0, e << 7))  # bf16 of 2^(e − 127); 0: subnormal
-        f2 = gl.convert_layout(f | (f << 16), gl.SliceLayout(1, w.type.layout))[:, None]
-        lo = w.to(gl.int32)
-        hi = (w >> 32).to(gl.int32)
-        f2 = gl.broadcast(f2, lo)[0]
-        y0, y1, seen = _pairs_bf16(lo, f2, seen)
-        y2, y3, seen = _pairs_bf16(hi, f2, seen)
-        x = gl.join(gl.join(y0, y2), gl.join(y1, y3))  # word 4k + 2i + j: i from the inner join
-        return gl.reshape(x, [w.shape[0], 4 * w.shape[1]]), seen
-
-    @_gluon.jit
-    def _dequant_store_words(kb32, raw):
-        """One half chunk of packed rows (:func:`_load_rows_packed`) dequantised into ``kb`` [R, 512] bf16 by
-        :func:`_tile_words`, the integer path, and stored at once as [R, 256] int32 pairs into ``kb32``, an
-        int32 view of the same swizzled rows (:func:`_ws_producer_packed`). A row holding an e4m3 NaN code gets NaN RoPE values instead: its scores are then NaN
-        for every head, which is what the NaN would have done (docs/contract.md)."""
-        w0, w1, w2, w3, w4, w5, w6, rr, sc = raw
-        sc = gl.convert_layout(sc, gl.SliceLayout(1, w0.type.layout))
-        seen = gl.zeros_like(w0.to(gl.int32))
-        t0, seen = _tile_words(w0, sc, 0, seen)
-        t1, seen = _tile_words(w1, sc, 1, seen)
-        t2, seen = _tile_words(w2, sc, 2, seen)
-        t3, seen = _tile_words(w3, sc, 3, seen)
-        t4, seen = _tile_words(w4, sc, 4, seen)
-        t5, seen = _tile_words(w5, sc, 5, seen)
-        t6, seen = _tile_words(w6, sc, 6, seen)
-        nan_row = gl.max((((seen & 0xFFFF) == 0x07F0) | ((seen >> 16) == 0x07F0)).to(gl.int32), axis=1) != 0
-        rope = gl.reshape(gl.join(rr.to(gl.int32), (rr >> 32).to(gl.int32)), [rr.shape[0], 2 * rr.shape[1]])
-        rope = gl.convert_layout(rope, t6.type.layout)
-        rope = gl.where(gl.convert_layout(nan_row, gl.SliceLayout(1, t6.type.layout))[:, None], 0x7FC07FC0, rope)
-        kb32.store(_side_by_side(_side_by_side(_side_by_side(t0, t1), _side_by_side(t2, t3)),
-                                 _side_by_side(_side_by_side(t4, t5), _side_by_side(t6, rope))))
-
-    @_gluon.jit
-    def _dequant_half(kb, kb32, raw, ONE_STORE: gl.constexpr, DEQ: gl.constexpr):
-        """Dequantise one half chunk into ``kb`` (bf16; ``kb32``: the same rows as int32 pairs): DEQ 0 the fp32
-        path (:func:`_dequant_store_packed`); DEQ 1 the integer path (:func:`_dequant_store_words`; the same
-        bits)."""
-        if DEQ:
-            _dequant_store_words(kb32, raw)
-        else:
-            _dequant_store_packed(kb, raw, ONE_STORE)
-
-    @_gluon.jit
     def _dequant_store_packed(kb, raw, ONE_STORE: gl.constexpr):
         """Write one half chunk of packed rows (:func:`_load_rows_packed`) dequantised into ``kb`` [R, 512]:
         the eight 64-column tiles are put side by side in registers and stored at once (ONE_STORE), or as two
@@ -751,7 +674,7 @@ def _define_kernels():
     @_gluon.jit
     def _ws_producer_packed(k_smem, ready, empty, start, n_it, n1, stop, i1, i2, c1_i64, bs1, ps1,
                             c2_i64, bs2, ps2, BN: gl.constexpr, NS: gl.constexpr, SETS: gl.constexpr,
-                            DIAG: gl.constexpr, DEQ: gl.constexpr):
+                            DIAG: gl.constexpr):
         """Producer warps (4) holding the gathered rows packed (int64 words: no byte or 16-bit value lives in a
         register of its own), SETS half chunks at once. SETS = 1: the DEEP producer's schedule (one half in
         flight, issued right after the previous half is dequantised); SETS = 2: double-buffered (one half in
@@ -761,10 +684,6 @@ def _define_kernels():
         SETS = 2's overlap). Slot indices are fetched one half ahead of the rows."""
         LW: gl.constexpr = gl.BlockedLayout([1, 2], [8, 4], [4, 1], [1, 0])  # [32, 8] int64 = 16 B per thread
         HALF: gl.constexpr = BN // 2
-        # the ring seen as int32 pairs (DEQ 1 stores words): the 128-byte swizzle moves 16-byte pieces, so the
-        # bytes land where a bf16 store puts them; made once from the whole allocation, then indexed like it
-        W_L: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=32, rank=2)
-        k32 = k_smem._reinterpret(gl.int32, [NS, BN, 256], W_L)
         rows = gl.arange(0, HALF, gl.SliceLayout(1, LW))
         if DIAG == 1 or DIAG == 3:  # timing diagnostic only (wrong results): every row load masked off
             stop = start
@@ -785,11 +704,11 @@ def _define_kernels():
                 v0 = start + it * BN
                 mbarrier.wait(empty.index(st), ((it // NS) & 1) ^ 1)
                 kb = k_smem.index(st)
-                _dequant_half(kb.slice(0, HALF, dim=0), k32.index(st).slice(0, HALF, dim=0), a, True, DEQ)  # half 2·it; 2·it + 1 in flight
+                _dequant_store_packed(kb.slice(0, HALF, dim=0), a, True)  # half 2·it; 2·it + 1 in flight
                 a = _read_rows_async(raw_w, raw_r, raw_s, LW)
                 _copy_rows_async(raw_w, raw_r, raw_s, sa, ia, oa, c1_i64, bs1, ps1, c2_i64, bs2, ps2, LW)
                 sa, ia, oa = _slots(v0 + BN + HALF + rows, n1, stop, i1, i2)
-                _dequant_half(kb.slice(HALF, HALF, dim=0), k32.index(st).slice(HALF, HALF, dim=0), a, True, DEQ)  # half 2·it + 1; 2·it + 2 in flight
+                _dequant_store_packed(kb.slice(HALF, HALF, dim=0), a, True)  # half 2·it + 1; 2·it + 2 in flight
                 a = _read_rows_async(raw_w, raw_r, raw_s, LW)
                 _copy_rows_async(raw_w, raw_r, raw_s, sa, ia, oa, c1_i64, bs1, ps1, c2_i64, bs2, ps2, LW)
                 sa, ia, oa = _slots(v0 + 2 * BN + rows, n1, stop, i1, i2)
@@ -807,10 +726,10 @@ def _define_kernels():
                 v0 = start + it * BN
                 mbarrier.wait(empty.index(st), ((it // NS) & 1) ^ 1)
                 kb = k_smem.index(st)
-                _dequant_half(kb.slice(0, HALF, dim=0), k32.index(st).slice(0, HALF, dim=0), a, SETS == 1, DEQ)
+                _dequant_store_packed(kb.slice(0, HALF, dim=0), a, SETS == 1)
                 a = _load_rows_packed(sa, ia, oa, c1_i64, bs1, ps1, c2_i64, bs2, ps2, LW)
                 sa, ia, oa = _slots(v0 + BN + rows, n1, stop, i1, i2)
-                _dequant_half(kb.slice(HALF, HALF, dim=0), k32.index(st).slice(HALF, HALF, dim=0), a, SETS == 1, DEQ)
+                _dequant_store_packed(kb.slice(HALF, HALF, dim=0), a, SETS == 1)
                 a = _load_rows_packed(sa, ia, oa, c1_i64, bs1, ps1, c2_i64, bs2, ps2, LW)
                 sa, ia, oa = _slots(v0 + BN + HALF + rows, n1, stop, i1, i2)
                 fence_async_shared()
@@ -829,11 +748,11 @@ def _define_kernels():
             mbarrier.wait(empty.index(st), ((it // NS) & 1) ^ 1)
             kb = k_smem.index(st)
             # half 2·it from a; its registers then take half 2·it + SETS
-            _dequant_half(kb.slice(0, HALF, dim=0), k32.index(st).slice(0, HALF, dim=0), a, SETS == 1, DEQ)
+            _dequant_store_packed(kb.slice(0, HALF, dim=0), a, SETS == 1)
             a = _load_rows_packed(sa, ia, oa, c1_i64, bs1, ps1, c2_i64, bs2, ps2, LW)
             sa, ia, oa = _slots(v0 + (SETS + 1) * HALF + rows, n1, stop, i1, i2)
             # half 2·it + 1 from b; then half 2·it + SETS + 1
-            _dequant_half(kb.slice(HALF, HALF, dim=0), k32.index(st).slice(HALF, HALF, dim=0), b, SETS == 1, DEQ)
+            _dequant_store_packed(kb.slice(HALF, HALF, dim=0), b, SETS == 1)
             b = _load_rows_packed(sa, ia, oa, c1_i64, bs1, ps1, c2_i64, bs2, ps2, LW)
             sa, ia, oa = _slots(v0 + (SETS + 2) * HALF + rows, n1, stop, i1, i2)
             fence_async_shared()
@@ -845,12 +764,12 @@ def _define_kernels():
     @_gluon.jit
     def _ws_producer_of(k_smem, ready, empty, start, n_it, n1, stop, i1, i2, c1_u8, c1_i16, c1_i64, bs1, ps1,
                         c2_u8, c2_i16, c2_i64, bs2, ps2, BN: gl.constexpr, NS: gl.constexpr, DEEP: gl.constexpr,
-                        PACKED: gl.constexpr, DIAG: gl.constexpr, DEQ: gl.constexpr):
+                        PACKED: gl.constexpr, DIAG: gl.constexpr):
         """The producer partition the flags pick: packed (PACKED 1-3 half chunks in registers, 4: cp.async
-        staging; DEQ: its dequantisation, :func:`_dequant_half`) or byte-wise."""
+        staging) or byte-wise."""
         if PACKED:
             _ws_producer_packed(k_smem, ready, empty, start, n_it, n1, stop, i1, i2, c1_i64, bs1, ps1,
-                                c2_i64, bs2, ps2, BN, NS, PACKED, DIAG, DEQ)
+                                c2_i64, bs2, ps2, BN, NS, PACKED, DIAG)
         else:
             _ws_producer(k_smem, ready, empty, start, n_it, n1, stop, i1, i2, c1_u8, c1_i16, c1_i64, bs1, ps1,
                          c2_u8, c2_i16, c2_i64, bs2, ps2, BN, NS, DEEP, DIAG)
@@ -1088,7 +1007,7 @@ def _define_kernels():
         HAS_LEN1: gl.constexpr, HAS_POOL2: gl.constexpr, HAS_LEN2: gl.constexpr, HAS_SINK: gl.constexpr,
         SPLITS: gl.constexpr, BH: gl.constexpr, BN: gl.constexpr, NS: gl.constexpr, OVERLAP: gl.constexpr,
         PRODUCER_REGS: gl.constexpr, DEEP: gl.constexpr, DIAG: gl.constexpr = 0, PACKED: gl.constexpr = 0,
-        KSPLIT: gl.constexpr = 0, ROLES: gl.constexpr = 0, PV_REGS: gl.constexpr = 160, DEQ: gl.constexpr = 0,
+        KSPLIT: gl.constexpr = 0, ROLES: gl.constexpr = 0, PV_REGS: gl.constexpr = 160,
     ):
         """Warp-specialised variant: 4 producer warps fill an NS-stage ring of dequantised K tiles (mbarriers
         ready / empty per stage); the 8 default warps (two warpgroups) only run the MMAs and the softmax.
@@ -1152,7 +1071,7 @@ def _define_kernels():
                              start, n_it, n1, stop, i1, i2, qk_scale, t64, hb, sp, H, sink_ptr, out_ptr, lse_ptr,
                              po_ptr, pml_ptr, HAS_SINK, SPLITS, BH, BN, NS, OVERLAP, DIAG)),
                 (_ws_producer_of, (k_smem, ready, empty, start, n_it, n1, stop, i1, i2, c1_u8, c1_i16, c1_i64, bs1,
-                                   ps1, c2_u8, c2_i16, c2_i64, bs2, ps2, BN, NS, DEEP, PACKED, DIAG, DEQ)),
+                                   ps1, c2_u8, c2_i16, c2_i64, bs2, ps2, BN, NS, DEEP, PACKED, DIAG)),
             ], [4, 4], [PV_REGS, PRODUCER_REGS])
         elif KSPLIT:  # registers: 512 per thread slot over three 4-warp partitions; the consumers split the rest
             gl.warp_specialize([
@@ -1163,7 +1082,7 @@ def _define_kernels():
                                  qk_scale, t64, hb, sp, H, sink_ptr, out_ptr, lse_ptr, po_ptr, pml_ptr, HAS_SINK,
                                  SPLITS, BH, BN, NS, KSPLIT == 2, DIAG)),
                 (_ws_producer_of, (k_smem, ready, empty, start, n_it, n1, stop, i1, i2, c1_u8, c1_i16, c1_i64, bs1,
-                                   ps1, c2_u8, c2_i16, c2_i64, bs2, ps2, BN, NS, DEEP, PACKED, DIAG, DEQ)),
+                                   ps1, c2_u8, c2_i16, c2_i64, bs2, ps2, BN, NS, DEEP, PACKED, DIAG)),
             ], [4, 4], [(512 - PRODUCER_REGS) // 16 * 8, PRODUCER_REGS])
         else:
             gl.warp_specialize([
@@ -1171,7 +1090,7 @@ def _define_kernels():
                                 t64, hb, sp, H, sink_ptr, out_ptr, lse_ptr, po_ptr, pml_ptr,
                                 HAS_SINK, SPLITS, BH, BN, NS, OVERLAP, DIAG)),
                 (_ws_producer_of, (k_smem, ready, empty, start, n_it, n1, stop, i1, i2, c1_u8, c1_i16, c1_i64, bs1,
-                                   ps1, c2_u8, c2_i16, c2_i64, bs2, ps2, BN, NS, DEEP, PACKED, DIAG, DEQ)),
+                                   ps1, c2_u8, c2_i16, c2_i64, bs2, ps2, BN, NS, DEEP, PACKED, DIAG)),
             ], [4], [PRODUCER_REGS])
 
     return {"decode": _decode_kernel, "merge": _merge_kernel, "ws": _ws_kernel}
@@ -1186,7 +1105,6 @@ def _kernel_and_flags(kern: dict, flags: dict):
         return kern["ws"], dict(NS=flags["NS"], OVERLAP=flags["OVERLAP"], PRODUCER_REGS=flags["PRODUCER_REGS"],
                                 DEEP=flags["DEEP"], DIAG=flags.get("DIAG", 0), PACKED=flags.get("PACKED", 0),
                                 KSPLIT=ksplit, ROLES=roles, PV_REGS=flags.get("PV_REGS", 160),
-                                DEQ=int(flags.get("DEQ", 0)),
                                 num_warps=4 if (ksplit or roles) else NUM_WARPS)
     return kern["decode"], dict(P_SMEM=flags["P_SMEM"], PIPE=flags["PIPE"], num_warps=NUM_WARPS)
 
