@@ -1,11 +1,18 @@
-"""Bugs only a compiled launch can show, caught on a CPU: the KV-cache kernels compiled for sm_90a (Hopper)
-with the argument specialisations a real launch makes, in a subprocess (the test session runs the Triton
-interpreter, which never compiles).
+"""Bugs only a compiled launch can show, caught on a CPU: the KV-cache kernels and the fused Q-norm + RoPE + KV
+insert kernels compiled for sm_90a (Hopper) with the argument specialisations a real launch makes, in a
+subprocess (the test session runs the Triton interpreter, which never compiles).
 
 Why: a compiled launch turns an int argument equal to 1 into the Python int 1 (a constant), so code that calls
 ``.to()`` on it fails to compile while the interpreter runs it fine. Session 4 met this on the H200 with
 ``tl.numerics.page_offsets32`` at pages of one token (``block_size = 1``). Needs Triton's NVIDIA backend (the
 PyPI wheel has it); skipped where it is missing.
+
+The fused kernels (``dsv4ref.rope.launch.fused``: the multi-head one with the default heads per program and
+warps, and the per-head fallback) write their record through the same encoder, ``kv_record``, with its
+constexprs fixed at the call (one token, byte-pair RoPE stores, NATIVE and SLOT32 off, no cache hints), so they
+have no hardware-cast switch to vary; they are compiled at ``block_size`` 64 and at 1, where a one-token decode
+step (``n_slots = 1``) is specialised too. Every argument's type is named, so a kernel that gains an argument
+fails here until the test learns its type.
 """
 
 from __future__ import annotations
@@ -50,6 +57,30 @@ SCRIPT = textwrap.dedent('''
                 triton.compile(ASTSource(fn=fn, signature=sig, constexprs=const),
                                target=GPUTarget("cuda", 90, 32), options={{"num_warps": 1}})
                 print(fn.__name__, "block_size", block_size, "native", native, "compiled", flush=True)
+
+    # The fused Q-norm + RoPE + KV insert, as rope.launch.fused launches it for the custom op (DO_Q, DO_KV on).
+    from dsv4ref.rope import kernels as rk, launch as rl
+    ARGS = {{"kv_ptr": "*i16", "cache_ptr": "*u8", "slot_ptr": "*i64", "pos_ptr": "*i64", "tab_ptr": "*fp32",
+             "H": "i32", "NG": "i32", "n_slots": "i32", "q_stride_t": "i32", "q_stride_h": "i32",
+             "kv_stride": "i32", "tab_stride": "i32", "page_stride": "i32", "block_size": "i32", "eps": "fp32"}}
+    hpp = rl.DEFAULT.heads_per_prog
+    FUSED = ((rk.qnorm_rope_kv_insert_mh_kernel, "*i32", {{"HPP": hpp}}, rl.DEFAULT.warps),  # q as bf16 pairs
+             (rk.qnorm_rope_kv_insert_kernel, "*i16", {{}}, rl.RopeLaunch(0).warps))
+    for fn, q_ty, extra, warps in FUSED:
+        for block_size in (1, 64):
+            const = {{"DO_Q": True, "DO_KV": True, **extra}}
+            ones = ("block_size", "n_slots") if block_size == 1 else ()  # one token into pages of one token
+            sig = {{}}
+            for n in fn.arg_names:
+                if n in const:
+                    sig[n] = "constexpr"
+                elif n in ones:
+                    sig[n], const[n] = "constexpr", 1
+                else:
+                    sig[n] = q_ty if n == "q_ptr" else ARGS[n]
+            triton.compile(ASTSource(fn=fn, signature=sig, constexprs=const), target=GPUTarget("cuda", 90, 32),
+                           options={{"num_warps": warps, "enable_fp_fusion": False}})
+            print(fn.__name__, "block_size", block_size, "warps", warps, "compiled", flush=True)
 ''')
 
 
@@ -62,8 +93,12 @@ def _has_nvidia_backend() -> bool:
 
 
 @pytest.mark.skipif(not _has_nvidia_backend(), reason="Triton without its NVIDIA backend")
-def test_kv_kernels_compile_for_sm90_with_unit_block_size():
+def test_kv_and_fused_rope_kernels_compile_for_sm90_with_unit_block_size():
     r = subprocess.run([sys.executable, "-c", SCRIPT.format(root=ROOT)], capture_output=True, text=True,
                        timeout=600, env={k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"})
     assert r.returncode == 0, r.stderr[-3000:]
-    assert r.stdout.count("compiled") == 8, r.stdout
+    assert r.stdout.count("compiled") == 12, r.stdout
+    lines = r.stdout.splitlines()
+    for fn in ("insert_kernel", "gather_kernel", "qnorm_rope_kv_insert_mh_kernel", "qnorm_rope_kv_insert_kernel"):
+        for block_size in (1, 64):
+            assert any(ln.startswith(f"{fn} block_size {block_size} ") for ln in lines), r.stdout

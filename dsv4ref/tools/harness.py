@@ -54,6 +54,18 @@ class BenchCase:
     reference: tuple[Callable, Callable[[int], tuple]] | None = None
 
 
+def same_size_copy_case(op: str, shape: str, total_bytes: int, n_sets: int,
+                        note: str = "torch copy_ of total / 2 bytes: the same total traffic, read = written") -> BenchCase:
+    """A baseline row: a uint8 ``copy_`` of ``total_bytes // 2`` bytes (so ``2 · (total_bytes // 2)`` bytes read
+    plus written), over ``n_sets`` preallocated source/destination pairs rotated like the op's input sets and
+    timed the same way. Beside an op moving ``total_bytes`` it shows how much a copy of that size alone loses
+    to launch and tail against the (512 MiB) copy ceiling."""
+    n = total_bytes // 2
+    src = [torch.empty(n, device=DEVICE, dtype=torch.uint8) for _ in range(n_sets)]
+    dst = [torch.empty_like(s) for s in src]
+    return BenchCase(op, shape, lambda i: dst[i].copy_(src[i]), n_sets, 2 * n, note=note)
+
+
 def check(name: str):
     def deco(fn):
         CHECKS[name] = fn

@@ -9,7 +9,7 @@ from ...kv_cache import reference
 from ...device import DEVICE
 from ...formats import HEAD_DIM, TOKEN_BYTES
 from ...testing import compare
-from ..harness import BenchCase, CheckRow, bench, check
+from ..harness import BenchCase, CheckRow, bench, check, same_size_copy_case
 
 
 @check("kv_cache.insert")
@@ -41,7 +41,8 @@ def _check_gather() -> list[CheckRow]:
 def _bench() -> list[BenchCase]:
     """64k slots (the issue's size) and 256k slots, pages of 64, a random slot order. Four input sets
     rotate: 4 × (37 MB cache + 64 MB kv + 64 MB out) per size, well past a 60 MB L2. Timed through the
-    custom ops with the default launch shapes, and (64k only) the insert with other launch shapes, to pick the
+    custom ops with the default launch shapes, each insert beside a uint8 ``copy_`` of its total bytes (what a copy of
+    that size loses to launch and tail alone), and (64k only) the insert with other launch shapes, to pick the
     default again (registers per shape: ``benchmarks/kv_cache_compile_check.py``; every ``KVCacheLaunch`` variant,
     checked and timed: ``benchmarks/kv_cache_sweep2.py``)."""
     cases = []
@@ -62,6 +63,8 @@ def _bench() -> list[BenchCase]:
                       n_sets, ins_bytes, note="kv 1024 + slot 8 + cache 584 B/token",
                       reference=(lambda c, kv, s: reference.insert(c, kv, s, block_size=64),
                                  lambda i, st=sets: st[i][:3])),
+            same_size_copy_case("kv_cache.insert[same-size copy uint8]", f"S={S} B={B}", ins_bytes, n_sets,
+                                note="torch copy_ of ins_bytes / 2 bytes: the same total traffic as insert"),
             BenchCase("kv_cache.gather", f"S={S} B={B}",
                       lambda i, st=sets: torch.ops.dsv4ref.kv_gather(st[i][0], st[i][2], st[i][3], 64),
                       n_sets, gat_bytes, note="cache 584 + slot 8 + out 1024 B/row",

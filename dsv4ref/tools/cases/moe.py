@@ -17,7 +17,7 @@ from ...formats import STAGE_BLOCK
 from ...moe import reference
 from ...moe.launch import experts_op_args, stage_op_args
 from ...testing import compare, generator, randn
-from ..harness import BenchCase, CheckRow, bench, check
+from ..harness import BenchCase, CheckRow, bench, check, same_size_copy_case
 
 WORKED = [  # gate logits z (E = 8, K = 2, scale 1.5), bias entries, expected ids and weights
     ({}, [7, 3], [0.8016948, 0.6983052]),
@@ -140,14 +140,11 @@ def same_size_copies(T: int, Hd: int, K: int, n_sets: int) -> list[BenchCase]:
     much a copy of this size loses to launch and tail alone."""
     src = [torch.randn(T, Hd, device=DEVICE, dtype=torch.bfloat16) for _ in range(n_sets)]
     dst = [torch.empty(T, Hd, device=DEVICE, dtype=torch.float8_e4m3fn) for _ in range(n_sets)]
-    n = stage_bytes(T, Hd, K) // 2
-    usrc = [torch.empty(n, device=DEVICE, dtype=torch.uint8) for _ in range(n_sets)]
-    udst = [torch.empty_like(u) for u in usrc]
     shape = f"T={T} Hd={Hd} K={K}"
     return [BenchCase("moe.stage[same-size copy bf16->e4m3]", shape, lambda i: dst[i].copy_(src[i]), n_sets, T * Hd * 3,
                       note="torch copy_ with conversion: 2 B read + 1 B written per value"),
-            BenchCase("moe.stage[same-size copy uint8]", shape, lambda i: udst[i].copy_(usrc[i]), n_sets, 2 * n,
-                      note="torch copy_ of stage_bytes / 2 bytes: the same total traffic as staging")]
+            same_size_copy_case("moe.stage[same-size copy uint8]", shape, stage_bytes(T, Hd, K), n_sets,
+                                note="torch copy_ of stage_bytes / 2 bytes: the same total traffic as staging")]
 
 
 @bench("moe.stage")
