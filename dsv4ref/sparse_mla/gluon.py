@@ -71,6 +71,13 @@ shared buffer (it does not tell disjoint slices apart), 16 per chunk in the prod
   consumer thread, so only a lean producer fits beside it (PACKED 1 at 96). KSPLIT 2 computes and swaps
   S as two n = 32 halves (less live at once, narrower MMAs).
 
+Session 5 (``ROLES=1``, the default since): the two consumer warpgroups take different roles instead of
+splitting every MMA by columns (:func:`_roles_scorer`, :func:`_roles_pv`): the scorer runs all of QKᵀ as
+n = 64 wgmma (Q read from shared memory once per chunk, not once per warpgroup), the softmax with its row
+reductions inside one warpgroup, and half of P·V; the P·V warpgroup runs the other half from a shared P.
+H200, final run of the session (benchmarks/runs/2026-12-01_s5_h200_bench.log): 37.5 / 77.5 / 71.1 µs, 21.4 /
+31.9 / 27.5 % of the bound, 3–5 % faster than the column split in each of three calls.
+
 This module imports Gluon lazily and guarded: on a CPU machine (the Triton interpreter) or a Triton
 without Gluon it still imports; :func:`available` says whether the backend can run here.
 """

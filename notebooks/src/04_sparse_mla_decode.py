@@ -462,11 +462,16 @@ for Tb, Hb, Kb in BENCH:
 #   to bf16 and store the tile into a ring of shared-memory buffers (NVMMA 128-byte swizzle, which wgmma reads
 #   directly), then arrive on that stage's `ready` mbarrier. They fetch the next slot indices ahead of the
 #   row loads, so no index load sits on the critical path.
-# * **Two consumer warpgroups (8 warps)** wait on `ready`, compute S = Q·Kᵀ with wgmma (the same shared K tile,
-#   seen transposed, with Q resident in shared memory), run the online softmax, and compute O += P·V with the
-#   **same tile** as V. Each warpgroup owns **256 of the 512 output dims**, so its accumulator is
-#   64 × 256 fp32 = 128 registers per thread: no spill. Then they release the stage on its `empty` mbarrier
-#   for the producers to refill.
+# * **Two consumer warpgroups (8 warps) with different roles** (the default since session 5). The **scorer**
+#   waits on `ready`, computes all of S = Q·Kᵀ with wgmma (the same shared K tile, seen transposed, with Q
+#   resident in shared memory; n = 64, so Q is read once per chunk), runs the online softmax inside its own
+#   warpgroup (no row max or sum crosses warpgroups), publishes P (bf16) and the rescale factor α to the
+#   second warpgroup through a 2-deep shared buffer (mbarriers `pfull` / `pfree`), and computes its half of
+#   O += P·V. The **P·V warpgroup** only rescales and accumulates the other half. Either way V is the **same
+#   tile**, and each warpgroup owns **256 of the 512 output dims**, so its accumulator is 64 × 256 fp32 =
+#   128 registers per thread: no spill. Both release the stage on its `empty` mbarrier (two arrivals) for the
+#   producers to refill. (Until session 4 the two warpgroups split every MMA by columns instead: QKᵀ as
+#   n = 32 wgmma in each, both reading all of Q, with the softmax's row reductions crossing them.)
 # * Register budgets per role (`setmaxnreg`): the producers need few, the consumers take the rest.
 # * The list split and the merge of rung 3 stay (fp32 partials, the sink once, after the merge).
 #
@@ -490,9 +495,18 @@ for Tb, Hb, Kb in BENCH:
 # packed words), issued by **one producer warp per scheduler**; Nsight Compute shows 0.32 instructions issued
 # per scheduler per cycle, 3 warps resident per scheduler and 0.48 eligible, DRAM at 16 % of its peak. So the
 # kernel is **latency-bound at one CTA per SM**: a second producer warpgroup would need registers the 64 × 512
-# fp32 accumulator (128 per consumer thread) leaves no room for. In the final run: 39.6 / 83.3 / 74.4 µs,
-# 20.3 / 31.1 / 26.4 % of the bound (`benchmarks/sparse_mla.md`, `benchmarks/RESULTS.md`). A schematic of the
-# difference between rungs 2 and 4 (not a measurement):
+# fp32 accumulator (128 per consumer thread) leaves no room for. In session 4's final run: 39.6 / 83.3 / 74.4 µs,
+# 20.3 / 31.1 / 26.4 % of the bound.
+#
+# **Session 5 tried both sides again.** The role split above took 3–5 % off every shape (three calls agree),
+# and is the default: **37.5 / 77.5 / 71.1 µs, 21.4 / 31.9 / 27.5 %** in the final run. An integer
+# dequantisation (`prmt` each byte into a bf16 lane, shift, mask, two bf16x2 multiplies: 17 % fewer producer
+# instructions, bit-exact on every e4m3 code and scale byte) made the kernel *slower* and left the fixed-cost
+# diagnostic where it was (23 / 39 / 31 µs): the skeleton does not wait on the producer's ALU. What it waits
+# on is not yet pinned down; the next suspects are the 64 KB of shared-memory stores per chunk (their bank
+# pattern) and the per-CTA prologue (Q load and its NaN scan run before any partition starts)
+# (`benchmarks/sparse_mla.md`, `benchmarks/RESULTS.md`). A schematic of the difference between rungs 2 and 4
+# (not a measurement):
 
 # %%
 fig, axes = plt.subplots(2, 1, figsize=(10, 3.2), sharex=True)
