@@ -501,6 +501,15 @@ def _define_kernels():
                 mbarrier.arrive(ready.index(st))
 
     @_gluon.jit
+    def _drain(ready, empty, n_it, NS: gl.constexpr):
+        """A consumer of the timing diagnostics (DIAG >= 2, wrong results): take each ready stage and release
+        it at once, so the producer runs at its own pace with no MMA behind it."""
+        for it in range(n_it):
+            mbarrier.wait(ready.index(it % NS), (it // NS) & 1)
+            _bar()
+            mbarrier.arrive(empty.index(it % NS))
+
+    @_gluon.jit
     def _ws_consumer(q_smem, qbad_smem, k_smem, p_smem, ready, empty, start, n_it, n1, stop, i1, i2, qk_scale,
                      t64, hb, sp, H, sink_ptr, out_ptr, lse_ptr, po_ptr, pml_ptr,
                      HAS_SINK: gl.constexpr, SPLITS: gl.constexpr, BH: gl.constexpr, BN: gl.constexpr,
@@ -518,10 +527,7 @@ def _define_kernels():
         cols = start + gl.arange(0, BN, gl.SliceLayout(0, S_L))
         _, _, okc = _slots(cols, n1, stop, i1, i2)
         if DIAG >= 2:  # timing diagnostic only (wrong results): take each stage and release it, no MMA
-            for it in range(n_it):
-                mbarrier.wait(ready.index(it % NS), (it // NS) & 1)
-                _bar()
-                mbarrier.arrive(empty.index(it % NS))
+            _drain(ready, empty, n_it, NS)
             n_it = 0
         if OVERLAP:
             mbarrier.wait(ready.index(0), 0, pred=n_it > 0)
@@ -825,10 +831,7 @@ def _define_kernels():
         if HALVES:
             _, _, okb = _slots(cols + SN, n1, stop, i1, i2)
         if DIAG >= 2:  # timing diagnostic only (wrong results): take each stage and release it, no MMA
-            for it in range(n_it):
-                mbarrier.wait(ready.index(it % NS), (it // NS) & 1)
-                _bar()
-                mbarrier.arrive(empty.index(it % NS))
+            _drain(ready, empty, n_it, NS)
             n_it = 0
         for it in range(n_it):
             st = it % NS
@@ -922,10 +925,7 @@ def _define_kernels():
         cols = start + gl.arange(0, BN, gl.SliceLayout(0, S_L))
         _, _, okc = _slots(cols, n1, stop, i1, i2)
         if DIAG >= 2:  # timing diagnostic only (wrong results): take each stage and release it, no MMA
-            for it in range(n_it):
-                mbarrier.wait(ready.index(it % NS), (it // NS) & 1)
-                _bar()
-                mbarrier.arrive(empty.index(it % NS))
+            _drain(ready, empty, n_it, NS)
             n_it = 0
         if OVERLAP:
             mbarrier.wait(ready.index(0), 0, pred=n_it > 0)
@@ -982,10 +982,7 @@ def _define_kernels():
         S_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BN, 16])
         acc = gl.zeros([BH, 256], gl.float32, O_L)
         if DIAG >= 2:  # timing diagnostic only (wrong results): take each stage and release it, no MMA
-            for it in range(n_it):
-                mbarrier.wait(ready.index(it % NS), (it // NS) & 1)
-                _bar()
-                mbarrier.arrive(empty.index(it % NS))
+            _drain(ready, empty, n_it, NS)
             n_it = 0
         for it in range(n_it):
             st = it % NS
