@@ -67,9 +67,11 @@ DIAGS = {
     "diag roles: no row loads": dict(VARIANTS["gluon ws roles packed1"], DIAG=1),
     "diag roles: no MMA/softmax": dict(VARIANTS["gluon ws roles packed1"], DIAG=2),
     "diag roles: fixed cost only": dict(VARIANTS["gluon ws roles packed1"], DIAG=3),
+    # DIAG 4 = no chunk at all: launch, Q prologue, barrier setup, the epilogue and the split merge
+    "diag roles: no chunks": dict(VARIANTS["gluon ws roles packed1"], DIAG=4),
 }
 SPLIT_SWEEP = {"gluon ws cpasync", "gluon ws packed1", "diag cpasync: fixed cost only",  # timed at splits 1, 2, 4
-               "gluon ws roles packed1", "diag roles: fixed cost only"}
+               "gluon ws roles packed1", "diag roles: fixed cost only", "diag roles: no chunks"}
 
 
 if os.environ.get("GLUON_BENCH_VARIANTS"):  # e.g. "gluon ws,gluon v1 (no ws) psmem": time only these

@@ -9,7 +9,7 @@
 #   device run:  bash scripts/gpu-check.sh            (carry: [".whl"])
 #   stages:      unit nbval check bench memcheck, moe_sweep gluon_sweep kv_sweep indexer_sweep mhc_sweep
 #                (benchmarks/*.py), profile (ncu on the Gluon kernel), decode (the demo eager and graphed),
-#                probe (PROBE=script)
+#                probe (PROBE=script), sass (ncu per-instruction stall samples, SASS_RUNS)
 #   env knobs:   STAGES="unit nbval check bench memcheck"   UNIT_TESTS="tests/test_moe.py ..."   BENCH_OP="indexer sparse_mla"   MEMCHECK_TESTS=tests/test_kv_cache.py
 #                LIMIT_UNIT=420 LIMIT_NBVAL=420 LIMIT_CHECK=300 LIMIT_BENCH=420 LIMIT_MEMCHECK=420 (seconds per stage)
 #   nbval runs with DSV4REF_BENCH=0: the notebooks' benchmark cells (ignored by nbval) skip their timings.
@@ -64,6 +64,19 @@ for s in $STAGES; do
     profile)     stage profile ${LIMIT_PROFILE:-120} ncu --kernel-name regex:_ws_kernel --launch-skip 3 --launch-count 1 \
                    --section SpeedOfLight --section WarpStateStats --section SchedulerStats --section Occupancy \
                    python3 benchmarks/gluon_profile.py ${PROFILE_ARGS:-} ;;
+    sass)     # per-instruction warp-stall samples (CSV, one file per kernel), for the kernels named in SASS_RUNS:
+              # "tag|kernel regex|script args" items separated by ';'
+              IFS=';' read -ra SASS_ITEMS <<< "${SASS_RUNS:-gluon_h128|_ws_kernel|benchmarks/gluon_profile.py 128 1152;gluon_h64|_ws_kernel|benchmarks/gluon_profile.py 64 640;mhc_pre|hc_one_pass|benchmarks/mhc_profile.py pre}"
+              for item in "${SASS_ITEMS[@]}"; do
+                IFS='|' read -r tag kre args <<< "$item"
+                stage "sass_$tag" ${LIMIT_SASS:-120} ncu --kernel-name "regex:$kre" --launch-skip 3 --launch-count 1 \
+                  --section SpeedOfLight --section WarpStateStats --section SourceCounters \
+                  --section MemoryWorkloadAnalysis_Tables -f -o "$OUT/prof_$tag" python3 $args
+                ncu --import "$OUT/prof_$tag.ncu-rep" --page source --csv --print-source sass > "$OUT/sass_$tag.csv" 2>&1 \
+                  || echo "source page export failed for $tag" >> "$REPORT"
+                ncu --import "$OUT/prof_$tag.ncu-rep" --page details > "$OUT/details_$tag.txt" 2>&1
+                rm -f "$OUT/prof_$tag.ncu-rep"
+              done ;;
     decode)   stage decode ${LIMIT_DECODE:-120} python3 -m dsv4ref demo --steps 16 --graph ;;
     nbval)    DSV4REF_BENCH=0 stage nbval ${LIMIT_NBVAL:-420} python3 -m pytest notebooks -q -o addopts="" -p no:cacheprovider --nbval --nbval-current-env \
                 --nbval-sanitize-with notebooks/nbval_sanitize.cfg --nbval-cell-timeout 300 -n 4 --dist loadscope ;;
