@@ -135,7 +135,8 @@ def main(argv):
                       flush=True)
             except Exception as e:
                 bad += 1
-                lines = [ln for ln in str(e).splitlines() if ln.strip()][:6]
+                lines = [ln for ln in str(e).splitlines() if ln.strip()]
+                lines = lines[:6] + ["..."] + lines[-6:] if len(lines) > 12 else lines
                 print(f"{name:<34} {cname:<34} FAILED  {type(e).__name__}: " + "\n      ".join(lines), flush=True)
     return 1 if bad else 0
 

@@ -247,6 +247,30 @@ def _define_kernels():
         return q_smem, qbad_smem
 
     @_gluon.jit
+    def _q_async(q_ptr, t64, q_st, q_sh, hb, H, q_smem, qbad_smem, BH: gl.constexpr):
+        """What :func:`_q_to_shared` does, by the 4 warps of a partition and without holding the query in
+        registers: cp.async copies (padded heads zero-filled), then the NaN / ±inf scan read back from shared
+        memory a quarter of the columns at a time. On return q_smem is ready for wgmma (fenced for the async
+        proxy) and qbad_smem written."""
+        LQ: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])  # 16 bytes per copy
+        hq = hb * BH + gl.arange(0, BH, gl.SliceLayout(1, LQ))
+        dq = gl.arange(0, 512, gl.SliceLayout(0, LQ))
+        async_copy.async_copy_global_to_shared(
+            q_smem, q_ptr + t64 * q_st + hq[:, None].to(gl.int64) * q_sh + dq[None, :],
+            mask=(hq[:, None] < H) & (dq[None, :] >= 0))
+        async_copy.commit_group()
+        async_copy.wait_group(0)
+        _bar()  # every thread's copies have landed
+        bad = gl.zeros([BH], gl.int32, gl.SliceLayout(1, LQ))
+        for j in gl.static_range(4):
+            x = q_smem.slice(128 * j, 128, dim=1).load(LQ)
+            expo = x.to(gl.int16, bitcast=True) & 0x7F80  # bf16 exponent all ones: NaN or ±inf
+            bad = gl.maximum(bad, gl.max((expo == 0x7F80).to(gl.int32), axis=1))
+        qbad_smem.store(gl.where(bad != 0, float("nan"), 0.0))
+        fence_async_shared()  # the copies were generic-proxy writes; wgmma reads through the async proxy
+        _bar()
+
+    @_gluon.jit
     def _decode_kernel(
         q_ptr, q_st, q_sh,  # q [T, H, 512] bf16, last dim contiguous
         sink_ptr,  # [H] fp32 (HAS_SINK)
@@ -563,16 +587,53 @@ def _define_kernels():
     # ---- packed producer and K-split consumers (flags PACKED, KSPLIT of _ws_kernel) ----------------------
 
     @_gluon.jit
-    def _row_ptrs_packed(slot, in1, ok, c1_i64, bs1, ps1, c2_i64, bs2, ps2, LW: gl.constexpr):
-        """Addresses (as int64-word pointers) and masks of the rows whose slots are known: the first e4m3 tile
-        [R, 8] words (tile b at + 8·b), the RoPE words [R, 16] (4 per thread, so that as 16 bf16 they sit in
-        the layout of a dequantised e4m3 tile) and the scale word [R]."""
+    def _row_words(slot, in1, bs1, ps1, bs2, ps2):
+        """int64-word indices of a row's 576 data bytes (16-byte aligned) and of its 8 scale bytes, in the
+        paged layout (page = slot // block, the data of the page's rows first, then their scale words)."""
         bs = gl.where(in1, bs1, bs2)
         ps = gl.where(in1, ps1, ps2)
         page = slot // bs
         off = slot - page * bs
-        data = (page * ps + off * 576) // 8  # int64-word index of the row's 576 data bytes (16-byte aligned)
-        sidx = (page * ps + bs * 576 + off * 8) // 8
+        return (page * ps + off * 576) // 8, (page * ps + bs * 576 + off * 8) // 8
+
+    @_gluon.jit
+    def _slot_ids(v, n1, stop, i1_ptr, i2_ptr):
+        """:func:`_slots` kept as one int32 per row (the slot, or −1 for a row that reads nothing): what the
+        producer holds for rows it will only prefetch, a register where the int64 slot and flags take four."""
+        live = v < stop
+        s1 = gl.load(i1_ptr + v, mask=live & (v < n1), other=-1)
+        s2 = gl.load(i2_ptr + (v - n1), mask=live & (v >= n1), other=-1)
+        return gl.where(v < n1, s1, s2)
+
+    @_gluon.jit
+    def _prefetch_rows(ids, v, n1, c1_i64, bs1, ps1, c2_i64, bs2, ps2):
+        """Ask L2 for the rows of candidates v (slot ids from :func:`_slot_ids`): the 576 data bytes and the
+        16-byte piece holding the scale word, by ``cp.async.bulk.prefetch.L2`` (sm_90). No register holds
+        the bytes and nothing waits for them, so the producer can ask chunks ahead; its real loads of those
+        rows later hit L2. Rows with id −1 ask for nothing. Returns a dummy value (inline assembly needs an
+        output)."""
+        ok = ids >= 0
+        in1 = v < n1
+        slot = gl.maximum(ids, 0).to(gl.int64)
+        data, sidx = _row_words(slot, in1, bs1, ps1, bs2, ps2)
+        pd = gl.where(in1, c1_i64 + data, c2_i64 + data)
+        psc = gl.where(in1, c1_i64 + (sidx & -2), c2_i64 + (sidx & -2))  # 16-byte aligned
+        return gl.inline_asm_elementwise(
+            """{
+            .reg .pred p;
+            setp.ne.b32 p, $3, 0;
+            @p cp.async.bulk.prefetch.L2.global [$1], 576;
+            @p cp.async.bulk.prefetch.L2.global [$2], 16;
+            mov.b32 $0, 0;
+            }""",
+            "=r,l,l,r", [pd, psc, ok.to(gl.int32)], dtype=gl.int32, is_pure=False, pack=1)
+
+    @_gluon.jit
+    def _row_ptrs_packed(slot, in1, ok, c1_i64, bs1, ps1, c2_i64, bs2, ps2, LW: gl.constexpr):
+        """Addresses (as int64-word pointers) and masks of the rows whose slots are known: the first e4m3 tile
+        [R, 8] words (tile b at + 8·b), the RoPE words [R, 16] (4 per thread, so that as 16 bf16 they sit in
+        the layout of a dequantised e4m3 tile) and the scale word [R]."""
+        data, sidx = _row_words(slot, in1, bs1, ps1, bs2, ps2)
         col = gl.arange(0, 8, gl.SliceLayout(0, LW))
         m2 = ok[:, None] & (col[None, :] >= 0)
         p = gl.where(in1[:, None], c1_i64 + data[:, None], c2_i64 + data[:, None]) + col[None, :]
@@ -687,14 +748,16 @@ def _define_kernels():
     @_gluon.jit
     def _ws_producer_packed(k_smem, ready, empty, start, n_it, n1, stop, i1, i2, c1_i64, bs1, ps1,
                             c2_i64, bs2, ps2, BN: gl.constexpr, NS: gl.constexpr, SETS: gl.constexpr,
-                            DIAG: gl.constexpr):
+                            DIAG: gl.constexpr, PF: gl.constexpr = 0):
         """Producer warps (4) holding the gathered rows packed (int64 words: no byte or 16-bit value lives in a
         register of its own), SETS half chunks at once. SETS = 1: the DEEP producer's schedule (one half in
         flight, issued right after the previous half is dequantised); SETS = 2: double-buffered (one half in
         flight while the other is dequantised, two while waiting for a free stage); SETS = 3: two in flight
         (37 KB per SM) while the third is dequantised; SETS = 4: one half in registers being dequantised
         while the next travels by cp.async into a shared-memory staging buffer (SETS = 1's registers,
-        SETS = 2's overlap). Slot indices are fetched one half ahead of the rows."""
+        SETS = 2's overlap). Slot indices are fetched one half ahead of the rows. PF (SETS = 1): each step also
+        asks L2 for the rows PF half chunks ahead of the one it loads (:func:`_prefetch_rows`), so the load,
+        which the producer must wait for before it can dequantise, comes from L2 instead of memory."""
         LW: gl.constexpr = gl.BlockedLayout([1, 2], [8, 4], [4, 1], [1, 0])  # [32, 8] int64 = 16 B per thread
         HALF: gl.constexpr = BN // 2
         rows = gl.arange(0, HALF, gl.SliceLayout(1, LW))
@@ -733,6 +796,11 @@ def _define_kernels():
         sa, ia, oa = _slots(start + rows, n1, stop, i1, i2)
         a = _load_rows_packed(sa, ia, oa, c1_i64, bs1, ps1, c2_i64, bs2, ps2, LW)
         if SETS == 1:  # one half in registers (as the DEEP producer, packed): the leanest, for small budgets
+            if PF:  # halves 1 .. PF asked of L2 now; each step then asks for the half PF ahead of its load
+                for j in gl.static_range(PF):
+                    fv = start + (j + 1) * HALF + rows
+                    _prefetch_rows(_slot_ids(fv, n1, stop, i1, i2), fv, n1, c1_i64, bs1, ps1, c2_i64, bs2, ps2)
+                fs = _slot_ids(start + (PF + 1) * HALF + rows, n1, stop, i1, i2)
             sa, ia, oa = _slots(start + HALF + rows, n1, stop, i1, i2)
             for it in range(n_it):
                 st = it % NS
@@ -740,9 +808,16 @@ def _define_kernels():
                 mbarrier.wait(empty.index(st), ((it // NS) & 1) ^ 1)
                 kb = k_smem.index(st)
                 _dequant_store_packed(kb.slice(0, HALF, dim=0), a, SETS == 1)
+                if PF:  # (slot ids fetched a step earlier, so the prefetch never waits for them; issued here,
+                    #      between a dequantisation and the next load, where fewest registers are live)
+                    _prefetch_rows(fs, v0 + (PF + 1) * HALF + rows, n1, c1_i64, bs1, ps1, c2_i64, bs2, ps2)
+                    fs = _slot_ids(v0 + (PF + 2) * HALF + rows, n1, stop, i1, i2)
                 a = _load_rows_packed(sa, ia, oa, c1_i64, bs1, ps1, c2_i64, bs2, ps2, LW)
                 sa, ia, oa = _slots(v0 + BN + rows, n1, stop, i1, i2)
                 _dequant_store_packed(kb.slice(HALF, HALF, dim=0), a, SETS == 1)
+                if PF:
+                    _prefetch_rows(fs, v0 + (PF + 2) * HALF + rows, n1, c1_i64, bs1, ps1, c2_i64, bs2, ps2)
+                    fs = _slot_ids(v0 + (PF + 3) * HALF + rows, n1, stop, i1, i2)
                 a = _load_rows_packed(sa, ia, oa, c1_i64, bs1, ps1, c2_i64, bs2, ps2, LW)
                 sa, ia, oa = _slots(v0 + BN + HALF + rows, n1, stop, i1, i2)
                 fence_async_shared()
@@ -777,12 +852,12 @@ def _define_kernels():
     @_gluon.jit
     def _ws_producer_of(k_smem, ready, empty, start, n_it, n1, stop, i1, i2, c1_u8, c1_i16, c1_i64, bs1, ps1,
                         c2_u8, c2_i16, c2_i64, bs2, ps2, BN: gl.constexpr, NS: gl.constexpr, DEEP: gl.constexpr,
-                        PACKED: gl.constexpr, DIAG: gl.constexpr):
+                        PACKED: gl.constexpr, DIAG: gl.constexpr, PF: gl.constexpr = 0):
         """The producer partition the flags pick: packed (PACKED 1-3 half chunks in registers, 4: cp.async
-        staging) or byte-wise."""
+        staging; PF: L2 prefetch that many half chunks ahead) or byte-wise."""
         if PACKED:
             _ws_producer_packed(k_smem, ready, empty, start, n_it, n1, stop, i1, i2, c1_i64, bs1, ps1,
-                                c2_i64, bs2, ps2, BN, NS, PACKED, DIAG)
+                                c2_i64, bs2, ps2, BN, NS, PACKED, DIAG, PF)
         else:
             _ws_producer(k_smem, ready, empty, start, n_it, n1, stop, i1, i2, c1_u8, c1_i16, c1_i64, bs1, ps1,
                          c2_u8, c2_i16, c2_i64, bs2, ps2, BN, NS, DEEP, DIAG)
@@ -908,16 +983,20 @@ def _define_kernels():
     def _roles_scorer(q_smem, qbad_smem, k_smem, p_smem, a_smem, ml_smem, ready, empty, pfull, pfree, fin,
                       start, n_it, n1, stop, i1, i2, qk_scale, t64, hb, sp, H, sink_ptr, out_ptr, lse_ptr, po_ptr,
                       pml_ptr, HAS_SINK: gl.constexpr, SPLITS: gl.constexpr, BH: gl.constexpr, BN: gl.constexpr,
-                      NS: gl.constexpr, OVERLAP: gl.constexpr, DIAG: gl.constexpr):
+                      NS: gl.constexpr, OVERLAP: gl.constexpr, DIAG: gl.constexpr, q_ptr, q_st, q_sh,
+                      QLATE: gl.constexpr):
         """The scoring warpgroup (the default partition, 4 warps) of the role split: S = Q·Kᵀ for all 64
         candidates as n = 64 wgmma (Q read once per chunk, not once per warpgroup), the online softmax with
         every row max and sum inside one warpgroup (no CTA barrier), then P (bf16) and the rescale factor
         alpha are published to the P·V warpgroup through a 2-deep shared buffer (mbarriers pfull / pfree),
         and its own half of the output, O[:, 0:256] += P · V[:, 0:256], runs with P in registers.
-        OVERLAP: the next chunk's QKᵀ is issued right behind this chunk's P·V."""
+        OVERLAP: the next chunk's QKᵀ is issued right behind this chunk's P·V. QLATE: this warpgroup first
+        brings the query to shared memory itself (:func:`_q_async`)."""
         O_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 256, 16])
         S_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BN, 16])
         P_L: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=O_L, k_width=2)
+        if QLATE:
+            _q_async(q_ptr, t64, q_st, q_sh, hb, H, q_smem, qbad_smem, BH)
         m = gl.full([BH], -float("inf"), gl.float32, gl.SliceLayout(1, S_L))
         l = gl.zeros([BH], gl.float32, gl.SliceLayout(1, S_L))
         acc = gl.zeros([BH, 256], gl.float32, O_L)
@@ -1011,7 +1090,8 @@ def _define_kernels():
         HAS_LEN1: gl.constexpr, HAS_POOL2: gl.constexpr, HAS_LEN2: gl.constexpr, HAS_SINK: gl.constexpr,
         SPLITS: gl.constexpr, BH: gl.constexpr, BN: gl.constexpr, NS: gl.constexpr, OVERLAP: gl.constexpr,
         PRODUCER_REGS: gl.constexpr, DEEP: gl.constexpr, DIAG: gl.constexpr = 0, PACKED: gl.constexpr = 0,
-        KSPLIT: gl.constexpr = 0, ROLES: gl.constexpr = 0, PV_REGS: gl.constexpr = 160,
+        KSPLIT: gl.constexpr = 0, ROLES: gl.constexpr = 0, PV_REGS: gl.constexpr = 160, PF: gl.constexpr = 0,
+        QLATE: gl.constexpr = 0,
     ):
         """Warp-specialised variant: 4 producer warps fill an NS-stage ring of dequantised K tiles (mbarriers
         ready / empty per stage); the 8 default warps (two warpgroups) only run the MMAs and the softmax.
@@ -1019,7 +1099,10 @@ def _define_kernels():
         staged through shared memory by cp.async); KSPLIT (1, or 2 for the
         score halves): the two consumer warpgroups are two partitions splitting QKᵀ by dims (the launch then
         has 4 default warps, not 8); ROLES: the two consumer warpgroups take different roles, a scorer (QKᵀ,
-        softmax, half of P·V; the default partition) and a P·V warpgroup on PV_REGS registers (the other half)."""
+        softmax, half of P·V; the default partition) and a P·V warpgroup on PV_REGS registers (the other half).
+        PF: the packed producer asks L2 for rows that many half chunks ahead. QLATE (ROLES): the query reaches
+        shared memory inside the scorer partition by cp.async, while the producer already fetches the
+        first chunk, instead of before the partitions start."""
         gl.static_assert(BH == 64)
         gl.static_assert(BN == 64)
         LQ: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [gl.num_warps(), 1], [1, 0])
@@ -1035,7 +1118,12 @@ def _define_kernels():
         i1 = i1_ptr + t64 * i1_st
         i2 = i2_ptr + t64 * i2_st
 
-        q_smem, qbad_smem = _q_to_shared(q_ptr, t64, q_st, q_sh, hb, H, BH, LQ, SH_L)
+        if QLATE:  # the scorer partition fills these (_q_async)
+            q_smem = gl.allocate_shared_memory(gl.bfloat16, [BH, 512], SH_L)
+            qbad_smem = gl.allocate_shared_memory(gl.float32, [BH], gl.SwizzledSharedLayout(
+                vec=1, per_phase=1, max_phase=1, order=[0]))
+        else:
+            q_smem, qbad_smem = _q_to_shared(q_ptr, t64, q_st, q_sh, hb, H, BH, LQ, SH_L)
         k_smem = gl.allocate_shared_memory(gl.bfloat16, [NS, BN, 512], SH_L)
         ready = gl.allocate_shared_memory(gl.int64, [NS, 1], mbarrier.MBarrierLayout())
         empty = gl.allocate_shared_memory(gl.int64, [NS, 1], mbarrier.MBarrierLayout())
@@ -1072,12 +1160,13 @@ def _define_kernels():
             gl.warp_specialize([
                 (_roles_scorer, (q_smem, qbad_smem, k_smem, p_smem, a_smem, ml_smem, ready, empty, pfull, pfree, fin,
                                  start, n_it, n1, stop, i1, i2, qk_scale, t64, hb, sp, H, sink_ptr, out_ptr, lse_ptr,
-                                 po_ptr, pml_ptr, HAS_SINK, SPLITS, BH, BN, NS, OVERLAP, DIAG)),
+                                 po_ptr, pml_ptr, HAS_SINK, SPLITS, BH, BN, NS, OVERLAP, DIAG,
+                                 q_ptr, q_st, q_sh, QLATE)),
                 (_roles_pv, (q_smem, qbad_smem, k_smem, p_smem, a_smem, ml_smem, ready, empty, pfull, pfree, fin,
                              start, n_it, n1, stop, i1, i2, qk_scale, t64, hb, sp, H, sink_ptr, out_ptr, lse_ptr,
                              po_ptr, pml_ptr, HAS_SINK, SPLITS, BH, BN, NS, OVERLAP, DIAG)),
                 (_ws_producer_of, (k_smem, ready, empty, start, n_it, n1, stop, i1, i2, c1_u8, c1_i16, c1_i64, bs1,
-                                   ps1, c2_u8, c2_i16, c2_i64, bs2, ps2, BN, NS, DEEP, PACKED, DIAG)),
+                                   ps1, c2_u8, c2_i16, c2_i64, bs2, ps2, BN, NS, DEEP, PACKED, DIAG, PF)),
             ], [4, 4], [PV_REGS, PRODUCER_REGS])
         elif KSPLIT:  # registers: 512 per thread slot over three 4-warp partitions; the consumers split the rest
             gl.warp_specialize([
@@ -1111,6 +1200,7 @@ def _kernel_and_flags(kern: dict, flags: dict):
         return kern["ws"], dict(NS=flags["NS"], OVERLAP=flags["OVERLAP"], PRODUCER_REGS=flags["PRODUCER_REGS"],
                                 DEEP=flags["DEEP"], DIAG=flags.get("DIAG", 0), PACKED=flags.get("PACKED", 0),
                                 KSPLIT=ksplit, ROLES=roles, PV_REGS=flags.get("PV_REGS", 160),
+                                PF=flags.get("PF", 0), QLATE=flags.get("QLATE", 0),
                                 num_warps=4 if (ksplit or roles) else NUM_WARPS)
     return kern["decode"], dict(P_SMEM=flags["P_SMEM"], PIPE=flags["PIPE"], num_warps=NUM_WARPS)
 
