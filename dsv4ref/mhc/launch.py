@@ -114,7 +114,7 @@ class MhcLaunch:
     # them, so from L2, with no waiting between programs. Takes precedence over one_pass; an explicit split_k
     # overrides it. Not the default until a GPU run measures it (benchmarks/mhc.md, "Chunked")
     chunked: bool = False
-    chunk_tokens: int = 16 if interpreting() else 1024  # C: a chunk's streams, C × 4 × Hd × 2 B, must fit in L2
+    chunk_tokens: int = 64 if interpreting() else 1024  # C: a chunk's streams, C × 4 × Hd × 2 B, must fit in L2
     #                                                     (32 MB of the H200's 50 MB at Hd = 4096)
     # partial kernel (pre and head): the one-pass kernel's phase A, tile for tile
     chunk_block_t: int = 16 if interpreting() else 128
