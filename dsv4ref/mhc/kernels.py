@@ -1,4 +1,4 @@
-"""mHC Triton kernels: Sinkhorn, post, and pre / fused post+pre / head in two designs.
+"""mHC Triton kernels: Sinkhorn, post, and pre / fused post+pre / head in four designs.
 
 The math these kernels implement is ``reference.py`` (and docs/mhc.md); how they are launched, and which
 design serves which op by default, is ``launch.py``.
@@ -24,8 +24,8 @@ into its accumulator with truncation aligned to the largest addend, so feeding i
 an ulp of the whole sum per MMA (measured on the H200 at K = 16 384: 2.6e-5 on post, over the 1e-5
 tolerance).
 
-Three designs for pre, fused post+pre and head
-----------------------------------------------
+Four designs for pre, fused post+pre and head
+---------------------------------------------
 * One kernel (``hc_kernel``): a program owns BLOCK_T tokens and the whole K = 4·Hd reduction. Pass 1 streams
   the tokens' 4·Hd values once in BLOCK_K chunks (GEMM + Σ X²); the gates and 20 Sinkhorn passes run in
   registers; pass 2 re-reads the chunks, last first (likeliest still in L2), for ``x = Σ_i pre_i·Hs_i``.
@@ -38,6 +38,9 @@ Three designs for pre, fused post+pre and head
   slice) taken from an atomic ticket; each program computes one item's partial mix, the tile's last arrival
   runs the gates, and the same program then computes the layer input of the same slice of the PREVIOUS
   tile, whose streams it re-reads from L2. One wide dot per stream chunk. See "Design 3" below.
+* Chunked (``hc_chunk_partial_kernel`` + ``hc_chunk_finish_kernel``, ``MhcLaunch(chunked=True)``): split-K's
+  two kernels launched per chunk of C tokens whose streams fit in L2, so the finish kernel's re-read hits L2
+  and no program ever waits for another; the partial kernel is the one-pass kernel's phase A. "Design 4".
 Fused post+pre (every design): pass 1 computes the new streams chunk by chunk, stores them (bf16, RNE) and
 feeds the STORED bf16 values to the GEMM, exactly as a separate pre would read them, with the post's FMAs in
 one fixed order (``post_stream``): its bf16 outputs equal post-then-pre bit for bit.

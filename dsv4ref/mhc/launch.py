@@ -31,6 +31,11 @@ of every op and of the decode step on a GPU, with the ``one_pass_*`` field defau
 slices of 256). Its launcher zeroes a small int32
 sync buffer (ticket, per-tile arrival counters and ready flags) and allocates a workspace of partial mixes
 per call.
+
+``MhcLaunch(chunked=True)`` selects the fourth design (kernels.py "Design 4": per chunk of ``chunk_tokens``
+tokens a partial and a finish kernel, no waiting between programs, the re-read from L2); ``CHUNKED_VARIANTS``
+lists its candidates, which ``benchmarks/mhc_sweep.py chunked`` checks and times beside today's default. Not
+the default until that run measures it.
 """
 
 from __future__ import annotations
@@ -134,10 +139,10 @@ class MhcLaunch:
     chunk_max_slices: int = 32  # ... but no more slices than this (the finish sums every slice's partial)
     # finish kernel: tokens per program, hidden dims per program, per weighted-sum chunk, warps, sum rounds
     chunk_finish_block_t: int = 16
-    chunk_finish_h: int = 128 if interpreting() else 1024
+    chunk_finish_h: int = 128 if interpreting() else 512  # 8 parts × 64 tiles: 512 programs, ~4 per SM
     chunk_finish_block_h: int = 64 if interpreting() else 128
     chunk_finish_warps: int = 4
-    chunk_sum_unroll: int = 4  # slices' partials in flight per round of the finish kernel's sum
+    chunk_sum_unroll: int = 8  # slices' partials in flight per round of the finish kernel's sum (32 slices: 4 rounds)
     chunk_pdl: bool = False  # compiled: programmatic dependent launch, the next chunk's partial overlaps this finish
 
     def __post_init__(self):
@@ -339,13 +344,14 @@ def one_pass_variant(name: str, **overrides) -> MhcLaunch:
 _BT64 = dict(chunk_block_t=64, chunk_warps=4, chunk_maxnreg=None, chunk_fused_block_t=64, chunk_fused_warps=4,
              chunk_fused_stages=3)
 CHUNKED_VARIANTS: dict[str, dict] = {
-    "chunked": {},  # C = 1024 (32 MB of streams per chunk), 32 slices × 8 tiles, finish 16 tokens × 1024 dims
+    "chunked": {},  # C = 1024 (32 MB of streams per chunk), 32 slices × 8 tiles, finish 16 tokens × 512 dims
     "chunked C512": {"chunk_tokens": 512},  # 16 MB per chunk: safer L2 hits, twice the launches, 128 programs
     "chunked C512 bt64": {"chunk_tokens": 512, **_BT64},  # 8 tiles × 32 slices = 256 programs per chunk again
     "chunked C2048": {"chunk_tokens": 2048},  # the control: 64 MB per chunk is past the L2
     "chunked slice256": {"chunk_max_slices": 16},  # 16 slices of 256 dims: 128 programs, half the finish's sum
     "chunked finish32": {"chunk_finish_block_t": 32, "chunk_finish_h": 512},  # finish programs of 32 × 512
-    "chunked finish512": {"chunk_finish_h": 512},  # 16 × 512: 512 finish programs per chunk, 4 per SM
+    "chunked finish1024": {"chunk_finish_h": 1024},  # 16 × 1024: 256 finish programs per chunk, 2 per SM
+    "chunked sum4": {"chunk_sum_unroll": 4},  # the finish's sum in 8 rounds of 4 slices (fewer registers)
     "chunked pdl": {"chunk_pdl": True},  # the next chunk's partial streams from HBM while this finish reads L2
     "chunked C512 pdl": {"chunk_tokens": 512, "chunk_pdl": True},  # two chunks live in L2: 32 MB
     "chunked C512 bt64 pdl": {"chunk_tokens": 512, "chunk_pdl": True, **_BT64},
