@@ -174,7 +174,7 @@ def main() -> None:
     import torch
 
     from dsv4ref import DEVICE
-    from dsv4ref.device import synchronize
+    from dsv4ref.device import capture_graph, synchronize
     from dsv4ref.mhc import MhcLaunch, example_params, example_streams, reference, split_fn
     from dsv4ref.mhc.launch import CHUNKED_VARIANTS, ONE_PASS_VARIANTS, chunk_args, one_pass_args
     from dsv4ref.testing import compare, randn
@@ -304,17 +304,30 @@ def main() -> None:
             print(f"{el()} time budget: {op} {name} and later candidates not timed", flush=True)
             break
         L = launches[name]
+        graphed = SMOKE or capture_graph(lambda L=L, op=op: run_op(op, L, T_BIG, sets[0], outs[0])) is not None
         ms = time_ms(lambda i, L=L, op=op: run_op(op, L, T_BIG, sets[i], outs[i]), n_sets=2, **tkw)
-        results[(op, name)] = ms
+        # what the graph replays left in outs[1] must equal an eager call bit for bit (PDL edges in a graph)
+        eager = run_op(op, L, T_BIG, sets[1], tuple(torch.empty_like(t) for t in outs[1]))
+        keep = {"pre": (1, 2, 3), "fused": (0, 1, 2, 3), "head": (3,)}[op]
+        same = all(torch.equal(outs[1][k].view(torch.int32 if outs[1][k].dtype == torch.float32 else torch.int16),
+                               eager[k].view(torch.int32 if eager[k].dtype == torch.float32 else torch.int16))
+                   for k in keep)
+        note = ("" if graphed else " [graph capture failed: timed EAGERLY]") + ("" if same else " [REPLAY != EAGER]")
+        if not same:
+            print(f"{el()} {op} {name}: the graph-replayed outputs differ from an eager call's: not a candidate",
+                  flush=True)
+        else:
+            results[(op, name)] = ms
         b = nb[op]
         fields = "" if name == "defaults" else ", ".join(f"{k.removeprefix('one_pass_')}={v}"
                                                          for k, v in candidate_fields(name).items())
         twins = [n for (o, n), c in same_as.items() if o == op and c == name]
         print(f"{op:5s} {name:22s} {L.design(op == 'fused'):10s} {ms * 1e3:8.1f} {b / (ms * 1e-3) / 1e12:6.2f} "
-              f"{100 * b / (ms * 1e-3) / copy:7.1f} %   {fields}" + (f"  (= {', '.join(twins)})" if twins else ""),
+              f"{100 * b / (ms * 1e-3) / copy:7.1f} %{note}   {fields}" + (f"  (= {', '.join(twins)})" if twins else ""),
               flush=True)
         for n in twins:
-            results[(op, n)] = ms
+            if same:
+                results[(op, n)] = ms
 
     best = {}
     for op in ops:
