@@ -345,15 +345,16 @@ _BT64 = dict(chunk_block_t=64, chunk_warps=4, chunk_maxnreg=None, chunk_fused_bl
              chunk_fused_stages=3)
 CHUNKED_VARIANTS: dict[str, dict] = {
     "chunked": {},  # C = 1024 (32 MB of streams per chunk), 32 slices × 8 tiles, finish 16 tokens × 512 dims
-    "chunked C512": {"chunk_tokens": 512},  # 16 MB per chunk: safer L2 hits, twice the launches, 128 programs
-    "chunked C512 bt64": {"chunk_tokens": 512, **_BT64},  # 8 tiles × 32 slices = 256 programs per chunk again
+    "chunked C512 bt64": {"chunk_tokens": 512, **_BT64},  # 16 MB per chunk; 8 tiles × 32 slices = 256 programs
+    "chunked C768": {"chunk_tokens": 768},  # 24 MB per chunk: L2 margin for the layer input and workspace
     "chunked C2048": {"chunk_tokens": 2048},  # the control: 64 MB per chunk is past the L2
     "chunked slice256": {"chunk_max_slices": 16},  # 16 slices of 256 dims: 128 programs, half the finish's sum
-    "chunked finish32": {"chunk_finish_block_t": 32, "chunk_finish_h": 512},  # finish programs of 32 × 512
+    "chunked finish32": {"chunk_finish_block_t": 32},  # finish programs of 32 tokens × 512 dims: 256 per chunk
     "chunked finish1024": {"chunk_finish_h": 1024},  # 16 × 1024: 256 finish programs per chunk, 2 per SM
-    "chunked sum4": {"chunk_sum_unroll": 4},  # the finish's sum in 8 rounds of 4 slices (fewer registers)
+    "chunked finish bh256": {"chunk_finish_block_h": 256},  # twice the finish's loads in flight per round
     "chunked pdl": {"chunk_pdl": True},  # the next chunk's partial streams from HBM while this finish reads L2
-    "chunked C512 pdl": {"chunk_tokens": 512, "chunk_pdl": True},  # two chunks live in L2: 32 MB
+    "chunked C512 pdl": {"chunk_tokens": 512, "chunk_pdl": True},  # two chunks live in L2: 32 MB; 128 partial
+    #                                                                 programs, so the finish's fit beside them
     "chunked C512 bt64 pdl": {"chunk_tokens": 512, "chunk_pdl": True, **_BT64},
 }
 
