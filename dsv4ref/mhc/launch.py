@@ -351,7 +351,7 @@ CHUNKED_VARIANTS: dict[str, dict] = {
     "chunked slice256": {"chunk_max_slices": 16},  # 16 slices of 256 dims: 128 programs, half the finish's sum
     "chunked finish32": {"chunk_finish_block_t": 32},  # finish programs of 32 tokens × 512 dims: 256 per chunk
     "chunked finish1024": {"chunk_finish_h": 1024},  # 16 × 1024: 256 finish programs per chunk, 2 per SM
-    "chunked finish bh256": {"chunk_finish_block_h": 256},  # twice the finish's loads in flight per round
+    "chunked finish bh256": {"chunk_finish_block_h": 256, "chunk_finish_h": 512},  # twice the finish's loads in flight per round
     "chunked pdl": {"chunk_pdl": True},  # the next chunk's partial streams from HBM while this finish reads L2
     "chunked C512 pdl": {"chunk_tokens": 512, "chunk_pdl": True},  # two chunks live in L2: 32 MB; 128 partial
     #                                                                 programs, so the finish's fit beside them
