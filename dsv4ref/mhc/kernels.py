@@ -1038,8 +1038,8 @@ def hc_chunk_finish_kernel(
     hc_eps,
     post_mult,
     iters,
+    BLOCK_T: tl.constexpr,  # tokens per program
     HEAD: tl.constexpr,
-    BLOCK_T: tl.constexpr,
     BLOCK_H: tl.constexpr,  # hidden dims per chunk of the weighted sum
     SUM_UNROLL: tl.constexpr,
     WS_GATE: tl.constexpr,
