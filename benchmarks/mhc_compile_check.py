@@ -124,7 +124,9 @@ def check_chunked(name: str, op: str) -> str:
     L = chunked_variant(name)
     (c, n_chunks, slices, cps, parts, h_per_part), (pc, po), (fc, fo), _ = chunk_args(L, T, HD, op == "head", op == "fused")
     values = dict(t0=c, t_end=2 * c, Hd=HD, C=c, slices=slices, chunks_per_slice=cps, h_per_part=h_per_part, iters=20)
-    lines = [f"{name:20s} {op:5s} C = {c} ({n_chunks} chunks, {2 * n_chunks} launches): partial {c // pc['BLOCK_T']} "
+    post = L.chunk_fused_post and op == "fused"  # post_kernel per chunk, then pre's partial on the new streams
+    lines = [f"{name:20s} {op:5s} C = {c} ({n_chunks} chunks, {(3 if post else 2) * n_chunks} launches)"
+             f"{': post_kernel, then' if post else ':'} partial {c // pc['BLOCK_T']} "
              f"tiles × {slices} slices of {cps * pc['BLOCK_K']} dims, finish {parts} parts × "
              f"{c // fc['BLOCK_T']} tiles of {fc['BLOCK_T']} tokens"]
     for what, fn, consts, opts in (("partial", kernels.hc_chunk_partial_kernel, {**pc, "DOT_FP32": False}, po),
@@ -145,8 +147,9 @@ def kernel_key(name: str, op: str) -> tuple:
 
 def chunked_key(name: str, op: str) -> tuple:
     """``kernel_key`` for the chunked design: equal keys, the same two kernels and plan."""
-    plan, (pc, po), (fc, fo), _ = chunk_args(chunked_variant(name), T, HD, op == "head", op == "fused")
-    return "chunked", op, plan, tuple(sorted(pc.items())), tuple(sorted(po.items())), tuple(sorted(fc.items())), \
+    L = chunked_variant(name)
+    plan, (pc, po), (fc, fo), _ = chunk_args(L, T, HD, op == "head", op == "fused")
+    return "chunked", op, L.chunk_fused_post and op == "fused", plan, tuple(sorted(pc.items())), tuple(sorted(po.items())), tuple(sorted(fc.items())), \
         tuple(sorted(fo.items()))
 
 

@@ -198,7 +198,7 @@ def main() -> None:
             return op, name
         L, head, fused = launches[name], op == "head", op == "fused"
         if L.design(fused) == "chunked":
-            return op, "chunked", tuple((plan, *(tuple(sorted(d.items())) for d in (*p, *f)))
+            return op, "chunked", L.chunk_fused_post and fused, tuple((plan, *(tuple(sorted(d.items())) for d in (*p, *f)))
                                         for plan, p, f, _s in (chunk_args(L, T, HD, head, fused) for T in (T_BIG, T_SMALL)))
         return op, tuple((tuple(sorted(c.items())), tuple(sorted(o.items())), plan)
                          for _g, c, o, _s, plan in (one_pass_args(L, T, HD, head, fused) for T in (T_BIG, T_SMALL)))

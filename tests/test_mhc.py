@@ -575,15 +575,16 @@ CHUNK_SMALL = dict(chunk_tokens=16, chunk_block_t=16, chunk_block_k=32, chunk_fu
                    chunk_maxnreg=None, chunk_fused_maxnreg=None)
 
 
-@pytest.mark.parametrize("sum_unroll", [1, 4])
-def test_chunked_matches_fp64_and_fused_equals_post_then_pre(sum_unroll):
+@pytest.mark.parametrize("sum_unroll,fused_post", [(1, False), (4, False), (4, True)])
+def test_chunked_matches_fp64_and_fused_equals_post_then_pre(sum_unroll, fused_post):
     """T = 40 in chunks of 16 (three chunks, the last one partial) × Hd = 88 in three slices of one 32-wide
     chunk (the last partial) and three finish parts (part 0 alone stores post / comb; the others sum only the
     pre columns): pre and head match the fp64 oracle; fused == post then a pre of the same arithmetic
     (``pre_like_fused``), bit for bit on bf16, 1e-6 on fp32. ``sum_unroll`` 1 and 4 (the finish kernel's
-    rounds; 3 slices: a partial round) give the same bits. (PDL is compiled only: the GPU tests and the sweep.)"""
+    rounds; 3 slices: a partial round) give the same bits. ``fused_post``: the fused op runs ``post_kernel`` per
+    chunk, then pre's kernels on the new streams. (PDL is compiled only: the GPU tests and the sweep.)"""
     T, Hd = 40, 88
-    L = MhcLaunch(chunked=True, chunk_sum_unroll=sum_unroll, **CHUNK_SMALL)
+    L = MhcLaunch(chunked=True, chunk_sum_unroll=sum_unroll, chunk_fused_post=fused_post, **CHUNK_SMALL)
     assert L.chunk_plan(T, Hd) == (16, 3, 3, 1, 32) and L.chunk_finish_plan(16, Hd) == (3, 32)
     res, x, fn, scale, base = case(T, Hd, seed=33)
     p, c, li = mhc.pre(res, fn, scale, base, launch=L)
@@ -591,7 +592,7 @@ def test_chunked_matches_fp64_and_fused_equals_post_then_pre(sum_unroll):
     assert_close(p, p64, "mhc", "post")
     assert_close(c, c64, "mhc", "comb")
     assert_close(li, x64, "bf16_out", "layer_input")
-    if sum_unroll == 4:  # the sum's rounds change no bit
+    if sum_unroll == 4 and not fused_post:  # the sum's rounds change no bit
         p1, c1, li1 = mhc.pre(res, fn, scale, base, launch=MhcLaunch(chunked=True, chunk_sum_unroll=1, **CHUNK_SMALL))
         assert_close(p1, p, "exact")
         assert_close(c1, c, "exact")

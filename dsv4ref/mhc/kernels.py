@@ -199,12 +199,13 @@ def post_kernel(
     post_ptr,  # [T, 4] fp32
     comb_ptr,  # [T, 4, 4] fp32; comb[t, i, j] = weight from source i to destination j
     out_ptr,  # int16 view of the new residual [T, 4, Hd] bf16
-    T,
+    t0,  # the first token (0; the chunked design's fused op runs it per chunk of tokens)
+    T,  # one past the last token
     Hd,
     BLOCK_T: tl.constexpr,
     BLOCK_H: tl.constexpr,
 ):
-    rows = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
+    rows = t0 + tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
     h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     rm = rows < T
     mask = rm[:, None] & (h < Hd)[None, :]

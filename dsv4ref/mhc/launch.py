@@ -144,6 +144,8 @@ class MhcLaunch:
     chunk_finish_warps: int = 4
     chunk_sum_unroll: int = 8  # slices' partials in flight per round of the finish kernel's sum (32 slices: 4 rounds)
     chunk_pdl: bool = False  # compiled: programmatic dependent launch, the next chunk's partial overlaps this finish
+    chunk_fused_post: bool = False  # fused post+pre: post_kernel per chunk, then pre's kernels on the new streams
+    #                                 (from L2): 3 launches per chunk instead of a post inside the partial kernel
 
     def __post_init__(self):
         for name in ("block_t", "block_k", "split_block_t", "split_block_k", "finish_block_t", "finish_block_h",
@@ -205,6 +207,8 @@ class MhcLaunch:
     def pre_like_fused(self) -> "MhcLaunch":
         """The launch under which :func:`~dsv4ref.mhc.pre` runs the arithmetic :func:`~dsv4ref.mhc.fused_post_pre`
         runs under this one (same design, same chunks), so that fused == post then pre bit for bit."""
+        if self.design(fused=True) == "chunked" and self.chunk_fused_post:  # fused IS post then this pre
+            return self
         if self.design(fused=True) == "chunked":  # the fused partial tiles (and the slices they give)
             return dataclasses.replace(self, chunk_block_t=self.chunk_fused_block_t,
                                        chunk_block_k=self.chunk_fused_block_k, chunk_warps=self.chunk_fused_warps,
@@ -297,7 +301,7 @@ class MhcLaunch:
 
 
 _BOOLS = ("one_pass", "one_pass_chain", "one_pass_pack_ws", "one_pass_prefetch", "one_pass_hw_round", "chunked",
-          "chunk_pdl")
+          "chunk_pdl", "chunk_fused_post")
 
 DEFAULT = MhcLaunch()
 
@@ -356,6 +360,10 @@ CHUNKED_VARIANTS: dict[str, dict] = {
     "chunked C512 pdl": {"chunk_tokens": 512, "chunk_pdl": True},  # two chunks live in L2: 32 MB; 128 partial
     #                                                                 programs, so the finish's fit beside them
     "chunked C512 bt64 pdl": {"chunk_tokens": 512, "chunk_pdl": True, **_BT64},
+    # fused only (pre and head are "chunked"'s): post_kernel (89 % of copy alone) per chunk, then pre's kernels
+    # on the new streams from L2, instead of the instruction-bound fused K loop; 3 launches per chunk
+    "chunked fused-post": {"chunk_fused_post": True},
+    "chunked fused-post C512 bt64 pdl": {"chunk_fused_post": True, "chunk_tokens": 512, "chunk_pdl": True, **_BT64},
 }
 
 
@@ -449,7 +457,9 @@ def chunk_args(L: MhcLaunch, T: int, Hd: int, head: bool, fused: bool):
     ``plan`` = (tokens per chunk C, chunks, slices, BLOCK_K chunks per slice, finish parts, hidden dims per
     part); ``partial`` / ``finish`` = (constexprs but DOT_FP32, compile options) of
     ``hc_chunk_partial_kernel`` / ``hc_chunk_finish_kernel``. One workspace serves every chunk: a chunk's
-    finish kernel has read it before the next chunk's partial kernel writes it (the same stream)."""
+    finish kernel has read it before the next chunk's partial kernel writes it (the same stream). Fused with
+    ``chunk_fused_post``: the partial kernel is pre's (it reads the new streams ``post_kernel`` wrote)."""
+    fused = fused and not L.chunk_fused_post
     c, n_chunks, slices, cps, bk = L.chunk_plan(T, Hd, fused)
     bt, _, warps, stages, maxnreg = L.chunk_tile(fused)
     parts, h_per_part = L.chunk_finish_plan(c, Hd)
@@ -470,8 +480,14 @@ def launch_chunked(L: MhcLaunch, T: int, Hd: int, ptrs, scale, base, post, comb,
     """The chunked design (kernels.py "Design 4"): per chunk of C tokens, the partial kernel (grid: the chunk's
     token tiles × slices) then the finish kernel (grid: hidden parts × the chunk's finish tiles): 2·ceil(T / C)
     launches, into one workspace (one chunk's partials) allocated once per call. ``ptrs`` as ``launch_hc``
-    makes them; the finish kernel reads the new streams (fused) or the input ones."""
+    makes them; the finish kernel reads the new streams (fused) or the input ones. Fused with
+    ``chunk_fused_post``: per chunk ``post_kernel`` first (3·ceil(T / C) launches), then pre's two kernels on
+    the new streams it wrote, so fused == post then pre bit for bit by construction."""
     (c, n_chunks, slices, cps, parts, h_per_part), (pc, po), (fc, fo), (n_mix, n_ssq) = chunk_args(L, T, Hd, head, fused)
+    post_first = fused and L.chunk_fused_post
+    res_in = ptrs[0]
+    if post_first:  # the partial kernel reads the new streams: pre's, with the new streams as its input
+        ptrs = (ptrs[4],) + ptrs[1:]
     compiled = not interpreting()
     ws = torch.empty(n_mix + n_ssq, dtype=torch.float32, device=ptrs[0].device)
     mix_ws, ssq_ws = ws[:n_mix], ws[n_mix:]
@@ -483,8 +499,13 @@ def launch_chunked(L: MhcLaunch, T: int, Hd: int, ptrs, scale, base, post, comb,
     for k in range(n_chunks):
         t0 = k * c
         t_end = min(T, t0 + c)
+        if post_first:  # ordinary launches, the partial's too: its K loop reads what this post kernel writes
+            kernels.post_kernel[(triton.cdiv(t_end - t0, L.post_block_t), triton.cdiv(Hd, L.post_block_h))](
+                ptrs[1], res_in, ptrs[2], ptrs[3], ptrs[4], t0, t_end, Hd, BLOCK_T=L.post_block_t,
+                BLOCK_H=L.post_block_h)
         kernels.hc_chunk_partial_kernel[(triton.cdiv(t_end - t0, bt) * slices,)](
-            *ptrs, mix_ws, ssq_ws, t0, t_end, Hd, c, slices, cps, **pc, DOT_FP32=not compiled, **(po if k else po_first))
+            *ptrs, mix_ws, ssq_ws, t0, t_end, Hd, c, slices, cps, **pc, DOT_FP32=not compiled,
+            **(po if k and not post_first else po_first))
         kernels.hc_chunk_finish_kernel[(parts, triton.cdiv(t_end - t0, fbt))](
             src, mix_ws, ssq_ws, scale, base, post, comb, out, t0, t_end, Hd, c, slices, h_per_part, *scalars,
             **fc, **fo)
@@ -595,7 +616,7 @@ def mhc_post(x: torch.Tensor, residual: torch.Tensor, post: torch.Tensor, comb: 
     if T:
         grid = (triton.cdiv(T, L.post_block_t), triton.cdiv(Hd, L.post_block_h))
         kernels.post_kernel[grid](x.view(torch.int16), residual.view(torch.int16), post, comb, out.view(torch.int16),
-                                  T, Hd, BLOCK_T=L.post_block_t, BLOCK_H=L.post_block_h)
+                                  0, T, Hd, BLOCK_T=L.post_block_t, BLOCK_H=L.post_block_h)
 
 
 @mhc_post.register_fake
