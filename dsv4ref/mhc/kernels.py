@@ -204,6 +204,7 @@ def post_kernel(
     Hd,
     BLOCK_T: tl.constexpr,
     BLOCK_H: tl.constexpr,
+    PDL: tl.constexpr = False,  # the chunked fused op's programmatic dependent launch (kernels.py "Design 4")
 ):
     rows = t0 + tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
     h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -215,6 +216,8 @@ def post_kernel(
     for j in tl.static_range(4):
         y = post_stream(x, post_weights(post_ptr, comb_ptr, rows, rm, j), r0, r1, r2, r3)
         tl.store(out_ptr + ro + j * Hd, bf16_rne_bits_nan(y).to(tl.int16, bitcast=True), mask=mask)
+    if PDL:  # launched early beside the previous chunk's finish: end only after it has ended
+        tl.extra.cuda.gdc_wait()
 
 
 # ====================================================================================================
@@ -932,6 +935,9 @@ def hc_one_pass_kernel(
 # the next partial launch. So at most two chunks' streams are live in L2 (64 MB at C = 1024: C = 512 suits it),
 # and no wait can deadlock (a dependent launches only when every program of its primary has started). The
 # call's first partial is an ordinary launch: the kernel before it (which wrote the streams) has completed.
+# With ``chunk_fused_post`` (the fused op as post_kernel + pre's kernels per chunk) the post kernel is the
+# early one instead: it reads only inputs and writes its chunk's new streams, then waits for the previous
+# finish before it ends; the partial kernel, which reads those new streams, is an ordinary launch after it.
 # ====================================================================================================
 
 

@@ -499,10 +499,10 @@ def launch_chunked(L: MhcLaunch, T: int, Hd: int, ptrs, scale, base, post, comb,
     for k in range(n_chunks):
         t0 = k * c
         t_end = min(T, t0 + c)
-        if post_first:  # ordinary launches, the partial's too: its K loop reads what this post kernel writes
+        if post_first:  # PDL: the post kernel overlaps the previous finish; the partial is an ordinary launch
             kernels.post_kernel[(triton.cdiv(t_end - t0, L.post_block_t), triton.cdiv(Hd, L.post_block_h))](
                 ptrs[1], res_in, ptrs[2], ptrs[3], ptrs[4], t0, t_end, Hd, BLOCK_T=L.post_block_t,
-                BLOCK_H=L.post_block_h)
+                BLOCK_H=L.post_block_h, PDL=pc["PDL"], **({"launch_pdl": pc["PDL"] and k > 0} if compiled else {}))
         kernels.hc_chunk_partial_kernel[(triton.cdiv(t_end - t0, bt) * slices,)](
             *ptrs, mix_ws, ssq_ws, t0, t_end, Hd, c, slices, cps, **pc, DOT_FP32=not compiled,
             **(po if k and not post_first else po_first))
