@@ -918,13 +918,14 @@ def hc_one_pass_kernel(
 #   chunk's streams (FUSED: the new ones) from L2.
 #
 # Bytes at T = Hd = 4096, C = 1024 (4 chunks), 32 slices (of 128 dims) × 8 tiles of 128 tokens = 256 partial
-# programs, 64 finish tiles of 16 tokens × 4 parts of 1024 dims = 256 finish programs per chunk:
-#   HBM: streams 134 MB read once, layer input 34 MB written, the fn split 3.1 MB; the workspace (3.1 MB per
+# programs, 64 finish tiles of 16 tokens × 8 parts of 512 dims = 512 finish programs per chunk:
+#   HBM: streams 134 MB read once, layer input 34 MB written, the fn split 3.1 MB; the workspace (3.3 MB per
 #        chunk, reused by every chunk) stays in L2;
 #   L2 (SM side), pre: streams 134 MB twice, fn split 32 tiles × 3.1 MB = 101 MB, workspace written 13 MB and
-#        read 4 × (13 MB / 3 + comb once) ≈ 25 MB by the finish programs;
+#        read ≈ 46 MB by the finish programs (part 0 every column; the 7 others one 32-byte sector of pre
+#        columns + Σ X² per row and slice);
 #   the partial kernel of a chunk is HBM-bound (34 MB: ~9 µs at 3.6 TB/s), its finish kernel L2-bound
-#        (34 MB of streams + ~6 MB of workspace reads: ~5 µs), one after the other, plus a launch gap each.
+#        (34 MB of streams + ~12 MB of workspace reads: ~6 µs), one after the other, plus a launch gap each.
 #
 # PDL (``MhcLaunch.chunk_pdl``, compiled only): every launch but the call's first partial is a programmatic
 # dependent launch (Hopper's griddepcontrol), so the next chunk's partial kernel streams its chunk from HBM
