@@ -1,13 +1,17 @@
-"""One-call H200 sweep of the one-pass mHC design (issue 14: pre and fused post+pre >= 50 % of copy bandwidth
-at T = Hd = 4096), with the current defaults beside it and the decode step run with one-pass.
+"""One-call H200 sweep of the one-pass and chunked mHC designs (issue 14: pre and fused post+pre >= 50 % of copy
+bandwidth at T = Hd = 4096), with the current defaults beside them and the decode step run with the proposal.
 
-    PYTHONPATH=. python3 benchmarks/mhc_sweep.py              # everything, ~90-130 s on an H200
+    PYTHONPATH=. python3 benchmarks/mhc_sweep.py              # everything (one-pass and chunked candidates)
     PYTHONPATH=. python3 benchmarks/mhc_sweep.py pre head     # only these ops (and no decode step)
+    PYTHONPATH=. python3 benchmarks/mhc_sweep.py chunked      # only candidates whose name contains "chunked"
+                                                              # (and today's defaults; no decode step)
 
-Every candidate is a row of ``dsv4ref.mhc.launch.ONE_PASS_VARIANTS`` (MhcLaunch fields; kernels.py "Design 3"
-says which suspect each one attacks; ``benchmarks/mhc_compile_check.py`` prints their registers, shared
-memory and loops), run for pre, fused and head; a candidate whose fields leave an op's kernel as an earlier
-candidate's shares that row (``= ...``). Phases, one process and one GPU:
+Arguments: op names (pre, fused, head) restrict the ops; any other argument restricts the candidates to the
+names containing it (today's defaults always run). Every candidate is a row of
+``dsv4ref.mhc.launch.ONE_PASS_VARIANTS`` (kernels.py "Design 3") or ``CHUNKED_VARIANTS`` ("Design 4")
+(MhcLaunch fields; kernels.py says which suspect each one attacks; ``benchmarks/mhc_compile_check.py`` prints
+their registers, shared memory and loops), run for pre, fused and head; a candidate whose fields leave an op's
+kernels as an earlier candidate's shares that row (``= ...``). Phases, one process and one GPU:
 
 1. the copy ceiling (512 MiB, as ``python -m dsv4ref bench``);
 2. compiling, in parallel: worker processes run each distinct (op, candidate) once on random inputs at the
@@ -22,7 +26,7 @@ candidate's shares that row (``= ...``). Phases, one process and one GPU:
 4. timing by graph replay (``dsv4ref.tools.harness.time_ms``), two input sets of ~340 MB rotated past the
    L2: µs and % of the copy ceiling over the compulsory bytes ``python -m dsv4ref bench mhc`` counts
    (``dsv4ref.tools.cases.mhc.compulsory_bytes``); today's defaults first; no new candidate starts after
-   ``BUDGET_S`` seconds from the start;
+   ``BUDGET_S`` seconds from the start (the whole sweep, 80+ distinct kernels, may hit it: restrict it);
 5. the proposal: the ONE candidate with the least total time over the ops (per-op winners may set the
    fields the ops share differently, and their mix was never timed);
 6. the summary: today's default, the fastest candidate and the proposal per op, and the ``MhcLaunch`` lines
@@ -31,8 +35,8 @@ candidate's shares that row (``= ...``). Phases, one process and one GPU:
    every step against the float64 reference (``agreement``), the eager logits against today's defaults.
 
 How the decode step picks the design: it passes ``Decoder.mhc_launch`` (None = ``MhcLaunch()``) as ``launch=``
-to every mHC call, so flipping ``one_pass: bool = False`` to True in ``MhcLaunch`` switches the step, the
-library and the bench together.
+to every mHC call, so flipping ``chunked: bool = False`` (or ``one_pass``) in ``MhcLaunch`` switches the step,
+the library and the bench together.
 """
 
 from __future__ import annotations
@@ -101,15 +105,34 @@ def run_op(op: str, launch, T: int, inputs=None, outs=None):
     return outs
 
 
+def candidate(name: str):
+    """The MhcLaunch of candidate ``name``: "defaults" = MhcLaunch(), a row of CHUNKED_VARIANTS (on top of
+    MhcLaunch(chunked=True)) or of ONE_PASS_VARIANTS (on top of MhcLaunch(one_pass=True))."""
+    from dsv4ref.mhc import MhcLaunch
+    from dsv4ref.mhc.launch import CHUNKED_VARIANTS, chunked_variant, one_pass_variant
+
+    if name == "defaults":
+        return MhcLaunch()
+    return chunked_variant(name) if name in CHUNKED_VARIANTS else one_pass_variant(name)
+
+
+def candidate_fields(name: str) -> dict:
+    """The MhcLaunch fields candidate ``name`` sets (its design switch included)."""
+    from dsv4ref.mhc.launch import CHUNKED_VARIANTS, ONE_PASS_VARIANTS
+
+    if name in CHUNKED_VARIANTS:
+        return {"chunked": True, **CHUNKED_VARIANTS[name]}
+    return {"one_pass": True, **ONE_PASS_VARIANTS.get(name, {})}
+
+
 def _compile_task(op: str, name: str) -> str | None:
     """Compile (by running once) what the main process will run for (op, candidate ``name``; "defaults" =
     MhcLaunch()): both sizes, and for fused the pre of the same arithmetic. None, or the error."""
     try:
         from dsv4ref.device import synchronize
         from dsv4ref.mhc import MhcLaunch
-        from dsv4ref.mhc.launch import one_pass_variant
 
-        L = MhcLaunch() if name == "defaults" else one_pass_variant(name)
+        L = candidate(name)
         for T in (T_BIG, T_SMALL):
             run_op(op, L, T)
             if op == "fused":
@@ -145,14 +168,15 @@ def _decode_task(fields: dict) -> str | None:
 def main() -> None:
     t0 = time.perf_counter()
     ops = tuple(a for a in sys.argv[1:] if a in OPS) or OPS
+    only = [a for a in sys.argv[1:] if a not in OPS]  # candidate-name filters
     with_decode = not sys.argv[1:] and not SMOKE
 
     import torch
 
     from dsv4ref import DEVICE
-    from dsv4ref.device import synchronize
+    from dsv4ref.device import capture_graph, synchronize
     from dsv4ref.mhc import MhcLaunch, example_params, example_streams, reference, split_fn
-    from dsv4ref.mhc.launch import ONE_PASS_VARIANTS, one_pass_args, one_pass_variant
+    from dsv4ref.mhc.launch import CHUNKED_VARIANTS, ONE_PASS_VARIANTS, chunk_args, one_pass_args
     from dsv4ref.testing import compare, randn
     from dsv4ref.tools.cases.mhc import compulsory_bytes
     from dsv4ref.tools.harness import measure_ceilings, time_ms
@@ -165,15 +189,19 @@ def main() -> None:
     print(f"{el()} copy ceiling (512 MiB) {copy / 1e12:.2f} TB/s; {DEVICE}", flush=True)
 
     # ---- 2. compile in parallel ----------------------------------------------------------------------
-    launches = {"defaults": MhcLaunch(), **{name: one_pass_variant(name) for name in ONE_PASS_VARIANTS}}
+    names = [n for n in (*ONE_PASS_VARIANTS, *CHUNKED_VARIANTS) if not only or any(w in n for w in only)]
+    launches = {"defaults": MhcLaunch(), **{name: candidate(name) for name in names}}
 
     def kernel_key(op: str, name: str) -> tuple:
         """Equal keys: the same kernels at both sizes (a field an op does not use changes nothing for it)."""
         if name == "defaults":
             return op, name
+        L, head, fused = launches[name], op == "head", op == "fused"
+        if L.design(fused) == "chunked":
+            return op, "chunked", L.chunk_fused_post and fused, tuple((plan, *(tuple(sorted(d.items())) for d in (*p, *f)))
+                                        for plan, p, f, _s in (chunk_args(L, T, HD, head, fused) for T in (T_BIG, T_SMALL)))
         return op, tuple((tuple(sorted(c.items())), tuple(sorted(o.items())), plan)
-                         for _g, c, o, _s, plan in (one_pass_args(launches[name], T, HD, op == "head", op == "fused")
-                                                    for T in (T_BIG, T_SMALL)))
+                         for _g, c, o, _s, plan in (one_pass_args(L, T, HD, head, fused) for T in (T_BIG, T_SMALL)))
 
     jobs, same_as, first = [], {}, {}  # same_as: (op, name) -> the earlier candidate with the same kernel
     for op in ops:
@@ -276,17 +304,30 @@ def main() -> None:
             print(f"{el()} time budget: {op} {name} and later candidates not timed", flush=True)
             break
         L = launches[name]
+        graphed = SMOKE or capture_graph(lambda L=L, op=op: run_op(op, L, T_BIG, sets[0], outs[0])) is not None
         ms = time_ms(lambda i, L=L, op=op: run_op(op, L, T_BIG, sets[i], outs[i]), n_sets=2, **tkw)
-        results[(op, name)] = ms
+        # what the graph replays left in outs[1] must equal an eager call bit for bit (PDL edges in a graph)
+        eager = run_op(op, L, T_BIG, sets[1], tuple(torch.empty_like(t) for t in outs[1]))
+        keep = {"pre": (1, 2, 3), "fused": (0, 1, 2, 3), "head": (3,)}[op]
+        same = all(torch.equal(outs[1][k].view(torch.int32 if outs[1][k].dtype == torch.float32 else torch.int16),
+                               eager[k].view(torch.int32 if eager[k].dtype == torch.float32 else torch.int16))
+                   for k in keep)
+        note = ("" if graphed else " [graph capture failed: timed EAGERLY]") + ("" if same else " [REPLAY != EAGER]")
+        if not same:
+            print(f"{el()} {op} {name}: the graph-replayed outputs differ from an eager call's: not a candidate",
+                  flush=True)
+        else:
+            results[(op, name)] = ms
         b = nb[op]
         fields = "" if name == "defaults" else ", ".join(f"{k.removeprefix('one_pass_')}={v}"
-                                                         for k, v in ONE_PASS_VARIANTS[name].items())
+                                                         for k, v in candidate_fields(name).items())
         twins = [n for (o, n), c in same_as.items() if o == op and c == name]
         print(f"{op:5s} {name:22s} {L.design(op == 'fused'):10s} {ms * 1e3:8.1f} {b / (ms * 1e-3) / 1e12:6.2f} "
-              f"{100 * b / (ms * 1e-3) / copy:7.1f} %   {fields}" + (f"  (= {', '.join(twins)})" if twins else ""),
+              f"{100 * b / (ms * 1e-3) / copy:7.1f} %{note}   {fields}" + (f"  (= {', '.join(twins)})" if twins else ""),
               flush=True)
         for n in twins:
-            results[(op, n)] = ms
+            if same:
+                results[(op, n)] = ms
 
     best = {}
     for op in ops:
@@ -296,7 +337,7 @@ def main() -> None:
     # ---- 5. the proposal: ONE candidate for all ops (the per-op winners may set shared fields differently) -
     both = [n for n in launches if n != "defaults" and all((op, n) in results for op in ops)]
     joint = min(both, key=lambda n: sum(results[op, n] for op in ops), default=None)
-    proposal = one_pass_variant(joint) if joint else None
+    proposal = launches[joint] if joint else None
 
     # ---- 6. summary (before the decode step: what the lead needs, should the call be cut short) ------------
     def pct(op, ms):
@@ -307,19 +348,19 @@ def main() -> None:
         base = results.get((op, "defaults"))
         line = f"  {op:5s} today's default ({MhcLaunch().design(op == 'fused')}): {pct(op, base) if base else 'not timed'}"
         if op in best:
-            line += f"; fastest one-pass {best[op][1]!r}: {pct(op, best[op][0])}"
+            line += f"; fastest candidate {best[op][1]!r}: {pct(op, best[op][0])}"
         if joint:
             line += f"; proposed {joint!r}: {pct(op, results[op, joint])}"
         print(line)
     if joint is None:
-        print("no one-pass candidate passed and was timed for every op: keep the defaults", flush=True)
+        print("no candidate passed and was timed for every op: keep the defaults", flush=True)
     else:
-        fields = ONE_PASS_VARIANTS[joint]
+        fields = candidate_fields(joint)
         default_fields = {f.name: f.default for f in dataclasses.fields(MhcLaunch)}
         diff = {k: v for k, v in fields.items() if default_fields.get(k) != v}
         print(f"the proposal: the candidate with the least total time over {', '.join(ops)} ({joint!r}); to make it "
-              "the default, in dsv4ref/mhc/launch.py MhcLaunch: one_pass: bool = True"
-              + ("" if not diff else "; and " + ", ".join(f"{k}: ... = {v}" for k, v in diff.items())), flush=True)
+              "the default, in dsv4ref/mhc/launch.py MhcLaunch: "
+              + (", ".join(f"{k}: ... = {v}" for k, v in diff.items()) or "nothing to change"), flush=True)
 
     # decode-sized rows: T = 37, today's defaults, the fastest candidate and the proposal (µs only)
     for op in ops:
@@ -336,7 +377,7 @@ def main() -> None:
             print(f"{op:5s} T={T_SMALL:<4d} {name:15s} {L.design(op == 'fused'):10s} {ms * 1e3:8.1f} µs", flush=True)
 
     if with_decode and proposal is not None:
-        print(f"\n{el()} decode step, teaching config, mhc_launch = one_pass_variant({joint!r})", flush=True)
+        print(f"\n{el()} decode step, teaching config, mhc_launch = {joint!r}", flush=True)
         if decode_err and not decode_err.startswith("still compiling"):
             print(f"  one-pass decode step FAILED in the compile worker: {decode_err}", flush=True)
         else:

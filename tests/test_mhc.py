@@ -13,7 +13,7 @@ import torch
 
 from dsv4ref import config, mhc, validate
 from dsv4ref.mhc import MhcLaunch, reference
-from dsv4ref.mhc.launch import ONE_PASS_VARIANTS, one_pass_variant, split3
+from dsv4ref.mhc.launch import CHUNKED_VARIANTS, ONE_PASS_VARIANTS, chunked_variant, one_pass_variant, split3
 from dsv4ref.device import DEVICE, interpreting
 from dsv4ref.testing import assert_close, compare, generator, poison, randn
 
@@ -28,15 +28,19 @@ SHAPES = [(5, 256), (19, 256)] + ([] if interpreting() else [(33, 4096), (17, 71
 DEFAULT = MhcLaunch()
 
 
-DESIGNS = {"one-kernel": MhcLaunch(split_k=False), "split-K": MhcLaunch(split_k=True), "one-pass": MhcLaunch(one_pass=True)}
+# chunked: chunks of 16 tokens in the interpreter (T = 19: two chunks, the second partial), 256 on a GPU (T = 300:
+# two; T = 3000: twelve), so that every test of the fixture crosses chunk boundaries
+DESIGNS = {"one-kernel": MhcLaunch(split_k=False), "split-K": MhcLaunch(split_k=True), "one-pass": MhcLaunch(one_pass=True),
+           "chunked": MhcLaunch(chunked=True, chunk_tokens=16 if interpreting() else 256)}
 
 
-@pytest.fixture(params=["one-kernel", "split-K"] + ([] if interpreting() else ["one-pass"]))
+@pytest.fixture(params=["one-kernel", "split-K", "chunked"] + ([] if interpreting() else ["one-pass"]))
 def launch(request):
     """The Triton designs of pre / fused / head: the one kernel ``hc_kernel``, the split-K pair
-    (``hc_partial_kernel`` + ``hc_finish_kernel``), selected with ``MhcLaunch(split_k=...)``, and, compiled
-    only (at the real hidden sizes), the one-pass kernel ``MhcLaunch(one_pass=True)``; the interpreter runs
-    the one-pass kernel in the ``test_one_pass_*`` tests below, at sizes that keep CI short."""
+    (``hc_partial_kernel`` + ``hc_finish_kernel``), selected with ``MhcLaunch(split_k=...)``, the chunked pair
+    (``hc_chunk_partial_kernel`` + ``hc_chunk_finish_kernel`` per chunk of tokens, ``MhcLaunch(chunked=True)``)
+    and, compiled only (at the real hidden sizes), the one-pass kernel ``MhcLaunch(one_pass=True)``; the
+    interpreter runs the one-pass kernel in the ``test_one_pass_*`` tests below, at sizes that keep CI short."""
     return DESIGNS[request.param]
 
 
@@ -398,7 +402,8 @@ def test_public_post_4cycle(backend):
     assert not compare(wrong, want, "bf16_out").passed
 
 
-@pytest.mark.parametrize("backend,design", [("reference", None), ("triton", None), ("triton", "one-pass")])
+@pytest.mark.parametrize("backend,design", [("reference", None), ("triton", None), ("triton", "one-pass"),
+                                            ("triton", "chunked")])
 def test_public_fused_post_pre_4cycle(backend, design):
     """issue 12 (8): the PUBLIC ``mhc.fused_post_pre`` on the 4-cycle: its new residual is post's (stream j−1
     into j), and its pre part is the fp64 pre of exactly those streams."""
@@ -559,6 +564,95 @@ def test_one_pass_matches_fp64_and_fused_equals_post_then_pre(variant):
                  "bf16_out")
 
 
+# ====================================================================================================
+# The chunked design (MhcLaunch(chunked=True); kernels.py "Design 4"), interpreter-sized
+# ====================================================================================================
+
+
+# interpreter-sized tiles: chunks of 16 tokens, slices of one 32-wide BLOCK_K chunk, finish parts of 32 dims
+CHUNK_SMALL = dict(chunk_tokens=16, chunk_block_t=16, chunk_block_k=32, chunk_fused_block_t=16, chunk_fused_block_k=32,
+                   chunk_slice_h=32, chunk_finish_block_t=16, chunk_finish_h=32, chunk_finish_block_h=32,
+                   chunk_maxnreg=None, chunk_fused_maxnreg=None)
+
+
+@pytest.mark.parametrize("sum_unroll,fused_post", [(1, False), (4, False), (4, True)])
+def test_chunked_matches_fp64_and_fused_equals_post_then_pre(sum_unroll, fused_post):
+    """T = 40 in chunks of 16 (three chunks, the last one partial) × Hd = 88 in three slices of one 32-wide
+    chunk (the last partial) and three finish parts (part 0 alone stores post / comb; the others sum only the
+    pre columns): pre and head match the fp64 oracle; fused == post then a pre of the same arithmetic
+    (``pre_like_fused``), bit for bit on bf16, 1e-6 on fp32. ``sum_unroll`` 1 and 4 (the finish kernel's
+    rounds; 3 slices: a partial round) give the same bits. ``fused_post``: the fused op runs ``post_kernel`` per
+    chunk, then pre's kernels on the new streams. (PDL is compiled only: the GPU tests and the sweep.)"""
+    T, Hd = 40, 88
+    L = MhcLaunch(chunked=True, chunk_sum_unroll=sum_unroll, chunk_fused_post=fused_post, **CHUNK_SMALL)
+    assert L.chunk_plan(T, Hd) == (16, 3, 3, 1, 32) and L.chunk_finish_plan(16, Hd) == (3, 32)
+    res, x, fn, scale, base = case(T, Hd, seed=33)
+    p, c, li = mhc.pre(res, fn, scale, base, launch=L)
+    p64, c64, x64 = oracle_pre(res, fn, scale, base)
+    assert_close(p, p64, "mhc", "post")
+    assert_close(c, c64, "mhc", "comb")
+    assert_close(li, x64, "bf16_out", "layer_input")
+    if sum_unroll == 4 and not fused_post:  # the sum's rounds change no bit
+        p1, c1, li1 = mhc.pre(res, fn, scale, base, launch=MhcLaunch(chunked=True, chunk_sum_unroll=1, **CHUNK_SMALL))
+        assert_close(p1, p, "exact")
+        assert_close(c1, c, "exact")
+        assert_close(li1, li, "exact")
+    new, p2, c2, li2 = mhc.fused_post_pre(x, res, p, c, fn, scale, base, launch=L)
+    new_sep = mhc.post(x, res, p, c)
+    p3, c3, li3 = mhc.pre(new_sep, fn, scale, base, launch=L.pre_like_fused())
+    assert_close(new, new_sep, "exact")
+    assert_close(li2, li3, "exact")
+    assert_close(p2, p3, "fp32_reduction")
+    assert_close(c2, c3, "fp32_reduction")
+    hfn, hscale, hbase = mhc.example_params(Hd, seed=34, head=True)
+    assert_close(mhc.head(res, hfn, hscale, hbase, launch=L), reference.head(res, hfn, hscale, hbase, dtype=torch.float64),
+                 "bf16_out")
+
+
+@GPU_ONLY
+@pytest.mark.parametrize("variant", list(CHUNKED_VARIANTS))
+def test_chunked_variants_gpu(variant):
+    """Every chunked candidate of the sweep (PDL among them) at T = 3000 (chunks of 512 / 1024 / 2048, the last
+    one partial), Hd = 4096: pre and head against the fp64 oracle, fused == post then pre bit for bit."""
+    T, Hd = 3000, 4096
+    L = chunked_variant(variant)
+    res, x, fn, scale, base = case(T, Hd, seed=35)
+    p, c, li = triton_pre(res, fn, scale, base, launch=L)
+    p64, c64, x64 = oracle_pre(res, fn, scale, base)
+    assert_close(p, p64, "mhc", "post")
+    assert_close(c, c64, "mhc", "comb")
+    assert_close(li, x64, "bf16_out", "layer_input")
+    new, p2, c2, li2 = triton_fused(x, res, p, c, fn, scale, base, L)
+    new_sep = triton_post(x, res, p, c)
+    p3, c3, li3 = triton_pre(new_sep, fn, scale, base, launch=L.pre_like_fused())
+    assert_close(new, new_sep, "exact")
+    assert_close(li2, li3, "exact")
+    assert_close(p2, p3, "fp32_reduction")
+    assert_close(c2, c3, "fp32_reduction")
+    hfn, hscale, hbase = mhc.example_params(Hd, seed=36, head=True)
+    assert_close(triton_head(res, hfn, hscale, hbase, L), reference.head(res, hfn, hscale, hbase, dtype=torch.float64),
+                 "bf16_out")
+
+
+@pytest.mark.parametrize("T,Hd,C,bt,bk,slice_h", [(1, 4096, 1024, 128, 16, 256), (4096, 4096, 1024, 128, 16, 256),
+                                                  (4096, 4096, 512, 64, 16, 256), (3000, 7168, 1024, 128, 16, 256),
+                                                  (7, 100, 16, 16, 16, 32), (40, 88, 16, 16, 32, 32),
+                                                  (300, 4096, 256, 128, 32, 128)])
+def test_chunk_plan_covers_every_token_and_chunk_once(T, Hd, C, bt, bk, slice_h):
+    """The chunks cover [0, T) once (C a multiple of the tile; a short call: one chunk); every BLOCK_K chunk
+    belongs to exactly one slice, none empty; the finish parts cover [0, Hd) once, none empty."""
+    L = MhcLaunch(chunked=True, chunk_tokens=C, chunk_block_t=bt, chunk_fused_block_t=bt, chunk_block_k=bk,
+                  chunk_fused_block_k=bk, chunk_slice_h=slice_h, chunk_finish_h=max(32, slice_h),
+                  chunk_finish_block_h=32)
+    c, n_chunks, n, cps, got_bk = L.chunk_plan(T, Hd)
+    assert got_bk == bk and c % bt == 0 and c <= C and (n_chunks - 1) * c < T <= n_chunks * c
+    chunks = -(-Hd // bk)
+    assert 1 <= n <= min(chunks, max(-(-chunks // (slice_h // bk)), L.chunk_max_slices)) and cps >= 1
+    assert (n - 1) * cps < chunks <= n * cps
+    parts, h = L.chunk_finish_plan(c, Hd)
+    assert h % 32 == 0 and (parts - 1) * h < Hd <= parts * h
+
+
 @pytest.mark.parametrize("T,Hd,bt,bk,slice_h,slices", [(1, 4096, 128, 32, 128, None), (4096, 4096, 128, 32, 128, None),
                                                        (4096, 4096, 128, 16, 128, None), (19, 320, 16, 128, 128, None),
                                                        (3000, 7168, 64, 32, 256, None), (7, 100, 16, 16, 32, 1000),
@@ -579,9 +673,18 @@ def test_launch_is_explicit():
     int[] (their schema), and tiles a kernel cannot take are refused up front."""
     for L in (MhcLaunch(), MhcLaunch(split_k=False, block_t=32, splits=3), MhcLaunch(split_k=True, target_programs=7),
               MhcLaunch(one_pass=True, one_pass_slices=3, one_pass_lag=2),
-              *(one_pass_variant(n) for n in ONE_PASS_VARIANTS)):
+              *(one_pass_variant(n) for n in ONE_PASS_VARIANTS), *(chunked_variant(n) for n in CHUNKED_VARIANTS)):
         assert MhcLaunch.decode(L.encode()) == L
     assert MhcLaunch(one_pass=True).design(fused=True) == "one_pass"
+    # chunked wins over one_pass (the GPU default); an explicit split_k still picks one of the first two designs
+    assert MhcLaunch(chunked=True, one_pass=True).design(fused=False) == "chunked"
+    assert MhcLaunch(chunked=True, split_k=True).design(fused=True) == "split_k"
+    assert MhcLaunch(chunked=True).pre_like_fused().design(fused=False) == "chunked"
+    assert not MhcLaunch().chunked  # the default is unchanged until a GPU run measures the chunked design
+    with pytest.raises(ValueError, match="launch.chunk_tokens: expected a multiple of the chunked token tiles"):
+        MhcLaunch(chunk_tokens=100, chunk_block_t=16, chunk_fused_block_t=16, chunk_finish_block_t=16)
+    with pytest.raises(TypeError, match="launch.chunk_pdl: expected a bool"):
+        MhcLaunch(chunk_pdl=1)
     # the default: split-K for pre until one_pass (one line in MhcLaunch) is made the default after its H200 run
     assert MhcLaunch().design(fused=False) == ("one_pass" if MhcLaunch().one_pass else "split_k")
     # an explicit split_k picks one of the first two designs whatever one_pass says (so the tests' and the bench's

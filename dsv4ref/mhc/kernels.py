@@ -1,4 +1,4 @@
-"""mHC Triton kernels: Sinkhorn, post, and pre / fused post+pre / head in two designs.
+"""mHC Triton kernels: Sinkhorn, post, and pre / fused post+pre / head in four designs.
 
 The math these kernels implement is ``reference.py`` (and docs/mhc.md); how they are launched, and which
 design serves which op by default, is ``launch.py``.
@@ -24,8 +24,8 @@ into its accumulator with truncation aligned to the largest addend, so feeding i
 an ulp of the whole sum per MMA (measured on the H200 at K = 16 384: 2.6e-5 on post, over the 1e-5
 tolerance).
 
-Three designs for pre, fused post+pre and head
-----------------------------------------------
+Four designs for pre, fused post+pre and head
+---------------------------------------------
 * One kernel (``hc_kernel``): a program owns BLOCK_T tokens and the whole K = 4·Hd reduction. Pass 1 streams
   the tokens' 4·Hd values once in BLOCK_K chunks (GEMM + Σ X²); the gates and 20 Sinkhorn passes run in
   registers; pass 2 re-reads the chunks, last first (likeliest still in L2), for ``x = Σ_i pre_i·Hs_i``.
@@ -38,6 +38,9 @@ Three designs for pre, fused post+pre and head
   slice) taken from an atomic ticket; each program computes one item's partial mix, the tile's last arrival
   runs the gates, and the same program then computes the layer input of the same slice of the PREVIOUS
   tile, whose streams it re-reads from L2. One wide dot per stream chunk. See "Design 3" below.
+* Chunked (``hc_chunk_partial_kernel`` + ``hc_chunk_finish_kernel``, ``MhcLaunch(chunked=True)``): split-K's
+  two kernels launched per chunk of C tokens whose streams fit in L2, so the finish kernel's re-read hits L2
+  and no program ever waits for another; the partial kernel is the one-pass kernel's phase A. "Design 4".
 Fused post+pre (every design): pass 1 computes the new streams chunk by chunk, stores them (bf16, RNE) and
 feeds the STORED bf16 values to the GEMM, exactly as a separate pre would read them, with the post's FMAs in
 one fixed order (``post_stream``): its bf16 outputs equal post-then-pre bit for bit.
@@ -196,12 +199,14 @@ def post_kernel(
     post_ptr,  # [T, 4] fp32
     comb_ptr,  # [T, 4, 4] fp32; comb[t, i, j] = weight from source i to destination j
     out_ptr,  # int16 view of the new residual [T, 4, Hd] bf16
-    T,
+    t0,  # the first token (0; the chunked design's fused op runs it per chunk of tokens)
+    T,  # one past the last token
     Hd,
     BLOCK_T: tl.constexpr,
     BLOCK_H: tl.constexpr,
+    PDL: tl.constexpr = False,  # the chunked fused op's programmatic dependent launch (kernels.py "Design 4")
 ):
-    rows = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
+    rows = t0 + tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
     h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     rm = rows < T
     mask = rm[:, None] & (h < Hd)[None, :]
@@ -211,6 +216,8 @@ def post_kernel(
     for j in tl.static_range(4):
         y = post_stream(x, post_weights(post_ptr, comb_ptr, rows, rm, j), r0, r1, r2, r3)
         tl.store(out_ptr + ro + j * Hd, bf16_rne_bits_nan(y).to(tl.int16, bitcast=True), mask=mask)
+    if PDL:  # launched early beside the previous chunk's finish: end only after it has ended
+        tl.extra.cuda.gdc_wait()
 
 
 # ====================================================================================================
@@ -883,3 +890,182 @@ def hc_one_pass_kernel(
                               w0, w1, w2, w3, BLOCK_H, FUSED, HW_ROUND)
         else:
             layer_input_range(src_ptr, out_ptr, rows, rm, h_begin, h_end, Hd, w0, w1, w2, w3, BLOCK_H, FUSED, HW_ROUND)
+
+
+# ====================================================================================================
+# Design 4: chunked (hc_chunk_partial_kernel, then hc_chunk_finish_kernel, per chunk of C tokens),
+# MhcLaunch(chunked=True)
+#
+# Why: the one-pass design keeps the streams' second read in L2 by making programs wait for each other (a
+# tile's LAST arrival sums every slice's partial and runs Sinkhorn while the next tile's programs spin on its
+# READY flag); session 4 measured it at 2–3× its byte model. Split-K needs no waiting but reads the streams
+# twice from HBM (its finish kernel starts after the WHOLE partial kernel: 134 MB, past the 50 MB L2). Both
+# problems go away if the launcher walks T in chunks of C tokens whose streams fit in L2 (C × 4 × Hd × 2 B:
+# 32 MB at C = 1024, Hd = 4096) and runs split-K's two kernels per chunk: the finish kernel then re-reads
+# streams the partial kernel read (or, fused, wrote) a few microseconds before, from L2, and the kernel
+# boundary is the only synchronisation. 2·ceil(T / C) launches.
+#
+# * hc_chunk_partial_kernel, grid (the chunk's BLOCK_T tiles × slices), slice fastest: the one-pass kernel's
+#   phase A for one work item (``partial_mix_one_pass``: one N = 128 dot per chunk of the 4 streams, each
+#   chunk's MMAs zero-started; FUSED: the post applied, the new streams stored), stored to the workspace
+#   [slices, C, 24] (head [slices, C, 4]) + [slices, C] at the token's row within the chunk. No ticket, no
+#   counter, no flag.
+# * hc_chunk_finish_kernel, grid (hidden parts × the chunk's finish tiles): every program of a token tile sums
+#   that tile's partials in slice order (``sum_partials_chunk``: the same loads in the same order in every
+#   program, so the same bits; the redundant sums replace the one-pass design's serial last arrival), runs
+#   ``gates`` — part 0 also post and Sinkhorn, and stores post / comb; the other parts load only the pre
+#   columns (4 of 24) and skip Sinkhorn — then the weighted sum over its own hidden range, re-reading the
+#   chunk's streams (FUSED: the new ones) from L2.
+#
+# Bytes at T = Hd = 4096, C = 1024 (4 chunks), 32 slices (of 128 dims) × 8 tiles of 128 tokens = 256 partial
+# programs, 64 finish tiles of 16 tokens × 8 parts of 512 dims = 512 finish programs per chunk:
+#   HBM: streams 134 MB read once, layer input 34 MB written, the fn split 3.1 MB; the workspace (3.3 MB per
+#        chunk, reused by every chunk) stays in L2;
+#   L2 (SM side), pre: streams 134 MB twice, fn split 32 tiles × 3.1 MB = 101 MB, workspace written 13 MB and
+#        read ≈ 46 MB by the finish programs (part 0 every column; the 7 others one 32-byte sector of pre
+#        columns + Σ X² per row and slice);
+#   the partial kernel of a chunk is HBM-bound (34 MB: ~9 µs at 3.6 TB/s), its finish kernel L2-bound
+#        (34 MB of streams + ~12 MB of workspace reads: ~6 µs), one after the other, plus a launch gap each.
+#
+# PDL (``MhcLaunch.chunk_pdl``, compiled only): every launch but the call's first partial is a programmatic
+# dependent launch (Hopper's griddepcontrol), so the next chunk's partial kernel streams its chunk from HBM
+# while this chunk's finish kernel re-reads from L2. The order that keeps it correct: a partial program runs its
+# K loop (it reads only the call's inputs; fused: it writes new-stream rows no earlier launch touches), then
+# lets the dependents launch and waits for the previous finish to COMPLETE before it overwrites the workspace;
+# a finish program first waits for its partial kernel to complete (the partials, the new streams), then lets
+# the next partial launch. So at most two chunks' streams are live in L2 (64 MB at C = 1024: C = 512 suits it),
+# and no wait can deadlock (a dependent launches only when every program of its primary has started). The
+# call's first partial is an ordinary launch: the kernel before it (which wrote the streams) has completed.
+# With ``chunk_fused_post`` (the fused op as post_kernel + pre's kernels per chunk) the post kernel is the
+# early one instead: it reads only inputs and writes its chunk's new streams, then waits for the previous
+# finish before it ends; the partial kernel, which reads those new streams, is an ordinary launch after it.
+# ====================================================================================================
+
+
+@triton.jit
+def chunk_rows(t0, t_end, tile, BLOCK_T: tl.constexpr):
+    """Token tile ``tile`` of the chunk [t0, t_end): (rows [BLOCK_T] int64, rm = rows < t_end, lrow = rows − t0,
+    the rows' index inside the chunk's workspace)."""
+    lrow = tile.to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
+    rows = t0 + lrow
+    return rows, rows < t_end, lrow
+
+
+@triton.jit
+def sum_partials_chunk(ws_ptr, ssq_ptr, lrow, rm, C, slices, full, HEAD: tl.constexpr, BLOCK_T: tl.constexpr,
+                       UNROLL: tl.constexpr, WS_GATE: tl.constexpr, WS_STRIDE: tl.constexpr):
+    """``sum_partials_rounds`` for the chunked finish kernel: (acc_g, acc_c [BLOCK_T, 16], ssq [BLOCK_T]), the
+    ``slices`` partials of the chunk rows ``lrow`` (workspace row ``slice·C + lrow``) added in slice order, in
+    unrolled rounds of UNROLL slices (all their loads in flight together; the sum, and its bits, do not depend
+    on UNROLL). Not ``full``: only the pre columns (0..3) are loaded (what the weighted sum needs; post and comb
+    stay zero and are not used), the same loads in the same order as a ``full`` program's, so the same pre."""
+    n16 = tl.arange(0, 16)
+    mg = rm[:, None] & (n16 < tl.where(full, WS_GATE, 4))[None, :]
+    mc = rm[:, None] & (n16 < tl.where(full, 16, 0))[None, :]
+    acc_g = tl.zeros((BLOCK_T, 16), dtype=tl.float32)
+    acc_c = tl.zeros((BLOCK_T, 16), dtype=tl.float32)
+    ssq = tl.zeros((BLOCK_T,), dtype=tl.float32)
+    for s0 in range(0, slices, UNROLL):
+        for u in tl.static_range(UNROLL):
+            sl = tl.zeros_like(lrow) + (s0 + u)  # the slice, per row (int64)
+            ok = sl < slices
+            wo = sl * C + lrow
+            at = ws_ptr + wo[:, None] * WS_STRIDE + n16[None, :]
+            acc_g += tl.load(at, mask=mg & ok[:, None], other=0.0)
+            if not HEAD:
+                acc_c += tl.load(at + WS_GATE, mask=mc & ok[:, None], other=0.0)
+            ssq += tl.load(ssq_ptr + wo, mask=rm & ok, other=0.0)
+    return acc_g, acc_c, ssq
+
+
+@triton.jit
+def hc_chunk_partial_kernel(
+    res_ptr,  # residual [T, 4, Hd] as int16 (FUSED: the streams before the post); contiguous, as are all below
+    x_ptr,  # FUSED: x [T, Hd] as int16
+    post_in_ptr,  # FUSED: [T, 4] fp32
+    comb_in_ptr,  # FUSED: [T, 4, 4] fp32, source i -> destination j
+    new_ptr,  # FUSED: the new residual [T, 4, Hd] as int16 (written)
+    fs_ptr,  # split_fn(fn): [G, 3, 4·Hd, 16] bf16
+    ws_ptr,  # [slices, C, WS_STRIDE] fp32 workspace: the chunk's partial mixes
+    ssq_ptr,  # [slices, C] fp32 workspace: the chunk's partial Σ X²
+    t0,  # the chunk's first token
+    t_end,  # one past its last token (<= T)
+    Hd,
+    C,  # workspace rows per slice (tokens per chunk)
+    slices,  # hidden slices (the grid is the chunk's token tiles × slices)
+    chunks_per_slice,  # BLOCK_K chunks per slice
+    HEAD: tl.constexpr,
+    FUSED: tl.constexpr,
+    BLOCK_T: tl.constexpr,  # >= 16 (the M side of tl.dot)
+    BLOCK_K: tl.constexpr,  # >= 16 (the K side of tl.dot)
+    ONE_DOT: tl.constexpr,  # partial_mix_one_pass: 0 four dots per chunk, 1 one (tiles joined), 2 one (one load)
+    WS_GATE: tl.constexpr,  # gate columns kept per workspace row (pre 8, head 4)
+    WS_STRIDE: tl.constexpr,  # workspace row length (pre 24, head 4)
+    HW_ROUND: tl.constexpr,  # compiled only: the new streams rounded by the hardware conversion (bf16_bits)
+    PDL: tl.constexpr,  # compiled only: programmatic dependent launch (see the section comment)
+    DOT_FP32: tl.constexpr,
+):
+    tl.static_assert(BLOCK_K >= 16)
+    tl.static_assert(BLOCK_T >= 16)
+    NG: tl.constexpr = 16 if HEAD else 32
+    pid = tl.program_id(0)
+    s = pid % slices
+    rows, rm, lrow = chunk_rows(t0, t_end, pid // slices, BLOCK_T)
+    if FUSED:
+        W = (post_weights(post_in_ptr, comb_in_ptr, rows, rm, 0), post_weights(post_in_ptr, comb_in_ptr, rows, rm, 1),
+             post_weights(post_in_ptr, comb_in_ptr, rows, rm, 2), post_weights(post_in_ptr, comb_in_ptr, rows, rm, 3))
+    else:
+        W = 0  # unused
+    h_begin = s * chunks_per_slice * BLOCK_K
+    h_end = tl.minimum(h_begin + chunks_per_slice * BLOCK_K, Hd)
+    acc, ssq = partial_mix_one_pass(res_ptr, x_ptr, new_ptr, fs_ptr, W, rows, rm, h_begin, h_end, Hd, DOT_FP32,
+                                    FUSED, NG, BLOCK_T, BLOCK_K, ONE_DOT, False, HW_ROUND)
+    if PDL:  # the next launch (this chunk's finish) may start; the workspace is free once the previous finish ended
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
+    store_partial_packed(ws_ptr, ssq_ptr, s.to(tl.int64) * C + lrow, rm, acc, ssq, NG, WS_GATE, WS_STRIDE)
+
+
+@triton.jit
+def hc_chunk_finish_kernel(
+    src_ptr,  # int16 view of the streams x is summed from [T, 4, Hd] bf16 (FUSED: the new streams)
+    ws_ptr,  # [slices, C, WS_STRIDE] fp32: the chunk's partial mixes (hc_chunk_partial_kernel)
+    ssq_ptr,  # [slices, C] fp32: the chunk's partial Σ X²
+    scale_ptr,  # [3] fp32 ([1] head)
+    base_ptr,  # [24] fp32 ([4] head)
+    post_ptr,  # [T, 4] fp32 out (not HEAD)
+    comb_ptr,  # [T, 4, 4] fp32 out (not HEAD)
+    out_ptr,  # int16 view of the layer input (head: the output) [T, Hd] bf16
+    t0,
+    t_end,
+    Hd,
+    C,
+    slices,
+    h_per_part,  # hidden dims per program along grid axis 0 (a multiple of BLOCK_H)
+    rms_eps,
+    hc_eps,
+    post_mult,
+    iters,
+    BLOCK_T: tl.constexpr,  # tokens per program
+    HEAD: tl.constexpr,
+    BLOCK_H: tl.constexpr,  # hidden dims per chunk of the weighted sum
+    SUM_UNROLL: tl.constexpr,
+    WS_GATE: tl.constexpr,
+    WS_STRIDE: tl.constexpr,
+    HW_ROUND: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    if PDL:  # the partials (and, fused, the new streams) complete and visible; then the next chunk's partial may start
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+    part = tl.program_id(0)
+    rows, rm, lrow = chunk_rows(t0, t_end, tl.program_id(1), BLOCK_T)
+    full = part == 0  # part 0 alone stores post and comb, so it alone needs their columns and Sinkhorn
+    acc_g, acc_c, ssq = sum_partials_chunk(ws_ptr, ssq_ptr, lrow, rm, C, slices, full, HEAD, BLOCK_T, SUM_UNROLL,
+                                           WS_GATE, WS_STRIDE)
+    T = t_end  # gates masks its comb stores with rows < T: rows past the chunk are masked out by rm already
+    w0, w1, w2, w3 = gates(acc_g, acc_c, ssq, 4 * Hd, rows, rm, scale_ptr, base_ptr, post_ptr, comb_ptr, T, rms_eps,
+                           hc_eps, post_mult, iters, full, HEAD, BLOCK_T)
+    h_begin = part * h_per_part
+    layer_input_range(src_ptr, out_ptr, rows, rm, h_begin, tl.minimum(h_begin + h_per_part, Hd), Hd, w0, w1, w2, w3,
+                      BLOCK_H, False, HW_ROUND)

@@ -31,6 +31,11 @@ of every op and of the decode step on a GPU, with the ``one_pass_*`` field defau
 slices of 256). Its launcher zeroes a small int32
 sync buffer (ticket, per-tile arrival counters and ready flags) and allocates a workspace of partial mixes
 per call.
+
+``MhcLaunch(chunked=True)`` selects the fourth design (kernels.py "Design 4": per chunk of ``chunk_tokens``
+tokens a partial and a finish kernel, no waiting between programs, the re-read from L2); ``CHUNKED_VARIANTS``
+lists its candidates, which ``benchmarks/mhc_sweep.py chunked`` checks and times beside today's default. Not
+the default until that run measures it.
 """
 
 from __future__ import annotations
@@ -109,34 +114,79 @@ class MhcLaunch:
     one_pass_pack_ws: bool = True  # workspace rows of the live columns only (pre 24, head 4) instead of 32
     one_pass_prefetch: bool = False  # pre / head: phase B's first stream chunk loaded before the READY wait
     one_pass_hw_round: bool = True  # compiled: bf16 outputs rounded by the hardware conversion (same bits)
+    # chunked (hc_chunk_partial_kernel + hc_chunk_finish_kernel, launched once per chunk of chunk_tokens tokens;
+    # kernels.py "Design 4"): the finish kernel re-reads the chunk's streams right after the partial kernel read
+    # them, so from L2, with no waiting between programs. Takes precedence over one_pass; an explicit split_k
+    # overrides it. Not the default until a GPU run measures it (benchmarks/mhc.md, "Chunked")
+    chunked: bool = False
+    chunk_tokens: int = 64 if interpreting() else 1024  # C: a chunk's streams, C × 4 × Hd × 2 B, must fit in L2
+    #                                                     (32 MB of the H200's 50 MB at Hd = 4096)
+    # partial kernel (pre and head): the one-pass kernel's phase A, tile for tile
+    chunk_block_t: int = 16 if interpreting() else 128
+    chunk_block_k: int = 64 if interpreting() else 16
+    chunk_warps: int = 8
+    chunk_stages: int = 3
+    chunk_maxnreg: int | None = 128  # 2 programs per SM at 8 warps
+    # partial kernel, fused post+pre (x, 4 streams and 4 new ones live per chunk)
+    chunk_fused_block_t: int = 16 if interpreting() else 128
+    chunk_fused_block_k: int = 64 if interpreting() else 16
+    chunk_fused_warps: int = 8
+    chunk_fused_stages: int = 4
+    chunk_fused_maxnreg: int | None = None
+    chunk_one_dot: int = 2  # as one_pass_one_dot (fused: at most 1)
+    chunk_slice_h: int = 128 if interpreting() else 256  # hidden dims per partial program (fewer: more programs)
+    chunk_target_programs: int = 4 if interpreting() else 256  # thinner slices while a chunk has fewer programs
+    chunk_max_slices: int = 32  # ... but no more slices than this (the finish sums every slice's partial)
+    # finish kernel: tokens per program, hidden dims per program, per weighted-sum chunk, warps, sum rounds
+    chunk_finish_block_t: int = 16
+    chunk_finish_h: int = 128 if interpreting() else 512  # 8 parts × 64 tiles: 512 programs, ~4 per SM
+    chunk_finish_block_h: int = 64 if interpreting() else 128
+    chunk_finish_warps: int = 4
+    chunk_sum_unroll: int = 8  # slices' partials in flight per round of the finish kernel's sum (32 slices: 4 rounds)
+    chunk_pdl: bool = False  # compiled: programmatic dependent launch, the next chunk's partial overlaps this finish
+    chunk_fused_post: bool = False  # fused post+pre: post_kernel per chunk, then pre's kernels on the new streams
+    #                                 (from L2): 3 launches per chunk instead of a post inside the partial kernel
 
     def __post_init__(self):
         for name in ("block_t", "block_k", "split_block_t", "split_block_k", "finish_block_t", "finish_block_h",
                      "post_block_t", "post_block_h", "sinkhorn_block", "one_pass_block_t", "one_pass_block_k",
                      "one_pass_fused_block_t", "one_pass_fused_block_k", "one_pass_block_h", "one_pass_slice_h",
-                     "one_pass_sum_unroll"):
+                     "one_pass_sum_unroll", "chunk_block_t", "chunk_block_k", "chunk_fused_block_t",
+                     "chunk_fused_block_k", "chunk_slice_h", "chunk_finish_block_t", "chunk_finish_h",
+                     "chunk_finish_block_h", "chunk_sum_unroll"):
             validate.power_of_two(getattr(self, name), f"launch.{name}")
         for name in ("block_t", "block_k", "split_block_t", "split_block_k", "finish_block_t", "one_pass_block_t",
-                     "one_pass_block_k", "one_pass_fused_block_t", "one_pass_fused_block_k"):
+                     "one_pass_block_k", "one_pass_fused_block_t", "one_pass_fused_block_k", "chunk_block_t", "chunk_block_k",
+                     "chunk_fused_block_t", "chunk_fused_block_k", "chunk_finish_block_t"):
             if getattr(self, name) < 16:  # the sides of a tensor-core dot; finish: the [16]-wide gate tiles
                 raise ValueError(f"launch.{name}: expected >= 16, got {getattr(self, name)}")
         for name in ("num_warps", "num_stages", "split_warps", "split_stages", "finish_warps", "target_programs",
                      "one_pass_max_slices", "one_pass_lag", "one_pass_warps", "one_pass_stages", "one_pass_fused_warps",
-                     "one_pass_fused_stages"):
+                     "one_pass_fused_stages", "chunk_tokens", "chunk_warps", "chunk_stages", "chunk_fused_warps",
+                     "chunk_fused_stages", "chunk_target_programs", "chunk_max_slices", "chunk_finish_warps"):
             validate.integer(getattr(self, name), f"launch.{name}", lo=1)
         for name in ("splits", "one_pass_slices"):
             if getattr(self, name) is not None:
                 validate.integer(getattr(self, name), f"launch.{name}", lo=1)
-        for name in ("one_pass_maxnreg", "one_pass_fused_maxnreg"):  # ptxas takes 24..255 registers per thread
+        for name in ("one_pass_maxnreg", "one_pass_fused_maxnreg", "chunk_maxnreg", "chunk_fused_maxnreg"):  # ptxas takes 24..255 registers per thread
             if getattr(self, name) is not None:
                 validate.integer(getattr(self, name), f"launch.{name}", lo=24, hi=255)
         validate.integer(self.one_pass_one_dot, "launch.one_pass_one_dot", lo=0, hi=2)
+        validate.integer(self.chunk_one_dot, "launch.chunk_one_dot", lo=0, hi=2)
         for name in ("split_k",) + _BOOLS:
             v = getattr(self, name)
             if not (isinstance(v, bool) or (v is None and name == "split_k")):
                 raise TypeError(f"launch.{name}: expected a bool{' or None' if name == 'split_k' else ''}, got {v!r}")
         if self.one_pass_slice_h < max(self.one_pass_block_k, self.one_pass_fused_block_k):
             raise ValueError(f"launch.one_pass_slice_h: expected >= the one-pass BLOCK_K tiles, got {self.one_pass_slice_h}")
+        if self.chunk_slice_h < max(self.chunk_block_k, self.chunk_fused_block_k):
+            raise ValueError(f"launch.chunk_slice_h: expected >= the chunked BLOCK_K tiles, got {self.chunk_slice_h}")
+        if self.chunk_finish_h < self.chunk_finish_block_h:
+            raise ValueError(f"launch.chunk_finish_h: expected >= chunk_finish_block_h, got {self.chunk_finish_h}")
+        tile = max(self.chunk_block_t, self.chunk_fused_block_t, self.chunk_finish_block_t)  # powers of two
+        if self.chunk_tokens % tile:
+            raise ValueError(f"launch.chunk_tokens: expected a multiple of the chunked token tiles ({tile}), "
+                             f"got {self.chunk_tokens}")
 
     def uses_split_k(self, fused: bool) -> bool:
         """Split-K or not, between the first two designs: ``split_k`` if set, else the measured default (one
@@ -144,9 +194,12 @@ class MhcLaunch:
         return (not fused) if self.split_k is None else self.split_k
 
     def design(self, fused: bool) -> str:
-        """"one_pass", "split_k" or "one_kernel": the kernels an op runs with this launch. An explicit
+        """"chunked", "one_pass", "split_k" or "one_kernel": the kernels an op runs with this launch. An explicit
         ``split_k`` picks one of the first two (so ``MhcLaunch(split_k=...)`` means the same whatever the
-        ``one_pass`` default is); otherwise ``one_pass``, otherwise the measured default per op."""
+        ``one_pass`` default is); otherwise ``chunked``, otherwise ``one_pass``, otherwise the measured default
+        per op."""
+        if self.split_k is None and self.chunked:
+            return "chunked"
         if self.split_k is None and self.one_pass:
             return "one_pass"
         return "split_k" if self.uses_split_k(fused) else "one_kernel"
@@ -154,6 +207,13 @@ class MhcLaunch:
     def pre_like_fused(self) -> "MhcLaunch":
         """The launch under which :func:`~dsv4ref.mhc.pre` runs the arithmetic :func:`~dsv4ref.mhc.fused_post_pre`
         runs under this one (same design, same chunks), so that fused == post then pre bit for bit."""
+        if self.design(fused=True) == "chunked" and self.chunk_fused_post:  # fused IS post then this pre
+            return self
+        if self.design(fused=True) == "chunked":  # the fused partial tiles (and the slices they give)
+            return dataclasses.replace(self, chunk_block_t=self.chunk_fused_block_t,
+                                       chunk_block_k=self.chunk_fused_block_k, chunk_warps=self.chunk_fused_warps,
+                                       chunk_stages=self.chunk_fused_stages, chunk_maxnreg=self.chunk_fused_maxnreg,
+                                       chunk_one_dot=min(self.chunk_one_dot, 1))
         if self.design(fused=True) == "one_pass":  # the fused tiles (every tl.sum's order depends on them)
             return dataclasses.replace(self, one_pass_block_t=self.one_pass_fused_block_t,
                                        one_pass_block_k=self.one_pass_fused_block_k,
@@ -185,6 +245,39 @@ class MhcLaunch:
         cps = triton.cdiv(chunks, min(chunks, want))
         return tiles, triton.cdiv(chunks, cps), cps, bk
 
+    def chunk_tile(self, fused: bool) -> tuple[int, int, int, int, int | None]:
+        """(BLOCK_T, BLOCK_K, warps, stages, maxnreg) of the chunked design's partial kernel for pre / head or
+        (``fused``) the fused op."""
+        if fused:
+            return (self.chunk_fused_block_t, self.chunk_fused_block_k, self.chunk_fused_warps, self.chunk_fused_stages,
+                    self.chunk_fused_maxnreg)
+        return self.chunk_block_t, self.chunk_block_k, self.chunk_warps, self.chunk_stages, self.chunk_maxnreg
+
+    def chunk_plan(self, T: int, Hd: int, fused: bool = False) -> tuple[int, int, int, int, int]:
+        """(tokens per chunk C, chunks, hidden slices, BLOCK_K chunks per slice, BLOCK_K) of the chunked design's
+        partial kernel: ``chunk_tokens`` per chunk (a call of fewer tokens: one chunk of T, rounded up to the
+        tile); slices of ``chunk_slice_h`` hidden dims, thinner (down to one BLOCK_K chunk, at most
+        ``chunk_max_slices``) while a chunk's tiles × slices is short of ``chunk_target_programs``; each slice
+        a whole number of BLOCK_K chunks, none empty. Whether a token is in one chunk or another changes none
+        of its arithmetic."""
+        bt, bk = self.chunk_tile(fused)[:2]
+        c = min(self.chunk_tokens, max(1, triton.cdiv(T, bt)) * bt)
+        chunks = triton.cdiv(Hd, bk)
+        want = max(triton.cdiv(chunks, self.chunk_slice_h // bk),
+                   min(self.chunk_max_slices, triton.cdiv(self.chunk_target_programs, c // bt)))
+        cps = triton.cdiv(chunks, min(chunks, want))
+        return c, triton.cdiv(T, c), triton.cdiv(chunks, cps), cps, bk
+
+    def chunk_finish_plan(self, c: int, Hd: int) -> tuple[int, int]:
+        """(hidden parts, hidden dims per part) of the chunked design's finish kernel for chunks of ``c`` tokens:
+        parts of ``chunk_finish_h`` dims, more (down to one ``chunk_finish_block_h`` each) while a chunk's
+        token tiles × parts is short of ``chunk_target_programs`` (small T)."""
+        h_chunks = triton.cdiv(Hd, self.chunk_finish_block_h)
+        tiles = triton.cdiv(c, self.chunk_finish_block_t)
+        parts = min(h_chunks, max(triton.cdiv(Hd, self.chunk_finish_h), triton.cdiv(self.chunk_target_programs, tiles)))
+        h_per_part = triton.cdiv(h_chunks, parts) * self.chunk_finish_block_h
+        return triton.cdiv(Hd, h_per_part), h_per_part
+
     def split_plan(self, T: int, Hd: int) -> tuple[int, int]:
         """(splits, BLOCK_K chunks per split) of the partial kernel: enough K splits that token tiles × splits
         reaches ``target_programs`` (or ``splits`` if set), each a whole number of chunks, none empty."""
@@ -207,7 +300,8 @@ class MhcLaunch:
         return cls(**kw)
 
 
-_BOOLS = ("one_pass", "one_pass_chain", "one_pass_pack_ws", "one_pass_prefetch", "one_pass_hw_round")
+_BOOLS = ("one_pass", "one_pass_chain", "one_pass_pack_ws", "one_pass_prefetch", "one_pass_hw_round", "chunked",
+          "chunk_pdl", "chunk_fused_post")
 
 DEFAULT = MhcLaunch()
 
@@ -246,6 +340,36 @@ ONE_PASS_VARIANTS: dict[str, dict] = {
 def one_pass_variant(name: str, **overrides) -> MhcLaunch:
     """``MhcLaunch(one_pass=True)`` with the fields of ``ONE_PASS_VARIANTS[name]``, then ``overrides``."""
     return MhcLaunch(one_pass=True, **{**ONE_PASS_VARIANTS[name], **overrides})
+
+
+# The chunked candidates (kernels.py "Design 4"): name -> MhcLaunch fields on top of MhcLaunch(chunked=True), each
+# run for pre, fused and head by benchmarks/mhc_sweep.py beside today's default, compiled for sm_90a by
+# benchmarks/mhc_compile_check.py; every name starts with "chunked", so ``mhc_sweep.py chunked`` times only them.
+_BT64 = dict(chunk_block_t=64, chunk_warps=4, chunk_maxnreg=None, chunk_fused_block_t=64, chunk_fused_warps=4,
+             chunk_fused_stages=3)
+CHUNKED_VARIANTS: dict[str, dict] = {
+    "chunked": {},  # C = 1024 (32 MB of streams per chunk), 32 slices × 8 tiles, finish 16 tokens × 512 dims
+    "chunked C512 bt64": {"chunk_tokens": 512, **_BT64},  # 16 MB per chunk; 8 tiles × 32 slices = 256 programs
+    "chunked C768": {"chunk_tokens": 768},  # 24 MB per chunk: L2 margin for the layer input and workspace
+    "chunked C2048": {"chunk_tokens": 2048},  # the control: 64 MB per chunk is past the L2
+    "chunked slice256": {"chunk_max_slices": 16},  # 16 slices of 256 dims: 128 programs, half the finish's sum
+    "chunked finish32": {"chunk_finish_block_t": 32},  # finish programs of 32 tokens × 512 dims: 256 per chunk
+    "chunked finish1024": {"chunk_finish_h": 1024},  # 16 × 1024: 256 finish programs per chunk, 2 per SM
+    "chunked finish bh256": {"chunk_finish_block_h": 256, "chunk_finish_h": 512},  # twice the finish's loads in flight per round
+    "chunked pdl": {"chunk_pdl": True},  # the next chunk's partial streams from HBM while this finish reads L2
+    "chunked C512 pdl": {"chunk_tokens": 512, "chunk_pdl": True},  # two chunks live in L2: 32 MB; 128 partial
+    #                                                                 programs, so the finish's fit beside them
+    "chunked C512 bt64 pdl": {"chunk_tokens": 512, "chunk_pdl": True, **_BT64},
+    # fused only (pre and head are "chunked"'s): post_kernel (89 % of copy alone) per chunk, then pre's kernels
+    # on the new streams from L2, instead of the instruction-bound fused K loop; 3 launches per chunk
+    "chunked fused-post": {"chunk_fused_post": True},
+    "chunked fused-post C512 bt64 pdl": {"chunk_fused_post": True, "chunk_tokens": 512, "chunk_pdl": True, **_BT64},
+}
+
+
+def chunked_variant(name: str, **overrides) -> MhcLaunch:
+    """``MhcLaunch(chunked=True)`` with the fields of ``CHUNKED_VARIANTS[name]``, then ``overrides``."""
+    return MhcLaunch(chunked=True, **{**CHUNKED_VARIANTS[name], **overrides})
 
 
 # ====================================================================================================
@@ -327,6 +451,66 @@ def one_pass_args(L: MhcLaunch, T: int, Hd: int, head: bool, fused: bool):
     return ((tiles + L.one_pass_lag) * slices,), consts, opts, sizes, (tiles, slices, cps)
 
 
+def chunk_args(L: MhcLaunch, T: int, Hd: int, head: bool, fused: bool):
+    """What the chunked design launches for a [T, 4, Hd] op (shared with benchmarks/mhc_compile_check.py and
+    benchmarks/mhc_sweep.py): (plan, partial, finish, (mix workspace, Σ X² workspace) element counts).
+    ``plan`` = (tokens per chunk C, chunks, slices, BLOCK_K chunks per slice, finish parts, hidden dims per
+    part); ``partial`` / ``finish`` = (constexprs but DOT_FP32, compile options) of
+    ``hc_chunk_partial_kernel`` / ``hc_chunk_finish_kernel``. One workspace serves every chunk: a chunk's
+    finish kernel has read it before the next chunk's partial kernel writes it (the same stream). Fused with
+    ``chunk_fused_post``: the partial kernel is pre's (it reads the new streams ``post_kernel`` wrote)."""
+    fused = fused and not L.chunk_fused_post
+    c, n_chunks, slices, cps, bk = L.chunk_plan(T, Hd, fused)
+    bt, _, warps, stages, maxnreg = L.chunk_tile(fused)
+    parts, h_per_part = L.chunk_finish_plan(c, Hd)
+    ws_gate, ws_stride = (4, 4) if head else (8, 24)  # the live columns only (one_pass_pack_ws)
+    hw = not interpreting()  # bf16 outputs rounded by the hardware conversion (the interpreter's cast truncates)
+    pdl = L.chunk_pdl and not interpreting()
+    partial = (dict(HEAD=head, FUSED=fused, BLOCK_T=bt, BLOCK_K=bk, ONE_DOT=min(L.chunk_one_dot, 1) if fused
+                    else L.chunk_one_dot, WS_GATE=ws_gate, WS_STRIDE=ws_stride, HW_ROUND=hw, PDL=pdl),
+               dict(num_warps=warps, num_stages=stages, maxnreg=maxnreg, launch_pdl=pdl))
+    finish = (dict(HEAD=head, BLOCK_T=L.chunk_finish_block_t, BLOCK_H=L.chunk_finish_block_h,
+                   SUM_UNROLL=L.chunk_sum_unroll, WS_GATE=ws_gate, WS_STRIDE=ws_stride, HW_ROUND=hw, PDL=pdl),
+              dict(num_warps=L.chunk_finish_warps, launch_pdl=pdl))
+    return (c, n_chunks, slices, cps, parts, h_per_part), partial, finish, (slices * c * ws_stride, slices * c)
+
+
+def launch_chunked(L: MhcLaunch, T: int, Hd: int, ptrs, scale, base, post, comb, out, scalars, *, head: bool,
+                   fused: bool) -> None:
+    """The chunked design (kernels.py "Design 4"): per chunk of C tokens, the partial kernel (grid: the chunk's
+    token tiles × slices) then the finish kernel (grid: hidden parts × the chunk's finish tiles): 2·ceil(T / C)
+    launches, into one workspace (one chunk's partials) allocated once per call. ``ptrs`` as ``launch_hc``
+    makes them; the finish kernel reads the new streams (fused) or the input ones. Fused with
+    ``chunk_fused_post``: per chunk ``post_kernel`` first (3·ceil(T / C) launches), then pre's two kernels on
+    the new streams it wrote, so fused == post then pre bit for bit by construction."""
+    (c, n_chunks, slices, cps, parts, h_per_part), (pc, po), (fc, fo), (n_mix, n_ssq) = chunk_args(L, T, Hd, head, fused)
+    post_first = fused and L.chunk_fused_post
+    res_in = ptrs[0]
+    if post_first:  # the partial kernel reads the new streams: pre's, with the new streams as its input
+        ptrs = (ptrs[4],) + ptrs[1:]
+    compiled = not interpreting()
+    ws = torch.empty(n_mix + n_ssq, dtype=torch.float32, device=ptrs[0].device)
+    mix_ws, ssq_ws = ws[:n_mix], ws[n_mix:]
+    po = po if compiled else {}
+    fo = fo if compiled else {}
+    src = ptrs[4] if fused else ptrs[0]
+    bt, fbt = pc["BLOCK_T"], fc["BLOCK_T"]
+    po_first = {**po, "launch_pdl": False} if po else po  # the call's first launch waits for the kernel before it
+    for k in range(n_chunks):
+        t0 = k * c
+        t_end = min(T, t0 + c)
+        if post_first:  # PDL: the post kernel overlaps the previous finish; the partial is an ordinary launch
+            kernels.post_kernel[(triton.cdiv(t_end - t0, L.post_block_t), triton.cdiv(Hd, L.post_block_h))](
+                ptrs[1], res_in, ptrs[2], ptrs[3], ptrs[4], t0, t_end, Hd, BLOCK_T=L.post_block_t,
+                BLOCK_H=L.post_block_h, PDL=pc["PDL"], **({"launch_pdl": pc["PDL"] and k > 0} if compiled else {}))
+        kernels.hc_chunk_partial_kernel[(triton.cdiv(t_end - t0, bt) * slices,)](
+            *ptrs, mix_ws, ssq_ws, t0, t_end, Hd, c, slices, cps, **pc, DOT_FP32=not compiled,
+            **(po if k and not post_first else po_first))
+        kernels.hc_chunk_finish_kernel[(parts, triton.cdiv(t_end - t0, fbt))](
+            src, mix_ws, ssq_ws, scale, base, post, comb, out, t0, t_end, Hd, c, slices, h_per_part, *scalars,
+            **fc, **fo)
+
+
 def launch_hc(res, x, post_in, comb_in, new, fs, scale, base, post, comb, out, rms_eps, hc_eps, post_mult, iters, *,
               head: bool, fused: bool, launch: MhcLaunch) -> None:
     """Run pre (``fused=False``), fused post+pre (``fused=True``: x, post_in, comb_in, new given) or the head
@@ -342,6 +526,10 @@ def launch_hc(res, x, post_in, comb_in, new, fs, scale, base, post, comb, out, r
     compiled = not interpreting()
     L = launch
     design = L.design(fused)
+    if design == "chunked":
+        launch_chunked(L, T, Hd, ptrs, scale, base, opt(post), opt(comb), out.view(torch.int16), scalars, head=head,
+                       fused=fused)
+        return
     if design == "one_pass":
         grid, consts, opts, (n_mix, n_ssq, n_sync), (tiles, slices, cps) = one_pass_args(L, T, Hd, head, fused)
         ws = torch.empty(n_mix + n_ssq + T * 4, dtype=torch.float32, device=res.device)
@@ -428,7 +616,7 @@ def mhc_post(x: torch.Tensor, residual: torch.Tensor, post: torch.Tensor, comb: 
     if T:
         grid = (triton.cdiv(T, L.post_block_t), triton.cdiv(Hd, L.post_block_h))
         kernels.post_kernel[grid](x.view(torch.int16), residual.view(torch.int16), post, comb, out.view(torch.int16),
-                                  T, Hd, BLOCK_T=L.post_block_t, BLOCK_H=L.post_block_h)
+                                  0, T, Hd, BLOCK_T=L.post_block_t, BLOCK_H=L.post_block_h)
 
 
 @mhc_post.register_fake

@@ -7,7 +7,7 @@ import torch
 from ...device import DEVICE, interpreting
 from ...mhc import example_params, example_streams, fused_post_pre, head, post, pre, reference, sinkhorn
 from ...mhc import reference as mhc_reference
-from ...mhc.launch import MhcLaunch, one_pass_variant, split_fn
+from ...mhc.launch import MhcLaunch, chunked_variant, one_pass_variant, split_fn
 from ...mhc.reference import HC_EPS, POST_MULT, RMS_EPS, SINKHORN_ITERS
 from ...testing import compare, generator, randn
 from ..harness import BenchCase, CheckRow, bench, check
@@ -39,13 +39,16 @@ def _check() -> list[CheckRow]:
         hfn, hscale, hbase = example_params(Hd, seed=T + 3, head=True)
         h64 = reference.head(res, hfn, hscale, hbase, dtype=torch.float64)
         rows.append(CheckRow("mhc.head", s, compare(head(res, hfn, hscale, hbase), h64, "bf16_out")))
-    # the one-pass design (MhcLaunch(one_pass=True), the GPU default): the same checks at real sizes
-    one = MhcLaunch(one_pass=True)
-    for T, Hd in [(5, 256)] if interpreting() else [(33, 4096), (300, 4096), (17, 7168)]:
+    # the one-pass design (MhcLaunch(one_pass=True), the GPU default) and the chunked one (chunks of 128 tokens
+    # here, so that T = 300 crosses two chunk boundaries): the same checks at real sizes
+    designs = [("one-pass", MhcLaunch(one_pass=True)),
+               ("chunked", MhcLaunch(chunked=True, chunk_tokens=16 if interpreting() else 128))]
+    for (T, Hd), (label, one) in [(th, d) for d in designs
+                                  for th in ([(5, 256)] if interpreting() else [(33, 4096), (300, 4096), (17, 7168)])]:
         res = example_streams(T, Hd, seed=T)
         x = randn((T, Hd), seed=T + 1, octaves=8)
         fn, scale, base = example_params(Hd, seed=T + 2)
-        s = f"T={T} Hd={Hd} one-pass"
+        s = f"T={T} Hd={Hd} {label}"
         p64, c64, x64 = reference.pre(res, fn, scale, base, dtype=torch.float64)
         p, c, li = pre(res, fn, scale, base, launch=one)
         rows += [CheckRow("mhc.pre post", s, compare(p, p64, "mhc")), CheckRow("mhc.pre comb", s, compare(c, c64, "mhc")),
@@ -183,4 +186,20 @@ def _bench() -> list[BenchCase]:
                                        "as the op above; one launch, the second read of the streams from L2"))
             except Exception as e:  # reported, not fatal: the other rows still run
                 print(f"{name} one-pass {shape}: skipped ({type(e).__name__}: {str(e)[:120]})")
+    # chunked (kernels.py "Design 4"; benchmarks/mhc_sweep.py times every candidate of CHUNKED_VARIANTS): the
+    # field defaults and the best guess with programmatic dependent launch; same compulsory bytes
+    for variant in ("chunked", "chunked C512 bt64 pdl"):
+        for op in ("pre", "fused", "head"):
+            name, runner, b, f = runners[op]
+            L = chunked_variant(variant)
+            c, n_chunks, slices, cps, bk = L.chunk_plan(T, Hd, op == "fused")
+            shape = (f"T={T} Hd={Hd} {variant}: C={c} ({2 * n_chunks} launches) BLOCK_T={L.chunk_tile(op == 'fused')[0]} "
+                     f"BLOCK_K={bk} slice={cps * bk} finish={L.chunk_finish_block_t}x{L.chunk_finish_plan(c, Hd)[1]}")
+            enc = L.encode()
+            try:
+                runner(0, enc)
+                cases.append(BenchCase(f"{name} chunked", shape, lambda i, r=runner, e=enc: r(i, e), n_sets, b, f,
+                                       "as the op above; per chunk a partial and a finish kernel, re-read from L2"))
+            except Exception as e:  # reported, not fatal: the other rows still run
+                print(f"{name} chunked {shape}: skipped ({type(e).__name__}: {str(e)[:120]})")
     return cases
