@@ -45,7 +45,7 @@ GATHER = ("gather", m._gather_kernel if OLD else m.gather_kernel, 4,
           {"cache_ptr": "*u8", "cache16_ptr": "*i16", "slot_ptr": "*i64", "out_ptr": "*i16", "n": "i32", **SLOT,
            "page_stride": "i32", "block_size": "i32", "TOK": "constexpr", "ROPE16": "constexpr"})
 # what the launcher passes for a compiled launch of the defaults (kernels without a constexpr keep their own)
-LAUNCHED = {"NATIVE": 0, "SLOT32": 1, "PERSISTENT": 0, "LOAD_POLICY": "", "STORE_CACHE": "", "STAGES": 0}
+LAUNCHED = {"NATIVE": 0, "SLOT32": 1, "PERSISTENT": 0, "LOAD_POLICY": "", "STORE_CACHE": "", "STAGES": 0, "EARLY": 0}
 BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
 
 
@@ -77,7 +77,8 @@ for name, fn, tok, sig in (INSERT, GATHER):
     aligned = {(i,): [["tt.divisibility", 16]] for i, (k, v) in enumerate(sig.items())
                if v.startswith("*") or k in ("kv_stride", "page_stride")}
     compiled = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=const, attrs=aligned),
-                              target=GPUTarget("cuda", 90, 32), options={"num_warps": OVERRIDE.get("WARPS", 1)})
+                              target=GPUTarget("cuda", 90, 32), options={"num_warps": OVERRIDE.get("WARPS", 1),
+                                       **({"maxnreg": OVERRIDE["MAXNREG"]} if OVERRIDE.get("MAXNREG") else {})})
     ptx = compiled.asm["ptx"]
     d = tempfile.mkdtemp()
     with open(os.path.join(d, "k.ptx"), "w") as f:
