@@ -55,7 +55,7 @@ ALIGNED = ("x_ptr", "q_ptr", "sf_ptr", "ids_ptr", "w_ptr", "ids_out_ptr", "w_out
 
 def compile_variant(L, diag=""):
     const = stage_constexprs(HD, K, L.stage_block_t, L.stage_block_h, L.stage_load, L.stage_programs, L.stage_cache,
-                             L.stage_encode, diag)
+                             L.stage_encode, diag, L.stage_topk_first, L.stage_prefetch)
     const.update(stride_xh=1, stride_ik=1, stride_wk=1)
     sig = dict(SIG, **{k: "constexpr" for k in const})
     if const["ENCODE"] != "blocks":
