@@ -295,6 +295,16 @@ def main():
     print(describe(), flush=True)
     ceil = 1e9 if a.dry_run else measure_ceilings().copy_bytes_per_s
     print(f"copy ceiling (512 MiB, read + write, one eager call between events): {ceil / 1e12:.3f} TB/s", flush=True)
+    if not a.dry_run:  # for comparison only: the same 512 MiB copy timed as the kernels are (graph of 2 calls)
+        from dsv4ref.device import DEVICE, empty_cache
+
+        src = [torch.empty(1 << 29, dtype=torch.uint8, device=DEVICE) for _ in range(2)]
+        dst = [torch.empty_like(x) for x in src]
+        ms = p.time_ms(lambda i: dst[i].copy_(src[i]), 2)
+        print(f"  the same copy timed like the kernels (graph of 2 calls): {2 * (1 << 29) / (ms * 1e-3) / 1e12:.3f} TB/s"
+              " (not used below)", flush=True)
+        del src, dst
+        empty_cache()
     print("columns: bench method (graph of 4 calls) us, % of ceiling, % of same-size copy | graph of "
           f"{4 * LONG} calls us, % of ceiling. Every timed variant byte-exact (timed set with NaN/inf; insert: hard set)")
     if a.only in (None, "insert"):
