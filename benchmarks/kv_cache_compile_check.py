@@ -10,7 +10,9 @@ A checkout from before the one-folder-per-op layout (``dsv4ref/kv_cache.py``, e.
 (insert 8 tokens, gather 4 slots per program, 1 warp); pointers and the row / page strides 16-byte aligned, as
 Triton specialises them at a real launch. The kernel constexprs a checkout has (``NATIVE``, ``SLOT32``, ...) are
 set as the launcher sets them for a compiled ``allocate()`` cache and the default launch; ``NAME=VALUE`` arguments
-override them (``NATIVE=1``: the hardware casts of ``native_casts=True``; ``TOK=4``; ``WARPS=2``; ``PERSISTENT=1 STAGES=2``).
+override them (``NATIVE=1``: the hardware casts of ``native_casts=True``; ``TOK=4``; ``WARPS=2``; ``PERSISTENT=1 STAGES=2``;
+``EARLY=1``: ``early_loads``; ``MAXNREG=80``: ``max_registers``). ``--probe``: the insert variants of
+``benchmarks/mem_probe.py`` instead, one line each.
 
 ``SASS`` counts the instructions of the cubin; ``hot`` leaves out the block a uniform branch skips (the writer's
 non-finite tile path, which a finite tile never runs), so it is what a finite tile executes at most.
@@ -29,7 +31,8 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 ROOT = sys.argv[1].rstrip("/")
-OVERRIDE = {k: int(v) for k, v in (a.split("=") for a in sys.argv[2:])}
+PROBE = "--probe" in sys.argv[2:]
+OVERRIDE = {k: int(v) for k, v in (a.split("=") for a in sys.argv[2:] if a != "--probe")}
 sys.path.insert(0, ROOT)
 os.environ["DSV4REF_DEVICE"] = "cpu"
 importlib.import_module("dsv4ref.device")  # on a CPU box this sets TRITON_INTERPRET ...
@@ -45,7 +48,7 @@ GATHER = ("gather", m._gather_kernel if OLD else m.gather_kernel, 4,
           {"cache_ptr": "*u8", "cache16_ptr": "*i16", "slot_ptr": "*i64", "out_ptr": "*i16", "n": "i32", **SLOT,
            "page_stride": "i32", "block_size": "i32", "TOK": "constexpr", "ROPE16": "constexpr"})
 # what the launcher passes for a compiled launch of the defaults (kernels without a constexpr keep their own)
-LAUNCHED = {"NATIVE": 0, "SLOT32": 1, "PERSISTENT": 0, "LOAD_POLICY": "", "STORE_CACHE": "", "STAGES": 0}
+LAUNCHED = {"NATIVE": 0, "SLOT32": 1, "PERSISTENT": 0, "LOAD_POLICY": "", "STORE_CACHE": "", "STAGES": 0, "EARLY": 0}
 BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
 
 
@@ -67,17 +70,19 @@ def cold_instructions(sass_lines: list[str]) -> int:
 
 
 print(m.__file__, "triton", triton.__version__, OVERRIDE or "")
-for name, fn, tok, sig in (INSERT, GATHER):
+def report(name, fn, tok, sig, ov, label=""):
+    sig = dict(sig)
     params = inspect.signature(fn.fn).parameters
-    const = {"TOK": OVERRIDE.get("TOK", tok), "ROPE16": True, **({"slot_stride": 1} if SLOT else {})}
+    const = {"TOK": ov.get("TOK", tok), "ROPE16": True, **({"slot_stride": 1} if SLOT else {})}
     for k, v in LAUNCHED.items():
         if k in params:
             sig[k] = "constexpr"
-            const[k] = OVERRIDE.get(k, v)
+            const[k] = ov.get(k, v)
     aligned = {(i,): [["tt.divisibility", 16]] for i, (k, v) in enumerate(sig.items())
                if v.startswith("*") or k in ("kv_stride", "page_stride")}
     compiled = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=const, attrs=aligned),
-                              target=GPUTarget("cuda", 90, 32), options={"num_warps": OVERRIDE.get("WARPS", 1)})
+                              target=GPUTarget("cuda", 90, 32), options={"num_warps": ov.get("WARPS", 1),
+                                       **({"maxnreg": ov["MAXNREG"]} if ov.get("MAXNREG") else {})})
     ptx = compiled.asm["ptx"]
     d = tempfile.mkdtemp()
     with open(os.path.join(d, "k.ptx"), "w") as f:
@@ -91,7 +96,32 @@ for name, fn, tok, sig in (INSERT, GATHER):
     spills = re.search(r"(\d+) bytes spill stores", log)
     loads, stores = len(re.findall(r"\bld\.global", ptx)), len(re.findall(r"\bst\.global", ptx))
     v4 = len(re.findall(r"(?:ld|st)\.global[.\w]*\.v4\.", ptx))
-    print(f"{name} ({const['TOK']} x {OVERRIDE.get('WARPS', 1)}): {regs and regs.group(1)} registers, "
+    print(f"{label}{name} ({const['TOK']} x {ov.get('WARPS', 1)}): {regs and regs.group(1)} registers, "
           f"{spills and spills.group(1)} B spilled, {loads} ld.global / {stores} st.global ({v4} of them 16-byte), "
           f"{ptx.count(chr(10))} PTX lines, {len(ins)} SASS ({len(ins) - cold_instructions(ins)} hot), "
-          f"{compiled.metadata.shared} B shared memory")
+          f"{compiled.metadata.shared} B shared memory; SASS {widths(sass)}")
+
+
+def widths(sass: str) -> str:
+    """The global loads / stores of the SASS by width and cache hint (every instruction once, hot or cold), e.g.
+    ``LDG.128 x9``, ``STG.EF.128 x5`` (EF: evict-first, what ``.cs`` stores and ``evict_first`` loads become)."""
+    found = re.findall(r"\b(LDG|STG)\.E((?:\.EF|\.EL|\.LU|\.STRONG\.\w+)*)(?:\.(128|64|U8|S8|U16|S16))?\b", sass)
+    count = {}
+    for op, hint, w in found:
+        key = f"{op}{hint}.{w or '32'}"
+        count[key] = count.get(key, 0) + 1
+    return " ".join(f"{k} x{v}" for k, v in sorted(count.items()))
+
+
+if PROBE:  # the insert variants of benchmarks/mem_probe.py, as its launcher would specialise them
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from mem_probe import insert_variants
+
+    for label, v in insert_variants().items():
+        ov = {"TOK": v.tokens_per_program, "WARPS": v.num_warps, "NATIVE": int(v.native_casts),
+              "EARLY": int(v.early_loads), "MAXNREG": v.max_registers, "STORE_CACHE": ".cs" if v.streaming_stores else "",
+              "LOAD_POLICY": "evict_first" if v.evict_first else ""}
+        report(*INSERT, ov, label=f"{label:<24} ")
+else:
+    for name, fn, tok, sig in (INSERT, GATHER):
+        report(name, fn, tok, sig, OVERRIDE)

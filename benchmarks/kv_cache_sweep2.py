@@ -98,7 +98,7 @@ def warm_up(variants: dict, kernel, args_for) -> dict:
     the variants that do not compile (they are skipped)."""
     def one(launch):
         cache, args, n = args_for()
-        grid, flags = _grid_and_flags(cache, n, B, launch)
+        grid, flags = _grid_and_flags(cache, n, B, launch, insert=kernel is insert_kernel)
         kernel.warmup(*args, grid=(grid,), ROPE16=int16_view(cache)[1], **flags)
 
     failed = {}

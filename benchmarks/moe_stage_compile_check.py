@@ -1,6 +1,7 @@
 """Compile the MoE staging kernel's variants for sm_90a on a machine with no GPU, and count what they execute.
 
     PYTHONPATH=<triton-3.6 site-packages>:. python benchmarks/moe_stage_compile_check.py [NAME ...]
+    PYTHONPATH=<triton-3.6 site-packages>:. python benchmarks/moe_stage_compile_check.py probe:   # mem_probe's rows
 
 The variants are benchmarks/moe_sweep.py's (its module constants: the references, the DIAG rows, the snap
 grid), compiled as the launcher specialises them at T = 4096, Hd = 4096, K = 6 (constexprs from
@@ -37,6 +38,7 @@ from triton.compiler import ASTSource  # noqa: E402
 
 from dsv4ref.moe import kernels  # noqa: E402
 from dsv4ref.moe.launch import stage_constexprs  # noqa: E402
+from mem_probe import stage_variants  # noqa: E402
 from moe_sweep import DIAG_SNAP, MAXNREGS, SESSION3_BEST, SNAP_GRID, STAGE_DIAG_ROWS, stage_name  # noqa: E402
 
 from dsv4ref import moe  # noqa: E402
@@ -55,7 +57,7 @@ ALIGNED = ("x_ptr", "q_ptr", "sf_ptr", "ids_ptr", "w_ptr", "ids_out_ptr", "w_out
 
 def compile_variant(L, diag=""):
     const = stage_constexprs(HD, K, L.stage_block_t, L.stage_block_h, L.stage_load, L.stage_programs, L.stage_cache,
-                             L.stage_encode, diag)
+                             L.stage_encode, diag, L.stage_topk_first, L.stage_prefetch)
     const.update(stride_xh=1, stride_ik=1, stride_wk=1)
     sig = dict(SIG, **{k: "constexpr" for k in const})
     if const["ENCODE"] != "blocks":
@@ -112,6 +114,7 @@ def report(label, L, diag=""):
     sass, res = sass_of(ck.asm["cubin"])
     regs = re.search(r"REG:(\d+)", res).group(1)
     stack = re.search(r"STACK:(\d+)", res).group(1)
+    shared = re.search(r"SHARED:(\d+)", res).group(1)
     static = len(re.findall(r"/\*[0-9a-f]{4,}\*/\s", sass))
     path = common_path(sass)
     per_thread = L.stage_block_t * min(L.stage_block_h, HD) / (32 * L.stage_warps)
@@ -120,7 +123,16 @@ def report(label, L, diag=""):
     fma = sum(v for k, v in c.items() if k in FMA)
     print(f"{label:58s} regs {regs:>3} stack {stack:>3}  SASS {static:4d}  path {len(path) / per_thread:5.1f}/value: "
           f"ALU {alu / per_thread:4.1f} FMA {fma / per_thread:4.1f} F2FP {c['F2FP'] / per_thread:3.1f} "
-          f"SHFL {c['SHFL']:2d} BAR {c['BAR']} LDL+STL {c['LDL'] + c['STL']} per thread", flush=True)
+          f"SHFL {c['SHFL']:2d} BAR {c['BAR']} LDL+STL {c['LDL'] + c['STL']} per thread; shared "
+          f"{shared} B; {widths(sass)}", flush=True)
+
+
+def widths(sass: str) -> str:
+    """The global loads / stores of the SASS by width and cache hint (every instruction once, rare paths too);
+    EF = evict-first (``evict_first`` loads, ``.cs`` stores)."""
+    count = collections.Counter(f"{op}{hint}.{w or '32'}" for op, hint, w in re.findall(
+        r"\b(LDG|STG)\.E((?:\.EF|\.EL|\.LU)*)(?:\.(128|64|U8|S8|U16|S16))?\b", sass))
+    return " ".join(f"{k} x{v}" for k, v in sorted(count.items()))
 
 
 def main(argv):
@@ -131,6 +143,7 @@ def main(argv):
     rows += [(stage_name(L, d), L, d) for L, ds in STAGE_DIAG_ROWS for d in ds]
     rows += [(stage_name(L), L, "") for L in SNAP_GRID]
     rows += [(stage_name(L), L, "") for L in (dataclasses.replace(DIAG_SNAP, stage_maxnreg=n) for n in MAXNREGS)]
+    rows += [(f"probe: {name}", L, "") for name, L in stage_variants(132).items()]  # benchmarks/mem_probe.py, H200
     for label, L, d in rows:
         if not argv or any(a in label for a in argv):
             report(label, L, d)

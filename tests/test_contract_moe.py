@@ -39,6 +39,10 @@ VARIANTS = {  # staging launch variants: every one must write the reference's by
                                       stage_cache="stream"),
     "snap_persistent": moe.MoeLaunch(stage_block_t=1, stage_block_h=128, stage_load="tile", stage_encode="snap",
                                      stage_programs=4),
+    "snap_prefetch": moe.MoeLaunch(stage_block_t=2, stage_block_h=128, stage_load="tile", stage_encode="snap",
+                                   stage_programs=5, stage_prefetch=True, stage_cache="stream"),
+    "snap_topk_first_cs": moe.MoeLaunch(stage_block_t=2, stage_block_h=256, stage_load="tile", stage_encode="snap",
+                                        stage_topk_first=True, stage_cache="cs"),
 }
 
 

@@ -491,7 +491,10 @@ def test_tokens_per_program_launch_shapes(tok):
     kc.KVCacheLaunch(4, native_casts=True, evict_first=True, streaming_stores=True),
     kc.KVCacheLaunch(2, programs_per_sm=1),  # persistent: on the CPU one program loops over every tile
     kc.KVCacheLaunch(4, 2, programs_per_sm=1, pipeline_stages=2),
-], ids=["native+hints", "persistent", "persistent-pipelined"])
+    kc.KVCacheLaunch(4, native_casts=True, early_loads=True),
+    kc.KVCacheLaunch(2, native_casts=True, streaming_stores=True, early_loads=True, max_registers=80),
+    kc.KVCacheLaunch(8, early_loads=True, programs_per_sm=1),
+], ids=["native+hints", "persistent", "persistent-pipelined", "early", "early-2-cs-maxreg", "early-persistent"])
 def test_launch_variants_same_bytes(launch):
     """Every KVCacheLaunch field is a launch choice only: the bytes are the reference's (benchmarks/kv_cache.md,
     issue 14). Interpreted, native_casts falls back to the integer encoders; a GPU run checks the casts."""
@@ -508,6 +511,38 @@ def test_launch_variants_same_bytes(launch):
     assert_close(out, kc.gather(a, slots, block_size=B, backend="reference"), "exact")
 
 
+@pytest.mark.parametrize("launch", [
+    kc.KVCacheLaunch(4, native_casts=True, early_loads=True),
+    kc.KVCacheLaunch(2, early_loads=True, streaming_stores=True, max_registers=64),
+    kc.KVCacheLaunch(8, 2, early_loads=True),
+], ids=["4x1", "2x1-cs-maxreg", "8x2"])
+def test_early_loads_read_minus_one_rows_but_never_write_them(launch):
+    """``early_loads`` reads a tile's kv rows before its slots arrive, so it reads the rows of slot −1 too: they
+    must still write nothing (page 0 / slot 0, where a clamped −1 would land, is in the cache), and their NaN /
+    ±inf values, which send the whole tile down the non-finite path, must not change the other rows' bytes. Rows
+    past len(slots) are never read (here they are NaN too)."""
+    B, pages, T = 16, 3, 24
+    kv = kv_rows(T + 5, seed=70)
+    slots = shuffled_slots(pages, B, T, seed=71)
+    first = int((slots < 0).nonzero()[0])
+    slots[0], slots[first] = -1, slots[0].clone()  # tile 0 (every TOK) holds a −1 row
+    slots[slots == 0] = -1  # slot 0 stays unwritten: where a −1 row would land if its slot were clamped, not masked
+    minus = (slots < 0).nonzero().flatten().tolist()
+    assert len(minus) >= 3 and minus[0] == 0
+    bits = kv.view(torch.int16)
+    bits[minus[0]] = 0x7FC0  # a NaN row
+    bits[minus[1], 5] = 0x7F80  # one +inf in block 0
+    bits[minus[2], 447] = -128  # 0xFF80: -inf in block 6
+    bits[T:] = 0x7FC0  # padding rows past len(slots)
+    cache = random_cache(pages, B, seed=72)
+    before = cache.clone()
+    want, touched = expected_cache(before, kv, slots, B)
+    kc.insert(cache, kv, slots, block_size=B, launch=launch)
+    assert_close(cache, want.to(DEVICE), "exact")
+    assert torch.equal(cache[~touched.to(DEVICE)], before[~touched.to(DEVICE)])
+    assert not bool(touched[0, :576].any())  # slot 0's bytes were checked unchanged just above
+
+
 def test_launch_fields_are_checked():
     with pytest.raises(TypeError, match="native_casts: expected a bool"):
         kc.KVCacheLaunch(4, native_casts=1)
@@ -515,4 +550,8 @@ def test_launch_fields_are_checked():
         kc.KVCacheLaunch(4, programs_per_sm=-1)
     with pytest.raises(ValueError, match="pipeline_stages"):
         kc.KVCacheLaunch(4, pipeline_stages=9)
-    assert kc.KVCacheLaunch(8).op_args() == (8, 1, False, False, False, 0, 0)
+    with pytest.raises(TypeError, match="early_loads: expected a bool"):
+        kc.KVCacheLaunch(4, early_loads=1)
+    with pytest.raises(ValueError, match="max_registers"):
+        kc.KVCacheLaunch(4, max_registers=8)
+    assert kc.KVCacheLaunch(8).op_args() == (8, 1, False, False, False, 0, 0, False, 0)

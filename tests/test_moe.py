@@ -402,13 +402,43 @@ def test_stage_snap_every_finite_bf16(launch):
         check_staged(stage_with("triton", h, ids, w, launch), h, ids, w)
 
 
+@pytest.mark.parametrize("launch", [
+    moe.MoeLaunch(stage_block_t=4, stage_block_h=128, stage_load="tile", stage_encode="snap", stage_programs=5,
+                  stage_prefetch=True),  # 16 tiles over 5 programs: 4, 3, 3, 3, 3
+    moe.MoeLaunch(stage_block_t=2, stage_block_h=256, stage_load="tile", stage_encode="snap", stage_programs=64,
+                  stage_prefetch=True, stage_cache="stream", stage_stages=1),  # more programs than tiles
+    moe.MoeLaunch(stage_block_t=4, stage_block_h=128, stage_load="tile", stage_encode="snap", stage_topk_first=True,
+                  stage_cache="cs"),
+    moe.MoeLaunch(stage_block_t=8, stage_block_h=256, stage_topk_first=True),  # the "blocks" encoder, group loads
+    moe.MoeLaunch(stage_block_t=1, stage_block_h=512, stage_load="tile", stage_encode="snap", stage_topk_first=True,
+                  stage_cache="stream", stage_warps=1, stage_maxnreg=64),
+], ids=["prefetch-5", "prefetch-many", "topk-first-cs", "topk-first-blocks", "topk-first-1x512"])
+def test_stage_new_launch_fields_same_bytes(launch):
+    """stage_prefetch (a persistent grid whose programs load their next tile before encoding this one),
+    stage_topk_first (the top-k loads before the tile's) and stage_cache="cs" change when bytes move, never which:
+    staged bytes, packed words and top-k copies against the oracle, at T = 13 (a partial last token block) and
+    Hd = 512 (several column blocks, only block 0 copies the top-k), from poisoned buffers."""
+    h = randn((13, 512), seed=44, block=32, octaves=24, device="cpu")
+    h[2, 40] = -0.0
+    h = h.to(DEVICE)
+    ids = torch.randint(-1, 256, (13, 6), generator=generator(45)).to(torch.int32).to(DEVICE)
+    w = torch.rand(13, 6, generator=generator(46)).to(DEVICE)
+    check_staged(stage_with("triton", h, ids, w, launch), h, ids, w)
+
+
 def test_stage_launch_fields_are_checked():
     """stage_encode / stage_maxnreg take only what exists; the DIAG variants are not MoeLaunch values (their
     bytes are not the contract) and reach the custom op only through stage_op_args(launch, diag)."""
     for kw, msg in ((dict(stage_encode="cast"), "stage_encode"), (dict(stage_encode="snap", stage_load="groups"), "needs \"tile\""),
-                    (dict(stage_maxnreg=8), "stage_maxnreg"), (dict(stage_maxnreg=256), "stage_maxnreg")):
+                    (dict(stage_maxnreg=8), "stage_maxnreg"), (dict(stage_maxnreg=256), "stage_maxnreg"),
+                    (dict(stage_prefetch=True, stage_load="tile", stage_encode="snap"), "stage_prefetch"),
+                    (dict(stage_prefetch=True, stage_programs=4, stage_encode="blocks"), "stage_prefetch"),
+                    (dict(stage_topk_first=True, stage_programs=4), "stage_topk_first"),
+                    (dict(stage_cache="cs_all"), "stage_cache")):
         with pytest.raises(ValueError, match=msg):
             moe.MoeLaunch(**kw)
+    with pytest.raises(TypeError, match="stage_prefetch: expected a bool"):
+        moe.MoeLaunch(stage_prefetch=1)
     h = randn((2, 128), seed=41, device=DEVICE)
     ids, w = torch.zeros(2, 1, dtype=torch.int32, device=DEVICE), torch.ones(2, 1, device=DEVICE)
     bufs = stage_with("reference", h, ids, w)

@@ -119,7 +119,8 @@ def insert(
         kv: ``[T, 512]`` bf16, any strides, already RoPE'd on dims 448..511. Every row that is written must
             be finite: a NaN or ±inf raises ``ValueError("kv: non-finite ...")`` while value checks are on;
             with ``DSV4REF_CHECK_VALUES=0`` its quant block is written as scale byte 255 + e4m3 NaN bytes and
-            its RoPE dims bit for bit (so it reads back as NaN). Rows that are not written are not read.
+            its RoPE dims bit for bit (so it reads back as NaN). Rows that are not written are not read
+            (with ``launch.early_loads``, rows with slot −1 are read, never written; rows past ``len(slots)`` never).
         slots: ``[T']`` int64 or int32, any stride, ``T' ≤ T``; row i goes to slot ``slots[i]`` in
             ``[0, num_blocks · block_size)``, −1 means skip; entries >= 0 distinct. Rows ``T'..T-1`` of kv
             (padding) are ignored.

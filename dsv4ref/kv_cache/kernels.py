@@ -28,7 +28,7 @@ import triton
 import triton.language as tl
 
 from ..formats import HEAD_DIM, N_SCALES, NOPE_DIM, QUANT_BLOCK, ROPE_DIM, SCALE_BYTES, UE8M0_BIAS
-from ..tl.kv_record import kv_record
+from ..tl.kv_record import kv_nope_bits, kv_record, kv_record_loaded
 from ..tl.numerics import bf16_bits, page_offsets, page_offsets32
 
 _D = tl.constexpr(HEAD_DIM)  # 512: row width of kv and out
@@ -43,15 +43,26 @@ _ONE = tl.constexpr(UE8M0_BIAS)  # scale byte of 2^0, for masked-off lanes
 @triton.jit
 def _insert_tile(cache_ptr, cache16_ptr, kv_ptr, slot_ptr, tile, n, slot_stride, kv_stride, page_stride, block_size,
                  TOK: tl.constexpr, ROPE16: tl.constexpr, NATIVE: tl.constexpr, SLOT32: tl.constexpr,
-                 LOAD_POLICY: tl.constexpr, STORE_CACHE: tl.constexpr):
+                 LOAD_POLICY: tl.constexpr, STORE_CACHE: tl.constexpr, EARLY: tl.constexpr):
     t = tile * TOK + tl.arange(0, TOK)  # [TOK]
     slot = tl.load(slot_ptr + t.to(tl.int64) * slot_stride, mask=t < n, other=-1)  # past the end = padding
     row = kv_ptr + t.to(tl.int64) * kv_stride  # [TOK] row pointers
     j = tl.arange(0, _ROPE)[None, :]
-    rope = tl.load(row[:, None] + _NOPE + j, mask=tl.broadcast_to((slot >= 0)[:, None], (TOK, _ROPE)), other=0,
-                   eviction_policy=LOAD_POLICY)
-    kv_record(cache_ptr, cache16_ptr, row, slot, rope, block_size, page_stride, TOK, ROPE16, NATIVE, SLOT32,
-              LOAD_POLICY, STORE_CACHE)
+    if EARLY:
+        # every load of the tile at once, masked by the row count only (kv has at least n rows): none waits for
+        # the slot load, and the NoPE tile is not held behind the RoPE store. A row with slot −1 is read, never
+        # written (its values can only send the tile down the non-finite path: same bytes, slower)
+        live = t < n
+        rope = tl.load(row[:, None] + _NOPE + j, mask=tl.broadcast_to(live[:, None], (TOK, _ROPE)), other=0,
+                       eviction_policy=LOAD_POLICY)
+        nope = kv_nope_bits(row, live, TOK, LOAD_POLICY)
+        kv_record_loaded(cache_ptr, cache16_ptr, nope, slot, rope, block_size, page_stride, TOK, ROPE16, NATIVE, SLOT32,
+                         STORE_CACHE)
+    else:
+        rope = tl.load(row[:, None] + _NOPE + j, mask=tl.broadcast_to((slot >= 0)[:, None], (TOK, _ROPE)), other=0,
+                       eviction_policy=LOAD_POLICY)
+        kv_record(cache_ptr, cache16_ptr, row, slot, rope, block_size, page_stride, TOK, ROPE16, NATIVE, SLOT32,
+                  LOAD_POLICY, STORE_CACHE)
 
 
 @triton.jit
@@ -73,18 +84,19 @@ def insert_kernel(
     LOAD_POLICY: tl.constexpr = "",  # eviction policy of the kv loads ("" or "evict_first")
     STORE_CACHE: tl.constexpr = "",  # cache modifier of the cache stores ("" or ".cs")
     STAGES: tl.constexpr = 0,  # PERSISTENT: >= 2 software-pipelines the loop's loads (tl.range num_stages)
+    EARLY: tl.constexpr = False,  # load the kv rows masked by the row count only, before the slot is known
 ):
     if PERSISTENT and STAGES >= 2:
         for tile in tl.range(tl.program_id(0), tl.cdiv(n, TOK), tl.num_programs(0), num_stages=STAGES):
             _insert_tile(cache_ptr, cache16_ptr, kv_ptr, slot_ptr, tile, n, slot_stride, kv_stride, page_stride,
-                         block_size, TOK, ROPE16, NATIVE, SLOT32, LOAD_POLICY, STORE_CACHE)
+                         block_size, TOK, ROPE16, NATIVE, SLOT32, LOAD_POLICY, STORE_CACHE, EARLY)
     elif PERSISTENT:
         for tile in range(tl.program_id(0), tl.cdiv(n, TOK), tl.num_programs(0)):
             _insert_tile(cache_ptr, cache16_ptr, kv_ptr, slot_ptr, tile, n, slot_stride, kv_stride, page_stride,
-                         block_size, TOK, ROPE16, NATIVE, SLOT32, LOAD_POLICY, STORE_CACHE)
+                         block_size, TOK, ROPE16, NATIVE, SLOT32, LOAD_POLICY, STORE_CACHE, EARLY)
     else:
         _insert_tile(cache_ptr, cache16_ptr, kv_ptr, slot_ptr, tl.program_id(0), n, slot_stride, kv_stride, page_stride,
-                     block_size, TOK, ROPE16, NATIVE, SLOT32, LOAD_POLICY, STORE_CACHE)
+                     block_size, TOK, ROPE16, NATIVE, SLOT32, LOAD_POLICY, STORE_CACHE, EARLY)
 
 
 @triton.jit

@@ -40,6 +40,14 @@ class KVCacheLaunch:
         pipeline_stages: with ``programs_per_sm``, 2 or more software-pipelines that loop (Triton's ``tl.range``
             ``num_stages``: the next tiles' loads go through shared memory with ``cp.async`` while this tile is
             encoded and stored); 0 or 1: no pipelining.
+        early_loads: insert only (the gather ignores it): load a tile's kv rows masked by the row count alone, all
+            at once, before the slots arrive. The default masks them by ``slot >= 0``, so they wait for the slot
+            load, and loads the NoPE tile after the RoPE store, which waits for the RoPE load: three DRAM round trips
+            in series per program (SASS of ``benchmarks/kv_cache_compile_check.py``), against one. Rows with slot
+            −1 are then read (never written); kv has at least ``len(slots)`` rows (``insert`` checks it).
+        max_registers: 0 = the registers ptxas picks; n in [16, 255] caps them (Triton's ``maxnreg``): more
+            resident one-warp programs per SM (64 registers: the 32-program cap), so more loads in flight, against
+            spills.
     """
 
     tokens_per_program: int
@@ -49,20 +57,25 @@ class KVCacheLaunch:
     streaming_stores: bool = False
     programs_per_sm: int = 0
     pipeline_stages: int = 0
+    early_loads: bool = False
+    max_registers: int = 0
 
     def __post_init__(self):
         validate.power_of_two(self.tokens_per_program, "tokens_per_program")
         validate.power_of_two(self.num_warps, "num_warps")
-        for name in ("native_casts", "evict_first", "streaming_stores"):
+        for name in ("native_casts", "evict_first", "streaming_stores", "early_loads"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name}: expected a bool, got {type(getattr(self, name)).__name__}")
         validate.integer(self.programs_per_sm, "programs_per_sm", lo=0)
         validate.integer(self.pipeline_stages, "pipeline_stages", lo=0, hi=8)
+        validate.integer(self.max_registers, "max_registers", lo=0, hi=255)
+        if 0 < self.max_registers < 16:
+            raise ValueError(f"max_registers: expected 0 or 16..255, got {self.max_registers}")
 
     def op_args(self) -> tuple:
         """The launch as the trailing arguments of ``torch.ops.dsv4ref.kv_insert`` / ``kv_gather``."""
         return (self.tokens_per_program, self.num_warps, self.native_casts, self.evict_first, self.streaming_stores,
-                self.programs_per_sm, self.pipeline_stages)
+                self.programs_per_sm, self.pipeline_stages, self.early_loads, self.max_registers)
 
 
 # The defaults, measured on the H200 (benchmarks/kv_cache.md; B = 64, random slot order, CUDA-graph
@@ -85,8 +98,10 @@ def int16_view(cache: torch.Tensor) -> tuple[torch.Tensor, bool]:
     return cache, False
 
 
-def _grid_and_flags(cache: torch.Tensor, n: int, block_size: int, launch: KVCacheLaunch) -> tuple[int, dict]:
-    """The grid and the kernel's launch constexprs (metadata only: no device sync)."""
+def _grid_and_flags(cache: torch.Tensor, n: int, block_size: int, launch: KVCacheLaunch,
+                    insert: bool = False) -> tuple[int, dict]:
+    """The grid and the kernel's launch constexprs and options (metadata only: no device sync); ``insert``: for
+    the insert kernel (the only one with ``EARLY``)."""
     tiles = triton.cdiv(n, launch.tokens_per_program)
     grid = tiles
     if launch.programs_per_sm:
@@ -101,6 +116,10 @@ def _grid_and_flags(cache: torch.Tensor, n: int, block_size: int, launch: KVCach
         STAGES=launch.pipeline_stages if grid < tiles else 0,
         num_warps=launch.num_warps,
     )
+    if insert:
+        flags["EARLY"] = launch.early_loads
+    if launch.max_registers:
+        flags["maxnreg"] = launch.max_registers
     return grid, flags
 
 
@@ -113,7 +132,7 @@ def launch_insert(cache: torch.Tensor, kv: torch.Tensor, slots: torch.Tensor, bl
     c16, rope16 = int16_view(cache)
     n = slots.shape[0]
     if n:
-        grid, flags = _grid_and_flags(cache, n, block_size, launch)
+        grid, flags = _grid_and_flags(cache, n, block_size, launch, insert=True)
         insert_kernel[(grid,)](cache, c16, kv16, slots, n, slots.stride(0), kv16.stride(0), cache.stride(0), block_size,
                                ROPE16=rope16, **flags)
 
@@ -138,16 +157,19 @@ def kv_insert_op(cache: torch.Tensor, kv: torch.Tensor, slots: torch.Tensor, blo
                  tokens_per_program: int = _I.tokens_per_program, num_warps: int = _I.num_warps,
                  native_casts: bool = _I.native_casts, evict_first: bool = _I.evict_first,
                  streaming_stores: bool = _I.streaming_stores, programs_per_sm: int = _I.programs_per_sm,
-                 pipeline_stages: int = _I.pipeline_stages) -> None:
+                 pipeline_stages: int = _I.pipeline_stages, early_loads: bool = _I.early_loads,
+                 max_registers: int = _I.max_registers) -> None:
     """``torch.ops.dsv4ref.kv_insert``: the insert kernel on checked arguments (slots int32/int64, any stride)."""
     launch_insert(cache, kv, slots, block_size, KVCacheLaunch(tokens_per_program, num_warps, native_casts, evict_first,
-                                                              streaming_stores, programs_per_sm, pipeline_stages))
+                                                              streaming_stores, programs_per_sm, pipeline_stages,
+                                                              early_loads, max_registers))
 
 
 @kv_insert_op.register_fake
 def _(cache, kv, slots, block_size, tokens_per_program=_I.tokens_per_program, num_warps=_I.num_warps,
       native_casts=_I.native_casts, evict_first=_I.evict_first, streaming_stores=_I.streaming_stores,
-      programs_per_sm=_I.programs_per_sm, pipeline_stages=_I.pipeline_stages):
+      programs_per_sm=_I.programs_per_sm, pipeline_stages=_I.pipeline_stages, early_loads=_I.early_loads,
+      max_registers=_I.max_registers):
     return None
 
 
@@ -156,14 +178,17 @@ def kv_gather_op(cache: torch.Tensor, slots: torch.Tensor, out: torch.Tensor, bl
                  tokens_per_program: int = _G.tokens_per_program, num_warps: int = _G.num_warps,
                  native_casts: bool = _G.native_casts, evict_first: bool = _G.evict_first,
                  streaming_stores: bool = _G.streaming_stores, programs_per_sm: int = _G.programs_per_sm,
-                 pipeline_stages: int = _G.pipeline_stages) -> None:
+                 pipeline_stages: int = _G.pipeline_stages, early_loads: bool = _G.early_loads,
+                 max_registers: int = _G.max_registers) -> None:
     """``torch.ops.dsv4ref.kv_gather``: the gather kernel on checked arguments, into ``out``."""
     launch_gather(cache, slots, out, block_size, KVCacheLaunch(tokens_per_program, num_warps, native_casts, evict_first,
-                                                               streaming_stores, programs_per_sm, pipeline_stages))
+                                                               streaming_stores, programs_per_sm, pipeline_stages,
+                                                              early_loads, max_registers))
 
 
 @kv_gather_op.register_fake
 def _(cache, slots, out, block_size, tokens_per_program=_G.tokens_per_program, num_warps=_G.num_warps,
       native_casts=_G.native_casts, evict_first=_G.evict_first, streaming_stores=_G.streaming_stores,
-      programs_per_sm=_G.programs_per_sm, pipeline_stages=_G.pipeline_stages):
+      programs_per_sm=_G.programs_per_sm, pipeline_stages=_G.pipeline_stages, early_loads=_G.early_loads,
+      max_registers=_G.max_registers):
     return None

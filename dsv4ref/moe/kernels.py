@@ -44,7 +44,11 @@ def widen_bf16(bits):
 #            the cross-thread gather of a word's four bytes;
 #   PERSISTENT: a fixed number of programs walks the tiles with a grid stride (no tail wave), else one
 #               program per (token block, column block);
-#   EVICT / STORE_CACHE: cache hints on the streamed input (eviction_policy) and the outputs (cache_modifier).
+#   EVICT / STORE_CACHE: cache hints on the streamed input (eviction_policy) and the outputs (cache_modifier);
+#   PREFETCH (PERSISTENT, not "blocks"): each program holds two tiles in registers, the next one's loads in flight
+#            while this one is encoded and stored;
+#   TOPK_FIRST (one program per tile): the ids / weights of the top-k copy are loaded before the tile, not after
+#            its stores (one DRAM round trip less in the programs of column block 0).
 # DIAG variants, for timing only (their bytes are NOT the contract; only the custom op takes them, never a
 # MoeLaunch): ENCODE = "cast" ("snap" with the GPU's saturating cvt instead of the grid-snap: exact when
 # compiled, wrong in the interpreter, I5), "trunc" (no amax, no encoder: the high byte of each bf16 stored,
@@ -57,11 +61,25 @@ def widen_bf16(bits):
 def _stage_topk(ids_ptr, w_ptr, ids_out_ptr, w_out_ptr, rows, row_ok, r64, K, stride_it, stride_ik, stride_wt,
                 stride_wk, stride_iot, stride_wot, BLOCK_TOPK: tl.constexpr):
     """The top-k copies of one token block: int64 ids (sign-extended), weight bits unchanged."""
+    ids, wb = _topk_load(ids_ptr, w_ptr, r64, row_ok, K, stride_it, stride_ik, stride_wt, stride_wk, BLOCK_TOPK)
+    _topk_store(ids_out_ptr, w_out_ptr, ids, wb, r64, row_ok, K, stride_iot, stride_wot, BLOCK_TOPK)
+
+
+@triton.jit
+def _topk_load(ids_ptr, w_ptr, r64, row_ok, K, stride_it, stride_ik, stride_wt, stride_wk, BLOCK_TOPK: tl.constexpr):
+    """(ids, weight bits) [BLOCK_T, BLOCK_TOPK] of the rows where ``row_ok``."""
     k = tl.arange(0, BLOCK_TOPK)
     mk = row_ok[:, None] & (k < K)[None, :]
     ids = tl.load(ids_ptr + r64[:, None] * stride_it + k[None, :] * stride_ik, mask=mk)
-    tl.store(ids_out_ptr + r64[:, None] * stride_iot + k[None, :], ids.to(tl.int64), mask=mk)  # sign-extends
     wb = tl.load(w_ptr + r64[:, None] * stride_wt + k[None, :] * stride_wk, mask=mk)
+    return ids, wb
+
+
+@triton.jit
+def _topk_store(ids_out_ptr, w_out_ptr, ids, wb, r64, row_ok, K, stride_iot, stride_wot, BLOCK_TOPK: tl.constexpr):
+    k = tl.arange(0, BLOCK_TOPK)
+    mk = row_ok[:, None] & (k < K)[None, :]
+    tl.store(ids_out_ptr + r64[:, None] * stride_iot + k[None, :], ids.to(tl.int64), mask=mk)  # sign-extends
     tl.store(w_out_ptr + r64[:, None] * stride_wot + k[None, :], wb, mask=mk)
 
 
@@ -132,14 +150,34 @@ def _stage_tile_snap(x_ptr, q_ptr, sf_ptr, T, Hd, tt, th, stride_xt, stride_xh, 
                      NONFINITE: tl.constexpr, EVICT: tl.constexpr, STORE_CACHE: tl.constexpr):
     """ENCODE = "snap" (or a DIAG): the same tile as _stage_tile_blocks with LOAD = "tile"; sf_ptr is the uint8
     view of x_sf (stride_st in bytes) and one scale byte is stored per 32-group."""
+    bits = _snap_load(x_ptr, T, Hd, tt, th, stride_xt, stride_xh, BLOCK_T, BLOCK_H, EVICT)
+    return _stage_bits_snap(bits, x_ptr, q_ptr, sf_ptr, T, Hd, tt, th, stride_xt, stride_xh, stride_qt, stride_st,
+                            FLOOR, BLOCK_T, BLOCK_H, ENCODE, NONFINITE, STORE_CACHE)
+
+
+@triton.jit
+def _snap_load(x_ptr, T, Hd, tt, th, stride_xt, stride_xh, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr,
+               EVICT: tl.constexpr):
+    """The [BLOCK_T, BLOCK_H] int16 tile (token block tt, column block th) of x; rows past T read as 0."""
+    rows = tt * BLOCK_T + tl.arange(0, BLOCK_T)
+    col = th * BLOCK_H + tl.arange(0, BLOCK_H)  # [BLOCK_H]
+    m = (rows < T)[:, None] & (col < Hd)[None, :]
+    return tl.load(x_ptr + rows.to(tl.int64)[:, None] * stride_xt + col[None, :].to(tl.int64) * stride_xh, mask=m,
+                   other=0, eviction_policy=EVICT)
+
+
+@triton.jit
+def _stage_bits_snap(bits, x_ptr, q_ptr, sf_ptr, T, Hd, tt, th, stride_xt, stride_xh, stride_qt, stride_st,
+                     FLOOR: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, ENCODE: tl.constexpr,
+                     NONFINITE: tl.constexpr, STORE_CACHE: tl.constexpr):
+    """_stage_tile_snap on the tile ``bits`` (= _snap_load(.., tt, th, ..)) loaded already (the prefetching
+    persistent loop loads the next tile before this one is encoded)."""
     NG: tl.constexpr = BLOCK_H // 32  # 32-value groups per tile row
     rows = tt * BLOCK_T + tl.arange(0, BLOCK_T)
     row_ok = rows < T
     r64 = rows.to(tl.int64)
     col = th * BLOCK_H + tl.arange(0, BLOCK_H)  # [BLOCK_H]
     m = row_ok[:, None] & (col < Hd)[None, :]
-    bits = tl.load(x_ptr + r64[:, None] * stride_xt + col[None, :].to(tl.int64) * stride_xh, mask=m, other=0,
-                   eviction_policy=EVICT)
     xb = tl.reshape(bits.to(tl.int32) << 16, (BLOCK_T, NG, 32))  # fp32 bits of the bf16 values, exactly
     x = xb.to(tl.float32, bitcast=True)
     q_out = q_ptr + r64[:, None] * stride_qt + col[None, :]
@@ -208,8 +246,28 @@ def stage_kernel(
     PERSISTENT: tl.constexpr,  # grid-stride loop over the tiles (grid = a fixed number of programs)
     EVICT: tl.constexpr,  # eviction_policy of the input load: "" or "evict_first"
     STORE_CACHE: tl.constexpr,  # cache_modifier of the output stores: "" or ".cs" (streaming)
+    TOPK_FIRST: tl.constexpr = False,  # one program per tile: the top-k loads issued before the tile's loads
+    PREFETCH: tl.constexpr = False,  # PERSISTENT, ENCODE != "blocks": the next tile loaded before this one is encoded
 ):
-    if PERSISTENT:
+    if PERSISTENT and PREFETCH:
+        # registers hold two tiles: the next tile's loads are in flight while this one is encoded and stored.
+        # A "next" past the last tile has token block >= cdiv(T, BLOCK_T): every row masked, nothing read.
+        n_h = tl.cdiv(Hd, BLOCK_H)
+        tile = tl.program_id(0)
+        bits = _snap_load(x_ptr, T, Hd, tile // n_h, tile % n_h, stride_xt, stride_xh, BLOCK_T, BLOCK_H, EVICT)
+        for _ in range(tl.program_id(0), tl.cdiv(T, BLOCK_T) * n_h, tl.num_programs(0)):
+            nxt = tile + tl.num_programs(0)
+            nbits = _snap_load(x_ptr, T, Hd, nxt // n_h, nxt % n_h, stride_xt, stride_xh, BLOCK_T, BLOCK_H, EVICT)
+            th = tile % n_h
+            rows, row_ok, r64 = _stage_bits_snap(bits, x_ptr, q_ptr, sf_ptr, T, Hd, tile // n_h, th, stride_xt,
+                                                 stride_xh, stride_qt, stride_st, FLOOR, BLOCK_T, BLOCK_H, ENCODE,
+                                                 NONFINITE, STORE_CACHE)
+            if TOPK and th == 0:  # the top-k copies, once per token
+                _stage_topk(ids_ptr, w_ptr, ids_out_ptr, w_out_ptr, rows, row_ok, r64, K, stride_it, stride_ik,
+                            stride_wt, stride_wk, stride_iot, stride_wot, BLOCK_TOPK)
+            bits = nbits
+            tile = nxt
+    elif PERSISTENT:
         n_h = tl.cdiv(Hd, BLOCK_H)
         for tile in range(tl.program_id(0), tl.cdiv(T, BLOCK_T) * n_h, tl.num_programs(0)):
             th = tile % n_h
@@ -219,6 +277,17 @@ def stage_kernel(
             if TOPK and th == 0:  # the top-k copies, once per token
                 _stage_topk(ids_ptr, w_ptr, ids_out_ptr, w_out_ptr, rows, row_ok, r64, K, stride_it, stride_ik,
                             stride_wt, stride_wk, stride_iot, stride_wot, BLOCK_TOPK)
+    elif TOPK and TOPK_FIRST:
+        # the program of column block 0 loads its rows' ids and weights before its tile, so these small loads
+        # share the tile's round trip instead of adding one after its stores; the others load nothing (masked)
+        rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+        copy = rows < T - T * tl.minimum(tl.program_id(1), 1)  # rows < T in column block 0, none elsewhere
+        ids, wb = _topk_load(ids_ptr, w_ptr, rows.to(tl.int64), copy, K, stride_it, stride_ik, stride_wt, stride_wk,
+                             BLOCK_TOPK)
+        tl.debug_barrier()  # keeps the compiler from sinking these loads below the tile's (found in the SASS)
+        _stage_tile(x_ptr, q_ptr, sf_ptr, T, Hd, tl.program_id(0), tl.program_id(1), stride_xt, stride_xh, stride_qt,
+                    stride_st, FLOOR, BLOCK_T, BLOCK_H, LOAD, ENCODE, NONFINITE, EVICT, STORE_CACHE)
+        _topk_store(ids_out_ptr, w_out_ptr, ids, wb, rows.to(tl.int64), copy, K, stride_iot, stride_wot, BLOCK_TOPK)
     else:
         rows, row_ok, r64 = _stage_tile(x_ptr, q_ptr, sf_ptr, T, Hd, tl.program_id(0), tl.program_id(1), stride_xt,
                                         stride_xh, stride_qt, stride_st, FLOOR, BLOCK_T, BLOCK_H, LOAD, ENCODE,

@@ -21,7 +21,8 @@ __all__ = ["MoeLaunch", "default_launch", "group_by_expert", "tile_table", "stag
 
 STAGE_LOADS = ("groups", "tile")
 STAGE_ENCODES = ("blocks", "snap")
-STAGE_CACHE_HINTS = {"": ("", ""), "evict_first": ("evict_first", ""), "stream": ("evict_first", ".cs")}  # load, store
+STAGE_CACHE_HINTS = {"": ("", ""), "evict_first": ("evict_first", ""), "stream": ("evict_first", ".cs"),
+                     "cs": ("", ".cs")}  # load, store
 # DIAG variants of the staging kernel, for timing only: their bytes are NOT the contract, so no MoeLaunch can
 # ask for them; benchmarks/moe_sweep.py passes them to the custom op through stage_op_args(launch, diag).
 #   cast: "snap" with the GPU's saturating cvt for the grid-snap (exact compiled; the interpreter's cast is wrong)
@@ -30,7 +31,7 @@ STAGE_CACHE_HINTS = {"": ("", ""), "evict_first": ("evict_first", ""), "stream":
 #   finite: the non-finite policy left out;  notopk: no top-k copies
 STAGE_DIAGS = ("", "cast", "trunc", "loads", "finite", "notopk")
 NOT_POWERS_OF_TWO = ("expert_stages", "stage_load", "stage_programs", "stage_stages", "stage_cache", "stage_encode",
-                     "stage_maxnreg")
+                     "stage_maxnreg", "stage_topk_first", "stage_prefetch")
 
 
 @dataclass(frozen=True)
@@ -56,7 +57,14 @@ class MoeLaunch:
         stage_stages: software-pipeline stages of the staging kernel (only the persistent loop has a loop to
             pipeline).
         stage_cache: cache hints of the staging kernel: ``""`` (none), ``"evict_first"`` (the streamed bf16 input
-            is loaded evict-first) or ``"stream"`` (that, and the outputs are stored with ``.cs``, streaming).
+            is loaded evict-first), ``"stream"`` (that, and the outputs are stored with ``.cs``, streaming) or
+            ``"cs"`` (the ``.cs`` stores alone: session 4 measured evict-first loads alone slower than no hint).
+        stage_topk_first: one program per tile (``stage_programs`` 0): the programs of column block 0 load their
+            rows' top-k ids and weights before the tile, so the copy does not add a DRAM round trip after the
+            tile's stores (a quarter of the programs at Hd 4096, tile 1 × 1024).
+        stage_prefetch: with ``stage_programs`` > 0 and ``stage_encode="snap"``: each program loads its next tile
+            before it encodes this one (two tiles in registers), so its loads stay in flight through the encode
+            and no program launch separates two tiles.
         block_m: slot rows per expert-GEMM program (≥ 16: the smallest ``tl.dot`` on a GPU). Rows of one
             program belong to one expert, so an expert with c slots takes ceil(c / block_m) programs.
         block_n: output columns per expert-GEMM program (intermediate columns in the gate/up GEMM,
@@ -78,6 +86,8 @@ class MoeLaunch:
     stage_cache: str = "stream"
     stage_encode: str = "snap"
     stage_maxnreg: int = 0
+    stage_topk_first: bool = False
+    stage_prefetch: bool = False
     block_m: int = 16
     block_n: int = 64
     block_h: int = 128
@@ -105,6 +115,13 @@ class MoeLaunch:
         _check_stage_pair(self.stage_load, self.stage_encode)
         if self.stage_cache not in STAGE_CACHE_HINTS:
             raise ValueError(f"stage_cache: expected one of {tuple(STAGE_CACHE_HINTS)}, got {self.stage_cache!r}")
+        for name in ("stage_topk_first", "stage_prefetch"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"{name}: expected a bool, got {type(getattr(self, name)).__name__}")
+        if self.stage_prefetch and not (self.stage_programs and self.stage_encode == "snap"):
+            raise ValueError("stage_prefetch: needs stage_programs > 0 and stage_encode=\"snap\"")
+        if self.stage_topk_first and self.stage_programs:
+            raise ValueError("stage_topk_first: one program per tile only (stage_programs=0)")
         for name in ("stage_block_h", "block_h"):
             if getattr(self, name) < STAGE_BLOCK:
                 raise ValueError(f"{name}: expected a multiple of {STAGE_BLOCK}, got {getattr(self, name)}")
@@ -182,7 +199,7 @@ def tile_table(counts: torch.Tensor, offsets: torch.Tensor, block_m: int, n_rows
 
 
 def stage_constexprs(Hd: int, K: int, block_t: int, block_h: int, load: str, programs: int, cache: str, encode: str,
-                     diag: str) -> dict:
+                     diag: str, topk_first: bool = False, prefetch: bool = False) -> dict:
     """The constexpr arguments of ``stage_kernel`` for these launch fields (also what
     benchmarks/moe_stage_compile_check.py compiles ahead of time)."""
     if diag not in STAGE_DIAGS:
@@ -195,14 +212,15 @@ def stage_constexprs(Hd: int, K: int, block_t: int, block_h: int, load: str, pro
     evict, store_cache = STAGE_CACHE_HINTS[cache]
     return dict(FLOOR=STAGE_AMAX_FLOOR, BLOCK_T=block_t, BLOCK_H=min(block_h, triton.next_power_of_2(Hd)),
                 BLOCK_TOPK=triton.next_power_of_2(K), LOAD=load, ENCODE=encode, NONFINITE=diag != "finite",
-                TOPK=diag != "notopk", PERSISTENT=programs > 0, EVICT=evict, STORE_CACHE=store_cache)
+                TOPK=diag != "notopk", PERSISTENT=programs > 0, EVICT=evict, STORE_CACHE=store_cache,
+                TOPK_FIRST=topk_first and not programs, PREFETCH=prefetch and programs > 0 and encode != "blocks")
 
 
 def _stage(hidden, ids, weights, x_fp8, x_sf, ids_out, weights_out, block_t, block_h, num_warps, load, programs,
-           num_stages, cache, encode, maxnreg, diag):
+           num_stages, cache, encode, maxnreg, topk_first, prefetch, diag):
     T, Hd = hidden.shape
     K = ids.shape[1]
-    const = stage_constexprs(Hd, K, block_t, block_h, load, programs, cache, encode, diag)
+    const = stage_constexprs(Hd, K, block_t, block_h, load, programs, cache, encode, diag, topk_first, prefetch)
     wv, wov = weights.view(torch.int32), weights_out.view(torch.int32)
     xv = hidden.view(torch.int16)
     sf = x_sf
@@ -222,18 +240,19 @@ def _stage(hidden, ids, weights, x_fp8, x_sf, ids_out, weights_out, block_t, blo
 @torch.library.custom_op("dsv4ref::moe_stage", mutates_args=("x_fp8", "x_sf", "ids_out", "weights_out"))
 def moe_stage_op(hidden: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, x_fp8: torch.Tensor, x_sf: torch.Tensor,
                  ids_out: torch.Tensor, weights_out: torch.Tensor, block_t: int, block_h: int, num_warps: int, load: str,
-                 programs: int, num_stages: int, cache: str, encode: str, maxnreg: int, diag: str) -> None:
+                 programs: int, num_stages: int, cache: str, encode: str, maxnreg: int, topk_first: bool, prefetch: bool,
+                 diag: str) -> None:
     """Rows [0, T) of the four output buffers (which may have more rows: those stay as they are). ``x_fp8``
     is passed as its uint8 bytes (torch has no arithmetic on fp8 tensors, which op checks need). ``diag``:
     "" (the contract), or one of the DIAG variants of ``STAGE_DIAGS`` (timing only, wrong bytes)."""
     if hidden.shape[0]:
         _stage(hidden, ids, weights, x_fp8, x_sf, ids_out, weights_out, block_t, block_h, num_warps, load, programs,
-               num_stages, cache, encode, maxnreg, diag)
+               num_stages, cache, encode, maxnreg, topk_first, prefetch, diag)
 
 
 @moe_stage_op.register_fake
 def _(hidden, ids, weights, x_fp8, x_sf, ids_out, weights_out, block_t, block_h, num_warps, load, programs, num_stages,
-      cache, encode, maxnreg, diag):
+      cache, encode, maxnreg, topk_first, prefetch, diag):
     return None
 
 
@@ -315,7 +334,8 @@ def stage_op_args(launch: MoeLaunch, diag: str = "") -> tuple:
     """The launch fields of ``dsv4ref::moe_stage``, in schema order. ``diag``: "" for the contract, or a DIAG
     variant of ``STAGE_DIAGS`` (benchmarks only: its bytes are wrong)."""
     return (launch.stage_block_t, launch.stage_block_h, launch.stage_warps, launch.stage_load, launch.stage_programs,
-            launch.stage_stages, launch.stage_cache, launch.stage_encode, launch.stage_maxnreg, diag)
+            launch.stage_stages, launch.stage_cache, launch.stage_encode, launch.stage_maxnreg, launch.stage_topk_first,
+            launch.stage_prefetch, diag)
 
 
 def experts_op_args(launch: MoeLaunch) -> tuple[int, ...]:

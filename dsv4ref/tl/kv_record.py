@@ -56,14 +56,49 @@ def kv_record(
 ):
     # No defaults: compiled Triton cannot bind a jitted callee's str default (LOAD_POLICY = "" failed to compile
     # in the fused RoPE + KV insert on the H200), so every caller passes every constexpr.
-    """Quantise and store the 584-byte records of ``TOK`` tokens (axis 0 of every tile is the token)."""
-    ok = slot >= 0
+    """Quantise and store the 584-byte records of ``TOK`` tokens (axis 0 of every tile is the token). The NoPE
+    tile is loaded after the RoPE store, masked by the slot: a row whose slot is −1 is never read."""
+    data, scales = _record_offsets(slot, block_size, page_stride, SLOT32)
+    _store_rope(cache_ptr, cache16_ptr, data, slot >= 0, rope_bits, TOK, ROPE16, STORE_CACHE)
+    bits = kv_nope_bits(row, slot >= 0, TOK, LOAD_POLICY)
+    _store_nope_and_scales(cache_ptr, data, scales, slot >= 0, bits, TOK, NATIVE, STORE_CACHE)
+
+
+@triton.jit
+def kv_record_loaded(cache_ptr, cache16_ptr, nope_bits, slot, rope_bits, block_size, page_stride, TOK: tl.constexpr,
+                     ROPE16: tl.constexpr, NATIVE: tl.constexpr, SLOT32: tl.constexpr, STORE_CACHE: tl.constexpr):
+    """:func:`kv_record` on a NoPE tile the caller loaded already (``nope_bits`` = :func:`kv_nope_bits`), so that
+    its loads can be issued before the slot is known (``kv_cache.insert`` with ``early_loads``: no DRAM round
+    trip waits for another). Same bytes; rows with slot −1 are stored nowhere, whatever was loaded for them."""
+    data, scales = _record_offsets(slot, block_size, page_stride, SLOT32)
+    _store_rope(cache_ptr, cache16_ptr, data, slot >= 0, rope_bits, TOK, ROPE16, STORE_CACHE)
+    _store_nope_and_scales(cache_ptr, data, scales, slot >= 0, nope_bits, TOK, NATIVE, STORE_CACHE)
+
+
+@triton.jit
+def kv_nope_bits(row, row_ok, TOK: tl.constexpr, LOAD_POLICY: tl.constexpr):
+    """The NoPE dims 0..447 of ``TOK`` kv rows as a [TOK, 8, 64] int32 tile of bf16 bits (block row 7 and the
+    rows where ``row_ok`` is False read as 0)."""
+    blk = tl.arange(0, _BLOCKS_P2)[None, :, None]
+    dim = blk * _BLOCK + tl.arange(0, _BLOCK)[None, None, :]  # [1, 8, 64]: dim = 64·block + column
+    m = tl.broadcast_to(row_ok[:, None, None] & (blk < _N_SCALES), (TOK, _BLOCKS_P2, _BLOCK))  # mask: pointer's shape
+    return tl.load(row[:, None, None] + dim, mask=m, other=0, eviction_policy=LOAD_POLICY).to(tl.int32) & 0xFFFF
+
+
+@triton.jit
+def _record_offsets(slot, block_size, page_stride, SLOT32: tl.constexpr):
+    """[TOK] int64 byte offsets (data, scales) of each slot's two regions; −1 never addresses (clamped to 0)."""
     if SLOT32:
-        data, scales = page_offsets32(tl.maximum(slot, 0), block_size, page_stride)  # [TOK] int64; −1 never addresses
+        data, scales = page_offsets32(tl.maximum(slot, 0), block_size, page_stride)
     else:
         data, scales = page_offsets(tl.maximum(slot, 0), block_size, page_stride)
+    return data, scales
 
-    # RoPE: the caller's bf16 bits to bytes 448.. of the token's data, little-endian
+
+@triton.jit
+def _store_rope(cache_ptr, cache16_ptr, data, ok, rope_bits, TOK: tl.constexpr, ROPE16: tl.constexpr,
+                STORE_CACHE: tl.constexpr):
+    """RoPE: the caller's bf16 bits to bytes 448.. of the token's data, little-endian."""
     j = tl.arange(0, _ROPE)[None, :]
     rope_ok = tl.broadcast_to(ok[:, None], (TOK, _ROPE))
     if ROPE16:
@@ -75,12 +110,16 @@ def kv_record(
         tl.store(cache_ptr + data[:, None] + _NOPE + 1 + 2 * j, (r >> 8).to(tl.uint8), mask=rope_ok,
                  cache_modifier=STORE_CACHE)
 
-    # NoPE: a [TOK, 8, 64] tile, block rows 0..6 are the 7 quant blocks, row 7 is masked off.
-    # bf16 -> fp32 exactly, in integers (no bf16 arithmetic), then one scale byte per block.
+
+@triton.jit
+def _store_nope_and_scales(cache_ptr, data, scales, ok, bits, TOK: tl.constexpr, NATIVE: tl.constexpr,
+                           STORE_CACHE: tl.constexpr):
+    """NoPE: the [TOK, 8, 64] tile of bf16 bits (block rows 0..6 are the 7 quant blocks, row 7 unused) -> fp32
+    exactly, in integers (no bf16 arithmetic), one scale byte per block; then the 7 UE8M0 bytes and the zero pad
+    byte."""
     blk = tl.arange(0, _BLOCKS_P2)[None, :, None]
     dim = blk * _BLOCK + tl.arange(0, _BLOCK)[None, None, :]  # [1, 8, 64]: dim = 64·block + column
     nope_ok = tl.broadcast_to(ok[:, None, None] & (blk < _N_SCALES), (TOK, _BLOCKS_P2, _BLOCK))  # mask: pointer's shape
-    bits = tl.load(row[:, None, None] + dim, mask=nope_ok, other=0, eviction_policy=LOAD_POLICY).to(tl.int32) & 0xFFFF
     x = (bits << 16).to(tl.float32, bitcast=True)
     q, byte = e4m3_ue8m0_tile(x, _FLOOR, 2, NATIVE)  # [TOK, 8, 64] uint8, [TOK, 8] int32; block row 7 unused
     tl.store(cache_ptr + data[:, None, None] + dim, q, mask=nope_ok, cache_modifier=STORE_CACHE)
