@@ -58,6 +58,8 @@ VARIANTS = {  # dsv4ref.sparse_mla.gluon.VARIANT flags, over the default (PACKED
     "gluon roles pf8": dict(WS=True, OVERLAP=False, PRODUCER_REGS=104, PACKED=1, ROLES=1, PV_REGS=160, PF=8),
     "gluon roles pf4 r112": dict(WS=True, OVERLAP=False, PRODUCER_REGS=112, PACKED=1, ROLES=1, PV_REGS=160, PF=4),
     "gluon roles qlate": dict(WS=True, OVERLAP=False, PRODUCER_REGS=104, PACKED=1, ROLES=1, PV_REGS=160, QLATE=1),
+    "gluon roles qlate pf2": dict(WS=True, OVERLAP=False, PRODUCER_REGS=104, PACKED=1, ROLES=1, PV_REGS=160, PF=2,
+                                  QLATE=1),
     "gluon roles qlate pf4": dict(WS=True, OVERLAP=False, PRODUCER_REGS=104, PACKED=1, ROLES=1, PV_REGS=160, PF=4,
                                   QLATE=1),
 }

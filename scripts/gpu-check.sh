@@ -60,7 +60,7 @@ for s in $STAGES; do
     gluon_sweep) stage gluon_sweep ${LIMIT_GLUON_SWEEP:-240} python3 benchmarks/sparse_mla_gluon.py ${GLUON_SWEEP_ARGS:-} ;;
     kv_sweep)    stage kv_sweep ${LIMIT_KV_SWEEP:-150} python3 benchmarks/${KV_SWEEP:-kv_cache_sweep.py} ;;
     indexer_sweep) stage indexer_sweep ${LIMIT_INDEXER_SWEEP:-150} python3 benchmarks/indexer_sweep.py ;;
-    mhc_sweep)   stage mhc_sweep ${LIMIT_MHC_SWEEP:-180} python3 benchmarks/mhc_sweep.py ;;
+    mhc_sweep)   stage mhc_sweep ${LIMIT_MHC_SWEEP:-180} python3 benchmarks/mhc_sweep.py ${MHC_SWEEP_ARGS:-} ;;
     profile)     stage profile ${LIMIT_PROFILE:-120} ncu --kernel-name regex:_ws_kernel --launch-skip 3 --launch-count 1 \
                    --section SpeedOfLight --section WarpStateStats --section SchedulerStats --section Occupancy \
                    python3 benchmarks/gluon_profile.py ${PROFILE_ARGS:-} ;;

@@ -606,27 +606,30 @@ def _define_kernels():
         return gl.where(v < n1, s1, s2)
 
     @_gluon.jit
-    def _prefetch_rows(ids, v, n1, c1_i64, bs1, ps1, c2_i64, bs2, ps2):
-        """Ask L2 for the rows of candidates v (slot ids from :func:`_slot_ids`): the 576 data bytes and the
-        16-byte piece holding the scale word, by ``cp.async.bulk.prefetch.L2`` (sm_90). No register holds
-        the bytes and nothing waits for them, so the producer can ask chunks ahead; its real loads of those
-        rows later hit L2. Rows with id −1 ask for nothing. Returns a dummy value (inline assembly needs an
-        output)."""
+    def _prefetch_rows(ids, v, n1, c1_i64, bs1, ps1, c2_i64, bs2, ps2, LW: gl.constexpr):
+        """Ask L2 for the rows of candidates v (slot ids from :func:`_slot_ids`, layout SliceLayout(1, LW)):
+        ``prefetch.global.L2`` at every 64-byte piece of the 576 data bytes and at the scale word. Nothing
+        waits for it and no register holds the bytes, so the producer can ask chunks ahead; its real loads
+        of those rows later hit L2. Rows with id −1 ask for nothing. (A bulk prefetch per row,
+        ``cp.async.bulk.prefetch.L2``, was measured first: slower, H200 session 6.) Returns dummies (inline
+        assembly needs an output)."""
         ok = ids >= 0
         in1 = v < n1
         slot = gl.maximum(ids, 0).to(gl.int64)
         data, sidx = _row_words(slot, in1, bs1, ps1, bs2, ps2)
-        pd = gl.where(in1, c1_i64 + data, c2_i64 + data)
-        psc = gl.where(in1, c1_i64 + (sidx & -2), c2_i64 + (sidx & -2))  # 16-byte aligned
-        return gl.inline_asm_elementwise(
-            """{
+        piece = gl.arange(0, 16, gl.SliceLayout(0, LW))  # 64-byte pieces 0..8 of the row (8 words each)
+        pd = gl.where(in1, c1_i64 + data, c2_i64 + data)[:, None] + 8 * piece[None, :]
+        want = (ok[:, None] & (piece[None, :] < 9)).to(gl.int32)
+        psc = gl.where(in1, c1_i64 + sidx, c2_i64 + sidx)
+        asm: gl.constexpr = """{
             .reg .pred p;
-            setp.ne.b32 p, $3, 0;
-            @p cp.async.bulk.prefetch.L2.global [$1], 576;
-            @p cp.async.bulk.prefetch.L2.global [$2], 16;
+            setp.ne.b32 p, $2, 0;
+            @p prefetch.global.L2 [$1];
             mov.b32 $0, 0;
-            }""",
-            "=r,l,l,r", [pd, psc, ok.to(gl.int32)], dtype=gl.int32, is_pure=False, pack=1)
+            }"""
+        a = gl.inline_asm_elementwise(asm, "=r,l,r", [pd, want], dtype=gl.int32, is_pure=False, pack=1)
+        b = gl.inline_asm_elementwise(asm, "=r,l,r", [psc, ok.to(gl.int32)], dtype=gl.int32, is_pure=False, pack=1)
+        return a, b
 
     @_gluon.jit
     def _row_ptrs_packed(slot, in1, ok, c1_i64, bs1, ps1, c2_i64, bs2, ps2, LW: gl.constexpr):
@@ -799,7 +802,7 @@ def _define_kernels():
             if PF:  # halves 1 .. PF asked of L2 now; each step then asks for the half PF ahead of its load
                 for j in gl.static_range(PF):
                     fv = start + (j + 1) * HALF + rows
-                    _prefetch_rows(_slot_ids(fv, n1, stop, i1, i2), fv, n1, c1_i64, bs1, ps1, c2_i64, bs2, ps2)
+                    _prefetch_rows(_slot_ids(fv, n1, stop, i1, i2), fv, n1, c1_i64, bs1, ps1, c2_i64, bs2, ps2, LW)
                 fs = _slot_ids(start + (PF + 1) * HALF + rows, n1, stop, i1, i2)
             sa, ia, oa = _slots(start + HALF + rows, n1, stop, i1, i2)
             for it in range(n_it):
@@ -810,13 +813,13 @@ def _define_kernels():
                 _dequant_store_packed(kb.slice(0, HALF, dim=0), a, SETS == 1)
                 if PF:  # (slot ids fetched a step earlier, so the prefetch never waits for them; issued here,
                     #      between a dequantisation and the next load, where fewest registers are live)
-                    _prefetch_rows(fs, v0 + (PF + 1) * HALF + rows, n1, c1_i64, bs1, ps1, c2_i64, bs2, ps2)
+                    _prefetch_rows(fs, v0 + (PF + 1) * HALF + rows, n1, c1_i64, bs1, ps1, c2_i64, bs2, ps2, LW)
                     fs = _slot_ids(v0 + (PF + 2) * HALF + rows, n1, stop, i1, i2)
                 a = _load_rows_packed(sa, ia, oa, c1_i64, bs1, ps1, c2_i64, bs2, ps2, LW)
                 sa, ia, oa = _slots(v0 + BN + rows, n1, stop, i1, i2)
                 _dequant_store_packed(kb.slice(HALF, HALF, dim=0), a, SETS == 1)
                 if PF:
-                    _prefetch_rows(fs, v0 + (PF + 2) * HALF + rows, n1, c1_i64, bs1, ps1, c2_i64, bs2, ps2)
+                    _prefetch_rows(fs, v0 + (PF + 2) * HALF + rows, n1, c1_i64, bs1, ps1, c2_i64, bs2, ps2, LW)
                     fs = _slot_ids(v0 + (PF + 3) * HALF + rows, n1, stop, i1, i2)
                 a = _load_rows_packed(sa, ia, oa, c1_i64, bs1, ps1, c2_i64, bs2, ps2, LW)
                 sa, ia, oa = _slots(v0 + BN + HALF + rows, n1, stop, i1, i2)
