@@ -50,18 +50,11 @@ VARIANTS = {  # dsv4ref.sparse_mla.gluon.VARIANT flags, over the default (PACKED
     "gluon ws cpasync overlap": dict(WS=True, OVERLAP=True, PRODUCER_REGS=120, PACKED=4, ROLES=0),
     "gluon ws ksplit packed1": dict(WS=True, OVERLAP=False, PRODUCER_REGS=96, PACKED=1, KSPLIT=1, ROLES=0),
     # session 5: role-split consumers (a scorer warpgroup with n = 64 QKᵀ and in-warpgroup softmax, a P·V one)
-    "gluon ws roles packed1": dict(WS=True, OVERLAP=False, PRODUCER_REGS=104, PACKED=1, ROLES=1, PV_REGS=160),
-    "gluon ws roles packed1 overlap": dict(WS=True, OVERLAP=True, PRODUCER_REGS=104, PACKED=1, ROLES=1, PV_REGS=160),
-    # session 6: the producer asks L2 for rows PF half chunks ahead; the query loaded inside the scorer partition
-    "gluon roles pf2": dict(WS=True, OVERLAP=False, PRODUCER_REGS=104, PACKED=1, ROLES=1, PV_REGS=160, PF=2),
-    "gluon roles pf4": dict(WS=True, OVERLAP=False, PRODUCER_REGS=104, PACKED=1, ROLES=1, PV_REGS=160, PF=4),
-    "gluon roles pf8": dict(WS=True, OVERLAP=False, PRODUCER_REGS=104, PACKED=1, ROLES=1, PV_REGS=160, PF=8),
-    "gluon roles pf4 r112": dict(WS=True, OVERLAP=False, PRODUCER_REGS=112, PACKED=1, ROLES=1, PV_REGS=160, PF=4),
+    "gluon ws roles packed1": dict(WS=True, OVERLAP=False, PRODUCER_REGS=104, PACKED=1, ROLES=1, PV_REGS=160, QLATE=0),
+    "gluon ws roles packed1 overlap": dict(WS=True, OVERLAP=True, PRODUCER_REGS=104, PACKED=1, ROLES=1, PV_REGS=160,
+                                           QLATE=0),
+    # session 6: the query loaded by the scorer partition (the new default; the row above is session 5's)
     "gluon roles qlate": dict(WS=True, OVERLAP=False, PRODUCER_REGS=104, PACKED=1, ROLES=1, PV_REGS=160, QLATE=1),
-    "gluon roles qlate pf2": dict(WS=True, OVERLAP=False, PRODUCER_REGS=104, PACKED=1, ROLES=1, PV_REGS=160, PF=2,
-                                  QLATE=1),
-    "gluon roles qlate pf4": dict(WS=True, OVERLAP=False, PRODUCER_REGS=104, PACKED=1, ROLES=1, PV_REGS=160, PF=4,
-                                  QLATE=1),
 }
 NEW = {k for k in VARIANTS if "packed" in k or "cpasync" in k or "roles" in k}  # timed at the default split only (keeps the run short)
 # timing diagnostics (wrong results, never checked): DIAG 1 = the producer loads nothing (MMA + softmax +
@@ -80,7 +73,6 @@ DIAGS = {
     # DIAG 4 = no chunk at all: launch, Q prologue, barrier setup, the epilogue and the split merge
     "diag roles: no chunks": dict(VARIANTS["gluon ws roles packed1"], DIAG=4),
     "diag qlate: no chunks": dict(VARIANTS["gluon roles qlate"], DIAG=4),
-    "diag pf4: no MMA/softmax": dict(VARIANTS["gluon roles pf4"], DIAG=2),
 }
 SPLIT_SWEEP = {"gluon ws cpasync", "gluon ws packed1", "diag cpasync: fixed cost only",  # timed at splits 1, 2, 4
                "gluon ws roles packed1", "diag roles: fixed cost only", "diag roles: no chunks"}

@@ -84,7 +84,12 @@ class KVCacheLaunch:
 # session 4's H200 sweep (benchmarks/kv_cache.md): the hardware casts, 4 tokens per program, byte-exact there
 # (NaN / inf / subnormal rows included) and in scripts/probe_kv_native.py at pages of 1, 2, 61 and 64 tokens.
 # insert 33.7 µs = 77.1 % of copy at 64k slots (integer encoders, 8 tokens: 69.5 %)
-INSERT_DEFAULT = KVCacheLaunch(tokens_per_program=4, num_warps=1, native_casts=True)
+# session 6's H200 probe (benchmarks/mem_probe.py, benchmarks/kv_cache.md): early loads (one DRAM round trip
+# per program instead of three), 4 tokens over 2 warps, streaming stores: 30.1 µs = 87.1 % against 33.4 µs
+# = 78.5 % for session 4's default in the same call (2 tokens × 1 warp, early: also 30.1 µs); byte-exact on
+# the timed set and on a hard set (NaN / ±inf rows, −1 slots)
+INSERT_DEFAULT = KVCacheLaunch(tokens_per_program=4, num_warps=2, native_casts=True, streaming_stores=True,
+                               early_loads=True)
 # gather 31.9 µs = 81.5 % at 64k slots (integer decode: 79.0 %)
 GATHER_DEFAULT = KVCacheLaunch(tokens_per_program=4, num_warps=1, native_casts=True)
 

@@ -144,9 +144,11 @@ def default_launch(tokens: int, k: int, experts: int) -> MoeLaunch:
     block_m = 16 if per_expert <= 16 else 32 if per_expert <= 32 else 64
     if interpreting():
         return MoeLaunch(stage_block_t=16, block_m=block_m, block_n=256, block_h=512, block_k=256, combine_block_t=16)
+    # staging: the top-k copy before the tile (session 6's H200 probe, benchmarks/mem_probe.py: 16.5 µs against
+    # 17.1 µs at T = Hd = 4096, the fastest byte-exact staging variant of that call; benchmarks/moe.md)
     if block_m == 64:  # prefill-sized groups: wider tiles, 8 warps
-        return MoeLaunch(block_m=64, block_n=128, block_k=128, expert_warps=8)
-    return MoeLaunch(block_m=block_m, expert_stages=4)
+        return MoeLaunch(block_m=64, block_n=128, block_k=128, expert_warps=8, stage_topk_first=True)
+    return MoeLaunch(block_m=block_m, expert_stages=4, stage_topk_first=True)
 
 
 # ----------------------------------------------------------------------------------------------------

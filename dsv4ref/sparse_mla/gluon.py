@@ -113,8 +113,10 @@ NUM_WARPS = 8  # two warpgroups split every MMA by columns
 # session 5: the role-split consumers (ROLES=1) are the default: 37.2-37.7 / 79.0-80.8 / 72.1-73.1 µs against
 # 38.1-39.4 / 83.4-84.5 / 74.0-76.0 µs for the column-split pair in the same H200 calls
 # (benchmarks/runs/2026-12-01_s5_h200_gluon_*.log; every check passed at H 16 / 64 / 128)
+# session 6: the query loaded by the scorer partition (QLATE=1): 36.4 / 77.6 / 71.6 and 36.7 / 77.9 / 73.0 µs against
+# 37.9 / 78.5 / 71.5 and 37.7 / 77.9 / 72.6 µs in two H200 calls (benchmarks/runs/2026-12-01_s6_h200_gluon_*.log)
 VARIANT = dict(WS=True, NS=2, OVERLAP=False, PRODUCER_REGS=104, DEEP=True, PIPE=False, P_SMEM=True, PACKED=1,
-               ROLES=1, PV_REGS=160)
+               ROLES=1, PV_REGS=160, QLATE=1)
 _LAST: dict = {}  # the last compiled decode kernel (diagnostics: n_regs, n_spills, shared)
 
 _IMPORT_ERROR: BaseException | None = None
@@ -597,41 +599,6 @@ def _define_kernels():
         return (page * ps + off * 576) // 8, (page * ps + bs * 576 + off * 8) // 8
 
     @_gluon.jit
-    def _slot_ids(v, n1, stop, i1_ptr, i2_ptr):
-        """:func:`_slots` kept as one int32 per row (the slot, or −1 for a row that reads nothing): what the
-        producer holds for rows it will only prefetch, a register where the int64 slot and flags take four."""
-        live = v < stop
-        s1 = gl.load(i1_ptr + v, mask=live & (v < n1), other=-1)
-        s2 = gl.load(i2_ptr + (v - n1), mask=live & (v >= n1), other=-1)
-        return gl.where(v < n1, s1, s2)
-
-    @_gluon.jit
-    def _prefetch_rows(ids, v, n1, c1_i64, bs1, ps1, c2_i64, bs2, ps2, LW: gl.constexpr):
-        """Ask L2 for the rows of candidates v (slot ids from :func:`_slot_ids`, layout SliceLayout(1, LW)):
-        ``prefetch.global.L2`` at every 64-byte piece of the 576 data bytes and at the scale word. Nothing
-        waits for it and no register holds the bytes, so the producer can ask chunks ahead; its real loads
-        of those rows later hit L2. Rows with id −1 ask for nothing. (A bulk prefetch per row,
-        ``cp.async.bulk.prefetch.L2``, was measured first: slower, H200 session 6.) Returns dummies (inline
-        assembly needs an output)."""
-        ok = ids >= 0
-        in1 = v < n1
-        slot = gl.maximum(ids, 0).to(gl.int64)
-        data, sidx = _row_words(slot, in1, bs1, ps1, bs2, ps2)
-        piece = gl.arange(0, 16, gl.SliceLayout(0, LW))  # 64-byte pieces 0..8 of the row (8 words each)
-        pd = gl.where(in1, c1_i64 + data, c2_i64 + data)[:, None] + 8 * piece[None, :]
-        want = (ok[:, None] & (piece[None, :] < 9)).to(gl.int32)
-        psc = gl.where(in1, c1_i64 + sidx, c2_i64 + sidx)
-        asm: gl.constexpr = """{
-            .reg .pred p;
-            setp.ne.b32 p, $2, 0;
-            @p prefetch.global.L2 [$1];
-            mov.b32 $0, 0;
-            }"""
-        a = gl.inline_asm_elementwise(asm, "=r,l,r", [pd, want], dtype=gl.int32, is_pure=False, pack=1)
-        b = gl.inline_asm_elementwise(asm, "=r,l,r", [psc, ok.to(gl.int32)], dtype=gl.int32, is_pure=False, pack=1)
-        return a, b
-
-    @_gluon.jit
     def _row_ptrs_packed(slot, in1, ok, c1_i64, bs1, ps1, c2_i64, bs2, ps2, LW: gl.constexpr):
         """Addresses (as int64-word pointers) and masks of the rows whose slots are known: the first e4m3 tile
         [R, 8] words (tile b at + 8·b), the RoPE words [R, 16] (4 per thread, so that as 16 bf16 they sit in
@@ -751,16 +718,14 @@ def _define_kernels():
     @_gluon.jit
     def _ws_producer_packed(k_smem, ready, empty, start, n_it, n1, stop, i1, i2, c1_i64, bs1, ps1,
                             c2_i64, bs2, ps2, BN: gl.constexpr, NS: gl.constexpr, SETS: gl.constexpr,
-                            DIAG: gl.constexpr, PF: gl.constexpr = 0):
+                            DIAG: gl.constexpr):
         """Producer warps (4) holding the gathered rows packed (int64 words: no byte or 16-bit value lives in a
         register of its own), SETS half chunks at once. SETS = 1: the DEEP producer's schedule (one half in
         flight, issued right after the previous half is dequantised); SETS = 2: double-buffered (one half in
         flight while the other is dequantised, two while waiting for a free stage); SETS = 3: two in flight
         (37 KB per SM) while the third is dequantised; SETS = 4: one half in registers being dequantised
         while the next travels by cp.async into a shared-memory staging buffer (SETS = 1's registers,
-        SETS = 2's overlap). Slot indices are fetched one half ahead of the rows. PF (SETS = 1): each step also
-        asks L2 for the rows PF half chunks ahead of the one it loads (:func:`_prefetch_rows`), so the load,
-        which the producer must wait for before it can dequantise, comes from L2 instead of memory."""
+        SETS = 2's overlap). Slot indices are fetched one half ahead of the rows."""
         LW: gl.constexpr = gl.BlockedLayout([1, 2], [8, 4], [4, 1], [1, 0])  # [32, 8] int64 = 16 B per thread
         HALF: gl.constexpr = BN // 2
         rows = gl.arange(0, HALF, gl.SliceLayout(1, LW))
@@ -799,11 +764,6 @@ def _define_kernels():
         sa, ia, oa = _slots(start + rows, n1, stop, i1, i2)
         a = _load_rows_packed(sa, ia, oa, c1_i64, bs1, ps1, c2_i64, bs2, ps2, LW)
         if SETS == 1:  # one half in registers (as the DEEP producer, packed): the leanest, for small budgets
-            if PF:  # halves 1 .. PF asked of L2 now; each step then asks for the half PF ahead of its load
-                for j in gl.static_range(PF):
-                    fv = start + (j + 1) * HALF + rows
-                    _prefetch_rows(_slot_ids(fv, n1, stop, i1, i2), fv, n1, c1_i64, bs1, ps1, c2_i64, bs2, ps2, LW)
-                fs = _slot_ids(start + (PF + 1) * HALF + rows, n1, stop, i1, i2)
             sa, ia, oa = _slots(start + HALF + rows, n1, stop, i1, i2)
             for it in range(n_it):
                 st = it % NS
@@ -811,16 +771,9 @@ def _define_kernels():
                 mbarrier.wait(empty.index(st), ((it // NS) & 1) ^ 1)
                 kb = k_smem.index(st)
                 _dequant_store_packed(kb.slice(0, HALF, dim=0), a, SETS == 1)
-                if PF:  # (slot ids fetched a step earlier, so the prefetch never waits for them; issued here,
-                    #      between a dequantisation and the next load, where fewest registers are live)
-                    _prefetch_rows(fs, v0 + (PF + 1) * HALF + rows, n1, c1_i64, bs1, ps1, c2_i64, bs2, ps2, LW)
-                    fs = _slot_ids(v0 + (PF + 2) * HALF + rows, n1, stop, i1, i2)
                 a = _load_rows_packed(sa, ia, oa, c1_i64, bs1, ps1, c2_i64, bs2, ps2, LW)
                 sa, ia, oa = _slots(v0 + BN + rows, n1, stop, i1, i2)
                 _dequant_store_packed(kb.slice(HALF, HALF, dim=0), a, SETS == 1)
-                if PF:
-                    _prefetch_rows(fs, v0 + (PF + 2) * HALF + rows, n1, c1_i64, bs1, ps1, c2_i64, bs2, ps2, LW)
-                    fs = _slot_ids(v0 + (PF + 3) * HALF + rows, n1, stop, i1, i2)
                 a = _load_rows_packed(sa, ia, oa, c1_i64, bs1, ps1, c2_i64, bs2, ps2, LW)
                 sa, ia, oa = _slots(v0 + BN + HALF + rows, n1, stop, i1, i2)
                 fence_async_shared()
@@ -855,12 +808,12 @@ def _define_kernels():
     @_gluon.jit
     def _ws_producer_of(k_smem, ready, empty, start, n_it, n1, stop, i1, i2, c1_u8, c1_i16, c1_i64, bs1, ps1,
                         c2_u8, c2_i16, c2_i64, bs2, ps2, BN: gl.constexpr, NS: gl.constexpr, DEEP: gl.constexpr,
-                        PACKED: gl.constexpr, DIAG: gl.constexpr, PF: gl.constexpr = 0):
+                        PACKED: gl.constexpr, DIAG: gl.constexpr):
         """The producer partition the flags pick: packed (PACKED 1-3 half chunks in registers, 4: cp.async
-        staging; PF: L2 prefetch that many half chunks ahead) or byte-wise."""
+        staging) or byte-wise."""
         if PACKED:
             _ws_producer_packed(k_smem, ready, empty, start, n_it, n1, stop, i1, i2, c1_i64, bs1, ps1,
-                                c2_i64, bs2, ps2, BN, NS, PACKED, DIAG, PF)
+                                c2_i64, bs2, ps2, BN, NS, PACKED, DIAG)
         else:
             _ws_producer(k_smem, ready, empty, start, n_it, n1, stop, i1, i2, c1_u8, c1_i16, c1_i64, bs1, ps1,
                          c2_u8, c2_i16, c2_i64, bs2, ps2, BN, NS, DEEP, DIAG)
@@ -1093,8 +1046,7 @@ def _define_kernels():
         HAS_LEN1: gl.constexpr, HAS_POOL2: gl.constexpr, HAS_LEN2: gl.constexpr, HAS_SINK: gl.constexpr,
         SPLITS: gl.constexpr, BH: gl.constexpr, BN: gl.constexpr, NS: gl.constexpr, OVERLAP: gl.constexpr,
         PRODUCER_REGS: gl.constexpr, DEEP: gl.constexpr, DIAG: gl.constexpr = 0, PACKED: gl.constexpr = 0,
-        KSPLIT: gl.constexpr = 0, ROLES: gl.constexpr = 0, PV_REGS: gl.constexpr = 160, PF: gl.constexpr = 0,
-        QLATE: gl.constexpr = 0,
+        KSPLIT: gl.constexpr = 0, ROLES: gl.constexpr = 0, PV_REGS: gl.constexpr = 160, QLATE: gl.constexpr = 0,
     ):
         """Warp-specialised variant: 4 producer warps fill an NS-stage ring of dequantised K tiles (mbarriers
         ready / empty per stage); the 8 default warps (two warpgroups) only run the MMAs and the softmax.
@@ -1103,7 +1055,7 @@ def _define_kernels():
         score halves): the two consumer warpgroups are two partitions splitting QKᵀ by dims (the launch then
         has 4 default warps, not 8); ROLES: the two consumer warpgroups take different roles, a scorer (QKᵀ,
         softmax, half of P·V; the default partition) and a P·V warpgroup on PV_REGS registers (the other half).
-        PF: the packed producer asks L2 for rows that many half chunks ahead. QLATE (ROLES): the query reaches
+        QLATE (ROLES): the query reaches
         shared memory inside the scorer partition by cp.async, while the producer already fetches the
         first chunk, instead of before the partitions start."""
         gl.static_assert(BH == 64)
@@ -1169,7 +1121,7 @@ def _define_kernels():
                              start, n_it, n1, stop, i1, i2, qk_scale, t64, hb, sp, H, sink_ptr, out_ptr, lse_ptr,
                              po_ptr, pml_ptr, HAS_SINK, SPLITS, BH, BN, NS, OVERLAP, DIAG)),
                 (_ws_producer_of, (k_smem, ready, empty, start, n_it, n1, stop, i1, i2, c1_u8, c1_i16, c1_i64, bs1,
-                                   ps1, c2_u8, c2_i16, c2_i64, bs2, ps2, BN, NS, DEEP, PACKED, DIAG, PF)),
+                                   ps1, c2_u8, c2_i16, c2_i64, bs2, ps2, BN, NS, DEEP, PACKED, DIAG)),
             ], [4, 4], [PV_REGS, PRODUCER_REGS])
         elif KSPLIT:  # registers: 512 per thread slot over three 4-warp partitions; the consumers split the rest
             gl.warp_specialize([
@@ -1203,7 +1155,7 @@ def _kernel_and_flags(kern: dict, flags: dict):
         return kern["ws"], dict(NS=flags["NS"], OVERLAP=flags["OVERLAP"], PRODUCER_REGS=flags["PRODUCER_REGS"],
                                 DEEP=flags["DEEP"], DIAG=flags.get("DIAG", 0), PACKED=flags.get("PACKED", 0),
                                 KSPLIT=ksplit, ROLES=roles, PV_REGS=flags.get("PV_REGS", 160),
-                                PF=flags.get("PF", 0), QLATE=flags.get("QLATE", 0),
+                                QLATE=flags.get("QLATE", 0),
                                 num_warps=4 if (ksplit or roles) else NUM_WARPS)
     return kern["decode"], dict(P_SMEM=flags["P_SMEM"], PIPE=flags["PIPE"], num_warps=NUM_WARPS)
 
