@@ -34,8 +34,10 @@ per call.
 
 ``MhcLaunch(chunked=True)`` selects the fourth design (kernels.py "Design 4": per chunk of ``chunk_tokens``
 tokens a partial and a finish kernel, no waiting between programs, the re-read from L2); ``CHUNKED_VARIANTS``
-lists its candidates, which ``benchmarks/mhc_sweep.py chunked`` checks and times beside today's default. Not
-the default until that run measures it.
+lists its candidates, which ``benchmarks/mhc_sweep.py chunked`` checks and times beside today's default.
+Session 6's H200 sweep measured it faster than one pass for every op, at T = 4096 (chunks of 2048 tokens: pre
+134 µs, fused 249 µs, head 116 µs) and at decode sizes (T = 37), so it is the GPU default since; the
+interpreter keeps the per-op designs the lessons run.
 """
 
 from __future__ import annotations
@@ -117,10 +119,13 @@ class MhcLaunch:
     # chunked (hc_chunk_partial_kernel + hc_chunk_finish_kernel, launched once per chunk of chunk_tokens tokens;
     # kernels.py "Design 4"): the finish kernel re-reads the chunk's streams right after the partial kernel read
     # them, so from L2, with no waiting between programs. Takes precedence over one_pass; an explicit split_k
-    # overrides it. Not the default until a GPU run measures it (benchmarks/mhc.md, "Chunked")
-    chunked: bool = False
-    chunk_tokens: int = 64 if interpreting() else 1024  # C: a chunk's streams, C × 4 × Hd × 2 B, must fit in L2
-    #                                                     (32 MB of the H200's 50 MB at Hd = 4096)
+    # overrides it. The default on a GPU since session 6's H200 sweep, with chunks of 2048 tokens (T = Hd = 4096:
+    # pre 133.8 µs vs 151.0 one pass, fused 248.7 vs 287.2, head 115.7 vs 120.1; T = 37: 21.1 vs 27.2 µs pre;
+    # fewer, bigger chunks were faster at every size, so the L2 re-read is not what limits it: benchmarks/mhc.md);
+    # in the interpreter the per-op designs stay, as for one_pass
+    chunked: bool = not interpreting()
+    chunk_tokens: int = 64 if interpreting() else 2048  # C: tokens per chunk (C × 4 × Hd × 2 B of streams; 1024
+    #                                                     fits the H200's 50 MB L2 at Hd = 4096, yet measured slower)
     # partial kernel (pre and head): the one-pass kernel's phase A, tile for tile
     chunk_block_t: int = 16 if interpreting() else 128
     chunk_block_k: int = 64 if interpreting() else 16
@@ -348,10 +353,10 @@ def one_pass_variant(name: str, **overrides) -> MhcLaunch:
 _BT64 = dict(chunk_block_t=64, chunk_warps=4, chunk_maxnreg=None, chunk_fused_block_t=64, chunk_fused_warps=4,
              chunk_fused_stages=3)
 CHUNKED_VARIANTS: dict[str, dict] = {
-    "chunked": {},  # C = 1024 (32 MB of streams per chunk), 32 slices × 8 tiles, finish 16 tokens × 512 dims
+    "chunked": {"chunk_tokens": 1024},  # 32 MB of streams per chunk, 32 slices × 8 tiles, finish 16 × 512 dims
     "chunked C512 bt64": {"chunk_tokens": 512, **_BT64},  # 16 MB per chunk; 8 tiles × 32 slices = 256 programs
     "chunked C768": {"chunk_tokens": 768},  # 24 MB per chunk: L2 margin for the layer input and workspace
-    "chunked C2048": {"chunk_tokens": 2048},  # the control: 64 MB per chunk is past the L2
+    "chunked C2048": {"chunk_tokens": 2048},  # the control: 64 MB per chunk is past the L2 (the default since session 6)
     "chunked slice256": {"chunk_max_slices": 16},  # 16 slices of 256 dims: 128 programs, half the finish's sum
     "chunked finish32": {"chunk_finish_block_t": 32},  # finish programs of 32 tokens × 512 dims: 256 per chunk
     "chunked finish1024": {"chunk_finish_h": 1024},  # 16 × 1024: 256 finish programs per chunk, 2 per SM
@@ -364,6 +369,14 @@ CHUNKED_VARIANTS: dict[str, dict] = {
     # on the new streams from L2, instead of the instruction-bound fused K loop; 3 launches per chunk
     "chunked fused-post": {"chunk_fused_post": True},
     "chunked fused-post C512 bt64 pdl": {"chunk_fused_post": True, "chunk_tokens": 512, "chunk_pdl": True, **_BT64},
+    # session 6, after the first sweep (fewer chunks were faster at every size: C2048 the best, 2 chunks at
+    # T = 4096): does the L2 re-read matter at all (C4096: one chunk, split-K with these kernels), and the best
+    # of each axis combined
+    "chunked C4096": {"chunk_tokens": 4096},
+    "chunked C2048 slice256": {"chunk_tokens": 2048, "chunk_max_slices": 16},
+    "chunked C2048 pdl": {"chunk_tokens": 2048, "chunk_pdl": True},
+    "chunked C2048 fused-post": {"chunk_tokens": 2048, "chunk_fused_post": True},
+    "chunked C4096 fused-post": {"chunk_tokens": 4096, "chunk_fused_post": True},
 }
 
 
