@@ -36,7 +36,8 @@ per call.
 tokens a partial and a finish kernel, no waiting between programs, the re-read from L2); ``CHUNKED_VARIANTS``
 lists its candidates, which ``benchmarks/mhc_sweep.py chunked`` checks and times beside today's default.
 Session 6's H200 sweep measured it faster than one pass for every op, at T = 4096 (chunks of 2048 tokens: pre
-134 µs, fused 249 µs, head 116 µs) and at decode sizes (T = 37), so it is the GPU default since; the
+124 µs, fused 201 µs, head 105 µs with one chunk of 4096 tokens and the fused op as post + pre) and at decode
+sizes (T = 37), so it is the GPU default since; the
 interpreter keeps the per-op designs the lessons run.
 """
 
@@ -119,12 +120,13 @@ class MhcLaunch:
     # chunked (hc_chunk_partial_kernel + hc_chunk_finish_kernel, launched once per chunk of chunk_tokens tokens;
     # kernels.py "Design 4"): the finish kernel re-reads the chunk's streams right after the partial kernel read
     # them, so from L2, with no waiting between programs. Takes precedence over one_pass; an explicit split_k
-    # overrides it. The default on a GPU since session 6's H200 sweep, with chunks of 2048 tokens (T = Hd = 4096:
-    # pre 133.8 µs vs 151.0 one pass, fused 248.7 vs 287.2, head 115.7 vs 120.1; T = 37: 21.1 vs 27.2 µs pre;
-    # fewer, bigger chunks were faster at every size, so the L2 re-read is not what limits it: benchmarks/mhc.md);
-    # in the interpreter the per-op designs stay, as for one_pass
+    # overrides it. The default on a GPU since session 6's two H200 sweeps: fewer, bigger chunks were faster at
+    # every size, so the L2 re-read is not what limits it, and one chunk of 4096 tokens with the fused op as post
+    # + pre ("chunked C4096 fused-post") was the fastest candidate over all three ops (T = Hd = 4096: pre 124.2 µs
+    # vs 151.0 one pass, fused 201.3 vs 287.2, head 105.2 vs 120.1; T = 37: fused 19.9 vs 37.5 µs;
+    # benchmarks/mhc.md); in the interpreter the per-op designs stay, as for one_pass
     chunked: bool = not interpreting()
-    chunk_tokens: int = 64 if interpreting() else 2048  # C: tokens per chunk (C × 4 × Hd × 2 B of streams; 1024
+    chunk_tokens: int = 64 if interpreting() else 4096  # C: tokens per chunk (C × 4 × Hd × 2 B of streams; 1024
     #                                                     fits the H200's 50 MB L2 at Hd = 4096, yet measured slower)
     # partial kernel (pre and head): the one-pass kernel's phase A, tile for tile
     chunk_block_t: int = 16 if interpreting() else 128
@@ -149,7 +151,7 @@ class MhcLaunch:
     chunk_finish_warps: int = 4
     chunk_sum_unroll: int = 8  # slices' partials in flight per round of the finish kernel's sum (32 slices: 4 rounds)
     chunk_pdl: bool = False  # compiled: programmatic dependent launch, the next chunk's partial overlaps this finish
-    chunk_fused_post: bool = False  # fused post+pre: post_kernel per chunk, then pre's kernels on the new streams
+    chunk_fused_post: bool = not interpreting()  # fused post+pre: post_kernel per chunk, then pre's kernels on the new streams
     #                                 (from L2): 3 launches per chunk instead of a post inside the partial kernel
 
     def __post_init__(self):
@@ -356,7 +358,7 @@ CHUNKED_VARIANTS: dict[str, dict] = {
     "chunked": {"chunk_tokens": 1024},  # 32 MB of streams per chunk, 32 slices × 8 tiles, finish 16 × 512 dims
     "chunked C512 bt64": {"chunk_tokens": 512, **_BT64},  # 16 MB per chunk; 8 tiles × 32 slices = 256 programs
     "chunked C768": {"chunk_tokens": 768},  # 24 MB per chunk: L2 margin for the layer input and workspace
-    "chunked C2048": {"chunk_tokens": 2048},  # the control: 64 MB per chunk is past the L2 (the default since session 6)
+    "chunked C2048": {"chunk_tokens": 2048},  # the control: 64 MB per chunk is past the L2
     "chunked slice256": {"chunk_max_slices": 16},  # 16 slices of 256 dims: 128 programs, half the finish's sum
     "chunked finish32": {"chunk_finish_block_t": 32},  # finish programs of 32 tokens × 512 dims: 256 per chunk
     "chunked finish1024": {"chunk_finish_h": 1024},  # 16 × 1024: 256 finish programs per chunk, 2 per SM
@@ -380,9 +382,15 @@ CHUNKED_VARIANTS: dict[str, dict] = {
 }
 
 
+# what the candidates were written against: the chunked fields before session 6 made C = 4096 with the fused
+# op as post + pre the GPU default (so every row of CHUNKED_VARIANTS keeps the meaning it was timed with)
+_CHUNK_BASE = {} if interpreting() else {"chunk_tokens": 1024, "chunk_fused_post": False}
+
+
 def chunked_variant(name: str, **overrides) -> MhcLaunch:
-    """``MhcLaunch(chunked=True)`` with the fields of ``CHUNKED_VARIANTS[name]``, then ``overrides``."""
-    return MhcLaunch(chunked=True, **{**CHUNKED_VARIANTS[name], **overrides})
+    """``MhcLaunch(chunked=True)`` with the fields of ``CHUNKED_VARIANTS[name]`` (over the fields the candidates
+    were written against: chunks of 1024 tokens, the fused K loop), then ``overrides``."""
+    return MhcLaunch(chunked=True, **{**_CHUNK_BASE, **CHUNKED_VARIANTS[name], **overrides})
 
 
 # ====================================================================================================

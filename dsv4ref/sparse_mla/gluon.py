@@ -1155,7 +1155,7 @@ def _kernel_and_flags(kern: dict, flags: dict):
         return kern["ws"], dict(NS=flags["NS"], OVERLAP=flags["OVERLAP"], PRODUCER_REGS=flags["PRODUCER_REGS"],
                                 DEEP=flags["DEEP"], DIAG=flags.get("DIAG", 0), PACKED=flags.get("PACKED", 0),
                                 KSPLIT=ksplit, ROLES=roles, PV_REGS=flags.get("PV_REGS", 160),
-                                QLATE=flags.get("QLATE", 0),
+                                QLATE=int(flags.get("QLATE", 0)) if roles else 0,  # the scorer loads it
                                 num_warps=4 if (ksplit or roles) else NUM_WARPS)
     return kern["decode"], dict(P_SMEM=flags["P_SMEM"], PIPE=flags["PIPE"], num_warps=NUM_WARPS)
 
