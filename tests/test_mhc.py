@@ -676,11 +676,13 @@ def test_launch_is_explicit():
               *(one_pass_variant(n) for n in ONE_PASS_VARIANTS), *(chunked_variant(n) for n in CHUNKED_VARIANTS)):
         assert MhcLaunch.decode(L.encode()) == L
     assert MhcLaunch(one_pass=True).design(fused=True) == "one_pass"
-    # chunked wins over one_pass (the GPU default); an explicit split_k still picks one of the first two designs
-    assert MhcLaunch(chunked=True, one_pass=True).design(fused=False) == "chunked"
+    # one_pass, never a default, wins when asked for over chunked (the GPU default since session 6); an explicit
+    # split_k still picks one of the first two designs
+    assert MhcLaunch(chunked=True, one_pass=True).design(fused=False) == "one_pass"
     assert MhcLaunch(chunked=True, split_k=True).design(fused=True) == "split_k"
     assert MhcLaunch(chunked=True).pre_like_fused().design(fused=False) == "chunked"
-    assert not MhcLaunch().chunked  # the default is unchanged until a GPU run measures the chunked design
+    assert not MhcLaunch().one_pass
+    assert MhcLaunch().chunked == (not interpreting())  # the GPU default; the interpreter keeps the per-op designs
     with pytest.raises(ValueError, match="launch.chunk_tokens: expected a multiple of the chunked token tiles"):
         MhcLaunch(chunk_tokens=100, chunk_block_t=16, chunk_fused_block_t=16, chunk_finish_block_t=16)
     with pytest.raises(TypeError, match="launch.chunk_pdl: expected a bool"):

@@ -91,7 +91,7 @@ class MhcLaunch:
     # default on a GPU since session 4's H200 sweep (T = Hd = 4096: pre 148 µs vs 250 split-K, fused 276 vs
     # 610, head 116 vs 215; benchmarks/mhc.md); in the interpreter the measured per-op designs stay (the
     # lessons' CPU cost), and the tests run every design explicitly
-    one_pass: bool = not interpreting()
+    one_pass: bool = False  # the GPU default from session 4 to session 6 (now chunked, below); asked for, it wins
     # pre and head: tiles, warps, pipeline stages, register cap (2 programs per SM at 8 warps need <= 128)
     one_pass_block_t: int = 32 if interpreting() else 128  # tokens per tile: fn is read from L2 once per tile
     one_pass_block_k: int = 128 if interpreting() else 16  # hidden dims per stream per GEMM chunk
@@ -119,8 +119,7 @@ class MhcLaunch:
     one_pass_hw_round: bool = True  # compiled: bf16 outputs rounded by the hardware conversion (same bits)
     # chunked (hc_chunk_partial_kernel + hc_chunk_finish_kernel, launched once per chunk of chunk_tokens tokens;
     # kernels.py "Design 4"): the finish kernel re-reads the chunk's streams right after the partial kernel read
-    # them, so from L2, with no waiting between programs. Takes precedence over one_pass; an explicit split_k
-    # overrides it. The default on a GPU since session 6's two H200 sweeps: fewer, bigger chunks were faster at
+    # them, so from L2, with no waiting between programs. one_pass=True and an explicit split_k override it. The default on a GPU since session 6's two H200 sweeps: fewer, bigger chunks were faster at
     # every size, so the L2 re-read is not what limits it, and one chunk of 4096 tokens with the fused op as post
     # + pre ("chunked C4096 fused-post") was the fastest candidate over all three ops (T = Hd = 4096: pre 124.2 µs
     # vs 151.0 one pass, fused 201.3 vs 287.2, head 105.2 vs 120.1; T = 37: fused 19.9 vs 37.5 µs;
@@ -203,12 +202,12 @@ class MhcLaunch:
     def design(self, fused: bool) -> str:
         """"chunked", "one_pass", "split_k" or "one_kernel": the kernels an op runs with this launch. An explicit
         ``split_k`` picks one of the first two (so ``MhcLaunch(split_k=...)`` means the same whatever the
-        ``one_pass`` default is); otherwise ``chunked``, otherwise ``one_pass``, otherwise the measured default
-        per op."""
-        if self.split_k is None and self.chunked:
-            return "chunked"
+        defaults are); otherwise ``one_pass`` (never a default since session 6, so it is always asked for),
+        otherwise ``chunked`` (the GPU default), otherwise the measured default per op."""
         if self.split_k is None and self.one_pass:
             return "one_pass"
+        if self.split_k is None and self.chunked:
+            return "chunked"
         return "split_k" if self.uses_split_k(fused) else "one_kernel"
 
     def pre_like_fused(self) -> "MhcLaunch":
