@@ -358,22 +358,34 @@ print(compare(h_k, h_ref, "bf16_out", "head").verdict())
 # wide dot (N = 128: hi | mid | lo | zeros) per stream chunk instead of three narrow ones. Its model expected
 # 50–64 % for pre and 70–85 % for fused on the H200. **Measured** (session 4, one H200 run beside the
 # ceilings, `benchmarks/RESULTS.md`): pre 152.6 µs (**27.5 %**), fused 280.8 µs (**29.8 %**), head 119.2 µs
-# (34.9 %) — 1.6×, 2.2× and 1.8× the designs above, so **one pass is the default on a GPU** (in the
-# interpreter the measured per-op designs stay, for the lessons' CPU time). The goal (≥ 50 %) is still missed
-# by 20–23 points: the tile's last arrival sums 32 slices' partials in a chain of dependent L2 round trips
-# while the next tile's programs wait on its flag, and the fused loop is instruction-bound
-# (`benchmarks/mhc.md` has the compile check and the sweep).
+# (34.9 %) — 1.6×, 2.2× and 1.8× the designs above, so one pass became the default on a GPU in session 4. The
+# goal (≥ 50 %) was still missed by 20–23 points: the tile's last arrival sums 32 slices' partials in a chain
+# of dependent L2 round trips while the next tile's programs wait on its flag.
 #
-# All three designs live in `kernels.py`: which one an op takes is a **launch choice**, as are the tile sizes,
-# warps and split counts. They are the fields of one frozen dataclass, `mhc.MhcLaunch`, passed explicitly as
-# `launch=` (None = the measured defaults: one pass on a GPU; in the interpreter `split_k=None` means split-K
-# for pre and head, one kernel for fused). Forcing a design changes the speed, never the result:
+# **A fourth design, chunked** (`kernels.hc_chunk_partial_kernel` + `hc_chunk_finish_kernel`,
+# `MhcLaunch(chunked=True)`): no program ever waits for another. Per chunk of C tokens, two launches: a
+# *partial* kernel (exactly one pass's step 1, each (tile, slice) program writing its partial mix) and a
+# *finish* kernel whose programs each re-sum their tile's partials in slice order (the same loads in the same
+# order in every program, so the same bits), run the gates and Sinkhorn, and make the weighted sum of their
+# own hidden range. C was meant to keep a chunk's streams in L2 for the finish's re-read. **Measured** (session
+# 6): fewer, bigger chunks were faster at *every* size, so the L2 re-read was never what limited one pass; one
+# chunk of 4096 tokens, with the fused op run as `post` then this pre, is the fastest: pre 124.9 µs
+# (**32.9 %**), fused 201.1 µs (**40.6 %**), head 104.9 µs, against one pass's 146.6 / 273.6 / 113.7 µs in the
+# same run. It is **the default on a GPU** (in the interpreter the measured per-op designs stay, for the
+# lessons' CPU time). The goal is still missed, by 17 and 9 points: the partial kernel's GEMM loop is now the
+# cost (`benchmarks/mhc.md` has both sweeps and what the profiler says about it).
+#
+# All four designs live in `kernels.py`: which one an op takes is a **launch choice**, as are the tile sizes,
+# warps, chunk and split counts. They are the fields of one frozen dataclass, `mhc.MhcLaunch`, passed
+# explicitly as `launch=` (None = the measured defaults: chunked on a GPU; in the interpreter `split_k=None`
+# means split-K for pre and head, one kernel for fused). Forcing a design changes the speed, never the result:
 
 # %%
 print("default design, pre / head: split-K =", mhc.MhcLaunch().uses_split_k(fused=False),
       "| fused post+pre: split-K =", mhc.MhcLaunch().uses_split_k(fused=True))
 for name, launch in (("one kernel", mhc.MhcLaunch(split_k=False)), ("split-K", mhc.MhcLaunch(split_k=True, splits=2)),
-                     ("one pass", mhc.MhcLaunch(one_pass=True))):
+                     ("one pass", mhc.MhcLaunch(one_pass=True)),
+                     ("chunked", mhc.MhcLaunch(chunked=True, chunk_tokens=16))):
     p_l, c_l, x_l = mhc.pre(res, fn, scale, base, launch=launch)
     print(compare(c_l, comb_w, "mhc", f"pre, {name}: comb").verdict(), "|",
           compare(x_l, x_ref, "bf16_out", "layer input").verdict())

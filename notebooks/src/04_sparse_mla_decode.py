@@ -505,8 +505,20 @@ for Tb, Hb, Kb in BENCH:
 # diagnostic where it was (23 / 39 / 31 µs): the skeleton does not wait on the producer's ALU. What it waits
 # on is not yet pinned down; the next suspects are the 64 KB of shared-memory stores per chunk (their bank
 # pattern) and the per-CTA prologue (Q load and its NaN scan run before any partition starts)
-# (`benchmarks/sparse_mla.md`, `benchmarks/RESULTS.md`). A schematic of the difference between rungs 2 and 4
-# (not a measurement):
+# (`benchmarks/sparse_mla.md`, `benchmarks/RESULTS.md`).
+#
+# **Session 6 looked per instruction** (Nsight Compute's warp-stall samples, split by partition). The P·V
+# warpgroup spends three quarters of its time waiting for the scorer; the scorer waits for the producer's
+# `ready`; the producer waits on its own row loads: it holds one half chunk (32 rows) of raw bytes in its 104
+# registers, so each half chunk costs a memory round trip it cannot hide. A diagnostic that runs no chunk at all
+# puts **15.5 µs** of the 77 at H 128 in fixed cost (128 CTAs each load a 64 KB query and store a 64 KB output).
+# Asking L2 for the rows ahead (prefetch instructions need no register) made it slower in both forms tried; the
+# query now reaches shared memory by `cp.async` inside the scorer partition while the producer already fetches
+# the first chunk (about 1 µs at H 64). Final run: **36.4 / 77.0 / 69.8 µs, 22.1 / 31.2 / 28.1 %**; the 35 % floor
+# is still missed. What the next kernel needs is more rows in flight in the producer, through TMA or `cp.async`
+# into a raw FP8 ring, which needs shared memory the query and two K stages now fill.
+#
+# A schematic of the difference between rungs 2 and 4 (not a measurement):
 
 # %%
 fig, axes = plt.subplots(2, 1, figsize=(10, 3.2), sharex=True)

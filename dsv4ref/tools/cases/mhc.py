@@ -39,8 +39,8 @@ def _check() -> list[CheckRow]:
         hfn, hscale, hbase = example_params(Hd, seed=T + 3, head=True)
         h64 = reference.head(res, hfn, hscale, hbase, dtype=torch.float64)
         rows.append(CheckRow("mhc.head", s, compare(head(res, hfn, hscale, hbase), h64, "bf16_out")))
-    # the one-pass design (MhcLaunch(one_pass=True)) and the chunked one (the GPU default; here chunks of 128 tokens
-    # here, so that T = 300 crosses two chunk boundaries): the same checks at real sizes
+    # the one-pass design (MhcLaunch(one_pass=True)) and the chunked one (the GPU default), in chunks of 128 tokens
+    # here so that T = 300 crosses two chunk boundaries: the same checks at real sizes
     designs = [("one-pass", MhcLaunch(one_pass=True)),
                ("chunked", MhcLaunch(chunked=True, chunk_tokens=16 if interpreting() else 128))]
     for (T, Hd), (label, one) in [(th, d) for d in designs
