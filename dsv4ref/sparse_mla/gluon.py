@@ -165,15 +165,21 @@ def _define_kernels():
         return _load_rows(slot, in1, ok, c1_u8, c1_i16, c1_i64, bs1, ps1, c2_u8, c2_i16, c2_i64, bs2, ps2, LU)
 
     @_gluon.jit
-    def _load_rows(slot, in1, ok, c1_u8, c1_i16, c1_i64, bs1, ps1, c2_u8, c2_i16, c2_i64, bs2, ps2,
-                   LU: gl.constexpr):
-        """The global loads of rows whose slots are known (see :func:`_load_raw`)."""
+    def _row_words(slot, in1, bs1, ps1, bs2, ps2):
+        """int64-word indices of a row's 576 data bytes (16-byte aligned) and of its 8 scale bytes, in the
+        paged layout (page = slot // block, the data of the page's rows first, then their scale words)."""
         bs = gl.where(in1, bs1, bs2)
         ps = gl.where(in1, ps1, ps2)
         page = slot // bs
         off = slot - page * bs
-        data = page * ps + off * 576  # byte offset of the row's 576 data bytes (ps: page stride in bytes)
-        sidx = (page * ps + bs * 576 + off * 8) // 8  # int64-word index of the row's 8 scale bytes
+        return (page * ps + off * 576) // 8, (page * ps + bs * 576 + off * 8) // 8
+
+    @_gluon.jit
+    def _load_rows(slot, in1, ok, c1_u8, c1_i16, c1_i64, bs1, ps1, c2_u8, c2_i16, c2_i64, bs2, ps2,
+                   LU: gl.constexpr):
+        """The global loads of rows whose slots are known (see :func:`_load_raw`)."""
+        dw, sidx = _row_words(slot, in1, bs1, ps1, bs2, ps2)
+        data = dw * 8  # byte offset of the row's 576 data bytes; sidx: int64-word index of its 8 scale bytes
         ridx = (data + 448) // 2  # int16 index of the 64 RoPE values
         col = gl.arange(0, 64, gl.SliceLayout(0, LU))
         m2 = ok[:, None] & (col[None, :] >= 0)
@@ -230,6 +236,12 @@ def _define_kernels():
         return n1, start, gl.minimum(start + chunk, n1 + n2)
 
     @_gluon.jit
+    def _nonfinite_rows(x):
+        """[R, C] bf16 -> [R] int32: 1 where the row holds a NaN or ±inf (exponent bits all ones), else 0."""
+        expo = x.to(gl.int16, bitcast=True) & 0x7F80
+        return gl.max((expo == 0x7F80).to(gl.int32), axis=1)
+
+    @_gluon.jit
     def _q_to_shared(q_ptr, t64, q_st, q_sh, hb, H, BH: gl.constexpr, LQ: gl.constexpr, SH_L: gl.constexpr):
         """Token t's query rows of head block hb, [BH, 512] bf16, in shared memory (padded heads: zero rows),
         and each head's poison word [BH] fp32: NaN where the query row holds a NaN or ±inf, else 0. The
@@ -241,8 +253,7 @@ def _define_kernels():
                     mask=(hq[:, None] < H) & (dq[None, :] >= 0), other=0.0)
         q_smem = gl.allocate_shared_memory(gl.bfloat16, [BH, 512], SH_L)
         q_smem.store(q)
-        expo = q.to(gl.int16, bitcast=True) & 0x7F80  # bf16 exponent all ones: NaN or ±inf
-        bad = gl.max((expo == 0x7F80).to(gl.int32), axis=1) != 0
+        bad = _nonfinite_rows(q) != 0
         qbad_smem = gl.allocate_shared_memory(gl.float32, [BH], gl.SwizzledSharedLayout(
             vec=1, per_phase=1, max_phase=1, order=[0]))
         qbad_smem.store(gl.where(bad, float("nan"), 0.0))
@@ -265,9 +276,7 @@ def _define_kernels():
         _bar()  # every thread's copies have landed
         bad = gl.zeros([BH], gl.int32, gl.SliceLayout(1, LQ))
         for j in gl.static_range(4):
-            x = q_smem.slice(128 * j, 128, dim=1).load(LQ)
-            expo = x.to(gl.int16, bitcast=True) & 0x7F80  # bf16 exponent all ones: NaN or ±inf
-            bad = gl.maximum(bad, gl.max((expo == 0x7F80).to(gl.int32), axis=1))
+            bad = gl.maximum(bad, _nonfinite_rows(q_smem.slice(128 * j, 128, dim=1).load(LQ)))
         qbad_smem.store(gl.where(bad != 0, float("nan"), 0.0))
         fence_async_shared()  # the copies were generic-proxy writes; wgmma reads through the async proxy
         _bar()
@@ -587,16 +596,6 @@ def _define_kernels():
         _epilogue(acc, m, l, qbad_smem, t64, hb, sp, H, sink_ptr, out_ptr, lse_ptr, po_ptr, pml_ptr, HAS_SINK, SPLITS, BH, O_L, S_L)
 
     # ---- packed producer and K-split consumers (flags PACKED, KSPLIT of _ws_kernel) ----------------------
-
-    @_gluon.jit
-    def _row_words(slot, in1, bs1, ps1, bs2, ps2):
-        """int64-word indices of a row's 576 data bytes (16-byte aligned) and of its 8 scale bytes, in the
-        paged layout (page = slot // block, the data of the page's rows first, then their scale words)."""
-        bs = gl.where(in1, bs1, bs2)
-        ps = gl.where(in1, ps1, ps2)
-        page = slot // bs
-        off = slot - page * bs
-        return (page * ps + off * 576) // 8, (page * ps + bs * 576 + off * 8) // 8
 
     @_gluon.jit
     def _row_ptrs_packed(slot, in1, ok, c1_i64, bs1, ps1, c2_i64, bs2, ps2, LW: gl.constexpr):
