@@ -13,7 +13,8 @@ import torch
 
 from dsv4ref import config, mhc, validate
 from dsv4ref.mhc import MhcLaunch, reference
-from dsv4ref.mhc.launch import CHUNKED_VARIANTS, ONE_PASS_VARIANTS, chunked_variant, one_pass_variant, split3
+from dsv4ref.mhc.launch import (CHUNKED_VARIANTS, ONE_PASS_VARIANTS, chunked_variant, one_pass_variant, split3,
+                                split_fn_wide)
 from dsv4ref.device import DEVICE, interpreting
 from dsv4ref.testing import assert_close, compare, generator, poison, randn
 
@@ -575,16 +576,23 @@ CHUNK_SMALL = dict(chunk_tokens=16, chunk_block_t=16, chunk_block_k=32, chunk_fu
                    chunk_maxnreg=None, chunk_fused_maxnreg=None)
 
 
-@pytest.mark.parametrize("sum_unroll,fused_post", [(1, False), (4, False), (4, True)])
-def test_chunked_matches_fp64_and_fused_equals_post_then_pre(sum_unroll, fused_post):
+@pytest.mark.parametrize("sum_unroll,fused_post,stream_k,fn_layout", [(1, False, False, 0), (4, False, False, 0),
+                                                                      (4, True, False, 0), (4, False, True, 0),
+                                                                      (1, False, False, 1), (4, True, True, 1),
+                                                                      (1, False, False, 2), (4, True, True, 2)])
+def test_chunked_matches_fp64_and_fused_equals_post_then_pre(sum_unroll, fused_post, stream_k, fn_layout):
     """T = 40 in chunks of 16 (three chunks, the last one partial) × Hd = 88 in three slices of one 32-wide
     chunk (the last partial) and three finish parts (part 0 alone stores post / comb; the others sum only the
     pre columns): pre and head match the fp64 oracle; fused == post then a pre of the same arithmetic
     (``pre_like_fused``), bit for bit on bf16, 1e-6 on fp32. ``sum_unroll`` 1 and 4 (the finish kernel's
     rounds; 3 slices: a partial round) give the same bits. ``fused_post``: the fused op runs ``post_kernel`` per
-    chunk, then pre's kernels on the new streams. (PDL is compiled only: the GPU tests and the sweep.)"""
+    chunk, then pre's kernels on the new streams. ``stream_k``: one stream's chunk per dot (pre, head);
+    ``fn_layout`` 1 / 2: the fn tiles from ``split_fn_wide`` (transposed: 2; the same operands, so the same bits as
+    0). (PDL is
+    compiled only: the GPU tests and the sweep.)"""
     T, Hd = 40, 88
-    L = MhcLaunch(chunked=True, chunk_sum_unroll=sum_unroll, chunk_fused_post=fused_post, **CHUNK_SMALL)
+    L = MhcLaunch(chunked=True, chunk_sum_unroll=sum_unroll, chunk_fused_post=fused_post, chunk_stream_k=stream_k,
+                  chunk_fn_layout=fn_layout, **CHUNK_SMALL)
     assert L.chunk_plan(T, Hd) == (16, 3, 3, 1, 32) and L.chunk_finish_plan(16, Hd) == (3, 32)
     res, x, fn, scale, base = case(T, Hd, seed=33)
     p, c, li = mhc.pre(res, fn, scale, base, launch=L)
@@ -592,8 +600,9 @@ def test_chunked_matches_fp64_and_fused_equals_post_then_pre(sum_unroll, fused_p
     assert_close(p, p64, "mhc", "post")
     assert_close(c, c64, "mhc", "comb")
     assert_close(li, x64, "bf16_out", "layer_input")
-    if sum_unroll == 4 and not fused_post:  # the sum's rounds change no bit
-        p1, c1, li1 = mhc.pre(res, fn, scale, base, launch=MhcLaunch(chunked=True, chunk_sum_unroll=1, **CHUNK_SMALL))
+    if (sum_unroll == 4 and not fused_post) or fn_layout:  # the sum's rounds and the fn copy's layout change no bit
+        p1, c1, li1 = mhc.pre(res, fn, scale, base, launch=MhcLaunch(chunked=True, chunk_sum_unroll=1,
+                                                                     chunk_stream_k=stream_k, **CHUNK_SMALL))
         assert_close(p1, p, "exact")
         assert_close(c1, c, "exact")
         assert_close(li1, li, "exact")
@@ -607,6 +616,22 @@ def test_chunked_matches_fp64_and_fused_equals_post_then_pre(sum_unroll, fused_p
     hfn, hscale, hbase = mhc.example_params(Hd, seed=34, head=True)
     assert_close(mhc.head(res, hfn, hscale, hbase, launch=L), reference.head(res, hfn, hscale, hbase, dtype=torch.float64),
                  "bf16_out")
+
+
+def test_split_fn_wide_is_the_split_in_gemm_tile_column_order():
+    """``split_fn_wide``: row k = [hi | mid | lo | 0] × (gate group | comb group) of ``split_fn``'s [G, 3, K, 16],
+    part 3 zero (head: one group), cached per split tensor; ``transposed``: its transpose."""
+    for head in (False, True):
+        fn = mhc.example_params(40, seed=37, head=head)[0]
+        fs = mhc.split_fn(fn, head=head)
+        w = split_fn_wide(fs)
+        G, K = fs.shape[0], fs.shape[2]
+        assert w.shape == (K, 4 * G * 16) and w.dtype == torch.bfloat16 and split_fn_wide(fs) is w
+        assert torch.equal(split_fn_wide(fs, transposed=True), w.t())
+        for p in range(3):
+            for g in range(G):
+                assert torch.equal(w[:, p * G * 16 + g * 16 : p * G * 16 + (g + 1) * 16], fs[g, p])
+        assert not w[:, 3 * G * 16 :].any()
 
 
 @GPU_ONLY

@@ -656,12 +656,26 @@ def fn_columns(K, NG: tl.constexpr):
 
 
 @triton.jit
-def gemm_tile(a, k, kmask, fs_ptr, K, part, DOT_FP32: tl.constexpr, NG: tl.constexpr):
+def gemm_tile(a, k, kmask, fs_ptr, K, part, DOT_FP32: tl.constexpr, NG: tl.constexpr, FN_LAYOUT: tl.constexpr = 0):
     """part + a @ [hi | mid | lo | 0]ᵀ[k, :] in ONE dot of N = 4·NG (NG = 32; head 16): a [BLOCK_T, n_k] bf16,
     k [n_k] its fn rows (``kmask``: rows past the slice read as zero). Three times fewer MMA waits than three
-    narrow dots, full-width tensor-core instructions; the parts are summed later (``fold_parts``)."""
-    col, live = fn_columns(K, NG)
-    b_off = col[None, :] + k.to(tl.int64)[:, None] * 16  # [n_k, 4·NG]
+    narrow dots, full-width tensor-core instructions; the parts are summed later (``fold_parts``).
+    ``FN_LAYOUT`` (what ``fs_ptr`` holds): 0 ``split_fn``'s [G, 3, K, 16]; 1 ``split_fn_wide``'s [K, 4·NG] (row k
+    = the tile's row, part 3 zero and masked: a warp's cp.async of two rows is 2 × 4·NG × 2 contiguous bytes
+    instead of 8 pieces of 64); 2 its transpose [4·NG, K] (k contiguous: the tile is loaded as [4·NG, n_k] and
+    fed to the dot transposed, so the wgmma reads a K-major B operand instead of transposing an N-major one)."""
+    if FN_LAYOUT == 2:
+        n = tl.arange(0, 4 * NG)
+        bt = tl.load(fs_ptr + n.to(tl.int64)[:, None] * K + k.to(tl.int64)[None, :],
+                     mask=(n < 3 * NG)[:, None] & kmask[None, :], other=0.0)  # [4·NG, n_k]
+        return dot(a, tl.trans(bt), part, DOT_FP32)
+    if FN_LAYOUT == 1:
+        n = tl.arange(0, 4 * NG)
+        b_off = n.to(tl.int64)[None, :] + k.to(tl.int64)[:, None] * (4 * NG)  # [n_k, 4·NG]
+        live = n < 3 * NG
+    else:
+        col, live = fn_columns(K, NG)
+        b_off = col[None, :] + k.to(tl.int64)[:, None] * 16  # [n_k, 4·NG]
     return dot(a, tl.load(fs_ptr + b_off, mask=kmask[:, None] & live[None, :], other=0.0), part, DOT_FP32)
 
 
@@ -682,7 +696,8 @@ def fold_parts(acc, NG: tl.constexpr, BLOCK_T: tl.constexpr):
 @triton.jit
 def partial_mix_one_pass(res_ptr, x_ptr, new_ptr, fs_ptr, W, rows, rm, h_begin, h_end, Hd, DOT_FP32: tl.constexpr,
                          FUSED: tl.constexpr, NG: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr,
-                         ONE_DOT: tl.constexpr, CHAIN: tl.constexpr, HW: tl.constexpr):
+                         ONE_DOT: tl.constexpr, CHAIN: tl.constexpr, HW: tl.constexpr, STREAM_K: tl.constexpr = False,
+                         FN_LAYOUT: tl.constexpr = 0):
     """``partial_mix`` with wide dots (``gemm_tile``), for the one-pass kernel: (acc [BLOCK_T, NG] fp32, ssq
     [BLOCK_T] fp32) of the hidden range [h_begin, h_end), all 4 streams (FUSED: the post applied, the new
     streams stored). Per BLOCK_K chunk of the 4 streams:
@@ -695,51 +710,70 @@ def partial_mix_one_pass(res_ptr, x_ptr, new_ptr, fs_ptr, W, rows, rm, h_begin, 
 
     Not ``CHAIN``: each chunk's MMAs start from zero, the folded chunk product is added to ``acc`` in fp32
     (the MMA-truncation rule of the module docstring, per chunk). ``CHAIN``: the range's MMAs chain into one
-    [BLOCK_T, 4·NG] partial, folded once at the end, so the dot's accumulator is carried by the loop."""
+    [BLOCK_T, 4·NG] partial, folded once at the end, so the dot's accumulator is carried by the loop.
+
+    ``STREAM_K`` (not FUSED, not CHAIN; the chunked partial kernel): per step ONE stream's BLOCK_K dims, a
+    [BLOCK_T, BLOCK_K] tile whose rows are contiguous in memory (BLOCK_K = 64: 128 bytes, the NVMMA swizzle's
+    row), the steps walking the streams fastest (4 steps per BLOCK_K dims); one zero-started dot per step, Σ X²
+    over the step's tile. ``FN_LAYOUT``: where the fn tiles come from (``gemm_tile``)."""
     kk = tl.arange(0, BLOCK_K)
     r4 = tl.arange(0, 4 * BLOCK_K)
     K = 4 * Hd
     acc = tl.zeros((BLOCK_T, NG), dtype=tl.float32)
     ssq = tl.zeros((BLOCK_T,), dtype=tl.float32)
-    run = tl.zeros((BLOCK_T, 4 * NG), dtype=tl.float32)  # CHAIN: the range's products so far, per bf16 part
-    for h0 in range(h_begin, h_end, BLOCK_K):
-        if CHAIN:
-            part = run
-        else:
-            part = tl.zeros((BLOCK_T, 4 * NG), dtype=tl.float32)
-        if (ONE_DOT == 2) and not FUSED:
-            h4 = h0 + r4 % BLOCK_K
-            k4 = (r4 // BLOCK_K) * Hd + h4  # = the fn row of column r: token t's stream i starts at (4t + i)·Hd
-            p = res_ptr.to(tl.pointer_type(tl.bfloat16), bitcast=True)
-            a = tl.load(p + rows[:, None] * (4 * Hd) + k4[None, :], mask=rm[:, None] & (h4 < h_end)[None, :], other=0.0)
+    if STREAM_K:
+        tl.static_assert(not FUSED and not CHAIN)
+        p = res_ptr.to(tl.pointer_type(tl.bfloat16), bitcast=True)
+        for c in range(0, 4 * tl.cdiv(h_end - h_begin, BLOCK_K)):
+            h = h_begin + (c // 4) * BLOCK_K + kk
+            hm = h < h_end
+            k = (c % 4) * Hd + h  # the fn rows of stream c % 4's dims h: its values start at (4t + c % 4)·Hd
+            a = tl.load(p + rows[:, None] * (4 * Hd) + k[None, :], mask=rm[:, None] & hm[None, :], other=0.0)
             x = a.to(tl.float32)
             ssq += tl.sum(x * x, axis=1)
-            part = gemm_tile(a, k4, h4 < h_end, fs_ptr, K, part, DOT_FP32, NG)
-        else:
-            h = h0 + kk
-            hm = h < h_end
-            if FUSED:
-                a0, a1, a2, a3, r0, r1, r2, r3 = stream_chunk(res_ptr, x_ptr, new_ptr, W, rows, h, Hd,
-                                                              rm[:, None] & hm[None, :], FUSED, HW)
-            else:  # through a bf16 pointer, so that the dots read the tiles from shared memory
-                a0, a1, a2, a3, r0, r1, r2, r3 = load_streams_bf16(res_ptr, rows[:, None] * (4 * Hd) + h[None, :], Hd,
-                                                                   rm[:, None] & hm[None, :])
-            ssq += tl.sum(weighted4(r0, r1, r2, r3, r0, r1, r2, r3, False), axis=1)  # Σ_i r_i², fixed FMA order
-            if ONE_DOT == 0:
-                part = gemm_tile(a0, h, hm, fs_ptr, K, part, DOT_FP32, NG)
-                part = gemm_tile(a1, Hd + h, hm, fs_ptr, K, part, DOT_FP32, NG)
-                part = gemm_tile(a2, 2 * Hd + h, hm, fs_ptr, K, part, DOT_FP32, NG)
-                part = gemm_tile(a3, 3 * Hd + h, hm, fs_ptr, K, part, DOT_FP32, NG)
-            else:
-                h4 = h0 + r4 % BLOCK_K
-                part = gemm_tile(join4(a0, a1, a2, a3, BLOCK_T, BLOCK_K), (r4 // BLOCK_K) * Hd + h4, h4 < h_end,
-                                 fs_ptr, K, part, DOT_FP32, NG)
-        if CHAIN:
-            run = part
-        else:
+            part = gemm_tile(a, k, hm, fs_ptr, K, tl.zeros((BLOCK_T, 4 * NG), dtype=tl.float32), DOT_FP32, NG,
+                             FN_LAYOUT)
             acc += fold_parts(part, NG, BLOCK_T)
-    if CHAIN:
-        acc = fold_parts(run, NG, BLOCK_T)
+    else:
+        run = tl.zeros((BLOCK_T, 4 * NG), dtype=tl.float32)  # CHAIN: the range's products so far, per bf16 part
+        for h0 in range(h_begin, h_end, BLOCK_K):
+            if CHAIN:
+                part = run
+            else:
+                part = tl.zeros((BLOCK_T, 4 * NG), dtype=tl.float32)
+            if (ONE_DOT == 2) and not FUSED:
+                h4 = h0 + r4 % BLOCK_K
+                k4 = (r4 // BLOCK_K) * Hd + h4  # = the fn row of column r: token t's stream i starts at (4t + i)·Hd
+                p = res_ptr.to(tl.pointer_type(tl.bfloat16), bitcast=True)
+                a = tl.load(p + rows[:, None] * (4 * Hd) + k4[None, :], mask=rm[:, None] & (h4 < h_end)[None, :], other=0.0)
+                x = a.to(tl.float32)
+                ssq += tl.sum(x * x, axis=1)
+                part = gemm_tile(a, k4, h4 < h_end, fs_ptr, K, part, DOT_FP32, NG, FN_LAYOUT)
+            else:
+                h = h0 + kk
+                hm = h < h_end
+                if FUSED:
+                    a0, a1, a2, a3, r0, r1, r2, r3 = stream_chunk(res_ptr, x_ptr, new_ptr, W, rows, h, Hd,
+                                                                  rm[:, None] & hm[None, :], FUSED, HW)
+                else:  # through a bf16 pointer, so that the dots read the tiles from shared memory
+                    a0, a1, a2, a3, r0, r1, r2, r3 = load_streams_bf16(res_ptr, rows[:, None] * (4 * Hd) + h[None, :], Hd,
+                                                                       rm[:, None] & hm[None, :])
+                ssq += tl.sum(weighted4(r0, r1, r2, r3, r0, r1, r2, r3, False), axis=1)  # Σ_i r_i², fixed FMA order
+                if ONE_DOT == 0:
+                    part = gemm_tile(a0, h, hm, fs_ptr, K, part, DOT_FP32, NG, FN_LAYOUT)
+                    part = gemm_tile(a1, Hd + h, hm, fs_ptr, K, part, DOT_FP32, NG, FN_LAYOUT)
+                    part = gemm_tile(a2, 2 * Hd + h, hm, fs_ptr, K, part, DOT_FP32, NG, FN_LAYOUT)
+                    part = gemm_tile(a3, 3 * Hd + h, hm, fs_ptr, K, part, DOT_FP32, NG, FN_LAYOUT)
+                else:
+                    h4 = h0 + r4 % BLOCK_K
+                    part = gemm_tile(join4(a0, a1, a2, a3, BLOCK_T, BLOCK_K), (r4 // BLOCK_K) * Hd + h4, h4 < h_end,
+                                     fs_ptr, K, part, DOT_FP32, NG, FN_LAYOUT)
+            if CHAIN:
+                run = part
+            else:
+                acc += fold_parts(part, NG, BLOCK_T)
+        if CHAIN:
+            acc = fold_parts(run, NG, BLOCK_T)
     return acc, ssq
 
 
@@ -939,6 +973,11 @@ def hc_one_pass_kernel(
 # With ``chunk_fused_post`` (the fused op as post_kernel + pre's kernels per chunk) the post kernel is the
 # early one instead: it reads only inputs and writes its chunk's new streams, then waits for the previous
 # finish before it ends; the partial kernel, which reads those new streams, is an ordinary launch after it.
+#
+# Shared memory of the partial kernel (benchmarks/mhc.md, "Partial kernel: shared memory"): its copies and reads are
+# bank-conflict-free (NVMMA 128-byte swizzle, 16-byte pieces), but a warp's cp.async of the stream tile gathers 16
+# lines (4 tokens × 4 streams × 32 B) and of the fn tile 7; STREAM_K (one stream's 64 dims per dot: 128-byte rows)
+# and FN_LAYOUT (fn from split_fn_wide's contiguous rows, or their transpose: a K-major B operand) make each 4.
 # ====================================================================================================
 
 
@@ -985,7 +1024,7 @@ def hc_chunk_partial_kernel(
     post_in_ptr,  # FUSED: [T, 4] fp32
     comb_in_ptr,  # FUSED: [T, 4, 4] fp32, source i -> destination j
     new_ptr,  # FUSED: the new residual [T, 4, Hd] as int16 (written)
-    fs_ptr,  # split_fn(fn): [G, 3, 4·Hd, 16] bf16
+    fs_ptr,  # split_fn(fn): [G, 3, 4·Hd, 16] bf16 (FN_LAYOUT 1 / 2: split_fn_wide(...))
     ws_ptr,  # [slices, C, WS_STRIDE] fp32 workspace: the chunk's partial mixes
     ssq_ptr,  # [slices, C] fp32 workspace: the chunk's partial Σ X²
     t0,  # the chunk's first token
@@ -1004,6 +1043,8 @@ def hc_chunk_partial_kernel(
     HW_ROUND: tl.constexpr,  # compiled only: the new streams rounded by the hardware conversion (bf16_bits)
     PDL: tl.constexpr,  # compiled only: programmatic dependent launch (see the section comment)
     DOT_FP32: tl.constexpr,
+    STREAM_K: tl.constexpr = False,  # not FUSED: one stream's BLOCK_K dims per dot (partial_mix_one_pass)
+    FN_LAYOUT: tl.constexpr = 0,  # 0 fs_ptr is split_fn(fn); 1 split_fn_wide(...) [4·Hd, 4·NG]; 2 its transpose
 ):
     tl.static_assert(BLOCK_K >= 16)
     tl.static_assert(BLOCK_T >= 16)
@@ -1019,7 +1060,7 @@ def hc_chunk_partial_kernel(
     h_begin = s * chunks_per_slice * BLOCK_K
     h_end = tl.minimum(h_begin + chunks_per_slice * BLOCK_K, Hd)
     acc, ssq = partial_mix_one_pass(res_ptr, x_ptr, new_ptr, fs_ptr, W, rows, rm, h_begin, h_end, Hd, DOT_FP32,
-                                    FUSED, NG, BLOCK_T, BLOCK_K, ONE_DOT, False, HW_ROUND)
+                                    FUSED, NG, BLOCK_T, BLOCK_K, ONE_DOT, False, HW_ROUND, STREAM_K, FN_LAYOUT)
     if PDL:  # the next launch (this chunk's finish) may start; the workspace is free once the previous finish ended
         tl.extra.cuda.gdc_launch_dependents()
         tl.extra.cuda.gdc_wait()

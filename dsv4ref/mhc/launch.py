@@ -152,6 +152,11 @@ class MhcLaunch:
     chunk_pdl: bool = False  # compiled: programmatic dependent launch, the next chunk's partial overlaps this finish
     chunk_fused_post: bool = not interpreting()  # fused post+pre: post_kernel per chunk, then pre's kernels on the new streams
     #                                 (from L2): 3 launches per chunk instead of a post inside the partial kernel
+    # the partial kernel's shared-memory traffic (benchmarks/mhc.md, "Partial kernel: shared memory"): each warp's
+    # cp.async of today's tiles gathers 16 B pieces from 16 (stream tile) / 8 (fn tile) separate places
+    chunk_stream_k: bool = False  # pre / head: each dot one stream's chunk_block_k dims (64: 128-byte rows), not 4 × 16
+    chunk_fn_layout: int = 0  # the fn tile from: 0 split_fn's [G, 3, 4·Hd, 16]; 1 a [4·Hd, 4·NG] copy (split_fn_wide:
+    #                           contiguous rows); 2 its transpose [4·NG, 4·Hd] (the wgmma's B operand K-major)
 
     def __post_init__(self):
         for name in ("block_t", "block_k", "split_block_t", "split_block_k", "finish_block_t", "finish_block_h",
@@ -179,6 +184,7 @@ class MhcLaunch:
                 validate.integer(getattr(self, name), f"launch.{name}", lo=24, hi=255)
         validate.integer(self.one_pass_one_dot, "launch.one_pass_one_dot", lo=0, hi=2)
         validate.integer(self.chunk_one_dot, "launch.chunk_one_dot", lo=0, hi=2)
+        validate.integer(self.chunk_fn_layout, "launch.chunk_fn_layout", lo=0, hi=2)
         for name in ("split_k",) + _BOOLS:
             v = getattr(self, name)
             if not (isinstance(v, bool) or (v is None and name == "split_k")):
@@ -219,7 +225,7 @@ class MhcLaunch:
             return dataclasses.replace(self, chunk_block_t=self.chunk_fused_block_t,
                                        chunk_block_k=self.chunk_fused_block_k, chunk_warps=self.chunk_fused_warps,
                                        chunk_stages=self.chunk_fused_stages, chunk_maxnreg=self.chunk_fused_maxnreg,
-                                       chunk_one_dot=min(self.chunk_one_dot, 1))
+                                       chunk_one_dot=min(self.chunk_one_dot, 1), chunk_stream_k=False)
         if self.design(fused=True) == "one_pass":  # the fused tiles (every tl.sum's order depends on them)
             return dataclasses.replace(self, one_pass_block_t=self.one_pass_fused_block_t,
                                        one_pass_block_k=self.one_pass_fused_block_k,
@@ -307,7 +313,7 @@ class MhcLaunch:
 
 
 _BOOLS = ("one_pass", "one_pass_chain", "one_pass_pack_ws", "one_pass_prefetch", "one_pass_hw_round", "chunked",
-          "chunk_pdl", "chunk_fused_post")
+          "chunk_pdl", "chunk_fused_post", "chunk_stream_k")
 
 DEFAULT = MhcLaunch()
 
@@ -353,6 +359,7 @@ def one_pass_variant(name: str, **overrides) -> MhcLaunch:
 # benchmarks/mhc_compile_check.py; every name starts with "chunked", so ``mhc_sweep.py chunked`` times only them.
 _BT64 = dict(chunk_block_t=64, chunk_warps=4, chunk_maxnreg=None, chunk_fused_block_t=64, chunk_fused_warps=4,
              chunk_fused_stages=3)
+_C4096 = dict(chunk_tokens=4096, chunk_fused_post=True)  # today's GPU default (session 6)
 CHUNKED_VARIANTS: dict[str, dict] = {
     "chunked": {"chunk_tokens": 1024},  # 32 MB of streams per chunk, 32 slices × 8 tiles, finish 16 × 512 dims
     "chunked C512 bt64": {"chunk_tokens": 512, **_BT64},  # 16 MB per chunk; 8 tiles × 32 slices = 256 programs
@@ -378,6 +385,16 @@ CHUNKED_VARIANTS: dict[str, dict] = {
     "chunked C2048 pdl": {"chunk_tokens": 2048, "chunk_pdl": True},
     "chunked C2048 fused-post": {"chunk_tokens": 2048, "chunk_fused_post": True},
     "chunked C4096 fused-post": {"chunk_tokens": 4096, "chunk_fused_post": True},
+    # after session 6 (today's default is "chunked C4096 fused-post"): the partial kernel's shared-memory
+    # traffic (benchmarks/mhc.md, "Partial kernel: shared memory"): sk64 = one stream's 64 dims per dot (128-byte
+    # rows), fnwide / fnkmajor = the fn tile from split_fn_wide (rows / its transpose); every name has "smem", so
+    # ``mhc_sweep.py smem`` times only these beside today's default
+    "chunked smem sk64": {**_C4096, "chunk_stream_k": True, "chunk_block_k": 64},
+    "chunked smem fnwide": {**_C4096, "chunk_fn_layout": 1},
+    "chunked smem sk64 fnwide": {**_C4096, "chunk_stream_k": True, "chunk_block_k": 64, "chunk_fn_layout": 1},
+    "chunked smem sk64 fnkmajor": {**_C4096, "chunk_stream_k": True, "chunk_block_k": 64, "chunk_fn_layout": 2},
+    "chunked smem sk64 fnwide 4st": {**_C4096, "chunk_stream_k": True, "chunk_block_k": 64, "chunk_fn_layout": 1,
+                                     "chunk_stages": 4},
 }
 
 
@@ -446,6 +463,31 @@ def split_fn(fn: torch.Tensor, M: int = HC_MULT, head: bool = False) -> torch.Te
     return out
 
 
+_WIDE_CACHE: dict[tuple, tuple] = {}
+
+
+def split_fn_wide(fs: torch.Tensor, transposed: bool = False) -> torch.Tensor:
+    """``split_fn``'s ``[G, 3, K, 16]`` as ``[K, 4·G·16]`` bf16: row k = [hi | mid | lo | 0] × the G·16 columns
+    (column p·G·16 + g·16 + j = ``fs[g, p, k, j]``; part 3 zero), the N axis of ``kernels.gemm_tile`` in memory
+    order, so a [BLOCK_K, 4·G·16] fn tile is BLOCK_K contiguous rows (``MhcLaunch.chunk_fn_layout`` 1), or
+    (``transposed``) its transpose ``[4·G·16, K]`` (layout 2). Cached per split tensor and version, as
+    ``split_fn`` (which caches the split per fn)."""
+    key = (id(fs), transposed)
+    hit = _WIDE_CACHE.get(key)
+    if hit is not None and hit[0]() is fs and hit[1] == fs._version:
+        return hit[2]
+    G, P, K, W = fs.shape
+    wide = torch.zeros(K, P + 1, G * W, dtype=fs.dtype, device=fs.device)
+    wide[:, :P] = fs.permute(2, 1, 0, 3).reshape(K, P, G * W)
+    out = wide.reshape(K, (P + 1) * G * W)
+    if transposed:
+        out = out.t().contiguous()
+    if len(_WIDE_CACHE) >= 16:
+        _WIDE_CACHE.pop(next(iter(_WIDE_CACHE)))
+    _WIDE_CACHE[key] = (weakref.ref(fs), fs._version, out)
+    return out
+
+
 # ====================================================================================================
 # Launchers
 # ====================================================================================================
@@ -487,7 +529,8 @@ def chunk_args(L: MhcLaunch, T: int, Hd: int, head: bool, fused: bool):
     hw = not interpreting()  # bf16 outputs rounded by the hardware conversion (the interpreter's cast truncates)
     pdl = L.chunk_pdl and not interpreting()
     partial = (dict(HEAD=head, FUSED=fused, BLOCK_T=bt, BLOCK_K=bk, ONE_DOT=min(L.chunk_one_dot, 1) if fused
-                    else L.chunk_one_dot, WS_GATE=ws_gate, WS_STRIDE=ws_stride, HW_ROUND=hw, PDL=pdl),
+                    else L.chunk_one_dot, WS_GATE=ws_gate, WS_STRIDE=ws_stride, HW_ROUND=hw, PDL=pdl,
+                    STREAM_K=L.chunk_stream_k and not fused, FN_LAYOUT=L.chunk_fn_layout),
                dict(num_warps=warps, num_stages=stages, maxnreg=maxnreg, launch_pdl=pdl))
     finish = (dict(HEAD=head, BLOCK_T=L.chunk_finish_block_t, BLOCK_H=L.chunk_finish_block_h,
                    SUM_UNROLL=L.chunk_sum_unroll, WS_GATE=ws_gate, WS_STRIDE=ws_stride, HW_ROUND=hw, PDL=pdl),
@@ -506,6 +549,8 @@ def launch_chunked(L: MhcLaunch, T: int, Hd: int, ptrs, scale, base, post, comb,
     (c, n_chunks, slices, cps, parts, h_per_part), (pc, po), (fc, fo), (n_mix, n_ssq) = chunk_args(L, T, Hd, head, fused)
     post_first = fused and L.chunk_fused_post
     res_in = ptrs[0]
+    if L.chunk_fn_layout:  # the partial kernel reads fn from a [4·Hd, 4·NG] copy (2: transposed)
+        ptrs = ptrs[:5] + (split_fn_wide(ptrs[5], transposed=L.chunk_fn_layout == 2),)
     if post_first:  # the partial kernel reads the new streams: pre's, with the new streams as its input
         ptrs = (ptrs[4],) + ptrs[1:]
     compiled = not interpreting()
