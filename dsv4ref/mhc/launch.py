@@ -129,7 +129,7 @@ class MhcLaunch:
     #                                                     fits the H200's 50 MB L2 at Hd = 4096, yet measured slower)
     # partial kernel (pre and head): the one-pass kernel's phase A, tile for tile
     chunk_block_t: int = 16 if interpreting() else 128
-    chunk_block_k: int = 64 if interpreting() else 16
+    chunk_block_k: int = 64  # (16 on a GPU until session 6's third sweep, with chunk_stream_k off)
     chunk_warps: int = 8
     chunk_stages: int = 3
     chunk_maxnreg: int | None = 128  # 2 programs per SM at 8 warps
@@ -154,9 +154,12 @@ class MhcLaunch:
     #                                 (from L2): 3 launches per chunk instead of a post inside the partial kernel
     # the partial kernel's shared-memory traffic (benchmarks/mhc.md, "Partial kernel: shared memory"): each warp's
     # cp.async of today's tiles gathers 16 B pieces from 16 (stream tile) / 8 (fn tile) separate places
-    chunk_stream_k: bool = False  # pre / head: each dot one stream's chunk_block_k dims (64: 128-byte rows), not 4 × 16
-    chunk_fn_layout: int = 0  # the fn tile from: 0 split_fn's [G, 3, 4·Hd, 16]; 1 a [4·Hd, 4·NG] copy (split_fn_wide:
-    #                           contiguous rows); 2 its transpose [4·NG, 4·Hd] (the wgmma's B operand K-major)
+    # (on a GPU since session 6's third sweep, with chunk_block_k = 64: "chunked smem sk64 fnkmajor", pre 94.1 µs vs
+    # 124.2, fused 170.5 vs 201.4, head 82.9 vs 103.8 at T = Hd = 4096; runs/2026-12-01_s6_h200_mhc_sweep3.log)
+    chunk_stream_k: bool = not interpreting()  # pre / head: each dot one stream's chunk_block_k dims (64: 128-byte
+    #                                            rows), not 4 × 16
+    chunk_fn_layout: int = 0 if interpreting() else 2  # the fn tile from: 0 split_fn's [G, 3, 4·Hd, 16]; 1 a
+    #   [4·Hd, 4·NG] copy (split_fn_wide: contiguous rows); 2 its transpose [4·NG, 4·Hd] (the wgmma's B operand K-major)
 
     def __post_init__(self):
         for name in ("block_t", "block_k", "split_block_t", "split_block_k", "finish_block_t", "finish_block_h",
@@ -400,7 +403,8 @@ CHUNKED_VARIANTS: dict[str, dict] = {
 
 # what the candidates were written against: the chunked fields before session 6 made C = 4096 with the fused
 # op as post + pre the GPU default (so every row of CHUNKED_VARIANTS keeps the meaning it was timed with)
-_CHUNK_BASE = {} if interpreting() else {"chunk_tokens": 1024, "chunk_fused_post": False}
+_CHUNK_BASE = {} if interpreting() else {"chunk_tokens": 1024, "chunk_fused_post": False, "chunk_block_k": 16,
+                                          "chunk_stream_k": False, "chunk_fn_layout": 0}
 
 
 def chunked_variant(name: str, **overrides) -> MhcLaunch:

@@ -188,7 +188,7 @@ def _bench() -> list[BenchCase]:
                 print(f"{name} one-pass {shape}: skipped ({type(e).__name__}: {str(e)[:120]})")
     # chunked (kernels.py "Design 4"; benchmarks/mhc_sweep.py times every candidate of CHUNKED_VARIANTS): the
     # field defaults and the best guess with programmatic dependent launch; same compulsory bytes
-    for variant in ("chunked C2048", "chunked C4096 fused-post"):  # the GPU default since session 6: the second
+    for variant in ("chunked C4096 fused-post", "chunked smem sk64 fnkmajor"):  # session 6: the second is the GPU default
         for op in ("pre", "fused", "head"):
             name, runner, b, f = runners[op]
             L = chunked_variant(variant)
