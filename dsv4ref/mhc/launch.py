@@ -36,8 +36,8 @@ per call.
 tokens a partial and a finish kernel, no waiting between programs, the re-read from L2); ``CHUNKED_VARIANTS``
 lists its candidates, which ``benchmarks/mhc_sweep.py chunked`` checks and times beside today's default.
 Session 6's H200 sweep measured it faster than one pass for every op, at T = 4096 (chunks of 2048 tokens: pre
-124 µs, fused 201 µs, head 105 µs with one chunk of 4096 tokens and the fused op as post + pre) and at decode
-sizes (T = 37), so it is the GPU default since; the
+94.6 µs, fused 170.5 µs, head 84.0 µs with one chunk of 4096 tokens, the fused op as post + pre and the
+partial kernel's copies made contiguous) and at decode sizes (T = 37), so it is the GPU default since; the
 interpreter keeps the per-op designs the lessons run.
 """
 

@@ -369,11 +369,13 @@ print(compare(h_k, h_ref, "bf16_out", "head").verdict())
 # order in every program, so the same bits), run the gates and Sinkhorn, and make the weighted sum of their
 # own hidden range. C was meant to keep a chunk's streams in L2 for the finish's re-read. **Measured** (session
 # 6): fewer, bigger chunks were faster at *every* size, so the L2 re-read was never what limited one pass; one
-# chunk of 4096 tokens, with the fused op run as `post` then this pre, is the fastest: pre 124.9 µs
-# (**32.9 %**), fused 201.1 µs (**40.6 %**), head 104.9 µs, against one pass's 146.6 / 273.6 / 113.7 µs in the
-# same run. It is **the default on a GPU** (in the interpreter the measured per-op designs stay, for the
-# lessons' CPU time). The goal is still missed, by 17 and 9 points: the partial kernel's GEMM loop is now the
-# cost (`benchmarks/mhc.md` has both sweeps and what the profiler says about it).
+# chunk of 4096 tokens, with the fused op run as `post` then this pre, is the fastest. What limited the
+# partial kernel was where its copies come from: a warp's `cp.async` of the [128 tokens, 4 streams × 16 dims]
+# tile gathered 16-byte pieces from 16 separate 128-byte lines. Reading one stream's 64 dims per dot
+# (`chunk_stream_k`: 128-byte rows) and `fn` from a K-major copy (`chunk_fn_layout=2`) took pre from 124 to
+# **94.6 µs (43.6 %)** and fused from 201 to **170.5 µs (48.1 %)**, against one pass's 145.9 / 274.5 µs in the
+# same run. That is **the default on a GPU** (in the interpreter the measured per-op designs stay, for the
+# lessons' CPU time). The ≥ 50 % goal is missed by 6 and 2 points (`benchmarks/mhc.md` has the three sweeps).
 #
 # All four designs live in `kernels.py`: which one an op takes is a **launch choice**, as are the tile sizes,
 # warps, chunk and split counts. They are the fields of one frozen dataclass, `mhc.MhcLaunch`, passed
@@ -385,7 +387,9 @@ print("default design, pre / head: split-K =", mhc.MhcLaunch().uses_split_k(fuse
       "| fused post+pre: split-K =", mhc.MhcLaunch().uses_split_k(fused=True))
 for name, launch in (("one kernel", mhc.MhcLaunch(split_k=False)), ("split-K", mhc.MhcLaunch(split_k=True, splits=2)),
                      ("one pass", mhc.MhcLaunch(one_pass=True)),
-                     ("chunked", mhc.MhcLaunch(chunked=True, chunk_tokens=16))):
+                     ("chunked", mhc.MhcLaunch(chunked=True, chunk_tokens=16)),
+                     ("chunked, contiguous copies", mhc.MhcLaunch(chunked=True, chunk_tokens=16, chunk_stream_k=True,
+                                                                  chunk_fn_layout=2))):
     p_l, c_l, x_l = mhc.pre(res, fn, scale, base, launch=launch)
     print(compare(c_l, comb_w, "mhc", f"pre, {name}: comb").verdict(), "|",
           compare(x_l, x_ref, "bf16_out", "layer input").verdict())
