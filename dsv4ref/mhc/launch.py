@@ -438,7 +438,22 @@ def split3(w: torch.Tensor) -> torch.Tensor:
     return torch.stack([hi, mid, lo])
 
 
-_SPLIT_CACHE: dict[int, tuple] = {}
+_DERIVED: dict[tuple, tuple] = {}  # (id(weight), what) -> (weak reference, version, derived tensor)
+
+
+def _derived(weight: torch.Tensor, what: tuple, build) -> torch.Tensor:
+    """``build()``, cached per weight tensor object, version counter and ``what``: an in-place update of the
+    weight invalidates it, and the cache holds a weak reference, so a freed tensor's address is never reused.
+    At most 16 entries (the oldest goes first)."""
+    key = (id(weight), *what)
+    hit = _DERIVED.get(key)
+    if hit is not None and hit[0]() is weight and hit[1] == weight._version:
+        return hit[2]
+    out = build()
+    if len(_DERIVED) >= 16:
+        _DERIVED.pop(next(iter(_DERIVED)))
+    _DERIVED[key] = (weakref.ref(weight), weight._version, out)
+    return out
 
 
 def split_fn(fn: torch.Tensor, M: int = HC_MULT, head: bool = False) -> torch.Tensor:
@@ -446,28 +461,20 @@ def split_fn(fn: torch.Tensor, M: int = HC_MULT, head: bool = False) -> torch.Te
     [pre 0..3 | post 4..7 | zero], group 1 = the 16 comb rows; G = 1 for the head: [gate 0..3 | zero]).
     K-major, so a kernel loads a ``[BLOCK_K, 16]`` tile of fnᵀ with contiguous rows.
 
-    fn is a weight: the split is cached per tensor object and version counter (an in-place update
-    invalidates it; the cache holds a weak reference, so a freed tensor's address is never reused)."""
-    key = id(fn)
-    hit = _SPLIT_CACHE.get(key)
-    if hit is not None and hit[0]() is fn and hit[1] == fn._version and hit[2] == head:
-        return hit[3]
-    K = fn.shape[1]
-    groups = 1 if head else 2
-    w = torch.zeros(groups, 16, K, dtype=torch.float32, device=fn.device)
-    if head:
-        w[0, :M] = fn
-    else:
-        w[0, : 2 * M] = fn[: 2 * M]  # pre, post
-        w[1, : M * M] = fn[2 * M :]  # comb, row-major (i, j)
-    out = split3(w).permute(1, 0, 3, 2).contiguous()  # [G, 3, K, 16]
-    if len(_SPLIT_CACHE) >= 16:
-        _SPLIT_CACHE.pop(next(iter(_SPLIT_CACHE)))
-    _SPLIT_CACHE[key] = (weakref.ref(fn), fn._version, head, out)
-    return out
+    fn is a weight: the split is cached per tensor object and version counter (:func:`_derived`)."""
 
+    def build():
+        K = fn.shape[1]
+        groups = 1 if head else 2
+        w = torch.zeros(groups, 16, K, dtype=torch.float32, device=fn.device)
+        if head:
+            w[0, :M] = fn
+        else:
+            w[0, : 2 * M] = fn[: 2 * M]  # pre, post
+            w[1, : M * M] = fn[2 * M :]  # comb, row-major (i, j)
+        return split3(w).permute(1, 0, 3, 2).contiguous()  # [G, 3, K, 16]
 
-_WIDE_CACHE: dict[tuple, tuple] = {}
+    return _derived(fn, ("split", M, head), build)
 
 
 def split_fn_wide(fs: torch.Tensor, transposed: bool = False) -> torch.Tensor:
@@ -475,21 +482,16 @@ def split_fn_wide(fs: torch.Tensor, transposed: bool = False) -> torch.Tensor:
     (column p·G·16 + g·16 + j = ``fs[g, p, k, j]``; part 3 zero), the N axis of ``kernels.gemm_tile`` in memory
     order, so a [BLOCK_K, 4·G·16] fn tile is BLOCK_K contiguous rows (``MhcLaunch.chunk_fn_layout`` 1), or
     (``transposed``) its transpose ``[4·G·16, K]`` (layout 2). Cached per split tensor and version, as
-    ``split_fn`` (which caches the split per fn)."""
-    key = (id(fs), transposed)
-    hit = _WIDE_CACHE.get(key)
-    if hit is not None and hit[0]() is fs and hit[1] == fs._version:
-        return hit[2]
-    G, P, K, W = fs.shape
-    wide = torch.zeros(K, P + 1, G * W, dtype=fs.dtype, device=fs.device)
-    wide[:, :P] = fs.permute(2, 1, 0, 3).reshape(K, P, G * W)
-    out = wide.reshape(K, (P + 1) * G * W)
-    if transposed:
-        out = out.t().contiguous()
-    if len(_WIDE_CACHE) >= 16:
-        _WIDE_CACHE.pop(next(iter(_WIDE_CACHE)))
-    _WIDE_CACHE[key] = (weakref.ref(fs), fs._version, out)
-    return out
+    ``split_fn`` (:func:`_derived`)."""
+
+    def build():
+        G, P, K, W = fs.shape
+        wide = torch.zeros(K, P + 1, G * W, dtype=fs.dtype, device=fs.device)
+        wide[:, :P] = fs.permute(2, 1, 0, 3).reshape(K, P, G * W)
+        out = wide.reshape(K, (P + 1) * G * W)
+        return out.t().contiguous() if transposed else out
+
+    return _derived(fs, ("wide", transposed), build)
 
 
 # ====================================================================================================
