@@ -168,38 +168,39 @@ def _bench() -> list[BenchCase]:
             cases.append(BenchCase(name, sk, run, n_sets, b, f, note))
         except Exception as e:  # reported, not fatal: the other rows still run
             print(f"{name}: skipped ({type(e).__name__}: {str(e)[:120]})")
-    # one pass (issue 14; kernels.py "Design 3"): the design as session 3 measured it and the field defaults
-    # (benchmarks/mhc_sweep.py times every candidate of ONE_PASS_VARIANTS); same compulsory bytes
     runners = {"pre": ("mhc.pre", run_pre, pre_b, flops), "fused": ("mhc.fused_post_pre", run_fused, fused_b, flops),
                "head": ("mhc.head", run_head, head_b, flops // 6)}
+
+    def add_design_case(op, design, shape, L, note):
+        """One row of ``op`` under launch ``L`` (same compulsory bytes as the op's first row); reported, not
+        fatal, if it does not run here."""
+        name, runner, b, f = runners[op]
+        enc = L.encode()
+        try:
+            runner(0, enc)
+            cases.append(BenchCase(f"{name} {design}", shape, lambda i, r=runner, e=enc: r(i, e), n_sets, b, f, note))
+        except Exception as e:
+            print(f"{name} {design} {shape}: skipped ({type(e).__name__}: {str(e)[:120]})")
+
+    # one pass (issue 14; kernels.py "Design 3"): the design as session 3 measured it and the field defaults
+    # (benchmarks/mhc_sweep.py times every candidate of ONE_PASS_VARIANTS)
     for variant in ("s3", "default"):
         for op in ("pre", "fused", "head"):
-            name, runner, b, f = runners[op]
             L = one_pass_variant(variant)
             tiles, slices, _, bk = L.one_pass_plan(T, Hd, op == "fused")
             shape = (f"T={T} Hd={Hd} {variant}: BLOCK_T={L.one_pass_tile(op == 'fused')[0]} BLOCK_K={bk} "
                      f"slice={L.one_pass_slice_h} lag={L.one_pass_lag} ({(tiles + L.one_pass_lag) * slices} programs)")
-            enc = L.encode()
-            try:
-                runner(0, enc)
-                cases.append(BenchCase(f"{name} one-pass", shape, lambda i, r=runner, e=enc: r(i, e), n_sets, b, f,
-                                       "as the op above; one launch, the second read of the streams from L2"))
-            except Exception as e:  # reported, not fatal: the other rows still run
-                print(f"{name} one-pass {shape}: skipped ({type(e).__name__}: {str(e)[:120]})")
+            add_design_case(op, "one-pass", shape, L, "as the op above; one launch, the second read of the streams from L2")
     # chunked (kernels.py "Design 4"; benchmarks/mhc_sweep.py times every candidate of CHUNKED_VARIANTS): the
-    # field defaults and the best guess with programmatic dependent launch; same compulsory bytes
-    for variant in ("chunked C4096 fused-post", "chunked smem sk64 fnkmajor"):  # session 6: the second is the GPU default
+    # second sweep's winner and the GPU default since session 6's third sweep (contiguous partial-kernel copies)
+    for variant in ("chunked C4096 fused-post", "chunked smem sk64 fnkmajor"):
         for op in ("pre", "fused", "head"):
-            name, runner, b, f = runners[op]
             L = chunked_variant(variant)
-            c, n_chunks, slices, cps, bk = L.chunk_plan(T, Hd, op == "fused")
-            shape = (f"T={T} Hd={Hd} {variant}: C={c} ({2 * n_chunks} launches) BLOCK_T={L.chunk_tile(op == 'fused')[0]} "
+            own = op == "fused" and not L.chunk_fused_post  # as post + pre, the fused op runs pre's partial kernel
+            c, n_chunks, slices, cps, bk = L.chunk_plan(T, Hd, own)
+            launches = (3 if op == "fused" and L.chunk_fused_post else 2) * n_chunks
+            shape = (f"T={T} Hd={Hd} {variant}: C={c} ({launches} launches) BLOCK_T={L.chunk_tile(own)[0]} "
                      f"BLOCK_K={bk} slice={cps * bk} finish={L.chunk_finish_block_t}x{L.chunk_finish_plan(c, Hd)[1]}")
-            enc = L.encode()
-            try:
-                runner(0, enc)
-                cases.append(BenchCase(f"{name} chunked", shape, lambda i, r=runner, e=enc: r(i, e), n_sets, b, f,
-                                       "as the op above; per chunk a partial and a finish kernel, re-read from L2"))
-            except Exception as e:  # reported, not fatal: the other rows still run
-                print(f"{name} chunked {shape}: skipped ({type(e).__name__}: {str(e)[:120]})")
+            add_design_case(op, "chunked", shape, L,
+                            "as the op above; per chunk a partial and a finish kernel, re-read from L2")
     return cases
