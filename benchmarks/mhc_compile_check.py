@@ -157,29 +157,19 @@ if __name__ == "__main__":
     want = sys.argv[1:]
     print(f"{kernels.__file__}, triton {triton.__version__}, sm_90a, T = Hd = {T}", flush=True)
     seen: dict[tuple, str] = {}
-    for name in ONE_PASS_VARIANTS:
-        if want and not any(w in name for w in want):
-            continue
-        for op in ("pre", "fused", "head"):
-            key = kernel_key(name, op)
-            if key in seen:
-                print(f"{name:20s} {op:5s} = {seen[key]!r} (the same kernel)", flush=True)
+    # (table, its kernels' identity, its compile-and-report): a candidate whose kernels equal an earlier one's
+    # is named, not compiled again
+    for table, key_of, report in ((ONE_PASS_VARIANTS, kernel_key, check), (CHUNKED_VARIANTS, chunked_key, check_chunked)):
+        for name in table:
+            if want and not any(w in name for w in want):
                 continue
-            seen[key] = name
-            try:
-                print(check(name, op), flush=True)
-            except Exception as e:  # a variant that does not compile is reported, not fatal
-                print(f"{name:20s} {op:5s} FAILED: {type(e).__name__}: {str(e)[:300]}", flush=True)
-    for name in CHUNKED_VARIANTS:
-        if want and not any(w in name for w in want):
-            continue
-        for op in ("pre", "fused", "head"):
-            key = chunked_key(name, op)
-            if key in seen:
-                print(f"{name:20s} {op:5s} = {seen[key]!r} (the same kernels)", flush=True)
-                continue
-            seen[key] = name
-            try:
-                print(check_chunked(name, op), flush=True)
-            except Exception as e:  # a variant that does not compile is reported, not fatal
-                print(f"{name:20s} {op:5s} FAILED: {type(e).__name__}: {str(e)[:300]}", flush=True)
+            for op in ("pre", "fused", "head"):
+                key = key_of(name, op)
+                if key in seen:
+                    print(f"{name:20s} {op:5s} = {seen[key]!r} (the same kernels)", flush=True)
+                    continue
+                seen[key] = name
+                try:
+                    print(report(name, op), flush=True)
+                except Exception as e:  # a variant that does not compile is reported, not fatal
+                    print(f"{name:20s} {op:5s} FAILED: {type(e).__name__}: {str(e)[:300]}", flush=True)
