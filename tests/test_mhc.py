@@ -519,6 +519,40 @@ def test_split_fn_is_exact_and_cached():
     assert b is not a and torch.equal(b.float(), a.float() * 2)
 
 
+def check_design(L, T, Hd, seed, custom_ops=False, between=None):
+    """The checks every design's launch ``L`` must pass at [T, 4, Hd] (inputs from ``case(T, Hd, seed)``, the
+    head's fn from seed + 1): pre and head match the fp64 oracle; fused == post then a pre of the same
+    arithmetic (``pre_like_fused``), bit for bit on bf16, 1e-6 on fp32. ``custom_ops``: through the registered
+    ops with poisoned outputs (``triton_*``) instead of the public functions. ``between(res, fn, scale, base,
+    (p, c, li))`` runs after the pre checks."""
+    if custom_ops:
+        pre_ = lambda r, f, s, b, launch: triton_pre(r, f, s, b, launch=launch)  # noqa: E731
+        fused_, post_, head_ = triton_fused, triton_post, triton_head
+    else:
+        pre_ = lambda r, f, s, b, launch: mhc.pre(r, f, s, b, launch=launch)  # noqa: E731
+        fused_ = lambda x, r, p, c, f, s, b, launch: mhc.fused_post_pre(x, r, p, c, f, s, b, launch=launch)  # noqa: E731
+        post_ = mhc.post
+        head_ = lambda r, f, s, b, launch: mhc.head(r, f, s, b, launch=launch)  # noqa: E731
+    res, x, fn, scale, base = case(T, Hd, seed=seed)
+    p, c, li = pre_(res, fn, scale, base, launch=L)
+    p64, c64, x64 = oracle_pre(res, fn, scale, base)
+    assert_close(p, p64, "mhc", "post")
+    assert_close(c, c64, "mhc", "comb")
+    assert_close(li, x64, "bf16_out", "layer_input")
+    if between is not None:
+        between(res, fn, scale, base, (p, c, li))
+    new, p2, c2, li2 = fused_(x, res, p, c, fn, scale, base, launch=L)
+    new_sep = post_(x, res, p, c)
+    p3, c3, li3 = pre_(new_sep, fn, scale, base, launch=L.pre_like_fused())
+    assert_close(new, new_sep, "exact")
+    assert_close(li2, li3, "exact")
+    assert_close(p2, p3, "fp32_reduction")
+    assert_close(c2, c3, "fp32_reduction")
+    hfn, hscale, hbase = mhc.example_params(Hd, seed=seed + 1, head=True)
+    assert_close(head_(res, hfn, hscale, hbase, launch=L), reference.head(res, hfn, hscale, hbase, dtype=torch.float64),
+                 "bf16_out")
+
+
 # ====================================================================================================
 # The one-pass design (MhcLaunch(one_pass=True); kernels.py "Design 3"), interpreter-sized
 # ====================================================================================================
@@ -547,22 +581,7 @@ def test_one_pass_matches_fp64_and_fused_equals_post_then_pre(variant):
     T, Hd = 19, 56
     L = one_pass_variant(variant, **SMALL)
     assert L.one_pass_plan(T, Hd) == (2, 2, 1, 32)
-    res, x, fn, scale, base = case(T, Hd, seed=31)
-    p, c, li = mhc.pre(res, fn, scale, base, launch=L)
-    p64, c64, x64 = oracle_pre(res, fn, scale, base)
-    assert_close(p, p64, "mhc", "post")
-    assert_close(c, c64, "mhc", "comb")
-    assert_close(li, x64, "bf16_out", "layer_input")
-    new, p2, c2, li2 = mhc.fused_post_pre(x, res, p, c, fn, scale, base, launch=L)
-    new_sep = mhc.post(x, res, p, c)
-    p3, c3, li3 = mhc.pre(new_sep, fn, scale, base, launch=L.pre_like_fused())
-    assert_close(new, new_sep, "exact")
-    assert_close(li2, li3, "exact")
-    assert_close(p2, p3, "fp32_reduction")
-    assert_close(c2, c3, "fp32_reduction")
-    hfn, hscale, hbase = mhc.example_params(Hd, seed=32, head=True)
-    assert_close(mhc.head(res, hfn, hscale, hbase, launch=L), reference.head(res, hfn, hscale, hbase, dtype=torch.float64),
-                 "bf16_out")
+    check_design(L, T, Hd, seed=31)
 
 
 # ====================================================================================================
@@ -594,28 +613,15 @@ def test_chunked_matches_fp64_and_fused_equals_post_then_pre(sum_unroll, fused_p
     L = MhcLaunch(chunked=True, chunk_sum_unroll=sum_unroll, chunk_fused_post=fused_post, chunk_stream_k=stream_k,
                   chunk_fn_layout=fn_layout, **CHUNK_SMALL)
     assert L.chunk_plan(T, Hd) == (16, 3, 3, 1, 32) and L.chunk_finish_plan(16, Hd) == (3, 32)
-    res, x, fn, scale, base = case(T, Hd, seed=33)
-    p, c, li = mhc.pre(res, fn, scale, base, launch=L)
-    p64, c64, x64 = oracle_pre(res, fn, scale, base)
-    assert_close(p, p64, "mhc", "post")
-    assert_close(c, c64, "mhc", "comb")
-    assert_close(li, x64, "bf16_out", "layer_input")
-    if (sum_unroll == 4 and not fused_post) or fn_layout:  # the sum's rounds and the fn copy's layout change no bit
-        p1, c1, li1 = mhc.pre(res, fn, scale, base, launch=MhcLaunch(chunked=True, chunk_sum_unroll=1,
-                                                                     chunk_stream_k=stream_k, **CHUNK_SMALL))
-        assert_close(p1, p, "exact")
-        assert_close(c1, c, "exact")
-        assert_close(li1, li, "exact")
-    new, p2, c2, li2 = mhc.fused_post_pre(x, res, p, c, fn, scale, base, launch=L)
-    new_sep = mhc.post(x, res, p, c)
-    p3, c3, li3 = mhc.pre(new_sep, fn, scale, base, launch=L.pre_like_fused())
-    assert_close(new, new_sep, "exact")
-    assert_close(li2, li3, "exact")
-    assert_close(p2, p3, "fp32_reduction")
-    assert_close(c2, c3, "fp32_reduction")
-    hfn, hscale, hbase = mhc.example_params(Hd, seed=34, head=True)
-    assert_close(mhc.head(res, hfn, hscale, hbase, launch=L), reference.head(res, hfn, hscale, hbase, dtype=torch.float64),
-                 "bf16_out")
+
+    def same_bits(res, fn, scale, base, got):  # the sum's rounds and the fn copy's layout change no bit
+        if (sum_unroll == 4 and not fused_post) or fn_layout:
+            ref = mhc.pre(res, fn, scale, base, launch=MhcLaunch(chunked=True, chunk_sum_unroll=1,
+                                                                 chunk_stream_k=stream_k, **CHUNK_SMALL))
+            for a, b in zip(ref, got):
+                assert_close(a, b, "exact")
+
+    check_design(L, T, Hd, seed=33, between=same_bits)
 
 
 def test_split_fn_wide_is_the_split_in_gemm_tile_column_order():
@@ -640,23 +646,7 @@ def test_chunked_variants_gpu(variant):
     """Every chunked candidate of the sweep (PDL among them) at T = 3000 (chunks of 512 / 1024 / 2048, the last
     one partial), Hd = 4096: pre and head against the fp64 oracle, fused == post then pre bit for bit."""
     T, Hd = 3000, 4096
-    L = chunked_variant(variant)
-    res, x, fn, scale, base = case(T, Hd, seed=35)
-    p, c, li = triton_pre(res, fn, scale, base, launch=L)
-    p64, c64, x64 = oracle_pre(res, fn, scale, base)
-    assert_close(p, p64, "mhc", "post")
-    assert_close(c, c64, "mhc", "comb")
-    assert_close(li, x64, "bf16_out", "layer_input")
-    new, p2, c2, li2 = triton_fused(x, res, p, c, fn, scale, base, L)
-    new_sep = triton_post(x, res, p, c)
-    p3, c3, li3 = triton_pre(new_sep, fn, scale, base, launch=L.pre_like_fused())
-    assert_close(new, new_sep, "exact")
-    assert_close(li2, li3, "exact")
-    assert_close(p2, p3, "fp32_reduction")
-    assert_close(c2, c3, "fp32_reduction")
-    hfn, hscale, hbase = mhc.example_params(Hd, seed=36, head=True)
-    assert_close(triton_head(res, hfn, hscale, hbase, L), reference.head(res, hfn, hscale, hbase, dtype=torch.float64),
-                 "bf16_out")
+    check_design(chunked_variant(variant), T, Hd, seed=35, custom_ops=True)
 
 
 @pytest.mark.parametrize("T,Hd,C,bt,bk,slice_h", [(1, 4096, 1024, 128, 16, 256), (4096, 4096, 1024, 128, 16, 256),
