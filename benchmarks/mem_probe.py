@@ -145,6 +145,30 @@ class Probe:
             line += f"; not timed: {', '.join(failed)}"
         self.summary.append(line)
 
+    def sweep(self, op, variants, wrong_bytes, timed_call, n, nbytes, ceil, copy_ms):
+        """Check, then time, each variant: ``wrong_bytes(v)`` runs it once and says what came out wrong (an
+        empty string: nothing); ``timed_call(v)`` is the per-set call to time. A variant that raises or writes
+        wrong bytes is reported and not timed. Returns (rows [(name, ms, long_ms)], failed [names])."""
+        rows, failed = [], []
+        for name, v in variants.items():
+            if self.spent():
+                failed.append(f"{name} (budget)")
+                continue
+            try:
+                bad = wrong_bytes(v)
+            except Exception as e:  # noqa: BLE001
+                print(f"{op:<7} {name:<30} FAILED {type(e).__name__}: {str(e).splitlines()[0][:100] if str(e) else ''}")
+                failed.append(f"{name} (failed)")
+                continue
+            if bad:
+                print(f"{op:<7} {name:<30} WRONG BYTES {bad}: not timed", flush=True)
+                failed.append(f"{name} (wrong bytes)")
+                continue
+            ms, long_ms = self.times(timed_call(v), n)
+            rows.append((name, ms, long_ms))
+            self.row(op, name, nbytes, ms, long_ms, ceil, copy_ms)
+        return rows, failed
+
     # -------------------------------------------------------------------------------- insert
     def insert(self, ceil: float):
         from kv_cache_sweep import make_sets
@@ -185,36 +209,25 @@ class Probe:
         print(f"\ninsert S={S} B={B}: {nbytes / 1e6:.1f} MB per call ({PER_TOKEN} B/token), {n} sets, "
               f"{time.perf_counter() - self.t0:.0f} s in", flush=True)
         self.row("insert", "same-size uint8 copy", nbytes, copy_ms, copy_long, ceil, copy_ms)
-        rows, failed = [], []
-        for name, v in variants.items():
-            if self.spent():
-                failed.append(f"{name} (budget)")
-                continue
-            try:
-                c = hcache.clone()
-                launch_insert(c, hkv, hslots, B, v)
-                ok_hard = torch.equal(c, want_hard)
-                sets[0][0].zero_()
-                launch_insert(sets[0][0], sets[0][1], sets[0][2], B, v)
-                ok = ok_hard and torch.equal(sets[0][0], want)
-            except Exception as e:  # noqa: BLE001
-                print(f"insert  {name:<30} FAILED {type(e).__name__}: {str(e).splitlines()[0][:100] if str(e) else ''}")
-                failed.append(f"{name} (failed)")
-                continue
-            if not ok:
-                print(f"insert  {name:<30} WRONG BYTES ({'timed set' if ok_hard else 'hard set'}): not timed", flush=True)
-                failed.append(f"{name} (wrong bytes)")
-                continue
+        def wrong_bytes(v):
+            c = hcache.clone()
+            launch_insert(c, hkv, hslots, B, v)
+            if not torch.equal(c, want_hard):
+                return "(hard set)"
+            sets[0][0].zero_()
+            launch_insert(sets[0][0], sets[0][1], sets[0][2], B, v)
+            return "" if torch.equal(sets[0][0], want) else "(timed set)"
 
-            def fn(i, v=v):
+        def timed_call(v):
+            def fn(i):
                 c, kv, sl, _ = sets[i]
                 launch_insert(c, kv, sl, B, v)
-            ms, long_ms = self.times(fn, n)
-            rows.append((name, ms, long_ms))
-            self.row("insert", name, nbytes, ms, long_ms, ceil, copy_ms)
+            return fn
+
+        rows, failed = self.sweep("insert", variants, wrong_bytes, timed_call, n, nbytes, ceil, copy_ms)
         self.finish(f"kv_cache.insert S={S}", rows, nbytes, ceil, copy_ms, copy_long, failed)
         sets.clear()
-        del want, copy
+        want = copy = None  # (freed before empty_cache)
         empty_cache()
 
     # -------------------------------------------------------------------------------- stage
@@ -241,30 +254,20 @@ class Probe:
         print(f"\nstage T={T} Hd={Hd} K={K}: {nbytes / 1e6:.1f} MB per call, {n} sets, "
               f"{time.perf_counter() - self.t0:.0f} s in", flush=True)
         self.row("stage", "same-size uint8 copy", nbytes, copy_ms, copy_long, ceil, copy_ms)
-        rows, failed = [], []
-        for name, v in variants.items():
-            if self.spent():
-                failed.append(f"{name} (budget)")
-                continue
-            args = stage_op_args(v)
+        def wrong_bytes(v):
             x, ids, w, q, sf, i64, w32 = sets[0]
             for b in (q, sf, i64, w32):
                 b.fill_(-1 if b.dtype != torch.uint8 else 0x7F)  # poison: an unwritten byte shows
-            try:
-                torch.ops.dsv4ref.moe_stage(*sets[0], *args)
-                bad = [nm for nm, g, r in zip(("x_fp8", "x_sf", "ids", "weights"), (q, sf, i64, w32), want)
-                       if not torch.equal(g.view(torch.uint8), r.view(torch.uint8))]
-            except Exception as e:  # noqa: BLE001
-                print(f"stage   {name:<30} FAILED {type(e).__name__}: {str(e).splitlines()[0][:100] if str(e) else ''}")
-                failed.append(f"{name} (failed)")
-                continue
-            if bad:
-                print(f"stage   {name:<30} WRONG BYTES in {', '.join(bad)}: not timed", flush=True)
-                failed.append(f"{name} (wrong bytes)")
-                continue
-            ms, long_ms = self.times(lambda i, a=args: torch.ops.dsv4ref.moe_stage(*sets[i], *a), n)
-            rows.append((name, ms, long_ms))
-            self.row("stage", name, nbytes, ms, long_ms, ceil, copy_ms)
+            torch.ops.dsv4ref.moe_stage(*sets[0], *stage_op_args(v))
+            bad = [nm for nm, g, r in zip(("x_fp8", "x_sf", "ids", "weights"), (q, sf, i64, w32), want)
+                   if not torch.equal(g.view(torch.uint8), r.view(torch.uint8))]
+            return f"in {', '.join(bad)}" if bad else ""
+
+        def timed_call(v):
+            args = stage_op_args(v)
+            return lambda i: torch.ops.dsv4ref.moe_stage(*sets[i], *args)
+
+        rows, failed = self.sweep("stage", variants, wrong_bytes, timed_call, n, nbytes, ceil, copy_ms)
         self.finish(f"moe.stage T={T} Hd={Hd} K={K}", rows, nbytes, ceil, copy_ms, copy_long, failed)
         sets.clear()
         del copy
