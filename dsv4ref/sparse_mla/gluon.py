@@ -545,6 +545,26 @@ def _define_kernels():
             mbarrier.arrive(empty.index(it % NS))
 
     @_gluon.jit
+    def _consumer_start(ready, empty, n_it, start, n1, stop, i1, i2, BH: gl.constexpr, SN: gl.constexpr,
+                        DW: gl.constexpr, NS: gl.constexpr, DIAG: gl.constexpr, S_L: gl.constexpr,
+                        O_L: gl.constexpr):
+        """A consumer's starting state: the running row max m and sum l [BH] (layout of the score tile S_L),
+        its accumulator [BH, DW] fp32 (O_L), a zero score tile [BH, SN], the first chunk's candidate ids [SN]
+        (the columns of the score tile) and their mask; and
+        the chunk count it will run (DIAG >= 2, timing only: every stage taken and released with no MMA, then
+        none left)."""
+        m = gl.full([BH], -float("inf"), gl.float32, gl.SliceLayout(1, S_L))
+        l = gl.zeros([BH], gl.float32, gl.SliceLayout(1, S_L))
+        acc = gl.zeros([BH, DW], gl.float32, O_L)
+        s0 = gl.zeros([BH, SN], gl.float32, S_L)
+        cols = start + gl.arange(0, SN, gl.SliceLayout(0, S_L))
+        _, _, okc = _slots(cols, n1, stop, i1, i2)
+        if DIAG >= 2:  # timing diagnostic only (wrong results): take each stage and release it, no MMA
+            _drain(ready, empty, n_it, NS)
+            n_it = 0
+        return m, l, acc, s0, cols, okc, n_it
+
+    @_gluon.jit
     def _ws_consumer(q_smem, qbad_smem, k_smem, p_smem, ready, empty, start, n_it, n1, stop, i1, i2, qk_scale,
                      t64, hb, sp, H, sink_ptr, out_ptr, lse_ptr, po_ptr, pml_ptr,
                      HAS_SINK: gl.constexpr, SPLITS: gl.constexpr, BH: gl.constexpr, BN: gl.constexpr,
@@ -555,15 +575,8 @@ def _define_kernels():
         O_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, 256, 16])
         S_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
                                                       instr_shape=[16, BN // 2, 16])
-        m = gl.full([BH], -float("inf"), gl.float32, gl.SliceLayout(1, S_L))
-        l = gl.zeros([BH], gl.float32, gl.SliceLayout(1, S_L))
-        acc = gl.zeros([BH, 512], gl.float32, O_L)
-        s0 = gl.zeros([BH, BN], gl.float32, S_L)
-        cols = start + gl.arange(0, BN, gl.SliceLayout(0, S_L))
-        _, _, okc = _slots(cols, n1, stop, i1, i2)
-        if DIAG >= 2:  # timing diagnostic only (wrong results): take each stage and release it, no MMA
-            _drain(ready, empty, n_it, NS)
-            n_it = 0
+        m, l, acc, s0, cols, okc, n_it = _consumer_start(ready, empty, n_it, start, n1, stop, i1, i2, BH, BN, 512, NS, DIAG,
+                                                         S_L, O_L)
         if OVERLAP:
             mbarrier.wait(ready.index(0), 0, pred=n_it > 0)
             s = warpgroup_mma(q_smem, k_smem.index(0).permute((1, 0)), s0, use_acc=False)
@@ -852,17 +865,10 @@ def _define_kernels():
         P_L: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=O_L, k_width=2)
         D0: gl.constexpr = 256 * W
         q_h = q_smem.slice(D0, 256, dim=1)
-        m = gl.full([BH], -float("inf"), gl.float32, gl.SliceLayout(1, S_L))
-        l = gl.zeros([BH], gl.float32, gl.SliceLayout(1, S_L))
-        acc = gl.zeros([BH, 256], gl.float32, O_L)
-        s0 = gl.zeros([BH, SN], gl.float32, S_L)
-        cols = start + gl.arange(0, SN, gl.SliceLayout(0, S_L))
-        _, _, okc = _slots(cols, n1, stop, i1, i2)
+        m, l, acc, s0, cols, okc, n_it = _consumer_start(ready, empty, n_it, start, n1, stop, i1, i2, BH, SN, 256, NS, DIAG,
+                                                         S_L, O_L)
         if HALVES:
             _, _, okb = _slots(cols + SN, n1, stop, i1, i2)
-        if DIAG >= 2:  # timing diagnostic only (wrong results): take each stage and release it, no MMA
-            _drain(ready, empty, n_it, NS)
-            n_it = 0
         for it in range(n_it):
             st = it % NS
             k_h = k_smem.index(st).slice(D0, 256, dim=1)
@@ -952,15 +958,8 @@ def _define_kernels():
         P_L: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=O_L, k_width=2)
         if QLATE:
             _q_async(q_ptr, t64, q_st, q_sh, hb, H, q_smem, qbad_smem, BH)
-        m = gl.full([BH], -float("inf"), gl.float32, gl.SliceLayout(1, S_L))
-        l = gl.zeros([BH], gl.float32, gl.SliceLayout(1, S_L))
-        acc = gl.zeros([BH, 256], gl.float32, O_L)
-        s0 = gl.zeros([BH, BN], gl.float32, S_L)
-        cols = start + gl.arange(0, BN, gl.SliceLayout(0, S_L))
-        _, _, okc = _slots(cols, n1, stop, i1, i2)
-        if DIAG >= 2:  # timing diagnostic only (wrong results): take each stage and release it, no MMA
-            _drain(ready, empty, n_it, NS)
-            n_it = 0
+        m, l, acc, s0, cols, okc, n_it = _consumer_start(ready, empty, n_it, start, n1, stop, i1, i2, BH, BN, 256, NS, DIAG,
+                                                         S_L, O_L)
         if OVERLAP:
             mbarrier.wait(ready.index(0), 0, pred=n_it > 0)
             s = warpgroup_mma(q_smem, k_smem.index(0).permute((1, 0)), s0, use_acc=False)
