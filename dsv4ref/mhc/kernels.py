@@ -793,15 +793,19 @@ def store_partial_packed(ws_ptr, ssq_ptr, wo, rm, acc, ssq, NG: tl.constexpr, WS
 
 @triton.jit
 def sum_partials_rounds(ws_ptr, ssq_ptr, rows, rm, T, slices, HEAD: tl.constexpr, BLOCK_T: tl.constexpr,
-                        UNROLL: tl.constexpr, WS_GATE: tl.constexpr, WS_STRIDE: tl.constexpr):
-    """(acc_g, acc_c [BLOCK_T, 16], ssq [BLOCK_T]) for ``gates``: the ``slices`` partials of ``rows`` added in
-    slice order (fixed: the same sum whichever program runs it), in rounds of UNROLL slices. A round is
-    unrolled and its loads do not depend on its adds, so all UNROLL slices' loads are in flight together:
-    slices / UNROLL L2 round trips instead of one per slice; the sum (and its bits) do not depend on UNROLL.
-    Loads through L2 only (``.cg``): other programs wrote the workspace during this launch."""
+                        UNROLL: tl.constexpr, WS_GATE: tl.constexpr, WS_STRIDE: tl.constexpr, n_gate, n_comb,
+                        CACHE: tl.constexpr):
+    """(acc_g, acc_c [BLOCK_T, 16], ssq [BLOCK_T]) for ``gates``: the ``slices`` partials of ``rows`` (workspace
+    row ``slice·T + rows``) added in slice order (fixed: the same sum whichever program runs it), in rounds of
+    UNROLL slices. A round is unrolled and its loads do not depend on its adds, so all UNROLL slices' loads are
+    in flight together: slices / UNROLL L2 round trips instead of one per slice; the sum (and its bits) do not
+    depend on UNROLL. Only the first ``n_gate`` gate and ``n_comb`` comb columns are loaded (the others stay
+    zero): the chunked finish programs that store neither post nor comb load only the 4 pre columns, with the
+    same loads in the same order, so the same pre. CACHE: the loads' cache modifier (".cg", through L2 only,
+    where other programs of the same launch wrote the workspace)."""
     n16 = tl.arange(0, 16)
-    mg = rm[:, None] & (n16 < WS_GATE)[None, :]
-    mc = rm[:, None] & (n16 < 16)[None, :]
+    mg = rm[:, None] & (n16 < n_gate)[None, :]
+    mc = rm[:, None] & (n16 < n_comb)[None, :]
     acc_g = tl.zeros((BLOCK_T, 16), dtype=tl.float32)
     acc_c = tl.zeros((BLOCK_T, 16), dtype=tl.float32)
     ssq = tl.zeros((BLOCK_T,), dtype=tl.float32)
@@ -811,10 +815,10 @@ def sum_partials_rounds(ws_ptr, ssq_ptr, rows, rm, T, slices, HEAD: tl.constexpr
             ok = sl < slices
             wo = sl * T + rows  # its workspace rows
             at = ws_ptr + wo[:, None] * WS_STRIDE + n16[None, :]
-            acc_g += tl.load(at, mask=mg & ok[:, None], other=0.0, cache_modifier=".cg")
+            acc_g += tl.load(at, mask=mg & ok[:, None], other=0.0, cache_modifier=CACHE)
             if not HEAD:
-                acc_c += tl.load(at + WS_GATE, mask=mc & ok[:, None], other=0.0, cache_modifier=".cg")
-            ssq += tl.load(ssq_ptr + wo, mask=rm & ok, other=0.0, cache_modifier=".cg")
+                acc_c += tl.load(at + WS_GATE, mask=mc & ok[:, None], other=0.0, cache_modifier=CACHE)
+            ssq += tl.load(ssq_ptr + wo, mask=rm & ok, other=0.0, cache_modifier=CACHE)
     return acc_g, acc_c, ssq
 
 
@@ -880,7 +884,7 @@ def hc_one_pass_kernel(
         tl.debug_barrier()  # every thread's stores (partials; FUSED: new streams) before the release below
         if tl.atomic_add(sync_ptr + 1 + tile, 1, sem="acq_rel", scope="gpu") == slices - 1:  # the last one
             acc_g, acc_c, ssq = sum_partials_rounds(ws_ptr, ssq_ptr, rows, rm, T, slices, HEAD, BLOCK_T, SUM_UNROLL,
-                                                    WS_GATE, WS_STRIDE)
+                                                    WS_GATE, WS_STRIDE, WS_GATE, 16, ".cg")
             w0, w1, w2, w3 = gates(acc_g, acc_c, ssq, 4 * Hd, rows, rm, scale_ptr, base_ptr, post_ptr, comb_ptr,
                                    T, rms_eps, hc_eps, post_mult, iters, True, HEAD, BLOCK_T)
             tl.store(wpre_ptr + rows * 4, w0, mask=rm)
@@ -945,7 +949,7 @@ def hc_one_pass_kernel(
 #   [slices, C, 24] (head [slices, C, 4]) + [slices, C] at the token's row within the chunk. No ticket, no
 #   counter, no flag.
 # * hc_chunk_finish_kernel, grid (hidden parts × the chunk's finish tiles): every program of a token tile sums
-#   that tile's partials in slice order (``sum_partials_chunk``: the same loads in the same order in every
+#   that tile's partials in slice order (``sum_partials_rounds``: the same loads in the same order in every
 #   program, so the same bits; the redundant sums replace the one-pass design's serial last arrival), runs
 #   ``gates`` — part 0 also post and Sinkhorn, and stores post / comb; the other parts load only the pre
 #   columns (4 of 24) and skip Sinkhorn — then the weighted sum over its own hidden range, re-reading the
@@ -988,33 +992,6 @@ def chunk_rows(t0, t_end, tile, BLOCK_T: tl.constexpr):
     lrow = tile.to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
     rows = t0 + lrow
     return rows, rows < t_end, lrow
-
-
-@triton.jit
-def sum_partials_chunk(ws_ptr, ssq_ptr, lrow, rm, C, slices, full, HEAD: tl.constexpr, BLOCK_T: tl.constexpr,
-                       UNROLL: tl.constexpr, WS_GATE: tl.constexpr, WS_STRIDE: tl.constexpr):
-    """``sum_partials_rounds`` for the chunked finish kernel: (acc_g, acc_c [BLOCK_T, 16], ssq [BLOCK_T]), the
-    ``slices`` partials of the chunk rows ``lrow`` (workspace row ``slice·C + lrow``) added in slice order, in
-    unrolled rounds of UNROLL slices (all their loads in flight together; the sum, and its bits, do not depend
-    on UNROLL). Not ``full``: only the pre columns (0..3) are loaded (what the weighted sum needs; post and comb
-    stay zero and are not used), the same loads in the same order as a ``full`` program's, so the same pre."""
-    n16 = tl.arange(0, 16)
-    mg = rm[:, None] & (n16 < tl.where(full, WS_GATE, 4))[None, :]
-    mc = rm[:, None] & (n16 < tl.where(full, 16, 0))[None, :]
-    acc_g = tl.zeros((BLOCK_T, 16), dtype=tl.float32)
-    acc_c = tl.zeros((BLOCK_T, 16), dtype=tl.float32)
-    ssq = tl.zeros((BLOCK_T,), dtype=tl.float32)
-    for s0 in range(0, slices, UNROLL):
-        for u in tl.static_range(UNROLL):
-            sl = tl.zeros_like(lrow) + (s0 + u)  # the slice, per row (int64)
-            ok = sl < slices
-            wo = sl * C + lrow
-            at = ws_ptr + wo[:, None] * WS_STRIDE + n16[None, :]
-            acc_g += tl.load(at, mask=mg & ok[:, None], other=0.0)
-            if not HEAD:
-                acc_c += tl.load(at + WS_GATE, mask=mc & ok[:, None], other=0.0)
-            ssq += tl.load(ssq_ptr + wo, mask=rm & ok, other=0.0)
-    return acc_g, acc_c, ssq
 
 
 @triton.jit
@@ -1102,8 +1079,9 @@ def hc_chunk_finish_kernel(
     part = tl.program_id(0)
     rows, rm, lrow = chunk_rows(t0, t_end, tl.program_id(1), BLOCK_T)
     full = part == 0  # part 0 alone stores post and comb, so it alone needs their columns and Sinkhorn
-    acc_g, acc_c, ssq = sum_partials_chunk(ws_ptr, ssq_ptr, lrow, rm, C, slices, full, HEAD, BLOCK_T, SUM_UNROLL,
-                                           WS_GATE, WS_STRIDE)
+    # the chunk's workspace rows are its tokens' rows inside the chunk; written by the previous launch (no .cg)
+    acc_g, acc_c, ssq = sum_partials_rounds(ws_ptr, ssq_ptr, lrow, rm, C, slices, HEAD, BLOCK_T, SUM_UNROLL, WS_GATE,
+                                            WS_STRIDE, tl.where(full, WS_GATE, 4), tl.where(full, 16, 0), "")
     T = t_end  # gates masks its comb stores with rows < T: rows past the chunk are masked out by rm already
     w0, w1, w2, w3 = gates(acc_g, acc_c, ssq, 4 * Hd, rows, rm, scale_ptr, base_ptr, post_ptr, comb_ptr, T, rms_eps,
                            hc_eps, post_mult, iters, full, HEAD, BLOCK_T)
