@@ -376,6 +376,16 @@ def main() -> None:
             ms = time_ms(lambda i, L=L, op=op: run_op(op, L, T_SMALL, small[i], small_outs[i]), n_sets=2, **tkw)
             print(f"{op:5s} T={T_SMALL:<4d} {name:15s} {L.design(op == 'fused'):10s} {ms * 1e3:8.1f} µs", flush=True)
 
+    # where each op's time goes: device time per kernel (torch.profiler) for today's default and the proposal
+    if not SMOKE:
+        for op in ops:
+            for name in dict.fromkeys(("defaults", joint)):
+                if name is not None and (op, name) in results:
+                    try:
+                        kernel_times(op, name, launches[name], sets, outs, copy)
+                    except Exception as e:  # a diagnostic: the figures above stand without it
+                        print(f"{el()} {op} {name}: kernel times failed ({type(e).__name__}: {e})", flush=True)
+
     if with_decode and proposal is not None:
         print(f"\n{el()} decode step, teaching config, mhc_launch = {joint!r}", flush=True)
         if decode_err and not decode_err.startswith("still compiling"):
@@ -387,6 +397,43 @@ def main() -> None:
                 print(f"  decode step FAILED: {type(e).__name__}: {str(e)[:300]}", flush=True)
     print(f"{el()} done", flush=True)
 
+
+
+# the bytes each kernel of the chunked design must move at T = Hd (streams [T, 4, Hd] bf16): the partial reads
+# the streams; the finish reads them and writes the layer input [T, Hd]; post_kernel reads x and the streams
+# and writes the new streams (in units of T·Hd·2 B)
+_KERNEL_UNITS = {"hc_chunk_partial_kernel": 4, "hc_chunk_finish_kernel": 5, "post_kernel": 9}
+
+
+def kernel_times(op: str, name: str, L, sets, outs, copy: float, calls: int = 20) -> None:
+    """Print the device time of each kernel ``op`` runs with launch ``L`` (torch.profiler, ``calls`` eager calls
+    on the two rotated input sets, so every call starts with the streams out of L2), per call, and for the
+    chunked design's kernels the fraction of the copy ceiling their own compulsory bytes make at that time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from dsv4ref.device import synchronize
+
+    for i in range(2):  # warm: compiled, allocator primed
+        run_op(op, L, T_BIG, sets[i], outs[i])
+    synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for i in range(calls):
+            run_op(op, L, T_BIG, sets[i % 2], outs[i % 2])
+        synchronize()
+    total = 0.0
+    rows = []
+    for ev in prof.key_averages():
+        us = ev.device_time_total / calls  # µs per op call (a kernel launched per chunk: all its chunks)
+        if us <= 0 or ev.key.startswith(("cudaDeviceSynchronize", "Memcpy", "Memset", "Activity Buffer")):
+            continue
+        total += us
+        rows.append((us, ev.key, ev.count // calls))
+    print(f"{op:5s} {name}: kernels, device µs per call (profiler, eager)", flush=True)
+    for us, key, n in sorted(rows, reverse=True):
+        units = _KERNEL_UNITS.get(key)
+        rate = (f"{units * T_BIG * HD * 2 / (us * 1e-6) / 1e12:5.2f} TB/s = "
+                f"{100 * units * T_BIG * HD * 2 / (us * 1e-6) / copy:5.1f} % of copy") if units else ""
+        print(f"        {key[:40]:40s} ×{n:<3d} {us:8.1f} µs {100 * us / total:5.1f} %   {rate}", flush=True)
 
 
 def decode_check(L) -> None:

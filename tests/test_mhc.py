@@ -5,6 +5,7 @@ exactly doubly stochastic, so "is it doubly stochastic" is not a test). Triton o
 buffers (NaN), so an element a kernel forgets shows up as a non-finite mismatch.
 """
 
+import dataclasses
 import inspect
 import math
 
@@ -622,6 +623,29 @@ def test_chunked_matches_fp64_and_fused_equals_post_then_pre(sum_unroll, fused_p
                 assert_close(a, b, "exact")
 
     check_design(L, T, Hd, seed=33, between=same_bits)
+
+
+@pytest.mark.parametrize("C,fused_post", [(48, False), (48, True), (32, True)])
+def test_chunked_zigzag_same_bits_every_tile_once(C, fused_post):
+    """``chunk_zigzag`` (each kernel of a chunk walks its token tiles opposite to the one before it): T = 40 in
+    one chunk of 48 (3 tiles of 16, the last partial, which the reversed walk meets first) or chunks of 32 (2 +
+    1 tiles): through the custom ops with poisoned outputs (a tile never walked stays poison), the fp64 checks
+    of ``check_design``, and pre / fused / head equal to the forward walk bit for bit (only the order moved)."""
+    T, Hd = 40, 88
+    small = {**CHUNK_SMALL, "chunk_tokens": C}
+    fwd = MhcLaunch(chunked=True, chunk_fused_post=fused_post, **small)
+    zz = dataclasses.replace(fwd, chunk_zigzag=True)
+    check_design(zz, T, Hd, seed=41, custom_ops=True)
+    res, x, fn, scale, base = case(T, Hd, seed=43)
+    hfn, hscale, hbase = mhc.example_params(Hd, seed=44, head=True)
+    for a, b in zip(triton_pre(res, fn, scale, base, launch=fwd), triton_pre(res, fn, scale, base, launch=zz)):
+        assert_close(b, a, "exact")
+    p, c, _ = triton_pre(res, fn, scale, base, launch=fwd)
+    for a, b in zip(triton_fused(x, res, p, c, fn, scale, base, launch=fwd),
+                    triton_fused(x, res, p, c, fn, scale, base, launch=zz)):
+        assert_close(b, a, "exact")
+    assert_close(triton_head(res, hfn, hscale, hbase, launch=zz), triton_head(res, hfn, hscale, hbase, launch=fwd),
+                 "exact")
 
 
 def test_split_fn_wide_is_the_split_in_gemm_tile_column_order():

@@ -205,9 +205,14 @@ def post_kernel(
     BLOCK_T: tl.constexpr,
     BLOCK_H: tl.constexpr,
     PDL: tl.constexpr = False,  # the chunked fused op's programmatic dependent launch (kernels.py "Design 4")
+    TOKEN_MAJOR: tl.constexpr = False,  # grid (hidden parts, token tiles): the programs walk T once, in order
 ):
-    rows = t0 + tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
-    h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    if TOKEN_MAJOR:  # consecutive programs cover one token tile's dims: the last ones launched wrote the last tokens
+        tile, hp = tl.program_id(1), tl.program_id(0)
+    else:
+        tile, hp = tl.program_id(0), tl.program_id(1)
+    rows = t0 + tile.to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
+    h = hp * BLOCK_H + tl.arange(0, BLOCK_H)
     rm = rows < T
     mask = rm[:, None] & (h < Hd)[None, :]
     ro = rows[:, None] * (4 * Hd) + h[None, :]  # stream i at ro + i·Hd
@@ -986,9 +991,12 @@ def hc_one_pass_kernel(
 
 
 @triton.jit
-def chunk_rows(t0, t_end, tile, BLOCK_T: tl.constexpr):
+def chunk_rows(t0, t_end, tile, BLOCK_T: tl.constexpr, REVERSE: tl.constexpr = False):
     """Token tile ``tile`` of the chunk [t0, t_end): (rows [BLOCK_T] int64, rm = rows < t_end, lrow = rows − t0,
-    the rows' index inside the chunk's workspace)."""
+    the rows' index inside the chunk's workspace). ``REVERSE``: counted from the chunk's end (tile 0 is the
+    last tile), so a launch walks the chunk backwards (``MhcLaunch.chunk_zigzag``)."""
+    if REVERSE:
+        tile = tl.cdiv(t_end - t0, BLOCK_T) - 1 - tile
     lrow = tile.to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
     rows = t0 + lrow
     return rows, rows < t_end, lrow
@@ -1022,13 +1030,14 @@ def hc_chunk_partial_kernel(
     DOT_FP32: tl.constexpr,
     STREAM_K: tl.constexpr = False,  # not FUSED: one stream's BLOCK_K dims per dot (partial_mix_one_pass)
     FN_LAYOUT: tl.constexpr = 0,  # 0 fs_ptr is split_fn(fn); 1 split_fn_wide(...) [4·Hd, 4·NG]; 2 its transpose
+    REVERSE: tl.constexpr = False,  # the token tiles walked from the chunk's end (chunk_rows; chunk_zigzag)
 ):
     tl.static_assert(BLOCK_K >= 16)
     tl.static_assert(BLOCK_T >= 16)
     NG: tl.constexpr = 16 if HEAD else 32
     pid = tl.program_id(0)
     s = pid % slices
-    rows, rm, lrow = chunk_rows(t0, t_end, pid // slices, BLOCK_T)
+    rows, rm, lrow = chunk_rows(t0, t_end, pid // slices, BLOCK_T, REVERSE)
     if FUSED:
         W = (post_weights(post_in_ptr, comb_in_ptr, rows, rm, 0), post_weights(post_in_ptr, comb_in_ptr, rows, rm, 1),
              post_weights(post_in_ptr, comb_in_ptr, rows, rm, 2), post_weights(post_in_ptr, comb_in_ptr, rows, rm, 3))
@@ -1072,12 +1081,13 @@ def hc_chunk_finish_kernel(
     WS_STRIDE: tl.constexpr,
     HW_ROUND: tl.constexpr,
     PDL: tl.constexpr,
+    REVERSE: tl.constexpr = False,  # the token tiles walked from the chunk's end (chunk_rows; chunk_zigzag)
 ):
     if PDL:  # the partials (and, fused, the new streams) complete and visible; then the next chunk's partial may start
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
     part = tl.program_id(0)
-    rows, rm, lrow = chunk_rows(t0, t_end, tl.program_id(1), BLOCK_T)
+    rows, rm, lrow = chunk_rows(t0, t_end, tl.program_id(1), BLOCK_T, REVERSE)
     full = part == 0  # part 0 alone stores post and comb, so it alone needs their columns and Sinkhorn
     # the chunk's workspace rows are its tokens' rows inside the chunk; written by the previous launch (no .cg)
     acc_g, acc_c, ssq = sum_partials_rounds(ws_ptr, ssq_ptr, lrow, rm, C, slices, HEAD, BLOCK_T, SUM_UNROLL, WS_GATE,

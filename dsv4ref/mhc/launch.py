@@ -160,6 +160,11 @@ class MhcLaunch:
     #                                            rows), not 4 × 16
     chunk_fn_layout: int = 0 if interpreting() else 2  # the fn tile from: 0 split_fn's [G, 3, 4·Hd, 16]; 1 a
     #   [4·Hd, 4·NG] copy (split_fn_wide: contiguous rows); 2 its transpose [4·NG, 4·Hd] (the wgmma's B operand K-major)
+    # session 7: a chunk's kernels walk its tokens in alternating directions (post forward, token-major; the
+    # partial kernel backwards after a post, else forward; the finish kernel opposite to the partial), so each
+    # kernel starts on the tokens its predecessor touched last: ~L2-sized (50 MB) of the re-read is an L2 hit
+    # instead of HBM; the bits are the same (kernels.py "Design 4")
+    chunk_zigzag: bool = False
 
     def __post_init__(self):
         for name in ("block_t", "block_k", "split_block_t", "split_block_k", "finish_block_t", "finish_block_h",
@@ -316,7 +321,7 @@ class MhcLaunch:
 
 
 _BOOLS = ("one_pass", "one_pass_chain", "one_pass_pack_ws", "one_pass_prefetch", "one_pass_hw_round", "chunked",
-          "chunk_pdl", "chunk_fused_post", "chunk_stream_k")
+          "chunk_pdl", "chunk_fused_post", "chunk_stream_k", "chunk_zigzag")
 
 DEFAULT = MhcLaunch()
 
@@ -362,7 +367,8 @@ def one_pass_variant(name: str, **overrides) -> MhcLaunch:
 # benchmarks/mhc_compile_check.py; every name starts with "chunked", so ``mhc_sweep.py chunked`` times only them.
 _BT64 = dict(chunk_block_t=64, chunk_warps=4, chunk_maxnreg=None, chunk_fused_block_t=64, chunk_fused_warps=4,
              chunk_fused_stages=3)
-_C4096 = dict(chunk_tokens=4096, chunk_fused_post=True)  # today's GPU default (session 6)
+_C4096 = dict(chunk_tokens=4096, chunk_fused_post=True)  # the GPU default after session 6's second sweep
+_S6 = dict(_C4096, chunk_stream_k=True, chunk_block_k=64, chunk_fn_layout=2)  # after its third (today's default)
 CHUNKED_VARIANTS: dict[str, dict] = {
     "chunked": {"chunk_tokens": 1024},  # 32 MB of streams per chunk, 32 slices × 8 tiles, finish 16 × 512 dims
     "chunked C512 bt64": {"chunk_tokens": 512, **_BT64},  # 16 MB per chunk; 8 tiles × 32 slices = 256 programs
@@ -398,6 +404,21 @@ CHUNKED_VARIANTS: dict[str, dict] = {
     "chunked smem sk64 fnkmajor": {**_C4096, "chunk_stream_k": True, "chunk_block_k": 64, "chunk_fn_layout": 2},
     "chunked smem sk64 fnwide 4st": {**_C4096, "chunk_stream_k": True, "chunk_block_k": 64, "chunk_fn_layout": 1,
                                      "chunk_stages": 4},
+    # session 7 (today's default is "chunked smem sk64 fnkmajor"): the chunk's kernels walk its tokens in
+    # alternating directions (``chunk_zigzag``), so the L2 holds the first ~50 MB each kernel re-reads; with it,
+    # chunks smaller than T again (each chunk's re-read from L2); every name has "zz". (The fused op's post
+    # inside the partial kernel at 64-dim copies, which would save a 134 MB read, compiled to 255 registers
+    # with spills and 1 program per SM in every tile tried: benchmarks/mhc.md; not a candidate.)
+    "chunked zz": {**_S6, "chunk_zigzag": True},
+    "chunked zz C2048": {**_S6, "chunk_zigzag": True, "chunk_tokens": 2048},
+    "chunked zz C2048 pdl": {**_S6, "chunk_zigzag": True, "chunk_tokens": 2048, "chunk_pdl": True},
+    "chunked zz C1024 pdl": {**_S6, "chunk_zigzag": True, "chunk_tokens": 1024, "chunk_pdl": True},
+    # fewer, longer slices: 8 of 512 dims × 32 tiles = 256 partial programs (one wave at 2 per SM, not 1.9) and
+    # half the partials each finish program sums; fewer finish parts: half the redundant sums (L2 reads)
+    "chunked zz slice512": {**_S6, "chunk_zigzag": True, "chunk_slice_h": 512, "chunk_target_programs": 128},
+    "chunked zz finish1024": {**_S6, "chunk_zigzag": True, "chunk_finish_h": 1024},
+    "chunked zz slice512 finish1024": {**_S6, "chunk_zigzag": True, "chunk_slice_h": 512,
+                                       "chunk_target_programs": 128, "chunk_finish_h": 1024},
 }
 
 
@@ -527,7 +548,10 @@ def chunk_args(L: MhcLaunch, T: int, Hd: int, head: bool, fused: bool):
     ``hc_chunk_partial_kernel`` / ``hc_chunk_finish_kernel``. One workspace serves every chunk: a chunk's
     finish kernel has read it before the next chunk's partial kernel writes it (the same stream). Fused with
     ``chunk_fused_post``: the partial kernel is pre's (it reads the new streams ``post_kernel`` wrote)."""
+    post_first = fused and L.chunk_fused_post
     fused = fused and not L.chunk_fused_post
+    partial_back = L.chunk_zigzag and post_first  # after post_kernel's forward walk
+    finish_back = L.chunk_zigzag and not partial_back
     c, n_chunks, slices, cps, bk = L.chunk_plan(T, Hd, fused)
     bt, _, warps, stages, maxnreg = L.chunk_tile(fused)
     parts, h_per_part = L.chunk_finish_plan(c, Hd)
@@ -536,10 +560,11 @@ def chunk_args(L: MhcLaunch, T: int, Hd: int, head: bool, fused: bool):
     pdl = L.chunk_pdl and not interpreting()
     partial = (dict(HEAD=head, FUSED=fused, BLOCK_T=bt, BLOCK_K=bk, ONE_DOT=min(L.chunk_one_dot, 1) if fused
                     else L.chunk_one_dot, WS_GATE=ws_gate, WS_STRIDE=ws_stride, HW_ROUND=hw, PDL=pdl,
-                    STREAM_K=L.chunk_stream_k and not fused, FN_LAYOUT=L.chunk_fn_layout),
+                    STREAM_K=L.chunk_stream_k and not fused, FN_LAYOUT=L.chunk_fn_layout, REVERSE=partial_back),
                dict(num_warps=warps, num_stages=stages, maxnreg=maxnreg, launch_pdl=pdl))
     finish = (dict(HEAD=head, BLOCK_T=L.chunk_finish_block_t, BLOCK_H=L.chunk_finish_block_h,
-                   SUM_UNROLL=L.chunk_sum_unroll, WS_GATE=ws_gate, WS_STRIDE=ws_stride, HW_ROUND=hw, PDL=pdl),
+                   SUM_UNROLL=L.chunk_sum_unroll, WS_GATE=ws_gate, WS_STRIDE=ws_stride, HW_ROUND=hw, PDL=pdl,
+                   REVERSE=finish_back),
               dict(num_warps=L.chunk_finish_warps, launch_pdl=pdl))
     return (c, n_chunks, slices, cps, parts, h_per_part), partial, finish, (slices * c * ws_stride, slices * c)
 
@@ -571,9 +596,11 @@ def launch_chunked(L: MhcLaunch, T: int, Hd: int, ptrs, scale, base, post, comb,
         t0 = k * c
         t_end = min(T, t0 + c)
         if post_first:  # PDL: the post kernel overlaps the previous finish; the partial is an ordinary launch
-            kernels.post_kernel[(triton.cdiv(t_end - t0, L.post_block_t), triton.cdiv(Hd, L.post_block_h))](
+            grid = (triton.cdiv(t_end - t0, L.post_block_t), triton.cdiv(Hd, L.post_block_h))
+            kernels.post_kernel[grid[::-1] if L.chunk_zigzag else grid](
                 ptrs[1], res_in, ptrs[2], ptrs[3], ptrs[4], t0, t_end, Hd, BLOCK_T=L.post_block_t,
-                BLOCK_H=L.post_block_h, PDL=pc["PDL"], **({"launch_pdl": pc["PDL"] and k > 0} if compiled else {}))
+                BLOCK_H=L.post_block_h, PDL=pc["PDL"], TOKEN_MAJOR=L.chunk_zigzag,
+                **({"launch_pdl": pc["PDL"] and k > 0} if compiled else {}))
         kernels.hc_chunk_partial_kernel[(triton.cdiv(t_end - t0, bt) * slices,)](
             *ptrs, mix_ws, ssq_ws, t0, t_end, Hd, c, slices, cps, **pc, DOT_FP32=not compiled,
             **(po if k and not post_first else po_first))
