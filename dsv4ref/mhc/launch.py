@@ -369,6 +369,7 @@ _BT64 = dict(chunk_block_t=64, chunk_warps=4, chunk_maxnreg=None, chunk_fused_bl
              chunk_fused_stages=3)
 _C4096 = dict(chunk_tokens=4096, chunk_fused_post=True)  # the GPU default after session 6's second sweep
 _S6 = dict(_C4096, chunk_stream_k=True, chunk_block_k=64, chunk_fn_layout=2)  # after its third (today's default)
+_ZZ512 = dict(_S6, chunk_zigzag=True, chunk_slice_h=512, chunk_target_programs=128)  # session 7's first sweep
 CHUNKED_VARIANTS: dict[str, dict] = {
     "chunked": {"chunk_tokens": 1024},  # 32 MB of streams per chunk, 32 slices × 8 tiles, finish 16 × 512 dims
     "chunked C512 bt64": {"chunk_tokens": 512, **_BT64},  # 16 MB per chunk; 8 tiles × 32 slices = 256 programs
@@ -419,6 +420,16 @@ CHUNKED_VARIANTS: dict[str, dict] = {
     "chunked zz finish1024": {**_S6, "chunk_zigzag": True, "chunk_finish_h": 1024},
     "chunked zz slice512 finish1024": {**_S6, "chunk_zigzag": True, "chunk_slice_h": 512,
                                        "chunk_target_programs": 128, "chunk_finish_h": 1024},
+    # after the first session-7 sweep (zz slice512: partial 44.5 µs = 74 % of copy, finish 40.9 µs from L2): the
+    # partial kernel reads a [64, 128] fn tile from L2 per [128, 64] stream tile, as many bytes as the streams
+    # (L2 → SM ~270 MB in 44 µs); 256-token tiles halve the fn bytes (one 16-warp program per SM)
+    "chunked zz slice512 bt256 w16": {**_ZZ512, "chunk_block_t": 256, "chunk_warps": 16, "chunk_stages": 4,
+                                      "chunk_maxnreg": None},
+    "chunked zz slice512 bt256 w16 st3": {**_ZZ512, "chunk_block_t": 256, "chunk_warps": 16, "chunk_stages": 3,
+                                          "chunk_maxnreg": None},
+    "chunked zz slice512 st4": {**_ZZ512, "chunk_stages": 4},  # the control: more bytes in flight, same fn bytes
+    "chunked zz slice512 bt256 w8": {**_ZZ512, "chunk_block_t": 256, "chunk_warps": 8, "chunk_stages": 4,
+                                     "chunk_maxnreg": None},
 }
 
 
