@@ -59,25 +59,27 @@ from ..tl import bf16_rne_bits_nan, dot
 
 
 @triton.jit
-def load_bf16(ptr, offs, mask, CG: tl.constexpr = False):
+def load_bf16(ptr, offs, mask, CG: tl.constexpr = False, EVICT: tl.constexpr = ""):
     """bf16 through its int16 view -> (bf16 tensor for tl.dot, its exact fp32 value). The widening is done
     in integers (bits << 16), so no bf16 arithmetic ever happens. ``CG``: load through the L2 only (PTX
-    ``ld.global.cg``), for data another program wrote during this launch (a stale L1 line must not answer)."""
+    ``ld.global.cg``), for data another program wrote during this launch (a stale L1 line must not answer).
+    ``EVICT``: the L2 eviction policy ("evict_first": data no later kernel reads, so its lines go before
+    lines a later kernel will re-read)."""
     if CG:
-        bits = tl.load(ptr + offs, mask=mask, other=0, cache_modifier=".cg")
+        bits = tl.load(ptr + offs, mask=mask, other=0, cache_modifier=".cg", eviction_policy=EVICT)
     else:
-        bits = tl.load(ptr + offs, mask=mask, other=0)
+        bits = tl.load(ptr + offs, mask=mask, other=0, eviction_policy=EVICT)
     f = ((bits.to(tl.int32) & 0xFFFF) << 16).to(tl.float32, bitcast=True)
     return bits.to(tl.bfloat16, bitcast=True), f
 
 
 @triton.jit
-def load_streams(ptr, ro, Hd, mask, CG: tl.constexpr = False):
+def load_streams(ptr, ro, Hd, mask, CG: tl.constexpr = False, EVICT: tl.constexpr = ""):
     """The 4 streams of a [BLOCK_T, BLOCK] chunk (stream i at ``ro + i·Hd``): (a0..a3 bf16, r0..r3 fp32)."""
-    a0, r0 = load_bf16(ptr, ro, mask, CG)
-    a1, r1 = load_bf16(ptr, ro + Hd, mask, CG)
-    a2, r2 = load_bf16(ptr, ro + 2 * Hd, mask, CG)
-    a3, r3 = load_bf16(ptr, ro + 3 * Hd, mask, CG)
+    a0, r0 = load_bf16(ptr, ro, mask, CG, EVICT)
+    a1, r1 = load_bf16(ptr, ro + Hd, mask, CG, EVICT)
+    a2, r2 = load_bf16(ptr, ro + 2 * Hd, mask, CG, EVICT)
+    a3, r3 = load_bf16(ptr, ro + 3 * Hd, mask, CG, EVICT)
     return a0, a1, a2, a3, r0, r1, r2, r3
 
 
@@ -206,6 +208,7 @@ def post_kernel(
     BLOCK_H: tl.constexpr,
     PDL: tl.constexpr = False,  # the chunked fused op's programmatic dependent launch (kernels.py "Design 4")
     TOKEN_MAJOR: tl.constexpr = False,  # grid (hidden parts, token tiles): the programs walk T once, in order
+    EVICT: tl.constexpr = "",  # x's and the residual's L2 eviction policy (load_bf16; chunk_evict_first)
 ):
     if TOKEN_MAJOR:  # consecutive programs cover one token tile's dims: the last ones launched wrote the last tokens
         tile, hp = tl.program_id(1), tl.program_id(0)
@@ -216,8 +219,8 @@ def post_kernel(
     rm = rows < T
     mask = rm[:, None] & (h < Hd)[None, :]
     ro = rows[:, None] * (4 * Hd) + h[None, :]  # stream i at ro + i·Hd
-    _, x = load_bf16(x_ptr, rows[:, None] * Hd + h[None, :], mask)
-    _, _, _, _, r0, r1, r2, r3 = load_streams(res_ptr, ro, Hd, mask)
+    _, x = load_bf16(x_ptr, rows[:, None] * Hd + h[None, :], mask, EVICT=EVICT)
+    _, _, _, _, r0, r1, r2, r3 = load_streams(res_ptr, ro, Hd, mask, EVICT=EVICT)
     for j in tl.static_range(4):
         y = post_stream(x, post_weights(post_ptr, comb_ptr, rows, rm, j), r0, r1, r2, r3)
         tl.store(out_ptr + ro + j * Hd, bf16_rne_bits_nan(y).to(tl.int16, bitcast=True), mask=mask)
@@ -305,25 +308,28 @@ def gates(acc_g, acc_c, ssq, K, rows, rm, scale_ptr, base_ptr, post_ptr, comb_pt
 
 @triton.jit
 def layer_input_chunk(src_ptr, out_ptr, rows, rm, h, h_end, Hd, w0, w1, w2, w3, CG: tl.constexpr = False,
-                      HW: tl.constexpr = False):
+                      HW: tl.constexpr = False, EVICT: tl.constexpr = "", OUT_CM: tl.constexpr = ""):
     """out[rows, h] = bf16(Σ_i pre_i · stream_i[rows, h]) for one chunk ``h`` of the hidden dim (h < h_end <= Hd).
-    ``HW``: rounded by ``bf16_bits``' hardware path (the same bits)."""
+    ``HW``: rounded by ``bf16_bits``' hardware path (the same bits). ``EVICT``: the streams' L2 eviction policy
+    (``load_bf16``); ``OUT_CM``: the store's cache modifier (".cs": streamed, evicted first)."""
     mask = rm[:, None] & (h < h_end)[None, :]
-    _, _, _, _, r0, r1, r2, r3 = load_streams(src_ptr, rows[:, None] * (4 * Hd) + h[None, :], Hd, mask, CG)
+    _, _, _, _, r0, r1, r2, r3 = load_streams(src_ptr, rows[:, None] * (4 * Hd) + h[None, :], Hd, mask, CG, EVICT)
     y = weighted4(w0, w1, w2, w3, r0, r1, r2, r3)
-    tl.store(out_ptr + rows[:, None] * Hd + h[None, :], bf16_bits(y, HW).to(tl.int16, bitcast=True), mask=mask)
+    tl.store(out_ptr + rows[:, None] * Hd + h[None, :], bf16_bits(y, HW).to(tl.int16, bitcast=True), mask=mask,
+             cache_modifier=OUT_CM)
 
 
 @triton.jit
 def layer_input_range(src_ptr, out_ptr, rows, rm, h_begin, h_end, Hd, w0, w1, w2, w3, BLOCK: tl.constexpr,
-                      CG: tl.constexpr = False, HW: tl.constexpr = False):
+                      CG: tl.constexpr = False, HW: tl.constexpr = False, EVICT: tl.constexpr = "",
+                      OUT_CM: tl.constexpr = ""):
     """``layer_input_chunk`` over the hidden range [h_begin, h_end) in BLOCK-wide chunks, LAST chunk first:
     a pass that just read (or wrote) this range in order finds its latest chunks likeliest still in L2."""
     hh = tl.arange(0, BLOCK)
     n_chunks = tl.cdiv(h_end - h_begin, BLOCK)
     for c in range(0, n_chunks):
         layer_input_chunk(src_ptr, out_ptr, rows, rm, h_begin + (n_chunks - 1 - c) * BLOCK + hh, h_end, Hd,
-                          w0, w1, w2, w3, CG, HW)
+                          w0, w1, w2, w3, CG, HW, EVICT, OUT_CM)
 
 
 # ====================================================================================================
@@ -1082,6 +1088,8 @@ def hc_chunk_finish_kernel(
     HW_ROUND: tl.constexpr,
     PDL: tl.constexpr,
     REVERSE: tl.constexpr = False,  # the token tiles walked from the chunk's end (chunk_rows; chunk_zigzag)
+    EVICT: tl.constexpr = "",  # the streams' L2 eviction policy (load_bf16; chunk_evict_first)
+    OUT_CM: tl.constexpr = "",  # the layer input's store cache modifier (chunk_evict_first: ".cs")
 ):
     if PDL:  # the partials (and, fused, the new streams) complete and visible; then the next chunk's partial may start
         tl.extra.cuda.gdc_wait()
@@ -1097,4 +1105,4 @@ def hc_chunk_finish_kernel(
                            hc_eps, post_mult, iters, full, HEAD, BLOCK_T)
     h_begin = part * h_per_part
     layer_input_range(src_ptr, out_ptr, rows, rm, h_begin, tl.minimum(h_begin + h_per_part, Hd), Hd, w0, w1, w2, w3,
-                      BLOCK_H, False, HW_ROUND)
+                      BLOCK_H, False, HW_ROUND, EVICT, OUT_CM)

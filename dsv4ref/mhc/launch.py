@@ -165,6 +165,9 @@ class MhcLaunch:
     # kernel starts on the tokens its predecessor touched last: ~L2-sized (50 MB) of the re-read is an L2 hit
     # instead of HBM; the bits are the same (kernels.py "Design 4")
     chunk_zigzag: bool = False
+    # ... and the reads no later kernel repeats (post_kernel's x and residual, the finish kernel's streams) are
+    # marked evict_first, the layer input stored .cs, so the L2 keeps the lines the next kernel re-reads
+    chunk_evict_first: bool = False
 
     def __post_init__(self):
         for name in ("block_t", "block_k", "split_block_t", "split_block_k", "finish_block_t", "finish_block_h",
@@ -321,7 +324,7 @@ class MhcLaunch:
 
 
 _BOOLS = ("one_pass", "one_pass_chain", "one_pass_pack_ws", "one_pass_prefetch", "one_pass_hw_round", "chunked",
-          "chunk_pdl", "chunk_fused_post", "chunk_stream_k", "chunk_zigzag")
+          "chunk_pdl", "chunk_fused_post", "chunk_stream_k", "chunk_zigzag", "chunk_evict_first")
 
 DEFAULT = MhcLaunch()
 
@@ -428,6 +431,10 @@ CHUNKED_VARIANTS: dict[str, dict] = {
     "chunked zz slice512 bt256 w16 st3": {**_ZZ512, "chunk_block_t": 256, "chunk_warps": 16, "chunk_stages": 3,
                                           "chunk_maxnreg": None},
     "chunked zz slice512 st4": {**_ZZ512, "chunk_stages": 4},  # the control: more bytes in flight, same fn bytes
+    # ... and the finish's stream reads (dead after it) marked evict_first, its output stored .cs, post's x and
+    # residual reads evict_first: the L2 keeps more of the lines the next kernel re-reads
+    "chunked zz slice512 evict": {**_ZZ512, "chunk_evict_first": True},
+    "chunked zz slice512 st4 evict": {**_ZZ512, "chunk_stages": 4, "chunk_evict_first": True},
     "chunked zz slice512 bt256 w8": {**_ZZ512, "chunk_block_t": 256, "chunk_warps": 8, "chunk_stages": 4,
                                      "chunk_maxnreg": None},
 }
@@ -551,6 +558,14 @@ def one_pass_args(L: MhcLaunch, T: int, Hd: int, head: bool, fused: bool):
     return ((tiles + L.one_pass_lag) * slices,), consts, opts, sizes, (tiles, slices, cps)
 
 
+def _evict(L: MhcLaunch, out: bool = False) -> dict:
+    """``chunk_evict_first``'s constexprs: the dead reads' L2 eviction policy (and, ``out``, the layer input's
+    store modifier); none when it is off, so those kernels compile as before."""
+    if not L.chunk_evict_first:
+        return {}
+    return {"EVICT": "evict_first", **({"OUT_CM": ".cs"} if out else {})}
+
+
 def chunk_args(L: MhcLaunch, T: int, Hd: int, head: bool, fused: bool):
     """What the chunked design launches for a [T, 4, Hd] op (shared with benchmarks/mhc_compile_check.py and
     benchmarks/mhc_sweep.py): (plan, partial, finish, (mix workspace, Σ X² workspace) element counts).
@@ -575,7 +590,7 @@ def chunk_args(L: MhcLaunch, T: int, Hd: int, head: bool, fused: bool):
                dict(num_warps=warps, num_stages=stages, maxnreg=maxnreg, launch_pdl=pdl))
     finish = (dict(HEAD=head, BLOCK_T=L.chunk_finish_block_t, BLOCK_H=L.chunk_finish_block_h,
                    SUM_UNROLL=L.chunk_sum_unroll, WS_GATE=ws_gate, WS_STRIDE=ws_stride, HW_ROUND=hw, PDL=pdl,
-                   REVERSE=finish_back),
+                   REVERSE=finish_back, **_evict(L, out=True)),
               dict(num_warps=L.chunk_finish_warps, launch_pdl=pdl))
     return (c, n_chunks, slices, cps, parts, h_per_part), partial, finish, (slices * c * ws_stride, slices * c)
 
@@ -610,7 +625,7 @@ def launch_chunked(L: MhcLaunch, T: int, Hd: int, ptrs, scale, base, post, comb,
             grid = (triton.cdiv(t_end - t0, L.post_block_t), triton.cdiv(Hd, L.post_block_h))
             kernels.post_kernel[grid[::-1] if L.chunk_zigzag else grid](
                 ptrs[1], res_in, ptrs[2], ptrs[3], ptrs[4], t0, t_end, Hd, BLOCK_T=L.post_block_t,
-                BLOCK_H=L.post_block_h, PDL=pc["PDL"], TOKEN_MAJOR=L.chunk_zigzag,
+                BLOCK_H=L.post_block_h, PDL=pc["PDL"], TOKEN_MAJOR=L.chunk_zigzag, **_evict(L),
                 **({"launch_pdl": pc["PDL"] and k > 0} if compiled else {}))
         kernels.hc_chunk_partial_kernel[(triton.cdiv(t_end - t0, bt) * slices,)](
             *ptrs, mix_ws, ssq_ws, t0, t_end, Hd, c, slices, cps, **pc, DOT_FP32=not compiled,
