@@ -17,6 +17,7 @@ release fence, the READY wait).
 
 from __future__ import annotations
 
+import inspect
 import os
 import re
 import subprocess
@@ -43,6 +44,9 @@ def _signature(fn, consts: dict, values: dict) -> tuple[dict, dict, dict]:
     """(signature, constexprs, attrs) as a launch at the bench's shape would specialise them."""
     sig, attrs = {}, {}
     consts = dict(consts)
+    for prm in fn.params:  # a constexpr the launch leaves out takes its default, as at a real launch
+        if prm.is_constexpr and prm.name not in consts and prm.default is not inspect.Parameter.empty:
+            consts[prm.name] = prm.default
     for i, name in enumerate(fn.arg_names):
         if name in consts:
             sig[name] = "constexpr"
@@ -172,4 +176,4 @@ if __name__ == "__main__":
                 try:
                     print(report(name, op), flush=True)
                 except Exception as e:  # a variant that does not compile is reported, not fatal
-                    print(f"{name:20s} {op:5s} FAILED: {type(e).__name__}: {str(e)[:300]}", flush=True)
+                    print(f"{name:20s} {op:5s} FAILED: {type(e).__name__}: {str(e)[:300]} ... {str(e)[-600:]}", flush=True)

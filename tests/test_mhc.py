@@ -625,17 +625,19 @@ def test_chunked_matches_fp64_and_fused_equals_post_then_pre(sum_unroll, fused_p
     check_design(L, T, Hd, seed=33, between=same_bits)
 
 
-@pytest.mark.parametrize("C,fused_post,evict", [(48, False, False), (48, True, False), (32, True, False),
-                                                (48, False, True), (32, True, True)])
-def test_chunked_zigzag_same_bits_every_tile_once(C, fused_post, evict):
+@pytest.mark.parametrize("C,fused_post,evict,chain", [(48, False, False, False), (48, True, False, False),
+                                                      (32, True, False, False), (48, False, True, False),
+                                                      (32, True, True, True), (48, False, False, True)])
+def test_chunked_zigzag_same_bits_every_tile_once(C, fused_post, evict, chain):
     """``chunk_zigzag`` (each kernel of a chunk walks its token tiles opposite to the one before it): T = 40 in
     one chunk of 48 (3 tiles of 16, the last partial, which the reversed walk meets first) or chunks of 32 (2 +
     1 tiles): through the custom ops with poisoned outputs (a tile never walked stays poison), the fp64 checks
     of ``check_design``, and pre / fused / head equal to the forward walk bit for bit (only the order moved).
-    ``evict``: with ``chunk_evict_first`` too (cache hints only: the same bits)."""
+    ``evict``: with ``chunk_evict_first`` too (cache hints only: the same bits); ``chain``: both walks with
+    ``chunk_stream_k`` and ``chunk_chain`` (a slice's MMAs chained: the fp64 checks hold it)."""
     T, Hd = 40, 88
     small = {**CHUNK_SMALL, "chunk_tokens": C}
-    fwd = MhcLaunch(chunked=True, chunk_fused_post=fused_post, **small)
+    fwd = MhcLaunch(chunked=True, chunk_fused_post=fused_post, chunk_stream_k=chain, chunk_chain=chain, **small)
     zz = dataclasses.replace(fwd, chunk_zigzag=True, chunk_evict_first=evict)
     check_design(zz, T, Hd, seed=41, custom_ops=True)
     res, x, fn, scale, base = case(T, Hd, seed=43)

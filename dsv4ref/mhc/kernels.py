@@ -723,7 +723,7 @@ def partial_mix_one_pass(res_ptr, x_ptr, new_ptr, fs_ptr, W, rows, rm, h_begin, 
     (the MMA-truncation rule of the module docstring, per chunk). ``CHAIN``: the range's MMAs chain into one
     [BLOCK_T, 4·NG] partial, folded once at the end, so the dot's accumulator is carried by the loop.
 
-    ``STREAM_K`` (not FUSED, not CHAIN; the chunked partial kernel): per step ONE stream's BLOCK_K dims, a
+    ``STREAM_K`` (not FUSED; the chunked partial kernel): per step ONE stream's BLOCK_K dims, a
     [BLOCK_T, BLOCK_K] tile whose rows are contiguous in memory (BLOCK_K = 64: 128 bytes, the NVMMA swizzle's
     row), the steps walking the streams fastest (4 steps per BLOCK_K dims); one zero-started dot per step, Σ X²
     over the step's tile. ``FN_LAYOUT``: where the fn tiles come from (``gemm_tile``)."""
@@ -733,8 +733,9 @@ def partial_mix_one_pass(res_ptr, x_ptr, new_ptr, fs_ptr, W, rows, rm, h_begin, 
     acc = tl.zeros((BLOCK_T, NG), dtype=tl.float32)
     ssq = tl.zeros((BLOCK_T,), dtype=tl.float32)
     if STREAM_K:
-        tl.static_assert(not FUSED and not CHAIN)
+        tl.static_assert(not FUSED)
         p = res_ptr.to(tl.pointer_type(tl.bfloat16), bitcast=True)
+        run = tl.zeros((BLOCK_T, 4 * NG), dtype=tl.float32)  # CHAIN: the range's products so far, per bf16 part
         for c in range(0, 4 * tl.cdiv(h_end - h_begin, BLOCK_K)):
             h = h_begin + (c // 4) * BLOCK_K + kk
             hm = h < h_end
@@ -742,9 +743,14 @@ def partial_mix_one_pass(res_ptr, x_ptr, new_ptr, fs_ptr, W, rows, rm, h_begin, 
             a = tl.load(p + rows[:, None] * (4 * Hd) + k[None, :], mask=rm[:, None] & hm[None, :], other=0.0)
             x = a.to(tl.float32)
             ssq += tl.sum(x * x, axis=1)
-            part = gemm_tile(a, k, hm, fs_ptr, K, tl.zeros((BLOCK_T, 4 * NG), dtype=tl.float32), DOT_FP32, NG,
-                             FN_LAYOUT)
-            acc += fold_parts(part, NG, BLOCK_T)
+            if CHAIN:
+                run = gemm_tile(a, k, hm, fs_ptr, K, run, DOT_FP32, NG, FN_LAYOUT)
+            else:
+                part = gemm_tile(a, k, hm, fs_ptr, K, tl.zeros((BLOCK_T, 4 * NG), dtype=tl.float32), DOT_FP32, NG,
+                                 FN_LAYOUT)
+                acc += fold_parts(part, NG, BLOCK_T)
+        if CHAIN:
+            acc = fold_parts(run, NG, BLOCK_T)
     else:
         run = tl.zeros((BLOCK_T, 4 * NG), dtype=tl.float32)  # CHAIN: the range's products so far, per bf16 part
         for h0 in range(h_begin, h_end, BLOCK_K):
@@ -1037,6 +1043,7 @@ def hc_chunk_partial_kernel(
     STREAM_K: tl.constexpr = False,  # not FUSED: one stream's BLOCK_K dims per dot (partial_mix_one_pass)
     FN_LAYOUT: tl.constexpr = 0,  # 0 fs_ptr is split_fn(fn); 1 split_fn_wide(...) [4·Hd, 4·NG]; 2 its transpose
     REVERSE: tl.constexpr = False,  # the token tiles walked from the chunk's end (chunk_rows; chunk_zigzag)
+    CHAIN: tl.constexpr = False,  # STREAM_K: the slice's MMAs in one chain, folded once (partial_mix_one_pass)
 ):
     tl.static_assert(BLOCK_K >= 16)
     tl.static_assert(BLOCK_T >= 16)
@@ -1052,7 +1059,8 @@ def hc_chunk_partial_kernel(
     h_begin = s * chunks_per_slice * BLOCK_K
     h_end = tl.minimum(h_begin + chunks_per_slice * BLOCK_K, Hd)
     acc, ssq = partial_mix_one_pass(res_ptr, x_ptr, new_ptr, fs_ptr, W, rows, rm, h_begin, h_end, Hd, DOT_FP32,
-                                    FUSED, NG, BLOCK_T, BLOCK_K, ONE_DOT, False, HW_ROUND, STREAM_K, FN_LAYOUT)
+                                    FUSED, NG, BLOCK_T, BLOCK_K, ONE_DOT, CHAIN and STREAM_K, HW_ROUND, STREAM_K,
+                                    FN_LAYOUT)
     if PDL:  # the next launch (this chunk's finish) may start; the workspace is free once the previous finish ended
         tl.extra.cuda.gdc_launch_dependents()
         tl.extra.cuda.gdc_wait()

@@ -168,6 +168,10 @@ class MhcLaunch:
     # ... and the reads no later kernel repeats (post_kernel's x and residual, the finish kernel's streams) are
     # marked evict_first, the layer input stored .cs, so the L2 keeps the lines the next kernel re-reads
     chunk_evict_first: bool = False
+    # pre / head with chunk_stream_k: the slice's MMAs chain into one partial, folded once (one_pass_chain's
+    # idea): no per-step zero start, fold and MMA wait; the truncation is relative to a slice's partial (K = 4 ×
+    # chunk_slice_h), checked against the fp64 oracle by the sweep and the GPU tests
+    chunk_chain: bool = False
 
     def __post_init__(self):
         for name in ("block_t", "block_k", "split_block_t", "split_block_k", "finish_block_t", "finish_block_h",
@@ -324,7 +328,8 @@ class MhcLaunch:
 
 
 _BOOLS = ("one_pass", "one_pass_chain", "one_pass_pack_ws", "one_pass_prefetch", "one_pass_hw_round", "chunked",
-          "chunk_pdl", "chunk_fused_post", "chunk_stream_k", "chunk_zigzag", "chunk_evict_first")
+          "chunk_pdl", "chunk_fused_post", "chunk_stream_k", "chunk_zigzag", "chunk_evict_first",
+          "chunk_chain")
 
 DEFAULT = MhcLaunch()
 
@@ -435,6 +440,11 @@ CHUNKED_VARIANTS: dict[str, dict] = {
     # residual reads evict_first: the L2 keeps more of the lines the next kernel re-reads
     "chunked zz slice512 evict": {**_ZZ512, "chunk_evict_first": True},
     "chunked zz slice512 st4 evict": {**_ZZ512, "chunk_stages": 4, "chunk_evict_first": True},
+    # the partial kernel at 73 % of copy with the finish at 100 %: its per-step MMA wait, zero start and fold of
+    # a [128, 128] fp32 partial; chained, the MMAs of a slice (K = 2048 / 1024) run back to back
+    "chunked zz slice512 chain": {**_ZZ512, "chunk_chain": True},
+    "chunked zz chain": {**_S6, "chunk_zigzag": True, "chunk_chain": True},
+    "chunked zz slice512 st4 chain": {**_ZZ512, "chunk_stages": 4, "chunk_chain": True},
     "chunked zz slice512 bt256 w8": {**_ZZ512, "chunk_block_t": 256, "chunk_warps": 8, "chunk_stages": 4,
                                      "chunk_maxnreg": None},
 }
@@ -586,7 +596,8 @@ def chunk_args(L: MhcLaunch, T: int, Hd: int, head: bool, fused: bool):
     pdl = L.chunk_pdl and not interpreting()
     partial = (dict(HEAD=head, FUSED=fused, BLOCK_T=bt, BLOCK_K=bk, ONE_DOT=min(L.chunk_one_dot, 1) if fused
                     else L.chunk_one_dot, WS_GATE=ws_gate, WS_STRIDE=ws_stride, HW_ROUND=hw, PDL=pdl,
-                    STREAM_K=L.chunk_stream_k and not fused, FN_LAYOUT=L.chunk_fn_layout, REVERSE=partial_back),
+                    STREAM_K=L.chunk_stream_k and not fused, FN_LAYOUT=L.chunk_fn_layout, REVERSE=partial_back,
+                    **({"CHAIN": True} if L.chunk_chain and L.chunk_stream_k and not fused else {})),
                dict(num_warps=warps, num_stages=stages, maxnreg=maxnreg, launch_pdl=pdl))
     finish = (dict(HEAD=head, BLOCK_T=L.chunk_finish_block_t, BLOCK_H=L.chunk_finish_block_h,
                    SUM_UNROLL=L.chunk_sum_unroll, WS_GATE=ws_gate, WS_STRIDE=ws_stride, HW_ROUND=hw, PDL=pdl,
