@@ -625,20 +625,19 @@ def test_chunked_matches_fp64_and_fused_equals_post_then_pre(sum_unroll, fused_p
     check_design(L, T, Hd, seed=33, between=same_bits)
 
 
-@pytest.mark.parametrize("C,fused_post,evict,chain", [(48, False, False, False), (48, True, False, False),
-                                                      (32, True, False, False), (48, False, True, False),
-                                                      (32, True, True, True), (48, False, False, True)])
-def test_chunked_zigzag_same_bits_every_tile_once(C, fused_post, evict, chain):
+@pytest.mark.parametrize("C,fused_post,major", [(48, False, False), (48, True, False), (32, True, False),
+                                                (48, False, True), (32, True, True)])
+def test_chunked_zigzag_same_bits_every_tile_once(C, fused_post, major):
     """``chunk_zigzag`` (each kernel of a chunk walks its token tiles opposite to the one before it): T = 40 in
     one chunk of 48 (3 tiles of 16, the last partial, which the reversed walk meets first) or chunks of 32 (2 +
     1 tiles): through the custom ops with poisoned outputs (a tile never walked stays poison), the fp64 checks
     of ``check_design``, and pre / fused / head equal to the forward walk bit for bit (only the order moved).
-    ``evict``: with ``chunk_evict_first`` too (cache hints only: the same bits); ``chain``: both walks with
-    ``chunk_stream_k`` and ``chunk_chain`` (a slice's MMAs chained: the fp64 checks hold it)."""
+    ``major``: both walks with ``chunk_stream_k`` and ``chunk_stream_major`` (dims-fastest steps; slices of two
+    32-wide chunks, so that order differs from streams-fastest), which the fp64 checks hold."""
     T, Hd = 40, 88
-    small = {**CHUNK_SMALL, "chunk_tokens": C}
-    fwd = MhcLaunch(chunked=True, chunk_fused_post=fused_post, chunk_stream_k=chain, chunk_chain=chain, **small)
-    zz = dataclasses.replace(fwd, chunk_zigzag=True, chunk_evict_first=evict)
+    small = {**CHUNK_SMALL, "chunk_tokens": C, **({"chunk_slice_h": 64} if major else {})}
+    fwd = MhcLaunch(chunked=True, chunk_fused_post=fused_post, chunk_stream_k=major, chunk_stream_major=major, **small)
+    zz = dataclasses.replace(fwd, chunk_zigzag=True)
     check_design(zz, T, Hd, seed=41, custom_ops=True)
     res, x, fn, scale, base = case(T, Hd, seed=43)
     hfn, hscale, hbase = mhc.example_params(Hd, seed=44, head=True)
@@ -825,3 +824,24 @@ def test_bad_inputs_name_the_argument():
         mhc.post(bad_x, res, p, c)
     with validate.checking_values(False):  # the value checks cost a sync; they can be off
         mhc.post(bad_x, res, p, c)
+
+
+def test_split_cache_keeps_every_live_weight_and_drops_freed_ones():
+    """``split_fn`` / ``split_fn_wide`` are cached per live weight, with no count limit (a model with 100 mHC
+    sites must not rebuild them per call), rebuilt after an in-place update, and dropped when the weight dies."""
+    import gc
+
+    from dsv4ref.mhc import launch as mhc_launch
+
+    fns = [mhc.example_params(40, seed=100 + i)[0] for i in range(40)]
+    first = [mhc.split_fn(f) for f in fns]
+    wide = [split_fn_wide(fs) for fs in first]
+    assert all(mhc.split_fn(f) is fs for f, fs in zip(fns, first))  # all 40 still cached
+    assert all(split_fn_wide(fs) is w for fs, w in zip(first, wide))
+    fns[0].mul_(2)  # an in-place update: a new split, with the new values
+    again = mhc.split_fn(fns[0])
+    assert again is not first[0] and torch.equal(again.float().sum(0), 2 * first[0].float().sum(0))
+    n = len(mhc_launch._DERIVED)
+    del fns, first, wide, again
+    gc.collect()
+    assert len(mhc_launch._DERIVED) <= n - 80  # every freed weight's entries (40 splits, 40 wide copies) gone

@@ -59,27 +59,25 @@ from ..tl import bf16_rne_bits_nan, dot
 
 
 @triton.jit
-def load_bf16(ptr, offs, mask, CG: tl.constexpr = False, EVICT: tl.constexpr = ""):
+def load_bf16(ptr, offs, mask, CG: tl.constexpr = False):
     """bf16 through its int16 view -> (bf16 tensor for tl.dot, its exact fp32 value). The widening is done
     in integers (bits << 16), so no bf16 arithmetic ever happens. ``CG``: load through the L2 only (PTX
-    ``ld.global.cg``), for data another program wrote during this launch (a stale L1 line must not answer).
-    ``EVICT``: the L2 eviction policy ("evict_first": data no later kernel reads, so its lines go before
-    lines a later kernel will re-read)."""
+    ``ld.global.cg``), for data another program wrote during this launch (a stale L1 line must not answer)."""
     if CG:
-        bits = tl.load(ptr + offs, mask=mask, other=0, cache_modifier=".cg", eviction_policy=EVICT)
+        bits = tl.load(ptr + offs, mask=mask, other=0, cache_modifier=".cg")
     else:
-        bits = tl.load(ptr + offs, mask=mask, other=0, eviction_policy=EVICT)
+        bits = tl.load(ptr + offs, mask=mask, other=0)
     f = ((bits.to(tl.int32) & 0xFFFF) << 16).to(tl.float32, bitcast=True)
     return bits.to(tl.bfloat16, bitcast=True), f
 
 
 @triton.jit
-def load_streams(ptr, ro, Hd, mask, CG: tl.constexpr = False, EVICT: tl.constexpr = ""):
+def load_streams(ptr, ro, Hd, mask, CG: tl.constexpr = False):
     """The 4 streams of a [BLOCK_T, BLOCK] chunk (stream i at ``ro + i·Hd``): (a0..a3 bf16, r0..r3 fp32)."""
-    a0, r0 = load_bf16(ptr, ro, mask, CG, EVICT)
-    a1, r1 = load_bf16(ptr, ro + Hd, mask, CG, EVICT)
-    a2, r2 = load_bf16(ptr, ro + 2 * Hd, mask, CG, EVICT)
-    a3, r3 = load_bf16(ptr, ro + 3 * Hd, mask, CG, EVICT)
+    a0, r0 = load_bf16(ptr, ro, mask, CG)
+    a1, r1 = load_bf16(ptr, ro + Hd, mask, CG)
+    a2, r2 = load_bf16(ptr, ro + 2 * Hd, mask, CG)
+    a3, r3 = load_bf16(ptr, ro + 3 * Hd, mask, CG)
     return a0, a1, a2, a3, r0, r1, r2, r3
 
 
@@ -208,7 +206,6 @@ def post_kernel(
     BLOCK_H: tl.constexpr,
     PDL: tl.constexpr = False,  # the chunked fused op's programmatic dependent launch (kernels.py "Design 4")
     TOKEN_MAJOR: tl.constexpr = False,  # grid (hidden parts, token tiles): the programs walk T once, in order
-    EVICT: tl.constexpr = "",  # x's and the residual's L2 eviction policy (load_bf16; chunk_evict_first)
 ):
     if TOKEN_MAJOR:  # consecutive programs cover one token tile's dims: the last ones launched wrote the last tokens
         tile, hp = tl.program_id(1), tl.program_id(0)
@@ -219,8 +216,8 @@ def post_kernel(
     rm = rows < T
     mask = rm[:, None] & (h < Hd)[None, :]
     ro = rows[:, None] * (4 * Hd) + h[None, :]  # stream i at ro + i·Hd
-    _, x = load_bf16(x_ptr, rows[:, None] * Hd + h[None, :], mask, EVICT=EVICT)
-    _, _, _, _, r0, r1, r2, r3 = load_streams(res_ptr, ro, Hd, mask, EVICT=EVICT)
+    _, x = load_bf16(x_ptr, rows[:, None] * Hd + h[None, :], mask)
+    _, _, _, _, r0, r1, r2, r3 = load_streams(res_ptr, ro, Hd, mask)
     for j in tl.static_range(4):
         y = post_stream(x, post_weights(post_ptr, comb_ptr, rows, rm, j), r0, r1, r2, r3)
         tl.store(out_ptr + ro + j * Hd, bf16_rne_bits_nan(y).to(tl.int16, bitcast=True), mask=mask)
@@ -308,28 +305,25 @@ def gates(acc_g, acc_c, ssq, K, rows, rm, scale_ptr, base_ptr, post_ptr, comb_pt
 
 @triton.jit
 def layer_input_chunk(src_ptr, out_ptr, rows, rm, h, h_end, Hd, w0, w1, w2, w3, CG: tl.constexpr = False,
-                      HW: tl.constexpr = False, EVICT: tl.constexpr = "", OUT_CM: tl.constexpr = ""):
+                      HW: tl.constexpr = False):
     """out[rows, h] = bf16(Σ_i pre_i · stream_i[rows, h]) for one chunk ``h`` of the hidden dim (h < h_end <= Hd).
-    ``HW``: rounded by ``bf16_bits``' hardware path (the same bits). ``EVICT``: the streams' L2 eviction policy
-    (``load_bf16``); ``OUT_CM``: the store's cache modifier (".cs": streamed, evicted first)."""
+    ``HW``: rounded by ``bf16_bits``' hardware path (the same bits)."""
     mask = rm[:, None] & (h < h_end)[None, :]
-    _, _, _, _, r0, r1, r2, r3 = load_streams(src_ptr, rows[:, None] * (4 * Hd) + h[None, :], Hd, mask, CG, EVICT)
+    _, _, _, _, r0, r1, r2, r3 = load_streams(src_ptr, rows[:, None] * (4 * Hd) + h[None, :], Hd, mask, CG)
     y = weighted4(w0, w1, w2, w3, r0, r1, r2, r3)
-    tl.store(out_ptr + rows[:, None] * Hd + h[None, :], bf16_bits(y, HW).to(tl.int16, bitcast=True), mask=mask,
-             cache_modifier=OUT_CM)
+    tl.store(out_ptr + rows[:, None] * Hd + h[None, :], bf16_bits(y, HW).to(tl.int16, bitcast=True), mask=mask)
 
 
 @triton.jit
 def layer_input_range(src_ptr, out_ptr, rows, rm, h_begin, h_end, Hd, w0, w1, w2, w3, BLOCK: tl.constexpr,
-                      CG: tl.constexpr = False, HW: tl.constexpr = False, EVICT: tl.constexpr = "",
-                      OUT_CM: tl.constexpr = ""):
+                      CG: tl.constexpr = False, HW: tl.constexpr = False):
     """``layer_input_chunk`` over the hidden range [h_begin, h_end) in BLOCK-wide chunks, LAST chunk first:
     a pass that just read (or wrote) this range in order finds its latest chunks likeliest still in L2."""
     hh = tl.arange(0, BLOCK)
     n_chunks = tl.cdiv(h_end - h_begin, BLOCK)
     for c in range(0, n_chunks):
         layer_input_chunk(src_ptr, out_ptr, rows, rm, h_begin + (n_chunks - 1 - c) * BLOCK + hh, h_end, Hd,
-                          w0, w1, w2, w3, CG, HW, EVICT, OUT_CM)
+                          w0, w1, w2, w3, CG, HW)
 
 
 # ====================================================================================================
@@ -723,7 +717,10 @@ def partial_mix_one_pass(res_ptr, x_ptr, new_ptr, fs_ptr, W, rows, rm, h_begin, 
     (the MMA-truncation rule of the module docstring, per chunk). ``CHAIN``: the range's MMAs chain into one
     [BLOCK_T, 4·NG] partial, folded once at the end, so the dot's accumulator is carried by the loop.
 
-    ``STREAM_K`` (not FUSED; the chunked partial kernel): per step ONE stream's BLOCK_K dims, a
+    ``STREAM_K`` 2: the same steps with the dims fastest (each stream's whole range, then the next stream's),
+    so a token's consecutive steps read consecutive 128-byte pieces of one row (DRAM page locality).
+
+    ``STREAM_K`` (not FUSED, not CHAIN; the chunked partial kernel): per step ONE stream's BLOCK_K dims, a
     [BLOCK_T, BLOCK_K] tile whose rows are contiguous in memory (BLOCK_K = 64: 128 bytes, the NVMMA swizzle's
     row), the steps walking the streams fastest (4 steps per BLOCK_K dims); one zero-started dot per step, Σ X²
     over the step's tile. ``FN_LAYOUT``: where the fn tiles come from (``gemm_tile``)."""
@@ -733,24 +730,24 @@ def partial_mix_one_pass(res_ptr, x_ptr, new_ptr, fs_ptr, W, rows, rm, h_begin, 
     acc = tl.zeros((BLOCK_T, NG), dtype=tl.float32)
     ssq = tl.zeros((BLOCK_T,), dtype=tl.float32)
     if STREAM_K:
-        tl.static_assert(not FUSED)
+        tl.static_assert(not FUSED and not CHAIN)
         p = res_ptr.to(tl.pointer_type(tl.bfloat16), bitcast=True)
-        run = tl.zeros((BLOCK_T, 4 * NG), dtype=tl.float32)  # CHAIN: the range's products so far, per bf16 part
-        for c in range(0, 4 * tl.cdiv(h_end - h_begin, BLOCK_K)):
-            h = h_begin + (c // 4) * BLOCK_K + kk
+        n_k = tl.cdiv(h_end - h_begin, BLOCK_K)
+        for c in range(0, 4 * n_k):
+            if STREAM_K == 2:  # stream c // n_k, its dims chunk c % n_k
+                stream = c // n_k
+                h = h_begin + (c % n_k) * BLOCK_K + kk
+            else:  # stream c % 4, its dims chunk c // 4
+                stream = c % 4
+                h = h_begin + (c // 4) * BLOCK_K + kk
             hm = h < h_end
-            k = (c % 4) * Hd + h  # the fn rows of stream c % 4's dims h: its values start at (4t + c % 4)·Hd
+            k = stream * Hd + h  # the fn rows of this stream's dims h: its values start at (4t + stream)·Hd
             a = tl.load(p + rows[:, None] * (4 * Hd) + k[None, :], mask=rm[:, None] & hm[None, :], other=0.0)
             x = a.to(tl.float32)
             ssq += tl.sum(x * x, axis=1)
-            if CHAIN:
-                run = gemm_tile(a, k, hm, fs_ptr, K, run, DOT_FP32, NG, FN_LAYOUT)
-            else:
-                part = gemm_tile(a, k, hm, fs_ptr, K, tl.zeros((BLOCK_T, 4 * NG), dtype=tl.float32), DOT_FP32, NG,
-                                 FN_LAYOUT)
-                acc += fold_parts(part, NG, BLOCK_T)
-        if CHAIN:
-            acc = fold_parts(run, NG, BLOCK_T)
+            part = gemm_tile(a, k, hm, fs_ptr, K, tl.zeros((BLOCK_T, 4 * NG), dtype=tl.float32), DOT_FP32, NG,
+                             FN_LAYOUT)
+            acc += fold_parts(part, NG, BLOCK_T)
     else:
         run = tl.zeros((BLOCK_T, 4 * NG), dtype=tl.float32)  # CHAIN: the range's products so far, per bf16 part
         for h0 in range(h_begin, h_end, BLOCK_K):
@@ -1040,10 +1037,9 @@ def hc_chunk_partial_kernel(
     HW_ROUND: tl.constexpr,  # compiled only: the new streams rounded by the hardware conversion (bf16_bits)
     PDL: tl.constexpr,  # compiled only: programmatic dependent launch (see the section comment)
     DOT_FP32: tl.constexpr,
-    STREAM_K: tl.constexpr = False,  # not FUSED: one stream's BLOCK_K dims per dot (partial_mix_one_pass)
+    STREAM_K: tl.constexpr = False,  # not FUSED: one stream's BLOCK_K dims per dot (partial_mix_one_pass; 2: dims fastest)
     FN_LAYOUT: tl.constexpr = 0,  # 0 fs_ptr is split_fn(fn); 1 split_fn_wide(...) [4·Hd, 4·NG]; 2 its transpose
     REVERSE: tl.constexpr = False,  # the token tiles walked from the chunk's end (chunk_rows; chunk_zigzag)
-    CHAIN: tl.constexpr = False,  # STREAM_K: the slice's MMAs in one chain, folded once (partial_mix_one_pass)
 ):
     tl.static_assert(BLOCK_K >= 16)
     tl.static_assert(BLOCK_T >= 16)
@@ -1059,8 +1055,7 @@ def hc_chunk_partial_kernel(
     h_begin = s * chunks_per_slice * BLOCK_K
     h_end = tl.minimum(h_begin + chunks_per_slice * BLOCK_K, Hd)
     acc, ssq = partial_mix_one_pass(res_ptr, x_ptr, new_ptr, fs_ptr, W, rows, rm, h_begin, h_end, Hd, DOT_FP32,
-                                    FUSED, NG, BLOCK_T, BLOCK_K, ONE_DOT, CHAIN and STREAM_K, HW_ROUND, STREAM_K,
-                                    FN_LAYOUT)
+                                    FUSED, NG, BLOCK_T, BLOCK_K, ONE_DOT, False, HW_ROUND, STREAM_K, FN_LAYOUT)
     if PDL:  # the next launch (this chunk's finish) may start; the workspace is free once the previous finish ended
         tl.extra.cuda.gdc_launch_dependents()
         tl.extra.cuda.gdc_wait()
@@ -1096,8 +1091,6 @@ def hc_chunk_finish_kernel(
     HW_ROUND: tl.constexpr,
     PDL: tl.constexpr,
     REVERSE: tl.constexpr = False,  # the token tiles walked from the chunk's end (chunk_rows; chunk_zigzag)
-    EVICT: tl.constexpr = "",  # the streams' L2 eviction policy (load_bf16; chunk_evict_first)
-    OUT_CM: tl.constexpr = "",  # the layer input's store cache modifier (chunk_evict_first: ".cs")
 ):
     if PDL:  # the partials (and, fused, the new streams) complete and visible; then the next chunk's partial may start
         tl.extra.cuda.gdc_wait()
@@ -1113,4 +1106,4 @@ def hc_chunk_finish_kernel(
                            hc_eps, post_mult, iters, full, HEAD, BLOCK_T)
     h_begin = part * h_per_part
     layer_input_range(src_ptr, out_ptr, rows, rm, h_begin, tl.minimum(h_begin + h_per_part, Hd), Hd, w0, w1, w2, w3,
-                      BLOCK_H, False, HW_ROUND, EVICT, OUT_CM)
+                      BLOCK_H, False, HW_ROUND)

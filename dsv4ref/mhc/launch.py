@@ -140,8 +140,10 @@ class MhcLaunch:
     chunk_fused_stages: int = 4
     chunk_fused_maxnreg: int | None = None
     chunk_one_dot: int = 2  # as one_pass_one_dot (fused: at most 1)
-    chunk_slice_h: int = 128 if interpreting() else 256  # hidden dims per partial program (fewer: more programs)
-    chunk_target_programs: int = 4 if interpreting() else 256  # thinner slices while a chunk has fewer programs
+    # (slices of 512 dims and 128 target programs on a GPU since session 7: 8 slices × 32 tiles = 256 partial
+    # programs, one wave at 2 per SM; 256 / 256 before, 1.9 waves)
+    chunk_slice_h: int = 128 if interpreting() else 512  # hidden dims per partial program (fewer: more programs)
+    chunk_target_programs: int = 4 if interpreting() else 128  # thinner slices while a chunk has fewer programs
     chunk_max_slices: int = 32  # ... but no more slices than this (the finish sums every slice's partial)
     # finish kernel: tokens per program, hidden dims per program, per weighted-sum chunk, warps, sum rounds
     chunk_finish_block_t: int = 16
@@ -164,14 +166,12 @@ class MhcLaunch:
     # partial kernel backwards after a post, else forward; the finish kernel opposite to the partial), so each
     # kernel starts on the tokens its predecessor touched last: ~L2-sized (50 MB) of the re-read is an L2 hit
     # instead of HBM; the bits are the same (kernels.py "Design 4")
-    chunk_zigzag: bool = False
-    # ... and the reads no later kernel repeats (post_kernel's x and residual, the finish kernel's streams) are
-    # marked evict_first, the layer input stored .cs, so the L2 keeps the lines the next kernel re-reads
-    chunk_evict_first: bool = False
-    # pre / head with chunk_stream_k: the slice's MMAs chain into one partial, folded once (one_pass_chain's
-    # idea): no per-step zero start, fold and MMA wait; the truncation is relative to a slice's partial (K = 4 ×
-    # chunk_slice_h), checked against the fp64 oracle by the sweep and the GPU tests
-    chunk_chain: bool = False
+    # (on a GPU since session 7's sweeps, with slices of 512: "chunked zz slice512", T = Hd = 4096 pre 86.3 µs vs
+    # 94.3, fused 158.1 vs 170.8, head 79.3 vs 83.6; runs/2026-12-01_s7_h200_mhc_sweep1.log)
+    chunk_zigzag: bool = not interpreting()
+    # with chunk_stream_k: the partial kernel's steps walk one stream's slice, then the next (dims fastest), so a
+    # token's consecutive steps read consecutive 128-byte pieces of one row instead of four rows 8 KB apart
+    chunk_stream_major: bool = False
 
     def __post_init__(self):
         for name in ("block_t", "block_k", "split_block_t", "split_block_k", "finish_block_t", "finish_block_h",
@@ -328,8 +328,8 @@ class MhcLaunch:
 
 
 _BOOLS = ("one_pass", "one_pass_chain", "one_pass_pack_ws", "one_pass_prefetch", "one_pass_hw_round", "chunked",
-          "chunk_pdl", "chunk_fused_post", "chunk_stream_k", "chunk_zigzag", "chunk_evict_first",
-          "chunk_chain")
+          "chunk_pdl", "chunk_fused_post", "chunk_stream_k", "chunk_zigzag",
+          "chunk_stream_major")
 
 DEFAULT = MhcLaunch()
 
@@ -436,15 +436,11 @@ CHUNKED_VARIANTS: dict[str, dict] = {
     "chunked zz slice512 bt256 w16 st3": {**_ZZ512, "chunk_block_t": 256, "chunk_warps": 16, "chunk_stages": 3,
                                           "chunk_maxnreg": None},
     "chunked zz slice512 st4": {**_ZZ512, "chunk_stages": 4},  # the control: more bytes in flight, same fn bytes
-    # ... and the finish's stream reads (dead after it) marked evict_first, its output stored .cs, post's x and
-    # residual reads evict_first: the L2 keeps more of the lines the next kernel re-reads
-    "chunked zz slice512 evict": {**_ZZ512, "chunk_evict_first": True},
-    "chunked zz slice512 st4 evict": {**_ZZ512, "chunk_stages": 4, "chunk_evict_first": True},
-    # the partial kernel at 73 % of copy with the finish at 100 %: its per-step MMA wait, zero start and fold of
-    # a [128, 128] fp32 partial; chained, the MMAs of a slice (K = 2048 / 1024) run back to back
-    "chunked zz slice512 chain": {**_ZZ512, "chunk_chain": True},
-    "chunked zz chain": {**_S6, "chunk_zigzag": True, "chunk_chain": True},
-    "chunked zz slice512 st4 chain": {**_ZZ512, "chunk_stages": 4, "chunk_chain": True},
+    # after the second session-7 sweep (neither half the fn bytes nor more stages moved the partial kernel): its
+    # 128-byte pieces, four rows 8 KB apart per token in turn; dims-fastest steps read each row's slice in order
+    "chunked zz slice512 smajor": {**_ZZ512, "chunk_stream_major": True},
+    "chunked zz slice512 smajor st4": {**_ZZ512, "chunk_stream_major": True, "chunk_stages": 4},
+    "chunked zz smajor": {**_S6, "chunk_zigzag": True, "chunk_stream_major": True},
     "chunked zz slice512 bt256 w8": {**_ZZ512, "chunk_block_t": 256, "chunk_warps": 8, "chunk_stages": 4,
                                      "chunk_maxnreg": None},
 }
@@ -453,7 +449,8 @@ CHUNKED_VARIANTS: dict[str, dict] = {
 # what the candidates were written against: the chunked fields before session 6 made C = 4096 with the fused
 # op as post + pre the GPU default (so every row of CHUNKED_VARIANTS keeps the meaning it was timed with)
 _CHUNK_BASE = {} if interpreting() else {"chunk_tokens": 1024, "chunk_fused_post": False, "chunk_block_k": 16,
-                                          "chunk_stream_k": False, "chunk_fn_layout": 0}
+                                          "chunk_stream_k": False, "chunk_fn_layout": 0, "chunk_zigzag": False,
+                                          "chunk_slice_h": 256, "chunk_target_programs": 256}
 
 
 def chunked_variant(name: str, **overrides) -> MhcLaunch:
@@ -490,18 +487,25 @@ def split3(w: torch.Tensor) -> torch.Tensor:
 _DERIVED: dict[tuple, tuple] = {}  # (id(weight), what) -> (weak reference, version, derived tensor)
 
 
+def _forget(key: tuple, ref: weakref.ref) -> None:
+    """The weight behind ``ref`` was freed: drop its entry (unless a newer weight at that address replaced it)."""
+    entry = _DERIVED.get(key)
+    if entry is not None and entry[0] is ref:
+        del _DERIVED[key]
+
+
 def _derived(weight: torch.Tensor, what: tuple, build) -> torch.Tensor:
     """``build()``, cached per weight tensor object, version counter and ``what``: an in-place update of the
-    weight invalidates it, and the cache holds a weak reference, so a freed tensor's address is never reused.
-    At most 16 entries (the oldest goes first)."""
+    weight rebuilds it, and the cache holds only a weak reference to the weight, whose death drops the entry
+    (so a model's every mHC site keeps its copy, however many there are: V4-Flash has 2 per layer × 43
+    layers, and a freed tensor's address is never mistaken for a live one)."""
     key = (id(weight), *what)
     hit = _DERIVED.get(key)
     if hit is not None and hit[0]() is weight and hit[1] == weight._version:
         return hit[2]
     out = build()
-    if len(_DERIVED) >= 16:
-        _DERIVED.pop(next(iter(_DERIVED)))
-    _DERIVED[key] = (weakref.ref(weight), weight._version, out)
+    ref = weakref.ref(weight, lambda r, key=key: _forget(key, r))
+    _DERIVED[key] = (ref, weight._version, out)
     return out
 
 
@@ -568,14 +572,6 @@ def one_pass_args(L: MhcLaunch, T: int, Hd: int, head: bool, fused: bool):
     return ((tiles + L.one_pass_lag) * slices,), consts, opts, sizes, (tiles, slices, cps)
 
 
-def _evict(L: MhcLaunch, out: bool = False) -> dict:
-    """``chunk_evict_first``'s constexprs: the dead reads' L2 eviction policy (and, ``out``, the layer input's
-    store modifier); none when it is off, so those kernels compile as before."""
-    if not L.chunk_evict_first:
-        return {}
-    return {"EVICT": "evict_first", **({"OUT_CM": ".cs"} if out else {})}
-
-
 def chunk_args(L: MhcLaunch, T: int, Hd: int, head: bool, fused: bool):
     """What the chunked design launches for a [T, 4, Hd] op (shared with benchmarks/mhc_compile_check.py and
     benchmarks/mhc_sweep.py): (plan, partial, finish, (mix workspace, Σ X² workspace) element counts).
@@ -596,12 +592,12 @@ def chunk_args(L: MhcLaunch, T: int, Hd: int, head: bool, fused: bool):
     pdl = L.chunk_pdl and not interpreting()
     partial = (dict(HEAD=head, FUSED=fused, BLOCK_T=bt, BLOCK_K=bk, ONE_DOT=min(L.chunk_one_dot, 1) if fused
                     else L.chunk_one_dot, WS_GATE=ws_gate, WS_STRIDE=ws_stride, HW_ROUND=hw, PDL=pdl,
-                    STREAM_K=L.chunk_stream_k and not fused, FN_LAYOUT=L.chunk_fn_layout, REVERSE=partial_back,
-                    **({"CHAIN": True} if L.chunk_chain and L.chunk_stream_k and not fused else {})),
+                    STREAM_K=2 if L.chunk_stream_major and L.chunk_stream_k and not fused else (L.chunk_stream_k and not fused),
+                    FN_LAYOUT=L.chunk_fn_layout, REVERSE=partial_back),
                dict(num_warps=warps, num_stages=stages, maxnreg=maxnreg, launch_pdl=pdl))
     finish = (dict(HEAD=head, BLOCK_T=L.chunk_finish_block_t, BLOCK_H=L.chunk_finish_block_h,
                    SUM_UNROLL=L.chunk_sum_unroll, WS_GATE=ws_gate, WS_STRIDE=ws_stride, HW_ROUND=hw, PDL=pdl,
-                   REVERSE=finish_back, **_evict(L, out=True)),
+                   REVERSE=finish_back),
               dict(num_warps=L.chunk_finish_warps, launch_pdl=pdl))
     return (c, n_chunks, slices, cps, parts, h_per_part), partial, finish, (slices * c * ws_stride, slices * c)
 
@@ -636,7 +632,7 @@ def launch_chunked(L: MhcLaunch, T: int, Hd: int, ptrs, scale, base, post, comb,
             grid = (triton.cdiv(t_end - t0, L.post_block_t), triton.cdiv(Hd, L.post_block_h))
             kernels.post_kernel[grid[::-1] if L.chunk_zigzag else grid](
                 ptrs[1], res_in, ptrs[2], ptrs[3], ptrs[4], t0, t_end, Hd, BLOCK_T=L.post_block_t,
-                BLOCK_H=L.post_block_h, PDL=pc["PDL"], TOKEN_MAJOR=L.chunk_zigzag, **_evict(L),
+                BLOCK_H=L.post_block_h, PDL=pc["PDL"], TOKEN_MAJOR=L.chunk_zigzag,
                 **({"launch_pdl": pc["PDL"] and k > 0} if compiled else {}))
         kernels.hc_chunk_partial_kernel[(triton.cdiv(t_end - t0, bt) * slices,)](
             *ptrs, mix_ws, ssq_ws, t0, t_end, Hd, c, slices, cps, **pc, DOT_FP32=not compiled,
