@@ -717,9 +717,6 @@ def partial_mix_one_pass(res_ptr, x_ptr, new_ptr, fs_ptr, W, rows, rm, h_begin, 
     (the MMA-truncation rule of the module docstring, per chunk). ``CHAIN``: the range's MMAs chain into one
     [BLOCK_T, 4·NG] partial, folded once at the end, so the dot's accumulator is carried by the loop.
 
-    ``STREAM_K`` 2: the same steps with the dims fastest (each stream's whole range, then the next stream's),
-    so a token's consecutive steps read consecutive 128-byte pieces of one row (DRAM page locality).
-
     ``STREAM_K`` (not FUSED, not CHAIN; the chunked partial kernel): per step ONE stream's BLOCK_K dims, a
     [BLOCK_T, BLOCK_K] tile whose rows are contiguous in memory (BLOCK_K = 64: 128 bytes, the NVMMA swizzle's
     row), the steps walking the streams fastest (4 steps per BLOCK_K dims); one zero-started dot per step, Σ X²
@@ -732,16 +729,10 @@ def partial_mix_one_pass(res_ptr, x_ptr, new_ptr, fs_ptr, W, rows, rm, h_begin, 
     if STREAM_K:
         tl.static_assert(not FUSED and not CHAIN)
         p = res_ptr.to(tl.pointer_type(tl.bfloat16), bitcast=True)
-        n_k = tl.cdiv(h_end - h_begin, BLOCK_K)
-        for c in range(0, 4 * n_k):
-            if STREAM_K == 2:  # stream c // n_k, its dims chunk c % n_k
-                stream = c // n_k
-                h = h_begin + (c % n_k) * BLOCK_K + kk
-            else:  # stream c % 4, its dims chunk c // 4
-                stream = c % 4
-                h = h_begin + (c // 4) * BLOCK_K + kk
+        for c in range(0, 4 * tl.cdiv(h_end - h_begin, BLOCK_K)):
+            h = h_begin + (c // 4) * BLOCK_K + kk
             hm = h < h_end
-            k = stream * Hd + h  # the fn rows of this stream's dims h: its values start at (4t + stream)·Hd
+            k = (c % 4) * Hd + h  # the fn rows of stream c % 4's dims h: its values start at (4t + c % 4)·Hd
             a = tl.load(p + rows[:, None] * (4 * Hd) + k[None, :], mask=rm[:, None] & hm[None, :], other=0.0)
             x = a.to(tl.float32)
             ssq += tl.sum(x * x, axis=1)
@@ -1037,7 +1028,7 @@ def hc_chunk_partial_kernel(
     HW_ROUND: tl.constexpr,  # compiled only: the new streams rounded by the hardware conversion (bf16_bits)
     PDL: tl.constexpr,  # compiled only: programmatic dependent launch (see the section comment)
     DOT_FP32: tl.constexpr,
-    STREAM_K: tl.constexpr = False,  # not FUSED: one stream's BLOCK_K dims per dot (partial_mix_one_pass; 2: dims fastest)
+    STREAM_K: tl.constexpr = False,  # not FUSED: one stream's BLOCK_K dims per dot (partial_mix_one_pass)
     FN_LAYOUT: tl.constexpr = 0,  # 0 fs_ptr is split_fn(fn); 1 split_fn_wide(...) [4·Hd, 4·NG]; 2 its transpose
     REVERSE: tl.constexpr = False,  # the token tiles walked from the chunk's end (chunk_rows; chunk_zigzag)
 ):

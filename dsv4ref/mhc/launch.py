@@ -169,9 +169,6 @@ class MhcLaunch:
     # (on a GPU since session 7's sweeps, with slices of 512: "chunked zz slice512", T = Hd = 4096 pre 86.3 µs vs
     # 94.3, fused 158.1 vs 170.8, head 79.3 vs 83.6; runs/2026-12-01_s7_h200_mhc_sweep1.log)
     chunk_zigzag: bool = not interpreting()
-    # with chunk_stream_k: the partial kernel's steps walk one stream's slice, then the next (dims fastest), so a
-    # token's consecutive steps read consecutive 128-byte pieces of one row instead of four rows 8 KB apart
-    chunk_stream_major: bool = False
 
     def __post_init__(self):
         for name in ("block_t", "block_k", "split_block_t", "split_block_k", "finish_block_t", "finish_block_h",
@@ -328,8 +325,7 @@ class MhcLaunch:
 
 
 _BOOLS = ("one_pass", "one_pass_chain", "one_pass_pack_ws", "one_pass_prefetch", "one_pass_hw_round", "chunked",
-          "chunk_pdl", "chunk_fused_post", "chunk_stream_k", "chunk_zigzag",
-          "chunk_stream_major")
+          "chunk_pdl", "chunk_fused_post", "chunk_stream_k", "chunk_zigzag")
 
 DEFAULT = MhcLaunch()
 
@@ -436,11 +432,6 @@ CHUNKED_VARIANTS: dict[str, dict] = {
     "chunked zz slice512 bt256 w16 st3": {**_ZZ512, "chunk_block_t": 256, "chunk_warps": 16, "chunk_stages": 3,
                                           "chunk_maxnreg": None},
     "chunked zz slice512 st4": {**_ZZ512, "chunk_stages": 4},  # the control: more bytes in flight, same fn bytes
-    # after the second session-7 sweep (neither half the fn bytes nor more stages moved the partial kernel): its
-    # 128-byte pieces, four rows 8 KB apart per token in turn; dims-fastest steps read each row's slice in order
-    "chunked zz slice512 smajor": {**_ZZ512, "chunk_stream_major": True},
-    "chunked zz slice512 smajor st4": {**_ZZ512, "chunk_stream_major": True, "chunk_stages": 4},
-    "chunked zz smajor": {**_S6, "chunk_zigzag": True, "chunk_stream_major": True},
     "chunked zz slice512 bt256 w8": {**_ZZ512, "chunk_block_t": 256, "chunk_warps": 8, "chunk_stages": 4,
                                      "chunk_maxnreg": None},
 }
@@ -592,8 +583,7 @@ def chunk_args(L: MhcLaunch, T: int, Hd: int, head: bool, fused: bool):
     pdl = L.chunk_pdl and not interpreting()
     partial = (dict(HEAD=head, FUSED=fused, BLOCK_T=bt, BLOCK_K=bk, ONE_DOT=min(L.chunk_one_dot, 1) if fused
                     else L.chunk_one_dot, WS_GATE=ws_gate, WS_STRIDE=ws_stride, HW_ROUND=hw, PDL=pdl,
-                    STREAM_K=2 if L.chunk_stream_major and L.chunk_stream_k and not fused else (L.chunk_stream_k and not fused),
-                    FN_LAYOUT=L.chunk_fn_layout, REVERSE=partial_back),
+                    STREAM_K=L.chunk_stream_k and not fused, FN_LAYOUT=L.chunk_fn_layout, REVERSE=partial_back),
                dict(num_warps=warps, num_stages=stages, maxnreg=maxnreg, launch_pdl=pdl))
     finish = (dict(HEAD=head, BLOCK_T=L.chunk_finish_block_t, BLOCK_H=L.chunk_finish_block_h,
                    SUM_UNROLL=L.chunk_sum_unroll, WS_GATE=ws_gate, WS_STRIDE=ws_stride, HW_ROUND=hw, PDL=pdl,
