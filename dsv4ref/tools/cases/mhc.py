@@ -192,8 +192,9 @@ def _bench() -> list[BenchCase]:
                      f"slice={L.one_pass_slice_h} lag={L.one_pass_lag} ({(tiles + L.one_pass_lag) * slices} programs)")
             add_design_case(op, "one-pass", shape, L, "as the op above; one launch, the second read of the streams from L2")
     # chunked (kernels.py "Design 4"; benchmarks/mhc_sweep.py times every candidate of CHUNKED_VARIANTS): the
-    # second sweep's winner and the GPU default since session 6's third sweep (contiguous partial-kernel copies)
-    for variant in ("chunked C4096 fused-post", "chunked smem sk64 fnkmajor"):
+    # second sweep's winner, session 6's third sweep's (contiguous partial-kernel copies) and the GPU default since
+    # session 7's (zigzag walks, slices of 512 dims)
+    for variant in ("chunked C4096 fused-post", "chunked smem sk64 fnkmajor", "chunked zz slice512"):
         for op in ("pre", "fused", "head"):
             L = chunked_variant(variant)
             own = op == "fused" and not L.chunk_fused_post  # as post + pre, the fused op runs pre's partial kernel
