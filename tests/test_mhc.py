@@ -625,22 +625,18 @@ def test_chunked_matches_fp64_and_fused_equals_post_then_pre(sum_unroll, fused_p
     check_design(L, T, Hd, seed=33, between=same_bits)
 
 
-@pytest.mark.parametrize("C,fused_post,stream_k,prefetch", [(48, False, False, False), (48, True, False, True),
-                                                            (32, True, False, False), (48, False, True, True),
-                                                            (32, True, True, True)])
-def test_chunked_zigzag_same_bits_every_tile_once(C, fused_post, stream_k, prefetch):
+@pytest.mark.parametrize("C,fused_post,stream_k", [(48, False, False), (48, True, False), (32, True, False),
+                                                   (48, False, True), (32, True, True)])
+def test_chunked_zigzag_same_bits_every_tile_once(C, fused_post, stream_k):
     """``chunk_zigzag`` (each kernel of a chunk walks its token tiles opposite to the one before it): T = 40 in
     one chunk of 48 (3 tiles of 16, the last partial, which the reversed walk meets first) or chunks of 32 (2 +
     1 tiles): through the custom ops with poisoned outputs (a tile never walked stays poison), the fp64 checks
     of ``check_design``, and pre / fused / head equal to the forward walk bit for bit (only the order moved).
-    ``stream_k``: both walks with ``chunk_stream_k`` (today's GPU partial kernel; slices of two 32-wide chunks).
-    ``prefetch``: the zigzag walk's finish kernel also loads its first stream chunk early
-    (``chunk_finish_prefetch``; the fused op without ``chunk_fused_post`` must ignore it: its partial kernel
-    writes those streams)."""
+    ``stream_k``: both walks with ``chunk_stream_k`` (today's GPU partial kernel; slices of two 32-wide chunks)."""
     T, Hd = 40, 88
     small = {**CHUNK_SMALL, "chunk_tokens": C, **({"chunk_slice_h": 64} if stream_k else {})}
     fwd = MhcLaunch(chunked=True, chunk_fused_post=fused_post, chunk_stream_k=stream_k, **small)
-    zz = dataclasses.replace(fwd, chunk_zigzag=True, chunk_finish_prefetch=prefetch)
+    zz = dataclasses.replace(fwd, chunk_zigzag=True)
     check_design(zz, T, Hd, seed=41, custom_ops=True)
     res, x, fn, scale, base = case(T, Hd, seed=43)
     hfn, hscale, hbase = mhc.example_params(Hd, seed=44, head=True)

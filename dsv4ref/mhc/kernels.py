@@ -326,27 +326,6 @@ def layer_input_range(src_ptr, out_ptr, rows, rm, h_begin, h_end, Hd, w0, w1, w2
                           w0, w1, w2, w3, CG, HW)
 
 
-@triton.jit
-def prefetch_last_chunk(src_ptr, rows, rm, h_begin, h_end, Hd, BLOCK: tl.constexpr):
-    """The streams of [h_begin, h_end)'s LAST BLOCK-wide chunk (``layer_input_range``'s first), loaded before the
-    weights exist, so the load's latency hides behind whatever comes before them: ((q0..q3 fp32), hl, mask)."""
-    hl = h_begin + (tl.cdiv(h_end - h_begin, BLOCK) - 1) * BLOCK + tl.arange(0, BLOCK)
-    ml = rm[:, None] & (hl < h_end)[None, :]
-    _, _, _, _, q0, q1, q2, q3 = load_streams(src_ptr, rows[:, None] * (4 * Hd) + hl[None, :], Hd, ml)
-    return (q0, q1, q2, q3), hl, ml
-
-
-@triton.jit
-def layer_input_range_prefetched(src_ptr, out_ptr, rows, rm, h_begin, h_end, Hd, w0, w1, w2, w3, q, hl, ml,
-                                 BLOCK: tl.constexpr, CG: tl.constexpr = False, HW: tl.constexpr = False):
-    """``layer_input_range`` whose last chunk ``prefetch_last_chunk`` loaded already: that chunk from the
-    registers, then the others as ``layer_input_range`` would (the same order, so the same bits)."""
-    y = weighted4(w0, w1, w2, w3, q[0], q[1], q[2], q[3])
-    tl.store(out_ptr + rows[:, None] * Hd + hl[None, :], bf16_bits(y, HW).to(tl.int16, bitcast=True), mask=ml)
-    layer_input_range(src_ptr, out_ptr, rows, rm, h_begin, h_begin + (tl.cdiv(h_end - h_begin, BLOCK) - 1) * BLOCK,
-                      Hd, w0, w1, w2, w3, BLOCK, CG, HW)
-
-
 # ====================================================================================================
 # Design 1: one kernel (hc_kernel)
 # ====================================================================================================
@@ -925,8 +904,12 @@ def hc_one_pass_kernel(
     if (prev >= 0) & (prev < n_tiles):
         rows = prev.to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
         rm = rows < T
+        hh = tl.arange(0, BLOCK_H)
+        n_chunks = tl.cdiv(h_end - h_begin, BLOCK_H)
         if PREFETCH:  # the range's LAST chunk (layer_input_range's first), read before the wait hides it
-            q, hl, ml = prefetch_last_chunk(res_ptr, rows, rm, h_begin, h_end, Hd, BLOCK_H)
+            hl = h_begin + (n_chunks - 1) * BLOCK_H + hh
+            ml = rm[:, None] & (hl < h_end)[None, :]
+            _, _, _, _, q0, q1, q2, q3 = load_streams(res_ptr, rows[:, None] * (4 * Hd) + hl[None, :], Hd, ml)
         ready = tl.atomic_add(sync_ptr + 1 + n_tiles + prev, 0, sem="acquire", scope="gpu")
         polls = 0
         while (ready == 0) & (polls < SPIN_LIMIT):
@@ -943,8 +926,11 @@ def hc_one_pass_kernel(
         else:
             src_ptr = res_ptr
         if PREFETCH:
-            layer_input_range_prefetched(src_ptr, out_ptr, rows, rm, h_begin, h_end, Hd, w0, w1, w2, w3, q, hl, ml,
-                                         BLOCK_H, FUSED, HW_ROUND)
+            y = weighted4(w0, w1, w2, w3, q0, q1, q2, q3)
+            tl.store(out_ptr + rows[:, None] * Hd + hl[None, :], bf16_bits(y, HW_ROUND).to(tl.int16, bitcast=True),
+                     mask=ml)
+            layer_input_range(src_ptr, out_ptr, rows, rm, h_begin, h_begin + (n_chunks - 1) * BLOCK_H, Hd,
+                              w0, w1, w2, w3, BLOCK_H, FUSED, HW_ROUND)
         else:
             layer_input_range(src_ptr, out_ptr, rows, rm, h_begin, h_end, Hd, w0, w1, w2, w3, BLOCK_H, FUSED, HW_ROUND)
 
@@ -1096,17 +1082,12 @@ def hc_chunk_finish_kernel(
     HW_ROUND: tl.constexpr,
     PDL: tl.constexpr,
     REVERSE: tl.constexpr = False,  # the token tiles walked from the chunk's end (chunk_rows; chunk_zigzag)
-    PREFETCH: tl.constexpr = False,  # the first stream chunk loaded before the partials (and, PDL, the wait)
 ):
-    part = tl.program_id(0)
-    rows, rm, lrow = chunk_rows(t0, t_end, tl.program_id(1), BLOCK_T, REVERSE)
-    h_begin = part * h_per_part
-    h_end = tl.minimum(h_begin + h_per_part, Hd)
-    if PREFETCH:  # streams the partial kernel does not write (the launcher's rule): safe before the wait
-        q, hl, ml = prefetch_last_chunk(src_ptr, rows, rm, h_begin, h_end, Hd, BLOCK_H)
     if PDL:  # the partials (and, fused, the new streams) complete and visible; then the next chunk's partial may start
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
+    part = tl.program_id(0)
+    rows, rm, lrow = chunk_rows(t0, t_end, tl.program_id(1), BLOCK_T, REVERSE)
     full = part == 0  # part 0 alone stores post and comb, so it alone needs their columns and Sinkhorn
     # the chunk's workspace rows are its tokens' rows inside the chunk; written by the previous launch (no .cg)
     acc_g, acc_c, ssq = sum_partials_rounds(ws_ptr, ssq_ptr, lrow, rm, C, slices, HEAD, BLOCK_T, SUM_UNROLL, WS_GATE,
@@ -1114,8 +1095,6 @@ def hc_chunk_finish_kernel(
     T = t_end  # gates masks its comb stores with rows < T: rows past the chunk are masked out by rm already
     w0, w1, w2, w3 = gates(acc_g, acc_c, ssq, 4 * Hd, rows, rm, scale_ptr, base_ptr, post_ptr, comb_ptr, T, rms_eps,
                            hc_eps, post_mult, iters, full, HEAD, BLOCK_T)
-    if PREFETCH:
-        layer_input_range_prefetched(src_ptr, out_ptr, rows, rm, h_begin, h_end, Hd, w0, w1, w2, w3, q, hl, ml,
-                                     BLOCK_H, False, HW_ROUND)
-    else:
-        layer_input_range(src_ptr, out_ptr, rows, rm, h_begin, h_end, Hd, w0, w1, w2, w3, BLOCK_H, False, HW_ROUND)
+    h_begin = part * h_per_part
+    layer_input_range(src_ptr, out_ptr, rows, rm, h_begin, tl.minimum(h_begin + h_per_part, Hd), Hd, w0, w1, w2, w3,
+                      BLOCK_H, False, HW_ROUND)

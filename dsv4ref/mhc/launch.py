@@ -169,10 +169,6 @@ class MhcLaunch:
     # (on a GPU since session 7's sweeps, with slices of 512: "chunked zz slice512", T = Hd = 4096 pre 86.3 µs vs
     # 94.3, fused 158.1 vs 170.8, head 79.3 vs 83.6; runs/2026-12-01_s7_h200_mhc_sweep1.log)
     chunk_zigzag: bool = not interpreting()
-    # the finish kernel loads its first stream chunk before it sums the partials (and, with chunk_pdl, before it
-    # waits for the partial kernel: its programs start in the partial kernel's tail); not when the partial kernel
-    # writes the streams the finish reads (the fused op without chunk_fused_post)
-    chunk_finish_prefetch: bool = False
 
     def __post_init__(self):
         for name in ("block_t", "block_k", "split_block_t", "split_block_k", "finish_block_t", "finish_block_h",
@@ -329,8 +325,7 @@ class MhcLaunch:
 
 
 _BOOLS = ("one_pass", "one_pass_chain", "one_pass_pack_ws", "one_pass_prefetch", "one_pass_hw_round", "chunked",
-          "chunk_pdl", "chunk_fused_post", "chunk_stream_k", "chunk_zigzag",
-          "chunk_finish_prefetch")
+          "chunk_pdl", "chunk_fused_post", "chunk_stream_k", "chunk_zigzag")
 
 DEFAULT = MhcLaunch()
 
@@ -437,11 +432,6 @@ CHUNKED_VARIANTS: dict[str, dict] = {
     "chunked zz slice512 bt256 w16 st3": {**_ZZ512, "chunk_block_t": 256, "chunk_warps": 16, "chunk_stages": 3,
                                           "chunk_maxnreg": None},
     "chunked zz slice512 st4": {**_ZZ512, "chunk_stages": 4},  # the control: more bytes in flight, same fn bytes
-    # the finish kernel's first stream loads before its partial sums (pf), and launched into the partial kernel's
-    # tail (pdl, one chunk: the finish is the partial's programmatic dependent)
-    "chunked zz slice512 pf": {**_ZZ512, "chunk_finish_prefetch": True},
-    "chunked zz slice512 pdl": {**_ZZ512, "chunk_pdl": True},
-    "chunked zz slice512 pdl pf": {**_ZZ512, "chunk_pdl": True, "chunk_finish_prefetch": True},
     "chunked zz slice512 bt256 w8": {**_ZZ512, "chunk_block_t": 256, "chunk_warps": 8, "chunk_stages": 4,
                                      "chunk_maxnreg": None},
 }
@@ -597,7 +587,7 @@ def chunk_args(L: MhcLaunch, T: int, Hd: int, head: bool, fused: bool):
                dict(num_warps=warps, num_stages=stages, maxnreg=maxnreg, launch_pdl=pdl))
     finish = (dict(HEAD=head, BLOCK_T=L.chunk_finish_block_t, BLOCK_H=L.chunk_finish_block_h,
                    SUM_UNROLL=L.chunk_sum_unroll, WS_GATE=ws_gate, WS_STRIDE=ws_stride, HW_ROUND=hw, PDL=pdl,
-                   REVERSE=finish_back, PREFETCH=L.chunk_finish_prefetch and not fused),
+                   REVERSE=finish_back),
               dict(num_warps=L.chunk_finish_warps, launch_pdl=pdl))
     return (c, n_chunks, slices, cps, parts, h_per_part), partial, finish, (slices * c * ws_stride, slices * c)
 
