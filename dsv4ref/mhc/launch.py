@@ -432,6 +432,11 @@ CHUNKED_VARIANTS: dict[str, dict] = {
     "chunked zz slice512 bt256 w16 st3": {**_ZZ512, "chunk_block_t": 256, "chunk_warps": 16, "chunk_stages": 3,
                                           "chunk_maxnreg": None},
     "chunked zz slice512 st4": {**_ZZ512, "chunk_stages": 4},  # the control: more bytes in flight, same fn bytes
+    # after sweep 6: more warpgroups per SM to overlap each one's per-step MMA wait and fold (64-token tiles at
+    # 4 warps: 3 programs per SM = 12 warps, against 2 × 8 = 16 warps in 2 programs whose 4 warpgroups share 2 tiles)
+    "chunked zz slice512 bt64 w4": {**_ZZ512, "chunk_block_t": 64, "chunk_warps": 4, "chunk_maxnreg": None},
+    "chunked zz slice512 bt64 w4 st2": {**_ZZ512, "chunk_block_t": 64, "chunk_warps": 4, "chunk_maxnreg": 128,
+                                        "chunk_stages": 2},  # 4 per SM: the 512 programs in one wave
     "chunked zz slice512 bt256 w8": {**_ZZ512, "chunk_block_t": 256, "chunk_warps": 8, "chunk_stages": 4,
                                      "chunk_maxnreg": None},
 }
