@@ -844,3 +844,17 @@ def test_split_cache_keeps_every_live_weight_and_drops_freed_ones():
     del fns, first, wide, again
     gc.collect()
     assert len(mhc_launch._DERIVED) <= n - 80  # every freed weight's entries (40 splits, 40 wide copies) gone
+
+
+def test_chunk_small_t_decode_sized_calls_take_64_token_tiles():
+    """``chunk_small_t``: a call of at most that many tokens runs pre's partial kernel (and the fused op's, as
+    post + pre) on 64-token tiles at 4 warps, a longer one on ``chunk_block_t``; the fused K loop keeps its
+    tile. The small-call path against the fp64 oracle, through the custom ops with poisoned outputs."""
+    L = MhcLaunch(chunked=True, chunk_tokens=128, chunk_block_t=128, chunk_small_t=64)
+    assert L.chunk_tile(False, 64)[:3] == (64, L.chunk_block_k, 4) and L.chunk_tile(False, 65)[0] == 128
+    assert L.chunk_tile(True, 8) == L.chunk_tile(True) and L.chunk_tile(False) == L.chunk_tile(False, 65)
+    assert L.chunk_plan(37, 88)[0] == 64 and L.chunk_plan(100, 88)[0] == 128
+    with pytest.raises(ValueError, match="launch.chunk_small_t"):
+        MhcLaunch(chunk_small_t=-1)
+    check_design(L, 40, 88, seed=47, custom_ops=True)
+    check_design(dataclasses.replace(L, chunk_fused_post=True, chunk_zigzag=True), 40, 88, seed=48, custom_ops=True)

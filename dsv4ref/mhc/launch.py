@@ -169,6 +169,11 @@ class MhcLaunch:
     # (on a GPU since session 7's sweeps, with slices of 512: "chunked zz slice512", T = Hd = 4096 pre 86.3 µs vs
     # 94.3, fused 158.1 vs 170.8, head 79.3 vs 83.6; runs/2026-12-01_s7_h200_mhc_sweep1.log)
     chunk_zigzag: bool = not interpreting()
+    # calls of at most this many tokens (decode-sized) run pre's partial kernel (the fused op's too, as post +
+    # pre) on 64-token tiles at 4 warps: a 128-token tile would be half masked rows or more. Session 7, T = 37
+    # (runs/2026-12-01_s7_h200_mhc_sweep7.log): pre 12.9 vs 15.7 µs, fused 16.8 vs 19.8, head 9.1 vs 11.1; at
+    # T = 4096 the 64-token tiles are slower (pre 99.6 vs 86.8 µs), hence the bound
+    chunk_small_t: int = 0 if interpreting() else 64
 
     def __post_init__(self):
         for name in ("block_t", "block_k", "split_block_t", "split_block_k", "finish_block_t", "finish_block_h",
@@ -196,6 +201,7 @@ class MhcLaunch:
                 validate.integer(getattr(self, name), f"launch.{name}", lo=24, hi=255)
         validate.integer(self.one_pass_one_dot, "launch.one_pass_one_dot", lo=0, hi=2)
         validate.integer(self.chunk_one_dot, "launch.chunk_one_dot", lo=0, hi=2)
+        validate.integer(self.chunk_small_t, "launch.chunk_small_t", lo=0)
         validate.integer(self.chunk_fn_layout, "launch.chunk_fn_layout", lo=0, hi=2)
         for name in ("split_k",) + _BOOLS:
             v = getattr(self, name)
@@ -269,12 +275,15 @@ class MhcLaunch:
         cps = triton.cdiv(chunks, min(chunks, want))
         return tiles, triton.cdiv(chunks, cps), cps, bk
 
-    def chunk_tile(self, fused: bool) -> tuple[int, int, int, int, int | None]:
+    def chunk_tile(self, fused: bool, T: int | None = None) -> tuple[int, int, int, int, int | None]:
         """(BLOCK_T, BLOCK_K, warps, stages, maxnreg) of the chunked design's partial kernel for pre / head or
-        (``fused``) the fused op."""
+        (``fused``) the fused op, for a call of ``T`` tokens (None: a long one): at most ``chunk_small_t``
+        tokens, pre's on 64-token tiles at 4 warps (no register cap)."""
         if fused:
             return (self.chunk_fused_block_t, self.chunk_fused_block_k, self.chunk_fused_warps, self.chunk_fused_stages,
                     self.chunk_fused_maxnreg)
+        if T is not None and T <= self.chunk_small_t and self.chunk_block_t > 64:
+            return 64, self.chunk_block_k, 4, self.chunk_stages, None
         return self.chunk_block_t, self.chunk_block_k, self.chunk_warps, self.chunk_stages, self.chunk_maxnreg
 
     def chunk_plan(self, T: int, Hd: int, fused: bool = False) -> tuple[int, int, int, int, int]:
@@ -284,7 +293,7 @@ class MhcLaunch:
         ``chunk_max_slices``) while a chunk's tiles × slices is short of ``chunk_target_programs``; each slice
         a whole number of BLOCK_K chunks, none empty. Whether a token is in one chunk or another changes none
         of its arithmetic."""
-        bt, bk = self.chunk_tile(fused)[:2]
+        bt, bk = self.chunk_tile(fused, T)[:2]
         c = min(self.chunk_tokens, max(1, triton.cdiv(T, bt)) * bt)
         chunks = triton.cdiv(Hd, bk)
         want = max(triton.cdiv(chunks, self.chunk_slice_h // bk),
@@ -581,7 +590,7 @@ def chunk_args(L: MhcLaunch, T: int, Hd: int, head: bool, fused: bool):
     partial_back = L.chunk_zigzag and post_first  # after post_kernel's forward walk
     finish_back = L.chunk_zigzag and not partial_back
     c, n_chunks, slices, cps, bk = L.chunk_plan(T, Hd, fused)
-    bt, _, warps, stages, maxnreg = L.chunk_tile(fused)
+    bt, _, warps, stages, maxnreg = L.chunk_tile(fused, T)
     parts, h_per_part = L.chunk_finish_plan(c, Hd)
     ws_gate, ws_stride = (4, 4) if head else (8, 24)  # the live columns only (one_pass_pack_ws)
     hw = not interpreting()  # bf16 outputs rounded by the hardware conversion (the interpreter's cast truncates)
