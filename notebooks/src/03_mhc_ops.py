@@ -387,7 +387,9 @@ print(compare(h_k, h_ref, "bf16_out", "head").verdict())
 # its own bytes (89 % before). Pre went to **87.1 µs (47.2 %)** and fused to **157.9 µs (51.8 %)**. That is
 # **the default on a GPU**; in the interpreter the measured per-op designs stay, for the lessons' CPU time.
 # Fused meets the ≥ 50 % goal; pre misses it by 2.8 points. Its partial kernel stays at ~74 % of copy
-# (`benchmarks/mhc.md` has the six sweeps and what each ruled out).
+# (`benchmarks/mhc.md` has the eight sweeps and what each ruled out). A decode step's call is small, and for
+# it a 128-token tile is mostly masked rows. So calls of at most `chunk_small_t` = 64 tokens take 64-token
+# tiles at 4 warps: at T = 37, pre went from 15.7 to 13.0 µs.
 #
 # All four designs live in `kernels.py`: which one an op takes is a **launch choice**, as are the tile sizes,
 # warps, chunk and split counts. They are the fields of one frozen dataclass, `mhc.MhcLaunch`, passed
