@@ -418,7 +418,7 @@ CHUNKED_VARIANTS: dict[str, dict] = {
     "chunked smem sk64 fnkmajor": {**_C4096, "chunk_stream_k": True, "chunk_block_k": 64, "chunk_fn_layout": 2},
     "chunked smem sk64 fnwide 4st": {**_C4096, "chunk_stream_k": True, "chunk_block_k": 64, "chunk_fn_layout": 1,
                                      "chunk_stages": 4},
-    # session 7 (today's default is "chunked smem sk64 fnkmajor"): the chunk's kernels walk its tokens in
+    # session 7 (against session 6's default, "chunked smem sk64 fnkmajor"): the chunk's kernels walk its tokens in
     # alternating directions (``chunk_zigzag``), so the L2 holds the first ~50 MB each kernel re-reads; with it,
     # chunks smaller than T again (each chunk's re-read from L2); every name has "zz". (The fused op's post
     # inside the partial kernel at 64-dim copies, which would save a 134 MB read, compiled to 255 registers
@@ -451,11 +451,11 @@ CHUNKED_VARIANTS: dict[str, dict] = {
 }
 
 
-# what the candidates were written against: the chunked fields before session 6 made C = 4096 with the fused
-# op as post + pre the GPU default (so every row of CHUNKED_VARIANTS keeps the meaning it was timed with)
+# what the candidates were written against: the chunked fields before sessions 6 and 7 changed the GPU defaults
+# (so every row of CHUNKED_VARIANTS keeps the meaning it was timed with, at T = 37 too)
 _CHUNK_BASE = {} if interpreting() else {"chunk_tokens": 1024, "chunk_fused_post": False, "chunk_block_k": 16,
                                           "chunk_stream_k": False, "chunk_fn_layout": 0, "chunk_zigzag": False,
-                                          "chunk_slice_h": 256, "chunk_target_programs": 256}
+                                          "chunk_slice_h": 256, "chunk_target_programs": 256, "chunk_small_t": 0}
 
 
 def chunked_variant(name: str, **overrides) -> MhcLaunch:
