@@ -599,7 +599,8 @@ CHUNK_SMALL = dict(chunk_tokens=16, chunk_block_t=16, chunk_block_k=32, chunk_fu
 @pytest.mark.parametrize("sum_unroll,fused_post,stream_k,fn_layout", [(1, False, False, 0), (4, False, False, 0),
                                                                       (4, True, False, 0), (4, False, True, 0),
                                                                       (1, False, False, 1), (4, True, True, 1),
-                                                                      (1, False, False, 2), (4, True, True, 2)])
+                                                                      (1, False, False, 2), (4, True, True, 2),
+                                                                      (1, False, True, 3), (4, True, True, 3)])
 def test_chunked_matches_fp64_and_fused_equals_post_then_pre(sum_unroll, fused_post, stream_k, fn_layout):
     """T = 40 in chunks of 16 (three chunks, the last one partial) × Hd = 88 in three slices of one 32-wide
     chunk (the last partial) and three finish parts (part 0 alone stores post / comb; the others sum only the
@@ -608,7 +609,8 @@ def test_chunked_matches_fp64_and_fused_equals_post_then_pre(sum_unroll, fused_p
     rounds; 3 slices: a partial round) give the same bits. ``fused_post``: the fused op runs ``post_kernel`` per
     chunk, then pre's kernels on the new streams. ``stream_k``: one stream's chunk per dot (pre, head);
     ``fn_layout`` 1 / 2: the fn tiles from ``split_fn_wide`` (transposed: 2; the same operands, so the same bits as
-    0). (PDL is
+    0); 3 (with stream_k): 2's copy in two dots, [hi | mid] then lo, folded as (hi + mid) + lo, the order the
+    one-dot fold adds them in (the same bits in the interpreter). (PDL is
     compiled only: the GPU tests and the sweep.)"""
     T, Hd = 40, 88
     L = MhcLaunch(chunked=True, chunk_sum_unroll=sum_unroll, chunk_fused_post=fused_post, chunk_stream_k=stream_k,

@@ -668,7 +668,9 @@ def gemm_tile(a, k, kmask, fs_ptr, K, part, DOT_FP32: tl.constexpr, NG: tl.const
     ``FN_LAYOUT`` (what ``fs_ptr`` holds): 0 ``split_fn``'s [G, 3, K, 16]; 1 ``split_fn_wide``'s [K, 4·NG] (row k
     = the tile's row, part 3 zero and masked: a warp's cp.async of two rows is 2 × 4·NG × 2 contiguous bytes
     instead of 8 pieces of 64); 2 its transpose [4·NG, K] (k contiguous: the tile is loaded as [4·NG, n_k] and
-    fed to the dot transposed, so the wgmma reads a K-major B operand instead of transposing an N-major one)."""
+    fed to the dot transposed, so the wgmma reads a K-major B operand instead of transposing an N-major one).
+    (Layout 3, the same copy as 2 without its zero quarter, is ``gemm_tile_three_parts``.)"""
+    tl.static_assert(FN_LAYOUT <= 2)
     if FN_LAYOUT == 2:
         n = tl.arange(0, 4 * NG)
         bt = tl.load(fs_ptr + n.to(tl.int64)[:, None] * K + k.to(tl.int64)[None, :],
@@ -682,6 +684,21 @@ def gemm_tile(a, k, kmask, fs_ptr, K, part, DOT_FP32: tl.constexpr, NG: tl.const
         col, live = fn_columns(K, NG)
         b_off = col[None, :] + k.to(tl.int64)[:, None] * 16  # [n_k, 4·NG]
     return dot(a, tl.load(fs_ptr + b_off, mask=kmask[:, None] & live[None, :], other=0.0), part, DOT_FP32)
+
+
+@triton.jit
+def gemm_tile_three_parts(a, k, kmask, fs_ptr, K, DOT_FP32: tl.constexpr, NG: tl.constexpr, BLOCK_T: tl.constexpr):
+    """``FN_LAYOUT`` 3: a @ fnᵀ[k, :] as [BLOCK_T, NG] fp32, folded, from the transposed copy of layout 2 without
+    its zero quarter: one zero-started dot of N = 2·NG for [hi | mid] (rows 0..2·NG) and one of N = NG for lo
+    (rows 2·NG..3·NG), so 3·NG columns of MMA and fold instead of 4·NG. (hi + mid) + lo, in fp32."""
+    k64 = k.to(tl.int64)[None, :]
+    n2 = tl.arange(0, 2 * NG)
+    n1 = 2 * NG + tl.arange(0, NG)
+    b2 = tl.load(fs_ptr + n2.to(tl.int64)[:, None] * K + k64, mask=(n2 < 2 * NG)[:, None] & kmask[None, :], other=0.0)
+    b1 = tl.load(fs_ptr + n1.to(tl.int64)[:, None] * K + k64, mask=(n1 < 3 * NG)[:, None] & kmask[None, :], other=0.0)
+    p2 = dot(a, tl.trans(b2), tl.zeros((BLOCK_T, 2 * NG), dtype=tl.float32), DOT_FP32)  # [hi | mid] products
+    p1 = dot(a, tl.trans(b1), tl.zeros((BLOCK_T, NG), dtype=tl.float32), DOT_FP32)  # lo products
+    return tl.sum(tl.reshape(p2, (BLOCK_T, 2, NG)), axis=1) + p1
 
 
 @triton.jit
@@ -736,9 +753,12 @@ def partial_mix_one_pass(res_ptr, x_ptr, new_ptr, fs_ptr, W, rows, rm, h_begin, 
             a = tl.load(p + rows[:, None] * (4 * Hd) + k[None, :], mask=rm[:, None] & hm[None, :], other=0.0)
             x = a.to(tl.float32)
             ssq += tl.sum(x * x, axis=1)
-            part = gemm_tile(a, k, hm, fs_ptr, K, tl.zeros((BLOCK_T, 4 * NG), dtype=tl.float32), DOT_FP32, NG,
-                             FN_LAYOUT)
-            acc += fold_parts(part, NG, BLOCK_T)
+            if FN_LAYOUT == 3:
+                acc += gemm_tile_three_parts(a, k, hm, fs_ptr, K, DOT_FP32, NG, BLOCK_T)
+            else:
+                part = gemm_tile(a, k, hm, fs_ptr, K, tl.zeros((BLOCK_T, 4 * NG), dtype=tl.float32), DOT_FP32, NG,
+                                 FN_LAYOUT)
+                acc += fold_parts(part, NG, BLOCK_T)
     else:
         run = tl.zeros((BLOCK_T, 4 * NG), dtype=tl.float32)  # CHAIN: the range's products so far, per bf16 part
         for h0 in range(h_begin, h_end, BLOCK_K):
@@ -1039,6 +1059,7 @@ def hc_chunk_partial_kernel(
     DOT_FP32: tl.constexpr,
     STREAM_K: tl.constexpr = False,  # not FUSED: one stream's BLOCK_K dims per dot (partial_mix_one_pass)
     FN_LAYOUT: tl.constexpr = 0,  # 0 fs_ptr is split_fn(fn); 1 split_fn_wide(...) [4·Hd, 4·NG]; 2 its transpose
+    #                               (3, STREAM_K only: 2 without its zero quarter, gemm_tile_three_parts)
     REVERSE: tl.constexpr = False,  # the token tiles walked from the chunk's end (chunk_rows; chunk_zigzag)
 ):
     tl.static_assert(BLOCK_K >= 16)

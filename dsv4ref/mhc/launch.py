@@ -161,7 +161,8 @@ class MhcLaunch:
     chunk_stream_k: bool = not interpreting()  # pre / head: each dot one stream's chunk_block_k dims (64: 128-byte
     #                                            rows), not 4 × 16
     chunk_fn_layout: int = 0 if interpreting() else 2  # the fn tile from: 0 split_fn's [G, 3, 4·Hd, 16]; 1 a
-    #   [4·Hd, 4·NG] copy (split_fn_wide: contiguous rows); 2 its transpose [4·NG, 4·Hd] (the wgmma's B operand K-major)
+    #   [4·Hd, 4·NG] copy (split_fn_wide: contiguous rows); 2 its transpose [4·NG, 4·Hd] (the wgmma's B operand K-major);
+    #   3 (with chunk_stream_k; else as 2): 2's copy without its zero quarter, two dots of N = 2·NG and NG
     # session 7: a chunk's kernels walk its tokens in alternating directions (post forward, token-major; the
     # partial kernel backwards after a post, else forward; the finish kernel opposite to the partial), so each
     # kernel starts on the tokens its predecessor touched last: ~L2-sized (50 MB) of the re-read is an L2 hit
@@ -202,7 +203,7 @@ class MhcLaunch:
         validate.integer(self.one_pass_one_dot, "launch.one_pass_one_dot", lo=0, hi=2)
         validate.integer(self.chunk_one_dot, "launch.chunk_one_dot", lo=0, hi=2)
         validate.integer(self.chunk_small_t, "launch.chunk_small_t", lo=0)
-        validate.integer(self.chunk_fn_layout, "launch.chunk_fn_layout", lo=0, hi=2)
+        validate.integer(self.chunk_fn_layout, "launch.chunk_fn_layout", lo=0, hi=3)
         for name in ("split_k",) + _BOOLS:
             v = getattr(self, name)
             if not (isinstance(v, bool) or (v is None and name == "split_k")):
@@ -446,6 +447,11 @@ CHUNKED_VARIANTS: dict[str, dict] = {
     "chunked zz slice512 bt64 w4": {**_ZZ512, "chunk_block_t": 64, "chunk_warps": 4, "chunk_maxnreg": None},
     "chunked zz slice512 bt64 w4 st2": {**_ZZ512, "chunk_block_t": 64, "chunk_warps": 4, "chunk_maxnreg": 128,
                                         "chunk_stages": 2},  # 4 per SM: the 512 programs in one wave
+    # session 7, for the next GPU run (pre's partial kernel at 74 % of copy, the head's, at half the MMA columns,
+    # at 82 %): fn layout 3 drops the zero quarter of the N = 128 dot (two dots of N = 64 and 32): a quarter
+    # less MMA and fold work per step
+    "chunked zz slice512 n96": {**_ZZ512, "chunk_fn_layout": 3},
+    "chunked zz slice512 n96 st4": {**_ZZ512, "chunk_fn_layout": 3, "chunk_stages": 4},
     "chunked zz slice512 bt256 w8": {**_ZZ512, "chunk_block_t": 256, "chunk_warps": 8, "chunk_stages": 4,
                                      "chunk_maxnreg": None},
 }
@@ -597,7 +603,8 @@ def chunk_args(L: MhcLaunch, T: int, Hd: int, head: bool, fused: bool):
     pdl = L.chunk_pdl and not interpreting()
     partial = (dict(HEAD=head, FUSED=fused, BLOCK_T=bt, BLOCK_K=bk, ONE_DOT=min(L.chunk_one_dot, 1) if fused
                     else L.chunk_one_dot, WS_GATE=ws_gate, WS_STRIDE=ws_stride, HW_ROUND=hw, PDL=pdl,
-                    STREAM_K=L.chunk_stream_k and not fused, FN_LAYOUT=L.chunk_fn_layout, REVERSE=partial_back),
+                    STREAM_K=L.chunk_stream_k and not fused, REVERSE=partial_back,
+                    FN_LAYOUT=L.chunk_fn_layout if L.chunk_fn_layout < 3 or (L.chunk_stream_k and not fused) else 2),
                dict(num_warps=warps, num_stages=stages, maxnreg=maxnreg, launch_pdl=pdl))
     finish = (dict(HEAD=head, BLOCK_T=L.chunk_finish_block_t, BLOCK_H=L.chunk_finish_block_h,
                    SUM_UNROLL=L.chunk_sum_unroll, WS_GATE=ws_gate, WS_STRIDE=ws_stride, HW_ROUND=hw, PDL=pdl,
@@ -617,8 +624,8 @@ def launch_chunked(L: MhcLaunch, T: int, Hd: int, ptrs, scale, base, post, comb,
     (c, n_chunks, slices, cps, parts, h_per_part), (pc, po), (fc, fo), (n_mix, n_ssq) = chunk_args(L, T, Hd, head, fused)
     post_first = fused and L.chunk_fused_post
     res_in = ptrs[0]
-    if L.chunk_fn_layout:  # the partial kernel reads fn from a [4·Hd, 4·NG] copy (2: transposed)
-        ptrs = ptrs[:5] + (split_fn_wide(ptrs[5], transposed=L.chunk_fn_layout == 2),)
+    if L.chunk_fn_layout:  # the partial kernel reads fn from a [4·Hd, 4·NG] copy (2, 3: transposed)
+        ptrs = ptrs[:5] + (split_fn_wide(ptrs[5], transposed=L.chunk_fn_layout >= 2),)
     if post_first:  # the partial kernel reads the new streams: pre's, with the new streams as its input
         ptrs = (ptrs[4],) + ptrs[1:]
     compiled = not interpreting()
