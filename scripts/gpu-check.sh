@@ -12,6 +12,8 @@
 #                probe (PROBE=script), sass (ncu per-instruction stall samples, SASS_RUNS)
 #   env knobs:   STAGES="unit nbval check bench memcheck"   UNIT_TESTS="tests/test_moe.py ..."   BENCH_OP="indexer sparse_mla"   MEMCHECK_TESTS=tests/test_kv_cache.py
 #                LIMIT_UNIT=420 LIMIT_NBVAL=420 LIMIT_CHECK=300 LIMIT_BENCH=420 LIMIT_MEMCHECK=420 (seconds per stage)
+#                WORKERS=8 DIST=loadfile (unit: pytest-xdist workers and scheduling; DIST=load spreads one big file,
+#                e.g. tests/test_mhc.py's ~40 GPU candidate tests, over every worker instead of one)
 #   nbval runs with DSV4REF_BENCH=0: the notebooks' benchmark cells (ignored by nbval) skip their timings.
 set -uo pipefail
 OUT=${OUT:-./gpu-out}
@@ -55,7 +57,7 @@ python3 -c "import jupytext" 2>/dev/null || NB_SKIP="--ignore=tests/test_lab.py 
 for s in $STAGES; do
   case $s in
     unit)     stage unit ${LIMIT_UNIT:-420} python3 -m pytest ${UNIT_TESTS:-tests} -v -o addopts="" -p no:cacheprovider -p no:benchmark \
-                -n ${WORKERS:-8} --dist loadfile --tb=short -rfE $NB_SKIP ;;
+                -n ${WORKERS:-8} --dist ${DIST:-loadfile} --tb=short -rfE $NB_SKIP ;;
     moe_sweep)   stage moe_sweep ${LIMIT_MOE_SWEEP:-150} python3 benchmarks/moe_sweep.py ;;
     gluon_sweep) stage gluon_sweep ${LIMIT_GLUON_SWEEP:-240} python3 benchmarks/sparse_mla_gluon.py ${GLUON_SWEEP_ARGS:-} ;;
     kv_sweep)    stage kv_sweep ${LIMIT_KV_SWEEP:-150} python3 benchmarks/${KV_SWEEP:-kv_cache_sweep.py} ;;
