@@ -128,6 +128,18 @@ class Probe:
         print(f"{op:<7} {name:<30} {ms * 1e3:7.1f} us {bw / ceil:6.1%} of ceiling {copy_ms / ms:6.1%} of same-size copy"
               f" | long {long_ms * 1e3:6.1f} us {nbytes / (long_ms * 1e-3) / ceil:6.1%}{note}", flush=True)
 
+    def copy_baseline(self, op, what, nbytes, n, ceil) -> tuple[float, float]:
+        """Time the same-size uint8 copy of ``nbytes`` (the op's own yardstick; its buffers are freed on return),
+        print the op's header (``what``: its shape) and the copy's row: (ms, long-graph ms) per call."""
+        from dsv4ref.tools.harness import same_size_copy_case
+
+        copy = same_size_copy_case("copy", "", nbytes, n)
+        copy_ms, copy_long = self.times(copy.run, n)
+        print(f"\n{what}: {nbytes / 1e6:.1f} MB per call, {n} sets, {time.perf_counter() - self.t0:.0f} s in",
+              flush=True)
+        self.row(op, "same-size uint8 copy", nbytes, copy_ms, copy_long, ceil, copy_ms)
+        return copy_ms, copy_long
+
     def finish(self, op, rows, nbytes, ceil, copy_ms, copy_long, failed):
         """rows: [(name, ms, long_ms)], the default first."""
         if not rows:
@@ -178,7 +190,6 @@ class Probe:
         from dsv4ref.kv_cache import reference
         from dsv4ref.kv_cache.kernels import insert_kernel
         from dsv4ref.kv_cache.launch import _grid_and_flags, int16_view, launch_insert
-        from dsv4ref.tools.harness import same_size_copy_case
 
         variants = self.chosen(insert_variants())
         B, S = 64, (256 if self.dry else S_INSERT)
@@ -204,11 +215,7 @@ class Probe:
         n = len(sets)
         want = kc.allocate(S // B, B)
         reference.insert(want, sets[0][1], sets[0][2], block_size=B)
-        copy = same_size_copy_case("copy", "", nbytes, n)
-        copy_ms, copy_long = self.times(copy.run, n)
-        print(f"\ninsert S={S} B={B}: {nbytes / 1e6:.1f} MB per call ({PER_TOKEN} B/token), {n} sets, "
-              f"{time.perf_counter() - self.t0:.0f} s in", flush=True)
-        self.row("insert", "same-size uint8 copy", nbytes, copy_ms, copy_long, ceil, copy_ms)
+        copy_ms, copy_long = self.copy_baseline("insert", f"insert S={S} B={B} ({PER_TOKEN} B/token)", nbytes, n, ceil)
         def wrong_bytes(v):
             c = hcache.clone()
             launch_insert(c, hkv, hslots, B, v)
@@ -227,7 +234,7 @@ class Probe:
         rows, failed = self.sweep("insert", variants, wrong_bytes, timed_call, n, nbytes, ceil, copy_ms)
         self.finish(f"kv_cache.insert S={S}", rows, nbytes, ceil, copy_ms, copy_long, failed)
         sets.clear()
-        want = copy = None  # (freed before empty_cache)
+        want = None  # (freed before empty_cache)
         empty_cache()
 
     # -------------------------------------------------------------------------------- stage
@@ -236,7 +243,6 @@ class Probe:
         from dsv4ref.moe import reference
         from dsv4ref.moe.launch import stage_op_args
         from dsv4ref.tools.cases.moe import STAGE_BENCH, stage_bytes, stage_sets
-        from dsv4ref.tools.harness import same_size_copy_case
 
         variants = self.chosen(stage_variants(sm_count()))
         T, Hd, K, n = (16, 2048, 6, 2) if self.dry else STAGE_BENCH
@@ -249,11 +255,7 @@ class Probe:
         with validate.checking_values(False):
             want = [t.contiguous() for t in reference.stage(x0, sets[0][1], sets[0][2])]
         want[0] = want[0].view(torch.uint8)
-        copy = same_size_copy_case("copy", "", nbytes, n)
-        copy_ms, copy_long = self.times(copy.run, n)
-        print(f"\nstage T={T} Hd={Hd} K={K}: {nbytes / 1e6:.1f} MB per call, {n} sets, "
-              f"{time.perf_counter() - self.t0:.0f} s in", flush=True)
-        self.row("stage", "same-size uint8 copy", nbytes, copy_ms, copy_long, ceil, copy_ms)
+        copy_ms, copy_long = self.copy_baseline("stage", f"stage T={T} Hd={Hd} K={K}", nbytes, n, ceil)
         def wrong_bytes(v):
             x, ids, w, q, sf, i64, w32 = sets[0]
             for b in (q, sf, i64, w32):
@@ -270,7 +272,6 @@ class Probe:
         rows, failed = self.sweep("stage", variants, wrong_bytes, timed_call, n, nbytes, ceil, copy_ms)
         self.finish(f"moe.stage T={T} Hd={Hd} K={K}", rows, nbytes, ceil, copy_ms, copy_long, failed)
         sets.clear()
-        del copy
         empty_cache()
 
 
