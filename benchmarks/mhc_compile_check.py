@@ -176,4 +176,5 @@ if __name__ == "__main__":
                 try:
                     print(report(name, op), flush=True)
                 except Exception as e:  # a variant that does not compile is reported, not fatal
-                    print(f"{name:20s} {op:5s} FAILED: {type(e).__name__}: {str(e)[:300]} ... {str(e)[-600:]}", flush=True)
+                    msg = str(e) if len(str(e)) <= 900 else f"{str(e)[:300]} ... {str(e)[-600:]}"  # the cause is at the end
+                    print(f"{name:20s} {op:5s} FAILED: {type(e).__name__}: {msg}", flush=True)
