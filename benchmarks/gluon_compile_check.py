@@ -89,10 +89,11 @@ def compile_variant(flags: dict, splits: int):
     if kern is None:
         raise RuntimeError(f"Gluon unavailable: {G._IMPORT_ERROR!r}")
     fl = dict(G.VARIANT, **flags)
-    fn, const = G._kernel_and_flags(kern, fl)
+    H = G.NARROW_H if fl.get("NARROW") else G.BLOCK_H
+    fn, const = G._kernel_and_flags(kern, fl, H)
     num_warps = const.pop("num_warps")
     const = dict(const, HAS_LEN1=True, HAS_POOL2=True, HAS_LEN2=True, HAS_SINK=True, SPLITS=splits,
-                 BH=G.BLOCK_H, BN=G.BLOCK_N)
+                 BH=G.block_h(fl, H), BN=G.BLOCK_N)
     sig, attrs = {}, {}
     for i, name in enumerate(fn.arg_names):
         if name in const:

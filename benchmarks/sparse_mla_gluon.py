@@ -55,8 +55,13 @@ VARIANTS = {  # dsv4ref.sparse_mla.gluon.VARIANT flags, over the default (PACKED
                                            QLATE=0),
     # session 6: the query loaded by the scorer partition (the new default; the row above is session 5's)
     "gluon roles qlate": dict(WS=True, OVERLAP=False, PRODUCER_REGS=104, PACKED=1, ROLES=1, PV_REGS=160, QLATE=1),
+    # session 8: H <= 16 on the narrow kernel (heads as the wgmma N, two producer warpgroups); other H as above
+    "gluon narrow": dict(NARROW=1, NARROW_NS=2, NARROW_REGS=184),
+    "gluon narrow ns3": dict(NARROW=1, NARROW_NS=3, NARROW_REGS=184),
 }
-NEW = {k for k in VARIANTS if "packed" in k or "cpasync" in k or "roles" in k}  # timed at the default split only (keeps the run short)
+for _name, _flags in VARIANTS.items():  # the rows before session 8 keep their meaning at H 16 (NARROW is now on)
+    _flags.setdefault("NARROW", 0)
+NEW = {k for k in VARIANTS if "packed" in k or "cpasync" in k or "roles" in k or "narrow" in k}  # timed at the default split only (keeps the run short)
 # timing diagnostics (wrong results, never checked): DIAG 1 = the producer loads nothing (MMA + softmax +
 # dequant ALU only); DIAG 2 = the consumer runs no MMA (gather + dequant only)
 DIAGS = {
@@ -73,9 +78,15 @@ DIAGS = {
     # DIAG 4 = no chunk at all: launch, Q prologue, barrier setup, the epilogue and the split merge
     "diag roles: no chunks": dict(VARIANTS["gluon ws roles packed1"], DIAG=4),
     "diag qlate: no chunks": dict(VARIANTS["gluon roles qlate"], DIAG=4),
+    # the narrow kernel's halves (at H 64 / 128 these rows are the default kernel's)
+    "diag narrow: no row loads": dict(VARIANTS["gluon narrow"], DIAG=1),
+    "diag narrow: no MMA/softmax": dict(VARIANTS["gluon narrow"], DIAG=2),
+    "diag narrow: no chunks": dict(VARIANTS["gluon narrow"], DIAG=4),
 }
+for _name, _flags in DIAGS.items():
+    _flags.setdefault("NARROW", 0)
 SPLIT_SWEEP = {"gluon ws cpasync", "gluon ws packed1", "diag cpasync: fixed cost only",  # timed at splits 1, 2, 4
-               "gluon ws roles packed1", "diag roles: fixed cost only", "diag roles: no chunks"}
+               "gluon ws roles packed1", "diag roles: fixed cost only", "diag roles: no chunks", "gluon narrow"}
 
 
 if os.environ.get("GLUON_BENCH_VARIANTS"):  # e.g. "gluon ws,gluon v1 (no ws) psmem": time only these

@@ -89,10 +89,17 @@ VARIANTS = {
     "k-split consumers, score halves": dict(WS=True, PRODUCER_REGS=96, PACKED=1, KSPLIT=2, ROLES=0),
     "column-split consumers (session 4's default)": dict(WS=True, PRODUCER_REGS=104, PACKED=1, ROLES=0),
     "role-split consumers, overlapped QK": dict(WS=True, PRODUCER_REGS=104, PACKED=1, ROLES=1, OVERLAP=True),
+    # H <= 16 only (other H run the default kernel): heads as the MMAs' N, two producer warpgroups
+    "narrow heads, 2 stages": dict(NARROW=1, NARROW_NS=2),
+    "narrow heads, 3 stages": dict(NARROW=1, NARROW_NS=3),
+    "64-row kernel at every H (session 7's default)": dict(NARROW=0),
 }
+for _name, _flags in VARIANTS.items():  # each row means the same kernel at H 16 whatever VARIANT's default
+    _flags.setdefault("NARROW", 0)
 
 
-@pytest.mark.parametrize("name", ["default", "column-split consumers (session 4's default)"])
+@pytest.mark.parametrize("name", ["default", "column-split consumers (session 4's default)",
+                                  "64-row kernel at every H (session 7's default)"])
 def test_every_e4m3_code_and_scale_byte(name):
     """Each token attends to one row, with q = 0, so its output is that row's dequantised values (p = 1, l = 1)
     bit for bit: rows cover all 254 finite e4m3 codes (both zeros and the subnormals included) under scale
@@ -163,15 +170,19 @@ def test_variants(name):
             assert bool((lse[3] == -math.inf).all()) and not bool(out[3].any()), "an empty row: out 0, lse -inf"
 
 
-@pytest.mark.parametrize("H", [16, 64, 128, 40])
+@pytest.mark.parametrize("H", [16, 64, 128, 40, 1, 8, 12])
 def test_heads(H):
-    """H = 16 (padded to a 64-row block), 64, 128 (two blocks) and 40 (padded); a non-default scale."""
+    """H = 16 (padded to a 64-row block), 64, 128 (two blocks), 40 (padded), and 1, 8, 12 (padded rows of
+    the 64-row kernel, padded columns of the narrow one, the default at H <= 16); a non-default scale; the
+    64-row kernel too where the narrow one is the default, at list splits 1, 2 and 4."""
     q, pools = setup(T=3, H=H, K1=96, K2=40, lengths1=[96, 77, 10], lengths2=[40, 0, 13], seed=H)
     sink = randn((H,), seed=5, dtype=torch.float32, octaves=0) * 2
     scale = 512 ** -0.55
     ref = oracle(q, pools, sink, scale)
-    for splits in (1, 2):
-        check(*run(q, pools, sink, scale, num_splits=splits), ref, f"H={H} splits={splits}")
+    for variant in (None, VARIANTS["64-row kernel at every H (session 7's default)"]) if H <= G.NARROW_H else (None,):
+        for splits in (1, 2, 4):
+            check(*run(q, pools, sink, scale, num_splits=splits, variant=variant), ref,
+                  f"H={H} splits={splits} variant={variant}")
 
 
 @pytest.mark.parametrize("splits", [1, 2])
@@ -245,8 +256,8 @@ def test_matches_the_portable_kernel():
     check(*b, ref, "gluon")
 
 
-@pytest.mark.parametrize("splits", [1, 2])
-def test_non_finite_rows_follow_the_contract(splits):
+@pytest.mark.parametrize("splits,narrow", [(1, 0), (2, 0), (1, 1), (2, 1)])  # H 16: both kernels
+def test_non_finite_rows_follow_the_contract(splits, narrow):
     """Value checks off (docs/contract.md): a listed row whose scale byte is 255 (E8M0's NaN) or a query with
     a NaN makes that token's attention rows NaN, out and lse, as the reference does; never the empty-row
     answer (out 0, lse −inf); the other tokens are untouched. The Gluon backend's E8M0 decode reads byte 255
@@ -264,7 +275,7 @@ def test_non_finite_rows_follow_the_contract(splits):
     q[2, 5, 100] = float("nan")  # token 2, head 5: a NaN query
     with checking_values(False):
         want_out, want_lse = sparse_mla.decode(q, c1, i1, l1, block_size=bs, backend="reference")
-        out, lse = run(q, pools, num_splits=splits)
+        out, lse = run(q, pools, num_splits=splits, variant=dict(NARROW=narrow))
     nan_rows = torch.isnan(want_lse)
     assert nan_rows[1].all() and nan_rows[2, 5] and not nan_rows[0].any() and not nan_rows[3].any()
     assert torch.equal(torch.isnan(lse), nan_rows) and torch.equal(torch.isnan(out).all(-1), nan_rows)

@@ -131,7 +131,7 @@ class MhcLaunch:
     chunk_block_t: int = 16 if interpreting() else 128
     chunk_block_k: int = 64  # (16 on a GPU until session 6's third sweep, with chunk_stream_k off)
     chunk_warps: int = 8
-    chunk_stages: int = 3
+    chunk_stages: int = 3 if interpreting() else 4  # (3 on a GPU until session 8: with fn layout 3, below)
     chunk_maxnreg: int | None = 128  # 2 programs per SM at 8 warps
     # partial kernel, fused post+pre (x, 4 streams and 4 new ones live per chunk)
     chunk_fused_block_t: int = 16 if interpreting() else 128
@@ -160,9 +160,11 @@ class MhcLaunch:
     # 124.2, fused 170.5 vs 201.4, head 82.9 vs 103.8 at T = Hd = 4096; runs/2026-12-01_s6_h200_mhc_sweep3.log)
     chunk_stream_k: bool = not interpreting()  # pre / head: each dot one stream's chunk_block_k dims (64: 128-byte
     #                                            rows), not 4 × 16
-    chunk_fn_layout: int = 0 if interpreting() else 2  # the fn tile from: 0 split_fn's [G, 3, 4·Hd, 16]; 1 a
+    chunk_fn_layout: int = 0 if interpreting() else 3  # the fn tile from: 0 split_fn's [G, 3, 4·Hd, 16]; 1 a
     #   [4·Hd, 4·NG] copy (split_fn_wide: contiguous rows); 2 its transpose [4·NG, 4·Hd] (the wgmma's B operand K-major);
     #   3 (with chunk_stream_k; else as 2): 2's copy without its zero quarter, two dots of N = 2·NG and NG
+    # (3 and 4 stages on a GPU since session 8: "chunked zz slice512 n96 st4", T = Hd = 4096 pre 83.7 µs vs 86.4,
+    # fused 155.9 vs 157.5, head 78.8 vs 78.3; runs/2026-12-01_s8_h200_mhc_sweep1.log)
     # session 7: a chunk's kernels walk its tokens in alternating directions (post forward, token-major; the
     # partial kernel backwards after a post, else forward; the finish kernel opposite to the partial), so each
     # kernel starts on the tokens its predecessor touched last: ~L2-sized (50 MB) of the re-read is an L2 hit
@@ -461,7 +463,8 @@ CHUNKED_VARIANTS: dict[str, dict] = {
 # (so every row of CHUNKED_VARIANTS keeps the meaning it was timed with, at T = 37 too)
 _CHUNK_BASE = {} if interpreting() else {"chunk_tokens": 1024, "chunk_fused_post": False, "chunk_block_k": 16,
                                           "chunk_stream_k": False, "chunk_fn_layout": 0, "chunk_zigzag": False,
-                                          "chunk_slice_h": 256, "chunk_target_programs": 256, "chunk_small_t": 0}
+                                          "chunk_slice_h": 256, "chunk_target_programs": 256, "chunk_small_t": 0,
+                                          "chunk_stages": 3}
 
 
 def chunked_variant(name: str, **overrides) -> MhcLaunch:
