@@ -58,6 +58,9 @@ VARIANTS = {  # dsv4ref.sparse_mla.gluon.VARIANT flags, over the default (PACKED
     # session 8: H <= 16 on the narrow kernel (heads as the wgmma N, two producer warpgroups); other H as above
     "gluon narrow": dict(NARROW=1, NARROW_NS=2, NARROW_REGS=184),
     "gluon narrow ns3": dict(NARROW=1, NARROW_NS=3, NARROW_REGS=184),
+    # the bf16 output through a free K stage, stored as whole 16-byte vectors along each row (split 1 only)
+    "gluon roles osmem": dict(WS=True, OVERLAP=False, PRODUCER_REGS=104, PACKED=1, ROLES=1, PV_REGS=160, QLATE=1,
+                              OSMEM=1),
 }
 for _name, _flags in VARIANTS.items():  # the rows before session 8 keep their meaning at H 16 (NARROW is now on)
     _flags.setdefault("NARROW", 0)
@@ -82,6 +85,11 @@ DIAGS = {
     "diag narrow: no row loads": dict(VARIANTS["gluon narrow"], DIAG=1),
     "diag narrow: no MMA/softmax": dict(VARIANTS["gluon narrow"], DIAG=2),
     "diag narrow: no chunks": dict(VARIANTS["gluon narrow"], DIAG=4),
+    # DIAG 5 = no chunks and no query load; 6 = and no epilogue stores: what is left is launch and setup
+    "diag qlate: no chunks, no query": dict(VARIANTS["gluon roles qlate"], DIAG=5),
+    "diag qlate: no chunks, no query, no stores": dict(VARIANTS["gluon roles qlate"], DIAG=6),
+    "diag narrow: no chunks, no query": dict(VARIANTS["gluon narrow"], DIAG=5),
+    "diag narrow: no chunks, no query, no stores": dict(VARIANTS["gluon narrow"], DIAG=6),
 }
 for _name, _flags in DIAGS.items():
     _flags.setdefault("NARROW", 0)

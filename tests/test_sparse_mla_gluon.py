@@ -93,6 +93,7 @@ VARIANTS = {
     "narrow heads, 2 stages": dict(NARROW=1, NARROW_NS=2),
     "narrow heads, 3 stages": dict(NARROW=1, NARROW_NS=3),
     "64-row kernel at every H (session 7's default)": dict(NARROW=0),
+    "role-split consumers, output through shared memory": dict(OSMEM=1),
 }
 for _name, _flags in VARIANTS.items():  # each row means the same kernel at H 16 whatever VARIANT's default
     _flags.setdefault("NARROW", 0)

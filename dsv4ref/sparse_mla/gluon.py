@@ -453,10 +453,13 @@ def _define_kernels():
     @_gluon.jit
     def _epilogue(acc, m, l, qbad_smem, t64, hb, sp, H, sink_ptr, out_ptr, lse_ptr, po_ptr, pml_ptr,
                   HAS_SINK: gl.constexpr, SPLITS: gl.constexpr, BH: gl.constexpr, O_L: gl.constexpr,
-                  S_L: gl.constexpr, D0: gl.constexpr = 0, DW: gl.constexpr = 512, ML: gl.constexpr = True):
+                  S_L: gl.constexpr, D0: gl.constexpr = 0, DW: gl.constexpr = 512, ML: gl.constexpr = True,
+                  o_st=None, OSMEM: gl.constexpr = False):
         """out = acc / l · σ(lse − sink) and lse (SPLITS == 1), or the partial (acc, m, l) for the merge.
         acc holds output columns [D0, D0 + DW); ML: this caller also writes lse (or m, l). qbad_smem: the
-        heads' poison words (:func:`_q_to_shared`), added to l."""
+        heads' poison words (:func:`_q_to_shared`), added to l. OSMEM (SPLITS == 1, 4-warp callers): the bf16
+        output goes through the free shared tile ``o_st`` [BH, DW], then out to global memory as whole
+        16-byte vectors along each row (the accumulator's own layout stores 4 bytes per thread, rows apart)."""
         l = l + qbad_smem.load(gl.SliceLayout(1, S_L))
         h_o = hb * BH + gl.arange(0, BH, gl.SliceLayout(1, O_L))
         d_o = D0 + gl.arange(0, DW, gl.SliceLayout(0, O_L))
@@ -473,9 +476,19 @@ def _define_kernels():
             corr = 1.0 / (1.0 + gl.exp(sink - lse))
             f = gl.where(nonempty, corr / l_safe, 0.0)
             out = acc * gl.convert_layout(f, gl.SliceLayout(1, O_L))[:, None]
-            row = t64 * H + h_o.to(gl.int64)
-            gl.store(out_ptr + row[:, None] * 512 + d_o[None, :], out.to(gl.bfloat16),
-                     mask=(h_o[:, None] < H) & (d_o[None, :] >= 0))
+            if OSMEM:
+                LO: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])  # 16 B per thread, rows whole
+                o_st.store(out.to(gl.bfloat16))
+                _bar()
+                h_b = hb * BH + gl.arange(0, BH, gl.SliceLayout(1, LO))
+                d_b = D0 + gl.arange(0, DW, gl.SliceLayout(0, LO))
+                row_b = t64 * H + h_b.to(gl.int64)
+                gl.store(out_ptr + row_b[:, None] * 512 + d_b[None, :], o_st.load(LO),
+                         mask=(h_b[:, None] < H) & (d_b[None, :] >= 0))
+            else:
+                row = t64 * H + h_o.to(gl.int64)
+                gl.store(out_ptr + row[:, None] * 512 + d_o[None, :], out.to(gl.bfloat16),
+                         mask=(h_o[:, None] < H) & (d_o[None, :] >= 0))
             if ML:
                 gl.store(lse_ptr + t64 * H + h_s, gl.where(nonempty, lse, -float("inf")), mask=h_s < H)
         else:
@@ -948,18 +961,19 @@ def _define_kernels():
                       start, n_it, n1, stop, i1, i2, qk_scale, t64, hb, sp, H, sink_ptr, out_ptr, lse_ptr, po_ptr,
                       pml_ptr, HAS_SINK: gl.constexpr, SPLITS: gl.constexpr, BH: gl.constexpr, BN: gl.constexpr,
                       NS: gl.constexpr, OVERLAP: gl.constexpr, DIAG: gl.constexpr, q_ptr, q_st, q_sh,
-                      QLATE: gl.constexpr):
+                      QLATE: gl.constexpr, OSMEM: gl.constexpr = False):
         """The scoring warpgroup (the default partition, 4 warps) of the role split: S = Q·Kᵀ for all 64
         candidates as n = 64 wgmma (Q read once per chunk, not once per warpgroup), the online softmax with
         every row max and sum inside one warpgroup (no CTA barrier), then P (bf16) and the rescale factor
         alpha are published to the P·V warpgroup through a 2-deep shared buffer (mbarriers pfull / pfree),
         and its own half of the output, O[:, 0:256] += P · V[:, 0:256], runs with P in registers.
         OVERLAP: the next chunk's QKᵀ is issued right behind this chunk's P·V. QLATE: this warpgroup first
-        brings the query to shared memory itself (:func:`_q_async`)."""
+        brings the query to shared memory itself (:func:`_q_async`). OSMEM: the output leaves through K stage
+        0, once the last chunk's stage is released by both warpgroups (:func:`_epilogue`)."""
         O_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 256, 16])
         S_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BN, 16])
         P_L: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=O_L, k_width=2)
-        if QLATE:
+        if QLATE and DIAG < 5:  # DIAG 5, 6 (timing only): no query load
             _q_async(q_ptr, t64, q_st, q_sh, hb, H, q_smem, qbad_smem, BH)
         m, l, acc, s0, cols, okc, n_it = _consumer_start(ready, empty, n_it, start, n1, stop, i1, i2, BH, BN, 256, NS, DIAG,
                                                          S_L, O_L)
@@ -1002,14 +1016,18 @@ def _define_kernels():
         ml_smem.index(1).store(l)
         _bar()
         mbarrier.arrive(fin)
-        _epilogue(acc, m, l, qbad_smem, t64, hb, sp, H, sink_ptr, out_ptr, lse_ptr, po_ptr, pml_ptr, HAS_SINK, SPLITS,
-                  BH, O_L, S_L, 0, 256, True)
+        if OSMEM and SPLITS == 1:  # the P·V warpgroup's last read of a K stage is over (it released it)
+            last = gl.maximum(n_it - 1, 0)
+            mbarrier.wait(empty.index(last % NS), (last // NS) & 1, pred=n_it > 0)
+        if DIAG < 6:  # DIAG 6 (timing only): no epilogue stores either
+            _epilogue(acc, m, l, qbad_smem, t64, hb, sp, H, sink_ptr, out_ptr, lse_ptr, po_ptr, pml_ptr, HAS_SINK,
+                      SPLITS, BH, O_L, S_L, 0, 256, True, k_smem.index(0).slice(0, 256, dim=1), OSMEM and SPLITS == 1)
 
     @_gluon.jit
     def _roles_pv(q_smem, qbad_smem, k_smem, p_smem, a_smem, ml_smem, ready, empty, pfull, pfree, fin,
                   start, n_it, n1, stop, i1, i2, qk_scale, t64, hb, sp, H, sink_ptr, out_ptr, lse_ptr, po_ptr,
                   pml_ptr, HAS_SINK: gl.constexpr, SPLITS: gl.constexpr, BH: gl.constexpr, BN: gl.constexpr,
-                  NS: gl.constexpr, OVERLAP: gl.constexpr, DIAG: gl.constexpr):
+                  NS: gl.constexpr, OVERLAP: gl.constexpr, DIAG: gl.constexpr, OSMEM: gl.constexpr = False):
         """The P·V warpgroup (a worker partition, 4 warps) of the role split: for each chunk it waits for
         the scorer's P and alpha, rescales its half of the output and runs O[:, 256:512] += P · V[:, 256:512]
         with P read from shared memory; it computes no score and no softmax, so it needs only the
@@ -1035,8 +1053,9 @@ def _define_kernels():
         mbarrier.wait(fin, 0)
         m = ml_smem.index(0).load(gl.SliceLayout(1, S_L))
         l = ml_smem.index(1).load(gl.SliceLayout(1, S_L))
-        _epilogue(acc, m, l, qbad_smem, t64, hb, sp, H, sink_ptr, out_ptr, lse_ptr, po_ptr, pml_ptr, HAS_SINK, SPLITS,
-                  BH, O_L, S_L, 256, 256, False)
+        if DIAG < 6:  # (the scorer's MMAs are over once fin completes: stage 1 is free for OSMEM)
+            _epilogue(acc, m, l, qbad_smem, t64, hb, sp, H, sink_ptr, out_ptr, lse_ptr, po_ptr, pml_ptr, HAS_SINK,
+                      SPLITS, BH, O_L, S_L, 256, 256, False, k_smem.index(1).slice(0, 256, dim=1), OSMEM and SPLITS == 1)
 
     @_gluon.jit
     def _ws_kernel(
@@ -1048,6 +1067,7 @@ def _define_kernels():
         SPLITS: gl.constexpr, BH: gl.constexpr, BN: gl.constexpr, NS: gl.constexpr, OVERLAP: gl.constexpr,
         PRODUCER_REGS: gl.constexpr, DEEP: gl.constexpr, DIAG: gl.constexpr = 0, PACKED: gl.constexpr = 0,
         KSPLIT: gl.constexpr = 0, ROLES: gl.constexpr = 0, PV_REGS: gl.constexpr = 160, QLATE: gl.constexpr = 0,
+        OSMEM: gl.constexpr = 0,
     ):
         """Warp-specialised variant: 4 producer warps fill an NS-stage ring of dequantised K tiles (mbarriers
         ready / empty per stage); the 8 default warps (two warpgroups) only run the MMAs and the softmax.
@@ -1069,8 +1089,8 @@ def _define_kernels():
         t64 = t.to(gl.int64)
         n1, start, stop = _candidate_range(t, sp, chunk, K1, l1_ptr, K2, l2_ptr, HAS_LEN1, HAS_POOL2, HAS_LEN2)
         n_it = gl.maximum(gl.cdiv(stop - start, BN), 0)
-        if DIAG == 4:  # timing diagnostic only (wrong results): no chunk at all, the fixed cost alone
-            n_it = 0
+        if DIAG >= 4:  # timing diagnostics only (wrong results): no chunk at all, the fixed cost alone (5: and
+            n_it = 0  # no query load, 6: and no epilogue stores; ROLES and the narrow kernel)
         i1 = i1_ptr + t64 * i1_st
         i2 = i2_ptr + t64 * i2_st
 
@@ -1117,10 +1137,10 @@ def _define_kernels():
                 (_roles_scorer, (q_smem, qbad_smem, k_smem, p_smem, a_smem, ml_smem, ready, empty, pfull, pfree, fin,
                                  start, n_it, n1, stop, i1, i2, qk_scale, t64, hb, sp, H, sink_ptr, out_ptr, lse_ptr,
                                  po_ptr, pml_ptr, HAS_SINK, SPLITS, BH, BN, NS, OVERLAP, DIAG,
-                                 q_ptr, q_st, q_sh, QLATE)),
+                                 q_ptr, q_st, q_sh, QLATE, OSMEM)),
                 (_roles_pv, (q_smem, qbad_smem, k_smem, p_smem, a_smem, ml_smem, ready, empty, pfull, pfree, fin,
                              start, n_it, n1, stop, i1, i2, qk_scale, t64, hb, sp, H, sink_ptr, out_ptr, lse_ptr,
-                             po_ptr, pml_ptr, HAS_SINK, SPLITS, BH, BN, NS, OVERLAP, DIAG)),
+                             po_ptr, pml_ptr, HAS_SINK, SPLITS, BH, BN, NS, OVERLAP, DIAG, OSMEM)),
                 (_ws_producer_of, (k_smem, ready, empty, start, n_it, n1, stop, i1, i2, c1_u8, c1_i16, c1_i64, bs1,
                                    ps1, c2_u8, c2_i16, c2_i64, bs2, ps2, BN, NS, DEEP, PACKED, DIAG)),
             ], [4, 4], [PV_REGS, PRODUCER_REGS])
@@ -1187,7 +1207,8 @@ def _define_kernels():
         transposed: 8 row blocks of 64 dims). Oᵀ is 64 fp32 registers per thread, not 128."""
         S_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BH, 16])
         V_L: gl.constexpr = gl.SliceLayout(0, S_L)  # one value per head
-        _q_async(q_ptr, t64, q_st, q_sh, hb, H, q_smem, qbad_smem, BH)
+        if DIAG < 5:  # DIAG 5, 6 (timing only): no query load
+            _q_async(q_ptr, t64, q_st, q_sh, hb, H, q_smem, qbad_smem, BH)
         m = gl.full([BH], -float("inf"), gl.float32, V_L)
         l = gl.zeros([BH], gl.float32, V_L)
         acc = gl.zeros([512, BH], gl.float32, S_L)  # Oᵀ (S_L's instruction shape serves both products)
@@ -1224,7 +1245,7 @@ def _define_kernels():
         l = l + qbad_smem.load(V_L)
         h = hb * BH + gl.arange(0, BH, V_L)
         d = gl.arange(0, 512, gl.SliceLayout(1, S_L))
-        hm = (h[None, :] < H) & (d[:, None] >= 0)
+        hm = (h[None, :] < H) & (d[:, None] >= 0) & (DIAG < 6)  # DIAG 6 (timing only): no epilogue stores
         if SPLITS == 1:
             if HAS_SINK:
                 sink = gl.load(sink_ptr + h, mask=h < H, other=-float("inf"))
@@ -1268,7 +1289,7 @@ def _define_kernels():
         t64 = t.to(gl.int64)
         n1, start, stop = _candidate_range(t, sp, chunk, K1, l1_ptr, K2, l2_ptr, HAS_LEN1, HAS_POOL2, HAS_LEN2)
         n_it = gl.maximum(gl.cdiv(stop - start, BN), 0)
-        if DIAG == 4:  # timing diagnostic only (wrong results): no chunk at all, the fixed cost alone
+        if DIAG >= 4:  # timing diagnostics only (wrong results): no chunk at all (5: nor query, 6: nor stores)
             n_it = 0
         i1 = i1_ptr + t64 * i1_st
         i2 = i2_ptr + t64 * i2_st
@@ -1316,6 +1337,7 @@ def _kernel_and_flags(kern: dict, flags: dict, H: int = BLOCK_H):
                                 DEEP=flags["DEEP"], DIAG=flags.get("DIAG", 0), PACKED=flags.get("PACKED", 0),
                                 KSPLIT=ksplit, ROLES=roles, PV_REGS=flags.get("PV_REGS", 160),
                                 QLATE=int(flags.get("QLATE", 0)) if roles else 0,  # the scorer loads it
+                                OSMEM=int(flags.get("OSMEM", 0)) if roles else 0,
                                 num_warps=4 if (ksplit or roles) else NUM_WARPS)
     return kern["decode"], dict(P_SMEM=flags["P_SMEM"], PIPE=flags["PIPE"], num_warps=NUM_WARPS)
 
