@@ -61,6 +61,9 @@ VARIANTS = {  # dsv4ref.sparse_mla.gluon.VARIANT flags, over the default (PACKED
     # the bf16 output through a free K stage, stored as whole 16-byte vectors along each row (split 1 only)
     "gluon roles osmem": dict(WS=True, OVERLAP=False, PRODUCER_REGS=104, PACKED=1, ROLES=1, PV_REGS=160, QLATE=1,
                               OSMEM=1),
+    # and the query's NaN scan after the loop, only for a head with nothing counted
+    "gluon roles osmem lazy": dict(WS=True, OVERLAP=False, PRODUCER_REGS=104, PACKED=1, ROLES=1, PV_REGS=160, QLATE=1,
+                                   OSMEM=1, LAZY_SCAN=1),
 }
 for _name, _flags in VARIANTS.items():  # the rows before session 8 keep their meaning at H 16 (NARROW is now on)
     _flags.setdefault("NARROW", 0)

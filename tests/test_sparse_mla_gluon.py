@@ -94,6 +94,7 @@ VARIANTS = {
     "narrow heads, 3 stages": dict(NARROW=1, NARROW_NS=3),
     "64-row kernel at every H (session 7's default)": dict(NARROW=0),
     "role-split consumers, output through shared memory": dict(OSMEM=1),
+    "role-split consumers, lazy query scan": dict(OSMEM=1, LAZY_SCAN=1),
 }
 for _name, _flags in VARIANTS.items():  # each row means the same kernel at H 16 whatever VARIANT's default
     _flags.setdefault("NARROW", 0)
@@ -257,11 +258,14 @@ def test_matches_the_portable_kernel():
     check(*b, ref, "gluon")
 
 
-@pytest.mark.parametrize("splits,narrow", [(1, 0), (2, 0), (1, 1), (2, 1)])  # H 16: both kernels
-def test_non_finite_rows_follow_the_contract(splits, narrow):
+@pytest.mark.parametrize("splits,flags", [(1, dict(NARROW=0)), (2, dict(NARROW=0)), (1, dict(NARROW=1)),
+                                          (2, dict(NARROW=1)), (1, dict(NARROW=0, OSMEM=1, LAZY_SCAN=1)),
+                                          (2, dict(NARROW=0, OSMEM=1, LAZY_SCAN=1))])  # H 16: every kernel
+def test_non_finite_rows_follow_the_contract(splits, flags):
     """Value checks off (docs/contract.md): a listed row whose scale byte is 255 (E8M0's NaN) or a query with
-    a NaN makes that token's attention rows NaN, out and lse, as the reference does; never the empty-row
-    answer (out 0, lse −inf); the other tokens are untouched. The Gluon backend's E8M0 decode reads byte 255
+    a NaN or ±inf makes that token's attention rows NaN, out and lse, as the reference does; never the empty-row
+    answer (out 0, lse −inf), even for a row with no entry (only a scan of the query can see it there); the
+    other tokens are untouched. The Gluon backend's E8M0 decode reads byte 255
     as NaN (it read it as +inf before session 3)."""
     from dsv4ref import sparse_mla
     from dsv4ref.validate import checking_values
@@ -274,13 +278,17 @@ def test_non_finite_rows_follow_the_contract(splits, narrow):
     page, off = divmod(slot, bs)
     c1[page, bs * 576 + off * 8 + 2] = 255  # token 1 attends to a row whose third scale byte is E8M0's NaN
     q[2, 5, 100] = float("nan")  # token 2, head 5: a NaN query
+    q[2, 9, 10] = float("inf")  # token 2, head 9: +inf (every score of the row non-finite)
+    q[3, 7, 9] = -float("inf")  # token 3 (no entry), head 7: no score at all; only the query scan sees it
     with checking_values(False):
         want_out, want_lse = sparse_mla.decode(q, c1, i1, l1, block_size=bs, backend="reference")
-        out, lse = run(q, pools, num_splits=splits, variant=dict(NARROW=narrow))
+        out, lse = run(q, pools, num_splits=splits, variant=flags)
     nan_rows = torch.isnan(want_lse)
-    assert nan_rows[1].all() and nan_rows[2, 5] and not nan_rows[0].any() and not nan_rows[3].any()
+    assert nan_rows[1].all() and nan_rows[2, 5] and nan_rows[2, 9] and not nan_rows[0].any()
+    assert nan_rows[3].nonzero().flatten().tolist() == [7]
     assert torch.equal(torch.isnan(lse), nan_rows) and torch.equal(torch.isnan(out).all(-1), nan_rows)
-    assert torch.equal(lse[3], want_lse[3]) and not out[3].any()  # the empty row stays the empty row
+    keep = torch.arange(16, device=lse.device) != 7
+    assert torch.equal(lse[3][keep], want_lse[3][keep]) and not out[3][keep].any()  # empty rows stay empty
     ref_out, ref_lse, mass = oracle(q[:1], [(c1, i1[:1], l1[:1], bs)], None, SCALE)  # token 0: all finite
     assert_close(out[:1], ref_out, "bf16_weighted_sum", "finite token", mass=mass)
     assert_close(lse[:1], ref_lse, "lse", "finite token lse")

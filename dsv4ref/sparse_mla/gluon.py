@@ -263,11 +263,10 @@ def _define_kernels():
         return q_smem, qbad_smem
 
     @_gluon.jit
-    def _q_async(q_ptr, t64, q_st, q_sh, hb, H, q_smem, qbad_smem, BH: gl.constexpr):
+    def _q_async(q_ptr, t64, q_st, q_sh, hb, H, q_smem, qbad_smem, BH: gl.constexpr, SCAN: gl.constexpr = True):
         """What :func:`_q_to_shared` does, by the 4 warps of a partition and without holding the query in
-        registers: cp.async copies (padded heads zero-filled), then the NaN / ±inf scan read back from shared
-        memory a quarter of the columns at a time. On return q_smem is ready for wgmma (fenced for the async
-        proxy) and qbad_smem written."""
+        registers: cp.async copies (padded heads zero-filled), then (SCAN) the NaN / ±inf scan
+        (:func:`_q_scan`). On return q_smem is ready for wgmma (fenced for the async proxy)."""
         LQ: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])  # 16 bytes per copy
         hq = hb * BH + gl.arange(0, BH, gl.SliceLayout(1, LQ))
         dq = gl.arange(0, 512, gl.SliceLayout(0, LQ))
@@ -277,12 +276,20 @@ def _define_kernels():
         async_copy.commit_group()
         async_copy.wait_group(0)
         _bar()  # every thread's copies have landed
+        if SCAN:
+            _q_scan(q_smem, qbad_smem, BH)
+        fence_async_shared()  # the copies were generic-proxy writes; wgmma reads through the async proxy
+        _bar()
+
+    @_gluon.jit
+    def _q_scan(q_smem, qbad_smem, BH: gl.constexpr):
+        """qbad_smem [BH] = NaN where the query row in q_smem holds a NaN or ±inf, else 0: the rows read back
+        a quarter of the columns at a time by the 4 warps of a partition."""
+        LQ: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
         bad = gl.zeros([BH], gl.int32, gl.SliceLayout(1, LQ))
         for j in gl.static_range(4):
             bad = gl.maximum(bad, _nonfinite_rows(q_smem.slice(128 * j, 128, dim=1).load(LQ)))
         qbad_smem.store(gl.where(bad != 0, float("nan"), 0.0))
-        fence_async_shared()  # the copies were generic-proxy writes; wgmma reads through the async proxy
-        _bar()
 
     @_gluon.jit
     def _decode_kernel(
@@ -961,7 +968,7 @@ def _define_kernels():
                       start, n_it, n1, stop, i1, i2, qk_scale, t64, hb, sp, H, sink_ptr, out_ptr, lse_ptr, po_ptr,
                       pml_ptr, HAS_SINK: gl.constexpr, SPLITS: gl.constexpr, BH: gl.constexpr, BN: gl.constexpr,
                       NS: gl.constexpr, OVERLAP: gl.constexpr, DIAG: gl.constexpr, q_ptr, q_st, q_sh,
-                      QLATE: gl.constexpr, OSMEM: gl.constexpr = False):
+                      QLATE: gl.constexpr, OSMEM: gl.constexpr = False, LAZY_SCAN: gl.constexpr = False):
         """The scoring warpgroup (the default partition, 4 warps) of the role split: S = Q·Kᵀ for all 64
         candidates as n = 64 wgmma (Q read once per chunk, not once per warpgroup), the online softmax with
         every row max and sum inside one warpgroup (no CTA barrier), then P (bf16) and the rescale factor
@@ -969,12 +976,15 @@ def _define_kernels():
         and its own half of the output, O[:, 0:256] += P · V[:, 0:256], runs with P in registers.
         OVERLAP: the next chunk's QKᵀ is issued right behind this chunk's P·V. QLATE: this warpgroup first
         brings the query to shared memory itself (:func:`_q_async`). OSMEM: the output leaves through K stage
-        0, once the last chunk's stage is released by both warpgroups (:func:`_epilogue`)."""
+        0, once the last chunk's stage is released by both warpgroups (:func:`_epilogue`). LAZY_SCAN (with
+        QLATE): the query's NaN / ±inf scan is not run before the first chunk but after the last, and only
+        if a head counted no candidate: a non-finite query row makes every one of its scores non-finite,
+        and the softmax turns l into NaN by itself; only a row with nothing counted needs the poison word."""
         O_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 256, 16])
         S_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BN, 16])
         P_L: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=O_L, k_width=2)
         if QLATE and DIAG < 5:  # DIAG 5, 6 (timing only): no query load
-            _q_async(q_ptr, t64, q_st, q_sh, hb, H, q_smem, qbad_smem, BH)
+            _q_async(q_ptr, t64, q_st, q_sh, hb, H, q_smem, qbad_smem, BH, not LAZY_SCAN)
         m, l, acc, s0, cols, okc, n_it = _consumer_start(ready, empty, n_it, start, n1, stop, i1, i2, BH, BN, 256, NS, DIAG,
                                                          S_L, O_L)
         if OVERLAP:
@@ -1012,6 +1022,11 @@ def _define_kernels():
                 acc, p_op = warpgroup_mma_wait(num_outstanding=0, deps=(acc, p_op))
                 _bar()
                 mbarrier.arrive(empty.index(st))
+        if LAZY_SCAN:
+            if gl.max((l == 0).to(gl.int32), axis=0) > 0:  # a head with no counted candidate (rare)
+                _q_scan(q_smem, qbad_smem, BH)
+            else:
+                qbad_smem.store(gl.zeros([BH], gl.float32, gl.SliceLayout(1, S_L)))
         ml_smem.index(0).store(m)  # the final row max and sum, for the P·V warpgroup's epilogue
         ml_smem.index(1).store(l)
         _bar()
@@ -1067,7 +1082,7 @@ def _define_kernels():
         SPLITS: gl.constexpr, BH: gl.constexpr, BN: gl.constexpr, NS: gl.constexpr, OVERLAP: gl.constexpr,
         PRODUCER_REGS: gl.constexpr, DEEP: gl.constexpr, DIAG: gl.constexpr = 0, PACKED: gl.constexpr = 0,
         KSPLIT: gl.constexpr = 0, ROLES: gl.constexpr = 0, PV_REGS: gl.constexpr = 160, QLATE: gl.constexpr = 0,
-        OSMEM: gl.constexpr = 0,
+        OSMEM: gl.constexpr = 0, LAZY_SCAN: gl.constexpr = 0,
     ):
         """Warp-specialised variant: 4 producer warps fill an NS-stage ring of dequantised K tiles (mbarriers
         ready / empty per stage); the 8 default warps (two warpgroups) only run the MMAs and the softmax.
@@ -1137,7 +1152,7 @@ def _define_kernels():
                 (_roles_scorer, (q_smem, qbad_smem, k_smem, p_smem, a_smem, ml_smem, ready, empty, pfull, pfree, fin,
                                  start, n_it, n1, stop, i1, i2, qk_scale, t64, hb, sp, H, sink_ptr, out_ptr, lse_ptr,
                                  po_ptr, pml_ptr, HAS_SINK, SPLITS, BH, BN, NS, OVERLAP, DIAG,
-                                 q_ptr, q_st, q_sh, QLATE, OSMEM)),
+                                 q_ptr, q_st, q_sh, QLATE, OSMEM, LAZY_SCAN)),
                 (_roles_pv, (q_smem, qbad_smem, k_smem, p_smem, a_smem, ml_smem, ready, empty, pfull, pfree, fin,
                              start, n_it, n1, stop, i1, i2, qk_scale, t64, hb, sp, H, sink_ptr, out_ptr, lse_ptr,
                              po_ptr, pml_ptr, HAS_SINK, SPLITS, BH, BN, NS, OVERLAP, DIAG, OSMEM)),
@@ -1338,6 +1353,7 @@ def _kernel_and_flags(kern: dict, flags: dict, H: int = BLOCK_H):
                                 KSPLIT=ksplit, ROLES=roles, PV_REGS=flags.get("PV_REGS", 160),
                                 QLATE=int(flags.get("QLATE", 0)) if roles else 0,  # the scorer loads it
                                 OSMEM=int(flags.get("OSMEM", 0)) if roles else 0,
+                                LAZY_SCAN=int(flags.get("LAZY_SCAN", 0)) if roles and flags.get("QLATE") else 0,
                                 num_warps=4 if (ksplit or roles) else NUM_WARPS)
     return kern["decode"], dict(P_SMEM=flags["P_SMEM"], PIPE=flags["PIPE"], num_warps=NUM_WARPS)
 
