@@ -65,8 +65,9 @@ VARIANTS = {  # dsv4ref.sparse_mla.gluon.VARIANT flags, over the default (PACKED
     "gluon roles osmem lazy": dict(WS=True, OVERLAP=False, PRODUCER_REGS=104, PACKED=1, ROLES=1, PV_REGS=160, QLATE=1,
                                    OSMEM=1, LAZY_SCAN=1),
 }
-for _name, _flags in VARIANTS.items():  # the rows before session 8 keep their meaning at H 16 (NARROW is now on)
-    _flags.setdefault("NARROW", 0)
+for _name, _flags in VARIANTS.items():  # the rows before session 8 keep their meaning (NARROW, OSMEM, LAZY_SCAN on)
+    for _k in ("NARROW", "OSMEM", "LAZY_SCAN"):
+        _flags.setdefault(_k, 0)
 NEW = {k for k in VARIANTS if "packed" in k or "cpasync" in k or "roles" in k or "narrow" in k}  # timed at the default split only (keeps the run short)
 # timing diagnostics (wrong results, never checked): DIAG 1 = the producer loads nothing (MMA + softmax +
 # dequant ALU only); DIAG 2 = the consumer runs no MMA (gather + dequant only)
@@ -95,7 +96,8 @@ DIAGS = {
     "diag narrow: no chunks, no query, no stores": dict(VARIANTS["gluon narrow"], DIAG=6),
 }
 for _name, _flags in DIAGS.items():
-    _flags.setdefault("NARROW", 0)
+    for _k in ("NARROW", "OSMEM", "LAZY_SCAN"):
+        _flags.setdefault(_k, 0)
 SPLIT_SWEEP = {"gluon ws cpasync", "gluon ws packed1", "diag cpasync: fixed cost only",  # timed at splits 1, 2, 4
                "gluon ws roles packed1", "diag roles: fixed cost only", "diag roles: no chunks", "gluon narrow"}
 

@@ -115,10 +115,12 @@ NUM_WARPS = 8  # two warpgroups split every MMA by columns
 # (benchmarks/runs/2026-12-01_s5_h200_gluon_*.log; every check passed at H 16 / 64 / 128)
 # session 6: the query loaded by the scorer partition (QLATE=1): 36.4 / 77.6 / 71.6 and 36.7 / 77.9 / 73.0 µs against
 # 37.9 / 78.5 / 71.5 and 37.7 / 77.9 / 72.6 µs in two H200 calls (benchmarks/runs/2026-12-01_s6_h200_gluon_*.log)
+#   OSMEM (ROLES, split 1): the bf16 output leaves through a free K stage as 16-byte row vectors;
+#   LAZY_SCAN (ROLES with QLATE): the query's NaN / ±inf scan after the loop, only for a head with nothing counted.
 #   NARROW (H <= NARROW_H only): the narrow-head kernel (heads as the MMAs' N, two producer warpgroups on
 #       NARROW_REGS registers each, an NARROW_NS-stage ring), :func:`_narrow_kernel`
 VARIANT = dict(WS=True, NS=2, OVERLAP=False, PRODUCER_REGS=104, DEEP=True, PIPE=False, P_SMEM=True, PACKED=1,
-               ROLES=1, PV_REGS=160, QLATE=1, NARROW=1, NARROW_NS=3, NARROW_REGS=184)
+               ROLES=1, PV_REGS=160, QLATE=1, NARROW=1, NARROW_NS=3, NARROW_REGS=184, OSMEM=1, LAZY_SCAN=1)
 NARROW_H = 16  # heads per program of the narrow kernel (wgmma N)
 _LAST: dict = {}  # the last compiled decode kernel (diagnostics: n_regs, n_spills, shared)
 
