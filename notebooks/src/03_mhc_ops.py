@@ -386,8 +386,13 @@ print(compare(h_k, h_ref, "bf16_out", "head").verdict())
 # checks it). Together with slices of 512 dims, a per-kernel profile put the finish kernel at 100 % of copy on
 # its own bytes (89 % before). Pre went to **87.1 µs (47.2 %)** and fused to **157.9 µs (51.8 %)**. That is
 # **the default on a GPU**; in the interpreter the measured per-op designs stay, for the lessons' CPU time.
-# Fused meets the ≥ 50 % goal; pre misses it by 2.8 points. Its partial kernel stays at ~74 % of copy
-# (`benchmarks/mhc.md` has the eight sweeps and what each ruled out). A decode step's call is small, and for
+# Fused meets the ≥ 50 % goal; pre missed it by 2.8 points, its partial kernel at ~74 % of copy
+# (`benchmarks/mhc.md` has the eight sweeps and what each ruled out). Session 8 gave the partial kernel's dot a
+# fn tile without its zero quarter (`chunk_fn_layout=3`: fn's three bf16 parts hi, mid and lo as dots of N = 64
+# and 32, where one dot of N = 128 had a last quarter of zeros) and a fourth pipeline stage: the partial kernel went to ~80 % of copy, pre to
+# **83.7–84.0 µs (49.5–49.7 %)** and fused to 155.9–156.3 µs (53 %) in two calls. Pre still misses 50 % by
+# about half a point: it reads the streams twice (the partial kernel, then the finish kernel), so even two
+# kernels at 100 % of copy would give it 56 % of the compulsory bytes' bound. A decode step's call is small, and for
 # it a 128-token tile is mostly masked rows. So calls of at most `chunk_small_t` = 64 tokens take 64-token
 # tiles at 4 warps: at T = 37, pre went from 15.7 to 13.0 µs.
 #

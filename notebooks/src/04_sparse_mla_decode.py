@@ -259,7 +259,7 @@ print("online result equals the one-shot softmax:", compare(acc / l, full, "fp32
 # | 1. clean two-pass | the index table is one tensor op; one gather launch for all tokens; a reused workspace | 2 launches instead of 2·T + 1, each filling the GPU | still 2632 B per row (584 read, 1024 written, 1024 read back); a latency-bound attention loop |
 # | 2. fused | the attention loop reads the FP8 pages itself and dequantises in registers; the K tile is reused as V | 584 B per row, 4.5× fewer; one launch; no workspace | one program per (token, 64 heads): ≤ one wave of programs; a 64 × 512 fp32 accumulator that spills; load → dequantise → QKᵀ → softmax → P·V in series in every warp |
 # | 3. split list (flash-decoding) | the candidate list is split over S programs; a merge kernel folds their partial states | S× more programs in flight where T · head blocks leaves SMs idle | partial-state traffic and a second launch; every program is still the serial chain of rung 2 |
-# | 4. warp-specialised (Gluon, Hopper) | producer warps dequantise FP8 pages into shared memory while two consumer warpgroups run the MMAs, each owning 256 of the 512 output dims | loads and dequantisation overlap the tensor-core work; the accumulator fits in registers | measured in the GPU run (§13): each side's own speed — bytes in flight for the producer, narrow MMAs and barriers for the consumer |
+# | 4. warp-specialised (Gluon, Hopper) | producer warps dequantise FP8 pages into shared memory while two consumer warpgroups run the MMAs, each owning 256 of the 512 output dims; at H ≤ 16 a narrow kernel with the heads as the MMAs' N and two producer warpgroups | loads and dequantisation overlap the tensor-core work; the accumulator fits in registers | measured in the GPU run (§13): latency at one program per SM — the producer's row round trips, and a fixed cost (query in, output and partials out, the merge) of 7–16 µs |
 #
 # The rest of this part takes the rungs one by one, on the small example of §1.
 
@@ -457,7 +457,8 @@ for Tb, Hb, Kb in BENCH:
 # `dsv4ref/sparse_mla/gluon.py` (GPU-only: compiled Triton on a Hopper GPU) is built that way:
 #
 # * **One program per (token, 64 heads)**, 12 warps in three roles. wgmma's M is 64 rows per warpgroup, so
-#   64 heads are one MMA tile (H = 16 is padded to 64 masked rows; H = 128 takes two programs).
+#   64 heads are one MMA tile (H = 128 takes two programs; H ≤ 16 takes the narrow kernel of session 8, below,
+#   instead of 64 rows of which 48 would be padding).
 # * **Producer warps (4)** gather each chunk of 64 candidates' 584-byte rows, dequantise e4m3 × 2^(scale − 127)
 #   to bf16 and store the tile into a ring of shared-memory buffers (NVMMA 128-byte swizzle, which wgmma reads
 #   directly), then arrive on that stage's `ready` mbarrier. They fetch the next slot indices ahead of the
@@ -517,6 +518,31 @@ for Tb, Hb, Kb in BENCH:
 # the first chunk (about 1 µs at H 64). Final run: **36.4 / 77.0 / 69.8 µs, 22.1 / 31.2 / 28.1 %**; the 35 % floor
 # is still missed. What the next kernel needs is more rows in flight in the producer, through TMA or `cp.async`
 # into a raw FP8 ring, which needs shared memory the query and two K stages now fill.
+#
+# **Session 8: the narrow kernel, and the fixed cost.** Two changes, each measured in its own GPU call before it
+# became the default (`benchmarks/sparse_mla.md`).
+#
+# * **At H ≤ 16, transpose the products** (`_narrow_kernel`). Padding 16 heads to wgmma's M = 64 makes three
+#   quarters of the tensor-core work padding, and the 64 × 512 fp32 accumulator takes the registers a second
+#   producer would need. Written the other way round, the heads become the MMAs' **N**, which may be as small as 8:
+#   Sᵀ[64 candidates, 16 heads] = K · Qᵀ, the softmax runs down each column (one per head), and
+#   Oᵀ[512, 16] += Vᵀ · Pᵀ, where Vᵀ is the *same* shared K tile read transposed (wgmma reads a bf16 A operand
+#   from shared memory in either order) and Pᵀ goes through 2 KB of shared memory. Oᵀ is 64 registers per
+#   thread, so the freed registers hold a **second producer warpgroup**: each dequantises half of every chunk,
+#   with the next chunk's rows already in flight, into a ring of three K stages. At H 16, K 2048:
+#   **69.6 → 54.2 µs, 27.7 → 35.5 %** of the bound.
+# * **The fixed cost, taken apart.** New diagnostics run no chunk, then also no query load, then also no
+#   epilogue stores. At H 128 the 14.7 µs of fixed cost split into 4.6 µs for the query, **7.9 µs for the
+#   output stores** and 2.2 µs for the rest. The accumulator's register layout stores 4 bytes per thread, rows
+#   apart; staging the bf16 output through a K stage that is free by then and storing whole 16-byte row
+#   vectors (`OSMEM`) took H 128 from 76.9 to 72.3 µs. The query's NaN / ±inf scan, which ran before the first
+#   QKᵀ, now runs after the loop and only when a head counted no candidate (`LAZY_SCAN`): a non-finite query
+#   row already makes every score non-finite, hence l NaN; only an empty row needs the scan. 70.4 µs.
+#
+# Final run: **35.7 / 69.8 / 54.2 µs, 22.2 / 35.2 / 35.5 %** of the bound. The 35 % floor is met at H 128 and
+# H 16 (by 0.2 and 0.5 points: within the ±1 point that separate calls differ by) and missed at H 64 by
+# 12.8 points. H 64 is split in two lists; its fp32 partials (16.8 MB) go out through the accumulator layout and
+# come back in a second launch, 16 µs of fixed cost against a 23 µs target for the whole kernel.
 #
 # A schematic of the difference between rungs 2 and 4 (not a measurement):
 
@@ -744,6 +770,10 @@ for r in ladder["rungs"] + ladder["others"]:
 #   with a ring of shared-memory stages and mbarriers: the roles overlap, and the kernel runs at the pace of
 #   the slower one. Then make each side fast on its own (bytes in flight for the producer, wide MMAs and few
 #   barriers for the consumer): that is the distance between rung 4 and FlashMLA's level.
+# * **Inside rung 4: shape the MMAs to the problem, and time what is not the loop.** At H 16, padding the heads
+#   to M = 64 wasted the tensor cores and the registers; making them N freed both. At one program per SM the
+#   prologue and epilogue are not hidden behind other programs: the output's stores alone cost 8 µs at H 128
+#   until they left as whole row vectors.
 #
 # On a GPU the next cell times every rung itself (it is skipped on the CPU, where Triton is interpreted).
 

@@ -192,9 +192,10 @@ def _bench() -> list[BenchCase]:
                      f"slice={L.one_pass_slice_h} lag={L.one_pass_lag} ({(tiles + L.one_pass_lag) * slices} programs)")
             add_design_case(op, "one-pass", shape, L, "as the op above; one launch, the second read of the streams from L2")
     # chunked (kernels.py "Design 4"; benchmarks/mhc_sweep.py times every candidate of CHUNKED_VARIANTS): the
-    # second sweep's winner, session 6's third sweep's (contiguous partial-kernel copies) and the GPU default since
-    # session 7's (zigzag walks, slices of 512 dims)
-    for variant in ("chunked C4096 fused-post", "chunked smem sk64 fnkmajor", "chunked zz slice512"):
+    # second sweep's winner, session 6's third sweep's (contiguous partial-kernel copies), session 7's (zigzag
+    # walks, slices of 512 dims) and the GPU default since session 8 (fn without its zero quarter, 4 stages)
+    for variant in ("chunked C4096 fused-post", "chunked smem sk64 fnkmajor", "chunked zz slice512",
+                    "chunked zz slice512 n96 st4"):
         for op in ("pre", "fused", "head"):
             L = chunked_variant(variant)
             own = op == "fused" and not L.chunk_fused_post  # as post + pre, the fused op runs pre's partial kernel
