@@ -8,8 +8,8 @@ and P is rounded to bf16 before P·V (FlashMLA's numerics, as in the portable ke
 
 What is different from the portable Triton kernel (``kernels.py``), and why it is faster:
 
-* **Tensor cores driven explicitly (wgmma).** One program owns 64 heads of one token (H = 16 is padded to
-  64 rows: wgmma's M is 64 per warpgroup; H = 128 takes two programs). Its two consumer warpgroups
+* **Tensor cores driven explicitly (wgmma).** One program owns 64 heads of one token (wgmma's M is 64 per
+  warpgroup; H = 128 takes two programs; H <= 16 runs the narrow kernel of session 8, below). Its two consumer warpgroups
   (8 warps) split every MMA by columns: for S = Q·Kᵀ each computes 32 of the 64 candidate columns over all
   512 dims (no score work is done twice); for O += P·V each owns 256 of the 512 output dims, so the
   64×512 fp32 accumulator is 128 registers per thread instead of the portable kernel's spilled 128 KB.
@@ -77,6 +77,22 @@ n = 64 wgmma (Q read from shared memory once per chunk, not once per warpgroup),
 reductions inside one warpgroup, and half of P·V; the P·V warpgroup runs the other half from a shared P.
 H200, final run of the session (benchmarks/runs/2026-12-01_s5_h200_bench.log): 37.5 / 77.5 / 71.1 µs, 21.4 /
 31.9 / 27.5 % of the bound, 3–5 % faster than the column split in each of three calls.
+
+Session 8 (defaults since; benchmarks/sparse_mla.md "Session 8"):
+
+* ``NARROW`` (H <= 16, :func:`_narrow_kernel`): padding 16 heads to M = 64 wasted three quarters of the MMAs
+  and the registers of a 64 × 512 accumulator. The narrow kernel computes the transposed products, heads as
+  wgmma's N: Sᵀ = K·Qᵀ [64, 16], the softmax down each column, Oᵀ += Vᵀ·Pᵀ [512, 16] with Vᵀ the same
+  shared K tile read transposed; Oᵀ takes 64 registers per thread, and the rest feed a second producer
+  warpgroup (each dequantises half of every chunk) and a third K stage. T 64 H 16 K 2048: 69.6 -> 54.2 µs.
+* ``OSMEM`` (split 1): the bf16 output leaves through a released K stage as 16-byte row vectors instead of
+  the accumulator layout's 4-byte pieces; ``LAZY_SCAN``: the query's NaN / ±inf scan runs after the loop, and
+  only if a head counted no candidate (a non-finite query row makes its scores, hence l, NaN anyway).
+  T 64 H 128 K 1152: 76.9 -> 72.3 -> 70.4 µs (fixed-cost diagnostics ``DIAG`` 4 / 5 / 6: the output's stores
+  were 7.9 µs of it, the query 4.6).
+
+Final bench of session 8 (benchmarks/runs/2026-12-01_s8_h200_bench.log): 35.7 / 69.8 / 54.2 µs, 22.2 / 35.2 /
+35.5 % of the bound.
 
 This module imports Gluon lazily and guarded: on a CPU machine (the Triton interpreter) or a Triton
 without Gluon it still imports; :func:`available` says whether the backend can run here.
@@ -241,6 +257,38 @@ def _define_kernels():
         return n1, start, gl.minimum(start + chunk, n1 + n2)
 
     @_gluon.jit
+    def _head_scale(m, l, h, H, sink_ptr, HAS_SINK: gl.constexpr):
+        """Per head h (any layout), from the final running max m (log2 units) and sum l: (nonempty, lse in
+        natural log, the factor f = σ(lse − sink) / l that turns the accumulator into the output). An empty
+        head (l = 0) gets f = 0; NaN != 0, so a poisoned head is never taken for an empty one; the sink
+        enters the denominator only: −inf gives σ = 1, +inf gives 0."""
+        if HAS_SINK:
+            sink = gl.load(sink_ptr + h, mask=h < H, other=-float("inf"))
+        else:
+            sink = gl.full(h.shape, -float("inf"), gl.float32, h.type.layout)
+        nonempty = l != 0
+        l_safe = gl.where(nonempty, l, 1.0)
+        m_s = gl.where(nonempty, m, 0.0)
+        lse = (m_s + gl.log2(l_safe)) * 0.6931471805599453
+        corr = 1.0 / (1.0 + gl.exp(sink - lse))
+        return nonempty, lse, gl.where(nonempty, corr / l_safe, 0.0)
+
+    @_gluon.jit
+    def _program(chunk, K1, l1_ptr, K2, l2_ptr, i1_ptr, i1_st, i2_ptr, i2_st, BN: gl.constexpr,
+                 HAS_LEN1: gl.constexpr, HAS_POOL2: gl.constexpr, HAS_LEN2: gl.constexpr, DIAG: gl.constexpr):
+        """What a program of the warp-specialised kernels owns: token t (as int64), head block hb, list split
+        sp, its candidate range (n1, start, stop: :func:`_candidate_range`), its chunk count n_it (DIAG >= 4,
+        timing only: none) and the token's two slot rows i1, i2."""
+        t = gl.program_id(0)
+        t64 = t.to(gl.int64)
+        sp = gl.program_id(2)
+        n1, start, stop = _candidate_range(t, sp, chunk, K1, l1_ptr, K2, l2_ptr, HAS_LEN1, HAS_POOL2, HAS_LEN2)
+        n_it = gl.maximum(gl.cdiv(stop - start, BN), 0)
+        if DIAG >= 4:  # timing diagnostics only (wrong results): no chunk at all, the fixed cost alone (5: and
+            n_it = 0  # no query load, 6: and no epilogue stores; ROLES and the narrow kernel)
+        return t64, gl.program_id(1), sp, n1, start, stop, n_it, i1_ptr + t64 * i1_st, i2_ptr + t64 * i2_st
+
+    @_gluon.jit
     def _nonfinite_rows(x):
         """[R, C] bf16 -> [R] int32: 1 where the row holds a NaN or ±inf (exponent bits all ones), else 0."""
         expo = x.to(gl.int16, bitcast=True) & 0x7F80
@@ -392,16 +440,7 @@ def _define_kernels():
         d_o = gl.arange(0, 512, gl.SliceLayout(0, O_L))
         h_s = hb * BH + gl.arange(0, BH, gl.SliceLayout(1, S_L))
         if SPLITS == 1:
-            if HAS_SINK:
-                sink = gl.load(sink_ptr + h_s, mask=h_s < H, other=-float("inf"))
-            else:
-                sink = gl.full([BH], -float("inf"), gl.float32, gl.SliceLayout(1, S_L))
-            nonempty = l != 0  # NaN != 0: a poisoned row is never taken for an empty one
-            l_safe = gl.where(nonempty, l, 1.0)
-            m_s = gl.where(nonempty, m, 0.0)
-            lse = (m_s + gl.log2(l_safe)) * 0.6931471805599453
-            corr = 1.0 / (1.0 + gl.exp(sink - lse))  # σ(lse − sink): sink −inf -> 1, +inf -> 0
-            f = gl.where(nonempty, corr / l_safe, 0.0)
+            nonempty, lse, f = _head_scale(m, l, h_s, H, sink_ptr, HAS_SINK)
             out = acc * gl.convert_layout(f, gl.SliceLayout(1, O_L))[:, None]
             row = t64 * H + h_o.to(gl.int64)
             gl.store(out_ptr + row[:, None] * 512 + d_o[None, :], out.to(gl.bfloat16),
@@ -474,16 +513,7 @@ def _define_kernels():
         d_o = D0 + gl.arange(0, DW, gl.SliceLayout(0, O_L))
         h_s = hb * BH + gl.arange(0, BH, gl.SliceLayout(1, S_L))
         if SPLITS == 1:
-            if HAS_SINK:
-                sink = gl.load(sink_ptr + h_s, mask=h_s < H, other=-float("inf"))
-            else:
-                sink = gl.full([BH], -float("inf"), gl.float32, gl.SliceLayout(1, S_L))
-            nonempty = l != 0  # NaN != 0: a poisoned row is never taken for an empty one
-            l_safe = gl.where(nonempty, l, 1.0)
-            m_s = gl.where(nonempty, m, 0.0)
-            lse = (m_s + gl.log2(l_safe)) * 0.6931471805599453
-            corr = 1.0 / (1.0 + gl.exp(sink - lse))
-            f = gl.where(nonempty, corr / l_safe, 0.0)
+            nonempty, lse, f = _head_scale(m, l, h_s, H, sink_ptr, HAS_SINK)
             out = acc * gl.convert_layout(f, gl.SliceLayout(1, O_L))[:, None]
             if OSMEM:
                 LO: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])  # 16 B per thread, rows whole
@@ -1100,16 +1130,8 @@ def _define_kernels():
         gl.static_assert(BN == 64)
         LQ: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [gl.num_warps(), 1], [1, 0])
         SH_L: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
-        t = gl.program_id(0)
-        hb = gl.program_id(1)
-        sp = gl.program_id(2)
-        t64 = t.to(gl.int64)
-        n1, start, stop = _candidate_range(t, sp, chunk, K1, l1_ptr, K2, l2_ptr, HAS_LEN1, HAS_POOL2, HAS_LEN2)
-        n_it = gl.maximum(gl.cdiv(stop - start, BN), 0)
-        if DIAG >= 4:  # timing diagnostics only (wrong results): no chunk at all, the fixed cost alone (5: and
-            n_it = 0  # no query load, 6: and no epilogue stores; ROLES and the narrow kernel)
-        i1 = i1_ptr + t64 * i1_st
-        i2 = i2_ptr + t64 * i2_st
+        t64, hb, sp, n1, start, stop, n_it, i1, i2 = _program(chunk, K1, l1_ptr, K2, l2_ptr, i1_ptr, i1_st, i2_ptr,
+                                                              i2_st, BN, HAS_LEN1, HAS_POOL2, HAS_LEN2, DIAG)
 
         if QLATE:  # the scorer partition fills these (_q_async)
             q_smem = gl.allocate_shared_memory(gl.bfloat16, [BH, 512], SH_L)
@@ -1264,16 +1286,7 @@ def _define_kernels():
         d = gl.arange(0, 512, gl.SliceLayout(1, S_L))
         hm = (h[None, :] < H) & (d[:, None] >= 0) & (DIAG < 6)  # DIAG 6 (timing only): no epilogue stores
         if SPLITS == 1:
-            if HAS_SINK:
-                sink = gl.load(sink_ptr + h, mask=h < H, other=-float("inf"))
-            else:
-                sink = gl.full([BH], -float("inf"), gl.float32, V_L)
-            nonempty = l != 0  # NaN != 0: a poisoned row is never taken for an empty one
-            l_safe = gl.where(nonempty, l, 1.0)
-            m_s = gl.where(nonempty, m, 0.0)
-            lse = (m_s + gl.log2(l_safe)) * 0.6931471805599453
-            corr = 1.0 / (1.0 + gl.exp(sink - lse))
-            f = gl.where(nonempty, corr / l_safe, 0.0)
+            nonempty, lse, f = _head_scale(m, l, h, H, sink_ptr, HAS_SINK)
             row = t64 * H + h.to(gl.int64)
             gl.store(out_ptr + row[None, :] * 512 + d[:, None], (acc * f[None, :]).to(gl.bfloat16), mask=hm)
             gl.store(lse_ptr + row, gl.where(nonempty, lse, -float("inf")), mask=h < H)
@@ -1300,16 +1313,8 @@ def _define_kernels():
         memory: the query [BH, 512], an NS-stage ring of K tiles [BN, 512] and Pᵀ [BH, BN], all bf16."""
         gl.static_assert(BN == 64)
         SH_L: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
-        t = gl.program_id(0)
-        hb = gl.program_id(1)
-        sp = gl.program_id(2)
-        t64 = t.to(gl.int64)
-        n1, start, stop = _candidate_range(t, sp, chunk, K1, l1_ptr, K2, l2_ptr, HAS_LEN1, HAS_POOL2, HAS_LEN2)
-        n_it = gl.maximum(gl.cdiv(stop - start, BN), 0)
-        if DIAG >= 4:  # timing diagnostics only (wrong results): no chunk at all (5: nor query, 6: nor stores)
-            n_it = 0
-        i1 = i1_ptr + t64 * i1_st
-        i2 = i2_ptr + t64 * i2_st
+        t64, hb, sp, n1, start, stop, n_it, i1, i2 = _program(chunk, K1, l1_ptr, K2, l2_ptr, i1_ptr, i1_st, i2_ptr,
+                                                              i2_st, BN, HAS_LEN1, HAS_POOL2, HAS_LEN2, DIAG)
         q_smem = gl.allocate_shared_memory(gl.bfloat16, [BH, 512], SH_L)
         qbad_smem = gl.allocate_shared_memory(gl.float32, [BH], gl.SwizzledSharedLayout(
             vec=1, per_phase=1, max_phase=1, order=[0]))
@@ -1402,10 +1407,12 @@ def _cdiv(a: int, b: int) -> int:
 
 
 def config(T: int, H: int, K_total: int, device, *, num_splits: int | None = None) -> dict:
-    """Launch configuration: 64-head blocks, chunks of 64 candidates, and the number of list splits.
+    """Launch configuration: chunks of 64 candidates and the number of list splits (the head block is
+    :func:`block_h`'s: 64, or 16 for the narrow kernel).
 
-    One program per (token, head block) holds ~200 KB of shared memory, so one runs per SM; the list is
-    split (flash-decoding) while that leaves SMs idle and every split keeps >= 4 chunks."""
+    One program per (token, 64-head block) holds ~215 KB of shared memory, so one runs per SM (the narrow
+    kernel's too); the list is split (flash-decoding) while that leaves SMs idle and every split keeps >= 4
+    chunks. The split count is the same for both kernels: at H <= 16 a 64-head block is one block."""
     n_hb = -(-H // BLOCK_H)
     if num_splits is None:
         num_splits = 1
