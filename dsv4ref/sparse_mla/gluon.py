@@ -162,6 +162,8 @@ def _define_kernels():
     """Define the Gluon kernels (only called where Gluon imported). Returns a dict of them."""
     # thread_barrier was renamed barrier in later Triton releases
     _bar = getattr(gl, "thread_barrier", None) or getattr(gl, "barrier")
+    # cp.async from global to shared memory: async_copy_global_to_shared in Triton 3.6, async_load later
+    _async_load = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
 
     @_gluon.jit
     def _slots(v, n1, stop, i1_ptr, i2_ptr):
@@ -320,7 +322,7 @@ def _define_kernels():
         LQ: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])  # 16 bytes per copy
         hq = hb * BH + gl.arange(0, BH, gl.SliceLayout(1, LQ))
         dq = gl.arange(0, 512, gl.SliceLayout(0, LQ))
-        async_copy.async_copy_global_to_shared(
+        _async_load(
             q_smem, q_ptr + t64 * q_st + hq[:, None].to(gl.int64) * q_sh + dq[None, :],
             mask=(hq[:, None] < H) & (dq[None, :] >= 0))
         async_copy.commit_group()
@@ -711,9 +713,9 @@ def _define_kernels():
         p, m2, pr, mr, psc = _row_ptrs_packed(slot, in1, ok, c1_i64, bs1, ps1, c2_i64, bs2, ps2, LW)
         R: gl.constexpr = raw_r.shape[0]
         for b in gl.static_range(7):
-            async_copy.async_copy_global_to_shared(raw_w.slice(b * R, R, dim=0), p + 8 * b, mask=m2)
-        async_copy.async_copy_global_to_shared(raw_r, pr, mask=mr)
-        async_copy.async_copy_global_to_shared(raw_s, psc, mask=ok)
+            _async_load(raw_w.slice(b * R, R, dim=0), p + 8 * b, mask=m2)
+        _async_load(raw_r, pr, mask=mr)
+        _async_load(raw_s, psc, mask=ok)
         async_copy.commit_group()
 
     @_gluon.jit
