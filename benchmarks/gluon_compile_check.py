@@ -45,6 +45,8 @@ _DIV16 = set(_PTR) | {"q_st", "q_sh", "ps1", "ps2"}  # what the launcher's speci
 
 def _tool(name):
     d = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", name)
+    if name == "ptxas" and os.path.exists(d + "-blackwell"):  # Triton >= 3.9 compiles sm_90 with this one
+        d += "-blackwell"
     return d if os.path.exists(d) else name
 
 
