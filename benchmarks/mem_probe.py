@@ -77,7 +77,7 @@ def stage_variants(sms: int) -> dict[str, moe.MoeLaunch]:
     SM count, for the persistent grids (2048 programs: 8 tiles each, no remainder)."""
     d = moe.default_launch(4096, 6, 256)
     r = dataclasses.replace
-    pre = dict(stage_prefetch=True, stage_stages=1)
+    pre = dict(stage_prefetch=True, stage_stages=1, stage_topk_first=False)  # persistent grids: no top-k first
     return {
         "default 1x1024 w1 stream": d,
         "topk_first": r(d, stage_topk_first=True),
