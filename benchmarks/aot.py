@@ -4,7 +4,7 @@ for Triton's interpreter, on a machine with no GPU.
 
 ``dsv4ref.device`` sets ``TRITON_INTERPRET`` on a CPU box; a kernel module imported while it is set defines
 interpreted kernels, which never compile. So: the repository root on the path, the device layer on the CPU,
-then the variable dropped. ``BIN`` is the directory of the ptxas / cuobjdump that ship with Triton.
+then the variable dropped. ``BIN`` is the directory of the ptxas / cuobjdump that ship with Triton, ``PTXAS`` the ptxas for sm_90.
 
 (``kv_cache_compile_check.py`` keeps its own preamble: it imports the kernels of any checkout given on its
 command line, older layouts included.)
@@ -23,3 +23,7 @@ os.environ.pop("TRITON_INTERPRET", None)  # ... which must be off when the kerne
 import triton  # noqa: E402
 
 BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+# the ptxas Triton itself uses for sm_90: Triton >= 3.9 ships "ptxas-blackwell" for it (the plain ptxas beside it
+# rejects the PTX version 3.9 emits); 3.6 has only "ptxas"
+PTXAS = os.path.join(BIN, "ptxas-blackwell") if os.path.exists(os.path.join(BIN, "ptxas-blackwell")) else \
+    os.path.join(BIN, "ptxas")

@@ -22,7 +22,7 @@ import sys
 import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from aot import BIN  # noqa: E402  (first: the kernels below are then defined for compiling)
+from aot import BIN, PTXAS  # noqa: E402  (first: the kernels below are then defined for compiling)
 
 import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
@@ -55,7 +55,7 @@ def stats(ck, const, warps: int) -> str:
         p, c = os.path.join(tmp, "k.ptx"), os.path.join(tmp, "k.cubin")
         with open(p, "w") as f:
             f.write(ptx)
-        log = subprocess.run([os.path.join(BIN, "ptxas"), "-v", "--gpu-name", "sm_90a", p, "-o", os.devnull],
+        log = subprocess.run([PTXAS, "-v", "--gpu-name", "sm_90a", p, "-o", os.devnull],
                              capture_output=True, text=True).stderr
         with open(c, "wb") as f:
             f.write(ck.asm["cubin"])

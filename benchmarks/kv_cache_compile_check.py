@@ -50,6 +50,8 @@ GATHER = ("gather", m._gather_kernel if OLD else m.gather_kernel, 4,
 # what the launcher passes for a compiled launch of the defaults (kernels without a constexpr keep their own)
 LAUNCHED = {"NATIVE": 0, "SLOT32": 1, "PERSISTENT": 0, "LOAD_POLICY": "", "STORE_CACHE": "", "STAGES": 0, "EARLY": 0}
 BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+PTXAS = os.path.join(BIN, "ptxas-blackwell") if os.path.exists(os.path.join(BIN, "ptxas-blackwell")) else \
+    os.path.join(BIN, "ptxas")  # Triton >= 3.9 assembles sm_90 with ptxas-blackwell
 
 
 def cold_instructions(sass_lines: list[str]) -> int:
@@ -87,7 +89,7 @@ def report(name, fn, tok, sig, ov, label=""):
     d = tempfile.mkdtemp()
     with open(os.path.join(d, "k.ptx"), "w") as f:
         f.write(ptx)
-    log = subprocess.run([os.path.join(BIN, "ptxas"), "-v", "--gpu-name", "sm_90a", f.name, "-o", os.path.join(d, "k.cubin")],
+    log = subprocess.run([PTXAS, "-v", "--gpu-name", "sm_90a", f.name, "-o", os.path.join(d, "k.cubin")],
                          capture_output=True, text=True).stderr
     sass = subprocess.run([os.path.join(BIN, "cuobjdump"), "-sass", os.path.join(d, "k.cubin")],
                           capture_output=True, text=True).stdout

@@ -25,7 +25,7 @@ import sys
 import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from aot import BIN  # noqa: E402  (first: the kernels below are then defined for compiling)
+from aot import BIN, PTXAS  # noqa: E402  (first: the kernels below are then defined for compiling)
 
 import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
@@ -97,7 +97,7 @@ def compile_sm90(fn, consts: dict, opts: dict, values: dict) -> tuple[int, int, 
             f.write(c.asm["ptx"])
         with open(cubin, "wb") as f:
             f.write(c.asm["cubin"])
-        log = subprocess.run([os.path.join(BIN, "ptxas"), "-v", "--gpu-name", "sm_90a", ptx, "-o", os.devnull]
+        log = subprocess.run([PTXAS, "-v", "--gpu-name", "sm_90a", ptx, "-o", os.devnull]
                              + ([f"--maxrregcount={opts['maxnreg']}"] if opts.get("maxnreg") else []),
                              capture_output=True, text=True).stderr
         sass = subprocess.run([os.path.join(BIN, "cuobjdump"), "-sass", cubin], capture_output=True, text=True).stdout
