@@ -85,13 +85,15 @@ def _ptxas_stats(ptx: str, cubin: bytes) -> str:
             f"partitions (regs touched/STL+LDL[/wgmma waits:wgmma]): {', '.join(parts) or '-'}")
 
 
-def compile_variant(flags: dict, splits: int):
-    """Compile the kernel the launcher would pick for these flags; returns the CompiledKernel."""
+def compile_variant(flags: dict, splits: int, H: int | None = None):
+    """Compile the kernel the launcher would pick for these flags at H heads (None: the narrow kernel's H
+    when the flags pick it, else 64); returns the CompiledKernel."""
     kern = G._kernels()
     if kern is None:
         raise RuntimeError(f"Gluon unavailable: {G._IMPORT_ERROR!r}")
     fl = dict(G.VARIANT, **flags)
-    H = G.NARROW_H if fl.get("NARROW") else G.BLOCK_H
+    if H is None:
+        H = G.NARROW_H if fl.get("NARROW") else G.BLOCK_H
     fn, const = G._kernel_and_flags(kern, fl, H)
     num_warps = const.pop("num_warps")
     const = dict(const, HAS_LEN1=True, HAS_POOL2=True, HAS_LEN2=True, HAS_SINK=True, SPLITS=splits,
@@ -120,27 +122,37 @@ def compile_variant(flags: dict, splits: int):
     return triton.compile(src, target=TARGET, options={"num_warps": num_warps})
 
 
+# --defaults: the kernels decode_gluon launches by default at the bench shapes (H, list splits)
+SMEM_LIMIT = 232448  # bytes of shared memory one Hopper CTA may use (227 KB): more and the launch fails
+DEFAULT_SHAPES = {"H 64 K 640 (SPLITS=2)": (64, 2), "H 128 K 1152 (SPLITS=1)": (128, 1), "H 16 K 2048 (SPLITS=2)": (16, 2)}
+
+
 def main(argv):
     print(f"triton {triton.__version__}, target sm_90a, ptxas {_tool('ptxas')}", flush=True)
-    table = dict(VARIANTS)
-    table.update(DIAGS)
-    if argv:
-        table = {k: v for k, v in table.items() if any(a in k for a in argv)}
+    if argv == ["--defaults"]:  # the defaults at each bench shape (tests/test_gluon_compile.py runs this)
+        jobs = [("default", {}, cname, splits, H) for cname, (H, splits) in DEFAULT_SHAPES.items()]
+    else:
+        table = dict(VARIANTS)
+        table.update(DIAGS)
+        if argv:
+            table = {k: v for k, v in table.items() if any(a in k for a in argv)}
+        jobs = [(name, flags, cname, splits, None) for name, flags in table.items() for cname, splits in CONFIGS.items()]
     bad = 0
-    for name, flags in table.items():
-        for cname, splits in CONFIGS.items():
-            t0 = time.time()
-            try:
-                ck = compile_variant(flags, splits)
-                shared = ck.metadata.shared
-                stats = _ptxas_stats(ck.asm["ptx"], ck.asm["cubin"])
-                print(f"{name:<34} {cname:<34} ok      {stats}  shared {shared} B  ({time.time() - t0:.0f} s)",
-                      flush=True)
-            except Exception as e:
-                bad += 1
-                lines = [ln for ln in str(e).splitlines() if ln.strip()]
-                lines = lines[:6] + ["..."] + lines[-6:] if len(lines) > 12 else lines
-                print(f"{name:<34} {cname:<34} FAILED  {type(e).__name__}: " + "\n      ".join(lines), flush=True)
+    for name, flags, cname, splits, H in jobs:
+        t0 = time.time()
+        try:
+            ck = compile_variant(flags, splits, H)
+            shared = ck.metadata.shared
+            stats = _ptxas_stats(ck.asm["ptx"], ck.asm["cubin"])
+            over = shared > SMEM_LIMIT and not flags.get("DIAG")
+            bad += over
+            print(f"{name:<34} {cname:<34} {'OVER' if over else 'ok':<7} {stats}  shared {shared} B"
+                  f"{f' > {SMEM_LIMIT}' if over else ''}  ({time.time() - t0:.0f} s)", flush=True)
+        except Exception as e:
+            bad += 1
+            lines = [ln for ln in str(e).splitlines() if ln.strip()]
+            lines = lines[:6] + ["..."] + lines[-6:] if len(lines) > 12 else lines
+            print(f"{name:<34} {cname:<34} FAILED  {type(e).__name__}: " + "\n      ".join(lines), flush=True)
     return 1 if bad else 0
 
 
