@@ -21,9 +21,9 @@ importlib.import_module("dsv4ref.device")  # on a CPU box this sets TRITON_INTER
 os.environ.pop("TRITON_INTERPRET", None)  # ... which must be off when the kernels are defined, to compile them
 
 import triton  # noqa: E402
+from triton.backends.nvidia.compiler import get_ptxas  # noqa: E402
 
 BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
-# the ptxas Triton itself uses for sm_90: Triton >= 3.9 ships "ptxas-blackwell" for it (the plain ptxas beside it
-# rejects the PTX version 3.9 emits); 3.6 has only "ptxas"
-PTXAS = os.path.join(BIN, "ptxas-blackwell") if os.path.exists(os.path.join(BIN, "ptxas-blackwell")) else \
-    os.path.join(BIN, "ptxas")
+# the ptxas Triton itself assembles sm_90 with, asked of Triton: "ptxas" in 3.6, "ptxas-blackwell" in 3.9 (whose
+# plain ptxas rejects the PTX version 3.9 emits)
+PTXAS = get_ptxas(90).path

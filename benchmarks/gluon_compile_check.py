@@ -20,7 +20,8 @@ import sys
 import tempfile
 import time
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from aot import BIN, PTXAS  # noqa: E402  (first: Triton imported with the interpreter off; the repo on the path)
 
 import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
@@ -29,7 +30,6 @@ from dsv4ref.sparse_mla import gluon as G  # noqa: E402
 
 # the variants the GPU benchmark times (kept in one place: benchmarks/sparse_mla_gluon.py imports none of
 # the CUDA runtime at import time, so its VARIANTS / DIAGS tables are importable here)
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from sparse_mla_gluon import DIAGS, VARIANTS  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)
@@ -43,13 +43,6 @@ _I32 = ("q_st", "q_sh", "K1", "i1_st", "bs1", "ps1", "K2", "i2_st", "bs2", "ps2"
 _DIV16 = set(_PTR) | {"q_st", "q_sh", "ps1", "ps2"}  # what the launcher's specialisation sees for the shapes
 
 
-def _tool(name):
-    d = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", name)
-    if name == "ptxas" and os.path.exists(d + "-blackwell"):  # Triton >= 3.9 compiles sm_90 with this one
-        d += "-blackwell"
-    return d if os.path.exists(d) else name
-
-
 def _ptxas_stats(ptx: str, cubin: bytes) -> str:
     """ptxas -v's registers / spill bytes / static smem, and the spill instructions (STL + LDL) of each
     partition and the highest register it touches, read from the SASS: the code between two USETMAXREG instructions is one partition's; the one
@@ -60,12 +53,12 @@ def _ptxas_stats(ptx: str, cubin: bytes) -> str:
         p = os.path.join(tmp, "k.ptx")
         with open(p, "w") as f:
             f.write(ptx)
-        r = subprocess.run([_tool("ptxas"), "-v", "--gpu-name", "sm_90a", p, "-o", os.path.join(tmp, "k.cubin")],
+        r = subprocess.run([PTXAS, "-v", "--gpu-name", "sm_90a", p, "-o", os.path.join(tmp, "k.cubin")],
                            capture_output=True, text=True)
         c = os.path.join(tmp, "t.cubin")
         with open(c, "wb") as f:
             f.write(cubin)
-        sass = subprocess.run([_tool("cuobjdump"), "-sass", c], capture_output=True, text=True).stdout
+        sass = subprocess.run([os.path.join(BIN, "cuobjdump"), "-sass", c], capture_output=True, text=True).stdout
     text = r.stdout + r.stderr
     regs = re.findall(r"Used (\d+) registers", text)
     spill = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", text)
@@ -128,7 +121,7 @@ DEFAULT_SHAPES = {"H 64 K 640 (SPLITS=2)": (64, 2), "H 128 K 1152 (SPLITS=1)": (
 
 
 def main(argv):
-    print(f"triton {triton.__version__}, target sm_90a, ptxas {_tool('ptxas')}", flush=True)
+    print(f"triton {triton.__version__}, target sm_90a, ptxas {PTXAS}", flush=True)
     if argv == ["--defaults"]:  # the defaults at each bench shape (tests/test_gluon_compile.py runs this)
         jobs = [("default", {}, cname, splits, H) for cname, (H, splits) in DEFAULT_SHAPES.items()]
     else:

@@ -28,6 +28,7 @@ import tempfile
 
 import triton
 from triton.backends.compiler import GPUTarget
+from triton.backends.nvidia.compiler import get_ptxas
 from triton.compiler import ASTSource
 
 ROOT = sys.argv[1].rstrip("/")
@@ -50,8 +51,7 @@ GATHER = ("gather", m._gather_kernel if OLD else m.gather_kernel, 4,
 # what the launcher passes for a compiled launch of the defaults (kernels without a constexpr keep their own)
 LAUNCHED = {"NATIVE": 0, "SLOT32": 1, "PERSISTENT": 0, "LOAD_POLICY": "", "STORE_CACHE": "", "STAGES": 0, "EARLY": 0}
 BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
-PTXAS = os.path.join(BIN, "ptxas-blackwell") if os.path.exists(os.path.join(BIN, "ptxas-blackwell")) else \
-    os.path.join(BIN, "ptxas")  # Triton >= 3.9 assembles sm_90 with ptxas-blackwell
+PTXAS = get_ptxas(90).path  # the ptxas Triton assembles sm_90 with (3.9: ptxas-blackwell; 3.6: ptxas)
 
 
 def cold_instructions(sass_lines: list[str]) -> int:

@@ -278,7 +278,7 @@ def _define_kernels():
     @_gluon.jit
     def _program(chunk, K1, l1_ptr, K2, l2_ptr, i1_ptr, i1_st, i2_ptr, i2_st, BN: gl.constexpr,
                  HAS_LEN1: gl.constexpr, HAS_POOL2: gl.constexpr, HAS_LEN2: gl.constexpr, DIAG: gl.constexpr):
-        """What a program of the warp-specialised kernels owns: token t (as int64), head block hb, list split
+        """What a program of the decode kernels owns: token t (as int64), head block hb, list split
         sp, its candidate range (n1, start, stop: :func:`_candidate_range`), its chunk count n_it (DIAG >= 4,
         timing only: none) and the token's two slot rows i1, i2."""
         t = gl.program_id(0)
@@ -367,15 +367,10 @@ def _define_kernels():
         LQ: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [8, 1], [1, 0])
         SH_L: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
 
-        t = gl.program_id(0)
-        hb = gl.program_id(1)
-        sp = gl.program_id(2)
-        t64 = t.to(gl.int64)
-
-        # candidate range of this program: the two pools' valid prefixes, concatenated, then split
-        n1, start, stop = _candidate_range(t, sp, chunk, K1, l1_ptr, K2, l2_ptr, HAS_LEN1, HAS_POOL2, HAS_LEN2)
-        i1 = i1_ptr + t64 * i1_st
-        i2 = i2_ptr + t64 * i2_st
+        # this program's token, head block, list split and candidate range (the two pools' valid prefixes,
+        # concatenated, then split) in chunks of BN
+        t64, hb, sp, n1, start, stop, n_it, i1, i2 = _program(chunk, K1, l1_ptr, K2, l2_ptr, i1_ptr, i1_st, i2_ptr,
+                                                              i2_st, BN, HAS_LEN1, HAS_POOL2, HAS_LEN2, 0)
 
         # Q -> shared memory (padded heads: zero rows)
         q_smem, qbad_smem = _q_to_shared(q_ptr, t64, q_st, q_sh, hb, H, BH, LQ, SH_L)
@@ -397,7 +392,6 @@ def _define_kernels():
         l = gl.zeros([BH], gl.float32, gl.SliceLayout(1, S_L))
         acc = gl.zeros([BH, 512], gl.float32, O_L)
         s0 = gl.zeros([BH, BN], gl.float32, S_L)
-        n_it = gl.cdiv(stop - start, BN)
         for it in range(n_it):
             cur = it % 2
             kb = k_smem.index(cur)
