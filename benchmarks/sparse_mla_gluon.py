@@ -67,6 +67,9 @@ VARIANTS = {  # dsv4ref.sparse_mla.gluon.VARIANT flags, over the default (PACKED
     # session 9: the split merge inside the decode kernel (the last split merges; no second launch)
     "gluon roles merge": dict(WS=True, OVERLAP=False, PRODUCER_REGS=104, PACKED=1, ROLES=1, PV_REGS=160, QLATE=1,
                               OSMEM=1, LAZY_SCAN=1, MERGE=1),
+    # ... only the partials staged as row vectors, the merge launch kept
+    "gluon roles pstage": dict(WS=True, OVERLAP=False, PRODUCER_REGS=104, PACKED=1, ROLES=1, PV_REGS=160, QLATE=1,
+                               OSMEM=1, LAZY_SCAN=1, MERGE=2),
 }
 for _name, _flags in VARIANTS.items():  # the rows before session 8 keep their meaning (NARROW, OSMEM, LAZY_SCAN on)
     for _k in ("NARROW", "OSMEM", "LAZY_SCAN", "MERGE"):
@@ -99,6 +102,8 @@ DIAGS = {
     "diag narrow: no chunks, no query, no stores": dict(VARIANTS["gluon narrow"], DIAG=6),
     "diag merge: no chunks": dict(VARIANTS["gluon roles merge"], DIAG=4),
     "diag merge: no chunks, no query": dict(VARIANTS["gluon roles merge"], DIAG=5),
+    "diag pstage: no chunks": dict(VARIANTS["gluon roles pstage"], DIAG=4),
+    "diag lazy: no chunks": dict(VARIANTS["gluon roles osmem lazy"], DIAG=4),
 }
 for _name, _flags in DIAGS.items():
     for _k in ("NARROW", "OSMEM", "LAZY_SCAN", "MERGE"):

@@ -101,6 +101,7 @@ VARIANTS = {
     "64-row kernel at every H (session 7's default)": dict(NARROW=0),
     "role-split consumers, output through shared memory": dict(OSMEM=1),
     "split merge in a second launch (session 8's default)": dict(OSMEM=1, LAZY_SCAN=1, MERGE=0),
+    "partials staged as row vectors, merge launch": dict(OSMEM=1, LAZY_SCAN=1, MERGE=2),
     "split merge in the decode kernel, 64-row kernel at every H": dict(OSMEM=1, LAZY_SCAN=1, MERGE=1),
 }
 for _name, _flags in VARIANTS.items():  # each row means the same kernel whatever VARIANT's defaults
@@ -271,7 +272,7 @@ _EAGER_SCAN = dict(NARROW=0, OSMEM=0, LAZY_SCAN=0, MERGE=0)  # session 7's defau
 
 @pytest.mark.parametrize("splits,flags", [(1, _EAGER_SCAN), (2, _EAGER_SCAN), (1, dict(NARROW=1)), (2, dict(NARROW=1)),
                                           (1, dict(NARROW=0)), (2, dict(NARROW=0)),
-                                          (2, dict(NARROW=0, MERGE=0))])  # H 16: every kernel
+                                          (2, dict(NARROW=0, MERGE=1)), (2, dict(NARROW=0, MERGE=2))])  # H 16: every kernel
 def test_non_finite_rows_follow_the_contract(splits, flags):
     """Value checks off (docs/contract.md): a listed row whose scale byte is 255 (E8M0's NaN) or a query with
     a NaN or ±inf makes that token's attention rows NaN, out and lse, as the reference does; never the empty-row

@@ -139,7 +139,7 @@ NUM_WARPS = 8  # two warpgroups split every MMA by columns
 #       NARROW_REGS registers each, an NARROW_NS-stage ring), :func:`_narrow_kernel`
 VARIANT = dict(WS=True, NS=2, OVERLAP=False, PRODUCER_REGS=104, DEEP=True, PIPE=False, P_SMEM=True, PACKED=1,
                ROLES=1, PV_REGS=160, QLATE=1, NARROW=1, NARROW_NS=3, NARROW_REGS=184, OSMEM=1, LAZY_SCAN=1,
-               MERGE=1)
+               MERGE=0)
 NARROW_H = 16  # heads per program of the narrow kernel (wgmma N)
 _LAST: dict = {}  # the last compiled decode kernel (diagnostics: n_regs, n_spills, shared)
 
@@ -551,7 +551,7 @@ def _define_kernels():
     @_gluon.jit
     def _merge_epilogue(acc, m, l, qbad_smem, o32, t64, hb, sp, H, sink_ptr, out_ptr, lse_ptr, po_ptr, pml_ptr,
                         cnt_ptr, W: gl.constexpr, HAS_SINK: gl.constexpr, SPLITS: gl.constexpr, BH: gl.constexpr,
-                        O_L: gl.constexpr, S_L: gl.constexpr, ML: gl.constexpr):
+                        O_L: gl.constexpr, S_L: gl.constexpr, ML: gl.constexpr, HERE: gl.constexpr = True):
         """The split merge inside the decode kernel (MERGE, SPLITS > 1), run by each 4-warp consumer on
         its own 256 output columns [256·W, 256·W + 256), instead of a second launch.
 
@@ -562,7 +562,8 @@ def _define_kernels():
            own stores; the program whose thread brings the count to 128·SPLITS arrived last, and every
            other split's partial is then visible to it (acquire; its loads bypass L1).
         3. That program merges the SPLITS partials (from L2: written a moment ago), applies the sink
-           once, writes out (and lse, W = 0) and sets the counter back to 0 for the next call."""
+           once, writes out (and lse, W = 0) and sets the counter back to 0 for the next call.
+        HERE False: step 1 only (the merge kernel follows)."""
         l = l + qbad_smem.load(gl.SliceLayout(1, S_L))
         o32.store(acc)
         _bar()
@@ -579,33 +580,34 @@ def _define_kernels():
         row_s = (t64 * SPLITS + sp) * H + h_s.to(gl.int64)
         gl.store(pml_ptr + row_s * 2, m, mask=h_s < H)
         gl.store(pml_ptr + row_s * 2 + 1, l, mask=h_s < H)
-        CL: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])  # one counter increment per thread
-        ctr = cnt_ptr + ((t64 * gl.num_programs(1) + hb) * 2 + W) + gl.zeros([128], gl.int32, CL)
-        n = gl.atomic_add(ctr, gl.full([128], 1, gl.int32, CL), sem="acq_rel", scope="gpu")
-        if gl.max(n, axis=0) == 128 * SPLITS - 1:  # the last split of this (token, head block) to finish
-            for r0 in gl.static_range(0, BH, RB):
-                h = hb * BH + r0 + r
-                hm = h < H
-                mx = gl.full([RB], -float("inf"), gl.float32, gl.SliceLayout(1, LO))
-                for s in gl.static_range(SPLITS):
-                    rs = (t64 * SPLITS + s) * H + h.to(gl.int64)
-                    mx = gl.maximum(mx, gl.load(pml_ptr + rs * 2, mask=hm, other=0.0, cache_modifier=".cg"))
-                m_safe = gl.where(mx == -float("inf"), 0.0, mx)
-                ls = gl.zeros([RB], gl.float32, gl.SliceLayout(1, LO))
-                o = gl.zeros([RB, 256], gl.float32, LO)
-                for s in gl.static_range(SPLITS):
-                    rs = (t64 * SPLITS + s) * H + h.to(gl.int64)
-                    w = gl.exp2(gl.load(pml_ptr + rs * 2, mask=hm, other=0.0, cache_modifier=".cg") - m_safe)
-                    ls = ls + w * gl.load(pml_ptr + rs * 2 + 1, mask=hm, other=0.0, cache_modifier=".cg")
-                    o = o + w[:, None] * gl.load(po_ptr + rs[:, None] * 512 + d[None, :],
-                                                 mask=hm[:, None] & (d[None, :] >= 0), other=0.0, cache_modifier=".cg")
-                nonempty, lse, f = _head_scale(mx, ls, h, H, sink_ptr, HAS_SINK)
-                row_o = t64 * H + h.to(gl.int64)
-                gl.store(out_ptr + row_o[:, None] * 512 + d[None, :], (o * f[:, None]).to(gl.bfloat16),
-                         mask=hm[:, None] & (d[None, :] >= 0))
-                if ML:
-                    gl.store(lse_ptr + row_o, gl.where(nonempty, lse, -float("inf")), mask=hm)
-            gl.store(ctr, gl.zeros([128], gl.int32, CL))
+        if HERE:
+            CL: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])  # one counter increment per thread
+            ctr = cnt_ptr + ((t64 * gl.num_programs(1) + hb) * 2 + W) + gl.zeros([128], gl.int32, CL)
+            n = gl.atomic_add(ctr, gl.full([128], 1, gl.int32, CL), sem="acq_rel", scope="gpu")
+            if gl.max(n, axis=0) == 128 * SPLITS - 1:  # the last split of this (token, head block) to finish
+                for r0 in gl.static_range(0, BH, RB):
+                    h = hb * BH + r0 + r
+                    hm = h < H
+                    mx = gl.full([RB], -float("inf"), gl.float32, gl.SliceLayout(1, LO))
+                    for s in gl.static_range(SPLITS):
+                        rs = (t64 * SPLITS + s) * H + h.to(gl.int64)
+                        mx = gl.maximum(mx, gl.load(pml_ptr + rs * 2, mask=hm, other=0.0, cache_modifier=".cg"))
+                    m_safe = gl.where(mx == -float("inf"), 0.0, mx)
+                    ls = gl.zeros([RB], gl.float32, gl.SliceLayout(1, LO))
+                    o = gl.zeros([RB, 256], gl.float32, LO)
+                    for s in gl.static_range(SPLITS):
+                        rs = (t64 * SPLITS + s) * H + h.to(gl.int64)
+                        w = gl.exp2(gl.load(pml_ptr + rs * 2, mask=hm, other=0.0, cache_modifier=".cg") - m_safe)
+                        ls = ls + w * gl.load(pml_ptr + rs * 2 + 1, mask=hm, other=0.0, cache_modifier=".cg")
+                        o = o + w[:, None] * gl.load(po_ptr + rs[:, None] * 512 + d[None, :],
+                                                     mask=hm[:, None] & (d[None, :] >= 0), other=0.0, cache_modifier=".cg")
+                    nonempty, lse, f = _head_scale(mx, ls, h, H, sink_ptr, HAS_SINK)
+                    row_o = t64 * H + h.to(gl.int64)
+                    gl.store(out_ptr + row_o[:, None] * 512 + d[None, :], (o * f[:, None]).to(gl.bfloat16),
+                             mask=hm[:, None] & (d[None, :] >= 0))
+                    if ML:
+                        gl.store(lse_ptr + row_o, gl.where(nonempty, lse, -float("inf")), mask=hm)
+                gl.store(ctr, gl.zeros([128], gl.int32, CL))
 
     @_gluon.jit
     def _ws_producer(k_smem, ready, empty, start, n_it, n1, stop, i1, i2, c1_u8, c1_i16, c1_i64, bs1, ps1,
@@ -1070,7 +1072,7 @@ def _define_kernels():
                       pml_ptr, HAS_SINK: gl.constexpr, SPLITS: gl.constexpr, BH: gl.constexpr, BN: gl.constexpr,
                       NS: gl.constexpr, OVERLAP: gl.constexpr, DIAG: gl.constexpr, q_ptr, q_st, q_sh,
                       QLATE: gl.constexpr, OSMEM: gl.constexpr = False, LAZY_SCAN: gl.constexpr = False,
-                      cnt_ptr=None, MERGE: gl.constexpr = False):
+                      cnt_ptr=None, MERGE: gl.constexpr = 0):
         """The scoring warpgroup (the default partition, 4 warps) of the role split: S = Q·Kᵀ for all 64
         candidates as n = 64 wgmma (Q read once per chunk, not once per warpgroup), the online softmax with
         every row max and sum inside one warpgroup (no CTA barrier), then P (bf16) and the rescale factor
@@ -1139,7 +1141,7 @@ def _define_kernels():
         if MERGE and DIAG < 6:
             o32 = _f32_rows(k_smem, NS * BN, gl.SwizzledSharedLayout(vec=4, per_phase=1, max_phase=8, order=[1, 0]))
             _merge_epilogue(acc, m, l, qbad_smem, o32.slice(0, BH, dim=0), t64, hb, sp, H, sink_ptr, out_ptr, lse_ptr,
-                            po_ptr, pml_ptr, cnt_ptr, 0, HAS_SINK, SPLITS, BH, O_L, S_L, True)
+                            po_ptr, pml_ptr, cnt_ptr, 0, HAS_SINK, SPLITS, BH, O_L, S_L, True, MERGE == 1)
         elif DIAG < 6:  # DIAG 6 (timing only): no epilogue stores either
             _epilogue(acc, m, l, qbad_smem, t64, hb, sp, H, sink_ptr, out_ptr, lse_ptr, po_ptr, pml_ptr, HAS_SINK,
                       SPLITS, BH, O_L, S_L, 0, 256, True, k_smem.index(0).slice(0, 256, dim=1), OSMEM and SPLITS == 1)
@@ -1149,7 +1151,7 @@ def _define_kernels():
                   start, n_it, n1, stop, i1, i2, qk_scale, t64, hb, sp, H, sink_ptr, out_ptr, lse_ptr, po_ptr,
                   pml_ptr, HAS_SINK: gl.constexpr, SPLITS: gl.constexpr, BH: gl.constexpr, BN: gl.constexpr,
                   NS: gl.constexpr, OVERLAP: gl.constexpr, DIAG: gl.constexpr, OSMEM: gl.constexpr = False,
-                  cnt_ptr=None, MERGE: gl.constexpr = False):
+                  cnt_ptr=None, MERGE: gl.constexpr = 0):
         """The P·V warpgroup (a worker partition, 4 warps) of the role split: for each chunk it waits for
         the scorer's P and alpha, rescales its half of the output and runs O[:, 256:512] += P · V[:, 256:512]
         with P read from shared memory; it computes no score and no softmax, so it needs only the
@@ -1178,7 +1180,7 @@ def _define_kernels():
         if MERGE and DIAG < 6:  # (the scorer's MMAs are over once fin completes: stage 1 is free)
             o32 = _f32_rows(k_smem, NS * BN, gl.SwizzledSharedLayout(vec=4, per_phase=1, max_phase=8, order=[1, 0]))
             _merge_epilogue(acc, m, l, qbad_smem, o32.slice(BN, BH, dim=0), t64, hb, sp, H, sink_ptr, out_ptr, lse_ptr,
-                            po_ptr, pml_ptr, cnt_ptr, 1, HAS_SINK, SPLITS, BH, O_L, S_L, False)
+                            po_ptr, pml_ptr, cnt_ptr, 1, HAS_SINK, SPLITS, BH, O_L, S_L, False, MERGE == 1)
         elif DIAG < 6:  # (the scorer's MMAs are over once fin completes: stage 1 is free for OSMEM)
             _epilogue(acc, m, l, qbad_smem, t64, hb, sp, H, sink_ptr, out_ptr, lse_ptr, po_ptr, pml_ptr, HAS_SINK,
                       SPLITS, BH, O_L, S_L, 256, 256, False, k_smem.index(1).slice(0, 256, dim=1), OSMEM and SPLITS == 1)
@@ -1207,7 +1209,7 @@ def _define_kernels():
         first chunk, instead of before the partitions start. MERGE (ROLES, OSMEM; SPLITS > 1): the last split
         of each (token, head block) merges the partials itself (:func:`_merge_epilogue`, counters at
         ``cnt_ptr``: int32 ``[T, n_head_blocks, 2]``, zero before the launch and left zero after it); no
-        merge launch follows."""
+        merge launch follows; MERGE 2: the partials leave the same way, the merge launch follows."""
         gl.static_assert(BH == 64)
         gl.static_assert(BN == 64)
         LQ: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [gl.num_warps(), 1], [1, 0])
@@ -1258,11 +1260,11 @@ def _define_kernels():
                 (_roles_scorer, (q_smem, qbad_smem, k_smem, p_smem, a_smem, ml_smem, ready, empty, pfull, pfree, fin,
                                  start, n_it, n1, stop, i1, i2, qk_scale, t64, hb, sp, H, sink_ptr, out_ptr, lse_ptr,
                                  po_ptr, pml_ptr, HAS_SINK, SPLITS, BH, BN, NS, OVERLAP, DIAG,
-                                 q_ptr, q_st, q_sh, QLATE, OSMEM, LAZY_SCAN, cnt_ptr, MERGE and SPLITS > 1)),
+                                 q_ptr, q_st, q_sh, QLATE, OSMEM, LAZY_SCAN, cnt_ptr, MERGE if SPLITS > 1 else 0)),
                 (_roles_pv, (q_smem, qbad_smem, k_smem, p_smem, a_smem, ml_smem, ready, empty, pfull, pfree, fin,
                              start, n_it, n1, stop, i1, i2, qk_scale, t64, hb, sp, H, sink_ptr, out_ptr, lse_ptr,
                              po_ptr, pml_ptr, HAS_SINK, SPLITS, BH, BN, NS, OVERLAP, DIAG, OSMEM, cnt_ptr,
-                             MERGE and SPLITS > 1)),
+                             MERGE if SPLITS > 1 else 0)),
                 (_ws_producer_of, (k_smem, ready, empty, start, n_it, n1, stop, i1, i2, c1_u8, c1_i16, c1_i64, bs1,
                                    ps1, c2_u8, c2_i16, c2_i64, bs2, ps2, BN, NS, DEEP, PACKED, DIAG)),
             ], [4, 4], [PV_REGS, PRODUCER_REGS])
@@ -1572,7 +1574,7 @@ def decode_gluon(q: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor, leng
                   HAS_LEN2=has_pool2 and extra_lengths is not None, HAS_SINK=sink is not None, SPLITS=S,
                   BH=bh, BN=BLOCK_N)
     fn, const = _kernel_and_flags(kern, flags, H)
-    merged = S > 1 and bool(const.get("MERGE"))
+    merged = S > 1 and const.get("MERGE") == 1
     if fn is kern["ws"]:  # the split counters of the in-kernel merge (unused otherwise)
         cnt = torch.zeros(T, grid[1], 2, dtype=torch.int32, device=q.device) if merged else lse
         args = (*args, cnt)
