@@ -38,8 +38,7 @@ CONFIGS = {"SPLITS=2 (H 64 K 640, H 16 K 2048)": 2, "SPLITS=1 (H 128 K 1152)": 1
 # runtime argument types of the decode kernels, in order (pointers 16-byte divisible, as at launch)
 _PTR = {"q_ptr": "*bf16", "sink_ptr": "*fp32", "out_ptr": "*bf16", "lse_ptr": "*fp32", "po_ptr": "*fp32",
         "pml_ptr": "*fp32", "c1_u8": "*u8", "c1_i16": "*i16", "c1_i64": "*i64", "i1_ptr": "*i32",
-        "l1_ptr": "*i32", "c2_u8": "*u8", "c2_i16": "*i16", "c2_i64": "*i64", "i2_ptr": "*i32", "l2_ptr": "*i32",
-        "cnt_ptr": "*i32"}
+        "l1_ptr": "*i32", "c2_u8": "*u8", "c2_i16": "*i16", "c2_i64": "*i64", "i2_ptr": "*i32", "l2_ptr": "*i32"}
 _I32 = ("q_st", "q_sh", "K1", "i1_st", "bs1", "ps1", "K2", "i2_st", "bs2", "ps2", "H", "chunk")
 _DIV16 = set(_PTR) | {"q_st", "q_sh", "ps1", "ps2"}  # what the launcher's specialisation sees for the shapes
 

@@ -64,15 +64,9 @@ VARIANTS = {  # dsv4ref.sparse_mla.gluon.VARIANT flags, over the default (PACKED
     # and the query's NaN scan after the loop, only for a head with nothing counted
     "gluon roles osmem lazy": dict(WS=True, OVERLAP=False, PRODUCER_REGS=104, PACKED=1, ROLES=1, PV_REGS=160, QLATE=1,
                                    OSMEM=1, LAZY_SCAN=1),
-    # session 9: the split merge inside the decode kernel (the last split merges; no second launch)
-    "gluon roles merge": dict(WS=True, OVERLAP=False, PRODUCER_REGS=104, PACKED=1, ROLES=1, PV_REGS=160, QLATE=1,
-                              OSMEM=1, LAZY_SCAN=1, MERGE=1),
-    # ... only the partials staged as row vectors, the merge launch kept
-    "gluon roles pstage": dict(WS=True, OVERLAP=False, PRODUCER_REGS=104, PACKED=1, ROLES=1, PV_REGS=160, QLATE=1,
-                               OSMEM=1, LAZY_SCAN=1, MERGE=2),
 }
 for _name, _flags in VARIANTS.items():  # the rows before session 8 keep their meaning (NARROW, OSMEM, LAZY_SCAN on)
-    for _k in ("NARROW", "OSMEM", "LAZY_SCAN", "MERGE"):
+    for _k in ("NARROW", "OSMEM", "LAZY_SCAN"):
         _flags.setdefault(_k, 0)
 NEW = {k for k in VARIANTS if "packed" in k or "cpasync" in k or "roles" in k or "narrow" in k}  # timed at the default split only (keeps the run short)
 # timing diagnostics (wrong results, never checked): DIAG 1 = the producer loads nothing (MMA + softmax +
@@ -100,13 +94,9 @@ DIAGS = {
     "diag qlate: no chunks, no query, no stores": dict(VARIANTS["gluon roles qlate"], DIAG=6),
     "diag narrow: no chunks, no query": dict(VARIANTS["gluon narrow"], DIAG=5),
     "diag narrow: no chunks, no query, no stores": dict(VARIANTS["gluon narrow"], DIAG=6),
-    "diag merge: no chunks": dict(VARIANTS["gluon roles merge"], DIAG=4),
-    "diag merge: no chunks, no query": dict(VARIANTS["gluon roles merge"], DIAG=5),
-    "diag pstage: no chunks": dict(VARIANTS["gluon roles pstage"], DIAG=4),
-    "diag lazy: no chunks": dict(VARIANTS["gluon roles osmem lazy"], DIAG=4),
 }
 for _name, _flags in DIAGS.items():
-    for _k in ("NARROW", "OSMEM", "LAZY_SCAN", "MERGE"):
+    for _k in ("NARROW", "OSMEM", "LAZY_SCAN"):
         _flags.setdefault(_k, 0)
 SPLIT_SWEEP = {"gluon ws cpasync", "gluon ws packed1", "diag cpasync: fixed cost only",  # timed at splits 1, 2, 4
                "gluon ws roles packed1", "diag roles: fixed cost only", "diag roles: no chunks", "gluon narrow"}

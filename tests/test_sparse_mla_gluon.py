@@ -100,12 +100,9 @@ VARIANTS = {
     "narrow heads, 3 stages": dict(NARROW=1, NARROW_NS=3),
     "64-row kernel at every H (session 7's default)": dict(NARROW=0),
     "role-split consumers, output through shared memory": dict(OSMEM=1),
-    "split merge in a second launch (session 8's default)": dict(OSMEM=1, LAZY_SCAN=1, MERGE=0),
-    "partials staged as row vectors, merge launch": dict(OSMEM=1, LAZY_SCAN=1, MERGE=2),
-    "split merge in the decode kernel, 64-row kernel at every H": dict(OSMEM=1, LAZY_SCAN=1, MERGE=1),
 }
 for _name, _flags in VARIANTS.items():  # each row means the same kernel whatever VARIANT's defaults
-    for _k in ("NARROW", "OSMEM", "LAZY_SCAN", "MERGE"):
+    for _k in ("NARROW", "OSMEM", "LAZY_SCAN"):
         _flags.setdefault(_k, 0)
 
 
@@ -267,12 +264,11 @@ def test_matches_the_portable_kernel():
     check(*b, ref, "gluon")
 
 
-_EAGER_SCAN = dict(NARROW=0, OSMEM=0, LAZY_SCAN=0, MERGE=0)  # session 7's default kernel: the query scanned first
+_EAGER_SCAN = dict(NARROW=0, OSMEM=0, LAZY_SCAN=0)  # session 7's default kernel: the query scanned first
 
 
 @pytest.mark.parametrize("splits,flags", [(1, _EAGER_SCAN), (2, _EAGER_SCAN), (1, dict(NARROW=1)), (2, dict(NARROW=1)),
-                                          (1, dict(NARROW=0)), (2, dict(NARROW=0)),
-                                          (2, dict(NARROW=0, MERGE=1)), (2, dict(NARROW=0, MERGE=2))])  # H 16: every kernel
+                                          (1, dict(NARROW=0)), (2, dict(NARROW=0))])  # H 16: every kernel
 def test_non_finite_rows_follow_the_contract(splits, flags):
     """Value checks off (docs/contract.md): a listed row whose scale byte is 255 (E8M0's NaN) or a query with
     a NaN or ±inf makes that token's attention rows NaN, out and lse, as the reference does; never the empty-row

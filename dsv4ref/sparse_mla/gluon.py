@@ -132,14 +132,11 @@ NUM_WARPS = 8  # two warpgroups split every MMA by columns
 # session 6: the query loaded by the scorer partition (QLATE=1): 36.4 / 77.6 / 71.6 and 36.7 / 77.9 / 73.0 µs against
 # 37.9 / 78.5 / 71.5 and 37.7 / 77.9 / 72.6 µs in two H200 calls (benchmarks/runs/2026-12-01_s6_h200_gluon_*.log)
 #   OSMEM (ROLES, split 1): the bf16 output leaves through a free K stage as 16-byte row vectors;
-#   MERGE (ROLES with OSMEM, split > 1): the last split of a (token, head block) merges the partials in the
-#       decode kernel (counted in with atomics), the fp32 partials leave through a free K stage; no merge launch;
 #   LAZY_SCAN (ROLES with QLATE): the query's NaN / ±inf scan after the loop, only for a head with nothing counted.
 #   NARROW (H <= NARROW_H only): the narrow-head kernel (heads as the MMAs' N, two producer warpgroups on
 #       NARROW_REGS registers each, an NARROW_NS-stage ring), :func:`_narrow_kernel`
 VARIANT = dict(WS=True, NS=2, OVERLAP=False, PRODUCER_REGS=104, DEEP=True, PIPE=False, P_SMEM=True, PACKED=1,
-               ROLES=1, PV_REGS=160, QLATE=1, NARROW=1, NARROW_NS=3, NARROW_REGS=184, OSMEM=1, LAZY_SCAN=1,
-               MERGE=0)
+               ROLES=1, PV_REGS=160, QLATE=1, NARROW=1, NARROW_NS=3, NARROW_REGS=184, OSMEM=1, LAZY_SCAN=1)
 NARROW_H = 16  # heads per program of the narrow kernel (wgmma N)
 _LAST: dict = {}  # the last compiled decode kernel (diagnostics: n_regs, n_spills, shared)
 
@@ -536,78 +533,6 @@ def _define_kernels():
                 row_s = (t64 * SPLITS + sp) * H + h_s.to(gl.int64)
                 gl.store(pml_ptr + row_s * 2, m, mask=h_s < H)
                 gl.store(pml_ptr + row_s * 2 + 1, l, mask=h_s < H)
-
-    if hasattr(gl.shared_memory_descriptor, "reinterpret"):  # Triton >= 3.7; 3.6 calls it _reinterpret
-        @_gluon.jit
-        def _f32_rows(buf, ROWS: gl.constexpr, LAYOUT: gl.constexpr):
-            """The whole allocation ``buf`` seen as fp32 rows of 256 (``[ROWS, 256]``, layout LAYOUT)."""
-            return buf.reinterpret(gl.float32, [ROWS, 256], LAYOUT)
-    else:
-        @_gluon.jit
-        def _f32_rows(buf, ROWS: gl.constexpr, LAYOUT: gl.constexpr):
-            """The whole allocation ``buf`` seen as fp32 rows of 256 (``[ROWS, 256]``, layout LAYOUT)."""
-            return buf._reinterpret(gl.float32, [ROWS, 256], LAYOUT)
-
-    @_gluon.jit
-    def _merge_epilogue(acc, m, l, qbad_smem, o32, t64, hb, sp, H, sink_ptr, out_ptr, lse_ptr, po_ptr, pml_ptr,
-                        cnt_ptr, W: gl.constexpr, HAS_SINK: gl.constexpr, SPLITS: gl.constexpr, BH: gl.constexpr,
-                        O_L: gl.constexpr, S_L: gl.constexpr, ML: gl.constexpr, HERE: gl.constexpr = True):
-        """The split merge inside the decode kernel (MERGE, SPLITS > 1), run by each 4-warp consumer on
-        its own 256 output columns [256·W, 256·W + 256), instead of a second launch.
-
-        1. This split's partial (acc unnormalised, m, l; as :func:`_epilogue`) goes out: acc through the
-           free shared tile ``o32`` ([BH, 256] fp32) as 16-byte row vectors, m and l by both warpgroups
-           (the same values), so each warpgroup's own stores are all its partner needs.
-        2. Every thread adds 1 to the counter of (token, head block, W) with release semantics after its
-           own stores; the program whose thread brings the count to 128·SPLITS arrived last, and every
-           other split's partial is then visible to it (acquire; its loads bypass L1).
-        3. That program merges the SPLITS partials (from L2: written a moment ago), applies the sink
-           once, writes out (and lse, W = 0) and sets the counter back to 0 for the next call.
-        HERE False: step 1 only (the merge kernel follows)."""
-        l = l + qbad_smem.load(gl.SliceLayout(1, S_L))
-        o32.store(acc)
-        _bar()
-        LO: gl.constexpr = gl.BlockedLayout([1, 4], [2, 16], [4, 1], [1, 0])  # a warp: 2 rows of 256 B
-        RB: gl.constexpr = 16  # rows per step: 32 values per thread
-        r = gl.arange(0, RB, gl.SliceLayout(1, LO))
-        d = W * 256 + gl.arange(0, 256, gl.SliceLayout(0, LO))
-        for r0 in gl.static_range(0, BH, RB):
-            h = hb * BH + r0 + r
-            row = (t64 * SPLITS + sp) * H + h.to(gl.int64)
-            gl.store(po_ptr + row[:, None] * 512 + d[None, :], o32.slice(r0, RB, dim=0).load(LO),
-                     mask=(h[:, None] < H) & (d[None, :] >= 0))
-        h_s = hb * BH + gl.arange(0, BH, gl.SliceLayout(1, S_L))
-        row_s = (t64 * SPLITS + sp) * H + h_s.to(gl.int64)
-        gl.store(pml_ptr + row_s * 2, m, mask=h_s < H)
-        gl.store(pml_ptr + row_s * 2 + 1, l, mask=h_s < H)
-        if HERE:
-            CL: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])  # one counter increment per thread
-            ctr = cnt_ptr + ((t64 * gl.num_programs(1) + hb) * 2 + W) + gl.zeros([128], gl.int32, CL)
-            n = gl.atomic_add(ctr, gl.full([128], 1, gl.int32, CL), sem="acq_rel", scope="gpu")
-            if gl.max(n, axis=0) == 128 * SPLITS - 1:  # the last split of this (token, head block) to finish
-                for r0 in gl.static_range(0, BH, RB):
-                    h = hb * BH + r0 + r
-                    hm = h < H
-                    mx = gl.full([RB], -float("inf"), gl.float32, gl.SliceLayout(1, LO))
-                    for s in gl.static_range(SPLITS):
-                        rs = (t64 * SPLITS + s) * H + h.to(gl.int64)
-                        mx = gl.maximum(mx, gl.load(pml_ptr + rs * 2, mask=hm, other=0.0, cache_modifier=".cg"))
-                    m_safe = gl.where(mx == -float("inf"), 0.0, mx)
-                    ls = gl.zeros([RB], gl.float32, gl.SliceLayout(1, LO))
-                    o = gl.zeros([RB, 256], gl.float32, LO)
-                    for s in gl.static_range(SPLITS):
-                        rs = (t64 * SPLITS + s) * H + h.to(gl.int64)
-                        w = gl.exp2(gl.load(pml_ptr + rs * 2, mask=hm, other=0.0, cache_modifier=".cg") - m_safe)
-                        ls = ls + w * gl.load(pml_ptr + rs * 2 + 1, mask=hm, other=0.0, cache_modifier=".cg")
-                        o = o + w[:, None] * gl.load(po_ptr + rs[:, None] * 512 + d[None, :],
-                                                     mask=hm[:, None] & (d[None, :] >= 0), other=0.0, cache_modifier=".cg")
-                    nonempty, lse, f = _head_scale(mx, ls, h, H, sink_ptr, HAS_SINK)
-                    row_o = t64 * H + h.to(gl.int64)
-                    gl.store(out_ptr + row_o[:, None] * 512 + d[None, :], (o * f[:, None]).to(gl.bfloat16),
-                             mask=hm[:, None] & (d[None, :] >= 0))
-                    if ML:
-                        gl.store(lse_ptr + row_o, gl.where(nonempty, lse, -float("inf")), mask=hm)
-                gl.store(ctr, gl.zeros([128], gl.int32, CL))
 
     @_gluon.jit
     def _ws_producer(k_smem, ready, empty, start, n_it, n1, stop, i1, i2, c1_u8, c1_i16, c1_i64, bs1, ps1,
@@ -1071,8 +996,7 @@ def _define_kernels():
                       start, n_it, n1, stop, i1, i2, qk_scale, t64, hb, sp, H, sink_ptr, out_ptr, lse_ptr, po_ptr,
                       pml_ptr, HAS_SINK: gl.constexpr, SPLITS: gl.constexpr, BH: gl.constexpr, BN: gl.constexpr,
                       NS: gl.constexpr, OVERLAP: gl.constexpr, DIAG: gl.constexpr, q_ptr, q_st, q_sh,
-                      QLATE: gl.constexpr, OSMEM: gl.constexpr = False, LAZY_SCAN: gl.constexpr = False,
-                      cnt_ptr=None, MERGE: gl.constexpr = 0):
+                      QLATE: gl.constexpr, OSMEM: gl.constexpr = False, LAZY_SCAN: gl.constexpr = False):
         """The scoring warpgroup (the default partition, 4 warps) of the role split: S = Q·Kᵀ for all 64
         candidates as n = 64 wgmma (Q read once per chunk, not once per warpgroup), the online softmax with
         every row max and sum inside one warpgroup (no CTA barrier), then P (bf16) and the rescale factor
@@ -1135,14 +1059,10 @@ def _define_kernels():
         ml_smem.index(1).store(l)
         _bar()
         mbarrier.arrive(fin)
-        if (OSMEM and SPLITS == 1) or MERGE:  # the P·V warpgroup's last read of a K stage is over (it released it)
+        if OSMEM and SPLITS == 1:  # the P·V warpgroup's last read of a K stage is over (it released it)
             last = gl.maximum(n_it - 1, 0)
             mbarrier.wait(empty.index(last % NS), (last // NS) & 1, pred=n_it > 0)
-        if MERGE and DIAG < 6:
-            o32 = _f32_rows(k_smem, NS * BN, gl.SwizzledSharedLayout(vec=4, per_phase=1, max_phase=8, order=[1, 0]))
-            _merge_epilogue(acc, m, l, qbad_smem, o32.slice(0, BH, dim=0), t64, hb, sp, H, sink_ptr, out_ptr, lse_ptr,
-                            po_ptr, pml_ptr, cnt_ptr, 0, HAS_SINK, SPLITS, BH, O_L, S_L, True, MERGE == 1)
-        elif DIAG < 6:  # DIAG 6 (timing only): no epilogue stores either
+        if DIAG < 6:  # DIAG 6 (timing only): no epilogue stores either
             _epilogue(acc, m, l, qbad_smem, t64, hb, sp, H, sink_ptr, out_ptr, lse_ptr, po_ptr, pml_ptr, HAS_SINK,
                       SPLITS, BH, O_L, S_L, 0, 256, True, k_smem.index(0).slice(0, 256, dim=1), OSMEM and SPLITS == 1)
 
@@ -1150,8 +1070,7 @@ def _define_kernels():
     def _roles_pv(q_smem, qbad_smem, k_smem, p_smem, a_smem, ml_smem, ready, empty, pfull, pfree, fin,
                   start, n_it, n1, stop, i1, i2, qk_scale, t64, hb, sp, H, sink_ptr, out_ptr, lse_ptr, po_ptr,
                   pml_ptr, HAS_SINK: gl.constexpr, SPLITS: gl.constexpr, BH: gl.constexpr, BN: gl.constexpr,
-                  NS: gl.constexpr, OVERLAP: gl.constexpr, DIAG: gl.constexpr, OSMEM: gl.constexpr = False,
-                  cnt_ptr=None, MERGE: gl.constexpr = 0):
+                  NS: gl.constexpr, OVERLAP: gl.constexpr, DIAG: gl.constexpr, OSMEM: gl.constexpr = False):
         """The P·V warpgroup (a worker partition, 4 warps) of the role split: for each chunk it waits for
         the scorer's P and alpha, rescales its half of the output and runs O[:, 256:512] += P · V[:, 256:512]
         with P read from shared memory; it computes no score and no softmax, so it needs only the
@@ -1177,11 +1096,7 @@ def _define_kernels():
         mbarrier.wait(fin, 0)
         m = ml_smem.index(0).load(gl.SliceLayout(1, S_L))
         l = ml_smem.index(1).load(gl.SliceLayout(1, S_L))
-        if MERGE and DIAG < 6:  # (the scorer's MMAs are over once fin completes: stage 1 is free)
-            o32 = _f32_rows(k_smem, NS * BN, gl.SwizzledSharedLayout(vec=4, per_phase=1, max_phase=8, order=[1, 0]))
-            _merge_epilogue(acc, m, l, qbad_smem, o32.slice(BN, BH, dim=0), t64, hb, sp, H, sink_ptr, out_ptr, lse_ptr,
-                            po_ptr, pml_ptr, cnt_ptr, 1, HAS_SINK, SPLITS, BH, O_L, S_L, False, MERGE == 1)
-        elif DIAG < 6:  # (the scorer's MMAs are over once fin completes: stage 1 is free for OSMEM)
+        if DIAG < 6:  # (the scorer's MMAs are over once fin completes: stage 1 is free for OSMEM)
             _epilogue(acc, m, l, qbad_smem, t64, hb, sp, H, sink_ptr, out_ptr, lse_ptr, po_ptr, pml_ptr, HAS_SINK,
                       SPLITS, BH, O_L, S_L, 256, 256, False, k_smem.index(1).slice(0, 256, dim=1), OSMEM and SPLITS == 1)
 
@@ -1190,12 +1105,12 @@ def _define_kernels():
         q_ptr, q_st, q_sh, sink_ptr, out_ptr, lse_ptr, po_ptr, pml_ptr,
         c1_u8, c1_i16, c1_i64, i1_ptr, l1_ptr, K1, i1_st, bs1, ps1,
         c2_u8, c2_i16, c2_i64, i2_ptr, l2_ptr, K2, i2_st, bs2, ps2,
-        H, qk_scale, chunk, cnt_ptr,
+        H, qk_scale, chunk,
         HAS_LEN1: gl.constexpr, HAS_POOL2: gl.constexpr, HAS_LEN2: gl.constexpr, HAS_SINK: gl.constexpr,
         SPLITS: gl.constexpr, BH: gl.constexpr, BN: gl.constexpr, NS: gl.constexpr, OVERLAP: gl.constexpr,
         PRODUCER_REGS: gl.constexpr, DEEP: gl.constexpr, DIAG: gl.constexpr = 0, PACKED: gl.constexpr = 0,
         KSPLIT: gl.constexpr = 0, ROLES: gl.constexpr = 0, PV_REGS: gl.constexpr = 160, QLATE: gl.constexpr = 0,
-        OSMEM: gl.constexpr = 0, LAZY_SCAN: gl.constexpr = 0, MERGE: gl.constexpr = 0,
+        OSMEM: gl.constexpr = 0, LAZY_SCAN: gl.constexpr = 0,
     ):
         """Warp-specialised variant: 4 producer warps fill an NS-stage ring of dequantised K tiles (mbarriers
         ready / empty per stage); the 8 default warps (two warpgroups) only run the MMAs and the softmax.
@@ -1206,10 +1121,7 @@ def _define_kernels():
         softmax, half of P·V; the default partition) and a P·V warpgroup on PV_REGS registers (the other half).
         QLATE (ROLES): the query reaches
         shared memory inside the scorer partition by cp.async, while the producer already fetches the
-        first chunk, instead of before the partitions start. MERGE (ROLES, OSMEM; SPLITS > 1): the last split
-        of each (token, head block) merges the partials itself (:func:`_merge_epilogue`, counters at
-        ``cnt_ptr``: int32 ``[T, n_head_blocks, 2]``, zero before the launch and left zero after it); no
-        merge launch follows; MERGE 2: the partials leave the same way, the merge launch follows."""
+        first chunk, instead of before the partitions start."""
         gl.static_assert(BH == 64)
         gl.static_assert(BN == 64)
         LQ: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [gl.num_warps(), 1], [1, 0])
@@ -1260,11 +1172,10 @@ def _define_kernels():
                 (_roles_scorer, (q_smem, qbad_smem, k_smem, p_smem, a_smem, ml_smem, ready, empty, pfull, pfree, fin,
                                  start, n_it, n1, stop, i1, i2, qk_scale, t64, hb, sp, H, sink_ptr, out_ptr, lse_ptr,
                                  po_ptr, pml_ptr, HAS_SINK, SPLITS, BH, BN, NS, OVERLAP, DIAG,
-                                 q_ptr, q_st, q_sh, QLATE, OSMEM, LAZY_SCAN, cnt_ptr, MERGE if SPLITS > 1 else 0)),
+                                 q_ptr, q_st, q_sh, QLATE, OSMEM, LAZY_SCAN)),
                 (_roles_pv, (q_smem, qbad_smem, k_smem, p_smem, a_smem, ml_smem, ready, empty, pfull, pfree, fin,
                              start, n_it, n1, stop, i1, i2, qk_scale, t64, hb, sp, H, sink_ptr, out_ptr, lse_ptr,
-                             po_ptr, pml_ptr, HAS_SINK, SPLITS, BH, BN, NS, OVERLAP, DIAG, OSMEM, cnt_ptr,
-                             MERGE if SPLITS > 1 else 0)),
+                             po_ptr, pml_ptr, HAS_SINK, SPLITS, BH, BN, NS, OVERLAP, DIAG, OSMEM)),
                 (_ws_producer_of, (k_smem, ready, empty, start, n_it, n1, stop, i1, i2, c1_u8, c1_i16, c1_i64, bs1,
                                    ps1, c2_u8, c2_i16, c2_i64, bs2, ps2, BN, NS, DEEP, PACKED, DIAG)),
             ], [4, 4], [PV_REGS, PRODUCER_REGS])
@@ -1446,7 +1357,6 @@ def _kernel_and_flags(kern: dict, flags: dict, H: int = BLOCK_H):
                                 QLATE=int(flags.get("QLATE", 0)) if roles else 0,  # the scorer loads it
                                 OSMEM=int(flags.get("OSMEM", 0)) if roles else 0,
                                 LAZY_SCAN=int(flags.get("LAZY_SCAN", 0)) if roles and flags.get("QLATE") else 0,
-                                MERGE=int(flags.get("MERGE", 0)) if roles and flags.get("OSMEM") else 0,
                                 num_warps=4 if (ksplit or roles) else NUM_WARPS)
     return kern["decode"], dict(P_SMEM=flags["P_SMEM"], PIPE=flags["PIPE"], num_warps=NUM_WARPS)
 
@@ -1574,12 +1484,8 @@ def decode_gluon(q: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor, leng
                   HAS_LEN2=has_pool2 and extra_lengths is not None, HAS_SINK=sink is not None, SPLITS=S,
                   BH=bh, BN=BLOCK_N)
     fn, const = _kernel_and_flags(kern, flags, H)
-    merged = S > 1 and const.get("MERGE") == 1
-    if fn is kern["ws"]:  # the split counters of the in-kernel merge (unused otherwise)
-        cnt = torch.zeros(T, grid[1], 2, dtype=torch.int32, device=q.device) if merged else lse
-        args = (*args, cnt)
     _LAST["decode"] = fn[grid](*args, **common, **const)
-    if S > 1 and not merged:
+    if S > 1:
         kern["merge"][(T, H)](po, pml, sink_arg, out, lse, H, HAS_SINK=sink is not None, SPLITS=S, num_warps=4)
     return out, lse
 
