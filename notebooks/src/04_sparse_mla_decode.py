@@ -544,6 +544,20 @@ for Tb, Hb, Kb in BENCH:
 # 12.8 points. H 64 is split in two lists; its fp32 partials (16.8 MB) go out through the accumulator layout and
 # come back in a second launch, 16 µs of fixed cost against a 23 µs target for the whole kernel.
 #
+# **Session 9: the merge moved into the kernel, and why that lost.** The obvious cure for H 64's second launch
+# is to merge in the decode kernel: each split stores its partial, counts itself in with an atomic (release
+# semantics after its own stores), and the split that arrives last reads the others back from L2, merges,
+# applies the sink and writes the output. It passed every test and was **slower**: 37.5–38.3 µs against
+# 35.4–35.7 at H 64. Only the last split of each token merges, so half the SMs run a serial tail (store, count,
+# read 128 KB per warpgroup, write) while the other half idle; the merge launch spreads the same bytes over
+# every SM. Storing the partials as row vectors through shared memory, with the launch kept, saved 0.3 µs: the
+# cost of the partials is their 16.8 MB, not their layout. The arithmetic of the miss: H 64's fixed cost is
+# 15.8 µs (launch 2.3, query 3.3, partials 4.9, merge launch 5.3), and even chunks at the tensor cores' rate
+# (5 per program × ~1.4 µs) would bring the call to 22.8 µs, about the 35 % target. What reaches it is
+# a design in which the fixed cost overlaps the chunks (a persistent kernel that loads its next work item's
+# query and first rows under this one's epilogue) together with a producer that stops being latency-bound;
+# a cheaper merge does not.
+#
 # A schematic of the difference between rungs 2 and 4 (not a measurement):
 
 # %%
@@ -774,6 +788,9 @@ for r in ladder["rungs"] + ladder["others"]:
 #   to M = 64 wasted the tensor cores and the registers; making them N freed both. At one program per SM the
 #   prologue and epilogue are not hidden behind other programs: the output's stores alone cost 8 µs at H 128
 #   until they left as whole row vectors.
+# * **Do not move work into a tail.** Work that runs once per program at the end (an in-kernel merge done by
+#   the last split) runs on as many SMs as there are last programs; a separate launch gives the same bytes to
+#   every SM. Measure the fixed cost against the whole budget before optimising it: at H 64 it is two thirds.
 #
 # On a GPU the next cell times every rung itself (it is skipped on the CPU, where Triton is interpreted).
 
