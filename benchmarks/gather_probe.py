@@ -44,10 +44,12 @@ PROGRAMS = 128  # one per SM at T 64 with the list split in two (H 64) or two he
 
 
 @gluon.jit
-def gather_kernel(cache_ptr, slots_ptr, xor_ptr, n_rows, page_words, D: gl.constexpr, BS: gl.constexpr):
+def gather_kernel(cache_ptr, slots_ptr, xor_ptr, n_rows, page_words, D: gl.constexpr, BS: gl.constexpr,
+                  SCALES: gl.constexpr = True):
     """Program p gathers rows ``slots[p, :n_rows]`` of the int64-word cache (pages of ``page_words`` words:
     BS rows of 72 words, then BS scale words) chunk by chunk into a D-deep shared ring by cp.async, keeping
-    D chunks in flight, reads each landed chunk back once and XORs it into ``xor[p]``.
+    D chunks in flight, reads each landed chunk back once and XORs it into ``xor[p]``. SCALES False: the
+    rows' scale words are not fetched (their XOR is left out).
 
     cache_ptr int64 [pages · page_words]; slots_ptr int32 [programs, n_rows] (n_rows % 64 == 0);
     xor_ptr int64 [programs]."""
@@ -89,7 +91,8 @@ def gather_kernel(cache_ptr, slots_ptr, xor_ptr, n_rows, page_words, D: gl.const
             row_b = (sb // BS) * page_words + (sb % BS) * 72
             _async_load(ring_a.index(st), cache_ptr + row_a[:, None] + ca[None, :])
             _async_load(ring_b.index(st), cache_ptr + row_b[:, None] + 64 + cb[None, :])
-            _async_load(ring_s.index(st), cache_ptr + (ss // BS) * page_words + BS * 72 + ss % BS)
+            if SCALES:
+                _async_load(ring_s.index(st), cache_ptr + (ss // BS) * page_words + BS * 72 + ss % BS)
         async_copy.commit_group()  # (an empty group past the last chunk keeps the count simple)
         if it >= D - 1:
             async_copy.wait_group(D - 1)  # the chunk issued D - 1 iterations ago has landed
@@ -97,7 +100,8 @@ def gather_kernel(cache_ptr, slots_ptr, xor_ptr, n_rows, page_words, D: gl.const
             c = (it - (D - 1)) % D
             acc_a = acc_a ^ ring_a.index(c).load(LA)
             acc_b = acc_b ^ ring_b.index(c).load(LB8)
-            acc_s = acc_s ^ ring_s.index(c).load(LS)
+            if SCALES:
+                acc_s = acc_s ^ ring_s.index(c).load(LS)
             _bar()  # every thread has read the stage before it is refilled
     x = gl.xor_sum(gl.xor_sum(acc_a, axis=1), axis=0) ^ gl.xor_sum(gl.xor_sum(acc_b, axis=1), axis=0)
     x = x ^ gl.xor_sum(acc_s, axis=0)
@@ -105,6 +109,13 @@ def gather_kernel(cache_ptr, slots_ptr, xor_ptr, n_rows, page_words, D: gl.const
 
 
 VARIANTS = [(d, w) for w in (4, 8) for d in (1, 2, 3, 4)]
+# second pass, at D 2 and 4 warps: what the row pattern costs. "random": distinct rows anywhere (the decode
+# bench's pattern); "sorted": the same rows, each program's list ascending; "contiguous": each program reads
+# consecutive rows (whole pages); "no scales": random rows without their scale words
+PATTERNS = ("random", "sorted", "contiguous", "random, no scales")
+# third pass: the same bytes over twice the programs (half the rows each; two per SM fit at D 2): is the cap
+# per program (its copies in flight) or per device?
+SPREAD = (("random", 2, 4, 2), ("contiguous", 2, 4, 2), ("random", 1, 8, 2))  # where the rows split in whole chunks
 ROWS = (320, 1152)  # rows per program: H 64 K 640 split 2, H 128 K 1152
 
 
@@ -113,14 +124,36 @@ def _compile_only():
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    fn = gather_kernel
-    for d, w in VARIANTS:
-        sig = {"cache_ptr": "*i64", "slots_ptr": "*i32", "xor_ptr": "*i64", "n_rows": "i32", "page_words": "i32",
-               "D": "constexpr", "BS": "constexpr"}
-        src = GluonASTSource(fn, sig, {"D": d, "BS": BS}, {(0,): [["tt.divisibility", 16]],
-                                                           (1,): [["tt.divisibility", 16]]})
+    sig = {"cache_ptr": "*i64", "slots_ptr": "*i32", "xor_ptr": "*i64", "n_rows": "i32", "page_words": "i32",
+           "D": "constexpr", "BS": "constexpr", "SCALES": "constexpr"}
+    for d, w, scales in [(d, w, True) for d, w in VARIANTS] + [(2, 4, False)]:
+        src = GluonASTSource(gather_kernel, sig, {"D": d, "BS": BS, "SCALES": scales},
+                             {(0,): [["tt.divisibility", 16]], (1,): [["tt.divisibility", 16]]})
         ck = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": w})
-        print(f"D {d} warps {w}: shared {ck.metadata.shared} B", flush=True)
+        print(f"D {d} warps {w} scales {scales}: shared {ck.metadata.shared} B", flush=True)
+
+
+def _slot_sets(pattern: str, perm: torch.Tensor, n_rows: int, dev, programs: int = PROGRAMS) -> list[torch.Tensor]:
+    """2-4 slot tables [programs, n_rows] int32 of distinct rows (together past the L2) in ``pattern``."""
+    n = programs * n_rows
+    n_sets = max(2, min(4, perm.numel() // n))
+    if pattern.startswith("contiguous"):
+        return [torch.arange(i * n, (i + 1) * n, dtype=torch.int32).view(programs, n_rows).to(dev)
+                for i in range(n_sets)]
+    sets = [perm[i * n:(i + 1) * n].view(programs, n_rows) for i in range(n_sets)]
+    if pattern.startswith("sorted"):
+        sets = [x.sort(dim=1).values for x in sets]
+    return [x.contiguous().to(dev) for x in sets]
+
+
+def _expected_xor(words: torch.Tensor, pages: int, slots: torch.Tensor, scales: bool) -> torch.Tensor:
+    """What the kernel must XOR together per program: the 72 row words (and the scale word) of each row."""
+    flat = words.view(pages, -1)
+    sl = slots.long()
+    pg, off = sl // BS, sl % BS
+    row = flat[pg.unsqueeze(-1), off.unsqueeze(-1) * 72 + torch.arange(72, device=slots.device)]  # [P, n, 72]
+    x = _xor_reduce(_xor_reduce(row))
+    return x ^ _xor_reduce(flat[pg, BS * 72 + off]) if scales else x
 
 
 def main(argv):
@@ -146,42 +179,34 @@ def main(argv):
     page_words = cache.stride(0) // 8
     assert cache.stride(0) % 8 == 0 and cache.is_contiguous()
     perm = torch.randperm(pages * BS, generator=g).to(torch.int32)
+    runs = [("random", d, w, 1) for d, w in VARIANTS] + [(p, 2, 4, 1) for p in PATTERNS[1:]] + list(SPREAD)
     bad = 0
     t0 = time.time()
-    for n_rows in ROWS:
-        n = PROGRAMS * n_rows
-        n_sets = max(2, min(4, perm.numel() // n))
-        sets = [perm[i * n:(i + 1) * n].view(PROGRAMS, n_rows).to(dev) for i in range(n_sets)]
-        # what the kernel must XOR together, per program: the 72 row words and the scale word of each row
-        flat = words.view(pages, -1)
-        want = []
-        for s in sets[:1]:
-            sl = s.long()
-            pg, off = sl // BS, sl % BS
-            row = flat[pg.unsqueeze(-1), off.unsqueeze(-1) * 72 + torch.arange(72, device=dev)]  # [P, n, 72]
-            sc = flat[pg, BS * 72 + off]  # [P, n]
-            x = torch.zeros(PROGRAMS, dtype=torch.int64, device=dev)
-            for j in range(72):
-                x ^= _xor_reduce(row[:, :, j])
-            want.append(x ^ _xor_reduce(sc))
-        nbytes = n * 584
-        for d, w in VARIANTS:
-            xo = torch.zeros(PROGRAMS, dtype=torch.int64, device=dev)
+    for rows_total in ROWS:
+        for pattern, d, w, spread in runs:
+            if rows_total % (64 * spread):
+                continue
+            scales = "no scales" not in pattern
+            programs, n_rows = PROGRAMS * spread, rows_total // spread
+            sets = _slot_sets(pattern, perm, n_rows, dev, programs)
+            want = _expected_xor(words, pages, sets[0], scales)
+            xo = torch.zeros(programs, dtype=torch.int64, device=dev)
 
-            def call(i, d=d, w=w, xo=xo):
-                gather_kernel[(PROGRAMS,)](words, sets[i % n_sets], xo, n_rows, page_words, D=d, BS=BS, num_warps=w)
+            def call(i, d=d, w=w, xo=xo, sets=sets, scales=scales, programs=programs, n_rows=n_rows):
+                gather_kernel[(programs,)](words, sets[i % len(sets)], xo, n_rows, page_words, D=d, BS=BS,
+                                           SCALES=scales, num_warps=w)
 
             call(0)
             torch.cuda.synchronize()
-            ok = bool(torch.equal(xo, want[0]))
+            ok = bool(torch.equal(xo, want))
             bad += not ok
-            ms = time_ms(call, n_sets=n_sets)
+            ms = time_ms(call, n_sets=len(sets))
             us = ms * 1e3
-            bw = nbytes / (ms * 1e-3)
-            print(f"rows/program {n_rows:5d}  D {d}  warps {w}: {us:7.1f} us  {us / (n_rows // 64):5.2f} us/chunk  "
-                  f"{bw / 1e9:6.0f} GB/s  {bw / ceil.copy_bytes_per_s:6.1%} of copy  xor {'ok' if ok else 'WRONG'}",
-                  flush=True)
-    print(f"{len(ROWS) * len(VARIANTS)} variants timed in {time.time() - t0:.0f} s; {bad} wrong", flush=True)
+            bw = programs * n_rows * (584 if scales else 576) / (ms * 1e-3)
+            print(f"programs {programs:3d} x rows {n_rows:5d}  {pattern:<18} D {d}  warps {w}: {us:7.1f} us  "
+                  f"{us / (n_rows // 64):5.2f} us/chunk  {bw / 1e9:6.0f} GB/s  {bw / ceil.copy_bytes_per_s:6.1%} of copy  "
+                  f"xor {'ok' if ok else 'WRONG'}", flush=True)
+    print(f"{len(ROWS) * len(runs)} runs timed in {time.time() - t0:.0f} s; {bad} wrong", flush=True)
     return 1 if bad else 0
 
 
