@@ -115,7 +115,10 @@ VARIANTS = [(d, w) for w in (4, 8) for d in (1, 2, 3, 4)]
 PATTERNS = ("random", "sorted", "contiguous", "random, no scales")
 # third pass: the same bytes over twice the programs (half the rows each; two per SM fit at D 2): is the cap
 # per program (its copies in flight) or per device?
-SPREAD = (("random", 2, 4, 2), ("contiguous", 2, 4, 2), ("random", 1, 8, 2))  # where the rows split in whole chunks
+SPREAD = (("random", 2, 4, 2), ("contiguous", 2, 4, 2), ("random", 1, 8, 2),  # where the rows split in whole chunks
+          # fourth pass (call 6): warps per SM or programs per SM? (at 16 warps the [64, 8] tail and the scale
+          # words are copied by more threads than they have elements: the layouts replicate them)
+          ("random", 2, 8, 2), ("random", 2, 16, 1), ("random", 1, 16, 1), ("contiguous", 2, 16, 1))
 ROWS = (320, 1152)  # rows per program: H 64 K 640 split 2, H 128 K 1152
 
 
