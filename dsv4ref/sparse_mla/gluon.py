@@ -43,6 +43,9 @@ barrier between the 8 column-tile stores of a half chunk. Consumer: 64 × 64 × 
 (n = 32) wgmma per warpgroup, cross-warpgroup softmax reductions and four CTA barriers per chunk.
 Next steps: cp.async / register-free staging of the raw rows (more bytes in flight), a cheaper dequant
 (bf16 exponent arithmetic instead of the fp32 round trip), the QKᵀ split by K dims (n = 64 per warpgroup).
+(Session 9 measured the gather alone, benchmarks/gather_probe.py: one program per SM fetching these rows by
+cp.async stays near 64 % of the copy rate with 1 to 4 chunks in flight and 4 to 16 warps, and this
+producer is within ~20 % of it; the "bytes in flight" reading above was wrong. benchmarks/sparse_mla.md.)
 
 Round 2 (flags of :func:`_ws_kernel`, compiled and register-checked on a CPU machine with
 benchmarks/gluon_compile_check.py; not yet timed). What the compile check showed about the kernel above:

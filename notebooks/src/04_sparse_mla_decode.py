@@ -555,8 +555,18 @@ for Tb, Hb, Kb in BENCH:
 # 15.8 µs (launch 2.3, query 3.3, partials 4.9, merge launch 5.3), and even chunks at the tensor cores' rate
 # (5 per program × ~1.4 µs) would bring the call to 22.8 µs, about the 35 % target. What reaches it is
 # a design in which the fixed cost overlaps the chunks (a persistent kernel that loads its next work item's
-# query and first rows under this one's epilogue) together with a producer that stops being latency-bound;
-# a cheaper merge does not.
+# query and first rows under this one's epilogue); a cheaper merge does not.
+#
+# **Session 9 also timed the gather alone** before building the raw FP8 ring that sessions 6 and 8 asked for
+# (`benchmarks/gather_probe.py`): 128 programs, one per SM, fetch their rows of the real cache layout by
+# `cp.async` into a ring D chunks deep, and read each chunk back once. With 1, 2, 3 or 4 chunks in flight and 4,
+# 8 or 16 warps, every variant took the same 1.8–2.0 µs per chunk: **about 64 % of the copy rate, whatever the
+# bytes in flight**. Contiguous rows reach 69–74 %; leaving out the rows' separate 8-byte scale words saves 13 %
+# of the time. So the "too few bytes in flight" reading was wrong, and the ring would not have sped the
+# producer up: the decode kernel's producer alone is within ~20 % of the bare gather. Two lessons for a port:
+# time the memory pattern alone, at your kernel's grid, before designing a pipeline for it (the roofline's copy
+# rate is not what random 584-byte rows at one program per SM get); and at H 128 the next kernel is the
+# consumers' (QKᵀ → softmax → P·V in series), whose diagnostic alone takes 65 of the 70 µs.
 #
 # A schematic of the difference between rungs 2 and 4 (not a measurement):
 
@@ -782,8 +792,9 @@ for r in ladder["rungs"] + ladder["others"]:
 #   time, and a 64 × 512 fp32 accumulator in one warpgroup spills. Give the loads and the dequantisation to
 #   producer warps, the MMAs to two consumer warpgroups that each own half the output dims, and connect them
 #   with a ring of shared-memory stages and mbarriers: the roles overlap, and the kernel runs at the pace of
-#   the slower one. Then make each side fast on its own (bytes in flight for the producer, wide MMAs and few
-#   barriers for the consumer): that is the distance between rung 4 and FlashMLA's level.
+#   the slower one. Then make each side fast on its own (the gather at the rate its access pattern allows,
+#   measured alone; wide MMAs and few barriers for the consumer): that is the distance between rung 4 and
+#   FlashMLA's level.
 # * **Inside rung 4: shape the MMAs to the problem, and time what is not the loop.** At H 16, padding the heads
 #   to M = 64 wasted the tensor cores and the registers; making them N freed both. At one program per SM the
 #   prologue and epilogue are not hidden behind other programs: the output's stores alone cost 8 µs at H 128
