@@ -64,12 +64,6 @@ VARIANTS = {  # dsv4ref.sparse_mla.gluon.VARIANT flags, over the default (PACKED
     # and the query's NaN scan after the loop, only for a head with nothing counted
     "gluon roles osmem lazy": dict(WS=True, OVERLAP=False, PRODUCER_REGS=104, PACKED=1, ROLES=1, PV_REGS=160, QLATE=1,
                                    OSMEM=1, LAZY_SCAN=1),
-    # session 9: the scorer keeps 128 output columns, the P·V warpgroup 384 (two wgmma); the scorer's freed
-    # registers hold the next chunk's score tile (OVERLAP: QKᵀ of chunk i+1 issued behind P·V of chunk i)
-    "gluon roles sn128": dict(WS=True, OVERLAP=False, PRODUCER_REGS=104, PACKED=1, ROLES=1, PV_REGS=224, QLATE=1,
-                              OSMEM=1, LAZY_SCAN=1, SPLIT_N=128),
-    "gluon roles sn128 overlap": dict(WS=True, OVERLAP=True, PRODUCER_REGS=104, PACKED=1, ROLES=1, PV_REGS=224,
-                                      QLATE=1, OSMEM=1, LAZY_SCAN=1, SPLIT_N=128),
 }
 for _name, _flags in VARIANTS.items():  # the rows before session 8 keep their meaning (NARROW, OSMEM, LAZY_SCAN on)
     for _k in ("NARROW", "OSMEM", "LAZY_SCAN"):

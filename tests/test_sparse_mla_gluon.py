@@ -100,9 +100,6 @@ VARIANTS = {
     "narrow heads, 3 stages": dict(NARROW=1, NARROW_NS=3),
     "64-row kernel at every H (session 7's default)": dict(NARROW=0),
     "role-split consumers, output through shared memory": dict(OSMEM=1),
-    # the scorer owns output columns [256, 384), the P·V warpgroup [0, 256) and [384, 512)
-    "scorer with 128 columns": dict(OSMEM=1, LAZY_SCAN=1, SPLIT_N=128, PV_REGS=224),
-    "scorer with 128 columns, overlapped QK": dict(OSMEM=1, LAZY_SCAN=1, SPLIT_N=128, PV_REGS=224, OVERLAP=True),
 }
 for _name, _flags in VARIANTS.items():  # each row means the same kernel whatever VARIANT's defaults
     for _k in ("NARROW", "OSMEM", "LAZY_SCAN"):

@@ -999,8 +999,7 @@ def _define_kernels():
                       start, n_it, n1, stop, i1, i2, qk_scale, t64, hb, sp, H, sink_ptr, out_ptr, lse_ptr, po_ptr,
                       pml_ptr, HAS_SINK: gl.constexpr, SPLITS: gl.constexpr, BH: gl.constexpr, BN: gl.constexpr,
                       NS: gl.constexpr, OVERLAP: gl.constexpr, DIAG: gl.constexpr, q_ptr, q_st, q_sh,
-                      QLATE: gl.constexpr, OSMEM: gl.constexpr = False, LAZY_SCAN: gl.constexpr = False,
-                      SN: gl.constexpr = 256):
+                      QLATE: gl.constexpr, OSMEM: gl.constexpr = False, LAZY_SCAN: gl.constexpr = False):
         """The scoring warpgroup (the default partition, 4 warps) of the role split: S = Q·Kᵀ for all 64
         candidates as n = 64 wgmma (Q read once per chunk, not once per warpgroup), the online softmax with
         every row max and sum inside one warpgroup (no CTA barrier), then P (bf16) and the rescale factor
@@ -1011,17 +1010,13 @@ def _define_kernels():
         0, once the last chunk's stage is released by both warpgroups (:func:`_epilogue`). LAZY_SCAN (with
         QLATE): the query's NaN / ±inf scan is not run before the first chunk but after the last, and only
         if a head counted no candidate: a non-finite query row makes every one of its scores non-finite,
-        and the softmax turns l into NaN by itself; only a row with nothing counted needs the poison word.
-        SN: the output columns this warpgroup owns: [0, 256), or (SN 128) [256, 384), the P·V warpgroup taking
-        the other 384 and the scorer's freed registers holding OVERLAP's next score tile (a shared-memory slice
-        must start at a multiple of its width, hence the middle columns)."""
-        C0: gl.constexpr = 256 if SN < 256 else 0
-        O_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, SN, 16])
+        and the softmax turns l into NaN by itself; only a row with nothing counted needs the poison word."""
+        O_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 256, 16])
         S_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BN, 16])
         P_L: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=O_L, k_width=2)
         if QLATE and DIAG < 5:  # DIAG 5, 6 (timing only): no query load
             _q_async(q_ptr, t64, q_st, q_sh, hb, H, q_smem, qbad_smem, BH, not LAZY_SCAN)
-        m, l, acc, s0, cols, okc, n_it = _consumer_start(ready, empty, n_it, start, n1, stop, i1, i2, BH, BN, SN, NS, DIAG,
+        m, l, acc, s0, cols, okc, n_it = _consumer_start(ready, empty, n_it, start, n1, stop, i1, i2, BH, BN, 256, NS, DIAG,
                                                          S_L, O_L)
         if OVERLAP:
             mbarrier.wait(ready.index(0), 0, pred=n_it > 0)
@@ -1043,7 +1038,7 @@ def _define_kernels():
             mbarrier.arrive(pfull.index(b))
             acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, O_L))[:, None]
             p_op = gl.convert_layout(pb, P_L)
-            acc = warpgroup_mma(p_op, kb.slice(C0, SN, dim=1), acc, is_async=True)
+            acc = warpgroup_mma(p_op, kb.slice(0, 256, dim=1), acc, is_async=True)
             _, _, okc = _slots(cols + (it + 1) * BN, n1, stop, i1, i2)  # next chunk's mask, fetched early
             if OVERLAP:
                 nx = it + 1
@@ -1072,27 +1067,20 @@ def _define_kernels():
             mbarrier.wait(empty.index(last % NS), (last // NS) & 1, pred=n_it > 0)
         if DIAG < 6:  # DIAG 6 (timing only): no epilogue stores either
             _epilogue(acc, m, l, qbad_smem, t64, hb, sp, H, sink_ptr, out_ptr, lse_ptr, po_ptr, pml_ptr, HAS_SINK,
-                      SPLITS, BH, O_L, S_L, C0, SN, True, k_smem.index(0).slice(0, SN, dim=1), OSMEM and SPLITS == 1)
+                      SPLITS, BH, O_L, S_L, 0, 256, True, k_smem.index(0).slice(0, 256, dim=1), OSMEM and SPLITS == 1)
 
     @_gluon.jit
     def _roles_pv(q_smem, qbad_smem, k_smem, p_smem, a_smem, ml_smem, ready, empty, pfull, pfree, fin,
                   start, n_it, n1, stop, i1, i2, qk_scale, t64, hb, sp, H, sink_ptr, out_ptr, lse_ptr, po_ptr,
                   pml_ptr, HAS_SINK: gl.constexpr, SPLITS: gl.constexpr, BH: gl.constexpr, BN: gl.constexpr,
-                  NS: gl.constexpr, OVERLAP: gl.constexpr, DIAG: gl.constexpr, OSMEM: gl.constexpr = False,
-                  SN: gl.constexpr = 256):
+                  NS: gl.constexpr, OVERLAP: gl.constexpr, DIAG: gl.constexpr, OSMEM: gl.constexpr = False):
         """The P·V warpgroup (a worker partition, 4 warps) of the role split: for each chunk it waits for
         the scorer's P and alpha, rescales its half of the output and runs O[:, 256:512] += P · V[:, 256:512]
         with P read from shared memory; it computes no score and no softmax, so it needs only the
-        accumulator's registers. Both warpgroups release the K stage (empty counts two arrivals). SN: the
-        scorer's width; this warpgroup owns [256, 512), or (SN 128) [0, 256) and [384, 512) as two
-        accumulators (wgmma's N is at most 256)."""
-        C0: gl.constexpr = 0 if SN < 256 else 256
+        accumulator's registers. Both warpgroups release the K stage (empty counts two arrivals)."""
         O_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 256, 16])
-        O2_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                        instr_shape=[16, 256 - SN if SN < 256 else 256, 16])
         S_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BN, 16])
         acc = gl.zeros([BH, 256], gl.float32, O_L)
-        acc2 = gl.zeros([BH, 256 - SN if SN < 256 else 256], gl.float32, O2_L)  # (SN 256: unused)
         if DIAG >= 2:  # timing diagnostic only (wrong results): take each stage and release it, no MMA
             _drain(ready, empty, n_it, NS)
             n_it = 0
@@ -1103,14 +1091,8 @@ def _define_kernels():
             mbarrier.wait(pfull.index(b), (it // 2) & 1)
             alpha = a_smem.index(b).load(gl.SliceLayout(1, O_L))
             acc = acc * alpha[:, None]
-            acc = warpgroup_mma(p_smem.index(b), k_smem.index(st).slice(C0, 256, dim=1), acc, is_async=True)
-            if SN < 256:
-                acc2 = acc2 * gl.convert_layout(alpha, gl.SliceLayout(1, O2_L))[:, None]
-                acc2 = warpgroup_mma(p_smem.index(b), k_smem.index(st).slice(SN + 256, 256 - SN, dim=1), acc2,
-                                     is_async=True)
-                acc, acc2 = warpgroup_mma_wait(num_outstanding=0, deps=(acc, acc2))
-            else:
-                acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+            acc = warpgroup_mma(p_smem.index(b), k_smem.index(st).slice(256, 256, dim=1), acc, is_async=True)
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
             _bar()
             mbarrier.arrive(pfree.index(b))
             mbarrier.arrive(empty.index(st))
@@ -1119,11 +1101,7 @@ def _define_kernels():
         l = ml_smem.index(1).load(gl.SliceLayout(1, S_L))
         if DIAG < 6:  # (the scorer's MMAs are over once fin completes: stage 1 is free for OSMEM)
             _epilogue(acc, m, l, qbad_smem, t64, hb, sp, H, sink_ptr, out_ptr, lse_ptr, po_ptr, pml_ptr, HAS_SINK,
-                      SPLITS, BH, O_L, S_L, C0, 256, False, k_smem.index(1).slice(0, 256, dim=1), OSMEM and SPLITS == 1)
-            if SN < 256:
-                _epilogue(acc2, m, l, qbad_smem, t64, hb, sp, H, sink_ptr, out_ptr, lse_ptr, po_ptr, pml_ptr, HAS_SINK,
-                          SPLITS, BH, O2_L, S_L, SN + 256, 256 - SN, False, k_smem.index(1).slice(256, 256 - SN, dim=1),
-                          OSMEM and SPLITS == 1)
+                      SPLITS, BH, O_L, S_L, 256, 256, False, k_smem.index(1).slice(0, 256, dim=1), OSMEM and SPLITS == 1)
 
     @_gluon.jit
     def _ws_kernel(
@@ -1135,7 +1113,7 @@ def _define_kernels():
         SPLITS: gl.constexpr, BH: gl.constexpr, BN: gl.constexpr, NS: gl.constexpr, OVERLAP: gl.constexpr,
         PRODUCER_REGS: gl.constexpr, DEEP: gl.constexpr, DIAG: gl.constexpr = 0, PACKED: gl.constexpr = 0,
         KSPLIT: gl.constexpr = 0, ROLES: gl.constexpr = 0, PV_REGS: gl.constexpr = 160, QLATE: gl.constexpr = 0,
-        OSMEM: gl.constexpr = 0, LAZY_SCAN: gl.constexpr = 0, SPLIT_N: gl.constexpr = 256,
+        OSMEM: gl.constexpr = 0, LAZY_SCAN: gl.constexpr = 0,
     ):
         """Warp-specialised variant: 4 producer warps fill an NS-stage ring of dequantised K tiles (mbarriers
         ready / empty per stage); the 8 default warps (two warpgroups) only run the MMAs and the softmax.
@@ -1197,10 +1175,10 @@ def _define_kernels():
                 (_roles_scorer, (q_smem, qbad_smem, k_smem, p_smem, a_smem, ml_smem, ready, empty, pfull, pfree, fin,
                                  start, n_it, n1, stop, i1, i2, qk_scale, t64, hb, sp, H, sink_ptr, out_ptr, lse_ptr,
                                  po_ptr, pml_ptr, HAS_SINK, SPLITS, BH, BN, NS, OVERLAP, DIAG,
-                                 q_ptr, q_st, q_sh, QLATE, OSMEM, LAZY_SCAN, SPLIT_N)),
+                                 q_ptr, q_st, q_sh, QLATE, OSMEM, LAZY_SCAN)),
                 (_roles_pv, (q_smem, qbad_smem, k_smem, p_smem, a_smem, ml_smem, ready, empty, pfull, pfree, fin,
                              start, n_it, n1, stop, i1, i2, qk_scale, t64, hb, sp, H, sink_ptr, out_ptr, lse_ptr,
-                             po_ptr, pml_ptr, HAS_SINK, SPLITS, BH, BN, NS, OVERLAP, DIAG, OSMEM, SPLIT_N)),
+                             po_ptr, pml_ptr, HAS_SINK, SPLITS, BH, BN, NS, OVERLAP, DIAG, OSMEM)),
                 (_ws_producer_of, (k_smem, ready, empty, start, n_it, n1, stop, i1, i2, c1_u8, c1_i16, c1_i64, bs1,
                                    ps1, c2_u8, c2_i16, c2_i64, bs2, ps2, BN, NS, DEEP, PACKED, DIAG)),
             ], [4, 4], [PV_REGS, PRODUCER_REGS])
@@ -1382,7 +1360,6 @@ def _kernel_and_flags(kern: dict, flags: dict, H: int = BLOCK_H):
                                 QLATE=int(flags.get("QLATE", 0)) if roles else 0,  # the scorer loads it
                                 OSMEM=int(flags.get("OSMEM", 0)) if roles else 0,
                                 LAZY_SCAN=int(flags.get("LAZY_SCAN", 0)) if roles and flags.get("QLATE") else 0,
-                                SPLIT_N=int(flags.get("SPLIT_N", 256)) if roles else 256,
                                 num_warps=4 if (ksplit or roles) else NUM_WARPS)
     return kern["decode"], dict(P_SMEM=flags["P_SMEM"], PIPE=flags["PIPE"], num_warps=NUM_WARPS)
 

@@ -566,7 +566,10 @@ for Tb, Hb, Kb in BENCH:
 # producer up: the decode kernel's producer alone is within ~20 % of the bare gather. Two lessons for a port:
 # time the memory pattern alone, at your kernel's grid, before designing a pipeline for it (the roofline's copy
 # rate is not what random 584-byte rows at one program per SM get); and at H 128 the next kernel is the
-# consumers' (QKᵀ → softmax → P·V in series), whose diagnostic alone takes 65 of the 70 µs.
+# consumers' (QKᵀ → softmax → P·V in series), whose diagnostic alone takes 65 of the 70 µs. A first try there,
+# the scorer keeping 128 output columns instead of 256 so that its freed registers hold the next chunk's QKᵀ
+# issued behind this chunk's P·V, was correct and no faster (74.2 µs with the overlap, 70.7 without): what the
+# chain waits on inside a chunk is the next thing to measure.
 #
 # A schematic of the difference between rungs 2 and 4 (not a measurement):
 
