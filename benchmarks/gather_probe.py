@@ -167,13 +167,14 @@ def main(argv):
         _compile_only()
         return 0
     from dsv4ref import kv_cache
+    from dsv4ref.device import DEVICE, describe, synchronize
     from dsv4ref.tools.harness import measure_ceilings, time_ms
 
-    if not torch.cuda.is_available():
-        sys.exit("no GPU: nothing timed (use --compile on a CPU)")
-    dev = torch.device("cuda")
+    if DEVICE.type != "cuda":  # a Gluon kernel for NVIDIA GPUs
+        sys.exit(f"no CUDA device ({DEVICE}): nothing timed (use --compile on a CPU)")
+    dev = DEVICE
     ceil = measure_ceilings()
-    print(f"{torch.cuda.get_device_name()}; copy {ceil.copy_bytes_per_s / 1e12:.2f} TB/s", flush=True)
+    print(f"{describe()}; copy {ceil.copy_bytes_per_s / 1e12:.2f} TB/s", flush=True)
     pages = 8192  # 8192 × 64 rows × 584 B ≈ 306 MB: every set below misses the 60 MB L2
     cache = kv_cache.allocate(pages, BS, device=dev)
     g = torch.Generator(device="cpu").manual_seed(0)
@@ -200,7 +201,7 @@ def main(argv):
                                            SCALES=scales, num_warps=w)
 
             call(0)
-            torch.cuda.synchronize()
+            synchronize()
             ok = bool(torch.equal(xo, want))
             bad += not ok
             ms = time_ms(call, n_sets=len(sets))
