@@ -709,6 +709,12 @@ for name, h, k in shapes:
 # The x axis is the arithmetic intensity (FLOP per compulsory byte; the same for every rung of a shape,
 # since every rung does the same useful work), the y axis the achieved FLOP rate. A point on the roof would
 # be at 100 % of the bound.
+#
+# The dashed roof under it is what the gather itself reaches at these kernels' grid, measured alone
+# (`benchmarks/gather_probe.py`, session 9): 128 programs, one per SM, fetching random 584-byte rows of this
+# cache by `cp.async` got about **64 % of the copy rate**, whatever the chunks in flight (1 to 4) or the warps
+# (4 to 16). It is a property of the access pattern on this device, not a ceiling a kernel can raise by
+# buffering more; the bound keeps the copy rate, as the issue's figures do.
 
 # %%
 from dsv4ref.tools.cases.sparse_mla import LADDER_PATH
@@ -727,6 +733,9 @@ fig, axes = plt.subplots(1, 2, figsize=(12, 6.2), gridspec_kw=dict(width_ratios=
 ax = axes[0]
 ai = np.logspace(1, 3, 200)
 ax.loglog(ai, np.minimum(ai * bw, peak) / 1e12, color="black", lw=1.2, label="roof: min(AI · copy BW, bf16 peak)")
+GATHER_RATE = 0.64  # of copy: random 584-byte rows, one program per SM (benchmarks/gather_probe.py, H200)
+ax.loglog(ai, np.minimum(ai * bw * GATHER_RATE, peak) / 1e12, color="black", lw=0.8, ls="--",
+          label="the gather alone, measured: 64 % of copy BW")
 for sh in ladder["shapes"]:
     x = sh["flops"] / sh["bytes"]
     ax.axvline(x, color="grey", lw=0.4, ls=":")
