@@ -64,11 +64,6 @@ VARIANTS = {  # dsv4ref.sparse_mla.gluon.VARIANT flags, over the default (PACKED
     # and the query's NaN scan after the loop, only for a head with nothing counted
     "gluon roles osmem lazy": dict(WS=True, OVERLAP=False, PRODUCER_REGS=104, PACKED=1, ROLES=1, PV_REGS=160, QLATE=1,
                                    OSMEM=1, LAZY_SCAN=1),
-    # session 9: the softmax moved to the P·V warpgroup; the scorer issues chunk i + 1's QKᵀ while it runs
-    "gluon smx": dict(WS=True, OVERLAP=False, PRODUCER_REGS=104, PACKED=1, ROLES=1, PV_REGS=208, QLATE=1,
-                      OSMEM=1, LAZY_SCAN=1, SMX=1),
-    "gluon smx r216": dict(WS=True, OVERLAP=False, PRODUCER_REGS=104, PACKED=1, ROLES=1, PV_REGS=216, QLATE=1,
-                           OSMEM=1, LAZY_SCAN=1, SMX=1),
 }
 for _name, _flags in VARIANTS.items():  # the rows before session 8 keep their meaning (NARROW, OSMEM, LAZY_SCAN on)
     for _k in ("NARROW", "OSMEM", "LAZY_SCAN"):

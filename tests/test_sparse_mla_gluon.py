@@ -100,8 +100,6 @@ VARIANTS = {
     "narrow heads, 3 stages": dict(NARROW=1, NARROW_NS=3),
     "64-row kernel at every H (session 7's default)": dict(NARROW=0),
     "role-split consumers, output through shared memory": dict(OSMEM=1),
-    # the softmax in the P·V warpgroup, the scorer's next QKᵀ under it
-    "softmax in the P·V warpgroup": dict(OSMEM=1, LAZY_SCAN=1, SMX=1, PV_REGS=208),
 }
 for _name, _flags in VARIANTS.items():  # each row means the same kernel whatever VARIANT's defaults
     for _k in ("NARROW", "OSMEM", "LAZY_SCAN"):
@@ -270,9 +268,7 @@ _EAGER_SCAN = dict(NARROW=0, OSMEM=0, LAZY_SCAN=0)  # session 7's default kernel
 
 
 @pytest.mark.parametrize("splits,flags", [(1, _EAGER_SCAN), (2, _EAGER_SCAN), (1, dict(NARROW=1)), (2, dict(NARROW=1)),
-                                          (1, dict(NARROW=0)), (2, dict(NARROW=0)),
-                                          (1, dict(NARROW=0, SMX=1, PV_REGS=208)),
-                                          (2, dict(NARROW=0, SMX=1, PV_REGS=208))])  # H 16: every kernel
+                                          (1, dict(NARROW=0)), (2, dict(NARROW=0))])  # H 16: every kernel
 def test_non_finite_rows_follow_the_contract(splits, flags):
     """Value checks off (docs/contract.md): a listed row whose scale byte is 255 (E8M0's NaN) or a query with
     a NaN or ±inf makes that token's attention rows NaN, out and lse, as the reference does; never the empty-row

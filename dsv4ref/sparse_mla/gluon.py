@@ -992,112 +992,6 @@ def _define_kernels():
                      t64, hb, sp, H, sink_ptr, out_ptr, lse_ptr, po_ptr, pml_ptr, 0, HAS_SINK, SPLITS, BH, BN,
                      NS, HALVES, DIAG)
 
-    # ---- the softmax in the P·V warpgroup (flag SMX of _ws_kernel, with ROLES) ------------------------------
-
-    @_gluon.jit
-    def _smx_scorer_pv(it, acc, k_smem, p_smem, a_smem, pfull, pfree, empty, NS: gl.constexpr, O_L: gl.constexpr):
-        """The scorer's half of chunk it's P·V: wait for P and α, rescale, O[:, 0:256] += P · V[:, 0:256] with P
-        from shared memory, then release P and the K stage."""
-        st = it % NS
-        mbarrier.wait(pfull, it & 1)
-        alpha = a_smem.load(gl.SliceLayout(1, O_L))
-        acc = acc * alpha[:, None]
-        acc = warpgroup_mma(p_smem, k_smem.index(st).slice(0, 256, dim=1), acc, is_async=True)
-        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-        _bar()
-        mbarrier.arrive(pfree)
-        mbarrier.arrive(empty.index(st))
-        return acc
-
-    @_gluon.jit
-    def _smx_scorer(q_smem, qbad_smem, k_smem, s_smem, p_smem, a_smem, ml_smem, ready, empty, sfull, sfree, pfull,
-                    pfree, fin, qbar, start, n_it, n1, stop, i1, i2, t64, hb, sp, H, sink_ptr, out_ptr, lse_ptr,
-                    po_ptr, pml_ptr, q_ptr, q_st, q_sh, HAS_SINK: gl.constexpr, SPLITS: gl.constexpr,
-                    BH: gl.constexpr, BN: gl.constexpr, NS: gl.constexpr, DIAG: gl.constexpr, OSMEM: gl.constexpr):
-        """SMX's scorer (the default partition): QKᵀ only, no softmax. It hands each chunk's raw scores to the
-        P·V warpgroup through shared memory (``sfull`` / ``sfree``), issues the next chunk's QKᵀ at once, and
-        while that runs waits for P and α (``pfull``) to run its half of P·V (:func:`_smx_scorer_pv`). So the
-        tensor cores run chunk i + 1's QKᵀ while the other warpgroup runs chunk i's softmax."""
-        O_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 256, 16])
-        S_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BN, 16])
-        if DIAG < 5:  # DIAG 5, 6 (timing only): no query load
-            _q_async(q_ptr, t64, q_st, q_sh, hb, H, q_smem, qbad_smem, BH, False)
-        mbarrier.arrive(qbar)
-        m, l, acc, s0, cols, okc, n_it = _consumer_start(ready, empty, n_it, start, n1, stop, i1, i2, BH, BN, 256, NS, DIAG,
-                                                         S_L, O_L)
-        s = s0
-        if n_it > 0:
-            mbarrier.wait(ready.index(0), 0)
-            s = warpgroup_mma(q_smem, k_smem.index(0).permute((1, 0)), s0, use_acc=False)
-        for it in range(n_it):
-            mbarrier.wait(sfree, (it & 1) ^ 1)  # the P·V warpgroup has read the previous scores
-            s_smem.store(s)
-            _bar()
-            mbarrier.arrive(sfull)
-            nx = it + 1
-            if nx < n_it:  # the next chunk's QKᵀ runs while the other warpgroup runs this chunk's softmax
-                mbarrier.wait(ready.index(nx % NS), (nx // NS) & 1)
-                tok = warpgroup_mma(q_smem, k_smem.index(nx % NS).permute((1, 0)), s0, use_acc=False, is_async=True)
-                acc = _smx_scorer_pv(it, acc, k_smem, p_smem, a_smem, pfull, pfree, empty, NS, O_L)
-                s = warpgroup_mma_wait(num_outstanding=0, deps=(tok,))
-            else:
-                acc = _smx_scorer_pv(it, acc, k_smem, p_smem, a_smem, pfull, pfree, empty, NS, O_L)
-        mbarrier.wait(fin, 0)  # the final (m, l) and the query's poison words
-        m = ml_smem.index(0).load(gl.SliceLayout(1, S_L))
-        l = ml_smem.index(1).load(gl.SliceLayout(1, S_L))
-        if DIAG < 6:  # (the P·V warpgroup's MMAs are over once fin completes: stage 0 is free for OSMEM)
-            _epilogue(acc, m, l, qbad_smem, t64, hb, sp, H, sink_ptr, out_ptr, lse_ptr, po_ptr, pml_ptr, HAS_SINK,
-                      SPLITS, BH, O_L, S_L, 0, 256, True, k_smem.index(0).slice(0, 256, dim=1), OSMEM and SPLITS == 1)
-
-    @_gluon.jit
-    def _smx_pv(q_smem, qbad_smem, k_smem, s_smem, p_smem, a_smem, ml_smem, ready, empty, sfull, sfree, pfull,
-                pfree, fin, qbar, start, n_it, n1, stop, i1, i2, qk_scale, t64, hb, sp, H, sink_ptr, out_ptr,
-                lse_ptr, po_ptr, pml_ptr, HAS_SINK: gl.constexpr, SPLITS: gl.constexpr, BH: gl.constexpr,
-                BN: gl.constexpr, NS: gl.constexpr, DIAG: gl.constexpr, OSMEM: gl.constexpr):
-        """SMX's P·V warpgroup (a worker partition): the online softmax of every chunk from the scores the
-        scorer hands over, P (bf16) and α published for both halves of P·V, and its own half,
-        O[:, 256:512] += P · V[:, 256:512]. It owns the running (m, l); after the loop it scans the query if
-        a head counted nothing (LAZY_SCAN's reasoning) and hands (m, l) to the scorer (``fin``)."""
-        O_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 256, 16])
-        S_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BN, 16])
-        m, l, acc, s0, cols, okc, n_it = _consumer_start(ready, empty, n_it, start, n1, stop, i1, i2, BH, BN, 256, NS, DIAG,
-                                                         S_L, O_L)
-        for it in range(n_it):
-            st = it % NS
-            _, _, okc = _slots(cols + it * BN, n1, stop, i1, i2)  # (its loads overlap the wait for the scores)
-            mbarrier.wait(ready.index(st), (it // NS) & 1)
-            mbarrier.wait(sfull, it & 1)
-            s = s_smem.load(S_L)
-            _bar()
-            mbarrier.arrive(sfree)
-            p, alpha, m, l = _softmax_step(s, m, l, okc, qk_scale)
-            mbarrier.wait(pfree, (it & 1) ^ 1)  # the scorer's P·V of the previous chunk is over
-            p_smem.store(p.to(gl.bfloat16))
-            a_smem.store(alpha)
-            fence_async_shared()  # P is read by both warpgroups' wgmma (the async proxy)
-            _bar()
-            mbarrier.arrive(pfull)
-            acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, O_L))[:, None]
-            acc = warpgroup_mma(p_smem, k_smem.index(st).slice(256, 256, dim=1), acc, is_async=True)
-            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-            _bar()
-            mbarrier.arrive(empty.index(st))
-        mbarrier.wait(qbar, 0)  # the query is in shared memory (with no chunk, nothing else said so)
-        if gl.max((l == 0).to(gl.int32), axis=0) > 0:  # a head with no counted candidate (rare)
-            _q_scan(q_smem, qbad_smem, BH)
-        else:
-            qbad_smem.store(gl.zeros([BH], gl.float32, gl.SliceLayout(1, S_L)))
-        ml_smem.index(0).store(m)
-        ml_smem.index(1).store(l)
-        _bar()
-        mbarrier.arrive(fin)
-        if OSMEM and SPLITS == 1:  # the scorer has released the last chunk's stage: its MMAs are over
-            last = gl.maximum(n_it - 1, 0)
-            mbarrier.wait(empty.index(last % NS), (last // NS) & 1, pred=n_it > 0)
-        if DIAG < 6:
-            _epilogue(acc, m, l, qbad_smem, t64, hb, sp, H, sink_ptr, out_ptr, lse_ptr, po_ptr, pml_ptr, HAS_SINK,
-                      SPLITS, BH, O_L, S_L, 256, 256, False, k_smem.index(1).slice(0, 256, dim=1), OSMEM and SPLITS == 1)
-
     # ---- role-split consumers (flag ROLES of _ws_kernel) -------------------------------------------------
 
     @_gluon.jit
@@ -1219,7 +1113,7 @@ def _define_kernels():
         SPLITS: gl.constexpr, BH: gl.constexpr, BN: gl.constexpr, NS: gl.constexpr, OVERLAP: gl.constexpr,
         PRODUCER_REGS: gl.constexpr, DEEP: gl.constexpr, DIAG: gl.constexpr = 0, PACKED: gl.constexpr = 0,
         KSPLIT: gl.constexpr = 0, ROLES: gl.constexpr = 0, PV_REGS: gl.constexpr = 160, QLATE: gl.constexpr = 0,
-        OSMEM: gl.constexpr = 0, LAZY_SCAN: gl.constexpr = 0, SMX: gl.constexpr = 0,
+        OSMEM: gl.constexpr = 0, LAZY_SCAN: gl.constexpr = 0,
     ):
         """Warp-specialised variant: 4 producer warps fill an NS-stage ring of dequantised K tiles (mbarriers
         ready / empty per stage); the 8 default warps (two warpgroups) only run the MMAs and the softmax.
@@ -1250,27 +1144,7 @@ def _define_kernels():
         for i in gl.static_range(NS):
             mbarrier.init(ready.index(i), count=1)
             mbarrier.init(empty.index(i), count=2 if (KSPLIT or ROLES) else 1)
-        if SMX:  # the scores (fp32) one way, P (bf16) and alpha back, 1 deep; the final (m, l); the query's readiness
-            gl.static_assert(QLATE == 1)
-            s_smem = gl.allocate_shared_memory(gl.float32, [BH, BN], gl.NVMMASharedLayout(
-                swizzle_byte_width=128, element_bitwidth=32, rank=2))
-            p_smem = gl.allocate_shared_memory(gl.bfloat16, [BH, BN], SH_L)
-            V1_L: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0])
-            a_smem = gl.allocate_shared_memory(gl.float32, [BH], V1_L)
-            ml_smem = gl.allocate_shared_memory(gl.float32, [2, BH], V1_L)
-            sfull = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-            sfree = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-            pfull = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-            pfree = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-            fin = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-            qbar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-            mbarrier.init(sfull, count=1)
-            mbarrier.init(sfree, count=1)
-            mbarrier.init(pfull, count=1)
-            mbarrier.init(pfree, count=1)
-            mbarrier.init(fin, count=1)
-            mbarrier.init(qbar, count=1)
-        elif ROLES:  # P (bf16) and alpha, 2 deep, from the scorer to the P·V warpgroup; the final (m, l)
+        if ROLES:  # P (bf16) and alpha, 2 deep, from the scorer to the P·V warpgroup; the final (m, l)
             p_smem = gl.allocate_shared_memory(gl.bfloat16, [2, BH, BN], SH_L)
             V_L: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0])  # per [BH] row
             a_smem = gl.allocate_shared_memory(gl.float32, [2, BH], V_L)
@@ -1296,19 +1170,7 @@ def _define_kernels():
         _bar()
         # (the partitions' argument tuples are written out in each call: a tuple bound to a name first
         # would turn its constexpr members into tensors)
-        if SMX:  # registers: 512 per thread slot; the P·V warpgroup (now with the softmax) on PV_REGS
-            gl.warp_specialize([
-                (_smx_scorer, (q_smem, qbad_smem, k_smem, s_smem, p_smem, a_smem, ml_smem, ready, empty, sfull, sfree,
-                               pfull, pfree, fin, qbar, start, n_it, n1, stop, i1, i2, t64, hb, sp, H, sink_ptr,
-                               out_ptr, lse_ptr, po_ptr, pml_ptr, q_ptr, q_st, q_sh, HAS_SINK, SPLITS, BH, BN, NS,
-                               DIAG, OSMEM)),
-                (_smx_pv, (q_smem, qbad_smem, k_smem, s_smem, p_smem, a_smem, ml_smem, ready, empty, sfull, sfree,
-                           pfull, pfree, fin, qbar, start, n_it, n1, stop, i1, i2, qk_scale, t64, hb, sp, H, sink_ptr,
-                           out_ptr, lse_ptr, po_ptr, pml_ptr, HAS_SINK, SPLITS, BH, BN, NS, DIAG, OSMEM)),
-                (_ws_producer_of, (k_smem, ready, empty, start, n_it, n1, stop, i1, i2, c1_u8, c1_i16, c1_i64, bs1,
-                                   ps1, c2_u8, c2_i16, c2_i64, bs2, ps2, BN, NS, DEEP, PACKED, DIAG)),
-            ], [4, 4], [PV_REGS, PRODUCER_REGS])
-        elif ROLES:  # registers: 512 per thread slot over three 4-warp partitions; the scorer gets the rest
+        if ROLES:  # registers: 512 per thread slot over three 4-warp partitions; the scorer gets the rest
             gl.warp_specialize([
                 (_roles_scorer, (q_smem, qbad_smem, k_smem, p_smem, a_smem, ml_smem, ready, empty, pfull, pfree, fin,
                                  start, n_it, n1, stop, i1, i2, qk_scale, t64, hb, sp, H, sink_ptr, out_ptr, lse_ptr,
@@ -1498,7 +1360,6 @@ def _kernel_and_flags(kern: dict, flags: dict, H: int = BLOCK_H):
                                 QLATE=int(flags.get("QLATE", 0)) if roles else 0,  # the scorer loads it
                                 OSMEM=int(flags.get("OSMEM", 0)) if roles else 0,
                                 LAZY_SCAN=int(flags.get("LAZY_SCAN", 0)) if roles and flags.get("QLATE") else 0,
-                                SMX=int(flags.get("SMX", 0)) if roles and flags.get("QLATE") else 0,
                                 num_warps=4 if (ksplit or roles) else NUM_WARPS)
     return kern["decode"], dict(P_SMEM=flags["P_SMEM"], PIPE=flags["PIPE"], num_warps=NUM_WARPS)
 
