@@ -568,8 +568,10 @@ for Tb, Hb, Kb in BENCH:
 # rate is not what random 584-byte rows at one program per SM get); and at H 128 the next kernel is the
 # consumers' (QKᵀ → softmax → P·V in series), whose diagnostic alone takes 65 of the 70 µs. A first try there,
 # the scorer keeping 128 output columns instead of 256 so that its freed registers hold the next chunk's QKᵀ
-# issued behind this chunk's P·V, was correct and no faster (74.2 µs with the overlap, 70.7 without): what the
-# chain waits on inside a chunk is the next thing to measure.
+# issued behind this chunk's P·V, was correct and no faster (74.2 µs with the overlap, 70.7 without). Handing
+# the softmax to the idle P·V warpgroup, so the scorer could start the next QKᵀ at once, was correct and slower
+# (76.4 µs): the serial chain moved to the other warpgroup, with a 16 KB handoff added. A ping-pong of two
+# warpgroups (FlashAttention-3's) does not fit: each would need the scorer's ~238 registers.
 #
 # A schematic of the difference between rungs 2 and 4 (not a measurement):
 
