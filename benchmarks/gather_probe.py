@@ -118,7 +118,9 @@ PATTERNS = ("random", "sorted", "contiguous", "random, no scales")
 SPREAD = (("random", 2, 4, 2), ("contiguous", 2, 4, 2), ("random", 1, 8, 2),  # where the rows split in whole chunks
           # fourth pass (call 6): warps per SM or programs per SM? (at 16 warps the [64, 8] tail and the scale
           # words are copied by more threads than they have elements: the layouts replicate them)
-          ("random", 2, 8, 2), ("random", 2, 16, 1), ("random", 1, 16, 1), ("contiguous", 2, 16, 1))
+          ("random", 2, 8, 2), ("random", 2, 16, 1), ("random", 1, 16, 1), ("contiguous", 2, 16, 1),
+          # fifth pass (call 10): what makes 256 programs x 8 warps x one chunk fast (80-84 %)?
+          ("random", 1, 4, 2), ("random", 1, 8, 3), ("random, no scales", 1, 8, 2), ("contiguous", 1, 8, 2))
 ROWS = (320, 1152)  # rows per program: H 64 K 640 split 2, H 128 K 1152
 
 
