@@ -562,7 +562,9 @@ for Tb, Hb, Kb in BENCH:
 # `cp.async` into a ring D chunks deep, and read each chunk back once. With 1, 2, 3 or 4 chunks in flight and 4,
 # 8 or 16 warps, every variant took the same 1.8–2.0 µs per chunk: **about 64 % of the copy rate, whatever the
 # bytes in flight**. Contiguous rows reach 69–74 %; leaving out the rows' separate 8-byte scale words saves 13 %
-# of the time. So the "too few bytes in flight" reading was wrong, and the ring would not have sped the
+# of the time. What passes the cap is independence, not depth: two or three programs per SM with one chunk in
+# flight each reach 80 %, where one program with the same bytes in flight stays at 63 % (a program waiting for
+# its oldest copies stalls its own issue). So the "too few bytes in flight" reading was wrong, and the ring would not have sped the
 # producer up: the decode kernel's producer alone is within ~20 % of the bare gather. Two lessons for a port:
 # time the memory pattern alone, at your kernel's grid, before designing a pipeline for it (the roofline's copy
 # rate is not what random 584-byte rows at one program per SM get); and at H 128 the next kernel is the
