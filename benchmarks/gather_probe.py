@@ -22,22 +22,22 @@ XOR of every word the kernel read equals torch's).
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 
 import torch
 
-try:
-    from triton.experimental import gluon
-    from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.language.nvidia.ampere import async_copy
-except Exception as e:  # pragma: no cover - depends on the installed Triton
-    sys.exit(f"needs Triton with Gluon: {e!r}")
+if "--compile" in sys.argv[1:]:  # on a CPU box: the kernel defined for compiling, not for the interpreter
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import aot  # noqa: F401
 
-_async_load = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
-_bar = getattr(gl, "thread_barrier", None) or getattr(gl, "barrier")
+# Gluon and the names that moved between Triton releases, as the decode kernels import them
+from dsv4ref.sparse_mla.gluon import _IMPORT_ERROR, _async_load, _bar, _gluon as gluon, async_copy, gl  # noqa: E402
 
-BN = 64  # rows per chunk, as the decode kernel's
+if gluon is None:
+    sys.exit(f"needs Triton with Gluon: {_IMPORT_ERROR!r}")
+
 ROW_WORDS = 72  # 576 bytes of NoPE (448) + RoPE (128) per row, as int64 words: 64 + 8
 BS = 64  # rows per page
 PROGRAMS = 128  # one per SM at T 64 with the list split in two (H 64) or two head blocks (H 128)
@@ -156,9 +156,10 @@ def _expected_xor(words: torch.Tensor, pages: int, slots: torch.Tensor, scales: 
     flat = words.view(pages, -1)
     sl = slots.long()
     pg, off = sl // BS, sl % BS
-    row = flat[pg.unsqueeze(-1), off.unsqueeze(-1) * 72 + torch.arange(72, device=slots.device)]  # [P, n, 72]
+    cols = torch.arange(ROW_WORDS, device=slots.device)
+    row = flat[pg.unsqueeze(-1), off.unsqueeze(-1) * ROW_WORDS + cols]  # [P, n, 72]
     x = _xor_reduce(_xor_reduce(row))
-    return x ^ _xor_reduce(flat[pg, BS * 72 + off]) if scales else x
+    return x ^ _xor_reduce(flat[pg, BS * ROW_WORDS + off]) if scales else x
 
 
 def main(argv):

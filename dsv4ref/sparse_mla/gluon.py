@@ -156,6 +156,12 @@ try:  # Gluon ships with Triton >= 3.5; the Hopper ops live in its nvidia.hopper
         warpgroup_mma,
         warpgroup_mma_wait,
     )
+
+    # the names that moved between Triton releases (one bridge, also for benchmarks/gather_probe.py):
+    # thread_barrier was renamed barrier; cp.async from global to shared memory is async_copy_global_to_shared
+    # in Triton 3.6, async_load later
+    _bar = getattr(gl, "thread_barrier", None) or getattr(gl, "barrier")
+    _async_load = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
 except Exception as e:  # pragma: no cover - depends on the installed Triton
     _gluon = None
     _IMPORT_ERROR = e
@@ -163,10 +169,6 @@ except Exception as e:  # pragma: no cover - depends on the installed Triton
 
 def _define_kernels():
     """Define the Gluon kernels (only called where Gluon imported). Returns a dict of them."""
-    # thread_barrier was renamed barrier in later Triton releases
-    _bar = getattr(gl, "thread_barrier", None) or getattr(gl, "barrier")
-    # cp.async from global to shared memory: async_copy_global_to_shared in Triton 3.6, async_load later
-    _async_load = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
 
     @_gluon.jit
     def _slots(v, n1, stop, i1_ptr, i2_ptr):
