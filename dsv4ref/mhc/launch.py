@@ -456,6 +456,24 @@ CHUNKED_VARIANTS: dict[str, dict] = {
     "chunked zz slice512 n96 st4": {**_ZZ512, "chunk_fn_layout": 3, "chunk_stages": 4},
     "chunked zz slice512 bt256 w8": {**_ZZ512, "chunk_block_t": 256, "chunk_warps": 8, "chunk_stages": 4,
                                      "chunk_maxnreg": None},
+    # session 10 (pre's partial kernel at 80 % of copy, 2 programs per SM at 105 registers; the head's, at 76
+    # registers and 3 per SM, at 82-84 %): three programs per SM, i.e. 24 warps to overlap each warpgroup's
+    # per-step MMA wait and fold, needs <= 80 registers (3 x 256 threads x 80 <= 64 K) and <= 75 KB of shared
+    # memory (3 stages of 24 KB). Slices of 512 make 256 programs, ~2 per SM whatever fits, so thinner slices
+    # (chunk_target_programs: a whole number of 64-dim chunks each) give the third slot work: 352 -> 11 slices
+    # of 384 dims (the last 256), one wave at 3 per SM; 416 -> 13 of 320 (a 5 % tail); 512 -> 16 of 256. r80
+    # alone (slices of 512) and p352 st4 (2 per SM) are the controls: the register cap without a third
+    # program, the thinner slices without it
+    "chunked zz slice512 n96 r80": {**_ZZ512, "chunk_fn_layout": 3, "chunk_stages": 3, "chunk_maxnreg": 80},
+    "chunked zz p352 n96 r80": {**_ZZ512, "chunk_fn_layout": 3, "chunk_stages": 3, "chunk_maxnreg": 80,
+                                    "chunk_target_programs": 352},
+    "chunked zz p352 n96 r80 st2": {**_ZZ512, "chunk_fn_layout": 3, "chunk_stages": 2, "chunk_maxnreg": 80,
+                                        "chunk_target_programs": 352},
+    "chunked zz p352 n96 st4": {**_ZZ512, "chunk_fn_layout": 3, "chunk_stages": 4, "chunk_target_programs": 352},
+    "chunked zz p416 n96 r80": {**_ZZ512, "chunk_fn_layout": 3, "chunk_stages": 3, "chunk_maxnreg": 80,
+                                    "chunk_target_programs": 416},
+    "chunked zz p512 n96 r80": {**_ZZ512, "chunk_fn_layout": 3, "chunk_stages": 3, "chunk_maxnreg": 80,
+                                    "chunk_target_programs": 512},
 }
 
 
