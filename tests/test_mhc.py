@@ -631,6 +631,21 @@ def test_chunked_matches_fp64_and_fused_equals_post_then_pre(sum_unroll, fused_p
     check_design(L, T, Hd, seed=33, between=same_bits)
 
 
+@pytest.mark.parametrize("fold_every", [0, 2, 4])
+def test_chunked_fold_every_matches_fp64(fold_every):
+    """``chunk_fold_every`` (the partial kernel with ``chunk_stream_k`` and fn layout 3): the dots of 2 or 4
+    consecutive steps, or of a whole slice (0), chained into one zero-started partial before the fold. T = 40 ×
+    Hd = 88 in slices of two 32-wide chunks: 8 steps in the first slice, 4 in the partial last one, so 4 folds
+    once per range and 2 twice: pre and head match the fp64 oracle, fused == post then pre bit for bit. Any
+    other count is refused."""
+    L = MhcLaunch(chunked=True, chunk_stream_k=True, chunk_fn_layout=3, chunk_fold_every=fold_every,
+                  **{**CHUNK_SMALL, "chunk_slice_h": 64, "chunk_target_programs": 1})
+    assert L.chunk_plan(40, 88)[2:4] == (2, 2)  # two slices of two BLOCK_K chunks (the second partial)
+    check_design(L, 40, 88, seed=34)
+    with pytest.raises(ValueError, match="launch.chunk_fold_every: expected 0, 1, 2 or 4, got 3"):
+        MhcLaunch(chunk_fold_every=3)
+
+
 @pytest.mark.parametrize("C,fused_post,stream_k", [(48, False, False), (48, True, False), (32, True, False),
                                                    (48, False, True), (32, True, True)])
 def test_chunked_zigzag_same_bits_every_tile_once(C, fused_post, stream_k):

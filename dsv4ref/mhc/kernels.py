@@ -702,6 +702,18 @@ def gemm_tile_three_parts(a, k, kmask, fs_ptr, K, DOT_FP32: tl.constexpr, NG: tl
 
 
 @triton.jit
+def gemm_tile_three_parts_chained(a, k, kmask, fs_ptr, K, p2, p1, DOT_FP32: tl.constexpr, NG: tl.constexpr):
+    """``gemm_tile_three_parts`` without the fold: (p2 + a @ [hi | mid]ᵀ[k, :], p1 + a @ loᵀ[k, :]), the dots
+    accumulating into the caller's unfolded partials (``FOLD_EVERY`` > 1: a few steps chained, then folded)."""
+    k64 = k.to(tl.int64)[None, :]
+    n2 = tl.arange(0, 2 * NG)
+    n1 = 2 * NG + tl.arange(0, NG)
+    b2 = tl.load(fs_ptr + n2.to(tl.int64)[:, None] * K + k64, mask=(n2 < 2 * NG)[:, None] & kmask[None, :], other=0.0)
+    b1 = tl.load(fs_ptr + n1.to(tl.int64)[:, None] * K + k64, mask=(n1 < 3 * NG)[:, None] & kmask[None, :], other=0.0)
+    return dot(a, tl.trans(b2), p2, DOT_FP32), dot(a, tl.trans(b1), p1, DOT_FP32)
+
+
+@triton.jit
 def join4(a0, a1, a2, a3, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr):
     """[a0 | a1 | a2 | a3]: four [BLOCK_T, BLOCK_K] tiles side by side, [BLOCK_T, 4·BLOCK_K] (tl.join stacks on a
     new last axis: j[t, k, u, v] = a_{2v+u}[t, k]; the permute puts stream 2v + u at columns (2v + u)·BLOCK_K)."""
@@ -719,7 +731,7 @@ def fold_parts(acc, NG: tl.constexpr, BLOCK_T: tl.constexpr):
 def partial_mix_one_pass(res_ptr, x_ptr, new_ptr, fs_ptr, W, rows, rm, h_begin, h_end, Hd, DOT_FP32: tl.constexpr,
                          FUSED: tl.constexpr, NG: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr,
                          ONE_DOT: tl.constexpr, CHAIN: tl.constexpr, HW: tl.constexpr, STREAM_K: tl.constexpr = False,
-                         FN_LAYOUT: tl.constexpr = 0):
+                         FN_LAYOUT: tl.constexpr = 0, FOLD_EVERY: tl.constexpr = 1):
     """``partial_mix`` with wide dots (``gemm_tile``), for the one-pass kernel: (acc [BLOCK_T, NG] fp32, ssq
     [BLOCK_T] fp32) of the hidden range [h_begin, h_end), all 4 streams (FUSED: the post applied, the new
     streams stored). Per BLOCK_K chunk of the 4 streams:
@@ -737,7 +749,11 @@ def partial_mix_one_pass(res_ptr, x_ptr, new_ptr, fs_ptr, W, rows, rm, h_begin, 
     ``STREAM_K`` (not FUSED, not CHAIN; the chunked partial kernel): per step ONE stream's BLOCK_K dims, a
     [BLOCK_T, BLOCK_K] tile whose rows are contiguous in memory (BLOCK_K = 64: 128 bytes, the NVMMA swizzle's
     row), the steps walking the streams fastest (4 steps per BLOCK_K dims); one zero-started dot per step, Σ X²
-    over the step's tile. ``FN_LAYOUT``: where the fn tiles come from (``gemm_tile``)."""
+    over the step's tile. ``FN_LAYOUT``: where the fn tiles come from (``gemm_tile``). ``FOLD_EVERY`` (STREAM_K
+    with FN_LAYOUT 3): the dots of that many consecutive steps (1, 2 or 4: the 4 streams' tiles of one BLOCK_K
+    range at 4) chain into one zero-started partial, folded and added to ``acc`` once; at 4 that is one
+    truncation chain of K = 4·BLOCK_K, as ``ONE_DOT = 2``'s one dot per chunk, and a quarter of the folds and
+    MMA waits of 1."""
     kk = tl.arange(0, BLOCK_K)
     r4 = tl.arange(0, 4 * BLOCK_K)
     K = 4 * Hd
@@ -745,7 +761,10 @@ def partial_mix_one_pass(res_ptr, x_ptr, new_ptr, fs_ptr, W, rows, rm, h_begin, 
     ssq = tl.zeros((BLOCK_T,), dtype=tl.float32)
     if STREAM_K:
         tl.static_assert(not FUSED and not CHAIN)
+        tl.static_assert(FOLD_EVERY == 1 or (FN_LAYOUT == 3 and (FOLD_EVERY == 0 or 4 % FOLD_EVERY == 0)))
         p = res_ptr.to(tl.pointer_type(tl.bfloat16), bitcast=True)
+        p2 = tl.zeros((BLOCK_T, 2 * NG), dtype=tl.float32)  # FOLD_EVERY > 1: this group's [hi | mid] products
+        p1 = tl.zeros((BLOCK_T, NG), dtype=tl.float32)  # ... and its lo products
         for c in range(0, 4 * tl.cdiv(h_end - h_begin, BLOCK_K)):
             h = h_begin + (c // 4) * BLOCK_K + kk
             hm = h < h_end
@@ -753,12 +772,27 @@ def partial_mix_one_pass(res_ptr, x_ptr, new_ptr, fs_ptr, W, rows, rm, h_begin, 
             a = tl.load(p + rows[:, None] * (4 * Hd) + k[None, :], mask=rm[:, None] & hm[None, :], other=0.0)
             x = a.to(tl.float32)
             ssq += tl.sum(x * x, axis=1)
-            if FN_LAYOUT == 3:
+            if FN_LAYOUT == 3 and FOLD_EVERY == 0:  # the whole slice chained: a plain matmul loop
+                p2, p1 = gemm_tile_three_parts_chained(a, k, hm, fs_ptr, K, p2, p1, DOT_FP32, NG)
+            elif FN_LAYOUT == 3 and FOLD_EVERY > 1:
+                # a group's first step starts its dots from zero. Written as a reset right before the dots (not
+                # after the fold), so that Triton turns it into the MMA's "ignore the accumulator" flag and the
+                # partials' registers are touched by MMAs only: anything else in between makes ptxas serialise
+                # every wgmma (its warning C7515)
+                if c % FOLD_EVERY == 0:
+                    p2 = tl.zeros((BLOCK_T, 2 * NG), dtype=tl.float32)
+                    p1 = tl.zeros((BLOCK_T, NG), dtype=tl.float32)
+                p2, p1 = gemm_tile_three_parts_chained(a, k, hm, fs_ptr, K, p2, p1, DOT_FP32, NG)
+                if c % FOLD_EVERY == FOLD_EVERY - 1:  # the step count is a multiple of 4: no group is left over
+                    acc += tl.sum(tl.reshape(p2, (BLOCK_T, 2, NG)), axis=1) + p1
+            elif FN_LAYOUT == 3:
                 acc += gemm_tile_three_parts(a, k, hm, fs_ptr, K, DOT_FP32, NG, BLOCK_T)
             else:
                 part = gemm_tile(a, k, hm, fs_ptr, K, tl.zeros((BLOCK_T, 4 * NG), dtype=tl.float32), DOT_FP32, NG,
                                  FN_LAYOUT)
                 acc += fold_parts(part, NG, BLOCK_T)
+        if FN_LAYOUT == 3 and FOLD_EVERY == 0:
+            acc = tl.sum(tl.reshape(p2, (BLOCK_T, 2, NG)), axis=1) + p1
     else:
         run = tl.zeros((BLOCK_T, 4 * NG), dtype=tl.float32)  # CHAIN: the range's products so far, per bf16 part
         for h0 in range(h_begin, h_end, BLOCK_K):
@@ -1061,6 +1095,7 @@ def hc_chunk_partial_kernel(
     FN_LAYOUT: tl.constexpr = 0,  # 0 fs_ptr is split_fn(fn); 1 split_fn_wide(...) [4·Hd, 4·NG]; 2 its transpose
     #                               (3, STREAM_K only: 2 without its zero quarter, gemm_tile_three_parts)
     REVERSE: tl.constexpr = False,  # the token tiles walked from the chunk's end (chunk_rows; chunk_zigzag)
+    FOLD_EVERY: tl.constexpr = 1,  # STREAM_K, FN_LAYOUT 3: steps chained per fold (partial_mix_one_pass)
 ):
     tl.static_assert(BLOCK_K >= 16)
     tl.static_assert(BLOCK_T >= 16)
@@ -1076,7 +1111,8 @@ def hc_chunk_partial_kernel(
     h_begin = s * chunks_per_slice * BLOCK_K
     h_end = tl.minimum(h_begin + chunks_per_slice * BLOCK_K, Hd)
     acc, ssq = partial_mix_one_pass(res_ptr, x_ptr, new_ptr, fs_ptr, W, rows, rm, h_begin, h_end, Hd, DOT_FP32,
-                                    FUSED, NG, BLOCK_T, BLOCK_K, ONE_DOT, False, HW_ROUND, STREAM_K, FN_LAYOUT)
+                                    FUSED, NG, BLOCK_T, BLOCK_K, ONE_DOT, False, HW_ROUND, STREAM_K, FN_LAYOUT,
+                                    FOLD_EVERY)
     if PDL:  # the next launch (this chunk's finish) may start; the workspace is free once the previous finish ended
         tl.extra.cuda.gdc_launch_dependents()
         tl.extra.cuda.gdc_wait()

@@ -172,6 +172,10 @@ class MhcLaunch:
     # (on a GPU since session 7's sweeps, with slices of 512: "chunked zz slice512", T = Hd = 4096 pre 86.3 µs vs
     # 94.3, fused 158.1 vs 170.8, head 79.3 vs 83.6; runs/2026-12-01_s7_h200_mhc_sweep1.log)
     chunk_zigzag: bool = not interpreting()
+    # session 10: pre's and the head's partial kernel (chunk_stream_k, fn layout 3) chain this many steps' dots
+    # (1, 2 or 4) into one zero-started partial before folding it into the running sum (kernels.py,
+    # partial_mix_one_pass): fewer folds and MMA waits, the truncation chain of one K = 4·64 dot at most
+    chunk_fold_every: int = 1
     # calls of at most this many tokens (decode-sized) run pre's partial kernel (the fused op's too, as post +
     # pre) on 64-token tiles at 4 warps: a 128-token tile would be half masked rows or more. Session 7, T = 37
     # (runs/2026-12-01_s7_h200_mhc_sweep7.log): pre 12.9 vs 15.7 µs, fused 16.8 vs 19.8, head 9.1 vs 11.1; at
@@ -196,6 +200,8 @@ class MhcLaunch:
                      "one_pass_fused_stages", "chunk_tokens", "chunk_warps", "chunk_stages", "chunk_fused_warps",
                      "chunk_fused_stages", "chunk_target_programs", "chunk_max_slices", "chunk_finish_warps"):
             validate.integer(getattr(self, name), f"launch.{name}", lo=1)
+        if self.chunk_fold_every not in (0, 1, 2, 4):
+            raise ValueError(f"launch.chunk_fold_every: expected 0, 1, 2 or 4, got {self.chunk_fold_every}")
         for name in ("splits", "one_pass_slices"):
             if getattr(self, name) is not None:
                 validate.integer(getattr(self, name), f"launch.{name}", lo=1)
@@ -456,24 +462,13 @@ CHUNKED_VARIANTS: dict[str, dict] = {
     "chunked zz slice512 n96 st4": {**_ZZ512, "chunk_fn_layout": 3, "chunk_stages": 4},
     "chunked zz slice512 bt256 w8": {**_ZZ512, "chunk_block_t": 256, "chunk_warps": 8, "chunk_stages": 4,
                                      "chunk_maxnreg": None},
-    # session 10 (pre's partial kernel at 80 % of copy, 2 programs per SM at 105 registers; the head's, at 76
-    # registers and 3 per SM, at 82-84 %): three programs per SM, i.e. 24 warps to overlap each warpgroup's
-    # per-step MMA wait and fold, needs <= 80 registers (3 x 256 threads x 80 <= 64 K) and <= 75 KB of shared
-    # memory (3 stages of 24 KB). Slices of 512 make 256 programs, ~2 per SM whatever fits, so thinner slices
-    # (chunk_target_programs: a whole number of 64-dim chunks each) give the third slot work: 352 -> 11 slices
-    # of 384 dims (the last 256), one wave at 3 per SM; 416 -> 13 of 320 (a 5 % tail); 512 -> 16 of 256. r80
-    # alone (slices of 512) and p352 st4 (2 per SM) are the controls: the register cap without a third
-    # program, the thinner slices without it
-    "chunked zz slice512 n96 r80": {**_ZZ512, "chunk_fn_layout": 3, "chunk_stages": 3, "chunk_maxnreg": 80},
-    "chunked zz p352 n96 r80": {**_ZZ512, "chunk_fn_layout": 3, "chunk_stages": 3, "chunk_maxnreg": 80,
-                                    "chunk_target_programs": 352},
-    "chunked zz p352 n96 r80 st2": {**_ZZ512, "chunk_fn_layout": 3, "chunk_stages": 2, "chunk_maxnreg": 80,
-                                        "chunk_target_programs": 352},
-    "chunked zz p352 n96 st4": {**_ZZ512, "chunk_fn_layout": 3, "chunk_stages": 4, "chunk_target_programs": 352},
-    "chunked zz p416 n96 r80": {**_ZZ512, "chunk_fn_layout": 3, "chunk_stages": 3, "chunk_maxnreg": 80,
-                                    "chunk_target_programs": 416},
-    "chunked zz p512 n96 r80": {**_ZZ512, "chunk_fn_layout": 3, "chunk_stages": 3, "chunk_maxnreg": 80,
-                                    "chunk_target_programs": 512},
+    # session 10 (benchmarks/mhc.md): three partial programs per SM (80 registers, thinner slices for the third
+    # slot) were slower at every slice count (pre 90.7-97.2 µs against 84.5); removed. What pre's partial
+    # kernel does per 64-dim step besides loading: two zero-started dots, their wait, and the fold. Chaining 2
+    # or 4 steps' dots before one fold (chunk_fold_every) keeps the dots back to back
+    "chunked zz slice512 n96 st4 f2": {**_ZZ512, "chunk_fn_layout": 3, "chunk_stages": 4, "chunk_fold_every": 2},
+    "chunked zz slice512 n96 st4 f4": {**_ZZ512, "chunk_fn_layout": 3, "chunk_stages": 4, "chunk_fold_every": 4},
+    "chunked zz slice512 n96 st4 f0": {**_ZZ512, "chunk_fn_layout": 3, "chunk_stages": 4, "chunk_fold_every": 0},
 }
 
 
@@ -625,7 +620,8 @@ def chunk_args(L: MhcLaunch, T: int, Hd: int, head: bool, fused: bool):
     partial = (dict(HEAD=head, FUSED=fused, BLOCK_T=bt, BLOCK_K=bk, ONE_DOT=min(L.chunk_one_dot, 1) if fused
                     else L.chunk_one_dot, WS_GATE=ws_gate, WS_STRIDE=ws_stride, HW_ROUND=hw, PDL=pdl,
                     STREAM_K=L.chunk_stream_k and not fused, REVERSE=partial_back,
-                    FN_LAYOUT=L.chunk_fn_layout if L.chunk_fn_layout < 3 or (L.chunk_stream_k and not fused) else 2),
+                    FN_LAYOUT=L.chunk_fn_layout if L.chunk_fn_layout < 3 or (L.chunk_stream_k and not fused) else 2,
+                    FOLD_EVERY=L.chunk_fold_every if L.chunk_fn_layout == 3 and L.chunk_stream_k and not fused else 1),
                dict(num_warps=warps, num_stages=stages, maxnreg=maxnreg, launch_pdl=pdl))
     finish = (dict(HEAD=head, BLOCK_T=L.chunk_finish_block_t, BLOCK_H=L.chunk_finish_block_h,
                    SUM_UNROLL=L.chunk_sum_unroll, WS_GATE=ws_gate, WS_STRIDE=ws_stride, HW_ROUND=hw, PDL=pdl,
