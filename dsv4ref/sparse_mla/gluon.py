@@ -6,96 +6,59 @@ or two FP8 paged caches with one softmax, the sink enters the denominator only, 
 entries past the lengths are ignored, a row with no valid entry gives ``out = 0`` and ``lse = −inf``,
 and P is rounded to bf16 before P·V (FlashMLA's numerics, as in the portable kernel).
 
-What is different from the portable Triton kernel (``kernels.py``), and why it is faster:
+**What runs by default** (the flags of :data:`VARIANT`; every number below is the H200's, Triton 3.6):
 
-* **Tensor cores driven explicitly (wgmma).** One program owns 64 heads of one token (wgmma's M is 64 per
-  warpgroup; H = 128 takes two programs; H <= 16 runs the narrow kernel of session 8, below). Its two consumer warpgroups
-  (8 warps) split every MMA by columns: for S = Q·Kᵀ each computes 32 of the 64 candidate columns over all
-  512 dims (no score work is done twice); for O += P·V each owns 256 of the 512 output dims, so the
-  64×512 fp32 accumulator is 128 registers per thread instead of the portable kernel's spilled 128 KB.
-* **Q and the dequantised K tile live in shared memory** (NVMMA 128-byte swizzle, read by wgmma directly);
-  the same K tile is the B operand of both MMAs (a transposed view for QKᵀ), so nothing is loaded twice.
-* **Warp specialisation** (:func:`_ws_kernel`, the default): 4 producer warps gather the 584-byte rows of
-  each chunk of 64 candidates (half a chunk at a time, the next half's loads in flight and the slot
-  indices fetched half a chunk ahead), dequantise e4m3 × 2^(scale − 127) to bf16 and store them into a
-  2-stage ring of shared K tiles, signalling ``ready[stage]`` (an mbarrier); the 8 consumer warps wait for
-  it, run QKᵀ, the online softmax, P (bf16, through shared memory) · V, and release the stage
-  (``empty[stage]``). The producer runs on 144 registers, the consumers on the rest (setmaxnreg).
-  The column mask of the next chunk is fetched one chunk ahead so no index load sits on the MMA chain.
-* The candidate list (both pools concatenated) is split over programs when one program per (token, head
-  block) would leave SMs idle (flash-decoding, fp32 partials); a small merge kernel applies the sink once.
-* :func:`_decode_kernel` is the first rung, kept for comparison (``variant={"WS": False}``): the same MMAs
-  with no specialisation; after issuing P·V asynchronously the same warps load and dequantise the next
-  chunk into the other buffer.
+* **H > 16: one program per (token, 64 heads, list split)**, :func:`_ws_kernel` with ``ROLES``. wgmma's M is
+  64 rows per warpgroup, so 64 heads are one MMA tile (H = 128 takes two programs). 12 warps in three
+  roles, joined by mbarriers:
 
-Measured on the H200, session 3 (benchmarks/runs/2026-11-30_s3_h200_gluon_sweep.log): the packed producer
-(``PACKED=1``, now the default) 37.5 µs (21.3%) at H 64 K 640 and 82.6 µs (30.0%) at H 128 K 1152, against
-42.3 / 89.9 µs for the byte-wise producer in the same call; the K-split consumer 40.6 / 90.6 µs (it spills
-in its loop). Session 2, the byte-wise producer (benchmarks/sparse_mla_gluon.py; T = 64; % of max(bytes /
-copy BW, FLOP / bf16 rate); 2026-11-30, copy 3.99 TB/s, bf16 750 TFLOP/s): H 64 K 640 41.7 µs (19.5%), H 128 K 1152 87.1 µs (29.6%),
-H 16 K 2048 81.9 µs (24.2%); the portable fused kernel in the same run 81.0 / 176.8 / 106.1 µs. Below the
-35% floor. What limits it, from the two timing diagnostics (``variant={"DIAG": 1 | 2}``, wrong results):
-the consumer alone (no row loads) takes 35.7 / 81.3 / 67.6 µs, the producer alone (no MMA) 31.6 / 62.1 /
-55.8 µs; both sides are each 2–4× off their own bound, and the kernel runs at about the slower of the two.
-Producer: one half chunk (18.7 KB) of gathered rows in flight per SM is too little for the DRAM latency
-(holding more in registers spills: a loaded byte occupies a whole register), and Triton places a
-barrier between the 8 column-tile stores of a half chunk. Consumer: 64 × 64 × 512 QKᵀ as 32 narrow
-(n = 32) wgmma per warpgroup, cross-warpgroup softmax reductions and four CTA barriers per chunk.
-Next steps: cp.async / register-free staging of the raw rows (more bytes in flight), a cheaper dequant
-(bf16 exponent arithmetic instead of the fp32 round trip), the QKᵀ split by K dims (n = 64 per warpgroup).
-(Session 9 measured the gather alone, benchmarks/gather_probe.py: one program per SM fetching these rows by
-cp.async stays near 64 % of the copy rate with 1 to 4 chunks in flight and 4 to 16 warps, and this
-producer is within ~20 % of it; the "bytes in flight" reading above was wrong. benchmarks/sparse_mla.md.)
+  - **producer** (4 warps, 104 registers, :func:`_ws_producer_packed`): gathers the 584-byte rows of each
+    chunk of 64 candidates as int64 words, half a chunk at a time with the slot indices fetched half a chunk
+    ahead, dequantises e4m3 × 2^(scale − 127) to bf16 and stores the tile into a 2-stage ring of shared K
+    tiles [64, 512] (NVMMA 128-byte swizzle, read by wgmma directly); arrives on ``ready[stage]``;
+  - **scorer** (4 warps, the rest of the registers, :func:`_roles_scorer`): brings the query to shared
+    memory by cp.async while the producer already fetches (``QLATE``), then per chunk S = Q·Kᵀ as one
+    n = 64 wgmma, the online softmax with every row max and sum inside its own warpgroup, P (bf16) and the
+    rescale factor α to a 2-deep shared buffer (``pfull`` / ``pfree``) and its half of the output,
+    O[:, 0:256] += P · V[:, 0:256];
+  - **P·V warpgroup** (4 warps, 160 registers, :func:`_roles_pv`): rescales and accumulates
+    O[:, 256:512] from the shared P. Each half accumulator is 64 × 256 fp32, 128 registers per thread: no
+    spill. Both consumers release the stage on ``empty`` (two arrivals). V is the same K tile: one load.
 
-Round 2 (flags of :func:`_ws_kernel`, compiled and register-checked on a CPU machine with
-benchmarks/gluon_compile_check.py; not yet timed). What the compile check showed about the kernel above:
-the consumer warps run on 176 registers (setmaxnreg) and spill in their loop; the producer holds the
-gathered bytes as one 16-bit register each (ptxas spills them as ``STL.S16``), which is why it needs 144
-registers for a single half chunk in flight; and Triton puts a barrier between any two stores into one
-shared buffer (it does not tell disjoint slices apart), 16 per chunk in the producer.
+  Shared memory: Q 64 KB, two K stages 128 KB, P 16 KB: about 215 KB, so one program per SM.
+* **H <= 16: the narrow kernel** (``NARROW``, :func:`_narrow_kernel`): the products transposed so the heads
+  are wgmma's N (16) instead of its M: Sᵀ[64, 16] = K·Qᵀ, the softmax down each column, Oᵀ[512, 16] += Vᵀ·Pᵀ
+  with Vᵀ the same K tile read transposed. Oᵀ is 64 registers per thread, which leaves room for **two**
+  producer warpgroups (184 registers each; each dequantises half of every chunk) and a third K stage.
+* **The list split** (flash-decoding, :func:`config`): where one program per (token, head block) would leave
+  SMs idle, each token's list is split into S ranges of whole chunks; a split writes its unnormalised fp32
+  accumulator ``po [T, S, H, 512]`` and its (log2 max, sum) ``pml [T, S, H, 2]``, and :func:`_merge_kernel`
+  weighs, adds, normalises and applies the sink once.
+* **The epilogue**: out = acc / l · σ(lse − sink) in bf16. With S = 1 the output leaves through a released K
+  stage as 16-byte row vectors (``OSMEM``), not the accumulator layout's 4-byte pieces. The query's
+  NaN / ±inf scan runs after the loop, and only when a head counted no candidate (``LAZY_SCAN``): a
+  non-finite query row already makes l NaN through its scores; only an empty row needs the scan.
 
-* ``PACKED`` (1, 2 or 3): the producer loads each row as int64 words and keeps them so across the loop
-  (4 bytes per register), unpacks the bytes only to dequantise (shifts, then ``gl.join`` / ``reshape`` in
-  registers), and writes a half chunk with one store (PACKED 1) or two (2, 3) instead of eight. PACKED 1
-  keeps the DEEP producer's schedule in about 100 registers instead of 144 (at PRODUCER_REGS 104 the
-  consumers get 200 and neither side spills, OVERLAP included); PACKED 2 double-buffers (the
-  next half's loads in flight while the current half is dequantised); PACKED 3 triple-buffers (needs more
-  registers than a 4-warp producer can have beside the consumers: not in the benchmark). PACKED 4 is
-  PACKED 1's register footprint with PACKED 2's overlap: the next half chunk travels by cp.async
-  (``async_copy``, zero-filled where masked) into a 20 KB raw staging buffer in shared memory, which the
-  8-warp consumer layout leaves free (226 KB in all), and is read into registers only when the current
-  half has been dequantised.
-* ``KSPLIT`` (1, 2): the consumers become two 4-warp partitions (:func:`_ks_consumer`), each owning 256 of
-  the 512 dims: S_w = Q[:, dims] · K[:, dims]ᵀ over all 64 candidates (n = 64 wgmma, half the Q bytes
-  read per warpgroup), the two partials swapped through 32 KB of shared memory with mbarriers (no
-  CTA-wide barrier), S = S_0 + S_1 formed identically in both (fp32 addition commutes), the same online
-  softmax in both (no cross-warpgroup max or sum), P kept in registers as the A operand of
-  O[:, dims] += P · V[:, dims] (no P buffer, no barrier before P·V). It needs about 200 registers per
-  consumer thread, so only a lean producer fits beside it (PACKED 1 at 96). KSPLIT 2 computes and swaps
-  S as two n = 32 halves (less live at once, narrower MMAs).
+T = 64, H200, `benchmarks/RESULTS.md`: 35.7 / 69.8 / 54.2 µs at H 64 K 640 / H 128 K 1152 / H 16 K 2048,
+22.2 / 35.2 / 35.5 % of max(bytes / copy BW, FLOP / bf16 rate); the portable kernel 78.5 / 185.2 / 98.1 µs.
+What limits each shape (the fixed cost at H 64, the scorer's serial chain at H 128) and every variant tried,
+with its log: `benchmarks/sparse_mla.md`; the ladder from the seed's path to this kernel: notebook 04.
 
-Session 5 (``ROLES=1``, the default since): the two consumer warpgroups take different roles instead of
-splitting every MMA by columns (:func:`_roles_scorer`, :func:`_roles_pv`): the scorer runs all of QKᵀ as
-n = 64 wgmma (Q read from shared memory once per chunk, not once per warpgroup), the softmax with its row
-reductions inside one warpgroup, and half of P·V; the P·V warpgroup runs the other half from a shared P.
-H200, final run of the session (benchmarks/runs/2026-12-01_s5_h200_bench.log): 37.5 / 77.5 / 71.1 µs, 21.4 /
-31.9 / 27.5 % of the bound, 3–5 % faster than the column split in each of three calls.
+**What else the flags select**, kept so each step of the ladder can be re-measured (the figures and logs of
+each are in `benchmarks/sparse_mla.md`):
 
-Session 8 (defaults since; benchmarks/sparse_mla.md "Session 8"):
-
-* ``NARROW`` (H <= 16, :func:`_narrow_kernel`): padding 16 heads to M = 64 wasted three quarters of the MMAs
-  and the registers of a 64 × 512 accumulator. The narrow kernel computes the transposed products, heads as
-  wgmma's N: Sᵀ = K·Qᵀ [64, 16], the softmax down each column, Oᵀ += Vᵀ·Pᵀ [512, 16] with Vᵀ the same
-  shared K tile read transposed; Oᵀ takes 64 registers per thread, and the rest feed a second producer
-  warpgroup (each dequantises half of every chunk) and a third K stage. T 64 H 16 K 2048: 69.6 -> 54.2 µs.
-* ``OSMEM`` (split 1): the bf16 output leaves through a released K stage as 16-byte row vectors instead of
-  the accumulator layout's 4-byte pieces; ``LAZY_SCAN``: the query's NaN / ±inf scan runs after the loop, and
-  only if a head counted no candidate (a non-finite query row makes its scores, hence l, NaN anyway).
-  T 64 H 128 K 1152: 76.9 -> 72.3 -> 70.4 µs (fixed-cost diagnostics ``DIAG`` 4 / 5 / 6: the output's stores
-  were 7.9 µs of it, the query 4.6).
-
-Final bench of session 8 (benchmarks/runs/2026-12-01_s8_h200_bench.log): 35.7 / 69.8 / 54.2 µs, 22.2 / 35.2 /
-35.5 % of the bound.
+* ``WS = False``: :func:`_decode_kernel`, the same MMAs with no specialisation (after issuing P·V
+  asynchronously the same warps load and dequantise the next chunk into the other buffer);
+* ``ROLES = 0, KSPLIT = 0``: two consumer warpgroups that split every MMA by columns (:func:`_ws_consumer`:
+  QKᵀ as n = 32 wgmma in each, the softmax's row reductions crossing them); 3–5 % slower than ``ROLES``;
+* ``KSPLIT`` (1, 2): two consumers splitting QKᵀ by dims, partial scores swapped through shared memory
+  (:func:`_ks_consumer`); it needs ~200 registers per consumer thread and spilled in its loop;
+* ``PACKED = 0``: the byte-wise producer (one register per loaded byte); 2, 3: two or three half chunks in
+  registers; 4: the next half chunk staged by cp.async into shared memory; ``DEEP = False``: slot indices
+  fetched with the rows instead of ahead of them;
+* ``OVERLAP``: the next chunk's QKᵀ issued behind this chunk's P·V;
+* ``DIAG`` (timing only, wrong results): 1 no row loads, 2 no MMA, 3 neither, 4 no chunks, 5 also no query
+  load, 6 also no epilogue stores; the fixed-cost and per-side diagnostics of `benchmarks/sparse_mla.md`.
 
 This module imports Gluon lazily and guarded: on a CPU machine (the Triton interpreter) or a Triton
 without Gluon it still imports; :func:`available` says whether the backend can run here.
@@ -113,7 +76,7 @@ __all__ = ["available", "supports", "decode_gluon", "config"]
 LOG2E = 1.4426950408889634
 BLOCK_H = 64  # heads per program (wgmma M = 64 per warpgroup); smaller H is padded with masked rows
 BLOCK_N = 64  # candidates per chunk
-NUM_WARPS = 8  # two warpgroups split every MMA by columns
+NUM_WARPS = 8  # the column-split consumers (ROLES = KSPLIT = 0) and _decode_kernel: two warpgroups
 # kernel variants (constexpr flags), measured in benchmarks/sparse_mla_gluon.py:
 #   WS: the warp-specialised kernel (4 producer warps dequantise into an NS-stage ring, 8 consumer warps run
 #       the MMAs); OVERLAP: its next QKᵀ is issued behind the current P·V; PRODUCER_REGS: the producer
@@ -127,13 +90,13 @@ NUM_WARPS = 8  # two warpgroups split every MMA by columns
 #   Non-specialised kernel (WS False): PIPE: chunk i+1's raw bytes are loaded one iteration ahead and held
 #       in registers (else loaded after the P·V issue, latency exposed); P_SMEM: P reaches the P·V MMA through
 #       shared memory (else registers).
-# default: the packed producer (H200, benchmarks/runs/2026-11-30_s3_h200_gluon_sweep.log: H 64 37.5 µs against
-# 42.3 µs for the byte-wise producer, H 128 82.6 against 89.9; every check passed at H 16 / 64 / 128)
-# session 5: the role-split consumers (ROLES=1) are the default: 37.2-37.7 / 79.0-80.8 / 72.1-73.1 µs against
-# 38.1-39.4 / 83.4-84.5 / 74.0-76.0 µs for the column-split pair in the same H200 calls
-# (benchmarks/runs/2026-12-01_s5_h200_gluon_*.log; every check passed at H 16 / 64 / 128)
-# session 6: the query loaded by the scorer partition (QLATE=1): 36.4 / 77.6 / 71.6 and 36.7 / 77.9 / 73.0 µs against
-# 37.9 / 78.5 / 71.5 and 37.7 / 77.9 / 72.6 µs in two H200 calls (benchmarks/runs/2026-12-01_s6_h200_gluon_*.log)
+# why these are the defaults (H200, each measured against the one before in the same calls, every check passed
+# at H 16 / 64 / 128): PACKED=1, H 64 37.5 µs against 42.3 µs for the byte-wise producer, H 128 82.6 against
+# 89.9 (benchmarks/runs/2026-11-30_s3_h200_gluon_sweep.log); ROLES=1, 37.2-37.7 / 79.0-80.8 / 72.1-73.1 µs
+# against 38.1-39.4 / 83.4-84.5 / 74.0-76.0 µs for the column-split pair (runs/2026-12-01_s5_h200_gluon_*.log);
+# QLATE=1, the query loaded by the scorer partition: 36.4 / 77.6 / 71.6 and 36.7 / 77.9 / 73.0 µs against
+# 37.9 / 78.5 / 71.5 and 37.7 / 77.9 / 72.6 µs in two calls (runs/2026-12-01_s6_h200_gluon_*.log); NARROW,
+# OSMEM and LAZY_SCAN: benchmarks/sparse_mla.md, "the narrow kernel; the fixed cost taken apart"
 #   OSMEM (ROLES, split 1): the bf16 output leaves through a free K stage as 16-byte row vectors;
 #   LAZY_SCAN (ROLES with QLATE): the query's NaN / ±inf scan after the loop, only for a head with nothing counted.
 #   NARROW (H <= NARROW_H only): the narrow-head kernel (heads as the MMAs' N, two producer warpgroups on

@@ -367,11 +367,11 @@ plt.show()
 # tokens (axis 0 of every tile is the token; `TOK` = 1 is the plain "one program per token", and the
 # library launches 4 over two warps, which measured fastest on the H200: `kv_cache.KVCacheLaunch` is the
 # knob). The kernel itself only loads the slots and the RoPE words, then hands the tile to the record
-# encoder. With `EARLY` (the default launch since the H200's session 6) it first loads *every* row of the
-# tile, masked by the row count alone, and hands the encoder the loaded words: otherwise each load waits for
-# the slot (to skip −1 rows) and the NoPE tile waits behind the RoPE store, three memory round trips in series
-# per program instead of one (30.1 µs against 33.4 µs at 65 536 slots; a row with slot −1 is then read, never
-# written):
+# encoder. With `EARLY` (the default launch, measured faster on an H200 on 2026-12-01:
+# `benchmarks/kv_cache.md`) it first loads *every* row of the tile, masked by the row count alone, and hands
+# the encoder the loaded words: otherwise each load waits for the slot (to skip −1 rows) and the NoPE tile
+# waits behind the RoPE store, three memory round trips in series per program instead of one (30.1 µs against
+# 33.4 µs at 65 536 slots; a row with slot −1 is then read, never written):
 
 # %%
 print(inspect.getsource(kv_cache.kernels.insert_kernel.fn))

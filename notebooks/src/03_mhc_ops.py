@@ -357,39 +357,41 @@ print(compare(h_k, h_ref, "bf16_out", "head").verdict())
 # The ticket is what makes the wait in step 2 safe: every lower ticket belongs to a program that is already
 # running (and the interpreter, which runs one program after another, never waits at all). Its GEMM is one
 # wide dot (N = 128: hi | mid | lo | zeros) per stream chunk instead of three narrow ones. Its model expected
-# 50–64 % for pre and 70–85 % for fused on the H200. **Measured** (session 4, one H200 run beside the
+# 50–64 % for pre and 70–85 % for fused on the H200. **Measured** on an H200 (2026-11-30, one run beside the
 # ceilings, `benchmarks/RESULTS.md`): pre 152.6 µs (**27.5 %**), fused 280.8 µs (**29.8 %**), head 119.2 µs
-# (34.9 %) — 1.6×, 2.2× and 1.8× the designs above, so one pass became the default on a GPU in session 4. The
-# goal (≥ 50 %) was still missed by 20–23 points: the tile's last arrival sums 32 slices' partials in a chain
-# of dependent L2 round trips while the next tile's programs wait on its flag.
+# (34.9 %) — 1.6×, 2.2× and 1.8× the designs above, so one pass replaced them on a GPU, until the chunked
+# design below. The goal (≥ 50 %) was still missed by 20–23 points: the tile's last arrival sums 32 slices'
+# partials in a chain of dependent L2 round trips while the next tile's programs wait on its flag.
 #
 # **A fourth design, chunked** (`kernels.hc_chunk_partial_kernel` + `hc_chunk_finish_kernel`,
 # `MhcLaunch(chunked=True)`): no program ever waits for another. Per chunk of C tokens, two launches: a
 # *partial* kernel (exactly one pass's step 1, each (tile, slice) program writing its partial mix) and a
 # *finish* kernel whose programs each re-sum their tile's partials in slice order (the same loads in the same
 # order in every program, so the same bits), run the gates and Sinkhorn, and make the weighted sum of their
-# own hidden range. C was meant to keep a chunk's streams in L2 for the finish's re-read. **Measured** (session
-# 6): fewer, bigger chunks were faster at *every* size, so the L2 re-read was never what limited one pass; one
-# chunk of 4096 tokens, with the fused op run as `post` then this pre, is the fastest. What limited the
-# partial kernel was where its copies come from: a warp's `cp.async` of the [128 tokens, 4 streams × 16 dims]
-# tile gathered 16-byte pieces from 16 separate 128-byte lines. Reading one stream's 64 dims per dot
-# (`chunk_stream_k`: 128-byte rows) and `fn` from a K-major copy (`chunk_fn_layout=2`) took pre from 124 to
-# **94.6 µs (43.6 %)** and fused from 201 to **170.5 µs (48.1 %)**, against one pass's 145.9 / 274.5 µs in the
-# same run.
+# own hidden range. C was meant to keep a chunk's streams in L2 for the finish's re-read. **Measured** on an
+# H200 (2026-12-01, `benchmarks/mhc.md`): fewer, bigger chunks were faster at *every* size, so the L2 re-read
+# was never what limited one pass; one chunk of 4096 tokens, with the fused op run as `post` then this pre,
+# is the fastest. What limited the partial kernel was where its copies come from: a warp's `cp.async` of the
+# [128 tokens, 4 streams × 16 dims] tile gathered 16-byte pieces from 16 separate 128-byte lines. Reading one
+# stream's 64 dims per dot (`chunk_stream_k`: 128-byte rows) and `fn` from a K-major copy (`chunk_fn_layout=2`)
+# took pre from 124 to **94.6 µs (43.6 %)** and fused from 201 to **170.5 µs (48.1 %)**, against one pass's
+# 145.9 / 274.5 µs in the same run.
 #
-# **Then the walk order** (session 7). One chunk of 4096 tokens is 134 MB of streams, past the H200's 50 MB L2,
+# **Then the walk order.** One chunk of 4096 tokens is 134 MB of streams, past the H200's 50 MB L2,
 # so the finish kernel re-read them from HBM. But a GPU starts a launch's programs roughly in grid order, so
 # the bytes a kernel's *last* programs touched are still in L2 when the next kernel starts. With
 # `chunk_zigzag`, each kernel of a chunk walks the tokens in the opposite direction to the kernel before it:
 # pre runs the partial kernel forward and the finish kernel backward; fused runs `post` forward, the partial
 # kernel backward and the finish kernel forward. Only the order moves, so the bits are the same (the cell below
 # checks it). Together with slices of 512 dims, a per-kernel profile put the finish kernel at 100 % of copy on
-# its own bytes (89 % before). Pre went to **87.1 µs (47.2 %)** and fused to **157.9 µs (51.8 %)**. That is
-# **the default on a GPU**; in the interpreter the measured per-op designs stay, for the lessons' CPU time.
+# its own bytes (89 % before). On an H200 (2026-12-01), pre went to **87.1 µs (47.2 %)** and fused to
+# **157.9 µs (51.8 %)**. That is **the default on a GPU**; in the interpreter the measured per-op designs
+# stay, for the lessons' CPU time.
 # Fused meets the ≥ 50 % goal; pre missed it by 2.8 points, its partial kernel at ~74 % of copy
-# (`benchmarks/mhc.md` has the eight sweeps and what each ruled out). Session 8 gave the partial kernel's dot a
-# fn tile without its zero quarter (`chunk_fn_layout=3`: fn's three bf16 parts hi, mid and lo as dots of N = 64
-# and 32, where one dot of N = 128 had a last quarter of zeros) and a fourth pipeline stage: the partial kernel went to ~80 % of copy, pre to
+# (`benchmarks/mhc.md` has the eight sweeps and what each ruled out). The GPU default now also gives the
+# partial kernel's dot a fn tile without its zero quarter (`chunk_fn_layout=3`: fn's three bf16 parts hi, mid
+# and lo as dots of N = 64 and 32, where one dot of N = 128 had a last quarter of zeros) and a fourth pipeline
+# stage: on an H200 (2026-12-01) the partial kernel went to ~80 % of copy, pre to
 # **83.7–84.0 µs (49.5–49.7 %)** and fused to 155.9–156.3 µs (53 %) in two calls. Pre still misses 50 % by
 # about half a point: it reads the streams twice (the partial kernel, then the finish kernel), so even two
 # kernels at 100 % of copy would give it 56 % of the compulsory bytes' bound. A decode step's call is small, and for

@@ -259,7 +259,7 @@ print("online result equals the one-shot softmax:", compare(acc / l, full, "fp32
 # | 1. clean two-pass | the index table is one tensor op; one gather launch for all tokens; a reused workspace | 2 launches instead of 2·T + 1, each filling the GPU | still 2632 B per row (584 read, 1024 written, 1024 read back); a latency-bound attention loop |
 # | 2. fused | the attention loop reads the FP8 pages itself and dequantises in registers; the K tile is reused as V | 584 B per row, 4.5× fewer; one launch; no workspace | one program per (token, 64 heads): ≤ one wave of programs; a 64 × 512 fp32 accumulator that spills; load → dequantise → QKᵀ → softmax → P·V in series in every warp |
 # | 3. split list (flash-decoding) | the candidate list is split over S programs; a merge kernel folds their partial states | S× more programs in flight where T · head blocks leaves SMs idle | partial-state traffic and a second launch; every program is still the serial chain of rung 2 |
-# | 4. warp-specialised (Gluon, Hopper) | producer warps dequantise FP8 pages into shared memory while two consumer warpgroups run the MMAs, each owning 256 of the 512 output dims; at H ≤ 16 a narrow kernel with the heads as the MMAs' N and two producer warpgroups | loads and dequantisation overlap the tensor-core work; the accumulator fits in registers | measured in the GPU run (§13): latency at one program per SM — the producer's row round trips, and a fixed cost (query in, output and partials out, the merge) of 7–16 µs |
+# | 4. warp-specialised (Gluon, Hopper) | producer warps dequantise FP8 pages into shared memory while two consumer warpgroups run the MMAs, each owning 256 of the 512 output dims; at H ≤ 16 a narrow kernel with the heads as the MMAs' N and two producer warpgroups | loads and dequantisation overlap the tensor-core work; the accumulator fits in registers | measured in the GPU run (§13) and taken apart in §10b: latency at one program per SM — a row gather that reaches ~64 % of the copy rate at this grid, the scorer's serial QKᵀ → softmax → P·V chain, and a fixed cost (query in, output and partials out, the merge) of 7–16 µs |
 #
 # The rest of this part takes the rungs one by one, on the small example of §1.
 
@@ -454,126 +454,139 @@ for Tb, Hb, Kb in BENCH:
 # FlashMLA reaches about half of this bound with hand-written FP8 sparse decode on Hopper. Its answer to both
 # limits of rung 2 is **warp specialisation**, which Triton 3.6 can express through Gluon
 # (`triton.experimental.gluon`: `warp_specialize`, mbarriers, TMA, async warpgroup MMA). The kernel in
-# `dsv4ref/sparse_mla/gluon.py` (GPU-only: compiled Triton on a Hopper GPU) is built that way:
+# `dsv4ref/sparse_mla/gluon.py` (GPU-only: compiled Triton on a Hopper GPU; `backend="auto"` picks it there) is
+# built that way. This section gives its design as it runs, then what was measured inside it, what paid, what
+# did not, and what is left. The lab journal behind every figure, with its logs, is `benchmarks/sparse_mla.md`.
 #
-# * **One program per (token, 64 heads)**, 12 warps in three roles. wgmma's M is 64 rows per warpgroup, so
-#   64 heads are one MMA tile (H = 128 takes two programs; H ≤ 16 takes the narrow kernel of session 8, below,
-#   instead of 64 rows of which 48 would be padding).
-# * **Producer warps (4)** gather each chunk of 64 candidates' 584-byte rows, dequantise e4m3 × 2^(scale − 127)
-#   to bf16 and store the tile into a ring of shared-memory buffers (NVMMA 128-byte swizzle, which wgmma reads
-#   directly), then arrive on that stage's `ready` mbarrier. They fetch the next slot indices ahead of the
-#   row loads, so no index load sits on the critical path.
-# * **Two consumer warpgroups (8 warps) with different roles** (the default since session 5). The **scorer**
-#   waits on `ready`, computes all of S = Q·Kᵀ with wgmma (the same shared K tile, seen transposed, with Q
-#   resident in shared memory; n = 64, so Q is read once per chunk), runs the online softmax inside its own
-#   warpgroup (no row max or sum crosses warpgroups), publishes P (bf16) and the rescale factor α to the
-#   second warpgroup through a 2-deep shared buffer (mbarriers `pfull` / `pfree`), and computes its half of
-#   O += P·V. The **P·V warpgroup** only rescales and accumulates the other half. Either way V is the **same
-#   tile**, and each warpgroup owns **256 of the 512 output dims**, so its accumulator is 64 × 256 fp32 =
-#   128 registers per thread: no spill. Both release the stage on its `empty` mbarrier (two arrivals) for the
-#   producers to refill. (Until session 4 the two warpgroups split every MMA by columns instead: QKᵀ as
-#   n = 32 wgmma in each, both reading all of Q, with the softmax's row reductions crossing them.)
-# * Register budgets per role (`setmaxnreg`): the producers need few, the consumers take the rest.
-# * The list split and the merge of rung 3 stay (fp32 partials, the sink once, after the merge).
+# ### 10a. The design
 #
-# **Why it should be faster:** the bytes of chunk i + 1 arrive and are dequantised while the tensor cores work
-# on chunk i, so the kernel runs at about the slower of the two sides instead of their sum, and the
-# accumulator no longer spills. Measured (§13): 42 / 89 / 84 µs, 19 / 29 / 23 % of the bound, 1.2–2.2× rung 3;
-# the packed producer that is now the default (the producer keeps rows as 64-bit words instead of one register
-# per byte, and stores a half chunk at once instead of in 8 barrier-separated pieces) 37.5 / 82.6 µs at H 64 /
-# H 128 in a later call (`benchmarks/sparse_mla.md`). **What limits it:** each side's own speed. Timed alone,
-# the consumer (no row loads at all) takes 36 µs at H 64 and the producer (no MMAs) 32 µs, both about 4× the
-# 8 µs bound: the producer keeps too few bytes in flight against the DRAM latency, and the consumer's chain
-# (32 narrow wgmma per chunk, the softmax between QKᵀ and P·V, CTA barriers) is serial. The overlap works —
-# the kernel runs at about the slower side — but both sides must get faster.
+# Two kernels share one structure: producers fill a ring of shared-memory K tiles, consumers run the MMAs, and
+# mbarriers pass each stage back and forth (`ready[stage]` when a tile is in, `empty[stage]` when every
+# consumer is done with it).
 #
-# **Session 4 looked under both sides** with a third timing diagnostic: no row loads *and* no MMAs. What is left
-# — launch, Q to shared memory, the producer's conversion ALU and shared-memory stores, the mbarrier handshakes,
-# the epilogue and the split merge — still takes **24 / 42 / 34 µs** of the 37 / 83 / 71 µs. Timed over split
-# counts 1, 2, 4 it costs about 1.4–1.8 µs per 64-candidate iteration, as much as an iteration's row bytes
-# (≈ 1.2 µs per SM) or its MMAs (≈ 1.45 µs). The producer's SASS has ≈ 1 600 instructions per iteration per
-# thread (Triton already converts e4m3 in pairs; ≈ 2.5 instructions a value go to unpacking bytes from the
-# packed words), issued by **one producer warp per scheduler**; Nsight Compute shows 0.32 instructions issued
-# per scheduler per cycle, 3 warps resident per scheduler and 0.48 eligible, DRAM at 16 % of its peak. So the
-# kernel is **latency-bound at one CTA per SM**: a second producer warpgroup would need registers the 64 × 512
-# fp32 accumulator (128 per consumer thread) leaves no room for. In session 4's final run: 39.6 / 83.3 / 74.4 µs,
-# 20.3 / 31.1 / 26.4 % of the bound.
+# | | 64-row kernel (H > 16) | narrow kernel (H ≤ 16) |
+# |---|---|---|
+# | one program per | (token, 64 heads, list split); H 128 = two programs | (token, 16 heads, list split) |
+# | chunk | 64 candidates | 64 candidates |
+# | warps and registers | 12: producer warpgroup (104), scorer warpgroup (the rest, 248), P·V warpgroup (160) | 12: two producer warpgroups (184 each), one MMA warpgroup |
+# | shared memory | Q [64, 512], 2 K stages [64, 512], P [2, 64, 64], all bf16: 214.6 KB | Q [16, 512], 3 K stages, Pᵀ [16, 64]: 215.4 KB |
+# | QKᵀ | S[64 heads, 64 cand] = Q · Kᵀ, one n = 64 wgmma | Sᵀ[64 cand, 16 heads] = K · Qᵀ, n = 16 |
+# | P·V | O[64, 512] += P · V, 256 output dims per warpgroup: 128 fp32 registers each | Oᵀ[512, 16] += Vᵀ · Pᵀ, Vᵀ the same K tile read transposed: 64 registers |
+# | programs per SM | 1 | 1 |
 #
-# **Session 5 tried both sides again.** The role split above took 3–5 % off every shape (three calls agree),
-# and is the default: **37.5 / 77.5 / 71.1 µs, 21.4 / 31.9 / 27.5 %** in the final run. An integer
-# dequantisation (`prmt` each byte into a bf16 lane, shift, mask, two bf16x2 multiplies: 17 % fewer producer
-# instructions, bit-exact on every e4m3 code and scale byte) made the kernel *slower* and left the fixed-cost
-# diagnostic where it was (23 / 39 / 31 µs): the skeleton does not wait on the producer's ALU. What it waits
-# on is not yet pinned down; the next suspects are the 64 KB of shared-memory stores per chunk (their bank
-# pattern) and the per-CTA prologue (Q load and its NaN scan run before any partition starts)
-# (`benchmarks/sparse_mla.md`, `benchmarks/RESULTS.md`).
+# * **One program per (token, 64 heads).** wgmma's M is 64 rows per warpgroup, so 64 heads are one MMA tile.
+# * **The producer** gathers each chunk's 584-byte rows as int64 words, half a chunk at a time, with the slot
+#   indices fetched half a chunk ahead so no index load waits on the critical path. It dequantises
+#   e4m3 × 2^(scale − 127) to bf16 and stores the tile into the ring (NVMMA 128-byte swizzle, which wgmma reads
+#   directly), then arrives on `ready`.
+# * **The scorer** first brings the query into shared memory by `cp.async` while the producer already fetches
+#   rows. Per chunk it computes all of S = Q·Kᵀ as one n = 64 wgmma and runs the online softmax inside its own
+#   warpgroup, so no row max or sum crosses warpgroups. It hands P (bf16) and the rescale factor α to the
+#   second warpgroup through a 2-deep shared buffer (mbarriers `pfull` / `pfree`), and computes its own half of
+#   O += P·V.
+# * **The P·V warpgroup** only rescales and accumulates the other half. Either way V is the **same tile** as K.
+#   Each warpgroup owns **256 of the 512 output dims**, so its accumulator is 64 × 256 fp32 = 128 registers per
+#   thread: no spill. Both release the stage on `empty` (two arrivals).
+# * **Register budgets per role** (`setmaxnreg`): 512 per thread slot over three warpgroups; the producers
+#   need few, the scorer the most.
+# * **The list split and the merge of rung 3 stay**, with the same scratch format (fp32 partials, the sink
+#   applied once, after the merge).
+# * **The epilogue.** Unsplit, the bf16 output leaves through a K stage both consumers have released, as 16-byte
+#   row vectors. The accumulator's own register layout would store 4 bytes per thread, rows 8 apart. The
+#   query's NaN / ±inf scan runs only after the loop, and only when a head counted no candidate: a non-finite
+#   query row already makes every score, hence l, NaN; only an empty row needs the scan to tell NaN from empty.
+# * **At H ≤ 16 the products are transposed.** Padding 16 heads to M = 64 would make three quarters of the
+#   tensor-core work padding, and the 64 × 512 accumulator would take the registers a second producer needs.
+#   With the heads as the MMAs' **N** (which may be as small as 8), the softmax runs down each column. Vᵀ is the
+#   same shared K tile read transposed (wgmma reads a bf16 operand from shared memory in either order), and Pᵀ
+#   goes through 2 KB of shared memory. Oᵀ takes 64 registers per thread, so two producer warpgroups fit, each
+#   dequantising half of every chunk with the next chunk's rows already in flight.
 #
-# **Session 6 looked per instruction** (Nsight Compute's warp-stall samples, split by partition). The P·V
-# warpgroup spends three quarters of its time waiting for the scorer; the scorer waits for the producer's
-# `ready`; the producer waits on its own row loads: it holds one half chunk (32 rows) of raw bytes in its 104
-# registers, so each half chunk costs a memory round trip it cannot hide. A diagnostic that runs no chunk at all
-# puts **15.5 µs** of the 77 at H 128 in fixed cost (128 CTAs each load a 64 KB query and store a 64 KB output).
-# Asking L2 for the rows ahead (prefetch instructions need no register) made it slower in both forms tried; the
-# query now reaches shared memory by `cp.async` inside the scorer partition while the producer already fetches
-# the first chunk (about 1 µs at H 64). Final run: **36.4 / 77.0 / 69.8 µs, 22.1 / 31.2 / 28.1 %**; the 35 % floor
-# is still missed. What the next kernel needs is more rows in flight in the producer, through TMA or `cp.async`
-# into a raw FP8 ring, which needs shared memory the query and two K stages now fill.
+# **Why it is faster:** the bytes of chunk i + 1 arrive and are dequantised while the tensor cores work on
+# chunk i. The kernel runs at about the slower of the two sides instead of their sum, and the accumulator no
+# longer spills.
 #
-# **Session 8: the narrow kernel, and the fixed cost.** Two changes, each measured in its own GPU call before it
-# became the default (`benchmarks/sparse_mla.md`).
+# ### 10b. Where the time goes: time each part alone
 #
-# * **At H ≤ 16, transpose the products** (`_narrow_kernel`). Padding 16 heads to wgmma's M = 64 makes three
-#   quarters of the tensor-core work padding, and the 64 × 512 fp32 accumulator takes the registers a second
-#   producer would need. Written the other way round, the heads become the MMAs' **N**, which may be as small as 8:
-#   Sᵀ[64 candidates, 16 heads] = K · Qᵀ, the softmax runs down each column (one per head), and
-#   Oᵀ[512, 16] += Vᵀ · Pᵀ, where Vᵀ is the *same* shared K tile read transposed (wgmma reads a bf16 A operand
-#   from shared memory in either order) and Pᵀ goes through 2 KB of shared memory. Oᵀ is 64 registers per
-#   thread, so the freed registers hold a **second producer warpgroup**: each dequantises half of every chunk,
-#   with the next chunk's rows already in flight, into a ring of three K stages. At H 16, K 2048:
-#   **69.6 → 54.2 µs, 27.7 → 35.5 %** of the bound.
-# * **The fixed cost, taken apart.** New diagnostics run no chunk, then also no query load, then also no
-#   epilogue stores. At H 128 the 14.7 µs of fixed cost split into 4.6 µs for the query, **7.9 µs for the
-#   output stores** and 2.2 µs for the rest. The accumulator's register layout stores 4 bytes per thread, rows
-#   apart; staging the bf16 output through a K stage that is free by then and storing whole 16-byte row
-#   vectors (`OSMEM`) took H 128 from 76.9 to 72.3 µs. The query's NaN / ±inf scan, which ran before the first
-#   QKᵀ, now runs after the loop and only when a head counted no candidate (`LAZY_SCAN`): a non-finite query
-#   row already makes every score non-finite, hence l NaN; only an empty row needs the scan. 70.4 µs.
+# A warp-specialised kernel hides one side behind the other, so its total time says little about either side.
+# The kernel takes a `DIAG` flag, for timing only (its results are wrong), that removes one part at a time:
+# 1 no row loads, 2 no MMAs, 3 neither, 4 no chunks at all, 5 also no query load, 6 also no epilogue stores.
+# Three readings of those diagnostics and two profiles set every later step (H200, T 64, µs):
 #
-# Final run: **35.7 / 69.8 / 54.2 µs, 22.2 / 35.2 / 35.5 %** of the bound. The 35 % floor is met at H 128 and
-# H 16 (by 0.2 and 0.5 points: within the ±1 point that separate calls differ by) and missed at H 64 by
-# 12.8 points. H 64 is split in two lists; its fp32 partials (16.8 MB) go out through the accumulator layout and
-# come back in a second launch, 16 µs of fixed cost against a 23 µs target for the whole kernel.
+# | what was timed | H 64 K 640 | H 128 K 1152 | H 16 K 2048 |
+# |---|---|---|---|
+# | the kernel with the role-split consumers, before the fixed-cost fixes | 37.2 | 78.6 | 73.6 |
+# | producer alone (no MMA / softmax) | 32.1 | 57.0 | 53.0 |
+# | consumers alone (no row loads) | 31.3 | 65.8 | 56.9 |
+# | neither | 23.0 | 38.2 | 31.5 |
+# | no chunk at all: launch, query, epilogue, merge | 15.9 | 15.5 | 10.4 |
 #
-# **Session 9: the merge moved into the kernel, and why that lost.** The obvious cure for H 64's second launch
-# is to merge in the decode kernel: each split stores its partial, counts itself in with an atomic (release
-# semantics after its own stores), and the split that arrives last reads the others back from L2, merges,
-# applies the sink and writes the output. It passed every test and was **slower**: 37.5–38.3 µs against
-# 35.4–35.7 at H 64. Only the last split of each token merges, so half the SMs run a serial tail (store, count,
-# read 128 KB per warpgroup, write) while the other half idle; the merge launch spreads the same bytes over
-# every SM. Storing the partials as row vectors through shared memory, with the launch kept, saved 0.3 µs: the
-# cost of the partials is their 16.8 MB, not their layout. The arithmetic of the miss: H 64's fixed cost is
-# 15.8 µs (launch 2.3, query 3.3, partials 4.9, merge launch 5.3), and even chunks at the tensor cores' rate
-# (5 per program × ~1.4 µs) would bring the call to 22.8 µs, about the 35 % target. What reaches it is
-# a design in which the fixed cost overlaps the chunks (a persistent kernel that loads its next work item's
-# query and first rows under this one's epilogue); a cheaper merge does not.
+# * **Each side alone is far off the bound** (at H 64 about 4× the whole call's 8 µs), and the part that is
+#   neither is still 23–38 µs. Nsight Compute saw nothing saturated: 0.32 instructions issued per scheduler per cycle, DRAM at 16 % of its peak.
+#   The kernel is **latency-bound at one program per SM**.
+# * **The row gather, timed alone** (`benchmarks/gather_probe.py`): 128 programs, one per SM, fetching random
+#   584-byte rows of this cache by `cp.async` into a ring 1 to 4 chunks deep, with 4 to 16 warps. Every variant
+#   took 1.8–2.0 µs per chunk: **about 64 % of the copy rate, whatever the bytes in flight**. Contiguous rows
+#   reach 69–74 %. Leaving out the rows' separate 8-byte scale words saves 13 % of the time for 1.4 % of the
+#   bytes. Two or three independent programs per SM, one chunk in flight each, reach 80 %. **Independence, not
+#   depth, passes the cap**: a program waiting for its oldest copies stalls its own issue. The kernel's producer
+#   alone is within ~20 % of this bare gather, so a deeper ring would not have sped it up.
+# * **The fixed cost, taken apart** (DIAG 4 → 5 → 6). At H 128, 4.6 µs went to the query and 7.9 µs to storing
+#   the output from the accumulator's layout. At H 64 the split's 16.8 MB of fp32 partials (4.9 µs) and the
+#   merge launch (5.3 µs) dominate.
+# * **Per instruction** (Nsight Compute's stall samples, split by partition, H 128): the P·V warpgroup idles
+#   76 % of its time, waiting for the scorer. The scorer waits 10 % on its own QKᵀ wgmma, 8 % on the query at
+#   the start, and only 8 % on the producer. What sets the pace at H 128 is the scorer's own chain:
+#   QKᵀ → softmax → P → P·V, in series, about 2.8 µs per chunk against ~1.5 µs of MMA.
 #
-# **Session 9 also timed the gather alone** before building the raw FP8 ring that sessions 6 and 8 asked for
-# (`benchmarks/gather_probe.py`): 128 programs, one per SM, fetch their rows of the real cache layout by
-# `cp.async` into a ring D chunks deep, and read each chunk back once. With 1, 2, 3 or 4 chunks in flight and 4,
-# 8 or 16 warps, every variant took the same 1.8–2.0 µs per chunk: **about 64 % of the copy rate, whatever the
-# bytes in flight**. Contiguous rows reach 69–74 %; leaving out the rows' separate 8-byte scale words saves 13 %
-# of the time. What passes the cap is independence, not depth: two or three programs per SM with one chunk in
-# flight each reach 80 %, where one program with the same bytes in flight stays at 63 % (a program waiting for
-# its oldest copies stalls its own issue). So the "too few bytes in flight" reading was wrong, and the ring would not have sped the
-# producer up: the decode kernel's producer alone is within ~20 % of the bare gather. Two lessons for a port:
-# time the memory pattern alone, at your kernel's grid, before designing a pipeline for it (the roofline's copy
-# rate is not what random 584-byte rows at one program per SM get); and at H 128 the next kernel is the
-# consumers' (QKᵀ → softmax → P·V in series), whose diagnostic alone takes 65 of the 70 µs. A first try there,
-# the scorer keeping 128 output columns instead of 256 so that its freed registers hold the next chunk's QKᵀ
-# issued behind this chunk's P·V, was correct and no faster (74.2 µs with the overlap, 70.7 without). Handing
-# the softmax to the idle P·V warpgroup, so the scorer could start the next QKᵀ at once, was correct and slower
-# (76.4 µs): the serial chain moved to the other warpgroup, with a 16 KB handoff added. A ping-pong of two
-# warpgroups (FlashAttention-3's) does not fit: each would need the scorer's ~238 registers.
+# ### 10c. What paid, and what did not
+#
+# Each change was checked against the float64 oracle on the GPU, then timed beside the previous default in the
+# same run. These took the kernel to where it is:
+#
+# | change | what it does | measured (µs, H200) |
+# |---|---|---|
+# | packed producer | rows kept as int64 words (4 bytes per register, not one byte), a half chunk stored at once | H 64: 42.3 → 37.5; H 128: 89.9 → 82.6 |
+# | role-split consumers | one scorer owns QKᵀ and the softmax, instead of both warpgroups splitting every MMA by columns (the softmax's reductions crossing them) | 3–5 % on every shape, three runs |
+# | query loaded by the scorer | the query's `cp.async` runs inside the scorer, while the producer already fetches rows | about 1 µs at H 64 |
+# | narrow kernel | heads as N at H ≤ 16, two producer warpgroups | H 16: 69.6 → 54.2 |
+# | output staged through shared memory | 16-byte row vectors instead of the accumulator layout's 4-byte pieces | H 128: 76.9 → 72.3 |
+# | the query's scan after the loop | the NaN / ±inf scan only for a head that counted nothing | H 128: 72.3 → 70.4 |
+#
+# These were correct and measured no faster, and were removed (the code stays in git's history):
+#
+# | change | the idea | measured | why |
+# |---|---|---|---|
+# | integer dequantisation | `prmt` bytes into bf16 lanes: 17 % fewer producer instructions | slower: 39.4 / 87.4 / 80.6 against 37.7 / 80.8 / 73.1 | the kernel does not wait on the producer's ALU |
+# | PTX form of the conversion | fewer conversion instructions | no gain (3 % fewer instructions) | the same |
+# | L2 prefetch of rows ahead | rows asked of L2 2–8 half chunks early, without registers | slower in both forms | the prefetches cost more than they saved |
+# | the merge inside the kernel | the last split of a token merges; no second launch | H 64: 37.5–38.3 against 35.4–35.7 | only the last splits merge: half the SMs run a serial tail while the others idle; a launch spreads it over all SMs |
+# | partials staged as row vectors | the merge launch kept | 0.3 µs saved, within noise | the partials cost their 16.8 MB, not their layout |
+# | scorer on 128 output columns | its freed registers hold the next chunk's QKᵀ, issued behind this P·V | H 128: 70.7 without the overlap, 74.2 with it | the chain did not get shorter |
+# | the softmax handed to the P·V warpgroup | the scorer starts the next QKᵀ at once | H 128: 76.4 against 70.0 | the serial chain moved to the other warpgroup, plus a 16 KB hand-off |
+# | ping-pong consumers (FlashAttention-3's) | two warpgroups alternating chunks | does not fit | each needs the scorer's ~238 registers: two of them and a producer exceed 512 per thread slot |
+#
+# ### 10d. Where it stands, and what is left
+#
+# The latest bench (§13): **35.7 / 69.8 / 54.2 µs, 22.2 / 35.2 / 35.5 %** of the bound at H 64 / H 128 / H 16.
+# Separate runs differ by about ±1 point, so H 128 and H 16 sit on a 35 % line, and H 64 is well under it.
+#
+# * **H 64** is split in two lists, so its fixed cost is 15.8 µs: launch 2.3, query 3.3, partials 4.9, merge
+#   launch 5.3. The bare gather of its rows takes 12 µs at this grid, and 35 % would mean 22.7 µs for the whole
+#   call. Even chunks at the tensor cores' rate (5 per program × ~1.4 µs) would bring the call to about 22.8 µs
+#   if the fixed cost stayed in series. What reaches it is a design in which the fixed cost overlaps the chunks,
+#   for example a persistent kernel that loads its next work item's query and first rows under this one's
+#   epilogue. A cheaper merge does not.
+# * **H 128** needs a shorter consumer chain per chunk. Two routes are untried: four consumer warpgroups of 128
+#   output columns each, or one program per token across a cluster. Both need a new register and
+#   shared-memory plan.
+# * **Every shape** would gain from a second, independent producer stream (the gather probe's lesson). It needs
+#   a leaner producer first: the registers are spent.
+#
+# Two lessons carry over to any port. Time the memory pattern alone, at your kernel's grid, before designing a
+# pipeline for it: the roofline's copy rate is not what random 584-byte rows at one program per SM get. And
+# time the fixed cost against the whole budget before optimising the loop: at H 64 it is two thirds of the
+# target.
 #
 # A schematic of the difference between rungs 2 and 4 (not a measurement):
 
@@ -715,7 +728,7 @@ for name, h, k in shapes:
 # be at 100 % of the bound.
 #
 # The dashed roof under it is what the gather itself reaches at these kernels' grid, measured alone
-# (`benchmarks/gather_probe.py`, session 9): 128 programs, one per SM, fetching random 584-byte rows of this
+# (`benchmarks/gather_probe.py`, §10b): 128 programs, one per SM, fetching random 584-byte rows of this
 # cache by `cp.async` got about **64 % of the copy rate**, whatever the chunks in flight (1 to 4) or the warps
 # (4 to 16). It is a property of the access pattern on this device, not a ceiling a kernel can raise by
 # buffering more; the bound keeps the copy rate, as the issue's figures do.

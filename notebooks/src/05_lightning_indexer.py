@@ -423,11 +423,12 @@ else:
 # MMA, so the kernel decodes nibbles to bf16 with ALU work and float conversions first; with the
 # `"f16_blocks"` decode 295.0 µs, **15.3 %**, and 270.7 µs (16.7 %) with 8 pages per program.
 #
-# **Session 4: `fp4_decode="f16_scaled"`, the default now.** Each key's (and query head's) block scales,
+# **The default now: `fp4_decode="f16_scaled"`.** Each key's (and query head's) block scales,
 # taken relative to its largest one, ride inside the fp16 operands, so a page is **one** fp16 dot over all
 # 128 dims with one wait, instead of eight dots each followed by a scale product; the largest scales are
-# applied once, to the score. Measured in one H200 run with every other op (ceilings 4.04 TB/s, 746 TFLOP/s):
-# **119.6 µs, 38.5 % of the bound** at 16 pages per program (the goal, ≥ 30 %, is met), 2.5× `f16_blocks`;
-# FP8 138.7 µs (51.1 %). A program whose scale bytes fall outside the range where the fold is exact takes the
-# `f16_blocks` arithmetic instead. The torch reference under `torch.compile` takes 3.5–5.4 ms (1.3 %).
+# applied once, to the score. Measured in a later H200 run with every other op (also 2026-11-30,
+# `benchmarks/RESULTS.md`, ceilings 4.04 TB/s, 746 TFLOP/s): **119.6 µs, 38.5 % of the bound** at 16 pages
+# per program (the goal, ≥ 30 %, is met), 2.5× `f16_blocks`; FP8 138.7 µs (51.1 %). A program whose scale
+# bytes fall outside the range where the fold is exact takes the `f16_blocks` arithmetic instead. The torch
+# reference under `torch.compile` takes 3.5–5.4 ms (1.3 %).
 # `benchmarks/indexer.md` has the decode's operation count, the sweep and the next suspects.

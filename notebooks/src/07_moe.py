@@ -328,13 +328,13 @@ else:
     print("interpreting on the CPU: no timings here (see benchmarks/moe.md for the H200 figures)")
 
 # %% [markdown]
-# Measured on an H200 in one run with every other op (session 4, 2026-11-30, [`benchmarks/RESULTS.md`](../benchmarks/RESULTS.md),
+# Measured on an H200 in one run with every other op (2026-11-30, [`benchmarks/RESULTS.md`](../benchmarks/RESULTS.md),
 # [`benchmarks/moe.md`](../benchmarks/moe.md); ceilings 4.04 TB/s copy and 746 TFLOP/s bf16 measured in the same
-# run), with bf16 expert weights:
+# run), with bf16 expert weights; the staging row adds the default's figures from a run of 2026-12-01:
 #
 # | case | time | of the roofline bound |
 # |---|---|---|
-# | staging, T = 4096, Hd = 4096 | 16.5 µs (session 3: 26.6 µs); session 6: 15.7 µs | 77 % of copy (target 80 %; a torch uint8 copy of the same 51 MB: 80 %, a bf16 → e4m3 copy: 66 %); session 6: **80.7 %** (top-k copy first, and a timing window of ≥ 32 calls: the old one charged each call ~1.5 µs of the host's graph submission) |
+# | staging, T = 4096, Hd = 4096 | 16.5 µs (the earlier `blocks` encoder: 26.6 µs); 2026-12-01: 15.7 µs | 77 % of copy (target 80 %; a torch uint8 copy of the same 51 MB: 80 %, a bf16 → e4m3 copy: 66 %); 2026-12-01: **80.7 %** (top-k copy first, and a timing window of ≥ 32 calls: the old one charged each call ~1.5 µs of the host's graph submission) |
 # | experts, T = 64 (decode) | 2.50 ms | at the bound of the used experts' weights (part of them served from L2) |
 # | experts, T = 4096 (prefill) | 6.79 ms | 48 % (each expert's weights read by two 64-row tiles) |
 # | torch reference, eager / `torch.compile`, T = 64 | 58.1 / 95.4 ms | 4.5 % / 2.7 % |
