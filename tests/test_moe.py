@@ -582,6 +582,37 @@ def test_swiglu_clamp_is_one_sided_on_the_gate():
     assert got[0].item() != 0.0  # the gate is not clamped from below: silu(−30)·(−10) is tiny but not zero
 
 
+def test_kernel_swiglu_gate_is_not_clamped_from_below():
+    """The kernel's side of the test above: gate pre-activations of −12 and −30 (below −L) and ups past ±L. A
+    kernel that also clamped the gate from below would give silu(−10)·(±10) ≈ ∓4.5e-3 where the oracle has
+    silu(−30)·(±10) ≈ ∓2.8e-12, far past "moe_out" (2^-8 of a tiny mass). x is one-hot per token and W2 a
+    one-hot selector, so every GEMM is exact and out = bf16(h) column by column."""
+    T, Hd, E, I = 4, 256, 1, 128
+    n = torch.arange(I)
+    x = torch.zeros(T, Hd, dtype=torch.bfloat16)
+    x[torch.arange(T), torch.arange(T)] = 1.0
+    w13 = torch.zeros(E, 2 * I, Hd, dtype=torch.bfloat16)
+    for t in range(T):
+        gate = torch.where(n % 4 == 0, 3.0, torch.where((n + t) % 2 == 0, -30.0, -12.0))
+        up = torch.where(n % 3 == 0, 1.0, torch.where(n % 2 == 0, 10.5, -10.5))
+        w13[0, :I, t], w13[0, I:, t] = gate.to(torch.bfloat16), up.to(torch.bfloat16)
+    w2 = torch.zeros(E, Hd, I, dtype=torch.bfloat16)
+    w2[0, torch.arange(Hd), torch.arange(Hd) % I] = 1.0
+    d = dict(w13=w13.to(DEVICE), w2=w2.to(DEVICE), swiglu_limit=10.0, shared_w13=None, shared_w2=None)
+    x = x.to(DEVICE)
+    ids = torch.zeros(T, 1, dtype=torch.int32, device=DEVICE)
+    w = torch.ones(T, 1, device=DEVICE)
+    staged = moe.stage(x, ids, w)
+    assert torch.equal(ref.dequantize_staged(staged[0], staged[1]), x.float()), "x must stage exactly"
+    out = run_experts(x, staged, d, shared=False)
+    want, mass = oracle_out(x, *staged, d, shared=False)
+    assert_close(out, want, "moe_out", "one-sided gate clamp", mass=mass)
+    a, u = w13[0].double().T[:T].chunk(2, dim=-1)  # token t's gate and up rows: x = e_t
+    two_sided = (torch.nn.functional.silu(a.clamp(-10.0, 10.0)) * u.clamp(-10.0, 10.0)).repeat(1, Hd // I)
+    assert (a < -10).sum() > T * I // 2, "the data must sit below -L"
+    assert not compare(two_sided.to(DEVICE), want, "moe_out", mass=mass).passed
+
+
 def test_weight_applied_before_the_down_projection():
     """Spec test 14. With W2 a one-hot selector, out = bf16(h) exactly, so the two placements differ only by
     rounding: weight-before rounds silu·u·ω once, weight-after rounds silu·u then multiplies. Integer-valued
