@@ -236,6 +236,22 @@ def test_bad_arguments_raise():
         compressor.CompressorLaunch(block_j=16)
 
 
+@pytest.mark.parametrize("name", ["state_kv", "state_score"])
+def test_strided_state_is_refused(name):
+    """The ring state is read and written by flat row offsets, so a strided view of the right shape is
+    refused, with the argument named, before anything is written (x, by contrast, may be strided)."""
+    d = compressor.example_step(4, (5,), device=DEVICE)
+    state = d[name]
+    base = torch.full((*state.shape[:-1], 2 * state.shape[-1]), 3.0, dtype=state.dtype, device=DEVICE)
+    view = base[..., ::2]
+    assert view.shape == state.shape and not view.is_contiguous()
+    before = base.clone()
+    for backend in ("reference", "triton"):
+        with pytest.raises(ValueError, match=f"{name}: expected a contiguous tensor"):
+            compressor.compress(**(d | {name: view}), backend=backend)
+        assert torch.equal(base, before), backend
+
+
 def test_conformance_suite_has_teeth():
     """The compressor's conformance cases pass through the kernel and fail an implementation with the
     overlap halves swapped (C2: the older tokens read channels [D:2D])."""

@@ -287,3 +287,22 @@ def test_gather_every_backend_equals_reference_on_any_bytes(data, B, pages, dtyp
     out = torch.full((len(vals), 512), 7.0, dtype=torch.bfloat16, device=DEVICE) if with_out else None
     run_gather(cache, slots, block_size=B, out=out)
     assert unchanged(before, cache, slots)
+
+
+@pytest.mark.parametrize("layout", ["every other column", "transposed"])
+def test_gather_refuses_a_strided_out(layout):
+    """``out`` must be a contiguous [S, 512] bf16 buffer: the kernel writes rows 1024 bytes apart. A strided
+    view of the right shape is refused on every backend, with the argument named and not one byte of the
+    buffer under it written (read as if contiguous, it would land rows in the wrong places)."""
+    B, S = 4, 6
+    cache = random_cache(2, B, seed=5)
+    slots = torch.tensor([0, 7, -1, 3, 3, 5], device=DEVICE)
+    base = torch.full((S, 1024) if layout == "every other column" else (512, S), 7.0, dtype=torch.bfloat16,
+                      device=DEVICE)
+    out = base[:, ::2] if layout == "every other column" else base.t()
+    assert out.shape == (S, 512) and not out.is_contiguous()
+    before = snapshot(base)
+    for backend in BACKENDS:
+        with pytest.raises(ValueError, match="out: expected a contiguous tensor"):
+            kc.gather(cache, slots, block_size=B, out=out, backend=backend)
+        assert unchanged(before, base), backend
