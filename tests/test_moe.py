@@ -97,6 +97,14 @@ def routed(d, T=None):
     return ids, w
 
 
+def selector_w2(E, Hd, I):
+    """W2 [E, Hd, I] bf16 as a one-hot selector: output dim j is h[j % I], so an expert's output is bf16(h)
+    column by column and every down-projection is exact."""
+    w2 = torch.zeros(E, Hd, I, dtype=torch.bfloat16)
+    w2[:, torch.arange(Hd), torch.arange(Hd) % I] = 1.0
+    return w2.to(DEVICE)
+
+
 def one_hot_x(z, Hd=8):
     """x [1, Hd] = e_0 and W_gate [E, Hd] with column 0 = z, so the gate logits are exactly z (bf16 values)."""
     z = torch.as_tensor(z, dtype=torch.float32)
@@ -596,9 +604,7 @@ def test_kernel_swiglu_gate_is_not_clamped_from_below():
         gate = torch.where(n % 4 == 0, 3.0, torch.where((n + t) % 2 == 0, -30.0, -12.0))
         up = torch.where(n % 3 == 0, 1.0, torch.where(n % 2 == 0, 10.5, -10.5))
         w13[0, :I, t], w13[0, I:, t] = gate.to(torch.bfloat16), up.to(torch.bfloat16)
-    w2 = torch.zeros(E, Hd, I, dtype=torch.bfloat16)
-    w2[0, torch.arange(Hd), torch.arange(Hd) % I] = 1.0
-    d = dict(w13=w13.to(DEVICE), w2=w2.to(DEVICE), swiglu_limit=10.0, shared_w13=None, shared_w2=None)
+    d = dict(w13=w13.to(DEVICE), w2=selector_w2(E, Hd, I), swiglu_limit=10.0, shared_w13=None, shared_w2=None)
     x = x.to(DEVICE)
     ids = torch.zeros(T, 1, dtype=torch.int32, device=DEVICE)
     w = torch.ones(T, 1, device=DEVICE)
@@ -621,9 +627,7 @@ def test_weight_applied_before_the_down_projection():
     g = generator(21)
     x = torch.randint(-8, 9, (T, Hd), generator=g).to(torch.bfloat16).to(DEVICE)
     w13 = (torch.randint(-3, 4, (E, 2 * I, Hd), generator=g) / 64.0).to(torch.bfloat16).to(DEVICE)
-    w2 = torch.zeros(E, Hd, I, dtype=torch.bfloat16)
-    w2[:, torch.arange(Hd), torch.arange(Hd) % I] = 1.0
-    d = dict(w13=w13, w2=w2.to(DEVICE), swiglu_limit=10.0, shared_w13=None, shared_w2=None)
+    d = dict(w13=w13, w2=selector_w2(E, Hd, I), swiglu_limit=10.0, shared_w13=None, shared_w2=None)
     ids = (torch.arange(T) % E).to(torch.int32)[:, None].to(DEVICE)
     w = (0.3 + 1.4 * torch.rand(T, 1, generator=g)).to(DEVICE)  # not powers of two
     staged = moe.stage(x, ids, w)

@@ -44,21 +44,8 @@ T = 64, H200, `benchmarks/RESULTS.md`: 35.7 / 69.8 / 54.2 µs at H 64 K 640 / H 
 What limits each shape (the fixed cost at H 64, the scorer's serial chain at H 128) and every variant tried,
 with its log: `benchmarks/sparse_mla.md`; the ladder from the seed's path to this kernel: notebook 04.
 
-**What else the flags select**, kept so each step of the ladder can be re-measured (the figures and logs of
-each are in `benchmarks/sparse_mla.md`):
-
-* ``WS = False``: :func:`_decode_kernel`, the same MMAs with no specialisation (after issuing P·V
-  asynchronously the same warps load and dequantise the next chunk into the other buffer);
-* ``ROLES = 0, KSPLIT = 0``: two consumer warpgroups that split every MMA by columns (:func:`_ws_consumer`:
-  QKᵀ as n = 32 wgmma in each, the softmax's row reductions crossing them); 3–5 % slower than ``ROLES``;
-* ``KSPLIT`` (1, 2): two consumers splitting QKᵀ by dims, partial scores swapped through shared memory
-  (:func:`_ks_consumer`); it needs ~200 registers per consumer thread and spilled in its loop;
-* ``PACKED = 0``: the byte-wise producer (one register per loaded byte); 2, 3: two or three half chunks in
-  registers; 4: the next half chunk staged by cp.async into shared memory; ``DEEP = False``: slot indices
-  fetched with the rows instead of ahead of them;
-* ``OVERLAP``: the next chunk's QKᵀ issued behind this chunk's P·V;
-* ``DIAG`` (timing only, wrong results): 1 no row loads, 2 no MMA, 3 neither, 4 no chunks, 5 also no query
-  load, 6 also no epilogue stores; the fixed-cost and per-side diagnostics of `benchmarks/sparse_mla.md`.
+The other values of the flags (:data:`VARIANT`, each described beside it below) keep every step of the
+ladder re-measurable; `benchmarks/sparse_mla.md` has the figures and logs of each.
 
 This module imports Gluon lazily and guarded: on a CPU machine (the Triton interpreter) or a Triton
 without Gluon it still imports; :func:`available` says whether the backend can run here.
@@ -81,26 +68,33 @@ NUM_WARPS = 8  # the column-split consumers (ROLES = KSPLIT = 0) and _decode_ker
 #   WS: the warp-specialised kernel (4 producer warps dequantise into an NS-stage ring, 8 consumer warps run
 #       the MMAs); OVERLAP: its next QKᵀ is issued behind the current P·V; PRODUCER_REGS: the producer
 #       warps' register budget (setmaxnreg; the consumers get the rest); DEEP: the producer fetches slot
-#       indices half a chunk ahead of the row loads.
+#       indices half a chunk ahead of the row loads (else with the rows).
 #       PACKED: the producer keeps rows as int64 words, 1-3 half chunks in registers, or 4: one in registers
-#       and the next in flight into shared memory by cp.async (0: the byte-wise producer); KSPLIT: two 4-warp consumer partitions splitting QKᵀ by dims (2: as two score halves).
+#       and the next in flight into shared memory by cp.async (0: the byte-wise producer, one register per
+#       byte). KSPLIT: two 4-warp consumer partitions splitting QKᵀ by dims, partial scores swapped through
+#       shared memory (2: as two score halves; ~200 registers per consumer thread, spilled in its loop).
 #       ROLES: two 4-warp consumer partitions with different roles: a scorer (all of QKᵀ as n = 64 wgmma, the
 #       softmax inside one warpgroup, half of P·V) and a P·V warpgroup on PV_REGS registers (the other half,
-#       P read from shared memory).
+#       P read from shared memory). ROLES = KSPLIT = 0: two warpgroups splitting every MMA by columns
+#       (QKᵀ as n = 32 wgmma in each, the softmax's row reductions crossing them).
+#       QLATE (ROLES): the query reaches shared memory by cp.async inside the scorer partition.
+#       OSMEM (ROLES, split 1): the bf16 output leaves through a free K stage as 16-byte row vectors.
+#       LAZY_SCAN (ROLES with QLATE): the query's NaN / ±inf scan after the loop, only for a head with nothing
+#       counted.
+#   NARROW (H <= NARROW_H only): the narrow-head kernel (heads as the MMAs' N, two producer warpgroups on
+#       NARROW_REGS registers each, an NARROW_NS-stage ring), :func:`_narrow_kernel`.
 #   Non-specialised kernel (WS False): PIPE: chunk i+1's raw bytes are loaded one iteration ahead and held
 #       in registers (else loaded after the P·V issue, latency exposed); P_SMEM: P reaches the P·V MMA through
 #       shared memory (else registers).
+#   DIAG (not in VARIANT; timing only, wrong results): 1 no row loads, 2 no MMA, 3 neither, 4 no chunks,
+#       5 also no query load, 6 also no epilogue stores.
 # why these are the defaults (H200, each measured against the one before in the same calls, every check passed
 # at H 16 / 64 / 128): PACKED=1, H 64 37.5 µs against 42.3 µs for the byte-wise producer, H 128 82.6 against
 # 89.9 (benchmarks/runs/2026-11-30_s3_h200_gluon_sweep.log); ROLES=1, 37.2-37.7 / 79.0-80.8 / 72.1-73.1 µs
 # against 38.1-39.4 / 83.4-84.5 / 74.0-76.0 µs for the column-split pair (runs/2026-12-01_s5_h200_gluon_*.log);
-# QLATE=1, the query loaded by the scorer partition: 36.4 / 77.6 / 71.6 and 36.7 / 77.9 / 73.0 µs against
-# 37.9 / 78.5 / 71.5 and 37.7 / 77.9 / 72.6 µs in two calls (runs/2026-12-01_s6_h200_gluon_*.log); NARROW,
-# OSMEM and LAZY_SCAN: benchmarks/sparse_mla.md, "the narrow kernel; the fixed cost taken apart"
-#   OSMEM (ROLES, split 1): the bf16 output leaves through a free K stage as 16-byte row vectors;
-#   LAZY_SCAN (ROLES with QLATE): the query's NaN / ±inf scan after the loop, only for a head with nothing counted.
-#   NARROW (H <= NARROW_H only): the narrow-head kernel (heads as the MMAs' N, two producer warpgroups on
-#       NARROW_REGS registers each, an NARROW_NS-stage ring), :func:`_narrow_kernel`
+# QLATE=1: 36.4 / 77.6 / 71.6 and 36.7 / 77.9 / 73.0 µs against 37.9 / 78.5 / 71.5 and 37.7 / 77.9 / 72.6 µs
+# in two calls (runs/2026-12-01_s6_h200_gluon_*.log); NARROW, OSMEM and LAZY_SCAN: benchmarks/sparse_mla.md,
+# "the narrow kernel; the fixed cost taken apart"
 VARIANT = dict(WS=True, NS=2, OVERLAP=False, PRODUCER_REGS=104, DEEP=True, PIPE=False, P_SMEM=True, PACKED=1,
                ROLES=1, PV_REGS=160, QLATE=1, NARROW=1, NARROW_NS=3, NARROW_REGS=184, OSMEM=1, LAZY_SCAN=1)
 NARROW_H = 16  # heads per program of the narrow kernel (wgmma N)
