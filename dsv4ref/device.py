@@ -16,7 +16,7 @@ import time
 
 import torch
 
-__all__ = ["pick", "DEVICE", "interpreting", "synchronize", "Timer", "describe"]
+__all__ = ["pick", "DEVICE", "HOST", "interpreting", "synchronize", "Timer", "describe"]
 
 
 def _accelerator() -> str | None:
@@ -49,6 +49,11 @@ def pick() -> torch.device:
 
 
 DEVICE: torch.device = pick()
+
+#: Where tables (cos/sin) and seeded draws are built, whatever torch's default device is: on the CPU, so
+#: every machine gets the same bits. Library code names it explicitly (``device=HOST``); it never relies on
+#: ``torch.set_default_device``.
+HOST: torch.device = torch.device("cpu")
 
 # On CPU the Triton kernels can only run in Triton's interpreter. This must happen before any
 # module defines a @triton.jit kernel (docs/triton_interpreter.md).

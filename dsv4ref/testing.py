@@ -11,7 +11,7 @@ import math
 
 import torch
 
-from .device import DEVICE
+from .device import DEVICE, HOST
 from .tolerances import Report, Tol, TOLERANCES, assert_close, compare  # noqa: F401  (one import for callers)
 
 
@@ -28,7 +28,7 @@ def poison(shape, dtype: torch.dtype, device=None) -> torch.Tensor:
 
 def generator(seed: int) -> torch.Generator:
     """A seeded CPU generator: CPU and GPU draw the same numbers (the CUDA RNG stream differs)."""
-    return torch.Generator().manual_seed(seed)
+    return torch.Generator(device=HOST).manual_seed(seed)
 
 
 def randn(shape, *, seed: int = 0, dtype: torch.dtype = torch.bfloat16, device=None, block: int | None = 64,
@@ -38,19 +38,19 @@ def randn(shape, *, seed: int = 0, dtype: torch.dtype = torch.bfloat16, device=N
 
     Drawn on the CPU with a seeded generator, then moved to ``device`` (default :data:`DEVICE`)."""
     g = generator(seed)
-    x = torch.randn(shape, generator=g, dtype=torch.float32)
+    x = torch.randn(shape, generator=g, dtype=torch.float32, device=HOST)
     if octaves:
         last = shape[-1]
         b = last if block is None else block
         nb = math.ceil(last / b)
-        e = torch.randint(-octaves // 2, octaves // 2 + 1, (*shape[:-1], nb), generator=g).float()
+        e = torch.randint(-octaves // 2, octaves // 2 + 1, (*shape[:-1], nb), generator=g, device=HOST).float()
         x = x * torch.exp2(e).repeat_interleave(b, dim=-1)[..., :last]
     return x.to(dtype).to(device or DEVICE)
 
 
 def randint(low: int, high: int, shape, *, seed: int = 0, dtype=torch.int64, device=None) -> torch.Tensor:
-    return torch.randint(low, high, shape, generator=generator(seed)).to(dtype).to(device or DEVICE)
+    return torch.randint(low, high, shape, generator=generator(seed), device=HOST).to(dtype).to(device or DEVICE)
 
 
 def randperm(n: int, *, seed: int = 0, dtype=torch.int64, device=None) -> torch.Tensor:
-    return torch.randperm(n, generator=generator(seed)).to(dtype).to(device or DEVICE)
+    return torch.randperm(n, generator=generator(seed), device=HOST).to(dtype).to(device or DEVICE)

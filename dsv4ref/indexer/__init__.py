@@ -26,7 +26,7 @@ from __future__ import annotations
 import torch
 
 from .. import validate
-from ..device import DEVICE
+from ..device import DEVICE, HOST
 from ..formats import FP8_K_RECORD, INDEX_HEAD_DIM, INDEX_K_FORMATS, INDEX_ROPE_DIM, MXFP4_K_RECORD, index_k_page_bytes
 from ..testing import generator, randn
 from . import launch as _launch
@@ -608,8 +608,8 @@ def cos_sin_table(max_pos: int, theta: float = 10000.0, device=None) -> torch.Te
     theta = validate.scalar(theta, "theta", lo=0.0)
     if theta == 0:
         raise ValueError("theta: expected a number > 0, got 0.0")
-    inv = theta ** (-torch.arange(0, ROPE_DIM, 2, dtype=torch.float32) / ROPE_DIM)
-    f = torch.arange(max_pos, dtype=torch.float32)[:, None] * inv[None, :]
+    inv = theta ** (-torch.arange(0, ROPE_DIM, 2, dtype=torch.float32, device=HOST) / ROPE_DIM)
+    f = torch.arange(max_pos, dtype=torch.float32, device=HOST)[:, None] * inv[None, :]
     return torch.cat([f.cos(), f.sin()], dim=1).to(device or DEVICE)
 
 
@@ -631,15 +631,15 @@ def example_inputs(T: int, H: int, n_keys: int, *, block_size: int, fmt: str = "
     index_q = randn((T, H, HEAD_DIM), seed=seed, block=32, octaves=8)
     w = randn((T, H), seed=seed + 1, dtype=torch.float32, block=None, octaves=4)
     if positions is None:
-        positions = 4 * n_keys - 1 - torch.randint(0, 4 * n_keys // 2, (T,), generator=g)
+        positions = 4 * n_keys - 1 - torch.randint(0, 4 * n_keys // 2, (T,), generator=g, device=HOST)
         positions[0] = 4 * n_keys - 1  # one token sees every key
     positions = positions.to(torch.int64).to(DEVICE)
     n_pages = -(-n_keys // block_size)
-    perm = torch.randperm(n_pages + 2, generator=g)[:n_pages]
+    perm = torch.randperm(n_pages + 2, generator=g, device=HOST)[:n_pages]
     bt = perm.to(torch.int32).expand(T, n_pages).contiguous().to(DEVICE)
     k = randn((n_keys, HEAD_DIM), seed=seed + 2, block=32, octaves=8)
     cache = allocate_k_cache(n_pages + 2, block_size, fmt)
-    s = torch.arange(n_keys)
+    s = torch.arange(n_keys, device=HOST)
     slots = (perm[s // block_size] * block_size + s % block_size).to(DEVICE)
     insert_k(cache, k, slots, block_size=block_size, fmt=fmt, hadamard=hadamard)
     return dict(index_q=index_q, positions=positions, cos_sin=cs, weights=w, k=k, k_cache=cache, block_table=bt,

@@ -128,7 +128,7 @@ def prepare_q(index_q: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Ten
 # the two number formats: FP8 (one 128-block) and MXFP4 (four 32-blocks of E2M1)
 # ----------------------------------------------------------------------------------------------------
 
-_E2M1_MID = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0])  # midpoints between grid values
+_E2M1_MID = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0], device="cpu")  # midpoints between grid values
 
 
 def e2m1_encode(y: torch.Tensor) -> torch.Tensor:

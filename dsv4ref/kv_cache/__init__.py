@@ -22,9 +22,9 @@ from __future__ import annotations
 import torch
 
 from .. import validate
-from ..device import DEVICE
+from ..device import DEVICE, HOST
 from ..formats import HEAD_DIM, TOKEN_BYTES, page_bytes
-from ..testing import randn
+from ..testing import generator, randn
 from . import kernels, reference  # noqa: F401  (dsv4ref.kv_cache.kernels / .reference, for readers)
 from .launch import GATHER_DEFAULT, INSERT_DEFAULT, KVCacheLaunch
 from .reference import flat_bytes, token_offsets
@@ -216,6 +216,6 @@ def example_inputs(T: int, block_size: int, num_blocks: int, seed: int) -> tuple
     """A small insert problem on :data:`dsv4ref.DEVICE`: ``(kv [T, 512] bf16, slots [T] int64)``, the slots
     distinct and random over ``num_blocks · block_size``, every ``T // 5``-th one −1 (padding)."""
     kv = randn((T, HEAD_DIM), seed=seed)
-    slots = torch.randperm(num_blocks * block_size, generator=torch.Generator().manual_seed(seed))[:T].to(DEVICE)
+    slots = torch.randperm(num_blocks * block_size, generator=generator(seed), device=HOST)[:T].to(DEVICE)
     slots[:: max(1, T // 5)] = -1
     return kv, slots

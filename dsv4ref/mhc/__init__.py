@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 
 from .. import validate
-from ..device import DEVICE
+from ..device import DEVICE, HOST
 from ..testing import generator, randn
 from . import reference
 from .launch import DEFAULT, MhcLaunch, split_fn
@@ -326,9 +326,9 @@ def example_params(Hd: int, *, seed: int = 0, M: int = HC_MULT, head: bool = Fal
     """
     g = generator(seed)
     rows = M if head else M * (M + 2)
-    fn = torch.randn(rows, M * Hd, generator=g) / (M * Hd) ** 0.5
-    scale = torch.tensor([0.9] if head else [0.8, 0.6, 1.5])
-    base = torch.randn(rows, generator=g) * 0.5
+    fn = torch.randn(rows, M * Hd, generator=g, device=HOST) / (M * Hd) ** 0.5
+    scale = torch.tensor([0.9] if head else [0.8, 0.6, 1.5], device=HOST)
+    base = torch.randn(rows, generator=g, device=HOST) * 0.5
     dev = device or DEVICE
     return fn.to(dev), scale.to(dev), base.to(dev)
 

@@ -22,7 +22,7 @@ from collections.abc import Mapping
 import torch
 
 from .. import kv_cache, validate
-from ..device import DEVICE
+from ..device import DEVICE, HOST
 from ..formats import HEAD_DIM, ROPE_DIM
 from ..testing import randn
 from . import kernels, reference  # noqa: F401  (dsv4ref.rope.kernels / .reference for readers)
@@ -152,7 +152,7 @@ def cos_sin_cache(max_pos: int, rope_dim: int = ROPE_DIM, theta: float = 10000.0
         fp32 ``[max_pos, rope_dim]``: row p = ``[cos f_0 … cos f_{R/2−1} | sin f_0 … sin f_{R/2−1}]``.
     """
     validate.integer(max_pos, "max_pos", lo=1)
-    return cos_sin_rows(torch.arange(max_pos), rope_dim, theta, yarn).to(device or DEVICE)
+    return cos_sin_rows(torch.arange(max_pos, device=HOST), rope_dim, theta, yarn).to(device or DEVICE)
 
 
 def compressed_position(p: torch.Tensor | int, ratio: int):
@@ -417,7 +417,7 @@ def example_inputs(T: int, H: int, block_size: int, num_blocks: int, *, seed: in
     q = randn((T, H, HEAD_DIM), seed=seed)
     kv = randn((T, HEAD_DIM), seed=seed + 1)
     g = torch.Generator().manual_seed(seed)
-    positions = torch.randint(0, cos_sin.shape[0], (T,), generator=g).to(DEVICE)
-    slots = torch.randperm(num_blocks * block_size, generator=g)[:T].to(DEVICE)
+    positions = torch.randint(0, cos_sin.shape[0], (T,), generator=g, device=HOST).to(DEVICE)
+    slots = torch.randperm(num_blocks * block_size, generator=g, device=HOST)[:T].to(DEVICE)
     slots[:: max(1, T // 3)] = -1
     return q, kv, slots, positions

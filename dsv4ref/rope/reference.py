@@ -36,6 +36,7 @@ import math
 import torch
 from einops import rearrange
 
+from ..device import HOST
 from ..formats import ROPE_DIM
 from ..fp8.reference import canonical_nan
 from ..kv_cache import reference as kv_cache_reference
@@ -61,13 +62,13 @@ def yarn_correction_range(rope_dim: int, theta: float, yarn: dict) -> tuple[floa
 
 def inv_freq(rope_dim: int = ROPE_DIM, theta: float = 10000.0, yarn: dict | None = None) -> torch.Tensor:
     """fp32 ``[rope_dim // 2]``: radians per position of each pair (CPU)."""
-    pf = theta ** (torch.arange(0, rope_dim, 2, dtype=torch.float32) / rope_dim)  # θ^(2i/R), fp32
+    pf = theta ** (torch.arange(0, rope_dim, 2, dtype=torch.float32, device=HOST) / rope_dim)  # θ^(2i/R), fp32
     extra = 1.0 / pf  # the original frequency
     if yarn is None:
         return extra
     inter = 1.0 / (float(yarn["factor"]) * pf)  # slowed down by the factor
     low, high = yarn_correction_range(rope_dim, theta, yarn)
-    ramp = ((torch.arange(rope_dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    ramp = ((torch.arange(rope_dim // 2, dtype=torch.float32, device=HOST) - low) / (high - low)).clamp(0, 1)
     return inter * ramp + extra * (1 - ramp)
 
 

@@ -26,7 +26,7 @@ from __future__ import annotations
 import torch
 
 from .. import kv_cache, validate
-from ..device import DEVICE
+from ..device import DEVICE, HOST
 from ..formats import HEAD_DIM
 from ..testing import randn
 from . import gluon, reference
@@ -218,12 +218,12 @@ def example_inputs(T: int, H: int, K1: int, K2: int = 0, *, block_size: int = 16
         cache = kv_cache.allocate(n_pages, bs, device=device)
         kv_cache.insert(cache, randn((n, HEAD_DIM), seed=seed + 10 * i, octaves=6, device=device),
                         torch.arange(n, device=device), block_size=bs)
-        slots = torch.randint(0, n, (T, K), generator=g, dtype=torch.int32)
-        slots[torch.rand(T, K, generator=g) < 0.1] = -1
-        lengths = torch.randint(0, K + 1, (T,), generator=g, dtype=torch.int32)
+        slots = torch.randint(0, n, (T, K), generator=g, dtype=torch.int32, device=HOST)
+        slots[torch.rand(T, K, generator=g, device=HOST) < 0.1] = -1
+        lengths = torch.randint(0, K + 1, (T,), generator=g, dtype=torch.int32, device=HOST)
         lengths[0] = K
         out.update({f"{prefix}cache": cache, f"{prefix}slots": slots.to(device), f"{prefix}lengths": lengths.to(device),
                     f"{prefix}block_size": bs})
     q = (randn((T, H, HEAD_DIM), seed=seed + 99, octaves=4, device=device).float() * 0.25).to(torch.bfloat16)
-    sink = (torch.randn(H, generator=g) * 2).to(device)
+    sink = (torch.randn(H, generator=g, device=HOST) * 2).to(device or DEVICE)
     return {"q": q, **out, "sink": sink}
