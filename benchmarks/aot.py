@@ -1,6 +1,6 @@
-"""The shared preamble of the ahead-of-time compile checks (``benchmarks/*_compile_check.py``): import it before
-any dsv4ref kernel module, and the kernels are defined for compiling (sm_90a, ``triton.compile``) rather than
-for Triton's interpreter, on a machine with no GPU.
+"""The shared preamble of the ahead-of-time compile checks (``benchmarks/gluon_compile_check.py``,
+``benchmarks/experiments/*_compile_check.py``): import it before any dsv4ref kernel module, and the kernels are
+defined for compiling (sm_90a, ``triton.compile``) rather than for Triton's interpreter, on a machine with no GPU.
 
 ``dsv4ref.device`` sets ``TRITON_INTERPRET`` on a CPU box; a kernel module imported while it is set defines
 interpreted kernels, which never compile. So: the repository root on the path, the device layer on the CPU,

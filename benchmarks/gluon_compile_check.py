@@ -2,7 +2,7 @@
 
     PYTHONPATH=<a Triton with Gluon>:. python benchmarks/gluon_compile_check.py [NAME ...]
 
-Compiles every variant of benchmarks/sparse_mla_gluon.py for sm_90a (``GPUTarget("cuda", 90, 32)``) with the
+Compiles every variant of benchmarks/experiments/sparse_mla_gluon.py for sm_90a (``GPUTarget("cuda", 90, 32)``) with the
 constexpr configurations the benchmark's three shapes launch (two pools with lengths, a sink; SPLITS 2 for
 H 64 K 640 and H 16 K 2048, SPLITS 1 for H 128 K 1152), then runs the bundled ``ptxas -v`` on the PTX and
 prints, per variant and configuration: ok / FAILED (the error's first lines), registers per thread,
@@ -20,6 +20,7 @@ import sys
 import tempfile
 import time
 
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "experiments"))  # sparse_mla_gluon
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from aot import BIN, PTXAS  # noqa: E402  (first: Triton imported with the interpreter off; the repo on the path)
 
@@ -28,7 +29,7 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 
 from dsv4ref.sparse_mla import gluon as G  # noqa: E402
 
-# the variants the GPU benchmark times (kept in one place: benchmarks/sparse_mla_gluon.py imports none of
+# the variants the GPU benchmark times (kept in one place: benchmarks/experiments/sparse_mla_gluon.py imports none of
 # the CUDA runtime at import time, so its VARIANTS / DIAGS tables are importable here)
 from sparse_mla_gluon import DIAGS, VARIANTS  # noqa: E402
 

@@ -4,7 +4,8 @@
 #   unit tests once more under compute-sanitizer memcheck. Writes logs and a short report to $OUT (or ./gpu-out).
 #
 # The H200 image has torch + triton but no jupyter/nbval and no network, so the notebook stack travels as
-# wheels in .whl/ (see benchmarks/RESULTS.md for the command that fetches them) and is installed to /tmp/site.
+# wheels in .whl/ and is installed to /tmp/site. Fetch them first, on a machine with internet:
+#   bash scripts/fetch_gpu_wheels.sh        (cp312 by default; PY=3.11 for another Python; PEERS=1 adds FlashMLA)
 #
 #   device run:  bash scripts/gpu-check.sh            (carry: [".whl"])
 #   stages:      unit nbval check bench memcheck, moe_sweep gluon_sweep kv_sweep indexer_sweep mhc_sweep
@@ -50,25 +51,28 @@ stage() {  # stage NAME LIMIT_S COMMAND...
   echo "$name rc=$rc ${dt}s"
 }
 
-# The GPU image has no notebook stack unless .whl/ brought it: skip the tests that need jupytext / jupyter.
+# The GPU image has no notebook stack unless .whl/ brought it: skip the tests that need JupyterLab (not carried:
+# test_lab.py starts a server) or jupytext.
 NB_SKIP=""
-python3 -c "import jupytext" 2>/dev/null || NB_SKIP="--ignore=tests/test_lab.py --deselect tests/test_project.py::test_notebooks_match_their_sources"
+python3 -c "import jupyterlab" 2>/dev/null || NB_SKIP="--ignore=tests/test_lab.py"
+python3 -c "import jupytext" 2>/dev/null || NB_SKIP="$NB_SKIP --deselect tests/test_project.py::test_notebooks_match_their_sources"
+python3 -c "import nbval" 2>/dev/null || echo "nbval is not installed: run scripts/fetch_gpu_wheels.sh and carry .whl/" | tee -a "$REPORT"
 
 for s in $STAGES; do
   case $s in
     unit)     stage unit ${LIMIT_UNIT:-420} python3 -m pytest ${UNIT_TESTS:-tests} -v -o addopts="" -p no:cacheprovider -p no:benchmark \
                 -n ${WORKERS:-8} --dist ${DIST:-loadfile} --tb=short -rfE $NB_SKIP ;;
-    moe_sweep)   stage moe_sweep ${LIMIT_MOE_SWEEP:-150} python3 benchmarks/moe_sweep.py ;;
-    gluon_sweep) stage gluon_sweep ${LIMIT_GLUON_SWEEP:-240} python3 benchmarks/sparse_mla_gluon.py ${GLUON_SWEEP_ARGS:-} ;;
-    kv_sweep)    stage kv_sweep ${LIMIT_KV_SWEEP:-150} python3 benchmarks/${KV_SWEEP:-kv_cache_sweep.py} ;;
-    indexer_sweep) stage indexer_sweep ${LIMIT_INDEXER_SWEEP:-150} python3 benchmarks/indexer_sweep.py ;;
+    moe_sweep)   stage moe_sweep ${LIMIT_MOE_SWEEP:-150} python3 benchmarks/experiments/moe_sweep.py ;;
+    gluon_sweep) stage gluon_sweep ${LIMIT_GLUON_SWEEP:-240} python3 benchmarks/experiments/sparse_mla_gluon.py ${GLUON_SWEEP_ARGS:-} ;;
+    kv_sweep)    stage kv_sweep ${LIMIT_KV_SWEEP:-150} python3 benchmarks/experiments/${KV_SWEEP:-kv_cache_sweep.py} ;;
+    indexer_sweep) stage indexer_sweep ${LIMIT_INDEXER_SWEEP:-150} python3 benchmarks/experiments/indexer_sweep.py ;;
     mhc_sweep)   stage mhc_sweep ${LIMIT_MHC_SWEEP:-180} python3 benchmarks/mhc_sweep.py ${MHC_SWEEP_ARGS:-} ;;
     profile)     stage profile ${LIMIT_PROFILE:-120} ncu --kernel-name regex:_ws_kernel --launch-skip 3 --launch-count 1 \
                    --section SpeedOfLight --section WarpStateStats --section SchedulerStats --section Occupancy \
-                   python3 benchmarks/gluon_profile.py ${PROFILE_ARGS:-} ;;
+                   python3 benchmarks/experiments/gluon_profile.py ${PROFILE_ARGS:-} ;;
     sass)     # per-instruction warp-stall samples (CSV, one file per kernel), for the kernels named in SASS_RUNS:
               # "tag|kernel regex|script args" items separated by ';'
-              IFS=';' read -ra SASS_ITEMS <<< "${SASS_RUNS:-gluon_h128|_ws_kernel|benchmarks/gluon_profile.py 128 1152;gluon_h64|_ws_kernel|benchmarks/gluon_profile.py 64 640;mhc_pre|hc_one_pass|benchmarks/mhc_profile.py pre}"
+              IFS=';' read -ra SASS_ITEMS <<< "${SASS_RUNS:-gluon_h128|_ws_kernel|benchmarks/experiments/gluon_profile.py 128 1152;gluon_h64|_ws_kernel|benchmarks/experiments/gluon_profile.py 64 640;mhc_pre|hc_one_pass|benchmarks/mhc_profile.py pre}"
               for item in "${SASS_ITEMS[@]}"; do
                 IFS='|' read -r tag kre args <<< "$item"
                 stage "sass_$tag" ${LIMIT_SASS:-120} ncu --kernel-name "regex:$kre" --launch-skip 3 --launch-count 1 \
@@ -81,7 +85,7 @@ for s in $STAGES; do
               done ;;
     decode)   stage decode ${LIMIT_DECODE:-120} python3 -m dsv4ref demo --steps 16 --graph ;;
     nbval)    DSV4REF_BENCH=0 stage nbval ${LIMIT_NBVAL:-420} python3 -m pytest notebooks -q -o addopts="" -p no:cacheprovider --nbval --nbval-current-env \
-                --nbval-sanitize-with notebooks/nbval_sanitize.cfg --nbval-cell-timeout 300 -n 4 --dist loadscope ;;
+                --nbval-sanitize-with notebooks/nbval_sanitize.cfg --nbval-cell-timeout 300 -n ${NBVAL_WORKERS:-0} ;;
     check)    stage check ${LIMIT_CHECK:-300} python3 -m dsv4ref check ;;
     bench)    TAIL=60 stage bench ${LIMIT_BENCH:-420} python3 -m dsv4ref bench --ladder "$OUT/sparse_mla_ladder.json" ${BENCH_OP:-} ;;
     probe)    stage probe ${LIMIT_PROBE:-60} python3 ${PROBE:-scripts/probe.py} ;;

@@ -11,7 +11,7 @@ than the GPU's idle gap. For a ~30 µs kernel that matters. This script times th
 
 over tokens per program ∈ {1, 2, 4, 8} × num_warps ∈ {1, 2, 4}, for S = 64k and 256k slots, rotating 4 input sets (> 60 MB L2).
 
-    PYTHONPATH=. python3 benchmarks/kv_cache_sweep.py
+    PYTHONPATH=. python3 benchmarks/experiments/kv_cache_sweep.py
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Compile the MXFP4 indexer logits kernel of every variant of ``benchmarks/indexer_sweep.py`` for sm_90a on a
+"""Compile the MXFP4 indexer logits kernel of every variant of ``benchmarks/experiments/indexer_sweep.py`` for sm_90a on a
 machine with no GPU, and print what decides its speed before any device time is spent: registers, spills,
 shared memory, PTX lines, and for the page loop (of the SASS loops that hold no other loop, the one with the
 most HGMMA): SASS instructions per page per thread (and of them integer ones) and per page for the whole
@@ -6,7 +6,7 @@ program (× warps: what the SM must issue), tensor-core dots (``tl.dot``) and HG
 waits for them, and spill instructions inside the loop; and the SASS outside any loop (run once per program:
 the query decode, the checks, the first loads).
 
-    PYTHONPATH=<triton-3.6 site-packages>:. python benchmarks/indexer_compile_check.py [NAME_PART ...]
+    PYTHONPATH=<triton-3.6 site-packages>:. python benchmarks/experiments/indexer_compile_check.py [NAME_PART ...]
 
 The launch is the benchmark's: T = 64, H = 64 (HP 64), pages of 64 keys; pointers, n_out, the block-table stride
 and the page stride 16-byte divisible, as Triton specialises them at a real launch.
@@ -22,6 +22,7 @@ import sys
 import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))  # benchmarks/aot.py
 from aot import BIN, PTXAS  # noqa: E402  (first: the kernels below are then defined for compiling)
 
 import triton  # noqa: E402

@@ -1,9 +1,9 @@
 """Compile the MoE staging kernel's variants for sm_90a on a machine with no GPU, and count what they execute.
 
-    PYTHONPATH=<triton-3.6 site-packages>:. python benchmarks/moe_stage_compile_check.py [NAME ...]
-    PYTHONPATH=<triton-3.6 site-packages>:. python benchmarks/moe_stage_compile_check.py probe:   # mem_probe's rows
+    PYTHONPATH=<triton-3.6 site-packages>:. python benchmarks/experiments/moe_stage_compile_check.py [NAME ...]
+    PYTHONPATH=<triton-3.6 site-packages>:. python benchmarks/experiments/moe_stage_compile_check.py probe:   # mem_probe's rows
 
-The variants are benchmarks/moe_sweep.py's (its module constants: the references, the DIAG rows, the snap
+The variants are benchmarks/experiments/moe_sweep.py's (its module constants: the references, the DIAG rows, the snap
 grid), compiled as the launcher specialises them at T = 4096, Hd = 4096, K = 6 (constexprs from
 ``dsv4ref.moe.launch.stage_constexprs``; the pointers and the row strides 16-byte aligned, unit strides
 constant). Per variant: registers and stack (bytes spilled) from ``cuobjdump -res-usage``, the SASS length,
@@ -30,6 +30,7 @@ import sys
 import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))  # benchmarks/aot.py
 from aot import BIN  # noqa: E402  (first: the kernels below are then defined for compiling)
 
 import triton  # noqa: E402
@@ -143,7 +144,7 @@ def main(argv):
     rows += [(stage_name(L, d), L, d) for L, ds in STAGE_DIAG_ROWS for d in ds]
     rows += [(stage_name(L), L, "") for L in SNAP_GRID]
     rows += [(stage_name(L), L, "") for L in (dataclasses.replace(DIAG_SNAP, stage_maxnreg=n) for n in MAXNREGS)]
-    rows += [(f"probe: {name}", L, "") for name, L in stage_variants(132).items()]  # benchmarks/mem_probe.py, H200
+    rows += [(f"probe: {name}", L, "") for name, L in stage_variants(132).items()]  # benchmarks/experiments/mem_probe.py, H200
     for label, L, d in rows:
         if not argv or any(a in label for a in argv):
             report(label, L, d)

@@ -1,7 +1,7 @@
 """Summarise the per-instruction warp-stall samples that ``STAGES=sass bash scripts/gpu-check.sh`` exports
 (ncu's source page as CSV, one row per SASS instruction), on any machine, no GPU needed.
 
-    python3 benchmarks/sass_summary.py gpu-out/sass_gluon_h128.csv [--top 25]
+    python3 benchmarks/experiments/sass_summary.py gpu-out/sass_gluon_h128.csv [--top 25]
 
 A warp-specialised Gluon kernel's SASS holds its partitions one after another, each starting with the
 ``USETMAXREG`` that sets its register budget, so the rows are split there into regions. Per region: its

@@ -1,7 +1,7 @@
 """Run the Gluon sparse-MLA kernel a few times at one bench shape, for a profiler to attach to (GPU only).
 
     ncu --kernel-name regex:_ws_kernel --launch-skip 3 --launch-count 1 --section SpeedOfLight \\
-        --section WarpStateStats --section SchedulerStats python3 benchmarks/gluon_profile.py [H K SPLITS]
+        --section WarpStateStats --section SchedulerStats python3 benchmarks/experiments/gluon_profile.py [H K SPLITS]
 
 Default shape: T 64, H 64, K 640 (the bench's first), the default variant and split. Prints nothing but a
 line per call; the profiler's report is what this is for (which unit is busy, what the warps wait on).
@@ -13,7 +13,7 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
 
 from sparse_mla_gluon import gluon, inputs  # noqa: E402
 

@@ -11,8 +11,8 @@ reads (the real cache layout of ``dsv4ref.kv_cache``: 576 bytes of a row's NoPE 
 elsewhere in its page), for D = 1..4 chunks in flight and 4 or 8 warps, with every chunk read back from
 shared memory once (as a dequantising producer would).
 
-    PYTHONPATH=. python3 benchmarks/gather_probe.py              # on the GPU
-    PYTHONPATH=. python3 benchmarks/gather_probe.py --compile    # CPU: compile every variant for sm_90a
+    PYTHONPATH=. python3 benchmarks/experiments/gather_probe.py              # on the GPU
+    PYTHONPATH=. python3 benchmarks/experiments/gather_probe.py --compile    # CPU: compile every variant for sm_90a
 
 Prints, per (rows per program, D, warps): µs per call, µs per chunk per program, the achieved bytes/s
 (584 B per row) and its fraction of the copy ceiling measured in the same call, and the checksum test (the
@@ -29,7 +29,7 @@ import time
 import torch
 
 if "--compile" in sys.argv[1:]:  # on a CPU box: the kernel defined for compiling, not for the interpreter
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))  # benchmarks/aot.py
     import aot  # noqa: F401
 
 # Gluon and the names that moved between Triton releases, as the decode kernels import them

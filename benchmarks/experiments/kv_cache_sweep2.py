@@ -12,7 +12,7 @@ time budget lasts)
   (4 × (37 MB cache + 64 MB kv + 64 MB out), past the 60 MB L2), as a fraction of the copy bandwidth
   measured in the same run. Bytes counted per token: 1024 (bf16 row) + 8 (slot) + 584 (record) = 1616.
 
-    PYTHONPATH=. python3 benchmarks/kv_cache_sweep2.py [--budget-s 100] [--sizes 65536,262144]
+    PYTHONPATH=. python3 benchmarks/experiments/kv_cache_sweep2.py [--budget-s 100] [--sizes 65536,262144]
 
 A row reads ``op S variant time GB/s of-copy exact``; ``exact`` is False if either check failed (the timing
 of a wrong variant is still printed, marked).

@@ -1,6 +1,6 @@
 """GPU-only launch-configuration sweep for dsv4ref.sparse_mla (not a test; prints a table).
 
-    PYTHONPATH=. python3 benchmarks/sparse_mla_sweep.py
+    PYTHONPATH=. python3 benchmarks/experiments/sparse_mla_sweep.py
 
 Times each configuration two ways: eager (one Python call per launch, as `python -m dsv4ref bench` does)
 and as a device-graph replay (kernel time without the Python/launch overhead; the harness's timing).

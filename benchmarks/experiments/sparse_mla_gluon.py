@@ -1,7 +1,7 @@
 """GPU-only: the Hopper Gluon sparse-MLA decode (dsv4ref.sparse_mla.gluon) against the roofline bound,
 with the portable fused Triton kernel timed on the same inputs (not a test; prints a table).
 
-    PYTHONPATH=. python3 benchmarks/sparse_mla_gluon.py [--quick]
+    PYTHONPATH=. python3 benchmarks/experiments/sparse_mla_gluon.py [--quick]
 
 1. Correctness first: every kernel variant against the fp32 torch reference on a small two-pool case
    (tolerance "bf16_weighted_sum").

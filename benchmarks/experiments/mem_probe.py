@@ -3,11 +3,11 @@ little, ``kv_cache.insert`` at 65 536 slots and ``moe.stage`` at T 4096 x Hd 409
 same-size uint8 copy, and each new launch variant, every one checked byte for byte against the torch reference
 before it is timed.
 
-    python3 benchmarks/mem_probe.py [--budget-s 135] [--only insert|stage] [--variants SUBSTR,SUBSTR]
-    STAGES=probe LIMIT_PROBE=180 PROBE=benchmarks/mem_probe.py bash scripts/gpu-check.sh
+    python3 benchmarks/experiments/mem_probe.py [--budget-s 135] [--only insert|stage] [--variants SUBSTR,SUBSTR]
+    STAGES=probe LIMIT_PROBE=180 PROBE=benchmarks/experiments/mem_probe.py bash scripts/gpu-check.sh
 
-Why each variant, from the SASS of the defaults (``benchmarks/kv_cache_compile_check.py``,
-``benchmarks/moe_stage_compile_check.py``; Triton 3.6, sm_90a; benchmarks/kv_cache.md, benchmarks/moe.md):
+Why each variant, from the SASS of the defaults (``benchmarks/experiments/kv_cache_compile_check.py``,
+``benchmarks/experiments/moe_stage_compile_check.py``; Triton 3.6, sm_90a; benchmarks/kv_cache.md, benchmarks/moe.md):
 
 * insert (4 tokens x 1 warp, 95 registers, 21 resident programs per SM): its kv loads are predicated on
   ``slot >= 0`` and the NoPE tile is loaded after the RoPE store, so a program runs three DRAM round trips in
@@ -42,7 +42,7 @@ import time
 import torch
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path[:0] = [_HERE, os.path.dirname(_HERE)]  # the sibling sweeps, and this checkout's dsv4ref (not an installed one)
+sys.path[:0] = [_HERE, os.path.dirname(os.path.dirname(_HERE))]  # the sibling sweeps, and this checkout's dsv4ref (not an installed one)
 
 from dsv4ref import kv_cache as kc  # noqa: E402
 from dsv4ref import moe, validate  # noqa: E402

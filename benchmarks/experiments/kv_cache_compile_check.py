@@ -3,7 +3,7 @@ with no GPU, and print registers, spills, global loads/stores, PTX length and SA
 session-3 regression (insert 67.7 % → 49.4 %, gather 79.1 % → 56.8 % of copy on the H200) was located without
 device time, and how its fix was checked.
 
-    PYTHONPATH=<triton-3.6 site-packages> python benchmarks/kv_cache_compile_check.py <checkout root> [NAME=VALUE ...]
+    PYTHONPATH=<triton-3.6 site-packages> python benchmarks/experiments/kv_cache_compile_check.py <checkout root> [NAME=VALUE ...]
 
 A checkout from before the one-folder-per-op layout (``dsv4ref/kv_cache.py``, e.g. ``git worktree add ../s1
 9c1928b``) and one after it (``dsv4ref/kv_cache/kernels.py``) are both understood. Launch shapes: the defaults
@@ -12,7 +12,7 @@ Triton specialises them at a real launch. The kernel constexprs a checkout has (
 set as the launcher sets them for a compiled ``allocate()`` cache and the default launch; ``NAME=VALUE`` arguments
 override them (``NATIVE=1``: the hardware casts of ``native_casts=True``; ``TOK=4``; ``WARPS=2``; ``PERSISTENT=1 STAGES=2``;
 ``EARLY=1``: ``early_loads``; ``MAXNREG=80``: ``max_registers``). ``--probe``: the insert variants of
-``benchmarks/mem_probe.py`` instead, one line each.
+``benchmarks/experiments/mem_probe.py`` instead, one line each.
 
 ``SASS`` counts the instructions of the cubin; ``hot`` leaves out the block a uniform branch skips (the writer's
 non-finite tile path, which a finite tile never runs), so it is what a finite tile executes at most.
@@ -115,7 +115,7 @@ def widths(sass: str) -> str:
     return " ".join(f"{k} x{v}" for k, v in sorted(count.items()))
 
 
-if PROBE:  # the insert variants of benchmarks/mem_probe.py, as its launcher would specialise them
+if PROBE:  # the insert variants of benchmarks/experiments/mem_probe.py, as its launcher would specialise them
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from mem_probe import insert_variants
 

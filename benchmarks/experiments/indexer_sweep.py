@@ -1,7 +1,7 @@
 """GPU sweep of the MXFP4 indexer logits launch choices (issue 14): decode × pages per program × warps (× pages per
 dot, register cap), each checked against the float64 reference BEFORE it is timed. Not a test; prints a table.
 
-    PYTHONPATH=. python3 benchmarks/indexer_sweep.py [--budget 95] [--jobs 8] [NAME_PART ...]
+    PYTHONPATH=. python3 benchmarks/experiments/indexer_sweep.py [--budget 95] [--jobs 8] [NAME_PART ...]
 
 The case is ``bench indexer``'s (``dsv4ref.tools.cases.indexer.logits_bench_inputs``): T = 64 tokens, 64 heads,
 n_c = 32 768 keys of 64 per page, 2 input sets of 143 MB (beyond the L2). Per variant, in the order of
@@ -30,7 +30,7 @@ import sys
 import time
 
 # (name, IndexerLaunch fields): the launch choices timed, most promising first. Kept free of imports beyond the
-# standard library so that benchmarks/indexer_compile_check.py can read it on a machine with no GPU.
+# standard library so that benchmarks/experiments/indexer_compile_check.py can read it on a machine with no GPU.
 VARIANTS = [
     ("f16_scaled p4 w4", dict(fp4_decode="f16_scaled", logits_pages=4)),
     ("f16_blocks p4 w4 (default)", dict(fp4_decode="f16_blocks", logits_pages=4)),
@@ -49,7 +49,7 @@ VARIANTS = [
 ]
 SHAPE = dict(T=64, H=64, n_c=32768, Bc=64)
 SMALL_N_C = 1024  # keys per token of the wide-span problem and of the compile workers' problem
-ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..")
 
 
 def _warm(fields: dict) -> float:

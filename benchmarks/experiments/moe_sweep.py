@@ -1,8 +1,8 @@
 """Launch sweep of the MoE kernels on a GPU (the figures in benchmarks/moe.md).
 
-    PYTHONPATH=. python3 benchmarks/moe_sweep.py            # staging only (the 80 %-of-copy question), ~100 s
-    PYTHONPATH=. python3 benchmarks/moe_sweep.py experts    # the expert kernels (allocates 13 GB of weights)
-    PYTHONPATH=. python3 benchmarks/moe_sweep.py all
+    PYTHONPATH=. python3 benchmarks/experiments/moe_sweep.py            # staging only (the 80 %-of-copy question), ~100 s
+    PYTHONPATH=. python3 benchmarks/experiments/moe_sweep.py experts    # the expert kernels (allocates 13 GB of weights)
+    PYTHONPATH=. python3 benchmarks/experiments/moe_sweep.py all
 
 Staging at T = 4096, Hd = 4096, K = 6, four input sets rotated past the L2, every call timed through the
 custom op (no argument checks) by graph replay (dsv4ref.tools.harness.time_ms). Printed first: the 512 MiB
@@ -24,7 +24,7 @@ Before it is timed, every variant's four outputs are compared byte for byte with
 differs, or fails to compile, is reported and skipped. DIAG rows (marked so) write other bytes by design and
 are timed unchecked, except "cast", which is checked and reported (it should be exact compiled). Each line
 gives µs, % of the copy ceiling and % of the best same-size copy's bandwidth; the summary takes the DIAG rows
-apart into µs per part. The variant lists are module constants, so benchmarks/moe_stage_compile_check.py
+apart into µs per part. The variant lists are module constants, so benchmarks/experiments/moe_stage_compile_check.py
 compiles the same kernels for sm_90a on a machine with no GPU.
 """
 
