@@ -66,6 +66,52 @@ def test_golden_format():
         assert t["name"] in TOLERANCES and {"mode", "atol", "rtol", "cos"} <= set(t)
 
 
+MIN_CASES = 6  # every public function of the suite has at least this many cases
+
+
+def test_every_function_has_at_least_six_cases():
+    """No op is thin: each function of every op module (MoE and MTP included) has >= 6 cases, so a new op
+    cannot enter with one happy-path case and an existing one cannot lose its adversarial ones."""
+    import collections
+
+    n = collections.Counter(c.op for c in conformance.all_cases(with_expected=False))
+    thin = {op: n[op] for op in conformance.suite.outputs() if n[op] < MIN_CASES}
+    assert not thin, f"functions with fewer than {MIN_CASES} conformance cases: {thin}"
+
+
+def test_amax_floor_only_at_zero_fails():  # moe.md P8's neighbour: the staging floor max(amax, 1e-4)
+    """A stage that applies the 1e-4 floor only to all-zero groups (not to 0 < amax < 1e-4) writes other
+    scale bytes for tiny groups: the floor case must catch it."""
+    from dsv4ref.fp8 import reference as fp8_ref
+
+    def stage_floor_at_zero(hidden, ids, weights, **kw):
+        q_floor, b_floor = fp8_ref.quantize_ue8m0(hidden, 32, 1e-4)
+        q_raw, b_raw = fp8_ref.quantize_ue8m0(hidden, 32, 1e-35)
+        zero = (hidden.float().reshape(*b_floor.shape, 32) == 0).all(-1)
+        q = torch.where(zero.repeat_interleave(32, -1), q_floor.view(torch.uint8), q_raw.view(torch.uint8))
+        b = torch.where(zero, b_floor, b_raw)
+        return q.view(torch.float8_e4m3fn), b.contiguous().view(torch.int32), ids.to(torch.int64), weights.clone()
+
+    bad = {r.case for r in _fails(conformance.run({"moe.stage": stage_floor_at_zero}, "moe.stage"), "moe.stage")}
+    assert "amax_floor_groups_below_1e-4" in bad
+    assert not bad & {"worked_words_448_pow2_lanes_K6", "thirty_octaves_K1", "nonfinite_groups_checks_off"}
+
+
+def test_softplus_without_threshold_fails():  # moe.md P2: softplus(z) = z above 20
+    """sqrt(log1p(exp(z))) for every z overflows to inf past z ≈ 88 in fp32: NaN weights on those rows."""
+    def route_no_threshold(x, gate_weight, bias, *, k, routed_scale, hash_table=None, input_ids=None, **kw):
+        z = x.float() @ gate_weight.float().T
+        s = torch.sqrt(torch.log1p(torch.exp(z)))
+        ids = torch.sort(s + bias, dim=-1, descending=True, stable=True).indices[:, :k]
+        w = s.gather(1, ids)
+        return ids.to(torch.int32), w / w.sum(-1, keepdim=True).clamp_min(1e-20) * routed_scale
+
+    cases = [c for c in conformance.all_cases("moe.route") if "hash_table" not in c.inputs and "input_ids" not in c.inputs
+             and c.check_values]
+    bad = {r.case for r in _fails(conformance.run({"moe.route": route_no_threshold}, cases), "moe.route")}
+    assert bad == {"softplus_threshold_z_above_88"}
+
+
 def test_transposed_comb_fails():  # pitfall #22
     def post_wrong(x, residual, post, comb, **kw):
         return mhc.post(x, residual, post, comb.transpose(1, 2).contiguous(), backend="reference")
