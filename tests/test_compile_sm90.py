@@ -3,9 +3,9 @@ insert kernels compiled for sm_90a (Hopper) with the argument specialisations a 
 subprocess (the test session runs the Triton interpreter, which never compiles).
 
 Why: a compiled launch turns an int argument equal to 1 into the Python int 1 (a constant), so code that calls
-``.to()`` on it fails to compile while the interpreter runs it fine. Session 4 met this on the H200 with
-``tl.numerics.page_offsets32`` at pages of one token (``block_size = 1``). Needs Triton's NVIDIA backend (the
-PyPI wheel has it); skipped where it is missing.
+``.to()`` on it fails to compile while the interpreter runs it fine: ``tl.numerics.page_offsets32`` at pages of
+one token (``block_size = 1``) is the regression this guards. Needs Triton's NVIDIA backend (the PyPI wheel has
+it); skipped where it is missing.
 
 The fused kernels (``dsv4ref.rope.launch.fused``: the multi-head one with the default heads per program and
 warps, and the per-head fallback) write their record through the same encoder, ``kv_record``, with its

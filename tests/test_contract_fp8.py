@@ -1,4 +1,4 @@
-"""The input contract of dsv4ref.fp8 (issue 12; docs/formats.md#non-finite-values, docs/contract.md).
+"""The input contract of dsv4ref.fp8 (docs/formats.md#non-finite-values, docs/contract.md).
 
 Every backend gives the reference's bytes or raises the same error class naming the argument; views are
 read as views; a block holding a NaN or ±inf raises while value checks are on and, with them off, is
@@ -58,7 +58,7 @@ def nan_block_input() -> torch.Tensor:
 
 
 # ----------------------------------------------------------------------------------------------------
-# the probes of issue 12
+# the probes of the input-contract audit
 # ----------------------------------------------------------------------------------------------------
 
 

@@ -1,9 +1,9 @@
-"""The input contract of dsv4ref.indexer (issue 12; docs/indexer.md#the-input-contract).
+"""The input contract of dsv4ref.indexer (docs/indexer.md#the-input-contract).
 
 Every backend gives the reference's answer (bytes for the quantisers and the cache writer, the normalised
 "fp32_dot" row for the logits) or raises the same error class naming the argument; views are read as views;
 a NaN or ±inf in data raises while value checks are on and, with them off, is encoded as NaN on every
-backend; a failed call leaves every buffer byte-identical. The named tests are the probes of issue 12.
+backend; a failed call leaves every buffer byte-identical. The named tests are regression probes.
 """
 
 import pytest
@@ -267,7 +267,7 @@ def test_to_global_contract(T, k, cols, block_size, dtypes, view, big, neg_page,
 
 
 # ----------------------------------------------------------------------------------------------------
-# the probes of issue 12
+# the probes of the input-contract audit
 # ----------------------------------------------------------------------------------------------------
 
 

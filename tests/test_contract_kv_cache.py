@@ -1,4 +1,4 @@
-"""The input contract of dsv4ref.kv_cache (issue 12; docs/kv_cache.md#the-input-contract).
+"""The input contract of dsv4ref.kv_cache (docs/kv_cache.md#the-input-contract).
 
 Every backend writes / reads the reference's bytes or raises the same error class naming the argument,
 before any byte is written; slot lists are read as views (int32 or int64); a cache is accepted only
@@ -67,7 +67,7 @@ def run_gather(cache, slots, **kwargs):
 
 
 # ----------------------------------------------------------------------------------------------------
-# the probes of issue 12
+# the probes of the input-contract audit
 # ----------------------------------------------------------------------------------------------------
 
 

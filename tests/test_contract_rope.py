@@ -1,11 +1,11 @@
-"""The input contract of dsv4ref.rope (issue 12): every backend gives the reference's answer or the same
-error, on every view, index dtype and non-finite input; a failed call changes no buffer.
+"""The input contract of dsv4ref.rope (docs/rope.md#input-contract): every backend gives the reference's answer
+or the same error, on every view, index dtype and non-finite input; a failed call changes no buffer.
 
 * property tests (hypothesis, profile "ci" in `make test`, "long" in `make test-long`) for apply_gptj,
   qnorm_rope_kv_insert and grouped_o_proj: drawn shapes, strided views (tests/contract.py::views), int32 /
   int64 indices, −1 placements, short slot lists, odd page sizes, NaN / ±inf, value checks on and off;
-* the probes of issue 12 as named tests (strided positions / slots, scalar arguments, the layout check,
-  the non-finite policy of docs/rope.md#non-finite-input);
+* the probes of the input-contract audit as named tests (strided positions / slots, scalar arguments, the
+  layout check, the non-finite policy of docs/rope.md#non-finite-input);
 * the peer disagreement: vLLM's reference form rope(bf16(rmsnorm(q))) passes the conformance suite, a NeoX
   pairing or a missing norm fails it.
 """
@@ -187,12 +187,12 @@ def test_grouped_o_proj_every_view(data):
 
 
 # ------------------------------------------------------------------------------------------------
-# the probes of issue 12
+# the probes of the input-contract audit
 # ------------------------------------------------------------------------------------------------
 
 
 def test_probe_apply_gptj_strided_positions():
-    """Issue 12: positions[::2] were read as if contiguous by the Triton backend."""
+    """Regression: positions[::2] must not be read as if contiguous by the Triton backend."""
     x = randn((3, 512), seed=1)
     pos = torch.tensor([5, 7, 2, 0, 6, 7], device=DEVICE)[::2]  # 5, 2, 6
     for p in (pos, pos.to(torch.int32)):
@@ -207,7 +207,7 @@ def test_probe_apply_gptj_strided_positions():
 
 
 def test_probe_qnorm_strided_slots_and_positions():
-    """Issue 12: slots[::2] / positions[::2] were read as if contiguous: slots 5, 7, 2 written for 5, 2, 6."""
+    """Regression: slots[::2] / positions[::2] must not be read as if contiguous (slots 5, 7, 2 written for 5, 2, 6)."""
     B = 2
     q, kv = randn((3, 2, 512), seed=3), randn((3, 512), seed=4)
     for dt in (torch.int64, torch.int32):
@@ -325,8 +325,8 @@ def test_scalar_arguments_validated(fn, kw, exc, prefix):
 
 
 def test_block_size_must_match_the_cache_layout():
-    """Issue 12: a cache laid out for B = 4 used as B = 2 (it holds the bytes, but the scales sit elsewhere)
-    was accepted. kv_cache.check_cache refuses it, for the fused writer too."""
+    """Regression: a cache laid out for B = 4 used as B = 2 (it holds the bytes, but the scales sit elsewhere)
+    must be refused. kv_cache.check_cache refuses it, for the fused writer too."""
     a = _fused_args(cache=kv_cache.allocate(2, 4), block_size=2, slots=torch.tensor([0, 3], device=DEVICE))
     with pytest.raises(ValueError, match=rf"^cache: pages of {page_bytes(4)} bytes do not match block_size=2"):
         qnorm_rope_kv_insert(**a)

@@ -1,4 +1,4 @@
-"""The input contract of dsv4ref.sparse_mla.decode (issue 12; docs/sparse_mla.md#input-contract): every
+"""The input contract of dsv4ref.sparse_mla.decode (docs/sparse_mla.md#input-contract): every
 backend ("reference", "two_pass", "triton") gives the reference's answer or the same error, on every view,
 index dtype and non-finite input; no call changes a buffer it was given.
 
@@ -7,7 +7,7 @@ index dtype and non-finite input; no call changes a buffer it was given.
   ±inf sinks, strided views of q / slots / lengths / sink (tests/contract.py::views), list splits; NaN / ±inf
   in q and in cache rows with value checks off (the NaN-row rule), and the same inputs with checks on
   (ValueError naming q); bad arguments, which every backend refuses with the same error class;
-* the probes of issue 12 that concern this op, as named tests.
+* the probes of the input-contract audit that concern this op, as named tests.
 """
 
 import dataclasses
@@ -233,7 +233,7 @@ def test_bad_arguments_same_error_on_every_backend():
 
 
 # ------------------------------------------------------------------------------------------------
-# the probes of issue 12, by name
+# the probes of the input-contract audit, by name
 # ------------------------------------------------------------------------------------------------
 
 

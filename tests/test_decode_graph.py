@@ -1,4 +1,4 @@
-"""The decode step as one device graph (issue 14 item 5): ``Decoder(graph=True)``.
+"""The decode step as one device graph: ``Decoder(graph=True)``.
 
 With value checks off (``DSV4REF_CHECK_VALUES=0``) the device part of a step (every layer: attention,
 compressor, indexer, MoE, mHC, and the lm head) must not read anything back to the host, so that

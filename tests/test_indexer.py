@@ -519,7 +519,7 @@ def fwht_f32(x: np.ndarray) -> np.ndarray:
 
 @pytest.mark.parametrize("fmt", ["fp8", "mxfp4"])
 def test_insert_k_hadamard_reference_vs_oracle_and_triton(fmt):
-    """Issue 12, 8c: the REFERENCE indexer-K writer with the Hadamard rotation on, held to an independent
+    """The REFERENCE indexer-K writer with the Hadamard rotation on, held to an independent
     oracle (numpy fp32 FWHT + this file's encoders + the page layout written out here) and to the Triton
     writer, byte for byte, on a cache of random bytes."""
     Bc, pages = 8, 3
@@ -607,7 +607,7 @@ def test_bad_input_errors():
     with pytest.raises(TypeError, match="block_size"):
         ix.logits(q, None, wo, ix.allocate_k_cache(2, 16), pos, block_size=16.0)
     with pytest.raises(ValueError, match="k_cache: pages of 2112 bytes hold 16 fp8 keys"):
-        ix.logits(q, None, wo, ix.allocate_k_cache(2, 16), pos, block_size=8)  # issue 12: a 16-key page read as 8
+        ix.logits(q, None, wo, ix.allocate_k_cache(2, 16), pos, block_size=8)  # regression: a 16-key page read as 8
     with pytest.raises(TypeError, match="q"):
         ix.logits(q, torch.zeros(2, 4, dtype=torch.int32, device=DEVICE), wo, ix.allocate_k_cache(2, 16, "mxfp4"),
                   pos, block_size=16)

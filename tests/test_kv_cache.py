@@ -496,8 +496,8 @@ def test_tokens_per_program_launch_shapes(tok):
     kc.KVCacheLaunch(8, early_loads=True, programs_per_sm=1),
 ], ids=["native+hints", "persistent", "persistent-pipelined", "early", "early-2-cs-maxreg", "early-persistent"])
 def test_launch_variants_same_bytes(launch):
-    """Every KVCacheLaunch field is a launch choice only: the bytes are the reference's (benchmarks/kv_cache.md,
-    issue 14). Interpreted, native_casts falls back to the integer encoders; a GPU run checks the casts."""
+    """Every KVCacheLaunch field is a launch choice only: the bytes are the reference's (benchmarks/kv_cache.md).
+    Interpreted, native_casts falls back to the integer encoders; a GPU run checks the casts."""
     B = 16
     kv = kv_rows(11, seed=63)
     slots = shuffled_slots(2, B, 10, seed=64)

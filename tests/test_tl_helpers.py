@@ -183,7 +183,7 @@ def test_raw_triton_bf16_dot():
 
 
 # ----------------------------------------------------------------------------------------------------
-# the fast paths of the KV writer and reader (dsv4ref.tl.numerics; benchmarks/kv_cache.md, issue 14)
+# the fast paths of the KV writer and reader (dsv4ref.tl.numerics; benchmarks/kv_cache.md)
 # ----------------------------------------------------------------------------------------------------
 
 

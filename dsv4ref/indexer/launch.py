@@ -22,8 +22,8 @@ HEAD_DIM = INDEX_HEAD_DIM
 
 
 FP4_DECODES = ("nibble", "f16_blocks", "f16_scaled")  # IndexerLaunch.fp4_decode: see kernels.py, "logits"
-FP4_DECODE_DEFAULT = "f16_scaled"  # session 4, H200: 2.5x "f16_blocks", 35.8 % of the bound (benchmarks/indexer.md)
-SCALED_PAGES = 16  # pages per program of "f16_scaled" on a GPU (the sweep's fastest: 118 µs; 8 pages 124 µs, 4 135 µs)
+FP4_DECODE_DEFAULT = "f16_scaled"  # the fastest decode measured on the H200 (benchmarks/indexer.md)
+SCALED_PAGES = 16  # pages per program of "f16_scaled" on a GPU (the H200 sweep's fastest; benchmarks/indexer.md)
 # f16_scaled's register cap: its fast loop needs ~114 registers, its rare exact fallback ~155, and ptxas sizes the
 # kernel for the larger; 128 keeps 4 programs of 4 warps per SM (65 536 registers) and spills in the fallback only
 SCALED_MAXNREG = 128
@@ -44,14 +44,12 @@ class IndexerLaunch:
             code to fp32 from its bits, × the block scale, one bf16 dot per page) or ``"f16_blocks"`` (fp16
             bits built from the byte by integer shifts, one fp16 dot per 32-block and nibble half, the block
             scales applied to the partial sums). None = ``FP4_DECODE_DEFAULT``. Same scores either way,
-            within the fp32 summation tolerance. H200, 64 tokens × 32 768 keys × 64 heads
-            (``benchmarks/indexer.md``, one run, 2026-11-30): ``"nibble"`` 401.9 µs, 11.2 % of the roofline
-            bound; ``"f16_blocks"`` 295.0 µs, 15.3 %, 270.7 µs with 8 pages per program. ``"f16_scaled"``
-            (the default since session 4: 118.3 µs, 35.8 % at 16 pages per program, checked against the
-            float64 reference in the same H200 call): the block scales relative to each key's (query head's) largest
-            ride inside the fp16 operands, so ONE fp16 dot over all 128 dims per page, no per-block scale
-            products; 4 integer operations and one fp16 multiply per packed byte. Programs whose scale bytes fall
-            outside that exact range take an exact slow path (see ``kernels.fp4_pages_fast``).
+            within the fp32 summation tolerance. ``"f16_scaled"`` (the default, over twice as fast as the other
+            two on the H200 at 16 pages per program; ``benchmarks/indexer.md``): the block scales relative
+            to each key's (query head's) largest ride inside the fp16 operands, so ONE fp16 dot over all 128 dims
+            per page, no per-block scale products; 4 integer operations and one fp16 multiply per packed byte.
+            Programs whose scale bytes fall outside that exact range take an exact slow path (see
+            ``kernels.fp4_pages_fast``).
         logits_maxnreg: the register cap of the logits kernel (ptxas ``maxnreg``), None = ``SCALED_MAXNREG``
             for ``"f16_scaled"`` and no cap for the others. Ignored by the interpreter.
         logits_tile_pages: ``"f16_scaled"`` only: pages per dot (the dot's rows are this many pages of keys), a

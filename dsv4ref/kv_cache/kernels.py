@@ -15,9 +15,10 @@ shared :func:`dsv4ref.tl.kv_record.kv_record` (the fused RoPE + insert of :mod:`
 Byte offsets are int64 (a cache passes 2^31 bytes at about 57 000 pages of 64 tokens); with ``SLOT32`` (the
 launcher's check that the cache has fewer than 2^31 slots) the slot is divided by the block size in int32.
 
-Per-value work, what the session-3 regression was about (``benchmarks/kv_cache.md``): the writer runs the
-non-finite policy only for a tile that holds a NaN / ±inf block (one NaN-propagating amax per block, one branch
-per tile: :func:`dsv4ref.tl.numerics.e4m3_ue8m0_tile`); the reader finds NaN codes and byte-255 blocks with one
+Per-value work is kept off the common path (a non-finite test per value cost the insert about a quarter of its
+bandwidth, ``benchmarks/kv_cache.md``): the writer runs the non-finite policy only for a tile that holds a NaN /
+±inf block (one NaN-propagating amax per block, one branch per tile:
+:func:`dsv4ref.tl.numerics.e4m3_ue8m0_tile`); the reader finds NaN codes and byte-255 blocks with one
 compare per value against a per-block bound. ``NATIVE`` (compiled only) uses the hardware's e4m3 / bf16
 conversions, which are exact; the interpreter always runs the integer encoders.
 """

@@ -30,7 +30,7 @@ class KVCacheLaunch:
             casts instead of the integer encoders of :mod:`dsv4ref.tl.numerics` (about 8 instructions a value for
             e4m3, 4 for bf16; the compiled casts are exact on the H200 by
             ``tests/test_tl_helpers.py::test_raw_triton_fp8_cast_is_exact`` / ``..._bf16_cast_rounds``). On in
-            the defaults since session 4's H200 run timed it and checked its bytes (``benchmarks/kv_cache_sweep2.py``). The
+            the defaults: faster on the H200, and byte-checked there (``benchmarks/kv_cache.md``). The
             interpreter's casts are wrong (I4, I5): interpreted launches always take the integer encoders.
         evict_first: load the streamed input (insert: the kv rows; gather: the cache bytes) with the
             ``evict_first`` L2 policy.
@@ -43,7 +43,7 @@ class KVCacheLaunch:
         early_loads: insert only (the gather ignores it): load a tile's kv rows masked by the row count alone, all
             at once, before the slots arrive. The default masks them by ``slot >= 0``, so they wait for the slot
             load, and loads the NoPE tile after the RoPE store, which waits for the RoPE load: three DRAM round trips
-            in series per program (SASS of ``benchmarks/kv_cache_compile_check.py``), against one. Rows with slot
+            in series per program (the SASS in ``benchmarks/kv_cache.md``), against one. Rows with slot
             −1 are then read (never written); kv has at least ``len(slots)`` rows (``insert`` checks it).
         max_registers: 0 = the registers ptxas picks; n in [16, 255] caps them (Triton's ``maxnreg``): more
             resident one-warp programs per SM (64 registers: the 32-program cap), so more loads in flight, against
@@ -81,16 +81,11 @@ class KVCacheLaunch:
 # The defaults, measured on the H200 (benchmarks/kv_cache.md; B = 64, random slot order, CUDA-graph
 # kernel time as a fraction of the measured copy bandwidth). One warp per program is best: 4 warps per
 # 1.6 KB token starve occupancy (insert 1 × 4: 26.9 %, 1 × 1: 54.7 % at 64k slots).
-# session 4's H200 sweep (benchmarks/kv_cache.md): the hardware casts, 4 tokens per program, byte-exact there
-# (NaN / inf / subnormal rows included) and in scripts/probe_kv_native.py at pages of 1, 2, 61 and 64 tokens.
-# insert 33.7 µs = 77.1 % of copy at 64k slots (integer encoders, 8 tokens: 69.5 %)
-# session 6's H200 probe (benchmarks/mem_probe.py, benchmarks/kv_cache.md): early loads (one DRAM round trip
-# per program instead of three), 4 tokens over 2 warps, streaming stores: 30.1 µs = 87.1 % against 33.4 µs
-# = 78.5 % for session 4's default in the same call (2 tokens × 1 warp, early: also 30.1 µs); byte-exact on
-# the timed set and on a hard set (NaN / ±inf rows, −1 slots)
+# Both use the hardware casts (byte-exact on the H200, NaN / inf / subnormal rows and pages of 1, 2, 61 and 64
+# tokens included: scripts/probe_kv_native.py). The insert loads its kv rows early (one DRAM round trip per
+# program instead of three), 4 tokens over 2 warps, with streaming stores: the fastest insert measured.
 INSERT_DEFAULT = KVCacheLaunch(tokens_per_program=4, num_warps=2, native_casts=True, streaming_stores=True,
                                early_loads=True)
-# gather 31.9 µs = 81.5 % at 64k slots (integer decode: 79.0 %)
 GATHER_DEFAULT = KVCacheLaunch(tokens_per_program=4, num_warps=1, native_casts=True)
 
 

@@ -88,13 +88,10 @@ NUM_WARPS = 8  # the column-split consumers (ROLES = KSPLIT = 0) and _decode_ker
 #       shared memory (else registers).
 #   DIAG (not in VARIANT; timing only, wrong results): 1 no row loads, 2 no MMA, 3 neither, 4 no chunks,
 #       5 also no query load, 6 also no epilogue stores.
-# why these are the defaults (H200, each measured against the one before in the same calls, every check passed
-# at H 16 / 64 / 128): PACKED=1, H 64 37.5 µs against 42.3 µs for the byte-wise producer, H 128 82.6 against
-# 89.9 (benchmarks/runs/2026-11-30_s3_h200_gluon_sweep.log); ROLES=1, 37.2-37.7 / 79.0-80.8 / 72.1-73.1 µs
-# against 38.1-39.4 / 83.4-84.5 / 74.0-76.0 µs for the column-split pair (runs/2026-12-01_s5_h200_gluon_*.log);
-# QLATE=1: 36.4 / 77.6 / 71.6 and 36.7 / 77.9 / 73.0 µs against 37.9 / 78.5 / 71.5 and 37.7 / 77.9 / 72.6 µs
-# in two calls (runs/2026-12-01_s6_h200_gluon_*.log); NARROW, OSMEM and LAZY_SCAN: benchmarks/sparse_mla.md,
-# "the narrow kernel; the fixed cost taken apart"
+# why these are the defaults: each was faster on the H200 than the kernel it replaced, measured in the same calls
+# with every check passing at H 16 / 64 / 128 (benchmarks/sparse_mla.md): PACKED=1 (the byte-wise producer
+# spilled), ROLES=1 (the column-split pair crosses warpgroups for every row reduction), QLATE=1 (about 1 µs at
+# H 64); NARROW, OSMEM and LAZY_SCAN: benchmarks/sparse_mla.md, "the narrow kernel; the fixed cost taken apart"
 VARIANT = dict(WS=True, NS=2, OVERLAP=False, PRODUCER_REGS=104, DEEP=True, PIPE=False, P_SMEM=True, PACKED=1,
                ROLES=1, PV_REGS=160, QLATE=1, NARROW=1, NARROW_NS=3, NARROW_REGS=184, OSMEM=1, LAZY_SCAN=1)
 NARROW_H = 16  # heads per program of the narrow kernel (wgmma N)

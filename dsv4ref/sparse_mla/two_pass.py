@@ -18,9 +18,9 @@ measured against it in ``benchmarks/sparse_mla.md``.
 :func:`seed_decode` is the seed's structure on our kernels (with the sink applied, so its answer is
 right): :func:`seed_plan` walks the tokens in Python, reading each token's lengths on the host (a device
 sync per token) and packing its counted slots ``[compressed…, window…]``; then one gather launch per token
-and pool fills a fresh workspace, and the bf16 attention runs over the packed table. Measured on the H200
-(issue 14, device work only, T = 64): 248 µs (H 64, K 640), 671 µs (H 128, K 1152), 674 µs (H 16,
-K 2048), against 90 / 155 / 147 µs for :func:`two_pass_decode`: 2·T small launches keep most SMs idle.
+and pool fills a fresh workspace, and the bf16 attention runs over the packed table. On the H200 it is 3-5×
+slower than :func:`two_pass_decode` in device work alone (``benchmarks/sparse_mla.md``): 2·T small launches keep
+most SMs idle.
 """
 
 from __future__ import annotations

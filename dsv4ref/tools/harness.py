@@ -127,10 +127,9 @@ def time_ms(run: Callable[[int], object], n_sets: int = 1, warmup: int = 5, reps
 
     Each timed window holds back-to-back replays of at least ``min_calls`` calls in all: the start event
     fires on an idle device, so the host's submission of the window's first replay is inside the window,
-    and only the first (the host submits the next replays while the device runs). Until session 6 a
-    window was one replay (``n_sets`` calls, 2-4 here), which charged every call a share of that
-    submission: 1-2 µs on a 15-30 µs kernel (``min_calls=1`` gives that method back). A replay that
-    takes over a millisecond is timed alone, as before.
+    and only the first (the host submits the next replays while the device runs). A window of one replay
+    (``n_sets`` calls, 2-4 here) would charge every call a share of that submission: 1-2 µs on a 15-30 µs
+    kernel (``min_calls=1`` times that way). A replay that takes over a millisecond is timed alone.
     """
     replay = None
     if graph:
