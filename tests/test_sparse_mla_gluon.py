@@ -86,7 +86,7 @@ def test_two_pools_with_sink(splits):
     assert float(ref[0].abs().max()) > 0.1
 
 
-# kernel variants other than the default (gluon.VARIANT flags; benchmarks/sparse_mla_gluon.py times them)
+# kernel variants other than the default (gluon.VARIANT flags; benchmarks/experiments/sparse_mla_gluon.py times them)
 VARIANTS = {
     "packed producer, overlapped QK": dict(WS=True, PRODUCER_REGS=104, PACKED=1, OVERLAP=True, ROLES=0),
     "double-buffered packed producer": dict(WS=True, PRODUCER_REGS=152, PACKED=2, ROLES=0),

@@ -64,7 +64,7 @@ LOG2E = 1.4426950408889634
 BLOCK_H = 64  # heads per program (wgmma M = 64 per warpgroup); smaller H is padded with masked rows
 BLOCK_N = 64  # candidates per chunk
 NUM_WARPS = 8  # the column-split consumers (ROLES = KSPLIT = 0) and _decode_kernel: two warpgroups
-# kernel variants (constexpr flags), measured in benchmarks/sparse_mla_gluon.py:
+# kernel variants (constexpr flags), measured in benchmarks/experiments/sparse_mla_gluon.py:
 #   WS: the warp-specialised kernel (4 producer warps dequantise into an NS-stage ring, 8 consumer warps run
 #       the MMAs); OVERLAP: its next QKᵀ is issued behind the current P·V; PRODUCER_REGS: the producer
 #       warps' register budget (setmaxnreg; the consumers get the rest); DEEP: the producer fetches slot
@@ -111,7 +111,7 @@ try:  # Gluon ships with Triton >= 3.5; the Hopper ops live in its nvidia.hopper
         warpgroup_mma_wait,
     )
 
-    # the names that moved between Triton releases (one bridge, also for benchmarks/gather_probe.py):
+    # the names that moved between Triton releases (one bridge, also for benchmarks/experiments/gather_probe.py):
     # thread_barrier was renamed barrier; cp.async from global to shared memory is async_copy_global_to_shared
     # in Triton 3.6, async_load later
     _bar = getattr(gl, "thread_barrier", None) or getattr(gl, "barrier")

@@ -19,7 +19,7 @@ costs per-value work, so it runs only for a tile that holds such a block (``e4m3
 NaN-propagating amax per block, one branch per tile); a finite tile runs the plain encoder.
 
 The RoPE words are stored first, so their registers are free before the NoPE tile is loaded. What ptxas makes
-of ``kv_cache.insert``'s kernel is printed by ``benchmarks/kv_cache_compile_check.py`` (Triton 3.6, sm_90a).
+of ``kv_cache.insert``'s kernel is printed by ``benchmarks/experiments/kv_cache_compile_check.py`` (Triton 3.6, sm_90a).
 """
 
 from __future__ import annotations

@@ -290,7 +290,7 @@ def canonical_nan(y):
 # and no per-value non-finite work (the caller overwrites a non-finite block with e4m3_nan_codes / byte 255,
 # only in a tile that holds one). Compiled for sm_90a, e4m3_snap is 6.5 SASS instructions per value (and, on
 # half of it, the integer ALU pipe 3): and, max, add, fma, sub, or, half a cvt. A whole staging tile with it
-# runs 13–17 instructions per value against 27 with e4m3_ue8m0_blocks (benchmarks/moe_stage_compile_check.py).
+# runs 13–17 instructions per value against 27 with e4m3_ue8m0_blocks (benchmarks/experiments/moe_stage_compile_check.py).
 
 
 @triton.jit

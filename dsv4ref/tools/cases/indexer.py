@@ -127,7 +127,7 @@ def logits_bench_inputs(fmt: str, n_sets: int = 2, seed: int = 0, T: int = 64, H
     keys, far beyond the 60 MB L2). Cache bytes are random (fp8: no NaN codes, scales 2^-10..2^9; mxfp4: scale
     bytes 117..136), block tables shuffled per token, queries quantised from N(0, 1). ``bytes``: the
     compulsory traffic of one call; ``flops``: 2·T·n_c·H·128. Shared by ``bench indexer`` and
-    ``benchmarks/indexer_sweep.py``."""
+    ``benchmarks/experiments/indexer_sweep.py``."""
     pages_per_tok = n_c // Bc
     pos = torch.full((T,), 4 * n_c + 2, dtype=torch.int64, device=DEVICE)  # n_c visible keys for every token
     g = torch.Generator(device=DEVICE).manual_seed(seed)
@@ -157,7 +157,7 @@ def logits_bench_inputs(fmt: str, n_sets: int = 2, seed: int = 0, T: int = 64, H
 def _bench() -> list[BenchCase]:
     """The logits kernel alone (``dsv4ref.indexer.launch.logits``) at T = 64 tokens × n_c = 32 768 keys: FP8, and
     MXFP4 with each decode (``IndexerLaunch.fp4_decode``) and a few tile choices for the new one, side by side.
-    The full grid of launch choices: ``benchmarks/indexer_sweep.py``."""
+    The full grid of launch choices: ``benchmarks/experiments/indexer_sweep.py``."""
     T, H, n_c, Bc = (BENCH_SHAPE[k] for k in ("T", "H", "n_c", "Bc"))
     cases = []
     variants = {"fp8": [("", ix.IndexerLaunch())],
