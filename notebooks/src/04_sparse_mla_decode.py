@@ -8,7 +8,7 @@
 #
 # Part A says what the op computes: the reference (§1), the sink (§2), the candidate sets (§3) and the online
 # softmax (§4). Part B is the **ladder**: five implementations of the same op, each measured on an H200 on
-# the same inputs, from the seed's path at about 3 % of the hardware bound to a warp-specialised Hopper
+# the same inputs, from the seed's path at a few percent of the hardware bound to a warp-specialised Hopper
 # kernel, with what changed at each rung, why it is faster and what still limits it (§5–§10): the fused
 # kernel's source, its block sizes and the split/merge scratch format are all here. Part C holds the checks
 # (§11), the bytes (§12) and the roofline of every rung (§13), then the lessons (§14).
@@ -35,16 +35,47 @@ import matplotlib.pyplot as plt
 import torch
 
 # %matplotlib inline
-from dsv4ref import kv_cache, sparse_mla, validate
+from dsv4ref import formats, kv_cache, sparse_mla, validate
 from dsv4ref.sparse_mla import kernels, reference, two_pass
 from dsv4ref.sparse_mla.launch import launch_for_sms
 from dsv4ref.config import TINY
 from dsv4ref.device import DEVICE, describe
 from dsv4ref.testing import compare, generator, randn
+from dsv4ref.tools.cases.sparse_mla import LADDER_PATH
 
 # %%
 # NBVAL_IGNORE_OUTPUT
 print(describe())
+
+# %% [markdown]
+# Every measured figure this notebook quotes (µs, % of the bound, speed-ups) comes from one data file,
+# `benchmarks/sparse_mla_ladder.json`, loaded here once and drawn whole in §13; the prose never types them.
+# `figures(rung)` prints a rung's line per benchmark shape. `FLOOR` is the project's target (35 % of the
+# bound) and `FLASHMLA` the level FlashMLA reaches on Hopper (about half of it): targets, not measurements.
+
+# %%
+ladder = json.loads(LADDER_PATH.read_text())
+bw, peak = ladder["ceilings"]["copy_bytes_per_s"], ladder["ceilings"]["bf16_flops_per_s"]
+SHAPE_NAMES = [f"H {sh['H']} K {sh['K']}" for sh in ladder["shapes"]]
+US = {r["key"]: r["us"] for r in ladder["rungs"] + ladder["others"]}
+FLOOR, FLASHMLA = 0.35, 0.50
+
+
+def bound_us(i):
+    """The bound of benchmark shape i in µs: max(bytes / copy bandwidth, FLOP / bf16 matmul rate)."""
+    sh = ladder["shapes"][i]
+    return max(sh["bytes"] / bw, sh["flops"] / peak) * 1e6
+
+
+def figures(key, *versus):
+    """Print rung `key`'s time per shape, its fraction of the bound and its speed-up over each rung in `versus`."""
+    for i, name in enumerate(SHAPE_NAMES):
+        us = US[key][i]
+        gains = "".join(f"; {US[v][i] / us:4.2f}× {v}" for v in versus)
+        print(f"  {key:<9} {name:<13} {us:6.1f} µs, {bound_us(i) / us:5.1%} of the bound{gains}")
+
+
+print(f"{LADDER_PATH.name}: {ladder['device']}, {ladder['date']}")
 
 # %% [markdown]
 # ## 1. MQA over one latent head, and K = V
@@ -92,6 +123,88 @@ print("out", tuple(out_ref.shape), out_ref.dtype, "| lse", tuple(lse_ref.shape),
 print("window lengths", lengths.cpu().tolist(), "| compressed lengths", inputs["extra_lengths"].cpu().tolist())
 print("-1 entries inside the window prefixes:",
       [int(((slots[t, : int(lengths[t])] < 0)).sum()) for t in range(T)])
+
+# %% [markdown]
+# ### The arguments, the results, and which entries count
+#
+# | name | dtype | shape | meaning |
+# |---|---|---|---|
+# | `q` | bf16 | `[T, H, 512]` | the absorbed queries, RoPE dims already rotated at the token's position; 1 ≤ H ≤ 128 |
+# | `cache`, `extra_cache` | uint8 | `[pages, kv_cache.page_bytes(B)]` | the window pool's and the compressed pool's paged FP8 caches (notebook 01's page format) |
+# | `slots`, `extra_slots` | int32 or int64 | `[T, K]`, `[T, K2]` | global slots page · B + offset, −1 = none |
+# | `lengths`, `extra_lengths` | int32 or int64, or None | `[T]` | in [0, K] (resp. [0, K2]); None = K (resp. K2) for every token |
+# | `block_size`, `extra_block_size` | int | — | B, tokens per page of each cache (keyword-only) |
+# | `sink` | fp32, or None | `[H]` | one logit per head in the softmax denominator only (§2); −inf = no sink, +inf = out 0, None = no sink |
+# | `scale` | float | — | σ_s, the scale of every score; default `sparse_mla.DEFAULT_SCALE` = 512^-½ |
+# | **out** | bf16 | `[T, H, 512]` | Σ_j p_j c_j · σ(lse − sink), contiguous |
+# | **lse** | fp32 | `[T, H]` | ln Σ_j e^(s_j), natural log, **without** the sink |
+#
+# **The rule.** For token t, entry j of a pool counts iff `j < lengths[t]` **and** `slots[t, j] >= 0`
+# (for the compressed pool: `j < extra_lengths[t]` and `extra_slots[t, j] >= 0`). So:
+#
+# * `lengths = None` means every j < K counts: the same as lengths[t] = K for every t;
+# * a −1 is skipped wherever it stands, inside the length too;
+# * an entry at or past the length is never read, whatever it holds: a valid slot there is ignored (with value
+#   checks on it must still be −1 or a slot of its cache);
+# * duplicates are **not** removed: a slot listed twice (in one pool or in both) adds its term to both sums
+#   twice;
+# * the counted entries of both pools form one multiset J(t) and enter **one** softmax;
+# * a token whose J(t) is empty gets out = 0 and lse = −inf, whatever its sink.
+#
+# The cell below checks that rule on five tokens built for it, against a float64 version of the formula
+# written from the rule alone (a plain loop, as a port would write it), on every backend.
+
+# %%
+cache1, B1 = inputs["cache"], inputs["block_size"]
+a, b, c, d, e, f = 3, 17, 30, 41, 52, 60  # six valid slots of the example's window cache
+cases_ = [  # (slots of the token, its length, what it shows)
+    ([a, -1, b, c, d, e], 4, "a -1 inside the length is skipped"),
+    ([a, b, c, d, e, f], 2, "valid slots past the length are ignored"),
+    ([a, a, b, -1, -1, -1], 3, "a duplicate counts twice"),
+    ([-1] * 6, 6, "nothing valid: empty"),
+    ([a, b, c, d, e, f], 0, "length 0: empty"),
+]
+S = torch.tensor([r[0] for r in cases_], dtype=torch.int32).to(DEVICE)
+L = torch.tensor([r[1] for r in cases_], dtype=torch.int32).to(DEVICE)
+q5 = q[[0, 1, 2, 0, 1]].contiguous()
+
+
+def by_the_rule(q, cache, slots, lengths, block_size, sink, scale):
+    """out, lse and mass (Σ p·|c|, for the tolerance) in float64, from the rule alone, one token at a time."""
+    T_, H_ = q.shape[:2]
+    out = torch.zeros(T_, H_, formats.HEAD_DIM, dtype=torch.float64)
+    mass = torch.zeros_like(out)
+    lse = torch.full((T_, H_), -math.inf, dtype=torch.float64)
+    for t in range(T_):
+        n = slots.shape[1] if lengths is None else int(lengths[t])
+        J = [int(x) for x in slots[t, :n] if x >= 0]  # the counted entries, duplicates kept
+        if not J:
+            continue  # empty: out 0, lse -inf
+        rows = kv_cache.gather(cache, torch.tensor(J, dtype=torch.int32, device=DEVICE), block_size=block_size)
+        rows = rows.double().cpu()  # [n, 512], exact
+        s = scale * q[t].double().cpu() @ rows.T  # [H, n]
+        lse[t] = torch.logsumexp(s, dim=1)
+        p = torch.exp(s - lse[t][:, None]) * torch.sigmoid(lse[t] - sink.double().cpu())[:, None]
+        out[t], mass[t] = p @ rows, p @ rows.abs()
+    return out, lse, mass
+
+
+for t, (row, n, what) in enumerate(cases_):
+    print(f"token {t}: slots {row}, length {n}: counts {[x for x in row[:n] if x >= 0]} ({what})")
+print("scale is 512^-0.5:", sparse_mla.DEFAULT_SCALE == formats.HEAD_DIM**-0.5)
+o_rule, l_rule, m_rule = by_the_rule(q5, cache1, S.cpu(), L.cpu(), B1, sink, sparse_mla.DEFAULT_SCALE)
+full = torch.full_like(L, S.shape[1])
+for backend in sparse_mla.SUPPORTED:
+    o, l = sparse_mla.decode(q5, cache1, S, L, block_size=B1, sink=sink, backend=backend)
+    o_none, l_none = sparse_mla.decode(q5, cache1, S, None, block_size=B1, sink=sink, backend=backend)
+    o_full, l_full = sparse_mla.decode(q5, cache1, S, full, block_size=B1, sink=sink, backend=backend)
+    o_x, l_x = sparse_mla.decode(q5, cache1, torch.full_like(S, -1), None, block_size=B1, sink=sink, backend=backend,
+                                 extra_cache=cache1, extra_slots=S, extra_lengths=L, extra_block_size=B1)
+    print(f"{backend:>9}: the rule: {compare(o, o_rule, 'bf16_weighted_sum', 'out', m_rule).verdict()}, "
+          f"{compare(l, l_rule, 'lse', 'lse').verdict()}; tokens 3, 4: out 0 {bool((o[3:] == 0).all())}, "
+          f"lse {sorted(set(l[3:].flatten().cpu().tolist()))}")
+    print(f"{'':>9}  lengths=None equals lengths=K: {torch.equal(o_none.cpu(), o_full.cpu()) and torch.equal(l_none.cpu(), l_full.cpu())}; "
+          f"the same rows as the second pool: {compare(o_x, o_rule, 'bf16_weighted_sum', 'out', m_rule).passed and compare(l_x, l_rule, 'lse').passed}")
 
 # %% [markdown]
 # The V-width check: zero the NoPE part of every cached row. If V really is 512 wide, the output's last 64
@@ -253,13 +366,38 @@ print("online result equals the one-shot softmax:", compare(acc / l, full, "fp32
 # reading K candidates each (a window pool of 128 plus the compressed pool, pages of 64): H 64, K 640
 # (V4-Flash), H 128, K 1152 (V4-Pro) and H 16, K 2048 (tensor parallelism: few heads, long lists).
 #
+# **One byte accounting for the whole notebook.** Per selected row, a kernel must read the row's 584-byte
+# record (`formats.TOKEN_BYTES`: 448 e4m3 bytes, 64 bf16 RoPE values, 8 scale bytes) and its 4-byte int32
+# slot. The two-pass paths also write the row as 1024 bytes of bf16 and read it back. Per token, every path
+# also reads q and writes out (bf16), writes lse (fp32) and reads the two lengths. The next cell computes
+# these from `dsv4ref.formats` and checks them against the ladder file's compulsory bytes.
+
+# %%
+SLOT_BYTES = torch.tensor([], dtype=torch.int32).element_size()
+ROW_FUSED = formats.TOKEN_BYTES + SLOT_BYTES  # read the record and its slot
+ROW_BF16 = formats.HEAD_DIM * torch.tensor([], dtype=torch.bfloat16).element_size()
+ROW_TWO_PASS = ROW_FUSED + 2 * ROW_BF16  # ... then write the bf16 row and read it back
+
+
+def compulsory(T, H, K):
+    """Bytes every path must move: the rows and their slots; q in, out out (bf16); lse (fp32); two lengths."""
+    return T * (K * ROW_FUSED + H * formats.HEAD_DIM * 2 * 2 + H * 4 + 2 * SLOT_BYTES)
+
+
+print(f"per selected row: fused {ROW_FUSED} B = {formats.TOKEN_BYTES} record + {SLOT_BYTES} slot; "
+      f"two-pass {ROW_TWO_PASS} B = {ROW_FUSED} + {ROW_BF16} written + {ROW_BF16} read back: "
+      f"{ROW_TWO_PASS / ROW_FUSED:.1f}× more")
+print("compulsory bytes equal the ladder file's:",
+      all(compulsory(sh["T"], sh["H"], sh["K"]) == sh["bytes"] for sh in ladder["shapes"]))
+
+# %% [markdown]
 # | rung | what changed | why it is faster | what still limits it |
 # |---|---|---|---|
-# | 0. the seed's two-pass path | — (vLLM's first portable port) | — | a Python loop over tokens with a host sync each; 2·T gather launches of a few rows each; 2632 B moved per row |
-# | 1. clean two-pass | the index table is one tensor op; one gather launch for all tokens; a reused workspace | 2 launches instead of 2·T + 1, each filling the GPU | still 2632 B per row (584 read, 1024 written, 1024 read back); a latency-bound attention loop |
-# | 2. fused | the attention loop reads the FP8 pages itself and dequantises in registers; the K tile is reused as V | 584 B per row, 4.5× fewer; one launch; no workspace | one program per (token, 64 heads): ≤ one wave of programs; a 64 × 512 fp32 accumulator that spills; load → dequantise → QKᵀ → softmax → P·V in series in every warp |
+# | 0. the seed's two-pass path | — (vLLM's first portable port) | — | a Python loop over tokens with a host sync each; 2·T gather launches of a few rows each; 2636 B moved per row |
+# | 1. clean two-pass | the index table is one tensor op; one gather launch for all tokens; a reused workspace | 2 launches instead of 2·T + 1, each filling the GPU | still 2636 B per row (588 read, 1024 written, 1024 read back); a latency-bound attention loop |
+# | 2. fused | the attention loop reads the FP8 pages itself and dequantises in registers; the K tile is reused as V | 588 B per row, 4.5× fewer; one launch; no workspace | one program per (token, 64 heads): ≤ one wave of programs; a 64 × 512 fp32 accumulator that spills; load → dequantise → QKᵀ → softmax → P·V in series in every warp |
 # | 3. split list (flash-decoding) | the candidate list is split over S programs; a merge kernel folds their partial states | S× more programs in flight where T · head blocks leaves SMs idle | partial-state traffic and a second launch; every program is still the serial chain of rung 2 |
-# | 4. warp-specialised (Gluon, Hopper) | producer warps dequantise FP8 pages into shared memory while two consumer warpgroups run the MMAs, each owning 256 of the 512 output dims; at H ≤ 16 a narrow kernel with the heads as the MMAs' N and two producer warpgroups | loads and dequantisation overlap the tensor-core work; the accumulator fits in registers | measured in the GPU run (§13) and taken apart in §10b: latency at one program per SM — a row gather that reaches ~64 % of the copy rate at this grid, the scorer's serial QKᵀ → softmax → P·V chain, and a fixed cost (query in, output and partials out, the merge) of 7–16 µs |
+# | 4. warp-specialised (Gluon, Hopper) | producer warps dequantise FP8 pages into shared memory while two consumer warpgroups run the MMAs, each owning 256 of the 512 output dims; at H ≤ 16 a narrow kernel with the heads as the MMAs' N and two producer warpgroups | loads and dequantisation overlap the tensor-core work; the accumulator fits in registers | measured in the GPU run (§13) and taken apart in §10b: latency at one program per SM — a row gather that stays well under the copy rate at this grid, the scorer's serial QKᵀ → softmax → P·V chain, and a fixed cost (query in, output and partials out, the merge) that is a large part of the call |
 #
 # The rest of this part takes the rungs one by one, on the small example of §1.
 
@@ -275,7 +413,7 @@ print("online result equals the one-shot softmax:", compare(acc / l, full, "fp32
 #
 # `two_pass.seed_decode` keeps that structure on our kernels (with the sink applied, so its answer is right
 # and its time is comparable). The benchmark builds the plan once per input set and times only the device
-# work, as the issue's figures do; the host loop comes on top in real use.
+# work; the host loop comes on top in real use.
 
 # %%
 print(inspect.getsource(two_pass.seed_plan))
@@ -290,13 +428,18 @@ o, l = two_pass.seed_decode(**inputs, scale=sparse_mla.DEFAULT_SCALE, plan=plan)
 print(compare(o, out_ref, "bf16_weighted_sum", "seed out", mass).verdict(), "|", compare(l, lse_ref, "lse", "seed lse").verdict())
 
 # %% [markdown]
-# **What limits it.** In the ladder's H200 run (§13) this structure's device work alone takes 541 µs (H 64),
-# 606 µs (H 128) and 593 µs (H 16), 1.5–4.2 % of the bound (vLLM's own path measured 248 / 671 / 674 µs, 3–4 %,
-# when the project started). With T = 64 there are 128 gather launches, one per token and pool, of 128 to 1920 rows
-# each: at 4 rows per single-warp program, each launch occupies a fraction of the 132 SMs for a few µs, and
-# the launches run one after another. Then every selected row crosses memory three times: 584 B read,
-# 1024 B of bf16 written, the same 1024 B read back.
-#
+# **What limits it.** In the ladder's H200 run (§13) this structure's device work alone stays at a few
+# percent of the bound on every shape (the next cell; vLLM's own path, timed when the project started, was of
+# the same order: `benchmarks/sparse_mla.md`). With T = 64 there are 2·T = 128 gather launches, one per token
+# and pool, each of one pool's rows of one token (128 window rows, or the compressed pool's K − 128): at 4 rows
+# per single-warp program, each launch occupies a fraction of the 132 SMs for a short while, and the launches run
+# one after another. Then every selected row crosses memory three times: its 588 B read, 1024 B of bf16
+# written, the same 1024 B read back.
+
+# %%
+figures("seed")
+
+# %% [markdown]
 # ## 7. Rung 1: the clean two-pass path
 #
 # The same two passes, without the loop. The index table is one elementwise op per pool (an entry past its
@@ -309,11 +452,17 @@ print(compare(o, out_ref, "bf16_weighted_sum", "seed out", mass).verdict(), "|",
 print(inspect.getsource(two_pass.two_pass_decode))
 
 # %% [markdown]
-# **Why it is faster:** two launches that each fill the GPU instead of 2·T + 1 small ones: 104, 183 and 175 µs,
-# 3.3–5.2× the seed. **What limits it:** the 2632 bytes per row are still there, and the attention loop of pass
-# 2 is latency-bound (rung 2 says why). At H 128 that loop is the whole story: there the fused kernel of rung 2,
-# which runs the same loop with the dequantisation inside it, is even a little slower (192 against 183 µs).
-#
+# **Why it is faster:** two launches that each fill the GPU instead of 2·T + 1 small ones: several times
+# faster than the seed on every shape (the next cell). **What limits it:** the 2636 bytes per row are still
+# there, and the attention loop of pass 2 is latency-bound (rung 2 says why). At H 128 that loop is the whole
+# story: there the fused kernel of rung 2, which runs the same loop with the dequantisation inside it, is no
+# faster than this path.
+
+# %%
+figures("two_pass", "seed")
+print(f"H 128: the fused kernel (rung 2) is slower than two-pass: {US['fused'][1] > US['two_pass'][1]}")
+
+# %% [markdown]
 # ## 8. Rung 2: the fused kernel, walked through
 #
 # `dsv4ref.sparse_mla.kernels.decode_kernel` runs one program per (token, block of heads, split of the list).
@@ -354,26 +503,33 @@ for kernel in (kernels.decode_kernel, kernels.attend_pool, kernels.load_rows_fp8
 # %%
 BENCH = ((64, 64, 640), (64, 128, 1152), (64, 16, 2048))
 print(f"{'T':>3} {'H':>4} {'K':>5} | {'BLOCK_H':>7} {'BLOCK_N':>7} {'warps':>5} {'stages':>6} {'splits':>6} | "
-      f"{'programs':>8} {'acc per program':>16}")
+      f"{'programs unsplit':>16} {'split':>5} | {'acc per program':>16}")
 for Tb, Hb, Kb in BENCH:
-    L = launch_for_sms(Tb, Hb, Kb, 132)
-    progs = Tb * -(-Hb // L.block_h) * L.num_splits
-    print(f"{Tb:>3} {Hb:>4} {Kb:>5} | {L.block_h:>7} {L.block_n:>7} {L.num_warps:>5} {L.num_stages:>6} "
-          f"{L.num_splits:>6} | {progs:>8} {L.block_h * 512 * 4 // 1024:>11} KB fp32")
+    lb = launch_for_sms(Tb, Hb, Kb, 132)
+    progs = Tb * -(-Hb // lb.block_h)
+    print(f"{Tb:>3} {Hb:>4} {Kb:>5} | {lb.block_h:>7} {lb.block_n:>7} {lb.num_warps:>5} {lb.num_stages:>6} "
+          f"{lb.num_splits:>6} | {progs:>16} {progs * lb.num_splits:>5} | {lb.block_h * 512 * 4 // 1024:>11} KB fp32")
 print(launch_for_sms(64, 64, 640, 132))
 
 # %% [markdown]
-# **Why it is faster than two-pass:** 584 + 4 bytes per selected row instead of 2632, one launch, no workspace:
-# 78 µs at H 64 (1.3× rung 1) and 101 µs at H 16 (1.7×), with the split of rung 3 on. **What limits it:** it is
-# latency-bound, not bandwidth-bound (a profiler saw issue slots 27 % busy, tensor units 25 %, DRAM about
-# 20 %). A 64-head program keeps a 64 × 512 fp32 accumulator: 128 KB, about 128 registers per thread at 8 warps
-# before the K tile, q and the dequantisation temporaries, so it spills and only one program fits an SM. And
-# every warp runs load → dequantise → QKᵀ → softmax → P·V in series: while it waits for the page bytes, no
-# MMA runs, and while it runs MMAs, no bytes arrive. Two cheaper fixes were measured and removed: splitting
-# the 512 output dims over 2 or 4 programs (each recomputing the scores: slower, 8.0 % and 5.0 % at H 64
-# against 11 %), and an exact P·V (P as two bf16 halves: 6–9× slower). With one program per (token, head
-# block), H 64 launches 128 programs and H 16 only 64: an SM with no program is an idle SM. That is rung 3.
-#
+# **What it should buy over two-pass:** 588 bytes per selected row instead of 2636, one launch, no workspace.
+# **What it gets:** alone, one program per (token, head block), it is *slower* than rung 1 on every shape of
+# the ladder (the next cell); only with the split of rung 3 does it beat rung 1, at H 64 and H 16. **What
+# limits it:** it is latency-bound, not bandwidth-bound (a profiler saw neither the issue slots, nor the
+# tensor units, nor DRAM near saturation). A 64-head program keeps a 64 × 512 fp32 accumulator: 128 KB,
+# about 128 registers per thread at 8 warps before the K tile, q and the dequantisation temporaries, so it
+# spills and only one program fits an SM. And every warp runs load → dequantise → QKᵀ → softmax → P·V in
+# series: while it waits for the page bytes, no MMA runs, and while it runs MMAs, no bytes arrive. Two cheaper
+# fixes were measured and removed as slower (the figures are in `benchmarks/sparse_mla.md`): splitting the 512
+# output dims over 2 or 4 programs, each recomputing the scores, and an exact P·V (P as two bf16 halves). And
+# with one program per (token, head block), H 64 and H 16 launch only T = 64 programs for 132 SMs (the
+# "programs unsplit" column above): an SM with no program is an idle SM. That is rung 3.
+
+# %%
+figures("fused", "two_pass")
+figures("split", "two_pass")
+
+# %% [markdown]
 # ## 9. Rung 3: the split list (flash-decoding)
 #
 # When T · head blocks would leave SMs idle, the candidate list of each token is split over S programs
@@ -437,18 +593,23 @@ print(compare(out0, out_ref[0].double(), "bf16_out", "merged out").verdict(), "|
 for Tb, Hb, Kb in BENCH:
     S = launch_for_sms(Tb, Hb, Kb, 132).num_splits
     scratch = Tb * S * Hb * (512 + 2) * 4 if S > 1 else 0
-    comp = Tb * (Kb * 588 + Hb * 512 * 4 + Hb * 4 + 8)
+    comp = compulsory(Tb, Hb, Kb)
     print(f"H={Hb:<3} K={Kb:<5} S={S}: scratch {scratch / 1e6:5.1f} MB written + read, "
           f"compulsory {comp / 1e6:5.1f} MB ({2 * scratch / comp:4.0%} extra traffic)")
 
 # %% [markdown]
-# **Why it is faster:** at H 64 the split doubles the programs (128 → 256) and at H 16 quadruples them
-# (64 → 256): 78 µs and 101 µs with the split, against 114 µs and 292 µs unsplit (1.5× and 2.9×, the
-# `fused[split=1]` rows of the same run). H 128 already has 128 programs of 64 heads and does not split. **What limits it:**
-# the partial states are big: at H 64 they add 16.8 MB written and read back to 32.5 MB of compulsory
-# traffic; the merge is a second launch; and each program is still the serial chain of rung 2: splitting
-# spreads the latency over more SMs, it does not hide it. The fused kernel stays at 10–19 % of the bound.
-#
+# **Why it is faster:** at H 64 the split doubles the programs and at H 16 quadruples them (the block-size
+# table of §8), which makes both much faster than unsplit (the next cell, against the `fused[split=1]` rows
+# of the same run). H 128 already has two programs of 64 heads per token and does not split. **What limits
+# it:** the partial states are big: at H 64 the scratch written and read back is about as many bytes again as
+# the compulsory traffic (the cell above); the merge is a second launch; and each program is still the serial
+# chain of rung 2: splitting spreads the latency over more SMs, it does not hide it. The fused kernel stays
+# far under the floor on every shape.
+
+# %%
+figures("split", "fused")
+
+# %% [markdown]
 # ## 10. Rung 4: the warp-specialised Hopper kernel
 #
 # FlashMLA reaches about half of this bound with hand-written FP8 sparse decode on Hopper. Its answer to both
@@ -511,82 +672,156 @@ for Tb, Hb, Kb in BENCH:
 # A warp-specialised kernel hides one side behind the other, so its total time says little about either side.
 # The kernel takes a `DIAG` flag, for timing only (its results are wrong), that removes one part at a time:
 # 1 no row loads, 2 no MMAs, 3 neither, 4 no chunks at all, 5 also no query load, 6 also no epilogue stores.
-# Three readings of those diagnostics and two profiles set every later step (H200, T 64, µs):
-#
-# | what was timed | H 64 K 640 | H 128 K 1152 | H 16 K 2048 |
-# |---|---|---|---|
-# | the kernel with the role-split consumers, before the fixed-cost fixes | 37.2 | 78.6 | 73.6 |
-# | producer alone (no MMA / softmax) | 32.1 | 57.0 | 53.0 |
-# | consumers alone (no row loads) | 31.3 | 65.8 | 56.9 |
-# | neither | 23.0 | 38.2 | 31.5 |
-# | no chunk at all: launch, query, epilogue, merge | 15.9 | 15.5 | 10.4 |
-#
-# * **Each side alone is far off the bound** (at H 64 about 4× the whole call's 8 µs), and the part that is
-#   neither is still 23–38 µs. Nsight Compute saw nothing saturated: 0.32 instructions issued per scheduler per cycle, DRAM at 16 % of its peak.
-#   The kernel is **latency-bound at one program per SM**.
-# * **The row gather, timed alone** (`benchmarks/gather_probe.py`): 128 programs, one per SM, fetching random
-#   584-byte rows of this cache by `cp.async` into a ring 1 to 4 chunks deep, with 4 to 16 warps. Every variant
-#   took 1.8–2.0 µs per chunk: **about 64 % of the copy rate, whatever the bytes in flight**. Contiguous rows
-#   reach 69–74 %. Leaving out the rows' separate 8-byte scale words saves 13 % of the time for 1.4 % of the
-#   bytes. Two or three independent programs per SM, one chunk in flight each, reach 80 %. **Independence, not
-#   depth, passes the cap**: a program waiting for its oldest copies stalls its own issue. The kernel's producer
-#   alone is within ~20 % of this bare gather, so a deeper ring would not have sped it up.
-# * **The fixed cost, taken apart** (DIAG 4 → 5 → 6). At H 128, 4.6 µs went to the query and 7.9 µs to storing
-#   the output from the accumulator's layout. At H 64 the split's 16.8 MB of fp32 partials (4.9 µs) and the
-#   merge launch (5.3 µs) dominate.
+# Those readings, a probe of the row gather alone and two profiles set every later step. The readings are
+# H200 runs kept in the ladder file under `diagnostics`, each with its log; the next cell prints them.
+
+# %%
+diag = ladder["diagnostics"]
+roles, fixed, probe = diag["gluon_roles"], diag["gluon_fixed_cost"], diag["gather_probe"]
+print(f"µs, T 64, {roles['date']}: {roles['about']}")
+print(f"{'what was timed':<50}" + "".join(f"{n:>15}" for n in SHAPE_NAMES))
+for row in roles["rows"]:
+    print(f"{row['what']:<50}" + "".join(f"{u:>15.1f}" for u in row["us"]))
+whole, neither = roles["rows"][0]["us"], roles["rows"][3]["us"]
+print("neither, as a share of the whole kernel:", ", ".join(f"{n}: {x / w:.0%}" for n, x, w in zip(SHAPE_NAMES, neither, whole)))
+print("each side alone, as a multiple of the whole call's bound:",
+      ", ".join(f"{n}: {min(r['us'][i] for r in roles['rows'][1:3]) / bound_us(i):.1f}×" for i, n in enumerate(SHAPE_NAMES)))
+
+# %% [markdown]
+# * **Each side alone is far off the bound** (well over the whole call's bound, the cell above), and the
+#   part that is neither is still a large share of the call. Nsight Compute saw nothing saturated: well under
+#   one instruction issued per scheduler per cycle, DRAM at a small fraction of its peak. The kernel is
+#   **latency-bound at one program per SM**.
+# * **The row gather, timed alone**: as many programs as the decode kernel (one per SM), each fetching random
+#   584-byte rows of this cache by `cp.async` into a ring 1 to 4 chunks deep, with 4 to 16 warps. The next
+#   cell prints its runs: every random-row variant at that grid reaches about the same fraction of the copy
+#   rate, **whatever the bytes in flight**; contiguous rows do a little better; leaving out each row's separate
+#   8-byte scale word saves far more time than its share of the bytes; and two or three independent programs
+#   per SM, one chunk in flight each, pass the cap. **Independence, not depth, passes the cap**: a program
+#   waiting for its oldest copies stalls its own issue. The kernel's producer alone is close to this bare
+#   gather's time per chunk, so a deeper ring would not have sped it up.
+# * **The fixed cost, taken apart** (DIAG 4 → 5 → 6, the cell after next): at H 128 the query and, most of all,
+#   storing the output from the accumulator's register layout; at H 64 the split's fp32 partials and the merge
+#   launch.
 # * **Per instruction** (Nsight Compute's stall samples, split by partition, H 128): the P·V warpgroup idles
-#   76 % of its time, waiting for the scorer. The scorer waits 10 % on its own QKᵀ wgmma, 8 % on the query at
-#   the start, and only 8 % on the producer. What sets the pace at H 128 is the scorer's own chain:
-#   QKᵀ → softmax → P → P·V, in series, about 2.8 µs per chunk against ~1.5 µs of MMA.
-#
+#   most of its time, waiting for the scorer. The scorer waits a little on its own QKᵀ wgmma, a little on the
+#   query at the start, and only a little on the producer. What sets the pace at H 128 is the scorer's own
+#   chain: QKᵀ → softmax → P → P·V, in series, each step waiting on the one before, per chunk well over
+#   the time of its MMAs alone.
+
+# %%
+print(f"{probe['date']}: {probe['about']}")
+print(f"{'programs × rows':<16} {'rows':<18} {'depth':>5} {'warps':>5} {'µs':>6} {'of copy':>8}")
+for r in probe["rows"]:
+    print(f"{r['programs']:>4} × {r['rows']:<9} {r['rows_order']:<18} {r['depth']:>5} {r['warps']:>5} {r['us']:6.1f} "
+          f"{r['fraction_of_copy']:8.1%}")
+
+
+def probe_range(programs, rows, order, depth=None):
+    fr = [r["fraction_of_copy"] for r in probe["rows"] if (r["programs"], r["rows"], r["rows_order"]) == (programs, rows, order)
+          and depth in (None, r["depth"])]
+    lo, hi = f"{min(fr):.0%}", f"{max(fr):.0%}"
+    return lo if lo == hi else f"{lo}–{hi}"
+
+
+def probe_us(programs, rows, order, depth, warps):
+    return next(r["us"] for r in probe["rows"] if (r["programs"], r["rows"], r["rows_order"], r["depth"], r["warps"])
+                == (programs, rows, order, depth, warps))
+
+
+GATHER_RATE = float(np.median([r["fraction_of_copy"] for r in probe["rows"]
+                               if (r["programs"], r["rows"], r["rows_order"]) == (128, 1152, "random")]))
+print(f"one program per SM, 1152 random rows each: {probe_range(128, 1152, 'random')} of copy (median "
+      f"{GATHER_RATE:.0%}); contiguous {probe_range(128, 1152, 'contiguous')}; without the scale words "
+      f"{probe_range(128, 1152, 'random, no scales')}")
+saved = 1 - probe_us(128, 1152, "random, no scales", 2, 4) / probe_us(128, 1152, "random", 2, 4)
+print(f"the scale words: {formats.SCALE_BYTES / formats.TOKEN_BYTES:.1%} of the bytes, {saved:.0%} of the time")
+print(f"320 rows each (the H 64 kernel's share): {probe_range(128, 320, 'random')}: the launch and the first "
+      f"chunk's round trip weigh on few chunks")
+print(f"two or three programs per SM, one chunk in flight each: {probe_range(256, 576, 'random', 1)}, "
+      f"{probe_range(384, 384, 'random', 1)}; two chunks in flight each: {probe_range(256, 576, 'random', 2)}")
+
+# %%
+print(f"µs, {fixed['date']}: {fixed['about']}")
+print(f"{'':<55}" + "".join(f"{n:>15}" for n in SHAPE_NAMES))
+for row in fixed["rows"]:
+    print(f"{row['what']:<55}" + "".join(f"{u:>15.1f}" for u in row["us"]))
+d4, d5, d6 = (row["us"] for row in fixed["rows"])
+print("the query (DIAG 4 − 5):", " / ".join(f"{x - y:.1f}" for x, y in zip(d4, d5)),
+      "µs; the epilogue's stores (DIAG 5 − 6):", " / ".join(f"{x - y:.1f}" for x, y in zip(d5, d6)), "µs")
+
+# %% [markdown]
 # ### 10c. What paid, and what did not
 #
 # Each change was checked against the float64 oracle on the GPU, then timed beside the previous default in the
 # same run. These took the kernel to where it is:
 #
-# | change | what it does | measured (µs, H200) |
+# | change | what it does | measured (H200) |
 # |---|---|---|
-# | packed producer | rows kept as int64 words (4 bytes per register, not one byte), a half chunk stored at once | H 64: 42.3 → 37.5; H 128: 89.9 → 82.6 |
-# | role-split consumers | one scorer owns QKᵀ and the softmax, instead of both warpgroups splitting every MMA by columns (the softmax's reductions crossing them) | 3–5 % on every shape, three runs |
-# | query loaded by the scorer | the query's `cp.async` runs inside the scorer, while the producer already fetches rows | about 1 µs at H 64 |
-# | narrow kernel | heads as N at H ≤ 16, two producer warpgroups | H 16: 69.6 → 54.2 |
-# | output staged through shared memory | 16-byte row vectors instead of the accumulator layout's 4-byte pieces | H 128: 76.9 → 72.3 |
-# | the query's scan after the loop | the NaN / ±inf scan only for a head that counted nothing | H 128: 72.3 → 70.4 |
+# | packed producer | rows kept as int64 words (4 bytes per register, not one byte), a half chunk stored at once | faster at H 64 and H 128 |
+# | role-split consumers | one scorer owns QKᵀ and the softmax, instead of both warpgroups splitting every MMA by columns (the softmax's reductions crossing them) | a few % on every shape, in three runs |
+# | query loaded by the scorer | the query's `cp.async` runs inside the scorer, while the producer already fetches rows | a little at H 64, nothing elsewhere |
+# | narrow kernel | heads as N at H ≤ 16, two producer warpgroups | much faster at H 16 |
+# | output staged through shared memory | 16-byte row vectors instead of the accumulator layout's 4-byte pieces | faster at H 128 |
+# | the query's scan after the loop | the NaN / ±inf scan only for a head that counted nothing | faster at H 128 |
 #
 # These were correct and measured no faster, and were removed (the code stays in git's history):
 #
-# | change | the idea | measured | why |
+# | change | the idea | measured (H200) | why |
 # |---|---|---|---|
-# | integer dequantisation | `prmt` bytes into bf16 lanes: 17 % fewer producer instructions | slower: 39.4 / 87.4 / 80.6 against 37.7 / 80.8 / 73.1 | the kernel does not wait on the producer's ALU |
-# | PTX form of the conversion | fewer conversion instructions | no gain (3 % fewer instructions) | the same |
+# | integer dequantisation | `prmt` bytes into bf16 lanes: fewer producer instructions | slower on every shape | the kernel does not wait on the producer's ALU |
+# | PTX form of the conversion | fewer conversion instructions | no gain | the same |
 # | L2 prefetch of rows ahead | rows asked of L2 2–8 half chunks early, without registers | slower in both forms | the prefetches cost more than they saved |
-# | the merge inside the kernel | the last split of a token merges; no second launch | H 64: 37.5–38.3 against 35.4–35.7 | only the last splits merge: half the SMs run a serial tail while the others idle; a launch spreads it over all SMs |
-# | partials staged as row vectors | the merge launch kept | 0.3 µs saved, within noise | the partials cost their 16.8 MB, not their layout |
-# | scorer on 128 output columns | its freed registers hold the next chunk's QKᵀ, issued behind this P·V | H 128: 70.7 without the overlap, 74.2 with it | the chain did not get shorter |
-# | the softmax handed to the P·V warpgroup | the scorer starts the next QKᵀ at once | H 128: 76.4 against 70.0 | the serial chain moved to the other warpgroup, plus a 16 KB hand-off |
-# | ping-pong consumers (FlashAttention-3's) | two warpgroups alternating chunks | does not fit | each needs the scorer's ~238 registers: two of them and a producer exceed 512 per thread slot |
+# | the merge inside the kernel | the last split of a token merges; no second launch | slower at H 64 | only the last splits merge: half the SMs run a serial tail while the others idle; a launch spreads it over all SMs |
+# | partials staged as row vectors | the merge launch kept | within noise | the partials cost their bytes, not their layout |
+# | scorer on 128 output columns | its freed registers hold the next chunk's QKᵀ, issued behind this P·V | no gain without the overlap, slower with it (H 128) | the chain did not get shorter |
+# | the softmax handed to the P·V warpgroup | the scorer starts the next QKᵀ at once | slower at H 128 | the serial chain moved to the other warpgroup, plus a 16 KB hand-off |
+# | ping-pong consumers (FlashAttention-3's) | two warpgroups alternating chunks | does not fit | each needs the scorer's registers: two of them and a producer exceed 512 per thread slot |
+#
+# The figures behind both tables are in `benchmarks/sparse_mla.md`.
 #
 # ### 10d. Where it stands, and what is left
 #
-# The latest bench (§13): **35.7 / 69.8 / 54.2 µs, 22.2 / 35.2 / 35.5 %** of the bound at H 64 / H 128 / H 16.
-# Separate runs differ by about ±1 point, so H 128 and H 16 sit on a 35 % line, and H 64 is well under it.
+# The latest bench (§13) is printed after this list, against the 35 % floor. Separate runs differ slightly
+# (`benchmarks/sparse_mla.md`), so a shape within a point of the floor counts as on it; H 64 is well under it.
 #
-# * **H 64** is split in two lists, so its fixed cost is 15.8 µs: launch 2.3, query 3.3, partials 4.9, merge
-#   launch 5.3. The bare gather of its rows takes 12 µs at this grid, and 35 % would mean 22.7 µs for the whole
-#   call. Even chunks at the tensor cores' rate (5 per program × ~1.4 µs) would bring the call to about 22.8 µs
-#   if the fixed cost stayed in series. What reaches it is a design in which the fixed cost overlaps the chunks,
-#   for example a persistent kernel that loads its next work item's query and first rows under this one's
-#   epilogue. A cheaper merge does not.
+# * **H 64** is split in two lists, so its fixed cost (launch, query, partials out, the merge launch) is most
+#   of the time a call at the floor may take, and the bare gather of its rows at this grid is a large part of
+#   the rest (the cell after next). Even chunks at the tensor cores' rate would not bring the call to the
+#   floor if the fixed cost stayed in series. What reaches it is a design in which the fixed cost overlaps the
+#   chunks, for example a persistent kernel that loads its next work item's query and first rows under this
+#   one's epilogue. A cheaper merge does not.
 # * **H 128** needs a shorter consumer chain per chunk. Two routes are untried: four consumer warpgroups of 128
 #   output columns each, or one program per token across a cluster. Both need a new register and
 #   shared-memory plan.
 # * **Every shape** would gain from a second, independent producer stream (the gather probe's lesson). It needs
 #   a leaner producer first: the registers are spent.
-#
+
+# %%
+figures("gluon", "split")
+print("at the floor (within a point):", ", ".join(f"{n}: {bound_us(i) / US['gluon'][i] >= FLOOR - 0.01}"
+                                                  for i, n in enumerate(SHAPE_NAMES)))
+
+# %%
+# H 64 against the floor: the time a call at 35 % of the bound may take, and what is spent before any chunk.
+i64 = SHAPE_NAMES.index("H 64 K 640")
+sh = ladder["shapes"][i64]
+target = bound_us(i64) / FLOOR
+fixed64 = fixed["rows"][0]["us"][i64]  # DIAG 4: no chunks at all
+rows_per_program = sh["K"] // sh["splits"]
+gather64 = [r["us"] for r in probe["rows"] if (r["programs"], r["rows"], r["rows_order"]) == (128, rows_per_program, "random")]
+chunks = rows_per_program // 64
+chunk_mma_us = 2 * 64 * 64 * 2 * formats.HEAD_DIM / (peak / 132) * 1e6  # QKᵀ and P·V of one 64-row chunk, one SM
+print(f"H 64: a call at the floor takes {target:.1f} µs; the fixed cost (no chunks) is {fixed64:.1f} µs, "
+      f"{fixed64 / target:.0%} of it")
+print(f"the bare gather of {rows_per_program} random rows per program: {min(gather64):.1f}–{max(gather64):.1f} µs")
+print(f"{chunks} chunks at the tensor cores' rate: {chunks} × {chunk_mma_us:.2f} µs; with the fixed cost in series "
+      f"{fixed64 + chunks * chunk_mma_us:.1f} µs: reaches the floor: {fixed64 + chunks * chunk_mma_us <= target}")
+
+# %% [markdown]
 # Two lessons carry over to any port. Time the memory pattern alone, at your kernel's grid, before designing a
 # pipeline for it: the roofline's copy rate is not what random 584-byte rows at one program per SM get. And
-# time the fixed cost against the whole budget before optimising the loop: at H 64 it is two thirds of the
-# target.
+# time the fixed cost against the whole budget before optimising the loop: at H 64 it is most of the budget.
 #
 # A schematic of the difference between rungs 2 and 4 (not a measurement):
 
@@ -678,31 +913,34 @@ with validate.checking_values(False):
 # %% [markdown]
 # ## 12. Bytes moved: two-pass against fused
 #
-# Per selected row, the fused kernel reads the 584-byte record once (plus a 4-byte index). The two-pass paths
-# read the same 584 bytes, **write** a 1024-byte bf16 row to the workspace and **read it back**: 2632 bytes,
-# 4.5× more, plus a second launch. In a memory-bound op that is the whole story.
+# Per selected row, the fused kernel reads the 584-byte record and its 4-byte slot once: 588 bytes. The
+# two-pass paths read the same 588 bytes, **write** a 1024-byte bf16 row to the workspace and **read it
+# back**: 2636 bytes, 4.5× more, plus a second launch (§5's cell computes both). In a memory-bound op that is
+# the whole story.
 
 # %%
 def traffic(T, H, K, per_row):
-    return T * (K * per_row + H * 512 * 2 * 2 + H * 4)
+    """Bytes per call with `per_row` bytes per selected row (the rest as in `compulsory`)."""
+    return compulsory(T, H, K) + T * K * (per_row - ROW_FUSED)
 
 
 shapes = [("V4-Flash\nH=64 K=640", 64, 640), ("V4-Pro\nH=128 K=1152", 128, 1152), ("TP/memory-bound\nH=16 K=2048", 16, 2048)]
 fig, axes = plt.subplots(1, 2, figsize=(11, 3.6))
 ax = axes[0]
-parts_b = [("read FP8 record", 584, 584), ("write bf16 workspace", 0, 1024), ("read bf16 workspace", 0, 1024)]
+parts_b = [("read FP8 record + slot", ROW_FUSED, ROW_FUSED), ("write bf16 workspace", 0, ROW_BF16),
+           ("read bf16 workspace", 0, ROW_BF16)]
 bottom = np.zeros(2)
 for name, fused_b, two_b in parts_b:
     vals = np.array([fused_b, two_b])
     ax.bar(["fused", "two-pass"], vals, bottom=bottom, label=name)
     bottom += vals
 ax.set_ylabel("bytes per selected row")
-ax.set_title("per row: 584 vs 2632 bytes")
+ax.set_title(f"per row: {ROW_FUSED} vs {ROW_TWO_PASS} bytes")
 ax.legend(fontsize=8)
 ax = axes[1]
 xs = np.arange(len(shapes))
-ax.bar(xs - 0.2, [traffic(64, h, k, 588) / 1e6 for _, h, k in shapes], 0.4, label="fused")
-ax.bar(xs + 0.2, [traffic(64, h, k, 2636) / 1e6 for _, h, k in shapes], 0.4, label="two-pass")
+ax.bar(xs - 0.2, [traffic(64, h, k, ROW_FUSED) / 1e6 for _, h, k in shapes], 0.4, label="fused")
+ax.bar(xs + 0.2, [traffic(64, h, k, ROW_TWO_PASS) / 1e6 for _, h, k in shapes], 0.4, label="two-pass")
 ax.set_xticks(xs, [s[0] for s in shapes], fontsize=8)
 ax.set_ylabel("MB per call (T = 64)")
 ax.set_title("traffic per decode step of one layer")
@@ -710,8 +948,9 @@ ax.legend(fontsize=8)
 plt.tight_layout()
 plt.show()
 for name, h, k in shapes:
-    print(f"{name.replace(chr(10), ' '):<30} fused {traffic(64, h, k, 588) / 1e6:6.1f} MB, two-pass {traffic(64, h, k, 2636) / 1e6:6.1f} MB, "
-          f"FLOP/byte (fused) {64 * 2 * h * k * 1024 / traffic(64, h, k, 588):5.0f}")
+    print(f"{name.replace(chr(10), ' '):<30} fused {traffic(64, h, k, ROW_FUSED) / 1e6:6.1f} MB, "
+          f"two-pass {traffic(64, h, k, ROW_TWO_PASS) / 1e6:6.1f} MB, "
+          f"FLOP/byte (fused) {64 * 2 * h * k * 1024 / traffic(64, h, k, ROW_FUSED):5.0f}")
 
 # %% [markdown]
 # ## 13. The roofline: every rung, measured on an H200
@@ -720,24 +959,21 @@ for name, h, k in shapes:
 # shapes, the ceilings (copy bandwidth, bf16 matmul rate) and the compulsory bytes and FLOPs of each shape.
 # `python -m dsv4ref bench sparse_mla` times every rung on the same inputs (bench cases `sparse_mla.seed`,
 # `.two_pass`, `.fused[split=1]`, `.fused`, `.gluon`, and the torch reference under `torch.compile`), and
-# `python -m dsv4ref bench --ladder benchmarks/sparse_mla_ladder.json` rewrites the file from that one run. This notebook times nothing: it draws the file, so its output is the
-# same on every machine. A rung marked "pending" has no figure yet for that shape; each rung names its source.
+# `python -m dsv4ref bench --ladder benchmarks/sparse_mla_ladder.json` rewrites the file from that one run. This
+# notebook times nothing: it draws the file, so its output is the same on every machine. A rung marked
+# "pending" has no figure yet for that shape; each rung names its source. Its `diagnostics` entry (§10b) holds
+# figures from other H200 runs, each naming its log.
 #
 # The x axis is the arithmetic intensity (FLOP per compulsory byte; the same for every rung of a shape,
 # since every rung does the same useful work), the y axis the achieved FLOP rate. A point on the roof would
 # be at 100 % of the bound.
 #
-# The dashed roof under it is what the gather itself reaches at these kernels' grid, measured alone
-# (`benchmarks/gather_probe.py`, §10b): 128 programs, one per SM, fetching random 584-byte rows of this
-# cache by `cp.async` got about **64 % of the copy rate**, whatever the chunks in flight (1 to 4) or the warps
-# (4 to 16). It is a property of the access pattern on this device, not a ceiling a kernel can raise by
-# buffering more; the bound keeps the copy rate, as the issue's figures do.
+# The dashed roof under it is what the gather itself reaches at these kernels' grid, measured alone (§10b's
+# probe, one program per SM, random rows): the median of those runs, `GATHER_RATE`, read from the same file.
+# It is a property of the access pattern on this device, not a ceiling a kernel can raise by buffering more;
+# the bound keeps the copy rate.
 
 # %%
-from dsv4ref.tools.cases.sparse_mla import LADDER_PATH
-
-ladder = json.loads(LADDER_PATH.read_text())
-bw, peak = ladder["ceilings"]["copy_bytes_per_s"], ladder["ceilings"]["bf16_flops_per_s"]
 print(f"{ladder['device']}, {ladder['date']}: copy {bw / 1e12:.2f} TB/s, bf16 matmul {peak / 1e12:.0f} TFLOP/s; "
       f"ridge at {peak / bw:.0f} FLOP/byte")
 print("accounting:", ladder["accounting"])
@@ -750,9 +986,8 @@ fig, axes = plt.subplots(1, 2, figsize=(12, 6.2), gridspec_kw=dict(width_ratios=
 ax = axes[0]
 ai = np.logspace(1, 3, 200)
 ax.loglog(ai, np.minimum(ai * bw, peak) / 1e12, color="black", lw=1.2, label="roof: min(AI · copy BW, bf16 peak)")
-GATHER_RATE = 0.64  # of copy: random 584-byte rows, one program per SM (benchmarks/gather_probe.py, H200)
 ax.loglog(ai, np.minimum(ai * bw * GATHER_RATE, peak) / 1e12, color="black", lw=0.8, ls="--",
-          label="the gather alone, measured: 64 % of copy BW")
+          label=f"the gather alone, measured (§10b): {GATHER_RATE:.0%} of copy BW")
 for sh in ladder["shapes"]:
     x = sh["flops"] / sh["bytes"]
     ax.axvline(x, color="grey", lw=0.4, ls=":")
@@ -776,10 +1011,10 @@ for i, r in enumerate(ladder["rungs"]):
     frac = [0 if us is None else max(sh["bytes"] / bw, sh["flops"] / peak) / (us * 1e-6)
             for sh, us in zip(ladder["shapes"], r["us"])]
     ax.bar(np.arange(3) + (i - 2) * width, np.array(frac) * 100, width, color=colors[r["key"]], label=r["key"])
-ax.axhline(50, color="black", lw=0.6, ls="--")
-ax.text(2.45, 51, "FlashMLA's level", fontsize=7, ha="right")
-ax.axhline(35, color="black", lw=0.6, ls=":")
-ax.text(2.45, 36, "the issue's floor", fontsize=7, ha="right")
+ax.axhline(FLASHMLA * 100, color="black", lw=0.6, ls="--")
+ax.text(2.45, FLASHMLA * 100 + 1, "FlashMLA's level", fontsize=7, ha="right")
+ax.axhline(FLOOR * 100, color="black", lw=0.6, ls=":")
+ax.text(2.45, FLOOR * 100 + 1, "the floor", fontsize=7, ha="right")
 ax.set_xticks(range(3), [f"H {s['H']}\nK {s['K']}" for s in ladder["shapes"]], fontsize=8)
 ax.set_ylabel("% of the bound")
 ax.set_ylim(0, 60)
@@ -807,11 +1042,11 @@ for r in ladder["rungs"] + ladder["others"]:
     print(f"- {r['key']}: {r['source']}")
 
 # %% [markdown]
-# ## 14. From 3 % to FlashMLA's level: what each rung teaches
+# ## 14. From the seed to FlashMLA's level: what each rung teaches
 #
 # * **Rung 0 → 1: launches and host syncs first.** Nothing about the math changed; 2·T tiny launches and a
 #   host loop became two full-width launches. A kernel developer looks at the launch count before the kernel.
-# * **Rung 1 → 2: bytes.** Fusing the dequantisation into the attention loop cut 2632 B per row to 584 and
+# * **Rung 1 → 2: bytes.** Fusing the dequantisation into the attention loop cut 2636 B per row to 588 and
 #   removed the workspace. That only pays where the loop is near the memory roof (H 16, and H 64 with the
 #   split); at H 128 the loop itself was the limit.
 # * **Rung 2 → 3: occupancy.** T × head blocks programs is often less than one per SM; splitting the list
@@ -826,11 +1061,12 @@ for r in ladder["rungs"] + ladder["others"]:
 #   FlashMLA's level.
 # * **Inside rung 4: shape the MMAs to the problem, and time what is not the loop.** At H 16, padding the heads
 #   to M = 64 wasted the tensor cores and the registers; making them N freed both. At one program per SM the
-#   prologue and epilogue are not hidden behind other programs: the output's stores alone cost 8 µs at H 128
-#   until they left as whole row vectors.
+#   prologue and epilogue are not hidden behind other programs: at H 128 the output's stores were the largest
+#   part of the fixed cost (§10b) until they left as whole row vectors.
 # * **Do not move work into a tail.** Work that runs once per program at the end (an in-kernel merge done by
 #   the last split) runs on as many SMs as there are last programs; a separate launch gives the same bytes to
-#   every SM. Measure the fixed cost against the whole budget before optimising it: at H 64 it is two thirds.
+#   every SM. Measure the fixed cost against the whole budget before optimising it: at H 64 it is most of it
+#   (§10d).
 #
 # On a GPU the next cell times every rung itself (it is skipped on the CPU, where Triton is interpreted).
 
