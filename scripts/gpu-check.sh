@@ -66,13 +66,13 @@ for s in $STAGES; do
     gluon_sweep) stage gluon_sweep ${LIMIT_GLUON_SWEEP:-240} python3 benchmarks/experiments/sparse_mla_gluon.py ${GLUON_SWEEP_ARGS:-} ;;
     kv_sweep)    stage kv_sweep ${LIMIT_KV_SWEEP:-150} python3 benchmarks/experiments/${KV_SWEEP:-kv_cache_sweep.py} ;;
     indexer_sweep) stage indexer_sweep ${LIMIT_INDEXER_SWEEP:-150} python3 benchmarks/experiments/indexer_sweep.py ;;
-    mhc_sweep)   stage mhc_sweep ${LIMIT_MHC_SWEEP:-180} python3 benchmarks/mhc_sweep.py ${MHC_SWEEP_ARGS:-} ;;
+    mhc_sweep)   stage mhc_sweep ${LIMIT_MHC_SWEEP:-180} python3 benchmarks/experiments/mhc/sweep.py ${MHC_SWEEP_ARGS:-} ;;
     profile)     stage profile ${LIMIT_PROFILE:-120} ncu --kernel-name regex:_ws_kernel --launch-skip 3 --launch-count 1 \
                    --section SpeedOfLight --section WarpStateStats --section SchedulerStats --section Occupancy \
                    python3 benchmarks/experiments/gluon_profile.py ${PROFILE_ARGS:-} ;;
     sass)     # per-instruction warp-stall samples (CSV, one file per kernel), for the kernels named in SASS_RUNS:
               # "tag|kernel regex|script args" items separated by ';'
-              IFS=';' read -ra SASS_ITEMS <<< "${SASS_RUNS:-gluon_h128|_ws_kernel|benchmarks/experiments/gluon_profile.py 128 1152;gluon_h64|_ws_kernel|benchmarks/experiments/gluon_profile.py 64 640;mhc_pre|hc_one_pass|benchmarks/mhc_profile.py pre}"
+              IFS=';' read -ra SASS_ITEMS <<< "${SASS_RUNS:-gluon_h128|_ws_kernel|benchmarks/experiments/gluon_profile.py 128 1152;gluon_h64|_ws_kernel|benchmarks/experiments/gluon_profile.py 64 640;mhc_pre|hc_one_pass|benchmarks/experiments/mhc/profile_run.py pre one-pass}"
               for item in "${SASS_ITEMS[@]}"; do
                 IFS='|' read -r tag kre args <<< "$item"
                 stage "sass_$tag" ${LIMIT_SASS:-120} ncu --kernel-name "regex:$kre" --launch-skip 3 --launch-count 1 \

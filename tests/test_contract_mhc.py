@@ -1,11 +1,11 @@
-"""The input contract of ``dsv4ref.mhc`` (issue 12; docs/mhc.md#the-input-contract).
+"""The input contract of ``dsv4ref.mhc`` (docs/mhc.md#the-input-contract).
 
 Property tests (hypothesis, profiles in conftest.py) draw shapes (T = 0, one token, a partial token tile,
 odd Hd), a layout per tensor argument (``contract.views``: strided rows, a storage offset, a transposed
 copy), non-finite values at drawn positions and value checks on or off, and assert for every public function
 of the op: every backend equals the float64 oracle under the named tolerance (non-finite entries at the same
 positions), or every backend raises the same error class naming the argument; no call changes an input.
-Then one named test per probe of issue 12 that concerns mHC.
+Then one named test per adversarial probe (a strided scale, an empty batch, NaN with checks off, ...).
 """
 
 from __future__ import annotations
@@ -203,7 +203,7 @@ def test_head_contract(data):
 
 
 # ====================================================================================================
-# The probes of issue 12 that concern mHC, one named test each
+# Adversarial probes, one named test each
 # ====================================================================================================
 
 

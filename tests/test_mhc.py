@@ -14,8 +14,7 @@ import torch
 
 from dsv4ref import config, mhc, validate
 from dsv4ref.mhc import MhcLaunch, reference
-from dsv4ref.mhc.launch import (CHUNKED_VARIANTS, ONE_PASS_VARIANTS, chunked_variant, one_pass_variant, split3,
-                                split_fn_wide)
+from dsv4ref.mhc.launch import MAX_SLICES, ONE_PASS_LAG, split3, split_fn_wide
 from dsv4ref.device import DEVICE, interpreting
 from dsv4ref.testing import assert_close, compare, generator, poison, randn
 
@@ -42,7 +41,8 @@ def launch(request):
     (``hc_partial_kernel`` + ``hc_finish_kernel``), selected with ``MhcLaunch(split_k=...)``, the chunked pair
     (``hc_chunk_partial_kernel`` + ``hc_chunk_finish_kernel`` per chunk of tokens, ``MhcLaunch(chunked=True)``)
     and, compiled only (at the real hidden sizes), the one-pass kernel ``MhcLaunch(one_pass=True)``; the
-    interpreter runs the one-pass kernel in the ``test_one_pass_*`` tests below, at sizes that keep CI short."""
+    interpreter runs the one-pass kernel in ``test_one_pass_matches_fp64_and_fused_equals_post_then_pre``, at
+    sizes that keep CI short."""
     return DESIGNS[request.param]
 
 
@@ -392,7 +392,7 @@ def cycle_inputs(T=3, Hd=64, seed=21):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_public_post_4cycle(backend):
-    """issue 12 (8): the PUBLIC ``mhc.post`` (not torch.ops) on the 4-cycle: new stream j = post_j·x + stream
+    """The PUBLIC ``mhc.post`` (not torch.ops) on the 4-cycle: new stream j = post_j·x + stream
     j−1. A wrapper that passed comb transposed would give stream j+1 and fail here (checked below)."""
     res, x, post, comb = cycle_inputs()
     for p in (post, post[:, :, None]):  # both accepted shapes
@@ -407,7 +407,7 @@ def test_public_post_4cycle(backend):
 @pytest.mark.parametrize("backend,design", [("reference", None), ("triton", None), ("triton", "one-pass"),
                                             ("triton", "chunked")])
 def test_public_fused_post_pre_4cycle(backend, design):
-    """issue 12 (8): the PUBLIC ``mhc.fused_post_pre`` on the 4-cycle: its new residual is post's (stream j−1
+    """The PUBLIC ``mhc.fused_post_pre`` on the 4-cycle: its new residual is post's (stream j−1
     into j), and its pre part is the fp64 pre of exactly those streams."""
     res, x, post, comb = cycle_inputs(T=5, Hd=256, seed=23)
     fn, scale, base = mhc.example_params(256, seed=24)
@@ -555,70 +555,56 @@ def check_design(L, T, Hd, seed, custom_ops=False, between=None):
 
 
 # ====================================================================================================
-# The one-pass design (MhcLaunch(one_pass=True); kernels.py "Design 3"), interpreter-sized
+# The one-pass design (MhcLaunch(one_pass=True); kernels_one_pass.py), interpreter-sized
 # ====================================================================================================
 
 
-# the interpreter-sized tiles; every other field is the candidate's (lag, partial-sum rounds, dots per chunk,
-# MMA chain, workspace packing, prefetch: the switches that change the kernel's code)
-SMALL = dict(one_pass_block_t=16, one_pass_block_k=32, one_pass_fused_block_t=16, one_pass_fused_block_k=32,
-             one_pass_block_h=32, one_pass_slice_h=32, one_pass_maxnreg=None, one_pass_fused_maxnreg=None)
-_SWITCHES = ("one_pass_lag", "one_pass_sum_unroll", "one_pass_one_dot", "one_pass_chain", "one_pass_pack_ws",
-             "one_pass_prefetch")
-_KERNELS: dict = {}
-for _name in ONE_PASS_VARIANTS:  # the first candidate of each distinct kernel
-    _KERNELS.setdefault(tuple(getattr(one_pass_variant(_name), k) for k in _SWITCHES), _name)
-ONE_PASS_KERNELS = list(_KERNELS.values())
+# the interpreter-sized tiles: 16-token tiles, slices of one 32-wide chunk
+SMALL = dict(one_pass_block_t=16, one_pass_block_k=32, one_pass_block_h=32, one_pass_slice_h=32, one_pass_maxnreg=None)
 
 
-@pytest.mark.parametrize("variant", ONE_PASS_KERNELS)
-def test_one_pass_matches_fp64_and_fused_equals_post_then_pre(variant):
-    """Every distinct kernel among the one-pass candidates (launch.ONE_PASS_VARIANTS, the ones
-    benchmarks/mhc_sweep.py times), at T = 19 in 16-token tiles (two tiles, the second partial) × Hd = 56 in
-    two hidden slices of one 32-wide chunk (the second partial): every tile's last arrival runs the gates,
-    phase B finishes tile g − lag. pre and head match the fp64 oracle; fused == post then a pre of the same
-    arithmetic (``pre_like_fused``), bit for bit on bf16, 1e-6 on fp32. (Tiny on purpose: the interpreter pays
-    ~10 ms per helper call. The compiled kernels: the GPU tests and the sweep, at the real sizes.)"""
+@pytest.mark.parametrize("one_dot", [2, 1])
+def test_one_pass_matches_fp64_and_fused_equals_post_then_pre(one_dot):
+    """The one-pass kernel at T = 19 in 16-token tiles (two tiles, the second partial) × Hd = 56 in two hidden
+    slices of one 32-wide chunk (the second partial): every tile's last arrival runs the gates, phase B finishes
+    tile g − lag. pre and head match the fp64 oracle; fused == post then a pre of the same arithmetic
+    (``pre_like_fused``: the fused op's joined dot, ``one_dot`` 1), bit for bit on bf16, 1e-6 on fp32. ``one_dot``
+    2 (pre's one load of the 4 streams' chunk) and 1 (four tiles joined). (Tiny on purpose: the interpreter pays
+    ~10 ms per helper call. The compiled kernel: the GPU tests, at the real sizes.)"""
     T, Hd = 19, 56
-    L = one_pass_variant(variant, **SMALL)
+    L = MhcLaunch(one_pass=True, one_pass_one_dot=one_dot, **SMALL)
     assert L.one_pass_plan(T, Hd) == (2, 2, 1, 32)
     check_design(L, T, Hd, seed=31)
 
 
 # ====================================================================================================
-# The chunked design (MhcLaunch(chunked=True); kernels.py "Design 4"), interpreter-sized
+# The chunked design (MhcLaunch(chunked=True); kernels_chunked.py), interpreter-sized
 # ====================================================================================================
 
 
 # interpreter-sized tiles: chunks of 16 tokens, slices of one 32-wide BLOCK_K chunk, finish parts of 32 dims
-CHUNK_SMALL = dict(chunk_tokens=16, chunk_block_t=16, chunk_block_k=32, chunk_fused_block_t=16, chunk_fused_block_k=32,
-                   chunk_slice_h=32, chunk_finish_block_t=16, chunk_finish_h=32, chunk_finish_block_h=32,
-                   chunk_maxnreg=None, chunk_fused_maxnreg=None)
+CHUNK_SMALL = dict(chunk_tokens=16, chunk_block_t=16, chunk_block_k=32, chunk_slice_h=32, chunk_finish_block_t=16,
+                   chunk_finish_h=32, chunk_finish_block_h=32, chunk_maxnreg=None, chunk_small_t=0)
 
 
-@pytest.mark.parametrize("sum_unroll,fused_post,stream_k,fn_layout", [(1, False, False, 0), (4, False, False, 0),
-                                                                      (4, True, False, 0), (4, False, True, 0),
-                                                                      (1, False, False, 1), (4, True, True, 1),
-                                                                      (1, False, False, 2), (4, True, True, 2),
-                                                                      (1, False, True, 3), (4, True, True, 3)])
-def test_chunked_matches_fp64_and_fused_equals_post_then_pre(sum_unroll, fused_post, stream_k, fn_layout):
+@pytest.mark.parametrize("sum_unroll,stream_k,fn_layout", [(1, False, 0), (4, False, 0), (4, True, 0), (1, False, 2),
+                                                           (4, True, 2), (1, True, 3), (4, True, 3)])
+def test_chunked_matches_fp64_and_fused_equals_post_then_pre(sum_unroll, stream_k, fn_layout):
     """T = 40 in chunks of 16 (three chunks, the last one partial) × Hd = 88 in three slices of one 32-wide
     chunk (the last partial) and three finish parts (part 0 alone stores post / comb; the others sum only the
-    pre columns): pre and head match the fp64 oracle; fused == post then a pre of the same arithmetic
-    (``pre_like_fused``), bit for bit on bf16, 1e-6 on fp32. ``sum_unroll`` 1 and 4 (the finish kernel's
-    rounds; 3 slices: a partial round) give the same bits. ``fused_post``: the fused op runs ``post_kernel`` per
-    chunk, then pre's kernels on the new streams. ``stream_k``: one stream's chunk per dot (pre, head);
-    ``fn_layout`` 1 / 2: the fn tiles from ``split_fn_wide`` (transposed: 2; the same operands, so the same bits as
+    pre columns): pre and head match the fp64 oracle; fused (``post_kernel`` per chunk, then pre's kernels on
+    the new streams) == post then pre, bit for bit on bf16, 1e-6 on fp32. ``sum_unroll`` 1 and 4 (the finish
+    kernel's rounds; 3 slices: a partial round) give the same bits. ``stream_k``: one stream's chunk per step
+    (pre, head); ``fn_layout`` 2: the fn tiles from ``split_fn_wide`` (the same operands, so the same bits as
     0); 3 (with stream_k): 2's copy in two dots, [hi | mid] then lo, folded as (hi + mid) + lo, the order the
-    one-dot fold adds them in (the same bits in the interpreter). (PDL is
-    compiled only: the GPU tests and the sweep.)"""
+    one-dot fold adds them in (the same bits in the interpreter)."""
     T, Hd = 40, 88
-    L = MhcLaunch(chunked=True, chunk_sum_unroll=sum_unroll, chunk_fused_post=fused_post, chunk_stream_k=stream_k,
-                  chunk_fn_layout=fn_layout, **CHUNK_SMALL)
+    L = MhcLaunch(chunked=True, chunk_sum_unroll=sum_unroll, chunk_stream_k=stream_k, chunk_fn_layout=fn_layout,
+                  **CHUNK_SMALL)
     assert L.chunk_plan(T, Hd) == (16, 3, 3, 1, 32) and L.chunk_finish_plan(16, Hd) == (3, 32)
 
     def same_bits(res, fn, scale, base, got):  # the sum's rounds and the fn copy's layout change no bit
-        if (sum_unroll == 4 and not fused_post) or fn_layout:
+        if sum_unroll == 4 or fn_layout:
             # layout 3 folds its two dots in one fixed order: the same bits as 0 in the interpreter, not
             # necessarily on a GPU's tensor cores (there it is compared with itself, across sum rounds)
             ref_layout = 3 if fn_layout == 3 and not interpreting() else 0
@@ -631,32 +617,17 @@ def test_chunked_matches_fp64_and_fused_equals_post_then_pre(sum_unroll, fused_p
     check_design(L, T, Hd, seed=33, between=same_bits)
 
 
-@pytest.mark.parametrize("fold_every", [0, 2, 4])
-def test_chunked_fold_every_matches_fp64(fold_every):
-    """``chunk_fold_every`` (the partial kernel with ``chunk_stream_k`` and fn layout 3): the dots of 2 or 4
-    consecutive steps, or of a whole slice (0), chained into one zero-started partial before the fold. T = 40 ×
-    Hd = 88 in slices of two 32-wide chunks: 8 steps in the first slice, 4 in the partial last one, so 4 folds
-    once per range and 2 twice: pre and head match the fp64 oracle, fused == post then pre bit for bit. Any
-    other count is refused."""
-    L = MhcLaunch(chunked=True, chunk_stream_k=True, chunk_fn_layout=3, chunk_fold_every=fold_every,
-                  **{**CHUNK_SMALL, "chunk_slice_h": 64, "chunk_target_programs": 1})
-    assert L.chunk_plan(40, 88)[2:4] == (2, 2)  # two slices of two BLOCK_K chunks (the second partial)
-    check_design(L, 40, 88, seed=34)
-    with pytest.raises(ValueError, match="launch.chunk_fold_every: expected 0, 1, 2 or 4, got 3"):
-        MhcLaunch(chunk_fold_every=3)
-
-
-@pytest.mark.parametrize("C,fused_post,stream_k", [(48, False, False), (48, True, False), (32, True, False),
-                                                   (48, False, True), (32, True, True)])
-def test_chunked_zigzag_same_bits_every_tile_once(C, fused_post, stream_k):
+@pytest.mark.parametrize("C,stream_k", [(48, False), (32, False), (48, True), (32, True)])
+def test_chunked_zigzag_same_bits_every_tile_once(C, stream_k):
     """``chunk_zigzag`` (each kernel of a chunk walks its token tiles opposite to the one before it): T = 40 in
     one chunk of 48 (3 tiles of 16, the last partial, which the reversed walk meets first) or chunks of 32 (2 +
     1 tiles): through the custom ops with poisoned outputs (a tile never walked stays poison), the fp64 checks
     of ``check_design``, and pre / fused / head equal to the forward walk bit for bit (only the order moved).
-    ``stream_k``: both walks with ``chunk_stream_k`` (today's GPU partial kernel; slices of two 32-wide chunks)."""
+    ``stream_k``: both walks with ``chunk_stream_k`` (the GPU default's partial kernel; slices of two 32-wide
+    chunks)."""
     T, Hd = 40, 88
     small = {**CHUNK_SMALL, "chunk_tokens": C, **({"chunk_slice_h": 64} if stream_k else {})}
-    fwd = MhcLaunch(chunked=True, chunk_fused_post=fused_post, chunk_stream_k=stream_k, **small)
+    fwd = MhcLaunch(chunked=True, chunk_stream_k=stream_k, chunk_fn_layout=0, chunk_zigzag=False, **small)
     zz = dataclasses.replace(fwd, chunk_zigzag=True)
     check_design(zz, T, Hd, seed=41, custom_ops=True)
     res, x, fn, scale, base = case(T, Hd, seed=43)
@@ -671,29 +642,39 @@ def test_chunked_zigzag_same_bits_every_tile_once(C, fused_post, stream_k):
                  "exact")
 
 
-def test_split_fn_wide_is_the_split_in_gemm_tile_column_order():
-    """``split_fn_wide``: row k = [hi | mid | lo | 0] × (gate group | comb group) of ``split_fn``'s [G, 3, K, 16],
-    part 3 zero (head: one group), cached per split tensor; ``transposed``: its transpose."""
+def test_split_fn_wide_is_the_split_transposed_in_gemm_tile_row_order():
+    """``split_fn_wide``: row p·G·16 + g·16 + j = [hi | mid | lo | 0] × (gate group | comb group) of ``split_fn``'s
+    [G, 3, K, 16], K-major, part 3 zero (head: one group), cached per split tensor."""
     for head in (False, True):
         fn = mhc.example_params(40, seed=37, head=head)[0]
         fs = mhc.split_fn(fn, head=head)
         w = split_fn_wide(fs)
         G, K = fs.shape[0], fs.shape[2]
-        assert w.shape == (K, 4 * G * 16) and w.dtype == torch.bfloat16 and split_fn_wide(fs) is w
-        assert torch.equal(split_fn_wide(fs, transposed=True), w.t())
+        assert w.shape == (4 * G * 16, K) and w.dtype == torch.bfloat16 and split_fn_wide(fs) is w
         for p in range(3):
             for g in range(G):
-                assert torch.equal(w[:, p * G * 16 + g * 16 : p * G * 16 + (g + 1) * 16], fs[g, p])
-        assert not w[:, 3 * G * 16 :].any()
+                assert torch.equal(w[p * G * 16 + g * 16 : p * G * 16 + (g + 1) * 16], fs[g, p].t())
+        assert not w[3 * G * 16 :].any()
+
+
+# The chunked design as notebook 03 teaches it, rung by rung, and the GPU default (every other field the GPU's)
+CHUNKED_RUNGS = {
+    "four streams per dot, fn from split_fn": dict(chunk_stream_k=False, chunk_fn_layout=0, chunk_zigzag=False),
+    "one stream per step, K-major fn": dict(chunk_stream_k=True, chunk_fn_layout=2, chunk_zigzag=False),
+    "one stream per step, K-major fn, zigzag walk": dict(chunk_stream_k=True, chunk_fn_layout=2, chunk_zigzag=True),
+    "default": {},
+}
 
 
 @GPU_ONLY
-@pytest.mark.parametrize("variant", list(CHUNKED_VARIANTS))
-def test_chunked_variants_gpu(variant):
-    """Every chunked candidate of the sweep (PDL among them) at T = 3000 (chunks of 512 / 1024 / 2048, the last
-    one partial), Hd = 4096: pre and head against the fp64 oracle, fused == post then pre bit for bit."""
-    T, Hd = 3000, 4096
-    check_design(chunked_variant(variant), T, Hd, seed=35, custom_ops=True)
+@pytest.mark.parametrize("chunk_tokens", [1024, 4096])
+@pytest.mark.parametrize("rung", list(CHUNKED_RUNGS))
+def test_chunked_rungs_gpu(rung, chunk_tokens):
+    """Each rung of the chunked design and the default at T = 3000 (chunks of 1024: three, the last partial;
+    4096: the default's one chunk), Hd = 4096: pre and head against the fp64 oracle, fused == post then pre bit
+    for bit, through the custom ops with poisoned outputs."""
+    check_design(MhcLaunch(chunked=True, chunk_tokens=chunk_tokens, **CHUNKED_RUNGS[rung]), 3000, 4096, seed=35,
+                 custom_ops=True)
 
 
 @pytest.mark.parametrize("T,Hd,C,bt,bk,slice_h", [(1, 4096, 1024, 128, 16, 256), (4096, 4096, 1024, 128, 16, 256),
@@ -703,30 +684,27 @@ def test_chunked_variants_gpu(variant):
 def test_chunk_plan_covers_every_token_and_chunk_once(T, Hd, C, bt, bk, slice_h):
     """The chunks cover [0, T) once (C a multiple of the tile; a short call: one chunk); every BLOCK_K chunk
     belongs to exactly one slice, none empty; the finish parts cover [0, Hd) once, none empty."""
-    L = MhcLaunch(chunked=True, chunk_tokens=C, chunk_block_t=bt, chunk_fused_block_t=bt, chunk_block_k=bk,
-                  chunk_fused_block_k=bk, chunk_slice_h=slice_h, chunk_finish_h=max(32, slice_h),
-                  chunk_finish_block_h=32)
+    L = MhcLaunch(chunked=True, chunk_tokens=C, chunk_block_t=bt, chunk_block_k=bk, chunk_slice_h=slice_h,
+                  chunk_finish_h=max(32, slice_h), chunk_finish_block_h=32)
     c, n_chunks, n, cps, got_bk = L.chunk_plan(T, Hd)
-    bt = L.chunk_tile(False, T)[0]  # a call of at most chunk_small_t tokens (GPU) takes 64-token tiles
+    bt = L.chunk_tile(T)[0]  # a call of at most chunk_small_t tokens (GPU) takes 64-token tiles
     assert got_bk == bk and c % bt == 0 and c <= C and (n_chunks - 1) * c < T <= n_chunks * c
     chunks = -(-Hd // bk)
-    assert 1 <= n <= min(chunks, max(-(-chunks // (slice_h // bk)), L.chunk_max_slices)) and cps >= 1
+    assert 1 <= n <= min(chunks, max(-(-chunks // (slice_h // bk)), MAX_SLICES)) and cps >= 1
     assert (n - 1) * cps < chunks <= n * cps
     parts, h = L.chunk_finish_plan(c, Hd)
     assert h % 32 == 0 and (parts - 1) * h < Hd <= parts * h
 
 
-@pytest.mark.parametrize("T,Hd,bt,bk,slice_h,slices", [(1, 4096, 128, 32, 128, None), (4096, 4096, 128, 32, 128, None),
-                                                       (4096, 4096, 128, 16, 128, None), (19, 320, 16, 128, 128, None),
-                                                       (3000, 7168, 64, 32, 256, None), (7, 100, 16, 16, 32, 1000),
-                                                       (300, 4096, 128, 32, 128, 5)])
-def test_one_pass_plan_covers_every_chunk_once(T, Hd, bt, bk, slice_h, slices):
+@pytest.mark.parametrize("T,Hd,bt,bk,slice_h", [(1, 4096, 128, 32, 128), (4096, 4096, 128, 32, 128),
+                                                (4096, 4096, 128, 16, 128), (19, 320, 16, 128, 128),
+                                                (3000, 7168, 64, 32, 256), (7, 100, 16, 16, 32)])
+def test_one_pass_plan_covers_every_chunk_once(T, Hd, bt, bk, slice_h):
     """Every BLOCK_K chunk belongs to exactly one slice and no slice is empty; the grid is (tiles + lag)·slices."""
-    L = MhcLaunch(one_pass_block_t=bt, one_pass_block_k=bk, one_pass_fused_block_k=bk, one_pass_slice_h=slice_h,
-                  one_pass_slices=slices)
+    L = MhcLaunch(one_pass_block_t=bt, one_pass_block_k=bk, one_pass_slice_h=slice_h)
     tiles, n, cps, got_bk = L.one_pass_plan(T, Hd)
     chunks = -(-Hd // bk)
-    assert got_bk == bk and tiles == -(-T // bt)
+    assert got_bk == bk and tiles == -(-T // bt) and ONE_PASS_LAG >= 1
     assert 1 <= n <= chunks and cps >= 1
     assert (n - 1) * cps < chunks <= n * cps
 
@@ -735,38 +713,42 @@ def test_launch_is_explicit():
     """Every launch choice travels as an argument: an MhcLaunch round-trips through the custom ops' ``launch``
     int[] (their schema), and tiles a kernel cannot take are refused up front."""
     for L in (MhcLaunch(), MhcLaunch(split_k=False, block_t=32, splits=3), MhcLaunch(split_k=True, target_programs=7),
-              MhcLaunch(one_pass=True, one_pass_slices=3, one_pass_lag=2),
-              *(one_pass_variant(n) for n in ONE_PASS_VARIANTS), *(chunked_variant(n) for n in CHUNKED_VARIANTS)):
+              MhcLaunch(one_pass=True, one_pass_one_dot=1), *DESIGNS.values(),
+              *(MhcLaunch.for_device(interpreted=i, **f) for i in (False, True) for f in CHUNKED_RUNGS.values())):
         assert MhcLaunch.decode(L.encode()) == L
     assert MhcLaunch(one_pass=True).design(fused=True) == "one_pass"
-    # one_pass, never a default, wins when asked for over chunked (the GPU default since session 6); an explicit
-    # split_k still picks one of the first two designs
+    # one_pass, never a default, wins when asked for over chunked; an explicit split_k picks one of the first two
+    # designs whatever one_pass and chunked say (so MhcLaunch(split_k=...) means the same on every device)
     assert MhcLaunch(chunked=True, one_pass=True).design(fused=False) == "one_pass"
     assert MhcLaunch(chunked=True, split_k=True).design(fused=True) == "split_k"
-    assert MhcLaunch(chunked=True).pre_like_fused().design(fused=False) == "chunked"
-    assert not MhcLaunch().one_pass
-    assert MhcLaunch().chunked == (not interpreting())  # the GPU default; the interpreter keeps the per-op designs
-    with pytest.raises(ValueError, match="launch.chunk_tokens: expected a multiple of the chunked token tiles"):
-        MhcLaunch(chunk_tokens=100, chunk_block_t=16, chunk_fused_block_t=16, chunk_finish_block_t=16)
-    with pytest.raises(TypeError, match="launch.chunk_pdl: expected a bool"):
-        MhcLaunch(chunk_pdl=1)
-    # the default: split-K for pre until one_pass (one line in MhcLaunch) is made the default after its H200 run
-    assert MhcLaunch().design(fused=False) == ("chunked" if MhcLaunch().chunked else
-                                               "one_pass" if MhcLaunch().one_pass else "split_k")
-    # an explicit split_k picks one of the first two designs whatever one_pass says (so the tests' and the bench's
-    # MhcLaunch(split_k=...) keep their meaning when one_pass becomes the default)
     assert MhcLaunch(one_pass=True, split_k=True).design(fused=False) == "split_k"
     assert MhcLaunch(one_pass=True, split_k=False).pre_like_fused().design(fused=False) == "one_kernel"
-    with pytest.raises(ValueError, match="launch.one_pass_lag: expected an int >= 1"):
-        MhcLaunch(one_pass_lag=0)
+    assert MhcLaunch(chunked=True).pre_like_fused() == MhcLaunch(chunked=True)  # the fused op is post then this pre
+    assert not MhcLaunch().one_pass
+    # the defaults per device: chunked for every op on a GPU; split-K for pre / head and one kernel for fused in
+    # the interpreter
+    gpu, cpu = MhcLaunch.for_device(interpreted=False), MhcLaunch.for_device(interpreted=True)
+    assert [gpu.design(f) for f in (False, True)] == ["chunked", "chunked"]
+    assert [cpu.design(f) for f in (False, True)] == ["split_k", "one_kernel"]
+    assert MhcLaunch() == (cpu if interpreting() else gpu)
+    with pytest.raises(ValueError, match="launch.chunk_tokens: expected a multiple of the chunked token tiles"):
+        MhcLaunch(chunk_tokens=100, chunk_block_t=16, chunk_finish_block_t=16)
+    with pytest.raises(ValueError, match=r"launch.chunk_tokens: expected a multiple of the chunked token tiles \(128\)"):
+        MhcLaunch.for_device(interpreted=False, chunked=True, chunk_tokens=16)
+    with pytest.raises(ValueError, match="launch.chunk_fn_layout: 3 needs chunk_stream_k"):
+        MhcLaunch(chunk_stream_k=False, chunk_fn_layout=3)
+    with pytest.raises(ValueError, match="launch.chunk_fn_layout: expected 0, 2 or 3"):
+        MhcLaunch(chunk_fn_layout=1)
+    with pytest.raises(TypeError, match="launch.chunk_zigzag: expected a bool"):
+        MhcLaunch(chunk_zigzag=1)
     with pytest.raises(ValueError, match="launch.one_pass_one_dot: expected an int in"):
         MhcLaunch(one_pass_one_dot=3)
     with pytest.raises(ValueError, match="launch.one_pass_maxnreg: expected an int in"):
         MhcLaunch(one_pass_maxnreg=300)
-    with pytest.raises(TypeError, match="launch.one_pass_chain: expected a bool"):
-        MhcLaunch(one_pass_chain=1)
+    with pytest.raises(TypeError, match="launch.one_pass: expected a bool"):
+        MhcLaunch(one_pass=1)
     assert "[] launch" in str(torch.ops.dsv4ref.mhc_pre.default._schema)  # int[] (SymInt[])
-    assert MhcLaunch().uses_split_k(fused=False) and not MhcLaunch().uses_split_k(fused=True)  # the measured defaults
+    assert MhcLaunch().uses_split_k(fused=False) and not MhcLaunch().uses_split_k(fused=True)  # the per-op defaults
     with pytest.raises(ValueError, match="launch.block_t: expected >= 16"):
         MhcLaunch(block_t=8)
     with pytest.raises(ValueError, match="launch.split_block_k: expected a power of two"):
@@ -775,11 +757,57 @@ def test_launch_is_explicit():
         mhc.pre(*case(2, 256)[:1], *case(2, 256)[2:], launch={"split_k": True})
 
 
+def _notebook_launches(path) -> list[tuple[int, dict]]:
+    """(line, fields) of every ``MhcLaunch(...)`` a notebook source builds, and of every ``dataclasses.replace``
+    of a name bound to one (that launch's fields, then its own): keyword arguments only, each a literal, so
+    that what the test checks is what the notebook builds."""
+    import ast
+
+    tree = ast.parse(path.read_text())
+    calls = sorted((n for n in ast.walk(tree) if isinstance(n, ast.Call)), key=lambda n: (n.lineno, n.col_offset))
+    targets = {id(n.value): [t.id for t in n.targets if isinstance(t, ast.Name)]
+               for n in ast.walk(tree) if isinstance(n, ast.Assign)}
+    bound: dict[str, dict] = {}
+    out = []
+    for call in calls:
+        name = getattr(call.func, "attr", getattr(call.func, "id", ""))
+        if name == "MhcLaunch":
+            assert not call.args, f"line {call.lineno}: MhcLaunch takes keywords only"
+            kw = {}
+        elif name == "replace" and call.args and isinstance(call.args[0], ast.Name) and call.args[0].id in bound:
+            kw = dict(bound[call.args[0].id])
+        else:
+            continue
+        for k in call.keywords:
+            assert k.arg is not None, f"line {call.lineno}: no **kwargs"
+            kw[k.arg] = ast.literal_eval(k.value)
+        out.append((call.lineno, kw))
+        for t in targets.get(id(call), ()):
+            bound[t] = kw
+    return out
+
+
+def test_notebook_launches_are_legal_on_every_device():
+    """Every ``MhcLaunch`` notebook 03 builds is legal with the GPU's defaults and with the interpreter's
+    (``MhcLaunch.for_device``), so the notebook runs unchanged on either: a launch written for the
+    interpreter's tiles (chunks of 16 tokens) is refused on a GPU, whose chunked token tile is 128."""
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "notebooks" / "src" / "03_mhc_ops.py"
+    found = _notebook_launches(path)
+    assert len(found) >= 5, found
+    for line, kw in found:
+        for interpreted in (False, True):
+            MhcLaunch.for_device(interpreted=interpreted, **kw)  # raises, naming the field, where illegal
+    with pytest.raises(ValueError, match="launch.chunk_tokens"):  # what the guard is for
+        MhcLaunch.for_device(interpreted=False, chunked=True, chunk_tokens=16)
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("design", list(DESIGNS))
 def test_empty_batch_every_function(backend, design):
-    """T = 0 on every backend and design: empty outputs of the right shapes and dtypes (issue 12, peer
-    disagreement (a): the reference once crashed here, in ``reshape(T, -1)``)."""
+    """T = 0 on every backend and design: empty outputs of the right shapes and dtypes (the reference once
+    crashed here, in ``reshape(T, -1)``)."""
     launch = DESIGNS[design]
     res, x, fn, scale, base = case(0, 256)
     hfn, hscale, hbase = mhc.example_params(256, head=True)
@@ -874,10 +902,10 @@ def test_chunk_small_t_decode_sized_calls_take_64_token_tiles():
     post + pre) on 64-token tiles at 4 warps, a longer one on ``chunk_block_t``; the fused K loop keeps its
     tile. The small-call path against the fp64 oracle, through the custom ops with poisoned outputs."""
     L = MhcLaunch(chunked=True, chunk_tokens=128, chunk_block_t=128, chunk_small_t=64)
-    assert L.chunk_tile(False, 64)[:3] == (64, L.chunk_block_k, 4) and L.chunk_tile(False, 65)[0] == 128
-    assert L.chunk_tile(True, 8) == L.chunk_tile(True) and L.chunk_tile(False) == L.chunk_tile(False, 65)
+    assert L.chunk_tile(64)[:3] == (64, L.chunk_block_k, 4) and L.chunk_tile(65)[0] == 128
+    assert L.chunk_tile() == L.chunk_tile(65)
     assert L.chunk_plan(37, 88)[0] == 64 and L.chunk_plan(100, 88)[0] == 128
     with pytest.raises(ValueError, match="launch.chunk_small_t"):
         MhcLaunch(chunk_small_t=-1)
     check_design(L, 40, 88, seed=47, custom_ops=True)
-    check_design(dataclasses.replace(L, chunk_fused_post=True, chunk_zigzag=True), 40, 88, seed=48, custom_ops=True)
+    check_design(dataclasses.replace(L, chunk_zigzag=not L.chunk_zigzag), 40, 88, seed=48, custom_ops=True)

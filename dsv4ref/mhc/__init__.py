@@ -9,8 +9,9 @@ attention and FFN sub-layer. The math, shapes, conventions and pitfalls: ``docs/
 * :func:`head` folds the streams into one hidden vector after the last layer;
 * :func:`sinkhorn` is the projection pre runs on the comb logits, on its own.
 
-Read in this order: ``reference.py`` (the whole op in PyTorch), ``kernels.py`` (the Triton kernels),
-``launch.py`` (:class:`MhcLaunch`, the measured defaults, the custom ops). Every function here checks its
+Read in this order: ``reference.py`` (the whole op in PyTorch), ``kernels.py`` (the Triton kernels' shared
+pieces, the one-kernel and split-K designs), ``kernels_chunked.py`` (the GPU default), ``kernels_one_pass.py``
+(a rung between them), ``launch.py`` (:class:`MhcLaunch`, the measured defaults, the custom ops). Every function here checks its
 arguments, then dispatches on ``backend`` ("reference": ``reference.py`` in fp32; "triton"; "auto" =
 "triton"). ``launch=`` (an :class:`MhcLaunch`, None = the measured defaults) only affects "triton".
 """
@@ -184,7 +185,7 @@ def pre(residual: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: tor
         rms_eps, hc_eps: finite, >= 0; post_mult: finite; sinkhorn_iters: an int >= 1. The model's
             constants by default (1e-6, 1e-6, 2, 20).
         backend: "auto" | "reference" | "triton".
-        launch: :class:`MhcLaunch`, None = the measured defaults (split-K on a GPU).
+        launch: :class:`MhcLaunch`, None = the measured defaults (on a GPU the chunked design).
     Returns:
         ``(post, comb, layer_input)``: post ``[T, M]`` fp32 in (0, post_mult); comb ``[T, M, M]`` fp32,
         ``comb[t, i, j]`` the weight from source stream i to destination j; layer_input ``[T, Hd]`` bf16.
@@ -251,8 +252,8 @@ def fused_post_pre(x: torch.Tensor, residual: torch.Tensor, post: torch.Tensor, 
         ``(residual', post', comb', layer_input)``: the new residual ``[T, M, Hd]`` bf16, the next post
         ``[T, M]`` fp32, comb ``[T, M, M]`` fp32 and layer input ``[T, Hd]`` bf16: equal to post then pre, bit
         for bit on the bf16 outputs and within 1e-6 on the fp32 ones, when that pre runs the same design
-        (by default the fused op runs one kernel and :func:`pre` split-K, whose sums run in another order:
-        pass ``launch=MhcLaunch(split_k=False)`` to the pre to compare).
+        (``launch.pre_like_fused()`` is that pre's launch: on a GPU the default itself, in the interpreter
+        ``MhcLaunch(split_k=False)``, since there the fused op runs one kernel and pre split-K).
     Raises:
         TypeError / ValueError naming the argument, before any work.
     """
@@ -288,7 +289,7 @@ def head(hidden: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torc
         All four: any strides (copied to contiguous first), finite (docs/mhc.md#the-input-contract).
         rms_eps, hc_eps: finite, >= 0; the model's 1e-6 by default.
         backend: "auto" | "reference" | "triton".
-        launch: :class:`MhcLaunch`, None = the measured defaults (split-K on a GPU).
+        launch: :class:`MhcLaunch`, None = the measured defaults (on a GPU the chunked design).
     Returns:
         ``[T, Hd]`` bf16.
     Raises:

@@ -8,7 +8,9 @@
 #
 # The facts are collected in [`docs/mhc.md`](../docs/mhc.md); the bugs worth knowing are its pitfalls 22 (comb
 # applied untransposed) and 23 (Sinkhorn and eps conventions). The code is in `dsv4ref/mhc/`, read in this
-# order: `reference.py` (the whole op in PyTorch), `kernels.py` (Triton), `launch.py` (launch choices).
+# order: `reference.py` (the whole op in PyTorch), `kernels.py` (Triton: the shared pieces and the first two
+# designs), `kernels_chunked.py` (the GPU's design), `kernels_one_pass.py` (a rung between them), `launch.py`
+# (launch choices).
 
 # %%
 import dsv4ref  # first: picks the device, sets TRITON_INTERPRET on a CPU-only machine
@@ -277,21 +279,23 @@ print(compare(buggy, new_ref, "bf16_out", "untransposed post vs oracle").verdict
 #
 # * **split-K + a second kernel**: many programs each own a slice of the 4·Hd columns, write partial logits,
 #   and a second kernel finishes the gates and the weighted sum (re-reading the new streams from HBM);
-# * **one program per token block, two passes** (chosen): pass 1 computes the new streams chunk by chunk,
+# * **one program per token block, two passes** (the interpreter's default): pass 1 computes the new streams chunk by chunk,
 #   stores them and feeds the *stored bf16 values* to the GEMM; pass 2 reads them back (recently written, so
 #   often still in L2) for the weighted sum. One launch, no workspace, and — because pass 1 uses exactly the
 #   bf16 values a separate pre would read, with the same explicit FMA order — its bf16 outputs equal
 #   post-then-pre (a pre of the same design) **bit for bit** (the fp32 post/comb to 1e-6, as [`docs/mhc.md`](../docs/mhc.md#fused-post-pre) asks).
 #
-# The cost of the chosen design is that every program reads all of `fn` (it is re-read from L2 once per 16
-# tokens); on the H200 that, not HBM, limits it (section 8).
+# The cost of that design is that every program reads all of `fn` (it is re-read from L2 once per 16
+# tokens); on the H200 that, not HBM, limits it (section 8, which also shows the GPU's design: there the fused
+# op *is* post then pre, chunk by chunk). Whatever the design, `launch.pre_like_fused()` is the launch under
+# which a separate pre runs the fused op's arithmetic:
 
 # %%
 fn2, scale2, base2 = mhc.example_params(Hd, seed=5)  # the next sub-layer's parameters
 fused = mhc.fused_post_pre(x_layer, res, post_k, comb_k, fn2, scale2, base2)
 sep_new = mhc.post(x_layer, res, post_k, comb_k)
-one_kernel = mhc.MhcLaunch(split_k=False)  # the fused op's default design (pre's own default is split-K, section 8)
-sep = (sep_new, *mhc.pre(sep_new, fn2, scale2, base2, launch=one_kernel))
+same = mhc.MhcLaunch().pre_like_fused()  # interpreter: the one-kernel design; GPU: the chunked default itself
+sep = (sep_new, *mhc.pre(sep_new, fn2, scale2, base2, launch=same))
 for name, a, b in zip(["new residual", "post'", "comb'", "layer input"], fused, sep):
     if a.dtype == torch.bfloat16:
         print(f"fused {name:<12} {tuple(a.shape)!s:<16} bit-identical to post then pre:", compare(a, b, "exact").passed)
@@ -342,7 +346,7 @@ print(compare(h_k, h_ref, "bf16_out", "head").verdict())
 # slice of K for 64 tokens, a second small kernel finishes the gates, Sinkhorn and the weighted sum) cuts
 # that L2 traffic 4× and buys 1.35×, but reads the streams twice.
 #
-# **A third design, one pass** (`kernels.hc_one_pass_kernel`, `MhcLaunch(one_pass=True)`). A tile's streams
+# **A third design, one pass** (`kernels_one_pass.hc_one_pass_kernel`, `MhcLaunch(one_pass=True)`). A tile's streams
 # (128 tokens × 4 × 4096 bf16 = 4 MB) do not fit on chip across the K loop, and the weighted sum needs the
 # gates, which need the whole loop. So the second read must come from **L2**, and therefore soon after the
 # first. One launch; work items are (128-token tile, 128-dim hidden slice) pairs, taken from an atomic
@@ -363,7 +367,7 @@ print(compare(h_k, h_ref, "bf16_out", "head").verdict())
 # design below. The goal (≥ 50 %) was still missed by 20–23 points: the tile's last arrival sums 32 slices'
 # partials in a chain of dependent L2 round trips while the next tile's programs wait on its flag.
 #
-# **A fourth design, chunked** (`kernels.hc_chunk_partial_kernel` + `hc_chunk_finish_kernel`,
+# **A fourth design, chunked** (`kernels_chunked.hc_chunk_partial_kernel` + `hc_chunk_finish_kernel`,
 # `MhcLaunch(chunked=True)`): no program ever waits for another. Per chunk of C tokens, two launches: a
 # *partial* kernel (exactly one pass's step 1, each (tile, slice) program writing its partial mix) and a
 # *finish* kernel whose programs each re-sum their tile's partials in slice order (the same loads in the same
@@ -398,34 +402,42 @@ print(compare(h_k, h_ref, "bf16_out", "head").verdict())
 # it a 128-token tile is mostly masked rows. So calls of at most `chunk_small_t` = 64 tokens take 64-token
 # tiles at 4 warps: at T = 37, pre went from 15.7 to 13.0 µs.
 #
-# All four designs live in `kernels.py`: which one an op takes is a **launch choice**, as are the tile sizes,
-# warps, chunk and split counts. They are the fields of one frozen dataclass, `mhc.MhcLaunch`, passed
-# explicitly as `launch=` (None = the measured defaults: chunked on a GPU; in the interpreter `split_k=None`
-# means split-K for pre and head, one kernel for fused). Forcing a design changes the speed, never the result:
+# Which design an op takes is a **launch choice**, as are the tile sizes, warps, chunk and split counts. They are
+# the fields of one frozen dataclass, `mhc.MhcLaunch`, passed explicitly as `launch=` (None = the measured
+# defaults: chunked on a GPU; in the interpreter, which pays for every program, split-K for pre and head and one
+# kernel for fused). `MhcLaunch.for_device` says what a launch means on either device, so the defaults below
+# print the same here and on a GPU. Every launch this notebook builds is legal on both (a test holds it to that:
+# the chunked token tile is 16 here and 128 on a GPU, so a chunk of 16 tokens would not be). Forcing a design
+# changes the speed, never the result. The ladder, rung by rung, at the teaching size:
 
 # %%
-print("default design, pre / head: split-K =", mhc.MhcLaunch().uses_split_k(fused=False),
-      "| fused post+pre: split-K =", mhc.MhcLaunch().uses_split_k(fused=True))
-for name, launch in (("one kernel", mhc.MhcLaunch(split_k=False)), ("split-K", mhc.MhcLaunch(split_k=True, splits=2)),
-                     ("one pass", mhc.MhcLaunch(one_pass=True)),
-                     ("chunked", mhc.MhcLaunch(chunked=True, chunk_tokens=16)),
-                     ("chunked, contiguous copies", mhc.MhcLaunch(chunked=True, chunk_tokens=16, chunk_stream_k=True,
-                                                                  chunk_fn_layout=2))):
+for device, interpreted in (("GPU", False), ("interpreter", True)):
+    d = mhc.MhcLaunch.for_device(interpreted=interpreted)
+    print(f"default design on the {device}: pre / head {d.design(fused=False)}, fused post+pre {d.design(fused=True)}")
+ladder = (
+    ("one kernel", mhc.MhcLaunch(split_k=False)),
+    ("split-K", mhc.MhcLaunch(split_k=True, splits=2)),
+    ("one pass", mhc.MhcLaunch(one_pass=True)),
+    ("chunked, four streams per dot", mhc.MhcLaunch(chunked=True, chunk_stream_k=False, chunk_fn_layout=0, chunk_zigzag=False)),
+    ("chunked, contiguous copies", mhc.MhcLaunch(chunked=True, chunk_stream_k=True, chunk_fn_layout=2, chunk_zigzag=False)),
+    ("chunked, the GPU default", mhc.MhcLaunch(chunked=True, chunk_stream_k=True, chunk_fn_layout=3, chunk_zigzag=True)),
+)
+for name, launch in ladder:
     p_l, c_l, x_l = mhc.pre(res, fn, scale, base, launch=launch)
     print(compare(c_l, comb_w, "mhc", f"pre, {name}: comb").verdict(), "|",
           compare(x_l, x_ref, "bf16_out", "layer input").verdict())
 # the zigzag walk: 40 tokens in one chunk of 48 = 3 tiles of 16, the finish kernel walking them last to first
 res40 = mhc.example_streams(40, Hd, seed=4)
-forward = mhc.MhcLaunch(chunked=True, chunk_tokens=48, chunk_block_t=16, chunk_finish_block_t=16)
+forward = mhc.MhcLaunch(chunked=True, chunk_tokens=48, chunk_block_t=16, chunk_finish_block_t=16, chunk_zigzag=False)
 zigzag = dataclasses.replace(forward, chunk_zigzag=True)
 same = all(torch.equal(a, b) for a, b in zip(mhc.pre(res40, fn, scale, base, launch=forward),
                                              mhc.pre(res40, fn, scale, base, launch=zigzag)))
 print("chunked, zigzag walk: the same bits as the forward walk:", same)
 print(inspect.getsource(mhc.launch.MhcLaunch.split_plan))
-h200 = mhc.MhcLaunch(one_pass=True, one_pass_block_t=128, one_pass_block_k=32, target_programs=528)  # its GPU defaults
+h200 = mhc.MhcLaunch.for_device(interpreted=False, one_pass=True)  # the one-pass tiles of a GPU
 tiles, slices, cps, bk = h200.one_pass_plan(4096, 4096)
-print(f"one pass at T = Hd = 4096 on the H200: {tiles} tiles × {slices} slices of {cps} × {bk} dims, "
-      f"{(tiles + 1) * slices} programs")
+print(f"one pass at T = Hd = 4096 on a GPU: {tiles} tiles × {slices} slices of {cps} × {bk} dims, "
+      f"{(tiles + mhc.launch.ONE_PASS_LAG) * slices} programs")
 
 # %% [markdown]
 # The cell below re-measures on a GPU; it does not run in the interpreter.

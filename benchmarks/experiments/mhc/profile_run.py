@@ -1,9 +1,9 @@
 """Run mHC pre (or fused post+pre) a few times at the bench's shape, for a profiler to attach to (GPU only).
 
-    ncu --kernel-name regex:hc_one_pass --launch-skip 3 --launch-count 1 --section SourceCounters \\
-        --section WarpStateStats python3 benchmarks/mhc_profile.py [pre|fused] [T Hd] [chunked]
+    ncu --kernel-name regex:hc_chunk_partial --launch-skip 3 --launch-count 1 --section SourceCounters \\
+        --section WarpStateStats python3 benchmarks/experiments/mhc/profile_run.py [pre|fused] [T Hd] [one-pass]
 
-Default: pre at T = Hd = 4096 with today's default launch (``chunked``: the chunked design, chunks of 2048). Prints nothing but a line per call; the
+Default: pre at T = Hd = 4096 with the default launch (``one-pass``: the one-pass design). Prints nothing but a line per call; the
 profiler's report is what this is for (which instructions the warps wait on).
 """
 
@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 import sys
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", ".."))
 
 from dsv4ref.device import synchronize  # noqa: E402
 from dsv4ref.mhc import example_params, example_streams, fused_post_pre, pre  # noqa: E402
@@ -23,7 +23,7 @@ from dsv4ref.testing import randn  # noqa: E402
 def main(argv):
     op = argv[0] if argv else "pre"
     T, Hd = (int(argv[1]), int(argv[2])) if len(argv) >= 3 else (4096, 4096)
-    launch = MhcLaunch(chunked=True, chunk_tokens=2048) if "chunked" in argv else MhcLaunch()
+    launch = MhcLaunch(one_pass=True) if "one-pass" in argv else MhcLaunch()
     res = example_streams(T, Hd, seed=1)
     fn, scale, base = example_params(Hd, seed=2)
     if op == "fused":

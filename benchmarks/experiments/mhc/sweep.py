@@ -1,42 +1,37 @@
-"""One-call H200 sweep of the one-pass and chunked mHC designs (issue 14: pre and fused post+pre >= 50 % of copy
-bandwidth at T = Hd = 4096), with the current defaults beside them and the decode step run with the proposal.
+"""One-call GPU sweep of the mHC designs the library keeps (``dsv4ref.tools.cases.mhc.designs``: one kernel,
+split-K, one pass, the chunked rungs and the default) and of ``CANDIDATES`` below (``MhcLaunch`` fields on top of
+the default: tile, chunk and slice choices), with the current default beside them and the decode step run with
+the proposal.
 
-    PYTHONPATH=. python3 benchmarks/mhc_sweep.py              # everything (one-pass and chunked candidates)
-    PYTHONPATH=. python3 benchmarks/mhc_sweep.py pre head     # only these ops (and no decode step)
-    PYTHONPATH=. python3 benchmarks/mhc_sweep.py chunked      # only candidates whose name contains "chunked"
-                                                              # (and today's defaults; no decode step)
+    PYTHONPATH=. python3 benchmarks/experiments/mhc/sweep.py              # everything
+    PYTHONPATH=. python3 benchmarks/experiments/mhc/sweep.py pre head     # only these ops (and no decode step)
+    PYTHONPATH=. python3 benchmarks/experiments/mhc/sweep.py chunked      # only names containing "chunked"
+    MHC_SWEEP_SMOKE=1 python3 benchmarks/experiments/mhc/sweep.py C2048 pre   # the flow in the interpreter, on a CPU
 
 Arguments: op names (pre, fused, head) restrict the ops; any other argument restricts the candidates to the
-names containing it (today's defaults always run). Every candidate is a row of
-``dsv4ref.mhc.launch.ONE_PASS_VARIANTS`` (kernels.py "Design 3") or ``CHUNKED_VARIANTS`` ("Design 4")
-(MhcLaunch fields; kernels.py says which suspect each one attacks; ``benchmarks/mhc_compile_check.py`` prints
-their registers, shared memory and loops), run for pre, fused and head; a candidate whose fields leave an op's
-kernels as an earlier candidate's shares that row (``= ...``). Phases, one process and one GPU:
+names containing it (the default always runs); a candidate whose fields leave an op's kernels as an earlier
+candidate's shares that row (``= ...``). Phases, one process and one GPU:
 
 1. the copy ceiling (512 MiB, as ``python -m dsv4ref bench``);
 2. compiling, in parallel: worker processes run each distinct (op, candidate) once on random inputs at the
-   sizes the sweep uses, so Triton's on-disk cache serves the main process (a serial compile of the ~90
-   kernel specialisations would take most of the time limit); one more worker runs decode steps of the
-   teaching config (the step's other kernels compile there). Nothing is timed before they end;
+   sizes the sweep uses, so Triton's on-disk cache serves the main process; one more worker runs decode steps
+   of the teaching config. Nothing is timed before they end;
 3. checks, before any timing: each candidate against the float64 oracle with the tests' tolerances
-   (tests/test_mhc.py) at T = 4096 and at T = 37 (one partial tile: the decode-like plan), Hd = 4096;
-   fused also == post then pre (the new streams and the layer input bit for bit, post / comb within
-   1e-6) with the pre of the same arithmetic (``MhcLaunch.pre_like_fused``). A candidate that fails or does
-   not compile is reported and not timed;
+   (tests/test_mhc.py) at T = 4096 and at T = 37 (the decode-like plan), Hd = 4096; fused also == post then
+   pre (the new streams and the layer input bit for bit, post / comb within 1e-6) with the pre of the same
+   arithmetic (``MhcLaunch.pre_like_fused``). A candidate that fails or does not compile is reported and not
+   timed;
 4. timing by graph replay (``dsv4ref.tools.harness.time_ms``), two input sets of ~340 MB rotated past the
    L2: µs and % of the copy ceiling over the compulsory bytes ``python -m dsv4ref bench mhc`` counts
-   (``dsv4ref.tools.cases.mhc.compulsory_bytes``); today's defaults first; no new candidate starts after
-   ``BUDGET_S`` seconds from the start (the whole sweep, 80+ distinct kernels, may hit it: restrict it);
-5. the proposal: the ONE candidate with the least total time over the ops (per-op winners may set the
-   fields the ops share differently, and their mix was never timed);
-6. the summary: today's default, the fastest candidate and the proposal per op, and the ``MhcLaunch`` lines
-   that make the proposal the default; then T = 37 rows (decode-sized, µs) of the three, and the decode
-   step (teaching config, 4 requests, 3 eager and 2 graphed steps) with ``Decoder(mhc_launch=proposal)``:
-   every step against the float64 reference (``agreement``), the eager logits against today's defaults.
+   (``dsv4ref.tools.cases.mhc.compulsory_bytes``); the default first; no new candidate starts after
+   ``BUDGET_S`` seconds;
+5. the proposal: the ONE candidate with the least total time over the ops;
+6. the summary, T = 37 rows, per-kernel device times, and the decode step (teaching config) with
+   ``Decoder(mhc_launch=proposal)`` against the float64 reference.
 
-How the decode step picks the design: it passes ``Decoder.mhc_launch`` (None = ``MhcLaunch()``) as ``launch=``
-to every mHC call, so flipping ``chunked: bool = False`` (or ``one_pass``) in ``MhcLaunch`` switches the step,
-the library and the bench together.
+A candidate that needs a kernel the library does not have (a new constexpr switch) is written as an experiment
+kernel beside this script, built on ``dsv4ref.tl`` and ``dsv4ref.mhc.kernels``' pieces; the ones already tried
+are in ``benchmarks/mhc.md``'s table of experiments, with the commit that holds their code.
 """
 
 from __future__ import annotations
@@ -105,24 +100,41 @@ def run_op(op: str, launch, T: int, inputs=None, outs=None):
     return outs
 
 
-def candidate(name: str):
-    """The MhcLaunch of candidate ``name``: "defaults" = MhcLaunch(), a row of CHUNKED_VARIANTS (on top of
-    MhcLaunch(chunked=True)) or of ONE_PASS_VARIANTS (on top of MhcLaunch(one_pass=True))."""
-    from dsv4ref.mhc import MhcLaunch
-    from dsv4ref.mhc.launch import CHUNKED_VARIANTS, chunked_variant, one_pass_variant
+# Field candidates on top of the default MhcLaunch() (its design switch included): name -> fields. Each was timed
+# once (benchmarks/mhc.md); kept here to re-time on another GPU or after a kernel change.
+CANDIDATES: dict[str, dict] = {
+    "chunked C2048": {"chunked": True, "chunk_tokens": 2048},  # two chunks of 64 MB
+    "chunked C1024": {"chunked": True, "chunk_tokens": 1024},  # 32 MB per chunk: fits the 50 MB L2
+    "chunked st3": {"chunked": True, "chunk_stages": 3},  # one stage less
+    "chunked slice256": {"chunked": True, "chunk_slice_h": 256, "chunk_target_programs": 256},
+    "chunked finish1024": {"chunked": True, "chunk_finish_h": 1024},  # half the finish's redundant sums
+    "chunked bt64 w4": {"chunked": True, "chunk_block_t": 64, "chunk_warps": 4, "chunk_maxnreg": None},
+}
 
-    if name == "defaults":
-        return MhcLaunch()
-    return chunked_variant(name) if name in CHUNKED_VARIANTS else one_pass_variant(name)
+
+def _launches() -> dict:
+    """name -> MhcLaunch: the library's designs (``designs()``; "defaults" = MhcLaunch()) and ``CANDIDATES``."""
+    from dsv4ref.mhc import MhcLaunch
+    from dsv4ref.tools.cases.mhc import designs
+
+    out = {("defaults" if n == "default" else n): L for n, L in designs()}
+    out.update({n: MhcLaunch(**f) for n, f in CANDIDATES.items()})
+    return out
+
+
+def candidate(name: str):
+    """The MhcLaunch of candidate ``name`` ("defaults" = MhcLaunch())."""
+    return _launches()[name]
 
 
 def candidate_fields(name: str) -> dict:
-    """The MhcLaunch fields candidate ``name`` sets (its design switch included)."""
-    from dsv4ref.mhc.launch import CHUNKED_VARIANTS, ONE_PASS_VARIANTS
+    """The MhcLaunch fields candidate ``name`` sets that differ from the default's."""
+    import dataclasses
 
-    if name in CHUNKED_VARIANTS:
-        return {"chunked": True, **CHUNKED_VARIANTS[name]}
-    return {"one_pass": True, **ONE_PASS_VARIANTS.get(name, {})}
+    from dsv4ref.mhc import MhcLaunch
+
+    L, d = candidate(name), MhcLaunch()
+    return {f.name: getattr(L, f.name) for f in dataclasses.fields(L) if getattr(L, f.name) != getattr(d, f.name)}
 
 
 def _compile_task(op: str, name: str) -> str | None:
@@ -145,13 +157,13 @@ def _compile_task(op: str, name: str) -> str | None:
 
 
 def _decode_task(fields: dict) -> str | None:
-    """One eager and one graphed decode step of the teaching config with one-pass (compiles the step)."""
+    """One eager and one graphed decode step of the teaching config with these fields (compiles the step)."""
     try:
         from dsv4ref.config import TINY
         from dsv4ref.decode import run
         from dsv4ref.mhc import MhcLaunch
 
-        L = MhcLaunch(one_pass=True, **fields)
+        L = MhcLaunch(**fields)
         run(TINY, steps=1, prompt_lens=(133, 37, 5, 70), mhc_launch=L)
         run(TINY, steps=1, prompt_lens=(133, 37, 5, 70), mhc_launch=L, graph=True)
         run(TINY, steps=1, prompt_lens=(133, 37, 5, 70))
@@ -176,7 +188,7 @@ def main() -> None:
     from dsv4ref import DEVICE
     from dsv4ref.device import capture_graph, synchronize
     from dsv4ref.mhc import MhcLaunch, example_params, example_streams, reference, split_fn
-    from dsv4ref.mhc.launch import CHUNKED_VARIANTS, ONE_PASS_VARIANTS, chunk_args, one_pass_args
+    from dsv4ref.mhc.launch import chunk_args, one_pass_args
     from dsv4ref.testing import compare, randn
     from dsv4ref.tools.cases.mhc import compulsory_bytes
     from dsv4ref.tools.harness import measure_ceilings, time_ms
@@ -189,8 +201,8 @@ def main() -> None:
     print(f"{el()} copy ceiling (512 MiB) {copy / 1e12:.2f} TB/s; {DEVICE}", flush=True)
 
     # ---- 2. compile in parallel ----------------------------------------------------------------------
-    names = [n for n in (*ONE_PASS_VARIANTS, *CHUNKED_VARIANTS) if not only or any(w in n for w in only)]
-    launches = {"defaults": MhcLaunch(), **{name: candidate(name) for name in names}}
+    every = _launches()
+    launches = {n: L for n, L in every.items() if n == "defaults" or not only or any(w in n for w in only)}
 
     def kernel_key(op: str, name: str) -> tuple:
         """Equal keys: the same kernels at both sizes (a field an op does not use changes nothing for it)."""
@@ -198,10 +210,12 @@ def main() -> None:
             return op, name
         L, head, fused = launches[name], op == "head", op == "fused"
         if L.design(fused) == "chunked":
-            return op, "chunked", L.chunk_fused_post and fused, tuple((plan, *(tuple(sorted(d.items())) for d in (*p, *f)))
+            return op, "chunked", fused, tuple((plan, *(tuple(sorted(d.items())) for d in (*p, *f)))
                                         for plan, p, f, _s in (chunk_args(L, T, HD, head, fused) for T in (T_BIG, T_SMALL)))
-        return op, tuple((tuple(sorted(c.items())), tuple(sorted(o.items())), plan)
-                         for _g, c, o, _s, plan in (one_pass_args(L, T, HD, head, fused) for T in (T_BIG, T_SMALL)))
+        if L.design(fused) == "one_pass":
+            return op, tuple((tuple(sorted(c.items())), tuple(sorted(o.items())), plan)
+                             for _g, c, o, _s, plan in (one_pass_args(L, T, HD, head, fused) for T in (T_BIG, T_SMALL)))
+        return op, name  # one kernel, split-K: its own row
 
     jobs, same_as, first = [], {}, {}  # same_as: (op, name) -> the earlier candidate with the same kernel
     for op in ops:

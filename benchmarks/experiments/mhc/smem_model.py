@@ -10,7 +10,7 @@ memory"; the layouts are read off ``triton.compile(...).asm['ttgir']`` and the s
 
 For each instruction: the 16-byte pieces' global 32-byte sectors and 128-byte lines (the source side of a cp.async)
 and the shared-memory wavefronts of the shared side (128-bit accesses: 4 phases of 8 threads, a phase takes as many
-wavefronts as the most 16-byte pieces that share one of its 8 bank groups). ``python benchmarks/mhc_smem_model.py``
+wavefronts as the most 16-byte pieces that share one of its 8 bank groups). ``python benchmarks/experiments/mhc/smem_model.py``
 """
 
 from __future__ import annotations
