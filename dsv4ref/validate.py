@@ -130,8 +130,10 @@ def integer(v, name: str, *, lo: int | None = None, hi: int | None = None) -> in
     return v
 
 
-def scalar(v, name: str, *, lo: float | None = None, hi: float | None = None, finite: bool = True) -> float:
-    """A real scalar (int or float; not bool, not a tensor), finite unless ``finite=False``, in [lo, hi]."""
+def scalar(v, name: str, *, lo: float | None = None, hi: float | None = None, finite: bool = True,
+           gt: float | None = None) -> float:
+    """A real scalar (int or float; not bool, not a str, not a tensor), finite unless ``finite=False``, in
+    [lo, hi] and > ``gt`` (an open lower bound: ``eps``, a scale factor); returns it as float."""
     if isinstance(v, bool) or not isinstance(v, numbers.Real):
         raise TypeError(f"{name}: expected a number, got {type(v).__name__} {v!r}")
     v = float(v)
@@ -140,7 +142,17 @@ def scalar(v, name: str, *, lo: float | None = None, hi: float | None = None, fi
     if (lo is not None and v < lo) or (hi is not None and v > hi):
         rng = f">= {lo}" if hi is None else (f"<= {hi}" if lo is None else f"in [{lo}, {hi}]")
         raise ValueError(f"{name}: expected a number {rng}, got {v}")
+    if gt is not None and not v > gt:
+        raise ValueError(f"{name}: expected a number > {gt}, got {v}")
     return v
+
+
+def not_meta(t: torch.Tensor | None, name: str) -> None:
+    """Metadata check: ``t`` is not on the meta device. A meta tensor holds no values, so no op can run on
+    it (a value check or a kernel would fail inside torch); every op refuses it with this one message."""
+    if t is not None and t.device.type == "meta":
+        raise ValueError(f"{name}: tensors on the meta device cannot be run (they hold no values); "
+                         "pass tensors on a real device")
 
 
 def finite(t: torch.Tensor, name: str) -> None:

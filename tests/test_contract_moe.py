@@ -15,6 +15,8 @@ from __future__ import annotations
 import pytest
 import torch
 from contract import HostSync, no_host_sync, snapshot, unchanged
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from dsv4ref import moe, validate
 from dsv4ref.device import DEVICE
@@ -301,3 +303,149 @@ def test_route_stage_experts_do_not_sync_with_checks_off(hash_layer):
     assert_close(out, want64, "moe_out", "no-sync path", mass=mass.nan_to_num(0.0))
     assert compare(want, want64, "moe_out", mass=mass.nan_to_num(0.0)).passed
     assert bool(out[7].float().isnan().all()) and not bool(out[:7].float().isnan().any())
+
+
+# ----------------------------------------------------------------------------------------------------
+# indices and scalars: out-of-range ids never read outside the weights; every backend the same answer or
+# the same error; scalars checked by name before any work
+# ----------------------------------------------------------------------------------------------------
+
+
+def _experts(d, staged, ids, backend, E=None, out=None):
+    w13, w2 = (d["w13"], d["w2"]) if E is None else (d["w13"][:E], d["w2"][:E])
+    return moe.experts(d["x"], staged[0], staged[1], ids, staged[3], w13, w2, d["shared_w13"], d["shared_w2"],
+                       swiglu_limit=10.0, out=out, backend=backend)
+
+
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+def test_expert_ids_outside_the_range_count_as_minus_one_with_checks_off(backend):
+    """An id == E once gave 3.0e38 in row 0 (a slot row never written, read by the combine), ids > E a scatter
+    error: now any id outside [0, E) contributes exactly 0, as −1 does, on every backend."""
+    d = moe.example_inputs(4, SHAPE, seed=40)
+    E = SHAPE.experts
+    ids = torch.tensor([[E, 1], [0, E + 5], [-1, 2], [-7, 3]], dtype=torch.int64, device=DEVICE)
+    w = torch.full((4, 2), 0.75, device=DEVICE)
+    staged = moe.stage(d["x"], ids, w, backend="reference")
+    clean = torch.where((ids >= 0) & (ids < E), ids, -1)
+    out = poison((4, SHAPE.hidden), torch.bfloat16)
+    with validate.checking_values(False):
+        got = _experts(d, staged, ids, backend, out=out)
+        want = _experts(d, staged, clean, backend)
+    assert torch.equal(bits(got), bits(want))
+    with pytest.raises(ValueError, match=r"^ids: entry \(0, 0\) = 8 is out of range"):
+        _experts(d, staged, ids, backend)
+
+
+@settings(max_examples=5)
+@given(T=st.integers(1, 5), K=st.integers(1, 3), data=st.data())
+def test_property_out_of_range_ids_are_minus_one_on_every_backend(T, K, data):
+    E = SHAPE.experts
+    d = moe.example_inputs(T, SHAPE, seed=41)
+    flat = data.draw(st.lists(st.integers(-3, E + 3), min_size=T * K, max_size=T * K))
+    ids = torch.tensor(flat, dtype=torch.int64, device=DEVICE).view(T, K)
+    w = torch.rand(T, K, generator=generator(42)).to(DEVICE)
+    staged = moe.stage(d["x"], ids, w, backend="triton")
+    clean = torch.where((ids >= 0) & (ids < E), ids, -1)
+    with validate.checking_values(False):
+        for be in ("reference", "triton"):
+            assert torch.equal(bits(_experts(d, staged, ids, be)), bits(_experts(d, staged, clean, be))), be
+
+
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+def test_no_experts_and_no_slots_work_on_every_backend(backend):
+    """E = 0 with every id −1, and K = 0 slots: the shared expert alone, the same on both backends (the
+    Triton path once raised an InterpreterError on both)."""
+    d = moe.example_inputs(3, SHAPE, seed=43)
+    ids = torch.full((3, 2), -1, dtype=torch.int64, device=DEVICE)
+    w = torch.ones(3, 2, device=DEVICE)
+    staged = moe.stage(d["x"], ids, w, backend=backend)
+    got = _experts(d, staged, ids, backend, E=0)
+    want = _experts(d, staged, ids, "reference")  # every slot −1: the shared expert alone
+    assert_close(got, want, "bf16_out", backend)
+    q, sf, i64, w32 = moe.stage(d["x"], ids[:, :0], w[:, :0], backend=backend)
+    rq, rsf, _, _ = moe.stage(d["x"], ids[:, :0], w[:, :0], backend="reference")
+    assert i64.shape == (3, 0) and w32.shape == (3, 0)
+    assert torch.equal(bits(q), bits(rq)) and torch.equal(sf, rsf)
+    got0 = moe.experts(d["x"], q, sf, i64, w32, d["w13"], d["w2"], d["shared_w13"], d["shared_w2"],
+                       swiglu_limit=10.0, backend=backend)
+    assert_close(got0, want, "bf16_out", backend)
+
+
+BAD_SCALARS = [(NAN, ValueError), (INF, ValueError), (-1.5, ValueError), ("1.5", TypeError), (True, TypeError),
+               (None, TypeError)]
+
+
+@pytest.mark.parametrize("value, err", BAD_SCALARS)
+def test_routed_scale_must_be_a_finite_number_at_least_zero(value, err):
+    d = moe.example_inputs(3, SHAPE, seed=44)
+    with pytest.raises(err, match="^routed_scale:"):
+        moe.route(d["x"], d["gate_weight"], d["bias"], k=2, routed_scale=value)
+    out = poison((3, SHAPE.hidden), torch.bfloat16)
+    before = snapshot(out)
+    for be in ("reference", "triton"):  # forward once blamed `weights`, an argument it does not take
+        with pytest.raises(err, match="^routed_scale:"):
+            moe.forward(d["x"], d["gate_weight"], d["bias"], d["w13"], d["w2"], d["shared_w13"], d["shared_w2"], k=2,
+                        routed_scale=value, swiglu_limit=10.0, out=out, backend=be)
+    assert unchanged(before, out)
+
+
+@pytest.mark.parametrize("value, err", [v for v in BAD_SCALARS if v[0] != -1.5] + [("10", TypeError)])
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+def test_swiglu_limit_must_be_a_finite_number(value, err, backend):
+    """NaN once switched the clamp off silently; ≤ 0 switching it off is the documented rule."""
+    d = moe.example_inputs(3, SHAPE, seed=45)
+    ids, w = moe.route(d["x"], d["gate_weight"], d["bias"], k=2, routed_scale=1.5)
+    staged = moe.stage(d["x"], ids, w, backend="reference")
+    out = poison((3, SHAPE.hidden), torch.bfloat16)
+    before = snapshot(out)
+    with pytest.raises(err, match="^swiglu_limit:"):
+        moe.experts(d["x"], *staged, d["w13"], d["w2"], d["shared_w13"], d["shared_w2"], swiglu_limit=value,
+                    out=out, backend=backend)
+    with pytest.raises(err, match="^swiglu_limit:"):
+        moe.forward(d["x"], d["gate_weight"], d["bias"], d["w13"], d["w2"], d["shared_w13"], d["shared_w2"], k=2,
+                    routed_scale=1.5, swiglu_limit=value, out=out, backend=backend)
+    assert unchanged(before, out)
+
+
+@pytest.mark.parametrize("k, err", [(2.0, TypeError), (True, TypeError), (0, ValueError), (9, ValueError)])
+def test_k_must_be_an_int_in_range(k, err):
+    d = moe.example_inputs(3, SHAPE, seed=46)
+    with pytest.raises(err, match="^k:"):
+        moe.route(d["x"], d["gate_weight"], d["bias"], k=k, routed_scale=1.5)
+
+
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+def test_forward_names_the_argument_at_fault(backend):
+    d = moe.example_inputs(3, SHAPE, seed=47)
+    args = [d["x"], d["gate_weight"], d["bias"], d["w13"], d["w2"], d["shared_w13"], d["shared_w2"]]
+    kw = dict(k=2, routed_scale=1.5, swiglu_limit=10.0, backend=backend)
+    out = poison((3, SHAPE.hidden), torch.bfloat16)
+    before = snapshot(out)
+    half = [a[:4] if i in (3, 4) else a for i, a in enumerate(args)]  # gate over 8 experts, w13 / w2 of 4
+    with pytest.raises(ValueError, match="^w13: holds 4 experts, but gate_weight routes over 8"):
+        moe.forward(*half, out=out, **kw)
+    with pytest.raises(TypeError, match="^w13: expected a torch.Tensor"):
+        moe.forward(*args[:3], None, *args[4:], out=out, **kw)
+    narrow = [args[0][:, :200], args[1][:, :200]] + args[2:]
+    with pytest.raises(ValueError, match="^x: the hidden size must be a multiple of 128"):
+        moe.forward(*narrow, **kw)
+    assert unchanged(before, out)
+
+
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+def test_meta_tensors_are_refused_by_name(backend):
+    d = {k: (v.to("meta") if isinstance(v, torch.Tensor) else v) for k, v in moe.example_inputs(3, SHAPE).items()}
+    ids = torch.zeros(3, 2, dtype=torch.int64, device="meta")
+    w = torch.zeros(3, 2, device="meta")
+    with pytest.raises(ValueError, match="^x: tensors on the meta device cannot be run"):
+        moe.route(d["x"], d["gate_weight"], d["bias"], k=2, routed_scale=1.5)
+    with pytest.raises(ValueError, match="^hidden: tensors on the meta device cannot be run"):
+        moe.stage(d["x"], ids, w, backend=backend)
+    q = torch.zeros(3, SHAPE.hidden, dtype=torch.float8_e4m3fn, device="meta")
+    sf = torch.zeros(3, SHAPE.hidden // 128, dtype=torch.int32, device="meta")
+    with pytest.raises(ValueError, match="^x: tensors on the meta device cannot be run"):
+        moe.experts(d["x"], q, sf, ids, w, d["w13"], d["w2"], d["shared_w13"], d["shared_w2"], swiglu_limit=10.0,
+                    backend=backend)
+    with pytest.raises(ValueError, match="^x: tensors on the meta device cannot be run"):
+        moe.forward(d["x"], d["gate_weight"], d["bias"], d["w13"], d["w2"], d["shared_w13"], d["shared_w2"], k=2,
+                    routed_scale=1.5, swiglu_limit=10.0, backend=backend)

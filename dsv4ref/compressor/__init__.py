@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from .. import validate
-from ..device import DEVICE
+from ..device import DEVICE, HOST
 from . import kernels, reference  # noqa: F401  (dsv4ref.compressor.kernels / .reference, for readers)
 from .launch import CompressorLaunch, default_launch, op_args
 from .reference import RATIOS, compress_sequence, example_inputs, overlap
@@ -60,9 +60,17 @@ def allocate_state(num_requests: int, ratio: int, dim: int, *, device=None) -> C
                            score=torch.full((num_requests, n, coff * dim), -math.inf, device=dev))
 
 
+def _overlapping(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two contiguous tensors share bytes (metadata only)."""
+    if a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr():
+        return False
+    a0, b0 = a.data_ptr(), b.data_ptr()
+    return a0 < b0 + b.numel() * b.element_size() and b0 < a0 + a.numel() * a.element_size()
+
+
 def _check(x, wkv, wgate, ape, norm, state_kv, state_score, requests, positions, valid, ratio, eps):
     coff = overlap(ratio)
-    validate.scalar(eps, "eps", lo=0.0)
+    validate.scalar(eps, "eps", gt=0.0)
     validate.tensor(x, "x", dtype=torch.bfloat16, ndim=2)
     T, Hd = x.shape
     validate.tensor(norm, "norm", dtype=torch.float32, ndim=1)
@@ -82,8 +90,13 @@ def _check(x, wkv, wgate, ape, norm, state_kv, state_score, requests, positions,
         validate.tensor(valid, "valid", dtype=torch.bool, shape=(T,))
     validate.same_device(x=x, wkv=wkv, wgate=wgate, ape=ape, norm=norm, state_kv=state_kv, state_score=state_score,
                          requests=requests, positions=positions, valid=valid)
+    validate.not_meta(x, "x")
+    if state_kv.numel() and _overlapping(state_kv, state_score):
+        raise ValueError("state_score: shares memory with state_kv; the state needs two separate buffers "
+                         "(allocate_state)")
     if validate.check_values() and T:
         ok = torch.ones(T, dtype=torch.bool, device=x.device) if valid is None else valid
+        validate.finite(x[ok], "x")
         validate.index_range(requests[ok], "requests", R, allow_minus_one=False)
         p = positions[ok].long()
         if p.numel() and (int(p.min()) < 0 or int(p.max()) >= 2**31 - 1):
@@ -124,14 +137,23 @@ def compress(x, wkv, wgate, ape, norm, state_kv, state_score, requests, position
         positions: ``[T]`` int32/int64 ≥ 0: the absolute position of each token. The valid tokens of one
             request must be one run of consecutive rows holding consecutive positions, continuing what its
             state holds (ValueError otherwise; the state's history itself cannot be checked).
-        ratio: 4 or 128.  eps: the RMSNorm epsilon (1e-6).
-        valid: ``[T]`` bool or None (all valid); False rows (padding) are ignored entirely.
+        ratio: 4 or 128 (an int: not bool or float).  eps: the RMSNorm epsilon (1e-6), a finite number > 0.
+        valid: ``[T]`` bool or None (all valid); False rows (padding) are ignored entirely, whatever their
+            request, position and x.
         backend: ``"auto"`` (= ``"triton"``), ``"triton"`` or ``"reference"`` (plain torch, fp32).
         launch: :class:`CompressorLaunch`; None = :func:`default_launch`.
     Returns:
         ``(rows, done)``: ``[T, D]`` fp32 and ``[T]`` bool; ``done[t]`` when token t is valid and
         (p + 1) % r == 0, and then ``rows[t]`` is compressed row ``p // r`` (RMS-normed, not rounded); rows
         of other tokens are zeros.
+    Raises:
+        TypeError / ValueError naming the argument, before the state is touched; ``state_score`` sharing
+        memory with ``state_kv``. With value checks on (the default): a NaN / ±inf in a valid row of ``x``,
+        requests outside [0, R), negative positions, rows of a request that are not one run. With
+        ``DSV4REF_CHECK_VALUES=0`` nothing is read on the host; a row whose request is outside [0, R) or whose
+        position is negative is treated as padding on every backend (never a read or write outside the
+        state); a non-finite x goes through IEEE arithmetic (its kv / score, the rows whose window holds it,
+        and its ring row become NaN), the same on every backend.
     """
     backend = validate.backend(backend, SUPPORTED_BACKENDS)
     _check(x, wkv, wgate, ape, norm, state_kv, state_score, requests, positions, valid, ratio, eps)
@@ -143,7 +165,9 @@ def compress(x, wkv, wgate, ape, norm, state_kv, state_score, requests, position
     T, D = x.shape[0], norm.shape[0]
     rows = torch.empty(T, D, dtype=torch.float32, device=x.device)
     done = torch.empty(T, dtype=torch.bool, device=x.device)
-    req = requests.to(torch.int32) if valid is None else torch.where(valid, requests, -1).to(torch.int32)
+    # padding rows, and (value checks off) requests outside [0, R) or negative positions, become request −1
+    ok = (requests >= 0) & (requests < state_kv.shape[0]) & (positions >= 0)
+    req = torch.where(ok if valid is None else ok & valid, requests, -1).to(torch.int32)
     torch.ops.dsv4ref.compressor_compress(x, wkv, wgate, ape, norm.contiguous(), state_kv, state_score,
                                           req.contiguous(), positions.to(torch.int32).contiguous(), rows, done,
                                           int(ratio), float(eps), *op_args(launch or default_launch()))
@@ -164,7 +188,7 @@ def example_step(ratio: int, chunks=(12,), *, dim: int = 512, hidden: int = 256,
     w = example_inputs(ratio, dim=dim, hidden=hidden, seed=seed, device=device)
     T = sum(chunks)
     st = allocate_state(requests, ratio, dim, device=device)
-    req = torch.repeat_interleave(torch.arange(len(chunks)), torch.tensor(chunks))
-    pos = torch.cat([torch.arange(c) for c in chunks])
+    req = torch.repeat_interleave(torch.arange(len(chunks), device=HOST), torch.tensor(chunks, device=HOST))
+    pos = torch.cat([torch.arange(c, device=HOST) for c in chunks])
     return dict(x=randn((T, hidden), seed=seed + 1, block=None, octaves=2, device=device), **w, state_kv=st.kv,
                 state_score=st.score, requests=req.to(device), positions=pos.to(device), ratio=ratio, eps=1e-6)

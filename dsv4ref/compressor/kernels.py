@@ -66,7 +66,9 @@ def project_kernel(
         acc_sc = dot(xb, wg, acc_sc, DOT_FP32)
     p = tl.load(pos_ptr + rows, mask=rmask, other=0)
     om = rmask[:, None] & cmask[None, :]
-    ape = tl.load(ape_ptr + (p % RATIO)[:, None] * stride_ar + cols[None, :] * stride_ac, mask=om, other=0.0)
+    # a negative position (a padding row, or bad input with value checks off) reads no ape row: p % r < 0 there
+    ape = tl.load(ape_ptr + (p % RATIO)[:, None] * stride_ar + cols[None, :] * stride_ac,
+                  mask=om & (p >= 0)[:, None], other=0.0)
     out = r64[:, None] * C + cols[None, :]
     tl.store(kv_ptr + out, acc_kv, mask=om)
     tl.store(sc_ptr + out, acc_sc + ape, mask=om)
@@ -89,12 +91,12 @@ def compress_kernel(
     sc_ptr,  # fp32 workspace score [T, C], contiguous
     ring_kv_ptr,  # fp32 state kv [R, n, C], contiguous: position s of request q at row q·n + s % n
     ring_sc_ptr,  # fp32 state score [R, n, C], contiguous
-    req_ptr,  # int32 requests [T], contiguous; −1 = padding row
-    pos_ptr,  # int32 positions [T], contiguous
+    req_ptr,  # int32 requests [T], contiguous; −1 = padding row (so is any request outside [0, R))
+    pos_ptr,  # int32 positions [T], contiguous (a negative one: a padding row)
     norm_ptr,  # fp32 norm [D], contiguous
     out_ptr,  # fp32 rows [T, D], contiguous
     done_ptr,  # uint8 view of the bool done [T]
-    T, eps,
+    T, R, eps,  # R: the state's requests
     RATIO: tl.constexpr,  # r: 4 or 128
     COFF: tl.constexpr,  # 2 for r = 4 (overlap), 1 for r = 128
     D: tl.constexpr,  # compressed width (512 or 128; a power of two)
@@ -106,7 +108,8 @@ def compress_kernel(
     q_req = tl.load(req_ptr + t)
     p = tl.load(pos_ptr + t)
     d = tl.arange(0, D)
-    boundary = (q_req >= 0) & ((p + 1) % RATIO == 0)
+    # one compare each keeps every ring address inside the state, whatever the indices (value checks off)
+    boundary = (q_req >= 0) & (q_req < R) & (p >= 0) & ((p + 1) % RATIO == 0)
     tl.store(done_ptr + t, boundary.to(tl.uint8))
     out = out_ptr + t.to(tl.int64) * D + d
     if boundary:
@@ -158,9 +161,9 @@ def save_kernel(
     sc_ptr,  # fp32 workspace score [T, C], contiguous
     ring_kv_ptr,  # fp32 state kv [R, n, C], contiguous
     ring_sc_ptr,  # fp32 state score [R, n, C], contiguous
-    req_ptr,  # int32 requests [T], contiguous; −1 = padding row
-    pos_ptr,  # int32 positions [T], contiguous
-    T,
+    req_ptr,  # int32 requests [T], contiguous; −1 = padding row (so is any request outside [0, R))
+    pos_ptr,  # int32 positions [T], contiguous (a negative one: a padding row)
+    T, R,
     N: tl.constexpr,  # n = coff·r ring rows per request
     C: tl.constexpr,  # coff·D channels
     BLOCK_C: tl.constexpr,  # next_power_of_2(C)
@@ -171,7 +174,7 @@ def save_kernel(
     nxt = t + N
     later = (nxt < T) & (tl.load(req_ptr + nxt, mask=nxt < T, other=-2) == q_req) & \
         (tl.load(pos_ptr + nxt, mask=nxt < T, other=-1) == p + N)
-    if (q_req >= 0) & (later == 0):
+    if (q_req >= 0) & (q_req < R) & (p >= 0) & (later == 0):
         c = tl.arange(0, BLOCK_C)
         cm = c < C
         src = t.to(tl.int64) * C + c

@@ -82,11 +82,11 @@ def _compress(x, wkv, wgate, ape, norm, state_kv, state_score, requests, positio
         num_warps=project_warps,
     )
     compress_kernel[(T,)](
-        kv, sc, state_kv, state_score, requests, positions, norm, rows, done.view(torch.uint8), T, eps,
+        kv, sc, state_kv, state_score, requests, positions, norm, rows, done.view(torch.uint8), T, state_kv.shape[0], eps,
         RATIO=ratio, COFF=coff, D=D, BLOCK_J=min(block_j, coff * ratio), num_warps=compress_warps,
     )
     save_kernel[(T,)](
-        kv, sc, state_kv, state_score, requests, positions, T,
+        kv, sc, state_kv, state_score, requests, positions, T, state_kv.shape[0],
         N=coff * ratio, C=C, BLOCK_C=triton.next_power_of_2(C), num_warps=compress_warps,
     )
 

@@ -34,13 +34,18 @@ import math
 import torch
 from einops import rearrange
 
+from .. import validate
+from ..device import HOST
+
 __all__ = ["RATIOS", "overlap", "project", "compress", "compress_sequence", "rms_norm", "example_inputs"]
 
 RATIOS = (4, 128)  # the compress ratios of DeepSeek-V4 (C4A with an indexer, C128A without)
 
 
 def overlap(ratio: int) -> int:
-    """coff: 2 for ratio 4 (windows of 2r tokens overlap by r), 1 for ratio 128."""
+    """coff: 2 for ratio 4 (windows of 2r tokens overlap by r), 1 for ratio 128. ``ratio`` an int (not bool or
+    float: TypeError), 4 or 128 (ValueError)."""
+    validate.integer(ratio, "ratio")
     if ratio not in RATIOS:
         raise ValueError(f"ratio: expected 4 or 128, got {ratio!r}")
     return 2 if ratio == 4 else 1
@@ -68,6 +73,10 @@ def compress(x, wkv, wgate, ape, norm, state_kv, state_score, requests, position
     n, D, T, dev = coff * ratio, norm.shape[0], x.shape[0], x.device
     pos, req = positions.long(), requests.long()
     valid = torch.ones(T, dtype=torch.bool, device=dev) if valid is None else valid.bool()
+    # a row whose request is outside [0, R) or whose position is negative (possible only with value checks
+    # off) is treated as padding, as the kernels do: nothing read or written for it
+    valid = valid & (req >= 0) & (req < state_kv.shape[0]) & (pos >= 0)
+    req = torch.where(valid, req, 0)
     kv, score = project(x, wkv, wgate, ape, pos, ratio=ratio)
     done = valid & ((pos + 1) % ratio == 0)
     rows = torch.zeros(T, D, dtype=torch.float32, device=dev)
@@ -114,8 +123,10 @@ def compress_sequence(x, wkv, wgate, ape, norm, *, ratio, eps, dtype=torch.float
     b's channels [D:2D] (block −1 is empty: score −inf, kv 0). Then RMSNorm with weight ``norm``.
 
     Args: ``x`` [L, Hd]; the weights as in :func:`dsv4ref.compressor.compress`. Returns ``(rows [L // r, D]
-    dtype, positions [L // r] int64)``, the boundary position of each row (row id = position // r)."""
+    dtype, positions [L // r] int64)``, the boundary position of each row (row id = position // r). ``ratio``
+    4 or 128 and ``eps`` a finite number > 0 are checked (TypeError / ValueError naming them)."""
     overlap(ratio)
+    validate.scalar(eps, "eps", gt=0.0)
     nb, D = x.shape[0] // ratio, norm.shape[0]
     xb = x[: nb * ratio].to(dtype)
     kv = rearrange(xb @ wkv.to(dtype).T, "(b r) c -> b r c", r=ratio)  # [nb, r, coff·D]
@@ -144,9 +155,9 @@ def example_inputs(ratio: int, *, dim: int = 512, hidden: int = 256, seed: int =
     C = coff * dim
 
     def lin(rows):
-        return (torch.randn(rows, hidden, generator=g) / math.sqrt(hidden)).to(torch.bfloat16)
+        return (torch.randn(rows, hidden, generator=g, device=HOST) / math.sqrt(hidden)).to(torch.bfloat16)
 
-    e = torch.randint(-(octaves // 2), octaves // 2 + 1, (max(1, dim // 64),), generator=g).float()
-    norm = (1.0 + 0.1 * torch.randn(dim, generator=g)) * torch.exp2(e).repeat_interleave(64)[:dim]
-    d = dict(wkv=lin(C), wgate=lin(C), ape=0.5 * torch.randn(ratio, C, generator=g), norm=norm)
+    e = torch.randint(-(octaves // 2), octaves // 2 + 1, (max(1, dim // 64),), generator=g, device=HOST).float()
+    norm = (1.0 + 0.1 * torch.randn(dim, generator=g, device=HOST)) * torch.exp2(e).repeat_interleave(64)[:dim]
+    d = dict(wkv=lin(C), wgate=lin(C), ape=0.5 * torch.randn(ratio, C, generator=g, device=HOST), norm=norm)
     return {k: v.to(device or DEVICE) for k, v in d.items()}

@@ -16,8 +16,9 @@ from dataclasses import dataclass
 
 import torch
 
+from .. import validate
 from ..config import TINY, Config
-from ..device import DEVICE, Timer, describe, interpreting, synchronize
+from ..device import DEVICE, HOST, Timer, describe, interpreting, synchronize
 from ..validate import checking_values
 from ..testing import generator
 from .model import Decoder
@@ -25,7 +26,10 @@ from .reference import reference_forward
 from .weights import make_weights
 
 __all__ = ["ATTN_TOL", "LOGITS_TOL", "AGREEMENT_TOL", "rel_err", "StepAgreement", "agreement", "run", "run_speculative",
-           "SpecStats", "demo", "graph_speed"]
+           "SpecStats", "demo", "graph_speed", "DEMO_PROMPTS", "check_demo"]
+
+#: the demo's prompt lengths (4 requests)
+DEMO_PROMPTS = (133, 37, 5, 70)
 
 #: Tolerances of the decode path against the float64 reference, on the row relative L2 error
 #: ||a − b|| / ||b|| (``docs/decode.md#tolerances``). The only lossy format on the path is the e4m3 KV
@@ -127,7 +131,7 @@ def run(cfg: Config = TINY, *, steps: int = 8, prompt_lens=(133, 37, 5, 70), see
         dec.prof = {}
     checks = checking_values(False) if graph else contextlib.nullcontext()
     for s in range(steps):
-        act = torch.ones(R, dtype=torch.bool)
+        act = torch.ones(R, dtype=torch.bool, device=HOST)
         for r in (inactive or {}).get(s, []):
             act[r] = False
         ids = logits.argmax(-1).cpu()
@@ -151,11 +155,11 @@ def _start(cfg, prompt_lens, seed, capacity, steps, decode_backend, prefill_back
     dec = Decoder(cfg, w, num_requests=R, capacity=cap, seed=seed, pad_heads=pad_heads, backend=decode_backend,
                   graph=graph, mhc_launch=mhc_launch)
     g = generator(seed + 2)
-    prompts = [torch.randint(0, cfg.vocab_size, (n,), generator=g) for n in prompt_lens]
+    prompts = [torch.randint(0, cfg.vocab_size, (n,), generator=g, device=HOST) for n in prompt_lens]
     logits = dec.prefill(prompts, backend=prefill_backend)
-    last = torch.tensor(prompt_lens).cumsum(0) - 1
-    rec = (-1, torch.tensor(prompt_lens) - 1, logits.cpu(), [a[last.to(a.device)].cpu() for a in dec.attn_out],
-           torch.ones(R, dtype=torch.bool))
+    last = torch.tensor(prompt_lens, device=HOST).cumsum(0) - 1
+    rec = (-1, torch.tensor(prompt_lens, device=HOST) - 1, logits.cpu(), [a[last.to(a.device)].cpu() for a in dec.attn_out],
+           torch.ones(R, dtype=torch.bool, device=HOST))
     return dec, w, rec, logits
 
 
@@ -209,7 +213,7 @@ def run_speculative(cfg: Config = TINY, *, steps: int = 8, k: int = 2, prompt_le
             gen[r] += sp.emitted[r].tolist()
         for j in range(k + 1):  # row j of each request: position pos0 + j, kept where j <= accepted
             act = sp.accepted >= j
-            rows = (torch.arange(R) * (k + 1) + j).to(dec.attn_out[0].device)
+            rows = (torch.arange(R, device=HOST) * (k + 1) + j).to(dec.attn_out[0].device)
             records.append((len(records) - 1, pos0 + j, sp.logits[:, j].cpu(), [a[rows].cpu() for a in dec.attn_out], act))
         nxt = sp.next
         if progress:
@@ -220,6 +224,30 @@ def run_speculative(cfg: Config = TINY, *, steps: int = 8, k: int = 2, prompt_le
     return dec, w, records, tps
 
 
+def _capacity(prompt_lens, steps: int) -> int:
+    """The capacity :func:`run` asks for: the longest prompt + ``steps`` (+ 15, rounded to a multiple of 16)."""
+    return (max(prompt_lens) + steps + 15) // 16 * 16
+
+
+def check_demo(steps, speculate=0, graph=False, *, cfg: Config = TINY, prompt_lens=DEMO_PROMPTS,
+               names=("steps", "speculate", "graph")) -> None:
+    """Every check of :func:`demo`'s arguments, before any work: ``steps`` an int ≥ 1 whose caches fit in
+    ``cfg.max_position`` (the plain run needs the longest prompt + steps, speculation k more, the graph run one
+    more), ``speculate`` an int in [0, 7], ``graph`` a bool. ``names``: what the errors call the three (the
+    command line passes its flags, ``--steps`` ...). TypeError / ValueError naming the argument."""
+    n_steps, n_spec, n_graph = names
+    validate.integer(steps, n_steps, lo=1)
+    validate.integer(speculate, n_spec, lo=0, hi=7)
+    if not isinstance(graph, bool):
+        raise TypeError(f"{n_graph}: expected a bool, got {type(graph).__name__}")
+    extra = max(speculate, 1 if graph else 0)  # run_speculative: + k positions; graph_speed: one warm-up step
+    most = (cfg.max_position // 16) * 16 - max(prompt_lens) - extra
+    if _capacity(prompt_lens, steps + extra) > cfg.max_position:
+        raise ValueError(f"{n_steps}: {steps} decode steps do not fit the caches of {cfg.name} (max_position "
+                         f"{cfg.max_position}, prompts of up to {max(prompt_lens)} tokens"
+                         f"{f', {n_spec} {speculate}' if speculate else ''}); expected at most {most}")
+
+
 def demo(steps: int = 16, speculate: int = 0, graph: bool = False) -> int:
     """``python -m dsv4ref demo``: prefill 4 requests (prompts of 133, 37, 5 and 70 tokens), decode
     ``steps`` tokens each through the Triton kernels, print tokens/s and per-step agreement.
@@ -228,8 +256,9 @@ def demo(steps: int = 16, speculate: int = 0, graph: bool = False) -> int:
     same prompts eagerly and as replayed device graphs (value checks off for both), print tokens/s of each and
     where the rest of a graphed step's time goes, and check the tokens are the same.
     Returns the exit code: 0 if every step agrees with the reference (and speculation or graphs changed no
-    token), else 1."""
+    token), else 1. The arguments are checked first (:func:`check_demo`)."""
     cfg = TINY
+    check_demo(steps, speculate, graph, cfg=cfg)
     print(f"dsv4ref demo: {cfg.name}, {cfg.num_layers} layers, ratios {cfg.compress_ratios}; {describe()}")
 
     def bar(i, n):

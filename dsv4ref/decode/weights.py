@@ -15,11 +15,19 @@ import math
 
 import torch
 
+from .. import validate
 from ..config import TINY, Config
-from ..device import DEVICE
+from ..device import DEVICE, HOST
 from ..testing import generator
 
-__all__ = ["check_config", "layer_ratio", "make_weights", "block_weights", "moe_weights", "Draw", "weights_to"]
+__all__ = ["check_config", "check_weights", "layer_ratio", "make_weights", "block_weights", "moe_weights", "Draw",
+           "weights_to"]
+
+# the Config fields the decode step reads as sizes: ints (not bool / float), >= 1 (the two counts: >= 0)
+_INT_FIELDS = ("vocab_size", "hidden_size", "num_layers", "num_heads", "head_dim", "rope_dim", "q_lora_rank",
+               "o_groups", "o_lora_rank", "window", "index_heads", "index_head_dim", "index_topk", "hc_mult",
+               "hc_sinkhorn_iters", "max_position", "kv_block", "window_page", "c4_page", "c128_page", "index_page",
+               "n_routed_experts", "num_experts_per_tok", "moe_intermediate_size")
 
 
 def check_config(cfg: Config) -> Config:
@@ -28,6 +36,16 @@ def check_config(cfg: Config) -> Config:
     Returns ``cfg`` unchanged. TypeError if ``cfg`` is not a :class:`dsv4ref.config.Config`."""
     if not isinstance(cfg, Config):
         raise TypeError(f"cfg: expected a dsv4ref.config.Config, got {type(cfg).__name__}")
+    for f in _INT_FIELDS:
+        validate.integer(getattr(cfg, f), f"cfg.{f}", lo=1)
+    for f in ("num_hash_layers", "num_nextn_predict_layers"):
+        validate.integer(getattr(cfg, f), f"cfg.{f}", lo=0)
+    for r in cfg.compress_ratios:
+        validate.integer(r, "cfg.compress_ratios")
+    validate.scalar(cfg.routed_scaling_factor, "cfg.routed_scaling_factor", lo=0.0)
+    validate.scalar(cfg.swiglu_limit, "cfg.swiglu_limit")
+    validate.scalar(cfg.rms_norm_eps, "cfg.rms_norm_eps", gt=0.0)
+    validate.scalar(cfg.hc_eps, "cfg.hc_eps", lo=0.0)
     if len(cfg.compress_ratios) != cfg.num_layers:
         raise ValueError(f"cfg.compress_ratios: {len(cfg.compress_ratios)} entries for num_layers={cfg.num_layers}")
     bad = [r for r in cfg.compress_ratios if r not in (0, 1, 4, 128)]
@@ -80,12 +98,14 @@ def make_weights(cfg: Config = TINY, seed: int = 0, device=None) -> dict:
     it has no embedding or LM head of its own, the draft layer uses ``embed`` and ``lm_head``).
     Linear weights are bf16 ``[out, in]`` with std 1/sqrt(in); norms, mHC parameters, sinks and
     compressor position biases are fp32. The MoE weights of layer l come from their own generator (seed
-    ``seed + 1000 + l``), the MTP's from seed ``seed + 2000``."""
+    ``seed + 1000 + l``), the MTP's from seed ``seed + 2000``. ``seed``: an int >= 0 (TypeError /
+    ValueError naming it otherwise)."""
     check_config(cfg)
+    validate.integer(seed, "seed", lo=0)
     draw = Draw(generator(seed))
     layers = [block_weights(cfg, draw, layer_ratio(cfg, li), li, seed) for li in range(cfg.num_layers)]
     w = dict(
-        embed=torch.randn(cfg.vocab_size, cfg.hidden_size, generator=draw.g).to(torch.bfloat16),
+        embed=torch.randn(cfg.vocab_size, cfg.hidden_size, generator=draw.g, device=HOST).to(torch.bfloat16),
         layers=layers,
         hc_head=draw.mhc_params(cfg.hc_mult, cfg),
         final_norm=draw.norm_w(cfg.hidden_size),
@@ -106,30 +126,30 @@ class Draw:
 
     def lin(self, out_f: int, in_f: int, scale: float = 1.0) -> torch.Tensor:
         """bf16 ``[out_f, in_f]``, std scale/sqrt(in_f)."""
-        return (torch.randn(out_f, in_f, generator=self.g) * (scale / math.sqrt(in_f))).to(torch.bfloat16)
+        return (torch.randn(out_f, in_f, generator=self.g, device=HOST) * (scale / math.sqrt(in_f))).to(torch.bfloat16)
 
     def norm_w(self, n: int, octaves: int = 0) -> torch.Tensor:
         """fp32 RMSNorm weight 1 + N(0, 0.1²); ``octaves``: a power-of-two factor per 64-block (varied FP8
         scale bytes)."""
-        w = 1.0 + 0.1 * torch.randn(n, generator=self.g)
+        w = 1.0 + 0.1 * torch.randn(n, generator=self.g, device=HOST)
         if octaves:
-            e = torch.randint(-octaves, octaves + 1, (n // 64,), generator=self.g).float()
+            e = torch.randint(-octaves, octaves + 1, (n // 64,), generator=self.g, device=HOST).float()
             w = w * torch.exp2(e).repeat_interleave(64)
         return w
 
     def mhc_params(self, n_out: int, cfg: Config) -> dict:
         """mHC mix parameters {fn, scale, base}: a pre/post mix (n_out = M·(M+2)) or a head (n_out = M)."""
         M, Hd = cfg.hc_mult, cfg.hidden_size
-        return dict(fn=torch.randn(n_out, M * Hd, generator=self.g) / math.sqrt(M * Hd),
-                    scale=torch.tensor([0.5, 0.5, 1.0]) if n_out > M else torch.tensor([0.5]),
-                    base=torch.cat([0.2 * torch.randn(2 * M, generator=self.g),
-                                    (2.0 * torch.eye(M) + 0.7 * torch.randn(M, M, generator=self.g)).flatten()])
-                    if n_out > M else 0.2 * torch.randn(M, generator=self.g))
+        return dict(fn=torch.randn(n_out, M * Hd, generator=self.g, device=HOST) / math.sqrt(M * Hd),
+                    scale=torch.tensor([0.5, 0.5, 1.0], device=HOST) if n_out > M else torch.tensor([0.5], device=HOST),
+                    base=torch.cat([0.2 * torch.randn(2 * M, generator=self.g, device=HOST),
+                                    (2.0 * torch.eye(M, device=HOST) + 0.7 * torch.randn(M, M, generator=self.g, device=HOST)).flatten()])
+                    if n_out > M else 0.2 * torch.randn(M, generator=self.g, device=HOST))
 
     def compressor(self, r: int, d: int, cfg: Config) -> dict:
         coff = 2 if r == 4 else 1
         return dict(wkv=self.lin(coff * d, cfg.hidden_size), wgate=self.lin(coff * d, cfg.hidden_size),
-                    ape=0.5 * torch.randn(r, coff * d, generator=self.g),
+                    ape=0.5 * torch.randn(r, coff * d, generator=self.g, device=HOST),
                     norm=self.norm_w(d, octaves=1 if d == cfg.head_dim else 0))
 
 
@@ -144,7 +164,7 @@ def block_weights(cfg: Config, draw: Draw, r: int, layer: int, seed: int) -> dic
         wqkv_a=draw.lin(cfg.q_lora_rank + D, Hd),  # [W_q_a ; W_kv]: one GEMM
         q_norm=draw.norm_w(cfg.q_lora_rank), kv_norm=draw.norm_w(D, octaves=1),
         wq_b=draw.lin(H * D, cfg.q_lora_rank),
-        sink=torch.randn(H, generator=draw.g),
+        sink=torch.randn(H, generator=draw.g, device=HOST),
         wo_a=torch.stack([draw.lin(cfg.o_lora_rank, cfg.heads_per_group * D) for _ in range(cfg.o_groups)]),
         wo_b=draw.lin(Hd, cfg.o_groups * cfg.o_lora_rank, scale=0.25),  # updates small next to the stream
         ffn_norm=draw.norm_w(Hd),
@@ -170,12 +190,12 @@ def moe_weights(cfg: Config, g: torch.Generator, *, hash_layer: bool) -> dict:
     Hd, E, K, I = cfg.hidden_size, cfg.n_routed_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size
 
     def w(*shape, scale=1.0):
-        return (torch.randn(*shape, generator=g) * (scale / math.sqrt(shape[-1]))).to(torch.bfloat16)
+        return (torch.randn(*shape, generator=g, device=HOST) * (scale / math.sqrt(shape[-1]))).to(torch.bfloat16)
 
     return dict(
         gate_weight=w(E, Hd),
-        bias=None if hash_layer else 8.08 + 0.02 * torch.randn(E, generator=g),
-        tid2eid=torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(cfg.vocab_size)]) if hash_layer else None,
+        bias=None if hash_layer else 8.08 + 0.02 * torch.randn(E, generator=g, device=HOST),
+        tid2eid=torch.stack([torch.randperm(E, generator=g, device=HOST)[:K] for _ in range(cfg.vocab_size)]) if hash_layer else None,
         w13=w(E, 2 * I, Hd), w2=w(E, Hd, I, scale=0.25),
         shared_w13=w(2 * I, Hd), shared_w2=w(Hd, I, scale=0.25),
     )
@@ -191,3 +211,74 @@ def weights_to(obj, device, dtype: torch.dtype | None = None):
     if isinstance(obj, list):
         return [weights_to(v, device, dtype) for v in obj]
     return obj
+
+
+_SPECS: dict[str, dict] = {}
+
+
+def _spec(cfg: Config) -> dict:
+    """The weight dict :func:`make_weights` gives for ``cfg``, as fake tensors (shapes and dtypes, no values:
+    nothing is drawn or allocated), kept per config."""
+    key = repr(cfg)
+    if key not in _SPECS:
+        from torch._subclasses.fake_tensor import FakeTensorMode
+
+        with FakeTensorMode():
+            _SPECS[key] = make_weights(cfg, 0, "cpu")
+    return _SPECS[key]
+
+
+def _same_device(a: torch.device, b: torch.device) -> bool:
+    return a.type == b.type and (a.index is None or b.index is None or a.index == b.index)
+
+
+def _compare(got, want, path: str, device: torch.device) -> None:
+    """``got`` against the entry ``want`` of :func:`_spec`, recursively; errors name ``path``."""
+    if isinstance(want, torch.Tensor):
+        if not isinstance(got, torch.Tensor):
+            raise TypeError(f"{path}: expected a tensor, got {type(got).__name__}")
+        if got.dtype != want.dtype:
+            raise TypeError(f"{path}: expected dtype {want.dtype}, got {got.dtype}")
+        if got.shape != want.shape:
+            raise ValueError(f"{path}: expected shape {tuple(want.shape)} for this cfg, got {tuple(got.shape)} "
+                             "(weights of another config?)")
+        if not _same_device(got.device, device):
+            raise ValueError(f"{path}: on {got.device}, the Decoder runs on {device}; move the weights there first "
+                             "(dsv4ref.decode.weights.weights_to(weights, device)) or make them there "
+                             "(make_weights(cfg, seed, device))")
+    elif isinstance(want, dict):
+        if not isinstance(got, dict):
+            raise TypeError(f"{path}: expected a dict, got {type(got).__name__}")
+        missing = [k for k in want if k not in got]
+        if missing:
+            raise ValueError(f"{path}: missing {', '.join(repr(k) for k in missing)} (expected the keys of "
+                             f"make_weights(cfg): {', '.join(repr(k) for k in want)})")
+        for k in want:
+            _compare(got[k], want[k], f"{path}[{k!r}]", device)
+    elif isinstance(want, list):
+        if not isinstance(got, list) or len(got) != len(want):
+            n = len(got) if isinstance(got, list) else type(got).__name__
+            raise ValueError(f"{path}: expected a list of {len(want)} entries (one per layer), got {n}")
+        for i, (g, w) in enumerate(zip(got, want)):
+            _compare(g, w, f"{path}[{i}]", device)
+    elif want is None:
+        if got is not None:
+            raise ValueError(f"{path}: expected None for this cfg (a hash-routed layer has no bias, the others no "
+                             f"table), got {type(got).__name__}")
+    elif got != want:
+        raise ValueError(f"{path}: expected {want!r} for this cfg, got {got!r}")
+
+
+def check_weights(cfg: Config, weights, device) -> dict:
+    """Raise naming the entry (``"weights['layers'][0]['moe']['w13']: ..."``) unless ``weights`` has the keys,
+    shapes and dtypes :func:`make_weights` gives for ``cfg`` (TypeError: not a dict / tensor, a dtype;
+    ValueError: a missing key, a shape, a list length) and every tensor on ``device`` (ValueError: weights are
+    never moved silently). ``"mtp"`` may be left out (a Decoder without the draft layer). Metadata only: no
+    value is read. Returns ``weights``."""
+    if not isinstance(weights, dict):
+        raise TypeError(f"weights: expected the dict of make_weights(cfg), got {type(weights).__name__}")
+    want = _spec(check_config(cfg))
+    if "mtp" not in weights:  # the draft layer's weights are optional (no speculation without them)
+        want = {k: v for k, v in want.items() if k != "mtp"}
+    _compare(weights, want, "weights", torch.device(device))
+    return weights

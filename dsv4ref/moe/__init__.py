@@ -50,15 +50,15 @@ def _no_nan(t, name, what):
         raise ValueError(f"{name}: NaN at index {i} ({what})")
 
 
-def _check_route(x, gate_weight, bias, k, hash_table, input_ids):
+def _check_route(x, gate_weight, bias, k, routed_scale, hash_table, input_ids):
     validate.tensor(x, "x", dtype=torch.bfloat16, ndim=2)
     T, Hd = x.shape
     validate.tensor(gate_weight, "gate_weight", dtype=(torch.bfloat16, torch.float32), ndim=2)
     E = gate_weight.shape[0]
     if gate_weight.shape[1] != Hd:
         raise ValueError(f"gate_weight: expected shape (E, {Hd}) to match x {tuple(x.shape)}, got {tuple(gate_weight.shape)}")
-    if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= E:
-        raise ValueError(f"k: expected an int in [1, {E}] (E = {E} experts), got {k!r}")
+    validate.integer(k, "k", lo=1, hi=E)
+    validate.scalar(routed_scale, "routed_scale", lo=0.0)
     if hash_table is None:
         validate.tensor(bias, "bias", dtype=torch.float32, shape=(E,))
     else:
@@ -70,6 +70,7 @@ def _check_route(x, gate_weight, bias, k, hash_table, input_ids):
         if hash_table is not None and _checking():
             validate.index_range(input_ids, "input_ids", hash_table.shape[0])
     validate.same_device(x=x, gate_weight=gate_weight, bias=bias, hash_table=hash_table, input_ids=input_ids)
+    validate.not_meta(x, "x")
     if not _checking():
         return
     validate.finite(x, "x")
@@ -98,8 +99,8 @@ def route(x, gate_weight, bias, *, k, routed_scale, hash_table=None, input_ids=N
         x: ``[T, Hd]`` bf16, the ``ffn_norm`` output.
         gate_weight: ``[E, Hd]`` bf16 (or fp32).
         bias: ``[E]`` fp32 selection bias; not read on a hash-routed layer (may be None there).
-        k: experts per token, 1 ≤ k ≤ E.
-        routed_scale: the routed scaling factor (1.5 for V4-Flash).
+        k: experts per token, an int (not bool / float), 1 ≤ k ≤ E.
+        routed_scale: the routed scaling factor (1.5 for V4-Flash): a finite number ≥ 0 (not bool / str).
         hash_table: ``[vocab, K]`` int32/int64 token → experts table of a hash-routed layer (layers 0..2 of
             V4-Flash), each row K distinct ids in [0, E) (a repeated id raises ValueError); None otherwise.
         input_ids: ``[T]`` int32/int64 token ids: required with ``hash_table``; on any layer, an entry −1 marks
@@ -117,7 +118,7 @@ def route(x, gate_weight, bias, *, k, routed_scale, hash_table=None, input_ids=N
         are what the stable sort gives: NaN keys rank first), so the layer's output for it is NaN.
     """
     validate.backend(backend, ROUTE_BACKENDS, auto="reference")
-    _check_route(x, gate_weight, bias, k, hash_table, input_ids)
+    _check_route(x, gate_weight, bias, k, routed_scale, hash_table, input_ids)
     return reference.route(x, gate_weight, bias, k=k, routed_scale=float(routed_scale), hash_table=hash_table,
                            input_ids=input_ids)
 
@@ -141,6 +142,7 @@ def _check_stage(hidden, ids, weights):
     if ids.shape[0] != T:
         raise ValueError(f"ids: expected {T} rows (one per token of hidden), got shape {tuple(ids.shape)}")
     validate.same_device(hidden=hidden, ids=ids, weights=weights)
+    validate.not_meta(hidden, "hidden")
     return T, Hd, ids.shape[1]
 
 
@@ -220,23 +222,23 @@ def stage_into(hidden, ids, weights, x_fp8, x_sf, ids_out, weights_out, *, backe
     return None
 
 
-def _check_experts(x, x_fp8, x_sf, ids, weights, w13, w2, shared_w13, shared_w2, out, launch=None):
+def _check_x(x):
     validate.tensor(x, "x", dtype=torch.bfloat16, ndim=2)
-    T, Hd = x.shape
-    if Hd % STAGE_BLOCK:
+    if x.shape[1] % STAGE_BLOCK:
         raise ValueError(f"x: the hidden size must be a multiple of {STAGE_BLOCK}, got shape {tuple(x.shape)}")
-    validate.tensor(x_fp8, "x_fp8", dtype=torch.float8_e4m3fn, shape=(T, Hd))
-    validate.tensor(x_sf, "x_sf", dtype=torch.int32, shape=(T, Hd // STAGE_BLOCK))
-    if x_fp8.stride(1) != 1 or x_sf.stride(1) != 1:
-        raise ValueError(f"x_fp8, x_sf: expected unit stride along dim 1, got {x_fp8.stride()} and {x_sf.stride()}")
-    validate.tensor(ids, "ids", dtype=INDEX_DTYPES, ndim=2)
-    K = ids.shape[1]
-    validate.tensor(ids, "ids", shape=(T, K))
-    validate.tensor(weights, "weights", dtype=torch.float32, shape=(T, K))
+    return x.shape
+
+
+def _check_expert_weights(Hd, w13, w2, shared_w13, shared_w2, swiglu_limit, experts=None):
+    """Metadata checks of the layer's expert parameters and ``swiglu_limit``; ``experts``: the E the gate
+    routes over (forward), which ``w13`` / ``w2`` must hold. Returns E."""
     validate.tensor(w13, "w13", dtype=torch.bfloat16, ndim=3)
     E, I2 = w13.shape[:2]
     if w13.shape[2] != Hd or I2 % 2:
         raise ValueError(f"w13: expected [E, 2I, {Hd}] ([W1; W3] per expert), got {tuple(w13.shape)}")
+    if experts is not None and E != experts:
+        raise ValueError(f"w13: holds {E} experts, but gate_weight routes over {experts} (its rows); expected "
+                         f"[{experts}, 2I, {Hd}], got {tuple(w13.shape)}")
     validate.tensor(w2, "w2", dtype=torch.bfloat16, shape=(E, Hd, I2 // 2))
     if (shared_w13 is None) != (shared_w2 is None):
         raise ValueError("shared_w13, shared_w2: give both (the shared expert) or neither")
@@ -245,12 +247,28 @@ def _check_experts(x, x_fp8, x_sf, ids, weights, w13, w2, shared_w13, shared_w2,
         if shared_w13.shape[1] != Hd or shared_w13.shape[0] % 2:
             raise ValueError(f"shared_w13: expected [2Is, {Hd}], got {tuple(shared_w13.shape)}")
         validate.tensor(shared_w2, "shared_w2", dtype=torch.bfloat16, shape=(Hd, shared_w13.shape[0] // 2))
+    validate.scalar(swiglu_limit, "swiglu_limit")
+    return E
+
+
+def _check_experts(x, x_fp8, x_sf, ids, weights, w13, w2, shared_w13, shared_w2, out, swiglu_limit, launch=None):
+    T, Hd = _check_x(x)
+    validate.tensor(x_fp8, "x_fp8", dtype=torch.float8_e4m3fn, shape=(T, Hd))
+    validate.tensor(x_sf, "x_sf", dtype=torch.int32, shape=(T, Hd // STAGE_BLOCK))
+    if x_fp8.stride(1) != 1 or x_sf.stride(1) != 1:
+        raise ValueError(f"x_fp8, x_sf: expected unit stride along dim 1, got {x_fp8.stride()} and {x_sf.stride()}")
+    validate.tensor(ids, "ids", dtype=INDEX_DTYPES, ndim=2)
+    K = ids.shape[1]
+    validate.tensor(ids, "ids", shape=(T, K))
+    validate.tensor(weights, "weights", dtype=torch.float32, shape=(T, K))
+    E = _check_expert_weights(Hd, w13, w2, shared_w13, shared_w2, swiglu_limit)
     if out is not None:
         validate.tensor(out, "out", dtype=torch.bfloat16, shape=(T, Hd))
         if out.stride(1) != 1:
             raise ValueError(f"out: expected unit stride along dim 1, got strides {out.stride()}")
     validate.same_device(x=x, x_fp8=x_fp8, x_sf=x_sf, ids=ids, weights=weights, w13=w13, w2=w2, shared_w13=shared_w13,
                          shared_w2=shared_w2, out=out)
+    validate.not_meta(x, "x")
     if launch is not None and not isinstance(launch, MoeLaunch):
         raise TypeError(f"launch: expected a MoeLaunch or None, got {type(launch).__name__}")
     if _checking() and T:
@@ -296,12 +314,14 @@ def experts(x, x_fp8, x_sf, ids, weights, w13, w2, shared_w13=None, shared_w2=No
     Args:
         x: ``[T, Hd]`` bf16 (the shared expert's input), ``Hd % 128 == 0``.
         x_fp8, x_sf: ``[T, Hd]`` float8_e4m3fn and ``[T, Hd/128]`` int32 from :func:`stage`.
-        ids: ``[T, K]`` int32/int64 in [0, E) or −1.
+        ids: ``[T, K]`` int32/int64 in [0, E) or −1 (checked while value checks are on; with them off an id
+            outside [0, E) is treated as −1 on every backend: it contributes 0 and nothing is read for it).
         weights: ``[T, K]`` fp32 routing weights (already × routed_scale).
         w13: ``[E, 2I, Hd]`` bf16: rows [0, I) = W1 (gate), [I, 2I) = W3 (up), any strides.
         w2: ``[E, Hd, I]`` bf16 (down), any strides.
         shared_w13, shared_w2: ``[2Is, Hd]`` and ``[Hd, Is]`` bf16 of the shared expert, or both None.
-        swiglu_limit: L (10 for V4); ≤ 0 disables the clamp.
+        swiglu_limit: L (10 for V4), a finite number (not bool / str; NaN and ±inf refused); ≤ 0 disables the
+            clamp.
         out: optional preallocated ``[T, Hd]`` bf16 (unit stride along Hd).
         backend: ``"auto"`` (= ``"triton"``), ``"triton"`` or ``"reference"``.
         launch: :class:`MoeLaunch`; None = :func:`default_launch`.
@@ -318,7 +338,8 @@ def experts(x, x_fp8, x_sf, ids, weights, w13, w2, shared_w13=None, shared_w2=No
         it; the clamp lets NaN through (as torch's does); every NaN in ``out`` is 0x7FC0.
     """
     backend = validate.backend(backend, SUPPORTED_BACKENDS)
-    T, Hd, K, E = _check_experts(x, x_fp8, x_sf, ids, weights, w13, w2, shared_w13, shared_w2, out, launch)
+    T, Hd, K, E = _check_experts(x, x_fp8, x_sf, ids, weights, w13, w2, shared_w13, shared_w2, out, swiglu_limit,
+                                 launch)
     if backend == "reference":
         y = reference.experts(x, x_fp8, x_sf, ids, weights, w13, w2, shared_w13, shared_w2, swiglu_limit=float(swiglu_limit))
         return y if out is None else out.copy_(y)
@@ -343,10 +364,26 @@ def forward(x, gate_weight, bias, w13, w2, shared_w13, shared_w2, *, k, routed_s
         launch: :class:`MoeLaunch`; None = :func:`default_launch`.
     Returns:
         ``[T, Hd]`` bf16.
+    Raises:
+        TypeError / ValueError naming the argument, every one before any work: ``x`` (a hidden size that is
+        not a multiple of 128 too), the routing arguments, ``w13`` / ``w2`` holding another number of experts
+        than ``gate_weight``'s rows, ``swiglu_limit``, ``out``, ``launch``; then the value checks of route,
+        stage and experts.
     """
     backend = validate.backend(backend, SUPPORTED_BACKENDS)
+    # every argument checked before any work: the ones route checks, then the experts' (their E = the gate's)
+    T, Hd = _check_x(x)
+    _check_route(x, gate_weight, bias, k, routed_scale, hash_table, input_ids)
+    E = _check_expert_weights(Hd, w13, w2, shared_w13, shared_w2, swiglu_limit, experts=gate_weight.shape[0])
+    if out is not None:
+        validate.tensor(out, "out", dtype=torch.bfloat16, shape=(T, Hd))
+        if out.stride(1) != 1:
+            raise ValueError(f"out: expected unit stride along dim 1, got strides {out.stride()}")
+    validate.same_device(x=x, w13=w13, w2=w2, shared_w13=shared_w13, shared_w2=shared_w2, out=out)
+    if launch is not None and not isinstance(launch, MoeLaunch):
+        raise TypeError(f"launch: expected a MoeLaunch or None, got {type(launch).__name__}")
     ids, w = route(x, gate_weight, bias, k=k, routed_scale=routed_scale, hash_table=hash_table, input_ids=input_ids)
-    launch = launch or default_launch(x.shape[0], k, w13.shape[0] if w13.dim() == 3 else 1)
+    launch = launch or default_launch(T, k, E)
     if backend == "reference":
         staged = stage(x, ids, w, backend=backend)
     else:

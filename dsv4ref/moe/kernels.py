@@ -412,9 +412,10 @@ def down_kernel(
 
 
 # ----------------------------------------------------------------------------------------------------
-# Combine (docs/moe.md#combine):  out[t] = bf16( Σ_{k: ids[t,k] ≥ 0} o[t·K + k]  +  shared[t] )   in fp32.
+# Combine (docs/moe.md#combine):  out[t] = bf16( Σ_{k: 0 ≤ ids[t,k] < E} o[t·K + k]  +  shared[t] )   in fp32.
 # One output row per token, read by slot: a repeated expert id in a row is two slots, two rows, two adds.
-# A −1 slot's row is never read (masked load), so its weight and its (unwritten) row cannot leak in.
+# A −1 slot's row is never read (masked load), so its weight and its (unwritten) row cannot leak in; an id
+# outside [0, E) (possible only with value checks off) is masked the same way: one compare, no garbage row.
 # ----------------------------------------------------------------------------------------------------
 
 
@@ -424,7 +425,7 @@ def combine_kernel(
     ids_ptr,  # int64 ids [T, K], contiguous
     shared_ptr,  # int16 view of the bf16 shared-expert output [T, Hd], contiguous; read when HAS_SHARED
     out_ptr,  # int16 view of the bf16 output [T, Hd] (row stride stride_out, unit stride along Hd)
-    T, Hd, K,
+    T, Hd, K, n_experts,
     stride_ot, stride_out,
     HAS_SHARED: tl.constexpr,
     BLOCK_T: tl.constexpr,
@@ -437,7 +438,7 @@ def combine_kernel(
     acc = tl.zeros((BLOCK_T, BLOCK_H), dtype=tl.float32)
     for k in range(K):
         e = tl.load(ids_ptr + r64 * K + k, mask=rows < T, other=-1)
-        m = ok & (e >= 0)[:, None]
+        m = ok & ((e >= 0) & (e < n_experts))[:, None]
         acc += widen_bf16(tl.load(o_ptr + (r64 * K + k)[:, None] * stride_ot + cols[None, :], mask=m, other=0))
     if HAS_SHARED:
         acc += widen_bf16(tl.load(shared_ptr + r64[:, None] * Hd + cols[None, :], mask=ok, other=0))

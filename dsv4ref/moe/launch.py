@@ -58,7 +58,7 @@ class MoeLaunch:
             pipeline).
         stage_cache: cache hints of the staging kernel: ``""`` (none), ``"evict_first"`` (the streamed bf16 input
             is loaded evict-first), ``"stream"`` (that, and the outputs are stored with ``.cs``, streaming) or
-            ``"cs"`` (the ``.cs`` stores alone: session 4 measured evict-first loads alone slower than no hint).
+            ``"cs"`` (the ``.cs`` stores alone: an H200 sweep measured evict-first loads alone slower than no hint).
         stage_topk_first: one program per tile (``stage_programs`` 0): the programs of column block 0 load their
             rows' top-k ids and weights before the tile, so the copy does not add a DRAM round trip after the
             tile's stores (a quarter of the programs at Hd 4096, tile 1 × 1024).
@@ -75,7 +75,7 @@ class MoeLaunch:
         combine_block_t, combine_block_h, combine_warps: the combine's tile and warps.
     """
 
-    # staging: the fastest byte-exact shape of the session-4 H200 sweep (16.4 µs at T = Hd = 4096: 76 % of the
+    # staging: the fastest byte-exact shape of the H200 staging sweep (16.4 µs at T = Hd = 4096: 76 % of the
     # 512 MiB copy ceiling, 97.5 % of a same-size copy; benchmarks/moe.md)
     stage_block_t: int = 1
     stage_block_h: int = 1024
@@ -144,7 +144,7 @@ def default_launch(tokens: int, k: int, experts: int) -> MoeLaunch:
     block_m = 16 if per_expert <= 16 else 32 if per_expert <= 32 else 64
     if interpreting():
         return MoeLaunch(stage_block_t=16, block_m=block_m, block_n=256, block_h=512, block_k=256, combine_block_t=16)
-    # staging: the top-k copy before the tile (session 6's H200 probe, benchmarks/mem_probe.py: 16.5 µs against
+    # staging: the top-k copy before the tile (an H200 probe, benchmarks/mem_probe.py: 16.5 µs against
     # 17.1 µs at T = Hd = 4096, the fastest byte-exact staging variant of that call; benchmarks/moe.md)
     if block_m == 64:  # prefill-sized groups: wider tiles, 8 warps
         return MoeLaunch(block_m=64, block_n=128, block_k=128, expert_warps=8, stage_topk_first=True)
@@ -160,16 +160,17 @@ def group_by_expert(ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, 
     """Slots grouped by expert, for the grouped expert GEMMs.
 
     Args:
-        ids: ``[T, K]`` int32/int64 expert ids, −1 = no expert.
+        ids: ``[T, K]`` int32/int64 expert ids, −1 = no expert (so is any id outside [0, E): with value
+            checks off an out-of-range id is never used as an index).
         num_experts: E.
     Returns:
         ``(order, counts, offsets)``: ``order`` [T·K] int64, the slot numbers ``t·K + k`` stably sorted by
-        expert with the −1 slots last; ``counts`` [E] int64; ``offsets`` [E + 1] int64, expert e owning
+        expert with the −1 (and out-of-range) slots last; ``counts`` [E] int64; ``offsets`` [E + 1] int64, expert e owning
         ``order[offsets[e]:offsets[e+1]]``. Built with device ops only (no host sync), so it can be captured
         in a graph.
     """
     flat = ids.reshape(-1).long()
-    key = torch.where(flat >= 0, flat, num_experts)  # −1 sorts after every expert
+    key = torch.where((flat >= 0) & (flat < num_experts), flat, num_experts)  # −1 (and ids ≥ E) after every expert
     order = torch.sort(key, stable=True).indices
     counts = torch.zeros(num_experts + 1, dtype=torch.int64, device=ids.device)
     counts.scatter_add_(0, key, torch.ones_like(key))
@@ -213,7 +214,7 @@ def stage_constexprs(Hd: int, K: int, block_t: int, block_h: int, load: str, pro
     _check_stage_pair(load, encode)
     evict, store_cache = STAGE_CACHE_HINTS[cache]
     return dict(FLOOR=STAGE_AMAX_FLOOR, BLOCK_T=block_t, BLOCK_H=min(block_h, triton.next_power_of_2(Hd)),
-                BLOCK_TOPK=triton.next_power_of_2(K), LOAD=load, ENCODE=encode, NONFINITE=diag != "finite",
+                BLOCK_TOPK=max(1, triton.next_power_of_2(K)), LOAD=load, ENCODE=encode, NONFINITE=diag != "finite",
                 TOPK=diag != "notopk", PERSISTENT=programs > 0, EVICT=evict, STORE_CACHE=store_cache,
                 TOPK_FIRST=topk_first and not programs, PREFETCH=prefetch and programs > 0 and encode != "blocks")
 
@@ -268,6 +269,8 @@ def _mlp(x, xq, xsf, order, counts, offsets, omega, w13, w2, o, K, fp8_in, limit
     Block sizes larger than the problem are cut down to it (a power of two; ``block_h`` to a divisor of Hd)."""
     E, I2, Hd = w13.shape
     I, n_rows = I2 // 2, order.shape[0]
+    if E == 0 or n_rows == 0:  # no expert or no slot: nothing to compute (and no empty grid to launch)
+        return
     te, r0, r1 = tile_table(counts, offsets, launch.block_m, n_rows)
     h = torch.empty(n_rows, I, dtype=torch.bfloat16, device=w13.device)  # workspace, rows in `order`'s order
     dot_fp32 = interpreting()
@@ -307,7 +310,7 @@ def _experts(x, x_fp8, x_sf, ids, weights, w13, w2, shared_w13, shared_w2, out, 
     ov = out.view(torch.int16)
     bh = min(launch.combine_block_h, triton.next_power_of_2(Hd))
     combine_kernel[(triton.cdiv(T, launch.combine_block_t), triton.cdiv(Hd, bh))](
-        o.view(torch.int16), ids64, (shared if shared is not None else o).view(torch.int16), ov, T, Hd, K,
+        o.view(torch.int16), ids64, (shared if shared is not None else o).view(torch.int16), ov, T, Hd, K, w13.shape[0],
         o.stride(0), ov.stride(0), HAS_SHARED=shared is not None, BLOCK_T=launch.combine_block_t, BLOCK_H=bh,
         num_warps=launch.combine_warps)
 

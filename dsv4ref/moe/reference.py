@@ -42,6 +42,7 @@ from dataclasses import dataclass
 import torch
 from einops import rearrange
 
+from ..device import HOST
 from ..formats import STAGE_AMAX_FLOOR, STAGE_GROUP, STAGE_GROUPS
 from ..fp8 import reference as fp8
 
@@ -207,16 +208,16 @@ def example_inputs(T: int, shape: MoeShape = TINY_MOE, *, seed: int = 0, hash_la
     Hd, E, I, K = shape.hidden, shape.experts, shape.intermediate, shape.k
 
     def w(*s, fan_in, gain=1.0):
-        return (torch.randn(*s, generator=g) * (gain / math.sqrt(fan_in))).to(torch.bfloat16)
+        return (torch.randn(*s, generator=g, device=HOST) * (gain / math.sqrt(fan_in))).to(torch.bfloat16)
 
     x = randn((T, Hd), seed=seed, block=STAGE_GROUP, octaves=octaves, device="cpu")
-    d = dict(x=x, gate_weight=w(E, Hd, fan_in=Hd, gain=0.5), bias=8.08 + 0.02 * torch.randn(E, generator=g),
+    d = dict(x=x, gate_weight=w(E, Hd, fan_in=Hd, gain=0.5), bias=8.08 + 0.02 * torch.randn(E, generator=g, device=HOST),
              w13=w(E, 2 * I, Hd, fan_in=Hd, gain=weight_gain), w2=w(E, Hd, I, fan_in=I),
              shared_w13=w(2 * I, Hd, fan_in=Hd, gain=weight_gain), shared_w2=w(Hd, I, fan_in=I),
              hash_table=None, input_ids=None)
     if hash_layer:
-        d["hash_table"] = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(vocab)])
-        d["input_ids"] = torch.randint(0, vocab, (T,), generator=g)
+        d["hash_table"] = torch.stack([torch.randperm(E, generator=g, device=HOST)[:K] for _ in range(vocab)])
+        d["input_ids"] = torch.randint(0, vocab, (T,), generator=g, device=HOST)
     out = {n: (v.to(device) if isinstance(v, torch.Tensor) else v) for n, v in d.items()}
     out.update(k=K, routed_scale=shape.routed_scale, swiglu_limit=shape.swiglu_limit)
     return out

@@ -23,6 +23,7 @@ from __future__ import annotations
 import torch
 
 from .. import mhc, validate
+from ..device import HOST
 from . import reference
 from .reference import greedy_tokens
 
@@ -31,6 +32,7 @@ __all__ = ["greedy_accept", "greedy_tokens", "accepted_counts", "draft_input", "
 
 SUPPORTED_BACKENDS = ("reference", "triton")  # draft_logits' hc head; "auto" = "triton"
 INDEX_DTYPES = (torch.int32, torch.int64)
+_HEAD_ARGS = {"hidden": "X", "fn": "hc_fn", "scale": "hc_scale", "base": "hc_base"}  # mhc.head's → draft_logits'
 
 
 def greedy_accept(drafts: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -43,7 +45,7 @@ def greedy_accept(drafts: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     target's tokens, that is ``target[:m + 1]`` with m the number of leading agreements.
 
     Args:
-        drafts: ``[k]`` int64 (or int32) token ids ≥ 0, k ≥ 0.
+        drafts: ``[k]`` int64 (or int32) token ids ≥ 0, k ≥ 0 (a float or bool dtype: TypeError).
         target: ``[k + 1]`` int64 (or int32) token ids ≥ 0, on the same device.
     Returns:
         ``[m + 1]`` int64, 1 ≤ m + 1 ≤ k + 1: the emitted tokens, in order.
@@ -54,18 +56,40 @@ def greedy_accept(drafts: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     validate.tensor(drafts, "drafts", dtype=INDEX_DTYPES, ndim=1)
     k = drafts.shape[0]
     validate.tensor(target, "target", dtype=INDEX_DTYPES, shape=(k + 1,))
-    validate.same_device(drafts=drafts, target=target)
-    if validate.check_values():
-        for t, name in ((drafts, "drafts"), (target, "target")):
-            if t.numel() and int(t.min()) < 0:
-                raise ValueError(f"{name}: token ids must be >= 0, got {t.tolist()}")
     m = int(accepted_counts(drafts[None], target[None])[0])
     return target[: m + 1].to(torch.int64).clone()
 
 
+def _check_tokens(drafts, target, dims):
+    """drafts ``[R, k]`` / target ``[R, k + 1]`` (``dims`` = 2) or ``[k]`` / ``[k + 1]`` (1): integer token
+    ids (int32 / int64: a float or bool id is refused, never truncated), on one real device, ≥ 0 (checks on)."""
+    validate.tensor(drafts, "drafts", dtype=INDEX_DTYPES, ndim=dims)
+    lead = tuple(drafts.shape[:-1])
+    k = drafts.shape[-1]
+    validate.tensor(target, "target", dtype=INDEX_DTYPES, ndim=dims)
+    if tuple(target.shape) != (*lead, k + 1):
+        raise ValueError(f"target: expected shape {(*lead, k + 1)} (the k = {k} drafts' rows and the bonus token"
+                         f"{', one row per row of drafts' if dims == 2 else ''}), got {tuple(target.shape)}")
+    validate.same_device(drafts=drafts, target=target)
+    validate.not_meta(drafts, "drafts")
+    if validate.check_values():
+        for t, name in ((drafts, "drafts"), (target, "target")):
+            if t.numel() and int(t.min()) < 0:
+                raise ValueError(f"{name}: token ids must be >= 0, got a minimum of {int(t.min())}")
+
+
 def accepted_counts(drafts: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     """For a batch: ``[R]`` int64, the number of leading drafts of each row that equal the target's token
-    (0..k); row r then emits ``target[r, :count + 1]``. ``drafts`` ``[R, k]``, ``target`` ``[R, k + 1]``."""
+    (0..k); row r then emits ``target[r, :count + 1]``.
+
+    Args:
+        drafts: ``[R, k]`` int32/int64 token ids ≥ 0 (k ≥ 0).
+        target: ``[R, k + 1]`` int32/int64 token ids ≥ 0: the same R rows (never broadcast), and the bonus
+            token's column.
+    Raises:
+        TypeError (not a tensor, a float or bool dtype) / ValueError (shapes, devices, the meta device; with
+        value checks on, a negative id), naming the argument."""
+    _check_tokens(drafts, target, 2)
     agree = (drafts.long() == target[:, : drafts.shape[1]].long()).to(torch.int64)
     return agree.cumprod(dim=1).sum(dim=1)  # leading run of agreements
 
@@ -83,14 +107,22 @@ def draft_input(h_prev, embed_rows, positions, enorm, hnorm, e_proj, h_proj, *, 
         embed_rows: ``[T, Hd]`` bf16, ``embed[tok_{q+1}]``.
         positions: ``[T]`` int32/int64, q.
         enorm, hnorm: ``[Hd]`` fp32 RMSNorm weights.  e_proj, h_proj: ``[Hd, Hd]`` bf16.
-        eps: the RMSNorm epsilon (1e-6).  hc_mult: M, required when ``h_prev`` is flat.
+        eps: the RMSNorm epsilon (1e-6), a finite number > 0.  hc_mult: M (an int ≥ 1), required when
+            ``h_prev`` is flat.
     Returns:
         ``[T, M, Hd]`` bf16.
+    Raises:
+        TypeError / ValueError naming the argument. With value checks on (the default): a NaN / ±inf in
+        ``h_prev`` or ``embed_rows``, a negative position. With ``DSV4REF_CHECK_VALUES=0``: IEEE arithmetic
+        (a non-finite row gives a NaN X row; a negative position is not 0, so its embedding is kept).
     """
     validate.tensor(h_prev, "h_prev", dtype=torch.bfloat16)
+    if hc_mult is not None:
+        validate.integer(hc_mult, "hc_mult", lo=1)
     if h_prev.dim() == 2:
         if hc_mult is None or h_prev.shape[1] % hc_mult:
-            raise ValueError(f"h_prev: a flat [T, M·Hd] stash needs hc_mult=M dividing {h_prev.shape[1]}, got {hc_mult}")
+            raise ValueError(f"hc_mult: a flat h_prev [T, M·Hd] stash needs hc_mult=M dividing {h_prev.shape[1]}, "
+                             f"got {hc_mult}")
         h_prev = h_prev.reshape(h_prev.shape[0], hc_mult, -1)
     validate.tensor(h_prev, "h_prev", ndim=3)
     T, M, Hd = h_prev.shape
@@ -100,9 +132,17 @@ def draft_input(h_prev, embed_rows, positions, enorm, hnorm, e_proj, h_proj, *, 
         validate.tensor(t, name, dtype=torch.float32, shape=(Hd,))
     for t, name in ((e_proj, "e_proj"), (h_proj, "h_proj")):
         validate.tensor(t, name, dtype=torch.bfloat16, shape=(Hd, Hd))
-    validate.scalar(eps, "eps", lo=0.0)
+    if hc_mult is not None and hc_mult != M:
+        raise ValueError(f"hc_mult: {hc_mult} does not match h_prev's {M} streams (shape {tuple(h_prev.shape)})")
+    validate.scalar(eps, "eps", gt=0.0)
     validate.same_device(h_prev=h_prev, embed_rows=embed_rows, positions=positions, enorm=enorm, hnorm=hnorm,
                          e_proj=e_proj, h_proj=h_proj)
+    validate.not_meta(h_prev, "h_prev")
+    if validate.check_values():
+        validate.finite(h_prev, "h_prev")
+        validate.finite(embed_rows, "embed_rows")
+        if positions.numel() and int(positions.min()) < 0:
+            raise ValueError(f"positions: expected positions >= 0, got a minimum of {int(positions.min())}")
     return reference.draft_input(h_prev, embed_rows, positions, enorm, hnorm, e_proj, h_proj, eps=float(eps))
 
 
@@ -119,12 +159,25 @@ def draft_logits(X, hc_fn, hc_scale, hc_base, norm, lm_head, *, rms_eps=1e-6, hc
         rms_eps, hc_eps: 1e-6.  backend: for the hc head: "auto" | "reference" | "triton".
     Returns:
         ``[T, V]`` fp32.
+    Raises:
+        TypeError / ValueError naming this function's arguments (``X``, ``hc_fn``, ``hc_scale``, ``hc_base``,
+        ``norm``, ``lm_head``, ...), with the checks and the non-finite policy of :func:`dsv4ref.mhc.head`.
     """
     validate.tensor(X, "X", dtype=torch.bfloat16, ndim=3)
     Hd = X.shape[2]
     validate.tensor(norm, "norm", dtype=torch.float32, shape=(Hd,))
     validate.tensor(lm_head, "lm_head", dtype=torch.bfloat16, shape=(None, Hd))
-    y = mhc.head(X, hc_fn, hc_scale, hc_base, rms_eps=rms_eps, hc_eps=hc_eps, backend=backend)
+    for t, name in ((hc_fn, "hc_fn"), (hc_scale, "hc_scale"), (hc_base, "hc_base")):
+        validate.tensor(t, name)
+    validate.same_device(X=X, hc_fn=hc_fn, hc_scale=hc_scale, hc_base=hc_base, norm=norm, lm_head=lm_head)
+    validate.not_meta(X, "X")
+    try:
+        y = mhc.head(X, hc_fn, hc_scale, hc_base, rms_eps=rms_eps, hc_eps=hc_eps, backend=backend)
+    except (TypeError, ValueError) as e:  # mhc.head names its own arguments: say ours
+        name, sep, rest = str(e).partition(":")
+        if sep and name in _HEAD_ARGS:
+            raise type(e)(_HEAD_ARGS[name] + sep + rest) from None
+        raise
     y = reference.rms_norm(y, norm, rms_eps).to(torch.bfloat16)
     return y.float() @ lm_head.float().T
 
@@ -145,16 +198,17 @@ def make_weights(cfg, target_weights: dict, seed: int) -> dict:
     from ..decode.weights import Draw, block_weights  # (decode imports this package)
     from ..testing import generator
 
+    validate.integer(seed, "seed", lo=0)
     g = generator(seed)
     draw = Draw(g)
     Hd = cfg.hidden_size
     hc = target_weights["hc_head"]
 
     def jitter(t):
-        return t * (1.0 + 0.1 * torch.randn(t.shape, generator=g))
+        return t * (1.0 + 0.1 * torch.randn(t.shape, generator=g, device=HOST))
 
     return dict(
-        e_proj=torch.eye(Hd).to(torch.bfloat16),
+        e_proj=torch.eye(Hd, device=HOST).to(torch.bfloat16),
         h_proj=draw.lin(Hd, Hd, scale=0.1),
         enorm=draw.norm_w(Hd), hnorm=draw.norm_w(Hd),
         norm=jitter(target_weights["final_norm"].float().cpu()),

@@ -97,7 +97,7 @@ def _cmd_check(args) -> int:
 
 def _cmd_bench(args) -> int:
     from ..device import DEVICE, describe
-    from .harness import BENCHES, load_ops, measure_ceilings, run_benches
+    from .harness import BENCHES, SUMMARIES, load_ops, measure_ceilings, run_benches
 
     if DEVICE.type == "cpu":
         print("bench: running on the CPU, where Triton kernels are interpreted by numpy: timings there mean "
@@ -125,6 +125,9 @@ def _cmd_bench(args) -> int:
     if not rows:
         print("bench: no case ran", file=sys.stderr)
         return 2
+    for name, fn in SUMMARIES.items():  # e.g. sparse_mla: our time over a peer's, per shape
+        for line in fn(rows) if any(r.case.op.startswith(name) for r in rows) else []:
+            print(line, flush=True)
     if args.ladder:  # the sparse-MLA ladder of notebook 04, from this run's rows
         from .cases.sparse_mla import write_ladder
 
@@ -143,7 +146,13 @@ def _cmd_conformance(args) -> int:
 
 def _cmd_demo(args) -> int:
     from ..decode import demo
+    from ..decode.demo import check_demo
 
+    try:  # every flag against the teaching config's capacity before any work (a warm-up included)
+        check_demo(args.steps, args.speculate, args.graph, names=("--steps", "--speculate", "--graph"))
+    except (TypeError, ValueError) as e:
+        print(f"demo: {e}", file=sys.stderr)
+        return 2
     return demo(steps=args.steps, speculate=args.speculate, graph=args.graph)
 
 
