@@ -10,6 +10,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
+from .formats import INDEX_K_FORMATS as INDEX_FORMATS  # the indexer formats a config may name: fp8, mxfp4
+
 
 @dataclass(frozen=True)
 class Config:
@@ -28,6 +30,10 @@ class Config:
     index_heads: int = 64
     index_head_dim: int = 128
     index_topk: int = 512
+    # the indexer's Q and K format (docs/decode.md#the-indexer-format): "mxfp4" = E2M1 in blocks of 32 with
+    # power-of-two scales, what DeepSeek's inference code simulates ("fp4 simulation for q and kv"); "fp8" =
+    # e4m3 with one scale per 128 (vLLM's default). The V4 configs take DeepSeek's; TINY keeps "fp8".
+    index_format: str = "mxfp4"
     hc_mult: int = 4  # M residual streams
     hc_sinkhorn_iters: int = 20
     hc_eps: float = 1e-6
@@ -52,6 +58,10 @@ class Config:
     routed_scaling_factor: float = 1.5
     num_hash_layers: int = 3  # layers 0..n-1 route through a token -> experts table (tid2eid)
     num_nextn_predict_layers: int = 1  # MTP layers (one SWA-only block after the last layer)
+
+    def __post_init__(self):
+        if self.index_format not in INDEX_FORMATS:
+            raise ValueError(f"index_format: expected one of {INDEX_FORMATS}, got {self.index_format!r}")
 
     # derived ------------------------------------------------------------------------------------
     @property
@@ -94,10 +104,10 @@ FLASH = Config(
 
 PRO = Config(
     name="DeepSeek-V4-Pro", vocab_size=129280, hidden_size=7168, num_layers=61,
-    compress_ratios=(128, 128) + tuple(4 if i % 2 == 0 else 128 for i in range(2, 61)),  # unverified (config.md)
+    compress_ratios=(128, 128) + tuple(4 if i % 2 == 0 else 128 for i in range(2, 61)),  # no window-only layer
     num_heads=128, q_lora_rank=1536, o_groups=16, o_lora_rank=1024, index_topk=1024, ffn_intermediate=3072,
-    n_routed_experts=384, moe_intermediate_size=3072,  # unverified (docs/moe.md); hash layers, scale not found
-)
+    n_routed_experts=384, moe_intermediate_size=3072, routed_scaling_factor=2.5, num_hash_layers=3,
+)  # every field: DeepSeek's V4-Pro config.json (docs/config.md#sources)
 
 TINY = Config(
     name="tiny (teaching)", vocab_size=512, hidden_size=256, num_layers=4, compress_ratios=(0, 4, 128, 4),
@@ -105,6 +115,7 @@ TINY = Config(
     index_head_dim=128, index_topk=16, max_position=4096, window_page=16, c4_page=16, c128_page=2,
     index_page=16, ffn_intermediate=512,
     n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=128, num_hash_layers=1,  # docs/mtp.md
+    index_format="fp8",  # why not DeepSeek's MXFP4: docs/config.md#the-teaching-config-tiny
 )
 
 CONFIGS = {"flash": FLASH, "pro": PRO, "tiny": TINY}

@@ -25,10 +25,10 @@ import torch.nn.functional as F
 from .. import compressor as compressor_op
 from .. import indexer, kv_cache, mhc, moe, mtp, rope, sparse_mla, validate
 from ..config import TINY, Config
-from ..device import DEVICE, Timer, capture_graph
-from ..formats import FP8_K_RECORD, TOKEN_BYTES
+from ..device import DEVICE, HOST, Timer, capture_graph
+from ..formats import FP8_K_RECORD, MXFP4_K_RECORD, TOKEN_BYTES
 from ..testing import generator
-from .weights import check_config, layer_ratio, make_weights
+from .weights import check_config, check_weights, layer_ratio, make_weights
 
 __all__ = ["Decoder", "CacheCapacityError", "Rows", "History", "Speculation", "StepGraph", "swiglu_clamped",
            "traffic_per_op"]
@@ -192,11 +192,18 @@ class Decoder:
                  capacity: int = 320, seed: int = 0, pad_heads: bool = True, index_hadamard: bool = True,
                  backend: str = "auto", device=None, graph: bool = False, mhc_launch: mhc.MhcLaunch | None = None):
         check_config(cfg)
-        if num_requests < 1:
-            raise ValueError(f"num_requests: expected >= 1, got {num_requests}")
-        if capacity < 1 or capacity > cfg.max_position:
-            raise ValueError(f"capacity: expected 1..cfg.max_position={cfg.max_position} tokens, got {capacity}")
-        self.cfg, self.dev = cfg, device or DEVICE
+        validate.integer(num_requests, "num_requests", lo=1)
+        validate.integer(capacity, "capacity", lo=1, hi=cfg.max_position)
+        validate.integer(seed, "seed", lo=0)
+        for name, flag in (("pad_heads", pad_heads), ("index_hadamard", index_hadamard), ("graph", graph)):
+            if not isinstance(flag, bool):
+                raise TypeError(f"{name}: expected a bool, got {type(flag).__name__} {flag!r}")
+        dev = torch.device(device) if device is not None else DEVICE
+        if dev.type == "meta":
+            raise ValueError("device: the meta device holds no values; a Decoder runs on a real device")
+        if weights is not None:  # metadata only: keys, shapes, dtypes, and the Decoder's device (never moved)
+            check_weights(cfg, weights, dev)
+        self.cfg, self.dev = cfg, dev
         self.backend = validate.backend(backend, SUPPORTED_BACKENDS)
         if mhc_launch is not None and not isinstance(mhc_launch, mhc.MhcLaunch):
             raise TypeError(f"mhc_launch: expected an MhcLaunch or None, got {type(mhc_launch).__name__}")
@@ -206,7 +213,7 @@ class Decoder:
         self.R, self.capacity = num_requests, capacity
         self.H = cfg.num_heads
         self.Hp = cfg.padded_heads if pad_heads else cfg.num_heads
-        self.lengths = torch.zeros(num_requests, dtype=torch.int64)  # host: tokens already in the caches
+        self.lengths = torch.zeros(num_requests, dtype=torch.int64, device=HOST)  # host: tokens already in the caches
         self.prof: dict[str, float] | None = None  # per-op milliseconds when profiling
         self.attn_out: list[torch.Tensor] = []
         g = generator(seed + 1)
@@ -214,12 +221,14 @@ class Decoder:
 
         def table(rows_per_req: int, page: int):
             n = max(1, -(-rows_per_req // page))
-            perm = torch.randperm(num_requests * n, generator=g).to(torch.int32)
+            perm = torch.randperm(num_requests * n, generator=g, device=HOST).to(torch.int32)
             return perm.view(num_requests, n).to(dev), num_requests * n
 
-        # RoPE tables: theta 10000 for window-only layers, 160000 + YaRN for compressed ones
+        # RoPE tables: theta 10000 for window-only layers, 160000 + YaRN for compressed ones. The MTP draft
+        # layer is window-only: it needs the theta-10000 table even where no main layer is (V4-Pro)
+        has_mtp = bool(cfg.num_nextn_predict_layers) and "mtp" in self.w
         self.cos_sin = {}
-        for r in sorted(set(layer_ratio(cfg, i) for i in range(cfg.num_layers))):
+        for r in sorted(set(layer_ratio(cfg, i) for i in range(cfg.num_layers)) | ({0} if has_mtp else set())):
             key = "swa" if r == 0 else "comp"
             if key not in self.cos_sin:
                 self.cos_sin[key] = (rope.cos_sin_cache(cfg.max_position, cfg.rope_dim, cfg.rope_theta, device=dev)
@@ -246,20 +255,20 @@ class Decoder:
                 st["ring"] = compressor_op.allocate_state(num_requests, r, cfg.head_dim, device=dev)
             if r == 4:
                 st["bt_i"], n_i = table(capacity // 4, cfg.index_page)
-                st["idx_cache"] = indexer.allocate_k_cache(n_i, cfg.index_page, device=dev)
+                st["idx_cache"] = indexer.allocate_k_cache(n_i, cfg.index_page, cfg.index_format, device=dev)
                 st["idx_ring"] = compressor_op.allocate_state(num_requests, 4, cfg.index_head_dim, device=dev)
                 st["topk"] = record(cfg.index_topk)
             self.layers.append(st)
-        self.tokens = torch.zeros(num_requests, capacity, dtype=torch.int64)  # host: the token history
+        self.tokens = torch.zeros(num_requests, capacity, dtype=torch.int64, device=HOST)  # host: the token history
         self.hidden: torch.Tensor | None = None
         self.mtp_state = None
-        if cfg.num_nextn_predict_layers and "mtp" in self.w:
+        if has_mtp:
             # the draft layer: its own window cache (addressed through the same block tables), the target's
             # pre-head residual of every position (its input), and how far it has read them
             self.mtp_state = dict(ratio=0, swa=kv_cache.allocate(n_swa, cfg.window_page, device=dev), experts=record(K))
             self.h_hist = torch.zeros(num_requests, capacity, cfg.hc_mult, cfg.hidden_size, dtype=torch.bfloat16,
                                       device=dev)
-        self.mtp_done = torch.zeros(num_requests, dtype=torch.int64)  # host
+        self.mtp_done = torch.zeros(num_requests, dtype=torch.int64, device=HOST)  # host
         self.graph = graph  # step() through captured device graphs (StepGraph), one per (backend, shortcut)
         self.graphs: dict[tuple, StepGraph] = {}
 
@@ -270,19 +279,27 @@ class Decoder:
         """Run every prompt token of every request through the stack in ONE batched step (each token is a
         query row with its own window and compressed candidates).
 
-        Args: ``prompts``: ``num_requests`` sequences of token ids (each at least one token); the
-        Decoder must be fresh. Returns the logits (R, V) fp32 of each request's last prompt token."""
+        Args: ``prompts``: ``num_requests`` prompts (a list / tuple, or a 2-d integer tensor), each a 1-d
+        sequence or tensor of integer token ids (at least one; float and bool ids are refused, never
+        truncated); the Decoder must be fresh. Returns the logits (R, V) fp32 of each request's last prompt
+        token. Every check runs before anything is written."""
+        if not isinstance(prompts, (list, tuple)) and not (isinstance(prompts, torch.Tensor) and prompts.dim() == 2):
+            raise TypeError(f"prompts: expected a list of {self.R} prompts (num_requests; each a sequence of token "
+                            f"ids), got {type(prompts).__name__}")
         if len(prompts) != self.R:
             raise ValueError(f"prompts: expected {self.R} prompts (num_requests), got {len(prompts)}")
         if bool((self.lengths > 0).any()):
             raise ValueError("prefill: the caches already hold tokens; prefill a fresh Decoder")
-        lens = torch.tensor([len(p) for p in prompts], dtype=torch.int64)
-        if bool((lens < 1).any()):
-            raise ValueError("prompts: every prompt needs at least one token")
-        ids = torch.cat([torch.as_tensor(p, dtype=torch.int64).cpu() for p in prompts])
+        seqs = [self._token_ids(p, f"prompts[{i}]") for i, p in enumerate(prompts)]
+        for i, t in enumerate(seqs):
+            if t.dim() != 1 or t.numel() < 1:
+                raise ValueError(f"prompts[{i}]: expected a 1-d sequence of at least one token id (one prompt per "
+                                 f"request: prefill([[5, 6], [7], ...])), got shape {tuple(t.shape)}")
+        lens = torch.tensor([t.numel() for t in seqs], dtype=torch.int64, device=HOST)
+        ids = torch.cat(seqs)
         self._check_ids(ids, "prompts")
-        req = torch.repeat_interleave(torch.arange(self.R), lens)
-        pos = torch.cat([torch.arange(n) for n in lens.tolist()])
+        req = torch.repeat_interleave(torch.arange(self.R, device=HOST), lens)
+        pos = torch.cat([torch.arange(n, device=HOST) for n in lens.tolist()])
         rows = self._rows(req, pos, torch.ones_like(pos, dtype=torch.bool))
         logits = self._forward(ids.to(self.dev), rows, validate.backend(backend, SUPPORTED_BACKENDS))
         self._keep(rows, torch.ones_like(pos, dtype=torch.bool), ids)
@@ -298,15 +315,19 @@ class Decoder:
         (default: the Decoder's). Returns the logits (R, V) fp32 (rows of inactive requests are
         meaningless)."""
         # host bookkeeping: the ids, the rows (request, position, validity), the shortcut decision
-        ids = torch.as_tensor(ids, dtype=torch.int64).cpu()
+        ids = self._token_ids(ids, "ids")
         if tuple(ids.shape) != (self.R,):
             raise ValueError(f"ids: expected shape ({self.R},), got {tuple(ids.shape)}")
         self._check_ids(ids, "ids")
-        act = torch.ones(self.R, dtype=torch.bool) if active is None else torch.as_tensor(active, dtype=torch.bool).cpu()
+        act = torch.ones(self.R, dtype=torch.bool, device=HOST) if active is None else torch.as_tensor(active)
+        if act.dtype != torch.bool:
+            raise TypeError(f"active: expected bools (a bool tensor or a list of bools), got dtype {act.dtype}")
+        validate.not_meta(act, "active")
+        act = act.cpu()
         if tuple(act.shape) != (self.R,):
             raise ValueError(f"active: expected shape ({self.R},), got {tuple(act.shape)}")
-        rows = self._rows(torch.arange(self.R), self.lengths.clone(), act)
         be = self.backend if backend is None else validate.backend(backend, SUPPORTED_BACKENDS)
+        rows = self._rows(torch.arange(self.R, device=HOST), self.lengths.clone(), act)
         # the device part: the whole stack, eagerly or as one replayed graph
         logits = self._replay(ids, rows, be) if self.graph else self._forward(ids.to(self.dev), rows, be)
         self._keep(rows, act, ids)
@@ -391,9 +412,34 @@ class Decoder:
         not yet in the caches); ``k`` drafts per request, 1 ≤ k ≤ 7; ``backend`` for the target step and the
         chained drafts (default: the Decoder's); ``draft_backend`` for the draft layer's catch-up rows
         (default ``backend``; after a prefill those are the whole prompt: "reference" is faster in the CPU
-        interpreter). Returns a :class:`Speculation`."""
+        interpreter). Returns a :class:`Speculation`.
+
+        Every check runs before anything is written: a call that fails (a bad argument, or k + 1 verification
+        rows that would go past ``capacity``: :class:`CacheCapacityError`) leaves the caches, ``lengths``,
+        ``mtp_done`` and the expert records as they were, so a retry with a smaller k (or :meth:`step`)
+        starts from the same state."""
+        self._draft_checks(next_ids, k, backend, draft_backend)
+        k = validate.integer(k, "k", lo=1, hi=7)
+        # the verification writes positions length .. length + k: check them now, before the draft writes
+        self._rows(torch.arange(self.R, device=HOST), self.lengths + k, torch.ones(self.R, dtype=torch.bool, device=HOST), what="k",
+                   hint=f"speculating k = {k} drafts verifies k + 1 = {k + 1} rows per request; use a smaller k "
+                        "or step()")
         drafts = self.draft(next_ids, k, backend=backend, catch_up_backend=draft_backend)
         return self.verify(next_ids, drafts, backend=backend)
+
+    def _draft_checks(self, next_ids, k, backend, catch_up_backend) -> tuple:
+        """Every check of :meth:`draft`, before it writes anything. Returns (next_ids, k, backend, catch-up
+        backend)."""
+        if self.mtp_state is None:
+            raise ValueError("draft: this Decoder has no MTP layer (cfg.num_nextn_predict_layers = 0 or no 'mtp' weights)")
+        next_ids = self._next_ids(next_ids)
+        k = validate.integer(k, "k", lo=1, hi=7)
+        be = self.backend if backend is None else validate.backend(backend, SUPPORTED_BACKENDS)
+        cbe = be if catch_up_backend is None else validate.backend(catch_up_backend, SUPPORTED_BACKENDS)
+        if bool((self.lengths - self.mtp_done < 1).any()):
+            raise ValueError("draft: every request needs a target step since its last draft (call verify or step)")
+        self._rows(torch.arange(self.R, device=HOST), self.lengths + k - 2, torch.ones(self.R, dtype=torch.bool, device=HOST))  # capacity
+        return next_ids, k, be, cbe
 
     def draft(self, next_ids, k: int, *, backend: str | None = None, catch_up_backend: str | None = None) -> torch.Tensor:
         """k draft tokens per request from the draft layer. Returns (R, k) int64.
@@ -404,18 +450,10 @@ class Decoder:
         draft j (2..k) is one more row per request at the next position, with h_prev = the previous row's
         output X and the token = draft j − 1. Those chained rows write KV at positions the next call
         rewrites from verified rows."""
-        if self.mtp_state is None:
-            raise ValueError("draft: this Decoder has no MTP layer (cfg.num_nextn_predict_layers = 0 or no 'mtp' weights)")
-        next_ids = self._next_ids(next_ids)
-        k = validate.integer(k, "k", lo=1, hi=7)
-        be = self.backend if backend is None else validate.backend(backend, SUPPORTED_BACKENDS)
-        cbe = be if catch_up_backend is None else validate.backend(catch_up_backend, SUPPORTED_BACKENDS)
+        next_ids, k, be, cbe = self._draft_checks(next_ids, k, backend, catch_up_backend)
         n = self.lengths - self.mtp_done  # catch-up rows per request
-        if bool((n < 1).any()):
-            raise ValueError("draft: every request needs a target step since its last draft (call verify or step)")
-        self._rows(torch.arange(self.R), self.lengths + k - 2, torch.ones(self.R, dtype=torch.bool))  # capacity
-        req = torch.repeat_interleave(torch.arange(self.R), n)
-        pos = torch.cat([torch.arange(int(a), int(b)) for a, b in zip(self.mtp_done, self.lengths)])
+        req = torch.repeat_interleave(torch.arange(self.R, device=HOST), n)
+        pos = torch.cat([torch.arange(int(a), int(b), device=HOST) for a, b in zip(self.mtp_done, self.lengths)])
         nxt = torch.where(pos + 1 < self.lengths[req], self.tokens[req, (pos + 1).clamp(max=self.capacity - 1)],
                           next_ids[req])
         rows = self._rows(req, pos, torch.ones_like(pos, dtype=torch.bool))
@@ -425,7 +463,7 @@ class Decoder:
         drafts = [mtp.greedy_tokens(logits[last])]
         X = X[last]
         for j in range(1, k):
-            rows = self._rows(torch.arange(self.R), self.lengths - 1 + j, torch.ones(self.R, dtype=torch.bool))
+            rows = self._rows(torch.arange(self.R, device=HOST), self.lengths - 1 + j, torch.ones(self.R, dtype=torch.bool, device=HOST))
             X, logits = self._mtp_forward(X, drafts[-1], rows, be)
             drafts.append(mtp.greedy_tokens(logits))
         return torch.stack(drafts, 1).cpu()
@@ -440,29 +478,29 @@ class Decoder:
         compressor states get back the ring rows the rejected tokens overwrote. Returns a
         :class:`Speculation`."""
         next_ids = self._next_ids(next_ids)
-        drafts = torch.as_tensor(drafts, dtype=torch.int64).cpu()
+        drafts = self._token_ids(drafts, "drafts")
         if drafts.dim() != 2 or drafts.shape[0] != self.R or not 1 <= drafts.shape[1] <= 7:
             raise ValueError(f"drafts: expected shape ({self.R}, k) with 1 <= k <= 7, got {tuple(drafts.shape)}")
         self._check_ids(drafts.flatten(), "drafts")
         be = self.backend if backend is None else validate.backend(backend, SUPPORTED_BACKENDS)
         k = drafts.shape[1]
         toks = torch.cat([next_ids[:, None], drafts], 1)  # (R, k + 1)
-        req = torch.arange(self.R).repeat_interleave(k + 1)
-        pos = (self.lengths[:, None] + torch.arange(k + 1)[None, :]).flatten()
+        req = torch.arange(self.R, device=HOST).repeat_interleave(k + 1)
+        pos = (self.lengths[:, None] + torch.arange(k + 1, device=HOST)[None, :]).flatten()
         rows = self._rows(req, pos, torch.ones_like(pos, dtype=torch.bool))
         saved = self._ring_rows(rows)
         logits = self._forward(toks.flatten().to(self.dev), rows, be)
         target = mtp.greedy_tokens(logits).view(self.R, k + 1).cpu()
         m = mtp.accepted_counts(drafts, target)
-        keep = (torch.arange(k + 1)[None, :] <= m[:, None]).flatten()
+        keep = (torch.arange(k + 1, device=HOST)[None, :] <= m[:, None]).flatten()
         self._restore_ring_rows(saved, rows, ~keep)
         self._keep(rows, keep, toks.flatten())
         self.lengths += m + 1
         emitted = [target[r, : int(m[r]) + 1].clone() for r in range(self.R)]
-        return Speculation(drafts, target, m, emitted, logits.view(self.R, k + 1, -1), target[torch.arange(self.R), m])
+        return Speculation(drafts, target, m, emitted, logits.view(self.R, k + 1, -1), target[torch.arange(self.R, device=HOST), m])
 
     def _next_ids(self, next_ids) -> torch.Tensor:
-        next_ids = torch.as_tensor(next_ids, dtype=torch.int64).cpu()
+        next_ids = self._token_ids(next_ids, "next_ids")
         if tuple(next_ids.shape) != (self.R,):
             raise ValueError(f"next_ids: expected shape ({self.R},), got {tuple(next_ids.shape)}")
         self._check_ids(next_ids, "next_ids")
@@ -521,21 +559,43 @@ class Decoder:
         self.prof[name] = self.prof.get(name, 0.0) + t.ms
         return out
 
+    @staticmethod
+    def _token_ids(ids, name: str) -> torch.Tensor:
+        """Token ids as an int64 CPU tensor: from an integer tensor or a (nested) sequence of ints. A float or
+        bool id is refused (TypeError naming ``name``), never truncated: ``step(logits.max(-1).values)`` must
+        not decode token 2 for 2.91; ``step(logits.argmax(-1))`` is meant."""
+        if not isinstance(ids, torch.Tensor):
+            try:
+                ids = torch.as_tensor(ids)
+            except (TypeError, ValueError, RuntimeError) as e:
+                raise (TypeError if isinstance(e, TypeError) else ValueError)(
+                    f"{name}: expected integer token ids (a tensor or a sequence of ints), got {type(ids).__name__} "
+                    f"({e})") from None
+            if ids.numel() == 0:  # an empty list holds no float: torch only calls it float32
+                ids = ids.to(torch.int64)
+        if ids.dtype == torch.bool or ids.is_floating_point() or ids.is_complex():
+            raise TypeError(f"{name}: token ids must be integers, got dtype {ids.dtype} (a float or bool is never "
+                            "read as a token id; pass e.g. logits.argmax(-1))")
+        validate.not_meta(ids, name)
+        return ids.to(torch.int64).cpu()
+
     def _check_ids(self, ids: torch.Tensor, name: str) -> None:
         if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.cfg.vocab_size):
             raise ValueError(f"{name}: token ids must be in [0, {self.cfg.vocab_size}), got "
                              f"{int(ids.min())}..{int(ids.max())}")
 
-    def _rows(self, req: torch.Tensor, pos: torch.Tensor, valid: torch.Tensor) -> Rows:
+    def _rows(self, req: torch.Tensor, pos: torch.Tensor, valid: torch.Tensor, *, what: str = "",
+              hint: str = "make a Decoder with a larger capacity=") -> Rows:
         """The step's rows from host tensors (req, pos, valid): the capacity check and the indexer's shortcut
-        decision happen here, on the host, before anything runs on the device."""
+        decision happen here, on the host, before anything runs on the device. ``what``: the argument the
+        capacity error names first (e.g. ``"k"``), ``hint``: what to do about it."""
         req, pos, valid = req.cpu(), pos.cpu(), valid.cpu()
         bad = valid & (pos >= self.capacity)
         if bool(bad.any()):
             i = int(bad.nonzero()[0, 0])
             raise CacheCapacityError(
-                f"request {int(req[i])}: position {int(pos[i])} is past the cache capacity of {self.capacity} "
-                f"tokens per request; nothing was written (make a Decoder with a larger capacity=)")
+                f"{what + ': ' if what else ''}request {int(req[i])}: position {int(pos[i])} is past the cache "
+                f"capacity of {self.capacity} tokens per request; nothing was written ({hint})")
         pos = torch.where(valid, pos, 0)
         n_c = (pos[valid] + 1) // 4  # the ratio-4 layers' visible compressed rows
         shortcut = n_c.numel() == 0 or int(n_c.max()) <= self.cfg.index_topk
@@ -678,12 +738,14 @@ class Decoder:
         kv_cache.insert(st["comp"], row, slots, block_size=st["page"], backend=backend)
         if r == 4:  # the indexer's own compressor (D = 128), into the indexer-K pool
             k, slots = completed(L["idx_comp"], st["idx_ring"], st["bt_i"], cfg.index_page)
-            indexer.insert_k(st["idx_cache"], k, slots, block_size=cfg.index_page, hadamard=self.index_hadamard,
-                             backend=backend)
+            indexer.insert_k(st["idx_cache"], k, slots, block_size=cfg.index_page, fmt=cfg.index_format,
+                             hadamard=self.index_hadamard, backend=backend)
 
     def _indexer(self, L: dict, st: dict, x: torch.Tensor, qr: torch.Tensor, rows: Rows, n_c: torch.Tensor,
                  backend: str) -> torch.Tensor:
-        """6: the indexer's top-k local compressed ids (T, K_top) int, a packed prefix, −1 padded."""
+        """6: the indexer's top-k local compressed ids (T, K_top) int, a packed prefix, −1 padded. Q and K in
+        ``cfg.index_format``: "fp8" (the q scale folded into the head weights, ``q_scales`` None) or "mxfp4"
+        (E2M1 blocks of 32 with UE8M0 scales, DeepSeek's FP4; ``docs/decode.md#the-indexer-format``)."""
         cfg = self.cfg
         T = x.shape[0]
         iq = self._op("proj", _linear, qr, L["idx_wq_b"]).view(T, cfg.index_heads, cfg.index_head_dim)
@@ -691,9 +753,9 @@ class Decoder:
         if rows.shortcut:  # short-context shortcut (decided on the host): every visible row, no logits needed
             local = self._op("indexer", indexer.short_context_topk, rows.pos, cfg.index_topk)
         else:
-            q8, _, w_out = self._op("indexer", indexer.quantize_q, iq, rows.pos, self.cos_sin["comp"], wts,
-                                    hadamard=self.index_hadamard, backend=backend)
-            logits = self._op("indexer", indexer.logits, q8, None, w_out, st["idx_cache"], rows.pos,
+            qq, q_scales, w_out = self._op("indexer", indexer.quantize_q, iq, rows.pos, self.cos_sin["comp"], wts,
+                                           fmt=cfg.index_format, hadamard=self.index_hadamard, backend=backend)
+            logits = self._op("indexer", indexer.logits, qq, q_scales, w_out, st["idx_cache"], rows.pos,
                               block_table=st["bt_i"][rows.req], block_size=cfg.index_page,
                               n_out=max(1, self.capacity // 4), backend=backend)
             local = self._op("indexer", indexer.topk, logits, cfg.index_topk)
@@ -717,19 +779,22 @@ def traffic_per_op(cfg: Config, context: int) -> dict[str, float]:
 
     * sparse_mla: N_sel·584 (KV rows) + q and out bf16 (H·512·2 each) + lse fp32 + 4-byte slots;
       N_sel = W (+ min(K_top, n_c) on ratio-4 layers, + n_c on ratio-128 layers), n_c = context // r.
-    * indexer: the logits kernel reads every visible indexer key (132 B: 128 e4m3 + fp32 scale) and writes
-      one fp32 logit per key; top-k reads the logits and writes K_top int32; Q quant reads bf16 q
-      (n_ih·128·2) and writes e4m3 q + fp32 weights.
+    * indexer: the logits kernel reads every visible indexer key (``cfg.index_format``: 132 B = 128 e4m3 +
+      fp32 scale; 68 B = 64 packed e2m1 + 4 UE8M0) and writes one fp32 logit per key; top-k reads the logits
+      and writes K_top int32; Q quant reads bf16 q (n_ih·128·2) and writes the quantised q (fp8: 128 B per
+      head + fp32 weight; mxfp4: 64 B + 4 scale bytes + fp32 weight).
     * qnorm_rope_kv_insert: q read + written (bf16), kv row read (bf16), 584 B written.
     * compressor: the fp32 state (kv, score) of this token written (2·coff·D·4 B), the window's states read
       once per r tokens (amortised: coff·r·2·D·4 / r), the compressed row written once per r tokens
-      (584 B; indexer keys 132 B).
+      (584 B; indexer keys 132 or 68 B).
     * mhc: two fused post+pre per layer, each reading and writing the M bf16 streams (M·Hd·2 B each way)
       plus reading the sub-layer output (Hd·2).
     """
     check_config(cfg)
     H, W, Hd, M = cfg.num_heads, cfg.window, cfg.hidden_size, cfg.hc_mult
     t = dict(sparse_mla=0.0, indexer=0.0, qnorm_rope_kv_insert=0.0, compressor=0.0, mhc=0.0)
+    key = FP8_K_RECORD if cfg.index_format == "fp8" else MXFP4_K_RECORD  # bytes per indexer key
+    q_head = 128 + 4 if cfg.index_format == "fp8" else 64 + 4 + 4  # a quantised query head + its weight
     for li in range(cfg.num_layers):
         r = layer_ratio(cfg, li)
         n_c = context // r if r else 0
@@ -739,10 +804,10 @@ def traffic_per_op(cfg: Config, context: int) -> dict[str, float]:
         t["mhc"] += 2 * (2 * M * Hd * 2 + Hd * 2)
         if r > 1:
             coff = compressor_op.overlap(r)
-            for d, row in [(512, TOKEN_BYTES)] + ([(cfg.index_head_dim, FP8_K_RECORD)] if r == 4 else []):
+            for d, row in [(512, TOKEN_BYTES)] + ([(cfg.index_head_dim, key)] if r == 4 else []):
                 t["compressor"] += 2 * coff * d * 4 + coff * r * 2 * d * 4 / r + row / r
         if r == 4:
             nih = cfg.index_heads
-            t["indexer"] += (nih * 128 * 2 + nih * (128 + 4) + n_c * (FP8_K_RECORD + 4) + n_c * 4
+            t["indexer"] += (nih * 128 * 2 + nih * q_head + n_c * (key + 4) + n_c * 4
                              + cfg.index_topk * 4)
     return t

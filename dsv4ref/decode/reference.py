@@ -25,7 +25,9 @@ Per layer l with ratio r, for all L positions p at once (``docs/decode.md#one-st
 
 ``bugs`` injects known mistakes on purpose (to show that the agreement check has teeth), ``fp8_kv``
 stores the KV rows as the cache does (e4m3 NoPE with UE8M0 scales, bf16 RoPE), which removes the FP8
-part of the error budget.
+part of the error budget. The indexer's scores come twice: unquantised, and with q and k through the
+config's indexer format (``cfg.index_format``: FP8, or DeepSeek's FP4, simulated in float64 by
+:func:`index_quant_sim`), for recall checks of the decode path's top-k.
 """
 
 from __future__ import annotations
@@ -38,11 +40,13 @@ from einops import rearrange
 from .. import mhc, moe
 from ..compressor import compress_sequence
 from ..config import Config
+from ..device import HOST
 from ..formats import E4M3_MAX, KV_AMAX_FLOOR, NOPE_DIM, QUANT_BLOCK
 from ..rope import yarn_correction_range
 from .weights import check_config, layer_ratio, weights_to
 
-__all__ = ["reference_forward", "REFERENCE_BUGS", "block", "moe_f64", "compress", "inv_freq", "rope", "fp8_kv_sim", "index_scores"]
+__all__ = ["reference_forward", "REFERENCE_BUGS", "block", "moe_f64", "compress", "inv_freq", "rope", "fp8_kv_sim",
+           "index_scores", "index_quant_sim"]
 
 #: deliberate bugs :func:`reference_forward` can inject, to show the agreement check has teeth
 REFERENCE_BUGS = ("no_sink", "no_inv_rope", "comb_not_transposed", "no_compressed", "rope_neox")
@@ -66,7 +70,8 @@ def reference_forward(cfg: Config, weights: dict, tokens: torch.Tensor, topk: di
 
     Returns:
         dict(logits (L, V), attn [per layer (L, Hd)], index_scores {layer: (L, n_c) unquantised indexer
-        logits, −inf where not visible}, hidden (L, M, Hd) the pre-hc_head residual (what the MTP layer
+        logits, −inf where not visible}, index_scores_fmt {layer: the same with q and k quantised in
+        ``cfg.index_format`` (simulated, after the Hadamard rotation)}, hidden (L, M, Hd) the pre-hc_head residual (what the MTP layer
         reads), experts {layer: (L, K) the ids used}), all float64 on the CPU (ids int32).
     """
     check_config(cfg)
@@ -77,7 +82,7 @@ def reference_forward(cfg: Config, weights: dict, tokens: torch.Tensor, topk: di
     tokens = torch.as_tensor(tokens, dtype=torch.int64).cpu()
     L, M, eps = tokens.shape[0], cfg.hc_mult, cfg.rms_norm_eps
     Hs = w["embed"][tokens][:, None, :].expand(L, M, -1).clone()  # (L, M, Hd): the embedding, M times
-    out = dict(attn=[], index_scores={}, experts={})
+    out = dict(attn=[], index_scores={}, index_scores_fmt={}, experts={})
     for li, Lw in enumerate(w["layers"]):
         r = layer_ratio(cfg, li)
         if r == 4 and (topk is None or li not in topk):
@@ -88,7 +93,7 @@ def reference_forward(cfg: Config, weights: dict, tokens: torch.Tensor, topk: di
         out["attn"].append(a)
         out["experts"][li] = ids
         if sc is not None:
-            out["index_scores"][li] = sc
+            out["index_scores"][li], out["index_scores_fmt"][li] = sc
     hp = w["hc_head"]
     out["hidden"] = Hs
     y = mhc.reference.head(Hs, hp["fn"], hp["scale"], hp["base"], dtype=torch.float64, rms_eps=eps, hc_eps=cfg.hc_eps)
@@ -103,10 +108,11 @@ def block(cfg: Config, Lw: dict, r: int, Hs: torch.Tensor, tokens: torch.Tensor,
     Args: ``Lw`` one layer's weights (float64, CPU), ``r`` its ratio, ``Hs`` (L, M, Hd) the streams in,
     ``tokens`` (L,) (a hash layer routes by them), ``topk`` (L, K_top) for ratio 4, ``experts`` (L, K) ids to
     use (None: route here), ``positions`` (L,) (default 0..L−1). Returns ``(Hs, attn (L, Hd), index_scores
-    or None, expert ids (L, K) int32)``."""
+    or None, expert ids (L, K) int32)``; index_scores (ratio 4) is the pair (unquantised, in
+    ``cfg.index_format``) of :func:`index_scores`."""
     L, H, W, eps = Hs.shape[0], cfg.num_heads, cfg.window, cfg.rms_norm_eps
     neox = "rope_neox" in bugs
-    pos = torch.arange(L) if positions is None else positions
+    pos = torch.arange(L, device=HOST) if positions is None else positions
     inv = inv_freq(cfg, r)
     mk = dict(rms_eps=eps, hc_eps=cfg.hc_eps)
 
@@ -131,8 +137,8 @@ def block(cfg: Config, Lw: dict, r: int, Hs: torch.Tensor, tokens: torch.Tensor,
     if fp8_kv:
         k = fp8_kv_sim(k)
     # candidates of each position: its window (L, W) and its compressed rows (L, n_sel)
-    j = torch.arange(L)
-    win = j[:, None] - W + 1 + torch.arange(W)[None, :]
+    j = torch.arange(L, device=HOST)
+    win = j[:, None] - W + 1 + torch.arange(W, device=HOST)[None, :]
     cand, ok = [k[win.clamp(min=0)]], [win >= 0]
     scores = None
     if r > 1 and "no_compressed" not in bugs:
@@ -147,9 +153,9 @@ def block(cfg: Config, Lw: dict, r: int, Hs: torch.Tensor, tokens: torch.Tensor,
                 raise ValueError(f"topk[{layer}]: expected {L} rows, got shape {tuple(sel.shape)}")
             if bool(((sel >= n_c[:, None]) & (sel >= 0)).any()):
                 raise ValueError(f"topk[{layer}]: an id is not yet visible (id >= (p+1)//4): causal mask broken")
-            scores = index_scores(cfg, Lw, x, qr, inv, pos)
+            scores = tuple(index_scores(cfg, Lw, x, qr, inv, pos, fmt=f) for f in (None, cfg.index_format))
         else:
-            sel = torch.arange(max(1, L // r))[None, :].expand(L, -1)
+            sel = torch.arange(max(1, L // r), device=HOST)[None, :].expand(L, -1)
             sel = torch.where(sel < n_c[:, None], sel, -1)
         if c.shape[0]:
             cand.append(ck[sel.clamp(min=0)])
@@ -180,7 +186,7 @@ def moe_f64(cfg: Config, m: dict, x: torch.Tensor, tokens: torch.Tensor, experts
     without roundings. ``experts``: (L, K) ids to use instead of routing (their weights are still this
     function's scores at those ids). Returns ``(y (L, Hd) float64, ids (L, K) int32)``."""
     if experts is not None:
-        table, ids_in = torch.as_tensor(experts).long().cpu(), torch.arange(x.shape[0])
+        table, ids_in = torch.as_tensor(experts).long().cpu(), torch.arange(x.shape[0], device=HOST)
     else:
         table, ids_in = (m["tid2eid"], tokens) if hash_layer else (None, None)
     ids, wts = moe.reference.route(x, m["gate_weight"], m["bias"], k=cfg.num_experts_per_tok,
@@ -207,7 +213,7 @@ def inv_freq(cfg: Config, ratio: int) -> torch.Tensor:
     θ = compress_rope_theta with YaRN, a linear ramp between the original frequency (pairs below ``low``)
     and the one slowed down by ``factor`` (pairs above ``high``)."""
     R = cfg.rope_dim
-    i = torch.arange(R // 2, dtype=torch.float64)
+    i = torch.arange(R // 2, dtype=torch.float64, device=HOST)
     if ratio == 0:
         return cfg.rope_theta ** (-2 * i / R)
     th = cfg.compress_rope_theta
@@ -249,15 +255,50 @@ def compress(cw: dict, r: int, x: torch.Tensor, eps: float) -> tuple[torch.Tenso
     return compress_sequence(x, cw["wkv"], cw["wgate"], cw["ape"], cw["norm"], ratio=r, eps=eps, dtype=torch.float64)
 
 
+def index_quant_sim(x: torch.Tensor, fmt: str) -> torch.Tensor:
+    """The values an indexer row (last dim 128) holds after quantisation, simulated in float64
+    (``docs/decode.md#the-indexer-format``): ``"fp8"``: e4m3 with one power-of-two scale per row,
+    2^ceil(log2(max(amax, 1e-4) / 448)); ``"mxfp4"``: E2M1 (0, 0.5, 1, 1.5, 2, 3, 4, 6; round half to even)
+    in blocks of 32 with one power-of-two scale each, 2^ceil(log2(max(amax, 6·2^-126) / 6)) (DeepSeek's
+    FP4 of the indexer's q and k)."""
+    if fmt == "fp8":
+        amax = x.abs().amax(-1, keepdim=True).clamp(min=1e-4)
+        scale = torch.exp2(torch.ceil(torch.log2(amax / E4M3_MAX)))
+        return (x / scale).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn).double() * scale
+    if fmt != "mxfp4":
+        raise ValueError(f"fmt: expected 'fp8' or 'mxfp4', got {fmt!r}")
+    b = rearrange(x, "... (n k) -> ... n k", k=32)
+    amax = b.abs().amax(-1, keepdim=True).clamp(min=6 * 2.0**-126)
+    scale = torch.exp2(torch.ceil(torch.log2(amax / 6)))
+    v = (b / scale).clamp(-6, 6)
+    step = torch.where(v.abs() < 2, 0.5, torch.where(v.abs() < 4, 1.0, 2.0))  # the E2M1 grid's spacing
+    q = torch.round(v / step) * step  # round half to even: an even multiple of the step is an even code
+    return rearrange(q * scale, "... n k -> ... (n k)")
+
+
+def _hadamard(x: torch.Tensor) -> torch.Tensor:
+    """x · H_128 · 128^-½ over the last dim (Sylvester's H), float64."""
+    h = torch.ones(1, 1, dtype=x.dtype, device=HOST)
+    while h.shape[0] < x.shape[-1]:
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+    return x @ h * x.shape[-1] ** -0.5
+
+
 def index_scores(cfg: Config, Lw: dict, x: torch.Tensor, qr: torch.Tensor, inv: torch.Tensor,
-                 pos: torch.Tensor) -> torch.Tensor:
-    """Unquantised indexer logits I[p, s] = Σ_h w[p, h]·ReLU(q[p, h]·k[s]) · 128^-0.5 · n_ih^-0.5, float64;
-    −inf for s >= (p+1)//4 (not yet complete). For a top-k recall check, not for the forward."""
+                 pos: torch.Tensor, fmt: str | None = None, hadamard: bool = True) -> torch.Tensor:
+    """Indexer logits I[p, s] = Σ_h w[p, h]·ReLU(q[p, h]·k[s]) · 128^-0.5 · n_ih^-0.5, float64; −inf for
+    s >= (p+1)//4 (not yet complete). ``fmt`` None: unquantised; ``"fp8"`` / ``"mxfp4"``: q and k rotated
+    by the Hadamard (if ``hadamard``, as the decode path does by default) and quantised as
+    :func:`index_quant_sim` simulates. For top-k recall checks, not for the forward."""
     c, cp = compress(Lw["idx_comp"], 4, x, cfg.rms_norm_eps)
     k = rope(c, cp - 3, inv)
     q = rope(rearrange(qr @ Lw["idx_wq_b"].T, "l (h d) -> l h d", h=cfg.index_heads), pos, inv)
+    if fmt is not None:
+        if hadamard:
+            q, k = _hadamard(q), _hadamard(k)
+        q, k = index_quant_sim(q, fmt), index_quant_sim(k, fmt)
     wts = x @ Lw["idx_weights"].T
     s = torch.einsum("lhd,sd->lhs", q, k).clamp(min=0)
     s = (s * wts[..., None]).sum(1) * (cfg.index_head_dim**-0.5 * cfg.index_heads**-0.5)
-    vis = torch.arange(k.shape[0])[None, :] < ((pos + 1) // 4)[:, None]
+    vis = torch.arange(k.shape[0], device=HOST)[None, :] < ((pos + 1) // 4)[:, None]
     return s.masked_fill(~vis, -math.inf)
