@@ -29,6 +29,9 @@ from ..tolerances import Report
 
 CHECKS: dict[str, Callable[[], list["CheckRow"]]] = {}
 BENCHES: dict[str, Callable[[], list["BenchCase"]]] = {}
+# ``@summary("sparse_mla")`` on ``(rows) -> list[str]``: lines ``bench`` prints after its table when a case of
+# that op ran (e.g. a peer's time ratios, computed from the rows of the same run)
+SUMMARIES: dict[str, Callable[[list["BenchRow"]], list[str]]] = {}
 
 
 @dataclass
@@ -76,6 +79,13 @@ def check(name: str):
 def bench(name: str):
     def deco(fn):
         BENCHES[name] = fn
+        return fn
+    return deco
+
+
+def summary(name: str):
+    def deco(fn):
+        SUMMARIES[name] = fn
         return fn
     return deco
 

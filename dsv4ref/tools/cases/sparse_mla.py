@@ -7,7 +7,14 @@ per (token, head block) (``sparse_mla.fused[split=1]``), the fused kernel with i
 (``sparse_mla.gluon``). :func:`write_ladder` runs them and writes ``benchmarks/sparse_mla_ladder.json``,
 the data of the notebook's roofline chart.
 
-Also used by ``benchmarks/sparse_mla_sweep.py``: :data:`BENCH_SHAPES`, :func:`bench_inputs`, :func:`bench_counts`.
+The peer: where ``flash_mla`` imports on a Hopper GPU (:func:`dsv4ref.tools.peers.flashmla.available`), FlashMLA's
+SM90 kernel (``sparse_mla.flashmla``) is timed on every shape of :data:`GRID_SHAPES`, on the same input sets as
+ours, in the same run; ``bench`` then prints our time over FlashMLA's per shape (:func:`peer_ratios`), and the
+ladder file keeps both (keys ``peer`` and ``peer_grid``). Otherwise one line says why it was skipped. The
+grid's shapes other than the ladder's three time only what ``backend="auto"`` runs (``sparse_mla.gluon`` on
+Hopper, ``sparse_mla.fused`` elsewhere) and the peer.
+
+Also used by ``benchmarks/experiments/sparse_mla_sweep.py``: :data:`BENCH_SHAPES`, :func:`bench_inputs`, :func:`bench_counts`.
 """
 
 from __future__ import annotations
@@ -27,11 +34,18 @@ from ...sparse_mla import reference
 from ...sparse_mla.launch import default_launch, fused_decode, workspace
 from ...sparse_mla.two_pass import seed_decode, seed_plan, two_pass_decode
 from ...tolerances import compare
-from ..harness import BenchCase, CheckRow, bench, check, run_benches
+from ..harness import BenchCase, CheckRow, bench, check, run_benches, summary
+from ..peers import flashmla
 
 # The issue's shapes (T, H, K): T = 64 decode tokens; the window pool (128 slots, pages of 64) plus the
 # compressed pool (the rest, pages of 64), every entry valid.
 BENCH_SHAPES = ((64, 64, 640), (64, 128, 1152), (64, 16, 2048))
+# The peer comparison's grid (T, H, K), the ladder's three shapes included: T 1 … 256 decode tokens, H 16 / 64 /
+# 128 heads, K 640 / 1152 / 2176 candidates (128 window + 512 / 1024 / 2048 compressed) and the ladder's 2048.
+GRID_SHAPES = ((1, 64, 640), (1, 128, 2176), (8, 64, 640), (8, 128, 1152), (8, 128, 2176), (64, 64, 640),
+               (64, 64, 2176), (64, 128, 640), (64, 128, 1152), (64, 128, 2176), (64, 16, 2048), (256, 64, 640),
+               (256, 64, 2176), (256, 128, 1152), (256, 128, 2176))
+PEER_OP = "sparse_mla.flashmla"
 L2_BYTES = 60e6  # the H200's L2, rounded up: input sets rotate past it
 WINDOW = 128
 
@@ -100,43 +114,127 @@ def _gluon():
     return gluon if gluon.available(DEVICE) else None
 
 
+def bench_grid() -> list[tuple[int, int, int]]:
+    """The shapes ``bench sparse_mla`` times: the ladder's three first (every rung), then the rest of
+    :data:`GRID_SHAPES` (ours and the peer)."""
+    return list(BENCH_SHAPES) + [s for s in GRID_SHAPES if s not in BENCH_SHAPES]
+
+
+def _gluon_case(gluon, T, H, K, sets, byts, flops, dims) -> BenchCase:
+    g = lambda i, s=sets: gluon.decode_gluon(**s[i], scale=sparse_mla.DEFAULT_SCALE)  # noqa: E731
+    return BenchCase("sparse_mla.gluon", f"T={T} H={H} K={K}", g, len(sets), byts, flops, extra=dims,
+                     note="warp-specialised Hopper kernel (dsv4ref/sparse_mla/gluon.py)")
+
+
+def _peer_case(T, H, K, sets, byts, flops, dims) -> BenchCase | None:
+    """FlashMLA's kernel on the same input sets: each mapped once and run once here (its scheduler metadata is
+    made by that first call), so the timed call launches FlashMLA's kernels only. Set 0's lse is checked
+    against our fused kernel's first, so a ratio is never the time of a wrong answer. None (and a FAILED
+    line) when the mapping or the first call fails."""
+    shape = f"T={T} H={H} K={K}"
+    try:
+        calls = [flashmla.prepare(**s, scale=sparse_mla.DEFAULT_SCALE) for s in sets]
+        _, lse = calls[0].result(calls[0].run())
+        rep = compare(lse, fused_decode(**sets[0], scale=sparse_mla.DEFAULT_SCALE)[1], "lse", "lse")
+    except Exception as e:  # noqa: BLE001 - the peer failing must not hide our rows
+        print(f"{PEER_OP} {shape}: FAILED {type(e).__name__}: {(str(e).splitlines() or [''])[0][:200]}", flush=True)
+        return None
+    if not rep.passed:
+        print(f"{PEER_OP} {shape}: its lse differs from ours on input set 0 ({rep}); timed all the same", flush=True)
+    pad = f"; H {H} runs as {64 if H <= 64 else 128} heads" if H not in flashmla.HEADS else ""
+    return BenchCase(PEER_OP, shape, lambda i, c=calls: c[i].run(), len(sets), byts, flops, extra=dims,
+                     note=f"FlashMLA's SM90 kernel ({flashmla.WHEEL}, use_legacy=True), inputs mapped outside the "
+                          f"timing{pad}")
+
+
 @bench("sparse_mla")
 def _bench() -> list[BenchCase]:
     cases = []
-    shapes = [(T, H, K, bench_inputs(T, H, K, n_sets_for(T, K), DEVICE)) for T, H, K in BENCH_SHAPES]
+    shapes = [(T, H, K, bench_inputs(T, H, K, n_sets_for(T, K), DEVICE)) for T, H, K in bench_grid()]
     # the two-pass workspace is shared: size it for the largest shape BEFORE any graph captures it, so no
-    # captured graph keeps a pointer to a workspace that a later, larger shape replaced
-    workspace(max(T * K for T, _, K, _ in shapes), DEVICE)
+    # captured graph keeps a pointer to a workspace that a later, larger shape replaced (only the ladder's
+    # shapes run the two-pass path)
+    workspace(max(T * K for T, H, K, _ in shapes if (T, H, K) in BENCH_SHAPES), DEVICE)
     gluon = _gluon()
+    peer, why = flashmla.available(DEVICE)
+    if not peer:
+        print(f"FlashMLA peer skipped: {why}", flush=True)
     for T, H, K, sets in shapes:
         byts, flops = bench_counts(T, H, K)
-        launch = default_launch(T, H, K, DEVICE)
-        one = dataclasses.replace(launch, num_splits=1)
-        shape = f"T={T} H={H} K={K} split={launch.num_splits}"
         dims = dict(T=T, H=H, K=K)
-        scale = sparse_mla.DEFAULT_SCALE
-        # the seed's host loop runs once per input set, outside the timing: the issue's figures count
-        # device work only (its per-token gathers and the attention)
-        plans = [seed_plan(s["slots"], s["lengths"], s["extra_slots"], s["extra_lengths"]) for s in sets]
-        # no validation, no host sync on these paths: the harness can capture them in a device graph
-        seed = lambda i, s=sets, p=plans, L=launch: seed_decode(**s[i], scale=scale, launch=L, plan=p[i])  # noqa: E731
-        two = lambda i, s=sets, L=launch: two_pass_decode(**s[i], scale=scale, launch=L)  # noqa: E731
-        fused1 = lambda i, s=sets, L=one: fused_decode(**s[i], scale=scale, launch=L)  # noqa: E731
-        fused = lambda i, s=sets, L=launch: fused_decode(**s[i], scale=scale, launch=L)  # noqa: E731
-        cases.append(BenchCase("sparse_mla.seed", shape, seed, len(sets), byts, flops, extra=dims,
-                               note="the seed's structure: a gather launch per token and pool, then bf16 attention"))
-        cases.append(BenchCase("sparse_mla.two_pass", shape, two, len(sets), byts, flops, extra=dims,
-                               note="same compulsory bytes; really moves ~2632 B/row (584 + 2·1024 workspace)"))
-        cases.append(BenchCase("sparse_mla.fused[split=1]", f"T={T} H={H} K={K} split=1", fused1, len(sets), byts,
-                               flops, extra=dims, note="the fused kernel, one program per (token, head block)"))
-        cases.append(BenchCase("sparse_mla.fused", shape, fused, len(sets), byts, flops, extra=dims,
-                               note="584+4 B/row + q,out bf16 + lse; FLOP 2·H·K·1024",
-                               reference=(lambda kw: reference.decode(**kw), lambda i, s=sets: (s[i],))))
-        if gluon is not None:
-            g = lambda i, s=sets: gluon.decode_gluon(**s[i], scale=scale)  # noqa: E731
-            cases.append(BenchCase("sparse_mla.gluon", f"T={T} H={H} K={K}", g, len(sets), byts, flops, extra=dims,
-                                   note="warp-specialised Hopper kernel (dsv4ref/sparse_mla/gluon.py)"))
+        if (T, H, K) in BENCH_SHAPES:
+            cases += _ladder_cases(T, H, K, sets, gluon)
+        elif gluon is not None:  # the rest of the grid: what backend="auto" runs here, beside the peer
+            cases.append(_gluon_case(gluon, T, H, K, sets, byts, flops, dims))
+        else:
+            launch = default_launch(T, H, K, DEVICE)
+            fused = lambda i, s=sets, L=launch: fused_decode(**s[i], scale=sparse_mla.DEFAULT_SCALE, launch=L)  # noqa: E731
+            cases.append(BenchCase("sparse_mla.fused", f"T={T} H={H} K={K} split={launch.num_splits}", fused, len(sets),
+                                   byts, flops, extra=dims, note="584+4 B/row + q,out bf16 + lse; FLOP 2·H·K·1024"))
+        if peer and (c := _peer_case(T, H, K, sets, byts, flops, dims)) is not None:
+            cases.append(c)
     return cases
+
+
+def _ladder_cases(T, H, K, sets, gluon) -> list[BenchCase]:
+    """Every rung of the ladder at one of its shapes (and the reference under torch.compile beside the fused
+    kernel), on the same input sets."""
+    byts, flops = bench_counts(T, H, K)
+    launch = default_launch(T, H, K, DEVICE)
+    one = dataclasses.replace(launch, num_splits=1)
+    shape = f"T={T} H={H} K={K} split={launch.num_splits}"
+    dims = dict(T=T, H=H, K=K)
+    scale = sparse_mla.DEFAULT_SCALE
+    # the seed's host loop runs once per input set, outside the timing: the issue's figures count
+    # device work only (its per-token gathers and the attention)
+    plans = [seed_plan(s["slots"], s["lengths"], s["extra_slots"], s["extra_lengths"]) for s in sets]
+    # no validation, no host sync on these paths: the harness can capture them in a device graph
+    seed = lambda i, s=sets, p=plans, L=launch: seed_decode(**s[i], scale=scale, launch=L, plan=p[i])  # noqa: E731
+    two = lambda i, s=sets, L=launch: two_pass_decode(**s[i], scale=scale, launch=L)  # noqa: E731
+    fused1 = lambda i, s=sets, L=one: fused_decode(**s[i], scale=scale, launch=L)  # noqa: E731
+    fused = lambda i, s=sets, L=launch: fused_decode(**s[i], scale=scale, launch=L)  # noqa: E731
+    cases = [
+        BenchCase("sparse_mla.seed", shape, seed, len(sets), byts, flops, extra=dims,
+                  note="the seed's structure: a gather launch per token and pool, then bf16 attention"),
+        BenchCase("sparse_mla.two_pass", shape, two, len(sets), byts, flops, extra=dims,
+                  note="same compulsory bytes; really moves ~2632 B/row (584 + 2·1024 workspace)"),
+        BenchCase("sparse_mla.fused[split=1]", f"T={T} H={H} K={K} split=1", fused1, len(sets), byts, flops,
+                  extra=dims, note="the fused kernel, one program per (token, head block)"),
+        BenchCase("sparse_mla.fused", shape, fused, len(sets), byts, flops, extra=dims,
+                  note="584+4 B/row + q,out bf16 + lse; FLOP 2·H·K·1024",
+                  reference=(lambda kw: reference.decode(**kw), lambda i, s=sets: (s[i],))),
+    ]
+    if gluon is not None:
+        cases.append(_gluon_case(gluon, T, H, K, sets, byts, flops, dims))
+    return cases
+
+
+def _times(rows) -> dict:
+    """{(bench op, T, H, K): µs} of a run's rows."""
+    return {(r.case.op, r.case.extra.get("T"), r.case.extra.get("H"), r.case.extra.get("K")): r.ms * 1e3 for r in rows}
+
+
+def _ours(us: dict, T: int, H: int, K: int) -> tuple[str, float | None]:
+    """What ``backend="auto"`` ran at this shape and its µs: the Gluon kernel where the run timed it, else the
+    portable fused one (None when neither ran)."""
+    for op in ("sparse_mla.gluon", "sparse_mla.fused"):
+        if (op, T, H, K) in us:
+            return op, us[(op, T, H, K)]
+    return "", None
+
+
+@summary("sparse_mla")
+def peer_ratios(rows) -> list[str]:
+    """The lines ``bench`` prints after its table: per grid shape where both ran, our time (what
+    ``backend="auto"`` runs) over FlashMLA's, from the same run and the same inputs. No lines without the peer."""
+    us, out = _times(rows), []
+    for T, H, K in bench_grid():
+        op, ours = _ours(us, T, H, K)
+        theirs = us.get((PEER_OP, T, H, K))
+        if ours is not None and theirs is not None:
+            out.append(f"  T={T} H={H} K={K}: {op} {ours:.1f} us / FlashMLA {theirs:.1f} us = {ours / theirs:.2f}")
+    head = "sparse_mla: ours / FlashMLA per shape (time ratio, same run, same inputs; above 1 FlashMLA is faster)"
+    return [head, *out] if out else []
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -159,7 +257,7 @@ def ladder(ceil, rows, *, device: str, command: str) -> dict:
     and FLOPs, and per rung the µs per shape (None where the rung did not run)."""
     shapes = [dict(T=T, H=H, K=K, bytes=bench_counts(T, H, K)[0], flops=bench_counts(T, H, K)[1],
                    splits=default_launch(T, H, K, DEVICE).num_splits) for T, H, K in BENCH_SHAPES]
-    us = {(r.case.op, r.case.extra.get("T"), r.case.extra.get("H"), r.case.extra.get("K")): r.ms * 1e3 for r in rows}
+    us = _times(rows)
     rungs = []
     for key, op, label in RUNGS:
         vals = [us.get((op, s["T"], s["H"], s["K"])) for s in shapes]
@@ -170,7 +268,29 @@ def ladder(ceil, rows, *, device: str, command: str) -> dict:
                 ceilings=dict(copy_bytes_per_s=ceil.copy_bytes_per_s, bf16_flops_per_s=ceil.bf16_flops_per_s),
                 accounting="bytes: T·(K·(584 + 4) + H·512·2·2 + H·4 + 8); FLOP: T·2·H·K·(512 + 512); bound = "
                            "max(bytes / copy, FLOP / bf16 matmul); times: median device-graph replay",
-                shapes=shapes, rungs=rungs, others=_compiled_reference(us, shapes, command))
+                shapes=shapes, rungs=rungs, others=_compiled_reference(us, shapes, command),
+                **_peer(us, shapes, command))
+
+
+def _peer(us: dict, shapes: list[dict], command: str) -> dict:
+    """The ladder file's anchor: FlashMLA's kernel timed in the same run. ``peer`` is drawn like a rung (µs
+    on the ladder's shapes); ``peer_grid`` holds, per shape of :data:`GRID_SHAPES`, our time (what
+    ``backend="auto"`` ran), FlashMLA's and their ratio (None where one did not run)."""
+    vals = [us.get((PEER_OP, s["T"], s["H"], s["K"])) for s in shapes]
+    measured = all(v is not None for v in vals)
+    peer = dict(key="flashmla", label="FlashMLA's SM90 kernel (sgl-flash-mla, use_legacy=True)", bench_op=PEER_OP,
+                us=[None if v is None else round(v, 1) for v in vals], status="measured" if measured else "pending",
+                source=f"{command} ({datetime.date.today().isoformat()})",
+                version=flashmla.version() if any(v is not None for v in vals) else "")
+    grid = []
+    for T, H, K in GRID_SHAPES:
+        op, ours = _ours(us, T, H, K)
+        theirs = us.get((PEER_OP, T, H, K))
+        grid.append(dict(T=T, H=H, K=K, bytes=bench_counts(T, H, K)[0], flops=bench_counts(T, H, K)[1], ours_op=op or None,
+                         ours_us=None if ours is None else round(ours, 1),
+                         flashmla_us=None if theirs is None else round(theirs, 1),
+                         ours_over_flashmla=None if ours is None or theirs is None else round(ours / theirs, 3)))
+    return dict(peer=peer, peer_grid=grid)
 
 
 def _compiled_reference(us: dict, shapes: list[dict], command: str) -> list[dict]:
@@ -188,11 +308,18 @@ def write_ladder(path=LADDER_PATH, *, device: str = "", command: str = "dsv4ref.
                  measured=None):
     """Run every rung's bench case on this GPU (or take ``measured`` = ``(ceilings, rows)`` of a bench run
     that included them) and write the ladder file (default ``benchmarks/sparse_mla_ladder.json``); the
-    file's ``others`` (figures from other runs, each with its source) are kept. Returns the content written."""
+    file's ``others`` (figures from other runs, each with its source) are kept, and so are ``peer`` /
+    ``peer_grid`` when this run did not time the peer, and every key this function does not write. Returns
+    the content written."""
     ceil, rows = measured or run_benches("sparse_mla")
     data = ladder(ceil, rows, device=device or describe(), command=command)
     old = pathlib.Path(path)
-    if old.exists() and not data["others"]:  # figures this run did not measure keep their own source
-        data["others"] = json.loads(old.read_text()).get("others", [])
+    prev = json.loads(old.read_text()) if old.exists() else {}
+    if not data["others"]:  # figures this run did not measure keep their own source
+        data["others"] = prev.get("others", [])
+    if data["peer"]["status"] != "measured" and prev.get("peer", {}).get("status") == "measured":
+        data["peer"], data["peer_grid"] = prev["peer"], prev.get("peer_grid", data["peer_grid"])  # both from one run
+    for k, v in prev.items():  # keys this function does not write (e.g. "diagnostics") are kept as they are
+        data.setdefault(k, v)
     pathlib.Path(path).write_text(json.dumps(data, indent=1, ensure_ascii=False) + "\n")
     return data
