@@ -6,12 +6,15 @@
 * no block of six or more lines is written twice inside ``dsv4ref/`` (except the side-by-sides listed in
   ``docs/layout.md``, kept on purpose for teaching);
 * the command line answers ``--help`` without importing torch and never exits 0 when nothing ran.
+* no history (run numbers, log paths) in code, tests, docs or notebook sources;
+* notebooks build tensors on the library's device and print no digits that differ between devices.
 """
 
 from __future__ import annotations
 
 import ast
 import hashlib
+import json
 import os
 import pathlib
 import re
@@ -205,3 +208,79 @@ def test_cli_never_reports_green_on_nothing():
     empty.mkdir(parents=True, exist_ok=True)
     assert _cli("conformance", "--golden", str(empty)).returncode != 0
     assert _cli("conformance", "--golden", str(ROOT / "no" / "such" / "dir")).returncode != 0
+
+
+# ----------------------------------------------------------------------------------------------------
+# history belongs in benchmarks/ and git; notebooks run the same on every device
+# ----------------------------------------------------------------------------------------------------
+
+# written so that this file does not match itself
+HISTORY = re.compile(r"\b[Ss]ession" + r"s?[- ][0-9]|\b[Ii]ssue" + r"s? [0-9]|\bruns/" + r"20[0-9][0-9]|\bs[0-9]+_h" + r"200")
+
+
+def test_no_history_in_code_tests_docs_or_notebooks():
+    """Code, tests, docs and notebook sources say what is true now; which run measured what, and when, lives
+    in ``benchmarks/`` (the per-op notes) and in git."""
+    paths = [*_py([LIB, ROOT / "tests"]), *sorted((ROOT / "docs").glob("*.md")),
+             *sorted((ROOT / "notebooks" / "src").glob("*.py"))]
+    hits = [f"{p.relative_to(ROOT)}:{i}: {line.strip()[:100]}" for p in paths
+            for i, line in enumerate(p.read_text().splitlines(), 1) if HISTORY.search(line)]
+    assert not hits, "history markers:\n" + "\n".join(hits[:20])
+
+
+def test_notebooks_build_tensors_on_the_library_device():
+    """A tensor a notebook pins to the CPU reaches a kernel on a GPU box and fails there (the interpreter on a
+    CPU cannot tell). ``device="cpu"`` is allowed only on a line that says why: ``# host: ...``."""
+    pin = re.compile(r"""device\s*=\s*["']cpu["']|\.cpu\(\)\s*\.\s*to\(|torch\.device\(["']cpu["']\)""")
+    hits = [f"{p.name}:{i}: {line.strip()}" for p in sorted((ROOT / "notebooks" / "src").glob("*.py"))
+            for i, line in enumerate(p.read_text().splitlines(), 1) if pin.search(line) and "# host:" not in line]
+    assert not hits, "tensors pinned to the CPU:\n" + "\n".join(hits)
+
+
+_DECIMAL = re.compile(r"(?<![\w.])-?\d+\.\d+(?:[eE][-+]?\d+)?")
+
+
+def _device_independent(text: str) -> bool:
+    """A printed decimal is safe if it cannot carry a device's rounding: at most 6 significant digits, the fp32
+    value of a short decimal (an input constant printed in full), or a small-mantissa power of two (exact)."""
+    import math
+
+    import numpy as np
+
+    digits = text.lstrip("-").lower().split("e")[0].replace(".", "").lstrip("0")
+    if len(digits) <= 6:
+        return True
+    v = float(text)
+    if v == 0 or not math.isfinite(v):
+        return True
+    if len(repr(np.float32(v)).strip("np.float32()").lstrip("-").split("e")[0].replace(".", "").lstrip("0")) <= 6:
+        return True
+    m, _ = math.frexp(abs(v))
+    return (m * 256).is_integer()  # 8 significant bits or fewer: an exact, computed-anywhere-the-same value
+
+
+def test_stored_outputs_print_no_device_dependent_digits():
+    """nbval compares stored CPU outputs with a fresh run on a GPU: a raw fp32 result printed to 7 or 8 digits
+    (an exp, a sqrt, a sum in another order) differs in its last digit there. Such cells round to what both
+    devices agree on, start with ``# NBVAL_IGNORE_OUTPUT``, or say why their digits are the same everywhere
+    with an ``# exact digits: ...`` comment (values computed on the host, for instance)."""
+    hits = []
+    for p in sorted((ROOT / "notebooks").glob("*.ipynb")):
+        for i, c in enumerate(json.loads(p.read_text())["cells"]):
+            src = "".join(c["source"])
+            if c["cell_type"] != "code" or "NBVAL_IGNORE_OUTPUT" in src or "# exact digits:" in src:
+                continue
+            for o in c.get("outputs", []):
+                text = "".join(o.get("text", "")) or "".join(o.get("data", {}).get("text/plain", ""))
+                hits += [f"{p.name} cell {i}: {d}" for d in _DECIMAL.findall(text) if not _device_independent(d)]
+    assert not hits, "device-dependent digits in stored outputs:\n" + "\n".join(hits[:20])
+
+
+def test_named_benchmark_scripts_exist():
+    """Code, tests, docs and notebooks that name a script under ``benchmarks/`` name one that is there."""
+    paths = [*_py([LIB, ROOT / "tests", ROOT / "scripts"]), *sorted((ROOT / "docs").glob("*.md")),
+             *sorted((ROOT / "notebooks" / "src").glob("*.py")), ROOT / "README.md"]
+    named = re.compile(r"benchmarks/[\w/.-]+\.(?:py|json|md)")
+    missing = sorted({f"{p.relative_to(ROOT)}: {m}" for p in paths for m in named.findall(p.read_text())
+                      if not (ROOT / m).exists()})
+    assert not missing, "named but not there:\n" + "\n".join(missing)

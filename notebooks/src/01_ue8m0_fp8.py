@@ -112,7 +112,7 @@ for a, b, v in zip(x.tolist(), enc.view(torch.uint8).tolist(), enc.float().tolis
 # With an arbitrary fp32 scale (amax/448, say) the product needs up to 3 + 24 significant bits; bf16 has 8:
 
 # %%
-xs = randn((64, 448), seed=1, octaves=16, device="cpu")  # bf16 rows, per-64 block scales over 16 octaves
+xs = randn((64, 448), seed=1, octaves=16, device="cpu")  # host: plain-torch arithmetic only; bf16 rows, 16 octaves
 q, sb = fp8.quantize_ue8m0(xs, backend="reference")
 exact = q.double().reshape(64, 7, 64) * torch.exp2(sb.double() - 127)[..., None]
 pow2_bf16 = fp8.dequantize_ue8m0(q, sb, backend="reference").double().reshape(64, 7, 64)
@@ -370,8 +370,9 @@ plt.show()
 # encoder. With `EARLY` (the default launch, measured faster on an H200 on 2026-12-01:
 # `benchmarks/kv_cache.md`) it first loads *every* row of the tile, masked by the row count alone, and hands
 # the encoder the loaded words: otherwise each load waits for the slot (to skip −1 rows) and the NoPE tile
-# waits behind the RoPE store, three memory round trips in series per program instead of one (30.1 µs against
-# 33.4 µs at 65 536 slots; a row with slot −1 is then read, never written):
+# waits behind the RoPE store, three memory round trips in series per program instead of one (the timings of
+# both, and every other launch tried, are in `benchmarks/kv_cache.md`; a row with slot −1 is then read, never
+# written):
 
 # %%
 print(inspect.getsource(kv_cache.kernels.insert_kernel.fn))

@@ -176,6 +176,7 @@ print("dims 448..511 that moved :", int((out[:, 448:] != row[:, 448:]).sum()), "
 # %%
 low, high = rope.yarn_correction_range(64, FLASH.compress_rope_theta, FLASH.yarn)
 print("YaRN ramp for θ = 160000: low =", low, " high =", high)
+# exact digits: inv_freq is built on the host in fp32, the same bits on every machine
 yarn_f = rope.inv_freq(64, 160000.0, FLASH.yarn)
 plain_f = rope.inv_freq(64, 160000.0)
 print(f"{'i':>3} {'YaRN inv_freq':>14} {'plain θ^(-i/32)':>16}   (fp32 values)")
@@ -496,18 +497,21 @@ for r in run_checks("rope"):
 # GPU with ~4 TB/s of copy bandwidth the bound is about 135 µs. The target is ≥ 70% of that copy bandwidth.
 # `python -m dsv4ref bench rope` times both fused kernels (one head per program, grid (T, H + 1); and n heads of
 # one token per program, which reads q as packed bf16 pairs so a rotary pair is one 32-bit word) and the three
-# separate passes. On an H200 (2026-11-30, `benchmarks/RESULTS.md`, copy 4.11 TB/s measured in the same run):
-#
-# | kernel | time | of copy bandwidth |
-# |---|---|---|
-# | three separate passes | 246.8 µs | 53.7 % |
-# | fused, one head per program, 1 warp | 168.5 µs | 78.7 % |
-# | **fused, 2 heads per program, 1 warp (the default)** | **140.9 µs** | **94.1 %** |
-#
-# The target (≥ 70 %) is met, and fusing is 1.75× faster than the three passes. A one-head program moves
-# only 2 KiB, so per-program overhead shows; two heads per program halve the program count, load the table
-# row once for both, and need no second load for the rotary partner. On the CPU the kernels are
-# interpreted, so there is nothing to time.
+# separate passes. The latest one-run H200 bench, as `benchmarks/RESULTS.md` records it (date, device and the
+# copy ceiling measured in the same run first; what else was tried: `benchmarks/rope.md`):
+
+# %%
+from IPython.display import Markdown
+
+from dsv4ref.tools.results import results_header, results_section
+
+Markdown(results_header() + "\n\n" + results_section("rope"))
+
+# %% [markdown]
+# Fusing removes two of the three passes' round trips through memory. A one-head program moves only 2 KiB, so
+# per-program overhead shows; two heads per program halve the program count, load the table row once for both,
+# and need no second load for the rotary partner. On the CPU the kernels are interpreted, so there is nothing
+# to time.
 #
 # The choice is an argument, not a global: `launch=rope.RopeLaunch(heads_per_prog=0)` runs the per-head
 # kernel, `RopeLaunch(heads_per_prog=n, num_warps=w)` the multi-head one; `RopeLaunch()` is the measured

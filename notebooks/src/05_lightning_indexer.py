@@ -417,18 +417,24 @@ else:
     print("interpreting on the CPU: no timings here (see benchmarks/indexer.md for the H200 figures)")
 
 # %% [markdown]
-# Measured on an H200 in one run with every other op (2026-11-30, `benchmarks/RESULTS.md`, ceilings 4.05 TB/s
-# and 760 TFLOP/s measured in it): FP8 logits 142.0 µs, 2.01 TB/s of key bytes, **49.7 % of the bound** (the
-# target, ≥ 50 %, sits on the line); MXFP4 with the `"nibble"` decode 401.9 µs, **11.2 %** — Hopper has no FP4
-# MMA, so the kernel decodes nibbles to bf16 with ALU work and float conversions first; with the
-# `"f16_blocks"` decode 295.0 µs, **15.3 %**, and 270.7 µs (16.7 %) with 8 pages per program.
+# The latest one-run H200 bench, as `benchmarks/RESULTS.md` records it (date, device and the ceilings measured in
+# the same run first):
+
+# %%
+from IPython.display import Markdown
+
+from dsv4ref.tools.results import results_header, results_section
+
+Markdown(results_header() + "\n\n" + results_section("indexer"))
+
+# %% [markdown]
+# Hopper has no FP4 MMA, so an MXFP4 kernel must decode nibbles to a type the tensor cores take. The
+# `"nibble"` decode does it with ALU work and float conversions per value; `"f16_blocks"` builds fp16 operands
+# per 32-block and runs eight dots per page, each followed by a scale product.
 #
-# **The default now: `fp4_decode="f16_scaled"`.** Each key's (and query head's) block scales,
-# taken relative to its largest one, ride inside the fp16 operands, so a page is **one** fp16 dot over all
-# 128 dims with one wait, instead of eight dots each followed by a scale product; the largest scales are
-# applied once, to the score. Measured in a later H200 run with every other op (also 2026-11-30,
-# `benchmarks/RESULTS.md`, ceilings 4.04 TB/s, 746 TFLOP/s): **119.6 µs, 38.5 % of the bound** at 16 pages
-# per program (the goal, ≥ 30 %, is met), 2.5× `f16_blocks`; FP8 138.7 µs (51.1 %). A program whose scale
-# bytes fall outside the range where the fold is exact takes the `f16_blocks` arithmetic instead. The torch
-# reference under `torch.compile` takes 3.5–5.4 ms (1.3 %).
+# **The default: `fp4_decode="f16_scaled"`.** Each key's (and query head's) block scales, taken relative to its
+# largest one, ride inside the fp16 operands, so a page is **one** fp16 dot over all 128 dims with one wait,
+# instead of eight dots each followed by a scale product; the largest scales are applied once, to the score. A
+# program whose scale bytes fall outside the range where the fold is exact takes the `f16_blocks` arithmetic
+# instead. The table above has all three decodes side by side.
 # `benchmarks/indexer.md` has the decode's operation count, the sweep and the next suspects.

@@ -37,7 +37,7 @@ import inspect
 from dsv4ref import conformance, decode
 from dsv4ref.config import FLASH, TINY
 from dsv4ref.decode import compressor
-from dsv4ref.device import describe
+from dsv4ref.device import DEVICE, describe
 
 # %%
 # NBVAL_IGNORE_OUTPUT
@@ -108,15 +108,17 @@ print(inspect.getsource(decode.Decoder.attention))
 # the whole sequence at once in blocks of r tokens:
 
 # %%
-w0 = decode.make_weights(TINY, 0, device="cpu")
-x = torch.randn(300, TINY.hidden_size, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+w0 = decode.make_weights(TINY, 0)  # drawn on the CPU, moved to the library's device (DEVICE)
+x = torch.randn(300, TINY.hidden_size, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16).to(DEVICE)
 for r, layer in ((4, 1), (128, 2)):
     cw = w0["layers"][layer]["comp"]
-    state = compressor.allocate_state(1, r, TINY.head_dim, device="cpu")
+    state = compressor.allocate_state(1, r, TINY.head_dim)
     got, at = [], []
     for a, b in [(0, 5)] + [(p, p + 1) for p in range(5, 300)]:
-        out = compressor.compress(x[a:b], cw, state, torch.zeros(b - a, dtype=torch.int64), torch.arange(a, b),
-                                  torch.ones(b - a, dtype=torch.bool), ratio=r, eps=TINY.rms_norm_eps)
+        n = b - a
+        out = compressor.compress(x[a:b], cw, state, torch.zeros(n, dtype=torch.int64, device=DEVICE),
+                                  torch.arange(a, b, device=DEVICE), torch.ones(n, dtype=torch.bool, device=DEVICE),
+                                  ratio=r, eps=TINY.rms_norm_eps)
         got.append(out.rows)
         at += out.positions.tolist()
     want, _ = decode.reference.compress({k: v.double() for k, v in cw.items()}, r, x.double(), TINY.rms_norm_eps)
@@ -144,19 +146,19 @@ src = inspect.getsource(compressor_op.kernels.compress_kernel.fn)  # .fn: the Py
 print(src[src.index("    if boundary:"): src.index("    else:")])
 
 # %% [markdown]
-# The Triton kernels (interpreted here) on a 13-token prefill and then single tokens, both ratios, against
+# The Triton kernels (interpreted on a CPU-only machine, compiled on a GPU) on a 13-token prefill and then single tokens, both ratios, against
 # the float64 whole-sequence oracle (the named tolerance `"compressor"`, `docs/compressor.md`):
 
 # %%
 for r, dim in ((4, 512), (4, 128), (128, 512)):
-    cw = compressor_op.example_inputs(r, dim=dim, hidden=TINY.hidden_size, seed=r, device="cpu")
+    cw = compressor_op.example_inputs(r, dim=dim, hidden=TINY.hidden_size, seed=r)  # on DEVICE
     xs = x[:130] if r == 128 else x[:17]
-    state = compressor_op.allocate_state(1, r, dim, device="cpu")
+    state = compressor_op.allocate_state(1, r, dim)
     got, p0 = [], 0
     for n in ((128, 1, 1) if r == 128 else (13, 1, 1, 1, 1)):
-        p = torch.arange(p0, p0 + n)
+        p = torch.arange(p0, p0 + n, device=DEVICE)
         rows, done = compressor_op.compress(xs[p0:p0 + n], cw["wkv"], cw["wgate"], cw["ape"], cw["norm"], state.kv,
-                                            state.score, torch.zeros(n, dtype=torch.int64), p, ratio=r,
+                                            state.score, torch.zeros(n, dtype=torch.int64, device=DEVICE), p, ratio=r,
                                             eps=TINY.rms_norm_eps, backend="triton")
         got.append(rows[done])
         p0 += n
@@ -246,7 +248,9 @@ print("  decode error within 3x the FP8 effect:", e_pure < 3 * budget)
 
 # %% [markdown]
 # The indexer is checked the same way: its FP8 top-16 should mostly agree with the top-16 of the
-# unquantised float64 scores (near-ties may flip, so we count overlap).
+# unquantised float64 scores (near-ties may flip, so we count overlap). The reference also scores with q and k
+# quantised in the config's own indexer format, simulated in float64 (`index_scores_fmt`): the decode path
+# agrees with that at least as well.
 
 # %%
 K = TINY.index_topk
@@ -258,6 +262,42 @@ for li, ids in topks[0].items():
         tot += K
 print(f"top-16 overlap with the float64 indexer over {tot // K} selections: >= 80%: {hits / tot >= 0.8}")
 
+
+def overlap(ids, scores, positions):
+    """Fraction of the decode path's top-K ids that are among the top-K of the float64 ``scores``."""
+    return sum(len(set(torch.topk(scores[p], K).indices.tolist()) & set(ids[p].tolist())) for p in positions) / (
+        K * len(positions))
+
+
+sel = range(4 * K + 3, len(toks[0]))
+print("closer to the float64 scores in its own format (FP8) than to the unquantised ones:",
+      overlap(topks[0][1], pure["index_scores_fmt"][1], sel) >= overlap(topks[0][1], pure["index_scores"][1], sel))
+
+# %% [markdown]
+# ### FP8 or DeepSeek's FP4 in the indexer
+#
+# DeepSeek's own inference code runs the indexer in **FP4**: q and k are rotated by the Hadamard and rounded to
+# E2M1 (1 mantissa bit) in blocks of 32 with power-of-two scales, which is `index_format="mxfp4"`, the
+# format of `FLASH` and `PRO`. The teaching config keeps FP8 (`docs/config.md` says why). Same weights, same
+# prompts, the prefill once more with the FP4 indexer: on the first ratio-4 layer (layer 1) both decoders see
+# the same inputs, so any difference in the selected rows is the format's. (Later layers then see different
+# rows, and drift apart further.)
+
+# %%
+fp4 = TINY.replace(index_format="mxfp4")
+dec4 = decode.Decoder(fp4, w, num_requests=4, capacity=dec.capacity, backend="reference")
+dec4.prefill([toks[r][:n] for r, n in enumerate((133, 37, 5, 70))])
+ids8, ids4 = topks[0][1], dec4.history()[1][0][1]
+sel = range(4 * K + 3, 133)  # request 0's prompt positions with n_c > K_top
+shared = sum(len(set(ids8[p].tolist()) & set(ids4[p].tolist())) for p in sel) / (K * len(sel))
+print(f"indexer K pool, layer 1: {dec.layers[1]['idx_cache'].shape[1] // TINY.index_page} B/key (FP8), "
+      f"{dec4.layers[1]['idx_cache'].shape[1] // TINY.index_page} B/key (MXFP4)")
+print(f"top-16 ids shared by FP8 and FP4 on the same step, layer 1: {int(shared * 10) / 10} (rounded down to a tenth)")
+print("identical at every position:", all(set(ids8[p].tolist()) == set(ids4[p].tolist()) for p in sel))
+ref4 = decode.reference_forward(fp4, w, toks[0][:133], dec4.history()[1][0])
+print("FP4's choice closer to the float64 FP4 simulation than to the unquantised scores:",
+      overlap(ids4, ref4["index_scores_fmt"][1], sel) >= overlap(ids4, ref4["index_scores"][1], sel))
+
 # %% [markdown]
 # ## 4. The check has teeth
 #
@@ -268,7 +308,7 @@ print(f"top-16 overlap with the float64 indexer over {tot // K} selections: >= 8
 # the conformance suite has a 4-cycle trap (section 6): an end-to-end check is not a substitute for the
 # op-level ones. We check the first three records (the prefill's last token and two steps): a missing sink
 # scales o by σ(lse − sink), which moves towards 1 as the context, and lse with it, grows, so by the 24th
-# step its error (about 0.11) has shrunk to the size of the FP8 budget.
+# step its error has shrunk to the size of the FP8 budget.
 
 # %%
 for bug in decode.REFERENCE_BUGS:
@@ -315,9 +355,9 @@ except ValueError as e:
 # Per decoded token, summed over the 43 layers, caches and activations only (weights are shared by the
 # batch). The formulas are in `decode.traffic_per_op` (`docs/decode.md`): sparse MLA reads
 # N_sel·584 B, with N_sel = 128 window rows plus min(512, n_c) rows on ratio-4 layers or all n_c = L/128
-# on ratio-128 layers; the **indexer's logits kernel reads every visible indexer key**, L/4 × 132 B, on
-# each of the 21 ratio-4 layers. At 4k the window and the selected rows dominate; at 1M the indexer
-# moves about 7× more bytes than attention itself.
+# on ratio-128 layers; the **indexer's logits kernel reads every visible indexer key**, L/4 of them on
+# each of the 21 ratio-4 layers, 68 B each in V4-Flash's MXFP4 (132 B in FP8, vLLM's default). At 4k the
+# window and the selected rows dominate; at 1M the indexer moves several times the bytes of attention.
 
 # %%
 contexts = [4096, 131072, 1 << 20]
@@ -326,6 +366,9 @@ table = {c: decode.traffic_per_op(FLASH, c) for c in contexts}
 print(f"{'context':>9} " + " ".join(f"{o:>21}" for o in ops) + f" {'total':>9}   (MB per token)")
 for c in contexts:
     print(f"{c:>9} " + " ".join(f"{table[c][o] / 1e6:>21.2f}" for o in ops) + f" {sum(table[c].values()) / 1e6:>9.2f}")
+for fmt in ("mxfp4", "fp8"):
+    t = decode.traffic_per_op(FLASH.replace(index_format=fmt), 1 << 20)
+    print(f"at 1M, {fmt} indexer: {t['indexer'] / t['sparse_mla']:.1f}x the bytes of sparse MLA")
 fig, ax = plt.subplots(figsize=(7, 3.8))
 bottom = np.zeros(len(contexts))
 for o in ops:

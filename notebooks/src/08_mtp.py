@@ -33,7 +33,7 @@ import torch
 
 from dsv4ref import decode, mtp
 from dsv4ref.config import TINY
-from dsv4ref.device import describe
+from dsv4ref.device import DEVICE, describe
 from dsv4ref.testing import assert_close, randn
 
 # %%
@@ -106,16 +106,16 @@ print(inspect.getsource(mtp.reference.draft_input))
 # would shrink the small streams next to the big one.
 
 # %%
-w = decode.make_weights(TINY, 0, device="cpu")
+w = decode.make_weights(TINY, 0, device=DEVICE)
 wm = w["mtp"]
 M, Hd = TINY.hc_mult, TINY.hidden_size
-h = randn((3, M, Hd), seed=1, device="cpu", block=None, octaves=4)
-e = w["embed"][torch.tensor([5, 6, 7])]
-pos = torch.tensor([10, 11, 12])
-zero = torch.zeros(Hd, Hd, dtype=torch.bfloat16)
+h = randn((3, M, Hd), seed=1, device=DEVICE, block=None, octaves=4)
+e = w["embed"][torch.tensor([5, 6, 7], device=DEVICE)]
+pos = torch.tensor([10, 11, 12], device=DEVICE)
+zero = torch.zeros(Hd, Hd, dtype=torch.bfloat16, device=DEVICE)
 X = mtp.draft_input(h, e, pos, wm["enorm"], wm["hnorm"], wm["e_proj"], zero, eps=TINY.rms_norm_eps)
 print("h_proj = 0: all 4 streams equal:", all(torch.equal(X[:, m], X[:, 0]) for m in range(M)))
-scaled = (h.float() * torch.tensor([1.0, 4.0, 0.25, 64.0])[None, :, None]).to(torch.bfloat16)
+scaled = (h.float() * torch.tensor([1.0, 4.0, 0.25, 64.0], device=DEVICE)[None, :, None]).to(torch.bfloat16)
 a = mtp.draft_input(h, e, pos, wm["enorm"], wm["hnorm"], zero, wm["h_proj"], eps=TINY.rms_norm_eps)
 b = mtp.draft_input(scaled, e, pos, wm["enorm"], wm["hnorm"], zero, wm["h_proj"], eps=TINY.rms_norm_eps)
 print("e_proj = 0: per-stream scales change nothing:", assert_close(b, a, "bf16_out").verdict())
