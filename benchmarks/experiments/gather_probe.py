@@ -2,7 +2,7 @@
 shared memory when the rows travel by cp.async, with D chunks of 64 rows in flight and no register held
 for them?
 
-Why (benchmarks/sparse_mla.md, sessions 6-9): the Gluon sparse MLA producers take ~2.3 µs (4 warps) and
+Why (benchmarks/sparse_mla.md, "Diagnostics and probes"): the Gluon sparse MLA producers take ~2.3 µs (4 warps) and
 ~2.0 µs (8 warps) per 64-candidate chunk when timed without any MMA, against ~1.2 µs of row bytes per SM at
 the copy ceiling; their rows travel through registers, one or two half chunks in flight. The redesign
 named there (a raw FP8 ring in shared memory, several chunks ahead) costs a K stage of shared memory. This
