@@ -17,14 +17,15 @@ Where the figures come from:
 Which row is the default (bold in the tables), from the library, not from the log:
 
 * ``kv_cache``: the bench times ``torch.ops.dsv4ref.kv_insert`` / ``kv_gather`` with their default arguments
-  (``INSERT_DEFAULT`` / ``GATHER_DEFAULT`` of ``dsv4ref/kv_cache/launch.py``): the rows without ``launch=``;
-* ``rope``: ``RopeLaunch()`` resolved (its ``heads_per_prog`` and ``warps``) names the ``rope.fused_mh`` row
+  (``default_launch("insert")`` / ``default_launch("gather")`` of ``dsv4ref/kv_cache/launch.py``): the rows
+  without ``launch=``;
+* ``rope``: ``dsv4ref.rope.default_launch()`` resolved (its ``heads_per_prog`` and ``warps``) names the ``rope.fused_mh`` row
   (``rope.fused`` for the per-head kernel, ``heads_per_prog = 0``);
 * ``mhc``: ``MhcLaunch()`` as the GPU resolves it is what the sweep times as ``defaults``; ``mhc.post`` has one design;
 * ``sparse_mla``: ``backend="auto"`` picks ``"gluon"`` where ``sparse_mla.gluon.available`` (a Hopper GPU: the
   H200 here), the portable fused kernel (``"triton"``) elsewhere;
-* ``indexer``: FP8 ``IndexerLaunch()``; MXFP4 the row whose launch (printed in the log) has
-  ``fp4_decode=FP4_DECODE_DEFAULT`` and ``logits_pages=None``;
+* ``indexer``: FP8 ``default_launch()``; MXFP4 the row whose launch (printed in the log) has
+  ``fp4_decode`` = ``default_launch().decode()`` and ``logits_pages=None``;
 * ``moe``: the bench times ``moe.default_launch``; ``compressor``: one design;
 * ``decode``: ``Decoder(graph=False)`` is the default; the graphed step is ``graph=True``.
 
@@ -193,13 +194,11 @@ def line(log: BenchLog, design: str, op: str, shape: str, default=False, goal=No
 def library_defaults() -> dict:
     """The defaults the tables mark, read from the library (see the module docstring)."""
     import dsv4ref  # noqa: F401  (first: it picks the device)
-    from dsv4ref.indexer.launch import FP4_DECODE_DEFAULT
-    from dsv4ref.kv_cache.launch import GATHER_DEFAULT, INSERT_DEFAULT
-    from dsv4ref.rope.launch import RopeLaunch
+    from dsv4ref import indexer, kv_cache, rope
 
-    rope = RopeLaunch()
-    return {"insert": INSERT_DEFAULT, "gather": GATHER_DEFAULT, "rope": (rope.heads_per_prog, rope.warps),
-            "fp4_decode": FP4_DECODE_DEFAULT}
+    r = rope.default_launch()
+    return {"insert": kv_cache.default_launch("insert"), "gather": kv_cache.default_launch("gather"),
+            "rope": (r.heads_per_prog, r.warps), "fp4_decode": indexer.default_launch().decode()}
 
 
 def _kv(L) -> str:

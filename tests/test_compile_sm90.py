@@ -63,8 +63,8 @@ SCRIPT = textwrap.dedent('''
     ARGS = {{"kv_ptr": "*i16", "cache_ptr": "*u8", "slot_ptr": "*i64", "pos_ptr": "*i64", "tab_ptr": "*fp32",
              "H": "i32", "NG": "i32", "n_slots": "i32", "q_stride_t": "i32", "q_stride_h": "i32",
              "kv_stride": "i32", "tab_stride": "i32", "page_stride": "i32", "block_size": "i32", "eps": "fp32"}}
-    hpp = rl.DEFAULT.heads_per_prog
-    FUSED = ((rk.qnorm_rope_kv_insert_mh_kernel, "*i32", {{"HPP": hpp}}, rl.DEFAULT.warps),  # q as bf16 pairs
+    hpp = rl.default_launch().heads_per_prog
+    FUSED = ((rk.qnorm_rope_kv_insert_mh_kernel, "*i32", {{"HPP": hpp}}, rl.default_launch().warps),  # q as bf16 pairs
              (rk.qnorm_rope_kv_insert_kernel, "*i16", {{}}, rl.RopeLaunch(0).warps))
     for fn, q_ty, extra, warps in FUSED:
         for block_size in (1, 64):

@@ -32,11 +32,10 @@ def state(dec) -> list:
     out = [dec.lengths, dec.mtp_done, dec.tokens, dec.h_hist]
     for st in dec.layers + [dec.mtp_state]:
         for key in ("swa", "comp", "idx_cache", "experts", "topk"):
-            if key in st:
-                out.append(st[key])
-        for key in ("ring", "idx_ring"):
-            if key in st:
-                out += [st[key].kv, st[key].score]
+            if getattr(st, key) is not None:
+                out.append(getattr(st, key))
+        for ring in st.rings():
+            out += [ring.kv, ring.score]
     return [t.clone() for t in out]
 
 

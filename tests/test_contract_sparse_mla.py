@@ -25,7 +25,7 @@ from dsv4ref.device import DEVICE
 from dsv4ref.sparse_mla import SparseMlaLaunch, default_launch, gluon, reference
 from dsv4ref.testing import compare, generator, randn
 
-BACKENDS = sparse_mla.SUPPORTED  # ("reference", "two_pass", "triton")
+BACKENDS = sparse_mla.SUPPORTED_BACKENDS  # ("reference", "two_pass", "triton")
 KERNELS = ("two_pass", "triton")
 SCALE = sparse_mla.DEFAULT_SCALE
 # numpy's "invalid value" warnings: an interpreted kernel computing inf − inf on non-finite data (expected here)

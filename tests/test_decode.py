@@ -13,10 +13,10 @@ import copy
 import pytest
 import torch
 
-from dsv4ref import decode
+from dsv4ref import compressor, decode
 from dsv4ref.config import FLASH, TINY
-from dsv4ref.decode import (ATTN_TOL, LOGITS_TOL, CacheCapacityError, Decoder, agreement, compressor, make_weights,
-                            reference_forward, rel_err, run, traffic_per_op)
+from dsv4ref.decode import (ATTN_TOL, LOGITS_TOL, CacheCapacityError, Decoder, agreement, make_weights, reference_forward,
+                            rel_err, run, traffic_per_op)
 from dsv4ref.decode import reference as dense
 from dsv4ref.device import interpreting
 from dsv4ref.mhc import MhcLaunch
@@ -143,10 +143,10 @@ def test_decode_past_capacity_raises_and_writes_nothing():
     dec.prefill([list(range(14)), [7, 8, 9]])
     dec.step(torch.tensor([1, 2]))
     dec.step(torch.tensor([3, 4]))  # request 0 now holds 16 tokens = capacity
-    before = [st["swa"].clone() for st in dec.layers]
+    before = [st.swa.clone() for st in dec.layers]
     with pytest.raises(CacheCapacityError, match="past the cache capacity of 16"):
         dec.step(torch.tensor([5, 6]))
-    assert all(torch.equal(b, st["swa"]) for b, st in zip(before, dec.layers))
+    assert all(torch.equal(b, st.swa) for b, st in zip(before, dec.layers))
     assert dec.lengths.tolist() == [16, 5]
     dec.step(torch.tensor([5, 6]), active=torch.tensor([False, True]))  # the other request may go on
     assert dec.lengths.tolist() == [16, 6]
@@ -192,7 +192,7 @@ def test_reference_refuses_a_non_causal_top_k():
 
 def test_block_tables_are_shuffled_and_disjoint():
     dec = Decoder(TINY, make_weights(TINY, 0), num_requests=3, capacity=64, backend="reference")
-    for bt in [dec.bt_swa] + [st[k] for st in dec.layers for k in ("bt_c", "bt_i") if k in st]:
+    for bt in [dec.bt_swa] + [bt for st in dec.layers for bt in (st.bt_c, st.bt_i) if bt is not None]:
         flat = bt.flatten().tolist()
         assert sorted(flat) == list(range(len(flat)))  # every page once
     assert dec.bt_swa.flatten().tolist() != sorted(dec.bt_swa.flatten().tolist())
@@ -224,6 +224,14 @@ def test_attn_tol_is_the_decode_step_tolerance_row():
     assert TOLERANCES["decode_step"].rtol == ATTN_TOL
 
 
+def _completed(x, cw, st, req, pos, valid, ratio):
+    """The compressor op's rows completed by one call (its torch reference), with the request and the boundary
+    position of each: the op returns one row per token and a ``done`` flag."""
+    rows, done = compressor.compress(x, cw["wkv"], cw["wgate"], cw["ape"], cw["norm"], st.kv, st.score, req, pos,
+                                     ratio=ratio, eps=TINY.rms_norm_eps, valid=valid, backend="reference")
+    return rows[done], req[done], pos[done]
+
+
 @pytest.mark.parametrize("ratio", [4, 128])
 @pytest.mark.parametrize("chunks", [(300,), (1,) * 10 + (290,), (3, 125, 1, 1, 170)])
 def test_stateful_compressor_matches_the_block_reference(ratio, chunks):
@@ -238,11 +246,11 @@ def test_stateful_compressor_matches_the_block_reference(ratio, chunks):
     rows, pos, p0 = [], [], 0
     for n in chunks:
         p = torch.arange(p0, p0 + n)
-        out = compressor.compress(x[p0:p0 + n], cw, st, torch.ones(n, dtype=torch.int64), p, torch.ones(n, dtype=torch.bool),
-                                  ratio=ratio, eps=eps)
-        assert out.requests.tolist() == [1] * out.rows.shape[0]
-        rows.append(out.rows)
-        pos.append(out.positions)
+        done_rows, done_req, done_pos = _completed(x[p0:p0 + n], cw, st, torch.ones(n, dtype=torch.int64), p,
+                                                   torch.ones(n, dtype=torch.bool), ratio)
+        assert done_req.tolist() == [1] * done_rows.shape[0]
+        rows.append(done_rows)
+        pos.append(done_pos)
         p0 += n
     assert torch.cat(pos).tolist() == wpos.tolist()
     assert_close(torch.cat(rows), want, "fp32_dot", "compressed rows")
@@ -256,8 +264,8 @@ def test_compressor_ignores_padding_rows():
     st = compressor.allocate_state(2, 4, TINY.head_dim, device="cpu")
     req, pos = torch.tensor([0] * 4 + [1] * 4), torch.tensor([0, 1, 2, 3] * 2)
     valid = torch.tensor([True] * 4 + [False] * 4)
-    out = compressor.compress(x, cw, st, req, pos, valid, ratio=4, eps=TINY.rms_norm_eps)
-    assert out.requests.tolist() == [0] and out.positions.tolist() == [3]  # request 1's p = 3 was padding
+    _, done_req, done_pos = _completed(x, cw, st, req, pos, valid, 4)
+    assert done_req.tolist() == [0] and done_pos.tolist() == [3]  # request 1's p = 3 was padding
     assert torch.isinf(st.score[1]).all() and not torch.isinf(st.score[0, :4]).any()
 
 
@@ -296,14 +304,13 @@ def _expected_index_k_cache(dec, seen, li, rotate_at):
     attn_norm through the indexer compressor (its torch reference, fed the same chunks), each completed key
     rounded to bf16, RoPE'd (the layer's table) at ``rotate_at(p)`` for its boundary token p, and written by the
     indexer's reference writer with the Hadamard rotation into a zeroed pool at slot bt_i[request, p // 4]."""
-    from dsv4ref import compressor as comp
     from dsv4ref import indexer, rope
     from dsv4ref.indexer import reference as iref
 
     cfg, L, st = TINY, dec.w["layers"][li], dec.layers[li]
     cw, eps, page = L["idx_comp"], cfg.rms_norm_eps, cfg.index_page
-    state = comp.allocate_state(dec.R, 4, cfg.index_head_dim, device=dec.dev)
-    cache = torch.zeros_like(st["idx_cache"])
+    state = compressor.allocate_state(dec.R, 4, cfg.index_head_dim, device=dec.dev)
+    cache = torch.zeros_like(st.idx_cache)
     assert torch.equal(cache, indexer.allocate_k_cache(cache.shape[0], page, device=dec.dev))  # a fresh pool is zeros
     n = 0
     for lj, x, rows in seen:
@@ -311,12 +318,12 @@ def _expected_index_k_cache(dec, seen, li, rotate_at):
             continue
         xf = x.float()  # attn_norm, as the decoder computes it (fp32 math, bf16 out)
         xn = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * L["attn_norm"].float()).to(torch.bfloat16)
-        out, done = comp.compress(xn, cw["wkv"], cw["wgate"], cw["ape"], cw["norm"], state.kv, state.score, rows.req,
-                                  rows.pos, ratio=4, eps=eps, valid=rows.valid, backend="reference")
+        out, done = compressor.compress(xn, cw["wkv"], cw["wgate"], cw["ape"], cw["norm"], state.kv, state.score, rows.req,
+                                        rows.pos, ratio=4, eps=eps, valid=rows.valid, backend="reference")
         p, req = rows.pos[done], rows.req[done]
         k = rope.apply_gptj(out[done].to(torch.bfloat16), rotate_at(p), dec.cos_sin["comp"], backend="reference")
         local = p // 4
-        slots = st["bt_i"][req, local // page].long() * page + local % page
+        slots = st.bt_i[req, local // page].long() * page + local % page
         iref.insert_k(cache, k.contiguous(), slots, block_size=page, hadamard=True)
         n += int(done.sum())
     return cache, n
@@ -338,7 +345,7 @@ def test_indexer_k_cache_holds_keys_rotated_at_the_window_start(indexer_run, rot
     for li in (1, 3):  # the ratio-4 layers
         want, n = _expected_index_k_cache(dec, seen, li, rotate_at)
         assert n == sum(int(dec.lengths[r]) // 4 for r in range(dec.R))  # one key per complete window of 4
-        assert torch.equal(dec.layers[li]["idx_cache"], want) is same, f"layer {li}"
+        assert torch.equal(dec.layers[li].idx_cache, want) is same, f"layer {li}"
 
 
 # ------------------------------------------------------------------------------------------------
@@ -384,7 +391,7 @@ def test_mxfp4_indexer_decode_tracks_the_reference():
     unquantised scores. The FP8 and FP4 choices differ on the same inputs (the format is really used)."""
     cfg = TINY.replace(index_format="mxfp4")
     dec, w, recs, _ = run(cfg, steps=2, prompt_lens=(133, 6), decode_backend="reference")
-    assert dec.layers[1]["idx_cache"].shape[1] == 68 * cfg.index_page
+    assert dec.layers[1].idx_cache.shape[1] == 68 * cfg.index_page
     assert all(a.passed for a in agreement(cfg, w, recs, dec.history()))
     toks, topks = dec.history()
     ref = reference_forward(cfg, w, toks[0], topks[0])

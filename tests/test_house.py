@@ -284,3 +284,35 @@ def test_named_benchmark_scripts_exist():
     missing = sorted({f"{p.relative_to(ROOT)}: {m}" for p in paths for m in named.findall(p.read_text())
                       if not (ROOT / m).exists()})
     assert not missing, "named but not there:\n" + "\n".join(missing)
+
+
+def test_one_name_per_plumbing_concept():
+    """The plumbing has one name in every op (docs/layout.md, "One vocabulary"): the backends an op supports are
+    ``SUPPORTED_BACKENDS`` in its ``__init__.py``; its measured default launch is the function ``default_launch``
+    of its ``launch.py`` (no public ``…DEFAULT`` constant); a launch becomes a custom op's arguments through the
+    ``op_args`` method of its ``…Launch`` dataclass (no module-level ``…op_args`` / ``launch_args`` helper)."""
+    bad = []
+    for d in sorted(OP_DIRS):
+        init = d / "__init__.py"
+        if init.exists() and "validate.backend(" in init.read_text():
+            names = {t.id for n in ast.parse(init.read_text()).body if isinstance(n, ast.Assign)
+                     for t in n.targets if isinstance(t, ast.Name)}
+            if "SUPPORTED_BACKENDS" not in names or names & {"SUPPORTED", "BACKENDS"}:
+                bad.append(f"{init.relative_to(ROOT)}: the supported backends are not SUPPORTED_BACKENDS")
+        launch = d / "launch.py"
+        if not launch.exists():
+            continue
+        text = launch.read_text()
+        body = ast.parse(text).body
+        funcs = {n.name for n in body if isinstance(n, ast.FunctionDef)}
+        consts = {t.id for n in body if isinstance(n, (ast.Assign, ast.AnnAssign))
+                  for t in (n.targets if isinstance(n, ast.Assign) else [n.target]) if isinstance(t, ast.Name)}
+        rel = launch.relative_to(ROOT)
+        bad += [f"{rel}: no default_launch()"] * ("default_launch" not in funcs)
+        bad += [f"{rel}: public default constant {c}" for c in sorted(consts) if re.fullmatch(r"[A-Z0-9_]*DEFAULT", c)
+                and not c.startswith("_")]
+        bad += [f"{rel}: module-level {f}()" for f in sorted(funcs) if f.endswith("op_args") or f == "launch_args"]
+        if "torch.library.custom_op" in text:
+            bad += [f"{rel}: {c.name} has no op_args()" for c in body if isinstance(c, ast.ClassDef)
+                    and c.name.endswith("Launch") and "op_args" not in {m.name for m in c.body if isinstance(m, ast.FunctionDef)}]
+    assert not bad, "\n".join(bad)

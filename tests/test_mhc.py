@@ -26,7 +26,7 @@ GPU_ONLY = pytest.mark.skipif(interpreting(), reason="real hidden sizes at many 
 SHAPES = [(5, 256), (19, 256)] + ([] if interpreting() else [(33, 4096), (17, 7168), (300, 4096)])
 
 
-DEFAULT = MhcLaunch()
+DEFAULT = mhc.default_launch()
 
 
 # chunked: chunks of 16 tokens in the interpreter (T = 19: two chunks, the second partial), 256 on a GPU (T = 300:
@@ -64,13 +64,13 @@ def triton_pre(res, fn, scale, base, rms_eps=1e-6, hc_eps=1e-6, post_mult=2.0, i
     T, M, Hd = res.shape
     p, c, out = poison((T, M), torch.float32), poison((T, M, M), torch.float32), poison((T, Hd), torch.bfloat16)
     torch.ops.dsv4ref.mhc_pre(res, mhc.split_fn(fn), scale, base, p, c, out, rms_eps, hc_eps, post_mult, iters,
-                              launch.encode())
+                              *launch.op_args())
     return p, c, out
 
 
 def triton_post(x, res, p, c):
     out = poison(tuple(res.shape), torch.bfloat16)
-    torch.ops.dsv4ref.mhc_post(x, res, p.reshape(res.shape[:2]).contiguous(), c, out, DEFAULT.encode())
+    torch.ops.dsv4ref.mhc_post(x, res, p.reshape(res.shape[:2]).contiguous(), c, out, *DEFAULT.op_args())
     return out
 
 
@@ -79,13 +79,13 @@ def triton_fused(x, res, p, c, fn, scale, base, launch=DEFAULT):
     new, p2, c2 = poison(tuple(res.shape), torch.bfloat16), poison((T, M), torch.float32), poison((T, M, M), torch.float32)
     out = poison((T, Hd), torch.bfloat16)
     torch.ops.dsv4ref.mhc_fused_post_pre(x, res, p, c, mhc.split_fn(fn), scale, base, new, p2, c2, out,
-                                         1e-6, 1e-6, 2.0, 20, launch.encode())
+                                         1e-6, 1e-6, 2.0, 20, *launch.op_args())
     return new, p2, c2, out
 
 
 def triton_head(res, fn, scale, base, launch=DEFAULT):
     out = poison((res.shape[0], res.shape[2]), torch.bfloat16)
-    torch.ops.dsv4ref.mhc_head(res, mhc.split_fn(fn, head=True), scale, base, out, 1e-6, 1e-6, launch.encode())
+    torch.ops.dsv4ref.mhc_head(res, mhc.split_fn(fn, head=True), scale, base, out, 1e-6, 1e-6, *launch.op_args())
     return out
 
 
@@ -715,7 +715,7 @@ def test_launch_is_explicit():
     for L in (MhcLaunch(), MhcLaunch(split_k=False, block_t=32, splits=3), MhcLaunch(split_k=True, target_programs=7),
               MhcLaunch(one_pass=True, one_pass_one_dot=1), *DESIGNS.values(),
               *(MhcLaunch.for_device(interpreted=i, **f) for i in (False, True) for f in CHUNKED_RUNGS.values())):
-        assert MhcLaunch.decode(L.encode()) == L
+        assert MhcLaunch.from_op_args(*L.op_args()) == L
     assert MhcLaunch(one_pass=True).design(fused=True) == "one_pass"
     # one_pass, never a default, wins when asked for over chunked; an explicit split_k picks one of the first two
     # designs whatever one_pass and chunked say (so MhcLaunch(split_k=...) means the same on every device)

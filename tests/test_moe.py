@@ -20,7 +20,7 @@ import torch
 from dsv4ref import moe
 from dsv4ref.device import DEVICE
 from dsv4ref.moe import reference as ref
-from dsv4ref.moe.launch import experts_op_args, stage_op_args, tile_table
+from dsv4ref.moe.launch import tile_table
 from dsv4ref.testing import assert_close, compare, generator, poison, randn
 
 BACKENDS = ["reference", "triton"]
@@ -435,8 +435,7 @@ def test_stage_new_launch_fields_same_bytes(launch):
 
 
 def test_stage_launch_fields_are_checked():
-    """stage_encode / stage_maxnreg take only what exists; the DIAG variants are not MoeLaunch values (their
-    bytes are not the contract) and reach the custom op only through stage_op_args(launch, diag)."""
+    """stage_encode / stage_maxnreg take only what exists (the contract's encoders: no timing-only variant)."""
     for kw, msg in ((dict(stage_encode="cast"), "stage_encode"), (dict(stage_encode="snap", stage_load="groups"), "needs \"tile\""),
                     (dict(stage_maxnreg=8), "stage_maxnreg"), (dict(stage_maxnreg=256), "stage_maxnreg"),
                     (dict(stage_prefetch=True, stage_load="tile", stage_encode="snap"), "stage_prefetch"),
@@ -450,9 +449,12 @@ def test_stage_launch_fields_are_checked():
     h = randn((2, 128), seed=41, device=DEVICE)
     ids, w = torch.zeros(2, 1, dtype=torch.int32, device=DEVICE), torch.ones(2, 1, device=DEVICE)
     bufs = stage_with("reference", h, ids, w)
-    with pytest.raises(ValueError, match="diag"):
-        torch.ops.dsv4ref.moe_stage(h, ids, w, bufs[0].view(torch.uint8), *bufs[1:], *stage_op_args(SNAP, "fast"))
-    assert stage_op_args(SNAP, "trunc")[-1] == "trunc" and stage_op_args(SNAP)[-1] == ""
+    args = list(SNAP.op_args("moe_stage"))
+    args[7] = "cast"  # stage_encode: not an encoder of the contract, refused by the custom op as well
+    with pytest.raises(ValueError, match="encode"):
+        torch.ops.dsv4ref.moe_stage(h, ids, w, bufs[0].view(torch.uint8), *bufs[1:], *args)
+    with pytest.raises(ValueError, match="op"):
+        SNAP.op_args("moe_route")
 
 
 def test_stage_snap_bytes_of_a_one_column_x_sf():
@@ -744,12 +746,12 @@ def test_custom_ops_opcheck_and_compile():
     L = moe.default_launch(2, 1, 2)
     torch.library.opcheck(torch.ops.dsv4ref.moe_stage.default,
                           (d["x"], ids, w, torch.empty_like(st[0]).view(torch.uint8), *[torch.empty_like(t) for t in st[1:]],
-                           *stage_op_args(L)),
+                           *L.op_args("moe_stage")),
                           test_utils=("test_schema", "test_faketensor"))
     out = torch.empty(2, 128, dtype=torch.bfloat16, device=DEVICE)
     torch.library.opcheck(torch.ops.dsv4ref.moe_experts.default,
                           (d["x"], st[0].view(torch.uint8), *st[1:], d["w13"], d["w2"], d["shared_w13"], d["shared_w2"], out,
-                           10.0, *experts_op_args(L)),
+                           10.0, *L.op_args("moe_experts")),
                           test_utils=("test_schema", "test_faketensor"))
 
     def layer_fn(x):

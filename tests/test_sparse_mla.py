@@ -19,7 +19,7 @@ from dsv4ref.sparse_mla.launch import attend, launch_for_sms, workspace
 from dsv4ref.sparse_mla.two_pass import seed_decode
 from dsv4ref.testing import assert_close, generator, poison, randn
 
-BACKENDS = sparse_mla.SUPPORTED  # ("reference", "two_pass", "triton")
+BACKENDS = sparse_mla.SUPPORTED_BACKENDS  # ("reference", "two_pass", "triton")
 KERNELS = ("two_pass", "triton")
 
 

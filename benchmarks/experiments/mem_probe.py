@@ -46,7 +46,7 @@ sys.path[:0] = [_HERE, os.path.dirname(os.path.dirname(_HERE))]  # the sibling s
 
 from dsv4ref import kv_cache as kc  # noqa: E402
 from dsv4ref import moe, validate  # noqa: E402
-from dsv4ref.kv_cache.launch import INSERT_DEFAULT, KVCacheLaunch  # noqa: E402
+from dsv4ref.kv_cache.launch import KVCacheLaunch, default_launch  # noqa: E402
 
 L = KVCacheLaunch
 S_INSERT = 65536
@@ -57,7 +57,7 @@ LONG = 8  # the "long" graph: LONG x the 4 input sets
 def insert_variants() -> dict[str, KVCacheLaunch]:
     """The default first, then in order of interest (a spent budget cuts the tail)."""
     return {
-        "default 4x1 native": INSERT_DEFAULT,
+        "default 4x1 native": default_launch("insert"),
         "4x1 early": L(4, 1, native_casts=True, early_loads=True),
         "4x1 early cs": L(4, 1, native_casts=True, early_loads=True, streaming_stores=True),
         "4x1 cs": L(4, 1, native_casts=True, streaming_stores=True),
@@ -241,7 +241,6 @@ class Probe:
     def stage(self, ceil: float):
         from dsv4ref.device import empty_cache, sm_count
         from dsv4ref.moe import reference
-        from dsv4ref.moe.launch import stage_op_args
         from dsv4ref.tools.cases.moe import STAGE_BENCH, stage_bytes, stage_sets
 
         variants = self.chosen(stage_variants(sm_count()))
@@ -260,13 +259,13 @@ class Probe:
             x, ids, w, q, sf, i64, w32 = sets[0]
             for b in (q, sf, i64, w32):
                 b.fill_(-1 if b.dtype != torch.uint8 else 0x7F)  # poison: an unwritten byte shows
-            torch.ops.dsv4ref.moe_stage(*sets[0], *stage_op_args(v))
+            torch.ops.dsv4ref.moe_stage(*sets[0], *v.op_args("moe_stage"))
             bad = [nm for nm, g, r in zip(("x_fp8", "x_sf", "ids", "weights"), (q, sf, i64, w32), want)
                    if not torch.equal(g.view(torch.uint8), r.view(torch.uint8))]
             return f"in {', '.join(bad)}" if bad else ""
 
         def timed_call(v):
-            args = stage_op_args(v)
+            args = v.op_args("moe_stage")
             return lambda i: torch.ops.dsv4ref.moe_stage(*sets[i], *args)
 
         rows, failed = self.sweep("stage", variants, wrong_bytes, timed_call, n, nbytes, ceil, copy_ms)

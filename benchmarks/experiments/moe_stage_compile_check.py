@@ -3,15 +3,15 @@
     PYTHONPATH=<triton-3.6 site-packages>:. python benchmarks/experiments/moe_stage_compile_check.py [NAME ...]
     PYTHONPATH=<triton-3.6 site-packages>:. python benchmarks/experiments/moe_stage_compile_check.py probe:   # mem_probe's rows
 
-The variants are benchmarks/experiments/moe_sweep.py's (its module constants: the references, the DIAG rows, the snap
-grid), compiled as the launcher specialises them at T = 4096, Hd = 4096, K = 6 (constexprs from
+The variants are benchmarks/experiments/moe_sweep.py's (its module constants: the references, the two encoders, the
+snap grid), compiled as the launcher specialises them at T = 4096, Hd = 4096, K = 6 (constexprs from
 ``dsv4ref.moe.launch.stage_constexprs``; the pointers and the row strides 16-byte aligned, unit strides
 constant). Per variant: registers and stack (bytes spilled) from ``cuobjdump -res-usage``, the SASS length,
 and the instructions one thread executes on the common path divided by the values it stages (``/value``):
 the walk starts at the entry and takes every forward conditional branch and the first conditional EXIT,
 which on these kernels is the path of a tile with no NaN / ±inf group in a program that does not copy the
-top-k (the rare arms are laid out in front of the common ones; the DIAG "finite" row, which has no such
-branch, is the check). Then the mix of that path: integer / logic ops (LOP3, SHF, PRMT, SEL, IMNMX, ISETP,
+top-k (the rare arms are laid out in front of the common ones; the timing-only DIAG "finite" variant, which had no
+such branch, was the check while the library had it: benchmarks/moe.md). Then the mix of that path: integer / logic ops (LOP3, SHF, PRMT, SEL, IMNMX, ISETP,
 ...), which share the half-rate ALU pipe, fp32 (FFMA, FADD, FMUL, also IMAD, which runs on the FMA pipe),
 F2FP (the e4m3 cvt, two values each), shuffles, barriers, spill loads / stores.
 
@@ -40,7 +40,7 @@ from triton.compiler import ASTSource  # noqa: E402
 from dsv4ref.moe import kernels  # noqa: E402
 from dsv4ref.moe.launch import stage_constexprs  # noqa: E402
 from mem_probe import stage_variants  # noqa: E402
-from moe_sweep import DIAG_SNAP, MAXNREGS, SESSION3_BEST, SNAP_GRID, STAGE_DIAG_ROWS, stage_name  # noqa: E402
+from moe_sweep import ENCODER_ROWS, MAXNREGS, SESSION3_BEST, SNAP_1024, SNAP_GRID, stage_name  # noqa: E402
 
 from dsv4ref import moe  # noqa: E402
 
@@ -56,9 +56,9 @@ ALIGNED = ("x_ptr", "q_ptr", "sf_ptr", "ids_ptr", "w_ptr", "ids_out_ptr", "w_out
            "stride_st")
 
 
-def compile_variant(L, diag=""):
+def compile_variant(L):
     const = stage_constexprs(HD, K, L.stage_block_t, L.stage_block_h, L.stage_load, L.stage_programs, L.stage_cache,
-                             L.stage_encode, diag, L.stage_topk_first, L.stage_prefetch)
+                             L.stage_encode, L.stage_topk_first, L.stage_prefetch)
     const.update(stride_xh=1, stride_ik=1, stride_wk=1)
     sig = dict(SIG, **{k: "constexpr" for k in const})
     if const["ENCODE"] != "blocks":
@@ -106,9 +106,9 @@ def common_path(sass: str) -> list[str]:
     return path
 
 
-def report(label, L, diag=""):
+def report(label, L):
     try:
-        ck = compile_variant(L, diag)
+        ck = compile_variant(L)
     except Exception as e:  # noqa: BLE001
         print(f"{label:58s} FAILED {type(e).__name__}: {str(e).splitlines()[0][:90]}", flush=True)
         return
@@ -139,15 +139,14 @@ def widths(sass: str) -> str:
 def main(argv):
     print(f"triton {triton.__version__}, sm_90a, T={T} Hd={HD} K={K}; /value: per value staged by one thread",
           flush=True)
-    rows = [("default: " + stage_name(moe.default_launch(T, K, 256)), moe.default_launch(T, K, 256), ""),
-            ("session-3 fastest: " + stage_name(SESSION3_BEST), SESSION3_BEST, "")]
-    rows += [(stage_name(L, d), L, d) for L, ds in STAGE_DIAG_ROWS for d in ds]
-    rows += [(stage_name(L), L, "") for L in SNAP_GRID]
-    rows += [(stage_name(L), L, "") for L in (dataclasses.replace(DIAG_SNAP, stage_maxnreg=n) for n in MAXNREGS)]
-    rows += [(f"probe: {name}", L, "") for name, L in stage_variants(132).items()]  # benchmarks/experiments/mem_probe.py, H200
-    for label, L, d in rows:
+    rows = [("default: " + stage_name(moe.default_launch(T, K, 256)), moe.default_launch(T, K, 256)),
+            ("session-3 fastest: " + stage_name(SESSION3_BEST), SESSION3_BEST)]
+    rows += [(stage_name(L), L) for L in ENCODER_ROWS + SNAP_GRID]
+    rows += [(stage_name(L), L) for L in (dataclasses.replace(SNAP_1024, stage_maxnreg=n) for n in MAXNREGS)]
+    rows += [(f"probe: {name}", L) for name, L in stage_variants(132).items()]  # benchmarks/experiments/mem_probe.py, H200
+    for label, L in rows:
         if not argv or any(a in label for a in argv):
-            report(label, L, d)
+            report(label, L)
 
 
 if __name__ == "__main__":

@@ -10,22 +10,20 @@ copy ceiling and two copies moving staging's bytes timed the same way (what a co
 launch and tail alone). Then, in order of priority (new variants stop starting after STAGE_BUDGET_S):
 
   A. the references: the default, the session-3 fastest (tile 1 × 1024, 2 warps, streaming stores);
-  B. DIAG rows on tile 1 × 1024, 2 warps, which take the gap to a copy apart: the shared encoder without its
-     non-finite parts ("finite"), without the top-k copies ("notopk"); the new "snap" encoder, and it with
-     each part taken away: "finite", "notopk", "cast" (the GPU's cvt instead of the grid-snap), "trunc" (no
-     amax and no encoder: the traffic alone), "loads" (the reads alone);
+  B. the two encoders on tile 1 × 1024, 2 warps: the shared one ("blocks") and "snap";
   C. stage_encode="snap" over tile shapes and warps (8–32 values per thread);
   D. cache hints (evict_first loads, streaming stores) on the three fastest of C, then a register cap
-     (stage_maxnreg 40 / 48: more programs resident per SM, against spills) on the three fastest snap rows;
-  E. the DIAG rows again on the fastest snap variant, when that is not the shape of B.
+     (stage_maxnreg 40 / 48: more programs resident per SM, against spills) on the three fastest snap rows.
 
 Before it is timed, every variant's four outputs are compared byte for byte with the reference on input set
 0 (real magnitudes, with NaN / ±inf groups planted: the checks-off encoding is checked too); a variant that
-differs, or fails to compile, is reported and skipped. DIAG rows (marked so) write other bytes by design and
-are timed unchecked, except "cast", which is checked and reported (it should be exact compiled). Each line
-gives µs, % of the copy ceiling and % of the best same-size copy's bandwidth; the summary takes the DIAG rows
-apart into µs per part. The variant lists are module constants, so benchmarks/experiments/moe_stage_compile_check.py
-compiles the same kernels for sm_90a on a machine with no GPU.
+differs, or fails to compile, is reported and skipped. Each line gives µs, % of the copy ceiling and % of the
+best same-size copy's bandwidth. The variant lists are module constants, so
+benchmarks/experiments/moe_stage_compile_check.py compiles the same kernels for sm_90a on a machine with no GPU.
+
+The DIAG rows that took the gap to a copy apart (timing-only encodings with wrong bytes by design: "cast",
+"trunc", "loads", "finite", "notopk") needed variants of the library's staging kernel: removed from the
+library; commit c98f529 still has them, and this sweep with them. Their figures: benchmarks/moe.md.
 """
 
 import dataclasses
@@ -36,10 +34,8 @@ import torch
 
 import dsv4ref
 from dsv4ref import moe
-from dsv4ref.moe.launch import STAGE_DIAGS, experts_op_args, stage_op_args
 
 STAGE_BUDGET_S = 85.0  # new staging variants stop starting after this (the whole run must stay under 120 s)
-DIAG_CHECKED = ("cast",)  # DIAG rows whose bytes should still be the contract's
 
 
 def tile(bt, bh, warps, **kw):
@@ -47,11 +43,9 @@ def tile(bt, bh, warps, **kw):
 
 
 SESSION3_BEST = tile(1, 1024, 2, stage_cache="stream")
-DIAG_BLOCKS = tile(1, 1024, 2)  # the shared encoder on the session-3 fastest shape
-DIAG_SNAP = tile(1, 1024, 2, stage_encode="snap")
-# (rows, DIAGs): "" is the contract
-STAGE_DIAG_ROWS = [(DIAG_BLOCKS, ("", "finite", "notopk")),
-                   (DIAG_SNAP, ("", "finite", "notopk", "cast", "trunc", "loads"))]
+BLOCKS_1024 = tile(1, 1024, 2, stage_encode="blocks")  # the shared encoder on the session-3 fastest shape
+SNAP_1024 = tile(1, 1024, 2, stage_encode="snap")
+ENCODER_ROWS = [BLOCKS_1024, SNAP_1024]
 # C: tokens × values per program and warps, 8 to 32 values per thread
 SNAP_SHAPES = [(1, 512, 1), (1, 512, 2), (1, 1024, 1), (1, 1024, 4), (1, 2048, 2), (1, 2048, 4), (1, 2048, 8),
                (1, 4096, 4), (1, 4096, 8), (2, 1024, 2), (2, 1024, 4), (4, 512, 2), (4, 512, 4), (2, 2048, 4),
@@ -61,7 +55,7 @@ CACHE_HINTS = ("evict_first", "stream")
 MAXNREGS = (40, 48)
 
 
-def stage_name(L, diag=""):
+def stage_name(L):
     s = f"{L.stage_encode:6s} {L.stage_load:6s} {L.stage_block_t}x{L.stage_block_h} w{L.stage_warps}"
     if L.stage_cache:
         s += f" cache={L.stage_cache}"
@@ -69,8 +63,6 @@ def stage_name(L, diag=""):
         s += f" persistent={L.stage_programs} stages={L.stage_stages}"
     if L.stage_maxnreg:
         s += f" maxnreg={L.stage_maxnreg}"
-    if diag:
-        s += f" DIAG={diag}"
     return s
 
 
@@ -102,40 +94,34 @@ def sweep_stage(ceil):
               flush=True)
     copy_us = nbytes / best_copy * 1e6  # staging's bytes at the same-size copy's bandwidth
 
-    results, diags = {}, {}  # label -> (ms, launch); (label of the row's contract variant, diag) -> ms
+    results = {}  # label -> (ms, launch)
 
-    def run(L, diag=""):
-        label = stage_name(L, diag)
-        if label in results or (stage_name(L), diag) in diags:
+    def run(L):
+        label = stage_name(L)
+        if label in results:
             return
         if time.perf_counter() - t0 > STAGE_BUDGET_S:
             print(f"  {label:62s} skipped (time budget)", flush=True)
             return
-        args = stage_op_args(L, diag)
+        args = L.op_args("moe_stage")
         x, ids, w, q, sf, i64, w32 = sets[0]
         for b in (q, sf, i64, w32):
             b.fill_(-1 if b.dtype != torch.uint8 else 0x7F)  # poison: an unwritten byte shows
         try:
             torch.ops.dsv4ref.moe_stage(*sets[0], *args)
-            note = ""
-            if not diag or diag in DIAG_CHECKED:
-                bad = [n for n, g, r in zip(("x_fp8", "x_sf", "ids", "weights"), (q, sf, i64, w32), want)
-                       if not torch.equal(g.view(torch.uint8), r.view(torch.uint8))]
-                if bad and not diag:
-                    print(f"  {label:62s} WRONG BYTES in {', '.join(bad)}: skipped", flush=True)
-                    return
-                note = f"  (bytes differ in {', '.join(bad)})" if bad else "  (bytes exact)" if diag else ""
+            bad = [n for n, g, r in zip(("x_fp8", "x_sf", "ids", "weights"), (q, sf, i64, w32), want)
+                   if not torch.equal(g.view(torch.uint8), r.view(torch.uint8))]
+            if bad:
+                print(f"  {label:62s} WRONG BYTES in {', '.join(bad)}: skipped", flush=True)
+                return
             ms = time_ms(lambda i: torch.ops.dsv4ref.moe_stage(*sets[i], *args), n_sets)
         except Exception as e:  # e.g. out of registers / shared memory
             print(f"  {label:62s} FAILED {type(e).__name__}: {str(e).splitlines()[0][:100]}", flush=True)
             return
         bw = nbytes / (ms * 1e-3)
-        if diag:
-            diags[(stage_name(L), diag)] = ms
-        else:
-            results[label] = (ms, L)
+        results[label] = (ms, L)
         print(f"  {label:62s} {ms * 1e3:7.1f} us  {bw / ceil.copy_bytes_per_s:6.1%} of ceiling  "
-              f"{bw / best_copy:6.1%} of same-size copy{note}", flush=True)
+              f"{bw / best_copy:6.1%} of same-size copy", flush=True)
 
     def fastest(n, encode=None):
         rows = [r for r in results.values() if encode is None or r[1].stage_encode == encode]
@@ -145,10 +131,9 @@ def sweep_stage(ceil):
     default = moe.default_launch(T, K, 256)
     run(default)
     run(SESSION3_BEST)
-    print("B. DIAG: the gap taken apart (DIAG rows write other bytes by design: timing only)", flush=True)
-    for L, ds in STAGE_DIAG_ROWS:
-        for d in ds:
-            run(L, d)
+    print("B. the two encoders on tile 1 x 1024, 2 warps", flush=True)
+    for L in ENCODER_ROWS:
+        run(L)
     print("C. snap: tile shapes and warps", flush=True)
     for L in SNAP_GRID:
         run(L)
@@ -159,27 +144,13 @@ def sweep_stage(ceil):
     for L in fastest(3, "snap"):
         for n in MAXNREGS:
             run(dataclasses.replace(L, stage_maxnreg=n))
-    best = fastest(1, "snap")
-    if best and stage_name(dataclasses.replace(best[0], stage_cache="", stage_maxnreg=0)) != stage_name(DIAG_SNAP):
-        print("E. DIAG rows on the fastest snap variant", flush=True)
-        for d in STAGE_DIAG_ROWS[1][1][1:]:
-            run(best[0], d)
 
     print(f"\nsummary (µs; a copy of staging's {nbytes / 1e6:.1f} MB at the same-size copy's bandwidth: {copy_us:.1f} µs)")
     for row in [r for r in (default, SESSION3_BEST) if stage_name(r) in results] + fastest(3):
         ms = results[stage_name(row)][0]
         bw = nbytes / (ms * 1e-3)
         print(f"  {stage_name(row):62s} {ms * 1e3:7.1f} us  {bw / ceil.copy_bytes_per_s:6.1%} of ceiling  "
-              f"{bw / best_copy:6.1%} of same-size copy")
-    for base in dict.fromkeys(stage_name(L) for L in [DIAG_BLOCKS, DIAG_SNAP] + best):
-        full = results.get(base, (None,))[0]
-        if full is None:
-            continue
-        parts = [f"{d} {(full - diags[(base, d)]) * 1e3:+.1f}" for d in STAGE_DIAGS[1:] if (base, d) in diags]
-        print(f"  {base}: {full * 1e3:.1f} µs = {full * 1e3 - copy_us:+.1f} µs over the copy; full − DIAG: "
-              + ", ".join(parts))
-    print("  (full − finite: the non-finite policy; − notopk: the top-k copies; − cast: the grid-snap over the"
-          " GPU's cvt; − trunc: amax + encoder; − loads: all but the reads.)")
+              f"{bw / best_copy:6.1%} of same-size copy; {ms * 1e3 - copy_us:+.1f} µs over the copy")
     print(f"staging sweep: {time.perf_counter() - t0:.0f} s", flush=True)
 
 
@@ -209,7 +180,7 @@ def sweep_experts(ceil):
         for L in launches:
             try:
                 ms = time_ms(lambda i: torch.ops.dsv4ref.moe_experts(x, q.view(torch.uint8), sf, i64, w32, w13, w2, sw13, sw2,
-                                                                     out, 10.0, *experts_op_args(L)), 1, reps=10)
+                                                                     out, 10.0, *L.op_args("moe_experts")), 1, reps=10)
             except Exception as e:  # e.g. out of shared memory
                 print(f"experts T={T} {L}: FAILED {str(e)[:120]}", flush=True)
                 continue

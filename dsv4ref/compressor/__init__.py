@@ -29,7 +29,7 @@ import torch
 from .. import validate
 from ..device import DEVICE, HOST
 from . import kernels, reference  # noqa: F401  (dsv4ref.compressor.kernels / .reference, for readers)
-from .launch import CompressorLaunch, default_launch, op_args
+from .launch import CompressorLaunch, default_launch
 from .reference import RATIOS, compress_sequence, example_inputs, overlap
 
 __all__ = ["compress", "allocate_state", "CompressorState", "overlap", "compress_sequence", "example_inputs",
@@ -170,7 +170,7 @@ def compress(x, wkv, wgate, ape, norm, state_kv, state_score, requests, position
     req = torch.where(ok if valid is None else ok & valid, requests, -1).to(torch.int32)
     torch.ops.dsv4ref.compressor_compress(x, wkv, wgate, ape, norm.contiguous(), state_kv, state_score,
                                           req.contiguous(), positions.to(torch.int32).contiguous(), rows, done,
-                                          int(ratio), float(eps), *op_args(launch or default_launch()))
+                                          int(ratio), float(eps), *(launch or default_launch()).op_args())
     return rows, done
 
 

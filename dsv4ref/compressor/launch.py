@@ -14,7 +14,7 @@ from .. import validate
 from ..device import interpreting
 from .kernels import compress_kernel, project_kernel, save_kernel
 
-__all__ = ["CompressorLaunch", "default_launch", "op_args"]
+__all__ = ["CompressorLaunch", "default_launch"]
 
 
 @dataclass(frozen=True)
@@ -50,17 +50,17 @@ class CompressorLaunch:
         if self.block_j > 8:
             raise ValueError(f"block_j: expected <= 8 (it must divide the ratio-4 window of 8), got {self.block_j}")
 
+    def op_args(self) -> tuple[int, ...]:
+        """The launch as the trailing arguments of ``torch.ops.dsv4ref.compressor_compress``: the fields in
+        declaration order, which is the schema's."""
+        return tuple(getattr(self, f.name) for f in fields(self))
+
 
 def default_launch() -> CompressorLaunch:
     """The default shape; in the interpreter, where the cost is the number of programs, wide projection tiles."""
     if interpreting():
         return CompressorLaunch(block_c=512, block_k=256)
     return CompressorLaunch()
-
-
-def op_args(launch: CompressorLaunch) -> tuple:
-    """The launch fields in the custom op's schema order."""
-    return tuple(getattr(launch, f.name) for f in fields(launch))
 
 
 def _compress(x, wkv, wgate, ape, norm, state_kv, state_score, requests, positions, rows, done, ratio, eps,

@@ -14,9 +14,15 @@ The walk-through is ``docs/decode.md``. Two implementations of the same block of
 * :func:`reference_forward` (:mod:`.reference`): the same block as a float64 full-sequence forward: no
   FP8 KV, no paging, no sparsity except the causal window, the top-k ids and the expert ids it is given.
 
-:func:`agreement` compares the two under :data:`ATTN_TOL` / :data:`LOGITS_TOL`; :func:`run` drives a
-decoder (:func:`run_speculative` with MTP speculation); :func:`demo` is ``python -m dsv4ref demo`` (:mod:`.demo`). The weights are random and seeded
-(:func:`make_weights`, :mod:`.weights`).
+:func:`agreement` compares the two under :data:`ATTN_TOL` / :data:`LOGITS_TOL` (:mod:`.compare`); :func:`run`
+drives a decoder (:func:`run_speculative` with MTP speculation; :mod:`.driver`); :func:`demo` is
+``python -m dsv4ref demo`` (:mod:`.demo`). The weights are random and seeded (:func:`make_weights`, from
+:mod:`dsv4ref.weights`, which :mod:`dsv4ref.mtp` shares).
+
+Modules: :mod:`.model` (the Decoder: caches, the step, its device graph), :mod:`.state` (the per-layer
+:class:`LayerState` and the step's records), :mod:`.speculation` (draft / verify), :mod:`.glue` (small torch
+pieces), :mod:`.traffic` (:func:`traffic_per_op`), :mod:`.reference`, :mod:`.compare`, :mod:`.driver`,
+:mod:`.demo`.
 
 Usage::
 
@@ -29,16 +35,20 @@ Usage::
     ref = decode.reference_forward(TINY, dec.w, toks[0], topks[0])   # float64, the whole sequence
 """
 
-from . import compressor
-from .demo import (AGREEMENT_TOL, ATTN_TOL, LOGITS_TOL, SpecStats, StepAgreement, agreement, demo, graph_speed, rel_err,
-                   run, run_speculative)
-from .model import CacheCapacityError, Decoder, History, Rows, Speculation, StepGraph, swiglu_clamped, traffic_per_op
+from ..weights import check_config, layer_ratio, make_weights, weights_to
+from .compare import AGREEMENT_TOL, ATTN_TOL, LOGITS_TOL, StepAgreement, agreement, rel_err
+from .demo import demo
+from .driver import SpecStats, graph_speed, run, run_speculative
+from .glue import swiglu_clamped
+from .model import Decoder
 from .reference import REFERENCE_BUGS, reference_forward
-from .weights import check_config, layer_ratio, make_weights, weights_to
+from .speculation import Speculation
+from .state import CacheCapacityError, History, LayerState, Rows, StepGraph
+from .traffic import traffic_per_op
 
 __all__ = [
-    "Decoder", "CacheCapacityError", "Rows", "check_config", "layer_ratio", "make_weights", "weights_to",
+    "Decoder", "CacheCapacityError", "Rows", "LayerState", "check_config", "layer_ratio", "make_weights", "weights_to",
     "reference_forward", "REFERENCE_BUGS", "agreement", "StepAgreement", "rel_err", "ATTN_TOL", "LOGITS_TOL",
-    "AGREEMENT_TOL", "run", "run_speculative", "SpecStats", "demo", "traffic_per_op", "swiglu_clamped", "compressor",
+    "AGREEMENT_TOL", "run", "run_speculative", "SpecStats", "demo", "traffic_per_op", "swiglu_clamped",
     "History", "Speculation", "StepGraph", "graph_speed",
 ]

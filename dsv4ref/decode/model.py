@@ -12,157 +12,47 @@ With MTP (``cfg.num_nextn_predict_layers = 1``), :meth:`Decoder.speculate` draft
 layer (:mod:`dsv4ref.mtp`: its own SWA-only block and KV cache), verifies them as k + 1 rows per request of
 ONE target step, keeps the target's greedy tokens (:func:`dsv4ref.mtp.greedy_accept`) and rolls the
 compressor state back past the rejected rows (``docs/mtp.md#verification``).
+
+The Decoder's parts beside this module: :mod:`.state` (each layer's caches, :class:`~.state.LayerState`; the
+step's rows; the captured step), :mod:`.glue` (the small torch pieces between the ops), :mod:`.speculation`
+(draft / verify / speculate), :mod:`.traffic` (the bytes each op moves, as formulas).
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from .. import compressor as compressor_op
-from .. import indexer, kv_cache, mhc, moe, mtp, rope, sparse_mla, validate
+from .. import indexer, kv_cache, mhc, moe, rope, sparse_mla, validate
 from ..config import TINY, Config
 from ..device import DEVICE, HOST, Timer, capture_graph
-from ..formats import FP8_K_RECORD, MXFP4_K_RECORD, TOKEN_BYTES
 from ..testing import generator
-from .weights import check_config, check_weights, layer_ratio, make_weights
+from ..weights import check_config, check_weights, layer_ratio, make_weights
+from .glue import linear, rms_norm
+from .speculation import Speculating
+from .state import CacheCapacityError, History, LayerState, Rows, StepGraph
 
-__all__ = ["Decoder", "CacheCapacityError", "Rows", "History", "Speculation", "StepGraph", "swiglu_clamped",
-           "traffic_per_op"]
+__all__ = ["Decoder"]
 
 #: backends the decode step can pass to every op it calls
 SUPPORTED_BACKENDS = ("reference", "triton")
 
 
-# ====================================================================================================
-# small torch pieces of the decode path (bf16 activations, fp32 math)
-# ====================================================================================================
-
-
-def _rms_norm(x: torch.Tensor, w: torch.Tensor | None, eps: float) -> torch.Tensor:
-    xf = x.float()
-    y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return (y * w.float() if w is not None else y).to(torch.bfloat16)
-
-
-def _linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """bf16 GEMM, fp32 accumulation, bf16 out."""
-    return F.linear(x.to(torch.bfloat16), w)
-
-
-def swiglu_clamped(gate_up: torch.Tensor, limit: float) -> torch.Tensor:
-    """The experts' activation (vLLM's ``SiluAndMulWithClamp``): gate = the first half of the last dim,
-    clamped from above only; up = the second half, clamped both ways; returns silu(gate) · up, half the
-    width of ``gate_up``, in its dtype. The MoE applies the same clamp (:func:`dsv4ref.moe.experts`)."""
-    d = gate_up.shape[-1] // 2
-    gate = gate_up[..., :d].clamp(max=limit)
-    up = gate_up[..., d:].clamp(-limit, limit)
-    return F.silu(gate) * up
-
-
-class CacheCapacityError(ValueError):
-    """A decode step would write past the space the caches were allocated with."""
-
-
-@dataclass
-class Rows:
-    """The T rows of one step: request id, absolute position and validity of each row (on the device), the
-    same three on the host (``host``), and ``shortcut``: every row sees at most K_top compressed rows of a
-    ratio-4 layer (the indexer's short-context shortcut), decided on the host so the device part never
-    reads a position back."""
-
-    req: torch.Tensor  # (T,) int64
-    pos: torch.Tensor  # (T,) int64 (0 for padding rows)
-    valid: torch.Tensor  # (T,) bool
-    shortcut: bool = True
-    host: tuple | None = None  # (req, pos, valid) on the CPU
-
-
-class History(tuple):
-    """What :func:`dsv4ref.decode.reference_forward` needs to follow a run: unpacks as ``(tokens, topks)``
-    (per request: the tokens (L,) int64 and {ratio-4 layer: (L, K_top) int32 indexer ids}); ``experts``
-    holds per request {layer: (L, K) int32 expert ids the MoE used} (key ``"mtp"``: the draft layer's, at
-    the positions the draft layer ran on verified rows)."""
-
-    def __new__(cls, tokens, topks, experts):
-        h = super().__new__(cls, (tokens, topks))
-        h.experts = experts
-        return h
-
-
-@dataclass
-class Speculation:
-    """One :meth:`Decoder.speculate` round: ``drafts`` (R, k) int64, ``target`` (R, k + 1) int64 (the target's
-    argmax at the k + 1 verification rows), ``accepted`` (R,) int64 (leading drafts that matched),
-    ``emitted`` [per request (accepted + 1,) int64], ``logits`` (R, k + 1, V) fp32 of the verification rows,
-    ``next`` (R,) int64 (each request's last emitted token: the next step's input)."""
-
-    drafts: torch.Tensor
-    target: torch.Tensor
-    accepted: torch.Tensor
-    emitted: list
-    logits: torch.Tensor
-    next: torch.Tensor
-
-
-@dataclass
-class StepGraph:
-    """The device part of :meth:`Decoder.step` over static buffers, captured once (per backend and indexer
-    shortcut) and replayed every step (``docs/decode.md#one-step-one-graph``).
-
-    ``ids`` (R,) int64 and ``rows`` are the static inputs (the host copies each step's values in); ``logits``,
-    ``attn_out`` and ``hidden`` the static outputs (tensors of the captured call, refreshed by each replay);
-    ``replay()`` runs the step; ``captured`` is False where the device has no graphs (CPU), where replay calls
-    the same function over the same buffers; ``replays`` counts the steps run."""
-
-    ids: torch.Tensor
-    rows: Rows
-    logits: torch.Tensor | None = None
-    attn_out: list | None = None
-    hidden: torch.Tensor | None = None
-    replay: object = None
-    captured: bool = False
-    replays: int = 0
-
-
-def _static_outputs(g: StepGraph, device_part):
-    """A replay for devices without graphs: run ``device_part`` again and copy its outputs into the tensors of
-    the first call, as a graph's replay refreshes its captured outputs in place (so a caller that keeps an
-    output across steps sees what it would see on a GPU)."""
-    logits, attn_out, hidden = g.logits, list(g.attn_out), g.hidden
-
-    def replay():
-        device_part()
-        logits.copy_(g.logits)
-        for a, b in zip(attn_out, g.attn_out):
-            a.copy_(b)
-        hidden.copy_(g.hidden)
-        g.logits, g.attn_out, g.hidden = logits, attn_out, hidden
-
-    return replay
-
-
-# ====================================================================================================
-# the decoder
-# ====================================================================================================
-
-
-class Decoder:
+class Decoder(Speculating):
     """A batch of ``num_requests`` requests decoding through the whole layer stack with paged caches.
 
     >>> dec = Decoder(TINY, make_weights(TINY), num_requests=4, capacity=320)
     >>> logits = dec.prefill([prompt0, prompt1, prompt2, prompt3])    # batched: all prompt tokens at once
     >>> logits = dec.step(next_ids)                                   # one token per request
 
-    Caches (per layer, in ``self.layers[l]``): ``swa``, the window pool, pages of ``cfg.window_page``
-    tokens; for ratio r > 1 ``comp``, the compressed pool (pages of ``cfg.c4_page`` / ``cfg.c128_page``
-    compressed rows) and ``ring``, the compressor state; for ratio 4 ``idx_cache``, the indexer-K pool
-    (``cfg.index_page``), ``idx_ring`` and ``topk``, the ids the indexer chose (for the reference). Every
-    request owns ``capacity`` tokens of each, in pages drawn from a shuffled permutation (its block tables
-    ``bt_swa``, ``layers[l]["bt_c"]``, ``layers[l]["bt_i"]``). The window pool keeps the whole history (a
+    Caches (per layer, a :class:`~dsv4ref.decode.state.LayerState` in ``self.layers[l]``): ``swa``, the window
+    pool, pages of ``cfg.window_page`` tokens; for ratio r > 1 ``comp``, the compressed pool (pages of
+    ``cfg.c4_page`` / ``cfg.c128_page`` compressed rows) and ``ring``, the compressor state; for ratio 4
+    ``idx_cache``, the indexer-K pool (``cfg.index_page``), ``idx_ring`` and ``topk``, the ids the indexer
+    chose (for the reference). Every request owns ``capacity`` tokens of each, in pages drawn from a shuffled
+    permutation (its block tables ``bt_swa``, ``layers[l].bt_c``, ``layers[l].bt_i``). The window pool keeps the whole history (a
     serving engine would free pages that slid out of the window); a step that would go past ``capacity``
     raises :class:`CacheCapacityError` instead of overwriting.
 
@@ -175,9 +65,9 @@ class Decoder:
     collect per-op milliseconds.
 
     Each layer's feed-forward is the MoE (``cfg.n_routed_experts`` experts, top ``cfg.num_experts_per_tok``,
-    layers below ``cfg.num_hash_layers`` hash-routed by token id); ``layers[l]["experts"]`` records the ids
+    layers below ``cfg.num_hash_layers`` hash-routed by token id); ``layers[l].experts`` records the ids
     it used at each position (for the reference). With ``cfg.num_nextn_predict_layers = 1`` the draft layer
-    has its own window cache ``mtp_state["swa"]`` (same block tables) and :meth:`speculate` /
+    has its own window cache ``mtp_state.swa`` (same block tables) and :meth:`speculate` /
     :meth:`draft` / :meth:`verify` run speculative decoding; ``mtp_done`` (R,) counts the positions whose
     verified rows the draft layer has already seen.
 
@@ -242,30 +132,15 @@ class Decoder:
             one spare column ``capacity`` takes the writes of padding rows."""
             return torch.full((num_requests, capacity + 1, width), -1, dtype=torch.int32, device=dev)
 
-        K = cfg.num_experts_per_tok
-        self.layers = []
-        for li in range(cfg.num_layers):
-            r = layer_ratio(cfg, li)
-            st = dict(ratio=r, swa=kv_cache.allocate(n_swa, cfg.window_page, device=dev), experts=record(K))
-            if r > 1:
-                page = cfg.c4_page if r == 4 else cfg.c128_page
-                st["page"] = page
-                st["bt_c"], n_c = table(capacity // r, page)
-                st["comp"] = kv_cache.allocate(n_c, page, device=dev)
-                st["ring"] = compressor_op.allocate_state(num_requests, r, cfg.head_dim, device=dev)
-            if r == 4:
-                st["bt_i"], n_i = table(capacity // 4, cfg.index_page)
-                st["idx_cache"] = indexer.allocate_k_cache(n_i, cfg.index_page, cfg.index_format, device=dev)
-                st["idx_ring"] = compressor_op.allocate_state(num_requests, 4, cfg.index_head_dim, device=dev)
-                st["topk"] = record(cfg.index_topk)
-            self.layers.append(st)
+        alloc = dict(num_requests=num_requests, capacity=capacity, n_swa=n_swa, table=table, record=record, device=dev)
+        self.layers = [LayerState.allocate(cfg, layer_ratio(cfg, li), **alloc) for li in range(cfg.num_layers)]
         self.tokens = torch.zeros(num_requests, capacity, dtype=torch.int64, device=HOST)  # host: the token history
         self.hidden: torch.Tensor | None = None
         self.mtp_state = None
         if has_mtp:
             # the draft layer: its own window cache (addressed through the same block tables), the target's
             # pre-head residual of every position (its input), and how far it has read them
-            self.mtp_state = dict(ratio=0, swa=kv_cache.allocate(n_swa, cfg.window_page, device=dev), experts=record(K))
+            self.mtp_state = LayerState.allocate(cfg, 0, **alloc)  # window only
             self.h_hist = torch.zeros(num_requests, capacity, cfg.hc_mult, cfg.hidden_size, dtype=torch.bfloat16,
                                       device=dev)
         self.mtp_done = torch.zeros(num_requests, dtype=torch.int64, device=HOST)  # host
@@ -326,7 +201,7 @@ class Decoder:
         act = act.cpu()
         if tuple(act.shape) != (self.R,):
             raise ValueError(f"active: expected shape ({self.R},), got {tuple(act.shape)}")
-        be = self.backend if backend is None else validate.backend(backend, SUPPORTED_BACKENDS)
+        be = self._backend(backend)
         rows = self._rows(torch.arange(self.R, device=HOST), self.lengths.clone(), act)
         # the device part: the whole stack, eagerly or as one replayed graph
         logits = self._replay(ids, rows, be) if self.graph else self._forward(ids.to(self.dev), rows, be)
@@ -366,7 +241,7 @@ class Decoder:
             g.captured = g.replay is not None
             if g.replay is None:  # no device graphs here (CPU): a stand-in with a graph's static outputs
                 device_part()
-                g.replay = _static_outputs(g, device_part)
+                g.replay = g.stand_in(device_part)
             self.graphs[key] = g
         g.replay()
         g.replays += 1
@@ -379,15 +254,15 @@ class Decoder:
         (L, K) int32. What :func:`dsv4ref.decode.reference_forward` needs to follow this run. Returns a
         :class:`History` (unpacks as (tokens list, list of {layer: ids}))."""
         toks, topks, experts = [], [], []
-        topk = {li: st["topk"].cpu() for li, st in enumerate(self.layers) if "topk" in st}
-        exp = {li: st["experts"].cpu() for li, st in enumerate(self.layers)}
+        topk = {li: st.topk.cpu() for li, st in enumerate(self.layers) if st.topk is not None}
+        exp = {li: st.experts.cpu() for li, st in enumerate(self.layers)}
         for r in range(self.R):
             n = int(self.lengths[r])
             toks.append(self.tokens[r, :n].clone())
             topks.append({li: t[r, :n].clone() for li, t in topk.items()})
             e = {li: t[r, :n].clone() for li, t in exp.items()}
             if self.mtp_state is not None:
-                e["mtp"] = self.mtp_state["experts"][r, :int(self.mtp_done[r])].cpu()
+                e["mtp"] = self.mtp_state.experts[r, :int(self.mtp_done[r])].cpu()
             experts.append(e)
         return History(toks, topks, experts)
 
@@ -402,152 +277,6 @@ class Decoder:
             self.h_hist[req.to(self.dev), pos.to(self.dev)] = self.hidden[k.to(self.dev)]
 
     # ------------------------------------------------------------------------------------------------
-    # speculative decoding with the MTP draft layer (docs/mtp.md)
-    # ------------------------------------------------------------------------------------------------
-    def speculate(self, next_ids, k: int, *, backend: str | None = None, draft_backend: str | None = None) -> Speculation:
-        """One round of greedy speculative decoding for every request: :meth:`draft` k tokens, then
-        :meth:`verify` them in one target step.
-
-        Args: ``next_ids`` (R,) int64, each request's next input token (the argmax of its last logits,
-        not yet in the caches); ``k`` drafts per request, 1 ≤ k ≤ 7; ``backend`` for the target step and the
-        chained drafts (default: the Decoder's); ``draft_backend`` for the draft layer's catch-up rows
-        (default ``backend``; after a prefill those are the whole prompt: "reference" is faster in the CPU
-        interpreter). Returns a :class:`Speculation`.
-
-        Every check runs before anything is written: a call that fails (a bad argument, or k + 1 verification
-        rows that would go past ``capacity``: :class:`CacheCapacityError`) leaves the caches, ``lengths``,
-        ``mtp_done`` and the expert records as they were, so a retry with a smaller k (or :meth:`step`)
-        starts from the same state."""
-        self._draft_checks(next_ids, k, backend, draft_backend)
-        k = validate.integer(k, "k", lo=1, hi=7)
-        # the verification writes positions length .. length + k: check them now, before the draft writes
-        self._rows(torch.arange(self.R, device=HOST), self.lengths + k, torch.ones(self.R, dtype=torch.bool, device=HOST), what="k",
-                   hint=f"speculating k = {k} drafts verifies k + 1 = {k + 1} rows per request; use a smaller k "
-                        "or step()")
-        drafts = self.draft(next_ids, k, backend=backend, catch_up_backend=draft_backend)
-        return self.verify(next_ids, drafts, backend=backend)
-
-    def _draft_checks(self, next_ids, k, backend, catch_up_backend) -> tuple:
-        """Every check of :meth:`draft`, before it writes anything. Returns (next_ids, k, backend, catch-up
-        backend)."""
-        if self.mtp_state is None:
-            raise ValueError("draft: this Decoder has no MTP layer (cfg.num_nextn_predict_layers = 0 or no 'mtp' weights)")
-        next_ids = self._next_ids(next_ids)
-        k = validate.integer(k, "k", lo=1, hi=7)
-        be = self.backend if backend is None else validate.backend(backend, SUPPORTED_BACKENDS)
-        cbe = be if catch_up_backend is None else validate.backend(catch_up_backend, SUPPORTED_BACKENDS)
-        if bool((self.lengths - self.mtp_done < 1).any()):
-            raise ValueError("draft: every request needs a target step since its last draft (call verify or step)")
-        self._rows(torch.arange(self.R, device=HOST), self.lengths + k - 2, torch.ones(self.R, dtype=torch.bool, device=HOST))  # capacity
-        return next_ids, k, be, cbe
-
-    def draft(self, next_ids, k: int, *, backend: str | None = None, catch_up_backend: str | None = None) -> torch.Tensor:
-        """k draft tokens per request from the draft layer. Returns (R, k) int64.
-
-        First the draft layer reads every verified position q it has not seen yet (``mtp_done`` .. length − 1):
-        h_prev = the target's pre-head residual at q, the token at q + 1 (``next_ids`` for the last one); its
-        window cache gets their KV, and the last row's argmax is draft 1 (the token after ``next_ids``). Then
-        draft j (2..k) is one more row per request at the next position, with h_prev = the previous row's
-        output X and the token = draft j − 1. Those chained rows write KV at positions the next call
-        rewrites from verified rows."""
-        next_ids, k, be, cbe = self._draft_checks(next_ids, k, backend, catch_up_backend)
-        n = self.lengths - self.mtp_done  # catch-up rows per request
-        req = torch.repeat_interleave(torch.arange(self.R, device=HOST), n)
-        pos = torch.cat([torch.arange(int(a), int(b), device=HOST) for a, b in zip(self.mtp_done, self.lengths)])
-        nxt = torch.where(pos + 1 < self.lengths[req], self.tokens[req, (pos + 1).clamp(max=self.capacity - 1)],
-                          next_ids[req])
-        rows = self._rows(req, pos, torch.ones_like(pos, dtype=torch.bool))
-        X, logits = self._mtp_forward(self.h_hist[rows.req, rows.pos], nxt.to(self.dev), rows, cbe, record=True)
-        self.mtp_done = self.lengths.clone()
-        last = (torch.cumsum(n, 0) - 1).to(self.dev)
-        drafts = [mtp.greedy_tokens(logits[last])]
-        X = X[last]
-        for j in range(1, k):
-            rows = self._rows(torch.arange(self.R, device=HOST), self.lengths - 1 + j, torch.ones(self.R, dtype=torch.bool, device=HOST))
-            X, logits = self._mtp_forward(X, drafts[-1], rows, be)
-            drafts.append(mtp.greedy_tokens(logits))
-        return torch.stack(drafts, 1).cpu()
-
-    def verify(self, next_ids, drafts, *, backend: str | None = None) -> Speculation:
-        """Greedy verification: ONE target step over the k + 1 rows [next, d_1, …, d_k] of every request (at
-        positions length … length + k), the target's argmax at each row, :func:`dsv4ref.mtp.greedy_accept`.
-
-        The accepted rows (next and the m matching drafts) stay in the caches; the rejected ones are rolled
-        back: the lengths advance by m + 1 only (their window / compressed-cache / indexer slots are rewritten
-        when those positions are decoded again, and nothing reads past a request's length), and the
-        compressor states get back the ring rows the rejected tokens overwrote. Returns a
-        :class:`Speculation`."""
-        next_ids = self._next_ids(next_ids)
-        drafts = self._token_ids(drafts, "drafts")
-        if drafts.dim() != 2 or drafts.shape[0] != self.R or not 1 <= drafts.shape[1] <= 7:
-            raise ValueError(f"drafts: expected shape ({self.R}, k) with 1 <= k <= 7, got {tuple(drafts.shape)}")
-        self._check_ids(drafts.flatten(), "drafts")
-        be = self.backend if backend is None else validate.backend(backend, SUPPORTED_BACKENDS)
-        k = drafts.shape[1]
-        toks = torch.cat([next_ids[:, None], drafts], 1)  # (R, k + 1)
-        req = torch.arange(self.R, device=HOST).repeat_interleave(k + 1)
-        pos = (self.lengths[:, None] + torch.arange(k + 1, device=HOST)[None, :]).flatten()
-        rows = self._rows(req, pos, torch.ones_like(pos, dtype=torch.bool))
-        saved = self._ring_rows(rows)
-        logits = self._forward(toks.flatten().to(self.dev), rows, be)
-        target = mtp.greedy_tokens(logits).view(self.R, k + 1).cpu()
-        m = mtp.accepted_counts(drafts, target)
-        keep = (torch.arange(k + 1, device=HOST)[None, :] <= m[:, None]).flatten()
-        self._restore_ring_rows(saved, rows, ~keep)
-        self._keep(rows, keep, toks.flatten())
-        self.lengths += m + 1
-        emitted = [target[r, : int(m[r]) + 1].clone() for r in range(self.R)]
-        return Speculation(drafts, target, m, emitted, logits.view(self.R, k + 1, -1), target[torch.arange(self.R, device=HOST), m])
-
-    def _next_ids(self, next_ids) -> torch.Tensor:
-        next_ids = self._token_ids(next_ids, "next_ids")
-        if tuple(next_ids.shape) != (self.R,):
-            raise ValueError(f"next_ids: expected shape ({self.R},), got {tuple(next_ids.shape)}")
-        self._check_ids(next_ids, "next_ids")
-        return next_ids
-
-    def _mtp_forward(self, h_prev: torch.Tensor, tok: torch.Tensor, rows: Rows, backend: str, record: bool = False):
-        """The draft layer on rows at positions ``rows.pos``: input (h_prev (T, M, Hd) bf16, the next token ids
-        (T,)), its own block and window cache, its own head. Returns (X (T, M, Hd) bf16, logits (T, V) fp32).
-        ``record``: keep the block's expert ids (verified rows only)."""
-        cfg, wm, st = self.cfg, self.w["mtp"], self.mtp_state
-        B = wm["block"]
-        mk = dict(rms_eps=cfg.rms_norm_eps, hc_eps=cfg.hc_eps, sinkhorn_iters=cfg.hc_sinkhorn_iters, backend=backend,
-                  launch=self.mhc_launch)
-        X = self._op("mtp", mtp.draft_input, h_prev, self.w["embed"][tok], rows.pos, wm["enorm"], wm["hnorm"],
-                     wm["e_proj"], wm["h_proj"], eps=cfg.rms_norm_eps)
-        p = B["hc_attn"]
-        post, comb, x = self._op("mhc", mhc.pre, X, p["fn"], p["scale"], p["base"], **mk)
-        a = self._attention(B, st, x, rows, backend)
-        p = B["hc_ffn"]
-        X, post, comb, x = self._op("mhc", mhc.fused_post_pre, a, X, post, comb, p["fn"], p["scale"], p["base"], **mk)
-        sink = dict(experts=st["experts"]) if record else dict(experts=st["experts"].clone())
-        y = self._ffn(B, sink, x, torch.where(rows.valid, tok, -1), rows, backend)
-        X = self._op("mhc", mhc.post, y, X, post, comb, backend=backend, launch=self.mhc_launch)
-        return X, self._head(X, wm["hc_head"], wm["norm"], backend)
-
-    def _ring_rows(self, rows: Rows) -> list:
-        """The compressor-state rows the step's tokens will overwrite (position p at ring row p % n), saved
-        so a rejected token's write can be undone. Returns [(state, saved kv, saved score)]."""
-        saved = []
-        for st in self.layers:
-            for key in ("ring", "idx_ring"):
-                if key in st:
-                    state = st[key]
-                    idx = (rows.req, rows.pos % state.kv.shape[1])
-                    saved.append((state, state.kv[idx].clone(), state.score[idx].clone()))
-        return saved
-
-    def _restore_ring_rows(self, saved: list, rows: Rows, undo: torch.Tensor) -> None:
-        """Put back the saved ring rows of the step's tokens marked ``undo`` (T,) bool (their positions are
-        distinct modulo n as long as k + 1 <= 8, the smallest ring)."""
-        u = undo.to(self.dev)
-        for state, kv, score in saved:
-            idx = (rows.req[u], rows.pos[u] % state.kv.shape[1])
-            state.kv[idx] = kv[u]
-            state.score[idx] = score[u]
-
-    # ------------------------------------------------------------------------------------------------
     # bookkeeping
     # ------------------------------------------------------------------------------------------------
     def _op(self, name: str, fn, *args, **kw):
@@ -558,6 +287,10 @@ class Decoder:
             out = fn(*args, **kw)
         self.prof[name] = self.prof.get(name, 0.0) + t.ms
         return out
+
+    def _backend(self, backend: str | None) -> str:
+        """A call's ``backend`` argument checked against :data:`SUPPORTED_BACKENDS`; None: the Decoder's."""
+        return self.backend if backend is None else validate.backend(backend, SUPPORTED_BACKENDS)
 
     @staticmethod
     def _token_ids(ids, name: str) -> torch.Tensor:
@@ -637,7 +370,7 @@ class Decoder:
             self.attn_out.append(a)
             p = L["hc_ffn"]
             Hs, post, comb, x = self._op("mhc", mhc.fused_post_pre, a, Hs, post, comb, p["fn"], p["scale"], p["base"], **mk)
-            ffn_out = self._ffn(L, self.layers[li], x, input_ids, rows, backend)  # 11
+            ffn_out = self._ffn(L, self.layers[li].experts, x, input_ids, rows, backend)  # 11
         Hs = self._op("mhc", mhc.post, ffn_out, Hs, post, comb, backend=backend, launch=self.mhc_launch)  # 12
         self.hidden = Hs  # the pre-hc_head residual: what the draft layer reads
         return self._head(Hs, w["hc_head"], w["final_norm"], backend)
@@ -648,20 +381,22 @@ class Decoder:
         cfg = self.cfg
         y = self._op("mhc", mhc.head, Hs, hc["fn"], hc["scale"], hc["base"], rms_eps=cfg.rms_norm_eps,
                      hc_eps=cfg.hc_eps, backend=backend, launch=self.mhc_launch)
-        y = _rms_norm(y, norm, cfg.rms_norm_eps)
+        y = rms_norm(y, norm, cfg.rms_norm_eps)
         return self._op("lm_head", lambda: y.float() @ self.w["lm_head"].float().T)
 
-    def _ffn(self, L: dict, st: dict, x: torch.Tensor, input_ids: torch.Tensor, rows: Rows, backend: str) -> torch.Tensor:
+    def _ffn(self, L: dict, experts: torch.Tensor, x: torch.Tensor, input_ids: torch.Tensor, rows: Rows,
+             backend: str) -> torch.Tensor:
         """11: the MoE feed-forward on the ffn_norm of ``x``: route (hash layers by token id, padding rows −1),
-        stage, experts + shared expert. Records the expert ids of the valid rows in ``st["experts"]``."""
+        stage, experts + shared expert. Records the expert ids of the valid rows in ``experts`` (a layer's
+        :attr:`LayerState.experts`)."""
         cfg, m = self.cfg, L["moe"]
-        x = _rms_norm(x, L["ffn_norm"], cfg.rms_norm_eps)
+        x = rms_norm(x, L["ffn_norm"], cfg.rms_norm_eps)
         ids, wts = self._op("moe", moe.route, x, m["gate_weight"], m["bias"], k=cfg.num_experts_per_tok,
                             routed_scale=cfg.routed_scaling_factor, hash_table=m["tid2eid"], input_ids=input_ids)
         staged = self._op("moe", moe.stage, x, ids, wts, backend=backend)
         y = self._op("moe", moe.experts, x, *staged, m["w13"], m["w2"], m["shared_w13"], m["shared_w2"],
                      swiglu_limit=cfg.swiglu_limit, backend=backend)
-        st["experts"][self._record_at(rows)] = ids.to(torch.int32)
+        experts[self._record_at(rows)] = ids.to(torch.int32)
         return y
 
     def attention(self, li: int, x: torch.Tensor, rows: Rows, backend: str) -> torch.Tensor:
@@ -670,20 +405,20 @@ class Decoder:
         caches and returns the block's output (T, Hd) bf16."""
         return self._attention(self.w["layers"][li], self.layers[li], x, rows, backend)
 
-    def _attention(self, L: dict, st: dict, x: torch.Tensor, rows: Rows, backend: str) -> torch.Tensor:
+    def _attention(self, L: dict, st: LayerState, x: torch.Tensor, rows: Rows, backend: str) -> torch.Tensor:
         cfg = self.cfg
-        r, T, D, H = st["ratio"], x.shape[0], cfg.head_dim, self.H
+        r, T, D, H = st.ratio, x.shape[0], cfg.head_dim, self.H
         cos_sin = self.cos_sin["swa" if r == 0 else "comp"]
         eps = cfg.rms_norm_eps
         # 2-3: norm, one GEMM for [qr | kv], their norms, wq_b
-        x = _rms_norm(x, L["attn_norm"], eps)
-        qkv = self._op("proj", _linear, x, L["wqkv_a"])
-        qr = _rms_norm(qkv[:, :cfg.q_lora_rank], L["q_norm"], eps)
-        kv = _rms_norm(qkv[:, cfg.q_lora_rank:], L["kv_norm"], eps)
-        q = self._op("proj", _linear, qr, L["wq_b"]).view(T, H, D)
+        x = rms_norm(x, L["attn_norm"], eps)
+        qkv = self._op("proj", linear, x, L["wqkv_a"])
+        qr = rms_norm(qkv[:, :cfg.q_lora_rank], L["q_norm"], eps)
+        kv = rms_norm(qkv[:, cfg.q_lora_rank:], L["kv_norm"], eps)
+        q = self._op("proj", linear, qr, L["wq_b"]).view(T, H, D)
         # 4: fused q-norm + RoPE + KV insert into the window cache (slot −1 for padding rows)
         slots = self._slots(self.bt_swa, rows.req, rows.pos, cfg.window_page, rows.valid)
-        self._op("qnorm_rope_kv_insert", rope.qnorm_rope_kv_insert, q, kv, st["swa"], slots, rows.pos, cos_sin,
+        self._op("qnorm_rope_kv_insert", rope.qnorm_rope_kv_insert, q, kv, st.swa, slots, rows.pos, cos_sin,
                  eps=eps, block_size=cfg.window_page, backend=backend)
         # 5: compressor (before the indexer and attention: a row completed by this token is visible to it)
         if r > 1:
@@ -698,8 +433,8 @@ class Decoder:
                 j = torch.arange(max(1, self.capacity // r), device=self.dev)[None, :]
                 local = torch.where(j < n_c[:, None], j, -1)
             ok = local >= 0
-            extra = dict(extra_cache=st["comp"], extra_block_size=st["page"],
-                         extra_slots=self._slots(st["bt_c"], rows.req, local, st["page"], ok).to(torch.int32),
+            extra = dict(extra_cache=st.comp, extra_block_size=st.page,
+                         extra_slots=self._slots(st.bt_c, rows.req, local, st.page, ok).to(torch.int32),
                          extra_lengths=ok.sum(1).to(torch.int32))
         # 7: sparse MLA decode over window ∪ compressed rows, sink in the denominator
         W = cfg.window
@@ -711,19 +446,19 @@ class Decoder:
         if self.Hp > H:  # head padding: zero q rows, −inf sinks, sliced off after
             q = torch.cat([q, q.new_zeros(T, self.Hp - H, D)], dim=1)
             sink = torch.cat([sink, sink.new_full((self.Hp - H,), -math.inf)])
-        o, _lse = self._op("sparse_mla", sparse_mla.decode, q, st["swa"], swa_slots.to(torch.int32),
+        o, _lse = self._op("sparse_mla", sparse_mla.decode, q, st.swa, swa_slots.to(torch.int32),
                            swa_len.to(torch.int32), block_size=cfg.window_page, sink=sink,
                            scale=cfg.softmax_scale, backend=backend, **extra)
         # 8: drop padded heads, inverse RoPE at the query position; 9: grouped o-projection
         o = self._op("inv_rope", rope.apply_gptj, o[:, :H].contiguous(), rows.pos, cos_sin, inverse=True, backend=backend)
         return self._op("o_proj", rope.grouped_o_proj, o, L["wo_a"], L["wo_b"])
 
-    def _compress(self, L: dict, st: dict, x: torch.Tensor, rows: Rows, backend: str) -> None:
+    def _compress(self, L: dict, st: LayerState, x: torch.Tensor, rows: Rows, backend: str) -> None:
         """5: the compressed rows (and, ratio 4, indexer keys) completed by this step, rounded to bf16,
         rotated at (p // r)·r, written through the cache writers. The compressor op returns one row per
         token with a ``done`` flag, so no host sync: rows that complete nothing get slot −1 (not written)."""
         cfg = self.cfg
-        r, cos_sin, eps = st["ratio"], self.cos_sin["comp"], cfg.rms_norm_eps
+        r, cos_sin, eps = st.ratio, self.cos_sin["comp"], cfg.rms_norm_eps
 
         def completed(weights: dict, state: compressor_op.CompressorState, bt: torch.Tensor, page: int):
             """This step's rows: bf16, rotated at (p // r)·r, and their slots (row id p // r, −1 if not done)."""
@@ -734,80 +469,33 @@ class Decoder:
                                   backend=backend)
             return row.contiguous(), self._slots(bt, rows.req, rows.pos // r, page, done)
 
-        row, slots = completed(L["comp"], st["ring"], st["bt_c"], st["page"])
-        kv_cache.insert(st["comp"], row, slots, block_size=st["page"], backend=backend)
+        row, slots = completed(L["comp"], st.ring, st.bt_c, st.page)
+        kv_cache.insert(st.comp, row, slots, block_size=st.page, backend=backend)
         if r == 4:  # the indexer's own compressor (D = 128), into the indexer-K pool
-            k, slots = completed(L["idx_comp"], st["idx_ring"], st["bt_i"], cfg.index_page)
-            indexer.insert_k(st["idx_cache"], k, slots, block_size=cfg.index_page, fmt=cfg.index_format,
+            k, slots = completed(L["idx_comp"], st.idx_ring, st.bt_i, cfg.index_page)
+            indexer.insert_k(st.idx_cache, k, slots, block_size=cfg.index_page, fmt=cfg.index_format,
                              hadamard=self.index_hadamard, backend=backend)
 
-    def _indexer(self, L: dict, st: dict, x: torch.Tensor, qr: torch.Tensor, rows: Rows, n_c: torch.Tensor,
+    def _indexer(self, L: dict, st: LayerState, x: torch.Tensor, qr: torch.Tensor, rows: Rows, n_c: torch.Tensor,
                  backend: str) -> torch.Tensor:
         """6: the indexer's top-k local compressed ids (T, K_top) int, a packed prefix, −1 padded. Q and K in
         ``cfg.index_format``: "fp8" (the q scale folded into the head weights, ``q_scales`` None) or "mxfp4"
         (E2M1 blocks of 32 with UE8M0 scales, DeepSeek's FP4; ``docs/decode.md#the-indexer-format``)."""
         cfg = self.cfg
         T = x.shape[0]
-        iq = self._op("proj", _linear, qr, L["idx_wq_b"]).view(T, cfg.index_heads, cfg.index_head_dim)
-        wts = self._op("proj", _linear, x, L["idx_weights"]).float()  # from x, not qr
+        iq = self._op("proj", linear, qr, L["idx_wq_b"]).view(T, cfg.index_heads, cfg.index_head_dim)
+        wts = self._op("proj", linear, x, L["idx_weights"]).float()  # from x, not qr
         if rows.shortcut:  # short-context shortcut (decided on the host): every visible row, no logits needed
             local = self._op("indexer", indexer.short_context_topk, rows.pos, cfg.index_topk)
         else:
             qq, q_scales, w_out = self._op("indexer", indexer.quantize_q, iq, rows.pos, self.cos_sin["comp"], wts,
                                            fmt=cfg.index_format, hadamard=self.index_hadamard, backend=backend)
-            logits = self._op("indexer", indexer.logits, qq, q_scales, w_out, st["idx_cache"], rows.pos,
-                              block_table=st["bt_i"][rows.req], block_size=cfg.index_page,
+            logits = self._op("indexer", indexer.logits, qq, q_scales, w_out, st.idx_cache, rows.pos,
+                              block_table=st.bt_i[rows.req], block_size=cfg.index_page,
                               n_out=max(1, self.capacity // 4), backend=backend)
             local = self._op("indexer", indexer.topk, logits, cfg.index_topk)
         local = torch.where(rows.valid[:, None], local, -1)
         # packed prefix (valid ids first); order has no meaning for one softmax
         local = torch.gather(local, 1, torch.argsort((local < 0).to(torch.int8), dim=1, stable=True))
-        st["topk"][self._record_at(rows)] = local.to(torch.int32)
+        st.topk[self._record_at(rows)] = local.to(torch.int32)
         return local
-
-
-# ====================================================================================================
-# where the bytes go (formulas; for the notebook's stacked bar)
-# ====================================================================================================
-
-
-def traffic_per_op(cfg: Config, context: int) -> dict[str, float]:
-    """Compulsory bytes moved per decoded token (one request, all layers) by each op of the step, at a
-    context of ``context`` tokens. Returns {op name: bytes} for sparse_mla, indexer, qnorm_rope_kv_insert,
-    compressor and mhc. Caches and activations only: weights are shared by the whole batch (at batch B
-    each token pays weights/B) and are left out. Conventions (``docs/decode.md#where-the-bytes-go``):
-
-    * sparse_mla: N_sel·584 (KV rows) + q and out bf16 (H·512·2 each) + lse fp32 + 4-byte slots;
-      N_sel = W (+ min(K_top, n_c) on ratio-4 layers, + n_c on ratio-128 layers), n_c = context // r.
-    * indexer: the logits kernel reads every visible indexer key (``cfg.index_format``: 132 B = 128 e4m3 +
-      fp32 scale; 68 B = 64 packed e2m1 + 4 UE8M0) and writes one fp32 logit per key; top-k reads the logits
-      and writes K_top int32; Q quant reads bf16 q (n_ih·128·2) and writes the quantised q (fp8: 128 B per
-      head + fp32 weight; mxfp4: 64 B + 4 scale bytes + fp32 weight).
-    * qnorm_rope_kv_insert: q read + written (bf16), kv row read (bf16), 584 B written.
-    * compressor: the fp32 state (kv, score) of this token written (2·coff·D·4 B), the window's states read
-      once per r tokens (amortised: coff·r·2·D·4 / r), the compressed row written once per r tokens
-      (584 B; indexer keys 132 or 68 B).
-    * mhc: two fused post+pre per layer, each reading and writing the M bf16 streams (M·Hd·2 B each way)
-      plus reading the sub-layer output (Hd·2).
-    """
-    check_config(cfg)
-    H, W, Hd, M = cfg.num_heads, cfg.window, cfg.hidden_size, cfg.hc_mult
-    t = dict(sparse_mla=0.0, indexer=0.0, qnorm_rope_kv_insert=0.0, compressor=0.0, mhc=0.0)
-    key = FP8_K_RECORD if cfg.index_format == "fp8" else MXFP4_K_RECORD  # bytes per indexer key
-    q_head = 128 + 4 if cfg.index_format == "fp8" else 64 + 4 + 4  # a quantised query head + its weight
-    for li in range(cfg.num_layers):
-        r = layer_ratio(cfg, li)
-        n_c = context // r if r else 0
-        n_sel = W + (min(cfg.index_topk, n_c) if r == 4 else n_c)
-        t["sparse_mla"] += n_sel * (TOKEN_BYTES + 4) + 2 * H * 512 * 2 + 4 * H
-        t["qnorm_rope_kv_insert"] += 2 * H * 512 * 2 + 512 * 2 + TOKEN_BYTES
-        t["mhc"] += 2 * (2 * M * Hd * 2 + Hd * 2)
-        if r > 1:
-            coff = compressor_op.overlap(r)
-            for d, row in [(512, TOKEN_BYTES)] + ([(cfg.index_head_dim, key)] if r == 4 else []):
-                t["compressor"] += 2 * coff * d * 4 + coff * r * 2 * d * 4 / r + row / r
-        if r == 4:
-            nih = cfg.index_heads
-            t["indexer"] += (nih * 128 * 2 + nih * q_head + n_c * (key + 4) + n_c * 4
-                             + cfg.index_topk * 4)
-    return t

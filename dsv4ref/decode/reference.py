@@ -43,7 +43,7 @@ from ..config import Config
 from ..device import HOST
 from ..formats import E4M3_MAX, KV_AMAX_FLOOR, NOPE_DIM, QUANT_BLOCK
 from ..rope import yarn_correction_range
-from .weights import check_config, layer_ratio, weights_to
+from ..weights import check_config, layer_ratio, weights_to
 
 __all__ = ["reference_forward", "REFERENCE_BUGS", "block", "moe_f64", "compress", "inv_freq", "rope", "fp8_kv_sim",
            "index_scores", "index_quant_sim"]

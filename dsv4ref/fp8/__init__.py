@@ -25,7 +25,7 @@ from .launch import Fp8Launch, default_launch
 from .launch import dequantize as _run_dequantize
 from .launch import quantize as _run_quantize
 
-__all__ = ["E4M3_MAX", "Fp8Launch", "quantize_ue8m0", "dequantize_ue8m0", "SUPPORTED_BACKENDS"]
+__all__ = ["E4M3_MAX", "Fp8Launch", "default_launch", "quantize_ue8m0", "dequantize_ue8m0", "SUPPORTED_BACKENDS"]
 
 FLOAT_INPUTS = (torch.float32, torch.bfloat16, torch.float16)
 MAX_BLOCK = 1 << 16  # the largest block: a kernel tile of rows_per_program · block values must fit Triton's limit

@@ -31,10 +31,10 @@ from ..formats import FP8_K_RECORD, INDEX_HEAD_DIM, INDEX_K_FORMATS, INDEX_ROPE_
 from ..testing import generator, randn
 from . import launch as _launch
 from . import reference
-from .launch import IndexerLaunch
+from .launch import IndexerLaunch, default_launch
 
 __all__ = [
-    "HEAD_DIM", "ROPE_DIM", "FP8_RECORD", "MXFP4_RECORD", "FMTS", "BACKENDS", "IndexerLaunch",
+    "HEAD_DIM", "ROPE_DIM", "FP8_RECORD", "MXFP4_RECORD", "FMTS", "SUPPORTED_BACKENDS", "IndexerLaunch", "default_launch",
     "head_weights", "quantize_q", "dequantize_q", "quantize_k", "k_page_bytes", "allocate_k_cache", "insert_k",
     "read_k", "dequantize_k", "n_compressed", "logits", "topk", "short_context_topk", "select", "to_global",
     "cos_sin_table", "example_inputs",
@@ -45,7 +45,7 @@ ROPE_DIM = INDEX_ROPE_DIM  # the LAST 64 dims (64..127) are rotated, GPT-J pairs
 FP8_RECORD = FP8_K_RECORD  # 132 B per key: 128 e4m3 + fp32 scale 2^e
 MXFP4_RECORD = MXFP4_K_RECORD  # 68 B per key: 64 packed bytes + 4 UE8M0 bytes
 FMTS = INDEX_K_FORMATS  # ("fp8", "mxfp4")
-BACKENDS = ("reference", "triton")  # the subset of validate.BACKENDS this op supports ("auto" = "triton")
+SUPPORTED_BACKENDS = ("reference", "triton")  # the subset of validate.BACKENDS this op supports ("auto" = "triton")
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -56,12 +56,12 @@ INDEX_DTYPES = (torch.int64, torch.int32)
 
 
 def _backend(backend: str) -> str:
-    return validate.backend(backend, BACKENDS, auto="triton")
+    return validate.backend(backend, SUPPORTED_BACKENDS, auto="triton")
 
 
 def _launch_config(launch: IndexerLaunch | None) -> IndexerLaunch:
     if launch is None:
-        return _launch.DEFAULT
+        return default_launch()
     if not isinstance(launch, IndexerLaunch):
         raise TypeError(f"launch: expected an IndexerLaunch or None, got {type(launch).__name__}")
     return launch

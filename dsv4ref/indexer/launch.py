@@ -22,7 +22,7 @@ HEAD_DIM = INDEX_HEAD_DIM
 
 
 FP4_DECODES = ("nibble", "f16_blocks", "f16_scaled")  # IndexerLaunch.fp4_decode: see kernels.py, "logits"
-FP4_DECODE_DEFAULT = "f16_scaled"  # the fastest decode measured on the H200 (benchmarks/indexer.md)
+_FP4_DECODE_DEFAULT = "f16_scaled"  # the fastest decode measured on the H200 (benchmarks/indexer.md)
 SCALED_PAGES = 16  # pages per program of "f16_scaled" on a GPU (the H200 sweep's fastest; benchmarks/indexer.md)
 # f16_scaled's register cap: its fast loop needs ~114 registers, its rare exact fallback ~155, and ptxas sizes the
 # kernel for the larger; 128 keeps 4 programs of 4 warps per SM (65 536 registers) and spills in the fallback only
@@ -43,7 +43,7 @@ class IndexerLaunch:
         fp4_decode: how the MXFP4 logits decode packed e2m1 keys (``FP4_DECODES``): ``"nibble"`` (each
             code to fp32 from its bits, × the block scale, one bf16 dot per page) or ``"f16_blocks"`` (fp16
             bits built from the byte by integer shifts, one fp16 dot per 32-block and nibble half, the block
-            scales applied to the partial sums). None = ``FP4_DECODE_DEFAULT``. Same scores either way,
+            scales applied to the partial sums). None = ``"f16_scaled"``. Same scores either way,
             within the fp32 summation tolerance. ``"f16_scaled"`` (the default, over twice as fast as the other
             two on the H200 at 16 pages per program; ``benchmarks/indexer.md``): the block scales relative
             to each key's (query head's) largest ride inside the fp16 operands, so ONE fp16 dot over all 128 dims
@@ -92,7 +92,7 @@ class IndexerLaunch:
 
     def decode(self) -> str:
         """The resolved ``fp4_decode``."""
-        return self.fp4_decode or FP4_DECODE_DEFAULT
+        return self.fp4_decode or _FP4_DECODE_DEFAULT
 
     def tile_pages(self, fp4: bool) -> int:
         """The resolved ``logits_tile_pages``: 1 unless the MXFP4 logits use ``"f16_scaled"``; never more than
@@ -107,8 +107,16 @@ class IndexerLaunch:
             return self.logits_maxnreg
         return SCALED_MAXNREG if fp4 and self.decode() == "f16_scaled" else None
 
+    def op_args(self) -> tuple[int]:
+        """The launch as the trailing argument of ``torch.ops.dsv4ref.indexer_q_fp8`` / ``indexer_q_mxfp4``
+        (rows per program)."""
+        return (self.quant_rows,)
 
-DEFAULT = IndexerLaunch()
+
+def default_launch() -> IndexerLaunch:
+    """The measured default, ``IndexerLaunch()`` (its ``None`` fields resolved per device and format by
+    :meth:`IndexerLaunch.pages`, :meth:`~IndexerLaunch.decode`, ...)."""
+    return IndexerLaunch()
 
 
 def quantize(x16: torch.Tensor, rows: int, *, q_out: torch.Tensor, s_out: torch.Tensor, rows_per_program: int,
@@ -184,9 +192,9 @@ def _(index_q, positions, cos_sin, weights, hadamard, rows_per_program):
 def quantize_q(index_q, positions, cos_sin, weights, *, fmt: str, hadamard: bool, launch: IndexerLaunch):
     """The Triton path of :func:`dsv4ref.indexer.quantize_q`, through the registered custom op."""
     if fmt == "fp8":
-        q, wo = torch.ops.dsv4ref.indexer_q_fp8(index_q, positions, cos_sin, weights, hadamard, launch.quant_rows)
+        q, wo = torch.ops.dsv4ref.indexer_q_fp8(index_q, positions, cos_sin, weights, hadamard, *launch.op_args())
         return q.view(torch.float8_e4m3fn), None, wo
-    return torch.ops.dsv4ref.indexer_q_mxfp4(index_q, positions, cos_sin, weights, hadamard, launch.quant_rows)
+    return torch.ops.dsv4ref.indexer_q_mxfp4(index_q, positions, cos_sin, weights, hadamard, *launch.op_args())
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -228,12 +236,13 @@ def insert_k(k_cache: torch.Tensor, k: torch.Tensor, slots: torch.Tensor, *, blo
 
 
 def logits(q, q_scales, weights_out, k_cache, positions, block_table, block_size: int, n_out: int,
-           launch: IndexerLaunch = DEFAULT) -> torch.Tensor:
+           launch: IndexerLaunch | None = None) -> torch.Tensor:
     """The logits kernel launch alone (no checks, no host syncs): what the benchmark times.
 
     Grid (T, ⌈pages / PAGES⌉); the heads are padded to a power of two >= 16 for ``tl.dot``, and so are the
-    page's keys (any ``block_size`` works; the padding rows are masked)."""
+    page's keys (any ``block_size`` works; the padding rows are masked). ``launch`` None = :func:`default_launch`."""
     T, H, _ = q.shape
+    launch = launch or default_launch()
     out = torch.empty(T, n_out, dtype=torch.float32, device=q.device)
     if T == 0 or n_out == 0:
         return out

@@ -26,11 +26,11 @@ from ..device import DEVICE, HOST
 from ..formats import HEAD_DIM, TOKEN_BYTES, page_bytes
 from ..testing import generator, randn
 from . import kernels, reference  # noqa: F401  (dsv4ref.kv_cache.kernels / .reference, for readers)
-from .launch import GATHER_DEFAULT, INSERT_DEFAULT, KVCacheLaunch
+from .launch import KVCacheLaunch, default_launch
 from .reference import flat_bytes, token_offsets
 
 __all__ = ["page_bytes", "allocate", "insert", "gather", "check_cache", "check_writable", "flat_bytes",
-           "token_offsets", "example_inputs", "KVCacheLaunch", "TOKEN_BYTES", "SUPPORTED_BACKENDS"]
+           "token_offsets", "example_inputs", "KVCacheLaunch", "default_launch", "TOKEN_BYTES", "SUPPORTED_BACKENDS"]
 
 SUPPORTED_BACKENDS = ("reference", "triton")  # from dsv4ref.validate.BACKENDS; "auto" = "triton"
 
@@ -126,7 +126,7 @@ def insert(
             (padding) are ignored.
         block_size: tokens per page, an int >= 1; must be the block size the cache was laid out for.
         backend: ``"auto"`` (= ``"triton"``), ``"triton"`` or ``"reference"``; identical bytes.
-        launch: the kernel's launch shape; None = :data:`dsv4ref.kv_cache.launch.INSERT_DEFAULT`.
+        launch: the kernel's launch shape; None = ``default_launch("insert")``.
     Returns:
         None. Only the 584 bytes of each written slot change (576 data + 8 scale bytes).
     Raises:
@@ -149,7 +149,7 @@ def insert(
     if backend == "reference":
         reference.insert(cache, kv, slots, block_size=block_size)
         return
-    launch = launch or INSERT_DEFAULT
+    launch = launch or default_launch("insert")
     kv = kv if kv.stride(1) == 1 else kv.contiguous()  # the kernel reads rows of unit column stride
     torch.ops.dsv4ref.kv_insert(cache, kv, slots, block_size, *launch.op_args())
 
@@ -183,7 +183,7 @@ def gather(
         block_size: tokens per page, an int >= 1; must be the block size the cache was laid out for.
         out: optional preallocated ``[S, 512]`` bf16, contiguous (a workspace reused across calls).
         backend: ``"auto"`` (= ``"triton"``), ``"triton"`` or ``"reference"``; identical bits.
-        launch: the kernel's launch shape; None = :data:`dsv4ref.kv_cache.launch.GATHER_DEFAULT`.
+        launch: the kernel's launch shape; None = ``default_launch("gather")``.
     Returns:
         ``[S, 512]`` bf16 (``out`` itself when given): dims 0..447 are e4m3 × E8M0(scale) (exact; scale byte
         0 reads 2^-127, 255 reads NaN, every NaN as 0x7FC0), dims 448..511 the stored bf16 bits; +0.0
@@ -207,7 +207,7 @@ def gather(
         return out
     if out is None:
         out = torch.empty(slots.shape[0], HEAD_DIM, dtype=torch.bfloat16, device=cache.device)
-    launch = launch or GATHER_DEFAULT
+    launch = launch or default_launch("gather")
     torch.ops.dsv4ref.kv_gather(cache, slots, out, block_size, *launch.op_args())
     return out
 

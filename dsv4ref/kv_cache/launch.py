@@ -16,7 +16,7 @@ from .. import validate
 from ..device import interpreting, sm_count
 from .kernels import gather_kernel, insert_kernel
 
-__all__ = ["KVCacheLaunch", "INSERT_DEFAULT", "GATHER_DEFAULT", "launch_insert", "launch_gather", "int16_view"]
+__all__ = ["KVCacheLaunch", "default_launch", "launch_insert", "launch_gather", "int16_view"]
 
 
 @dataclass(frozen=True)
@@ -84,9 +84,17 @@ class KVCacheLaunch:
 # Both use the hardware casts (byte-exact on the H200, NaN / inf / subnormal rows and pages of 1, 2, 61 and 64
 # tokens included: scripts/probe_kv_native.py). The insert loads its kv rows early (one DRAM round trip per
 # program instead of three), 4 tokens over 2 warps, with streaming stores: the fastest insert measured.
-INSERT_DEFAULT = KVCacheLaunch(tokens_per_program=4, num_warps=2, native_casts=True, streaming_stores=True,
-                               early_loads=True)
-GATHER_DEFAULT = KVCacheLaunch(tokens_per_program=4, num_warps=1, native_casts=True)
+_INSERT = KVCacheLaunch(tokens_per_program=4, num_warps=2, native_casts=True, streaming_stores=True, early_loads=True)
+_GATHER = KVCacheLaunch(tokens_per_program=4, num_warps=1, native_casts=True)
+
+
+def default_launch(op: str) -> KVCacheLaunch:
+    """The measured default of ``op``, ``"insert"`` or ``"gather"`` (the note above; ``benchmarks/kv_cache.md``)."""
+    if op == "insert":
+        return _INSERT
+    if op == "gather":
+        return _GATHER
+    raise ValueError(f"op: expected \"insert\" or \"gather\", got {op!r}")
 
 
 def int16_view(cache: torch.Tensor) -> tuple[torch.Tensor, bool]:
@@ -124,7 +132,7 @@ def _grid_and_flags(cache: torch.Tensor, n: int, block_size: int, launch: KVCach
 
 
 def launch_insert(cache: torch.Tensor, kv: torch.Tensor, slots: torch.Tensor, block_size: int,
-                  launch: KVCacheLaunch = INSERT_DEFAULT) -> None:
+                  launch: KVCacheLaunch = _INSERT) -> None:
     """Launch :func:`~dsv4ref.kv_cache.kernels.insert_kernel` directly (no argument checks, no dispatcher;
     ``slots`` int32/int64, any stride; kv rows with unit column stride). For benchmarks of the bare kernel;
     callers use :func:`dsv4ref.kv_cache.insert`."""
@@ -138,7 +146,7 @@ def launch_insert(cache: torch.Tensor, kv: torch.Tensor, slots: torch.Tensor, bl
 
 
 def launch_gather(cache: torch.Tensor, slots: torch.Tensor, out: torch.Tensor, block_size: int,
-                  launch: KVCacheLaunch = GATHER_DEFAULT) -> None:
+                  launch: KVCacheLaunch = _GATHER) -> None:
     """Launch :func:`~dsv4ref.kv_cache.kernels.gather_kernel` directly into ``out`` [S, 512] bf16, contiguous
     (``slots`` int32/int64, any stride)."""
     c16, rope16 = int16_view(cache)
@@ -149,7 +157,7 @@ def launch_gather(cache: torch.Tensor, slots: torch.Tensor, out: torch.Tensor, b
                                ROPE16=rope16, **flags)
 
 
-_I, _G = INSERT_DEFAULT, GATHER_DEFAULT
+_I, _G = _INSERT, _GATHER
 
 
 @torch.library.custom_op("dsv4ref::kv_insert", mutates_args=("cache",))

@@ -24,13 +24,13 @@ from .. import validate
 from ..device import DEVICE, HOST
 from ..testing import generator, randn
 from . import reference
-from .launch import DEFAULT, MhcLaunch, split_fn
+from .launch import MhcLaunch, default_launch, split_fn
 from .reference import HC_EPS, HC_MULT, POST_MULT, RMS_EPS, SINKHORN_ITERS
 
 __all__ = ["sinkhorn", "pre", "post", "fused_post_pre", "head", "example_params", "example_streams", "split_fn",
-           "MhcLaunch", "HC_MULT", "POST_MULT", "SINKHORN_ITERS", "HC_EPS", "RMS_EPS"]
+           "MhcLaunch", "default_launch", "SUPPORTED_BACKENDS", "HC_MULT", "POST_MULT", "SINKHORN_ITERS", "HC_EPS", "RMS_EPS"]
 
-SUPPORTED = ("reference", "triton")
+SUPPORTED_BACKENDS = ("reference", "triton")  # "auto" = "triton"
 
 
 # ====================================================================================================
@@ -103,7 +103,7 @@ def _need_four(M: int, name: str) -> None:
 
 def _launch(launch: MhcLaunch | None) -> MhcLaunch:
     if launch is None:
-        return DEFAULT
+        return default_launch()
     if not isinstance(launch, MhcLaunch):
         raise TypeError(f"launch: expected an MhcLaunch or None, got {type(launch).__name__}")
     return launch
@@ -146,7 +146,7 @@ def sinkhorn(logits: torch.Tensor, iters: int = SINKHORN_ITERS, eps: float = HC_
     Raises:
         TypeError / ValueError naming the argument (docs/mhc.md#the-input-contract).
     """
-    backend = validate.backend(backend, SUPPORTED)
+    backend = validate.backend(backend, SUPPORTED_BACKENDS)
     validate.tensor(logits, "logits", dtype=torch.float32)
     if logits.dim() < 2 or logits.shape[-1] != logits.shape[-2] or logits.shape[-1] < 1:
         raise ValueError(f"logits: expected [..., M, M], got shape {tuple(logits.shape)}")
@@ -160,7 +160,7 @@ def sinkhorn(logits: torch.Tensor, iters: int = SINKHORN_ITERS, eps: float = HC_
         return reference.sinkhorn(logits, iters, eps).contiguous()
     src = _c(logits)
     out = torch.empty_like(src)
-    torch.ops.dsv4ref.mhc_sinkhorn(src, out, int(iters), float(eps), launch.encode())
+    torch.ops.dsv4ref.mhc_sinkhorn(src, out, int(iters), float(eps), *launch.op_args())
     return out
 
 
@@ -192,7 +192,7 @@ def pre(residual: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: tor
     Raises:
         TypeError / ValueError naming the argument, before any work.
     """
-    backend = validate.backend(backend, SUPPORTED)
+    backend = validate.backend(backend, SUPPORTED_BACKENDS)
     T, M, Hd = _check_pre(residual, fn, scale, base)
     _check_scalars(rms_eps, hc_eps, post_mult, sinkhorn_iters)
     launch = _launch(launch)
@@ -205,7 +205,7 @@ def pre(residual: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: tor
         return p, c, x.to(torch.bfloat16)
     p, c, out = _gate_buffers(T, M, Hd, residual.device)
     torch.ops.dsv4ref.mhc_pre(_c(residual), split_fn(fn, M), _c(scale), _c(base), p, c, out, float(rms_eps),
-                              float(hc_eps), float(post_mult), int(sinkhorn_iters), launch.encode())
+                              float(hc_eps), float(post_mult), int(sinkhorn_iters), *launch.op_args())
     return p, c, out
 
 
@@ -227,7 +227,7 @@ def post(x: torch.Tensor, residual: torch.Tensor, post: torch.Tensor, comb: torc
     Raises:
         TypeError / ValueError naming the argument, before any work.
     """
-    backend = validate.backend(backend, SUPPORTED)
+    backend = validate.backend(backend, SUPPORTED_BACKENDS)
     T, M, Hd = _check_post(x, residual, post, comb)
     launch = _launch(launch)
     if backend == "triton":
@@ -236,7 +236,7 @@ def post(x: torch.Tensor, residual: torch.Tensor, post: torch.Tensor, comb: torc
     if backend == "reference":
         return reference.post(x, residual, post, comb).to(torch.bfloat16)
     out = torch.empty(T, M, Hd, dtype=torch.bfloat16, device=residual.device)
-    torch.ops.dsv4ref.mhc_post(_c(x), _c(residual), _c(post.reshape(T, M)), _c(comb), out, launch.encode())
+    torch.ops.dsv4ref.mhc_post(_c(x), _c(residual), _c(post.reshape(T, M)), _c(comb), out, *launch.op_args())
     return out
 
 
@@ -257,7 +257,7 @@ def fused_post_pre(x: torch.Tensor, residual: torch.Tensor, post: torch.Tensor, 
     Raises:
         TypeError / ValueError naming the argument, before any work.
     """
-    backend = validate.backend(backend, SUPPORTED)
+    backend = validate.backend(backend, SUPPORTED_BACKENDS)
     T, M, Hd = _check_post(x, residual, post, comb)
     _check_pre(residual, fn, scale, base)
     _check_scalars(rms_eps, hc_eps, post_mult, sinkhorn_iters)
@@ -273,7 +273,7 @@ def fused_post_pre(x: torch.Tensor, residual: torch.Tensor, post: torch.Tensor, 
     p, c, out = _gate_buffers(T, M, Hd, residual.device)
     torch.ops.dsv4ref.mhc_fused_post_pre(_c(x), _c(residual), _c(post.reshape(T, M)), _c(comb), split_fn(fn, M),
                                          _c(scale), _c(base), new, p, c, out, float(rms_eps), float(hc_eps),
-                                         float(post_mult), int(sinkhorn_iters), launch.encode())
+                                         float(post_mult), int(sinkhorn_iters), *launch.op_args())
     return new, p, c, out
 
 
@@ -295,7 +295,7 @@ def head(hidden: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torc
     Raises:
         TypeError / ValueError naming the argument, before any work.
     """
-    backend = validate.backend(backend, SUPPORTED)
+    backend = validate.backend(backend, SUPPORTED_BACKENDS)
     T, M, Hd = _check_streams(hidden, "hidden")
     _check_mix_params(fn, scale, base, M, Hd, M, 1, "M")
     validate.same_device(hidden=hidden, fn=fn, scale=scale, base=base)
@@ -308,7 +308,7 @@ def head(hidden: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torc
         return reference.head(hidden, fn, scale, base, rms_eps=rms_eps, hc_eps=hc_eps).to(torch.bfloat16)
     out = torch.empty(T, Hd, dtype=torch.bfloat16, device=hidden.device)
     torch.ops.dsv4ref.mhc_head(_c(hidden), split_fn(fn, M, head=True), _c(scale), _c(base), out, float(rms_eps),
-                               float(hc_eps), launch.encode())
+                               float(hc_eps), *launch.op_args())
     return out
 
 

@@ -1,7 +1,7 @@
 """How the mHC kernels are launched: :class:`MhcLaunch`, the fn split, the launchers, the custom ops.
 
 Every launch choice (which design, tile sizes, warps, stages, split counts) is a field of the frozen
-:class:`MhcLaunch`, passed explicitly as ``launch=`` to the public functions and, encoded as an ``int[]``,
+:class:`MhcLaunch`, passed explicitly as ``launch=`` to the public functions and, as an ``int[]`` (:meth:`MhcLaunch.op_args`),
 to the ``torch.ops.dsv4ref.mhc_*`` custom ops, so a registered op reads nothing outside its schema.
 
 Four designs of pre, fused post+pre and head (kernels.py says how each works), picked by :meth:`MhcLaunch.design`:
@@ -251,13 +251,14 @@ class MhcLaunch:
         h_per_part = triton.cdiv(h_chunks, parts) * self.chunk_finish_block_h
         return triton.cdiv(Hd, h_per_part), h_per_part
 
-    def encode(self) -> list[int]:
-        """The fields in declaration order as the custom ops' ``launch: int[]`` argument (None → −1)."""
-        return [-1 if v is None else int(v) for v in dataclasses.astuple(self)]
+    def op_args(self) -> tuple[list[int]]:
+        """The launch as the trailing argument of the ``torch.ops.dsv4ref.mhc_*`` custom ops: ``launch: int[]``,
+        the fields in declaration order (None → −1)."""
+        return ([-1 if v is None else int(v) for v in dataclasses.astuple(self)],)
 
     @classmethod
-    def decode(cls, values: list[int]) -> "MhcLaunch":
-        """The inverse of :meth:`encode`."""
+    def from_op_args(cls, values: list[int]) -> "MhcLaunch":
+        """The inverse of :meth:`op_args`: the launch a custom op receives as ``launch``."""
         kw = {f.name: (None if v == -1 else v) for f, v in zip(dataclasses.fields(cls), values)}
         kw["split_k"] = None if kw["split_k"] is None else bool(kw["split_k"])
         for name in _BOOLS:
@@ -267,7 +268,10 @@ class MhcLaunch:
 
 _BOOLS = ("one_pass", "chunked", "chunk_stream_k", "chunk_zigzag")
 
-DEFAULT = MhcLaunch()
+
+def default_launch() -> MhcLaunch:
+    """The measured default on this device, ``MhcLaunch()`` (:data:`DEVICE_DEFAULTS`)."""
+    return MhcLaunch()
 
 
 # ====================================================================================================
@@ -488,7 +492,7 @@ def launch_hc(res, x, post_in, comb_in, new, fs, scale, base, post, comb, out, r
 
 # ====================================================================================================
 # Custom ops: they write into given buffers (the tests poison them first). ``launch`` is
-# MhcLaunch.encode(): every launch choice travels in the schema.
+# MhcLaunch.op_args(): every launch choice travels in the schema.
 # ====================================================================================================
 
 
@@ -497,7 +501,7 @@ def mhc_pre(residual: torch.Tensor, fs: torch.Tensor, scale: torch.Tensor, base:
             comb: torch.Tensor, out: torch.Tensor, rms_eps: float, hc_eps: float, post_mult: float, iters: int,
             launch: list[int]) -> None:
     launch_hc(residual, None, None, None, None, fs, scale, base, post, comb, out, rms_eps, hc_eps, post_mult, iters,
-              head=False, fused=False, launch=MhcLaunch.decode(launch))
+              head=False, fused=False, launch=MhcLaunch.from_op_args(launch))
 
 
 @mhc_pre.register_fake
@@ -511,7 +515,7 @@ def mhc_fused_post_pre(x: torch.Tensor, residual: torch.Tensor, post_in: torch.T
                        comb: torch.Tensor, out: torch.Tensor, rms_eps: float, hc_eps: float, post_mult: float,
                        iters: int, launch: list[int]) -> None:
     launch_hc(residual, x, post_in, comb_in, new, fs, scale, base, post, comb, out, rms_eps, hc_eps, post_mult, iters,
-              head=False, fused=True, launch=MhcLaunch.decode(launch))
+              head=False, fused=True, launch=MhcLaunch.from_op_args(launch))
 
 
 @mhc_fused_post_pre.register_fake
@@ -523,7 +527,7 @@ def _(x, residual, post_in, comb_in, fs, scale, base, new, post, comb, out, rms_
 def mhc_head(hidden: torch.Tensor, fs: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, out: torch.Tensor,
              rms_eps: float, hc_eps: float, launch: list[int]) -> None:
     launch_hc(hidden, None, None, None, None, fs, scale, base, None, None, out, rms_eps, hc_eps, 1.0, 0,
-              head=True, fused=False, launch=MhcLaunch.decode(launch))
+              head=True, fused=False, launch=MhcLaunch.from_op_args(launch))
 
 
 @mhc_head.register_fake
@@ -535,7 +539,7 @@ def _(hidden, fs, scale, base, out, rms_eps, hc_eps, launch):
 def mhc_post(x: torch.Tensor, residual: torch.Tensor, post: torch.Tensor, comb: torch.Tensor, out: torch.Tensor,
              launch: list[int]) -> None:
     T, M, Hd = residual.shape
-    L = MhcLaunch.decode(launch)
+    L = MhcLaunch.from_op_args(launch)
     if T:
         grid = (triton.cdiv(T, L.post_block_t), triton.cdiv(Hd, L.post_block_h))
         kernels.post_kernel[grid](x.view(torch.int16), residual.view(torch.int16), post, comb, out.view(torch.int16),
@@ -550,7 +554,7 @@ def _(x, residual, post, comb, out, launch):
 @torch.library.custom_op("dsv4ref::mhc_sinkhorn", mutates_args=("out",))
 def mhc_sinkhorn(logits: torch.Tensor, out: torch.Tensor, iters: int, eps: float, launch: list[int]) -> None:
     n = logits.numel() // 16
-    block = MhcLaunch.decode(launch).sinkhorn_block
+    block = MhcLaunch.from_op_args(launch).sinkhorn_block
     if n:
         kernels.sinkhorn_kernel[(triton.cdiv(n, block),)](logits, out, n, iters, eps, BLOCK=block)
 

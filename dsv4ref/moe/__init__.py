@@ -23,7 +23,7 @@ import torch
 from .. import validate
 from ..formats import STAGE_BLOCK
 from . import kernels, reference  # noqa: F401  (dsv4ref.moe.kernels / .reference, for readers)
-from .launch import MoeLaunch, default_launch, experts_op_args, group_by_expert, stage_op_args
+from .launch import MoeLaunch, default_launch, group_by_expert
 from .reference import FLASH_MOE, TINY_MOE, MoeShape, example_inputs
 
 __all__ = ["route", "stage", "stage_into", "experts", "forward", "example_inputs", "group_by_expert", "MoeLaunch",
@@ -218,7 +218,7 @@ def stage_into(hidden, ids, weights, x_fp8, x_sf, ids_out, weights_out, *, backe
         return None
     launch = launch or default_launch(T, K, 1)
     torch.ops.dsv4ref.moe_stage(hidden, ids, weights, x_fp8.view(torch.uint8), x_sf, ids_out, weights_out,
-                                *stage_op_args(launch))
+                                *launch.op_args("moe_stage"))
     return None
 
 
@@ -347,7 +347,7 @@ def experts(x, x_fp8, x_sf, ids, weights, w13, w2, shared_w13=None, shared_w2=No
         out = torch.empty(T, Hd, dtype=torch.bfloat16, device=x.device)
     launch = launch or default_launch(T, K, E)
     torch.ops.dsv4ref.moe_experts(x, x_fp8.view(torch.uint8), x_sf, ids, weights, w13, w2, shared_w13, shared_w2, out,
-                                  float(swiglu_limit), *experts_op_args(launch))
+                                  float(swiglu_limit), *launch.op_args("moe_experts"))
     return out
 
 

@@ -12,8 +12,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ..tl import (bf16_rne_bits_nan, dot, e4m3_decode, e4m3_encode, e4m3_nan_codes, e4m3_snap, e4m3_ue8m0_blocks,
-                  inv_pow2, ue8m0_byte, ue8m0_byte_bits, ue8m0_value)
+from ..tl import (bf16_rne_bits_nan, dot, e4m3_decode, e4m3_nan_codes, e4m3_snap, e4m3_ue8m0_blocks, ue8m0_byte_bits,
+                  ue8m0_value)
 
 
 @triton.jit
@@ -49,11 +49,6 @@ def widen_bf16(bits):
 #            while this one is encoded and stored;
 #   TOPK_FIRST (one program per tile): the ids / weights of the top-k copy are loaded before the tile, not after
 #            its stores (one DRAM round trip less in the programs of column block 0).
-# DIAG variants, for timing only (their bytes are NOT the contract; only the custom op takes them, never a
-# MoeLaunch): ENCODE = "cast" ("snap" with the GPU's saturating cvt instead of the grid-snap: exact when
-# compiled, wrong in the interpreter, I5), "trunc" (no amax, no encoder: the high byte of each bf16 stored,
-# scale bytes 0: the traffic alone), "loads" (the tile read and summed per group into the scale bytes, no
-# e4m3 store: the reads alone); NONFINITE = False (the non-finite policy left out); TOPK = False (no top-k).
 # ----------------------------------------------------------------------------------------------------
 
 
@@ -84,22 +79,9 @@ def _topk_store(ids_out_ptr, w_out_ptr, ids, wb, r64, row_ok, K, stride_iot, str
 
 
 @triton.jit
-def _blocks(x, FLOOR: tl.constexpr, NONFINITE: tl.constexpr):
-    """(e4m3 bytes, scale bytes) of fp32 [.., G, 32] through the shared e4m3_ue8m0_blocks; NONFINITE = False
-    (DIAG) is the same without its non-finite parts (no canonical NaN, no per-value select, no byte 255)."""
-    if NONFINITE:
-        q, byte = e4m3_ue8m0_blocks(x, FLOOR, 2)
-    else:
-        byte = ue8m0_byte(tl.max(x.to(tl.int32, bitcast=True) & 0x7FFFFFFF, axis=2).to(tl.float32, bitcast=True),
-                          FLOOR, 448.0)
-        q = e4m3_encode(x * inv_pow2(byte)[:, :, None]).to(tl.uint8, bitcast=True)
-    return q, byte
-
-
-@triton.jit
 def _stage_tile_blocks(x_ptr, q_ptr, sf_ptr, T, Hd, tt, th, stride_xt, stride_xh, stride_qt, stride_st,
                        FLOOR: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, LOAD: tl.constexpr,
-                       NONFINITE: tl.constexpr, EVICT: tl.constexpr, STORE_CACHE: tl.constexpr):
+                       EVICT: tl.constexpr, STORE_CACHE: tl.constexpr):
     """ENCODE = "blocks": stage tokens [tt·BLOCK_T, +BLOCK_T) × hidden values [th·BLOCK_H, +BLOCK_H) into e4m3
     bytes and int32 words (sf_ptr: the int32 x_sf). Returns (rows, row_ok, r64) for the top-k copies."""
     NB: tl.constexpr = BLOCK_H // 128  # scale words per tile row
@@ -112,7 +94,7 @@ def _stage_tile_blocks(x_ptr, q_ptr, sf_ptr, T, Hd, tt, th, stride_xt, stride_xh
         m = row_ok[:, None] & (col < Hd)[None, :]
         bits = tl.load(x_ptr + r64[:, None] * stride_xt + col[None, :].to(tl.int64) * stride_xh, mask=m, other=0,
                        eviction_policy=EVICT)
-        q, byte = _blocks(tl.reshape(widen_bf16(bits), (BLOCK_T, NB * 4, 32)), FLOOR, NONFINITE)  # groups of 32
+        q, byte = e4m3_ue8m0_blocks(tl.reshape(widen_bf16(bits), (BLOCK_T, NB * 4, 32)), FLOOR, 2)  # groups of 32
         tl.store(q_ptr + r64[:, None] * stride_qt + col[None, :], tl.reshape(q, (BLOCK_T, BLOCK_H)), mask=m,
                  cache_modifier=STORE_CACHE)
         lane = (8 * tl.arange(0, 4)).to(tl.uint32)
@@ -125,7 +107,7 @@ def _stage_tile_blocks(x_ptr, q_ptr, sf_ptr, T, Hd, tt, th, stride_xt, stride_xh
             m = row_ok[:, None, None] & (col < Hd)[None, :, :]
             bits = tl.load(x_ptr + r64[:, None, None] * stride_xt + col[None, :, :].to(tl.int64) * stride_xh, mask=m,
                            other=0, eviction_policy=EVICT)
-            q, byte = _blocks(widen_bf16(bits), FLOOR, NONFINITE)  # [BLOCK_T, NB, 32] uint8, [BLOCK_T, NB] int32
+            q, byte = e4m3_ue8m0_blocks(widen_bf16(bits), FLOOR, 2)  # [BLOCK_T, NB, 32] uint8, [BLOCK_T, NB] int32
             tl.store(q_ptr + r64[:, None, None] * stride_qt + col[None, :, :], q, mask=m, cache_modifier=STORE_CACHE)
             word = word | (byte.to(tl.uint32) << (8 * j))
     m_sf = row_ok[:, None] & (kb * 128 < Hd)[None, :]
@@ -135,24 +117,14 @@ def _stage_tile_blocks(x_ptr, q_ptr, sf_ptr, T, Hd, tt, th, stride_xt, stride_xh
 
 
 @triton.jit
-def _snap_or_cast(x, byte, ENCODE: tl.constexpr):
-    """e4m3 bytes (uint8) of fp32 [BLOCK_T, NG, 32] at the group bytes [BLOCK_T, NG]: e4m3_snap, or (DIAG
-    "cast") the GPU's saturating cvt of x · 2^(127 − byte), which the interpreter does not round right (I5)."""
-    if ENCODE == "snap":
-        return e4m3_snap(x, byte[:, :, None])
-    else:
-        return (x * inv_pow2(byte)[:, :, None]).to(tl.float8e4nv).to(tl.uint8, bitcast=True)
-
-
-@triton.jit
 def _stage_tile_snap(x_ptr, q_ptr, sf_ptr, T, Hd, tt, th, stride_xt, stride_xh, stride_qt, stride_st,
-                     FLOOR: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, ENCODE: tl.constexpr,
-                     NONFINITE: tl.constexpr, EVICT: tl.constexpr, STORE_CACHE: tl.constexpr):
-    """ENCODE = "snap" (or a DIAG): the same tile as _stage_tile_blocks with LOAD = "tile"; sf_ptr is the uint8
+                     FLOOR: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, EVICT: tl.constexpr,
+                     STORE_CACHE: tl.constexpr):
+    """ENCODE = "snap": the same tile as _stage_tile_blocks with LOAD = "tile"; sf_ptr is the uint8
     view of x_sf (stride_st in bytes) and one scale byte is stored per 32-group."""
     bits = _snap_load(x_ptr, T, Hd, tt, th, stride_xt, stride_xh, BLOCK_T, BLOCK_H, EVICT)
     return _stage_bits_snap(bits, x_ptr, q_ptr, sf_ptr, T, Hd, tt, th, stride_xt, stride_xh, stride_qt, stride_st,
-                            FLOOR, BLOCK_T, BLOCK_H, ENCODE, NONFINITE, STORE_CACHE)
+                            FLOOR, BLOCK_T, BLOCK_H, STORE_CACHE)
 
 
 @triton.jit
@@ -168,8 +140,7 @@ def _snap_load(x_ptr, T, Hd, tt, th, stride_xt, stride_xh, BLOCK_T: tl.constexpr
 
 @triton.jit
 def _stage_bits_snap(bits, x_ptr, q_ptr, sf_ptr, T, Hd, tt, th, stride_xt, stride_xh, stride_qt, stride_st,
-                     FLOOR: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, ENCODE: tl.constexpr,
-                     NONFINITE: tl.constexpr, STORE_CACHE: tl.constexpr):
+                     FLOOR: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, STORE_CACHE: tl.constexpr):
     """_stage_tile_snap on the tile ``bits`` (= _snap_load(.., tt, th, ..)) loaded already (the prefetching
     persistent loop loads the next tile before this one is encoded)."""
     NG: tl.constexpr = BLOCK_H // 32  # 32-value groups per tile row
@@ -181,29 +152,20 @@ def _stage_bits_snap(bits, x_ptr, q_ptr, sf_ptr, T, Hd, tt, th, stride_xt, strid
     xb = tl.reshape(bits.to(tl.int32) << 16, (BLOCK_T, NG, 32))  # fp32 bits of the bf16 values, exactly
     x = xb.to(tl.float32, bitcast=True)
     q_out = q_ptr + r64[:, None] * stride_qt + col[None, :]
-    if ENCODE == "trunc":  # DIAG: no amax, no encoder
-        tl.store(q_out, tl.reshape((xb >> 24).to(tl.uint8), (BLOCK_T, BLOCK_H)), mask=m, cache_modifier=STORE_CACHE)
-        byte = tl.zeros((BLOCK_T, NG), dtype=tl.int32)
-    elif ENCODE == "loads":  # DIAG: the reads alone (summed per group so that they are not optimised away)
-        byte = tl.sum(xb, axis=2)
-    else:
-        amax = tl.max(xb & 0x7FFFFFFF, axis=2)  # [BLOCK_T, NG] |x| bits: >= 0x7F800000 is NaN / inf
-        byte = ue8m0_byte_bits(amax, FLOOR)
-        bad = amax >= 0x7F800000
-        # Every tile is stored as if finite, straight from the cvt (no branch between the cvt and the store,
-        # which would unpack the packed bytes one per register). A tile that holds a non-finite group (rare)
-        # then reloads its values and stores them again with the policy applied: the same thread rewrites
-        # the same bytes, so its second store wins, and x need not stay live across the tile-wide test.
-        tl.store(q_out, tl.reshape(_snap_or_cast(x, byte, ENCODE), (BLOCK_T, BLOCK_H)), mask=m,
-                 cache_modifier=STORE_CACHE)
-        if NONFINITE and tl.max(tl.max(bad.to(tl.int32), axis=1), axis=0) > 0:
-            bits = tl.load(x_ptr + r64[:, None] * stride_xt + col[None, :].to(tl.int64) * stride_xh, mask=m, other=0)
-            xb = tl.reshape(bits.to(tl.int32) << 16, (BLOCK_T, NG, 32))
-            q = tl.where(bad[:, :, None], e4m3_nan_codes(xb),
-                         _snap_or_cast(xb.to(tl.float32, bitcast=True), byte, ENCODE))
-            tl.store(q_out, tl.reshape(q, (BLOCK_T, BLOCK_H)), mask=m, cache_modifier=STORE_CACHE)
-        if NONFINITE:
-            byte = tl.where(bad, 255, byte)
+    amax = tl.max(xb & 0x7FFFFFFF, axis=2)  # [BLOCK_T, NG] |x| bits: >= 0x7F800000 is NaN / inf
+    byte = ue8m0_byte_bits(amax, FLOOR)
+    bad = amax >= 0x7F800000
+    # Every tile is stored as if finite, straight from the cvt (no branch between the cvt and the store,
+    # which would unpack the packed bytes one per register). A tile that holds a non-finite group (rare)
+    # then reloads its values and stores them again with the policy applied: the same thread rewrites
+    # the same bytes, so its second store wins, and x need not stay live across the tile-wide test.
+    tl.store(q_out, tl.reshape(e4m3_snap(x, byte[:, :, None]), (BLOCK_T, BLOCK_H)), mask=m, cache_modifier=STORE_CACHE)
+    if tl.max(tl.max(bad.to(tl.int32), axis=1), axis=0) > 0:
+        bits = tl.load(x_ptr + r64[:, None] * stride_xt + col[None, :].to(tl.int64) * stride_xh, mask=m, other=0)
+        xb = tl.reshape(bits.to(tl.int32) << 16, (BLOCK_T, NG, 32))
+        q = tl.where(bad[:, :, None], e4m3_nan_codes(xb), e4m3_snap(xb.to(tl.float32, bitcast=True), byte[:, :, None]))
+        tl.store(q_out, tl.reshape(q, (BLOCK_T, BLOCK_H)), mask=m, cache_modifier=STORE_CACHE)
+    byte = tl.where(bad, 255, byte)
     g = th * NG + tl.arange(0, NG)  # [NG] group index = byte index in the row of x_sf's bytes
     tl.store(sf_ptr + r64[:, None] * stride_st + g[None, :], byte.to(tl.uint8), mask=row_ok[:, None] & (g * 32 < Hd)[None, :],
              cache_modifier=STORE_CACHE)
@@ -213,14 +175,14 @@ def _stage_bits_snap(bits, x_ptr, q_ptr, sf_ptr, T, Hd, tt, th, stride_xt, strid
 @triton.jit
 def _stage_tile(x_ptr, q_ptr, sf_ptr, T, Hd, tt, th, stride_xt, stride_xh, stride_qt, stride_st,
                 FLOOR: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, LOAD: tl.constexpr,
-                ENCODE: tl.constexpr, NONFINITE: tl.constexpr, EVICT: tl.constexpr, STORE_CACHE: tl.constexpr):
+                ENCODE: tl.constexpr, EVICT: tl.constexpr, STORE_CACHE: tl.constexpr):
     """One tile, by ENCODE. Returns (rows, row_ok, r64) for the top-k copies."""
     if ENCODE == "blocks":
         return _stage_tile_blocks(x_ptr, q_ptr, sf_ptr, T, Hd, tt, th, stride_xt, stride_xh, stride_qt, stride_st,
-                                  FLOOR, BLOCK_T, BLOCK_H, LOAD, NONFINITE, EVICT, STORE_CACHE)
+                                  FLOOR, BLOCK_T, BLOCK_H, LOAD, EVICT, STORE_CACHE)
     else:
         return _stage_tile_snap(x_ptr, q_ptr, sf_ptr, T, Hd, tt, th, stride_xt, stride_xh, stride_qt, stride_st,
-                                FLOOR, BLOCK_T, BLOCK_H, ENCODE, NONFINITE, EVICT, STORE_CACHE)
+                                FLOOR, BLOCK_T, BLOCK_H, EVICT, STORE_CACHE)
 
 
 @triton.jit
@@ -240,9 +202,7 @@ def stage_kernel(
     BLOCK_H: tl.constexpr,  # hidden values per tile, a multiple of 128
     BLOCK_TOPK: tl.constexpr,  # next_power_of_2(K)
     LOAD: tl.constexpr,  # "groups" | "tile" (see above)
-    ENCODE: tl.constexpr,  # "blocks" | "snap"; DIAG: "cast" | "trunc" | "loads"
-    NONFINITE: tl.constexpr,  # True; False = DIAG: the non-finite policy left out
-    TOPK: tl.constexpr,  # True; False = DIAG: no top-k copies
+    ENCODE: tl.constexpr,  # "blocks" | "snap"
     PERSISTENT: tl.constexpr,  # grid-stride loop over the tiles (grid = a fixed number of programs)
     EVICT: tl.constexpr,  # eviction_policy of the input load: "" or "evict_first"
     STORE_CACHE: tl.constexpr,  # cache_modifier of the output stores: "" or ".cs" (streaming)
@@ -260,9 +220,8 @@ def stage_kernel(
             nbits = _snap_load(x_ptr, T, Hd, nxt // n_h, nxt % n_h, stride_xt, stride_xh, BLOCK_T, BLOCK_H, EVICT)
             th = tile % n_h
             rows, row_ok, r64 = _stage_bits_snap(bits, x_ptr, q_ptr, sf_ptr, T, Hd, tile // n_h, th, stride_xt,
-                                                 stride_xh, stride_qt, stride_st, FLOOR, BLOCK_T, BLOCK_H, ENCODE,
-                                                 NONFINITE, STORE_CACHE)
-            if TOPK and th == 0:  # the top-k copies, once per token
+                                                 stride_xh, stride_qt, stride_st, FLOOR, BLOCK_T, BLOCK_H, STORE_CACHE)
+            if th == 0:  # the top-k copies, once per token
                 _stage_topk(ids_ptr, w_ptr, ids_out_ptr, w_out_ptr, rows, row_ok, r64, K, stride_it, stride_ik,
                             stride_wt, stride_wk, stride_iot, stride_wot, BLOCK_TOPK)
             bits = nbits
@@ -272,12 +231,12 @@ def stage_kernel(
         for tile in range(tl.program_id(0), tl.cdiv(T, BLOCK_T) * n_h, tl.num_programs(0)):
             th = tile % n_h
             rows, row_ok, r64 = _stage_tile(x_ptr, q_ptr, sf_ptr, T, Hd, tile // n_h, th, stride_xt, stride_xh,
-                                            stride_qt, stride_st, FLOOR, BLOCK_T, BLOCK_H, LOAD, ENCODE, NONFINITE,
-                                            EVICT, STORE_CACHE)
-            if TOPK and th == 0:  # the top-k copies, once per token
+                                            stride_qt, stride_st, FLOOR, BLOCK_T, BLOCK_H, LOAD, ENCODE, EVICT,
+                                            STORE_CACHE)
+            if th == 0:  # the top-k copies, once per token
                 _stage_topk(ids_ptr, w_ptr, ids_out_ptr, w_out_ptr, rows, row_ok, r64, K, stride_it, stride_ik,
                             stride_wt, stride_wk, stride_iot, stride_wot, BLOCK_TOPK)
-    elif TOPK and TOPK_FIRST:
+    elif TOPK_FIRST:
         # the program of column block 0 loads its rows' ids and weights before its tile, so these small loads
         # share the tile's round trip instead of adding one after its stores; the others load nothing (masked)
         rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -286,13 +245,13 @@ def stage_kernel(
                              BLOCK_TOPK)
         tl.debug_barrier()  # keeps the compiler from sinking these loads below the tile's (found in the SASS)
         _stage_tile(x_ptr, q_ptr, sf_ptr, T, Hd, tl.program_id(0), tl.program_id(1), stride_xt, stride_xh, stride_qt,
-                    stride_st, FLOOR, BLOCK_T, BLOCK_H, LOAD, ENCODE, NONFINITE, EVICT, STORE_CACHE)
+                    stride_st, FLOOR, BLOCK_T, BLOCK_H, LOAD, ENCODE, EVICT, STORE_CACHE)
         _topk_store(ids_out_ptr, w_out_ptr, ids, wb, rows.to(tl.int64), copy, K, stride_iot, stride_wot, BLOCK_TOPK)
     else:
         rows, row_ok, r64 = _stage_tile(x_ptr, q_ptr, sf_ptr, T, Hd, tl.program_id(0), tl.program_id(1), stride_xt,
                                         stride_xh, stride_qt, stride_st, FLOOR, BLOCK_T, BLOCK_H, LOAD, ENCODE,
-                                        NONFINITE, EVICT, STORE_CACHE)
-        if TOPK and tl.program_id(1) == 0:  # the top-k copies, once per token
+                                        EVICT, STORE_CACHE)
+        if tl.program_id(1) == 0:  # the top-k copies, once per token
             _stage_topk(ids_ptr, w_ptr, ids_out_ptr, w_out_ptr, rows, row_ok, r64, K, stride_it, stride_ik, stride_wt,
                         stride_wk, stride_iot, stride_wot, BLOCK_TOPK)
 

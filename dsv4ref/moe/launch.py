@@ -16,20 +16,13 @@ from ..device import interpreting
 from ..formats import STAGE_AMAX_FLOOR, STAGE_BLOCK
 from .kernels import combine_kernel, down_kernel, gate_up_kernel, stage_kernel
 
-__all__ = ["MoeLaunch", "default_launch", "group_by_expert", "tile_table", "stage_constexprs", "stage_op_args"]
+__all__ = ["MoeLaunch", "default_launch", "group_by_expert", "tile_table", "stage_constexprs"]
 
 
 STAGE_LOADS = ("groups", "tile")
 STAGE_ENCODES = ("blocks", "snap")
 STAGE_CACHE_HINTS = {"": ("", ""), "evict_first": ("evict_first", ""), "stream": ("evict_first", ".cs"),
                      "cs": ("", ".cs")}  # load, store
-# DIAG variants of the staging kernel, for timing only: their bytes are NOT the contract, so no MoeLaunch can
-# ask for them; benchmarks/moe_sweep.py passes them to the custom op through stage_op_args(launch, diag).
-#   cast: "snap" with the GPU's saturating cvt for the grid-snap (exact compiled; the interpreter's cast is wrong)
-#   trunc: no amax and no encoder (the high byte of each bf16 stored, scale bytes 0): the traffic alone
-#   loads: the tile read and summed per group into x_sf, no e4m3 store: the reads alone
-#   finite: the non-finite policy left out;  notopk: no top-k copies
-STAGE_DIAGS = ("", "cast", "trunc", "loads", "finite", "notopk")
 NOT_POWERS_OF_TWO = ("expert_stages", "stage_load", "stage_programs", "stage_stages", "stage_cache", "stage_encode",
                      "stage_maxnreg", "stage_topk_first", "stage_prefetch")
 
@@ -129,6 +122,18 @@ class MoeLaunch:
             if getattr(self, name) < 16:
                 raise ValueError(f"{name}: expected >= 16 (tl.dot's smallest tile on a GPU), got {getattr(self, name)}")
 
+    def op_args(self, op: str) -> tuple:
+        """The launch as the trailing arguments of ``torch.ops.dsv4ref.<op>``, in its schema order: ``"moe_stage"``
+        (the ``stage_*`` fields) or ``"moe_experts"`` (the expert GEMMs' and the combine's)."""
+        if op == "moe_stage":
+            return (self.stage_block_t, self.stage_block_h, self.stage_warps, self.stage_load, self.stage_programs,
+                    self.stage_stages, self.stage_cache, self.stage_encode, self.stage_maxnreg, self.stage_topk_first,
+                    self.stage_prefetch)
+        if op == "moe_experts":
+            return (self.block_m, self.block_n, self.block_h, self.block_k, self.expert_warps, self.expert_stages,
+                    self.combine_block_t, self.combine_block_h, self.combine_warps)
+        raise ValueError(f"op: expected \"moe_stage\" or \"moe_experts\", got {op!r}")
+
 
 def _check_stage_pair(load: str, encode: str) -> None:
     """The (stage_load, stage_encode) pairs that exist: "snap" reads whole tiles ("tile")."""
@@ -144,7 +149,7 @@ def default_launch(tokens: int, k: int, experts: int) -> MoeLaunch:
     block_m = 16 if per_expert <= 16 else 32 if per_expert <= 32 else 64
     if interpreting():
         return MoeLaunch(stage_block_t=16, block_m=block_m, block_n=256, block_h=512, block_k=256, combine_block_t=16)
-    # staging: the top-k copy before the tile (an H200 probe, benchmarks/mem_probe.py: 16.5 µs against
+    # staging: the top-k copy before the tile (an H200 probe, benchmarks/experiments/mem_probe.py: 16.5 µs against
     # 17.1 µs at T = Hd = 4096, the fastest byte-exact staging variant of that call; benchmarks/moe.md)
     if block_m == 64:  # prefill-sized groups: wider tiles, 8 warps
         return MoeLaunch(block_m=64, block_n=128, block_k=128, expert_warps=8, stage_topk_first=True)
@@ -202,28 +207,24 @@ def tile_table(counts: torch.Tensor, offsets: torch.Tensor, block_m: int, n_rows
 
 
 def stage_constexprs(Hd: int, K: int, block_t: int, block_h: int, load: str, programs: int, cache: str, encode: str,
-                     diag: str, topk_first: bool = False, prefetch: bool = False) -> dict:
+                     topk_first: bool = False, prefetch: bool = False) -> dict:
     """The constexpr arguments of ``stage_kernel`` for these launch fields (also what
-    benchmarks/moe_stage_compile_check.py compiles ahead of time)."""
-    if diag not in STAGE_DIAGS:
-        raise ValueError(f"diag: expected one of {STAGE_DIAGS}, got {diag!r}")
+    benchmarks/experiments/moe_stage_compile_check.py compiles ahead of time)."""
     if encode not in STAGE_ENCODES:
         raise ValueError(f"encode: expected one of {STAGE_ENCODES}, got {encode!r}")
-    if diag in ("cast", "trunc", "loads"):  # DIAG encodings, in place of "snap"
-        encode = diag
     _check_stage_pair(load, encode)
     evict, store_cache = STAGE_CACHE_HINTS[cache]
     return dict(FLOOR=STAGE_AMAX_FLOOR, BLOCK_T=block_t, BLOCK_H=min(block_h, triton.next_power_of_2(Hd)),
-                BLOCK_TOPK=max(1, triton.next_power_of_2(K)), LOAD=load, ENCODE=encode, NONFINITE=diag != "finite",
-                TOPK=diag != "notopk", PERSISTENT=programs > 0, EVICT=evict, STORE_CACHE=store_cache,
-                TOPK_FIRST=topk_first and not programs, PREFETCH=prefetch and programs > 0 and encode != "blocks")
+                BLOCK_TOPK=max(1, triton.next_power_of_2(K)), LOAD=load, ENCODE=encode, PERSISTENT=programs > 0,
+                EVICT=evict, STORE_CACHE=store_cache, TOPK_FIRST=topk_first and not programs,
+                PREFETCH=prefetch and programs > 0 and encode != "blocks")
 
 
 def _stage(hidden, ids, weights, x_fp8, x_sf, ids_out, weights_out, block_t, block_h, num_warps, load, programs,
-           num_stages, cache, encode, maxnreg, topk_first, prefetch, diag):
+           num_stages, cache, encode, maxnreg, topk_first, prefetch):
     T, Hd = hidden.shape
     K = ids.shape[1]
-    const = stage_constexprs(Hd, K, block_t, block_h, load, programs, cache, encode, diag, topk_first, prefetch)
+    const = stage_constexprs(Hd, K, block_t, block_h, load, programs, cache, encode, topk_first, prefetch)
     wv, wov = weights.view(torch.int32), weights_out.view(torch.int32)
     xv = hidden.view(torch.int16)
     sf = x_sf
@@ -243,19 +244,18 @@ def _stage(hidden, ids, weights, x_fp8, x_sf, ids_out, weights_out, block_t, blo
 @torch.library.custom_op("dsv4ref::moe_stage", mutates_args=("x_fp8", "x_sf", "ids_out", "weights_out"))
 def moe_stage_op(hidden: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, x_fp8: torch.Tensor, x_sf: torch.Tensor,
                  ids_out: torch.Tensor, weights_out: torch.Tensor, block_t: int, block_h: int, num_warps: int, load: str,
-                 programs: int, num_stages: int, cache: str, encode: str, maxnreg: int, topk_first: bool, prefetch: bool,
-                 diag: str) -> None:
+                 programs: int, num_stages: int, cache: str, encode: str, maxnreg: int, topk_first: bool,
+                 prefetch: bool) -> None:
     """Rows [0, T) of the four output buffers (which may have more rows: those stay as they are). ``x_fp8``
-    is passed as its uint8 bytes (torch has no arithmetic on fp8 tensors, which op checks need). ``diag``:
-    "" (the contract), or one of the DIAG variants of ``STAGE_DIAGS`` (timing only, wrong bytes)."""
+    is passed as its uint8 bytes (torch has no arithmetic on fp8 tensors, which op checks need)."""
     if hidden.shape[0]:
         _stage(hidden, ids, weights, x_fp8, x_sf, ids_out, weights_out, block_t, block_h, num_warps, load, programs,
-               num_stages, cache, encode, maxnreg, topk_first, prefetch, diag)
+               num_stages, cache, encode, maxnreg, topk_first, prefetch)
 
 
 @moe_stage_op.register_fake
 def _(hidden, ids, weights, x_fp8, x_sf, ids_out, weights_out, block_t, block_h, num_warps, load, programs, num_stages,
-      cache, encode, maxnreg, topk_first, prefetch, diag):
+      cache, encode, maxnreg, topk_first, prefetch):
     return None
 
 
@@ -333,17 +333,3 @@ def moe_experts_op(x: torch.Tensor, x_fp8: torch.Tensor, x_sf: torch.Tensor, ids
 def _(x, x_fp8, x_sf, ids, weights, w13, w2, shared_w13, shared_w2, out, swiglu_limit, block_m, block_n, block_h, block_k,
       expert_warps, expert_stages, combine_block_t, combine_block_h, combine_warps):
     return None
-
-
-def stage_op_args(launch: MoeLaunch, diag: str = "") -> tuple:
-    """The launch fields of ``dsv4ref::moe_stage``, in schema order. ``diag``: "" for the contract, or a DIAG
-    variant of ``STAGE_DIAGS`` (benchmarks only: its bytes are wrong)."""
-    return (launch.stage_block_t, launch.stage_block_h, launch.stage_warps, launch.stage_load, launch.stage_programs,
-            launch.stage_stages, launch.stage_cache, launch.stage_encode, launch.stage_maxnreg, launch.stage_topk_first,
-            launch.stage_prefetch, diag)
-
-
-def experts_op_args(launch: MoeLaunch) -> tuple[int, ...]:
-    """The launch fields of ``dsv4ref::moe_experts``, in schema order."""
-    return (launch.block_m, launch.block_n, launch.block_h, launch.block_k, launch.expert_warps, launch.expert_stages,
-            launch.combine_block_t, launch.combine_block_h, launch.combine_warps)

@@ -16,6 +16,8 @@ The math, the shapes, the cache and the pitfalls with the tests that catch them:
 * :mod:`dsv4ref.mtp.reference`: the pieces in plain torch (float32, or float64 as the tests' oracle);
 * :class:`dsv4ref.decode.Decoder` (``draft`` / ``verify`` / ``speculate``): the draft layer's block, its
   KV cache, the batched verification and the roll-back of the compressor state after rejected drafts.
+* :func:`make_weights`: the draft layer's random weights, drawn in :mod:`dsv4ref.weights` beside the
+  target's (:func:`dsv4ref.decode.make_weights` stores them under ``"mtp"``).
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from __future__ import annotations
 import torch
 
 from .. import mhc, validate
-from ..device import HOST
+from ..weights import mtp_weights as make_weights  # the draft layer's weights, drawn with the target's
 from . import reference
 from .reference import greedy_tokens
 
@@ -181,37 +183,3 @@ def draft_logits(X, hc_fn, hc_scale, hc_base, norm, lm_head, *, rms_eps=1e-6, hc
     y = reference.rms_norm(y, norm, rms_eps).to(torch.bfloat16)
     return y.float() @ lm_head.float().T
 
-
-def make_weights(cfg, target_weights: dict, seed: int) -> dict:
-    """The draft layer's own weights for ``cfg`` (one SWA-only block at layer index ``cfg.num_layers``), as
-    :func:`dsv4ref.decode.make_weights` stores them under ``"mtp"``; drawn on the CPU.
-
-    Returns dict(``e_proj``, ``h_proj`` ``[Hd, Hd]`` bf16, ``enorm``, ``hnorm``, ``norm`` ``[Hd]`` fp32,
-    ``hc_head`` {fn ``[M, M·Hd]``, scale ``[1]``, base ``[M]``}, ``block``: a layer dict of ratio 0 with a
-    non-hash MoE). No embedding and no LM head: the draft layer uses the target's.
-
-    A trained MTP approximates "the target's next token after tok_{q+1}". These random ones are built to
-    do the same for the random target, whose residual stream is dominated by the current token's embedding
-    (its sub-layer updates are small): ``e_proj`` = the identity, ``h_proj`` small, ``norm`` and ``hc_head``
-    the target's own ``final_norm`` and ``hc_head`` perturbed by 10 % (they stay the MTP's OWN parameters,
-    different from the target's). ``target_weights``: the target's weight dict (read for those two)."""
-    from ..decode.weights import Draw, block_weights  # (decode imports this package)
-    from ..testing import generator
-
-    validate.integer(seed, "seed", lo=0)
-    g = generator(seed)
-    draw = Draw(g)
-    Hd = cfg.hidden_size
-    hc = target_weights["hc_head"]
-
-    def jitter(t):
-        return t * (1.0 + 0.1 * torch.randn(t.shape, generator=g, device=HOST))
-
-    return dict(
-        e_proj=torch.eye(Hd, device=HOST).to(torch.bfloat16),
-        h_proj=draw.lin(Hd, Hd, scale=0.1),
-        enorm=draw.norm_w(Hd), hnorm=draw.norm_w(Hd),
-        norm=jitter(target_weights["final_norm"].float().cpu()),
-        hc_head={k: jitter(v.float().cpu()) for k, v in hc.items()},
-        block=block_weights(cfg, draw, 0, cfg.num_layers, seed),
-    )

@@ -10,6 +10,13 @@ The cos/sin table is fp32 ``[max_pos, 64]``, row p = ``[cos f_0 … cos f_31 | s
 interleaved), f_i = fp32(p)·inv_freq[i]. Every kernel takes the table as an input; bit-exactness is judged
 given the same table.
 
+:func:`grouped_o_proj` is the attention's output projection (grouped LoRA ``wo_a`` per group of heads, then
+``wo_b``), not a rotation. It lives here because it is the other half of the same step of the layer: it runs
+right after the inverse RoPE, on the same rows (the de-rotated ``[T, H, 512]`` attention output), and
+:mod:`dsv4ref.sparse_mla` ends at the rotated output and its LSE. It is reference-only (two bf16 GEMMs, no
+byte format to get wrong), so it has no kernel here; the conformance suite and the golden files name it
+``rope.grouped_o_proj``.
+
 Where things are: :mod:`~dsv4ref.rope.reference` (the whole op in torch, read it first),
 :mod:`~dsv4ref.rope.kernels` (Triton), :mod:`~dsv4ref.rope.launch` (:class:`RopeLaunch`, custom ops).
 """
@@ -26,8 +33,7 @@ from ..device import DEVICE, HOST
 from ..formats import HEAD_DIM, ROPE_DIM
 from ..testing import randn
 from . import kernels, reference  # noqa: F401  (dsv4ref.rope.kernels / .reference for readers)
-from .launch import DEFAULT as _DEFAULT_LAUNCH
-from .launch import RopeLaunch
+from .launch import RopeLaunch, default_launch
 
 __all__ = [
     "inv_freq",
@@ -41,12 +47,13 @@ __all__ = [
     "grouped_o_proj",
     "example_inputs",
     "RopeLaunch",
+    "default_launch",
     "MAX_HEADS",
-    "SUPPORTED",
+    "SUPPORTED_BACKENDS",
 ]
 
 MAX_HEADS = 128  # FlashMLA-style kernels pad H to 64 or 128; more is rejected
-SUPPORTED = ("reference", "triton")  # backends of apply_gptj and qnorm_rope_kv_insert ("auto" = "triton")
+SUPPORTED_BACKENDS = ("reference", "triton")  # backends of apply_gptj and qnorm_rope_kv_insert ("auto" = "triton")
 _REFERENCE_ONLY = ("reference",)  # apply_neox, grouped_o_proj
 
 # ----------------------------------------------------------------------------------------------------
@@ -210,7 +217,7 @@ def _check_rotate_args(x, positions, cos_sin, inverse) -> int:
 def _check_launch(launch) -> RopeLaunch:
     if launch is not None and not isinstance(launch, RopeLaunch):
         raise TypeError(f"launch: expected a RopeLaunch or None, got {type(launch).__name__}")
-    return launch or _DEFAULT_LAUNCH
+    return launch or default_launch()
 
 
 def _check_no_overlap(t: torch.Tensor, name: str) -> None:
@@ -249,7 +256,7 @@ def apply_gptj(x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor, 
     Returns:
         A new tensor of x's shape and dtype (contiguous).
     """
-    backend = validate.backend(backend, SUPPORTED)
+    backend = validate.backend(backend, SUPPORTED_BACKENDS)
     _check_rotate_args(x, positions, cos_sin, inverse)
     launch = _check_launch(launch)
     if backend == "reference":
@@ -262,7 +269,7 @@ def apply_gptj(x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor, 
     per_row = tuple(positions.shape) == tuple(x.shape[:-1])
     pos_div = 1 if per_row or x.dim() == 1 else math.prod(x.shape[1:-1])
     pos = positions.reshape(-1).to(torch.int64).contiguous()  # a strided view must not be read as flat
-    torch.ops.dsv4ref.rope_gptj(x2, pos, cos_sin, out, pos_div, inverse, launch.rotate_rows)
+    torch.ops.dsv4ref.rope_gptj(x2, pos, cos_sin, out, pos_div, inverse, *launch.op_args("rope_gptj"))
     return out.view(x.shape)
 
 
@@ -323,7 +330,7 @@ def qnorm_rope_kv_insert(q: torch.Tensor, kv: torch.Tensor, cache: torch.Tensor,
     Returns:
         None (q and cache are updated in place; a call that raises has changed neither).
     """
-    backend = validate.backend(backend, SUPPORTED)
+    backend = validate.backend(backend, SUPPORTED_BACKENDS)
     validate.tensor(q, "q", dtype=torch.bfloat16, ndim=3)
     T, H, D = q.shape
     if D != HEAD_DIM:
@@ -359,7 +366,7 @@ def qnorm_rope_kv_insert(q: torch.Tensor, kv: torch.Tensor, cache: torch.Tensor,
     run = launch.resolve(qc)
     torch.ops.dsv4ref.qnorm_rope_kv_insert(qc, kv if kv.stride(1) == 1 else kv.contiguous(), cache,
                                            slots.to(torch.int64).contiguous(), positions.to(torch.int64).contiguous(),
-                                           cos_sin, float(eps), block_size, run.heads_per_prog, run.warps)
+                                           cos_sin, float(eps), block_size, *run.op_args("qnorm_rope_kv_insert"))
     if qc is not q:
         q.copy_(qc)
 

@@ -68,8 +68,19 @@ class RopeLaunch:
         hpp = self.heads_per_prog if packable(q) else 0
         return replace(self, heads_per_prog=hpp, num_warps=replace(self, heads_per_prog=hpp).warps)
 
+    def op_args(self, op: str) -> tuple[int, ...]:
+        """The launch as the trailing arguments of ``torch.ops.dsv4ref.<op>``: ``"rope_gptj"`` (rows per program)
+        or ``"qnorm_rope_kv_insert"`` (heads per program, warps: call it on :meth:`resolve`'s launch)."""
+        if op == "rope_gptj":
+            return (self.rotate_rows,)
+        if op == "qnorm_rope_kv_insert":
+            return self.heads_per_prog, self.warps
+        raise ValueError(f"op: expected \"rope_gptj\" or \"qnorm_rope_kv_insert\", got {op!r}")
 
-DEFAULT = RopeLaunch()
+
+def default_launch() -> RopeLaunch:
+    """The measured default, ``RopeLaunch()``: 2 heads per program at 1 warp, 16 rows per rotate program."""
+    return RopeLaunch()
 
 # The multi-head launches that `python -m dsv4ref bench rope` times (benchmarks/rope.md) and that the
 # GPU-only test holds to the reference bit for bit.
@@ -103,14 +114,16 @@ def rotate(x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor, out:
     )
 
 
-def fused(q, kv, cache, slots, positions, cos_sin, eps: float, block_size: int, launch: RopeLaunch = DEFAULT, *,
+def fused(q, kv, cache, slots, positions, cos_sin, eps: float, block_size: int, launch: RopeLaunch | None = None, *,
           do_q: bool = True, do_kv: bool = True) -> None:
     """Launch the fused kernel chosen by ``launch`` (the per-head one when q is not :func:`packable`).
     q, kv: last dim contiguous; slots, positions: int64 (made contiguous here: the kernels read them as
-    flat arrays). ``do_q`` / ``do_kv`` = False skip that half (benchmarks of the unfused passes)."""
+    flat arrays). ``do_q`` / ``do_kv`` = False skip that half (benchmarks of the unfused passes). ``launch``
+    None = :func:`default_launch`."""
     T, H, _ = q.shape
     if T == 0:
         return
+    launch = launch or default_launch()
     slots, positions = slots.contiguous(), positions.contiguous()
     q16, kv16 = q.view(torch.int16), kv.view(torch.int16)
     hpp = launch.heads_per_prog

@@ -34,14 +34,14 @@ from .launch import SparseMlaLaunch, default_launch, fused_decode
 from .reference import DEFAULT_SCALE
 from .two_pass import two_pass_decode
 
-# The backends this op implements, named from the one list dsv4ref.validate.BACKENDS: SUPPORTED run on every
+# The backends this op implements, named from the one list dsv4ref.validate.BACKENDS: SUPPORTED_BACKENDS run on every
 # device (the interpreter too); GPU_ONLY need compiled Triton with Gluon on a Hopper GPU. "auto" is "gluon"
 # where it runs (16-byte aligned pages), else "triton".
-SUPPORTED = ("reference", "two_pass", "triton")
+SUPPORTED_BACKENDS = ("reference", "two_pass", "triton")
 GPU_ONLY = ("gluon",)
 MAX_HEADS = 128
 
-__all__ = ["decode", "example_inputs", "SparseMlaLaunch", "default_launch", "SUPPORTED", "GPU_ONLY", "DEFAULT_SCALE"]
+__all__ = ["decode", "example_inputs", "SparseMlaLaunch", "default_launch", "SUPPORTED_BACKENDS", "GPU_ONLY", "DEFAULT_SCALE"]
 
 
 def _one_device(**tensors: torch.Tensor | None) -> None:
@@ -127,8 +127,9 @@ def decode(q: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor, lengths: t
         extra_cache, extra_slots ``[T, K2]``, extra_lengths ``[T]`` (None = all K2), extra_block_size: the
             second pool (the compressed rows next to the window), attended in the same softmax; the same
             rules as the first. Give extra_cache, extra_slots and extra_block_size together.
-        backend: "auto", "reference", "two_pass", "triton" (:data:`SUPPORTED`) or "gluon" (:data:`GPU_ONLY`). "auto" is the
-            warp-specialised Hopper kernel (:mod:`dsv4ref.sparse_mla.gluon`) where it runs, else "triton".
+        backend: "auto", "reference", "two_pass", "triton" (:data:`SUPPORTED_BACKENDS`) or "gluon"
+            (:data:`GPU_ONLY`). "auto" is the warp-specialised Hopper kernel (:mod:`dsv4ref.sparse_mla.gluon`) where
+            it runs, else "triton".
         launch: the kernels' :class:`SparseMlaLaunch`; None = :func:`default_launch` for this shape.
     Returns:
         ``(out, lse)``: out ``[T, H, 512]`` bf16, contiguous; lse ``[T, H]`` fp32, natural log, WITHOUT the
@@ -144,7 +145,7 @@ def decode(q: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor, lengths: t
     lengths are clamped to [0, K]; a slot below −1 counts as −1; a slot past the cache is undefined.
     """
     auto = backend == "auto"
-    backend = validate.backend(backend, SUPPORTED + GPU_ONLY, auto="triton")
+    backend = validate.backend(backend, SUPPORTED_BACKENDS + GPU_ONLY, auto="triton")
     validate.tensor(q, "q", dtype=torch.bfloat16, ndim=3)
     T, H, D = q.shape
     if D != HEAD_DIM:

@@ -28,7 +28,7 @@ LOG2E = 1.4426950408889634
 # 4: 99.8, 8: 101.1, 16: 106.2 (too few programs: 64 for 132 SMs). H = 64 and 128: equal within noise.
 MERGE_BLOCK_H = 2
 
-__all__ = ["SparseMlaLaunch", "default_launch", "launch_for_sms", "resolve", "launch_args", "attend", "fused_decode", "workspace",
+__all__ = ["SparseMlaLaunch", "default_launch", "launch_for_sms", "resolve", "attend", "fused_decode", "workspace",
            "MERGE_BLOCK_H"]
 
 
@@ -58,6 +58,11 @@ class SparseMlaLaunch:
         power_of_two(self.num_splits, "num_splits")
         power_of_two(self.num_warps, "num_warps")
         integer(self.num_stages, "num_stages", lo=1)
+
+    def op_args(self) -> tuple[int, int, int, int, int]:
+        """The launch as the trailing arguments of ``torch.ops.dsv4ref.sparse_mla_decode`` /
+        ``sparse_mla_attend_bf16``, in their schema order."""
+        return self.block_h, self.block_n, self.num_splits, self.num_warps, self.num_stages
 
 
 def default_launch(T: int, H: int, K_total: int, device: torch.device) -> SparseMlaLaunch:
@@ -188,11 +193,6 @@ def _(q, ws1, table1, ws2, table2, sink, scale, block_h, block_n, num_splits, nu
     return q.new_empty(T, H, D), q.new_empty(T, H, dtype=torch.float32)
 
 
-def launch_args(launch: SparseMlaLaunch) -> tuple[int, int, int, int, int]:
-    """The launch choices in the custom ops' schema order."""
-    return launch.block_h, launch.block_n, launch.num_splits, launch.num_warps, launch.num_stages
-
-
 def resolve(launch: SparseMlaLaunch | None, q: torch.Tensor, *slot_tables: torch.Tensor | None) -> SparseMlaLaunch:
     """``launch``, or the measured default for q's shape and the total candidates of ``slot_tables``."""
     if launch is not None:
@@ -207,7 +207,7 @@ def fused_decode(q, cache, slots, lengths, *, block_size, sink=None, scale, extr
     without host syncs (a device graph can capture it). Same arguments; ``launch`` None = :func:`default_launch`."""
     launch = resolve(launch, q, slots, extra_slots)
     return torch.ops.dsv4ref.sparse_mla_decode(q, cache, slots, lengths, extra_cache, extra_slots, extra_lengths, sink,
-                                               block_size, extra_block_size or 1, float(scale), *launch_args(launch))
+                                               block_size, extra_block_size or 1, float(scale), *launch.op_args())
 
 
 _WORKSPACE: dict[str, torch.Tensor] = {}

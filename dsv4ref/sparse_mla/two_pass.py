@@ -30,7 +30,7 @@ from typing import NamedTuple
 import torch
 
 from ..formats import HEAD_DIM
-from .launch import SparseMlaLaunch, launch_args, resolve, workspace
+from .launch import SparseMlaLaunch, resolve, workspace
 from .reference import valid_mask
 
 __all__ = ["two_pass_decode", "seed_plan", "seed_decode", "SeedPlan"]
@@ -56,7 +56,7 @@ def two_pass_decode(q, cache, slots, lengths, *, block_size, sink=None, scale, e
         r += table.numel()
     ws2, table2 = (parts[1], tables[1]) if len(pools) > 1 else (None, None)
     return torch.ops.dsv4ref.sparse_mla_attend_bf16(q, parts[0], tables[0], ws2, table2, sink, float(scale),
-                                                    *launch_args(launch))
+                                                    *launch.op_args())
 
 
 class SeedPlan(NamedTuple):
@@ -106,4 +106,4 @@ def seed_decode(q, cache, slots, lengths, *, block_size, sink=None, scale, extra
                 r += pool_slots.numel()
     launch = resolve(launch, q, plan.table)
     return torch.ops.dsv4ref.sparse_mla_attend_bf16(q, ws, plan.table, None, None, sink, float(scale),
-                                                    *launch_args(launch))
+                                                    *launch.op_args())

@@ -194,7 +194,7 @@ for t, (row, n, what) in enumerate(cases_):
 print("scale is 512^-0.5:", sparse_mla.DEFAULT_SCALE == formats.HEAD_DIM**-0.5)
 o_rule, l_rule, m_rule = by_the_rule(q5, cache1, S.cpu(), L.cpu(), B1, sink, sparse_mla.DEFAULT_SCALE)
 full = torch.full_like(L, S.shape[1])
-for backend in sparse_mla.SUPPORTED:
+for backend in sparse_mla.SUPPORTED_BACKENDS:
     o, l = sparse_mla.decode(q5, cache1, S, L, block_size=B1, sink=sink, backend=backend)
     o_none, l_none = sparse_mla.decode(q5, cache1, S, None, block_size=B1, sink=sink, backend=backend)
     o_full, l_full = sparse_mla.decode(q5, cache1, S, full, block_size=B1, sink=sink, backend=backend)
@@ -218,7 +218,7 @@ cache0 = kv_cache.allocate(4, 16)
 kv_cache.insert(cache0, kv, torch.arange(n_slots, device=DEVICE), block_size=16)
 idx0 = torch.randint(0, n_slots, (2, 16), generator=generator(3), dtype=torch.int32).to(DEVICE)
 len0 = torch.tensor([16, 9], dtype=torch.int32).to(DEVICE)
-for backend in sparse_mla.SUPPORTED:
+for backend in sparse_mla.SUPPORTED_BACKENDS:
     o, _ = sparse_mla.decode(q[:2], cache0, idx0, len0, block_size=16, backend=backend)
     print(f"{backend:>9}: out[..., :448] all zero: {bool((o[..., :448] == 0).all())}; "
           f"out[..., 448:] non-zero entries: {int((o[..., 448:] != 0).sum())} of {o[..., 448:].numel()}")
@@ -266,7 +266,7 @@ plt.show()
 
 # %%
 # The same facts through the library (every backend): sink −inf == no sink, +inf -> 0, sink = lse halves.
-for backend in sparse_mla.SUPPORTED:
+for backend in sparse_mla.SUPPORTED_BACKENDS:
     base, lse0 = sparse_mla.decode(**{**inputs, "sink": None}, backend=backend)
     res = {}
     for name, sk in [("-inf", torch.full((H,), -math.inf)), ("+inf", torch.full((H,), math.inf))]:
@@ -881,7 +881,7 @@ s_bad[1, :] = -1
 l_bad = torch.tensor([0, 16, 9], dtype=torch.int32).to(DEVICE)
 for t in range(T):
     s_bad[t, int(l_bad[t]):] = 0
-for backend in sparse_mla.SUPPORTED:
+for backend in sparse_mla.SUPPORTED_BACKENDS:
     o, l = sparse_mla.decode(q, c_bad, s_bad, l_bad, block_size=b1, sink=sink, backend=backend)
     print(f"{backend:>9}: NaN in out: {bool(torch.isnan(o).any())}; empty rows zero: {bool((o[:2] == 0).all())}; "
           f"their lse: {sorted(set(l[:2].flatten().cpu().tolist()))}; row 2 finite: {bool(torch.isfinite(l[2]).all())}")
@@ -905,7 +905,7 @@ except ValueError as e:
 empty = {**inputs, "q": q_nan, "lengths": torch.zeros_like(lengths),
          "extra_lengths": torch.zeros_like(inputs["extra_lengths"])}  # no token has a valid candidate
 with validate.checking_values(False):
-    for backend in sparse_mla.SUPPORTED:
+    for backend in sparse_mla.SUPPORTED_BACKENDS:
         o, l = sparse_mla.decode(**empty, backend=backend)
         print(f"checks off, {backend:>9}: head (1, 3) out NaN: {bool(o[1, 3].isnan().all())}, lse {float(l[1, 3])}; "
               f"the other rows: out 0 {bool((o[~l.isnan()] == 0).all())}, lse {sorted(set(l[~l.isnan()].tolist()))}")

@@ -17,8 +17,9 @@
 # 6. how to point the conformance suite, and its golden vectors, at **your** kernel.
 #
 # The walk-through with every fact this notebook uses is `docs/decode.md`; the suite of section 6 is
-# `docs/conformance.md`. Code: `dsv4ref/decode/` (`model.py` the decode path, `compressor.py`, `reference.py`
-# the float64 dense reference, `demo.py`) and `dsv4ref/conformance/` (one module of cases per op).
+# `docs/conformance.md`. Code: `dsv4ref/decode/` (`model.py` the decode path, `state.py` its caches, `reference.py`
+# the float64 dense reference, `compare.py` the agreement, `driver.py` `run`), `dsv4ref/compressor/` (the
+# compressor op) and `dsv4ref/conformance/` (one module of cases per op).
 
 # %%
 import dsv4ref  # first: picks the device, sets TRITON_INTERPRET on a CPU-only machine
@@ -34,9 +35,8 @@ import torch
 # %matplotlib inline
 import inspect
 
-from dsv4ref import conformance, decode
+from dsv4ref import compressor, conformance, decode
 from dsv4ref.config import FLASH, TINY
-from dsv4ref.decode import compressor
 from dsv4ref.device import DEVICE, describe
 
 # %%
@@ -98,8 +98,7 @@ print(inspect.getsource(decode.Decoder.attention))
 #
 # ### The compressor
 #
-# The compressed pools are filled by the compressor (the op `dsv4ref.compressor`; `dsv4ref.decode.compressor`
-# is the decode step's compacted view of it, used here): a
+# The compressed pools are filled by the compressor (the op `dsv4ref.compressor`, here its torch reference): a
 # ring of the last coff·r tokens' (kv, score) per request; at a boundary token ((p+1) % r == 0) a
 # **per-channel** softmax over the window's tokens, with overlap on ratio 4 (the older 4 tokens give
 # channels 0..511, the newer 4 give 512..1023), then RMSNorm; the decoder then rounds the row to bf16,
@@ -115,12 +114,12 @@ for r, layer in ((4, 1), (128, 2)):
     state = compressor.allocate_state(1, r, TINY.head_dim)
     got, at = [], []
     for a, b in [(0, 5)] + [(p, p + 1) for p in range(5, 300)]:
-        n = b - a
-        out = compressor.compress(x[a:b], cw, state, torch.zeros(n, dtype=torch.int64, device=DEVICE),
-                                  torch.arange(a, b, device=DEVICE), torch.ones(n, dtype=torch.bool, device=DEVICE),
-                                  ratio=r, eps=TINY.rms_norm_eps)
-        got.append(out.rows)
-        at += out.positions.tolist()
+        n, pos = b - a, torch.arange(a, b, device=DEVICE)
+        rows, done = compressor.compress(x[a:b], cw["wkv"], cw["wgate"], cw["ape"], cw["norm"], state.kv, state.score,
+                                         torch.zeros(n, dtype=torch.int64, device=DEVICE), pos, ratio=r,
+                                         eps=TINY.rms_norm_eps, backend="reference")
+        got.append(rows[done])  # one row per token; done marks the boundary tokens, whose rows are complete
+        at += pos[done].tolist()
     want, _ = decode.reference.compress({k: v.double() for k, v in cw.items()}, r, x.double(), TINY.rms_norm_eps)
     err = float(decode.rel_err(torch.cat(got), want).max())
     print(f"ratio {r:>3}: {len(at)} rows, written at p = {at[:3]} ...; row error vs float64 < 1e-5: {err < 1e-5}")
@@ -140,9 +139,7 @@ for r, layer in ((4, 1), (128, 2)):
 # is `python -m dsv4ref bench compressor`). The heart of it, the window of one boundary token:
 
 # %%
-from dsv4ref import compressor as compressor_op
-
-src = inspect.getsource(compressor_op.kernels.compress_kernel.fn)  # .fn: the Python function under @triton.jit
+src = inspect.getsource(compressor.kernels.compress_kernel.fn)  # .fn: the Python function under @triton.jit
 print(src[src.index("    if boundary:"): src.index("    else:")])
 
 # %% [markdown]
@@ -151,19 +148,19 @@ print(src[src.index("    if boundary:"): src.index("    else:")])
 
 # %%
 for r, dim in ((4, 512), (4, 128), (128, 512)):
-    cw = compressor_op.example_inputs(r, dim=dim, hidden=TINY.hidden_size, seed=r)  # on DEVICE
+    cw = compressor.example_inputs(r, dim=dim, hidden=TINY.hidden_size, seed=r)  # on DEVICE
     xs = x[:130] if r == 128 else x[:17]
-    state = compressor_op.allocate_state(1, r, dim)
+    state = compressor.allocate_state(1, r, dim)
     got, p0 = [], 0
     for n in ((128, 1, 1) if r == 128 else (13, 1, 1, 1, 1)):
         p = torch.arange(p0, p0 + n, device=DEVICE)
-        rows, done = compressor_op.compress(xs[p0:p0 + n], cw["wkv"], cw["wgate"], cw["ape"], cw["norm"], state.kv,
-                                            state.score, torch.zeros(n, dtype=torch.int64, device=DEVICE), p, ratio=r,
-                                            eps=TINY.rms_norm_eps, backend="triton")
+        rows, done = compressor.compress(xs[p0:p0 + n], cw["wkv"], cw["wgate"], cw["ape"], cw["norm"], state.kv,
+                                         state.score, torch.zeros(n, dtype=torch.int64, device=DEVICE), p, ratio=r,
+                                         eps=TINY.rms_norm_eps, backend="triton")
         got.append(rows[done])
         p0 += n
-    want, _ = compressor_op.compress_sequence(xs, cw["wkv"], cw["wgate"], cw["ape"], cw["norm"], ratio=r,
-                                              eps=TINY.rms_norm_eps)
+    want, _ = compressor.compress_sequence(xs, cw["wkv"], cw["wgate"], cw["ape"], cw["norm"], ratio=r,
+                                           eps=TINY.rms_norm_eps)
     rep = decode.rel_err(torch.cat(got), want)
     print(f"ratio {r:>3}, D = {dim}: {want.shape[0]} rows; Triton vs float64 within 2^-14 per row: "
           f"{bool((rep <= 2**-14).all())}")
@@ -187,9 +184,9 @@ dec, w, recs, _ = decode.run(TINY, steps=24, prompt_lens=(133, 37, 5, 70), decod
                              inactive={10: [2], 11: [2]})
 print("requests:", dec.R, " tokens now in the caches:", dec.lengths.tolist(), " capacity per request:", dec.capacity)
 st1 = dec.layers[1]
-print("window cache, layer 0:", tuple(dec.layers[0]["swa"].shape), "uint8  (pages x page bytes)")
-print("compressed cache, layer 1 (r = 4):", tuple(st1["comp"].shape), " indexer K cache:", tuple(st1["idx_cache"].shape))
-print("compressed cache, layer 2 (r = 128):", tuple(dec.layers[2]["comp"].shape))
+print("window cache, layer 0:", tuple(dec.layers[0].swa.shape), "uint8  (pages x page bytes)")
+print("compressed cache, layer 1 (r = 4):", tuple(st1.comp.shape), " indexer K cache:", tuple(st1.idx_cache.shape))
+print("compressed cache, layer 2 (r = 128):", tuple(dec.layers[2].comp.shape))
 print("block table (window) of request 0, first 8 pages:", dec.bt_swa[0, :8].cpu().tolist())
 
 # %% [markdown]
@@ -290,8 +287,8 @@ dec4.prefill([toks[r][:n] for r, n in enumerate((133, 37, 5, 70))])
 ids8, ids4 = topks[0][1], dec4.history()[1][0][1]
 sel = range(4 * K + 3, 133)  # request 0's prompt positions with n_c > K_top
 shared = sum(len(set(ids8[p].tolist()) & set(ids4[p].tolist())) for p in sel) / (K * len(sel))
-print(f"indexer K pool, layer 1: {dec.layers[1]['idx_cache'].shape[1] // TINY.index_page} B/key (FP8), "
-      f"{dec4.layers[1]['idx_cache'].shape[1] // TINY.index_page} B/key (MXFP4)")
+print(f"indexer K pool, layer 1: {dec.layers[1].idx_cache.shape[1] // TINY.index_page} B/key (FP8), "
+      f"{dec4.layers[1].idx_cache.shape[1] // TINY.index_page} B/key (MXFP4)")
 print(f"top-16 ids shared by FP8 and FP4 on the same step, layer 1: {int(shared * 10) / 10} (rounded down to a tenth)")
 print("identical at every position:", all(set(ids8[p].tolist()) == set(ids4[p].tolist()) for p in sel))
 ref4 = decode.reference_forward(fp4, w, toks[0][:133], dec4.history()[1][0])

@@ -13,7 +13,7 @@
 # 4. shows why speculation cannot change greedy output, and checks it token for token.
 #
 # Facts and pitfalls: [`docs/mtp.md`](../docs/mtp.md). Code: `dsv4ref/mtp/` (the draft layer's pieces and
-# `greedy_accept`) and `dsv4ref/decode/model.py` (`Decoder.draft`, `verify`, `speculate`). Everything here runs
+# `greedy_accept`) and `dsv4ref/decode/speculation.py` (`Decoder.draft`, `verify`, `speculate`). Everything here runs
 # the plain-torch backend, so the numbers are the same on every machine.
 
 # %%

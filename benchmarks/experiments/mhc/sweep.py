@@ -84,7 +84,7 @@ def run_op(op: str, launch, T: int, inputs=None, outs=None):
     from dsv4ref.mhc.reference import HC_EPS, POST_MULT, RMS_EPS, SINKHORN_ITERS
 
     res, x, p, c, fs, scale, base, hfs, hscale, hbase = inputs if inputs is not None else _inputs(T)
-    enc = launch.encode()
+    (enc,) = launch.op_args()  # the custom ops' launch: int[]
     if outs is None:
         outs = (torch.empty_like(res), torch.empty_like(p), torch.empty_like(c), torch.empty_like(x))
     new, p2, c2, out = outs

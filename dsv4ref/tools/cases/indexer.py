@@ -160,7 +160,7 @@ def _bench() -> list[BenchCase]:
     The full grid of launch choices: ``benchmarks/experiments/indexer_sweep.py``."""
     T, H, n_c, Bc = (BENCH_SHAPE[k] for k in ("T", "H", "n_c", "Bc"))
     cases = []
-    variants = {"fp8": [("", ix.IndexerLaunch())],
+    variants = {"fp8": [("", ix.default_launch())],
                 "mxfp4": [("", ix.IndexerLaunch(fp4_decode="nibble")),
                           (".f16_blocks", ix.IndexerLaunch(fp4_decode="f16_blocks")),
                           (".f16_blocks.p8", ix.IndexerLaunch(fp4_decode="f16_blocks", logits_pages=8)),

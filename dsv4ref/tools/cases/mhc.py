@@ -7,7 +7,7 @@ import torch
 from ...device import DEVICE, interpreting
 from ...mhc import example_params, example_streams, fused_post_pre, head, post, pre, reference, sinkhorn
 from ...mhc import reference as mhc_reference
-from ...mhc.launch import ONE_PASS_LAG, MhcLaunch, split_fn
+from ...mhc.launch import ONE_PASS_LAG, MhcLaunch, default_launch, split_fn
 from ...mhc.reference import HC_EPS, POST_MULT, RMS_EPS, SINKHORN_ITERS
 from ...testing import compare, generator, randn
 from ..harness import BenchCase, CheckRow, bench, check
@@ -25,7 +25,7 @@ def designs() -> list[tuple[str, MhcLaunch]]:
                                                       chunk_zigzag=False)),
              ("chunked, contiguous copies, zigzag", MhcLaunch(chunked=True, chunk_stream_k=True, chunk_fn_layout=2,
                                                               chunk_zigzag=True))]
-    default = MhcLaunch()
+    default = default_launch()
     return [(n, L) for n, L in rungs if L != default] + [("default", default)]
 
 
@@ -34,7 +34,7 @@ def _check() -> list[CheckRow]:
     rows = []
     # fused == post then pre bit for bit holds for one design: give the separate pre the arithmetic of the fused
     # op's launch (``pre_like_fused``; on a GPU the default itself: there the fused op is post then pre)
-    same = MhcLaunch().pre_like_fused()
+    same = default_launch().pre_like_fused()
     shapes = [(5, 256)] if interpreting() else [(5, 256), (33, 4096), (17, 7168)]
     for T, Hd in shapes:
         res = example_streams(T, Hd, seed=T)
@@ -117,25 +117,25 @@ def _bench() -> list[BenchCase]:
     hfn, hscale, hbase = example_params(Hd, head=True)
     hfs = split_fn(hfn, M, head=True)
 
-    def run_pre(i, launch, src=None):
+    def run_pre(i, launch, src=None):  # launch: MhcLaunch.op_args()
         res, x, p, c, (new, p2, c2, out) = sets[i]
         torch.ops.dsv4ref.mhc_pre(res if src is None else src, fs, scale, base, p2, c2, out, RMS_EPS, HC_EPS,
-                                  POST_MULT, SINKHORN_ITERS, launch)
+                                  POST_MULT, SINKHORN_ITERS, *launch)
 
     def run_post(i):
         res, x, p, c, (new, *_rest) = sets[i]
-        torch.ops.dsv4ref.mhc_post(x, res, p, c, new, base_post)
+        torch.ops.dsv4ref.mhc_post(x, res, p, c, new, *base_post)
 
     def run_fused(i, launch):
         res, x, p, c, (new, p2, c2, out) = sets[i]
         torch.ops.dsv4ref.mhc_fused_post_pre(x, res, p, c, fs, scale, base, new, p2, c2, out, RMS_EPS, HC_EPS,
-                                             POST_MULT, SINKHORN_ITERS, launch)
+                                             POST_MULT, SINKHORN_ITERS, *launch)
 
     def run_head(i, launch):
         res, x, p, c, (new, p2, c2, out) = sets[i]
-        torch.ops.dsv4ref.mhc_head(res, hfs, hscale, hbase, out, RMS_EPS, HC_EPS, launch)
+        torch.ops.dsv4ref.mhc_head(res, hfs, hscale, hbase, out, RMS_EPS, HC_EPS, *launch)
 
-    default = MhcLaunch().encode()
+    default = default_launch().op_args()
     base_post = default
 
     def run_separate(i):
@@ -177,7 +177,7 @@ def _bench() -> list[BenchCase]:
             else:
                 plan = f"BLOCK_T={L.block_t}"
             label = f"{kind.replace('_', '-')} (default)" if design == "default" else design
-            enc = L.encode()
+            enc = L.op_args()
             try:  # a design that does not run here is reported, not fatal: the other rows still run
                 runner(0, enc)
             except Exception as e:
@@ -185,7 +185,7 @@ def _bench() -> list[BenchCase]:
                 continue
             case = BenchCase(f"{name} {label}", f"{shape} {plan}", lambda i, r=runner, e=enc: r(i, e), n_sets, b, f,
                              note)
-            if L == MhcLaunch():  # the torch reference under torch.compile, beside the default
+            if L == default_launch():  # the torch reference under torch.compile, beside the default
                 case.reference = refs[op]
             cases.append(case)
     return cases

@@ -15,7 +15,6 @@ from ... import moe, validate
 from ...device import DEVICE
 from ...formats import STAGE_BLOCK
 from ...moe import reference
-from ...moe.launch import experts_op_args, stage_op_args
 from ...testing import compare, generator, randn
 from ..harness import BenchCase, CheckRow, bench, check, same_size_copy_case
 
@@ -155,7 +154,7 @@ def _bench_stage() -> list[BenchCase]:
     launch = moe.default_launch(T, K, 256)
 
     def run(i):
-        torch.ops.dsv4ref.moe_stage(*sets[i], *stage_op_args(launch))
+        torch.ops.dsv4ref.moe_stage(*sets[i], *launch.op_args("moe_stage"))
 
     return [BenchCase("moe.stage", f"T={T} Hd={Hd} K={K}", run, n_sets, stage_bytes(T, Hd, K),
                       note="x 2 B + fp8 1 B + scales 1/32 B per value; ids/weights in and out")] + \
@@ -201,7 +200,7 @@ def _bench_experts() -> list[BenchCase]:
         def run(i, st=sets, launch=launch):  # the custom op itself: no argument checks (they sync), graph-capturable
             x, q, sf, ids, w, out = st[i]
             torch.ops.dsv4ref.moe_experts(x, q.view(torch.uint8), sf, ids, w, w13, w2, sw13, sw2, out, s.swiglu_limit,
-                                          *experts_op_args(launch))
+                                          *launch.op_args("moe_experts"))
 
         def eager(i, st=sets):
             x, q, sf, ids, w, _ = st[i]

@@ -1,7 +1,11 @@
-"""The decode step's configuration check and its random weights.
+"""The decode step's configuration check and the random weights of the whole stack, the MTP draft layer's included.
 
-Shared by the decode path (:mod:`.model`) and the float64 dense reference (:mod:`.reference`): both
-read the same weight dict, so they must agree on its keys and shapes, and on nothing else.
+One module for both consumers of the weight dict: :mod:`dsv4ref.decode` (the decode path and its float64
+dense reference read the same dict, so they must agree on its keys and shapes, and on nothing else) and
+:mod:`dsv4ref.mtp` (the draft layer's own weights are one more block drawn like the target's). Neither
+package imports the other for its weights; both import this module. The public names stay where a reader
+looks for them: :func:`dsv4ref.decode.make_weights` (the whole stack) and :func:`dsv4ref.mtp.make_weights`
+(:func:`mtp_weights`, the draft layer alone).
 
 The weights are random (seeded, drawn on the CPU with :func:`dsv4ref.testing.generator`, so every
 machine gets the same numbers), with the usual 1/sqrt(fan_in) scales. The KV and compressor norm
@@ -15,13 +19,13 @@ import math
 
 import torch
 
-from .. import validate
-from ..config import TINY, Config
-from ..device import DEVICE, HOST
-from ..testing import generator
+from . import validate
+from .config import TINY, Config
+from .device import DEVICE, HOST
+from .testing import generator
 
-__all__ = ["check_config", "check_weights", "layer_ratio", "make_weights", "block_weights", "moe_weights", "Draw",
-           "weights_to"]
+__all__ = ["check_config", "check_weights", "layer_ratio", "make_weights", "block_weights", "moe_weights",
+           "mtp_weights", "Draw", "weights_to"]
 
 # the Config fields the decode step reads as sizes: ints (not bool / float), >= 1 (the two counts: >= 0)
 _INT_FIELDS = ("vocab_size", "hidden_size", "num_layers", "num_heads", "head_dim", "rope_dim", "q_lora_rank",
@@ -94,7 +98,8 @@ def make_weights(cfg: Config = TINY, seed: int = 0, device=None) -> dict:
     None, ``w13`` (E, 2I, Hd), ``w2`` (E, Hd, I), ``shared_w13`` (2I, Hd), ``shared_w2`` (Hd, I)); ratio > 1:
     ``comp`` (the compressor: wkv, wgate, ape, norm); ratio 4: ``idx_comp``, ``idx_wq_b``, ``idx_weights``);
     ``hc_head``; ``final_norm``; ``lm_head`` (V, Hd); and, when ``cfg.num_nextn_predict_layers`` is 1,
-    ``mtp`` (:func:`dsv4ref.mtp.make_weights`: the draft layer's own parameters and its SWA-only block;
+    ``mtp`` (:func:`mtp_weights`, public as :func:`dsv4ref.mtp.make_weights`: the draft layer's own parameters
+    and its SWA-only block;
     it has no embedding or LM head of its own, the draft layer uses ``embed`` and ``lm_head``).
     Linear weights are bf16 ``[out, in]`` with std 1/sqrt(in); norms, mHC parameters, sinks and
     compressor position biases are fp32. The MoE weights of layer l come from their own generator (seed
@@ -112,8 +117,6 @@ def make_weights(cfg: Config = TINY, seed: int = 0, device=None) -> dict:
         lm_head=draw.lin(cfg.vocab_size, cfg.hidden_size),
     )
     if cfg.num_nextn_predict_layers:
-        from ..mtp import make_weights as mtp_weights  # (mtp imports this module)
-
         w["mtp"] = mtp_weights(cfg, w, seed + 2000)
     return weights_to(w, device or DEVICE)
 
@@ -201,6 +204,38 @@ def moe_weights(cfg: Config, g: torch.Generator, *, hash_layer: bool) -> dict:
     )
 
 
+def mtp_weights(cfg: Config, target_weights: dict, seed: int) -> dict:
+    """The draft layer's own weights for ``cfg`` (one SWA-only block at layer index ``cfg.num_layers``), as
+    :func:`make_weights` stores them under ``"mtp"``; drawn on the CPU. Public as :func:`dsv4ref.mtp.make_weights`.
+
+    Returns dict(``e_proj``, ``h_proj`` ``[Hd, Hd]`` bf16, ``enorm``, ``hnorm``, ``norm`` ``[Hd]`` fp32,
+    ``hc_head`` {fn ``[M, M·Hd]``, scale ``[1]``, base ``[M]``}, ``block``: a layer dict of ratio 0 with a
+    non-hash MoE). No embedding and no LM head: the draft layer uses the target's.
+
+    A trained MTP approximates "the target's next token after tok_{q+1}". These random ones are built to
+    do the same for the random target, whose residual stream is dominated by the current token's embedding
+    (its sub-layer updates are small): ``e_proj`` = the identity, ``h_proj`` small, ``norm`` and ``hc_head``
+    the target's own ``final_norm`` and ``hc_head`` perturbed by 10 % (they stay the MTP's OWN parameters,
+    different from the target's). ``target_weights``: the target's weight dict (read for those two)."""
+    validate.integer(seed, "seed", lo=0)
+    g = generator(seed)
+    draw = Draw(g)
+    Hd = cfg.hidden_size
+    hc = target_weights["hc_head"]
+
+    def jitter(t):
+        return t * (1.0 + 0.1 * torch.randn(t.shape, generator=g, device=HOST))
+
+    return dict(
+        e_proj=torch.eye(Hd, device=HOST).to(torch.bfloat16),
+        h_proj=draw.lin(Hd, Hd, scale=0.1),
+        enorm=draw.norm_w(Hd), hnorm=draw.norm_w(Hd),
+        norm=jitter(target_weights["final_norm"].float().cpu()),
+        hc_head={k: jitter(v.float().cpu()) for k, v in hc.items()},
+        block=block_weights(cfg, draw, 0, cfg.num_layers, seed),
+    )
+
+
 def weights_to(obj, device, dtype: torch.dtype | None = None):
     """A copy of a (nested dict / list of) weights with every tensor moved to ``device`` (and, if
     ``dtype`` is given, every floating-point tensor converted to it). Non-tensors are returned as they are."""
@@ -244,7 +279,7 @@ def _compare(got, want, path: str, device: torch.device) -> None:
                              "(weights of another config?)")
         if not _same_device(got.device, device):
             raise ValueError(f"{path}: on {got.device}, the Decoder runs on {device}; move the weights there first "
-                             "(dsv4ref.decode.weights.weights_to(weights, device)) or make them there "
+                             "(dsv4ref.decode.weights_to(weights, device)) or make them there "
                              "(make_weights(cfg, seed, device))")
     elif isinstance(want, dict):
         if not isinstance(got, dict):
