@@ -1,14 +1,15 @@
 """CPU-only compile check of the Hopper Gluon sparse-MLA kernels (dsv4ref.sparse_mla.gluon): no GPU needed.
 
-    PYTHONPATH=<a Triton with Gluon>:. python benchmarks/gluon_compile_check.py [NAME ...]
+    PYTHONPATH=<a Triton with Gluon>:. python benchmarks/gluon_compile_check.py [--defaults | NAME ...]
 
-Compiles every variant of benchmarks/experiments/sparse_mla_gluon.py for sm_90a (``GPUTarget("cuda", 90, 32)``) with the
-constexpr configurations the benchmark's three shapes launch (two pools with lengths, a sink; SPLITS 2 for
-H 64 K 640 and H 16 K 2048, SPLITS 1 for H 128 K 1152), then runs the bundled ``ptxas -v`` on the PTX and
-prints, per variant and configuration: ok / FAILED (the error's first lines), registers per thread,
-spill stores / loads (bytes) and shared memory. Arguments: only the variants whose names contain one of
-them. A warp-specialised kernel's register figure is ptxas's allocation for the whole kernel; the
-partitions' budgets are set at run time (setmaxnreg), so the spill figure is the one to watch.
+Compiles the kernels of dsv4ref.sparse_mla.gluon for sm_90a (``GPUTarget("cuda", 90, 32)``) with the
+constexpr configurations the benchmark's three shapes launch (two pools with lengths, a sink), then runs the
+bundled ``ptxas -v`` on the PTX and prints, per kernel and configuration: ok / FAILED (the error's first
+lines), registers per thread, spill stores / loads (bytes) and shared memory. ``--defaults``: the kernel
+``default_launch`` picks at each bench shape, with its list splits (on the H200's 132 SMs); otherwise every
+kernel of :data:`KERNELS` at SPLITS 2 and 1, or only those whose names contain one of the arguments. A
+warp-specialised kernel's register figure is ptxas's allocation for the whole kernel; the partitions'
+budgets are set at run time (setmaxnreg), so the spill figure is the one to watch.
 """
 
 from __future__ import annotations
@@ -20,7 +21,6 @@ import sys
 import tempfile
 import time
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "experiments"))  # sparse_mla_gluon
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from aot import BIN, PTXAS  # noqa: E402  (first: Triton imported with the interpreter off; the repo on the path)
 
@@ -28,13 +28,13 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 
 from dsv4ref.sparse_mla import gluon as G  # noqa: E402
-
-# the variants the GPU benchmark times (kept in one place: benchmarks/experiments/sparse_mla_gluon.py imports none of
-# the CUDA runtime at import time, so its VARIANTS / DIAGS tables are importable here)
-from sparse_mla_gluon import DIAGS, VARIANTS  # noqa: E402
+from dsv4ref.sparse_mla.gluon.launch import kernel_constexprs  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)
-CONFIGS = {"SPLITS=2 (H 64 K 640, H 16 K 2048)": 2, "SPLITS=1 (H 128 K 1152)": 1}
+CONFIGS = {"SPLITS=2": 2, "SPLITS=1": 1}
+# every kernel the launcher can run (GluonLaunch.kernel), by the name this script prints
+KERNELS = {"ws (64-row, the default for H > 16)": "ws", "narrow (the default for H <= 16)": "narrow",
+           "plain (notebook 04's rung a)": "plain"}
 
 # runtime argument types of the decode kernels, in order (pointers 16-byte divisible, as at launch)
 _PTR = {"q_ptr": "*bf16", "sink_ptr": "*fp32", "out_ptr": "*bf16", "lse_ptr": "*fp32", "po_ptr": "*fp32",
@@ -79,19 +79,16 @@ def _ptxas_stats(ptx: str, cubin: bytes) -> str:
             f"partitions (regs touched/STL+LDL[/wgmma waits:wgmma]): {', '.join(parts) or '-'}")
 
 
-def compile_variant(flags: dict, splits: int, H: int | None = None):
-    """Compile the kernel the launcher would pick for these flags at H heads (None: the narrow kernel's H
-    when the flags pick it, else 64); returns the CompiledKernel."""
+def compile_launch(launch: G.GluonLaunch):
+    """Compile the kernel ``launch`` runs (two pools with lengths, a sink); returns the CompiledKernel."""
     kern = G._kernels()
     if kern is None:
         raise RuntimeError(f"Gluon unavailable: {G._IMPORT_ERROR!r}")
-    fl = dict(G.VARIANT, **flags)
-    if H is None:
-        H = G.NARROW_H if fl.get("NARROW") else G.BLOCK_H
-    fn, const = G._kernel_and_flags(kern, fl, H)
+    fn = kern[launch.kernel]
+    const = kernel_constexprs(launch.kernel)
     num_warps = const.pop("num_warps")
-    const = dict(const, HAS_LEN1=True, HAS_POOL2=True, HAS_LEN2=True, HAS_SINK=True, SPLITS=splits,
-                 BH=G.block_h(fl, H), BN=G.BLOCK_N)
+    const = dict(const, HAS_LEN1=True, HAS_POOL2=True, HAS_LEN2=True, HAS_SINK=True, SPLITS=launch.num_splits,
+                 BH=launch.block_h, BN=G.BLOCK_N)
     sig, attrs = {}, {}
     for i, name in enumerate(fn.arg_names):
         if name in const:
@@ -102,9 +99,6 @@ def compile_variant(flags: dict, splits: int, H: int | None = None):
             sig[name] = "i32"
         elif name == "qk_scale":
             sig[name] = "fp32"
-        elif fn.params[i].is_constexpr:  # a defaulted constexpr the flags leave alone
-            sig[name] = "constexpr"
-            const[name] = fn.params[i].default
         else:
             raise KeyError(f"no type for argument {name!r}")
         if name in _DIV16:
@@ -116,29 +110,30 @@ def compile_variant(flags: dict, splits: int, H: int | None = None):
     return triton.compile(src, target=TARGET, options={"num_warps": num_warps})
 
 
-# --defaults: the kernels decode_gluon launches by default at the bench shapes (H, list splits)
+# --defaults: the kernels decode_gluon launches by default at the bench shapes (T 64, the H200's 132 SMs)
 SMEM_LIMIT = 232448  # bytes of shared memory one Hopper CTA may use (227 KB): more and the launch fails
-DEFAULT_SHAPES = {"H 64 K 640 (SPLITS=2)": (64, 2), "H 128 K 1152 (SPLITS=1)": (128, 1), "H 16 K 2048 (SPLITS=2)": (16, 2)}
+BENCH_SHAPES = ((64, 64, 640), (64, 128, 1152), (64, 16, 2048))
 
 
 def main(argv):
     print(f"triton {triton.__version__}, target sm_90a, ptxas {PTXAS}", flush=True)
     if argv == ["--defaults"]:  # the defaults at each bench shape (tests/test_gluon_compile.py runs this)
-        jobs = [("default", {}, cname, splits, H) for cname, (H, splits) in DEFAULT_SHAPES.items()]
+        jobs = []
+        for T, H, K in BENCH_SHAPES:
+            launch = G.launch_for_sms(T, H, K, 132)
+            jobs.append((f"default {launch.kernel}", launch, f"H {H} K {K} (SPLITS={launch.num_splits})"))
     else:
-        table = dict(VARIANTS)
-        table.update(DIAGS)
-        if argv:
-            table = {k: v for k, v in table.items() if any(a in k for a in argv)}
-        jobs = [(name, flags, cname, splits, None) for name, flags in table.items() for cname, splits in CONFIGS.items()]
+        table = {k: v for k, v in KERNELS.items() if not argv or any(a in k for a in argv)}
+        jobs = [(name, G.GluonLaunch(kernel, splits), cname) for name, kernel in table.items()
+                for cname, splits in CONFIGS.items()]
     bad = 0
-    for name, flags, cname, splits, H in jobs:
+    for name, launch, cname in jobs:
         t0 = time.time()
         try:
-            ck = compile_variant(flags, splits, H)
+            ck = compile_launch(launch)
             shared = ck.metadata.shared
             stats = _ptxas_stats(ck.asm["ptx"], ck.asm["cubin"])
-            over = shared > SMEM_LIMIT and not flags.get("DIAG")
+            over = shared > SMEM_LIMIT
             bad += over
             print(f"{name:<34} {cname:<34} {'OVER' if over else 'ok':<7} {stats}  shared {shared} B"
                   f"{f' > {SMEM_LIMIT}' if over else ''}  ({time.time() - t0:.0f} s)", flush=True)

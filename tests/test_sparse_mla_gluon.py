@@ -7,6 +7,7 @@ inside the prefixes, empty rows, ±inf sinks, two pools with different page size
 splits (flash-decoding) on and off.
 """
 
+import dataclasses
 import math
 
 import pytest
@@ -49,7 +50,17 @@ def oracle(q, pools, sink, scale):
     return out, lse, out.mass
 
 
-def run(q, pools, sink=None, scale=SCALE, num_splits=None, variant=None):
+def launch_with(q, pools, num_splits=None, kernel=None):
+    """The default launch for these inputs with the given fields replaced (None: the default itself)."""
+    if num_splits is None and kernel is None:
+        return None
+    T, H, _ = q.shape
+    launch = G.default_launch(T, H, sum(p[1].shape[1] for p in pools), q.device)
+    return dataclasses.replace(launch, **{k: v for k, v in dict(num_splits=num_splits, kernel=kernel).items()
+                                          if v is not None})
+
+
+def run(q, pools, sink=None, scale=SCALE, num_splits=None, kernel=None):
     (c1, i1, l1, b1), *rest = pools
     kw = {}
     if rest:
@@ -61,8 +72,8 @@ def run(q, pools, sink=None, scale=SCALE, num_splits=None, variant=None):
     junk = (torch.full((T, H, 512), float("nan"), dtype=torch.bfloat16, device=q.device),
             torch.full((T, H), float("nan"), device=q.device))
     del junk
-    return G.decode_gluon(q, c1, i1, l1, block_size=b1, sink=sink, scale=scale, num_splits=num_splits,
-                          variant=variant, **kw)
+    return G.decode_gluon(q, c1, i1, l1, block_size=b1, sink=sink, scale=scale,
+                          launch=launch_with(q, pools, num_splits, kernel), **kw)
 
 
 def check(out, lse, ref, name):
@@ -86,27 +97,12 @@ def test_two_pools_with_sink(splits):
     assert float(ref[0].abs().max()) > 0.1
 
 
-# kernel variants other than the default (gluon.VARIANT flags; benchmarks/experiments/sparse_mla_gluon.py times them)
-VARIANTS = {
-    "packed producer, overlapped QK": dict(WS=True, PRODUCER_REGS=104, PACKED=1, OVERLAP=True, ROLES=0),
-    "double-buffered packed producer": dict(WS=True, PRODUCER_REGS=152, PACKED=2, ROLES=0),
-    "cp.async-staged producer": dict(WS=True, PRODUCER_REGS=120, PACKED=4, ROLES=0),
-    "k-split consumers": dict(WS=True, PRODUCER_REGS=96, PACKED=1, KSPLIT=1, ROLES=0),
-    "k-split consumers, score halves": dict(WS=True, PRODUCER_REGS=96, PACKED=1, KSPLIT=2, ROLES=0),
-    "column-split consumers": dict(WS=True, PRODUCER_REGS=104, PACKED=1, ROLES=0),
-    "role-split consumers, overlapped QK": dict(WS=True, PRODUCER_REGS=104, PACKED=1, ROLES=1, OVERLAP=True),
-    # H <= 16 only (other H run the default kernel): heads as the MMAs' N, two producer warpgroups
-    "narrow heads, 2 stages": dict(NARROW=1, NARROW_NS=2),
-    "narrow heads, 3 stages": dict(NARROW=1, NARROW_NS=3),
-    "64-row kernel at every H": dict(NARROW=0),
-    "role-split consumers, output through shared memory": dict(OSMEM=1),
-}
-for _name, _flags in VARIANTS.items():  # each row means the same kernel whatever VARIANT's defaults
-    for _k in ("NARROW", "OSMEM", "LAZY_SCAN"):
-        _flags.setdefault(_k, 0)
+# the kernels other than the default at some H (GluonLaunch.kernel): the 64-row kernel at H <= 16 too (where
+# the narrow one is the default), and the plain kernel (notebook 04's rung "a"; byte-wise dequantisation)
+KERNELS = {"64-row kernel at every H": "ws", "plain kernel": "plain"}
 
 
-@pytest.mark.parametrize("name", ["default", "column-split consumers", "64-row kernel at every H"])
+@pytest.mark.parametrize("name", ["default", *KERNELS])
 def test_every_e4m3_code_and_scale_byte(name):
     """Each token attends to one row, with q = 0, so its output is that row's dequantised values (p = 1, l = 1)
     bit for bit: rows cover all 254 finite e4m3 codes (both zeros and the subnormals included) under scale
@@ -139,8 +135,8 @@ def test_every_e4m3_code_and_scale_byte(name):
     lengths = torch.ones(n, dtype=torch.int32, device=DEVICE)
     q = torch.zeros(n, 16, 512, dtype=torch.bfloat16, device=DEVICE)
     rows = kv_cache.gather(cache, slots.view(-1), block_size=bs, backend="reference")  # [n, 512] bf16
-    out, lse = G.decode_gluon(q, cache, slots, lengths, block_size=bs, scale=SCALE,
-                              variant=None if name == "default" else VARIANTS[name])
+    launch = None if name == "default" else G.GluonLaunch(KERNELS[name])  # one list split, as the default here
+    out, lse = G.decode_gluon(q, cache, slots, lengths, block_size=bs, scale=SCALE, launch=launch)
     bad = torch.zeros(n, dtype=torch.bool)
     bad[nan_code_rows] = True
     bad[nan_scale_rows] = True
@@ -162,17 +158,17 @@ def test_every_e4m3_code_and_scale_byte(name):
     assert bool((lse[good] == 0).all())
 
 
-@pytest.mark.parametrize("name", sorted(VARIANTS))
-def test_variants(name):
-    """Every variant on the adversarial two-pool case (holes, poisoned slots, an all-masked first chunk,
-    empty rows), H 16 / 64 / 128, with and without the list split."""
+@pytest.mark.parametrize("name", sorted(KERNELS))
+def test_kernels(name):
+    """Every kernel other than the default on the adversarial two-pool case (holes, poisoned slots, an
+    all-masked first chunk, empty rows), H 16 / 64 / 128, with and without the list split."""
     for H in (16, 64, 128):
         q, pools = setup(T=4, H=H, K1=140, K2=70, lengths1=[140, 5, 100, 0], lengths2=[70, 69, 0, 0], seed=H)
         pools[0][1][2, :64] = -1
         sink = torch.linspace(-2.0, 6.0, H).to(DEVICE)
         ref = oracle(q, pools, sink, SCALE)
         for splits in (1, 2):
-            out, lse = run(q, pools, sink, num_splits=splits, variant=VARIANTS[name])
+            out, lse = run(q, pools, sink, num_splits=splits, kernel=KERNELS[name])
             check(out, lse, ref, f"{name} H={H} splits={splits}")
             assert bool((lse[3] == -math.inf).all()) and not bool(out[3].any()), "an empty row: out 0, lse -inf"
 
@@ -186,10 +182,10 @@ def test_heads(H):
     sink = randn((H,), seed=5, dtype=torch.float32, octaves=0) * 2
     scale = 512 ** -0.55
     ref = oracle(q, pools, sink, scale)
-    for variant in (None, VARIANTS["64-row kernel at every H"]) if H <= G.NARROW_H else (None,):
+    for kernel in (None, "ws") if H <= G.NARROW_H else (None,):
         for splits in (1, 2, 4):
-            check(*run(q, pools, sink, scale, num_splits=splits, variant=variant), ref,
-                  f"H={H} splits={splits} variant={variant}")
+            check(*run(q, pools, sink, scale, num_splits=splits, kernel=kernel), ref,
+                  f"H={H} splits={splits} kernel={kernel}")
 
 
 @pytest.mark.parametrize("splits", [1, 2])
@@ -263,12 +259,9 @@ def test_matches_the_portable_kernel():
     check(*b, ref, "gluon")
 
 
-_EAGER_SCAN = dict(NARROW=0, OSMEM=0, LAZY_SCAN=0)  # the 64-row kernel with the query scanned first
-
-
-@pytest.mark.parametrize("splits,flags", [(1, _EAGER_SCAN), (2, _EAGER_SCAN), (1, dict(NARROW=1)), (2, dict(NARROW=1)),
-                                          (1, dict(NARROW=0)), (2, dict(NARROW=0))])  # H 16: every kernel
-def test_non_finite_rows_follow_the_contract(splits, flags):
+@pytest.mark.parametrize("kernel", ["narrow", "ws", "plain"])  # H 16: every kernel
+@pytest.mark.parametrize("splits", [1, 2])
+def test_non_finite_rows_follow_the_contract(splits, kernel):
     """Value checks off (docs/contract.md): a listed row whose scale byte is 255 (E8M0's NaN) or a query with
     a NaN or ±inf makes that token's attention rows NaN, out and lse, as the reference does; never the empty-row
     answer (out 0, lse −inf), even for a row with no entry (only a scan of the query can see it there); the
@@ -289,7 +282,7 @@ def test_non_finite_rows_follow_the_contract(splits, flags):
     q[3, 7, 9] = -float("inf")  # token 3 (no entry), head 7: no score at all; only the query scan sees it
     with checking_values(False):
         want_out, want_lse = sparse_mla.decode(q, c1, i1, l1, block_size=bs, backend="reference")
-        out, lse = run(q, pools, num_splits=splits, variant=flags)
+        out, lse = run(q, pools, num_splits=splits, kernel=kernel)
     nan_rows = torch.isnan(want_lse)
     assert nan_rows[1].all() and nan_rows[2, 5] and nan_rows[2, 9] and not nan_rows[0].any()
     assert nan_rows[3].nonzero().flatten().tolist() == [7]

@@ -3,7 +3,7 @@
     ncu --kernel-name regex:_ws_kernel --launch-skip 3 --launch-count 1 --section SpeedOfLight \\
         --section WarpStateStats --section SchedulerStats python3 benchmarks/experiments/gluon_profile.py [H K SPLITS]
 
-Default shape: T 64, H 64, K 640 (the bench's first), the default variant and split. Prints nothing but a
+Default shape: T 64, H 64, K 640 (the bench's first), the default launch (or the given list splits). Prints nothing but a
 line per call; the profiler's report is what this is for (which unit is busy, what the warps wait on).
 """
 

@@ -3,7 +3,8 @@ with the portable fused Triton kernel timed on the same inputs (not a test; prin
 
     PYTHONPATH=. python3 benchmarks/experiments/sparse_mla_gluon.py [--quick]
 
-1. Correctness first: every kernel variant against the fp32 torch reference on a small two-pool case
+1. Correctness first: every kernel (``GluonLaunch.kernel``: the default for the shape, the 64-row kernel at
+   H 16, the plain kernel) at list splits 1 and 2 against the fp32 torch reference on a small two-pool case
    (tolerance "bf16_weighted_sum").
 2. Ceilings measured in this run (device-to-device copy, bf16 matmul: dsv4ref.tools.harness).
 3. The issue's three shapes (T 64: H 64 K 640; H 128 K 1152; H 16 K 2048; a window pool of 128 slots plus
@@ -13,13 +14,14 @@ with the portable fused Triton kernel timed on the same inputs (not a test; prin
    FLOP: 2·H·K·(512 + 512) with the real H.
 4. A summary table (default split) of every kernel at the three shapes.
 
-A variant that does not compile or fails a check is reported and left out of the timing (its diagnostics
-too). The round-2 variants (PACKED / KSPLIT flags; "cpasync" is PACKED 4) are timed at the default split only; their register
-and spill figures come from benchmarks/gluon_compile_check.py, which needs no GPU.
+A kernel that does not compile or fails a check is reported and left out of the timing. Its register and
+spill figures come from benchmarks/gluon_compile_check.py, which needs no GPU. The variants and timing
+diagnostics measured in earlier runs of this script (benchmarks/sparse_mla.md) are in git history.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import sys
@@ -37,76 +39,17 @@ from dsv4ref.tools.harness import measure_ceilings, time_ms  # noqa: E402
 
 SHAPES = ((64, 64, 640), (64, 128, 1152), (64, 16, 2048))
 L2_BYTES = 60e6
-VARIANTS = {  # dsv4ref.sparse_mla.gluon.VARIANT flags, over the default (PACKED=1, ROLES=1: the rows of earlier
-    # sessions say PACKED=0 / ROLES=0 where they differ)
-    "gluon v1 (no ws) psmem": dict(WS=False, PIPE=False, P_SMEM=True),
-    "gluon ws": dict(WS=True, OVERLAP=False, PRODUCER_REGS=144, DEEP=False, PACKED=0, ROLES=0),
-    "gluon ws deep": dict(WS=True, OVERLAP=False, PRODUCER_REGS=144, DEEP=True, PACKED=0, ROLES=0),
-    "gluon ws deep overlap": dict(WS=True, OVERLAP=True, PRODUCER_REGS=144, DEEP=True, PACKED=0, ROLES=0),
-    # 2026-11-30 round 2 (designs in gluon.py's docstring; register figures: benchmarks/gluon_compile_check.py)
-    "gluon ws packed1": dict(WS=True, OVERLAP=False, PRODUCER_REGS=104, PACKED=1, ROLES=0),
-    "gluon ws packed1 overlap": dict(WS=True, OVERLAP=True, PRODUCER_REGS=104, PACKED=1, ROLES=0),
-    "gluon ws cpasync": dict(WS=True, OVERLAP=False, PRODUCER_REGS=120, PACKED=4, ROLES=0),
-    "gluon ws cpasync overlap": dict(WS=True, OVERLAP=True, PRODUCER_REGS=120, PACKED=4, ROLES=0),
-    "gluon ws ksplit packed1": dict(WS=True, OVERLAP=False, PRODUCER_REGS=96, PACKED=1, KSPLIT=1, ROLES=0),
-    # session 5: role-split consumers (a scorer warpgroup with n = 64 QKᵀ and in-warpgroup softmax, a P·V one)
-    "gluon ws roles packed1": dict(WS=True, OVERLAP=False, PRODUCER_REGS=104, PACKED=1, ROLES=1, PV_REGS=160, QLATE=0),
-    "gluon ws roles packed1 overlap": dict(WS=True, OVERLAP=True, PRODUCER_REGS=104, PACKED=1, ROLES=1, PV_REGS=160,
-                                           QLATE=0),
-    # session 6: the query loaded by the scorer partition (the new default; the row above is session 5's)
-    "gluon roles qlate": dict(WS=True, OVERLAP=False, PRODUCER_REGS=104, PACKED=1, ROLES=1, PV_REGS=160, QLATE=1),
-    # session 8: H <= 16 on the narrow kernel (heads as the wgmma N, two producer warpgroups); other H as above
-    "gluon narrow": dict(NARROW=1, NARROW_NS=2, NARROW_REGS=184),
-    "gluon narrow ns3": dict(NARROW=1, NARROW_NS=3, NARROW_REGS=184),
-    # the bf16 output through a free K stage, stored as whole 16-byte vectors along each row (split 1 only)
-    "gluon roles osmem": dict(WS=True, OVERLAP=False, PRODUCER_REGS=104, PACKED=1, ROLES=1, PV_REGS=160, QLATE=1,
-                              OSMEM=1),
-    # and the query's NaN scan after the loop, only for a head with nothing counted
-    "gluon roles osmem lazy": dict(WS=True, OVERLAP=False, PRODUCER_REGS=104, PACKED=1, ROLES=1, PV_REGS=160, QLATE=1,
-                                   OSMEM=1, LAZY_SCAN=1),
+# what is timed, by name: GluonLaunch.kernel, None = the default launch's kernel for the shape
+KERNELS = {
+    "gluon default": None,
+    "gluon 64-row kernel": "ws",  # the default for H > 16: timed only at H 16, beside the narrow one
+    "gluon plain (rung a)": "plain",  # no warp specialisation: notebook 04's rung "a"
 }
-for _name, _flags in VARIANTS.items():  # the rows before session 8 keep their meaning (NARROW, OSMEM, LAZY_SCAN on)
-    for _k in ("NARROW", "OSMEM", "LAZY_SCAN"):
-        _flags.setdefault(_k, 0)
-NEW = {k for k in VARIANTS if "packed" in k or "cpasync" in k or "roles" in k or "narrow" in k}  # timed at the default split only (keeps the run short)
-# timing diagnostics (wrong results, never checked): DIAG 1 = the producer loads nothing (MMA + softmax +
-# dequant ALU only); DIAG 2 = the consumer runs no MMA (gather + dequant only)
-DIAGS = {
-    "diag: no row loads": dict(WS=True, OVERLAP=False, PRODUCER_REGS=144, DEEP=True, DIAG=1, PACKED=0, ROLES=0),
-    "diag: no MMA/softmax": dict(WS=True, OVERLAP=False, PRODUCER_REGS=144, DEEP=True, DIAG=2, PACKED=0, ROLES=0),
-    "diag ksplit: no row loads": dict(VARIANTS["gluon ws ksplit packed1"], DIAG=1),
-    "diag cpasync: no MMA/softmax": dict(VARIANTS["gluon ws cpasync"], DIAG=2),
-    # DIAG 3 = neither: what is left is the fixed cost (launch, Q to shared memory, the epilogue's stores,
-    # the split merge); timed at every split count below, like the variants of SPLIT_SWEEP
-    "diag cpasync: fixed cost only": dict(VARIANTS["gluon ws cpasync"], DIAG=3),
-    "diag roles: no row loads": dict(VARIANTS["gluon ws roles packed1"], DIAG=1),
-    "diag roles: no MMA/softmax": dict(VARIANTS["gluon ws roles packed1"], DIAG=2),
-    "diag roles: fixed cost only": dict(VARIANTS["gluon ws roles packed1"], DIAG=3),
-    # DIAG 4 = no chunk at all: launch, Q prologue, barrier setup, the epilogue and the split merge
-    "diag roles: no chunks": dict(VARIANTS["gluon ws roles packed1"], DIAG=4),
-    "diag qlate: no chunks": dict(VARIANTS["gluon roles qlate"], DIAG=4),
-    # the narrow kernel's halves (at H 64 / 128 these rows are the default kernel's)
-    "diag narrow: no row loads": dict(VARIANTS["gluon narrow"], DIAG=1),
-    "diag narrow: no MMA/softmax": dict(VARIANTS["gluon narrow"], DIAG=2),
-    "diag narrow: no chunks": dict(VARIANTS["gluon narrow"], DIAG=4),
-    # DIAG 5 = no chunks and no query load; 6 = and no epilogue stores: what is left is launch and setup
-    "diag qlate: no chunks, no query": dict(VARIANTS["gluon roles qlate"], DIAG=5),
-    "diag qlate: no chunks, no query, no stores": dict(VARIANTS["gluon roles qlate"], DIAG=6),
-    "diag narrow: no chunks, no query": dict(VARIANTS["gluon narrow"], DIAG=5),
-    "diag narrow: no chunks, no query, no stores": dict(VARIANTS["gluon narrow"], DIAG=6),
-}
-for _name, _flags in DIAGS.items():
-    for _k in ("NARROW", "OSMEM", "LAZY_SCAN"):
-        _flags.setdefault(_k, 0)
-SPLIT_SWEEP = {"gluon ws cpasync", "gluon ws packed1", "diag cpasync: fixed cost only",  # timed at splits 1, 2, 4
-               "gluon ws roles packed1", "diag roles: fixed cost only", "diag roles: no chunks", "gluon narrow"}
+SPLIT_SWEEP = {"gluon default"}  # also timed at splits 1, 2 and 4
 
-
-if os.environ.get("GLUON_BENCH_VARIANTS"):  # e.g. "gluon ws,gluon v1 (no ws) psmem": time only these
-    VARIANTS = {k: v for k, v in VARIANTS.items() if k in os.environ["GLUON_BENCH_VARIANTS"].split(",")}
-if os.environ.get("GLUON_BENCH_DIAGS"):  # e.g. "diag roles": time only the diagnostics whose names contain one
-    DIAGS = {k: v for k, v in DIAGS.items() if any(s in k for s in os.environ["GLUON_BENCH_DIAGS"].split(","))}
-FAILED: set = set()  # variants that failed a check (or did not compile): not timed, diagnostics included
+if os.environ.get("GLUON_BENCH_KERNELS"):  # e.g. "gluon default,gluon plain (rung a)": time only these
+    KERNELS = {k: v for k, v in KERNELS.items() if k in os.environ["GLUON_BENCH_KERNELS"].split(",")}
+FAILED: set = set()  # kernels that failed a check (or did not compile): not timed
 
 
 def portable(q, pools, sink):
@@ -123,10 +66,17 @@ def reference(q, pools, sink):
                              extra_lengths=l2, extra_block_size=b2, backend="reference")
 
 
-def gluon(q, pools, sink, variant=None, num_splits=None):
+def launch_for(q, pools, kernel=None, num_splits=None) -> G.GluonLaunch:
+    """The default launch for these inputs, with ``kernel`` / ``num_splits`` replaced where given."""
+    T, H, _ = q.shape
+    launch = G.default_launch(T, H, sum(p[1].shape[1] for p in pools), DEVICE)
+    return dataclasses.replace(launch, kernel=kernel or launch.kernel, num_splits=num_splits or launch.num_splits)
+
+
+def gluon(q, pools, sink, kernel=None, num_splits=None):
     (c1, i1, l1, b1), (c2, i2, l2, b2) = pools
     return G.decode_gluon(q, c1, i1, l1, block_size=b1, sink=sink, extra_cache=c2, extra_slots=i2,
-                          extra_lengths=l2, extra_block_size=b2, variant=variant, num_splits=num_splits)
+                          extra_lengths=l2, extra_block_size=b2, launch=launch_for(q, pools, kernel, num_splits))
 
 
 def inputs(T, H, K, n_sets, seed=0):
@@ -177,9 +127,9 @@ def correctness():
         ref_out, ref_lse, mass = R.decode(q, c1, i1, l1, block_size=b1, sink=sink, extra_cache=c2, extra_slots=i2,
                                           extra_lengths=l2, extra_block_size=b2, with_mass=True)
         runs = [("portable", lambda: portable(q, pools, sink))]
-        for name, v in VARIANTS.items():
+        for name, kernel in KERNELS.items():
             for sp in (1, 2):
-                runs.append((f"{name} split{sp}", lambda v=v, sp=sp: gluon(q, pools, sink, v, sp)))
+                runs.append((f"{name} split{sp}", lambda kernel=kernel, sp=sp: gluon(q, pools, sink, kernel, sp)))
         for name, fn in runs:
             base = name.rsplit(" split", 1)[0]
             if base in FAILED:
@@ -202,12 +152,6 @@ def correctness():
     return ok
 
 
-def _failed_diag(flags):
-    """A diagnostic of a variant that failed its checks is skipped too."""
-    base = {k: v for k, v in flags.items() if k != "DIAG"}
-    return any(VARIANTS[n] == base for n in FAILED if n in VARIANTS)
-
-
 def main():
     quick = "--quick" in sys.argv
     print(dsv4ref.device.describe() if hasattr(dsv4ref, "device") else "", flush=True)
@@ -224,25 +168,22 @@ def main():
         n_sets = max(2, math.ceil(2.5 * L2_BYTES / (T * K * 585)))
         sets = inputs(T, H, K, n_sets)
         bound_us = max(byts / ceil.copy_bytes_per_s, flops / ceil.bf16_flops_per_s) * 1e6
+        default = G.default_launch(T, H, K, DEVICE)
         print(f"\n== T={T} H={H} K={K}: bound {bound_us:.2f} us ({byts / 1e6:.1f} MB, {flops / 1e9:.2f} GFLOP); "
-              f"gluon default splits {G.config(T, H, K, DEVICE)['num_splits']}", flush=True)
+              f"gluon default {default}", flush=True)
         runs = [("portable triton (fused)", lambda i: portable(*sets[i][:2], sets[i][2]))]
-        for name, v in list(VARIANTS.items()) + list(DIAGS.items()):
-            if name in FAILED or (name.startswith("diag") and _failed_diag(v)):
+        for name, kernel in KERNELS.items():
+            if kernel is not None and kernel == default.kernel:
+                continue  # the default row times it
+            if name in FAILED:
                 print(f"{name:<30} skipped (failed its correctness check)", flush=True)
                 continue
-            runs.append((name, lambda i, v=v: gluon(*sets[i][:2], sets[i][2], v)))
-            if name in SPLIT_SWEEP:
-                for sp in (1, 2, 4):
-                    if sp != G.config(T, H, K, DEVICE)["num_splits"]:
-                        runs.append((f"{name} split{sp}", lambda i, v=v, sp=sp: gluon(*sets[i][:2], sets[i][2], v, sp)))
-                continue
-            if name.startswith("diag") or name in NEW:
-                continue
-            if not quick:
-                for sp in (1, 2):
-                    if sp != G.config(T, H, K, DEVICE)["num_splits"]:
-                        runs.append((f"{name} split{sp}", lambda i, v=v, sp=sp: gluon(*sets[i][:2], sets[i][2], v, sp)))
+            runs.append((name, lambda i, kernel=kernel: gluon(*sets[i][:2], sets[i][2], kernel)))
+            if name in SPLIT_SWEEP or not quick:
+                for sp in (1, 2, 4) if name in SPLIT_SWEEP else (1, 2):
+                    if sp != default.num_splits:
+                        runs.append((f"{name} split{sp}",
+                                     lambda i, kernel=kernel, sp=sp: gluon(*sets[i][:2], sets[i][2], kernel, sp)))
         for name, fn in runs:
             try:
                 fn(0)
@@ -262,7 +203,7 @@ def main():
         sets = None  # free this shape's inputs
         empty_cache()
     summary(rows)
-    print("\ncorrectness:", "all gluon variants PASS" if ok else f"SOME GLUON CHECK FAILED: {sorted(FAILED)}")
+    print("\ncorrectness:", "all gluon kernels PASS" if ok else f"SOME GLUON CHECK FAILED: {sorted(FAILED)}")
     return 0 if ok else 1
 
 

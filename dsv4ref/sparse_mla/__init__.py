@@ -94,7 +94,7 @@ def _check_values(q, sink, pools) -> None:
         i = int(sink.isnan().nonzero()[0][0])
         raise ValueError(f"sink: non-finite values: entry {i} is NaN (±inf are allowed: −inf = no sink, +inf "
                          f"silences the head)")
-    for cache, slots, lengths, block_size, (cn, sname, lname, bname) in pools:
+    for cache, slots, lengths, block_size, (_, sname, lname, _) in pools:
         validate.index_range(slots, sname, cache.shape[0] * block_size)
         if lengths is not None and lengths.numel():
             bad = (lengths < 0) | (lengths > slots.shape[1])
