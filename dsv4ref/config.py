@@ -87,7 +87,7 @@ class Config:
     def hc_mix(self) -> int:
         return self.hc_mult * (self.hc_mult + 2)
 
-    def replace(self, **kw) -> "Config":
+    def replace(self, **kw) -> Config:
         return dataclasses.replace(self, **kw)
 
 

@@ -88,7 +88,7 @@ class Timer:
         self.device = device or DEVICE
         self.ms = float("nan")
 
-    def __enter__(self) -> "Timer":
+    def __enter__(self) -> Timer:
         if self.device.type == "cpu":
             self._t0 = time.perf_counter()
         else:

@@ -36,7 +36,7 @@ N_MAIN = max(2, settings.default.max_examples * 3 // 10)
 N_NONFINITE = max(2, settings.default.max_examples // 5)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _cache(block_size: int, pages: int, seed: int) -> torch.Tensor:
     """A cache with every slot written (decode never writes it, so one copy serves many examples)."""
     n = block_size * pages

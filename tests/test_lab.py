@@ -63,7 +63,7 @@ def lab_server():
                 break
             except OSError:
                 if proc.poll() is not None:
-                    raise RuntimeError("jupyter lab exited: " + proc.stderr.read().decode()[-2000:])
+                    raise RuntimeError("jupyter lab exited: " + proc.stderr.read().decode()[-2000:]) from None
                 time.sleep(0.5)
         else:
             raise RuntimeError("jupyter lab did not answer within 60 s")

@@ -796,7 +796,7 @@ def test_notebook_launches_are_legal_on_every_device():
     path = Path(__file__).resolve().parents[1] / "notebooks" / "src" / "03_mhc_ops.py"
     found = _notebook_launches(path)
     assert len(found) >= 5, found
-    for line, kw in found:
+    for _line, kw in found:
         for interpreted in (False, True):
             MhcLaunch.for_device(interpreted=interpreted, **kw)  # raises, naming the field, where illegal
     with pytest.raises(ValueError, match="launch.chunk_tokens"):  # what the guard is for

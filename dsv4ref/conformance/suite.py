@@ -20,7 +20,7 @@ import inspect
 import pathlib
 from dataclasses import dataclass, field
 from types import ModuleType
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 

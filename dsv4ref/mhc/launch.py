@@ -122,7 +122,7 @@ class MhcLaunch:
     chunk_small_t: int = _D["chunk_small_t"]  # calls of <= this many tokens: 64-token partial tiles at 4 warps
 
     @classmethod
-    def for_device(cls, *, interpreted: bool, **fields) -> "MhcLaunch":
+    def for_device(cls, *, interpreted: bool, **fields) -> MhcLaunch:
         """``MhcLaunch(**fields)`` with every other field at its default for Triton's interpreter
         (``interpreted=True``) or for compiled kernels on a GPU (False), whichever this process runs: what a
         launch written as ``MhcLaunch(**fields)`` means on that device. Raises as the constructor does where
@@ -186,7 +186,7 @@ class MhcLaunch:
             return "chunked"
         return "split_k" if self.uses_split_k(fused) else "one_kernel"
 
-    def pre_like_fused(self) -> "MhcLaunch":
+    def pre_like_fused(self) -> MhcLaunch:
         """The launch under which :func:`~dsv4ref.mhc.pre` runs the arithmetic :func:`~dsv4ref.mhc.fused_post_pre`
         runs under this one (same design, same tiles), so that fused == post then pre bit for bit."""
         design = self.design(fused=True)
@@ -257,7 +257,7 @@ class MhcLaunch:
         return ([-1 if v is None else int(v) for v in dataclasses.astuple(self)],)
 
     @classmethod
-    def from_op_args(cls, values: list[int]) -> "MhcLaunch":
+    def from_op_args(cls, values: list[int]) -> MhcLaunch:
         """The inverse of :meth:`op_args`: the launch a custom op receives as ``launch``."""
         kw = {f.name: (None if v == -1 else v) for f, v in zip(dataclasses.fields(cls), values)}
         kw["split_k"] = None if kw["split_k"] is None else bool(kw["split_k"])

@@ -19,7 +19,7 @@ import math
 import os
 import statistics
 from dataclasses import dataclass, field
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
@@ -27,11 +27,11 @@ from .cases import OPS
 from ..device import DEVICE, Timer, capture_graph, interpreting, synchronize
 from ..tolerances import Report
 
-CHECKS: dict[str, Callable[[], list["CheckRow"]]] = {}
-BENCHES: dict[str, Callable[[], list["BenchCase"]]] = {}
+CHECKS: dict[str, Callable[[], list[CheckRow]]] = {}
+BENCHES: dict[str, Callable[[], list[BenchCase]]] = {}
 # ``@summary("sparse_mla")`` on ``(rows) -> list[str]``: lines ``bench`` prints after its table when a case of
 # that op ran (e.g. a peer's time ratios, computed from the rows of the same run)
-SUMMARIES: dict[str, Callable[[list["BenchRow"]], list[str]]] = {}
+SUMMARIES: dict[str, Callable[[list[BenchRow]], list[str]]] = {}
 
 
 @dataclass

@@ -16,7 +16,7 @@
 # The math, the conventions, the input contract and the pitfalls are written up in `docs/sparse_mla.md`; the
 # code is the folder `dsv4ref/sparse_mla/`: `reference.py` (the whole op in plain torch), `two_pass.py` (the
 # seed's design, twice), `kernels.py` (the fused Triton kernel and the split merge), `launch.py` (the launch
-# shape `SparseMlaLaunch`, the custom ops) and `gluon.py` (the Hopper kernel).
+# shape `SparseMlaLaunch`, the custom ops) and `gluon/` (the Hopper kernels, launched with a `GluonLaunch`).
 
 # %%
 import dsv4ref  # first: picks the device, sets TRITON_INTERPRET on a CPU-only machine
@@ -615,7 +615,7 @@ figures("split", "fused")
 # FlashMLA reaches about half of this bound with hand-written FP8 sparse decode on Hopper. Its answer to both
 # limits of rung 2 is **warp specialisation**, which Triton 3.6 can express through Gluon
 # (`triton.experimental.gluon`: `warp_specialize`, mbarriers, TMA, async warpgroup MMA). The kernel in
-# `dsv4ref/sparse_mla/gluon.py` (GPU-only: compiled Triton on a Hopper GPU; `backend="auto"` picks it there) is
+# `dsv4ref/sparse_mla/gluon/` (GPU-only: compiled Triton on a Hopper GPU; `backend="auto"` picks it there) is
 # built that way. This section gives its design as it runs, then what was measured inside it, what paid, what
 # did not, and what is left. The lab journal behind every figure, with its logs, is `benchmarks/sparse_mla.md`.
 #
@@ -670,8 +670,10 @@ figures("split", "fused")
 # ### 10b. Where the time goes: time each part alone
 #
 # A warp-specialised kernel hides one side behind the other, so its total time says little about either side.
-# The kernel takes a `DIAG` flag, for timing only (its results are wrong), that removes one part at a time:
-# 1 no row loads, 2 no MMAs, 3 neither, 4 no chunks at all, 5 also no query load, 6 also no epilogue stores.
+# While it was tuned, the kernel took a `DIAG` flag, for timing only (its results were wrong), that removed one part
+# at a time: 1 no row loads, 2 no MMAs, 3 neither, 4 no chunks at all, 5 also no query load, 6 also no epilogue
+# stores. The flag has left the library (a diagnostic is not a design; it is in git history and its rows in
+# `benchmarks/sparse_mla.md`).
 # Those readings, a probe of the row gather alone and two profiles set every later step. The readings are
 # H200 runs kept in the ladder file under `diagnostics`, each with its log; the next cell prints them.
 

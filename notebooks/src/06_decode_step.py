@@ -476,7 +476,7 @@ with checking_values(False):
         dg = decode.Decoder(TINY, decode.make_weights(TINY, 0), num_requests=2, capacity=96, backend=be, graph=graph)
         g = torch.Generator().manual_seed(3)
         lg = dg.prefill([torch.randint(0, TINY.vocab_size, (n,), generator=g) for n in (66, 5)])
-        for s in range(4):
+        for _ in range(4):
             lg = dg.step(lg.argmax(-1).cpu())
         pair[graph] = dg
 print("graphs captured (indexer shortcut):", [k[1] for k in pair[True].graphs],

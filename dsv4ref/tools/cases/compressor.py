@@ -64,12 +64,12 @@ def _bench() -> list[BenchCase]:
             if at_boundary:
                 nbytes += R * (n * 2 * D * 4 + D * 4)
 
-            def run(i, p=p, w=w, st=st, x=x, ratio=ratio):
+            def run(i, p=p, w=w, st=st, x=x, ratio=ratio, req=req):
                 with checking_values(False):  # no host syncs: the step can be captured in a graph
                         compressor.compress(x, w["wkv"], w["wgate"], w["ape"], w["norm"], st.kv, st.score, req, p,
                                         ratio=ratio, eps=EPS)
 
-            def run_ref(i, p=p, w=w, st=st, x=x, ratio=ratio):
+            def run_ref(i, p=p, w=w, st=st, x=x, ratio=ratio, req=req):
                 with checking_values(False):
                     compressor.compress(x, w["wkv"], w["wgate"], w["ape"], w["norm"], st.kv, st.score, req, p,
                                         ratio=ratio, eps=EPS, backend="reference")
@@ -82,7 +82,7 @@ def _bench() -> list[BenchCase]:
             cases.append(BenchCase("compressor.compress (torch reference)", f"r={ratio} R={R} Hd={Hd}, {what}",
                                    run_ref, 1, nbytes, flops, note))
             cases[-2].reference = (
-                lambda x, p, w=w, st=st, ratio=ratio: compressor.reference.compress(
+                lambda x, p, w=w, st=st, ratio=ratio, req=req: compressor.reference.compress(
                     x, w["wkv"], w["wgate"], w["ape"], w["norm"], st.kv, st.score, req, p, ratio=ratio, eps=EPS),
                 lambda i, x=x, p=p: (x, p))
     return cases

@@ -49,7 +49,7 @@ def _bench() -> list[BenchCase]:
     for S in (65536, 262144):
         B, n_sets, nb = 64, 4, S // 64
         sets = []
-        for i in range(n_sets):
+        for _ in range(n_sets):
             kv = torch.randn(S, HEAD_DIM, device=DEVICE, dtype=torch.bfloat16)
             slots = torch.randperm(S, device=DEVICE)
             sets.append((kv_cache.allocate(nb, B), kv, slots, torch.empty_like(kv)))

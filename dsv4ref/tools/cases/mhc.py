@@ -104,7 +104,7 @@ def _bench() -> list[BenchCase]:
     sets = []
     fn, scale, base = example_params(Hd)
     fs = split_fn(fn, M)
-    for i in range(n_sets):
+    for _ in range(n_sets):
         res = torch.randn(T, M, Hd, device=DEVICE, dtype=torch.bfloat16)
         x = torch.randn(T, Hd, device=DEVICE, dtype=torch.bfloat16)
         p, c = torch.rand(T, M, device=DEVICE) * 2, torch.rand(T, M, M, device=DEVICE) * 0.5

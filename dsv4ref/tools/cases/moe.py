@@ -184,7 +184,7 @@ def _bench_experts() -> list[BenchCase]:
     for T in (64, 4096):
         n_sets = 2
         sets = []
-        for i in range(n_sets):
+        for _ in range(n_sets):
             x = torch.randn(T, s.hidden, device=DEVICE, dtype=torch.bfloat16)
             gate = torch.randn(s.experts, s.hidden, device=DEVICE, dtype=torch.bfloat16) * s.hidden**-0.5
             ids, w = moe.route(x, gate, torch.zeros(s.experts, device=DEVICE), k=s.k, routed_scale=s.routed_scale)

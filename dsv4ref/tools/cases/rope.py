@@ -71,7 +71,7 @@ def _bench() -> list[BenchCase]:
     nb = T // B
     table = rope.cos_sin_cache(1 << 16, theta=160000.0, yarn=_YARN)
     sets = []
-    for i in range(n_sets):
+    for _ in range(n_sets):
         q = torch.randn(T, H, HEAD_DIM, device=DEVICE, dtype=torch.bfloat16)
         kv = torch.randn(T, HEAD_DIM, device=DEVICE, dtype=torch.bfloat16)
         pos = torch.randint(0, 1 << 16, (T,), device=DEVICE)

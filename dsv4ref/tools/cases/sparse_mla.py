@@ -123,7 +123,7 @@ def bench_grid() -> list[tuple[int, int, int]]:
 def _gluon_case(gluon, T, H, K, sets, byts, flops, dims) -> BenchCase:
     g = lambda i, s=sets: gluon.decode_gluon(**s[i], scale=sparse_mla.DEFAULT_SCALE)  # noqa: E731
     return BenchCase("sparse_mla.gluon", f"T={T} H={H} K={K}", g, len(sets), byts, flops, extra=dims,
-                     note="warp-specialised Hopper kernel (dsv4ref/sparse_mla/gluon.py)")
+                     note="warp-specialised Hopper kernel (dsv4ref/sparse_mla/gluon/)")
 
 
 def _peer_case(T, H, K, sets, byts, flops, dims) -> BenchCase | None:
