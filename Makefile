@@ -18,9 +18,10 @@ setup: $(STAMP)
 lab: $(STAMP)
 	$(VENV)/bin/jupyter lab --no-browser --ip=127.0.0.1 --notebook-dir=notebooks $(if $(filter 0,$(shell id -u)),--allow-root)
 
-## Lint (ruff), then unit tests + nbval over every notebook (stored outputs must match a fresh run).
+## Lint (ruff check, ruff format --check), then unit tests + nbval over every notebook (stored outputs must match a fresh run).
 test: $(STAMP)
 	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
 	$(PY) -m pytest
 
 ## The long property-based run (hypothesis's 'long' profile); CI runs the small one inside `make test`.
@@ -29,6 +30,7 @@ test-long: $(STAMP)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
 
 ## Rebuild notebooks/*.ipynb from notebooks/src/*.py and execute them on the CPU, in place.
 notebooks: $(STAMP)

@@ -33,13 +33,31 @@ from dsv4ref.sparse_mla.gluon.launch import kernel_constexprs  # noqa: E402
 TARGET = GPUTarget("cuda", 90, 32)
 CONFIGS = {"SPLITS=2": 2, "SPLITS=1": 1}
 # every kernel the launcher can run (GluonLaunch.kernel), by the name this script prints
-KERNELS = {"ws (64-row, the default for H > 16)": "ws", "narrow (the default for H <= 16)": "narrow",
-           "plain (notebook 04's rung a)": "plain"}
+KERNELS = {
+    "ws (64-row, the default for H > 16)": "ws",
+    "narrow (the default for H <= 16)": "narrow",
+    "plain (notebook 04's rung a)": "plain",
+}
 
 # runtime argument types of the decode kernels, in order (pointers 16-byte divisible, as at launch)
-_PTR = {"q_ptr": "*bf16", "sink_ptr": "*fp32", "out_ptr": "*bf16", "lse_ptr": "*fp32", "po_ptr": "*fp32",
-        "pml_ptr": "*fp32", "c1_u8": "*u8", "c1_i16": "*i16", "c1_i64": "*i64", "i1_ptr": "*i32",
-        "l1_ptr": "*i32", "c2_u8": "*u8", "c2_i16": "*i16", "c2_i64": "*i64", "i2_ptr": "*i32", "l2_ptr": "*i32"}
+_PTR = {
+    "q_ptr": "*bf16",
+    "sink_ptr": "*fp32",
+    "out_ptr": "*bf16",
+    "lse_ptr": "*fp32",
+    "po_ptr": "*fp32",
+    "pml_ptr": "*fp32",
+    "c1_u8": "*u8",
+    "c1_i16": "*i16",
+    "c1_i64": "*i64",
+    "i1_ptr": "*i32",
+    "l1_ptr": "*i32",
+    "c2_u8": "*u8",
+    "c2_i16": "*i16",
+    "c2_i64": "*i64",
+    "i2_ptr": "*i32",
+    "l2_ptr": "*i32",
+}
 _I32 = ("q_st", "q_sh", "K1", "i1_st", "bs1", "ps1", "K2", "i2_st", "bs2", "ps2", "H", "chunk")
 _DIV16 = set(_PTR) | {"q_st", "q_sh", "ps1", "ps2"}  # what the launcher's specialisation sees for the shapes
 
@@ -54,8 +72,9 @@ def _ptxas_stats(ptx: str, cubin: bytes) -> str:
         p = os.path.join(tmp, "k.ptx")
         with open(p, "w") as f:
             f.write(ptx)
-        r = subprocess.run([PTXAS, "-v", "--gpu-name", "sm_90a", p, "-o", os.path.join(tmp, "k.cubin")],
-                           capture_output=True, text=True)
+        r = subprocess.run(
+            [PTXAS, "-v", "--gpu-name", "sm_90a", p, "-o", os.path.join(tmp, "k.cubin")], capture_output=True, text=True
+        )
         c = os.path.join(tmp, "t.cubin")
         with open(c, "wb") as f:
             f.write(cubin)
@@ -75,8 +94,10 @@ def _ptxas_stats(ptx: str, cubin: bytes) -> str:
             if kind == "mma":  # a wait after (nearly) every wgmma: ptxas serialised them (register pressure)
                 extra = f"/wait {region.count('WARPGROUP.DEPBAR')}:{region.count('HGMMA')}"
             parts.append(f"{kind} R{top + 1}/{n}{extra}")
-    return (f"regs {max(map(int, regs), default=-1):>3}  spill st/ld {st:>4}/{ld:<4} B  "
-            f"partitions (regs touched/STL+LDL[/wgmma waits:wgmma]): {', '.join(parts) or '-'}")
+    return (
+        f"regs {max(map(int, regs), default=-1):>3}  spill st/ld {st:>4}/{ld:<4} B  "
+        f"partitions (regs touched/STL+LDL[/wgmma waits:wgmma]): {', '.join(parts) or '-'}"
+    )
 
 
 def compile_launch(launch: G.GluonLaunch):
@@ -87,8 +108,16 @@ def compile_launch(launch: G.GluonLaunch):
     fn = kern[launch.kernel]
     const = kernel_constexprs(launch.kernel)
     num_warps = const.pop("num_warps")
-    const = dict(const, HAS_LEN1=True, HAS_POOL2=True, HAS_LEN2=True, HAS_SINK=True, SPLITS=launch.num_splits,
-                 BH=launch.block_h, BN=G.BLOCK_N)
+    const = dict(
+        const,
+        HAS_LEN1=True,
+        HAS_POOL2=True,
+        HAS_LEN2=True,
+        HAS_SINK=True,
+        SPLITS=launch.num_splits,
+        BH=launch.block_h,
+        BN=G.BLOCK_N,
+    )
     sig, attrs = {}, {}
     for i, name in enumerate(fn.arg_names):
         if name in const:
@@ -106,6 +135,7 @@ def compile_launch(launch: G.GluonLaunch):
     src = fn.ASTSource(fn, sig, const, attrs) if hasattr(fn, "ASTSource") else None
     if src is None:
         from triton.experimental.gluon._runtime import GluonASTSource
+
         src = GluonASTSource(fn, sig, const, attrs)
     return triton.compile(src, target=TARGET, options={"num_warps": num_warps})
 
@@ -124,8 +154,9 @@ def main(argv):
             jobs.append((f"default {launch.kernel}", launch, f"H {H} K {K} (SPLITS={launch.num_splits})"))
     else:
         table = {k: v for k, v in KERNELS.items() if not argv or any(a in k for a in argv)}
-        jobs = [(name, G.GluonLaunch(kernel, splits), cname) for name, kernel in table.items()
-                for cname, splits in CONFIGS.items()]
+        jobs = [
+            (name, G.GluonLaunch(kernel, splits), cname) for name, kernel in table.items() for cname, splits in CONFIGS.items()
+        ]
     bad = 0
     for name, launch, cname in jobs:
         t0 = time.time()
@@ -135,8 +166,11 @@ def main(argv):
             stats = _ptxas_stats(ck.asm["ptx"], ck.asm["cubin"])
             over = shared > SMEM_LIMIT
             bad += over
-            print(f"{name:<34} {cname:<34} {'OVER' if over else 'ok':<7} {stats}  shared {shared} B"
-                  f"{f' > {SMEM_LIMIT}' if over else ''}  ({time.time() - t0:.0f} s)", flush=True)
+            print(
+                f"{name:<34} {cname:<34} {'OVER' if over else 'ok':<7} {stats}  shared {shared} B"
+                f"{f' > {SMEM_LIMIT}' if over else ''}  ({time.time() - t0:.0f} s)",
+                flush=True,
+            )
         except Exception as e:
             bad += 1
             lines = [ln for ln in str(e).splitlines() if ln.strip()]

@@ -57,6 +57,7 @@ MHC_DEFAULT = "chunked zz slice512 n96 st4"  # what the sweep's `defaults` rows 
 
 # ---- parsing -------------------------------------------------------------------------------------------------
 
+
 @dataclass(frozen=True)
 class Row:
     op: str
@@ -80,8 +81,9 @@ class BenchLog:
 
     def find(self, op: str, shape: str) -> Row:
         """The row of ``op`` whose shape is ``shape``, else the one whose shape starts with ``shape`` and a space."""
-        hits = [r for r in self.rows if r.op == op and r.shape == shape] or \
-            [r for r in self.rows if r.op == op and r.shape.startswith(shape + " ")]
+        hits = [r for r in self.rows if r.op == op and r.shape == shape] or [
+            r for r in self.rows if r.op == op and r.shape.startswith(shape + " ")
+        ]
         if len(hits) != 1:
             raise LookupError(f"{self.name}: {len(hits)} rows for op {op!r} shape {shape!r} (want 1)")
         return hits[0]
@@ -100,7 +102,7 @@ def split_head(head: str) -> tuple[str, str]:
     m = _SHAPE_START.search(head)
     if m is None or m.end() == 0:
         raise ValueError(f"no shape in {head!r}")
-    return head[: m.start()].strip(), head[m.end():].strip()
+    return head[: m.start()].strip(), head[m.end() :].strip()
 
 
 def parse_bench(text: str, name: str = "<log>") -> BenchLog:
@@ -133,8 +135,7 @@ class MhcSweep:
 
 def parse_mhc_sweep(text: str, name: str = "<log>") -> MhcSweep:
     m = re.search(r"copy ceiling \(512 MiB\) ([\d.]+) TB/s", text)
-    rows = {g[0]: g[1:] for g in re.findall(r"^(pre|fused|head)\s+defaults\s+\S+\s+([\d.]+)\s+([\d.]+)\s+([\d.]+) %",
-                                            text, re.M)}
+    rows = {g[0]: g[1:] for g in re.findall(r"^(pre|fused|head)\s+defaults\s+\S+\s+([\d.]+)\s+([\d.]+)\s+([\d.]+) %", text, re.M)}
     small = dict(re.findall(r"^(pre|fused|head)\s+T=37\s+defaults\s+\S+\s+([\d.]+) µs", text, re.M))
     if m is None or len(rows) != 3 or len(small) != 3:
         raise ValueError(f"{name}: not an mHC sweep with `defaults` rows for pre, fused and head")
@@ -143,9 +144,11 @@ def parse_mhc_sweep(text: str, name: str = "<log>") -> MhcSweep:
 
 # ---- what the tables show ----------------------------------------------------------------------------------
 
+
 @dataclass
 class Line:
     """One table row: the design, then the row's figures (from the bench, or given)."""
+
     design: str
     row: Row
     default: bool = False
@@ -166,8 +169,13 @@ class Section:
     fractions: bool = True  # README.md quotes their fraction of the bound
 
 
-_PEERS = (("[torch.compile]", "torch.compile"), ("[torch eager]", "torch eager"), (" (torch reference)", "torch eager"),
-          ("[same-size copy uint8]", "same-size uint8 copy"), ("[same-size copy bf16->e4m3]", "same-size bf16→e4m3 copy"))
+_PEERS = (
+    ("[torch.compile]", "torch.compile"),
+    ("[torch eager]", "torch eager"),
+    (" (torch reference)", "torch eager"),
+    ("[same-size copy uint8]", "same-size uint8 copy"),
+    ("[same-size copy bf16->e4m3]", "same-size bf16→e4m3 copy"),
+)
 
 
 def cite(r: Row) -> str:
@@ -183,12 +191,12 @@ def peers(log: BenchLog, r: Row) -> list[str]:
     return out
 
 
-def line(log: BenchLog, design: str, op: str, shape: str, default=False, goal=None, beside=(), short="",
-         own_peers=True) -> Line:
+def line(log: BenchLog, design: str, op: str, shape: str, default=False, goal=None, beside=(), short="", own_peers=True) -> Line:
     r = log.find(op, shape)
     extra = [f"{label} {cite(log.find(o, s))}" for label, o, s in beside]
-    return Line(design, r, default, (peers(log, r) if own_peers else []) + extra,
-                Decimal(goal) if goal is not None else None, short=short)
+    return Line(
+        design, r, default, (peers(log, r) if own_peers else []) + extra, Decimal(goal) if goal is not None else None, short=short
+    )
 
 
 def library_defaults() -> dict:
@@ -197,8 +205,12 @@ def library_defaults() -> dict:
     from dsv4ref import indexer, kv_cache, rope
 
     r = rope.default_launch()
-    return {"insert": kv_cache.default_launch("insert"), "gather": kv_cache.default_launch("gather"),
-            "rope": (r.heads_per_prog, r.warps), "fp4_decode": indexer.default_launch().decode()}
+    return {
+        "insert": kv_cache.default_launch("insert"),
+        "gather": kv_cache.default_launch("gather"),
+        "rope": (r.heads_per_prog, r.warps),
+        "fp4_decode": indexer.default_launch().decode(),
+    }
 
 
 def _kv(L) -> str:
@@ -207,8 +219,10 @@ def _kv(L) -> str:
 
 def sections(log: BenchLog, mhc: MhcSweep, lib: dict) -> list[Section]:
     out = []
-    kv = [line(log, f"insert ({_kv(lib['insert'])})", "kv_cache.insert", f"S={s} B=64", True, 80, short="insert, 64k slots")
-          for s in (65536, 262144)]
+    kv = [
+        line(log, f"insert ({_kv(lib['insert'])})", "kv_cache.insert", f"S={s} B=64", True, 80, short="insert, 64k slots")
+        for s in (65536, 262144)
+    ]
     kv[1:1] = [line(log, f"gather ({_kv(lib['gather'])})", "kv_cache.gather", "S=65536 B=64", True, short="gather")]
     kv.append(line(log, f"gather ({_kv(lib['gather'])})", "kv_cache.gather", "S=262144 B=64", True))
     best = max((r for r in log.rows if r.op == "kv_cache.insert" and "launch=" in r.shape), key=lambda r: Decimal(r.frac))
@@ -218,13 +232,22 @@ def sections(log: BenchLog, mhc: MhcSweep, lib: dict) -> list[Section]:
     hpp, warps = lib["rope"]
     shape = "T=4096 H=64 B=64"
     op, sh = ("rope.fused_mh", f"{shape} hpp={hpp} warps={warps}") if hpp else ("rope.fused", f"{shape} warps={warps}")
-    rope = [line(log, f"fused, {hpp} heads × {warps} warps per program" if hpp else f"fused, per head, {warps} warps",
-                 op, sh, True, 70, short="fused Q-norm + RoPE + KV insert",
-                 beside=[("torch.compile", "rope.fused[torch.compile]", shape)] if hpp else ())]
+    rope = [
+        line(
+            log,
+            f"fused, {hpp} heads × {warps} warps per program" if hpp else f"fused, per head, {warps} warps",
+            op,
+            sh,
+            True,
+            70,
+            short="fused Q-norm + RoPE + KV insert",
+            beside=[("torch.compile", "rope.fused[torch.compile]", shape)] if hpp else (),
+        )
+    ]
     if hpp:
         rope.append(line(log, "fused, one head per program, 1 warp", "rope.fused", f"{shape} warps=1", goal=70))
     best = max((r for r in log.rows if r.op == "rope.fused_mh" and r is not rope[0].row), key=lambda r: Decimal(r.frac))
-    rope.append(Line("fused, fastest other launch (" + best.shape[len(shape) + 1:] + ")", best, goal=Decimal(70)))
+    rope.append(Line("fused, fastest other launch (" + best.shape[len(shape) + 1 :] + ")", best, goal=Decimal(70)))
     rope.append(line(log, "three separate passes (Q-norm + RoPE, RoPE of kv, insert)", "rope.three_passes", shape))
     out.append(Section("rope", "fused Q-norm + RoPE + KV insert ≥ 70 % of copy", rope))
 
@@ -233,51 +256,111 @@ def sections(log: BenchLog, mhc: MhcSweep, lib: dict) -> list[Section]:
         us, tbs, frac = mhc.rows[key]
         r = Row(op, "T=4096 Hd=4096", us, "", "", frac)
         prev = log.find(f"{op} chunked", "T=4096 Hd=4096 chunked zz slice512:")
-        beside = [f"torch.compile {cite(log.find(op + '[torch.compile]', 'T=4096 Hd=4096'))}",
-                  f"the previous default (zz slice512) {cite(prev)}"]
+        beside = [
+            f"torch.compile {cite(log.find(op + '[torch.compile]', 'T=4096 Hd=4096'))}",
+            f"the previous default (zz slice512) {cite(prev)}",
+        ]
         name = {"pre": "pre", "fused": "fused post + pre", "head": "head"}[key]
-        ms.append(Line(f"{name}, {MHC_DEFAULT}", r, True, beside, Decimal(goal) if goal else None, "¹", f"{tbs} TB/s",
-                       short=name))
+        ms.append(
+            Line(f"{name}, {MHC_DEFAULT}", r, True, beside, Decimal(goal) if goal else None, "¹", f"{tbs} TB/s", short=name)
+        )
     ms.append(line(log, "post (one kernel)", "mhc.post", "T=4096 Hd=4096", True, short="post"))
     small = " / ".join(mhc.small[k] for k in ("pre", "fused", "head"))
-    ms.append(Line(f"pre / fused / head, {MHC_DEFAULT}, decode-sized", Row("mhc", "T=37 Hd=4096", small, "", "", ""),
-                   True, mark="¹", bytes_cell="—"))
-    out.append(Section("mhc", "pre and fused post + pre ≥ 50 % of copy", ms, [
-        f"¹ From [`runs/{mhc.name}`](runs/{mhc.name}) (`defaults` rows of the mHC sweep, the same timing harness, "
-        f"inputs and byte counts), whose copy ceiling was {mhc.copy_tbs} TB/s: this bench has no row of the "
-        "current default. The rows beside them and `post` are this bench's."], headline=[0, 1, 3]))
+    ms.append(
+        Line(
+            f"pre / fused / head, {MHC_DEFAULT}, decode-sized",
+            Row("mhc", "T=37 Hd=4096", small, "", "", ""),
+            True,
+            mark="¹",
+            bytes_cell="—",
+        )
+    )
+    out.append(
+        Section(
+            "mhc",
+            "pre and fused post + pre ≥ 50 % of copy",
+            ms,
+            [
+                f"¹ From [`runs/{mhc.name}`](runs/{mhc.name}) (`defaults` rows of the mHC sweep, the same timing harness, "
+                f"inputs and byte counts), whose copy ceiling was {mhc.copy_tbs} TB/s: this bench has no row of the "
+                "current default. The rows beside them and `post` are this bench's."
+            ],
+            headline=[0, 1, 3],
+        )
+    )
 
     sm = []
     for T, H, K in ((64, 64, 640), (64, 128, 1152), (64, 16, 2048)):
         sh = f"T={T} H={H} K={K}"
-        g = line(log, "Gluon, warp-specialised (`auto` on Hopper)", "sparse_mla.gluon", sh, True, 35, short=f"Gluon at H {H}",
-                 beside=[("torch.compile", "sparse_mla.fused[torch.compile]", sh)])
-        f = line(log, "portable fused (`auto` elsewhere)", "sparse_mla.fused", sh, own_peers=False,
-                 beside=[("two-pass", "sparse_mla.two_pass", sh), ("seed", "sparse_mla.seed", sh)])
+        g = line(
+            log,
+            "Gluon, warp-specialised (`auto` on Hopper)",
+            "sparse_mla.gluon",
+            sh,
+            True,
+            35,
+            short=f"Gluon at H {H}",
+            beside=[("torch.compile", "sparse_mla.fused[torch.compile]", sh)],
+        )
+        f = line(
+            log,
+            "portable fused (`auto` elsewhere)",
+            "sparse_mla.fused",
+            sh,
+            own_peers=False,
+            beside=[("two-pass", "sparse_mla.two_pass", sh), ("seed", "sparse_mla.seed", sh)],
+        )
         sm += [g, f]
     out.append(Section("sparse_mla", "decode ≥ 35 % of the bound (floor)", sm, headline=[0, 2, 4]))
 
     ix = [line(log, "FP8 keys", "indexer.logits.fp8", "T=64 H=64 n_c=32768 Bc=64", True, 50, short="FP8 logits")]
-    fp4 = [r for r in log.rows if r.op.startswith("indexer.logits.mxfp4")
-           and f"fp4_decode='{lib['fp4_decode']}'" in r.note and "logits_pages=None" in r.note]
+    fp4 = [
+        r
+        for r in log.rows
+        if r.op.startswith("indexer.logits.mxfp4")
+        and f"fp4_decode='{lib['fp4_decode']}'" in r.note
+        and "logits_pages=None" in r.note
+    ]
     if len(fp4) != 1:
         raise LookupError(f"{log.name}: {len(fp4)} MXFP4 rows with the default decode {lib['fp4_decode']!r}")
-    ix.append(Line(f"MXFP4 keys, `{lib['fp4_decode']}` decode", fp4[0], True,
-                   peers(log, log.find("indexer.logits.mxfp4", fp4[0].shape)), Decimal(30), short="MXFP4 logits"))
+    ix.append(
+        Line(
+            f"MXFP4 keys, `{lib['fp4_decode']}` decode",
+            fp4[0],
+            True,
+            peers(log, log.find("indexer.logits.mxfp4", fp4[0].shape)),
+            Decimal(30),
+            short="MXFP4 logits",
+        )
+    )
     for dec in ("nibble", "f16_blocks"):
-        r = [r for r in log.rows if r.op.startswith("indexer.logits.mxfp4") and f"fp4_decode='{dec}'" in r.note
-             and "logits_pages=None" in r.note][0]
+        r = [
+            r
+            for r in log.rows
+            if r.op.startswith("indexer.logits.mxfp4") and f"fp4_decode='{dec}'" in r.note and "logits_pages=None" in r.note
+        ][0]
         ix.append(Line(f"MXFP4 keys, `{dec}` decode", r, goal=Decimal(30)))
     out.append(Section("indexer", "logits: FP8 ≥ 50 %, MXFP4 ≥ 30 % of the bound", ix, headline=[0, 1]))
 
     moe = [line(log, "stage (FP8 input staging)", "moe.stage", "T=4096 Hd=4096 K=6", True, 80, short="staging")]
     moe += [line(log, "experts (clamped SwiGLU)", "moe.experts", f"T={T} E=256 K=6", True) for T in (64, 4096)]
-    out.append(Section("moe", "stage ≥ 80 % of copy; experts: report", moe, [
-        "At T = 64 the used experts' weights are counted once from DRAM, but the rotated input sets share them, "
-        "so part is served from L2: read over 100 % as weight streaming at copy bandwidth."]))
+    out.append(
+        Section(
+            "moe",
+            "stage ≥ 80 % of copy; experts: report",
+            moe,
+            [
+                "At T = 64 the used experts' weights are counted once from DRAM, but the rotated input sets share them, "
+                "so part is served from L2: read over 100 % as weight streaming at copy bandwidth."
+            ],
+        )
+    )
 
-    cp = [line(log, "compress", "compressor.compress", f"r={r} R=64 Hd=4096, {w}", True, short=f"ratio {r}, boundary step")
-          for r in (4, 128) for w in ("boundary step", "between boundaries")]
+    cp = [
+        line(log, "compress", "compressor.compress", f"r={r} R=64 Hd=4096, {w}", True, short=f"ratio {r}, boundary step")
+        for r in (4, 128)
+        for w in ("boundary step", "between boundaries")
+    ]
     out.append(Section("compressor", "report (no goal)", cp, headline=[0, 2]))
 
     dec = []
@@ -287,14 +370,23 @@ def sections(log: BenchLog, mhc: MhcSweep, lib: dict) -> list[Section]:
         rep = log.find("decode.step", f"tiny T={T} replay alone")
         tps = {x: f"{T / (float(x.us) * 1e-6):.0f} tokens/s" for x in (e, g)}
         dec.append(Line("eager (`Decoder()`; value checks off)", e, True, [tps[e]], short=f"eager at T {T}"))
-        dec.append(Line("one device graph per step (`graph=True`)", g, False, [f"{tps[g]}; replay alone {rep.us} µs"],
-                        short=f"graphed at T {T}"))
-    out.append(Section("decode", "the teaching config's whole step, captured as one graph", dec, headline=[0, 1],
-                       fractions=False))
+        dec.append(
+            Line(
+                "one device graph per step (`graph=True`)",
+                g,
+                False,
+                [f"{tps[g]}; replay alone {rep.us} µs"],
+                short=f"graphed at T {T}",
+            )
+        )
+    out.append(
+        Section("decode", "the teaching config's whole step, captured as one graph", dec, headline=[0, 1], fractions=False)
+    )
     return out
 
 
 # ---- writing -----------------------------------------------------------------------------------------------
+
 
 def verdict(ln: Line) -> str:
     if ln.goal is None or not ln.row.frac:
@@ -304,14 +396,20 @@ def verdict(ln: Line) -> str:
 
 
 def table(sec: Section) -> list[str]:
-    out = [f"## {sec.op}: {sec.goal}", "",
-           "| design | shape | µs | GB/s | TFLOP/s | of bound | beside it | goal |", "|---|---|---|---|---|---|---|---|"]
+    out = [
+        f"## {sec.op}: {sec.goal}",
+        "",
+        "| design | shape | µs | GB/s | TFLOP/s | of bound | beside it | goal |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for ln in sec.lines:
         r = ln.row
         design = f"**{ln.design}** (default)" if ln.default else ln.design
         frac = f"{r.frac} %{ln.mark}" if r.frac else ln.mark
-        out.append(f"| {design} | {r.shape} | {r.us}{ln.mark if not r.frac else ''} | {ln.bytes_cell or r.gbs} | "
-                   f"{r.tflops or '—'} | {frac} | {'; '.join(ln.beside)} | {verdict(ln)} |")
+        out.append(
+            f"| {design} | {r.shape} | {r.us}{ln.mark if not r.frac else ''} | {ln.bytes_cell or r.gbs} | "
+            f"{r.tflops or '—'} | {frac} | {'; '.join(ln.beside)} | {verdict(ln)} |"
+        )
     for n in sec.notes:
         out += ["", n]
     return out + [""]
@@ -341,20 +439,24 @@ def render_results(log: BenchLog, mhc: MhcSweep, secs: list[Section]) -> str:
 
 
 def render_excerpt(log: BenchLog, mhc: MhcSweep, secs: list[Section]) -> str:
-    out = [BEGIN,
-           f"GPU results, with the date, device, command and the ceilings measured in the same run: "
-           f"[`benchmarks/RESULTS.md`](benchmarks/RESULTS.md), one table per op, written from the newest full bench "
-           f"log by `benchmarks/write_results.py` (this excerpt too). The defaults, {log.name[:10]}, "
-           f"{log.device.split(' (')[0]} (copy {log.copy_tbs} TB/s, bf16 {log.bf16_tflops} TFLOP/s), as time = fraction "
-           f"of the roofline bound, beside `torch.compile` of the op's torch reference:",
-           ""]
+    out = [
+        BEGIN,
+        f"GPU results, with the date, device, command and the ceilings measured in the same run: "
+        f"[`benchmarks/RESULTS.md`](benchmarks/RESULTS.md), one table per op, written from the newest full bench "
+        f"log by `benchmarks/write_results.py` (this excerpt too). The defaults, {log.name[:10]}, "
+        f"{log.device.split(' (')[0]} (copy {log.copy_tbs} TB/s, bf16 {log.bf16_tflops} TFLOP/s), as time = fraction "
+        f"of the roofline bound, beside `torch.compile` of the op's torch reference:",
+        "",
+    ]
     for s in secs:
         parts = []
         for i in s.headline:
             ln = s.lines[i]
             fig = f"{ln.row.us} µs" + (f" = {ln.row.frac} %{ln.mark}" if s.fractions else "")
-            extra = [f"torch.compile {m}" for m in (re.search(r"\((\S+ %)\)$", b)[1] for b in ln.beside
-                                                    if b.startswith("torch.compile "))]
+            extra = [
+                f"torch.compile {m}"
+                for m in (re.search(r"\((\S+ %)\)$", b)[1] for b in ln.beside if b.startswith("torch.compile "))
+            ]
             if verdict(ln):
                 extra.append("goal " + verdict(ln))
             if not s.fractions:
@@ -369,7 +471,7 @@ def splice(readme: str, excerpt: str) -> str:
     i, j = readme.find(BEGIN), readme.find(END)
     if i < 0 or j < i:
         raise ValueError(f"README.md has no {BEGIN} ... {END} block")
-    return readme[:i] + excerpt + readme[j + len(END):]
+    return readme[:i] + excerpt + readme[j + len(END) :]
 
 
 def build(lib: dict | None = None) -> tuple[str, str]:
@@ -382,15 +484,21 @@ def build(lib: dict | None = None) -> tuple[str, str]:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--check", action="store_true", help="write nothing; exit 1 when RESULTS.md or README.md's "
-                                                         "excerpt differs from what the logs give")
+    p.add_argument(
+        "--check",
+        action="store_true",
+        help="write nothing; exit 1 when RESULTS.md or README.md's excerpt differs from what the logs give",
+    )
     args = p.parse_args(argv)
     results, readme = build()
     if args.check:
         stale = [f.name for f, want in ((RESULTS, results), (README, readme)) if f.read_text() != want]
         if stale:
-            print(f"out of date (hand-edited, or a default or log changed): {', '.join(stale)}; "
-                  "run python benchmarks/write_results.py", file=sys.stderr)
+            print(
+                f"out of date (hand-edited, or a default or log changed): {', '.join(stale)}; "
+                "run python benchmarks/write_results.py",
+                file=sys.stderr,
+            )
             return 1
         return 0
     RESULTS.write_text(results)

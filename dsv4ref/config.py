@@ -40,9 +40,7 @@ class Config:
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0  # window-only layers
     compress_rope_theta: float = 160000.0  # compressed layers, with YaRN below
-    yarn: dict = field(
-        default_factory=lambda: dict(factor=16.0, original_max_position=65536, beta_fast=32.0, beta_slow=1.0)
-    )
+    yarn: dict = field(default_factory=lambda: dict(factor=16.0, original_max_position=65536, beta_fast=32.0, beta_slow=1.0))
     max_position: int = 1048576
     kv_block: int = 64  # FP8 quant block of the KV NoPE dims (7 per token)
     window_page: int = 64  # tokens per page of the window (SWA) cache
@@ -97,24 +95,60 @@ def _flash_ratios() -> tuple[int, ...]:
 
 
 FLASH = Config(
-    name="DeepSeek-V4-Flash", vocab_size=129280, hidden_size=4096, num_layers=43,
-    compress_ratios=_flash_ratios(), num_heads=64, q_lora_rank=1024, o_groups=8, o_lora_rank=1024,
+    name="DeepSeek-V4-Flash",
+    vocab_size=129280,
+    hidden_size=4096,
+    num_layers=43,
+    compress_ratios=_flash_ratios(),
+    num_heads=64,
+    q_lora_rank=1024,
+    o_groups=8,
+    o_lora_rank=1024,
     index_topk=512,
 )
 
 PRO = Config(
-    name="DeepSeek-V4-Pro", vocab_size=129280, hidden_size=7168, num_layers=61,
+    name="DeepSeek-V4-Pro",
+    vocab_size=129280,
+    hidden_size=7168,
+    num_layers=61,
     compress_ratios=(128, 128) + tuple(4 if i % 2 == 0 else 128 for i in range(2, 61)),  # no window-only layer
-    num_heads=128, q_lora_rank=1536, o_groups=16, o_lora_rank=1024, index_topk=1024, ffn_intermediate=3072,
-    n_routed_experts=384, moe_intermediate_size=3072, routed_scaling_factor=2.5, num_hash_layers=3,
+    num_heads=128,
+    q_lora_rank=1536,
+    o_groups=16,
+    o_lora_rank=1024,
+    index_topk=1024,
+    ffn_intermediate=3072,
+    n_routed_experts=384,
+    moe_intermediate_size=3072,
+    routed_scaling_factor=2.5,
+    num_hash_layers=3,
 )  # every field: DeepSeek's V4-Pro config.json (docs/config.md#sources)
 
 TINY = Config(
-    name="tiny (teaching)", vocab_size=512, hidden_size=256, num_layers=4, compress_ratios=(0, 4, 128, 4),
-    num_heads=16, q_lora_rank=128, o_groups=2, o_lora_rank=128, window=16, index_heads=8,
-    index_head_dim=128, index_topk=16, max_position=4096, window_page=16, c4_page=16, c128_page=2,
-    index_page=16, ffn_intermediate=512,
-    n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=128, num_hash_layers=1,  # docs/mtp.md
+    name="tiny (teaching)",
+    vocab_size=512,
+    hidden_size=256,
+    num_layers=4,
+    compress_ratios=(0, 4, 128, 4),
+    num_heads=16,
+    q_lora_rank=128,
+    o_groups=2,
+    o_lora_rank=128,
+    window=16,
+    index_heads=8,
+    index_head_dim=128,
+    index_topk=16,
+    max_position=4096,
+    window_page=16,
+    c4_page=16,
+    c128_page=2,
+    index_page=16,
+    ffn_intermediate=512,
+    n_routed_experts=8,
+    num_experts_per_tok=2,
+    moe_intermediate_size=128,
+    num_hash_layers=1,  # docs/mtp.md
     index_format="fp8",  # why not DeepSeek's MXFP4: docs/config.md#the-teaching-config-tiny
 )
 

@@ -102,6 +102,7 @@ def index_k_offsets(page_stride, block_size: int, slot, fmt: str):
     off = slot % block_size
     return base + off * v, base + block_size * v + off * 4
 
+
 # ---- mHC ------------------------------------------------------------------------------------------------
 HC_MULT = 4  # M residual streams
 

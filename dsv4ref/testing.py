@@ -31,8 +31,9 @@ def generator(seed: int) -> torch.Generator:
     return torch.Generator(device=HOST).manual_seed(seed)
 
 
-def randn(shape, *, seed: int = 0, dtype: torch.dtype = torch.bfloat16, device=None, block: int | None = 64,
-          octaves: int = 16) -> torch.Tensor:
+def randn(
+    shape, *, seed: int = 0, dtype: torch.dtype = torch.bfloat16, device=None, block: int | None = 64, octaves: int = 16
+) -> torch.Tensor:
     """N(0,1) values times a random power-of-two scale per ``block`` of the last dim (2^-octaves/2 ..
     2^+octaves/2), so quantised blocks get many different scale bytes. ``block=None``: one scale per row.
 

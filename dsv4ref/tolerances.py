@@ -13,7 +13,6 @@ from dataclasses import dataclass
 import torch
 
 
-
 @dataclass(frozen=True)
 class Tol:
     atol: float
@@ -31,42 +30,78 @@ TOLERANCES: dict[str, Tol] = {
     "fp32_reduction": Tol(1e-6, 8.01 / 65536, "or", None, "only accumulation order differs (FlashMLA's LSE figure)"),
     "fp32_dot": Tol(1e-5, 1e-4, "sum", None, "ieee fp32 dot, order error ~ sqrt(K)*2^-24, K <= 512"),
     "mhc": Tol(1e-5, 1e-5, "sum", None, "docs/mhc.md: fp32 path vs an fp64 oracle of the same schedule"),
-    "bf16_out": Tol(1e-3, 2.01 / 128, "or", 5e-6,
-                    "about 2 bf16 ulps (interpreter truncation <= 1 ulp, plus reordering); FlashMLA's figure"),
+    "bf16_out": Tol(
+        1e-3, 2.01 / 128, "or", 5e-6, "about 2 bf16 ulps (interpreter truncation <= 1 ulp, plus reordering); FlashMLA's figure"
+    ),
     "bf16_gemm": Tol(1e-2, 1e-2, "sum", None, "bf16 GEMM with fp32 accumulation vs an fp32 reference (docs/rope.md)"),
     "lse": Tol(1e-6, 8.01 / 65536, "or", None, "FlashMLA's LSE tolerance"),
-    "decode_step": Tol(1e-6, 2.0**-3, "rel_l2", None,
-                       "a whole decode step vs the float64 dense reference, per row: the e4m3 KV error (<= 2^-4"
-                       " relative per value) enters attention twice, through V and through the softmax weights"),
-    "bf16_weighted_sum": Tol(1e-6, 2.0**-8, "mass", None,
-                             "out = Σ_j p_j·v_j with p rounded to bf16 (rel 2^-9 each, as FlashMLA's kernels do) and"
-                             " the result rounded to bf16 (2^-9): |err| <= 2^-9·Σ p|v| + 2^-9·|out|, doubled for"
-                             " accumulation order and exp2; an elementwise relative check fails wherever outputs cancel"),
-    "route_weights": Tol(0.0, 1e-6, "sum", None,
-                         "MoE routing weights vs float64 on the same gate logits: sqrt(softplus) and a K-term"
-                         " normalisation in fp32 are a few ulps (6e-8 each); weights of padding rows must be exactly 0"),
-    "moe_out": Tol(1e-6, 2.0**-8, "mass", None,
-                   "MoE output vs a float64 oracle without roundings: h = swiglu·ω rounded to bf16 (2^-9 of Σ|h||W2|),"
-                   " each expert output rounded to bf16 (<= 2^-9 of the same mass) and the result rounded to bf16"
-                   " (2^-9·|out|): |err| <= 2^-8·(|out| + mass), mass = Σ_slots |h|·|W2|ᵀ (+ the shared expert's)"),
-    "compressor": Tol(1e-6, 2.0**-14, "rel_l2", None,
-                      "compressed rows vs the float64 whole-sequence oracle, per row: the fp32 projection GEMM over"
-                      " K = Hd (summation-order error ≈ sqrt(K/2)·2^-24 of the row norm: 2.7e-6 at Hd 4096), a"
-                      " per-channel softmax over <= 128 tokens and an RMSNorm (a few ulps, approximate exp/rsqrt on a"
-                      " GPU); 2^-14 leaves a 20x margin; zero rows (no boundary) must stay below 1e-6"),
-    "indexer_logits": Tol(1e-30, 2.0**-14, "mass", None,
-                          "indexer scores vs the float64 oracle on the same codes, mass = Σ_h |w_out|·Σ_d |q_d·k_d|"
-                          "(·k_scale) (reference.logits_condition): the products are exact (e4m3 / scaled e2m1 values"
-                          " in bf16 or fp16); only the fp32 sums over 128 dims and n_ih <= 64 heads round, at most"
-                          " ~(128 + 64)·2^-24 = 1.1e-5 of the mass in any order (2^-14 leaves a 5x margin); an"
-                          " elementwise relative check fails wherever ReLU'd heads of opposite-sign weights cancel"),
-    "qnorm_rope_q": Tol(1e-5, 1e-2, "mass", None,
-                        "q of the fused Q-norm + RoPE vs dsv4ref's fp32 form (docs/rope.md#exactness), mass = the"
-                        " larger |expected| of each (2i, 2i+1) pair: a correct port may round q to bf16 after the norm"
-                        " and then rotate (vLLM's reference) or use rsqrt / FMA; the bf16 rounding of a pair, up to"
-                        " 2^-9 of its larger element, is moved by the rotation into BOTH outputs, so a small output"
-                        " beside a large partner is off by 2^-9·max|pair| (0.0156 seen), which no bound relative to the"
-                        " element itself accepts (measured worst: 0.48 of this bound; 0.77 with a bf16 table and bf16 arithmetic too)"),
+    "decode_step": Tol(
+        1e-6,
+        2.0**-3,
+        "rel_l2",
+        None,
+        "a whole decode step vs the float64 dense reference, per row: the e4m3 KV error (<= 2^-4"
+        " relative per value) enters attention twice, through V and through the softmax weights",
+    ),
+    "bf16_weighted_sum": Tol(
+        1e-6,
+        2.0**-8,
+        "mass",
+        None,
+        "out = Σ_j p_j·v_j with p rounded to bf16 (rel 2^-9 each, as FlashMLA's kernels do) and"
+        " the result rounded to bf16 (2^-9): |err| <= 2^-9·Σ p|v| + 2^-9·|out|, doubled for"
+        " accumulation order and exp2; an elementwise relative check fails wherever outputs cancel",
+    ),
+    "route_weights": Tol(
+        0.0,
+        1e-6,
+        "sum",
+        None,
+        "MoE routing weights vs float64 on the same gate logits: sqrt(softplus) and a K-term"
+        " normalisation in fp32 are a few ulps (6e-8 each); weights of padding rows must be exactly 0",
+    ),
+    "moe_out": Tol(
+        1e-6,
+        2.0**-8,
+        "mass",
+        None,
+        "MoE output vs a float64 oracle without roundings: h = swiglu·ω rounded to bf16 (2^-9 of Σ|h||W2|),"
+        " each expert output rounded to bf16 (<= 2^-9 of the same mass) and the result rounded to bf16"
+        " (2^-9·|out|): |err| <= 2^-8·(|out| + mass), mass = Σ_slots |h|·|W2|ᵀ (+ the shared expert's)",
+    ),
+    "compressor": Tol(
+        1e-6,
+        2.0**-14,
+        "rel_l2",
+        None,
+        "compressed rows vs the float64 whole-sequence oracle, per row: the fp32 projection GEMM over"
+        " K = Hd (summation-order error ≈ sqrt(K/2)·2^-24 of the row norm: 2.7e-6 at Hd 4096), a"
+        " per-channel softmax over <= 128 tokens and an RMSNorm (a few ulps, approximate exp/rsqrt on a"
+        " GPU); 2^-14 leaves a 20x margin; zero rows (no boundary) must stay below 1e-6",
+    ),
+    "indexer_logits": Tol(
+        1e-30,
+        2.0**-14,
+        "mass",
+        None,
+        "indexer scores vs the float64 oracle on the same codes, mass = Σ_h |w_out|·Σ_d |q_d·k_d|"
+        "(·k_scale) (reference.logits_condition): the products are exact (e4m3 / scaled e2m1 values"
+        " in bf16 or fp16); only the fp32 sums over 128 dims and n_ih <= 64 heads round, at most"
+        " ~(128 + 64)·2^-24 = 1.1e-5 of the mass in any order (2^-14 leaves a 5x margin); an"
+        " elementwise relative check fails wherever ReLU'd heads of opposite-sign weights cancel",
+    ),
+    "qnorm_rope_q": Tol(
+        1e-5,
+        1e-2,
+        "mass",
+        None,
+        "q of the fused Q-norm + RoPE vs dsv4ref's fp32 form (docs/rope.md#exactness), mass = the"
+        " larger |expected| of each (2i, 2i+1) pair: a correct port may round q to bf16 after the norm"
+        " and then rotate (vLLM's reference) or use rsqrt / FMA; the bf16 rounding of a pair, up to"
+        " 2^-9 of its larger element, is moved by the rotation into BOTH outputs, so a small output"
+        " beside a large partner is off by 2^-9·max|pair| (0.0156 seen), which no bound relative to the"
+        " element itself accepts (measured worst: 0.48 of this bound; 0.77 with a bf16 table and bf16 arithmetic too)",
+    ),
 }
 
 
@@ -82,8 +117,10 @@ class Report:
     def __str__(self) -> str:
         t = TOLERANCES[self.tol]
         verdict = "PASS" if self.passed else "FAIL"
-        return (f"{self.name}: {verdict} (max abs {self.max_abs:.3g}, max rel {self.max_rel:.3g}; "
-                f"tolerance '{self.tol}' {t.mode} atol={t.atol:g} rtol={t.rtol:g})" + (f" {self.detail}" if self.detail else ""))
+        return (
+            f"{self.name}: {verdict} (max abs {self.max_abs:.3g}, max rel {self.max_rel:.3g}; "
+            f"tolerance '{self.tol}' {t.mode} atol={t.atol:g} rtol={t.rtol:g})" + (f" {self.detail}" if self.detail else "")
+        )
 
     def verdict(self) -> str:
         """A device-independent line for notebooks: no error magnitudes, just the verdict."""
@@ -100,8 +137,9 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
-def compare(actual: torch.Tensor, expected: torch.Tensor, tol: str = "bf16_out", name: str = "result",
-            mass: torch.Tensor | None = None) -> Report:
+def compare(
+    actual: torch.Tensor, expected: torch.Tensor, tol: str = "bf16_out", name: str = "result", mass: torch.Tensor | None = None
+) -> Report:
     """Compare ``actual`` with ``expected`` (ideally float64) under the named tolerance.
 
     Non-finite entries must sit at the same positions with the same values (FlashMLA's rule), and are
@@ -150,12 +188,14 @@ def compare(actual: torch.Tensor, expected: torch.Tensor, tol: str = "bf16_out",
         cos_diff = 0.0 if denom == 0 else 1.0 - 2.0 * float((a * e).sum()) / denom
         if cos_diff > t.cos:
             ok, detail = False, f"cosine diff {cos_diff:.3g} > {t.cos:g}"
-    return Report(name, float(abs_err.max()), float(rel_err[e.abs() > 0].max()) if bool((e.abs() > 0).any()) else 0.0,
-                  tol, ok, detail)
+    return Report(
+        name, float(abs_err.max()), float(rel_err[e.abs() > 0].max()) if bool((e.abs() > 0).any()) else 0.0, tol, ok, detail
+    )
 
 
-def assert_close(actual: torch.Tensor, expected: torch.Tensor, tol: str = "bf16_out", name: str = "result",
-                 mass: torch.Tensor | None = None) -> Report:
+def assert_close(
+    actual: torch.Tensor, expected: torch.Tensor, tol: str = "bf16_out", name: str = "result", mass: torch.Tensor | None = None
+) -> Report:
     """:func:`compare`, raising AssertionError that lists the five worst elements on failure."""
     r = compare(actual, expected, tol, name, mass)
     if not r.passed:

@@ -40,6 +40,7 @@ def checking_values(on: bool = True):
         else:
             os.environ["DSV4REF_CHECK_VALUES"] = old
 
+
 # The one list of backend names. Every public op takes ``backend=`` from it and declares the subset it
 # supports; "auto" resolves to the fastest correct backend on this device.
 BACKENDS = ("auto", "reference", "triton", "two_pass", "gluon")
@@ -130,8 +131,9 @@ def integer(v, name: str, *, lo: int | None = None, hi: int | None = None) -> in
     return v
 
 
-def scalar(v, name: str, *, lo: float | None = None, hi: float | None = None, finite: bool = True,
-           gt: float | None = None) -> float:
+def scalar(
+    v, name: str, *, lo: float | None = None, hi: float | None = None, finite: bool = True, gt: float | None = None
+) -> float:
     """A real scalar (int or float; not bool, not a str, not a tensor), finite unless ``finite=False``, in
     [lo, hi] and > ``gt`` (an open lower bound: ``eps``, a scale factor); returns it as float."""
     if isinstance(v, bool) or not isinstance(v, numbers.Real):
@@ -151,8 +153,7 @@ def not_meta(t: torch.Tensor | None, name: str) -> None:
     """Metadata check: ``t`` is not on the meta device. A meta tensor holds no values, so no op can run on
     it (a value check or a kernel would fail inside torch); every op refuses it with this one message."""
     if t is not None and t.device.type == "meta":
-        raise ValueError(f"{name}: tensors on the meta device cannot be run (they hold no values); "
-                         "pass tensors on a real device")
+        raise ValueError(f"{name}: tensors on the meta device cannot be run (they hold no values); pass tensors on a real device")
 
 
 def finite(t: torch.Tensor, name: str) -> None:

@@ -24,14 +24,45 @@ from .config import TINY, Config
 from .device import DEVICE, HOST
 from .testing import generator
 
-__all__ = ["check_config", "check_weights", "layer_ratio", "make_weights", "block_weights", "moe_weights",
-           "mtp_weights", "Draw", "weights_to"]
+__all__ = [
+    "check_config",
+    "check_weights",
+    "layer_ratio",
+    "make_weights",
+    "block_weights",
+    "moe_weights",
+    "mtp_weights",
+    "Draw",
+    "weights_to",
+]
 
 # the Config fields the decode step reads as sizes: ints (not bool / float), >= 1 (the two counts: >= 0)
-_INT_FIELDS = ("vocab_size", "hidden_size", "num_layers", "num_heads", "head_dim", "rope_dim", "q_lora_rank",
-               "o_groups", "o_lora_rank", "window", "index_heads", "index_head_dim", "index_topk", "hc_mult",
-               "hc_sinkhorn_iters", "max_position", "kv_block", "window_page", "c4_page", "c128_page", "index_page",
-               "n_routed_experts", "num_experts_per_tok", "moe_intermediate_size")
+_INT_FIELDS = (
+    "vocab_size",
+    "hidden_size",
+    "num_layers",
+    "num_heads",
+    "head_dim",
+    "rope_dim",
+    "q_lora_rank",
+    "o_groups",
+    "o_lora_rank",
+    "window",
+    "index_heads",
+    "index_head_dim",
+    "index_topk",
+    "hc_mult",
+    "hc_sinkhorn_iters",
+    "max_position",
+    "kv_block",
+    "window_page",
+    "c4_page",
+    "c128_page",
+    "index_page",
+    "n_routed_experts",
+    "num_experts_per_tok",
+    "moe_intermediate_size",
+)
 
 
 def check_config(cfg: Config) -> Config:
@@ -56,8 +87,10 @@ def check_config(cfg: Config) -> Config:
     if bad:
         raise ValueError(f"cfg.compress_ratios: {bad[0]} is not one of 0 (window only), 4 (C4A), 128 (C128A)")
     if (cfg.head_dim, cfg.rope_dim, cfg.kv_block) != (512, 64, 64):
-        raise ValueError(f"cfg.head_dim/rope_dim/kv_block: the 584-B cache format needs 512/64/64, got "
-                         f"{cfg.head_dim}/{cfg.rope_dim}/{cfg.kv_block}")
+        raise ValueError(
+            f"cfg.head_dim/rope_dim/kv_block: the 584-B cache format needs 512/64/64, got "
+            f"{cfg.head_dim}/{cfg.rope_dim}/{cfg.kv_block}"
+        )
     if cfg.index_head_dim != 128:
         raise ValueError(f"cfg.index_head_dim: the indexer K format needs 128, got {cfg.index_head_dim}")
     if cfg.o_groups < 1 or cfg.num_heads % cfg.o_groups:
@@ -69,14 +102,19 @@ def check_config(cfg: Config) -> Config:
     if cfg.hc_mult < 1 or cfg.index_topk < 1:
         raise ValueError("cfg.hc_mult and cfg.index_topk must be >= 1")
     if not 1 <= cfg.num_experts_per_tok <= cfg.n_routed_experts:
-        raise ValueError(f"cfg.num_experts_per_tok: expected 1..n_routed_experts={cfg.n_routed_experts}, got "
-                         f"{cfg.num_experts_per_tok}")
+        raise ValueError(
+            f"cfg.num_experts_per_tok: expected 1..n_routed_experts={cfg.n_routed_experts}, got {cfg.num_experts_per_tok}"
+        )
     if cfg.hidden_size % 128 or cfg.moe_intermediate_size < 16:
-        raise ValueError(f"cfg.hidden_size / moe_intermediate_size: the MoE staging needs Hd % 128 == 0 and I >= 16, "
-                         f"got {cfg.hidden_size} / {cfg.moe_intermediate_size}")
+        raise ValueError(
+            f"cfg.hidden_size / moe_intermediate_size: the MoE staging needs Hd % 128 == 0 and I >= 16, "
+            f"got {cfg.hidden_size} / {cfg.moe_intermediate_size}"
+        )
     if not 0 <= cfg.num_hash_layers <= cfg.num_layers or cfg.num_nextn_predict_layers not in (0, 1):
-        raise ValueError(f"cfg.num_hash_layers / num_nextn_predict_layers: expected 0..num_layers and 0 or 1, got "
-                         f"{cfg.num_hash_layers} / {cfg.num_nextn_predict_layers}")
+        raise ValueError(
+            f"cfg.num_hash_layers / num_nextn_predict_layers: expected 0..num_layers and 0 or 1, got "
+            f"{cfg.num_hash_layers} / {cfg.num_nextn_predict_layers}"
+        )
     return cfg
 
 
@@ -143,17 +181,27 @@ class Draw:
     def mhc_params(self, n_out: int, cfg: Config) -> dict:
         """mHC mix parameters {fn, scale, base}: a pre/post mix (n_out = M·(M+2)) or a head (n_out = M)."""
         M, Hd = cfg.hc_mult, cfg.hidden_size
-        return dict(fn=torch.randn(n_out, M * Hd, generator=self.g, device=HOST) / math.sqrt(M * Hd),
-                    scale=torch.tensor([0.5, 0.5, 1.0], device=HOST) if n_out > M else torch.tensor([0.5], device=HOST),
-                    base=torch.cat([0.2 * torch.randn(2 * M, generator=self.g, device=HOST),
-                                    (2.0 * torch.eye(M, device=HOST) + 0.7 * torch.randn(M, M, generator=self.g, device=HOST)).flatten()])
-                    if n_out > M else 0.2 * torch.randn(M, generator=self.g, device=HOST))
+        return dict(
+            fn=torch.randn(n_out, M * Hd, generator=self.g, device=HOST) / math.sqrt(M * Hd),
+            scale=torch.tensor([0.5, 0.5, 1.0], device=HOST) if n_out > M else torch.tensor([0.5], device=HOST),
+            base=torch.cat(
+                [
+                    0.2 * torch.randn(2 * M, generator=self.g, device=HOST),
+                    (2.0 * torch.eye(M, device=HOST) + 0.7 * torch.randn(M, M, generator=self.g, device=HOST)).flatten(),
+                ]
+            )
+            if n_out > M
+            else 0.2 * torch.randn(M, generator=self.g, device=HOST),
+        )
 
     def compressor(self, r: int, d: int, cfg: Config) -> dict:
         coff = 2 if r == 4 else 1
-        return dict(wkv=self.lin(coff * d, cfg.hidden_size), wgate=self.lin(coff * d, cfg.hidden_size),
-                    ape=0.5 * torch.randn(r, coff * d, generator=self.g, device=HOST),
-                    norm=self.norm_w(d, octaves=1 if d == cfg.head_dim else 0))
+        return dict(
+            wkv=self.lin(coff * d, cfg.hidden_size),
+            wgate=self.lin(coff * d, cfg.hidden_size),
+            ape=0.5 * torch.randn(r, coff * d, generator=self.g, device=HOST),
+            norm=self.norm_w(d, octaves=1 if d == cfg.head_dim else 0),
+        )
 
 
 def block_weights(cfg: Config, draw: Draw, r: int, layer: int, seed: int) -> dict:
@@ -162,10 +210,12 @@ def block_weights(cfg: Config, draw: Draw, r: int, layer: int, seed: int) -> dic
     Hd, H, D = cfg.hidden_size, cfg.num_heads, cfg.head_dim
     L = dict(
         ratio=r,
-        hc_attn=draw.mhc_params(cfg.hc_mix, cfg), hc_ffn=draw.mhc_params(cfg.hc_mix, cfg),
+        hc_attn=draw.mhc_params(cfg.hc_mix, cfg),
+        hc_ffn=draw.mhc_params(cfg.hc_mix, cfg),
         attn_norm=draw.norm_w(Hd),
         wqkv_a=draw.lin(cfg.q_lora_rank + D, Hd),  # [W_q_a ; W_kv]: one GEMM
-        q_norm=draw.norm_w(cfg.q_lora_rank), kv_norm=draw.norm_w(D, octaves=1),
+        q_norm=draw.norm_w(cfg.q_lora_rank),
+        kv_norm=draw.norm_w(D, octaves=1),
         wq_b=draw.lin(H * D, cfg.q_lora_rank),
         sink=torch.randn(H, generator=draw.g, device=HOST),
         wo_a=torch.stack([draw.lin(cfg.o_lora_rank, cfg.heads_per_group * D) for _ in range(cfg.o_groups)]),
@@ -198,9 +248,13 @@ def moe_weights(cfg: Config, g: torch.Generator, *, hash_layer: bool) -> dict:
     return dict(
         gate_weight=w(E, Hd),
         bias=None if hash_layer else 8.08 + 0.02 * torch.randn(E, generator=g, device=HOST),
-        tid2eid=torch.stack([torch.randperm(E, generator=g, device=HOST)[:K] for _ in range(cfg.vocab_size)]) if hash_layer else None,
-        w13=w(E, 2 * I, Hd), w2=w(E, Hd, I, scale=0.25),
-        shared_w13=w(2 * I, Hd), shared_w2=w(Hd, I, scale=0.25),
+        tid2eid=torch.stack([torch.randperm(E, generator=g, device=HOST)[:K] for _ in range(cfg.vocab_size)])
+        if hash_layer
+        else None,
+        w13=w(E, 2 * I, Hd),
+        w2=w(E, Hd, I, scale=0.25),
+        shared_w13=w(2 * I, Hd),
+        shared_w2=w(Hd, I, scale=0.25),
     )
 
 
@@ -229,7 +283,8 @@ def mtp_weights(cfg: Config, target_weights: dict, seed: int) -> dict:
     return dict(
         e_proj=torch.eye(Hd, device=HOST).to(torch.bfloat16),
         h_proj=draw.lin(Hd, Hd, scale=0.1),
-        enorm=draw.norm_w(Hd), hnorm=draw.norm_w(Hd),
+        enorm=draw.norm_w(Hd),
+        hnorm=draw.norm_w(Hd),
         norm=jitter(target_weights["final_norm"].float().cpu()),
         hc_head={k: jitter(v.float().cpu()) for k, v in hc.items()},
         block=block_weights(cfg, draw, 0, cfg.num_layers, seed),
@@ -275,19 +330,24 @@ def _compare(got, want, path: str, device: torch.device) -> None:
         if got.dtype != want.dtype:
             raise TypeError(f"{path}: expected dtype {want.dtype}, got {got.dtype}")
         if got.shape != want.shape:
-            raise ValueError(f"{path}: expected shape {tuple(want.shape)} for this cfg, got {tuple(got.shape)} "
-                             "(weights of another config?)")
+            raise ValueError(
+                f"{path}: expected shape {tuple(want.shape)} for this cfg, got {tuple(got.shape)} (weights of another config?)"
+            )
         if not _same_device(got.device, device):
-            raise ValueError(f"{path}: on {got.device}, the Decoder runs on {device}; move the weights there first "
-                             "(dsv4ref.decode.weights_to(weights, device)) or make them there "
-                             "(make_weights(cfg, seed, device))")
+            raise ValueError(
+                f"{path}: on {got.device}, the Decoder runs on {device}; move the weights there first "
+                "(dsv4ref.decode.weights_to(weights, device)) or make them there "
+                "(make_weights(cfg, seed, device))"
+            )
     elif isinstance(want, dict):
         if not isinstance(got, dict):
             raise TypeError(f"{path}: expected a dict, got {type(got).__name__}")
         missing = [k for k in want if k not in got]
         if missing:
-            raise ValueError(f"{path}: missing {', '.join(repr(k) for k in missing)} (expected the keys of "
-                             f"make_weights(cfg): {', '.join(repr(k) for k in want)})")
+            raise ValueError(
+                f"{path}: missing {', '.join(repr(k) for k in missing)} (expected the keys of "
+                f"make_weights(cfg): {', '.join(repr(k) for k in want)})"
+            )
         for k in want:
             _compare(got[k], want[k], f"{path}[{k!r}]", device)
     elif isinstance(want, list):
@@ -298,8 +358,10 @@ def _compare(got, want, path: str, device: torch.device) -> None:
             _compare(g, w, f"{path}[{i}]", device)
     elif want is None:
         if got is not None:
-            raise ValueError(f"{path}: expected None for this cfg (a hash-routed layer has no bias, the others no "
-                             f"table), got {type(got).__name__}")
+            raise ValueError(
+                f"{path}: expected None for this cfg (a hash-routed layer has no bias, the others no "
+                f"table), got {type(got).__name__}"
+            )
     elif got != want:
         raise ValueError(f"{path}: expected {want!r} for this cfg, got {got!r}")
 

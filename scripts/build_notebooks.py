@@ -51,8 +51,9 @@ def execute(nb: nbformat.NotebookNode) -> None:
     os.environ["DSV4REF_DEVICE"] = "cpu"
     os.environ["TRITON_INTERPRET"] = "1"
     os.environ.setdefault("PYTHONWARNINGS", "ignore")
-    NotebookClient(nb, timeout=600, kernel_name="python3", record_timing=False,
-                   resources={"metadata": {"path": str(OUT)}}).execute()
+    NotebookClient(
+        nb, timeout=600, kernel_name="python3", record_timing=False, resources={"metadata": {"path": str(OUT)}}
+    ).execute()
     nb.metadata["kernelspec"] = dict(KERNELSPEC)
 
 
@@ -72,7 +73,10 @@ def main() -> int:
             execute(nb)
         dst = OUT / (src.stem + ".ipynb")
         nbformat.write(nb, dst)
-        print(f"{dst.relative_to(ROOT)}: {len(nb.cells)} cells" + ("" if args.no_exec else f", executed in {time.time() - t0:.1f} s"))
+        print(
+            f"{dst.relative_to(ROOT)}: {len(nb.cells)} cells"
+            + ("" if args.no_exec else f", executed in {time.time() - t0:.1f} s")
+        )
     return 0
 
 

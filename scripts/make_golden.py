@@ -54,38 +54,52 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 def _same(a, b) -> bool:
     """Equal values, bit for bit (tensors: dtype, shape and bytes; NaN payloads included)."""
     if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
-        return (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.dtype == b.dtype
-                and a.shape == b.shape and torch.equal(a.flatten().contiguous().view(torch.uint8),
-                                                       b.flatten().contiguous().view(torch.uint8)))
+        return (
+            isinstance(a, torch.Tensor)
+            and isinstance(b, torch.Tensor)
+            and a.dtype == b.dtype
+            and a.shape == b.shape
+            and torch.equal(a.flatten().contiguous().view(torch.uint8), b.flatten().contiguous().view(torch.uint8))
+        )
     return a == b
 
 
 def _same_safetensors(a: pathlib.Path, b: pathlib.Path) -> bool:
     """The same header (tensor entries and metadata, whatever their order in the JSON) and the same bytes."""
+
     def parts(p):
         raw = p.read_bytes()
         n = int.from_bytes(raw[:8], "little")
-        return json.loads(raw[8:8 + n]), raw[8 + n:]
+        return json.loads(raw[8 : 8 + n]), raw[8 + n :]
 
     return parts(a) == parts(b)
 
 
 def _unchanged(stored: conformance.Case, now: conformance.Case) -> bool:
-    return (list(stored.inputs) == list(now.inputs) and stored.positional == now.positional and stored.tol == now.tol
-            and stored.check_values == now.check_values and all(_same(stored.inputs[k], v) for k, v in now.inputs.items()))
+    return (
+        list(stored.inputs) == list(now.inputs)
+        and stored.positional == now.positional
+        and stored.tol == now.tol
+        and stored.check_values == now.check_values
+        and all(_same(stored.inputs[k], v) for k, v in now.inputs.items())
+    )
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--all", action="store_true", help="recompute the expected outputs of every case")
-    ap.add_argument("--recompute", action="append", default=[], metavar="OP_PREFIX",
-                    help="recompute the expected outputs of the ops whose name starts with this (repeatable)")
+    ap.add_argument(
+        "--recompute",
+        action="append",
+        default=[],
+        metavar="OP_PREFIX",
+        help="recompute the expected outputs of the ops whose name starts with this (repeatable)",
+    )
     a = ap.parse_args(argv)
     out = ROOT / "golden"
     missing = sorted(set(conformance.suite.outputs()) - set(conformance.suite._available_ops()))
     if missing:  # an op that does not import would lose its golden files below (its cases "no longer exist")
-        print(f"make_golden: {', '.join(missing)} not importable in this checkout; golden/ left as it is",
-              file=sys.stderr)
+        print(f"make_golden: {', '.join(missing)} not importable in this checkout; golden/ left as it is", file=sys.stderr)
         return 1
     stored = {} if a.all else {(c.op, c.name): c for c in conformance.load_golden(out)}
     cases, kept, write = conformance.all_cases(), 0, []
@@ -119,8 +133,10 @@ def main(argv=None) -> int:
             if not (dst.exists() and _same_safetensors(dst, new)):
                 shutil.copyfile(new, dst)
     total = sum(p.stat().st_size for p in out.glob("*.pt"))
-    print(f"{len(cases)} cases, {total / 2**20:.2f} MiB in golden/; {len(paths)} files written; {kept} kept their "
-          f"stored expected outputs, {len(cases) - kept} computed now")
+    print(
+        f"{len(cases)} cases, {total / 2**20:.2f} MiB in golden/; {len(paths)} files written; {kept} kept their "
+        f"stored expected outputs, {len(cases) - kept} computed now"
+    )
     return 0
 
 

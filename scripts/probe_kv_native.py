@@ -16,7 +16,7 @@ from dsv4ref.kv_cache.launch import KVCacheLaunch, launch_gather, launch_insert
 for B, pages in ((1, 40), (2, 16), (61, 2), (64, 2)):
     g = torch.Generator().manual_seed(B)
     T = 24
-    kv = (torch.randn(T, 512, generator=g) * torch.exp2(torch.randint(-8, 8, (T, 1), generator=g).float()))
+    kv = torch.randn(T, 512, generator=g) * torch.exp2(torch.randint(-8, 8, (T, 1), generator=g).float())
     kv = kv.to(torch.bfloat16).to(DEVICE)
     slots = torch.randperm(pages * B, generator=g)[:T].to(DEVICE)
     base = torch.randint(0, 256, (pages, kc.allocate(1, B).shape[1]), generator=g, dtype=torch.uint8).to(DEVICE)
@@ -33,5 +33,8 @@ for B, pages in ((1, 40), (2, 16), (61, 2), (64, 2)):
             synchronize()
             bad_i = int((got != want).sum())
             bad_g = int((rows.view(torch.int16) != want_rows.view(torch.int16)).sum())
-            print(f"B={B:3d} tokens={tok} native={native!s:5}: insert {'exact' if not bad_i else f'{bad_i} bytes differ'}, "
-                  f"gather {'exact' if not bad_g else f'{bad_g} values differ'}", flush=True)
+            print(
+                f"B={B:3d} tokens={tok} native={native!s:5}: insert {'exact' if not bad_i else f'{bad_i} bytes differ'}, "
+                f"gather {'exact' if not bad_g else f'{bad_g} values differ'}",
+                flush=True,
+            )

@@ -1,5 +1,6 @@
 """Throwaway GPU probe: qnorm_rope_kv_insert with one +inf at q[0, 0, 448], checks off; print where the
 reference's and the kernel's q bytes differ."""
+
 import torch
 from dsv4ref import rope, validate
 from dsv4ref.device import DEVICE
@@ -20,8 +21,20 @@ for col, val in ((448, float("inf")), (3, float("inf")), (449, float("nan")), (1
         for b in ("reference", "triton"):
             qq, c = q.clone(), cache.clone()
             with validate.checking_values(False):
-                qnorm_rope_kv_insert(qq, kv, c, slots, pos, TAB, block_size=1, backend=b,
-                                     launch=RopeLaunch(heads_per_prog=hpp) if b == "triton" else None)
+                qnorm_rope_kv_insert(
+                    qq,
+                    kv,
+                    c,
+                    slots,
+                    pos,
+                    TAB,
+                    block_size=1,
+                    backend=b,
+                    launch=RopeLaunch(heads_per_prog=hpp) if b == "triton" else None,
+                )
             outs[b] = qq.view(torch.int16).flatten().cpu()
         d = (outs["reference"] != outs["triton"]).nonzero().flatten()
-        print(f"col {col} {val} hpp {hpp}: {d.numel()} differing words", [(int(i), hex(int(outs['reference'][i]) & 0xFFFF), hex(int(outs['triton'][i]) & 0xFFFF)) for i in d[:6]])
+        print(
+            f"col {col} {val} hpp {hpp}: {d.numel()} differing words",
+            [(int(i), hex(int(outs["reference"][i]) & 0xFFFF), hex(int(outs["triton"][i]) & 0xFFFF)) for i in d[:6]],
+        )

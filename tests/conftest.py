@@ -27,8 +27,19 @@ torch.set_printoptions(precision=6)
 # Property-based tests (hypothesis): a small, derandomised profile in `make test` (CI), a long one via
 # `make test-long` (HYPOTHESIS_PROFILE=long).
 
-settings.register_profile("ci", max_examples=20, deadline=None, derandomize=True, print_blob=True,
-                          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
-settings.register_profile("long", max_examples=400, deadline=None, print_blob=True,
-                          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+settings.register_profile(
+    "ci",
+    max_examples=20,
+    deadline=None,
+    derandomize=True,
+    print_blob=True,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
+settings.register_profile(
+    "long",
+    max_examples=400,
+    deadline=None,
+    print_blob=True,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
 settings.load_profile(_os.environ.get("HYPOTHESIS_PROFILE", "ci"))

@@ -70,8 +70,20 @@ class HostSync(AssertionError):
 #: numpy), the ops whose output shape depends on the data (nonzero, unique, bincount, masked_select, indexing
 #: with a bool mask), and a tensor made from host data (torch.tensor / as_tensor: on a GPU an H2D copy from
 #: pageable memory, which waits for the stream and cannot be captured).
-TENSOR_SYNCS = ("item", "tolist", "__bool__", "__int__", "__float__", "__index__", "cpu", "numpy", "nonzero",
-                "unique", "bincount", "masked_select")
+TENSOR_SYNCS = (
+    "item",
+    "tolist",
+    "__bool__",
+    "__int__",
+    "__float__",
+    "__index__",
+    "cpu",
+    "numpy",
+    "nonzero",
+    "unique",
+    "bincount",
+    "masked_select",
+)
 TORCH_SYNCS = ("nonzero", "unique", "bincount", "masked_select", "argwhere", "tensor", "as_tensor")
 
 
@@ -107,6 +119,7 @@ def no_host_sync(record: list, tolerate: tuple = ()):
     The entry points are patched on torch.Tensor / torch (so calls inside the dsv4ref custom ops' Python
     implementations are seen too); bool-mask indexing is seen by a torch function mode, which does not see
     inside a custom op."""
+
     def hit(name, where):
         if where.startswith("dsv4ref"):
             if (where, name) not in record:  # a patched dunder may be seen twice: as itself and through the mode

@@ -26,7 +26,7 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-SCRIPT = textwrap.dedent('''
+SCRIPT = textwrap.dedent("""
     import os, sys
     sys.path.insert(0, {root!r})
     os.environ["DSV4REF_DEVICE"] = "cpu"
@@ -81,7 +81,7 @@ SCRIPT = textwrap.dedent('''
             triton.compile(ASTSource(fn=fn, signature=sig, constexprs=const), target=GPUTarget("cuda", 90, 32),
                            options={{"num_warps": warps, "enable_fp_fusion": False}})
             print(fn.__name__, "block_size", block_size, "warps", warps, "compiled", flush=True)
-''')
+""")
 
 
 def _has_nvidia_backend() -> bool:
@@ -94,8 +94,13 @@ def _has_nvidia_backend() -> bool:
 
 @pytest.mark.skipif(not _has_nvidia_backend(), reason="Triton without its NVIDIA backend")
 def test_kv_and_fused_rope_kernels_compile_for_sm90_with_unit_block_size():
-    r = subprocess.run([sys.executable, "-c", SCRIPT.format(root=ROOT)], capture_output=True, text=True,
-                       timeout=600, env={k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"})
+    r = subprocess.run(
+        [sys.executable, "-c", SCRIPT.format(root=ROOT)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"},
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     assert r.stdout.count("compiled") == 12, r.stdout
     lines = r.stdout.splitlines()

@@ -44,11 +44,12 @@ def _run(ratio, plan, *, dim=512, backend="reference", seed=0, state=None, x=Non
             p = torch.arange(done_at[q], done_at[q] + n, device=DEVICE)
             req.append(torch.full((n,), q, device=DEVICE))
             pos.append(p)
-            rows_x.append(xs[q][done_at[q]:done_at[q] + n])
+            rows_x.append(xs[q][done_at[q] : done_at[q] + n])
             done_at[q] += n
         req, pos, xx = torch.cat(req), torch.cat(pos), torch.cat(rows_x)
-        rows, done = compressor.compress(xx, w["wkv"], w["wgate"], w["ape"], w["norm"], st.kv, st.score, req, pos,
-                                         ratio=ratio, eps=EPS, backend=backend)
+        rows, done = compressor.compress(
+            xx, w["wkv"], w["wgate"], w["ape"], w["norm"], st.kv, st.score, req, pos, ratio=ratio, eps=EPS, backend=backend
+        )
         assert done.tolist() == ((pos + 1) % ratio == 0).tolist()
         assert not rows[~done].any()  # zeros where no row completes
         for q in range(R):
@@ -173,8 +174,9 @@ def test_padding_rows_are_ignored(backend):
     req = torch.tensor([1, 0, 0, 0, 0, 0, 0, 0, 0], device=DEVICE)
     pos = torch.tensor([3, 0, 1, 2, 3, 4, 5, 6, 7], device=DEVICE)
     valid = torch.tensor([False] + [True] * 8, device=DEVICE)
-    rows, done = compressor.compress(x, w["wkv"], w["wgate"], w["ape"], w["norm"], st.kv, st.score, req, pos,
-                                     ratio=4, eps=EPS, valid=valid, backend=backend)
+    rows, done = compressor.compress(
+        x, w["wkv"], w["wgate"], w["ape"], w["norm"], st.kv, st.score, req, pos, ratio=4, eps=EPS, valid=valid, backend=backend
+    )
     assert done.tolist() == [False] * 4 + [True] + [False] * 3 + [True]
     assert torch.isinf(st.score[1]).all()  # request 1's ring untouched
     keep = valid.clone()
@@ -263,8 +265,12 @@ def test_conformance_suite_has_teeth():
     def swapped(x, wkv, wgate, ape, norm, *args, ratio, **kw):
         if ratio == 4:
             D = norm.shape[0]
-            wkv, wgate, ape = (torch.cat([t[..., D:, :], t[..., :D, :]], -2) if t.dim() == 2 and t.shape[0] == 2 * D
-                               else torch.cat([t[:, D:], t[:, :D]], -1) for t in (wkv, wgate, ape))
+            wkv, wgate, ape = (
+                torch.cat([t[..., D:, :], t[..., :D, :]], -2)
+                if t.dim() == 2 and t.shape[0] == 2 * D
+                else torch.cat([t[:, D:], t[:, :D]], -1)
+                for t in (wkv, wgate, ape)
+            )
         return compressor.compress(x, wkv, wgate, ape, norm, *args, ratio=ratio, backend="reference", **kw)
 
     bad = [r for r in conformance.run({"compressor.compress": swapped}, "compressor") if not r.passed]

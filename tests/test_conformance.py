@@ -49,8 +49,11 @@ def test_golden_files_match_the_cases_of_this_checkout():
             if isinstance(v, torch.Tensor):  # bit for bit (NaN inputs included)
                 w = g.inputs[k]
                 assert w.dtype == v.dtype and w.shape == v.shape, (c.op, c.name, k)
-                assert torch.equal(w.flatten().contiguous().view(torch.uint8), v.flatten().contiguous().view(torch.uint8)), \
-                    (c.op, c.name, k)
+                assert torch.equal(w.flatten().contiguous().view(torch.uint8), v.flatten().contiguous().view(torch.uint8)), (
+                    c.op,
+                    c.name,
+                    k,
+                )
             else:
                 assert g.inputs[k] == v
 
@@ -99,6 +102,7 @@ def test_amax_floor_only_at_zero_fails():  # moe.md P8's neighbour: the staging 
 
 def test_softplus_without_threshold_fails():  # moe.md P2: softplus(z) = z above 20
     """sqrt(log1p(exp(z))) for every z overflows to inf past z ≈ 88 in fp32: NaN weights on those rows."""
+
     def route_no_threshold(x, gate_weight, bias, *, k, routed_scale, hash_table=None, input_ids=None, **kw):
         z = x.float() @ gate_weight.float().T
         s = torch.sqrt(torch.log1p(torch.exp(z)))
@@ -106,8 +110,11 @@ def test_softplus_without_threshold_fails():  # moe.md P2: softplus(z) = z above
         w = s.gather(1, ids)
         return ids.to(torch.int32), w / w.sum(-1, keepdim=True).clamp_min(1e-20) * routed_scale
 
-    cases = [c for c in conformance.all_cases("moe.route") if "hash_table" not in c.inputs and "input_ids" not in c.inputs
-             and c.check_values]
+    cases = [
+        c
+        for c in conformance.all_cases("moe.route")
+        if "hash_table" not in c.inputs and "input_ids" not in c.inputs and c.check_values
+    ]
     bad = {r.case for r in _fails(conformance.run({"moe.route": route_no_threshold}, cases), "moe.route")}
     assert bad == {"softplus_threshold_z_above_88"}
 
@@ -137,8 +144,9 @@ def test_write_to_slot_minus1_fails():  # pitfall #11
         kv_cache.insert(cache, kv[i], torch.zeros_like(i), block_size=block_size, backend="reference")
 
     bad = _fails(conformance.run({"kv_cache.insert": insert_clamped}), "kv_cache.insert")
-    with_minus1 = {c.name for c in conformance.all_cases("kv_cache.insert", with_expected=False)
-                   if bool((c.inputs["slots"] < 0).any())}
+    with_minus1 = {
+        c.name for c in conformance.all_cases("kv_cache.insert", with_expected=False) if bool((c.inputs["slots"] < 0).any())
+    }
     assert "B61_minus1_slots_random_bytes" in with_minus1
     assert {r.case for r in bad} == with_minus1  # every case with a −1 slot catches it, no other case fails
 

@@ -34,8 +34,9 @@ def step(chunks=(5, 3), requests=3, ratio=4):
 def call(d, backend, **kw):
     args = dict(ratio=d["ratio"], eps=d["eps"], valid=d.get("valid"), backend=backend)
     args.update(kw)
-    return compressor.compress(d["x"], d["wkv"], d["wgate"], d["ape"], d["norm"], d["state_kv"], d["state_score"],
-                               d["requests"], d["positions"], **args)
+    return compressor.compress(
+        d["x"], d["wkv"], d["wgate"], d["ape"], d["norm"], d["state_kv"], d["state_score"], d["requests"], d["positions"], **args
+    )
 
 
 def fresh(d):
@@ -60,8 +61,9 @@ def state_close(a, b):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("ratio, err", [(4.0, TypeError), (True, TypeError), ("4", TypeError), (8, ValueError),
-                                        (None, TypeError)])
+@pytest.mark.parametrize(
+    "ratio, err", [(4.0, TypeError), (True, TypeError), ("4", TypeError), (8, ValueError), (None, TypeError)]
+)
 def test_ratio_must_be_an_int_four_or_128_on_every_backend(backend, ratio, err):
     d = step()
     before = snapshot(d["state_kv"], d["state_score"])
@@ -71,8 +73,10 @@ def test_ratio_must_be_an_int_four_or_128_on_every_backend(backend, ratio, err):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("eps, err", [(0, ValueError), (-1.0, ValueError), (NAN, ValueError), (INF, ValueError),
-                                      ("1e-6", TypeError), (True, TypeError)])
+@pytest.mark.parametrize(
+    "eps, err",
+    [(0, ValueError), (-1.0, ValueError), (NAN, ValueError), (INF, ValueError), ("1e-6", TypeError), (True, TypeError)],
+)
 def test_eps_must_be_a_finite_number_above_zero(backend, eps, err):
     d = step()
     before = snapshot(d["state_kv"], d["state_score"])

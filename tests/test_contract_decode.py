@@ -48,12 +48,20 @@ def same(a: list, b: list) -> bool:
 # ----------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("kw, err, name", [
-    (dict(capacity=32.0), TypeError, "capacity"), (dict(capacity=True), TypeError, "capacity"),
-    (dict(capacity=0), ValueError, "capacity"), (dict(num_requests="2"), TypeError, "num_requests"),
-    (dict(num_requests=0), ValueError, "num_requests"), (dict(seed="a"), TypeError, "seed"),
-    (dict(pad_heads=1), TypeError, "pad_heads"), (dict(graph="yes"), TypeError, "graph"),
-    (dict(device="meta"), ValueError, "device")])
+@pytest.mark.parametrize(
+    "kw, err, name",
+    [
+        (dict(capacity=32.0), TypeError, "capacity"),
+        (dict(capacity=True), TypeError, "capacity"),
+        (dict(capacity=0), ValueError, "capacity"),
+        (dict(num_requests="2"), TypeError, "num_requests"),
+        (dict(num_requests=0), ValueError, "num_requests"),
+        (dict(seed="a"), TypeError, "seed"),
+        (dict(pad_heads=1), TypeError, "pad_heads"),
+        (dict(graph="yes"), TypeError, "graph"),
+        (dict(device="meta"), ValueError, "device"),
+    ],
+)
 def test_decoder_arguments_are_checked_by_name(weights, kw, err, name):
     with pytest.raises(err, match=f"^{name}:"):
         decoder(weights, **kw)
@@ -91,9 +99,13 @@ def test_make_weights_seed_is_an_int():
 
 
 def test_config_scalars_are_checked():
-    for field, value, err in (("routed_scaling_factor", float("nan"), ValueError),
-                              ("routed_scaling_factor", -1.5, ValueError), ("swiglu_limit", "10", TypeError),
-                              ("hc_mult", "4", TypeError), ("rms_norm_eps", 0.0, ValueError)):
+    for field, value, err in (
+        ("routed_scaling_factor", float("nan"), ValueError),
+        ("routed_scaling_factor", -1.5, ValueError),
+        ("swiglu_limit", "10", TypeError),
+        ("hc_mult", "4", TypeError),
+        ("rms_norm_eps", 0.0, ValueError),
+    ):
         with pytest.raises(err, match=f"^cfg.{field}:"):
             Decoder(TINY.replace(**{field: value}), num_requests=1, capacity=16, device="cpu")
 
@@ -110,11 +122,18 @@ def prefilled(weights):
     return dec, logits.argmax(-1).cpu()
 
 
-@pytest.mark.parametrize("prompts, err, match", [
-    ([5, 6], ValueError, r"^prompts\[0\]: expected a 1-d sequence"),
-    ([[1, 2], [3, [4]]], TypeError, r"^prompts\[1\]:"), ([[1.0, 2.0], [3]], TypeError, r"^prompts\[0\]: token ids must be integers"),
-    ([[True], [1]], TypeError, r"^prompts\[0\]: token ids must be integers"), ([[1, 2], []], ValueError, r"^prompts\[1\]:"),
-    ("ab", TypeError, "^prompts:"), ([[1, 2], torch.tensor([[3]])], ValueError, r"^prompts\[1\]:")])
+@pytest.mark.parametrize(
+    "prompts, err, match",
+    [
+        ([5, 6], ValueError, r"^prompts\[0\]: expected a 1-d sequence"),
+        ([[1, 2], [3, [4]]], TypeError, r"^prompts\[1\]:"),
+        ([[1.0, 2.0], [3]], TypeError, r"^prompts\[0\]: token ids must be integers"),
+        ([[True], [1]], TypeError, r"^prompts\[0\]: token ids must be integers"),
+        ([[1, 2], []], ValueError, r"^prompts\[1\]:"),
+        ("ab", TypeError, "^prompts:"),
+        ([[1, 2], torch.tensor([[3]])], ValueError, r"^prompts\[1\]:"),
+    ],
+)
 def test_prefill_prompts_are_integer_sequences(weights, prompts, err, match):
     dec = decoder(weights)
     before = state(dec)

@@ -15,8 +15,9 @@ from dsv4ref import fp8, validate
 from dsv4ref.device import DEVICE
 from dsv4ref.testing import generator
 
-pytestmark = pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning",
-                                        "ignore:overflow encountered:RuntimeWarning")
+pytestmark = pytest.mark.filterwarnings(
+    "ignore:invalid value encountered:RuntimeWarning", "ignore:overflow encountered:RuntimeWarning"
+)
 
 BACKENDS = ("reference", "triton")
 NAN, INF = float("nan"), float("inf")
@@ -84,7 +85,7 @@ def test_probe_nan_block_encodes_as_nan_with_checks_off():
     xr = x.cpu()[0]
     sign = (torch.signbit(xr) & ~xr.isnan()).to(torch.uint8) << 7  # 0xFF: a non-NaN with its sign bit set
     for blk in (0, 1, 3):
-        assert torch.equal(qb[0, 64 * blk:64 * blk + 64], sign[64 * blk:64 * blk + 64] | 0x7F)
+        assert torch.equal(qb[0, 64 * blk : 64 * blk + 64], sign[64 * blk : 64 * blk + 64] | 0x7F)
     assert qb[0, 192 + 1] == 0xFF and qb[0, 192 + 2] == 0x7F and qb[0, 192 + 3] == 0xFF and qb[0, 5] == 0x7F
     assert torch.equal(s[1], fp8.quantize_ue8m0(x[1:], backend="reference")[1].cpu()[0])
     # ... and reads back as NaN, never as a plausible number
@@ -124,8 +125,7 @@ def test_probe_scalar_arguments_are_named(backend):
     with pytest.raises(TypeError, match=r"^amax_floor: expected a number"):
         fp8.quantize_ue8m0(x, amax_floor="1e-4", backend=backend)
     with pytest.raises(TypeError, match=r"^block: expected an int"):
-        fp8.dequantize_ue8m0(x.to(torch.uint8), torch.zeros(2, 2, dtype=torch.uint8, device=DEVICE), block=64.0,
-                             backend=backend)
+        fp8.dequantize_ue8m0(x.to(torch.uint8), torch.zeros(2, 2, dtype=torch.uint8, device=DEVICE), block=64.0, backend=backend)
     with pytest.raises(TypeError, match=r"^launch: expected an Fp8Launch"):
         fp8.quantize_ue8m0(x, launch=(16, 4), backend=backend)
 
@@ -142,11 +142,16 @@ def test_launch_tile_limit_is_named():
 LAYOUTS = ("contiguous", "every_other_row", "storage_offset", "transposed_copy")
 
 
-@given(rows=st.integers(0, 3), blocks=st.integers(1, 3), block=st.sampled_from([16, 32, 64, 128]),
-       dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16]), layout=st.sampled_from(LAYOUTS),
-       specials=st.lists(st.tuples(st.integers(0, 10**6), st.sampled_from([NAN, INF, -INF, -NAN, 0.0, -0.0, 448.0])),
-                         max_size=3),
-       checks=st.booleans(), seed=st.integers(0, 2**16))
+@given(
+    rows=st.integers(0, 3),
+    blocks=st.integers(1, 3),
+    block=st.sampled_from([16, 32, 64, 128]),
+    dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16]),
+    layout=st.sampled_from(LAYOUTS),
+    specials=st.lists(st.tuples(st.integers(0, 10**6), st.sampled_from([NAN, INF, -INF, -NAN, 0.0, -0.0, 448.0])), max_size=3),
+    checks=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
 def test_quantize_every_backend_equals_reference(rows, blocks, block, dtype, layout, specials, checks, seed):
     octave = torch.randint(-20, 20, (rows, blocks, 1), generator=generator(seed + 1)).float()
     x = (torch.randn(rows, blocks, block, generator=generator(seed)) * torch.exp2(octave)).reshape(rows, blocks * block)
@@ -160,11 +165,17 @@ def test_quantize_every_backend_equals_reference(rows, blocks, block, dtype, lay
     assert unchanged(before, x)
 
 
-@given(rows=st.integers(0, 3), blocks=st.integers(1, 3), block=st.sampled_from([16, 64, 128]),
-       out_dtype=st.sampled_from([torch.bfloat16, torch.float32]), q_layout=st.sampled_from(LAYOUTS),
-       s_layout=st.sampled_from(LAYOUTS), as_fp8=st.booleans(), seed=st.integers(0, 2**16))
-def test_dequantize_every_backend_equals_reference_on_any_bytes(rows, blocks, block, out_dtype, q_layout, s_layout,
-                                                                 as_fp8, seed):
+@given(
+    rows=st.integers(0, 3),
+    blocks=st.integers(1, 3),
+    block=st.sampled_from([16, 64, 128]),
+    out_dtype=st.sampled_from([torch.bfloat16, torch.float32]),
+    q_layout=st.sampled_from(LAYOUTS),
+    s_layout=st.sampled_from(LAYOUTS),
+    as_fp8=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_dequantize_every_backend_equals_reference_on_any_bytes(rows, blocks, block, out_dtype, q_layout, s_layout, as_fp8, seed):
     """Every e4m3 code (NaN codes too) and every scale byte (0 and 255 too)."""
     g = generator(seed)
     q = torch.randint(0, 256, (rows, blocks * block), generator=g, dtype=torch.int64).to(torch.uint8).to(DEVICE)

@@ -78,13 +78,23 @@ def examples(n: int) -> int:
     return n if settings.default.max_examples <= 20 else settings.default.max_examples
 
 
-@given(T=st.integers(0, 2), H=st.integers(1, 3), fmt=st.sampled_from(ix.FMTS), hadamard=st.booleans(),
-       q_view=st.sampled_from(VIEWS), w_view=st.sampled_from(VIEWS), pos_dtype=st.sampled_from([torch.int32, torch.int64]),
-       pos_view=st.sampled_from(VIEWS), bad=NON_FINITE, bad_in=st.sampled_from(["index_q", "weights"]),
-       where=st.integers(0, 10**6), checks=st.booleans(), seed=st.integers(0, 99))
+@given(
+    T=st.integers(0, 2),
+    H=st.integers(1, 3),
+    fmt=st.sampled_from(ix.FMTS),
+    hadamard=st.booleans(),
+    q_view=st.sampled_from(VIEWS),
+    w_view=st.sampled_from(VIEWS),
+    pos_dtype=st.sampled_from([torch.int32, torch.int64]),
+    pos_view=st.sampled_from(VIEWS),
+    bad=NON_FINITE,
+    bad_in=st.sampled_from(["index_q", "weights"]),
+    where=st.integers(0, 10**6),
+    checks=st.booleans(),
+    seed=st.integers(0, 99),
+)
 @settings(max_examples=examples(10))
-def test_quantize_q_backends_agree(T, H, fmt, hadamard, q_view, w_view, pos_dtype, pos_view, bad, bad_in, where,
-                                   checks, seed):
+def test_quantize_q_backends_agree(T, H, fmt, hadamard, q_view, w_view, pos_dtype, pos_view, bad, bad_in, where, checks, seed):
     cs = ix.cos_sin_table(64)
     iq = randn((T, H, 128), seed=seed, block=32, octaves=6)
     w = randn((T, H), seed=seed + 1, dtype=torch.float32, block=None)
@@ -105,14 +115,26 @@ def test_quantize_q_backends_agree(T, H, fmt, hadamard, q_view, w_view, pos_dtyp
         same_bytes(got)
 
 
-@given(N=st.integers(0, 6), n_pages=st.integers(0, 3), block_size=st.integers(1, 20), fmt=st.sampled_from(ix.FMTS),
-       hadamard=st.booleans(), k_view=st.sampled_from(VIEWS), cache_view=st.sampled_from(VIEWS),
-       slot_dtype=st.sampled_from([torch.int32, torch.int64]), slot_view=st.sampled_from(VIEWS),
-       n_minus1=st.integers(0, 3), bad=NON_FINITE, where=st.integers(0, 10**6), checks=st.booleans(),
-       seed=st.integers(0, 99))
+@given(
+    N=st.integers(0, 6),
+    n_pages=st.integers(0, 3),
+    block_size=st.integers(1, 20),
+    fmt=st.sampled_from(ix.FMTS),
+    hadamard=st.booleans(),
+    k_view=st.sampled_from(VIEWS),
+    cache_view=st.sampled_from(VIEWS),
+    slot_dtype=st.sampled_from([torch.int32, torch.int64]),
+    slot_view=st.sampled_from(VIEWS),
+    n_minus1=st.integers(0, 3),
+    bad=NON_FINITE,
+    where=st.integers(0, 10**6),
+    checks=st.booleans(),
+    seed=st.integers(0, 99),
+)
 @settings(max_examples=examples(20))
-def test_k_cache_writers_agree(N, n_pages, block_size, fmt, hadamard, k_view, cache_view, slot_dtype, slot_view,
-                               n_minus1, bad, where, checks, seed):
+def test_k_cache_writers_agree(
+    N, n_pages, block_size, fmt, hadamard, k_view, cache_view, slot_dtype, slot_view, n_minus1, bad, where, checks, seed
+):
     """quantize_k and insert_k: the same bytes on every backend (the cache compared whole, so a stray write
     shows), or the same error with the cache untouched."""
     g = generator(seed)
@@ -139,8 +161,11 @@ def test_k_cache_writers_agree(N, n_pages, block_size, fmt, hadamard, k_view, ca
             cache = as_view(cache0, cache_view)
             sv = as_view(slots, slot_view)
             before = snapshot(cache, kv, sv)
-            caches[b] = outcome(ix.insert_k, cache, kv, sv, block_size=block_size, fmt=fmt, hadamard=hadamard,
-                                backend=b) + (cache, before, (cache, kv, sv))
+            caches[b] = outcome(ix.insert_k, cache, kv, sv, block_size=block_size, fmt=fmt, hadamard=hadamard, backend=b) + (
+                cache,
+                before,
+                (cache, kv, sv),
+            )
     kinds = {b: c[0] for b, c in caches.items()}
     assert len(set(kinds.values())) == 1, caches
     refused_view = cache_view in ("storage_offset", "transposed_copy") and n_pages > 0
@@ -163,19 +188,27 @@ def test_k_cache_writers_agree(N, n_pages, block_size, fmt, hadamard, k_view, ca
 
 def _logits_problem(T, H, n_keys, block_size, fmt, seed):
     ex = ix.example_inputs(T, H, n_keys, block_size=block_size, fmt=fmt, seed=seed)
-    q, qs, wo = ix.quantize_q(ex["index_q"], ex["positions"], ex["cos_sin"], ex["weights"], fmt=fmt,
-                              backend="reference")
+    q, qs, wo = ix.quantize_q(ex["index_q"], ex["positions"], ex["cos_sin"], ex["weights"], fmt=fmt, backend="reference")
     return ex, q, qs, wo
 
 
-@given(T=st.integers(1, 2), H=st.integers(1, 3), n_keys=st.integers(1, 24), block_size=st.integers(1, 20),
-       fmt=st.sampled_from(ix.FMTS), q_view=st.sampled_from(VIEWS), w_view=st.sampled_from(VIEWS),
-       bt_view=st.sampled_from(VIEWS), bt_dtype=st.sampled_from([torch.int32, torch.int64]),
-       pos_dtype=st.sampled_from([torch.int32, torch.int64]), nan_key=st.booleans(), n_out=st.integers(-1, 30),
-       seed=st.integers(0, 99))
+@given(
+    T=st.integers(1, 2),
+    H=st.integers(1, 3),
+    n_keys=st.integers(1, 24),
+    block_size=st.integers(1, 20),
+    fmt=st.sampled_from(ix.FMTS),
+    q_view=st.sampled_from(VIEWS),
+    w_view=st.sampled_from(VIEWS),
+    bt_view=st.sampled_from(VIEWS),
+    bt_dtype=st.sampled_from([torch.int32, torch.int64]),
+    pos_dtype=st.sampled_from([torch.int32, torch.int64]),
+    nan_key=st.booleans(),
+    n_out=st.integers(-1, 30),
+    seed=st.integers(0, 99),
+)
 @settings(max_examples=examples(10))
-def test_logits_backends_agree(T, H, n_keys, block_size, fmt, q_view, w_view, bt_view, bt_dtype, pos_dtype, nan_key,
-                               n_out, seed):
+def test_logits_backends_agree(T, H, n_keys, block_size, fmt, q_view, w_view, bt_view, bt_dtype, pos_dtype, nan_key, n_out, seed):
     """Any block size, strided q / weights / block tables, int32 / int64 indices, a NaN-encoded key in the
     cache (NaN in, NaN out): the kernel equals the float64 oracle within "fp32_dot" after dividing by the
     condition sum, with NaN and −∞ in the same places."""
@@ -185,12 +218,14 @@ def test_logits_backends_agree(T, H, n_keys, block_size, fmt, q_view, w_view, bt
         bad = torch.zeros(1, 128, dtype=torch.bfloat16, device=DEVICE)
         bad[0, seed % 128] = NAN
         with validate.checking_values(False):
-            ix.insert_k(cache, bad, ex["slots"][seed % n_keys:][:1], block_size=block_size, fmt=fmt)
+            ix.insert_k(cache, bad, ex["slots"][seed % n_keys :][:1], block_size=block_size, fmt=fmt)
     pos = ex["positions"].to(pos_dtype)
-    kw = dict(block_size=block_size, block_table=as_view(ex["block_table"].to(bt_dtype), bt_view),
-              n_out=None if n_out < 0 else n_out)
-    got = run_all(ix.logits, as_view(q, q_view), None if qs is None else as_view(qs, q_view), as_view(wo, w_view),
-                  cache, pos, **kw)
+    kw = dict(
+        block_size=block_size, block_table=as_view(ex["block_table"].to(bt_dtype), bt_view), n_out=None if n_out < 0 else n_out
+    )
+    got = run_all(
+        ix.logits, as_view(q, q_view), None if qs is None else as_view(qs, q_view), as_view(wo, w_view), cache, pos, **kw
+    )
     ref, out = got["reference"][1], got["triton"][1]
     n = ref.shape[1]
     args = (q, qs, wo, cache, ex["positions"], ex["block_table"])
@@ -205,10 +240,16 @@ def test_logits_backends_agree(T, H, n_keys, block_size, fmt, q_view, w_view, bt
         assert torch.equal(out.isnan(), ref.isnan()) and torch.equal(out == -INF, ref == -INF)
 
 
-@given(T=st.integers(0, 4), n=st.integers(0, 12), k=st.integers(1, 8), view=st.sampled_from(VIEWS),
-       specials=st.lists(st.tuples(st.integers(0, 60), st.sampled_from([NAN, INF, -INF])), max_size=4),
-       checks=st.booleans(), out_view=st.sampled_from(["none", "contiguous", "every_other_row"]),
-       seed=st.integers(0, 99))
+@given(
+    T=st.integers(0, 4),
+    n=st.integers(0, 12),
+    k=st.integers(1, 8),
+    view=st.sampled_from(VIEWS),
+    specials=st.lists(st.tuples(st.integers(0, 60), st.sampled_from([NAN, INF, -INF])), max_size=4),
+    checks=st.booleans(),
+    out_view=st.sampled_from(["none", "contiguous", "every_other_row"]),
+    seed=st.integers(0, 99),
+)
 def test_topk_contract(T, n, k, view, specials, checks, out_view, seed):
     """torch only: views give the same ids; NaN raises (checks on) or ranks like −∞ (checks off), +∞ ranks
     first; a call that raises leaves ``out`` alone."""
@@ -230,12 +271,21 @@ def test_topk_contract(T, n, k, view, specials, checks, out_view, seed):
         want = [i for i in torch.argsort(clean[t], descending=True, stable=True).tolist() if clean[t, i] > -INF][:k]
         got = [i for i in ids[t].tolist() if i >= 0]
         assert sorted(clean[t, got].tolist(), reverse=True) == [clean[t, i].item() for i in want]
-        assert len(got) == len(set(got)) and ids[t].tolist()[len(got):] == [-1] * (k - len(got))
+        assert len(got) == len(set(got)) and ids[t].tolist()[len(got) :] == [-1] * (k - len(got))
 
 
-@given(T=st.integers(0, 3), k=st.integers(1, 6), cols=st.integers(0, 4), block_size=st.integers(1, 9),
-       dtypes=st.tuples(*[st.sampled_from([torch.int32, torch.int64])] * 3), view=st.sampled_from(VIEWS),
-       big=st.booleans(), neg_page=st.sampled_from([None, -1, -3]), checks=st.booleans(), seed=st.integers(0, 99))
+@given(
+    T=st.integers(0, 3),
+    k=st.integers(1, 6),
+    cols=st.integers(0, 4),
+    block_size=st.integers(1, 9),
+    dtypes=st.tuples(*[st.sampled_from([torch.int32, torch.int64])] * 3),
+    view=st.sampled_from(VIEWS),
+    big=st.booleans(),
+    neg_page=st.sampled_from([None, -1, -3]),
+    checks=st.booleans(),
+    seed=st.integers(0, 99),
+)
 def test_to_global_contract(T, k, cols, block_size, dtypes, view, big, neg_page, checks, seed):
     """int64 slots without wrapping (page numbers near 2^31 / block_size), views, −1 ids, unmapped (−1) pages;
     a page entry < −1 under a selected id raises while checks are on and maps to −1 when off."""
@@ -288,13 +338,11 @@ def test_probe_logits_block_size_against_page_bytes(backend):
     Now: the page must be exactly k_page_bytes(block_size, fmt) on every backend; so must the format."""
     ex, q, qs, wo = _logits_problem(2, 2, 32, 16, "fp8", 1)
     with pytest.raises(ValueError, match=r"^k_cache: pages of 2112 bytes hold 16 fp8 keys"):
-        ix.logits(q, qs, wo, ex["k_cache"], ex["positions"], block_size=8, block_table=ex["block_table"],
-                  backend=backend)
+        ix.logits(q, qs, wo, ex["k_cache"], ex["positions"], block_size=8, block_table=ex["block_table"], backend=backend)
     with pytest.raises(ValueError, match=r"^k_cache: .* no whole number of mxfp4 keys"):
         ix.insert_k(ex["k_cache"], ex["k"], ex["slots"], block_size=16, fmt="mxfp4", backend=backend)
     with pytest.raises(ValueError, match=r"^k_cache: pages of 1088 bytes hold 16 mxfp4 keys"):
-        ix.insert_k(ix.allocate_k_cache(2, 16, "mxfp4"), ex["k"], ex["slots"], block_size=8, fmt="mxfp4",
-                    backend=backend)
+        ix.insert_k(ix.allocate_k_cache(2, 16, "mxfp4"), ex["k"], ex["slots"], block_size=8, fmt="mxfp4", backend=backend)
 
 
 def test_probe_to_global_int64_and_negative_pages():
@@ -335,11 +383,14 @@ def test_probe_non_finite_quantisers_write_nan_blocks(fmt):
         assert bits(sc).tolist() == [0x7FC00000] * 3  # the fp32 scale is the quiet NaN
         assert torch.equal(bits(vals).to(torch.int32) & 0xFF, 0x7F | (sign << 7))  # every row had a non-finite
     else:
-        assert sc.cpu().tolist() == [[fsc[0, 0].item(), 255, fsc[0, 2].item(), fsc[0, 3].item()],
-                                     [*fsc[1, :3].tolist(), 255], [255, *fsc[2, 1:].tolist()]]
+        assert sc.cpu().tolist() == [
+            [fsc[0, 0].item(), 255, fsc[0, 2].item(), fsc[0, 3].item()],
+            [*fsc[1, :3].tolist(), 255],
+            [255, *fsc[2, 1:].tolist()],
+        ]
         codes = ix.reference.unpack_nibbles(vals.cpu()).to(torch.int32)
         for key, blk in ((0, 1), (1, 3), (2, 0)):
-            assert torch.equal(codes[key, 32 * blk: 32 * blk + 32], 7 | (sign[key, 32 * blk: 32 * blk + 32] << 3))
+            assert torch.equal(codes[key, 32 * blk : 32 * blk + 32], 7 | (sign[key, 32 * blk : 32 * blk + 32] << 3))
         assert torch.equal(vals[0, :16], finite[0, :16])  # block 0 of key 0 is finite: its codes unchanged
         deq = ix.dequantize_k(vals, sc)
         assert bool(deq[0, 32:64].isnan().all()) and bool(deq[0, :32].isfinite().all())
@@ -353,8 +404,7 @@ def test_probe_nan_query_is_a_nan_score(fmt):
     iq[1, 0, 77] = NAN
     with validate.checking_values(False):
         q, qs, wo = ix.quantize_q(iq, ex["positions"], ex["cos_sin"], ex["weights"], fmt=fmt)
-        got = run_all(ix.logits, q, qs, wo, ex["k_cache"], ex["positions"], block_size=8,
-                      block_table=ex["block_table"])
+        got = run_all(ix.logits, q, qs, wo, ex["k_cache"], ex["positions"], block_size=8, block_table=ex["block_table"])
     n_c = int(ix.n_compressed(ex["positions"][1:2]))
     for b in BACKENDS:
         lg = got[b][1]
@@ -368,7 +418,7 @@ def test_probe_e8m0_reader_bytes_0_and_255():
     ex, q, qs, wo = _logits_problem(1, 2, 16, 16, "mxfp4", 2)
     cache = ex["k_cache"].clone()
     page, off = divmod(int(ex["slots"][3]), 16)
-    cache[page, 16 * 64 + 4 * off: 16 * 64 + 4 * off + 4] = torch.tensor([0, 255, 127, 127], dtype=torch.uint8)
+    cache[page, 16 * 64 + 4 * off : 16 * 64 + 4 * off + 4] = torch.tensor([0, 255, 127, 127], dtype=torch.uint8)
     vals, sc = ix.read_k(cache, ex["slots"][3:4], block_size=16, fmt="mxfp4")
     deq = ix.dequantize_k(vals, sc)[0]
     codes = ix.reference.e2m1_decode(ix.reference.unpack_nibbles(vals[0]))
@@ -382,19 +432,31 @@ def test_probe_views_are_honoured():
     backend (the Triton launchers make small index tensors contiguous; the cache may be a slice of pages)."""
     ex, q, qs, wo = _logits_problem(2, 3, 40, 16, "mxfp4", 6)
     for b in BACKENDS:
-        want = ix.logits(q, qs, wo, ex["k_cache"], ex["positions"], block_size=16, block_table=ex["block_table"],
-                         backend=b)
+        want = ix.logits(q, qs, wo, ex["k_cache"], ex["positions"], block_size=16, block_table=ex["block_table"], backend=b)
         for kind in ("every_other_row", "storage_offset", "transposed_copy"):
-            got = ix.logits(as_view(q, kind), as_view(qs, kind), as_view(wo, kind), ex["k_cache"],
-                            as_view(ex["positions"], kind), block_size=16,
-                            block_table=as_view(ex["block_table"], kind), backend=b)
+            got = ix.logits(
+                as_view(q, kind),
+                as_view(qs, kind),
+                as_view(wo, kind),
+                ex["k_cache"],
+                as_view(ex["positions"], kind),
+                block_size=16,
+                block_table=as_view(ex["block_table"], kind),
+                backend=b,
+            )
             assert torch.equal(got, want) if b == "triton" else compare(got, want, "fp32_reduction", kind).passed
     big = torch.zeros(2 * ex["k_cache"].shape[0], ex["k_cache"].shape[1], dtype=torch.uint8, device=DEVICE)
     sliced = big[::2]  # every other page of a bigger pool: a row stride of two pages
     for b in BACKENDS:
         sliced.zero_()
-        ix.insert_k(sliced, as_view(ex["k"], "transposed_copy"), as_view(ex["slots"].to(torch.int32), "every_other_row"),
-                    block_size=16, fmt="mxfp4", backend=b)
+        ix.insert_k(
+            sliced,
+            as_view(ex["k"], "transposed_copy"),
+            as_view(ex["slots"].to(torch.int32), "every_other_row"),
+            block_size=16,
+            fmt="mxfp4",
+            backend=b,
+        )
         assert torch.equal(sliced, ex["k_cache"]) and not bool(big[1::2].any()), b
 
 
@@ -418,8 +480,7 @@ def test_probe_scalars_are_validated():
         (ValueError, "positions", lambda: ix.logits(q, qs, wo, cache, -pos - 1, block_size=16, block_table=bt)),
         (ValueError, "index_q", lambda: ix.quantize_q(ex["index_q"][:, :0], pos, ex["cos_sin"], ex["weights"][:, :0])),
         (ValueError, "cos_sin", lambda: ix.quantize_q(ex["index_q"], pos, ex["cos_sin"] * NAN, ex["weights"])),
-        (ValueError, "slots", lambda: ix.insert_k(cache, ex["k"][:2], torch.tensor([3, 3], device=DEVICE),
-                                                   block_size=16)),
+        (ValueError, "slots", lambda: ix.insert_k(cache, ex["k"][:2], torch.tensor([3, 3], device=DEVICE), block_size=16)),
     ]
     for err, name, call in cases:
         snap = snapshot(cache)

@@ -18,8 +18,9 @@ from dsv4ref import validate
 from dsv4ref.device import DEVICE
 from dsv4ref.testing import generator, randn
 
-pytestmark = pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning",
-                                        "ignore:overflow encountered:RuntimeWarning")
+pytestmark = pytest.mark.filterwarnings(
+    "ignore:invalid value encountered:RuntimeWarning", "ignore:overflow encountered:RuntimeWarning"
+)
 
 BACKENDS = ("reference", "triton")
 NAN, INF = float("nan"), float("inf")
@@ -28,7 +29,12 @@ NAN, INF = float("nan"), float("inf")
 def random_cache(pages: int, B: int, seed: int) -> torch.Tensor:
     """Random bytes everywhere: every e4m3 code (NaN too), every scale byte (0 and 255 too), any RoPE bits."""
     n = pages * kc.page_bytes(B)
-    return torch.randint(0, 256, (n,), generator=generator(seed), dtype=torch.int64).to(torch.uint8).view(pages, kc.page_bytes(B)).to(DEVICE)
+    return (
+        torch.randint(0, 256, (n,), generator=generator(seed), dtype=torch.int64)
+        .to(torch.uint8)
+        .view(pages, kc.page_bytes(B))
+        .to(DEVICE)
+    )
 
 
 def i16(t: torch.Tensor) -> torch.Tensor:
@@ -125,8 +131,8 @@ def test_probe_nan_and_inf_encode_as_nan_with_checks_off():
         kind, cache = run_insert(kc.allocate(2, B), kv, torch.tensor([3, 0], device=DEVICE), block_size=B)
     assert kind == "ok"
     page0, page1 = cache.cpu()
-    scales_row0 = page1[576 * B + 8: 576 * B + 16]  # slot 3 = page 1, offset 1
-    scales_row1 = page0[576 * B: 576 * B + 8]  # slot 0
+    scales_row0 = page1[576 * B + 8 : 576 * B + 16]  # slot 3 = page 1, offset 1
+    scales_row1 = page0[576 * B : 576 * B + 8]  # slot 0
     assert (scales_row0 == 255).tolist() == [False, True, False, False, False, True, False, False]
     assert scales_row0[7] == 0
     assert scales_row1[0] == 255 and int((scales_row1[:7] == 255).sum()) == 1
@@ -147,7 +153,7 @@ def test_probe_gather_reads_scale_bytes_0_and_255():
     B = 2
     cache = kc.allocate(1, B)
     cache[0, :448] = 0x38  # token 0: every e4m3 code 1.0
-    cache[0, 576 * B: 576 * B + 7] = torch.tensor([0, 255, 127, 1, 254, 0, 255], dtype=torch.uint8)
+    cache[0, 576 * B : 576 * B + 7] = torch.tensor([0, 255, 127, 1, 254, 0, 255], dtype=torch.uint8)
     kind, out = run_gather(cache, torch.tensor([0], device=DEVICE), block_size=B)
     o = out.cpu()[0].float()
     assert torch.equal(o[:64], torch.full((64,), 2.0**-127)) and torch.equal(o[320:384], torch.full((64,), 2.0**-127))
@@ -171,7 +177,7 @@ def test_probe_layout_mismatch_is_refused():
             kc.gather(kc.allocate(2, 2), torch.arange(4, device=DEVICE), block_size=4, backend=b)
     # a wider page stride is fine (a view of a bigger buffer); a wider page is not
     big = torch.zeros(2, 4000, dtype=torch.uint8, device=DEVICE)
-    kc.insert(big[:, :kc.page_bytes(2)], kv, torch.arange(4, device=DEVICE), block_size=2)
+    kc.insert(big[:, : kc.page_bytes(2)], kv, torch.arange(4, device=DEVICE), block_size=2)
     with pytest.raises(ValueError, match=r"^cache: pages of 4000 bytes do not match block_size=2"):
         kc.gather(big, torch.arange(4, device=DEVICE), block_size=2)
 
@@ -249,13 +255,22 @@ def slot_lists(draw, n_slots, max_len, distinct):
     return vals
 
 
-@given(data=st.data(), B=st.sampled_from([1, 2, 3, 16, 61]), pages=st.integers(0, 3),
-       dtype=st.sampled_from([torch.int64, torch.int32]), s_layout=st.sampled_from(LAYOUTS[:3]),
-       kv_layout=st.sampled_from(LAYOUTS), cache_layout=st.sampled_from(LAYOUTS), extra_rows=st.integers(0, 2),
-       specials=st.lists(st.tuples(st.integers(0, 10**6), st.sampled_from([NAN, -NAN, INF, -INF])), max_size=2),
-       checks=st.booleans(), seed=st.integers(0, 2**16))
-def test_insert_every_backend_equals_reference(data, B, pages, dtype, s_layout, kv_layout, cache_layout, extra_rows,
-                                               specials, checks, seed):
+@given(
+    data=st.data(),
+    B=st.sampled_from([1, 2, 3, 16, 61]),
+    pages=st.integers(0, 3),
+    dtype=st.sampled_from([torch.int64, torch.int32]),
+    s_layout=st.sampled_from(LAYOUTS[:3]),
+    kv_layout=st.sampled_from(LAYOUTS),
+    cache_layout=st.sampled_from(LAYOUTS),
+    extra_rows=st.integers(0, 2),
+    specials=st.lists(st.tuples(st.integers(0, 10**6), st.sampled_from([NAN, -NAN, INF, -INF])), max_size=2),
+    checks=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_insert_every_backend_equals_reference(
+    data, B, pages, dtype, s_layout, kv_layout, cache_layout, extra_rows, specials, checks, seed
+):
     vals = data.draw(slot_lists(pages * B, 5, distinct=True))
     slots = views(torch.tensor(vals, dtype=dtype, device=DEVICE)).get(s_layout)
     slots = slots if slots is not None else torch.tensor(vals, dtype=dtype, device=DEVICE)
@@ -272,11 +287,17 @@ def test_insert_every_backend_equals_reference(data, B, pages, dtype, s_layout, 
     assert unchanged(kv_before, kv, slots)
 
 
-@given(data=st.data(), B=st.sampled_from([1, 2, 3, 16, 61]), pages=st.integers(0, 3),
-       dtype=st.sampled_from([torch.int64, torch.int32]), s_layout=st.sampled_from(LAYOUTS[:3]),
-       cache_layout=st.sampled_from(LAYOUTS), with_out=st.booleans(), seed=st.integers(0, 2**16))
-def test_gather_every_backend_equals_reference_on_any_bytes(data, B, pages, dtype, s_layout, cache_layout, with_out,
-                                                            seed):
+@given(
+    data=st.data(),
+    B=st.sampled_from([1, 2, 3, 16, 61]),
+    pages=st.integers(0, 3),
+    dtype=st.sampled_from([torch.int64, torch.int32]),
+    s_layout=st.sampled_from(LAYOUTS[:3]),
+    cache_layout=st.sampled_from(LAYOUTS),
+    with_out=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_gather_every_backend_equals_reference_on_any_bytes(data, B, pages, dtype, s_layout, cache_layout, with_out, seed):
     """A cache of random bytes: every e4m3 code, every scale byte (0 and 255), any RoPE bits; slots repeat."""
     vals = data.draw(slot_lists(pages * B, 6, distinct=False))
     slots = torch.tensor(vals, dtype=dtype, device=DEVICE)
@@ -297,8 +318,7 @@ def test_gather_refuses_a_strided_out(layout):
     B, S = 4, 6
     cache = random_cache(2, B, seed=5)
     slots = torch.tensor([0, 7, -1, 3, 3, 5], device=DEVICE)
-    base = torch.full((S, 1024) if layout == "every other column" else (512, S), 7.0, dtype=torch.bfloat16,
-                      device=DEVICE)
+    base = torch.full((S, 1024) if layout == "every other column" else (512, S), 7.0, dtype=torch.bfloat16, device=DEVICE)
     out = base[:, ::2] if layout == "every other column" else base.t()
     assert out.shape == (S, 512) and not out.is_contiguous()
     before = snapshot(base)

@@ -172,7 +172,9 @@ def test_fused_post_pre_contract(data):
     g = generator(seed + 4)
     post = (2 * torch.rand(T, 4, generator=g)).to(DEVICE)
     comb = mhc.sinkhorn(torch.randn(T, 4, 4, generator=g).to(DEVICE) * 2, backend="reference")
-    args, got, refused = _poisoned_run(draw, mhc.fused_post_pre, dict(x=x, residual=res, post=post, comb=comb, fn=fn, scale=scale, base=base))
+    args, got, refused = _poisoned_run(
+        draw, mhc.fused_post_pre, dict(x=x, residual=res, post=post, comb=comb, fn=fn, scale=scale, base=base)
+    )
     if refused:
         return
     a = list(args.values())
@@ -231,13 +233,17 @@ def test_probe_every_tensor_argument_may_be_a_view():
     fn, scale, base = mhc.example_params(Hd, seed=5)
     p, c, _ = mhc.pre(res, fn, scale, base)
     want = mhc.fused_post_pre(x, res, p, c, fn, scale, base)
-    got = mhc.fused_post_pre(*(views(t)["every_other_row"] for t in (x, res, p, c, fn)),
-                             views(scale)["storage_offset"], views(base)["every_other_row"])
+    got = mhc.fused_post_pre(
+        *(views(t)["every_other_row"] for t in (x, res, p, c, fn)), views(scale)["storage_offset"], views(base)["every_other_row"]
+    )
     for a, b in zip(got, want):
         assert_close(a, b, "exact")
     hfn, hscale, hbase = mhc.example_params(Hd, seed=6, head=True)
-    assert_close(mhc.head(views(res)["transposed_copy"], views(hfn)["storage_offset"], hscale, hbase),
-                 mhc.head(res, hfn, hscale, hbase), "exact")
+    assert_close(
+        mhc.head(views(res)["transposed_copy"], views(hfn)["storage_offset"], hscale, hbase),
+        mhc.head(res, hfn, hscale, hbase),
+        "exact",
+    )
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -253,9 +259,17 @@ def test_probe_sinkhorn_iters_one_rule(backend):
         with pytest.raises(err, match="^sinkhorn_iters: "):
             mhc.pre(res, fn, scale, base, sinkhorn_iters=bad, backend=backend)
         with pytest.raises(err, match="^sinkhorn_iters: "):
-            mhc.fused_post_pre(torch.zeros(2, 16, dtype=torch.bfloat16, device=DEVICE), res,
-                               torch.ones(2, 4, device=DEVICE), torch.full((2, 4, 4), 0.25, device=DEVICE), fn, scale,
-                               base, sinkhorn_iters=bad, backend=backend)
+            mhc.fused_post_pre(
+                torch.zeros(2, 16, dtype=torch.bfloat16, device=DEVICE),
+                res,
+                torch.ones(2, 4, device=DEVICE),
+                torch.full((2, 4, 4), 0.25, device=DEVICE),
+                fn,
+                scale,
+                base,
+                sinkhorn_iters=bad,
+                backend=backend,
+            )
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -277,8 +291,14 @@ def test_probe_scalars_are_validated(backend):
         with pytest.raises(ValueError, match="^post_mult: "):
             mhc.pre(res, fn, scale, base, post_mult=v, backend=backend)
     with pytest.raises(TypeError, match="^launch: "):
-        mhc.post(torch.zeros(2, 16, dtype=torch.bfloat16, device=DEVICE), res, torch.ones(2, 4, device=DEVICE), L,
-                 backend=backend, launch="split_k")
+        mhc.post(
+            torch.zeros(2, 16, dtype=torch.bfloat16, device=DEVICE),
+            res,
+            torch.ones(2, 4, device=DEVICE),
+            L,
+            backend=backend,
+            launch="split_k",
+        )
 
 
 def test_probe_sinkhorn_names_its_own_argument():
@@ -297,11 +317,13 @@ def test_probe_empty_inputs_every_backend():
     hfn, hscale, hbase = mhc.example_params(33, head=True)
     x, p, c = torch.zeros(0, 33, dtype=torch.bfloat16), torch.zeros(0, 4), torch.zeros(0, 4, 4)
     x, p, c = x.to(DEVICE), p.to(DEVICE), c.to(DEVICE)
-    calls = {"pre": lambda b: mhc.pre(res, fn, scale, base, backend=b),
-             "post": lambda b: (mhc.post(x, res, p, c, backend=b),),
-             "fused": lambda b: mhc.fused_post_pre(x, res, p, c, fn, scale, base, backend=b),
-             "head": lambda b: (mhc.head(res, hfn, hscale, hbase, backend=b),),
-             "sinkhorn": lambda b: (mhc.sinkhorn(c, backend=b),)}
+    calls = {
+        "pre": lambda b: mhc.pre(res, fn, scale, base, backend=b),
+        "post": lambda b: (mhc.post(x, res, p, c, backend=b),),
+        "fused": lambda b: mhc.fused_post_pre(x, res, p, c, fn, scale, base, backend=b),
+        "head": lambda b: (mhc.head(res, hfn, hscale, hbase, backend=b),),
+        "sinkhorn": lambda b: (mhc.sinkhorn(c, backend=b),),
+    }
     for name, call in calls.items():
         outs = {b: call(b) for b in BACKENDS}
         for a, b in zip(outs["reference"], outs["triton"]):

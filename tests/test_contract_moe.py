@@ -24,27 +24,38 @@ from dsv4ref.fp8 import reference as fp8_ref
 from dsv4ref.moe import reference as ref
 from dsv4ref.testing import assert_close, compare, generator, poison, randn
 
-pytestmark = pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning",
-                                        "ignore:overflow encountered:RuntimeWarning")
+pytestmark = pytest.mark.filterwarnings(
+    "ignore:invalid value encountered:RuntimeWarning", "ignore:overflow encountered:RuntimeWarning"
+)
 
 NAN, INF = float("nan"), float("inf")
 SHAPE = moe.TINY_MOE  # Hd 256, E 8, K 2, I 128
 VARIANTS = {  # staging launch variants: every one must write the reference's bytes
     "groups": moe.MoeLaunch(stage_block_t=4, stage_block_h=256),
     "tile": moe.MoeLaunch(stage_block_t=2, stage_block_h=512, stage_load="tile"),
-    "tile_persistent_stream": moe.MoeLaunch(stage_block_t=4, stage_block_h=128, stage_load="tile", stage_programs=3,
-                                            stage_stages=2, stage_cache="stream"),
-    "groups_persistent_evict": moe.MoeLaunch(stage_block_t=1, stage_block_h=256, stage_programs=5,
-                                             stage_cache="evict_first"),
+    "tile_persistent_stream": moe.MoeLaunch(
+        stage_block_t=4, stage_block_h=128, stage_load="tile", stage_programs=3, stage_stages=2, stage_cache="stream"
+    ),
+    "groups_persistent_evict": moe.MoeLaunch(stage_block_t=1, stage_block_h=256, stage_programs=5, stage_cache="evict_first"),
     "snap": moe.MoeLaunch(stage_block_t=2, stage_block_h=256, stage_load="tile", stage_encode="snap"),
-    "snap_wide_stream": moe.MoeLaunch(stage_block_t=4, stage_block_h=512, stage_load="tile", stage_encode="snap",
-                                      stage_cache="stream"),
-    "snap_persistent": moe.MoeLaunch(stage_block_t=1, stage_block_h=128, stage_load="tile", stage_encode="snap",
-                                     stage_programs=4),
-    "snap_prefetch": moe.MoeLaunch(stage_block_t=2, stage_block_h=128, stage_load="tile", stage_encode="snap",
-                                   stage_programs=5, stage_prefetch=True, stage_cache="stream"),
-    "snap_topk_first_cs": moe.MoeLaunch(stage_block_t=2, stage_block_h=256, stage_load="tile", stage_encode="snap",
-                                        stage_topk_first=True, stage_cache="cs"),
+    "snap_wide_stream": moe.MoeLaunch(
+        stage_block_t=4, stage_block_h=512, stage_load="tile", stage_encode="snap", stage_cache="stream"
+    ),
+    "snap_persistent": moe.MoeLaunch(
+        stage_block_t=1, stage_block_h=128, stage_load="tile", stage_encode="snap", stage_programs=4
+    ),
+    "snap_prefetch": moe.MoeLaunch(
+        stage_block_t=2,
+        stage_block_h=128,
+        stage_load="tile",
+        stage_encode="snap",
+        stage_programs=5,
+        stage_prefetch=True,
+        stage_cache="stream",
+    ),
+    "snap_topk_first_cs": moe.MoeLaunch(
+        stage_block_t=2, stage_block_h=256, stage_load="tile", stage_encode="snap", stage_topk_first=True, stage_cache="cs"
+    ),
 }
 
 
@@ -72,8 +83,12 @@ def stage_into(backend, hidden, ids, w, launch=None, rows=None):
     """stage_into on poisoned buffers (``rows`` ≥ T of them)."""
     T, Hd = hidden.shape
     N, K = rows or T, ids.shape[1]
-    bufs = (poison((N, Hd), torch.float8_e4m3fn), poison((N, Hd // 128), torch.int32), poison((N, K), torch.int64),
-            poison((N, K), torch.float32))
+    bufs = (
+        poison((N, Hd), torch.float8_e4m3fn),
+        poison((N, Hd // 128), torch.int32),
+        poison((N, K), torch.int64),
+        poison((N, K), torch.float32),
+    )
     moe.stage_into(hidden, ids, w, *bufs, backend=backend, launch=launch)
     return bufs
 
@@ -132,8 +147,12 @@ def test_stage_nonfinite_group_encoding():
 def test_stage_refuses_nonfinite_hidden_and_leaves_buffers(backend):
     h = nonfinite_hidden()
     ids, w = topk(h.shape[0])
-    bufs = (poison((9, 384), torch.float8_e4m3fn), poison((9, 3), torch.int32), poison((9, 3), torch.int64),
-            poison((9, 3), torch.float32))
+    bufs = (
+        poison((9, 384), torch.float8_e4m3fn),
+        poison((9, 3), torch.int32),
+        poison((9, 3), torch.int64),
+        poison((9, 3), torch.float32),
+    )
     before = snapshot(h, ids, w, *bufs)
     with validate.checking_values(True):
         with pytest.raises(ValueError, match=r"^hidden: non-finite values"):
@@ -184,10 +203,12 @@ def test_experts_refuse_nonfinite_inputs_and_leave_out():
     out = poison((6, SHAPE.hidden), torch.bfloat16)
     before = snapshot(out, *staged, d["x"])
     with validate.checking_values(True):
-        for kw, msg in ((dict(ww=bad_w), r"^weights: non-finite value nan at \(2, 1\)"),
-                        (dict(q=bad_q.view(torch.float8_e4m3fn)), r"^x_fp8: e4m3 NaN codes"),
-                        (dict(sf=bad_sf), r"^x_sf: scale byte 255 \(E8M0 NaN\) in row 1, group 5"),
-                        (dict(x=bad_x), r"^x: non-finite values")):
+        for kw, msg in (
+            (dict(ww=bad_w), r"^weights: non-finite value nan at \(2, 1\)"),
+            (dict(q=bad_q.view(torch.float8_e4m3fn)), r"^x_fp8: e4m3 NaN codes"),
+            (dict(sf=bad_sf), r"^x_sf: scale byte 255 \(E8M0 NaN\) in row 1, group 5"),
+            (dict(x=bad_x), r"^x: non-finite values"),
+        ):
             with pytest.raises(ValueError, match=msg):
                 call(out=out, **kw)
             assert unchanged(before, out, *staged, d["x"]), msg
@@ -262,8 +283,14 @@ def test_route_nonfinite_rows_get_nan_weights_checks_off():
 def test_the_no_sync_guard_can_fail():
     """The guard catches the syncs it is meant to: the checked path (checks on) syncs, so it must raise."""
     d = moe.example_inputs(3, SHAPE, seed=37)
-    probes = ('x.sum().item()', 'bool(x.isnan().any())', 'torch.where(x > 0)', 'x[x > 0]', 'int(bias.argmax())',
-              'torch.tensor([0, 3], device=x.device)')
+    probes = (
+        "x.sum().item()",
+        "bool(x.isnan().any())",
+        "torch.where(x > 0)",
+        "x[x > 0]",
+        "int(bias.argmax())",
+        "torch.tensor([0, 3], device=x.device)",
+    )
     for probe in probes:
         with no_host_sync([]), pytest.raises(HostSync):  # run as if from a dsv4ref module
             exec(probe, {"__name__": "dsv4ref.probe", "torch": torch, "x": d["x"], "bias": d["bias"]})
@@ -283,8 +310,9 @@ def test_route_stage_experts_do_not_sync_with_checks_off(hash_layer):
     x[7, 11] = NAN  # a non-finite row, staged with the NaN encoding
     sw = (d["w13"], d["w2"], d["shared_w13"], d["shared_w2"])
     rk = dict(k=2, routed_scale=1.5, hash_table=d["hash_table"], input_ids=input_ids)
-    launch = moe.MoeLaunch(stage_block_t=4, stage_block_h=128, block_m=16, block_n=64, block_h=128, block_k=128,
-                           expert_stages=2, combine_block_t=16)  # tiles that fit a GPU's shared memory
+    launch = moe.MoeLaunch(
+        stage_block_t=4, stage_block_h=128, block_m=16, block_n=64, block_h=128, block_k=128, expert_stages=2, combine_block_t=16
+    )  # tiles that fit a GPU's shared memory
     with validate.checking_values(False):
         ids_r, w_r = moe.route(x, d["gate_weight"], d["bias"], **rk)
         staged_r = moe.stage(x, ids_r, w_r, backend="reference")
@@ -313,8 +341,20 @@ def test_route_stage_experts_do_not_sync_with_checks_off(hash_layer):
 
 def _experts(d, staged, ids, backend, E=None, out=None):
     w13, w2 = (d["w13"], d["w2"]) if E is None else (d["w13"][:E], d["w2"][:E])
-    return moe.experts(d["x"], staged[0], staged[1], ids, staged[3], w13, w2, d["shared_w13"], d["shared_w2"],
-                       swiglu_limit=10.0, out=out, backend=backend)
+    return moe.experts(
+        d["x"],
+        staged[0],
+        staged[1],
+        ids,
+        staged[3],
+        w13,
+        w2,
+        d["shared_w13"],
+        d["shared_w2"],
+        swiglu_limit=10.0,
+        out=out,
+        backend=backend,
+    )
 
 
 @pytest.mark.parametrize("backend", ["reference", "triton"])
@@ -366,13 +406,13 @@ def test_no_experts_and_no_slots_work_on_every_backend(backend):
     rq, rsf, _, _ = moe.stage(d["x"], ids[:, :0], w[:, :0], backend="reference")
     assert i64.shape == (3, 0) and w32.shape == (3, 0)
     assert torch.equal(bits(q), bits(rq)) and torch.equal(sf, rsf)
-    got0 = moe.experts(d["x"], q, sf, i64, w32, d["w13"], d["w2"], d["shared_w13"], d["shared_w2"],
-                       swiglu_limit=10.0, backend=backend)
+    got0 = moe.experts(
+        d["x"], q, sf, i64, w32, d["w13"], d["w2"], d["shared_w13"], d["shared_w2"], swiglu_limit=10.0, backend=backend
+    )
     assert_close(got0, want, "bf16_out", backend)
 
 
-BAD_SCALARS = [(NAN, ValueError), (INF, ValueError), (-1.5, ValueError), ("1.5", TypeError), (True, TypeError),
-               (None, TypeError)]
+BAD_SCALARS = [(NAN, ValueError), (INF, ValueError), (-1.5, ValueError), ("1.5", TypeError), (True, TypeError), (None, TypeError)]
 
 
 @pytest.mark.parametrize("value, err", BAD_SCALARS)
@@ -384,8 +424,20 @@ def test_routed_scale_must_be_a_finite_number_at_least_zero(value, err):
     before = snapshot(out)
     for be in ("reference", "triton"):  # forward once blamed `weights`, an argument it does not take
         with pytest.raises(err, match="^routed_scale:"):
-            moe.forward(d["x"], d["gate_weight"], d["bias"], d["w13"], d["w2"], d["shared_w13"], d["shared_w2"], k=2,
-                        routed_scale=value, swiglu_limit=10.0, out=out, backend=be)
+            moe.forward(
+                d["x"],
+                d["gate_weight"],
+                d["bias"],
+                d["w13"],
+                d["w2"],
+                d["shared_w13"],
+                d["shared_w2"],
+                k=2,
+                routed_scale=value,
+                swiglu_limit=10.0,
+                out=out,
+                backend=be,
+            )
     assert unchanged(before, out)
 
 
@@ -399,11 +451,24 @@ def test_swiglu_limit_must_be_a_finite_number(value, err, backend):
     out = poison((3, SHAPE.hidden), torch.bfloat16)
     before = snapshot(out)
     with pytest.raises(err, match="^swiglu_limit:"):
-        moe.experts(d["x"], *staged, d["w13"], d["w2"], d["shared_w13"], d["shared_w2"], swiglu_limit=value,
-                    out=out, backend=backend)
+        moe.experts(
+            d["x"], *staged, d["w13"], d["w2"], d["shared_w13"], d["shared_w2"], swiglu_limit=value, out=out, backend=backend
+        )
     with pytest.raises(err, match="^swiglu_limit:"):
-        moe.forward(d["x"], d["gate_weight"], d["bias"], d["w13"], d["w2"], d["shared_w13"], d["shared_w2"], k=2,
-                    routed_scale=1.5, swiglu_limit=value, out=out, backend=backend)
+        moe.forward(
+            d["x"],
+            d["gate_weight"],
+            d["bias"],
+            d["w13"],
+            d["w2"],
+            d["shared_w13"],
+            d["shared_w2"],
+            k=2,
+            routed_scale=1.5,
+            swiglu_limit=value,
+            out=out,
+            backend=backend,
+        )
     assert unchanged(before, out)
 
 
@@ -444,8 +509,18 @@ def test_meta_tensors_are_refused_by_name(backend):
     q = torch.zeros(3, SHAPE.hidden, dtype=torch.float8_e4m3fn, device="meta")
     sf = torch.zeros(3, SHAPE.hidden // 128, dtype=torch.int32, device="meta")
     with pytest.raises(ValueError, match="^x: tensors on the meta device cannot be run"):
-        moe.experts(d["x"], q, sf, ids, w, d["w13"], d["w2"], d["shared_w13"], d["shared_w2"], swiglu_limit=10.0,
-                    backend=backend)
+        moe.experts(d["x"], q, sf, ids, w, d["w13"], d["w2"], d["shared_w13"], d["shared_w2"], swiglu_limit=10.0, backend=backend)
     with pytest.raises(ValueError, match="^x: tensors on the meta device cannot be run"):
-        moe.forward(d["x"], d["gate_weight"], d["bias"], d["w13"], d["w2"], d["shared_w13"], d["shared_w2"], k=2,
-                    routed_scale=1.5, swiglu_limit=10.0, backend=backend)
+        moe.forward(
+            d["x"],
+            d["gate_weight"],
+            d["bias"],
+            d["w13"],
+            d["w2"],
+            d["shared_w13"],
+            d["shared_w2"],
+            k=2,
+            routed_scale=1.5,
+            swiglu_limit=10.0,
+            backend=backend,
+        )

@@ -31,8 +31,9 @@ M, HD = TINY.hc_mult, TINY.hidden_size
 @given(R=st.integers(1, 4), k=st.integers(0, 4), data=st.data())
 def test_property_accepted_counts_is_the_rule_row_by_row(R, k, data):
     ids = st.integers(0, 3)  # a small vocabulary: agreements are frequent
-    drafts = torch.tensor(data.draw(st.lists(st.lists(ids, min_size=k, max_size=k), min_size=R, max_size=R)),
-                          dtype=torch.int64).view(R, k)
+    drafts = torch.tensor(
+        data.draw(st.lists(st.lists(ids, min_size=k, max_size=k), min_size=R, max_size=R)), dtype=torch.int64
+    ).view(R, k)
     target = torch.tensor(data.draw(st.lists(st.lists(ids, min_size=k + 1, max_size=k + 1), min_size=R, max_size=R)))
     got = mtp.accepted_counts(drafts, target.to(torch.int32))
     for r in range(R):
@@ -70,8 +71,9 @@ def test_accepted_counts_refuses_negative_ids_with_checks_on_only():
 
 def test_accepted_counts_refuses_meta_tensors():
     with pytest.raises(ValueError, match="^drafts: tensors on the meta device cannot be run"):
-        mtp.accepted_counts(torch.zeros(1, 2, dtype=torch.int64, device="meta"),
-                            torch.zeros(1, 3, dtype=torch.int64, device="meta"))
+        mtp.accepted_counts(
+            torch.zeros(1, 2, dtype=torch.int64, device="meta"), torch.zeros(1, 3, dtype=torch.int64, device="meta")
+        )
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -85,24 +87,41 @@ def wm():
 
 
 def _input(wm, T=4, **over):
-    args = dict(h_prev=randn((T, M, HD), seed=1, device="cpu", block=None, octaves=4),
-                embed_rows=randn((T, HD), seed=2, device="cpu", block=None, octaves=0),
-                positions=torch.arange(T), enorm=wm["enorm"], hnorm=wm["hnorm"], e_proj=wm["e_proj"],
-                h_proj=wm["h_proj"], eps=1e-6)
+    args = dict(
+        h_prev=randn((T, M, HD), seed=1, device="cpu", block=None, octaves=4),
+        embed_rows=randn((T, HD), seed=2, device="cpu", block=None, octaves=0),
+        positions=torch.arange(T),
+        enorm=wm["enorm"],
+        hnorm=wm["hnorm"],
+        e_proj=wm["e_proj"],
+        h_proj=wm["h_proj"],
+        eps=1e-6,
+    )
     args.update(over)
     return args
 
 
-@pytest.mark.parametrize("eps, err", [(0, ValueError), (0.0, ValueError), (-1e-6, ValueError), (NAN, ValueError),
-                                      (INF, ValueError), ("1e-6", TypeError), (True, TypeError)])
+@pytest.mark.parametrize(
+    "eps, err",
+    [
+        (0, ValueError),
+        (0.0, ValueError),
+        (-1e-6, ValueError),
+        (NAN, ValueError),
+        (INF, ValueError),
+        ("1e-6", TypeError),
+        (True, TypeError),
+    ],
+)
 def test_draft_input_eps_is_a_finite_number_above_zero(wm, eps, err):
     """eps = 0 once made every position-0 row NaN (its embedding is zeroed, then RMS-normed by 1/sqrt(0))."""
     with pytest.raises(err, match="^eps:"):
         mtp.draft_input(**_input(wm, eps=eps))
 
 
-@pytest.mark.parametrize("hc_mult, err", [(0, ValueError), (-1, ValueError), ("4", TypeError), (4.0, TypeError),
-                                          (True, TypeError), (3, ValueError)])
+@pytest.mark.parametrize(
+    "hc_mult, err", [(0, ValueError), (-1, ValueError), ("4", TypeError), (4.0, TypeError), (True, TypeError), (3, ValueError)]
+)
 def test_draft_input_hc_mult_is_named(wm, hc_mult, err):
     a = _input(wm)
     flat = a["h_prev"].reshape(a["h_prev"].shape[0], -1)
@@ -146,16 +165,29 @@ def test_draft_input_refuses_meta_tensors(wm):
 def head():
     w = decode.make_weights(TINY, 0, device="cpu")
     X = randn((3, M, HD), seed=3, device="cpu", block=None, octaves=2)
-    return dict(X=X, hc_fn=w["mtp"]["hc_head"]["fn"], hc_scale=w["mtp"]["hc_head"]["scale"],
-                hc_base=w["mtp"]["hc_head"]["base"], norm=w["mtp"]["norm"], lm_head=w["lm_head"])
+    return dict(
+        X=X,
+        hc_fn=w["mtp"]["hc_head"]["fn"],
+        hc_scale=w["mtp"]["hc_head"]["scale"],
+        hc_base=w["mtp"]["hc_head"]["base"],
+        norm=w["mtp"]["norm"],
+        lm_head=w["lm_head"],
+    )
 
 
 @pytest.mark.parametrize("backend", ["reference", "triton"])
-@pytest.mark.parametrize("arg, bad, err", [
-    ("hc_fn", lambda t: t[:, :-1], ValueError), ("hc_fn", lambda t: t.double(), TypeError),
-    ("hc_scale", lambda t: torch.ones(2), ValueError), ("hc_base", lambda t: t[:-1], ValueError),
-    ("hc_base", lambda t: t.to(torch.bfloat16), TypeError), ("X", lambda t: t.clone().fill_(NAN), ValueError),
-    ("hc_fn", lambda t: t.clone().fill_(INF), ValueError)])
+@pytest.mark.parametrize(
+    "arg, bad, err",
+    [
+        ("hc_fn", lambda t: t[:, :-1], ValueError),
+        ("hc_fn", lambda t: t.double(), TypeError),
+        ("hc_scale", lambda t: torch.ones(2), ValueError),
+        ("hc_base", lambda t: t[:-1], ValueError),
+        ("hc_base", lambda t: t.to(torch.bfloat16), TypeError),
+        ("X", lambda t: t.clone().fill_(NAN), ValueError),
+        ("hc_fn", lambda t: t.clone().fill_(INF), ValueError),
+    ],
+)
 def test_draft_logits_names_its_own_arguments(head, backend, arg, bad, err):
     """Not mhc.head's ``fn`` / ``scale`` / ``base`` / ``hidden``."""
     a = dict(head)

@@ -46,8 +46,7 @@ def storage_bytes(t: torch.Tensor) -> torch.Tensor:
 
 def random_cache(pages: int, block_size: int, seed: int) -> torch.Tensor:
     """A cache of random bytes: a stray write shows."""
-    return torch.randint(0, 256, (pages, page_bytes(block_size)), generator=generator(seed),
-                         dtype=torch.uint8).to(DEVICE)
+    return torch.randint(0, 256, (pages, page_bytes(block_size)), generator=generator(seed), dtype=torch.uint8).to(DEVICE)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -90,12 +89,18 @@ def test_apply_gptj_every_backend_every_view(data):
     checks = data.draw(st.booleans(), label="checks")
     with validate.checking_values(checks):
         ref = apply_gptj(views(x)[xv], views(positions)[pv], table, inverse, backend="reference")
-        got = apply_gptj(views(x)[xv], views(positions)[pv], table, inverse, backend="triton",
-                         launch=RopeLaunch(rotate_rows=data.draw(st.sampled_from([4, 16]), label="rows")))
+        got = apply_gptj(
+            views(x)[xv],
+            views(positions)[pv],
+            table,
+            inverse,
+            backend="triton",
+            launch=RopeLaunch(rotate_rows=data.draw(st.sampled_from([4, 16]), label="rows")),
+        )
     assert same_bits(got, ref)
     assert same_bits(ref[..., : D - 64], x[..., : D - 64])  # copied bit for bit, NaN payloads included
-    nan = ref[..., D - 64:].isnan()
-    assert bool((_bits(ref[..., D - 64:])[nan] == (NAN16 if dtype == torch.bfloat16 else NAN32)).all())
+    nan = ref[..., D - 64 :].isnan()
+    assert bool((_bits(ref[..., D - 64 :])[nan] == (NAN16 if dtype == torch.bfloat16 else NAN32)).all())
 
 
 _BAD = [None, "slot_out_of_range", "duplicate_slot", "position_out_of_range", "kv_non_finite", "block_size"]
@@ -113,8 +118,9 @@ def test_qnorm_rope_kv_insert_every_backend_every_view(data):
     slots = torch.randperm(P * B, generator=g)[:n_slots]
     slots[torch.rand(n_slots, generator=g) < 0.3] = -1
     slots = slots.to(data.draw(st.sampled_from([torch.int32, torch.int64]), label="slots_dtype"))
-    positions = torch.randint(0, 64, (T,), generator=g).to(data.draw(st.sampled_from([torch.int32, torch.int64]),
-                                                                      label="pos_dtype"))
+    positions = torch.randint(0, 64, (T,), generator=g).to(
+        data.draw(st.sampled_from([torch.int32, torch.int64]), label="pos_dtype")
+    )
     q = randn((T, H, 512), seed=seed, block=None, octaves=6)
     if data.draw(st.booleans(), label="q_non_finite"):
         q = _poison(data, q, 448)
@@ -133,24 +139,44 @@ def test_qnorm_rope_kv_insert_every_backend_every_view(data):
     elif bad == "block_size":
         block_size = B + 1  # the cache was laid out for B
     cache = random_cache(P, B, seed + 2).cpu()
-    names = dict(q=_view(data, q, "q_view"), kv=_view(data, kv, "kv_view"), cache=_view(data, cache, "cache_view"),
-                 slots=_view(data, slots, "slots_view"), positions=_view(data, positions, "pos_view"))
+    names = dict(
+        q=_view(data, q, "q_view"),
+        kv=_view(data, kv, "kv_view"),
+        cache=_view(data, cache, "cache_view"),
+        slots=_view(data, slots, "slots_view"),
+        positions=_view(data, positions, "pos_view"),
+    )
     launch = RopeLaunch(heads_per_prog=data.draw(st.sampled_from([0, 1, 2, 8]), label="hpp"))
 
     expect_raise = (
-        (bad == "slot_out_of_range" and n_slots > 0) or (bad == "duplicate_slot" and n_slots >= 2)
-        or (bad == "position_out_of_range" and T > 0) or bad == "block_size"
+        (bad == "slot_out_of_range" and n_slots > 0)
+        or (bad == "duplicate_slot" and n_slots >= 2)
+        or (bad == "position_out_of_range" and T > 0)
+        or bad == "block_size"
         or (bad == "kv_non_finite" and checks and bool((~torch.isfinite(kv[:n_slots].cpu()).all(1) & (slots >= 0)).any()))
-        or names["cache"] == "storage_offset" or (names["cache"] == "transposed_copy" and P > 1)  # refused layouts
+        or names["cache"] == "storage_offset"
+        or (names["cache"] == "transposed_copy" and P > 1)  # refused layouts
     )
 
     def run(backend):
-        a = {k: views(v.clone().to(DEVICE))[names[k]]
-             for k, v in dict(q=q, kv=kv, cache=cache, slots=slots, positions=positions).items()}
+        a = {
+            k: views(v.clone().to(DEVICE))[names[k]]
+            for k, v in dict(q=q, kv=kv, cache=cache, slots=slots, positions=positions).items()
+        }
         before = {k: storage_bytes(a[k]) for k in ("q", "kv", "cache")}
         with validate.checking_values(checks):
-            res = outcome(qnorm_rope_kv_insert, a["q"], a["kv"], a["cache"], a["slots"], a["positions"], TAB,
-                          block_size=block_size, backend=backend, launch=launch if backend == "triton" else None)
+            res = outcome(
+                qnorm_rope_kv_insert,
+                a["q"],
+                a["kv"],
+                a["cache"],
+                a["slots"],
+                a["positions"],
+                TAB,
+                block_size=block_size,
+                backend=backend,
+                launch=launch if backend == "triton" else None,
+            )
         assert torch.equal(storage_bytes(a["kv"]), before["kv"]), "kv must never change"
         if res[0] == "raise":
             assert all(torch.equal(storage_bytes(a[k]), before[k]) for k in ("q", "cache")), "a failed call wrote"
@@ -179,8 +205,12 @@ def test_grouped_o_proj_every_view(data):
     wo_a = randn((G, o_lora, H // G * 512), seed=5, block=None, octaves=0) * 0.03
     wo_b = randn((Hd, G * o_lora), seed=6, block=None, octaves=0) * 0.2
     want = grouped_o_proj(o, wo_a, wo_b)
-    got = grouped_o_proj(views(o)[_view(data, o, "o_view")], views(wo_a)[_view(data, wo_a, "a_view")],
-                         views(wo_b)[_view(data, wo_b, "b_view")], backend="reference")
+    got = grouped_o_proj(
+        views(o)[_view(data, o, "o_view")],
+        views(wo_a)[_view(data, wo_a, "a_view")],
+        views(wo_b)[_view(data, wo_b, "b_view")],
+        backend="reference",
+    )
     assert same_bits(got, want) and got.shape == (T, Hd)
     if nan_row:
         assert bool(got[0].isnan().all()) and not bool(got[1:].isnan().any())
@@ -222,8 +252,7 @@ def test_probe_qnorm_strided_slots_and_positions():
         written = kv_cache.gather(out["triton"][1], torch.arange(8, device=DEVICE), block_size=B).abs().sum(1) > 0
         assert written.nonzero()[:, 0].tolist() == [2, 5, 6]
         q_c = q.clone()
-        qnorm_rope_kv_insert(q_c, kv, kv_cache.allocate(4, B), slots.contiguous(), positions.contiguous(), TAB,
-                             block_size=B)
+        qnorm_rope_kv_insert(q_c, kv, kv_cache.allocate(4, B), slots.contiguous(), positions.contiguous(), TAB, block_size=B)
         assert same_bits(out["triton"][0], q_c)
 
 
@@ -240,16 +269,24 @@ def test_positions_near_2_pow_20_int32_and_int64():
         out = {}
         for backend in ("reference", "triton"):
             qq, cache = q.clone(), kv_cache.allocate(1, 3)
-            qnorm_rope_kv_insert(qq, kv, cache, torch.tensor([2, -1, 0], device=DEVICE, dtype=p.dtype), p, table,
-                                 block_size=3, backend=backend)
+            qnorm_rope_kv_insert(
+                qq, kv, cache, torch.tensor([2, -1, 0], device=DEVICE, dtype=p.dtype), p, table, block_size=3, backend=backend
+            )
             out[backend] = qq, cache
         assert same_bits(out["triton"][0], out["reference"][0]) and torch.equal(out["triton"][1], out["reference"][1])
 
 
 def _fused_args(**kw):
-    a = dict(q=randn((2, 2, 512), seed=7), kv=randn((2, 512), seed=8), cache=kv_cache.allocate(2, 4),
-             slots=torch.tensor([0, 5], device=DEVICE), positions=torch.tensor([1, 2], device=DEVICE), cos_sin=TAB,
-             block_size=4, eps=1e-6)
+    a = dict(
+        q=randn((2, 2, 512), seed=7),
+        kv=randn((2, 512), seed=8),
+        cache=kv_cache.allocate(2, 4),
+        slots=torch.tensor([0, 5], device=DEVICE),
+        positions=torch.tensor([1, 2], device=DEVICE),
+        cos_sin=TAB,
+        block_size=4,
+        eps=1e-6,
+    )
     a.update(kw)
     return a
 
@@ -299,7 +336,9 @@ BAD_SCALARS = [
 ]
 
 
-@pytest.mark.parametrize("fn,kw,exc,prefix", BAD_SCALARS, ids=[f"{f}-{next(iter(k))}-{i}" for i, (f, k, *_) in enumerate(BAD_SCALARS)])
+@pytest.mark.parametrize(
+    "fn,kw,exc,prefix", BAD_SCALARS, ids=[f"{f}-{next(iter(k))}-{i}" for i, (f, k, *_) in enumerate(BAD_SCALARS)]
+)
 def test_scalar_arguments_validated(fn, kw, exc, prefix):
     """Every scalar is checked before any work, the error names the argument; a failed call writes nothing."""
     if fn == "fused":
@@ -387,16 +426,32 @@ def test_non_finite_q_makes_its_head_nan():
         for checks in (True, False):
             qq = q.clone()
             with validate.checking_values(checks):
-                qnorm_rope_kv_insert(qq, kv, kv_cache.allocate(1, 2), torch.tensor([0, 1], device=DEVICE),
-                                     torch.tensor([3, 4], device=DEVICE), TAB, block_size=2, backend=backend, launch=launch)
+                qnorm_rope_kv_insert(
+                    qq,
+                    kv,
+                    kv_cache.allocate(1, 2),
+                    torch.tensor([0, 1], device=DEVICE),
+                    torch.tensor([3, 4], device=DEVICE),
+                    TAB,
+                    block_size=2,
+                    backend=backend,
+                    launch=launch,
+                )
             out[backend, launch, checks] = qq
     ref = out["reference", None, True]
     assert all(same_bits(v, ref) for v in out.values())
     assert bool((_bits(ref[1, 2]) == NAN16).all())
     clean = q.clone()
     clean[1, 2] = 1.0
-    qnorm_rope_kv_insert(clean, kv, kv_cache.allocate(1, 2), torch.tensor([0, 1], device=DEVICE),
-                         torch.tensor([3, 4], device=DEVICE), TAB, block_size=2)
+    qnorm_rope_kv_insert(
+        clean,
+        kv,
+        kv_cache.allocate(1, 2),
+        torch.tensor([0, 1], device=DEVICE),
+        torch.tensor([3, 4], device=DEVICE),
+        TAB,
+        block_size=2,
+    )
     keep = torch.ones(2, 3, dtype=torch.bool)
     keep[1, 2] = False
     assert same_bits(ref[keep], clean[keep]) and not bool(ref[keep].isnan().any())
@@ -412,12 +467,21 @@ def test_non_finite_kv_raises_while_checking():
             q, cache = randn((3, 2, 512), seed=15), random_cache(2, 2, 16)
             q0, c0 = q.clone(), cache.clone()
             with pytest.raises(ValueError, match=r"^kv: non-finite values"):
-                qnorm_rope_kv_insert(q, kv, cache, torch.tensor([0, 3, 1], device=DEVICE),
-                                     torch.tensor([1, 2, 3], device=DEVICE), TAB, block_size=2, backend=backend)
+                qnorm_rope_kv_insert(
+                    q,
+                    kv,
+                    cache,
+                    torch.tensor([0, 3, 1], device=DEVICE),
+                    torch.tensor([1, 2, 3], device=DEVICE),
+                    TAB,
+                    block_size=2,
+                    backend=backend,
+                )
             assert same_bits(q, q0) and torch.equal(cache, c0)
             for slots in (torch.tensor([0, -1, 1], device=DEVICE), torch.tensor([0], device=DEVICE)):
-                qnorm_rope_kv_insert(q, kv, cache, slots, torch.tensor([1, 2, 3], device=DEVICE), TAB, block_size=2,
-                                     backend=backend)
+                qnorm_rope_kv_insert(
+                    q, kv, cache, slots, torch.tensor([1, 2, 3], device=DEVICE), TAB, block_size=2, backend=backend
+                )
 
 
 def test_non_finite_kv_encoded_when_not_checking():
@@ -511,8 +575,13 @@ def test_the_pair_scaled_row_is_needed():
     q[0, :, 448] = 6.0 * math.tan(1.0) + torch.arange(H, device=DEVICE) * 0.02  # 64 near-cancelling variants
     q = q.to(torch.bfloat16)
     exact, port = q.clone(), q.clone()
-    args = (torch.zeros(1, 512, dtype=torch.bfloat16, device=DEVICE), kv_cache.allocate(1, 1),
-            torch.tensor([-1], device=DEVICE), torch.tensor([1], device=DEVICE), TAB)
+    args = (
+        torch.zeros(1, 512, dtype=torch.bfloat16, device=DEVICE),
+        kv_cache.allocate(1, 1),
+        torch.tensor([-1], device=DEVICE),
+        torch.tensor([1], device=DEVICE),
+        TAB,
+    )
     qnorm_rope_kv_insert(exact, *args, block_size=1, backend="reference")
     _port()(port, *args, block_size=1)
     assert not compare(port, exact, "bf16_gemm").passed

@@ -41,8 +41,9 @@ def _cache(block_size: int, pages: int, seed: int) -> torch.Tensor:
     """A cache with every slot written (decode never writes it, so one copy serves many examples)."""
     n = block_size * pages
     cache = kv_cache.allocate(pages, block_size)
-    kv_cache.insert(cache, randn((n, 512), seed=seed, octaves=6), torch.arange(n, device=DEVICE),
-                    block_size=block_size, backend="reference")
+    kv_cache.insert(
+        cache, randn((n, 512), seed=seed, octaves=6), torch.arange(n, device=DEVICE), block_size=block_size, backend="reference"
+    )
     return cache
 
 
@@ -57,7 +58,8 @@ def _pool(data, T: int, K: int, prefix: str, seed: int):
     lengths = None
     if data.draw(st.booleans(), label=f"{prefix}has_lengths"):
         lengths = torch.randint(0, K + 1, (T,), generator=g).to(
-            data.draw(st.sampled_from([torch.int32, torch.int64]), label=f"{prefix}len_dtype"))
+            data.draw(st.sampled_from([torch.int32, torch.int64]), label=f"{prefix}len_dtype")
+        )
     return _cache(bs, pages, seed % 3), slots.to(DEVICE), None if lengths is None else lengths.to(DEVICE), bs
 
 
@@ -105,8 +107,9 @@ def test_every_backend_equals_the_reference(data):
     the kernels give the reference's answer, and no input buffer changes."""
     kw = _draw_inputs(data)
     before = snapshot(*_tensors(kw))
-    ref_out, ref_lse, mass = reference.decode(**{k: (v.contiguous() if isinstance(v, torch.Tensor) else v)
-                                                 for k, v in kw.items()}, with_mass=True)
+    ref_out, ref_lse, mass = reference.decode(
+        **{k: (v.contiguous() if isinstance(v, torch.Tensor) else v) for k, v in kw.items()}, with_mass=True
+    )
     for backend in BACKENDS:
         launch = None
         if backend != "reference" and data.draw(st.booleans(), label=f"{backend}_split"):
@@ -146,15 +149,20 @@ def test_nonfinite_input_same_on_every_backend(data):
         if how == "scale255":
             cache[0, bs * 576 + data.draw(st.integers(0, 6), label="block")] = 255
         else:
-            cache[0, 448 + 2 * 5:448 + 2 * 5 + 2] = torch.tensor([0x80 if how == "rope_inf" else 0xC0, 0x7F],
-                                                                  dtype=torch.uint8)
+            cache[0, 448 + 2 * 5 : 448 + 2 * 5 + 2] = torch.tensor([0x80 if how == "rope_inf" else 0xC0, 0x7F], dtype=torch.uint8)
         t = data.draw(st.integers(0, T - 1), label="counted_by")
         slots[t, 0] = 0
         lengths[t] = max(int(lengths[t]), 1)
         if T > 1:
             slots[(t + 1) % T, K - 1] = 0  # past that row's length unless the length is K
-    kw = dict(q=q, cache=cache, slots=slots, lengths=lengths, block_size=bs,
-              sink=torch.linspace(-1, 1, H).to(DEVICE) if data.draw(st.booleans(), label="sink") else None)
+    kw = dict(
+        q=q,
+        cache=cache,
+        slots=slots,
+        lengths=lengths,
+        block_size=bs,
+        sink=torch.linspace(-1, 1, H).to(DEVICE) if data.draw(st.booleans(), label="sink") else None,
+    )
     if bad_q:  # checks on: refused before any work, on every backend (cache rows are not checked: no raise)
         with validate.checking_values(True):
             assert {outcome(sparse_mla.decode, **kw, backend=b) for b in BACKENDS} == {("raise", "ValueError")}
@@ -169,8 +177,9 @@ def test_nonfinite_input_same_on_every_backend(data):
         for backend in KERNELS:
             splits = data.draw(st.sampled_from([1, 2]), label=f"{backend}_splits")
             launch = dataclasses.replace(default_launch(T, H, K, DEVICE), num_splits=splits)
-            _same_answer(sparse_mla.decode(**kw, backend=backend, launch=launch), (ref_out, ref_lse), mass,
-                         f"{backend} splits={splits}")
+            _same_answer(
+                sparse_mla.decode(**kw, backend=backend, launch=launch), (ref_out, ref_lse), mass, f"{backend} splits={splits}"
+            )
 
 
 def _bad_calls(kw):
@@ -205,8 +214,7 @@ def _bad_calls(kw):
         ("cache", dict(cache=c.view(torch.int8))),
         ("cache", dict(cache=c[:, :-1])),
         ("extra_block_size", dict(extra_cache=c, extra_slots=s)),
-        ("extra_lengths", dict(extra_cache=c, extra_slots=s, extra_block_size=kw["block_size"],
-                               extra_lengths=n[:1])),
+        ("extra_lengths", dict(extra_cache=c, extra_slots=s, extra_block_size=kw["block_size"], extra_lengths=n[:1])),
         ("launch", dict(launch={"num_splits": 2})),
         # refused where it cannot run (no Hopper GPU); on an H100/H200 it is a valid backend
         *([] if gluon.available() else [("backend", dict(backend="gluon"))]),
@@ -216,9 +224,13 @@ def _bad_calls(kw):
 def test_bad_arguments_same_error_on_every_backend():
     """Every bad argument is refused before any work, with the same error class on every backend and a
     message that starts with the argument's name; no buffer changes."""
-    kw = dict(q=(randn((2, 16, 512), seed=1).float() * 0.25).to(torch.bfloat16), cache=_cache(16, 3, 0),
-              slots=torch.randint(0, 48, (2, 8), generator=generator(2), dtype=torch.int32).to(DEVICE),
-              lengths=torch.tensor([8, 3], dtype=torch.int32, device=DEVICE), block_size=16)
+    kw = dict(
+        q=(randn((2, 16, 512), seed=1).float() * 0.25).to(torch.bfloat16),
+        cache=_cache(16, 3, 0),
+        slots=torch.randint(0, 48, (2, 8), generator=generator(2), dtype=torch.int32).to(DEVICE),
+        lengths=torch.tensor([8, 3], dtype=torch.int32, device=DEVICE),
+        block_size=16,
+    )
     before = snapshot(*_tensors(kw))
     for name, change in _bad_calls(kw):
         errors = set()
@@ -238,8 +250,7 @@ def test_bad_arguments_same_error_on_every_backend():
 
 
 def _small(T=3, H=16, K1=12, K2=4, seed=5):
-    return sparse_mla.example_inputs(T, H, K1, K2, block_size=16, extra_block_size=2, pages=2, extra_pages=8,
-                                     seed=seed)
+    return sparse_mla.example_inputs(T, H, K1, K2, block_size=16, extra_block_size=2, pages=2, extra_pages=8, seed=seed)
 
 
 def test_probe_nan_query_checks_on_raises():
@@ -261,7 +272,7 @@ def test_probe_nan_query_checks_off_gives_a_nan_row(backend):
     kw["lengths"][2] = 0
     kw["extra_lengths"][2] = 0  # token 2: no valid candidate at all
     with validate.checking_values(False):
-        for splits in ((1, 2) if backend != "reference" else (None,)):
+        for splits in (1, 2) if backend != "reference" else (None,):
             launch = None if splits is None else dataclasses.replace(default_launch(3, 16, 16, DEVICE), num_splits=splits)
             out, lse = sparse_mla.decode(**kw, backend=backend, launch=launch)
             bad = torch.zeros(3, 16, dtype=torch.bool)
@@ -274,8 +285,15 @@ def test_probe_nan_query_checks_off_gives_a_nan_row(backend):
 def test_probe_scale_validated():
     """Before: decode(scale=nan) was accepted. Now a finite number > 0 (not a bool, a string or a tensor)."""
     kw = _small()
-    for bad, err in [(math.nan, ValueError), (math.inf, ValueError), (0.0, ValueError), (-1, ValueError),
-                     (True, TypeError), ("0.04", TypeError), (torch.tensor(0.04), TypeError)]:
+    for bad, err in [
+        (math.nan, ValueError),
+        (math.inf, ValueError),
+        (0.0, ValueError),
+        (-1, ValueError),
+        (True, TypeError),
+        ("0.04", TypeError),
+        (torch.tensor(0.04), TypeError),
+    ]:
         with pytest.raises(err, match="^scale: "):
             sparse_mla.decode(**kw, scale=bad)
     a = sparse_mla.decode(**kw, scale=1)  # an int is a number
@@ -369,15 +387,21 @@ def test_probe_int64_indices_empty_batch_and_empty_lists(backend):
     out 0 and lse −inf."""
     kw = _small()
     a = sparse_mla.decode(**kw, backend=backend)
-    b = sparse_mla.decode(**{**kw, **{k: kw[k].long() for k in ("slots", "lengths", "extra_slots", "extra_lengths")}},
-                          backend=backend)
+    b = sparse_mla.decode(
+        **{**kw, **{k: kw[k].long() for k in ("slots", "lengths", "extra_slots", "extra_lengths")}}, backend=backend
+    )
     assert torch.equal(a[0].view(torch.int16), b[0].view(torch.int16)) and torch.equal(a[1], b[1])
-    e = {**kw, "q": kw["q"][:0], "slots": kw["slots"][:0], "lengths": kw["lengths"][:0],
-         "extra_slots": kw["extra_slots"][:0], "extra_lengths": kw["extra_lengths"][:0]}
+    e = {
+        **kw,
+        "q": kw["q"][:0],
+        "slots": kw["slots"][:0],
+        "lengths": kw["lengths"][:0],
+        "extra_slots": kw["extra_slots"][:0],
+        "extra_lengths": kw["extra_lengths"][:0],
+    }
     out, lse = sparse_mla.decode(**e, backend=backend)
     assert out.shape == (0, 16, 512) and lse.shape == (0, 16)
-    z = {**kw, "slots": kw["slots"][:, :0], "lengths": None, "extra_slots": kw["extra_slots"][:, :0],
-         "extra_lengths": None}
+    z = {**kw, "slots": kw["slots"][:, :0], "lengths": None, "extra_slots": kw["extra_slots"][:, :0], "extra_lengths": None}
     out, lse = sparse_mla.decode(**z, backend=backend)
     assert not bool(out.any()) and bool((lse == -math.inf).all())
 

@@ -15,8 +15,18 @@ import torch
 
 from dsv4ref import compressor, decode
 from dsv4ref.config import FLASH, TINY
-from dsv4ref.decode import (ATTN_TOL, LOGITS_TOL, CacheCapacityError, Decoder, agreement, make_weights, reference_forward,
-                            rel_err, run, traffic_per_op)
+from dsv4ref.decode import (
+    ATTN_TOL,
+    LOGITS_TOL,
+    CacheCapacityError,
+    Decoder,
+    agreement,
+    make_weights,
+    reference_forward,
+    rel_err,
+    run,
+    traffic_per_op,
+)
 from dsv4ref.decode import reference as dense
 from dsv4ref.device import interpreting
 from dsv4ref.mhc import MhcLaunch
@@ -227,8 +237,21 @@ def test_attn_tol_is_the_decode_step_tolerance_row():
 def _completed(x, cw, st, req, pos, valid, ratio):
     """The compressor op's rows completed by one call (its torch reference), with the request and the boundary
     position of each: the op returns one row per token and a ``done`` flag."""
-    rows, done = compressor.compress(x, cw["wkv"], cw["wgate"], cw["ape"], cw["norm"], st.kv, st.score, req, pos,
-                                     ratio=ratio, eps=TINY.rms_norm_eps, valid=valid, backend="reference")
+    rows, done = compressor.compress(
+        x,
+        cw["wkv"],
+        cw["wgate"],
+        cw["ape"],
+        cw["norm"],
+        st.kv,
+        st.score,
+        req,
+        pos,
+        ratio=ratio,
+        eps=TINY.rms_norm_eps,
+        valid=valid,
+        backend="reference",
+    )
     return rows[done], req[done], pos[done]
 
 
@@ -246,8 +269,9 @@ def test_stateful_compressor_matches_the_block_reference(ratio, chunks):
     rows, pos, p0 = [], [], 0
     for n in chunks:
         p = torch.arange(p0, p0 + n)
-        done_rows, done_req, done_pos = _completed(x[p0:p0 + n], cw, st, torch.ones(n, dtype=torch.int64), p,
-                                                   torch.ones(n, dtype=torch.bool), ratio)
+        done_rows, done_req, done_pos = _completed(
+            x[p0 : p0 + n], cw, st, torch.ones(n, dtype=torch.int64), p, torch.ones(n, dtype=torch.bool), ratio
+        )
         assert done_req.tolist() == [1] * done_rows.shape[0]
         rows.append(done_rows)
         pos.append(done_pos)
@@ -318,8 +342,21 @@ def _expected_index_k_cache(dec, seen, li, rotate_at):
             continue
         xf = x.float()  # attn_norm, as the decoder computes it (fp32 math, bf16 out)
         xn = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * L["attn_norm"].float()).to(torch.bfloat16)
-        out, done = compressor.compress(xn, cw["wkv"], cw["wgate"], cw["ape"], cw["norm"], state.kv, state.score, rows.req,
-                                        rows.pos, ratio=4, eps=eps, valid=rows.valid, backend="reference")
+        out, done = compressor.compress(
+            xn,
+            cw["wkv"],
+            cw["wgate"],
+            cw["ape"],
+            cw["norm"],
+            state.kv,
+            state.score,
+            rows.req,
+            rows.pos,
+            ratio=4,
+            eps=eps,
+            valid=rows.valid,
+            backend="reference",
+        )
         p, req = rows.pos[done], rows.req[done]
         k = rope.apply_gptj(out[done].to(torch.bfloat16), rotate_at(p), dec.cos_sin["comp"], backend="reference")
         local = p // 4
@@ -329,8 +366,11 @@ def _expected_index_k_cache(dec, seen, li, rotate_at):
     return cache, n
 
 
-@pytest.mark.parametrize("rotate_at, same", [(_window_start, True), (lambda p: p, False), (lambda p: p // 4, False)],
-                         ids=["(p//4)*4", "p (planted)", "p//4 (planted)"])
+@pytest.mark.parametrize(
+    "rotate_at, same",
+    [(_window_start, True), (lambda p: p, False), (lambda p: p // 4, False)],
+    ids=["(p//4)*4", "p (planted)", "p//4 (planted)"],
+)
 def test_indexer_k_cache_holds_keys_rotated_at_the_window_start(indexer_run, rotate_at, same):
     """The decode step's indexer-K pools hold, byte for byte, the reference writer's records of the indexer
     compressor's keys rotated at (p // 4)·4. A wrong position costs the indexer only some
@@ -340,7 +380,7 @@ def test_indexer_k_cache_holds_keys_rotated_at_the_window_start(indexer_run, rot
     the Triton compressor the fp32 rows may differ in the last bit, and a bf16 rounding then flips a byte.
     The planted positions (the boundary token p, the row id p // 4) must give other bytes."""
     dec, seen = indexer_run
-    steps_boundaries = sum(int(((rows.pos + 1) % 4 == 0)[rows.valid].sum()) for li, _, rows in seen[-9 * 4:] if li == 1)
+    steps_boundaries = sum(int(((rows.pos + 1) % 4 == 0)[rows.valid].sum()) for li, _, rows in seen[-9 * 4 :] if li == 1)
     assert steps_boundaries >= 4  # keys written by decode steps, not only by the prefill
     for li in (1, 3):  # the ratio-4 layers
         want, n = _expected_index_k_cache(dec, seen, li, rotate_at)
@@ -414,8 +454,7 @@ def test_draft_without_a_window_only_main_layer():
     assert 0 not in cfg.compress_ratios and cfg.num_nextn_predict_layers == 1
     w = make_weights(cfg, 0)
     dec = Decoder(cfg, w, num_requests=2, capacity=32, backend="reference")
-    assert torch.equal(dec.cos_sin["swa"], rope.cos_sin_cache(cfg.max_position, cfg.rope_dim, cfg.rope_theta,
-                                                              device=dec.dev))
+    assert torch.equal(dec.cos_sin["swa"], rope.cos_sin_cache(cfg.max_position, cfg.rope_dim, cfg.rope_theta, device=dec.dev))
     logits = dec.prefill([list(range(9)), [5, 6, 7]])
     drafts = dec.draft(logits.argmax(-1).cpu(), 2)
     assert drafts.shape == (2, 2) and bool(((drafts >= 0) & (drafts < cfg.vocab_size)).all())

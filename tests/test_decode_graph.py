@@ -23,8 +23,16 @@ from dsv4ref.device import DEVICE, interpreting
 def test_the_guard_has_teeth():
     """Each kind of sync the decode path used to make raises under the guard, only from dsv4ref code."""
     t = torch.arange(4)
-    calls = ("bool(t.any())", "int(t.max())", "t.cpu()", "t.tolist()", "t[t > 1]", "t.nonzero()",
-             "torch.tensor([0, 4])", "validate.index_range(t, 't', 2)")
+    calls = (
+        "bool(t.any())",
+        "int(t.max())",
+        "t.cpu()",
+        "t.tolist()",
+        "t[t > 1]",
+        "t.nonzero()",
+        "torch.tensor([0, 4])",
+        "validate.index_range(t, 't', 2)",
+    )
     for call in calls:
         rec = []
         with no_host_sync(rec), pytest.raises(HostSync), validate.checking_values(True):
@@ -43,8 +51,7 @@ def test_the_guard_has_teeth():
 
 def _decoder(prompts, backend, graph, seed=0):
     w = make_weights(TINY, seed)
-    dec = Decoder(TINY, w, num_requests=len(prompts), capacity=160, pad_heads=not interpreting(), backend=backend,
-                  graph=graph)
+    dec = Decoder(TINY, w, num_requests=len(prompts), capacity=160, pad_heads=not interpreting(), backend=backend, graph=graph)
     g = torch.Generator().manual_seed(seed + 3)
     logits = dec.prefill([torch.randint(0, TINY.vocab_size, (n,), generator=g) for n in prompts])
     return dec, logits
@@ -67,6 +74,7 @@ def test_step_device_part_makes_no_host_sync(monkeypatch):
         def guarded():
             with no_host_sync(rec, tolerate=("dsv4ref.moe",)):
                 fn()
+
         return guarded
 
     monkeypatch.setattr(decode_model, "capture_graph", capture)

@@ -21,8 +21,7 @@ from dsv4ref.device import DEVICE
 
 
 def _no_meta(result) -> None:
-    leaves = result if isinstance(result, (tuple, list)) else (
-        result.values() if isinstance(result, dict) else [result])
+    leaves = result if isinstance(result, (tuple, list)) else (result.values() if isinstance(result, dict) else [result])
     for x in leaves:
         if isinstance(x, torch.Tensor):
             assert x.device.type != "meta", "a result was made on torch's default device"

@@ -35,8 +35,11 @@ def test_timer_and_synchronize():
 def test_no_torch_cuda_outside_device_module():
     """The seed PR monkey-patched torch.cuda.Event to run on XPU; we keep backend namespaces in one file."""
     files = [*(ROOT / "dsv4ref").rglob("*.py"), *(ROOT / "benchmarks").rglob("*.py"), *(ROOT / "scripts").rglob("*.py")]
-    offenders = [str(p.relative_to(ROOT)) for p in files
-                 if p.name != "device.py" and ("torch.cuda" in p.read_text() or "torch.xpu" in p.read_text())]
+    offenders = [
+        str(p.relative_to(ROOT))
+        for p in files
+        if p.name != "device.py" and ("torch.cuda" in p.read_text() or "torch.xpu" in p.read_text())
+    ]
     assert offenders == []
 
 

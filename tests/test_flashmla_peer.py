@@ -22,8 +22,16 @@ import torch
 
 from dsv4ref import conformance, kv_cache
 from dsv4ref.conformance.inputs import filled_cache
-from dsv4ref.formats import (DATA_BYTES, N_SCALES, NOPE_DIM, QUANT_BLOCK, SCALE_BYTES, TOKEN_BYTES, token_data_offset,
-                             token_scale_offset)
+from dsv4ref.formats import (
+    DATA_BYTES,
+    N_SCALES,
+    NOPE_DIM,
+    QUANT_BLOCK,
+    SCALE_BYTES,
+    TOKEN_BYTES,
+    token_data_offset,
+    token_scale_offset,
+)
 from dsv4ref.tools.peers import flashmla
 from dsv4ref.validate import checking_values
 
@@ -44,7 +52,9 @@ def v4_record(k_cache: torch.Tensor, slot: int) -> tuple[torch.Tensor, torch.Ten
     B = k_cache.shape[1]
     page = k_cache[slot // B].reshape(-1)  # B·584 bytes, contiguous within the page
     o = slot % B
-    return page[DATA_BYTES * o:DATA_BYTES * (o + 1)], page[DATA_BYTES * B + SCALE_BYTES * o:DATA_BYTES * B + SCALE_BYTES * (o + 1)]
+    return page[DATA_BYTES * o : DATA_BYTES * (o + 1)], page[
+        DATA_BYTES * B + SCALE_BYTES * o : DATA_BYTES * B + SCALE_BYTES * (o + 1)
+    ]
 
 
 def v4_rows(k_cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
@@ -64,7 +74,7 @@ def v4_rows(k_cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
 def strided(cache: torch.Tensor, pad: int = 32) -> torch.Tensor:
     """The same pages as a view of a wider buffer (page stride = width + ``pad``), the gaps full of 0xAB."""
     buf = torch.full((cache.shape[0], cache.shape[1] + pad), 0xAB, dtype=torch.uint8)
-    view = buf[:, :cache.shape[1]]
+    view = buf[:, : cache.shape[1]]
     view.copy_(cache)
     return view
 
@@ -86,7 +96,7 @@ def test_cache_view_reads_exactly_the_bytes_of_every_slot(B, P):
     for s in range(P * B):
         data, scales = v4_record(v, s)
         d, c = token_data_offset(ps, B, s), token_scale_offset(ps, B, s)
-        assert torch.equal(data, flat[d:d + DATA_BYTES]) and torch.equal(scales, flat[c:c + SCALE_BYTES]), s
+        assert torch.equal(data, flat[d : d + DATA_BYTES]) and torch.equal(scales, flat[c : c + SCALE_BYTES]), s
     # decoded as FlashMLA's format says, they are the rows our reader returns, bit for bit
     every = torch.arange(P * B)
     ours = kv_cache.gather(cache, every, block_size=B, backend="reference")
@@ -97,7 +107,7 @@ def test_cache_view_refuses_what_flashmla_cannot_read():
     B = 2
     pb = kv_cache.page_bytes(B)
     buf = torch.zeros(3 * pb + 16, dtype=torch.uint8)
-    odd = buf[1:1 + 3 * pb].view(3, pb)  # pages at odd addresses: ours reads them, FlashMLA does not
+    odd = buf[1 : 1 + 3 * pb].view(3, pb)  # pages at odd addresses: ours reads them, FlashMLA does not
     with pytest.raises(ValueError, match=r"^cache: FlashMLA's kernel loads 16-byte vectors"):
         flashmla.cache_view(odd, B)
     gaps = torch.zeros(3, pb + 8, dtype=torch.uint8)[:, :pb]  # page stride pb + 8: not a multiple of 16
@@ -169,10 +179,17 @@ def test_map_out_and_lse():
 def _inputs(T=3, H=16, K1=40, K2=10):
     g = torch.Generator().manual_seed(5)
     c1, c2 = filled_cache(4, 16, 1), filled_cache(24, 2, 2)
-    return dict(q=torch.randn(T, H, 512, generator=g).to(torch.bfloat16), cache=c1,
-                slots=torch.randint(-1, 64, (T, K1), generator=g, dtype=torch.int32),
-                lengths=torch.tensor([K1, 7, 0][:T], dtype=torch.int32), block_size=16, sink=torch.randn(H, generator=g),
-                extra_cache=c2, extra_slots=torch.randint(-1, 48, (T, K2), generator=g), extra_block_size=2)
+    return dict(
+        q=torch.randn(T, H, 512, generator=g).to(torch.bfloat16),
+        cache=c1,
+        slots=torch.randint(-1, 64, (T, K1), generator=g, dtype=torch.int32),
+        lengths=torch.tensor([K1, 7, 0][:T], dtype=torch.int32),
+        block_size=16,
+        sink=torch.randn(H, generator=g),
+        extra_cache=c2,
+        extra_slots=torch.randint(-1, 48, (T, K2), generator=g),
+        extra_block_size=2,
+    )
 
 
 def test_map_inputs_gives_flashmla_its_arguments():
@@ -185,9 +202,17 @@ def test_map_inputs_gives_flashmla_its_arguments():
     assert kw["extra_k_cache"].shape == (24, 2, 1, 584)
     assert kw["indices"].shape == (3, 1, 64) and kw["extra_indices_in_kvcache"].shape == (3, 1, 64)
     assert kw["topk_length"].dtype == torch.int32 and kw["extra_topk_length"] is None
-    assert (kw["head_dim_v"], kw["softmax_scale"], kw["kv_format"], kw["use_legacy"], kw["is_fp8_kvcache"],
-            kw["causal"], kw["block_table"], kw["cache_seqlens"], kw["num_splits"]) == (512, 0.05, "V4", True, True,
-                                                                                        False, None, None, None)
+    assert (
+        kw["head_dim_v"],
+        kw["softmax_scale"],
+        kw["kv_format"],
+        kw["use_legacy"],
+        kw["is_fp8_kvcache"],
+        kw["causal"],
+        kw["block_table"],
+        kw["cache_seqlens"],
+        kw["num_splits"],
+    ) == (512, 0.05, "V4", True, True, False, None, None, None)
     one_pool = flashmla.map_inputs(**{k: v for k, v in a.items() if not k.startswith("extra_")})
     assert not any(k.startswith("extra_") for k in one_pool.kwargs)
 
@@ -236,11 +261,30 @@ class FlashMLAModel:
     def get_mla_metadata(*args, **kwargs):
         return object(), None
 
-    def flash_mla_with_kvcache(self, q, k_cache, block_table, cache_seqlens, head_dim_v, tile_scheduler_metadata,
-                               num_splits=None, softmax_scale=None, causal=False, is_fp8_kvcache=None, indices=None,
-                               attn_sink=None, extra_k_cache=None, extra_indices_in_kvcache=None, topk_length=None,
-                               extra_topk_length=None, enable_batch_invariant=False, use_legacy=False, kv_format=None,
-                               descale_q=None, descale_k=None):
+    def flash_mla_with_kvcache(
+        self,
+        q,
+        k_cache,
+        block_table,
+        cache_seqlens,
+        head_dim_v,
+        tile_scheduler_metadata,
+        num_splits=None,
+        softmax_scale=None,
+        causal=False,
+        is_fp8_kvcache=None,
+        indices=None,
+        attn_sink=None,
+        extra_k_cache=None,
+        extra_indices_in_kvcache=None,
+        topk_length=None,
+        extra_topk_length=None,
+        enable_batch_invariant=False,
+        use_legacy=False,
+        kv_format=None,
+        descale_q=None,
+        descale_k=None,
+    ):
         self.calls += 1
         b, s_q, h, d = q.shape
         assert b > 0 and s_q == 1 and h in (64, 128) and d == 512 == head_dim_v and q.dtype == torch.bfloat16
@@ -346,8 +390,10 @@ def test_value_checks_off_maps_below_minus_one_and_long_lengths(model):
 def _rows(times: dict):
     from dsv4ref.tools.harness import BenchCase, BenchRow
 
-    return [BenchRow(BenchCase(op, f"T={T} H={H} K={K}", None, 1, 1.0, extra=dict(T=T, H=H, K=K)), us / 1e3, 0, 0, 0)
-            for (op, T, H, K), us in times.items()]
+    return [
+        BenchRow(BenchCase(op, f"T={T} H={H} K={K}", None, 1, 1.0, extra=dict(T=T, H=H, K=K)), us / 1e3, 0, 0, 0)
+        for (op, T, H, K), us in times.items()
+    ]
 
 
 def test_bench_grid_holds_the_ladder_and_the_issue_shapes():
@@ -380,7 +426,11 @@ def test_peer_ratios_and_the_ladder_anchor(tmp_path):
     assert [(g["T"], g["H"], g["K"]) for g in d["peer_grid"]] == list(cases.GRID_SHAPES)
     first = d["peer_grid"][0]
     assert (first["ours_op"], first["ours_us"], first["flashmla_us"], first["ours_over_flashmla"]) == (
-        "sparse_mla.gluon", 30.0, None, None)
+        "sparse_mla.gluon",
+        30.0,
+        None,
+        None,
+    )
     assert d["peer_grid"][5]["ours_over_flashmla"] == 1.5
     for key in ("device", "date", "command", "ceilings", "accounting", "shapes", "rungs", "others"):
         assert key in d  # the keys notebook 04 reads stay
@@ -388,8 +438,12 @@ def test_peer_ratios_and_the_ladder_anchor(tmp_path):
     # a later run without the peer keeps the measured anchor, and keys it does not write ("diagnostics")
     path = tmp_path / "ladder.json"
     path.write_text(json.dumps(d | {"diagnostics": {"about": "kept"}}))
-    again = cases.write_ladder(path, device="test", command="test", measured=(Ceilings(4e12, 7e14), _rows(
-        {k: v for k, v in times.items() if k[0] != cases.PEER_OP})))
+    again = cases.write_ladder(
+        path,
+        device="test",
+        command="test",
+        measured=(Ceilings(4e12, 7e14), _rows({k: v for k, v in times.items() if k[0] != cases.PEER_OP})),
+    )
     assert again["peer"] == d["peer"] and again["peer_grid"] == d["peer_grid"]
     assert again["diagnostics"] == {"about": "kept"} and json.loads(path.read_text())["diagnostics"] == {"about": "kept"}
     none = cases.ladder(Ceilings(4e12, 7e14), [], device="test", command="test")
@@ -411,28 +465,38 @@ def test_the_new_bench_lines_parse_or_are_ignored():
     def row(op, shape, us, note):  # dsv4ref/tools/cli.py's row format
         return f"{op:<26} {shape:<40} {us:>9.1f} {1234:>8.0f} {12.3:>8.1f} {0.456:>8.1%}  {note}"
 
-    log = "\n".join([
-        "cuda (NVIDIA H200); torch 2.11.0+cu130; triton 3.6.0",
-        "ceilings measured now: copy 4.11 TB/s (read + write), bf16 matmul 786 TFLOP/s",
-        "FlashMLA peer skipped: no CUDA device here (FlashMLA's SM90 kernels need a Hopper GPU)",
-        row("sparse_mla.fused", "T=64 H=64 K=640 split=2", 78.5, "584+4 B/row"),
-        row("sparse_mla.gluon", "T=64 H=64 K=640", 35.7, "warp-specialised"),
-        row("sparse_mla.flashmla", "T=64 H=64 K=640", 20.0, "FlashMLA's SM90 kernel (sgl-flash-mla==1.0.0, "
-                                                            "use_legacy=True), inputs mapped outside the timing"),
-        row("sparse_mla.gluon", "T=64 H=64 K=2176", 90.0, "warp-specialised"),
-        row("sparse_mla.fused", "T=64 H=64 K=2176 split=4", 120.0, "584+4 B/row"),
-        row("sparse_mla.flashmla", "T=64 H=16 K=2048", 40.0, "FlashMLA's SM90 kernel; H 16 runs as 64 heads"),
-        "sparse_mla.flashmla T=8 H=64 K=640: FAILED RuntimeError: boom",
-        "sparse_mla.flashmla T=8 H=128 K=1152: its lse differs from ours on input set 0 (lse: FAIL (max abs 1)); "
-        "timed all the same",
-        "sparse_mla: ours / FlashMLA per shape (time ratio, same run, same inputs; above 1 FlashMLA is faster)",
-        "  T=64 H=64 K=640: sparse_mla.gluon 35.7 us / FlashMLA 20.0 us = 1.78",
-    ])
+    log = "\n".join(
+        [
+            "cuda (NVIDIA H200); torch 2.11.0+cu130; triton 3.6.0",
+            "ceilings measured now: copy 4.11 TB/s (read + write), bf16 matmul 786 TFLOP/s",
+            "FlashMLA peer skipped: no CUDA device here (FlashMLA's SM90 kernels need a Hopper GPU)",
+            row("sparse_mla.fused", "T=64 H=64 K=640 split=2", 78.5, "584+4 B/row"),
+            row("sparse_mla.gluon", "T=64 H=64 K=640", 35.7, "warp-specialised"),
+            row(
+                "sparse_mla.flashmla",
+                "T=64 H=64 K=640",
+                20.0,
+                "FlashMLA's SM90 kernel (sgl-flash-mla==1.0.0, use_legacy=True), inputs mapped outside the timing",
+            ),
+            row("sparse_mla.gluon", "T=64 H=64 K=2176", 90.0, "warp-specialised"),
+            row("sparse_mla.fused", "T=64 H=64 K=2176 split=4", 120.0, "584+4 B/row"),
+            row("sparse_mla.flashmla", "T=64 H=16 K=2048", 40.0, "FlashMLA's SM90 kernel; H 16 runs as 64 heads"),
+            "sparse_mla.flashmla T=8 H=64 K=640: FAILED RuntimeError: boom",
+            "sparse_mla.flashmla T=8 H=128 K=1152: its lse differs from ours on input set 0 (lse: FAIL (max abs 1)); "
+            "timed all the same",
+            "sparse_mla: ours / FlashMLA per shape (time ratio, same run, same inputs; above 1 FlashMLA is faster)",
+            "  T=64 H=64 K=640: sparse_mla.gluon 35.7 us / FlashMLA 20.0 us = 1.78",
+        ]
+    )
     parsed = W.parse_bench(log, "x.log")
     assert [(r.op, r.shape) for r in parsed.rows] == [
-        ("sparse_mla.fused", "T=64 H=64 K=640 split=2"), ("sparse_mla.gluon", "T=64 H=64 K=640"),
-        ("sparse_mla.flashmla", "T=64 H=64 K=640"), ("sparse_mla.gluon", "T=64 H=64 K=2176"),
-        ("sparse_mla.fused", "T=64 H=64 K=2176 split=4"), ("sparse_mla.flashmla", "T=64 H=16 K=2048")]
+        ("sparse_mla.fused", "T=64 H=64 K=640 split=2"),
+        ("sparse_mla.gluon", "T=64 H=64 K=640"),
+        ("sparse_mla.flashmla", "T=64 H=64 K=640"),
+        ("sparse_mla.gluon", "T=64 H=64 K=2176"),
+        ("sparse_mla.fused", "T=64 H=64 K=2176 split=4"),
+        ("sparse_mla.flashmla", "T=64 H=16 K=2048"),
+    ]
     assert parsed.failed == ["sparse_mla.flashmla T=8 H=64 K=640: FAILED RuntimeError: boom"]
     assert parsed.find("sparse_mla.gluon", "T=64 H=64 K=640").us == "35.7"
     assert parsed.find("sparse_mla.fused", "T=64 H=64 K=640").us == "78.5"
@@ -464,11 +528,18 @@ def test_bench_cases_with_the_peer(model, monkeypatch, capsys):
         for s in range(n_sets):
             g = torch.Generator().manual_seed(s)
             c1, c2 = filled_cache(2 * T, 64, 3 * s), filled_cache(T * (K - cases.WINDOW) // 64, 64, 3 * s + 1)
-            s = dict(q=torch.randn(T, H, 512, generator=g).to(torch.bfloat16), cache=c1,
-                     slots=torch.randperm(128 * T, generator=g).to(torch.int32).view(T, 128),
-                     lengths=torch.full((T,), 128, dtype=torch.int32), block_size=64, sink=torch.randn(H, generator=g),
-                     extra_cache=c2, extra_slots=torch.randperm(T * (K - 128), generator=g).to(torch.int32).view(T, K - 128),
-                     extra_lengths=torch.full((T,), K - 128, dtype=torch.int32), extra_block_size=64)
+            s = dict(
+                q=torch.randn(T, H, 512, generator=g).to(torch.bfloat16),
+                cache=c1,
+                slots=torch.randperm(128 * T, generator=g).to(torch.int32).view(T, 128),
+                lengths=torch.full((T,), 128, dtype=torch.int32),
+                block_size=64,
+                sink=torch.randn(H, generator=g),
+                extra_cache=c2,
+                extra_slots=torch.randperm(T * (K - 128), generator=g).to(torch.int32).view(T, K - 128),
+                extra_lengths=torch.full((T,), K - 128, dtype=torch.int32),
+                extra_block_size=64,
+            )
             out.append({k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in s.items()})
         return out
 
@@ -479,10 +550,14 @@ def test_bench_cases_with_the_peer(model, monkeypatch, capsys):
     monkeypatch.setattr(cases, "_gluon", lambda: None)  # the portable rungs only, on every device
     got = cases._bench()
     assert [(c.op, c.shape) for c in got] == [
-        ("sparse_mla.seed", "T=2 H=16 K=192 split=1"), ("sparse_mla.two_pass", "T=2 H=16 K=192 split=1"),
-        ("sparse_mla.fused[split=1]", "T=2 H=16 K=192 split=1"), ("sparse_mla.fused", "T=2 H=16 K=192 split=1"),
-        (cases.PEER_OP, "T=2 H=16 K=192"), ("sparse_mla.fused", "T=1 H=64 K=192 split=1"),
-        (cases.PEER_OP, "T=1 H=64 K=192")]
+        ("sparse_mla.seed", "T=2 H=16 K=192 split=1"),
+        ("sparse_mla.two_pass", "T=2 H=16 K=192 split=1"),
+        ("sparse_mla.fused[split=1]", "T=2 H=16 K=192 split=1"),
+        ("sparse_mla.fused", "T=2 H=16 K=192 split=1"),
+        (cases.PEER_OP, "T=2 H=16 K=192"),
+        ("sparse_mla.fused", "T=1 H=64 K=192 split=1"),
+        (cases.PEER_OP, "T=1 H=64 K=192"),
+    ]
     assert "H 16 runs as 64 heads" in got[4].note and "runs as" not in got[6].note
     assert all(c.n_sets == 2 for c in got) and capsys.readouterr().out == ""  # no skip line, no FAILED line
     calls = model.calls

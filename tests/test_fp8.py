@@ -114,8 +114,9 @@ def test_oracle_grid_matches_the_format_facts():
     assert GRID[0x7E] == 448 and GRID[0x08] == 2.0**-6 and GRID[0x01] == 2.0**-9 and GRID[0x38] == 1.0
     assert bool((GRID[1:] > GRID[:-1]).all())
     # the worked values of docs/formats.md#fp8-e4m3fn
-    y = torch.tensor([1.0, -1.0, 448, 449, 464, 470, -500, 2**-6, 2**-9, 2**-10, 3 * 2**-10, 17, 19, 232, 248, -0.0],
-                     dtype=torch.float64)
+    y = torch.tensor(
+        [1.0, -1.0, 448, 449, 464, 470, -500, 2**-6, 2**-9, 2**-10, 3 * 2**-10, 17, 19, 232, 248, -0.0], dtype=torch.float64
+    )
     want = [0x38, 0xB8, 0x7E, 0x7E, 0x7E, 0x7E, 0xFE, 0x08, 0x01, 0x00, 0x02, 0x58, 0x5A, 0x76, 0x78, 0x80]
     assert oracle_e4m3_bytes(y).tolist() == want
 

@@ -14,12 +14,14 @@ from __future__ import annotations
 
 import ast
 import hashlib
+import io
 import json
 import os
 import pathlib
 import re
 import subprocess
 import sys
+import tokenize
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 LIB = ROOT / "dsv4ref"
@@ -95,8 +97,9 @@ def test_docs_name_no_private_members():
 
 
 def _tracked_text_files():
-    out = subprocess.run(["git", "ls-files", "-co", "--exclude-standard"], cwd=ROOT, capture_output=True,
-                         text=True, check=True).stdout.split()
+    out = subprocess.run(
+        ["git", "ls-files", "-co", "--exclude-standard"], cwd=ROOT, capture_output=True, text=True, check=True
+    ).stdout.split()
     for name in out:
         p = ROOT / name
         if p.suffix in (".py", ".md", ".ipynb", ".txt", ".cfg", ".toml", ".yml", ".sh") and p.is_file():
@@ -123,8 +126,12 @@ def test_no_reference_outside_the_repository():
 def test_doc_links_resolve():
     link = re.compile(r"\]\(([^)#\s]+)(?:#[^)]*)?\)")
     bad = []
-    for p in [ROOT / "README.md", *(ROOT / "docs").rglob("*.md"), *(ROOT / "benchmarks").glob("*.md"),
-              *(ROOT / "golden").glob("*.md")]:
+    for p in [
+        ROOT / "README.md",
+        *(ROOT / "docs").rglob("*.md"),
+        *(ROOT / "benchmarks").glob("*.md"),
+        *(ROOT / "golden").glob("*.md"),
+    ]:
         for target in link.findall(p.read_text()):
             if "://" in target:
                 continue
@@ -134,18 +141,25 @@ def test_doc_links_resolve():
 
 
 def _normalised(path: pathlib.Path) -> list[tuple[int, str]]:
-    """(line number, text) of the lines that carry code: stripped, blank and comment-only lines dropped,
-    docstring-free (a six-line block of prose is not code repeated)."""
+    """(line number, text) of each logical line of code (a statement, however many physical lines the formatter
+    spreads it over), its tokens joined by single spaces: comments, blank lines and docstrings dropped (a
+    six-line block of prose is not code repeated). Counting statements, not physical lines, keeps the rule the
+    same whatever the formatter does with a long argument list."""
     src = path.read_text()
     doc_lines = set()
     for node in ast.walk(ast.parse(src)):
         if isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant) and isinstance(node.value.value, str):
             doc_lines.update(range(node.lineno, node.end_lineno + 1))
-    out = []
-    for i, line in enumerate(src.splitlines(), 1):
-        s = line.strip()
-        if s and not s.startswith("#") and i not in doc_lines and s not in (")", "]", "}", "):", "],", "),"):
-            out.append((i, s))
+    skip = {tokenize.COMMENT, tokenize.NL, tokenize.INDENT, tokenize.DEDENT, tokenize.ENCODING, tokenize.ENDMARKER}
+    out, toks, first = [], [], None
+    for tok in tokenize.generate_tokens(io.StringIO(src).readline):
+        if tok.type == tokenize.NEWLINE:
+            if toks and first not in doc_lines:
+                out.append((first, " ".join(toks)))
+            toks, first = [], None
+        elif tok.type not in skip:
+            first = tok.start[0] if first is None else first
+            toks.append(tok.string)
     return out
 
 
@@ -166,7 +180,7 @@ def test_no_repeated_blocks_in_the_library():
         lines = _normalised(p)
         rel = str(p.relative_to(ROOT))
         for k in range(len(lines) - window + 1):
-            block = "\n".join(s for _, s in lines[k:k + window])
+            block = "\n".join(s for _, s in lines[k : k + window])
             places.setdefault(hashlib.sha1(block.encode()).hexdigest(), []).append((rel, lines[k][0]))
     allowed = _allowed_pairs()
     report = set()
@@ -183,15 +197,15 @@ def test_no_repeated_blocks_in_the_library():
 
 def _cli(*args, env=None):
     e = dict(os.environ) | (env or {})
-    return subprocess.run([sys.executable, "-m", "dsv4ref", *args], cwd=ROOT, capture_output=True, text=True, env=e,
-                          timeout=600)
+    return subprocess.run([sys.executable, "-m", "dsv4ref", *args], cwd=ROOT, capture_output=True, text=True, env=e, timeout=600)
 
 
 def test_cli_help_lists_every_command_without_torch():
     from dsv4ref.tools.cli import COMMANDS
 
-    r = subprocess.run([sys.executable, "-X", "importtime", "-m", "dsv4ref", "--help"], cwd=ROOT, capture_output=True,
-                       text=True, timeout=60)
+    r = subprocess.run(
+        [sys.executable, "-X", "importtime", "-m", "dsv4ref", "--help"], cwd=ROOT, capture_output=True, text=True, timeout=60
+    )
     assert r.returncode == 0
     for c in COMMANDS:
         assert c in r.stdout
@@ -221,10 +235,17 @@ HISTORY = re.compile(r"\b[Ss]ession" + r"s?[- ][0-9]|\b[Ii]ssue" + r"s? [0-9]|\b
 def test_no_history_in_code_tests_docs_or_notebooks():
     """Code, tests, docs and notebook sources say what is true now; which run measured what, and when, lives
     in ``benchmarks/`` (the per-op notes) and in git."""
-    paths = [*_py([LIB, ROOT / "tests"]), *sorted((ROOT / "docs").glob("*.md")),
-             *sorted((ROOT / "notebooks" / "src").glob("*.py"))]
-    hits = [f"{p.relative_to(ROOT)}:{i}: {line.strip()[:100]}" for p in paths
-            for i, line in enumerate(p.read_text().splitlines(), 1) if HISTORY.search(line)]
+    paths = [
+        *_py([LIB, ROOT / "tests"]),
+        *sorted((ROOT / "docs").glob("*.md")),
+        *sorted((ROOT / "notebooks" / "src").glob("*.py")),
+    ]
+    hits = [
+        f"{p.relative_to(ROOT)}:{i}: {line.strip()[:100]}"
+        for p in paths
+        for i, line in enumerate(p.read_text().splitlines(), 1)
+        if HISTORY.search(line)
+    ]
     assert not hits, "history markers:\n" + "\n".join(hits[:20])
 
 
@@ -232,8 +253,12 @@ def test_notebooks_build_tensors_on_the_library_device():
     """A tensor a notebook pins to the CPU reaches a kernel on a GPU box and fails there (the interpreter on a
     CPU cannot tell). ``device="cpu"`` is allowed only on a line that says why: ``# host: ...``."""
     pin = re.compile(r"""device\s*=\s*["']cpu["']|\.cpu\(\)\s*\.\s*to\(|torch\.device\(["']cpu["']\)""")
-    hits = [f"{p.name}:{i}: {line.strip()}" for p in sorted((ROOT / "notebooks" / "src").glob("*.py"))
-            for i, line in enumerate(p.read_text().splitlines(), 1) if pin.search(line) and "# host:" not in line]
+    hits = [
+        f"{p.name}:{i}: {line.strip()}"
+        for p in sorted((ROOT / "notebooks" / "src").glob("*.py"))
+        for i, line in enumerate(p.read_text().splitlines(), 1)
+        if pin.search(line) and "# host:" not in line
+    ]
     assert not hits, "tensors pinned to the CPU:\n" + "\n".join(hits)
 
 
@@ -278,11 +303,16 @@ def test_stored_outputs_print_no_device_dependent_digits():
 
 def test_named_benchmark_scripts_exist():
     """Code, tests, docs and notebooks that name a script under ``benchmarks/`` name one that is there."""
-    paths = [*_py([LIB, ROOT / "tests", ROOT / "scripts"]), *sorted((ROOT / "docs").glob("*.md")),
-             *sorted((ROOT / "notebooks" / "src").glob("*.py")), ROOT / "README.md"]
+    paths = [
+        *_py([LIB, ROOT / "tests", ROOT / "scripts"]),
+        *sorted((ROOT / "docs").glob("*.md")),
+        *sorted((ROOT / "notebooks" / "src").glob("*.py")),
+        ROOT / "README.md",
+    ]
     named = re.compile(r"benchmarks/[\w/.-]+\.(?:py|json|md)")
-    missing = sorted({f"{p.relative_to(ROOT)}: {m}" for p in paths for m in named.findall(p.read_text())
-                      if not (ROOT / m).exists()})
+    missing = sorted(
+        {f"{p.relative_to(ROOT)}: {m}" for p in paths for m in named.findall(p.read_text()) if not (ROOT / m).exists()}
+    )
     assert not missing, "named but not there:\n" + "\n".join(missing)
 
 
@@ -295,8 +325,13 @@ def test_one_name_per_plumbing_concept():
     for d in sorted(OP_DIRS):
         init = d / "__init__.py"
         if init.exists() and "validate.backend(" in init.read_text():
-            names = {t.id for n in ast.parse(init.read_text()).body if isinstance(n, ast.Assign)
-                     for t in n.targets if isinstance(t, ast.Name)}
+            names = {
+                t.id
+                for n in ast.parse(init.read_text()).body
+                if isinstance(n, ast.Assign)
+                for t in n.targets
+                if isinstance(t, ast.Name)
+            }
             if "SUPPORTED_BACKENDS" not in names or names & {"SUPPORTED", "BACKENDS"}:
                 bad.append(f"{init.relative_to(ROOT)}: the supported backends are not SUPPORTED_BACKENDS")
         launch = d / "launch.py"
@@ -305,14 +340,27 @@ def test_one_name_per_plumbing_concept():
         text = launch.read_text()
         body = ast.parse(text).body
         funcs = {n.name for n in body if isinstance(n, ast.FunctionDef)}
-        consts = {t.id for n in body if isinstance(n, (ast.Assign, ast.AnnAssign))
-                  for t in (n.targets if isinstance(n, ast.Assign) else [n.target]) if isinstance(t, ast.Name)}
+        consts = {
+            t.id
+            for n in body
+            if isinstance(n, (ast.Assign, ast.AnnAssign))
+            for t in (n.targets if isinstance(n, ast.Assign) else [n.target])
+            if isinstance(t, ast.Name)
+        }
         rel = launch.relative_to(ROOT)
         bad += [f"{rel}: no default_launch()"] * ("default_launch" not in funcs)
-        bad += [f"{rel}: public default constant {c}" for c in sorted(consts) if re.fullmatch(r"[A-Z0-9_]*DEFAULT", c)
-                and not c.startswith("_")]
+        bad += [
+            f"{rel}: public default constant {c}"
+            for c in sorted(consts)
+            if re.fullmatch(r"[A-Z0-9_]*DEFAULT", c) and not c.startswith("_")
+        ]
         bad += [f"{rel}: module-level {f}()" for f in sorted(funcs) if f.endswith("op_args") or f == "launch_args"]
         if "torch.library.custom_op" in text:
-            bad += [f"{rel}: {c.name} has no op_args()" for c in body if isinstance(c, ast.ClassDef)
-                    and c.name.endswith("Launch") and "op_args" not in {m.name for m in c.body if isinstance(m, ast.FunctionDef)}]
+            bad += [
+                f"{rel}: {c.name} has no op_args()"
+                for c in body
+                if isinstance(c, ast.ClassDef)
+                and c.name.endswith("Launch")
+                and "op_args" not in {m.name for m in c.body if isinstance(m, ast.FunctionDef)}
+            ]
     assert not bad, "\n".join(bad)

@@ -75,8 +75,10 @@ def fp4_bytes(x: torch.Tensor):
             codes += [e2m1_brute(float(v) * 2.0 ** (127 - b)) for v in blk]
         packed.append([codes[2 * i] | (codes[2 * i + 1] << 4) for i in range(64)])
         bytes_.append(bs)
-    return (torch.tensor(packed, dtype=torch.uint8).reshape(*x.shape[:-1], 64),
-            torch.tensor(bytes_, dtype=torch.uint8).reshape(*x.shape[:-1], 4))
+    return (
+        torch.tensor(packed, dtype=torch.uint8).reshape(*x.shape[:-1], 64),
+        torch.tensor(bytes_, dtype=torch.uint8).reshape(*x.shape[:-1], 4),
+    )
 
 
 def fold(H):
@@ -84,8 +86,7 @@ def fold(H):
 
 
 def problem(T=4, H=8, n_keys=40, *, fmt="fp8", hadamard=False, seed=0, positions=None, block_size=16):
-    return ix.example_inputs(T, H, n_keys, fmt=fmt, hadamard=hadamard, seed=seed, positions=positions,
-                      block_size=block_size)
+    return ix.example_inputs(T, H, n_keys, fmt=fmt, hadamard=hadamard, seed=seed, positions=positions, block_size=block_size)
 
 
 def qargs(ex):
@@ -120,7 +121,7 @@ def test_quantize_q_fp8_exact(hadamard):
     x = ix.reference.prepare_q(iq, pos, cs, hadamard)
     qi, e = fp8_bytes(x)
     assert torch.equal(q.view(torch.uint8).cpu(), qi)
-    wi = ((w.double().cpu() * torch.exp2(e.double())).float() * fold(H))
+    wi = (w.double().cpu() * torch.exp2(e.double())).float() * fold(H)
     assert torch.equal(wo.cpu(), wi)
     if not hadamard:
         assert e[0, :6].tolist() == [-20, -3, 0, 1, 5, 9]  # byte 127 + k exactly
@@ -167,7 +168,7 @@ def test_quantize_q_mxfp4_exact(hadamard):
 def test_mxfp4_codes_nibbles_and_scale_packing():
     """Hand-built vectors: E2M1 ties/saturation/signed zero, low nibble = even element, block 0 in the
     low byte of the int32 scale word (docs/indexer.md#mxfp4-half-the-bytes-no-fold)."""
-    vals = [0, .25, .5, .75, 1, 1.25, 1.5, 1.75, 2, 2.5, 3, 3.5, 4, 5, 6, -2.5, -.0, -.1, -6, -5, -.75, 1.75]
+    vals = [0, 0.25, 0.5, 0.75, 1, 1.25, 1.5, 1.75, 2, 2.5, 3, 3.5, 4, 5, 6, -2.5, -0.0, -0.1, -6, -5, -0.75, 1.75]
     codes = [0, 0, 1, 2, 2, 2, 3, 4, 4, 4, 5, 6, 6, 6, 7, 12, 8, 8, 15, 14, 10, 4]
     assert [e2m1_brute(v) for v in vals] == codes  # the oracle agrees with the hand table
     assert [e2m1_brute(v) for v in (7.0, 100.0, -9.0)] == [7, 7, 15]  # saturation
@@ -176,7 +177,7 @@ def test_mxfp4_codes_nibbles_and_scale_packing():
     kb = [0, 3, -2, 1]
     row = torch.zeros(128)
     for b in range(4):
-        row[32 * b: 32 * b + len(vals)] = torch.tensor(vals) * 2.0 ** kb[b]
+        row[32 * b : 32 * b + len(vals)] = torch.tensor(vals) * 2.0 ** kb[b]
     k = row[None].to(torch.bfloat16).to(DEVICE)
     for backend in ("triton", "reference"):
         packed, sb = ix.quantize_k(k, fmt="mxfp4", backend=backend)
@@ -189,8 +190,13 @@ def test_mxfp4_codes_nibbles_and_scale_packing():
     for b in range(4):
         iq[0, 0, 32 * b] = 6.0 * 2.0 ** kb[b]
     cs = table(1)  # position 0: cos 1, sin 0
-    _, sc, _ = ix.quantize_q(iq.to(torch.bfloat16).to(DEVICE), torch.zeros(1, dtype=torch.int64, device=DEVICE),
-                             cs, torch.ones(1, 1, device=DEVICE), fmt="mxfp4")
+    _, sc, _ = ix.quantize_q(
+        iq.to(torch.bfloat16).to(DEVICE),
+        torch.zeros(1, dtype=torch.int64, device=DEVICE),
+        cs,
+        torch.ones(1, 1, device=DEVICE),
+        fmt="mxfp4",
+    )
     word = sum((127 + x) << (8 * b) for b, x in enumerate(kb))
     assert int(sc[0, 0]) == word - (1 << 32 if word >= 1 << 31 else 0)
 
@@ -305,8 +311,7 @@ def test_fold_fp8_logits_within_bound_and_topk():
     dq, dk = _quant_err_bound(x.cpu(), eq), _quant_err_bound(k.cpu(), ek)
     xa, ka = x.abs().cpu(), k.abs().cpu()
     # |x·k − x̂·k̂| ≤ Σ_d |x|δk + δq|k| + δqδk; ReLU is 1-Lipschitz; |w·c| weights each head
-    per_head = (torch.einsum("thd,sd->ths", xa, dk) + torch.einsum("thd,sd->ths", dq, ka)
-                + torch.einsum("thd,sd->ths", dq, dk))
+    per_head = torch.einsum("thd,sd->ths", xa, dk) + torch.einsum("thd,sd->ths", dq, ka) + torch.einsum("thd,sd->ths", dq, dk)
     bound = torch.einsum("th,ths->ts", ex["weights"].double().abs().cpu() * fold(16), per_head)
     f = torch.isfinite(ref.cpu())
     err = (lg.double().cpu() - ref.cpu()).abs()
@@ -314,8 +319,20 @@ def test_fold_fp8_logits_within_bound_and_topk():
     rel = err[f] / ref.cpu().abs()[f].clamp_min(1e-30)
     assert float(rel.median()) < 0.05  # "a few %" (docs/indexer.md#numerics)
     # without the fold (weights · c only, the q scale forgotten) the logits leave the bound
-    nofold = ix.logits(q, None, (ex["weights"] * fold(16)).float(), ex["k_cache"], ex["positions"],
-                       block_table=ex["block_table"], block_size=16, backend="reference").double().cpu()
+    nofold = (
+        ix.logits(
+            q,
+            None,
+            (ex["weights"] * fold(16)).float(),
+            ex["k_cache"],
+            ex["positions"],
+            block_table=ex["block_table"],
+            block_size=16,
+            backend="reference",
+        )
+        .double()
+        .cpu()
+    )
     assert not bool(((nofold - ref.cpu()).abs()[f] <= bound[f]).all())
     # top-k: recall >= 0.9, and the exact set wherever the k-th gap exceeds twice the bound
     assert _recall(lg, ref, 8) >= 0.9
@@ -386,7 +403,7 @@ def test_causal_mask_p2_none_p3_id0():
     n_c = ((pos + 1) // 4).tolist()
     assert n_c == [0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3]
     for t in range(12):
-        assert torch.isfinite(lg[t, : n_c[t]]).all() and torch.isinf(lg[t, n_c[t]:]).all()
+        assert torch.isfinite(lg[t, : n_c[t]]).all() and torch.isinf(lg[t, n_c[t] :]).all()
     for full in (ix.topk(lg, 4), ix.topk(lg, 4, positions=pos)):
         assert full[2].tolist() == [-1, -1, -1, -1]  # p = 2: nothing visible
         assert full[3].tolist() == [0, -1, -1, -1]  # p = 3: exactly id 0
@@ -425,8 +442,7 @@ def test_shortcut_equals_full_path():
     full = ix.topk(lg, 16)
     fast = ix.topk(None, 16, positions=pos)
     assert torch.equal(full.sort(1).values, fast.sort(1).values)
-    assert torch.equal(ix.select(q, None, wo, ex["k_cache"], pos, 16, block_table=ex["block_table"], block_size=16),
-                       fast)
+    assert torch.equal(ix.select(q, None, wo, ex["k_cache"], pos, 16, block_table=ex["block_table"], block_size=16), fast)
     assert fast[1].tolist()[:5] == [0, 1, 2, 3, -1]
     with pytest.raises(ValueError, match="logits"):
         ix.topk(None, 8, positions=pos)  # n_c = 16 > 8: the shortcut does not apply
@@ -441,8 +457,7 @@ def test_to_global_shuffled_tables_invalid_tokens():
     Bc, T, k = 4, 4, 6
     g = generator(20)
     bt = torch.stack([torch.randperm(20, generator=g)[:5] for _ in range(T)]).to(torch.int32)
-    local = torch.tensor([[0, 5, 19, -1, -1, -1], [3, 4, 7, 8, 12, 1], [-1] * 6, [2, -1, -1, -1, -1, -1]],
-                         dtype=torch.int32)
+    local = torch.tensor([[0, 5, 19, -1, -1, -1], [3, 4, 7, 8, 12, 1], [-1] * 6, [2, -1, -1, -1, -1, -1]], dtype=torch.int32)
     slots = torch.tensor([10, -1, 11, 12], dtype=torch.int64)  # token 1 is padding
     glob, n = ix.to_global(local.to(DEVICE), bt.to(DEVICE), slots.to(DEVICE), block_size=Bc)
     for t in range(T):
@@ -466,8 +481,7 @@ def test_k_cache_writer_reader(fmt):
     k = randn((20, 128), seed=21, block=32, octaves=10)
     slots = torch.randperm(pages * Bc, generator=generator(21))[:18].to(DEVICE)  # 2 rows of padding
     slots[4] = -1
-    snap = torch.randint(0, 256, (pages, ix.k_page_bytes(Bc, fmt)), generator=generator(22),
-                         dtype=torch.uint8).to(DEVICE)
+    snap = torch.randint(0, 256, (pages, ix.k_page_bytes(Bc, fmt)), generator=generator(22), dtype=torch.uint8).to(DEVICE)
     a, b = snap.clone(), snap.clone()
     ix.insert_k(a, k, slots, block_size=Bc, fmt=fmt)
     ix.insert_k(b, k, slots, block_size=Bc, fmt=fmt, backend="reference")
@@ -482,13 +496,13 @@ def test_k_cache_writer_reader(fmt):
             continue
         written[s] = True
         p, o = divmod(s, Bc)
-        assert torch.equal(a[p, o * V:(o + 1) * V], vals[i].view(torch.uint8))
-        assert torch.equal(a[p, Bc * V + 4 * o: Bc * V + 4 * o + 4], sc[i:i + 1].contiguous().view(torch.uint8).reshape(4))
+        assert torch.equal(a[p, o * V : (o + 1) * V], vals[i].view(torch.uint8))
+        assert torch.equal(a[p, Bc * V + 4 * o : Bc * V + 4 * o + 4], sc[i : i + 1].contiguous().view(torch.uint8).reshape(4))
     # untouched records keep their bytes
     for s in range(pages * Bc):
         if not written[s]:
             p, o = divmod(s, Bc)
-            assert torch.equal(a[p, o * V:(o + 1) * V], snap[p, o * V:(o + 1) * V])
+            assert torch.equal(a[p, o * V : (o + 1) * V], snap[p, o * V : (o + 1) * V])
     rv, rs = ix.read_k(a, slots, block_size=Bc, fmt=fmt)
     keep = slots >= 0
     assert torch.equal(rv[keep].view(torch.uint8), vals[:18][keep].view(torch.uint8))
@@ -547,8 +561,8 @@ def test_insert_k_hadamard_reference_vs_oracle_and_triton(fmt):
     for i, s in enumerate(slots.tolist()):
         if s >= 0:
             p, o = divmod(s, Bc)
-            expect[p, o * V:(o + 1) * V] = vals[i]
-            expect[p, Bc * V + 4 * o: Bc * V + 4 * o + 4] = scale[i]
+            expect[p, o * V : (o + 1) * V] = vals[i]
+            expect[p, Bc * V + 4 * o : Bc * V + 4 * o + 4] = scale[i]
     assert torch.equal(ref.cpu(), expect), "reference writer vs the independent oracle"
     assert torch.equal(tri, ref), "Triton writer vs the reference writer"
     plain = snap.clone().to(DEVICE)
@@ -609,19 +623,33 @@ def test_bad_input_errors():
     with pytest.raises(ValueError, match="k_cache: pages of 2112 bytes hold 16 fp8 keys"):
         ix.logits(q, None, wo, ix.allocate_k_cache(2, 16), pos, block_size=8)  # regression: a 16-key page read as 8
     with pytest.raises(TypeError, match="q"):
-        ix.logits(q, torch.zeros(2, 4, dtype=torch.int32, device=DEVICE), wo, ix.allocate_k_cache(2, 16, "mxfp4"),
-                  pos, block_size=16)
+        ix.logits(
+            q, torch.zeros(2, 4, dtype=torch.int32, device=DEVICE), wo, ix.allocate_k_cache(2, 16, "mxfp4"), pos, block_size=16
+        )
     with pytest.raises(ValueError, match="block_table"):
-        ix.logits(q, None, wo, ix.allocate_k_cache(2, 16), torch.tensor([200, 3], device=DEVICE), block_size=16,
-                  block_table=torch.zeros(2, 1, dtype=torch.int32, device=DEVICE))
+        ix.logits(
+            q,
+            None,
+            wo,
+            ix.allocate_k_cache(2, 16),
+            torch.tensor([200, 3], device=DEVICE),
+            block_size=16,
+            block_table=torch.zeros(2, 1, dtype=torch.int32, device=DEVICE),
+        )
     with pytest.raises(ValueError, match="block_table"):
-        ix.logits(q, None, wo, ix.allocate_k_cache(2, 16), torch.tensor([40, 3], device=DEVICE), block_size=16,
-                  block_table=torch.full((2, 1), 5, dtype=torch.int32, device=DEVICE))
+        ix.logits(
+            q,
+            None,
+            wo,
+            ix.allocate_k_cache(2, 16),
+            torch.tensor([40, 3], device=DEVICE),
+            block_size=16,
+            block_table=torch.full((2, 1), 5, dtype=torch.int32, device=DEVICE),
+        )
     with pytest.raises(ValueError, match="k"):
         ix.topk(torch.zeros(2, 3, device=DEVICE), 0)
     with pytest.raises(ValueError, match="slots"):
-        ix.insert_k(ix.allocate_k_cache(1, 16), randn((2, 128), seed=0),
-                    torch.tensor([0, 16], device=DEVICE), block_size=16)
+        ix.insert_k(ix.allocate_k_cache(1, 16), randn((2, 128), seed=0), torch.tensor([0, 16], device=DEVICE), block_size=16)
     with pytest.raises(ValueError, match="k"):
         ix.quantize_k(randn((2, 64), seed=0))
 
@@ -657,8 +685,9 @@ def test_launch_choices_do_not_change_results(fmt):
         args = (a[0], a[1], a[2], ex["k_cache"], ex["positions"], ex["block_table"])
         cond = ix.reference.logits_condition(*args, block_size=16, n_out=la.shape[1])
         for dec in ix.launch.FP4_DECODES[1:]:
-            lc = ix.logits(a[0], a[1], a[2], ex["k_cache"], ex["positions"], **kw,
-                           launch=ix.IndexerLaunch(fp4_decode=dec, logits_pages=4))
+            lc = ix.logits(
+                a[0], a[1], a[2], ex["k_cache"], ex["positions"], **kw, launch=ix.IndexerLaunch(fp4_decode=dec, logits_pages=4)
+            )
             assert_close(lc.double() / cond, la.double() / cond, "fp32_dot", f"{dec} vs nibble")
             assert torch.equal(torch.isinf(lc), torch.isinf(la))
     cache = ix.allocate_k_cache(ex["k_cache"].shape[0], 16, fmt)
@@ -708,8 +737,15 @@ def _scaled_operand_case():
     for top in (lo, 127, hi):
         for span in range(k.Q_SPAN.value + 2):
             pats.append(([top, top - span, top - span // 2, top], span))
-    pats += [([lo - 1] * 4, 99), ([hi + 1] * 4, 99), ([0, 127, 127, 127], 127), ([1, 1, 1, 1], 99),
-             ([254, 200, 254, 254], 99), ([127, 255, 127, 127], 99), ([0, 0, 0, 0], 99)]
+    pats += [
+        ([lo - 1] * 4, 99),
+        ([hi + 1] * 4, 99),
+        ([0, 127, 127, 127], 127),
+        ([1, 1, 1, 1], 99),
+        ([254, 200, 254, 254], 99),
+        ([127, 255, 127, 127], 99),
+        ([0, 0, 0, 0], 99),
+    ]
     byts = torch.tensor([p for p, _ in pats], dtype=torch.uint8)
     spans = torch.tensor([sp for _, sp in pats])
     codes = torch.arange(64 * len(pats), dtype=torch.int64).reshape(len(pats), 64) * 37 % 256
@@ -738,8 +774,7 @@ def test_f16_scaled_operands_exact_and_fast_range():
         tl.store(ktop_ptr + r, ktop)
         tl.store(kok_ptr + r, kok.to(tl.int32))
         qT, qtop, qok = ix.kernels.fp4_q_scaled(kb_ptr, ks_ptr, r, r >= 0, 16, INTERPRET)
-        tl.store(qT_ptr + tl.arange(0, 128)[:, None] * 16 + (r - tl.program_id(0) * 16)[None, :]
-                 + tl.program_id(0) * 2048, qT)
+        tl.store(qT_ptr + tl.arange(0, 128)[:, None] * 16 + (r - tl.program_id(0) * 16)[None, :] + tl.program_id(0) * 2048, qT)
         tl.store(qtop_ptr + r, qtop)
         tl.store(qok_ptr + r, qok.to(tl.int32))
 
@@ -777,18 +812,17 @@ def _hard_scale_problem(seed=40):
     T, H, Bc, n = 4, 8, 16, 128
     pos = torch.tensor([4 * 96 - 1] + [4 * n - 1] * (T - 1))  # token 0 sees keys 0..95, the others all 128
     ex = ix.example_inputs(T, H, n, block_size=Bc, fmt="mxfp4", seed=seed, hadamard=True, positions=pos)
-    q, qs, wo = ix.quantize_q(ex["index_q"], ex["positions"], ex["cos_sin"], ex["weights"], fmt="mxfp4",
-                              hadamard=True)
+    q, qs, wo = ix.quantize_q(ex["index_q"], ex["positions"], ex["cos_sin"], ex["weights"], fmt="mxfp4", hadamard=True)
     qb = qs.view(torch.uint8).reshape(T, H, 4).clone()
     cache = ex["k_cache"].clone()
 
     def set_key(s, byts):  # the 4 scale bytes of local key s
         page, off = divmod(int(ex["slots"][s]), Bc)
-        cache[page, Bc * 64 + 4 * off: Bc * 64 + 4 * off + 4] = torch.tensor(byts, dtype=torch.uint8)
+        cache[page, Bc * 64 + 4 * off : Bc * 64 + 4 * off + 4] = torch.tensor(byts, dtype=torch.uint8)
 
     def key_top(s):
         page, off = divmod(int(ex["slots"][s]), Bc)
-        return int(cache[page, Bc * 64 + 4 * off: Bc * 64 + 4 * off + 4].max())
+        return int(cache[page, Bc * 64 + 4 * off : Bc * 64 + 4 * off + 4].max())
 
     # keys 0..63: the first program of 4 pages, fast with its limit cases; keys 64..127: slow (hard bytes)
     t0 = key_top(5)
@@ -799,7 +833,7 @@ def _hard_scale_problem(seed=40):
     set_key(90, [1, 1, 1, 1])  # the encoder's floor
     set_key(99, [127, 254, 110, 127])  # 2^127 (its products stay in range: the queries' block 1 is small) …
     page, off = divmod(int(ex["slots"][99]), Bc)
-    cache[page, 64 * off + 16: 64 * off + 32] &= 0xBB  # … and its codes <= 1.5: 6·2^127 is past fp32's range
+    cache[page, 64 * off + 16 : 64 * off + 32] &= 0xBB  # … and its codes <= 1.5: 6·2^127 is past fp32's range
     set_key(120, [127, 255, 127, 127])  # E8M0 NaN: NaN scores for this key
     qb[:, :, 1] = torch.minimum(qb[:, :, 1], torch.tensor(115, dtype=torch.uint8))
     qb[0, 2] = torch.tensor([190, 170, 166, 180], dtype=torch.uint8)  # top 190 (token 0 does not see key 99)
@@ -821,8 +855,17 @@ def test_mxfp4_decodes_real_and_hard_scale_bytes(dec):
     assert bool(ref[1:, 120].isnan().all()) and int(ref.isnan().sum()) == 3 and bool(ref[0, 96:].isneginf().all())
     tiles = [(4, 1), (2, 1)] + ([(4, 2), (4, 4)] if dec == "f16_scaled" else [])  # (pages, pages per dot)
     for pages, tile in tiles:
-        lg = ix.launch.logits(q, qs, wo, cache, ex["positions"], ex["block_table"], 16, 128,
-                              ix.IndexerLaunch(fp4_decode=dec, logits_pages=pages, logits_tile_pages=tile))
+        lg = ix.launch.logits(
+            q,
+            qs,
+            wo,
+            cache,
+            ex["positions"],
+            ex["block_table"],
+            16,
+            128,
+            ix.IndexerLaunch(fp4_decode=dec, logits_pages=pages, logits_tile_pages=tile),
+        )
         assert torch.equal(lg.isnan(), ref.isnan()) and torch.equal(lg == float("-inf"), ref == float("-inf"))
         f = ref.isfinite()
         assert_close(lg.double()[f] / cond[f], ref[f] / cond[f], "fp32_dot", f"{dec} pages {pages} tile {tile}")
@@ -859,9 +902,17 @@ def test_real_shapes_gpu():
         ex = problem(8, 64, 2048, block_size=64, seed=32, fmt=fmt)
         q, qs, wo = ix.quantize_q(*qargs(ex), fmt=fmt)
         args = (q, qs, wo, ex["k_cache"], ex["positions"], ex["block_table"])
-        for dec in (ix.launch.FP4_DECODES if fmt == "mxfp4" else ("nibble",)):
-            lg = ix.logits(q, qs, wo, ex["k_cache"], ex["positions"], block_table=ex["block_table"], block_size=64,
-                           launch=ix.IndexerLaunch(fp4_decode=dec))
+        for dec in ix.launch.FP4_DECODES if fmt == "mxfp4" else ("nibble",):
+            lg = ix.logits(
+                q,
+                qs,
+                wo,
+                ex["k_cache"],
+                ex["positions"],
+                block_table=ex["block_table"],
+                block_size=64,
+                launch=ix.IndexerLaunch(fp4_decode=dec),
+            )
             ref = ix.reference.logits(*args, block_size=64, n_out=lg.shape[1], dtype=torch.float64)
             cond = ix.reference.logits_condition(*args, block_size=64, n_out=lg.shape[1])
             assert_close(lg.double() / cond, ref / cond, "fp32_dot", f"{fmt} {dec} logits / condition")

@@ -328,6 +328,7 @@ def test_wrong_layout_readers_fail():
     want = kc.gather(cache, slots, block_size=B, backend="reference").cpu()
     assert_close(ours, want, "exact")
     assert torch.equal(_soa_reader(cache, slots.cpu(), B, cache.stride(0)), want)  # the test reader is right
+
     def wrong_rows(r):
         return (r.float().nan_to_num(0.0) != want.float()).any(dim=1).tolist()
 
@@ -444,8 +445,9 @@ def test_gather_rejects_bad_input():
     with pytest.raises(TypeError, match="slots: expected dtype"):
         kc.gather(cache, torch.tensor([0.0], device=DEVICE), block_size=B)
     with pytest.raises(ValueError, match="out: expected shape"):
-        kc.gather(cache, torch.tensor([0, 1], device=DEVICE), block_size=B,
-                  out=torch.empty(3, 512, dtype=torch.bfloat16, device=DEVICE))
+        kc.gather(
+            cache, torch.tensor([0, 1], device=DEVICE), block_size=B, out=torch.empty(3, 512, dtype=torch.bfloat16, device=DEVICE)
+        )
     with pytest.raises(TypeError, match="out: expected dtype"):
         kc.gather(cache, torch.tensor([0], device=DEVICE), block_size=B, out=torch.empty(1, 512, device=DEVICE))
     with pytest.raises(ValueError, match="cache: pages of"):
@@ -463,11 +465,13 @@ def test_custom_ops_opcheck():
     kv = kv_rows(3, seed=91)
     slots = torch.tensor([2, -1, 1], device=DEVICE)
     kc.insert(cache, kv, slots, block_size=B)  # gather then reads valid records (no inf/NaN warnings)
-    torch.library.opcheck(torch.ops.dsv4ref.kv_insert.default, (cache, kv, slots, B),
-                          test_utils=("test_schema", "test_faketensor"))
+    torch.library.opcheck(
+        torch.ops.dsv4ref.kv_insert.default, (cache, kv, slots, B), test_utils=("test_schema", "test_faketensor")
+    )
     out = torch.empty(3, 512, dtype=torch.bfloat16, device=DEVICE)
-    torch.library.opcheck(torch.ops.dsv4ref.kv_gather.default, (cache, slots, out, B),
-                          test_utils=("test_schema", "test_faketensor"))
+    torch.library.opcheck(
+        torch.ops.dsv4ref.kv_gather.default, (cache, slots, out, B), test_utils=("test_schema", "test_faketensor")
+    )
 
 
 @pytest.mark.parametrize("tok", [1, 4])
@@ -487,14 +491,18 @@ def test_tokens_per_program_launch_shapes(tok):
     assert_close(out, kc.gather(a, slots, block_size=B, backend="reference"), "exact")
 
 
-@pytest.mark.parametrize("launch", [
-    kc.KVCacheLaunch(4, native_casts=True, evict_first=True, streaming_stores=True),
-    kc.KVCacheLaunch(2, programs_per_sm=1),  # persistent: on the CPU one program loops over every tile
-    kc.KVCacheLaunch(4, 2, programs_per_sm=1, pipeline_stages=2),
-    kc.KVCacheLaunch(4, native_casts=True, early_loads=True),
-    kc.KVCacheLaunch(2, native_casts=True, streaming_stores=True, early_loads=True, max_registers=80),
-    kc.KVCacheLaunch(8, early_loads=True, programs_per_sm=1),
-], ids=["native+hints", "persistent", "persistent-pipelined", "early", "early-2-cs-maxreg", "early-persistent"])
+@pytest.mark.parametrize(
+    "launch",
+    [
+        kc.KVCacheLaunch(4, native_casts=True, evict_first=True, streaming_stores=True),
+        kc.KVCacheLaunch(2, programs_per_sm=1),  # persistent: on the CPU one program loops over every tile
+        kc.KVCacheLaunch(4, 2, programs_per_sm=1, pipeline_stages=2),
+        kc.KVCacheLaunch(4, native_casts=True, early_loads=True),
+        kc.KVCacheLaunch(2, native_casts=True, streaming_stores=True, early_loads=True, max_registers=80),
+        kc.KVCacheLaunch(8, early_loads=True, programs_per_sm=1),
+    ],
+    ids=["native+hints", "persistent", "persistent-pipelined", "early", "early-2-cs-maxreg", "early-persistent"],
+)
 def test_launch_variants_same_bytes(launch):
     """Every KVCacheLaunch field is a launch choice only: the bytes are the reference's (benchmarks/kv_cache.md).
     Interpreted, native_casts falls back to the integer encoders; a GPU run checks the casts."""
@@ -511,11 +519,15 @@ def test_launch_variants_same_bytes(launch):
     assert_close(out, kc.gather(a, slots, block_size=B, backend="reference"), "exact")
 
 
-@pytest.mark.parametrize("launch", [
-    kc.KVCacheLaunch(4, native_casts=True, early_loads=True),
-    kc.KVCacheLaunch(2, early_loads=True, streaming_stores=True, max_registers=64),
-    kc.KVCacheLaunch(8, 2, early_loads=True),
-], ids=["4x1", "2x1-cs-maxreg", "8x2"])
+@pytest.mark.parametrize(
+    "launch",
+    [
+        kc.KVCacheLaunch(4, native_casts=True, early_loads=True),
+        kc.KVCacheLaunch(2, early_loads=True, streaming_stores=True, max_registers=64),
+        kc.KVCacheLaunch(8, 2, early_loads=True),
+    ],
+    ids=["4x1", "2x1-cs-maxreg", "8x2"],
+)
 def test_early_loads_read_minus_one_rows_but_never_write_them(launch):
     """``early_loads`` reads a tile's kv rows before its slots arrive, so it reads the rows of slot −1 too: they
     must still write nothing (page 0 / slot 0, where a clamped −1 would land, is in the cache), and their NaN /

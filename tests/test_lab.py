@@ -38,8 +38,9 @@ def _get(url: str):
 
 
 def _post(url: str, body: dict | None = None):
-    req = urllib.request.Request(url, data=json.dumps(body or {}).encode(), method="POST",
-                                 headers={"Content-Type": "application/json"})
+    req = urllib.request.Request(
+        url, data=json.dumps(body or {}).encode(), method="POST", headers={"Content-Type": "application/json"}
+    )
     with urllib.request.urlopen(req, timeout=30) as r:
         return json.loads(r.read())
 
@@ -49,8 +50,16 @@ def lab_server():
     port, token = _free_port(), secrets.token_hex(16)
     jupyter = pathlib.Path(sys.executable).parent / "jupyter"
     # the same command line as `make lab`, plus a fixed port and token so the test can talk to it
-    cmd = [str(jupyter), "lab", "--no-browser", "--ip=127.0.0.1", "--notebook-dir=notebooks", f"--port={port}",
-           f"--IdentityProvider.token={token}", "--ServerApp.port_retries=0"]
+    cmd = [
+        str(jupyter),
+        "lab",
+        "--no-browser",
+        "--ip=127.0.0.1",
+        "--notebook-dir=notebooks",
+        f"--port={port}",
+        f"--IdentityProvider.token={token}",
+        "--ServerApp.port_retries=0",
+    ]
     if os.geteuid() == 0:
         cmd.append("--allow-root")
     env = dict(os.environ) | {"DSV4REF_DEVICE": "cpu", "JUPYTER_RUNTIME_DIR": str(ROOT / "build" / "jupyter-runtime")}
@@ -85,12 +94,30 @@ async def _run_cells(ws_url: str, cells: list[str]) -> list[dict]:
     results = []
     for code in cells:
         msg_id = uuid.uuid4().hex
-        ws.write_message(json.dumps({
-            "header": {"msg_id": msg_id, "msg_type": "execute_request", "session": session, "username": "reader",
-                       "version": "5.3"},
-            "parent_header": {}, "metadata": {}, "channel": "shell",
-            "content": {"code": code, "silent": False, "store_history": True, "user_expressions": {},
-                        "allow_stdin": False, "stop_on_error": True}}))
+        ws.write_message(
+            json.dumps(
+                {
+                    "header": {
+                        "msg_id": msg_id,
+                        "msg_type": "execute_request",
+                        "session": session,
+                        "username": "reader",
+                        "version": "5.3",
+                    },
+                    "parent_header": {},
+                    "metadata": {},
+                    "channel": "shell",
+                    "content": {
+                        "code": code,
+                        "silent": False,
+                        "store_history": True,
+                        "user_expressions": {},
+                        "allow_stdin": False,
+                        "stop_on_error": True,
+                    },
+                }
+            )
+        )
         errors, reply = [], None
         while reply is None:
             raw = await asyncio.wait_for(ws.read_message(), timeout=300)
@@ -116,8 +143,9 @@ def test_reader_runs_a_notebook_through_jupyterlab(lab_server):
     assert names == sorted(p.name for p in (ROOT / "notebooks").glob("*.ipynb"))
 
     nb = _get(f"{base}/api/contents/{NOTEBOOK}?token={token}")["content"]
-    cells = ["".join(c["source"]) if isinstance(c["source"], list) else c["source"]
-             for c in nb["cells"] if c["cell_type"] == "code"]
+    cells = [
+        "".join(c["source"]) if isinstance(c["source"], list) else c["source"] for c in nb["cells"] if c["cell_type"] == "code"
+    ]
     kernel = _post(f"{base}/api/kernels?token={token}", {"name": nb["metadata"]["kernelspec"]["name"]})
     ws_url = base.replace("http", "ws") + f"/api/kernels/{kernel['id']}/channels?token={token}"
     try:

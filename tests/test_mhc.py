@@ -31,8 +31,12 @@ DEFAULT = mhc.default_launch()
 
 # chunked: chunks of 16 tokens in the interpreter (T = 19: two chunks, the second partial), 256 on a GPU (T = 300:
 # two; T = 3000: twelve), so that every test of the fixture crosses chunk boundaries
-DESIGNS = {"one-kernel": MhcLaunch(split_k=False), "split-K": MhcLaunch(split_k=True), "one-pass": MhcLaunch(one_pass=True),
-           "chunked": MhcLaunch(chunked=True, chunk_tokens=16 if interpreting() else 256)}
+DESIGNS = {
+    "one-kernel": MhcLaunch(split_k=False),
+    "split-K": MhcLaunch(split_k=True),
+    "one-pass": MhcLaunch(one_pass=True),
+    "chunked": MhcLaunch(chunked=True, chunk_tokens=16 if interpreting() else 256),
+}
 
 
 @pytest.fixture(params=["one-kernel", "split-K", "chunked"] + ([] if interpreting() else ["one-pass"]))
@@ -63,8 +67,7 @@ def oracle_pre(res, fn, scale, base, **kw):
 def triton_pre(res, fn, scale, base, rms_eps=1e-6, hc_eps=1e-6, post_mult=2.0, iters=20, launch=DEFAULT):
     T, M, Hd = res.shape
     p, c, out = poison((T, M), torch.float32), poison((T, M, M), torch.float32), poison((T, Hd), torch.bfloat16)
-    torch.ops.dsv4ref.mhc_pre(res, mhc.split_fn(fn), scale, base, p, c, out, rms_eps, hc_eps, post_mult, iters,
-                              *launch.op_args())
+    torch.ops.dsv4ref.mhc_pre(res, mhc.split_fn(fn), scale, base, p, c, out, rms_eps, hc_eps, post_mult, iters, *launch.op_args())
     return p, c, out
 
 
@@ -78,8 +81,9 @@ def triton_fused(x, res, p, c, fn, scale, base, launch=DEFAULT):
     T, M, Hd = res.shape
     new, p2, c2 = poison(tuple(res.shape), torch.bfloat16), poison((T, M), torch.float32), poison((T, M, M), torch.float32)
     out = poison((T, Hd), torch.bfloat16)
-    torch.ops.dsv4ref.mhc_fused_post_pre(x, res, p, c, mhc.split_fn(fn), scale, base, new, p2, c2, out,
-                                         1e-6, 1e-6, 2.0, 20, *launch.op_args())
+    torch.ops.dsv4ref.mhc_fused_post_pre(
+        x, res, p, c, mhc.split_fn(fn), scale, base, new, p2, c2, out, 1e-6, 1e-6, 2.0, 20, *launch.op_args()
+    )
     return new, p2, c2, out
 
 
@@ -91,8 +95,7 @@ def triton_head(res, fn, scale, base, launch=DEFAULT):
 
 def run_pre(backend, res, fn, scale, base, launch=DEFAULT, **kw):
     if backend == "triton":
-        return triton_pre(res, fn, scale, base, launch=launch,
-                          **{k.replace("sinkhorn_iters", "iters"): v for k, v in kw.items()})
+        return triton_pre(res, fn, scale, base, launch=launch, **{k.replace("sinkhorn_iters", "iters"): v for k, v in kw.items()})
     return mhc.pre(res, fn, scale, base, backend="reference", **kw)
 
 
@@ -103,8 +106,9 @@ def run_post(backend, x, res, p, c):
 def zero_params(Hd, comb_base, pre_base=0.0, post_base=0.0):
     """fn = 0 (every logit is its bias), scale = (1, 1, 1), base = [pre | post | comb_base row-major]."""
     fn = torch.zeros(24, 4 * Hd, device=DEVICE)
-    base = torch.cat([torch.full((4,), float(pre_base)), torch.full((4,), float(post_base)),
-                      comb_base.reshape(16).float()]).to(DEVICE)
+    base = torch.cat([torch.full((4,), float(pre_base)), torch.full((4,), float(post_base)), comb_base.reshape(16).float()]).to(
+        DEVICE
+    )
     return fn, torch.ones(3, device=DEVICE), base
 
 
@@ -286,8 +290,9 @@ def test_split_k_any_number_of_splits(splits):
     assert_close(mhc.head(res, hfn, hscale, hbase, launch=launch), out, "exact")
 
 
-@pytest.mark.parametrize("T,Hd,bt,bk", [(1, 4096, 64, 64), (19, 320, 64, 128), (4096, 4096, 64, 64),
-                                        (3000, 7168, 64, 64), (7, 100, 16, 32)])
+@pytest.mark.parametrize(
+    "T,Hd,bt,bk", [(1, 4096, 64, 64), (19, 320, 64, 128), (4096, 4096, 64, 64), (3000, 7168, 64, 64), (7, 100, 16, 32)]
+)
 @pytest.mark.parametrize("splits", [None, 1, 5, 1000])
 def test_split_plan_covers_every_chunk_once(T, Hd, bt, bk, splits):
     """Every BLOCK_K chunk belongs to exactly one split and no split is empty."""
@@ -377,7 +382,9 @@ def test_post_transpose_4cycle(backend, launch):
     # the bug: Σ_j comb[i, j]·res_j, i.e. comb @ res instead of combᵀ @ res, gives the reverse cycle
     buggy = p.double()[:, :, None] * x.double()[:, None, :] + torch.einsum("tij,tjh->tih", c.double(), res.double())
     assert not compare(buggy, want, "bf16_out").passed
-    assert compare(buggy, p.double()[:, :, None] * x.double()[:, None, :] + torch.roll(res.double(), -1, dims=1), "bf16_out").passed
+    assert compare(
+        buggy, p.double()[:, :, None] * x.double()[:, None, :] + torch.roll(res.double(), -1, dims=1), "bf16_out"
+    ).passed
 
 
 def cycle_inputs(T=3, Hd=64, seed=21):
@@ -404,15 +411,13 @@ def test_public_post_4cycle(backend):
     assert not compare(wrong, want, "bf16_out").passed
 
 
-@pytest.mark.parametrize("backend,design", [("reference", None), ("triton", None), ("triton", "one-pass"),
-                                            ("triton", "chunked")])
+@pytest.mark.parametrize("backend,design", [("reference", None), ("triton", None), ("triton", "one-pass"), ("triton", "chunked")])
 def test_public_fused_post_pre_4cycle(backend, design):
     """The PUBLIC ``mhc.fused_post_pre`` on the 4-cycle: its new residual is post's (stream j−1
     into j), and its pre part is the fp64 pre of exactly those streams."""
     res, x, post, comb = cycle_inputs(T=5, Hd=256, seed=23)
     fn, scale, base = mhc.example_params(256, seed=24)
-    new, p2, c2, li = mhc.fused_post_pre(x, res, post, comb, fn, scale, base, backend=backend,
-                                         launch=DESIGNS.get(design))
+    new, p2, c2, li = mhc.fused_post_pre(x, res, post, comb, fn, scale, base, backend=backend, launch=DESIGNS.get(design))
     want = post.double()[:, :, None] * x.double()[:, None, :] + torch.roll(res.double(), 1, dims=1)
     assert_close(new, want, "bf16_out")
     wrong = reference.post(x, res, post, comb.transpose(1, 2), dtype=torch.float64)
@@ -509,7 +514,7 @@ def test_model_constants():
 
 def test_split_fn_is_exact_and_cached():
     g = generator(20)
-    w = (torch.randn(24, 1024, generator=g) * torch.exp2(torch.randint(-30, 30, (24, 1024), generator=g).float()))
+    w = torch.randn(24, 1024, generator=g) * torch.exp2(torch.randint(-30, 30, (24, 1024), generator=g).float())
     s = split3(w).float()
     assert torch.equal(s[0] + s[1] + s[2], w)
     fn = w.to(DEVICE)
@@ -550,8 +555,9 @@ def check_design(L, T, Hd, seed, custom_ops=False, between=None):
     assert_close(p2, p3, "fp32_reduction")
     assert_close(c2, c3, "fp32_reduction")
     hfn, hscale, hbase = mhc.example_params(Hd, seed=seed + 1, head=True)
-    assert_close(head_(res, hfn, hscale, hbase, launch=L), reference.head(res, hfn, hscale, hbase, dtype=torch.float64),
-                 "bf16_out")
+    assert_close(
+        head_(res, hfn, hscale, hbase, launch=L), reference.head(res, hfn, hscale, hbase, dtype=torch.float64), "bf16_out"
+    )
 
 
 # ====================================================================================================
@@ -583,12 +589,23 @@ def test_one_pass_matches_fp64_and_fused_equals_post_then_pre(one_dot):
 
 
 # interpreter-sized tiles: chunks of 16 tokens, slices of one 32-wide BLOCK_K chunk, finish parts of 32 dims
-CHUNK_SMALL = dict(chunk_tokens=16, chunk_block_t=16, chunk_block_k=32, chunk_slice_h=32, chunk_finish_block_t=16,
-                   chunk_finish_h=32, chunk_finish_block_h=32, chunk_maxnreg=None, chunk_small_t=0)
+CHUNK_SMALL = dict(
+    chunk_tokens=16,
+    chunk_block_t=16,
+    chunk_block_k=32,
+    chunk_slice_h=32,
+    chunk_finish_block_t=16,
+    chunk_finish_h=32,
+    chunk_finish_block_h=32,
+    chunk_maxnreg=None,
+    chunk_small_t=0,
+)
 
 
-@pytest.mark.parametrize("sum_unroll,stream_k,fn_layout", [(1, False, 0), (4, False, 0), (4, True, 0), (1, False, 2),
-                                                           (4, True, 2), (1, True, 3), (4, True, 3)])
+@pytest.mark.parametrize(
+    "sum_unroll,stream_k,fn_layout",
+    [(1, False, 0), (4, False, 0), (4, True, 0), (1, False, 2), (4, True, 2), (1, True, 3), (4, True, 3)],
+)
 def test_chunked_matches_fp64_and_fused_equals_post_then_pre(sum_unroll, stream_k, fn_layout):
     """T = 40 in chunks of 16 (three chunks, the last one partial) × Hd = 88 in three slices of one 32-wide
     chunk (the last partial) and three finish parts (part 0 alone stores post / comb; the others sum only the
@@ -599,8 +616,7 @@ def test_chunked_matches_fp64_and_fused_equals_post_then_pre(sum_unroll, stream_
     0); 3 (with stream_k): 2's copy in two dots, [hi | mid] then lo, folded as (hi + mid) + lo, the order the
     one-dot fold adds them in (the same bits in the interpreter)."""
     T, Hd = 40, 88
-    L = MhcLaunch(chunked=True, chunk_sum_unroll=sum_unroll, chunk_stream_k=stream_k, chunk_fn_layout=fn_layout,
-                  **CHUNK_SMALL)
+    L = MhcLaunch(chunked=True, chunk_sum_unroll=sum_unroll, chunk_stream_k=stream_k, chunk_fn_layout=fn_layout, **CHUNK_SMALL)
     assert L.chunk_plan(T, Hd) == (16, 3, 3, 1, 32) and L.chunk_finish_plan(16, Hd) == (3, 32)
 
     def same_bits(res, fn, scale, base, got):  # the sum's rounds and the fn copy's layout change no bit
@@ -608,9 +624,15 @@ def test_chunked_matches_fp64_and_fused_equals_post_then_pre(sum_unroll, stream_
             # layout 3 folds its two dots in one fixed order: the same bits as 0 in the interpreter, not
             # necessarily on a GPU's tensor cores (there it is compared with itself, across sum rounds)
             ref_layout = 3 if fn_layout == 3 and not interpreting() else 0
-            ref = mhc.pre(res, fn, scale, base, launch=MhcLaunch(chunked=True, chunk_sum_unroll=1,
-                                                                 chunk_stream_k=stream_k, chunk_fn_layout=ref_layout,
-                                                                 **CHUNK_SMALL))
+            ref = mhc.pre(
+                res,
+                fn,
+                scale,
+                base,
+                launch=MhcLaunch(
+                    chunked=True, chunk_sum_unroll=1, chunk_stream_k=stream_k, chunk_fn_layout=ref_layout, **CHUNK_SMALL
+                ),
+            )
             for a, b in zip(ref, got):
                 assert_close(a, b, "exact")
 
@@ -635,11 +657,11 @@ def test_chunked_zigzag_same_bits_every_tile_once(C, stream_k):
     for a, b in zip(triton_pre(res, fn, scale, base, launch=fwd), triton_pre(res, fn, scale, base, launch=zz)):
         assert_close(b, a, "exact")
     p, c, _ = triton_pre(res, fn, scale, base, launch=fwd)
-    for a, b in zip(triton_fused(x, res, p, c, fn, scale, base, launch=fwd),
-                    triton_fused(x, res, p, c, fn, scale, base, launch=zz)):
+    for a, b in zip(
+        triton_fused(x, res, p, c, fn, scale, base, launch=fwd), triton_fused(x, res, p, c, fn, scale, base, launch=zz)
+    ):
         assert_close(b, a, "exact")
-    assert_close(triton_head(res, hfn, hscale, hbase, launch=zz), triton_head(res, hfn, hscale, hbase, launch=fwd),
-                 "exact")
+    assert_close(triton_head(res, hfn, hscale, hbase, launch=zz), triton_head(res, hfn, hscale, hbase, launch=fwd), "exact")
 
 
 def test_split_fn_wide_is_the_split_transposed_in_gemm_tile_row_order():
@@ -673,19 +695,33 @@ def test_chunked_rungs_gpu(rung, chunk_tokens):
     """Each rung of the chunked design and the default at T = 3000 (chunks of 1024: three, the last partial;
     4096: the default's one chunk), Hd = 4096: pre and head against the fp64 oracle, fused == post then pre bit
     for bit, through the custom ops with poisoned outputs."""
-    check_design(MhcLaunch(chunked=True, chunk_tokens=chunk_tokens, **CHUNKED_RUNGS[rung]), 3000, 4096, seed=35,
-                 custom_ops=True)
+    check_design(MhcLaunch(chunked=True, chunk_tokens=chunk_tokens, **CHUNKED_RUNGS[rung]), 3000, 4096, seed=35, custom_ops=True)
 
 
-@pytest.mark.parametrize("T,Hd,C,bt,bk,slice_h", [(1, 4096, 1024, 128, 16, 256), (4096, 4096, 1024, 128, 16, 256),
-                                                  (4096, 4096, 512, 64, 16, 256), (3000, 7168, 1024, 128, 16, 256),
-                                                  (7, 100, 16, 16, 16, 32), (40, 88, 16, 16, 32, 32),
-                                                  (300, 4096, 256, 128, 32, 128)])
+@pytest.mark.parametrize(
+    "T,Hd,C,bt,bk,slice_h",
+    [
+        (1, 4096, 1024, 128, 16, 256),
+        (4096, 4096, 1024, 128, 16, 256),
+        (4096, 4096, 512, 64, 16, 256),
+        (3000, 7168, 1024, 128, 16, 256),
+        (7, 100, 16, 16, 16, 32),
+        (40, 88, 16, 16, 32, 32),
+        (300, 4096, 256, 128, 32, 128),
+    ],
+)
 def test_chunk_plan_covers_every_token_and_chunk_once(T, Hd, C, bt, bk, slice_h):
     """The chunks cover [0, T) once (C a multiple of the tile; a short call: one chunk); every BLOCK_K chunk
     belongs to exactly one slice, none empty; the finish parts cover [0, Hd) once, none empty."""
-    L = MhcLaunch(chunked=True, chunk_tokens=C, chunk_block_t=bt, chunk_block_k=bk, chunk_slice_h=slice_h,
-                  chunk_finish_h=max(32, slice_h), chunk_finish_block_h=32)
+    L = MhcLaunch(
+        chunked=True,
+        chunk_tokens=C,
+        chunk_block_t=bt,
+        chunk_block_k=bk,
+        chunk_slice_h=slice_h,
+        chunk_finish_h=max(32, slice_h),
+        chunk_finish_block_h=32,
+    )
     c, n_chunks, n, cps, got_bk = L.chunk_plan(T, Hd)
     bt = L.chunk_tile(T)[0]  # a call of at most chunk_small_t tokens (GPU) takes 64-token tiles
     assert got_bk == bk and c % bt == 0 and c <= C and (n_chunks - 1) * c < T <= n_chunks * c
@@ -696,9 +732,17 @@ def test_chunk_plan_covers_every_token_and_chunk_once(T, Hd, C, bt, bk, slice_h)
     assert h % 32 == 0 and (parts - 1) * h < Hd <= parts * h
 
 
-@pytest.mark.parametrize("T,Hd,bt,bk,slice_h", [(1, 4096, 128, 32, 128), (4096, 4096, 128, 32, 128),
-                                                (4096, 4096, 128, 16, 128), (19, 320, 16, 128, 128),
-                                                (3000, 7168, 64, 32, 256), (7, 100, 16, 16, 32)])
+@pytest.mark.parametrize(
+    "T,Hd,bt,bk,slice_h",
+    [
+        (1, 4096, 128, 32, 128),
+        (4096, 4096, 128, 32, 128),
+        (4096, 4096, 128, 16, 128),
+        (19, 320, 16, 128, 128),
+        (3000, 7168, 64, 32, 256),
+        (7, 100, 16, 16, 32),
+    ],
+)
 def test_one_pass_plan_covers_every_chunk_once(T, Hd, bt, bk, slice_h):
     """Every BLOCK_K chunk belongs to exactly one slice and no slice is empty; the grid is (tiles + lag)·slices."""
     L = MhcLaunch(one_pass_block_t=bt, one_pass_block_k=bk, one_pass_slice_h=slice_h)
@@ -712,9 +756,14 @@ def test_one_pass_plan_covers_every_chunk_once(T, Hd, bt, bk, slice_h):
 def test_launch_is_explicit():
     """Every launch choice travels as an argument: an MhcLaunch round-trips through the custom ops' ``launch``
     int[] (their schema), and tiles a kernel cannot take are refused up front."""
-    for L in (MhcLaunch(), MhcLaunch(split_k=False, block_t=32, splits=3), MhcLaunch(split_k=True, target_programs=7),
-              MhcLaunch(one_pass=True, one_pass_one_dot=1), *DESIGNS.values(),
-              *(MhcLaunch.for_device(interpreted=i, **f) for i in (False, True) for f in CHUNKED_RUNGS.values())):
+    for L in (
+        MhcLaunch(),
+        MhcLaunch(split_k=False, block_t=32, splits=3),
+        MhcLaunch(split_k=True, target_programs=7),
+        MhcLaunch(one_pass=True, one_pass_one_dot=1),
+        *DESIGNS.values(),
+        *(MhcLaunch.for_device(interpreted=i, **f) for i in (False, True) for f in CHUNKED_RUNGS.values()),
+    ):
         assert MhcLaunch.from_op_args(*L.op_args()) == L
     assert MhcLaunch(one_pass=True).design(fused=True) == "one_pass"
     # one_pass, never a default, wins when asked for over chunked; an explicit split_k picks one of the first two
@@ -765,8 +814,9 @@ def _notebook_launches(path) -> list[tuple[int, dict]]:
 
     tree = ast.parse(path.read_text())
     calls = sorted((n for n in ast.walk(tree) if isinstance(n, ast.Call)), key=lambda n: (n.lineno, n.col_offset))
-    targets = {id(n.value): [t.id for t in n.targets if isinstance(t, ast.Name)]
-               for n in ast.walk(tree) if isinstance(n, ast.Assign)}
+    targets = {
+        id(n.value): [t.id for t in n.targets if isinstance(t, ast.Name)] for n in ast.walk(tree) if isinstance(n, ast.Assign)
+    }
     bound: dict[str, dict] = {}
     out = []
     for call in calls:

@@ -86,14 +86,32 @@ def run_experts(x, staged, d, ids=None, w=None, *, shared=True, limit=None):
     x_fp8, x_sf, ids0, w0 = staged
     out = poison((x.shape[0], x.shape[1]), torch.bfloat16)
     sw = (d["shared_w13"], d["shared_w2"]) if shared else (None, None)
-    moe.experts(x, x_fp8, x_sf, ids0 if ids is None else ids, w0 if w is None else w, d["w13"], d["w2"], *sw,
-                swiglu_limit=d["swiglu_limit"] if limit is None else limit, out=out, backend="triton")
+    moe.experts(
+        x,
+        x_fp8,
+        x_sf,
+        ids0 if ids is None else ids,
+        w0 if w is None else w,
+        d["w13"],
+        d["w2"],
+        *sw,
+        swiglu_limit=d["swiglu_limit"] if limit is None else limit,
+        out=out,
+        backend="triton",
+    )
     return out
 
 
 def routed(d, T=None):
-    ids, w = moe.route(d["x"], d["gate_weight"], d["bias"], k=d["k"], routed_scale=d["routed_scale"],
-                       hash_table=d["hash_table"], input_ids=d["input_ids"])
+    ids, w = moe.route(
+        d["x"],
+        d["gate_weight"],
+        d["bias"],
+        k=d["k"],
+        routed_scale=d["routed_scale"],
+        hash_table=d["hash_table"],
+        input_ids=d["input_ids"],
+    )
     return ids, w
 
 
@@ -219,8 +237,15 @@ def test_p2_softplus_extremes_use_log1p():
 def test_p3_all_underflow_row_gives_zero_weights_not_nan():
     x, W = one_hot_x([-200.0] * 8)
     for hash_table in (None, torch.tensor([[3, 5]], device=DEVICE)):
-        ids, w = moe.route(x, W, torch.zeros(8, device=DEVICE), k=2, routed_scale=1.5, hash_table=hash_table,
-                           input_ids=None if hash_table is None else torch.zeros(1, dtype=torch.int64, device=DEVICE))
+        ids, w = moe.route(
+            x,
+            W,
+            torch.zeros(8, device=DEVICE),
+            k=2,
+            routed_scale=1.5,
+            hash_table=hash_table,
+            input_ids=None if hash_table is None else torch.zeros(1, dtype=torch.int64, device=DEVICE),
+        )
         assert torch.equal(w, torch.zeros_like(w)), w
 
 
@@ -244,8 +269,9 @@ def test_hash_layer_uses_the_table_and_never_reads_the_bias():
     d = moe.example_inputs(16, SHAPE, seed=7, hash_layer=True)
     nan_bias = torch.full((SHAPE.experts,), float("nan"), device=DEVICE)
     for bias in (nan_bias, None):
-        ids, w = moe.route(d["x"], d["gate_weight"], bias, k=2, routed_scale=1.5, hash_table=d["hash_table"],
-                           input_ids=d["input_ids"])
+        ids, w = moe.route(
+            d["x"], d["gate_weight"], bias, k=2, routed_scale=1.5, hash_table=d["hash_table"], input_ids=d["input_ids"]
+        )
         assert torch.equal(ids.long(), d["hash_table"][d["input_ids"]])  # the table's order, not sorted
         s = ref.scores(d["x"].double() @ d["gate_weight"].double().T).gather(1, ids.long())
         assert_close(w.double(), s / s.sum(-1, keepdim=True) * 1.5, "route_weights", "hash weights")
@@ -271,15 +297,15 @@ def test_padding_rows(hash_layer):
     ids_in = d["input_ids"] if hash_layer else torch.arange(6, device=DEVICE)
     ids_in = ids_in.clone()
     ids_in[[1, 4]] = -1
-    ids, w = moe.route(d["x"], d["gate_weight"], d["bias"], k=2, routed_scale=1.5,
-                       hash_table=d["hash_table"], input_ids=ids_in)
+    ids, w = moe.route(d["x"], d["gate_weight"], d["bias"], k=2, routed_scale=1.5, hash_table=d["hash_table"], input_ids=ids_in)
     assert (ids[[1, 4]] == -1).all() and torch.equal(w[[1, 4]], torch.zeros(2, 2, device=DEVICE))
     assert (ids[[0, 2, 3, 5]] >= 0).all()
 
 
 def test_route_signature_and_argument_errors():
     assert str(inspect.signature(moe.route)) == (
-        "(x, gate_weight, bias, *, k, routed_scale, hash_table=None, input_ids=None, backend='auto')")
+        "(x, gate_weight, bias, *, k, routed_scale, hash_table=None, input_ids=None, backend='auto')"
+    )
     d = moe.example_inputs(2, SHAPE, seed=10)
     with pytest.raises(ValueError, match="k:"):
         moe.route(d["x"], d["gate_weight"], d["bias"], k=9, routed_scale=1.5)
@@ -299,8 +325,12 @@ def stage_with(backend, hidden, ids, w, launch=None):
     "triton" with the SNAP launch."""
     T, Hd = hidden.shape
     K = ids.shape[1]
-    bufs = (poison((T, Hd), torch.float8_e4m3fn), poison((T, Hd // 128), torch.int32), poison((T, K), torch.int64),
-            poison((T, K), torch.float32))
+    bufs = (
+        poison((T, Hd), torch.float8_e4m3fn),
+        poison((T, Hd // 128), torch.int32),
+        poison((T, K), torch.int64),
+        poison((T, K), torch.float32),
+    )
     if backend == "triton-snap":
         backend, launch = "triton", launch or SNAP
     moe.stage_into(hidden, ids, w, *bufs, backend=backend, launch=launch)
@@ -338,8 +368,10 @@ def test_stage_worked_table_and_packed_words(backend):
     word = st[1][0].cpu()
     assert word[0].item() == -2139130007  # bytes (105, 119, 127, 128) = 0x807F7769: bit 31 set by byte 3
     assert word[1].item() == (105 | 119 << 8 | 112 << 16 | 105 << 24)
-    assert torch.equal(stage_with(backend, torch.zeros(1, 128, dtype=torch.bfloat16, device=DEVICE), ids, w)[1].cpu(),
-                       torch.tensor([[1768515945]], dtype=torch.int32))  # 0x69696969
+    assert torch.equal(
+        stage_with(backend, torch.zeros(1, 128, dtype=torch.bfloat16, device=DEVICE), ids, w)[1].cpu(),
+        torch.tensor([[1768515945]], dtype=torch.int32),
+    )  # 0x69696969
     b = staged_bytes(st[0])[0]
     assert [b[i].item() for i in (0, 5, 32, 33, 64, 96, 97)] == [0x00, 0x80, 0x78, 0x70, 0x7E, 0x76, 0xF6]
     assert b[160].item() == 0x7E  # 1.75 = 448·2^-8 exactly: byte 119, not 120
@@ -393,9 +425,14 @@ def test_stage_random_rows_exact_and_decode_bound(backend):
     assert ((deq - x).abs() <= torch.maximum(2.0**-4 * x.abs(), 2.0**-10 * torch.exp2(e))).all()
 
 
-@pytest.mark.parametrize("launch", [moe.MoeLaunch(stage_block_t=16, stage_block_h=256, stage_load="tile", stage_encode="snap"),
-                                    moe.MoeLaunch(stage_block_t=8, stage_block_h=128, stage_load="tile", stage_encode="snap",
-                                                  stage_warps=1)], ids=["16x256", "8x128_w1"])
+@pytest.mark.parametrize(
+    "launch",
+    [
+        moe.MoeLaunch(stage_block_t=16, stage_block_h=256, stage_load="tile", stage_encode="snap"),
+        moe.MoeLaunch(stage_block_t=8, stage_block_h=128, stage_load="tile", stage_encode="snap", stage_warps=1),
+    ],
+    ids=["16x256", "8x128_w1"],
+)
 def test_stage_snap_every_finite_bf16(launch):
     """ue8m0_byte_bits + e4m3_snap against the integer oracle on every finite bf16 value (65280, T 255 × Hd 256):
     once in groups of 32 neighbouring bit patterns (the codes of every binade, both signs, the ue8m0 carry at
@@ -410,17 +447,39 @@ def test_stage_snap_every_finite_bf16(launch):
         check_staged(stage_with("triton", h, ids, w, launch), h, ids, w)
 
 
-@pytest.mark.parametrize("launch", [
-    moe.MoeLaunch(stage_block_t=4, stage_block_h=128, stage_load="tile", stage_encode="snap", stage_programs=5,
-                  stage_prefetch=True),  # 16 tiles over 5 programs: 4, 3, 3, 3, 3
-    moe.MoeLaunch(stage_block_t=2, stage_block_h=256, stage_load="tile", stage_encode="snap", stage_programs=64,
-                  stage_prefetch=True, stage_cache="stream", stage_stages=1),  # more programs than tiles
-    moe.MoeLaunch(stage_block_t=4, stage_block_h=128, stage_load="tile", stage_encode="snap", stage_topk_first=True,
-                  stage_cache="cs"),
-    moe.MoeLaunch(stage_block_t=8, stage_block_h=256, stage_topk_first=True),  # the "blocks" encoder, group loads
-    moe.MoeLaunch(stage_block_t=1, stage_block_h=512, stage_load="tile", stage_encode="snap", stage_topk_first=True,
-                  stage_cache="stream", stage_warps=1, stage_maxnreg=64),
-], ids=["prefetch-5", "prefetch-many", "topk-first-cs", "topk-first-blocks", "topk-first-1x512"])
+@pytest.mark.parametrize(
+    "launch",
+    [
+        moe.MoeLaunch(
+            stage_block_t=4, stage_block_h=128, stage_load="tile", stage_encode="snap", stage_programs=5, stage_prefetch=True
+        ),  # 16 tiles over 5 programs: 4, 3, 3, 3, 3
+        moe.MoeLaunch(
+            stage_block_t=2,
+            stage_block_h=256,
+            stage_load="tile",
+            stage_encode="snap",
+            stage_programs=64,
+            stage_prefetch=True,
+            stage_cache="stream",
+            stage_stages=1,
+        ),  # more programs than tiles
+        moe.MoeLaunch(
+            stage_block_t=4, stage_block_h=128, stage_load="tile", stage_encode="snap", stage_topk_first=True, stage_cache="cs"
+        ),
+        moe.MoeLaunch(stage_block_t=8, stage_block_h=256, stage_topk_first=True),  # the "blocks" encoder, group loads
+        moe.MoeLaunch(
+            stage_block_t=1,
+            stage_block_h=512,
+            stage_load="tile",
+            stage_encode="snap",
+            stage_topk_first=True,
+            stage_cache="stream",
+            stage_warps=1,
+            stage_maxnreg=64,
+        ),
+    ],
+    ids=["prefetch-5", "prefetch-many", "topk-first-cs", "topk-first-blocks", "topk-first-1x512"],
+)
 def test_stage_new_launch_fields_same_bytes(launch):
     """stage_prefetch (a persistent grid whose programs load their next tile before encoding this one),
     stage_topk_first (the top-k loads before the tile's) and stage_cache="cs" change when bytes move, never which:
@@ -436,12 +495,16 @@ def test_stage_new_launch_fields_same_bytes(launch):
 
 def test_stage_launch_fields_are_checked():
     """stage_encode / stage_maxnreg take only what exists (the contract's encoders: no timing-only variant)."""
-    for kw, msg in ((dict(stage_encode="cast"), "stage_encode"), (dict(stage_encode="snap", stage_load="groups"), "needs \"tile\""),
-                    (dict(stage_maxnreg=8), "stage_maxnreg"), (dict(stage_maxnreg=256), "stage_maxnreg"),
-                    (dict(stage_prefetch=True, stage_load="tile", stage_encode="snap"), "stage_prefetch"),
-                    (dict(stage_prefetch=True, stage_programs=4, stage_encode="blocks"), "stage_prefetch"),
-                    (dict(stage_topk_first=True, stage_programs=4), "stage_topk_first"),
-                    (dict(stage_cache="cs_all"), "stage_cache")):
+    for kw, msg in (
+        (dict(stage_encode="cast"), "stage_encode"),
+        (dict(stage_encode="snap", stage_load="groups"), 'needs "tile"'),
+        (dict(stage_maxnreg=8), "stage_maxnreg"),
+        (dict(stage_maxnreg=256), "stage_maxnreg"),
+        (dict(stage_prefetch=True, stage_load="tile", stage_encode="snap"), "stage_prefetch"),
+        (dict(stage_prefetch=True, stage_programs=4, stage_encode="blocks"), "stage_prefetch"),
+        (dict(stage_topk_first=True, stage_programs=4), "stage_topk_first"),
+        (dict(stage_cache="cs_all"), "stage_cache"),
+    ):
         with pytest.raises(ValueError, match=msg):
             moe.MoeLaunch(**kw)
     with pytest.raises(TypeError, match="stage_prefetch: expected a bool"):
@@ -500,8 +563,12 @@ def test_stage_shapes_strides_and_empty():
     with pytest.raises(ValueError, match="shape of ids"):
         moe.stage(h, ids, torch.ones(6, 3, device=DEVICE))
     # T = 0: outputs untouched, nothing launched
-    bufs = (poison((3, 256), torch.float8_e4m3fn), poison((3, 2), torch.int32), poison((3, 2), torch.int64),
-            poison((3, 2), torch.float32))
+    bufs = (
+        poison((3, 256), torch.float8_e4m3fn),
+        poison((3, 2), torch.int32),
+        poison((3, 2), torch.int64),
+        poison((3, 2), torch.float32),
+    )
     moe.stage_into(h[:0], ids[:0], w[:0], *bufs)
     assert (staged_bytes(bufs[0]) == 0x7F).all() and (bufs[1] == -7777).all() and (bufs[2] == -7777).all()
     assert [t.shape[0] for t in moe.stage(h[:0], ids[:0], w[:0])] == [0, 0, 0, 0]
@@ -684,8 +751,9 @@ def test_forward_hash_layer_with_padding_vs_oracle():
     kw = dict(k=2, routed_scale=1.5, swiglu_limit=10.0, hash_table=d["hash_table"], input_ids=d["input_ids"])
     out = poison((6, SHAPE.hidden), torch.bfloat16)
     moe.forward(*args, **kw, out=out)
-    ids, w = moe.route(d["x"], d["gate_weight"], None, k=2, routed_scale=1.5, hash_table=d["hash_table"],
-                       input_ids=d["input_ids"])
+    ids, w = moe.route(
+        d["x"], d["gate_weight"], None, k=2, routed_scale=1.5, hash_table=d["hash_table"], input_ids=d["input_ids"]
+    )
     staged = moe.stage(d["x"], ids, w, backend="reference")
     want, mass = oracle_out(d["x"], *staged, d)
     assert_close(out, want, "moe_out", "forward", mass=mass)
@@ -704,7 +772,7 @@ def test_p15_staged_path_is_not_bitwise_the_bf16_reference(layer):
     r = torch.zeros(12, SHAPE.hidden, dtype=torch.float32, device=DEVICE)
     for t, k in valid.nonzero().tolist():
         e = int(ids[t, k])
-        r[t] += ref.expert_mlp(d["x"][t:t + 1], w13[e], w2[e], w[t, k:k + 1], 10.0)[0]
+        r[t] += ref.expert_mlp(d["x"][t : t + 1], w13[e], w2[e], w[t, k : k + 1], 10.0)[0]
     r += ref.expert_mlp(d["x"], d["shared_w13"], d["shared_w2"], torch.ones(12, device=DEVICE), 10.0)
     variant_r = r.to(torch.bfloat16)
     assert not torch.equal(out, variant_r)
@@ -738,25 +806,54 @@ def test_group_by_expert_and_tile_table():
 
 
 def test_custom_ops_opcheck_and_compile():
-    shape = moe.MoeShape(hidden=128, experts=2, k=1, intermediate=32, routed_scale=1.5, swiglu_limit=10.0,
-                         num_hash_layers=0)
+    shape = moe.MoeShape(hidden=128, experts=2, k=1, intermediate=32, routed_scale=1.5, swiglu_limit=10.0, num_hash_layers=0)
     d = moe.example_inputs(2, shape, seed=24)
     ids, w = moe.route(d["x"], d["gate_weight"], d["bias"], k=1, routed_scale=1.5)
     st = moe.stage(d["x"], ids, w)
     L = moe.default_launch(2, 1, 2)
-    torch.library.opcheck(torch.ops.dsv4ref.moe_stage.default,
-                          (d["x"], ids, w, torch.empty_like(st[0]).view(torch.uint8), *[torch.empty_like(t) for t in st[1:]],
-                           *L.op_args("moe_stage")),
-                          test_utils=("test_schema", "test_faketensor"))
+    torch.library.opcheck(
+        torch.ops.dsv4ref.moe_stage.default,
+        (
+            d["x"],
+            ids,
+            w,
+            torch.empty_like(st[0]).view(torch.uint8),
+            *[torch.empty_like(t) for t in st[1:]],
+            *L.op_args("moe_stage"),
+        ),
+        test_utils=("test_schema", "test_faketensor"),
+    )
     out = torch.empty(2, 128, dtype=torch.bfloat16, device=DEVICE)
-    torch.library.opcheck(torch.ops.dsv4ref.moe_experts.default,
-                          (d["x"], st[0].view(torch.uint8), *st[1:], d["w13"], d["w2"], d["shared_w13"], d["shared_w2"], out,
-                           10.0, *L.op_args("moe_experts")),
-                          test_utils=("test_schema", "test_faketensor"))
+    torch.library.opcheck(
+        torch.ops.dsv4ref.moe_experts.default,
+        (
+            d["x"],
+            st[0].view(torch.uint8),
+            *st[1:],
+            d["w13"],
+            d["w2"],
+            d["shared_w13"],
+            d["shared_w2"],
+            out,
+            10.0,
+            *L.op_args("moe_experts"),
+        ),
+        test_utils=("test_schema", "test_faketensor"),
+    )
 
     def layer_fn(x):
-        return moe.forward(x, d["gate_weight"], d["bias"], d["w13"], d["w2"], d["shared_w13"], d["shared_w2"], k=1,
-                           routed_scale=1.5, swiglu_limit=10.0)
+        return moe.forward(
+            x,
+            d["gate_weight"],
+            d["bias"],
+            d["w13"],
+            d["w2"],
+            d["shared_w13"],
+            d["shared_w2"],
+            k=1,
+            routed_scale=1.5,
+            swiglu_limit=10.0,
+        )
 
     explain = torch._dynamo.explain(layer_fn)(d["x"])
     assert explain.graph_break_count == 0, explain.break_reasons

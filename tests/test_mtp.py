@@ -87,8 +87,16 @@ def w():
 def _input(wm, T=5, seed=0, **over):
     h = randn((T, M, HD), seed=seed, device="cpu", block=None, octaves=4)
     e = randn((T, HD), seed=seed + 1, device="cpu", block=None, octaves=0)
-    args = dict(h_prev=h, embed_rows=e, positions=torch.arange(3, 3 + T), enorm=wm["enorm"], hnorm=wm["hnorm"],
-                e_proj=wm["e_proj"], h_proj=wm["h_proj"], eps=EPS)
+    args = dict(
+        h_prev=h,
+        embed_rows=e,
+        positions=torch.arange(3, 3 + T),
+        enorm=wm["enorm"],
+        hnorm=wm["hnorm"],
+        e_proj=wm["e_proj"],
+        h_proj=wm["h_proj"],
+        eps=EPS,
+    )
     args.update(over)
     return args
 
@@ -115,8 +123,15 @@ def test_e_proj_is_broadcast_to_every_stream(w):
     X = mtp.draft_input(**_input(wm, h_proj=torch.zeros(HD, HD, dtype=torch.bfloat16), e_proj=e_proj))
     for m in range(1, M):
         assert torch.equal(X[:, m], X[:, 0])
-    want = reference.draft_input(*[_input(wm, e_proj=e_proj)[k] for k in ("h_prev", "embed_rows", "positions")],
-                                 wm["enorm"], wm["hnorm"], e_proj, torch.zeros(HD, HD), eps=EPS, dtype=torch.float64)
+    want = reference.draft_input(
+        *[_input(wm, e_proj=e_proj)[k] for k in ("h_prev", "embed_rows", "positions")],
+        wm["enorm"],
+        wm["hnorm"],
+        e_proj,
+        torch.zeros(HD, HD),
+        eps=EPS,
+        dtype=torch.float64,
+    )
     assert_close(X[:, 0], want[:, 0], "bf16_gemm")  # the normed e rounded to bf16 before a bf16 GEMM
     assert X[:, 0].abs().sum() > 0
 
@@ -163,8 +178,9 @@ def test_draft_layer_shares_the_embedding_and_lm_head(w):
     id) and nothing is accepted."""
     assert not {"embed", "lm_head", "head"} & set(w["mtp"])
     X = mtp.draft_input(**_input(w["mtp"]))
-    zero = mtp.draft_logits(X, *w["mtp"]["hc_head"].values(), w["mtp"]["norm"], torch.zeros_like(w["lm_head"]),
-                            backend="reference")
+    zero = mtp.draft_logits(
+        X, *w["mtp"]["hc_head"].values(), w["mtp"]["norm"], torch.zeros_like(w["lm_head"]), backend="reference"
+    )
     drafts = mtp.greedy_tokens(zero)
     assert drafts.tolist() == [0] * 5
     target = torch.tensor([17, 3, 9, 40, 2, 6])
@@ -198,7 +214,7 @@ def test_speculation_equals_plain_decoding(plain):
     spec, _, srecs, _ = decode.run_speculative(TINY, steps=STEPS, k=3, prompt_lens=PROMPTS, decode_backend="reference")
     for r in range(len(PROMPTS)):
         n0 = PROMPTS[r]
-        want = dec0.tokens[r, n0: n0 + STEPS].tolist()
+        want = dec0.tokens[r, n0 : n0 + STEPS].tolist()
         got = spec.generated[r][:STEPS]
         if got != want:
             s = next(i for i in range(STEPS) if got[i] != want[i])
@@ -216,8 +232,9 @@ def test_speculation_equals_plain_decoding(plain):
 def prefilled(plain):
     """A fresh Decoder with the plain run's prompts prefilled (copied by each test that uses it)."""
     dec0, _ = plain
-    dec = decode.Decoder(TINY, decode.make_weights(TINY, 0), num_requests=len(PROMPTS), capacity=dec0.capacity, seed=0,
-                         backend="reference")
+    dec = decode.Decoder(
+        TINY, decode.make_weights(TINY, 0), num_requests=len(PROMPTS), capacity=dec0.capacity, seed=0, backend="reference"
+    )
     toks0, _ = dec0.history()
     logits = dec.prefill([toks0[r][:n] for r, n in enumerate(PROMPTS)])
     return dec, logits.argmax(-1).cpu()
@@ -236,15 +253,15 @@ def test_forced_drafts_and_the_rollback(plain, prefilled, corrupt):
     toks0, _ = dec0.history()
     for _ in range(2):
         L = dec.lengths.clone()
-        drafts = torch.stack([toks0[r][int(L[r]) + 1: int(L[r]) + 1 + k] for r in range(len(PROMPTS))])
+        drafts = torch.stack([toks0[r][int(L[r]) + 1 : int(L[r]) + 1 + k] for r in range(len(PROMPTS))])
         if corrupt is not None:
             drafts[:, corrupt] = (drafts[:, corrupt] + 1) % TINY.vocab_size
         sp = dec.verify(nxt, drafts)
         want_m = k if corrupt is None else corrupt
         assert sp.accepted.tolist() == [want_m] * len(PROMPTS)
         for r in range(len(PROMPTS)):  # (the plain run stops before the last round's bonus token)
-            want = toks0[r][int(L[r]) + 1: int(L[r]) + 2 + want_m].tolist()
-            assert sp.emitted[r].tolist()[:len(want)] == want and len(want) >= want_m
+            want = toks0[r][int(L[r]) + 1 : int(L[r]) + 2 + want_m].tolist()
+            assert sp.emitted[r].tolist()[: len(want)] == want and len(want) >= want_m
         nxt = sp.next
     assert (dec.lengths == L + want_m + 1).all()
     ref, _ = copy.deepcopy(prefilled)  # plain steps to the same lengths, with the same tokens

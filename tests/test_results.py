@@ -44,7 +44,11 @@ sparse_mla.gluon T=64 H=64 K=640: FAILED RuntimeError: boom
 def test_parser_splits_op_and_shape():
     log = W.parse_bench(_LOG, "x.log")
     assert (log.device, log.versions, log.copy_tbs, log.bf16_tflops) == (
-        "NVIDIA H200 (cuda)", "torch 2.11.0+cu130, triton 3.6.0", "4.11", "786")
+        "NVIDIA H200 (cuda)",
+        "torch 2.11.0+cu130, triton 3.6.0",
+        "4.11",
+        "786",
+    )
     got = [(r.op, r.shape, r.us, r.frac) for r in log.rows]
     assert got == [
         ("kv_cache.insert", "S=65536 B=64", "28.7", "89.9"),

@@ -138,8 +138,7 @@ def test_yarn_ramp_edges():
 
 def test_yarn_inv_freq_values():
     f = inv_freq(64, 160000.0, YARN).double()
-    spec = {0: 1.0, 1: 0.68765602, 15: 3.6355386e-3, 16: 2.265625e-3, 20: 2.9697778e-4, 25: 5.3723127e-6,
-            31: 5.6805290e-7}
+    spec = {0: 1.0, 1: 0.68765602, 15: 3.6355386e-3, 16: 2.265625e-3, 20: 2.9697778e-4, 25: 5.3723127e-6, 31: 5.6805290e-7}
     for i, v in spec.items():
         assert f[i].item() == pytest.approx(v, rel=YARN_RTOL), i
     plain = inv_freq(64, 160000.0).double()
@@ -345,8 +344,18 @@ def test_fused_op_is_registered(table, fused_variant):
     assert op._schema.arguments[0].alias_info.is_write and op._schema.arguments[2].alias_info.is_write
     q = randn((2, 2, 512), seed=13)
     run = fused_variant.resolve(q)  # every launch choice is an argument of the op
-    args = (q, randn((2, 512), seed=14), kv_cache.allocate(1, 2), torch.tensor([1, 0], device=DEVICE),
-            torch.tensor([3, 9], device=DEVICE), table, EPS, 2, run.heads_per_prog, run.warps)
+    args = (
+        q,
+        randn((2, 512), seed=14),
+        kv_cache.allocate(1, 2),
+        torch.tensor([1, 0], device=DEVICE),
+        torch.tensor([3, 9], device=DEVICE),
+        table,
+        EPS,
+        2,
+        run.heads_per_prog,
+        run.warps,
+    )
     torch.library.opcheck(op, args, test_utils=("test_schema", "test_faketensor"))
 
 
@@ -362,7 +371,7 @@ def test_fused_kernel_strided_q(table, hpp):
     for start in (0, 1):
         buf = randn((T, H, 514), seed=60 + start)
         before = buf.clone()
-        q = buf[..., start:start + 512]
+        q = buf[..., start : start + 512]
         assert rope.launch.packable(q) == (start == 0)
         q_ref, c_ref, c_out = q.clone(), kv_cache.allocate(2, B), kv_cache.allocate(2, B)
         qnorm_rope_kv_insert(q_ref, kv, c_ref, slots, pos, table, eps=EPS, block_size=B, backend="reference")
@@ -370,7 +379,7 @@ def test_fused_kernel_strided_q(table, hpp):
         assert_close(q, q_ref, "exact", "q")
         assert_close(c_out, c_ref, "exact", "cache bytes")
         pad = torch.ones(514, dtype=torch.bool)
-        pad[start:start + 512] = False
+        pad[start : start + 512] = False
         assert torch.equal(buf[..., pad].view(torch.int16), before[..., pad].view(torch.int16))
 
 
@@ -444,7 +453,7 @@ def test_grouped_o_proj():
     out = grouped_o_proj(o, wo_a, wo_b)
     assert out.shape == (T, Hd) and out.dtype == torch.bfloat16
     # float64 oracle, group by group: group g owns heads [g·hpg, (g+1)·hpg)
-    z = torch.stack([o[:, g * hpg:(g + 1) * hpg].reshape(T, -1).double() @ wo_a[g].double().T for g in range(G)], 1)
+    z = torch.stack([o[:, g * hpg : (g + 1) * hpg].reshape(T, -1).double() @ wo_a[g].double().T for g in range(G)], 1)
     ref = z.reshape(T, -1) @ wo_b.double().T
     assert_close(out, ref, "bf16_gemm", "grouped o-proj")
     # strided grouping (heads g, g+G, …) is a different function: the check above would catch it
@@ -520,8 +529,16 @@ def test_bad_input_raises(table):
     # grouped o-proj
     wo_a = torch.zeros(2, 8, 512, dtype=torch.bfloat16, device=DEVICE)
     with pytest.raises(ValueError, match="wo_a: G = 3 groups must divide H = 2"):
-        grouped_o_proj(q, torch.zeros(3, 8, 512, dtype=torch.bfloat16, device=DEVICE), torch.zeros(4, 24, dtype=torch.bfloat16, device=DEVICE))
+        grouped_o_proj(
+            q,
+            torch.zeros(3, 8, 512, dtype=torch.bfloat16, device=DEVICE),
+            torch.zeros(4, 24, dtype=torch.bfloat16, device=DEVICE),
+        )
     with pytest.raises(ValueError, match="wo_b: expected shape"):
         grouped_o_proj(q, wo_a, torch.zeros(4, 15, dtype=torch.bfloat16, device=DEVICE))
     with pytest.raises(ValueError, match="wo_a: expected shape"):
-        grouped_o_proj(q, torch.zeros(2, 8, 500, dtype=torch.bfloat16, device=DEVICE), torch.zeros(4, 16, dtype=torch.bfloat16, device=DEVICE))
+        grouped_o_proj(
+            q,
+            torch.zeros(2, 8, 500, dtype=torch.bfloat16, device=DEVICE),
+            torch.zeros(4, 16, dtype=torch.bfloat16, device=DEVICE),
+        )

@@ -52,7 +52,7 @@ def make_cache(block_size, num_pages, seed, nope_zero=False):
     cache[0, :448] = 0x7F  # e4m3 NaN (the interpreter may decode it as 480: the next two poisons still bite)
     cache[0, 448:576:2] = 0xC0  # bf16 0x7FC0, little-endian: NaN
     cache[0, 449:576:2] = 0x7F
-    cache[0, block_size * 576:block_size * 576 + 8] = 0xFF
+    cache[0, block_size * 576 : block_size * 576 + 8] = 0xFF
     return cache
 
 
@@ -88,8 +88,13 @@ def oracle(q, pools, sink, scale):
             L = idx.shape[1] if lens is None else int(lens[t])
             slots = [int(s) for s in idx[t, :L].tolist() if s >= 0]  # duplicates stay: no de-duplication
             if slots:
-                rows.append(kv_cache.gather(cache, torch.tensor(slots, dtype=torch.int32, device=cache.device),
-                                            block_size=bs, backend="reference").cpu().double())
+                rows.append(
+                    kv_cache.gather(
+                        cache, torch.tensor(slots, dtype=torch.int32, device=cache.device), block_size=bs, backend="reference"
+                    )
+                    .cpu()
+                    .double()
+                )
         if not rows:
             continue  # empty row: out 0, lse −inf
         k = torch.cat(rows)  # [n, 512]; K = V
@@ -118,8 +123,7 @@ def make_q(T, H, seed):
     return (randn((T, H, 512), seed=seed, octaves=4).float() * 0.25).to(torch.bfloat16)
 
 
-def setup(T=3, H=16, K1=40, K2=0, bs1=16, bs2=2, pages1=4, pages2=24, seed=0, lengths1=None, lengths2=None,
-          nope_zero=False):
+def setup(T=3, H=16, K1=40, K2=0, bs1=16, bs2=2, pages1=4, pages2=24, seed=0, lengths1=None, lengths2=None, nope_zero=False):
     c1 = make_cache(bs1, pages1, seed + 1, nope_zero)
     l1 = torch.tensor(lengths1 if lengths1 is not None else [K1 - 3 * t for t in range(T)], dtype=torch.int32).to(DEVICE)
     i1 = make_slots(T, K1, bs1, pages1, seed + 2, l1)
@@ -166,8 +170,20 @@ def test_reference_float64_is_the_oracle():
     q, pools = setup(T=3, H=16, K1=40, K2=10, lengths1=[40, 5, 0], lengths2=[10, 9, 0])
     sink = torch.linspace(-2.0, 6.0, 16).to(DEVICE)
     (c1, i1, l1, b1), (c2, i2, l2, b2) = pools
-    out, lse, mass = reference.decode(q, c1, i1, l1, block_size=b1, sink=sink, extra_cache=c2, extra_slots=i2,
-                                      extra_lengths=l2, extra_block_size=b2, dtype=torch.float64, with_mass=True)
+    out, lse, mass = reference.decode(
+        q,
+        c1,
+        i1,
+        l1,
+        block_size=b1,
+        sink=sink,
+        extra_cache=c2,
+        extra_slots=i2,
+        extra_lengths=l2,
+        extra_block_size=b2,
+        dtype=torch.float64,
+        with_mass=True,
+    )
     ref_out, ref_lse = oracle(q, pools, sink, sparse_mla.DEFAULT_SCALE)
     assert out.dtype == lse.dtype == torch.float64
     torch.testing.assert_close(out.cpu(), ref_out, rtol=1e-12, atol=1e-12)
@@ -181,7 +197,7 @@ def test_heads_64_128(backend, H):
     """H = 64 (one block of 64 heads) and 128 (two blocks); a non-default softmax scale."""
     q, pools = setup(T=2, H=H, K1=24, K2=0, lengths1=[24, 19], seed=H)
     sink = randn((H,), seed=5, dtype=torch.float32, octaves=0) * 2
-    scale = 512 ** -0.55
+    scale = 512**-0.55
     out, lse = run(q, pools, backend, sink, scale)
     check(out, lse, *oracle(q, pools, sink, scale), f"{backend} H={H}")
 
@@ -287,8 +303,16 @@ def test_outputs_fully_written(splits):
     and through the split merge (H = 24: a partly padded head block in both kernels)."""
     q, pools = setup(T=2, H=24, K1=16, lengths1=[16, 0])
     out, lse = poison((2, 24, 512), torch.bfloat16), poison((2, 24), torch.float32)
-    attend(q, [(c, s, l, b, c.stride(0)) for c, s, l, b in pools], None, sparse_mla.DEFAULT_SCALE,
-           launch_with(q, pools, num_splits=splits), kv_bf16=False, out=out, lse=lse)
+    attend(
+        q,
+        [(c, s, l, b, c.stride(0)) for c, s, l, b in pools],
+        None,
+        sparse_mla.DEFAULT_SCALE,
+        launch_with(q, pools, num_splits=splits),
+        kv_bf16=False,
+        out=out,
+        lse=lse,
+    )
     assert not torch.isnan(out).any() and not torch.isnan(lse).any()
 
 
@@ -306,8 +330,19 @@ def test_seed_path_vs_float64():
     q, pools = setup(T=3, H=16, K1=20, K2=6, lengths1=[20, 4, 0], lengths2=[6, 3, 0])
     (c1, i1, l1, b1), (c2, i2, l2, b2) = pools
     sink = torch.linspace(-2.0, 2.0, 16).to(DEVICE)
-    out, lse = seed_decode(q, c1, i1, l1, block_size=b1, sink=sink, scale=sparse_mla.DEFAULT_SCALE, extra_cache=c2,
-                           extra_slots=i2, extra_lengths=l2, extra_block_size=b2)
+    out, lse = seed_decode(
+        q,
+        c1,
+        i1,
+        l1,
+        block_size=b1,
+        sink=sink,
+        scale=sparse_mla.DEFAULT_SCALE,
+        extra_cache=c2,
+        extra_slots=i2,
+        extra_lengths=l2,
+        extra_block_size=b2,
+    )
     check(out, lse, *oracle(q, pools, sink, sparse_mla.DEFAULT_SCALE), "seed")
 
 
@@ -332,8 +367,11 @@ def test_ladder_from_bench_rows():
     from dsv4ref.tools.cases import sparse_mla as cases
     from dsv4ref.tools.harness import BenchCase, BenchRow, Ceilings
 
-    rows = [BenchRow(BenchCase(op, "", None, 1, 1.0, extra=dict(T=T, H=H, K=K)), 0.1, 0, 0, 0)
-            for _, op, _ in cases.RUNGS[:-1] for T, H, K in cases.BENCH_SHAPES]
+    rows = [
+        BenchRow(BenchCase(op, "", None, 1, 1.0, extra=dict(T=T, H=H, K=K)), 0.1, 0, 0, 0)
+        for _, op, _ in cases.RUNGS[:-1]
+        for T, H, K in cases.BENCH_SHAPES
+    ]
     d = cases.ladder(Ceilings(4e12, 7e14), rows, device="test", command="test")
     assert [r["status"] for r in d["rungs"]] == ["measured"] * 4 + ["pending"]
     assert d["rungs"][0]["us"] == [100.0] * 3 and d["rungs"][-1]["us"] == [None] * 3
@@ -341,10 +379,12 @@ def test_ladder_from_bench_rows():
 
 def test_custom_op_fake_impl():
     q, pools = setup(T=2, H=16, K1=16, lengths1=[16, 5])
-    (c, i, l, b), = pools
-    torch.library.opcheck(torch.ops.dsv4ref.sparse_mla_decode,
-                          (q, c, i, l, None, None, None, None, b, 1, 0.04, 16, 16, 1, 4, 1),
-                          test_utils=("test_schema", "test_faketensor"))
+    ((c, i, l, b),) = pools
+    torch.library.opcheck(
+        torch.ops.dsv4ref.sparse_mla_decode,
+        (q, c, i, l, None, None, None, None, b, 1, 0.04, 16, 16, 1, 4, 1),
+        test_utils=("test_schema", "test_faketensor"),
+    )
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -367,8 +407,7 @@ def test_bad_input_raises_naming_the_argument():
     bad2 = i2.clone()
     bad2[0, 0] = c2.shape[0] * b2
     with pytest.raises(ValueError, match="extra_slots: entry"):
-        sparse_mla.decode(q, c1, i1, l1, block_size=b1, extra_cache=c2, extra_slots=bad2, extra_lengths=l2,
-                          extra_block_size=b2)
+        sparse_mla.decode(q, c1, i1, l1, block_size=b1, extra_cache=c2, extra_slots=bad2, extra_lengths=l2, extra_block_size=b2)
     with pytest.raises(ValueError, match="slots: expected 2 rows"):
         sparse_mla.decode(q, c1, i1[:1], l1, block_size=b1)
     with pytest.raises(ValueError, match="lengths: expected shape"):
@@ -408,8 +447,19 @@ def test_bad_input_raises_naming_the_argument():
 @pytest.mark.parametrize("H,K1,K2", [(64, 128, 512), (128, 128, 1024), (16, 128, 1920)])
 def test_real_shapes_gpu(H, K1, K2):
     T = 8
-    q, pools = setup(T=T, H=H, K1=K1, K2=K2, bs1=64, bs2=64, pages1=40, pages2=200, seed=H,
-                     lengths1=[K1 - 7 * t for t in range(T)], lengths2=[K2 - 13 * t for t in range(T)])
+    q, pools = setup(
+        T=T,
+        H=H,
+        K1=K1,
+        K2=K2,
+        bs1=64,
+        bs2=64,
+        pages1=40,
+        pages2=200,
+        seed=H,
+        lengths1=[K1 - 7 * t for t in range(T)],
+        lengths2=[K2 - 13 * t for t in range(T)],
+    )
     pools[1][1][1, :64] = -1  # a fully masked first chunk of BLOCK_N = 64 (#18)
     sink = torch.linspace(-1.0, 3.0, H).to(DEVICE)
     ref = oracle(q, pools, sink, sparse_mla.DEFAULT_SCALE)

@@ -20,24 +20,23 @@ from dsv4ref.device import DEVICE, interpreting
 from dsv4ref.sparse_mla import gluon as G
 from dsv4ref.testing import assert_close, randn
 
-SCALE = 512 ** -0.5
+SCALE = 512**-0.5
 
 pytestmark = [
     pytest.mark.gpu,
-    pytest.mark.skipif(interpreting() or not G.available(DEVICE),
-                       reason="the gluon backend needs compiled Triton (Gluon) on a Hopper GPU"),
+    pytest.mark.skipif(
+        interpreting() or not G.available(DEVICE), reason="the gluon backend needs compiled Triton (Gluon) on a Hopper GPU"
+    ),
 ]
 
 
-def setup(T, H, K1, K2=0, bs1=16, bs2=2, pages1=8, pages2=64, seed=0, lengths1=None, lengths2=None,
-          nope_zero=False):
+def setup(T, H, K1, K2=0, bs1=16, bs2=2, pages1=8, pages2=64, seed=0, lengths1=None, lengths2=None, nope_zero=False):
     c1 = make_cache(bs1, pages1, seed + 1, nope_zero)
     l1 = torch.tensor(lengths1 if lengths1 is not None else [max(K1 - 3 * t, 0) for t in range(T)], dtype=torch.int32)
     pools = [(c1, make_slots(T, K1, bs1, pages1, seed + 2, l1), l1.to(DEVICE), bs1)]
     if K2:
         c2 = make_cache(bs2, pages2, seed + 3, nope_zero)
-        l2 = torch.tensor(lengths2 if lengths2 is not None else [max(K2 - 2 * t, 0) for t in range(T)],
-                          dtype=torch.int32)
+        l2 = torch.tensor(lengths2 if lengths2 is not None else [max(K2 - 2 * t, 0) for t in range(T)], dtype=torch.int32)
         pools.append((c2, make_slots(T, K2, bs2, pages2, seed + 4, l2), l2.to(DEVICE), bs2))
     q = (randn((T, H, 512), seed=seed, octaves=4).float() * 0.25).to(torch.bfloat16)
     return q, pools
@@ -56,8 +55,7 @@ def launch_with(q, pools, num_splits=None, kernel=None):
         return None
     T, H, _ = q.shape
     launch = G.default_launch(T, H, sum(p[1].shape[1] for p in pools), q.device)
-    return dataclasses.replace(launch, **{k: v for k, v in dict(num_splits=num_splits, kernel=kernel).items()
-                                          if v is not None})
+    return dataclasses.replace(launch, **{k: v for k, v in dict(num_splits=num_splits, kernel=kernel).items() if v is not None})
 
 
 def run(q, pools, sink=None, scale=SCALE, num_splits=None, kernel=None):
@@ -69,11 +67,14 @@ def run(q, pools, sink=None, scale=SCALE, num_splits=None, kernel=None):
     # poison: NaN blocks of the outputs' sizes, freed just before the call, are what the caching allocator
     # hands the launcher's torch.empty, so a program that writes nothing (a merge that never ran) shows
     T, H = q.shape[:2]
-    junk = (torch.full((T, H, 512), float("nan"), dtype=torch.bfloat16, device=q.device),
-            torch.full((T, H), float("nan"), device=q.device))
+    junk = (
+        torch.full((T, H, 512), float("nan"), dtype=torch.bfloat16, device=q.device),
+        torch.full((T, H), float("nan"), device=q.device),
+    )
     del junk
-    return G.decode_gluon(q, c1, i1, l1, block_size=b1, sink=sink, scale=scale,
-                          launch=launch_with(q, pools, num_splits, kernel), **kw)
+    return G.decode_gluon(
+        q, c1, i1, l1, block_size=b1, sink=sink, scale=scale, launch=launch_with(q, pools, num_splits, kernel), **kw
+    )
 
 
 def check(out, lse, ref, name):
@@ -116,7 +117,7 @@ def test_every_e4m3_code_and_scale_byte(name):
     codes = torch.arange(256, dtype=torch.int64)
     finite = codes[(codes & 0x7F) != 0x7F]
     e4 = finite[torch.randint(0, finite.numel(), (n, 448), generator=g)]
-    e4[:, :finite.numel()] = finite  # every finite code in every row
+    e4[:, : finite.numel()] = finite  # every finite code in every row
     scales = torch.tensor([0, 1, 2, 7, 60, 100, 120, 126, 127, 128, 134, 135, 140, 200, 240, 245, 254])
     sc = scales[torch.randint(0, scales.numel(), (n, 7), generator=g)]
     nan_code_rows = torch.arange(5, n, 37)
@@ -127,9 +128,9 @@ def test_every_e4m3_code_and_scale_byte(name):
     flat = torch.zeros(pages, cache.shape[1], dtype=torch.uint8)
     for r in range(n):
         pg, off = divmod(r, bs)
-        flat[pg, off * 576:off * 576 + 448] = e4[r].to(torch.uint8)
-        flat[pg, off * 576 + 448:off * 576 + 576] = rope[r]
-        flat[pg, bs * 576 + off * 8:bs * 576 + off * 8 + 7] = sc[r].to(torch.uint8)
+        flat[pg, off * 576 : off * 576 + 448] = e4[r].to(torch.uint8)
+        flat[pg, off * 576 + 448 : off * 576 + 576] = rope[r]
+        flat[pg, bs * 576 + off * 8 : bs * 576 + off * 8 + 7] = sc[r].to(torch.uint8)
     cache.copy_(flat.to(cache.device))
     slots = torch.arange(n, dtype=torch.int32, device=DEVICE).view(n, 1)
     lengths = torch.ones(n, dtype=torch.int32, device=DEVICE)
@@ -146,14 +147,16 @@ def test_every_e4m3_code_and_scale_byte(name):
     assert int(good.sum()) > n // 2
     # values compared (−0 == +0: P·V adds the row to a +0 accumulator); bf16 subnormal outputs are left out,
     # as the tensor cores' P·V may flush them whatever the dequantisation did
-    normal = (want.abs() >= 2.0 ** -126) | (want == 0)
+    normal = (want.abs() >= 2.0**-126) | (want == 0)
     diff = (out != want) & normal & good[:, None, None]
     if bool(diff.any()):
         r, h, c = (int(x) for x in diff.nonzero()[0])
         tiles = torch.bincount(diff.any(1).nonzero()[:, 1] // 64, minlength=8).tolist()
-        raise AssertionError(f"{name}: {int(diff.sum())} values differ; first row {r} col {c}: got "
-                             f"{float(out[r, h, c])} want {float(want[r, h, c])} (scale bytes {sc[r].tolist()}); "
-                             f"mismatching (row, col) pairs per 64-column tile: {tiles}")
+        raise AssertionError(
+            f"{name}: {int(diff.sum())} values differ; first row {r} col {c}: got "
+            f"{float(out[r, h, c])} want {float(want[r, h, c])} (scale bytes {sc[r].tolist()}); "
+            f"mismatching (row, col) pairs per 64-column tile: {tiles}"
+        )
     assert bool(torch.isnan(out[bad]).all()) and bool(torch.isnan(lse[bad]).all()), f"{name}: NaN rows"
     assert bool((lse[good] == 0).all())
 
@@ -180,12 +183,11 @@ def test_heads(H):
     64-row kernel too where the narrow one is the default, at list splits 1, 2 and 4."""
     q, pools = setup(T=3, H=H, K1=96, K2=40, lengths1=[96, 77, 10], lengths2=[40, 0, 13], seed=H)
     sink = randn((H,), seed=5, dtype=torch.float32, octaves=0) * 2
-    scale = 512 ** -0.55
+    scale = 512**-0.55
     ref = oracle(q, pools, sink, scale)
     for kernel in (None, "ws") if H <= G.NARROW_H else (None,):
         for splits in (1, 2, 4):
-            check(*run(q, pools, sink, scale, num_splits=splits, kernel=kernel), ref,
-                  f"H={H} splits={splits} kernel={kernel}")
+            check(*run(q, pools, sink, scale, num_splits=splits, kernel=kernel), ref, f"H={H} splits={splits} kernel={kernel}")
 
 
 @pytest.mark.parametrize("splits", [1, 2])
@@ -235,8 +237,19 @@ def test_no_lengths_means_all_entries():
 def test_real_shapes(H, K1, K2):
     """The V4 shapes, pages of 64, both pools, a fully masked 64-entry chunk, default split heuristic."""
     T = 8
-    q, pools = setup(T=T, H=H, K1=K1, K2=K2, bs1=64, bs2=64, pages1=40, pages2=200, seed=H,
-                     lengths1=[K1 - 7 * t for t in range(T)], lengths2=[K2 - 13 * t for t in range(T)])
+    q, pools = setup(
+        T=T,
+        H=H,
+        K1=K1,
+        K2=K2,
+        bs1=64,
+        bs2=64,
+        pages1=40,
+        pages2=200,
+        seed=H,
+        lengths1=[K1 - 7 * t for t in range(T)],
+        lengths2=[K2 - 13 * t for t in range(T)],
+    )
     pools[1][1][1, :64] = -1
     sink = torch.linspace(-1.0, 3.0, H).to(DEVICE)
     ref = oracle(q, pools, sink, SCALE)
@@ -251,8 +264,19 @@ def test_matches_the_portable_kernel():
     q, pools = setup(T=4, H=64, K1=64, K2=200, bs1=64, bs2=64, pages1=8, pages2=20, seed=3)
     (c1, i1, l1, b1), (c2, i2, l2, b2) = pools
     sink = torch.linspace(-1.0, 1.0, 64).to(DEVICE)
-    a = sparse_mla.decode(q, c1, i1, l1, block_size=b1, sink=sink, extra_cache=c2, extra_slots=i2, extra_lengths=l2,
-                          extra_block_size=b2, backend="triton")
+    a = sparse_mla.decode(
+        q,
+        c1,
+        i1,
+        l1,
+        block_size=b1,
+        sink=sink,
+        extra_cache=c2,
+        extra_slots=i2,
+        extra_lengths=l2,
+        extra_block_size=b2,
+        backend="triton",
+    )
     b = run(q, pools, sink)
     ref = oracle(q, pools, sink, SCALE)
     check(*a, ref, "portable")
@@ -272,7 +296,7 @@ def test_non_finite_rows_follow_the_contract(splits, kernel):
 
     bs = 16
     q, pools = setup(T=4, H=16, K1=40, bs1=bs, lengths1=[40, 40, 40, 0])
-    (c1, i1, l1, b1), = pools
+    ((c1, i1, l1, b1),) = pools
     others = set(i1[0].tolist()) | set(i1[2].tolist())
     slot = next(s for s in i1[1].tolist() if s > POISON_SLOT and s not in others)  # listed by token 1 only
     page, off = divmod(slot, bs)

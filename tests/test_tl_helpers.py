@@ -46,9 +46,36 @@ def _e4m3_sweep() -> torch.Tensor:
     grid = torch.arange(0, 256, dtype=torch.int32).to(torch.uint8).view(torch.float8_e4m3fn).float()
     grid = grid[torch.isfinite(grid)].unique().sort().values.double()
     mids = ((grid[1:] + grid[:-1]) / 2).float()
-    nudge = torch.cat([torch.nextafter(mids, torch.full_like(mids, math.inf)), torch.nextafter(mids, torch.full_like(mids, -math.inf))])
-    special = torch.tensor([0.0, -0.0, 448.0, -448.0, 449.0, 464.0, 470.0, 480.0, 500.0, -500.0, 1e30, -1e30,
-                            7.78, 126.24, 17.0, 19.0, 0.001, 2**-9, 2**-10, 3 * 2**-10, 2**-6, 232.0, 248.0])
+    nudge = torch.cat(
+        [torch.nextafter(mids, torch.full_like(mids, math.inf)), torch.nextafter(mids, torch.full_like(mids, -math.inf))]
+    )
+    special = torch.tensor(
+        [
+            0.0,
+            -0.0,
+            448.0,
+            -448.0,
+            449.0,
+            464.0,
+            470.0,
+            480.0,
+            500.0,
+            -500.0,
+            1e30,
+            -1e30,
+            7.78,
+            126.24,
+            17.0,
+            19.0,
+            0.001,
+            2**-9,
+            2**-10,
+            3 * 2**-10,
+            2**-6,
+            232.0,
+            248.0,
+        ]
+    )
     g = generator(0)
     rnd = torch.randn(100_000, generator=g) * torch.exp2(torch.randint(-12, 11, (100_000,), generator=g).float())
     x = torch.cat([bf, grid.float(), -grid.float(), mids, -mids, nudge, -nudge, special, rnd])
@@ -147,8 +174,9 @@ def test_raw_triton_bf16_cast_rounds():
 
 
 @triton.jit
-def _dot_kernel(a_ptr, b_ptr, c_ptr, M: tl.constexpr, N: tl.constexpr, K: tl.constexpr, DOT_FP32: tl.constexpr,
-                RAW: tl.constexpr):
+def _dot_kernel(
+    a_ptr, b_ptr, c_ptr, M: tl.constexpr, N: tl.constexpr, K: tl.constexpr, DOT_FP32: tl.constexpr, RAW: tl.constexpr
+):
     tl.static_assert(K >= 16)  # compiled tl.dot needs K >= 16 for 16-bit operands (I9)
     rm, rn, rk = tl.arange(0, M), tl.arange(0, N), tl.arange(0, K)
     a = tl.load(a_ptr + rm[:, None] * K + rk[None, :])

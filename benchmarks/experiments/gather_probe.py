@@ -44,8 +44,9 @@ PROGRAMS = 128  # one per SM at T 64 with the list split in two (H 64) or two he
 
 
 @gluon.jit
-def gather_kernel(cache_ptr, slots_ptr, xor_ptr, n_rows, page_words, D: gl.constexpr, BS: gl.constexpr,
-                  SCALES: gl.constexpr = True):
+def gather_kernel(
+    cache_ptr, slots_ptr, xor_ptr, n_rows, page_words, D: gl.constexpr, BS: gl.constexpr, SCALES: gl.constexpr = True
+):
     """Program p gathers rows ``slots[p, :n_rows]`` of the int64-word cache (pages of ``page_words`` words:
     BS rows of 72 words, then BS scale words) chunk by chunk into a D-deep shared ring by cp.async, keeping
     D chunks in flight, reads each landed chunk back once and XORs it into ``xor[p]``. SCALES False: the
@@ -59,8 +60,9 @@ def gather_kernel(cache_ptr, slots_ptr, xor_ptr, n_rows, page_words, D: gl.const
     SL: gl.constexpr = gl.SwizzledSharedLayout(vec=2, per_phase=1, max_phase=8, order=[1, 0])
     S1: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0])
     ring_a = gl.allocate_shared_memory(gl.int64, [D, 64, 64], SL)
-    ring_b = gl.allocate_shared_memory(gl.int64, [D, 64, 8], gl.SwizzledSharedLayout(
-        vec=2, per_phase=1, max_phase=4, order=[1, 0]))
+    ring_b = gl.allocate_shared_memory(
+        gl.int64, [D, 64, 8], gl.SwizzledSharedLayout(vec=2, per_phase=1, max_phase=4, order=[1, 0])
+    )
     ring_s = gl.allocate_shared_memory(gl.int64, [D, 64], S1)
     LB8: gl.constexpr = gl.BlockedLayout([1, 2], [8, 4], [NW, 1], [1, 0])  # [64, 8] words
     pid = gl.program_id(0)
@@ -115,12 +117,22 @@ VARIANTS = [(d, w) for w in (4, 8) for d in (1, 2, 3, 4)]
 PATTERNS = ("random", "sorted", "contiguous", "random, no scales")
 # third pass: the same bytes over twice the programs (half the rows each; two per SM fit at D 2): is the cap
 # per program (its copies in flight) or per device?
-SPREAD = (("random", 2, 4, 2), ("contiguous", 2, 4, 2), ("random", 1, 8, 2),  # where the rows split in whole chunks
-          # fourth pass (call 6): warps per SM or programs per SM? (at 16 warps the [64, 8] tail and the scale
-          # words are copied by more threads than they have elements: the layouts replicate them)
-          ("random", 2, 8, 2), ("random", 2, 16, 1), ("random", 1, 16, 1), ("contiguous", 2, 16, 1),
-          # fifth pass (call 10): what makes 256 programs x 8 warps x one chunk fast (80-84 %)?
-          ("random", 1, 4, 2), ("random", 1, 8, 3), ("random, no scales", 1, 8, 2), ("contiguous", 1, 8, 2))
+SPREAD = (
+    ("random", 2, 4, 2),
+    ("contiguous", 2, 4, 2),
+    ("random", 1, 8, 2),  # where the rows split in whole chunks
+    # fourth pass (call 6): warps per SM or programs per SM? (at 16 warps the [64, 8] tail and the scale
+    # words are copied by more threads than they have elements: the layouts replicate them)
+    ("random", 2, 8, 2),
+    ("random", 2, 16, 1),
+    ("random", 1, 16, 1),
+    ("contiguous", 2, 16, 1),
+    # fifth pass (call 10): what makes 256 programs x 8 warps x one chunk fast (80-84 %)?
+    ("random", 1, 4, 2),
+    ("random", 1, 8, 3),
+    ("random, no scales", 1, 8, 2),
+    ("contiguous", 1, 8, 2),
+)
 ROWS = (320, 1152)  # rows per program: H 64 K 640 split 2, H 128 K 1152
 
 
@@ -129,11 +141,23 @@ def _compile_only():
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    sig = {"cache_ptr": "*i64", "slots_ptr": "*i32", "xor_ptr": "*i64", "n_rows": "i32", "page_words": "i32",
-           "D": "constexpr", "BS": "constexpr", "SCALES": "constexpr"}
+    sig = {
+        "cache_ptr": "*i64",
+        "slots_ptr": "*i32",
+        "xor_ptr": "*i64",
+        "n_rows": "i32",
+        "page_words": "i32",
+        "D": "constexpr",
+        "BS": "constexpr",
+        "SCALES": "constexpr",
+    }
     for d, w, scales in [(d, w, True) for d, w in VARIANTS] + [(2, 4, False)]:
-        src = GluonASTSource(gather_kernel, sig, {"D": d, "BS": BS, "SCALES": scales},
-                             {(0,): [["tt.divisibility", 16]], (1,): [["tt.divisibility", 16]]})
+        src = GluonASTSource(
+            gather_kernel,
+            sig,
+            {"D": d, "BS": BS, "SCALES": scales},
+            {(0,): [["tt.divisibility", 16]], (1,): [["tt.divisibility", 16]]},
+        )
         ck = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": w})
         print(f"D {d} warps {w} scales {scales}: shared {ck.metadata.shared} B", flush=True)
 
@@ -143,9 +167,8 @@ def _slot_sets(pattern: str, perm: torch.Tensor, n_rows: int, dev, programs: int
     n = programs * n_rows
     n_sets = max(2, min(4, perm.numel() // n))
     if pattern.startswith("contiguous"):
-        return [torch.arange(i * n, (i + 1) * n, dtype=torch.int32).view(programs, n_rows).to(dev)
-                for i in range(n_sets)]
-    sets = [perm[i * n:(i + 1) * n].view(programs, n_rows) for i in range(n_sets)]
+        return [torch.arange(i * n, (i + 1) * n, dtype=torch.int32).view(programs, n_rows).to(dev) for i in range(n_sets)]
+    sets = [perm[i * n : (i + 1) * n].view(programs, n_rows) for i in range(n_sets)]
     if pattern.startswith("sorted"):
         sets = [x.sort(dim=1).values for x in sets]
     return [x.contiguous().to(dev) for x in sets]
@@ -200,8 +223,9 @@ def main(argv):
             xo = torch.zeros(programs, dtype=torch.int64, device=dev)
 
             def call(i, d=d, w=w, xo=xo, sets=sets, scales=scales, programs=programs, n_rows=n_rows):
-                gather_kernel[(programs,)](words, sets[i % len(sets)], xo, n_rows, page_words, D=d, BS=BS,
-                                           SCALES=scales, num_warps=w)
+                gather_kernel[(programs,)](
+                    words, sets[i % len(sets)], xo, n_rows, page_words, D=d, BS=BS, SCALES=scales, num_warps=w
+                )
 
             call(0)
             synchronize()
@@ -210,9 +234,12 @@ def main(argv):
             ms = time_ms(call, n_sets=len(sets))
             us = ms * 1e3
             bw = programs * n_rows * (584 if scales else 576) / (ms * 1e-3)
-            print(f"programs {programs:3d} x rows {n_rows:5d}  {pattern:<18} D {d}  warps {w}: {us:7.1f} us  "
-                  f"{us / (n_rows // 64):5.2f} us/chunk  {bw / 1e9:6.0f} GB/s  {bw / ceil.copy_bytes_per_s:6.1%} of copy  "
-                  f"xor {'ok' if ok else 'WRONG'}", flush=True)
+            print(
+                f"programs {programs:3d} x rows {n_rows:5d}  {pattern:<18} D {d}  warps {w}: {us:7.1f} us  "
+                f"{us / (n_rows // 64):5.2f} us/chunk  {bw / 1e9:6.0f} GB/s  {bw / ceil.copy_bytes_per_s:6.1%} of copy  "
+                f"xor {'ok' if ok else 'WRONG'}",
+                flush=True,
+            )
     print(f"{len(ROWS) * len(runs)} runs timed in {time.time() - t0:.0f} s; {bad} wrong", flush=True)
     return 1 if bad else 0
 

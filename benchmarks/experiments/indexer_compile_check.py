@@ -32,15 +32,35 @@ from triton.compiler import ASTSource  # noqa: E402
 from dsv4ref.indexer import IndexerLaunch, kernels  # noqa: E402
 from indexer_sweep import VARIANTS  # noqa: E402
 
-SIG = {"q_ptr": "*u8", "qs_ptr": "*u8", "w_ptr": "*fp32", "cache_ptr": "*u8", "cache_f32_ptr": "*fp32",
-       "cache_i32_ptr": "*i32", "bt_ptr": "*i32", "pos_ptr": "*i64", "out_ptr": "*fp32", "n_out": "i32",
-       "bt_stride": "i32", "page_stride": "i32", "H": "i32"}
+SIG = {
+    "q_ptr": "*u8",
+    "qs_ptr": "*u8",
+    "w_ptr": "*fp32",
+    "cache_ptr": "*u8",
+    "cache_f32_ptr": "*fp32",
+    "cache_i32_ptr": "*i32",
+    "bt_ptr": "*i32",
+    "pos_ptr": "*i64",
+    "out_ptr": "*fp32",
+    "n_out": "i32",
+    "bt_stride": "i32",
+    "page_stride": "i32",
+    "H": "i32",
+}
 OP = re.compile(r"\s*/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)([.\w]*)(.*?);")
 
 
 def compile_variant(launch: IndexerLaunch):
-    const = dict(HP=64, BC=64, BCP=64, PAGES=launch.pages(), TP=launch.tile_pages(True), FP4=True,
-                 FP4_DECODE=launch.decode(), DOT_FP32=False)
+    const = dict(
+        HP=64,
+        BC=64,
+        BCP=64,
+        PAGES=launch.pages(),
+        TP=launch.tile_pages(True),
+        FP4=True,
+        FP4_DECODE=launch.decode(),
+        DOT_FP32=False,
+    )
     sig = {k: SIG.get(k, "constexpr") for k in kernels.logits_kernel.arg_names}
     attrs = {(i,): [["tt.divisibility", 16]] for i, k in enumerate(kernels.logits_kernel.arg_names) if k in SIG}
     opts = {"num_warps": launch.logits_warps}
@@ -56,8 +76,7 @@ def stats(ck, const, warps: int) -> str:
         p, c = os.path.join(tmp, "k.ptx"), os.path.join(tmp, "k.cubin")
         with open(p, "w") as f:
             f.write(ptx)
-        log = subprocess.run([PTXAS, "-v", "--gpu-name", "sm_90a", p, "-o", os.devnull],
-                             capture_output=True, text=True).stderr
+        log = subprocess.run([PTXAS, "-v", "--gpu-name", "sm_90a", p, "-o", os.devnull], capture_output=True, text=True).stderr
         with open(c, "wb") as f:
             f.write(ck.asm["cubin"])
         sass = subprocess.run([os.path.join(BIN, "cuobjdump"), "-sass", c], capture_output=True, text=True).stdout
@@ -71,8 +90,9 @@ def stats(ck, const, warps: int) -> str:
             loops.append((int(t.group(1), 16), addr))
 
     def body(lo, hi):  # op counts; a wait for the tensor cores (WARPGROUP.DEPBAR) counts as "WAIT"
-        return collections.Counter("WAIT" if op == "WARPGROUP" and rest.startswith(".DEPBAR") else op
-                                   for a, op, rest in ops if lo <= a <= hi)
+        return collections.Counter(
+            "WAIT" if op == "WARPGROUP" and rest.startswith(".DEPBAR") else op for a, op, rest in ops if lo <= a <= hi
+        )
 
     # the page loop: of the loops that hold no other loop (f16_scaled's slow path is a loop in a loop), the one
     # with the most HGMMA
@@ -88,13 +108,15 @@ def stats(ck, const, warps: int) -> str:
     int_ops = sum(b[k] for k in ("IMAD", "LOP3", "PRMT", "SHF", "IADD3", "LEA", "SEL", "ISETP"))
     outer = [r for r in loops if not any(o != r and o[0] <= r[0] and r[1] <= o[1] for o in loops)]
     straight = len(ops) - sum(sum(body(*r).values()) for r in outer)  # prologue, epilogue: once per program
-    return (f"regs {regs.group(1) if regs else '?':>3}  spill {spill.group(1) if spill else '?'}/"
-            f"{spill.group(2) if spill else '?'} B  smem {ck.metadata.shared:>6} B  PTX {ptx.count(chr(10)):>5} lines  "
-            f"SASS outside loops {straight:>5}  "
-            f"| page loop: {n / per:5.1f} SASS/page/thread ({int_ops / per:5.1f} integer), "
-            f"{n * warps / per:5.0f} warp-instr/page, dots/page {loop_dots / per:4.2f} "
-            f"(kernel {dots}), HGMMA/page {b['HGMMA'] / per:4.1f}, waits/page {b['WAIT'] / per:4.1f}, "
-            f"STL+LDL {b['STL'] + b['LDL']}")
+    return (
+        f"regs {regs.group(1) if regs else '?':>3}  spill {spill.group(1) if spill else '?'}/"
+        f"{spill.group(2) if spill else '?'} B  smem {ck.metadata.shared:>6} B  PTX {ptx.count(chr(10)):>5} lines  "
+        f"SASS outside loops {straight:>5}  "
+        f"| page loop: {n / per:5.1f} SASS/page/thread ({int_ops / per:5.1f} integer), "
+        f"{n * warps / per:5.0f} warp-instr/page, dots/page {loop_dots / per:4.2f} "
+        f"(kernel {dots}), HGMMA/page {b['HGMMA'] / per:4.1f}, waits/page {b['WAIT'] / per:4.1f}, "
+        f"STL+LDL {b['STL'] + b['LDL']}"
+    )
 
 
 def _loop_dots(ttgir: str) -> int:

@@ -119,20 +119,25 @@ def main(argv=None) -> int:
     ceil = measure_ceilings()
     pos, sets, nbytes, flops = logits_bench_inputs("mxfp4", 2, T=T, H=H, n_c=n_c, Bc=Bc)
     bound_us = max(nbytes / ceil.copy_bytes_per_s, flops / ceil.bf16_flops_per_s) * 1e6
-    print(f"ceilings: copy {ceil.copy_bytes_per_s / 1e12:.2f} TB/s, bf16 {ceil.bf16_flops_per_s / 1e12:.0f} TFLOP/s; "
-          f"T={T} H={H} n_c={n_c} Bc={Bc}: {nbytes / 1e6:.1f} MB, {flops / 1e9:.1f} GFLOP, bound {bound_us:.1f} us "
-          f"(30 % = {bound_us / 0.3:.0f} us)", flush=True)
+    print(
+        f"ceilings: copy {ceil.copy_bytes_per_s / 1e12:.2f} TB/s, bf16 {ceil.bf16_flops_per_s / 1e12:.0f} TFLOP/s; "
+        f"T={T} H={H} n_c={n_c} Bc={Bc}: {nbytes / 1e6:.1f} MB, {flops / 1e9:.1f} GFLOP, bound {bound_us:.1f} us "
+        f"(30 % = {bound_us / 0.3:.0f} us)",
+        flush=True,
+    )
     big = _problem(ix, pos, sets[0], n_c, Bc)
     # the slow-path problem: 4 tokens × 1024 keys whose scale bytes span up to 64 binades (f16_scaled refuses
     # its fast path for every program; every product of scales stays a normal fp32 number)
     spos, ssets, _, _ = logits_bench_inputs("mxfp4", 1, seed=1, T=4, H=H, n_c=SMALL_N_C, Bc=Bc)
-    scales = ssets[0][3][:, Bc * 64:]
+    scales = ssets[0][3][:, Bc * 64 :]
     g = torch.Generator(device=scales.device).manual_seed(1)
     scales.copy_(torch.randint(96, 161, scales.shape, dtype=torch.uint8, device=scales.device, generator=g))
     small = _problem(ix, spos, ssets[0], SMALL_N_C, Bc)
     print(f"inputs and float64 references ready ({time.time() - t_start:.0f} s)", flush=True)
-    print(f"{'variant':<28} {'us':>8} {'GB/s':>6} {'TFLOP/s':>8} {'of bound':>8}  check (max |err|/cond: bench, "
-          f"wide spans)", flush=True)
+    print(
+        f"{'variant':<28} {'us':>8} {'GB/s':>6} {'TFLOP/s':>8} {'of bound':>8}  check (max |err|/cond: bench, wide spans)",
+        flush=True,
+    )
 
     rows, skipped = [], []
     for name, fields in variants:
@@ -164,13 +169,15 @@ def main(argv=None) -> int:
 
         us = time_ms(run, len(sets)) * 1e3
         rows.append((name, us))
-        print(f"{name:<28} {us:8.1f} {nbytes / us / 1e3:6.0f} {flops / us / 1e6:8.1f} {bound_us / us:8.1%}  "
-              f"pass {e1:.1e}, {e2:.1e}  ({time.time() - t_start:.0f} s)", flush=True)
+        print(
+            f"{name:<28} {us:8.1f} {nbytes / us / 1e3:6.0f} {flops / us / 1e6:8.1f} {bound_us / us:8.1%}  "
+            f"pass {e1:.1e}, {e2:.1e}  ({time.time() - t_start:.0f} s)",
+            flush=True,
+        )
 
     if pool is not None:
         pool.shutdown(wait=False, cancel_futures=True)
-    print(f"\nsummary ({time.time() - t_start:.0f} s; bound {bound_us:.1f} us, 30 % = {bound_us / 0.3:.0f} us):",
-          flush=True)
+    print(f"\nsummary ({time.time() - t_start:.0f} s; bound {bound_us:.1f} us, 30 % = {bound_us / 0.3:.0f} us):", flush=True)
     base = dict(rows).get("f16_blocks p4 w4 (default)")
     for name, us in sorted(rows, key=lambda r: r[1]):
         rel = f"  {base / us:4.2f}x the default" if base else ""

@@ -42,12 +42,41 @@ os.environ.pop("TRITON_INTERPRET", None)  # ... which must be off when the kerne
 OLD = os.path.exists(os.path.join(ROOT, "dsv4ref", "kv_cache.py"))
 m = importlib.import_module("dsv4ref.kv_cache" if OLD else "dsv4ref.kv_cache.kernels")
 SLOT = {} if OLD else {"slot_stride": "constexpr"}  # 1: Triton specialises a unit stride to a constant
-INSERT = ("insert", m._insert_kernel if OLD else m.insert_kernel, 8,
-          {"cache_ptr": "*u8", "cache16_ptr": "*i16", "kv_ptr": "*i16", "slot_ptr": "*i64", "n": "i32", **SLOT,
-           "kv_stride": "i32", "page_stride": "i32", "block_size": "i32", "TOK": "constexpr", "ROPE16": "constexpr"})
-GATHER = ("gather", m._gather_kernel if OLD else m.gather_kernel, 4,
-          {"cache_ptr": "*u8", "cache16_ptr": "*i16", "slot_ptr": "*i64", "out_ptr": "*i16", "n": "i32", **SLOT,
-           "page_stride": "i32", "block_size": "i32", "TOK": "constexpr", "ROPE16": "constexpr"})
+INSERT = (
+    "insert",
+    m._insert_kernel if OLD else m.insert_kernel,
+    8,
+    {
+        "cache_ptr": "*u8",
+        "cache16_ptr": "*i16",
+        "kv_ptr": "*i16",
+        "slot_ptr": "*i64",
+        "n": "i32",
+        **SLOT,
+        "kv_stride": "i32",
+        "page_stride": "i32",
+        "block_size": "i32",
+        "TOK": "constexpr",
+        "ROPE16": "constexpr",
+    },
+)
+GATHER = (
+    "gather",
+    m._gather_kernel if OLD else m.gather_kernel,
+    4,
+    {
+        "cache_ptr": "*u8",
+        "cache16_ptr": "*i16",
+        "slot_ptr": "*i64",
+        "out_ptr": "*i16",
+        "n": "i32",
+        **SLOT,
+        "page_stride": "i32",
+        "block_size": "i32",
+        "TOK": "constexpr",
+        "ROPE16": "constexpr",
+    },
+)
 # what the launcher passes for a compiled launch of the defaults (kernels without a constexpr keep their own)
 LAUNCHED = {"NATIVE": 0, "SLOT32": 1, "PERSISTENT": 0, "LOAD_POLICY": "", "STORE_CACHE": "", "STAGES": 0, "EARLY": 0}
 BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
@@ -72,6 +101,8 @@ def cold_instructions(sass_lines: list[str]) -> int:
 
 
 print(m.__file__, "triton", triton.__version__, OVERRIDE or "")
+
+
 def report(name, fn, tok, sig, ov, label=""):
     sig = dict(sig)
     params = inspect.signature(fn.fn).parameters
@@ -80,28 +111,37 @@ def report(name, fn, tok, sig, ov, label=""):
         if k in params:
             sig[k] = "constexpr"
             const[k] = ov.get(k, v)
-    aligned = {(i,): [["tt.divisibility", 16]] for i, (k, v) in enumerate(sig.items())
-               if v.startswith("*") or k in ("kv_stride", "page_stride")}
-    compiled = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=const, attrs=aligned),
-                              target=GPUTarget("cuda", 90, 32), options={"num_warps": ov.get("WARPS", 1),
-                                       **({"maxnreg": ov["MAXNREG"]} if ov.get("MAXNREG") else {})})
+    aligned = {
+        (i,): [["tt.divisibility", 16]]
+        for i, (k, v) in enumerate(sig.items())
+        if v.startswith("*") or k in ("kv_stride", "page_stride")
+    }
+    compiled = triton.compile(
+        ASTSource(fn=fn, signature=sig, constexprs=const, attrs=aligned),
+        target=GPUTarget("cuda", 90, 32),
+        options={"num_warps": ov.get("WARPS", 1), **({"maxnreg": ov["MAXNREG"]} if ov.get("MAXNREG") else {})},
+    )
     ptx = compiled.asm["ptx"]
     d = tempfile.mkdtemp()
     with open(os.path.join(d, "k.ptx"), "w") as f:
         f.write(ptx)
-    log = subprocess.run([PTXAS, "-v", "--gpu-name", "sm_90a", f.name, "-o", os.path.join(d, "k.cubin")],
-                         capture_output=True, text=True).stderr
-    sass = subprocess.run([os.path.join(BIN, "cuobjdump"), "-sass", os.path.join(d, "k.cubin")],
-                          capture_output=True, text=True).stdout
+    log = subprocess.run(
+        [PTXAS, "-v", "--gpu-name", "sm_90a", f.name, "-o", os.path.join(d, "k.cubin")], capture_output=True, text=True
+    ).stderr
+    sass = subprocess.run(
+        [os.path.join(BIN, "cuobjdump"), "-sass", os.path.join(d, "k.cubin")], capture_output=True, text=True
+    ).stdout
     ins = [line for line in sass.splitlines() if re.match(r"\s+/\*[0-9a-f]{4,}\*/", line)]
     regs = re.search(r"Used (\d+) registers", log)
     spills = re.search(r"(\d+) bytes spill stores", log)
     loads, stores = len(re.findall(r"\bld\.global", ptx)), len(re.findall(r"\bst\.global", ptx))
     v4 = len(re.findall(r"(?:ld|st)\.global[.\w]*\.v4\.", ptx))
-    print(f"{label}{name} ({const['TOK']} x {ov.get('WARPS', 1)}): {regs and regs.group(1)} registers, "
-          f"{spills and spills.group(1)} B spilled, {loads} ld.global / {stores} st.global ({v4} of them 16-byte), "
-          f"{ptx.count(chr(10))} PTX lines, {len(ins)} SASS ({len(ins) - cold_instructions(ins)} hot), "
-          f"{compiled.metadata.shared} B shared memory; SASS {widths(sass)}")
+    print(
+        f"{label}{name} ({const['TOK']} x {ov.get('WARPS', 1)}): {regs and regs.group(1)} registers, "
+        f"{spills and spills.group(1)} B spilled, {loads} ld.global / {stores} st.global ({v4} of them 16-byte), "
+        f"{ptx.count(chr(10))} PTX lines, {len(ins)} SASS ({len(ins) - cold_instructions(ins)} hot), "
+        f"{compiled.metadata.shared} B shared memory; SASS {widths(sass)}"
+    )
 
 
 def widths(sass: str) -> str:
@@ -120,9 +160,15 @@ if PROBE:  # the insert variants of benchmarks/experiments/mem_probe.py, as its 
     from mem_probe import insert_variants
 
     for label, v in insert_variants().items():
-        ov = {"TOK": v.tokens_per_program, "WARPS": v.num_warps, "NATIVE": int(v.native_casts),
-              "EARLY": int(v.early_loads), "MAXNREG": v.max_registers, "STORE_CACHE": ".cs" if v.streaming_stores else "",
-              "LOAD_POLICY": "evict_first" if v.evict_first else ""}
+        ov = {
+            "TOK": v.tokens_per_program,
+            "WARPS": v.num_warps,
+            "NATIVE": int(v.native_casts),
+            "EARLY": int(v.early_loads),
+            "MAXNREG": v.max_registers,
+            "STORE_CACHE": ".cs" if v.streaming_stores else "",
+            "LOAD_POLICY": "evict_first" if v.evict_first else "",
+        }
         report(*INSERT, ov, label=f"{label:<24} ")
 else:
     for name, fn, tok, sig in (INSERT, GATHER):

@@ -79,13 +79,16 @@ def main():
             for tok in (1, 2, 4, 8):
                 for w in (1, 2, 4):
                     if op == "insert":
+
                         def fn(i, w=w, tok=tok):
                             c, kv, sl, _ = sets[i]
                             launch_insert(c, kv, sl, B, KVCacheLaunch(tok, w))
                     else:
+
                         def fn(i, w=w, tok=tok):
                             c, _, sl, out = sets[i]
                             launch_gather(c, sl, out, B, KVCacheLaunch(tok, w))
+
                     row = []
                     for via, timer in (("event", t_event), ("graph", t_graph)):
                         ms = timer(fn, n)
@@ -97,16 +100,22 @@ def main():
                         exact = torch.equal(sets[0][3].view(torch.int16), ref_out.view(torch.int16))
                     for via, ms in row:
                         byts = S * per_tok
-                        print(f"{op:<8} {S:>7} {tok:>3} {w:>5} {via:<7} {ms * 1e3:>9.1f} {byts / (ms * 1e-3) / 1e9:>7.0f} "
-                              f"{byts / (ms * 1e-3) / bw:>8.1%}  {exact}")
+                        print(
+                            f"{op:<8} {S:>7} {tok:>3} {w:>5} {via:<7} {ms * 1e3:>9.1f} {byts / (ms * 1e-3) / 1e9:>7.0f} "
+                            f"{byts / (ms * 1e-3) / bw:>8.1%}  {exact}"
+                        )
         # the custom-op path the harness times (dispatcher + launcher, module defaults)
-        for op, fn in (("insert*", lambda i: torch.ops.dsv4ref.kv_insert(sets[i][0], sets[i][1], sets[i][2], B)),
-                       ("gather*", lambda i: torch.ops.dsv4ref.kv_gather(sets[i][0], sets[i][2], sets[i][3], B))):
+        for op, fn in (
+            ("insert*", lambda i: torch.ops.dsv4ref.kv_insert(sets[i][0], sets[i][1], sets[i][2], B)),
+            ("gather*", lambda i: torch.ops.dsv4ref.kv_gather(sets[i][0], sets[i][2], sets[i][3], B)),
+        ):
             for via, timer in (("event", t_event), ("b2b", t_b2b)):
                 ms = timer(fn, n)
                 byts = S * per_tok
-                print(f"{op:<8} {S:>7} {'def':>3} {'def':>5} {via:<7} {ms * 1e3:>9.1f} {byts / (ms * 1e-3) / 1e9:>7.0f} "
-                      f"{byts / (ms * 1e-3) / bw:>8.1%}")
+                print(
+                    f"{op:<8} {S:>7} {'def':>3} {'def':>5} {via:<7} {ms * 1e3:>9.1f} {byts / (ms * 1e-3) / 1e9:>7.0f} "
+                    f"{byts / (ms * 1e-3) / bw:>8.1%}"
+                )
         sets.clear()  # free the input sets before the next size
         del ref_cache, ref_out
 

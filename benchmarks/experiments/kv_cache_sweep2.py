@@ -68,16 +68,16 @@ B = 64
 PER_TOKEN = 1024 + 8 + kc.TOKEN_BYTES
 
 
-
-
 def hard_inputs(T: int = 32768, pages: int = 640):
     """Rows a writer can get wrong (checks off): random bit patterns (NaN / inf in most blocks), finite rows
     with single NaN / ±inf / −0 / subnormal values, zero rows; slots with −1; a cache of random bytes. Large enough
     that every persistent variant loops (more tiles than programs). int64 slots, like the timed sets (int32 slots
     are covered by the interpreter tests)"""
     g = torch.Generator().manual_seed(7)
-    kv = (torch.randn(T, 512, generator=g) * torch.exp2(torch.randint(-40, 40, (T, 8), generator=g).float()
-                                                        ).repeat_interleave(64, 1)).to(torch.bfloat16)
+    kv = (
+        torch.randn(T, 512, generator=g)
+        * torch.exp2(torch.randint(-40, 40, (T, 8), generator=g).float()).repeat_interleave(64, 1)
+    ).to(torch.bfloat16)
     bits = kv.view(torch.int16)
     bits[: T // 8] = torch.randint(-32768, 32768, (T // 8, 512), generator=g, dtype=torch.int32).to(torch.int16)
     special = torch.tensor([0x7FC0, 0xFFC0, 0x7F80, 0xFF80, 0x7F81, 0xFFFF, 0x8000, 0x0001, 0x8001], dtype=torch.int32)
@@ -96,6 +96,7 @@ def hard_inputs(T: int = 32768, pages: int = 640):
 def warm_up(variants: dict, kernel, args_for) -> dict:
     """Compile every variant's kernel, several at once (ptxas runs as a subprocess). Returns {name: error} for
     the variants that do not compile (they are skipped)."""
+
     def one(launch):
         cache, args, n = args_for()
         grid, flags = _grid_and_flags(cache, n, B, launch, insert=kernel is insert_kernel)
@@ -141,8 +142,10 @@ def main():
     skip = {("insert", k): v for k, v in warm_up(INSERT_VARIANTS, insert_kernel, ins_args).items()}
     skip |= {("gather", k): v for k, v in warm_up(GATHER_VARIANTS, gather_kernel, gat_args).items()}
     synchronize()
-    print(f"compiled {len(INSERT_VARIANTS) + len(GATHER_VARIANTS) - len(skip)} variants in {time.time() - t0:.0f} s"
-          + "".join(f"\n  {op} {name}: does not compile ({why}), skipped" for (op, name), why in skip.items()))
+    print(
+        f"compiled {len(INSERT_VARIANTS) + len(GATHER_VARIANTS) - len(skip)} variants in {time.time() - t0:.0f} s"
+        + "".join(f"\n  {op} {name}: does not compile ({why}), skipped" for (op, name), why in skip.items())
+    )
 
     # the hard set first: a variant with wrong bytes there is never timed
     for op, variants in (("insert", INSERT_VARIANTS), ("gather", GATHER_VARIANTS)):
@@ -187,16 +190,20 @@ def main():
                     print(f"{op:<7} {S:>7} {name:<22} not started: time budget spent")
                     continue
                 if op == "insert":
+
                     def fn(i, v=v):
                         c, kv, sl, _ = sets[i]
                         launch_insert(c, kv, sl, B, v)
+
                     sets[0][0].zero_()
                     fn(0)
                     exact = torch.equal(sets[0][0], want_cache)
                 else:
+
                     def fn(i, v=v):
                         c, _, sl, out = sets[i]
                         launch_gather(c, sl, out, B, v)
+
                     sets[0][3].zero_()
                     fn(0)
                     exact = torch.equal(sets[0][3].view(torch.int16), want_out)
@@ -218,8 +225,10 @@ def main():
         default = rows[0] if rows[0][0] == next(iter(INSERT_VARIANTS if op == "insert" else GATHER_VARIANTS)) else None
         best = max(rows, key=lambda r: r[1])
         d = f"default {default[0]} {default[1]:.1%} ({default[2] * 1e3:.1f} us)" if default else "default not timed"
-        print(f"  {op:<6} S={S:>6}: {d}; best {best[0]} {best[1]:.1%} ({best[2] * 1e3:.1f} us)"
-              + ("  [>= 80 %]" if best[1] >= 0.8 else ""))
+        print(
+            f"  {op:<6} S={S:>6}: {d}; best {best[0]} {best[1]:.1%} ({best[2] * 1e3:.1f} us)"
+            + ("  [>= 80 %]" if best[1] >= 0.8 else "")
+        )
     for (op, name), why in skip.items():
         print(f"  skipped {op} {name}: {why}")
     print(f"total {time.time() - t0:.0f} s")

@@ -42,7 +42,10 @@ import time
 import torch
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path[:0] = [_HERE, os.path.dirname(os.path.dirname(_HERE))]  # the sibling sweeps, and this checkout's dsv4ref (not an installed one)
+sys.path[:0] = [
+    _HERE,
+    os.path.dirname(os.path.dirname(_HERE)),
+]  # the sibling sweeps, and this checkout's dsv4ref (not an installed one)
 
 from dsv4ref import kv_cache as kc  # noqa: E402
 from dsv4ref import moe, validate  # noqa: E402
@@ -125,8 +128,11 @@ class Probe:
 
     def row(self, op, name, nbytes, ms, long_ms, ceil, copy_ms, note=""):
         bw = nbytes / (ms * 1e-3)
-        print(f"{op:<7} {name:<30} {ms * 1e3:7.1f} us {bw / ceil:6.1%} of ceiling {copy_ms / ms:6.1%} of same-size copy"
-              f" | long {long_ms * 1e3:6.1f} us {nbytes / (long_ms * 1e-3) / ceil:6.1%}{note}", flush=True)
+        print(
+            f"{op:<7} {name:<30} {ms * 1e3:7.1f} us {bw / ceil:6.1%} of ceiling {copy_ms / ms:6.1%} of same-size copy"
+            f" | long {long_ms * 1e3:6.1f} us {nbytes / (long_ms * 1e-3) / ceil:6.1%}{note}",
+            flush=True,
+        )
 
     def copy_baseline(self, op, what, nbytes, n, ceil) -> tuple[float, float]:
         """Time the same-size uint8 copy of ``nbytes`` (the op's own yardstick; its buffers are freed on return),
@@ -135,8 +141,7 @@ class Probe:
 
         copy = same_size_copy_case("copy", "", nbytes, n)
         copy_ms, copy_long = self.times(copy.run, n)
-        print(f"\n{what}: {nbytes / 1e6:.1f} MB per call, {n} sets, {time.perf_counter() - self.t0:.0f} s in",
-              flush=True)
+        print(f"\n{what}: {nbytes / 1e6:.1f} MB per call, {n} sets, {time.perf_counter() - self.t0:.0f} s in", flush=True)
         self.row(op, "same-size uint8 copy", nbytes, copy_ms, copy_long, ceil, copy_ms)
         return copy_ms, copy_long
 
@@ -148,11 +153,13 @@ class Probe:
         d = rows[0]
         best = min(rows, key=lambda r: r[1])
         frac = nbytes / (best[1] * 1e-3) / ceil
-        line = (f"{op}: fastest byte-exact {best[0]!r} {best[1] * 1e3:.1f} us = {frac:.1%} of ceiling "
-                f"({'MEETS' if frac >= GOAL else 'misses'} {GOAL:.0%}; long graph {best[2] * 1e3:.1f} us = "
-                f"{nbytes / (best[2] * 1e-3) / ceil:.1%}); default {d[1] * 1e3:.1f} us = "
-                f"{nbytes / (d[1] * 1e-3) / ceil:.1%}; same-size copy {copy_ms * 1e3:.1f} us = "
-                f"{nbytes / (copy_ms * 1e-3) / ceil:.1%} (long {copy_long * 1e3:.1f} us)")
+        line = (
+            f"{op}: fastest byte-exact {best[0]!r} {best[1] * 1e3:.1f} us = {frac:.1%} of ceiling "
+            f"({'MEETS' if frac >= GOAL else 'misses'} {GOAL:.0%}; long graph {best[2] * 1e3:.1f} us = "
+            f"{nbytes / (best[2] * 1e-3) / ceil:.1%}); default {d[1] * 1e3:.1f} us = "
+            f"{nbytes / (d[1] * 1e-3) / ceil:.1%}; same-size copy {copy_ms * 1e3:.1f} us = "
+            f"{nbytes / (copy_ms * 1e-3) / ceil:.1%} (long {copy_long * 1e3:.1f} us)"
+        )
         if failed:
             line += f"; not timed: {', '.join(failed)}"
         self.summary.append(line)
@@ -205,8 +212,21 @@ class Probe:
             def one(v):
                 grid, flags = _grid_and_flags(hcache, hslots.shape[0], B, v, insert=True)
                 kv16 = hkv.view(torch.int16)
-                insert_kernel.warmup(hcache, int16_view(hcache)[0], kv16, hslots, hslots.shape[0], 1, kv16.stride(0),
-                                     hcache.stride(0), B, grid=(grid,), ROPE16=True, **flags)
+                insert_kernel.warmup(
+                    hcache,
+                    int16_view(hcache)[0],
+                    kv16,
+                    hslots,
+                    hslots.shape[0],
+                    1,
+                    kv16.stride(0),
+                    hcache.stride(0),
+                    B,
+                    grid=(grid,),
+                    ROPE16=True,
+                    **flags,
+                )
+
             with concurrent.futures.ThreadPoolExecutor(8) as ex:
                 list(ex.map(lambda v: _quiet(one, v), variants.values()))
 
@@ -216,6 +236,7 @@ class Probe:
         want = kc.allocate(S // B, B)
         reference.insert(want, sets[0][1], sets[0][2], block_size=B)
         copy_ms, copy_long = self.copy_baseline("insert", f"insert S={S} B={B} ({PER_TOKEN} B/token)", nbytes, n, ceil)
+
         def wrong_bytes(v):
             c = hcache.clone()
             launch_insert(c, hkv, hslots, B, v)
@@ -229,6 +250,7 @@ class Probe:
             def fn(i):
                 c, kv, sl, _ = sets[i]
                 launch_insert(c, kv, sl, B, v)
+
             return fn
 
         rows, failed = self.sweep("insert", variants, wrong_bytes, timed_call, n, nbytes, ceil, copy_ms)
@@ -255,13 +277,17 @@ class Probe:
             want = [t.contiguous() for t in reference.stage(x0, sets[0][1], sets[0][2])]
         want[0] = want[0].view(torch.uint8)
         copy_ms, copy_long = self.copy_baseline("stage", f"stage T={T} Hd={Hd} K={K}", nbytes, n, ceil)
+
         def wrong_bytes(v):
             x, ids, w, q, sf, i64, w32 = sets[0]
             for b in (q, sf, i64, w32):
                 b.fill_(-1 if b.dtype != torch.uint8 else 0x7F)  # poison: an unwritten byte shows
             torch.ops.dsv4ref.moe_stage(*sets[0], *v.op_args("moe_stage"))
-            bad = [nm for nm, g, r in zip(("x_fp8", "x_sf", "ids", "weights"), (q, sf, i64, w32), want)
-                   if not torch.equal(g.view(torch.uint8), r.view(torch.uint8))]
+            bad = [
+                nm
+                for nm, g, r in zip(("x_fp8", "x_sf", "ids", "weights"), (q, sf, i64, w32), want)
+                if not torch.equal(g.view(torch.uint8), r.view(torch.uint8))
+            ]
             return f"in {', '.join(bad)}" if bad else ""
 
         def timed_call(v):
@@ -289,8 +315,11 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--budget-s", type=float, default=135.0, help="start no new variant after this many seconds")
     ap.add_argument("--only", choices=("insert", "stage"), default=None)
-    ap.add_argument("--variants", default=os.environ.get("MEM_PROBE_VARIANTS", ""),
-                    help="comma-separated substrings of variant names to run (the default is always run)")
+    ap.add_argument(
+        "--variants",
+        default=os.environ.get("MEM_PROBE_VARIANTS", ""),
+        help="comma-separated substrings of variant names to run (the default is always run)",
+    )
     ap.add_argument("--dry-run", action="store_true", help="tiny sizes, no ceiling, any device: checks the script")
     a = ap.parse_args()
     assert a.dry_run or dsv4ref.DEVICE.type != "cpu", "GPU only (--dry-run runs the logic at tiny sizes anywhere)"
@@ -304,12 +333,17 @@ def main():
         src = [torch.empty(1 << 29, dtype=torch.uint8, device=DEVICE) for _ in range(2)]
         dst = [torch.empty_like(x) for x in src]
         ms = p.time_ms(lambda i: dst[i].copy_(src[i]), 2)
-        print(f"  the same copy timed like the kernels (graph of 2 calls): {2 * (1 << 29) / (ms * 1e-3) / 1e12:.3f} TB/s"
-              " (not used below)", flush=True)
+        print(
+            f"  the same copy timed like the kernels (graph of 2 calls): {2 * (1 << 29) / (ms * 1e-3) / 1e12:.3f} TB/s"
+            " (not used below)",
+            flush=True,
+        )
         del src, dst
         empty_cache()
-    print("columns: bench method (graph of 4 calls) us, % of ceiling, % of same-size copy | graph of "
-          f"{4 * LONG} calls us, % of ceiling. Every timed variant byte-exact (timed set with NaN/inf; insert: hard set)")
+    print(
+        "columns: bench method (graph of 4 calls) us, % of ceiling, % of same-size copy | graph of "
+        f"{4 * LONG} calls us, % of ceiling. Every timed variant byte-exact (timed set with NaN/inf; insert: hard set)"
+    )
     if a.only in (None, "insert"):
         p.insert(ceil)
     if a.only in (None, "stage"):

@@ -45,30 +45,94 @@ from moe_sweep import ENCODER_ROWS, MAXNREGS, SESSION3_BEST, SNAP_1024, SNAP_GRI
 from dsv4ref import moe  # noqa: E402
 
 T, HD, K = 4096, 4096, 6
-ALU = ("LOP3", "SHF", "PRMT", "SEL", "FSEL", "ISETP", "FSETP", "VIMNMX", "VIMNMX3", "IMNMX", "FMNMX", "LEA", "IADD3",
-       "VIADD", "PLOP3", "SGXT", "BMSK", "IABS", "POPC", "FLO")
+ALU = (
+    "LOP3",
+    "SHF",
+    "PRMT",
+    "SEL",
+    "FSEL",
+    "ISETP",
+    "FSETP",
+    "VIMNMX",
+    "VIMNMX3",
+    "IMNMX",
+    "FMNMX",
+    "LEA",
+    "IADD3",
+    "VIADD",
+    "PLOP3",
+    "SGXT",
+    "BMSK",
+    "IABS",
+    "POPC",
+    "FLO",
+)
 FMA = ("FFMA", "FADD", "FMUL", "IMAD")
-SIG = {"x_ptr": "*i16", "q_ptr": "*u8", "sf_ptr": "*i32", "ids_ptr": "*i32", "w_ptr": "*i32", "ids_out_ptr": "*i64",
-       "w_out_ptr": "*i32", "T": "i32", "Hd": "i32", "K": "i32", "stride_xt": "i32", "stride_xh": "constexpr",
-       "stride_qt": "i32", "stride_st": "i32", "stride_it": "i32", "stride_ik": "constexpr", "stride_wt": "i32",
-       "stride_wk": "constexpr", "stride_iot": "i32", "stride_wot": "i32"}
-ALIGNED = ("x_ptr", "q_ptr", "sf_ptr", "ids_ptr", "w_ptr", "ids_out_ptr", "w_out_ptr", "Hd", "stride_xt", "stride_qt",
-           "stride_st")
+SIG = {
+    "x_ptr": "*i16",
+    "q_ptr": "*u8",
+    "sf_ptr": "*i32",
+    "ids_ptr": "*i32",
+    "w_ptr": "*i32",
+    "ids_out_ptr": "*i64",
+    "w_out_ptr": "*i32",
+    "T": "i32",
+    "Hd": "i32",
+    "K": "i32",
+    "stride_xt": "i32",
+    "stride_xh": "constexpr",
+    "stride_qt": "i32",
+    "stride_st": "i32",
+    "stride_it": "i32",
+    "stride_ik": "constexpr",
+    "stride_wt": "i32",
+    "stride_wk": "constexpr",
+    "stride_iot": "i32",
+    "stride_wot": "i32",
+}
+ALIGNED = (
+    "x_ptr",
+    "q_ptr",
+    "sf_ptr",
+    "ids_ptr",
+    "w_ptr",
+    "ids_out_ptr",
+    "w_out_ptr",
+    "Hd",
+    "stride_xt",
+    "stride_qt",
+    "stride_st",
+)
 
 
 def compile_variant(L):
-    const = stage_constexprs(HD, K, L.stage_block_t, L.stage_block_h, L.stage_load, L.stage_programs, L.stage_cache,
-                             L.stage_encode, L.stage_topk_first, L.stage_prefetch)
+    const = stage_constexprs(
+        HD,
+        K,
+        L.stage_block_t,
+        L.stage_block_h,
+        L.stage_load,
+        L.stage_programs,
+        L.stage_cache,
+        L.stage_encode,
+        L.stage_topk_first,
+        L.stage_prefetch,
+    )
     const.update(stride_xh=1, stride_ik=1, stride_wk=1)
     sig = dict(SIG, **{k: "constexpr" for k in const})
     if const["ENCODE"] != "blocks":
         sig["sf_ptr"] = "*u8"  # the launcher passes x_sf's bytes
     names = list(sig)
     attrs = {(names.index(k),): [["tt.divisibility", 16]] for k in ALIGNED}
-    return triton.compile(ASTSource(fn=kernels.stage_kernel, signature=sig, constexprs=const, attrs=attrs),
-                          target=GPUTarget("cuda", 90, 32),
-                          options={"num_warps": L.stage_warps, "num_stages": L.stage_stages,
-                                   **({"maxnreg": L.stage_maxnreg} if L.stage_maxnreg else {})})
+    return triton.compile(
+        ASTSource(fn=kernels.stage_kernel, signature=sig, constexprs=const, attrs=attrs),
+        target=GPUTarget("cuda", 90, 32),
+        options={
+            "num_warps": L.stage_warps,
+            "num_stages": L.stage_stages,
+            **({"maxnreg": L.stage_maxnreg} if L.stage_maxnreg else {}),
+        },
+    )
 
 
 def sass_of(cubin: bytes) -> tuple[str, str]:
@@ -122,25 +186,31 @@ def report(label, L):
     c = collections.Counter(path)
     alu = sum(v for k, v in c.items() if k in ALU)
     fma = sum(v for k, v in c.items() if k in FMA)
-    print(f"{label:58s} regs {regs:>3} stack {stack:>3}  SASS {static:4d}  path {len(path) / per_thread:5.1f}/value: "
-          f"ALU {alu / per_thread:4.1f} FMA {fma / per_thread:4.1f} F2FP {c['F2FP'] / per_thread:3.1f} "
-          f"SHFL {c['SHFL']:2d} BAR {c['BAR']} LDL+STL {c['LDL'] + c['STL']} per thread; shared "
-          f"{shared} B; {widths(sass)}", flush=True)
+    print(
+        f"{label:58s} regs {regs:>3} stack {stack:>3}  SASS {static:4d}  path {len(path) / per_thread:5.1f}/value: "
+        f"ALU {alu / per_thread:4.1f} FMA {fma / per_thread:4.1f} F2FP {c['F2FP'] / per_thread:3.1f} "
+        f"SHFL {c['SHFL']:2d} BAR {c['BAR']} LDL+STL {c['LDL'] + c['STL']} per thread; shared "
+        f"{shared} B; {widths(sass)}",
+        flush=True,
+    )
 
 
 def widths(sass: str) -> str:
     """The global loads / stores of the SASS by width and cache hint (every instruction once, rare paths too);
     EF = evict-first (``evict_first`` loads, ``.cs`` stores)."""
-    count = collections.Counter(f"{op}{hint}.{w or '32'}" for op, hint, w in re.findall(
-        r"\b(LDG|STG)\.E((?:\.EF|\.EL|\.LU)*)(?:\.(128|64|U8|S8|U16|S16))?\b", sass))
+    count = collections.Counter(
+        f"{op}{hint}.{w or '32'}"
+        for op, hint, w in re.findall(r"\b(LDG|STG)\.E((?:\.EF|\.EL|\.LU)*)(?:\.(128|64|U8|S8|U16|S16))?\b", sass)
+    )
     return " ".join(f"{k} x{v}" for k, v in sorted(count.items()))
 
 
 def main(argv):
-    print(f"triton {triton.__version__}, sm_90a, T={T} Hd={HD} K={K}; /value: per value staged by one thread",
-          flush=True)
-    rows = [("default: " + stage_name(moe.default_launch(T, K, 256)), moe.default_launch(T, K, 256)),
-            ("session-3 fastest: " + stage_name(SESSION3_BEST), SESSION3_BEST)]
+    print(f"triton {triton.__version__}, sm_90a, T={T} Hd={HD} K={K}; /value: per value staged by one thread", flush=True)
+    rows = [
+        ("default: " + stage_name(moe.default_launch(T, K, 256)), moe.default_launch(T, K, 256)),
+        ("session-3 fastest: " + stage_name(SESSION3_BEST), SESSION3_BEST),
+    ]
     rows += [(stage_name(L), L) for L in ENCODER_ROWS + SNAP_GRID]
     rows += [(stage_name(L), L) for L in (dataclasses.replace(SNAP_1024, stage_maxnreg=n) for n in MAXNREGS)]
     rows += [(f"probe: {name}", L) for name, L in stage_variants(132).items()]  # benchmarks/experiments/mem_probe.py, H200

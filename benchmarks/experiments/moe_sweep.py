@@ -47,9 +47,25 @@ BLOCKS_1024 = tile(1, 1024, 2, stage_encode="blocks")  # the shared encoder on t
 SNAP_1024 = tile(1, 1024, 2, stage_encode="snap")
 ENCODER_ROWS = [BLOCKS_1024, SNAP_1024]
 # C: tokens × values per program and warps, 8 to 32 values per thread
-SNAP_SHAPES = [(1, 512, 1), (1, 512, 2), (1, 1024, 1), (1, 1024, 4), (1, 2048, 2), (1, 2048, 4), (1, 2048, 8),
-               (1, 4096, 4), (1, 4096, 8), (2, 1024, 2), (2, 1024, 4), (4, 512, 2), (4, 512, 4), (2, 2048, 4),
-               (2, 2048, 8), (4, 1024, 4), (4, 1024, 8)]
+SNAP_SHAPES = [
+    (1, 512, 1),
+    (1, 512, 2),
+    (1, 1024, 1),
+    (1, 1024, 4),
+    (1, 2048, 2),
+    (1, 2048, 4),
+    (1, 2048, 8),
+    (1, 4096, 4),
+    (1, 4096, 8),
+    (2, 1024, 2),
+    (2, 1024, 4),
+    (4, 512, 2),
+    (4, 512, 4),
+    (2, 2048, 4),
+    (2, 2048, 8),
+    (4, 1024, 4),
+    (4, 1024, 8),
+]
 SNAP_GRID = [tile(bt, bh, w, stage_encode="snap") for bt, bh, w in SNAP_SHAPES]
 CACHE_HINTS = ("evict_first", "stream")
 MAXNREGS = (40, 48)
@@ -90,8 +106,10 @@ def sweep_stage(ceil):
         ms = time_ms(case.run, case.n_sets)
         bw = case.bytes / (ms * 1e-3)
         best_copy = max(best_copy, bw)
-        print(f"  {case.op:40s} {ms * 1e3:7.1f} us  {bw / 1e12:.2f} TB/s = {bw / ceil.copy_bytes_per_s:6.1%} of the ceiling",
-              flush=True)
+        print(
+            f"  {case.op:40s} {ms * 1e3:7.1f} us  {bw / 1e12:.2f} TB/s = {bw / ceil.copy_bytes_per_s:6.1%} of the ceiling",
+            flush=True,
+        )
     copy_us = nbytes / best_copy * 1e6  # staging's bytes at the same-size copy's bandwidth
 
     results = {}  # label -> (ms, launch)
@@ -109,8 +127,11 @@ def sweep_stage(ceil):
             b.fill_(-1 if b.dtype != torch.uint8 else 0x7F)  # poison: an unwritten byte shows
         try:
             torch.ops.dsv4ref.moe_stage(*sets[0], *args)
-            bad = [n for n, g, r in zip(("x_fp8", "x_sf", "ids", "weights"), (q, sf, i64, w32), want)
-                   if not torch.equal(g.view(torch.uint8), r.view(torch.uint8))]
+            bad = [
+                n
+                for n, g, r in zip(("x_fp8", "x_sf", "ids", "weights"), (q, sf, i64, w32), want)
+                if not torch.equal(g.view(torch.uint8), r.view(torch.uint8))
+            ]
             if bad:
                 print(f"  {label:62s} WRONG BYTES in {', '.join(bad)}: skipped", flush=True)
                 return
@@ -120,8 +141,11 @@ def sweep_stage(ceil):
             return
         bw = nbytes / (ms * 1e-3)
         results[label] = (ms, L)
-        print(f"  {label:62s} {ms * 1e3:7.1f} us  {bw / ceil.copy_bytes_per_s:6.1%} of ceiling  "
-              f"{bw / best_copy:6.1%} of same-size copy", flush=True)
+        print(
+            f"  {label:62s} {ms * 1e3:7.1f} us  {bw / ceil.copy_bytes_per_s:6.1%} of ceiling  "
+            f"{bw / best_copy:6.1%} of same-size copy",
+            flush=True,
+        )
 
     def fastest(n, encode=None):
         rows = [r for r in results.values() if encode is None or r[1].stage_encode == encode]
@@ -149,8 +173,10 @@ def sweep_stage(ceil):
     for row in [r for r in (default, SESSION3_BEST) if stage_name(r) in results] + fastest(3):
         ms = results[stage_name(row)][0]
         bw = nbytes / (ms * 1e-3)
-        print(f"  {stage_name(row):62s} {ms * 1e3:7.1f} us  {bw / ceil.copy_bytes_per_s:6.1%} of ceiling  "
-              f"{bw / best_copy:6.1%} of same-size copy; {ms * 1e3 - copy_us:+.1f} µs over the copy")
+        print(
+            f"  {stage_name(row):62s} {ms * 1e3:7.1f} us  {bw / ceil.copy_bytes_per_s:6.1%} of ceiling  "
+            f"{bw / best_copy:6.1%} of same-size copy; {ms * 1e3 - copy_us:+.1f} µs over the copy"
+        )
     print(f"staging sweep: {time.perf_counter() - t0:.0f} s", flush=True)
 
 
@@ -162,10 +188,20 @@ def sweep_experts(ceil):
     Hd = 4096
     w13, w2, sw13, sw2 = flash_weights()
     GRIDS = {  # block_m, block_n, block_h, block_k, warps, stages
-        64: [(16, 64, 128, 64, 4, 3), (16, 128, 128, 64, 4, 3), (16, 64, 256, 128, 4, 3), (16, 64, 128, 64, 4, 4),
-             (16, 32, 128, 64, 2, 4)],
-        4096: [(64, 64, 128, 64, 4, 3), (64, 128, 128, 64, 8, 3), (64, 128, 128, 128, 8, 3), (128, 64, 128, 64, 4, 3),
-               (64, 64, 128, 64, 4, 4)],
+        64: [
+            (16, 64, 128, 64, 4, 3),
+            (16, 128, 128, 64, 4, 3),
+            (16, 64, 256, 128, 4, 3),
+            (16, 64, 128, 64, 4, 4),
+            (16, 32, 128, 64, 2, 4),
+        ],
+        4096: [
+            (64, 64, 128, 64, 4, 3),
+            (64, 128, 128, 64, 8, 3),
+            (64, 128, 128, 128, 8, 3),
+            (128, 64, 128, 64, 4, 3),
+            (64, 64, 128, 64, 4, 4),
+        ],
     }
     for T, grid in GRIDS.items():
         x = torch.randn(T, Hd, device=dev, dtype=torch.bfloat16)
@@ -175,12 +211,19 @@ def sweep_experts(ceil):
         out = torch.empty(T, Hd, dtype=torch.bfloat16, device=dev)
         used = int(torch.unique(i64).numel())
         ebytes, flops = (used + 1) * 3 * 2048 * Hd * 2, 2 * 3 * Hd * 2048 * T * 7
-        launches = [moe.MoeLaunch(block_m=bm, block_n=bn, block_h=bh, block_k=bk, expert_warps=wp, expert_stages=st)
-                    for bm, bn, bh, bk, wp, st in grid] + [moe.default_launch(T, 6, 256)]
+        launches = [
+            moe.MoeLaunch(block_m=bm, block_n=bn, block_h=bh, block_k=bk, expert_warps=wp, expert_stages=st)
+            for bm, bn, bh, bk, wp, st in grid
+        ] + [moe.default_launch(T, 6, 256)]
         for L in launches:
             try:
-                ms = time_ms(lambda i: torch.ops.dsv4ref.moe_experts(x, q.view(torch.uint8), sf, i64, w32, w13, w2, sw13, sw2,
-                                                                     out, 10.0, *L.op_args("moe_experts")), 1, reps=10)
+                ms = time_ms(
+                    lambda i: torch.ops.dsv4ref.moe_experts(
+                        x, q.view(torch.uint8), sf, i64, w32, w13, w2, sw13, sw2, out, 10.0, *L.op_args("moe_experts")
+                    ),
+                    1,
+                    reps=10,
+                )
             except Exception as e:  # e.g. out of shared memory
                 print(f"experts T={T} {L}: FAILED {str(e)[:120]}", flush=True)
                 continue
@@ -194,8 +237,10 @@ def main(what):
     if what not in ("stage", "experts", "all"):
         raise SystemExit(f"usage: {sys.argv[0]} [stage|experts|all], got {what!r}")
     ceil = measure_ceilings()
-    print(f"copy ceiling (512 MiB) {ceil.copy_bytes_per_s / 1e12:.2f} TB/s, bf16 matmul "
-          f"{ceil.bf16_flops_per_s / 1e12:.0f} TFLOP/s", flush=True)
+    print(
+        f"copy ceiling (512 MiB) {ceil.copy_bytes_per_s / 1e12:.2f} TB/s, bf16 matmul {ceil.bf16_flops_per_s / 1e12:.0f} TFLOP/s",
+        flush=True,
+    )
     if what in ("stage", "all"):
         sweep_stage(ceil)
     if what in ("experts", "all"):

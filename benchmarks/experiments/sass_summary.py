@@ -33,7 +33,7 @@ def load(path: str):
     hdr = rows[at]
     col = {h: i for i, h in enumerate(hdr)}
     stalls = [h for h in hdr if h.startswith("stall_") and "(Not Issued)" not in h]
-    body = [r for r in rows[at + 1:] if len(r) == len(hdr)]
+    body = [r for r in rows[at + 1 :] if len(r) == len(hdr)]
     return body, col, stalls
 
 
@@ -64,10 +64,12 @@ def main(argv) -> int:
         src = [r[SRC] for r in reg]
         count = {k: sum(k in s for s in src) for k in ("HGMMA", "STS", "LDG", "SYNCS")}
         why = {h: sum(_num(r[col[h]]) for r in reg) for h in stalls}
-        print(f"[{a:5d}, {b:5d}) {100 * smp / total:5.1f}% of samples  executed {sum(_num(r[X]) for r in reg):12.0f}  "
-              f"HGMMA {count['HGMMA']} STS {count['STS']} LDG {count['LDG']} SYNCS {count['SYNCS']}  {_top(why)}")
+        print(
+            f"[{a:5d}, {b:5d}) {100 * smp / total:5.1f}% of samples  executed {sum(_num(r[X]) for r in reg):12.0f}  "
+            f"HGMMA {count['HGMMA']} STS {count['STS']} LDG {count['LDG']} SYNCS {count['SYNCS']}  {_top(why)}"
+        )
     print(f"\ntop {args.top} instructions by samples")
-    for i in sorted(range(len(body)), key=lambda i: -_num(body[i][S]))[:args.top]:
+    for i in sorted(range(len(body)), key=lambda i: -_num(body[i][S]))[: args.top]:
         r = body[i]
         why = {h: _num(r[col[h]]) for h in stalls}
         print(f"{i:5d} {100 * _num(r[S]) / total:5.1f}%  ex {_num(r[X]):9.0f}  {r[SRC][:60]:<60} {_top(why, 3)}")

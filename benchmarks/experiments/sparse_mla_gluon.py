@@ -54,16 +54,40 @@ FAILED: set = set()  # kernels that failed a check (or did not compile): not tim
 
 def portable(q, pools, sink):
     from dsv4ref import sparse_mla
+
     (c1, i1, l1, b1), (c2, i2, l2, b2) = pools
-    return sparse_mla.decode(q, c1, i1, l1, block_size=b1, sink=sink, extra_cache=c2, extra_slots=i2,
-                             extra_lengths=l2, extra_block_size=b2, backend="triton")
+    return sparse_mla.decode(
+        q,
+        c1,
+        i1,
+        l1,
+        block_size=b1,
+        sink=sink,
+        extra_cache=c2,
+        extra_slots=i2,
+        extra_lengths=l2,
+        extra_block_size=b2,
+        backend="triton",
+    )
 
 
 def reference(q, pools, sink):
     from dsv4ref import sparse_mla
+
     (c1, i1, l1, b1), (c2, i2, l2, b2) = pools
-    return sparse_mla.decode(q, c1, i1, l1, block_size=b1, sink=sink, extra_cache=c2, extra_slots=i2,
-                             extra_lengths=l2, extra_block_size=b2, backend="reference")
+    return sparse_mla.decode(
+        q,
+        c1,
+        i1,
+        l1,
+        block_size=b1,
+        sink=sink,
+        extra_cache=c2,
+        extra_slots=i2,
+        extra_lengths=l2,
+        extra_block_size=b2,
+        backend="reference",
+    )
 
 
 def launch_for(q, pools, kernel=None, num_splits=None) -> G.GluonLaunch:
@@ -75,8 +99,19 @@ def launch_for(q, pools, kernel=None, num_splits=None) -> G.GluonLaunch:
 
 def gluon(q, pools, sink, kernel=None, num_splits=None):
     (c1, i1, l1, b1), (c2, i2, l2, b2) = pools
-    return G.decode_gluon(q, c1, i1, l1, block_size=b1, sink=sink, extra_cache=c2, extra_slots=i2,
-                          extra_lengths=l2, extra_block_size=b2, launch=launch_for(q, pools, kernel, num_splits))
+    return G.decode_gluon(
+        q,
+        c1,
+        i1,
+        l1,
+        block_size=b1,
+        sink=sink,
+        extra_cache=c2,
+        extra_slots=i2,
+        extra_lengths=l2,
+        extra_block_size=b2,
+        launch=launch_for(q, pools, kernel, num_splits),
+    )
 
 
 def inputs(T, H, K, n_sets, seed=0):
@@ -87,13 +122,13 @@ def inputs(T, H, K, n_sets, seed=0):
         for i, Kp in enumerate((128, K - 128)):
             n = T * Kp
             cache = kv_cache.allocate(n // 64, 64, device=DEVICE)
-            kv_cache.insert(cache, torch.randn(n, 512, device=DEVICE, dtype=torch.bfloat16),
-                            torch.arange(n, device=DEVICE), block_size=64)
+            kv_cache.insert(
+                cache, torch.randn(n, 512, device=DEVICE, dtype=torch.bfloat16), torch.arange(n, device=DEVICE), block_size=64
+            )
             g = torch.Generator().manual_seed(1000 * s + i + seed)
             idx = torch.randperm(n, generator=g).to(torch.int32).view(T, Kp).to(DEVICE)
             pools.append((cache, idx, torch.full((T,), Kp, dtype=torch.int32, device=DEVICE), 64))
-        sets.append((torch.randn(T, H, 512, device=DEVICE, dtype=torch.bfloat16), pools,
-                     torch.randn(H, device=DEVICE)))
+        sets.append((torch.randn(T, H, 512, device=DEVICE, dtype=torch.bfloat16), pools, torch.randn(H, device=DEVICE)))
     return sets
 
 
@@ -112,8 +147,7 @@ def correctness():
         for i, (K, bs, pages) in enumerate(((K1, 16, 16), (K2, 64, 12))):
             n = bs * pages
             cache = kv_cache.allocate(pages, bs, device=DEVICE)
-            kv_cache.insert(cache, randn((n, 512), seed=10 * i + H, octaves=6), torch.arange(n, device=DEVICE),
-                            block_size=bs)
+            kv_cache.insert(cache, randn((n, 512), seed=10 * i + H, octaves=6), torch.arange(n, device=DEVICE), block_size=bs)
             idx = torch.randint(0, n, (T, K), generator=g, dtype=torch.int32)
             idx[torch.rand(T, K, generator=g) < 0.1] = -1
             lens = torch.randint(0, K + 1, (T,), generator=g, dtype=torch.int32)
@@ -123,9 +157,21 @@ def correctness():
         sink = (torch.randn(H, generator=g) * 2).to(DEVICE)
         # the fp32 reference and Σ p|v| (the scale of the bf16-P rounding error)
         from dsv4ref.sparse_mla import reference as R
+
         (c1, i1, l1, b1), (c2, i2, l2, b2) = pools
-        ref_out, ref_lse, mass = R.decode(q, c1, i1, l1, block_size=b1, sink=sink, extra_cache=c2, extra_slots=i2,
-                                          extra_lengths=l2, extra_block_size=b2, with_mass=True)
+        ref_out, ref_lse, mass = R.decode(
+            q,
+            c1,
+            i1,
+            l1,
+            block_size=b1,
+            sink=sink,
+            extra_cache=c2,
+            extra_slots=i2,
+            extra_lengths=l2,
+            extra_block_size=b2,
+            with_mass=True,
+        )
         runs = [("portable", lambda: portable(q, pools, sink))]
         for name, kernel in KERNELS.items():
             for sp in (1, 2):
@@ -143,8 +189,11 @@ def correctness():
                 ok &= good or name == "portable"
                 if not good and name != "portable":
                     FAILED.add(base)
-                print(f"check H={H:<3} {name:<30} {'PASS' if good else 'FAIL'} out max_abs {r1.max_abs:.2e} "
-                      f"lse max_abs {r2.max_abs:.2e}", flush=True)
+                print(
+                    f"check H={H:<3} {name:<30} {'PASS' if good else 'FAIL'} out max_abs {r1.max_abs:.2e} "
+                    f"lse max_abs {r2.max_abs:.2e}",
+                    flush=True,
+                )
             except Exception as e:
                 ok = False
                 FAILED.add(base)
@@ -161,16 +210,18 @@ def main():
     ok = correctness()
     rows = []
     ceil = measure_ceilings()
-    print(f"ceilings: copy {ceil.copy_bytes_per_s / 1e12:.2f} TB/s, bf16 {ceil.bf16_flops_per_s / 1e12:.0f} TFLOP/s",
-          flush=True)
+    print(f"ceilings: copy {ceil.copy_bytes_per_s / 1e12:.2f} TB/s, bf16 {ceil.bf16_flops_per_s / 1e12:.0f} TFLOP/s", flush=True)
     for T, H, K in SHAPES:
         byts, flops = counts(T, H, K)
         n_sets = max(2, math.ceil(2.5 * L2_BYTES / (T * K * 585)))
         sets = inputs(T, H, K, n_sets)
         bound_us = max(byts / ceil.copy_bytes_per_s, flops / ceil.bf16_flops_per_s) * 1e6
         default = G.default_launch(T, H, K, DEVICE)
-        print(f"\n== T={T} H={H} K={K}: bound {bound_us:.2f} us ({byts / 1e6:.1f} MB, {flops / 1e9:.2f} GFLOP); "
-              f"gluon default {default}", flush=True)
+        print(
+            f"\n== T={T} H={H} K={K}: bound {bound_us:.2f} us ({byts / 1e6:.1f} MB, {flops / 1e9:.2f} GFLOP); "
+            f"gluon default {default}",
+            flush=True,
+        )
         runs = [("portable triton (fused)", lambda i: portable(*sets[i][:2], sets[i][2]))]
         for name, kernel in KERNELS.items():
             if kernel is not None and kernel == default.kernel:
@@ -182,8 +233,9 @@ def main():
             if name in SPLIT_SWEEP or not quick:
                 for sp in (1, 2, 4) if name in SPLIT_SWEEP else (1, 2):
                     if sp != default.num_splits:
-                        runs.append((f"{name} split{sp}",
-                                     lambda i, kernel=kernel, sp=sp: gluon(*sets[i][:2], sets[i][2], kernel, sp)))
+                        runs.append(
+                            (f"{name} split{sp}", lambda i, kernel=kernel, sp=sp: gluon(*sets[i][:2], sets[i][2], kernel, sp))
+                        )
         for name, fn in runs:
             try:
                 fn(0)
@@ -195,9 +247,11 @@ def main():
                 if name.startswith("gluon") and k is not None:
                     extra = f" regs {getattr(k, 'n_regs', '?')} spills {getattr(k, 'n_spills', '?')}"
                 rows.append((T, H, K, name, us, bound_us / us))
-                print(f"{name:<30} {us:8.1f} us  {byts / us / 1e3:7.0f} GB/s  {flops / us / 1e6:6.1f} TFLOP/s  "
-                      f"{bound_us / us:6.1%} of bound{'' if graphed else ' (EAGER: graph capture failed)'}{extra}",
-                      flush=True)
+                print(
+                    f"{name:<30} {us:8.1f} us  {byts / us / 1e3:7.0f} GB/s  {flops / us / 1e6:6.1f} TFLOP/s  "
+                    f"{bound_us / us:6.1%} of bound{'' if graphed else ' (EAGER: graph capture failed)'}{extra}",
+                    flush=True,
+                )
             except Exception as e:
                 print(f"{name:<30} FAILED {type(e).__name__}: {str(e)[:800]}", flush=True)
         sets = None  # free this shape's inputs

@@ -41,15 +41,23 @@ def main():
         print("default launch:", default, flush=True)
         runs = [("two_pass(default)", two_pass_decode, default), ("fused(default)", fused_decode, default)]
         for bh, bn, w, st, sp in sweeps[H]:
-            runs.append((f"fused bh{bh} bn{bn} w{w} st{st} sp{sp}", fused_decode,
-                         SparseMlaLaunch(block_h=bh, block_n=bn, num_splits=sp, num_warps=w, num_stages=st)))
+            runs.append(
+                (
+                    f"fused bh{bh} bn{bn} w{w} st{st} sp{sp}",
+                    fused_decode,
+                    SparseMlaLaunch(block_h=bh, block_n=bn, num_splits=sp, num_warps=w, num_stages=st),
+                )
+            )
         for name, f, launch in runs:
             try:
                 fn = lambda i, f=f, launch=launch: f(**sets[i], scale=DEFAULT_SCALE, launch=launch)
                 eager = time_ms(fn, n_sets, graph=False) * 1e3
                 g = graph_us(fn, n_sets)
-                print(f"{name:<36} eager {eager:8.1f} us  graph {g:8.1f} us  {byts / g / 1e3:7.0f} GB/s "
-                      f"{flops / g / 1e6:6.1f} TFLOP/s  {bound_us / g:6.1%} of bound", flush=True)
+                print(
+                    f"{name:<36} eager {eager:8.1f} us  graph {g:8.1f} us  {byts / g / 1e3:7.0f} GB/s "
+                    f"{flops / g / 1e6:6.1f} TFLOP/s  {bound_us / g:6.1%} of bound",
+                    flush=True,
+                )
             except Exception as e:  # a config that does not compile (registers, shared memory)
                 print(f"{name:<36} FAILED: {type(e).__name__}: {str(e)[:200]}", flush=True)
     return 0

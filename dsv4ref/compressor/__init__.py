@@ -32,8 +32,19 @@ from . import kernels, reference  # noqa: F401  (dsv4ref.compressor.kernels / .r
 from .launch import CompressorLaunch, default_launch
 from .reference import RATIOS, compress_sequence, example_inputs, overlap
 
-__all__ = ["compress", "allocate_state", "CompressorState", "overlap", "compress_sequence", "example_inputs",
-           "example_step", "CompressorLaunch", "default_launch", "RATIOS", "SUPPORTED_BACKENDS"]
+__all__ = [
+    "compress",
+    "allocate_state",
+    "CompressorState",
+    "overlap",
+    "compress_sequence",
+    "example_inputs",
+    "example_step",
+    "CompressorLaunch",
+    "default_launch",
+    "RATIOS",
+    "SUPPORTED_BACKENDS",
+]
 
 SUPPORTED_BACKENDS = ("reference", "triton")  # "auto" = "triton"
 
@@ -56,8 +67,10 @@ def allocate_state(num_requests: int, ratio: int, dim: int, *, device=None) -> C
     validate.integer(num_requests, "num_requests", lo=1)
     validate.integer(dim, "dim", lo=1)
     n, dev = coff * ratio, device or DEVICE
-    return CompressorState(kv=torch.zeros(num_requests, n, coff * dim, device=dev),
-                           score=torch.full((num_requests, n, coff * dim), -math.inf, device=dev))
+    return CompressorState(
+        kv=torch.zeros(num_requests, n, coff * dim, device=dev),
+        score=torch.full((num_requests, n, coff * dim), -math.inf, device=dev),
+    )
 
 
 def _overlapping(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -88,12 +101,21 @@ def _check(x, wkv, wgate, ape, norm, state_kv, state_score, requests, positions,
     validate.tensor(positions, "positions", dtype=(torch.int32, torch.int64), shape=(T,))
     if valid is not None:
         validate.tensor(valid, "valid", dtype=torch.bool, shape=(T,))
-    validate.same_device(x=x, wkv=wkv, wgate=wgate, ape=ape, norm=norm, state_kv=state_kv, state_score=state_score,
-                         requests=requests, positions=positions, valid=valid)
+    validate.same_device(
+        x=x,
+        wkv=wkv,
+        wgate=wgate,
+        ape=ape,
+        norm=norm,
+        state_kv=state_kv,
+        state_score=state_score,
+        requests=requests,
+        positions=positions,
+        valid=valid,
+    )
     validate.not_meta(x, "x")
     if state_kv.numel() and _overlapping(state_kv, state_score):
-        raise ValueError("state_score: shares memory with state_kv; the state needs two separate buffers "
-                         "(allocate_state)")
+        raise ValueError("state_score: shares memory with state_kv; the state needs two separate buffers (allocate_state)")
     if validate.check_values() and T:
         ok = torch.ones(T, dtype=torch.bool, device=x.device) if valid is None else valid
         validate.finite(x[ok], "x")
@@ -112,12 +134,15 @@ def _check_runs(req, pos, ok):
     counts = torch.bincount(req[starts], minlength=1)
     if bool((counts > 1).any()):
         q = int((counts > 1).nonzero()[0, 0])
-        raise ValueError(f"requests, positions: the rows of request {q} are not one run of consecutive rows with "
-                         "consecutive positions (a step must hold each request's tokens in order, back to back)")
+        raise ValueError(
+            f"requests, positions: the rows of request {q} are not one run of consecutive rows with "
+            "consecutive positions (a step must hold each request's tokens in order, back to back)"
+        )
 
 
-def compress(x, wkv, wgate, ape, norm, state_kv, state_score, requests, positions, *, ratio, eps, valid=None,
-             backend="auto", launch=None):
+def compress(
+    x, wkv, wgate, ape, norm, state_kv, state_score, requests, positions, *, ratio, eps, valid=None, backend="auto", launch=None
+):
     """Run one step's tokens through a compressor: the compressed rows they complete, and the updated state.
 
     Per token p: ``kv = x·W_kvᵀ``, ``score = x·W_gateᵀ + ape[p % r]`` (fp32). A token with (p + 1) % r == 0
@@ -160,22 +185,37 @@ def compress(x, wkv, wgate, ape, norm, state_kv, state_score, requests, position
     if launch is not None and not isinstance(launch, CompressorLaunch):
         raise TypeError(f"launch: expected a CompressorLaunch or None, got {type(launch).__name__}")
     if backend == "reference":
-        return reference.compress(x, wkv, wgate, ape, norm, state_kv, state_score, requests, positions, valid,
-                                  ratio=ratio, eps=float(eps))
+        return reference.compress(
+            x, wkv, wgate, ape, norm, state_kv, state_score, requests, positions, valid, ratio=ratio, eps=float(eps)
+        )
     T, D = x.shape[0], norm.shape[0]
     rows = torch.empty(T, D, dtype=torch.float32, device=x.device)
     done = torch.empty(T, dtype=torch.bool, device=x.device)
     # padding rows, and (value checks off) requests outside [0, R) or negative positions, become request −1
     ok = (requests >= 0) & (requests < state_kv.shape[0]) & (positions >= 0)
     req = torch.where(ok if valid is None else ok & valid, requests, -1).to(torch.int32)
-    torch.ops.dsv4ref.compressor_compress(x, wkv, wgate, ape, norm.contiguous(), state_kv, state_score,
-                                          req.contiguous(), positions.to(torch.int32).contiguous(), rows, done,
-                                          int(ratio), float(eps), *(launch or default_launch()).op_args())
+    torch.ops.dsv4ref.compressor_compress(
+        x,
+        wkv,
+        wgate,
+        ape,
+        norm.contiguous(),
+        state_kv,
+        state_score,
+        req.contiguous(),
+        positions.to(torch.int32).contiguous(),
+        rows,
+        done,
+        int(ratio),
+        float(eps),
+        *(launch or default_launch()).op_args(),
+    )
     return rows, done
 
 
-def example_step(ratio: int, chunks=(12,), *, dim: int = 512, hidden: int = 256, requests: int = 2, seed: int = 0,
-                 device=None) -> dict:
+def example_step(
+    ratio: int, chunks=(12,), *, dim: int = 512, hidden: int = 256, requests: int = 2, seed: int = 0, device=None
+) -> dict:
     """Inputs of one compressor step for tests, notebooks and the conformance suite, drawn on the CPU.
 
     ``chunks[i]`` tokens of request i at positions 0 … chunks[i] − 1, back to back (a prefill), with a state
@@ -190,5 +230,13 @@ def example_step(ratio: int, chunks=(12,), *, dim: int = 512, hidden: int = 256,
     st = allocate_state(requests, ratio, dim, device=device)
     req = torch.repeat_interleave(torch.arange(len(chunks), device=HOST), torch.tensor(chunks, device=HOST))
     pos = torch.cat([torch.arange(c, device=HOST) for c in chunks])
-    return dict(x=randn((T, hidden), seed=seed + 1, block=None, octaves=2, device=device), **w, state_kv=st.kv,
-                state_score=st.score, requests=req.to(device), positions=pos.to(device), ratio=ratio, eps=1e-6)
+    return dict(
+        x=randn((T, hidden), seed=seed + 1, block=None, octaves=2, device=device),
+        **w,
+        state_kv=st.kv,
+        state_score=st.score,
+        requests=req.to(device),
+        positions=pos.to(device),
+        ratio=ratio,
+        eps=1e-6,
+    )

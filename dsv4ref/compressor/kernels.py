@@ -39,8 +39,17 @@ def project_kernel(
     pos_ptr,  # int32 positions [T], contiguous
     kv_ptr,  # fp32 workspace kv [T, C], contiguous
     sc_ptr,  # fp32 workspace score [T, C], contiguous
-    T, Hd, C,
-    stride_xt, stride_xh, stride_kc, stride_kh, stride_gc, stride_gh, stride_ar, stride_ac,
+    T,
+    Hd,
+    C,
+    stride_xt,
+    stride_xh,
+    stride_kc,
+    stride_kh,
+    stride_gc,
+    stride_gh,
+    stride_ar,
+    stride_ac,
     RATIO: tl.constexpr,  # r
     BLOCK_T: tl.constexpr,  # tokens per program (≥ 16: tl.dot's minimum)
     BLOCK_C: tl.constexpr,  # output channels per program
@@ -56,8 +65,9 @@ def project_kernel(
     acc_sc = tl.zeros((BLOCK_T, BLOCK_C), dtype=tl.float32)
     for k0 in range(0, Hd, BLOCK_K):
         kmask = (k0 + kk) < Hd
-        bits = tl.load(x_ptr + r64[:, None] * stride_xt + (k0 + kk)[None, :] * stride_xh,
-                       mask=rmask[:, None] & kmask[None, :], other=0)
+        bits = tl.load(
+            x_ptr + r64[:, None] * stride_xt + (k0 + kk)[None, :] * stride_xh, mask=rmask[:, None] & kmask[None, :], other=0
+        )
         xb = (bits.to(tl.int32) << 16).to(tl.float32, bitcast=True).to(tl.bfloat16)  # bf16 bits → value, exact
         wmask = kmask[:, None] & cmask[None, :]
         wkv = tl.load(wkv_ptr + c64[None, :] * stride_kc + (k0 + kk)[:, None] * stride_kh, mask=wmask, other=0.0)
@@ -67,8 +77,7 @@ def project_kernel(
     p = tl.load(pos_ptr + rows, mask=rmask, other=0)
     om = rmask[:, None] & cmask[None, :]
     # a negative position (a padding row, or bad input with value checks off) reads no ape row: p % r < 0 there
-    ape = tl.load(ape_ptr + (p % RATIO)[:, None] * stride_ar + cols[None, :] * stride_ac,
-                  mask=om & (p >= 0)[:, None], other=0.0)
+    ape = tl.load(ape_ptr + (p % RATIO)[:, None] * stride_ar + cols[None, :] * stride_ac, mask=om & (p >= 0)[:, None], other=0.0)
     out = r64[:, None] * C + cols[None, :]
     tl.store(kv_ptr + out, acc_kv, mask=om)
     tl.store(sc_ptr + out, acc_sc + ape, mask=om)
@@ -96,7 +105,9 @@ def compress_kernel(
     norm_ptr,  # fp32 norm [D], contiguous
     out_ptr,  # fp32 rows [T, D], contiguous
     done_ptr,  # uint8 view of the bool done [T]
-    T, R, eps,  # R: the state's requests
+    T,
+    R,
+    eps,  # R: the state's requests
     RATIO: tl.constexpr,  # r: 4 or 128
     COFF: tl.constexpr,  # 2 for r = 4 (overlap), 1 for r = 128
     D: tl.constexpr,  # compressed width (512 or 128; a power of two)
@@ -123,8 +134,11 @@ def compress_kernel(
             s = p - N + 1 + j  # [BLOCK_J] the window's positions, oldest first
             row = t - N + 1 + j  # the step row that would hold s
             row_ok = (row >= 0) & (row < T)
-            in_step = row_ok & (tl.load(req_ptr + row, mask=row_ok, other=-2) == q_req) & \
-                (tl.load(pos_ptr + row, mask=row_ok, other=-1) == s)
+            in_step = (
+                row_ok
+                & (tl.load(req_ptr + row, mask=row_ok, other=-2) == q_req)
+                & (tl.load(pos_ptr + row, mask=row_ok, other=-1) == s)
+            )
             in_ring = (s >= 0) & (in_step == 0)
             ch = (j >= RATIO).to(tl.int32) * (COFF - 1) * D  # overlap: the newer r tokens read channels [D:2D]
             col = ch[:, None] + d[None, :]  # [BLOCK_J, D]
@@ -163,7 +177,8 @@ def save_kernel(
     ring_sc_ptr,  # fp32 state score [R, n, C], contiguous
     req_ptr,  # int32 requests [T], contiguous; −1 = padding row (so is any request outside [0, R))
     pos_ptr,  # int32 positions [T], contiguous (a negative one: a padding row)
-    T, R,
+    T,
+    R,
     N: tl.constexpr,  # n = coff·r ring rows per request
     C: tl.constexpr,  # coff·D channels
     BLOCK_C: tl.constexpr,  # next_power_of_2(C)
@@ -172,8 +187,11 @@ def save_kernel(
     q_req = tl.load(req_ptr + t)
     p = tl.load(pos_ptr + t)
     nxt = t + N
-    later = (nxt < T) & (tl.load(req_ptr + nxt, mask=nxt < T, other=-2) == q_req) & \
-        (tl.load(pos_ptr + nxt, mask=nxt < T, other=-1) == p + N)
+    later = (
+        (nxt < T)
+        & (tl.load(req_ptr + nxt, mask=nxt < T, other=-2) == q_req)
+        & (tl.load(pos_ptr + nxt, mask=nxt < T, other=-1) == p + N)
+    )
     if (q_req >= 0) & (q_req < R) & (p >= 0) & (later == 0):
         c = tl.arange(0, BLOCK_C)
         cm = c < C

@@ -63,8 +63,27 @@ def default_launch() -> CompressorLaunch:
     return CompressorLaunch()
 
 
-def _compress(x, wkv, wgate, ape, norm, state_kv, state_score, requests, positions, rows, done, ratio, eps,
-              block_t, block_c, block_k, project_warps, block_j, compress_warps) -> None:
+def _compress(
+    x,
+    wkv,
+    wgate,
+    ape,
+    norm,
+    state_kv,
+    state_score,
+    requests,
+    positions,
+    rows,
+    done,
+    ratio,
+    eps,
+    block_t,
+    block_c,
+    block_k,
+    project_warps,
+    block_j,
+    compress_warps,
+) -> None:
     """Launch the three kernels. ``requests`` / ``positions``: int32 [T], contiguous, −1 requests for padding
     rows (the public function prepares them); ``rows`` [T, D] fp32 and ``done`` [T] bool, contiguous."""
     T, Hd = x.shape
@@ -75,34 +94,133 @@ def _compress(x, wkv, wgate, ape, norm, state_kv, state_score, requests, positio
     sc = torch.empty(T, C, dtype=torch.float32, device=x.device)
     x16 = x.view(torch.int16)
     project_kernel[(triton.cdiv(T, block_t), triton.cdiv(C, block_c))](
-        x16, wkv, wgate, ape, positions, kv, sc, T, Hd, C,
-        x16.stride(0), x16.stride(1), wkv.stride(0), wkv.stride(1), wgate.stride(0), wgate.stride(1),
-        ape.stride(0), ape.stride(1),
-        RATIO=ratio, BLOCK_T=block_t, BLOCK_C=block_c, BLOCK_K=block_k, DOT_FP32=interpreting(),
+        x16,
+        wkv,
+        wgate,
+        ape,
+        positions,
+        kv,
+        sc,
+        T,
+        Hd,
+        C,
+        x16.stride(0),
+        x16.stride(1),
+        wkv.stride(0),
+        wkv.stride(1),
+        wgate.stride(0),
+        wgate.stride(1),
+        ape.stride(0),
+        ape.stride(1),
+        RATIO=ratio,
+        BLOCK_T=block_t,
+        BLOCK_C=block_c,
+        BLOCK_K=block_k,
+        DOT_FP32=interpreting(),
         num_warps=project_warps,
     )
     compress_kernel[(T,)](
-        kv, sc, state_kv, state_score, requests, positions, norm, rows, done.view(torch.uint8), T, state_kv.shape[0], eps,
-        RATIO=ratio, COFF=coff, D=D, BLOCK_J=min(block_j, coff * ratio), num_warps=compress_warps,
+        kv,
+        sc,
+        state_kv,
+        state_score,
+        requests,
+        positions,
+        norm,
+        rows,
+        done.view(torch.uint8),
+        T,
+        state_kv.shape[0],
+        eps,
+        RATIO=ratio,
+        COFF=coff,
+        D=D,
+        BLOCK_J=min(block_j, coff * ratio),
+        num_warps=compress_warps,
     )
     save_kernel[(T,)](
-        kv, sc, state_kv, state_score, requests, positions, T, state_kv.shape[0],
-        N=coff * ratio, C=C, BLOCK_C=triton.next_power_of_2(C), num_warps=compress_warps,
+        kv,
+        sc,
+        state_kv,
+        state_score,
+        requests,
+        positions,
+        T,
+        state_kv.shape[0],
+        N=coff * ratio,
+        C=C,
+        BLOCK_C=triton.next_power_of_2(C),
+        num_warps=compress_warps,
     )
 
 
 @torch.library.custom_op("dsv4ref::compressor_compress", mutates_args=("state_kv", "state_score", "rows", "done"))
-def compressor_op(x: torch.Tensor, wkv: torch.Tensor, wgate: torch.Tensor, ape: torch.Tensor, norm: torch.Tensor,
-                  state_kv: torch.Tensor, state_score: torch.Tensor, requests: torch.Tensor, positions: torch.Tensor,
-                  rows: torch.Tensor, done: torch.Tensor, ratio: int, eps: float, block_t: int, block_c: int,
-                  block_k: int, project_warps: int, block_j: int, compress_warps: int) -> None:
+def compressor_op(
+    x: torch.Tensor,
+    wkv: torch.Tensor,
+    wgate: torch.Tensor,
+    ape: torch.Tensor,
+    norm: torch.Tensor,
+    state_kv: torch.Tensor,
+    state_score: torch.Tensor,
+    requests: torch.Tensor,
+    positions: torch.Tensor,
+    rows: torch.Tensor,
+    done: torch.Tensor,
+    ratio: int,
+    eps: float,
+    block_t: int,
+    block_c: int,
+    block_k: int,
+    project_warps: int,
+    block_j: int,
+    compress_warps: int,
+) -> None:
     """One compressor step: project, compress the boundary tokens into ``rows`` / ``done``, update the ring."""
     if x.shape[0]:
-        _compress(x, wkv, wgate, ape, norm, state_kv, state_score, requests, positions, rows, done, ratio, eps,
-                  block_t, block_c, block_k, project_warps, block_j, compress_warps)
+        _compress(
+            x,
+            wkv,
+            wgate,
+            ape,
+            norm,
+            state_kv,
+            state_score,
+            requests,
+            positions,
+            rows,
+            done,
+            ratio,
+            eps,
+            block_t,
+            block_c,
+            block_k,
+            project_warps,
+            block_j,
+            compress_warps,
+        )
 
 
 @compressor_op.register_fake
-def _(x, wkv, wgate, ape, norm, state_kv, state_score, requests, positions, rows, done, ratio, eps, block_t, block_c,
-      block_k, project_warps, block_j, compress_warps):
+def _(
+    x,
+    wkv,
+    wgate,
+    ape,
+    norm,
+    state_kv,
+    state_score,
+    requests,
+    positions,
+    rows,
+    done,
+    ratio,
+    eps,
+    block_t,
+    block_c,
+    block_k,
+    project_warps,
+    block_j,
+    compress_warps,
+):
     return None

@@ -132,6 +132,7 @@ def compress_sequence(x, wkv, wgate, ape, norm, *, ratio, eps, dtype=torch.float
     kv = rearrange(xb @ wkv.to(dtype).T, "(b r) c -> b r c", r=ratio)  # [nb, r, coff·D]
     score = rearrange(xb @ wgate.to(dtype).T, "(b r) c -> b r c", r=ratio) + ape.to(dtype)  # + the bias of p % r
     if ratio == 4:
+
         def older(t, fill):  # block b − 1's first D channels, at block b
             return torch.cat([torch.full_like(t[:1, :, :D], fill), t[:-1, :, :D]])
 
@@ -141,8 +142,7 @@ def compress_sequence(x, wkv, wgate, ape, norm, *, ratio, eps, dtype=torch.float
     return rms_norm(c, norm, eps), torch.arange(nb, device=x.device) * ratio + ratio - 1
 
 
-def example_inputs(ratio: int, *, dim: int = 512, hidden: int = 256, seed: int = 0, octaves: int = 2,
-                   device=None) -> dict:
+def example_inputs(ratio: int, *, dim: int = 512, hidden: int = 256, seed: int = 0, octaves: int = 2, device=None) -> dict:
     """Seeded weights of one compressor, drawn on the CPU (the same numbers on every device): ``wkv``,
     ``wgate`` bf16 ``[coff·D, Hd]`` (1/sqrt(Hd) scale), ``ape`` fp32 ``[r, coff·D]`` (std 0.5), ``norm``
     fp32 ``[D]`` with a power-of-two factor per 64-block over ``octaves`` octaves (the compressed rows'

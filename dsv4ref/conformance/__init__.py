@@ -26,11 +26,33 @@ read with libtorch (``torch::pickle_load``) or any .pt reader, without running o
 
 from __future__ import annotations
 
-from .suite import (OPS, Case, Row, all_cases, default_impls, format_report, load_golden, outputs, reference_impls,
-                    run, save_golden)
+from .suite import (
+    OPS,
+    Case,
+    Row,
+    all_cases,
+    default_impls,
+    format_report,
+    load_golden,
+    outputs,
+    reference_impls,
+    run,
+    save_golden,
+)
 
-__all__ = ["Case", "Row", "OPS", "run", "all_cases", "default_impls", "reference_impls", "format_report",
-           "save_golden", "load_golden", "main"]
+__all__ = [
+    "Case",
+    "Row",
+    "OPS",
+    "run",
+    "all_cases",
+    "default_impls",
+    "reference_impls",
+    "format_report",
+    "save_golden",
+    "load_golden",
+    "main",
+]
 
 
 def main(argv=None) -> int:

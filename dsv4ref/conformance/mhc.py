@@ -89,26 +89,45 @@ def _legacy_cases() -> dict[str, Case]:
     fn = torch.randn(M * (M + 2), M * Hd, generator=g) / math.sqrt(M * Hd)
     scale = torch.tensor([0.7, 0.4, 1.3])
     base = 0.3 * torch.randn(M * (M + 2), generator=g)
-    out = {"mhc.pre": Case("mhc.pre", "model_constants", dict(residual=res, fn=fn, scale=scale, base=base, **KW),
-                           ("residual", "fn", "scale", "base"), tol=_PRE_TOL,
-                           why="post_mult 2, eps 1e-6, 20 Sinkhorn passes (#23); RMS of the flattened streams")}
+    out = {
+        "mhc.pre": Case(
+            "mhc.pre",
+            "model_constants",
+            dict(residual=res, fn=fn, scale=scale, base=base, **KW),
+            ("residual", "fn", "scale", "base"),
+            tol=_PRE_TOL,
+            why="post_mult 2, eps 1e-6, 20 Sinkhorn passes (#23); RMS of the flattened streams",
+        )
+    }
     # the 4-cycle trap: comb ≈ P with P[0,1] = P[1,2] = P[2,3] = P[3,0] = 1; new_res_j must be res_{j-1}
     comb = (_cycle() * (1 - 3e-6) + 1e-6).expand(T, M, M).contiguous()
     post = 2 * torch.rand(T, M, 1, generator=g)
-    out["mhc.post"] = Case("mhc.post", "transposed_comb_trap_4cycle", dict(x=x, residual=res, post=post, comb=comb),
-                           ("x", "residual", "post", "comb"), tol={"residual": "bf16_out"},
-                           why="Σ_i comb[i, j]·res_i, i.e. combᵀ @ res: the 4-cycle catches comb @ res (#22)")
+    out["mhc.post"] = Case(
+        "mhc.post",
+        "transposed_comb_trap_4cycle",
+        dict(x=x, residual=res, post=post, comb=comb),
+        ("x", "residual", "post", "comb"),
+        tol={"residual": "bf16_out"},
+        why="Σ_i comb[i, j]·res_i, i.e. combᵀ @ res: the 4-cycle catches comb @ res (#22)",
+    )
     fn2 = torch.randn(M * (M + 2), M * Hd, generator=g) / math.sqrt(M * Hd)
     out["mhc.fused_post_pre"] = Case(
-        "mhc.fused_post_pre", "cycle_comb_then_pre",
+        "mhc.fused_post_pre",
+        "cycle_comb_then_pre",
         dict(x=x, residual=res, post=post, comb=comb, fn=fn2, scale=scale, base=base, **KW),
-        ("x", "residual", "post", "comb", "fn", "scale", "base"), tol=_FUSED_TOL,
-        why="post, then the next sub-layer's pre, in one call")
+        ("x", "residual", "post", "comb", "fn", "scale", "base"),
+        tol=_FUSED_TOL,
+        why="post, then the next sub-layer's pre, in one call",
+    )
     hfn = torch.randn(M, M * Hd, generator=g) / math.sqrt(M * Hd)
-    out["mhc.head"] = Case("mhc.head", "hc_head", dict(hidden=res, fn=hfn, scale=torch.tensor([0.5]),
-                                                       base=0.2 * torch.randn(M, generator=g), **KW),
-                           ("hidden", "fn", "scale", "base"), tol={"out": "bf16_out"},
-                           why="the final mix of the M streams into one: σ(mix·scale + base) + eps, no Sinkhorn")
+    out["mhc.head"] = Case(
+        "mhc.head",
+        "hc_head",
+        dict(hidden=res, fn=hfn, scale=torch.tensor([0.5]), base=0.2 * torch.randn(M, generator=g), **KW),
+        ("hidden", "fn", "scale", "base"),
+        tol={"out": "bf16_out"},
+        why="the final mix of the M streams into one: σ(mix·scale + base) + eps, no Sinkhorn",
+    )
     return out
 
 
@@ -117,24 +136,59 @@ def _sinkhorn_cases() -> list[Case]:
     g = generator(40)
 
     def case(name, logits, iters, eps, why, check_values=True):
-        out.append(Case("mhc.sinkhorn", name, dict(logits=logits, iters=iters, eps=eps), ("logits", "iters", "eps"),
-                        tol={"comb": "mhc"}, why=why, check_values=check_values))
+        out.append(
+            Case(
+                "mhc.sinkhorn",
+                name,
+                dict(logits=logits, iters=iters, eps=eps),
+                ("logits", "iters", "eps"),
+                tol={"comb": "mhc"},
+                why=why,
+                check_values=check_values,
+            )
+        )
 
-    case("model_constants_std3", torch.randn(64, M, M, generator=g) * 3, 20, TINY.hc_eps,
-         "20 passes, eps 1e-6: row softmax + eps, then columns; rows are NOT exactly stochastic (#23)")
-    case("one_pass", torch.randn(16, M, M, generator=g) * 2, 1, TINY.hc_eps,
-         "iters = 1: the softmax pass and one column step only (a port that always runs 20 fails)")
-    case("peaked_4cycle", (30 * _cycle()).expand(3, M, M).contiguous(), 20, TINY.hc_eps,
-         "logits 30·P, P the (non-symmetric) 4-cycle: comb ≈ P, ~1e-6 elsewhere; the wrong axis gives Pᵀ")
+    case(
+        "model_constants_std3",
+        torch.randn(64, M, M, generator=g) * 3,
+        20,
+        TINY.hc_eps,
+        "20 passes, eps 1e-6: row softmax + eps, then columns; rows are NOT exactly stochastic (#23)",
+    )
+    case(
+        "one_pass",
+        torch.randn(16, M, M, generator=g) * 2,
+        1,
+        TINY.hc_eps,
+        "iters = 1: the softmax pass and one column step only (a port that always runs 20 fails)",
+    )
+    case(
+        "peaked_4cycle",
+        (30 * _cycle()).expand(3, M, M).contiguous(),
+        20,
+        TINY.hc_eps,
+        "logits 30·P, P the (non-symmetric) 4-cycle: comb ≈ P, ~1e-6 elsewhere; the wrong axis gives Pᵀ",
+    )
     case("empty_batch", torch.zeros(0, M, M), 20, TINY.hc_eps, "no matrices: an empty result, no error")
-    case("leading_dims_transposed_layout", _transposed(torch.randn(3, 5, M, M, generator=g) * 4), 20, 1e-3,
-         "[3, 5, 4, 4] stored with the last two dims swapped (strides honoured), a non-model eps 1e-3")
+    case(
+        "leading_dims_transposed_layout",
+        _transposed(torch.randn(3, 5, M, M, generator=g) * 4),
+        20,
+        1e-3,
+        "[3, 5, 4, 4] stored with the last two dims swapped (strides honoured), a non-model eps 1e-3",
+    )
     lg = torch.randn(6, M, M, generator=g)
     lg[1, 2, 3], lg[3, 0, 1], lg[4, 1, :] = float("nan"), float("inf"), -float("inf")
     lg[5, 2, 0] = -float("inf")
-    case("nonfinite_checks_off", lg, 20, TINY.hc_eps,
-         "value checks off: a NaN or +inf logit makes its whole matrix NaN, a row of −inf too; a single −inf "
-         "logit is a zero weight before the +eps; the other matrices are unaffected", check_values=False)
+    case(
+        "nonfinite_checks_off",
+        lg,
+        20,
+        TINY.hc_eps,
+        "value checks off: a NaN or +inf logit makes its whole matrix NaN, a row of −inf too; a single −inf "
+        "logit is a zero weight before the +eps; the other matrices are unaffected",
+        check_values=False,
+    )
     return out
 
 
@@ -143,26 +197,62 @@ def _pre_cases() -> list[Case]:
     Hd = TINY.hidden_size
 
     def case(name, res, fn, scale, base, why, check_values=True, **kw):
-        out.append(Case("mhc.pre", name, dict(residual=res, fn=fn, scale=scale, base=base, **KW, **kw),
-                        ("residual", "fn", "scale", "base"), tol=_PRE_TOL, why=why, check_values=check_values))
+        out.append(
+            Case(
+                "mhc.pre",
+                name,
+                dict(residual=res, fn=fn, scale=scale, base=base, **KW, **kw),
+                ("residual", "fn", "scale", "base"),
+                tol=_PRE_TOL,
+                why=why,
+                check_values=check_values,
+            )
+        )
 
     out.append(_legacy_cases()["mhc.pre"])
     res = randn((3, M, Hd), seed=42, device="cpu", block=None, octaves=4)
     case("empty_batch", torch.zeros(0, M, Hd, dtype=torch.bfloat16), *_params(Hd, 43), "T = 0: empty outputs")
     fn, scale, base = _params(Hd, 44)
-    case("stream_major_streams_transposed_fn", _stream_major(randn((5, M, Hd), seed=45, device="cpu", octaves=6)),
-         _transposed(fn), scale, base, "residual stored stream-major, fn column-major (strides honoured)")
-    case("odd_hidden_T17", randn((17, M, 33), seed=46, device="cpu", octaves=6), *_params(33, 47),
-         "Hd = 33 (K = 132, no tile multiple) and 17 tokens (a partial second token tile)")
+    case(
+        "stream_major_streams_transposed_fn",
+        _stream_major(randn((5, M, Hd), seed=45, device="cpu", octaves=6)),
+        _transposed(fn),
+        scale,
+        base,
+        "residual stored stream-major, fn column-major (strides honoured)",
+    )
+    case(
+        "odd_hidden_T17",
+        randn((17, M, 33), seed=46, device="cpu", octaves=6),
+        *_params(33, 47),
+        "Hd = 33 (K = 132, no tile multiple) and 17 tokens (a partial second token tile)",
+    )
     fn0 = torch.zeros(M * (M + 2), M * Hd)
     base_p = torch.cat([torch.zeros(2 * M), 30 * _cycle().reshape(-1)])
-    case("cycle_comb_bias", randn((4, M, Hd), seed=48, device="cpu", octaves=4), fn0, torch.ones(3), base_p,
-         "fn = 0, comb logits 30·P (the 4-cycle): comb ≈ P, so comb stored transposed (Pᵀ) fails; post = 1")
-    case("non_model_constants", res, *_params(Hd, 49),
-         "post_mult 1, 3 Sinkhorn passes: the constants are arguments, not baked in", post_mult=1.0, sinkhorn_iters=3)
-    case("nonfinite_checks_off", _nan_tokens(randn((5, M, Hd), seed=50, device="cpu", octaves=4)), *_params(Hd, 51),
-         "value checks off: tokens 1 (NaN) and 3 (±inf) get NaN post, comb and layer input (the RMS factor of inf "
-         "is 0, inf·0 = NaN); tokens 0, 2, 4 are unaffected", check_values=False)
+    case(
+        "cycle_comb_bias",
+        randn((4, M, Hd), seed=48, device="cpu", octaves=4),
+        fn0,
+        torch.ones(3),
+        base_p,
+        "fn = 0, comb logits 30·P (the 4-cycle): comb ≈ P, so comb stored transposed (Pᵀ) fails; post = 1",
+    )
+    case(
+        "non_model_constants",
+        res,
+        *_params(Hd, 49),
+        "post_mult 1, 3 Sinkhorn passes: the constants are arguments, not baked in",
+        post_mult=1.0,
+        sinkhorn_iters=3,
+    )
+    case(
+        "nonfinite_checks_off",
+        _nan_tokens(randn((5, M, Hd), seed=50, device="cpu", octaves=4)),
+        *_params(Hd, 51),
+        "value checks off: tokens 1 (NaN) and 3 (±inf) get NaN post, comb and layer input (the RMS factor of inf "
+        "is 0, inf·0 = NaN); tokens 0, 2, 4 are unaffected",
+        check_values=False,
+    )
     return out
 
 
@@ -172,33 +262,70 @@ def _post_cases() -> list[Case]:
     Hd = TINY.hidden_size
 
     def case(name, x, res, post, comb, why, check_values=True):
-        out.append(Case("mhc.post", name, dict(x=x, residual=res, post=post, comb=comb), ("x", "residual", "post", "comb"),
-                        tol={"residual": "bf16_out"}, why=why, check_values=check_values))
+        out.append(
+            Case(
+                "mhc.post",
+                name,
+                dict(x=x, residual=res, post=post, comb=comb),
+                ("x", "residual", "post", "comb"),
+                tol={"residual": "bf16_out"},
+                why=why,
+                check_values=check_values,
+            )
+        )
 
     T = 3
     out.append(_legacy_cases()["mhc.post"])
     res = randn((T, M, Hd), seed=42, device="cpu", block=None, octaves=4)
-    case("empty_batch", torch.zeros(0, Hd, dtype=torch.bfloat16), torch.zeros(0, M, Hd, dtype=torch.bfloat16),
-         torch.zeros(0, M), torch.zeros(0, M, M), "T = 0: an empty residual, no error")
+    case(
+        "empty_batch",
+        torch.zeros(0, Hd, dtype=torch.bfloat16),
+        torch.zeros(0, M, Hd, dtype=torch.bfloat16),
+        torch.zeros(0, M),
+        torch.zeros(0, M, M),
+        "T = 0: an empty residual, no error",
+    )
     Ts, H = 6, 33
     sk = torch.softmax(torch.randn(Ts, M, M, generator=g) * 2, dim=-1)  # row-stochastic, not symmetric
-    case("odd_hidden_random_comb", randn((Ts, H), seed=44, device="cpu", octaves=4),
-         randn((Ts, M, H), seed=45, device="cpu", octaves=4), 2 * torch.rand(Ts, M, generator=g), sk,
-         "Hd = 33, a random non-symmetric comb, post [T, M]")
-    case("transposed_layouts", _transposed(randn((T, Hd), seed=46, device="cpu", octaves=4)),
-         _stream_major(randn((T, M, Hd), seed=47, device="cpu", octaves=4)), _transposed(2 * torch.rand(T, M, generator=g)),
-         _transposed(_cycle(0.75).expand(T, M, M) + 0.0625),
-         "x and post transposed, streams stream-major, and comb stored TRANSPOSED in memory: reading the storage "
-         "as if contiguous applies the reverse cycle")
-    case("identity_comb", randn((T, Hd), seed=48, device="cpu", octaves=4), res, torch.full((T, M), 0.5),
-         torch.eye(M).expand(T, M, M).contiguous(), "comb = I: new stream j = post_j·x + stream j")
+    case(
+        "odd_hidden_random_comb",
+        randn((Ts, H), seed=44, device="cpu", octaves=4),
+        randn((Ts, M, H), seed=45, device="cpu", octaves=4),
+        2 * torch.rand(Ts, M, generator=g),
+        sk,
+        "Hd = 33, a random non-symmetric comb, post [T, M]",
+    )
+    case(
+        "transposed_layouts",
+        _transposed(randn((T, Hd), seed=46, device="cpu", octaves=4)),
+        _stream_major(randn((T, M, Hd), seed=47, device="cpu", octaves=4)),
+        _transposed(2 * torch.rand(T, M, generator=g)),
+        _transposed(_cycle(0.75).expand(T, M, M) + 0.0625),
+        "x and post transposed, streams stream-major, and comb stored TRANSPOSED in memory: reading the storage "
+        "as if contiguous applies the reverse cycle",
+    )
+    case(
+        "identity_comb",
+        randn((T, Hd), seed=48, device="cpu", octaves=4),
+        res,
+        torch.full((T, M), 0.5),
+        torch.eye(M).expand(T, M, M).contiguous(),
+        "comb = I: new stream j = post_j·x + stream j",
+    )
     xn = randn((4, Hd), seed=49, device="cpu", octaves=4)
     xn[0, 3], xn[2, 7] = float("nan"), float("inf")
     rn = randn((4, M, Hd), seed=50, device="cpu", octaves=4)
     rn[1, 2, 9] = -float("inf")
-    case("nonfinite_checks_off", xn, rn, torch.full((4, M), 0.5), torch.full((4, M, M), 0.25),
-         "value checks off: IEEE propagation; NaN in x at (t, h) is NaN in every new stream at (t, h), inf stays "
-         "inf (post, comb > 0); bf16 NaN is NaN, never −0", check_values=False)
+    case(
+        "nonfinite_checks_off",
+        xn,
+        rn,
+        torch.full((4, M), 0.5),
+        torch.full((4, M, M), 0.25),
+        "value checks off: IEEE propagation; NaN in x at (t, h) is NaN in every new stream at (t, h), inf stays "
+        "inf (post, comb > 0); bf16 NaN is NaN, never −0",
+        check_values=False,
+    )
     return out
 
 
@@ -208,33 +335,74 @@ def _fused_cases() -> list[Case]:
 
     def case(name, x, res, post, comb, params, why, check_values=True):
         fn, scale, base = params
-        out.append(Case("mhc.fused_post_pre", name,
-                        dict(x=x, residual=res, post=post, comb=comb, fn=fn, scale=scale, base=base, **KW),
-                        ("x", "residual", "post", "comb", "fn", "scale", "base"), tol=_FUSED_TOL, why=why,
-                        check_values=check_values))
+        out.append(
+            Case(
+                "mhc.fused_post_pre",
+                name,
+                dict(x=x, residual=res, post=post, comb=comb, fn=fn, scale=scale, base=base, **KW),
+                ("x", "residual", "post", "comb", "fn", "scale", "base"),
+                tol=_FUSED_TOL,
+                why=why,
+                check_values=check_values,
+            )
+        )
 
     out.append(_legacy_cases()["mhc.fused_post_pre"])
-    case("empty_batch", torch.zeros(0, Hd, dtype=torch.bfloat16), torch.zeros(0, M, Hd, dtype=torch.bfloat16),
-         torch.zeros(0, M), torch.zeros(0, M, M), _params(Hd, 53), "T = 0: four empty outputs")
+    case(
+        "empty_batch",
+        torch.zeros(0, Hd, dtype=torch.bfloat16),
+        torch.zeros(0, M, Hd, dtype=torch.bfloat16),
+        torch.zeros(0, M),
+        torch.zeros(0, M, M),
+        _params(Hd, 53),
+        "T = 0: four empty outputs",
+    )
     # dyadic weights on a coarse grid: the post's fp32 sums are exact, so every correct port stores the same
     # bf16 streams and its pre sees the same input
     mix = torch.eye(M) * 0.5 + _cycle(0.375) + torch.roll(torch.eye(M), 2, dims=1) * 0.125  # non-symmetric
     Tg = 5
-    case("dyadic_comb_transposed_layouts", _transposed(_grid((Tg, Hd), 54)), _stream_major(_grid((Tg, M, Hd), 55)),
-         _transposed(torch.tensor([0.5, 1.0, 1.5, 0.25]).expand(Tg, M).contiguous()),
-         _transposed(mix.expand(Tg, M, M).contiguous()), (lambda f, s, b: (_transposed(f), s, b))(*_params(Hd, 56)),
-         "x, post, fn transposed, streams stream-major, comb stored transposed (0.5·I + 0.375·P + 0.125·P²)")
+    case(
+        "dyadic_comb_transposed_layouts",
+        _transposed(_grid((Tg, Hd), 54)),
+        _stream_major(_grid((Tg, M, Hd), 55)),
+        _transposed(torch.tensor([0.5, 1.0, 1.5, 0.25]).expand(Tg, M).contiguous()),
+        _transposed(mix.expand(Tg, M, M).contiguous()),
+        (lambda f, s, b: (_transposed(f), s, b))(*_params(Hd, 56)),
+        "x, post, fn transposed, streams stream-major, comb stored transposed (0.5·I + 0.375·P + 0.125·P²)",
+    )
     To, Ho = 17, 33
-    case("odd_hidden_T17", _grid((To, Ho), 57), _grid((To, M, Ho), 58), torch.full((To, M), 0.75),
-         mix.expand(To, M, M).contiguous(), _params(Ho, 59), "Hd = 33, 17 tokens (a partial second token tile)")
-    case("non_model_constants", _grid((4, Hd), 60), _grid((4, M, Hd), 61), torch.full((4, M), 0.5),
-         mix.expand(4, M, M).contiguous(), _params(Hd, 62), "post_mult 1, 1 Sinkhorn pass: arguments, not baked in")
+    case(
+        "odd_hidden_T17",
+        _grid((To, Ho), 57),
+        _grid((To, M, Ho), 58),
+        torch.full((To, M), 0.75),
+        mix.expand(To, M, M).contiguous(),
+        _params(Ho, 59),
+        "Hd = 33, 17 tokens (a partial second token tile)",
+    )
+    case(
+        "non_model_constants",
+        _grid((4, Hd), 60),
+        _grid((4, M, Hd), 61),
+        torch.full((4, M), 0.5),
+        mix.expand(4, M, M).contiguous(),
+        _params(Hd, 62),
+        "post_mult 1, 1 Sinkhorn pass: arguments, not baked in",
+    )
     out[-1].inputs.update(post_mult=1.0, sinkhorn_iters=1)
     xn = _grid((4, Hd), 63)
     xn[2, 10] = float("nan")
-    case("nonfinite_checks_off", xn, _grid((4, M, Hd), 64), torch.full((4, M), 0.5), mix.expand(4, M, M).contiguous(),
-         _params(Hd, 65), "value checks off: NaN in x of token 2 → NaN in its 4 new streams at that dim → token 2's "
-         "post, comb and layer input NaN; tokens 0, 1, 3 unaffected", check_values=False)
+    case(
+        "nonfinite_checks_off",
+        xn,
+        _grid((4, M, Hd), 64),
+        torch.full((4, M), 0.5),
+        mix.expand(4, M, M).contiguous(),
+        _params(Hd, 65),
+        "value checks off: NaN in x of token 2 → NaN in its 4 new streams at that dim → token 2's "
+        "post, comb and layer input NaN; tokens 0, 1, 3 unaffected",
+        check_values=False,
+    )
     return out
 
 
@@ -243,27 +411,56 @@ def _head_cases() -> list[Case]:
     Hd = TINY.hidden_size
 
     def case(name, hidden, fn, scale, base, why, check_values=True):
-        out.append(Case("mhc.head", name, dict(hidden=hidden, fn=fn, scale=scale, base=base, **KW),
-                        ("hidden", "fn", "scale", "base"), tol={"out": "bf16_out"}, why=why, check_values=check_values))
+        out.append(
+            Case(
+                "mhc.head",
+                name,
+                dict(hidden=hidden, fn=fn, scale=scale, base=base, **KW),
+                ("hidden", "fn", "scale", "base"),
+                tol={"out": "bf16_out"},
+                why=why,
+                check_values=check_values,
+            )
+        )
 
     out.append(_legacy_cases()["mhc.head"])
     case("empty_batch", torch.zeros(0, M, Hd, dtype=torch.bfloat16), *_params(Hd, 66, head=True), "T = 0: empty output")
     fn, scale, base = _params(Hd, 67, head=True)
-    case("stream_major_transposed_fn", _stream_major(randn((5, M, Hd), seed=68, device="cpu", octaves=6)),
-         _transposed(fn), scale, base, "hidden stored stream-major, fn column-major (strides honoured)")
-    case("odd_hidden_T17", randn((17, M, 33), seed=69, device="cpu", octaves=6), *_params(33, 70, head=True),
-         "Hd = 33 and 17 tokens (a partial second token tile)")
+    case(
+        "stream_major_transposed_fn",
+        _stream_major(randn((5, M, Hd), seed=68, device="cpu", octaves=6)),
+        _transposed(fn),
+        scale,
+        base,
+        "hidden stored stream-major, fn column-major (strides honoured)",
+    )
+    case(
+        "odd_hidden_T17",
+        randn((17, M, 33), seed=69, device="cpu", octaves=6),
+        *_params(33, 70, head=True),
+        "Hd = 33 and 17 tokens (a partial second token tile)",
+    )
     # hand-computed (docs/mhc.md#checks, 7): fn picks X[0]; every value ±1, so RMS 1 and mix_0 = ±1
     Hh = 32
     hfn1 = torch.zeros(M, M * Hh)
     hfn1[0, 0] = 1.0
     l3 = math.log(3.0)
     signs = torch.tensor([[1.0, 1, 1, 1], [-1, 1, -1, 1]])
-    case("hand_computed_ln3", (signs[:, :, None] * torch.ones(2, M, Hh)).to(torch.bfloat16), hfn1, torch.tensor([l3]),
-         torch.tensor([0.0, l3, -l3, 0.0]), "gates σ(±ln 3 + base) + 1e-6: out = 2.25 (token 0) and 0.75 (token 1)")
-    case("nonfinite_checks_off", _nan_tokens(randn((5, M, Hd), seed=71, device="cpu", octaves=4)),
-         *_params(Hd, 72, head=True), "value checks off: tokens 1 and 3 give NaN rows, the others are unaffected",
-         check_values=False)
+    case(
+        "hand_computed_ln3",
+        (signs[:, :, None] * torch.ones(2, M, Hh)).to(torch.bfloat16),
+        hfn1,
+        torch.tensor([l3]),
+        torch.tensor([0.0, l3, -l3, 0.0]),
+        "gates σ(±ln 3 + base) + 1e-6: out = 2.25 (token 0) and 0.75 (token 1)",
+    )
+    case(
+        "nonfinite_checks_off",
+        _nan_tokens(randn((5, M, Hd), seed=71, device="cpu", octaves=4)),
+        *_params(Hd, 72, head=True),
+        "value checks off: tokens 1 and 3 give NaN rows, the others are unaffected",
+        check_values=False,
+    )
     return out
 
 

@@ -36,24 +36,50 @@ def _route_cases() -> list[Case]:
     out = []
     x, W = _gate([[0, 1, 2, 3, -1, -2, 0.5, 4]] * 3)
     bias = torch.tensor([0, 0, 0, 0, 5.0, 0, 0, -10.0])
-    out.append(Case("moe.route", "worked_bias_selects_never_weighs", dict(x=x, gate_weight=W, bias=bias, k=2, routed_scale=1.5),
-                    ("x", "gate_weight", "bias"), tol=ROUTE_TOL,
-                    why="bias −10 drops the top expert and +5 picks a weak one; weights from the unbiased scores (P1)"))
-    x, W = _gate([[-200.0] * 8, [-20.0, -20.0, -30.0, -40.0, -50.0, -60.0, -70.0, -80.0], [0.0] * 8,
-                  [0, 0, 1, 0, 0, 1, 4, -1]])
-    out.append(Case("moe.route", "softplus_extremes_and_ties", dict(x=x, gate_weight=W, bias=torch.zeros(8), k=2, routed_scale=1.5),
-                    ("x", "gate_weight", "bias"), tol=ROUTE_TOL,
-                    why="an all-underflow row gives weights 0, not NaN (P3); z = −20 needs log1p (P2); ties go to the "
-                        "lower id; ungrouped sqrt(softplus) top-k (P4)"))
+    out.append(
+        Case(
+            "moe.route",
+            "worked_bias_selects_never_weighs",
+            dict(x=x, gate_weight=W, bias=bias, k=2, routed_scale=1.5),
+            ("x", "gate_weight", "bias"),
+            tol=ROUTE_TOL,
+            why="bias −10 drops the top expert and +5 picks a weak one; weights from the unbiased scores (P1)",
+        )
+    )
+    x, W = _gate([[-200.0] * 8, [-20.0, -20.0, -30.0, -40.0, -50.0, -60.0, -70.0, -80.0], [0.0] * 8, [0, 0, 1, 0, 0, 1, 4, -1]])
+    out.append(
+        Case(
+            "moe.route",
+            "softplus_extremes_and_ties",
+            dict(x=x, gate_weight=W, bias=torch.zeros(8), k=2, routed_scale=1.5),
+            ("x", "gate_weight", "bias"),
+            tol=ROUTE_TOL,
+            why="an all-underflow row gives weights 0, not NaN (P3); z = −20 needs log1p (P2); ties go to the "
+            "lower id; ungrouped sqrt(softplus) top-k (P4)",
+        )
+    )
     d = example_inputs(6, seed=51, hash_layer=True, vocab=64)
     ids = d["input_ids"].cpu()
     ids[2] = -1
-    out.append(Case("moe.route", "hash_layer_padding_nan_bias",
-                    dict(x=d["x"].cpu(), gate_weight=d["gate_weight"].cpu(), bias=torch.full((8,), float("nan")), k=2,
-                         routed_scale=1.5, hash_table=d["hash_table"].cpu(), input_ids=ids),
-                    ("x", "gate_weight", "bias"), tol=ROUTE_TOL,
-                    why="ids = tid2eid[input_ids] in table order; the bias (NaN) is never read; input_ids −1 is a "
-                        "padding row: ids −1, weights 0"))
+    out.append(
+        Case(
+            "moe.route",
+            "hash_layer_padding_nan_bias",
+            dict(
+                x=d["x"].cpu(),
+                gate_weight=d["gate_weight"].cpu(),
+                bias=torch.full((8,), float("nan")),
+                k=2,
+                routed_scale=1.5,
+                hash_table=d["hash_table"].cpu(),
+                input_ids=ids,
+            ),
+            ("x", "gate_weight", "bias"),
+            tol=ROUTE_TOL,
+            why="ids = tid2eid[input_ids] in table order; the bias (NaN) is never read; input_ids −1 is a "
+            "padding row: ids −1, weights 0",
+        )
+    )
     return out
 
 
@@ -72,30 +98,53 @@ def _stage_cases() -> list[Case]:
     w = torch.rand(5, 6, generator=generator(54))
     w[0, 1] = -0.0
     w.view(torch.int32)[1, 2] = 0x7FC00123  # a NaN with a payload: weights are a bit copy
-    out = [Case("moe.stage", "worked_words_448_pow2_lanes_K6", dict(hidden=h.to(torch.bfloat16), ids=ids, weights=w),
-                ("hidden", "ids", "weights"), tol=STAGE_TOL,
-                why="the packed int32 comes out negative when byte 3 ≥ 128 (P7); amax = 448·2^k gives byte 127 + k, not "
-                    "one more (P8); −0.0 → 0x80; int32 −1 ids → int64 −1; K = 6 masks a tail of 8")]
+    out = [
+        Case(
+            "moe.stage",
+            "worked_words_448_pow2_lanes_K6",
+            dict(hidden=h.to(torch.bfloat16), ids=ids, weights=w),
+            ("hidden", "ids", "weights"),
+            tol=STAGE_TOL,
+            why="the packed int32 comes out negative when byte 3 ≥ 128 (P7); amax = 448·2^k gives byte 127 + k, not "
+            "one more (P8); −0.0 → 0x80; int32 −1 ids → int64 −1; K = 6 masks a tail of 8",
+        )
+    ]
     x = randn((3, 256), seed=55, block=32, octaves=30, device="cpu")
-    out.append(Case("moe.stage", "thirty_octaves_K1", dict(hidden=x, ids=torch.tensor([[7], [-1], [0]]), weights=torch.ones(3, 1)),
-                    ("hidden", "ids", "weights"), tol=STAGE_TOL,
-                    why="every 32-group its own scale byte over 30 octaves: x_sf bytes are exponents, not values (P6)"))
+    out.append(
+        Case(
+            "moe.stage",
+            "thirty_octaves_K1",
+            dict(hidden=x, ids=torch.tensor([[7], [-1], [0]]), weights=torch.ones(3, 1)),
+            ("hidden", "ids", "weights"),
+            tol=STAGE_TOL,
+            why="every 32-group its own scale byte over 30 octaves: x_sf bytes are exponents, not values (P6)",
+        )
+    )
     x = randn((3, 256), seed=58, block=32, octaves=12, device="cpu")
     x[0, 3], x[0, 40], x[1, 64 + 7], x[2, 200], x[2, 255] = float("nan"), float("inf"), -float("inf"), -float("nan"), 448.0
-    out.append(Case("moe.stage", "nonfinite_groups_checks_off", dict(hidden=x, ids=torch.tensor([[1, 2], [3, -1], [0, 5]]),
-                                                                     weights=torch.full((3, 2), 0.5)),
-                    ("hidden", "ids", "weights"), tol=STAGE_TOL, check_values=False,
-                    why="value checks off: a 32-group holding NaN or ±inf is staged as scale byte 255 (the packed word's "
-                        "lane) with e4m3 0x7F, or 0xFF for a non-NaN value with its sign bit set; the other groups of the "
-                        "row are untouched (docs/contract.md, the MoE section)"))
+    out.append(
+        Case(
+            "moe.stage",
+            "nonfinite_groups_checks_off",
+            dict(hidden=x, ids=torch.tensor([[1, 2], [3, -1], [0, 5]]), weights=torch.full((3, 2), 0.5)),
+            ("hidden", "ids", "weights"),
+            tol=STAGE_TOL,
+            check_values=False,
+            why="value checks off: a 32-group holding NaN or ±inf is staged as scale byte 255 (the packed word's "
+            "lane) with e4m3 0x7F, or 0xFF for a non-NaN value with its sign bit set; the other groups of the "
+            "row are untouched (docs/contract.md, the MoE section)",
+        )
+    )
     return out
 
 
 def _layer_cases() -> list[Case]:
     # small enough for the golden files (about 60 KB of weights per case): Hd 128, E 4, I 16
     shape = MoeShape(hidden=128, experts=4, k=2, intermediate=16, routed_scale=1.5, swiglu_limit=10.0, num_hash_layers=1)
-    d = {k: (v.cpu() if isinstance(v, torch.Tensor) else v)
-         for k, v in example_inputs(10, shape, seed=56, octaves=16, weight_gain=2.0).items()}
+    d = {
+        k: (v.cpu() if isinstance(v, torch.Tensor) else v)
+        for k, v in example_inputs(10, shape, seed=56, octaves=16, weight_gain=2.0).items()
+    }
     ids, w = reference.route(d["x"], d["gate_weight"], d["bias"], k=2, routed_scale=1.5)
     # routing weights on a 2^-12 grid: softplus and sqrt differ in the last bit between CPU builds (AVX2 vs
     # AVX-512 torch), and the golden inputs must be the same bytes wherever the case is built
@@ -107,59 +156,134 @@ def _layer_cases() -> list[Case]:
     ids[4] = torch.tensor([2, 2])  # a repeated expert: both slots add (P10)
     x_fp8, x_sf, ids64, w32 = reference.stage(d["x"], ids, w)
     weights = {k: d[k] for k in ("w13", "w2", "shared_w13", "shared_w2")}
-    out = [Case("moe.experts", "clamp_minus1_duplicate_empty_expert",
-                dict(x=d["x"], x_fp8=x_fp8, x_sf=x_sf, ids=ids64, weights=w32, **weights, swiglu_limit=10.0),
-                EXPERTS, tol={"out": "moe_out"},
-                why="pre-activations past ±10 in routed and shared experts (P5); −1 slot with weight 1e6 (P9); a repeated "
-                    "id (P10); an expert with no token; weight applied before w2; compare with a tolerance (P15)")]
+    out = [
+        Case(
+            "moe.experts",
+            "clamp_minus1_duplicate_empty_expert",
+            dict(x=d["x"], x_fp8=x_fp8, x_sf=x_sf, ids=ids64, weights=w32, **weights, swiglu_limit=10.0),
+            EXPERTS,
+            tol={"out": "moe_out"},
+            why="pre-activations past ±10 in routed and shared experts (P5); −1 slot with weight 1e6 (P9); a repeated "
+            "id (P10); an expert with no token; weight applied before w2; compare with a tolerance (P15)",
+        )
+    ]
     h = example_inputs(6, shape, seed=57, hash_layer=True, octaves=12, vocab=64)
     h = {k: (v.cpu() if isinstance(v, torch.Tensor) else v) for k, v in h.items()}
     h["input_ids"][4] = -1
-    out.append(Case("moe.forward", "hash_layer_padding_row",
-                    dict(**{k: h[k] for k in LAYER}, k=2, routed_scale=1.5, swiglu_limit=10.0, hash_table=h["hash_table"],
-                         input_ids=h["input_ids"]),
-                    LAYER, tol={"out": "moe_out"},
-                    why="route through tid2eid, stage, experts, shared expert; the padding row is the shared expert alone"))
-    out.append(Case("moe.forward", "routed_scale_zero",
-                    dict(**{k: d[k] for k in LAYER}, k=2, routed_scale=0.0, swiglu_limit=10.0),
-                    LAYER, tol={"out": "moe_out"},
-                    why="routed scale 0 leaves exactly the shared expert, which is never scaled (P11)"))
+    out.append(
+        Case(
+            "moe.forward",
+            "hash_layer_padding_row",
+            dict(
+                **{k: h[k] for k in LAYER},
+                k=2,
+                routed_scale=1.5,
+                swiglu_limit=10.0,
+                hash_table=h["hash_table"],
+                input_ids=h["input_ids"],
+            ),
+            LAYER,
+            tol={"out": "moe_out"},
+            why="route through tid2eid, stage, experts, shared expert; the padding row is the shared expert alone",
+        )
+    )
+    out.append(
+        Case(
+            "moe.forward",
+            "routed_scale_zero",
+            dict(**{k: d[k] for k in LAYER}, k=2, routed_scale=0.0, swiglu_limit=10.0),
+            LAYER,
+            tol={"out": "moe_out"},
+            why="routed scale 0 leaves exactly the shared expert, which is never scaled (P11)",
+        )
+    )
     return out
 
 
 def _route_more() -> list[Case]:
     out = []
-    x, W = _gate([[90.0, 100.0, 89.0, 200.0, 1000.0, 3.0, -5.0, 95.0],
-                  [120.0, 0.5, -3.0, 0.0, 20.0, 21.0, -100.0, 2.0],
-                  [20.0, 19.75, 20.5, 88.0, 89.0, -88.0, 16.0, 0.25]])
-    out.append(Case("moe.route", "softplus_threshold_z_above_88",
-                    dict(x=x, gate_weight=W, bias=torch.tensor([0.0, 0.1, 0, 0, 0, 0, 0, 0.5]), k=3, routed_scale=1.5),
-                    ("x", "gate_weight", "bias"), tol=ROUTE_TOL,
-                    why="z > 88: fp32 exp(z) overflows, so log1p(exp(z)) is inf and the row's weights NaN; softplus(z) = z "
-                        "above the threshold 20 gives s = sqrt(z) (P2); z = 1000 next to z = 0.5 in one row"))
+    x, W = _gate(
+        [
+            [90.0, 100.0, 89.0, 200.0, 1000.0, 3.0, -5.0, 95.0],
+            [120.0, 0.5, -3.0, 0.0, 20.0, 21.0, -100.0, 2.0],
+            [20.0, 19.75, 20.5, 88.0, 89.0, -88.0, 16.0, 0.25],
+        ]
+    )
+    out.append(
+        Case(
+            "moe.route",
+            "softplus_threshold_z_above_88",
+            dict(x=x, gate_weight=W, bias=torch.tensor([0.0, 0.1, 0, 0, 0, 0, 0, 0.5]), k=3, routed_scale=1.5),
+            ("x", "gate_weight", "bias"),
+            tol=ROUTE_TOL,
+            why="z > 88: fp32 exp(z) overflows, so log1p(exp(z)) is inf and the row's weights NaN; softplus(z) = z "
+            "above the threshold 20 gives s = sqrt(z) (P2); z = 1000 next to z = 0.5 in one row",
+        )
+    )
     x, W = _gate([[0, 1, 2, 3, -1, -2, 0.5, 4], [6, 5, 4, 3, 2, 1, 0, -1], [-30.0, -40.0, 1, 1, 1, 1, 1, 1]])
     bias = torch.tensor([float("inf"), 0.0, 0.25, 0.0, 0.0, float("inf"), 0.0, -float("inf")])
-    out.append(Case("moe.route", "inf_bias_never_and_always", dict(x=x, gate_weight=W, bias=bias, k=3, routed_scale=2.5),
-                    ("x", "gate_weight", "bias"), tol=ROUTE_TOL,
-                    why="bias +inf always selects (experts 0 and 5, ties to the lower id), −inf never (expert 7, the top "
-                        "score of row 0); the weights are still the unbiased scores, tiny ones included (P1)"))
-    x, W = _gate([[0, 1, 2, 3, -1, -2, 0.5, 4], [6, 5, 4, 3, 2, 1, 0, -1], [1, 2, 3, 4, 5, 6, 7, 8],
-                  [0.5, 0.25, 3, 1, 2, 0, 8, 7], [2, 2, 2, 2, 1, 1, 1, 1]])
+    out.append(
+        Case(
+            "moe.route",
+            "inf_bias_never_and_always",
+            dict(x=x, gate_weight=W, bias=bias, k=3, routed_scale=2.5),
+            ("x", "gate_weight", "bias"),
+            tol=ROUTE_TOL,
+            why="bias +inf always selects (experts 0 and 5, ties to the lower id), −inf never (expert 7, the top "
+            "score of row 0); the weights are still the unbiased scores, tiny ones included (P1)",
+        )
+    )
+    x, W = _gate(
+        [
+            [0, 1, 2, 3, -1, -2, 0.5, 4],
+            [6, 5, 4, 3, 2, 1, 0, -1],
+            [1, 2, 3, 4, 5, 6, 7, 8],
+            [0.5, 0.25, 3, 1, 2, 0, 8, 7],
+            [2, 2, 2, 2, 1, 1, 1, 1],
+        ]
+    )
     x[1, 3], x[2, 0], x[3, 1] = float("nan"), float("inf"), -float("inf")
-    out.append(Case("moe.route", "nonfinite_rows_checks_off",
-                    dict(x=x, gate_weight=W, bias=torch.tensor([0.0, 0.5, 0, 0, 0, 0, 0.25, 0]), k=2, routed_scale=1.5),
-                    ("x", "gate_weight", "bias"), tol=ROUTE_TOL, check_values=False,
-                    why="value checks off: a row whose scores are not all finite (NaN, +inf, −inf in x) gets NaN weights "
-                        "and the stable sort's ids (NaN keys first), never plausible numbers; the finite rows are untouched "
-                        "(docs/contract.md, the MoE section)"))
-    x, W = _gate([[0, 1, 2, 3, -1, -2, 0.5, 4], [6, 5, 4, 3, 2, 1, 0, -1], [1, 2, 3, 4, 5, 6, 7, 8],
-                  [0.5, 0.25, 3, 1, 2, 0, 8, 7], [2, 2, 2, 2, 1, 1, 1, 1], [-1, -2, -3, -4, -5, -6, -7, -8]])
-    out.append(Case("moe.route", "gate_layer_padding_rows_int32",
-                    dict(x=x, gate_weight=W, bias=torch.tensor([0.0, 0.5, 0, 0, 0, 0, 0.25, 0]), k=3, routed_scale=1.5,
-                         input_ids=torch.tensor([17, -1, 3, -1, 0, 9], dtype=torch.int32)),
-                    ("x", "gate_weight", "bias"), tol=ROUTE_TOL,
-                    why="input_ids −1 marks a padding row on a layer without a hash table too: ids −1, weights exactly 0; "
-                        "the other ids are not read; int32 input_ids; k = 3"))
+    out.append(
+        Case(
+            "moe.route",
+            "nonfinite_rows_checks_off",
+            dict(x=x, gate_weight=W, bias=torch.tensor([0.0, 0.5, 0, 0, 0, 0, 0.25, 0]), k=2, routed_scale=1.5),
+            ("x", "gate_weight", "bias"),
+            tol=ROUTE_TOL,
+            check_values=False,
+            why="value checks off: a row whose scores are not all finite (NaN, +inf, −inf in x) gets NaN weights "
+            "and the stable sort's ids (NaN keys first), never plausible numbers; the finite rows are untouched "
+            "(docs/contract.md, the MoE section)",
+        )
+    )
+    x, W = _gate(
+        [
+            [0, 1, 2, 3, -1, -2, 0.5, 4],
+            [6, 5, 4, 3, 2, 1, 0, -1],
+            [1, 2, 3, 4, 5, 6, 7, 8],
+            [0.5, 0.25, 3, 1, 2, 0, 8, 7],
+            [2, 2, 2, 2, 1, 1, 1, 1],
+            [-1, -2, -3, -4, -5, -6, -7, -8],
+        ]
+    )
+    out.append(
+        Case(
+            "moe.route",
+            "gate_layer_padding_rows_int32",
+            dict(
+                x=x,
+                gate_weight=W,
+                bias=torch.tensor([0.0, 0.5, 0, 0, 0, 0, 0.25, 0]),
+                k=3,
+                routed_scale=1.5,
+                input_ids=torch.tensor([17, -1, 3, -1, 0, 9], dtype=torch.int32),
+            ),
+            ("x", "gate_weight", "bias"),
+            tol=ROUTE_TOL,
+            why="input_ids −1 marks a padding row on a layer without a hash table too: ids −1, weights exactly 0; "
+            "the other ids are not read; int32 input_ids; k = 3",
+        )
+    )
     return out
 
 
@@ -167,56 +291,120 @@ def _stage_more() -> list[Case]:
     out = []
     # the amax floor: byte = ceil(log2(max(amax, 1e-4) / 448)) + 127 = 105 for EVERY group with amax < 1e-4, not
     # only the all-zero one (a floor applied at amax == 0 alone gives bytes 104, 98, 61 ... here)
-    amax = (3e-5, 1e-6, 9.5e-5, 0.0, 6e-5, 1e-20, 1.5e-4, 448.0 * 2.0**-22,  # row 0
-            1e-4, 2e-9, 5e-5, 1.0, 7e-7, 1.2e-5, 0.0, 99e-6)  # row 1
+    amax = (
+        3e-5,
+        1e-6,
+        9.5e-5,
+        0.0,
+        6e-5,
+        1e-20,
+        1.5e-4,
+        448.0 * 2.0**-22,  # row 0
+        1e-4,
+        2e-9,
+        5e-5,
+        1.0,
+        7e-7,
+        1.2e-5,
+        0.0,
+        99e-6,
+    )  # row 1
     h = torch.zeros(3, 256)
     for i, a in enumerate(amax):
         r, g = divmod(i, 8)
         v = torch.rand(32, generator=generator(70 + i)) * 2 - 1
-        h[r, 32 * g: 32 * (g + 1)] = v / v.abs().max() * a
+        h[r, 32 * g : 32 * (g + 1)] = v / v.abs().max() * a
     h[0, 32 * 4 + 5] = -6e-5  # the amax of a group may be a negative value
     h[2] = randn((256,), seed=71, block=32, octaves=8, device="cpu").float() * 2.0**-20  # every group below 1e-4
-    out.append(Case("moe.stage", "amax_floor_groups_below_1e-4",
-                    dict(hidden=h.to(torch.bfloat16), ids=torch.tensor([[3, 1], [-1, 0], [2, 2]]),
-                         weights=torch.tensor([[0.75, 0.75], [0.0, 1.5], [0.5, 1.0]])),
-                    ("hidden", "ids", "weights"), tol=STAGE_TOL,
-                    why="groups with 0 < amax < 1e-4 take the floor's byte 105 and codes x·2^22 (e4m3 subnormals, zeros "
-                        "for amax 1e-20), like an all-zero group: a floor applied only at amax == 0 gives other bytes; "
-                        "amax just above the floor (1.5e-4, 448·2^-22)"))
-    x = randn((7, 256), seed=73, block=None, octaves=0, device="cpu") * torch.tensor(
-        [2.0**k for k in (-30, -9, 0, 5, 9, 15, 40)], dtype=torch.bfloat16)[:, None]
+    out.append(
+        Case(
+            "moe.stage",
+            "amax_floor_groups_below_1e-4",
+            dict(
+                hidden=h.to(torch.bfloat16),
+                ids=torch.tensor([[3, 1], [-1, 0], [2, 2]]),
+                weights=torch.tensor([[0.75, 0.75], [0.0, 1.5], [0.5, 1.0]]),
+            ),
+            ("hidden", "ids", "weights"),
+            tol=STAGE_TOL,
+            why="groups with 0 < amax < 1e-4 take the floor's byte 105 and codes x·2^22 (e4m3 subnormals, zeros "
+            "for amax 1e-20), like an all-zero group: a floor applied only at amax == 0 gives other bytes; "
+            "amax just above the floor (1.5e-4, 448·2^-22)",
+        )
+    )
+    x = (
+        randn((7, 256), seed=73, block=None, octaves=0, device="cpu")
+        * torch.tensor([2.0**k for k in (-30, -9, 0, 5, 9, 15, 40)], dtype=torch.bfloat16)[:, None]
+    )
     x = x.T.contiguous().T  # the same values as a column-major view: hidden with any strides
     ids = torch.randint(-1, 256, (7, 8), generator=generator(74))
     w = torch.rand(7, 8, generator=generator(75)) * 1.5
     w[3] = torch.tensor([float("inf"), -float("inf"), 1e-45, -1e38, 0.0, -0.0, 3.0, 2.0])
-    out.append(Case("moe.stage", "transposed_hidden_int64_ids_K8",
-                    dict(hidden=x, ids=ids, weights=w), ("hidden", "ids", "weights"), tol=STAGE_TOL,
-                    why="hidden a transposed view (any strides), 7 rows over 70 octaves (bytes above 128: negative words, "
-                        "P7); int64 ids stay int64; K = 8; weights a bit copy (±inf, a subnormal, −0.0 kept)"))
-    out.append(Case("moe.stage", "empty_batch",
-                    dict(hidden=torch.zeros(0, 384, dtype=torch.bfloat16), ids=torch.zeros(0, 6, dtype=torch.int32),
-                         weights=torch.zeros(0, 6)),
-                    ("hidden", "ids", "weights"), tol=STAGE_TOL,
-                    why="T = 0: empty outputs of the right shapes and dtypes ([0, 384] e4m3, [0, 3] int32, [0, 6] int64 "
-                        "and fp32), no launch over zero rows"))
+    out.append(
+        Case(
+            "moe.stage",
+            "transposed_hidden_int64_ids_K8",
+            dict(hidden=x, ids=ids, weights=w),
+            ("hidden", "ids", "weights"),
+            tol=STAGE_TOL,
+            why="hidden a transposed view (any strides), 7 rows over 70 octaves (bytes above 128: negative words, "
+            "P7); int64 ids stay int64; K = 8; weights a bit copy (±inf, a subnormal, −0.0 kept)",
+        )
+    )
+    out.append(
+        Case(
+            "moe.stage",
+            "empty_batch",
+            dict(
+                hidden=torch.zeros(0, 384, dtype=torch.bfloat16),
+                ids=torch.zeros(0, 6, dtype=torch.int32),
+                weights=torch.zeros(0, 6),
+            ),
+            ("hidden", "ids", "weights"),
+            tol=STAGE_TOL,
+            why="T = 0: empty outputs of the right shapes and dtypes ([0, 384] e4m3, [0, 3] int32, [0, 6] int64 "
+            "and fp32), no launch over zero rows",
+        )
+    )
     x = randn((2, 4096), seed=76, block=32, octaves=40, device="cpu")
     x[1, 4064:] = 448.0 * 2.0**9  # the last group of the last block: byte 136 in lane 3
-    out.append(Case("moe.stage", "flash_width_4096",
-                    dict(hidden=x, ids=torch.tensor([[255, 0, 17, 3, 99, 128], [1, 2, 3, 4, 5, -1]]),
-                         weights=torch.full((2, 6), 0.25)),
-                    ("hidden", "ids", "weights"), tol=STAGE_TOL,
-                    why="V4-Flash's Hd = 4096: 32 packed words per token over 40 octaves; the last word of a row, lane 3 "
-                        "= byte 136 (a negative word, P7), ends exactly at the row's end"))
+    out.append(
+        Case(
+            "moe.stage",
+            "flash_width_4096",
+            dict(hidden=x, ids=torch.tensor([[255, 0, 17, 3, 99, 128], [1, 2, 3, 4, 5, -1]]), weights=torch.full((2, 6), 0.25)),
+            ("hidden", "ids", "weights"),
+            tol=STAGE_TOL,
+            why="V4-Flash's Hd = 4096: 32 packed words per token over 40 octaves; the last word of a row, lane 3 "
+            "= byte 136 (a negative word, P7), ends exactly at the row's end",
+        )
+    )
     return out
 
 
-def _experts_case(name, why, *, T, K, seed, E=4, tweak=None, shared=True, swiglu_limit=10.0, check_values=True,
-                  layout=None, gain=2.0, ids_dtype=torch.int64):
+def _experts_case(
+    name,
+    why,
+    *,
+    T,
+    K,
+    seed,
+    E=4,
+    tweak=None,
+    shared=True,
+    swiglu_limit=10.0,
+    check_values=True,
+    layout=None,
+    gain=2.0,
+    ids_dtype=torch.int64,
+):
     """A moe.experts case on the layer shape of the golden files (Hd 128, E 4, I 16): ids and weights drawn,
     weights on a 2^-12 grid, staged by the reference; ``tweak(x, ids, w)`` edits them before staging."""
     shape = MoeShape(hidden=128, experts=E, k=K, intermediate=16, routed_scale=1.5, swiglu_limit=10.0, num_hash_layers=1)
-    d = {k: (v.cpu() if isinstance(v, torch.Tensor) else v)
-         for k, v in example_inputs(T, shape, seed=seed, octaves=16, weight_gain=gain).items()}
+    d = {
+        k: (v.cpu() if isinstance(v, torch.Tensor) else v)
+        for k, v in example_inputs(T, shape, seed=seed, octaves=16, weight_gain=gain).items()
+    }
     g = generator(seed + 100)
     ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)])
     w = torch.round(torch.rand(T, K, generator=g) * 1.5 * 4096) / 4096
@@ -257,29 +445,71 @@ def _experts_more() -> list[Case]:
         return x, ids, w
 
     def transposed(weights):  # the same values, other strides: w13 / w2 as transposed views
-        return dict(weights, w13=weights["w13"].transpose(1, 2).contiguous().transpose(1, 2),
-                    w2=weights["w2"].transpose(1, 2).contiguous().transpose(1, 2),
-                    shared_w2=weights["shared_w2"].T.contiguous().T)
+        return dict(
+            weights,
+            w13=weights["w13"].transpose(1, 2).contiguous().transpose(1, 2),
+            w2=weights["w2"].transpose(1, 2).contiguous().transpose(1, 2),
+            shared_w2=weights["shared_w2"].T.contiguous().T,
+        )
 
     return [
-        _experts_case("duplicate_ids_k3", "a row naming one expert three times adds all three slots; rows [0, 3, 0] "
-                      "and [2, 2, 1]: a scatter `y[idx] += v` keeps one of the repeated contributions (P10)",
-                      T=7, K=3, seed=80, tweak=triple),
-        _experts_case("minus1_slots_nan_weight_all_padding_row", "a −1 slot contributes exactly 0 whatever its weight "
-                      "(NaN, 1e30, −inf, 1e6: never read, P9); an all-padding row is the shared expert alone",
-                      T=8, K=2, seed=81, tweak=padding),
-        _experts_case("no_shared_expert", "shared_w13 = shared_w2 = None: the routed slots only, nothing added for "
-                      "the shared expert", T=6, K=2, seed=82, shared=False),
-        _experts_case("swiglu_limit_off", "swiglu_limit 0 disables the clamp: pre-activations past ±10 (gain 4) go "
-                      "through silu(a)·u unclamped, in routed and shared experts (P5's switch)",
-                      T=6, K=2, seed=83, swiglu_limit=0.0, gain=4.0),
-        _experts_case("nonfinite_staged_checks_off", "value checks off: a staged NaN group (byte 255, e4m3 0x7F / 0xFF) "
-                      "and a NaN weight of a read slot make the token's row NaN (0x7FC0); −inf in x reaches the shared "
-                      "expert; a NaN weight on a −1 slot does nothing (docs/contract.md, the MoE section)",
-                      T=8, K=2, seed=84, tweak=nonfinite, check_values=False),
-        _experts_case("int32_ids_strided_weights_E8", "int32 ids; w13, w2 and shared_w2 column-major views (any "
-                      "strides); E = 8 experts, K = 4, T = 9",
-                      T=9, K=4, E=8, seed=85, layout=transposed, ids_dtype=torch.int32),
+        _experts_case(
+            "duplicate_ids_k3",
+            "a row naming one expert three times adds all three slots; rows [0, 3, 0] "
+            "and [2, 2, 1]: a scatter `y[idx] += v` keeps one of the repeated contributions (P10)",
+            T=7,
+            K=3,
+            seed=80,
+            tweak=triple,
+        ),
+        _experts_case(
+            "minus1_slots_nan_weight_all_padding_row",
+            "a −1 slot contributes exactly 0 whatever its weight "
+            "(NaN, 1e30, −inf, 1e6: never read, P9); an all-padding row is the shared expert alone",
+            T=8,
+            K=2,
+            seed=81,
+            tweak=padding,
+        ),
+        _experts_case(
+            "no_shared_expert",
+            "shared_w13 = shared_w2 = None: the routed slots only, nothing added for the shared expert",
+            T=6,
+            K=2,
+            seed=82,
+            shared=False,
+        ),
+        _experts_case(
+            "swiglu_limit_off",
+            "swiglu_limit 0 disables the clamp: pre-activations past ±10 (gain 4) go "
+            "through silu(a)·u unclamped, in routed and shared experts (P5's switch)",
+            T=6,
+            K=2,
+            seed=83,
+            swiglu_limit=0.0,
+            gain=4.0,
+        ),
+        _experts_case(
+            "nonfinite_staged_checks_off",
+            "value checks off: a staged NaN group (byte 255, e4m3 0x7F / 0xFF) "
+            "and a NaN weight of a read slot make the token's row NaN (0x7FC0); −inf in x reaches the shared "
+            "expert; a NaN weight on a −1 slot does nothing (docs/contract.md, the MoE section)",
+            T=8,
+            K=2,
+            seed=84,
+            tweak=nonfinite,
+            check_values=False,
+        ),
+        _experts_case(
+            "int32_ids_strided_weights_E8",
+            "int32 ids; w13, w2 and shared_w2 column-major views (any strides); E = 8 experts, K = 4, T = 9",
+            T=9,
+            K=4,
+            E=8,
+            seed=85,
+            layout=transposed,
+            ids_dtype=torch.int32,
+        ),
     ]
 
 
@@ -292,41 +522,72 @@ def _forward_more() -> list[Case]:
 
     out = []
     d = layer(12, 90, octaves=10, weight_gain=2.0)
-    out.append(Case("moe.forward", "gate_layer_near_uniform_bias",
-                    dict(**{k: d[k] for k in LAYER}, k=2, routed_scale=1.5, swiglu_limit=10.0),
-                    LAYER, tol={"out": "moe_out"},
-                    why="the V4-Flash gate layer: bias ≈ 8.08 selects, the unbiased scores weigh (P1), the routed sum is "
-                        "scaled by 1.5 and the shared expert is not (P11)"))
+    out.append(
+        Case(
+            "moe.forward",
+            "gate_layer_near_uniform_bias",
+            dict(**{k: d[k] for k in LAYER}, k=2, routed_scale=1.5, swiglu_limit=10.0),
+            LAYER,
+            tol={"out": "moe_out"},
+            why="the V4-Flash gate layer: bias ≈ 8.08 selects, the unbiased scores weigh (P1), the routed sum is "
+            "scaled by 1.5 and the shared expert is not (P11)",
+        )
+    )
     d = layer(6, 91, octaves=4, weight_gain=2.0)
     d["gate_weight"] = d["gate_weight"] * 256.0  # exact in bf16: logits of hundreds, past fp32's exp overflow at 88
-    out.append(Case("moe.forward", "large_logits_softplus_threshold",
-                    dict(**{k: d[k] for k in LAYER}, k=2, routed_scale=1.5, swiglu_limit=10.0),
-                    LAYER, tol={"out": "moe_out"},
-                    why="gate logits of several hundred: softplus(z) = z above 20 keeps the weights finite where "
-                        "log1p(exp(z)) overflows (P2)"))
+    out.append(
+        Case(
+            "moe.forward",
+            "large_logits_softplus_threshold",
+            dict(**{k: d[k] for k in LAYER}, k=2, routed_scale=1.5, swiglu_limit=10.0),
+            LAYER,
+            tol={"out": "moe_out"},
+            why="gate logits of several hundred: softplus(z) = z above 20 keeps the weights finite where "
+            "log1p(exp(z)) overflows (P2)",
+        )
+    )
     d = layer(6, 92, octaves=8, weight_gain=2.0)
     x = d["x"].clone()
     x[2, 40], x[4, 100] = float("nan"), float("inf")
-    out.append(Case("moe.forward", "nonfinite_x_checks_off",
-                    dict(**{k: d[k] for k in LAYER}, k=2, routed_scale=1.5, swiglu_limit=10.0) | {"x": x},
-                    LAYER, tol={"out": "moe_out"}, check_values=False,
-                    why="value checks off: a NaN / +inf token gets NaN weights, a NaN staged group and a NaN output row "
-                        "(0x7FC0); the other rows as with finite input (docs/contract.md, the MoE section)"))
+    out.append(
+        Case(
+            "moe.forward",
+            "nonfinite_x_checks_off",
+            dict(**{k: d[k] for k in LAYER}, k=2, routed_scale=1.5, swiglu_limit=10.0) | {"x": x},
+            LAYER,
+            tol={"out": "moe_out"},
+            check_values=False,
+            why="value checks off: a NaN / +inf token gets NaN weights, a NaN staged group and a NaN output row "
+            "(0x7FC0); the other rows as with finite input (docs/contract.md, the MoE section)",
+        )
+    )
     d = layer(7, 93, hash_layer=True, octaves=12, vocab=40, weight_gain=2.0)
     ids = d["input_ids"].to(torch.int32)
     ids[0] = -1
-    out.append(Case("moe.forward", "hash_int32_table_no_shared",
-                    dict(**{k: d[k] for k in LAYER[:5]}, shared_w13=None, shared_w2=None, k=2, routed_scale=1.5,
-                         swiglu_limit=10.0, hash_table=d["hash_table"].to(torch.int32), input_ids=ids),
-                    LAYER, tol={"out": "moe_out"},
-                    why="an int32 tid2eid table and int32 input_ids; no shared expert (None, None): a padding row is "
-                        "exactly 0"))
+    out.append(
+        Case(
+            "moe.forward",
+            "hash_int32_table_no_shared",
+            dict(
+                **{k: d[k] for k in LAYER[:5]},
+                shared_w13=None,
+                shared_w2=None,
+                k=2,
+                routed_scale=1.5,
+                swiglu_limit=10.0,
+                hash_table=d["hash_table"].to(torch.int32),
+                input_ids=ids,
+            ),
+            LAYER,
+            tol={"out": "moe_out"},
+            why="an int32 tid2eid table and int32 input_ids; no shared expert (None, None): a padding row is exactly 0",
+        )
+    )
     return out
 
 
 def cases() -> list[Case]:
-    return (_route_cases() + _route_more() + _stage_cases() + _stage_more() + _layer_cases() + _experts_more()
-            + _forward_more())
+    return _route_cases() + _route_more() + _stage_cases() + _stage_more() + _layer_cases() + _experts_more() + _forward_more()
 
 
 def mass(case: Case) -> dict:
@@ -335,10 +596,28 @@ def mass(case: Case) -> dict:
     if case.op == "moe.experts":
         staged = tuple(a[k] for k in EXPERTS[1:5])
     elif case.op == "moe.forward":
-        ids, w = reference.route(a["x"], a["gate_weight"], a["bias"], k=a["k"], routed_scale=a["routed_scale"],
-                                 hash_table=a.get("hash_table"), input_ids=a.get("input_ids"))
+        ids, w = reference.route(
+            a["x"],
+            a["gate_weight"],
+            a["bias"],
+            k=a["k"],
+            routed_scale=a["routed_scale"],
+            hash_table=a.get("hash_table"),
+            input_ids=a.get("input_ids"),
+        )
         staged = reference.stage(a["x"], ids, w)
     else:
         return {}
-    return {"out": reference.experts(a["x"], *staged, a["w13"], a["w2"], a.get("shared_w13"), a.get("shared_w2"),
-                                     swiglu_limit=a["swiglu_limit"], dtype=torch.float64, mass=True)}
+    return {
+        "out": reference.experts(
+            a["x"],
+            *staged,
+            a["w13"],
+            a["w2"],
+            a.get("shared_w13"),
+            a.get("shared_w2"),
+            swiglu_limit=a["swiglu_limit"],
+            dtype=torch.float64,
+            mass=True,
+        )
+    }

@@ -66,9 +66,15 @@ def save(directory, cases: list[Case]) -> list[pathlib.Path]:
         for group, values in (("expected", c.expected), ("mass", c.mass)):
             for k, v in values.items():
                 tensors[f"{group}.{k}"] = v.detach().cpu().contiguous().clone()
-        meta = {"op": c.op, "case": c.name, "why": c.why, "positional": json.dumps(list(c.positional)),
-                "scalars": json.dumps(_jsonable(scalars)), "tolerance": json.dumps(_jsonable(tolerance_record(c))),
-                "check_values": "true" if c.check_values else "false"}
+        meta = {
+            "op": c.op,
+            "case": c.name,
+            "why": c.why,
+            "positional": json.dumps(list(c.positional)),
+            "scalars": json.dumps(_jsonable(scalars)),
+            "tolerance": json.dumps(_jsonable(tolerance_record(c))),
+            "check_values": "true" if c.check_values else "false",
+        }
         p = d / f"{c.op}__{c.name}.safetensors"
         save_file(tensors, str(p), metadata=meta)
         paths.append(p)
@@ -91,6 +97,17 @@ def load(directory) -> list[Case]:
         positional = tuple(json.loads(meta["positional"]))
         order = list(positional) + [k for k in inputs if k not in positional]
         tol = {o: t["name"] for o, t in json.loads(meta["tolerance"]).items()}
-        cases.append(Case(meta["op"], meta["case"], {k: inputs[k] for k in order}, positional, groups["expected"],
-                          tol, meta["why"], groups["mass"], meta["check_values"] == "true"))
+        cases.append(
+            Case(
+                meta["op"],
+                meta["case"],
+                {k: inputs[k] for k in order},
+                positional,
+                groups["expected"],
+                tol,
+                meta["why"],
+                groups["mass"],
+                meta["check_values"] == "true",
+            )
+        )
     return cases

@@ -28,8 +28,21 @@ from ..device import DEVICE
 from ..tolerances import TOLERANCES, Report, compare
 from ..validate import checking_values
 
-__all__ = ["OPS", "Case", "Row", "op_modules", "outputs", "all_cases", "default_impls", "reference_impls", "run",
-           "format_report", "save_golden", "load_golden", "tolerance_record"]
+__all__ = [
+    "OPS",
+    "Case",
+    "Row",
+    "op_modules",
+    "outputs",
+    "all_cases",
+    "default_impls",
+    "reference_impls",
+    "run",
+    "format_report",
+    "save_golden",
+    "load_golden",
+    "tolerance_record",
+]
 
 #: The ops whose cases the suite runs, in report order: one module ``dsv4ref.conformance.<op>`` each.
 OPS = ("fp8", "kv_cache", "rope", "sparse_mla", "mhc", "indexer", "moe", "compressor", "mtp")
@@ -184,8 +197,14 @@ def run(impls: dict[str, Callable] | None = None, cases: list[Case] | str | None
                 rows.append(Row(c.op, c.name, o, None, "output missing"))
                 continue
             m = c.mass.get(o)
-            rows.append(Row(c.op, c.name, o, compare(got[o], exp.to(got[o].device), c.tol[o], o,
-                                                     None if m is None else m.to(got[o].device))))
+            rows.append(
+                Row(
+                    c.op,
+                    c.name,
+                    o,
+                    compare(got[o], exp.to(got[o].device), c.tol[o], o, None if m is None else m.to(got[o].device)),
+                )
+            )
     return rows
 
 
@@ -219,19 +238,30 @@ def save_golden(directory, cases: list[Case] | None = None) -> list[pathlib.Path
     paths = []
     for c in cases if cases is not None else all_cases():
         p = d / f"{c.op}__{c.name}.pt"
-        torch.save(dict(op=c.op, case=c.name, why=c.why, positional=list(c.positional),
-                        inputs={k: v.cpu().clone() if isinstance(v, torch.Tensor) else v for k, v in c.inputs.items()},
-                        expected={k: v.cpu().clone() for k, v in c.expected.items()}, tolerance=tolerance_record(c),
-                        mass={k: v.cpu().clone() for k, v in c.mass.items()},
-                        **({} if c.check_values else {"check_values": False})), p)
+        torch.save(
+            dict(
+                op=c.op,
+                case=c.name,
+                why=c.why,
+                positional=list(c.positional),
+                inputs={k: v.cpu().clone() if isinstance(v, torch.Tensor) else v for k, v in c.inputs.items()},
+                expected={k: v.cpu().clone() for k, v in c.expected.items()},
+                tolerance=tolerance_record(c),
+                mass={k: v.cpu().clone() for k, v in c.mass.items()},
+                **({} if c.check_values else {"check_values": False}),
+            ),
+            p,
+        )
         paths.append(p)
     return paths
 
 
 def tolerance_record(case: Case) -> dict:
     """The ``tolerance`` entry of a golden file: output name → {name, mode, atol, rtol, cos}."""
-    return {o: dict(name=t, mode=TOLERANCES[t].mode, atol=TOLERANCES[t].atol, rtol=TOLERANCES[t].rtol,
-                    cos=TOLERANCES[t].cos) for o, t in case.tol.items()}
+    return {
+        o: dict(name=t, mode=TOLERANCES[t].mode, atol=TOLERANCES[t].atol, rtol=TOLERANCES[t].rtol, cos=TOLERANCES[t].cos)
+        for o, t in case.tol.items()
+    }
 
 
 def load_golden(directory) -> list[Case]:
@@ -239,7 +269,17 @@ def load_golden(directory) -> list[Case]:
     cases = []
     for p in sorted(pathlib.Path(directory).glob("*.pt")):
         d = torch.load(p, weights_only=True)
-        cases.append(Case(d["op"], d["case"], d["inputs"], tuple(d["positional"]), d["expected"],
-                          {o: t["name"] for o, t in d["tolerance"].items()}, d["why"], d.get("mass", {}),
-                          d.get("check_values", True)))
+        cases.append(
+            Case(
+                d["op"],
+                d["case"],
+                d["inputs"],
+                tuple(d["positional"]),
+                d["expected"],
+                {o: t["name"] for o, t in d["tolerance"].items()},
+                d["why"],
+                d.get("mass", {}),
+                d.get("check_values", True),
+            )
+        )
     return cases

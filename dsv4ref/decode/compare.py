@@ -66,8 +66,10 @@ def agreement(cfg: Config, weights: dict, records, history, bugs=()) -> list[Ste
     Returns: one :class:`StepAgreement` per record."""
     toks, topks = history
     experts = getattr(history, "experts", None)  # the MoE's choices (Decoder.history().experts)
-    refs = [reference_forward(cfg, weights, toks[r], topks[r], bugs=bugs, experts=None if experts is None else experts[r])
-            for r in range(len(toks))]
+    refs = [
+        reference_forward(cfg, weights, toks[r], topks[r], bugs=bugs, experts=None if experts is None else experts[r])
+        for r in range(len(toks))
+    ]
     rows = []
     for step, pos, logits, attn, active in records:
         le, ae, top1, n = 0.0, 0.0, 0, 0

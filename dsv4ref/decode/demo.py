@@ -26,8 +26,9 @@ def _capacity(prompt_lens, steps: int) -> int:
     return (max(prompt_lens) + steps + 15) // 16 * 16
 
 
-def check_demo(steps, speculate=0, graph=False, *, cfg: Config = TINY, prompt_lens=DEMO_PROMPTS,
-               names=("steps", "speculate", "graph")) -> None:
+def check_demo(
+    steps, speculate=0, graph=False, *, cfg: Config = TINY, prompt_lens=DEMO_PROMPTS, names=("steps", "speculate", "graph")
+) -> None:
     """Every check of :func:`demo`'s arguments, before any work: ``steps`` an int ≥ 1 whose caches fit in
     ``cfg.max_position`` (the plain run needs the longest prompt + steps, speculation k more, the graph run one
     more), ``speculate`` an int in [0, 7], ``graph`` a bool. ``names``: what the errors call the three (the
@@ -40,9 +41,11 @@ def check_demo(steps, speculate=0, graph=False, *, cfg: Config = TINY, prompt_le
     extra = max(speculate, 1 if graph else 0)  # run_speculative: + k positions; graph_speed: one warm-up step
     most = (cfg.max_position // 16) * 16 - max(prompt_lens) - extra
     if _capacity(prompt_lens, steps + extra) > cfg.max_position:
-        raise ValueError(f"{n_steps}: {steps} decode steps do not fit the caches of {cfg.name} (max_position "
-                         f"{cfg.max_position}, prompts of up to {max(prompt_lens)} tokens"
-                         f"{f', {n_spec} {speculate}' if speculate else ''}); expected at most {most}")
+        raise ValueError(
+            f"{n_steps}: {steps} decode steps do not fit the caches of {cfg.name} (max_position "
+            f"{cfg.max_position}, prompts of up to {max(prompt_lens)} tokens"
+            f"{f', {n_spec} {speculate}' if speculate else ''}); expected at most {most}"
+        )
 
 
 def demo(steps: int = 16, speculate: int = 0, graph: bool = False) -> int:
@@ -67,9 +70,11 @@ def demo(steps: int = 16, speculate: int = 0, graph: bool = False) -> int:
     if not interpreting():  # compile every kernel first, so the timed loop measures decoding, not the JIT
         run(cfg, steps=1)
     dec, w, recs, tps = run(cfg, steps=steps, progress=bar)
-    print(f"\ndecoded {steps} steps x {dec.R} requests: {tps:.1f} tokens/s "
-          f"({'interpreted Triton' if interpreting() else 'compiled Triton'} kernels; prefill + decode "
-          f"{time.perf_counter() - t0:.1f} s)")
+    print(
+        f"\ndecoded {steps} steps x {dec.R} requests: {tps:.1f} tokens/s "
+        f"({'interpreted Triton' if interpreting() else 'compiled Triton'} kernels; prefill + decode "
+        f"{time.perf_counter() - t0:.1f} s)"
+    )
     if not interpreting() and DEVICE.type != "cpu":
         dec2, _, _, _ = run(cfg, steps=steps, profile=True)
         tot = sum(dec2.prof.values())
@@ -77,12 +82,16 @@ def demo(steps: int = 16, speculate: int = 0, graph: bool = False) -> int:
         for k, v in sorted(dec2.prof.items(), key=lambda kv: -kv[1]):
             print(f"  {k:<22} {v / tot:6.1%}  ({v / steps * 1e3:8.1f} us/step)")
     rows = agreement(cfg, w, recs, dec.history())
-    print(f"agreement with the float64 dense reference (row relative L2 error; tolerances: attention "
-          f"{ATTN_TOL:g}, logits {LOGITS_TOL:g}; see dsv4ref.decode.ATTN_TOL):")
+    print(
+        f"agreement with the float64 dense reference (row relative L2 error; tolerances: attention "
+        f"{ATTN_TOL:g}, logits {LOGITS_TOL:g}; see dsv4ref.decode.ATTN_TOL):"
+    )
     print(f"{'step':>6} {'logits':>9} {'attn (max over layers)':>24} {'top-1':>7}  verdict")
     for a in rows:
-        print(f"{'prefill' if a.step < 0 else a.step:>6} {a.logits_err:>9.2e} {a.attn_err:>24.2e} "
-              f"{a.top1_agree:>4}/{a.n}  {'PASS' if a.passed else 'FAIL'}")
+        print(
+            f"{'prefill' if a.step < 0 else a.step:>6} {a.logits_err:>9.2e} {a.attn_err:>24.2e} "
+            f"{a.top1_agree:>4}/{a.n}  {'PASS' if a.passed else 'FAIL'}"
+        )
     ok = all(a.passed for a in rows)
     print("all steps agree" if ok else "DISAGREEMENT")
     if speculate:
@@ -100,11 +109,15 @@ def _demo_graph(cfg: Config, steps: int) -> bool:
         print(f"graph=True failed: {type(e).__name__}: {str(e).splitlines()[0][:200]}")
         return False
     how = "one device graph per step" if s["captured"] else "no device graphs here: the same static-buffer step, eagerly"
-    print(f"value checks off, {steps} warm steps each: eager {s['eager']:.1f} tokens/s ({s['eager_ms']:.2f} ms/step); "
-          f"graph=True {s['graph']:.1f} tokens/s ({s['graph_ms']:.2f} ms/step; {how})")
-    print(f"  of a graphed step: replay {s['replay_ms']:.2f} ms (the device part: every layer and the lm head), "
-          f"host {max(s['graph_ms'] - s['replay_ms'], 0):.2f} ms (ids to the host, rows, copies into the static "
-          f"inputs, the argmax read back, the token history)")
+    print(
+        f"value checks off, {steps} warm steps each: eager {s['eager']:.1f} tokens/s ({s['eager_ms']:.2f} ms/step); "
+        f"graph=True {s['graph']:.1f} tokens/s ({s['graph_ms']:.2f} ms/step; {how})"
+    )
+    print(
+        f"  of a graphed step: replay {s['replay_ms']:.2f} ms (the device part: every layer and the lm head), "
+        f"host {max(s['graph_ms'] - s['replay_ms'], 0):.2f} ms (ids to the host, rows, copies into the static "
+        f"inputs, the argmax read back, the token history)"
+    )
     print("graph tokens == eager tokens" if s["same"] else "THE GRAPH CHANGED THE TOKENS")
     return s["same"]
 
@@ -117,12 +130,14 @@ def _demo_speculation(cfg: Config, plain, steps: int, k: int) -> bool:
     same = True
     for r in range(dec.R):
         n0 = int(plain.lengths[r]) - steps  # the prompt length: plain decoding fed its steps tokens from there
-        want = plain.tokens[r, n0: n0 + steps].tolist()
+        want = plain.tokens[r, n0 : n0 + steps].tolist()
         got = dec.generated[r][:steps]
         same = same and got == want
     s = dec.spec
-    print(f"MTP speculation, k = {k}: {s.rounds} rounds, {s.accepted}/{s.drafted} drafts accepted "
-          f"(acceptance rate {s.rate:.1%}), {s.emitted / max(s.rounds * dec.R, 1):.2f} tokens per request per target "
-          f"step; {tps:.3g} tokens/s ({time.perf_counter() - t0:.1f} s)")
+    print(
+        f"MTP speculation, k = {k}: {s.rounds} rounds, {s.accepted}/{s.drafted} drafts accepted "
+        f"(acceptance rate {s.rate:.1%}), {s.emitted / max(s.rounds * dec.R, 1):.2f} tokens per request per target "
+        f"step; {tps:.3g} tokens/s ({time.perf_counter() - t0:.1f} s)"
+    )
     print("speculative tokens == plain greedy tokens" if same else "SPECULATION CHANGED THE TOKENS")
     return same

@@ -22,10 +22,23 @@ from .model import Decoder
 __all__ = ["run", "run_speculative", "SpecStats", "graph_speed"]
 
 
-def run(cfg: Config = TINY, *, steps: int = 8, prompt_lens=(133, 37, 5, 70), seed: int = 0, capacity: int | None = None,
-        decode_backend: str = "auto", prefill_backend: str = "reference", pad_heads: bool = True,
-        inactive: dict | None = None, progress=None, profile: bool = False, speculate: int = 0, graph: bool = False,
-        mhc_launch=None):
+def run(
+    cfg: Config = TINY,
+    *,
+    steps: int = 8,
+    prompt_lens=(133, 37, 5, 70),
+    seed: int = 0,
+    capacity: int | None = None,
+    decode_backend: str = "auto",
+    prefill_backend: str = "reference",
+    pad_heads: bool = True,
+    inactive: dict | None = None,
+    progress=None,
+    profile: bool = False,
+    speculate: int = 0,
+    graph: bool = False,
+    mhc_launch=None,
+):
     """Prefill random prompts, then greedy-decode ``steps`` tokens.
 
     ``inactive``: {step: [request ids]} that sit out that step as padding; ``progress(i, n)`` is called
@@ -39,12 +52,22 @@ def run(cfg: Config = TINY, *, steps: int = 8, prompt_lens=(133, 37, 5, 70), see
     if speculate:
         if inactive or profile:
             raise ValueError("run: speculate does not take inactive= or profile=")
-        return run_speculative(cfg, steps=steps, k=speculate, prompt_lens=prompt_lens, seed=seed, capacity=capacity,
-                               decode_backend=decode_backend, prefill_backend=prefill_backend, pad_heads=pad_heads,
-                               progress=progress)
+        return run_speculative(
+            cfg,
+            steps=steps,
+            k=speculate,
+            prompt_lens=prompt_lens,
+            seed=seed,
+            capacity=capacity,
+            decode_backend=decode_backend,
+            prefill_backend=prefill_backend,
+            pad_heads=pad_heads,
+            progress=progress,
+        )
     R = len(prompt_lens)
-    dec, w, rec, logits = _start(cfg, prompt_lens, seed, capacity, steps, decode_backend, prefill_backend, pad_heads,
-                                 graph, mhc_launch)
+    dec, w, rec, logits = _start(
+        cfg, prompt_lens, seed, capacity, steps, decode_backend, prefill_backend, pad_heads, graph, mhc_launch
+    )
     records = [rec]
     synchronize()
     t0 = time.perf_counter()
@@ -67,20 +90,33 @@ def run(cfg: Config = TINY, *, steps: int = 8, prompt_lens=(133, 37, 5, 70), see
     return dec, w, records, tps
 
 
-def _start(cfg, prompt_lens, seed, capacity, steps, decode_backend, prefill_backend, pad_heads, graph=False,
-           mhc_launch=None):
+def _start(cfg, prompt_lens, seed, capacity, steps, decode_backend, prefill_backend, pad_heads, graph=False, mhc_launch=None):
     """A Decoder with random prompts prefilled: (decoder, weights, first record, logits)."""
     R = len(prompt_lens)
     cap = capacity or (max(prompt_lens) + steps + 15) // 16 * 16
     w = make_weights(cfg, seed)
-    dec = Decoder(cfg, w, num_requests=R, capacity=cap, seed=seed, pad_heads=pad_heads, backend=decode_backend,
-                  graph=graph, mhc_launch=mhc_launch)
+    dec = Decoder(
+        cfg,
+        w,
+        num_requests=R,
+        capacity=cap,
+        seed=seed,
+        pad_heads=pad_heads,
+        backend=decode_backend,
+        graph=graph,
+        mhc_launch=mhc_launch,
+    )
     g = generator(seed + 2)
     prompts = [torch.randint(0, cfg.vocab_size, (n,), generator=g, device=HOST) for n in prompt_lens]
     logits = dec.prefill(prompts, backend=prefill_backend)
     last = torch.tensor(prompt_lens, device=HOST).cumsum(0) - 1
-    rec = (-1, torch.tensor(prompt_lens, device=HOST) - 1, logits.cpu(), [a[last.to(a.device)].cpu() for a in dec.attn_out],
-           torch.ones(R, dtype=torch.bool, device=HOST))
+    rec = (
+        -1,
+        torch.tensor(prompt_lens, device=HOST) - 1,
+        logits.cpu(),
+        [a[last.to(a.device)].cpu() for a in dec.attn_out],
+        torch.ones(R, dtype=torch.bool, device=HOST),
+    )
     return dec, w, rec, logits
 
 
@@ -99,9 +135,19 @@ class SpecStats:
         return self.accepted / max(self.drafted, 1)
 
 
-def run_speculative(cfg: Config = TINY, *, steps: int = 8, k: int = 2, prompt_lens=(133, 37, 5, 70), seed: int = 0,
-                    capacity: int | None = None, decode_backend: str = "auto", prefill_backend: str = "reference",
-                    pad_heads: bool = True, progress=None):
+def run_speculative(
+    cfg: Config = TINY,
+    *,
+    steps: int = 8,
+    k: int = 2,
+    prompt_lens=(133, 37, 5, 70),
+    seed: int = 0,
+    capacity: int | None = None,
+    decode_backend: str = "auto",
+    prefill_backend: str = "reference",
+    pad_heads: bool = True,
+    progress=None,
+):
     """:func:`run` with MTP speculation: after the prefill, rounds of :meth:`Decoder.speculate` (k drafts,
     one verification step of k + 1 rows per request) until every request has ``steps`` new tokens past its
     prompt, the prefill's argmax included (a round may emit more; ``dec.tokens`` keeps them all). The draft layer's catch-up over the
@@ -112,8 +158,16 @@ def run_speculative(cfg: Config = TINY, *, steps: int = 8, k: int = 2, prompt_le
     decoding gives). Records: one per verified position j of each round (rows of requests that emitted
     fewer tokens that round are inactive), as :func:`agreement` takes them."""
     R = len(prompt_lens)
-    dec, w, rec, logits = _start(cfg, prompt_lens, seed, (capacity or max(prompt_lens) + steps + k + 15) // 16 * 16,
-                                 steps, decode_backend, prefill_backend, pad_heads)
+    dec, w, rec, logits = _start(
+        cfg,
+        prompt_lens,
+        seed,
+        (capacity or max(prompt_lens) + steps + k + 15) // 16 * 16,
+        steps,
+        decode_backend,
+        prefill_backend,
+        pad_heads,
+    )
     records, stats = [rec], SpecStats()
     gen = [[] for _ in range(R)]
     nxt = logits.argmax(-1).cpu()

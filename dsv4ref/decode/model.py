@@ -78,9 +78,21 @@ class Decoder(Speculating):
     per-position records (``experts``, ``topk``) live on the device, so the step reads nothing back.
     """
 
-    def __init__(self, cfg: Config = TINY, weights: dict | None = None, *, num_requests: int = 4,
-                 capacity: int = 320, seed: int = 0, pad_heads: bool = True, index_hadamard: bool = True,
-                 backend: str = "auto", device=None, graph: bool = False, mhc_launch: mhc.MhcLaunch | None = None):
+    def __init__(
+        self,
+        cfg: Config = TINY,
+        weights: dict | None = None,
+        *,
+        num_requests: int = 4,
+        capacity: int = 320,
+        seed: int = 0,
+        pad_heads: bool = True,
+        index_hadamard: bool = True,
+        backend: str = "auto",
+        device=None,
+        graph: bool = False,
+        mhc_launch: mhc.MhcLaunch | None = None,
+    ):
         check_config(cfg)
         validate.integer(num_requests, "num_requests", lo=1)
         validate.integer(capacity, "capacity", lo=1, hi=cfg.max_position)
@@ -121,10 +133,11 @@ class Decoder(Speculating):
         for r in sorted(set(layer_ratio(cfg, i) for i in range(cfg.num_layers)) | ({0} if has_mtp else set())):
             key = "swa" if r == 0 else "comp"
             if key not in self.cos_sin:
-                self.cos_sin[key] = (rope.cos_sin_cache(cfg.max_position, cfg.rope_dim, cfg.rope_theta, device=dev)
-                                     if r == 0 else
-                                     rope.cos_sin_cache(cfg.max_position, cfg.rope_dim, cfg.compress_rope_theta,
-                                                        yarn=cfg.yarn, device=dev))
+                self.cos_sin[key] = (
+                    rope.cos_sin_cache(cfg.max_position, cfg.rope_dim, cfg.rope_theta, device=dev)
+                    if r == 0
+                    else rope.cos_sin_cache(cfg.max_position, cfg.rope_dim, cfg.compress_rope_theta, yarn=cfg.yarn, device=dev)
+                )
         self.bt_swa, n_swa = table(capacity, cfg.window_page)
 
         def record(width: int):
@@ -141,8 +154,7 @@ class Decoder(Speculating):
             # the draft layer: its own window cache (addressed through the same block tables), the target's
             # pre-head residual of every position (its input), and how far it has read them
             self.mtp_state = LayerState.allocate(cfg, 0, **alloc)  # window only
-            self.h_hist = torch.zeros(num_requests, capacity, cfg.hc_mult, cfg.hidden_size, dtype=torch.bfloat16,
-                                      device=dev)
+            self.h_hist = torch.zeros(num_requests, capacity, cfg.hc_mult, cfg.hidden_size, dtype=torch.bfloat16, device=dev)
         self.mtp_done = torch.zeros(num_requests, dtype=torch.int64, device=HOST)  # host
         self.graph = graph  # step() through captured device graphs (StepGraph), one per (backend, shortcut)
         self.graphs: dict[tuple, StepGraph] = {}
@@ -159,8 +171,10 @@ class Decoder(Speculating):
         truncated); the Decoder must be fresh. Returns the logits (R, V) fp32 of each request's last prompt
         token. Every check runs before anything is written."""
         if not isinstance(prompts, (list, tuple)) and not (isinstance(prompts, torch.Tensor) and prompts.dim() == 2):
-            raise TypeError(f"prompts: expected a list of {self.R} prompts (num_requests; each a sequence of token "
-                            f"ids), got {type(prompts).__name__}")
+            raise TypeError(
+                f"prompts: expected a list of {self.R} prompts (num_requests; each a sequence of token "
+                f"ids), got {type(prompts).__name__}"
+            )
         if len(prompts) != self.R:
             raise ValueError(f"prompts: expected {self.R} prompts (num_requests), got {len(prompts)}")
         if bool((self.lengths > 0).any()):
@@ -168,8 +182,10 @@ class Decoder(Speculating):
         seqs = [self._token_ids(p, f"prompts[{i}]") for i, p in enumerate(prompts)]
         for i, t in enumerate(seqs):
             if t.dim() != 1 or t.numel() < 1:
-                raise ValueError(f"prompts[{i}]: expected a 1-d sequence of at least one token id (one prompt per "
-                                 f"request: prefill([[5, 6], [7], ...])), got shape {tuple(t.shape)}")
+                raise ValueError(
+                    f"prompts[{i}]: expected a 1-d sequence of at least one token id (one prompt per "
+                    f"request: prefill([[5, 6], [7], ...])), got shape {tuple(t.shape)}"
+                )
         lens = torch.tensor([t.numel() for t in seqs], dtype=torch.int64, device=HOST)
         ids = torch.cat(seqs)
         self._check_ids(ids, "prompts")
@@ -217,8 +233,10 @@ class Decoder(Speculating):
         if self.prof is not None:
             raise ValueError("graph: profiling (prof) times each op with host syncs; it cannot run in a graph")
         if validate.check_values():
-            raise ValueError("graph: capturing the step needs DSV4REF_CHECK_VALUES=0 (value checks read tensors "
-                             "on the host); use dsv4ref.validate.checking_values(False)")
+            raise ValueError(
+                "graph: capturing the step needs DSV4REF_CHECK_VALUES=0 (value checks read tensors "
+                "on the host); use dsv4ref.validate.checking_values(False)"
+            )
         key = (backend, rows.shortcut)
         g = self.graphs.get(key)
         fresh = g is None
@@ -262,7 +280,7 @@ class Decoder(Speculating):
             topks.append({li: t[r, :n].clone() for li, t in topk.items()})
             e = {li: t[r, :n].clone() for li, t in exp.items()}
             if self.mtp_state is not None:
-                e["mtp"] = self.mtp_state.experts[r, :int(self.mtp_done[r])].cpu()
+                e["mtp"] = self.mtp_state.experts[r, : int(self.mtp_done[r])].cpu()
             experts.append(e)
         return History(toks, topks, experts)
 
@@ -302,23 +320,31 @@ class Decoder(Speculating):
                 ids = torch.as_tensor(ids)
             except (TypeError, ValueError, RuntimeError) as e:
                 raise (TypeError if isinstance(e, TypeError) else ValueError)(
-                    f"{name}: expected integer token ids (a tensor or a sequence of ints), got {type(ids).__name__} "
-                    f"({e})") from None
+                    f"{name}: expected integer token ids (a tensor or a sequence of ints), got {type(ids).__name__} ({e})"
+                ) from None
             if ids.numel() == 0:  # an empty list holds no float: torch only calls it float32
                 ids = ids.to(torch.int64)
         if ids.dtype == torch.bool or ids.is_floating_point() or ids.is_complex():
-            raise TypeError(f"{name}: token ids must be integers, got dtype {ids.dtype} (a float or bool is never "
-                            "read as a token id; pass e.g. logits.argmax(-1))")
+            raise TypeError(
+                f"{name}: token ids must be integers, got dtype {ids.dtype} (a float or bool is never "
+                "read as a token id; pass e.g. logits.argmax(-1))"
+            )
         validate.not_meta(ids, name)
         return ids.to(torch.int64).cpu()
 
     def _check_ids(self, ids: torch.Tensor, name: str) -> None:
         if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.cfg.vocab_size):
-            raise ValueError(f"{name}: token ids must be in [0, {self.cfg.vocab_size}), got "
-                             f"{int(ids.min())}..{int(ids.max())}")
+            raise ValueError(f"{name}: token ids must be in [0, {self.cfg.vocab_size}), got {int(ids.min())}..{int(ids.max())}")
 
-    def _rows(self, req: torch.Tensor, pos: torch.Tensor, valid: torch.Tensor, *, what: str = "",
-              hint: str = "make a Decoder with a larger capacity=") -> Rows:
+    def _rows(
+        self,
+        req: torch.Tensor,
+        pos: torch.Tensor,
+        valid: torch.Tensor,
+        *,
+        what: str = "",
+        hint: str = "make a Decoder with a larger capacity=",
+    ) -> Rows:
         """The step's rows from host tensors (req, pos, valid): the capacity check and the indexer's shortcut
         decision happen here, on the host, before anything runs on the device. ``what``: the argument the
         capacity error names first (e.g. ``"k"``), ``hint``: what to do about it."""
@@ -328,7 +354,8 @@ class Decoder(Speculating):
             i = int(bad.nonzero()[0, 0])
             raise CacheCapacityError(
                 f"{what + ': ' if what else ''}request {int(req[i])}: position {int(pos[i])} is past the cache "
-                f"capacity of {self.capacity} tokens per request; nothing was written ({hint})")
+                f"capacity of {self.capacity} tokens per request; nothing was written ({hint})"
+            )
         pos = torch.where(valid, pos, 0)
         n_c = (pos[valid] + 1) // 4  # the ratio-4 layers' visible compressed rows
         shortcut = n_c.numel() == 0 or int(n_c.max()) <= self.cfg.index_topk
@@ -352,8 +379,13 @@ class Decoder(Speculating):
     # ------------------------------------------------------------------------------------------------
     def _forward(self, ids: torch.Tensor, rows: Rows, backend: str) -> torch.Tensor:
         cfg, w = self.cfg, self.w
-        mk = dict(rms_eps=cfg.rms_norm_eps, hc_eps=cfg.hc_eps, sinkhorn_iters=cfg.hc_sinkhorn_iters, backend=backend,
-                  launch=self.mhc_launch)
+        mk = dict(
+            rms_eps=cfg.rms_norm_eps,
+            hc_eps=cfg.hc_eps,
+            sinkhorn_iters=cfg.hc_sinkhorn_iters,
+            backend=backend,
+            launch=self.mhc_launch,
+        )
         self.attn_out = []  # per layer (T, Hd) bf16, for the agreement checks
         input_ids = torch.where(rows.valid, ids, -1)  # the MoE's padding marker (and a hash layer's key)
         h = w["embed"][ids]  # 0: (T, Hd) bf16
@@ -364,8 +396,9 @@ class Decoder(Speculating):
             if li == 0:  # 1: mHC pre
                 post, comb, x = self._op("mhc", mhc.pre, Hs, p["fn"], p["scale"], p["base"], **mk)
             else:  # 10 of the previous layer, fused with this layer's 1
-                Hs, post, comb, x = self._op("mhc", mhc.fused_post_pre, ffn_out, Hs, post, comb, p["fn"], p["scale"],
-                                             p["base"], **mk)
+                Hs, post, comb, x = self._op(
+                    "mhc", mhc.fused_post_pre, ffn_out, Hs, post, comb, p["fn"], p["scale"], p["base"], **mk
+                )
             a = self.attention(li, x, rows, backend)  # 2..9
             self.attn_out.append(a)
             p = L["hc_ffn"]
@@ -379,23 +412,53 @@ class Decoder(Speculating):
         """hc_head → RMSNorm → the shared lm_head: (T, V) fp32 (the target's head, or the draft layer's with its
         own ``hc``/``norm``)."""
         cfg = self.cfg
-        y = self._op("mhc", mhc.head, Hs, hc["fn"], hc["scale"], hc["base"], rms_eps=cfg.rms_norm_eps,
-                     hc_eps=cfg.hc_eps, backend=backend, launch=self.mhc_launch)
+        y = self._op(
+            "mhc",
+            mhc.head,
+            Hs,
+            hc["fn"],
+            hc["scale"],
+            hc["base"],
+            rms_eps=cfg.rms_norm_eps,
+            hc_eps=cfg.hc_eps,
+            backend=backend,
+            launch=self.mhc_launch,
+        )
         y = rms_norm(y, norm, cfg.rms_norm_eps)
         return self._op("lm_head", lambda: y.float() @ self.w["lm_head"].float().T)
 
-    def _ffn(self, L: dict, experts: torch.Tensor, x: torch.Tensor, input_ids: torch.Tensor, rows: Rows,
-             backend: str) -> torch.Tensor:
+    def _ffn(
+        self, L: dict, experts: torch.Tensor, x: torch.Tensor, input_ids: torch.Tensor, rows: Rows, backend: str
+    ) -> torch.Tensor:
         """11: the MoE feed-forward on the ffn_norm of ``x``: route (hash layers by token id, padding rows −1),
         stage, experts + shared expert. Records the expert ids of the valid rows in ``experts`` (a layer's
         :attr:`LayerState.experts`)."""
         cfg, m = self.cfg, L["moe"]
         x = rms_norm(x, L["ffn_norm"], cfg.rms_norm_eps)
-        ids, wts = self._op("moe", moe.route, x, m["gate_weight"], m["bias"], k=cfg.num_experts_per_tok,
-                            routed_scale=cfg.routed_scaling_factor, hash_table=m["tid2eid"], input_ids=input_ids)
+        ids, wts = self._op(
+            "moe",
+            moe.route,
+            x,
+            m["gate_weight"],
+            m["bias"],
+            k=cfg.num_experts_per_tok,
+            routed_scale=cfg.routed_scaling_factor,
+            hash_table=m["tid2eid"],
+            input_ids=input_ids,
+        )
         staged = self._op("moe", moe.stage, x, ids, wts, backend=backend)
-        y = self._op("moe", moe.experts, x, *staged, m["w13"], m["w2"], m["shared_w13"], m["shared_w2"],
-                     swiglu_limit=cfg.swiglu_limit, backend=backend)
+        y = self._op(
+            "moe",
+            moe.experts,
+            x,
+            *staged,
+            m["w13"],
+            m["w2"],
+            m["shared_w13"],
+            m["shared_w2"],
+            swiglu_limit=cfg.swiglu_limit,
+            backend=backend,
+        )
         experts[self._record_at(rows)] = ids.to(torch.int32)
         return y
 
@@ -413,13 +476,24 @@ class Decoder(Speculating):
         # 2-3: norm, one GEMM for [qr | kv], their norms, wq_b
         x = rms_norm(x, L["attn_norm"], eps)
         qkv = self._op("proj", linear, x, L["wqkv_a"])
-        qr = rms_norm(qkv[:, :cfg.q_lora_rank], L["q_norm"], eps)
-        kv = rms_norm(qkv[:, cfg.q_lora_rank:], L["kv_norm"], eps)
+        qr = rms_norm(qkv[:, : cfg.q_lora_rank], L["q_norm"], eps)
+        kv = rms_norm(qkv[:, cfg.q_lora_rank :], L["kv_norm"], eps)
         q = self._op("proj", linear, qr, L["wq_b"]).view(T, H, D)
         # 4: fused q-norm + RoPE + KV insert into the window cache (slot −1 for padding rows)
         slots = self._slots(self.bt_swa, rows.req, rows.pos, cfg.window_page, rows.valid)
-        self._op("qnorm_rope_kv_insert", rope.qnorm_rope_kv_insert, q, kv, st.swa, slots, rows.pos, cos_sin,
-                 eps=eps, block_size=cfg.window_page, backend=backend)
+        self._op(
+            "qnorm_rope_kv_insert",
+            rope.qnorm_rope_kv_insert,
+            q,
+            kv,
+            st.swa,
+            slots,
+            rows.pos,
+            cos_sin,
+            eps=eps,
+            block_size=cfg.window_page,
+            backend=backend,
+        )
         # 5: compressor (before the indexer and attention: a row completed by this token is visible to it)
         if r > 1:
             self._compress(L, st, x, rows, backend)
@@ -433,9 +507,12 @@ class Decoder(Speculating):
                 j = torch.arange(max(1, self.capacity // r), device=self.dev)[None, :]
                 local = torch.where(j < n_c[:, None], j, -1)
             ok = local >= 0
-            extra = dict(extra_cache=st.comp, extra_block_size=st.page,
-                         extra_slots=self._slots(st.bt_c, rows.req, local, st.page, ok).to(torch.int32),
-                         extra_lengths=ok.sum(1).to(torch.int32))
+            extra = dict(
+                extra_cache=st.comp,
+                extra_block_size=st.page,
+                extra_slots=self._slots(st.bt_c, rows.req, local, st.page, ok).to(torch.int32),
+                extra_lengths=ok.sum(1).to(torch.int32),
+            )
         # 7: sparse MLA decode over window ∪ compressed rows, sink in the denominator
         W = cfg.window
         swa_len = torch.where(rows.valid, torch.clamp(rows.pos + 1, max=W), 0)
@@ -446,9 +523,19 @@ class Decoder(Speculating):
         if self.Hp > H:  # head padding: zero q rows, −inf sinks, sliced off after
             q = torch.cat([q, q.new_zeros(T, self.Hp - H, D)], dim=1)
             sink = torch.cat([sink, sink.new_full((self.Hp - H,), -math.inf)])
-        o, _lse = self._op("sparse_mla", sparse_mla.decode, q, st.swa, swa_slots.to(torch.int32),
-                           swa_len.to(torch.int32), block_size=cfg.window_page, sink=sink,
-                           scale=cfg.softmax_scale, backend=backend, **extra)
+        o, _lse = self._op(
+            "sparse_mla",
+            sparse_mla.decode,
+            q,
+            st.swa,
+            swa_slots.to(torch.int32),
+            swa_len.to(torch.int32),
+            block_size=cfg.window_page,
+            sink=sink,
+            scale=cfg.softmax_scale,
+            backend=backend,
+            **extra,
+        )
         # 8: drop padded heads, inverse RoPE at the query position; 9: grouped o-projection
         o = self._op("inv_rope", rope.apply_gptj, o[:, :H].contiguous(), rows.pos, cos_sin, inverse=True, backend=backend)
         return self._op("o_proj", rope.grouped_o_proj, o, L["wo_a"], L["wo_b"])
@@ -462,22 +549,43 @@ class Decoder(Speculating):
 
         def completed(weights: dict, state: compressor_op.CompressorState, bt: torch.Tensor, page: int):
             """This step's rows: bf16, rotated at (p // r)·r, and their slots (row id p // r, −1 if not done)."""
-            out, done = self._op("compressor", compressor_op.compress, x, weights["wkv"], weights["wgate"],
-                                 weights["ape"], weights["norm"], state.kv, state.score, rows.req, rows.pos,
-                                 ratio=r, eps=eps, valid=rows.valid, backend=backend)
-            row = rope.apply_gptj(out.to(torch.bfloat16), rope.compressed_position(rows.pos, r), cos_sin,
-                                  backend=backend)
+            out, done = self._op(
+                "compressor",
+                compressor_op.compress,
+                x,
+                weights["wkv"],
+                weights["wgate"],
+                weights["ape"],
+                weights["norm"],
+                state.kv,
+                state.score,
+                rows.req,
+                rows.pos,
+                ratio=r,
+                eps=eps,
+                valid=rows.valid,
+                backend=backend,
+            )
+            row = rope.apply_gptj(out.to(torch.bfloat16), rope.compressed_position(rows.pos, r), cos_sin, backend=backend)
             return row.contiguous(), self._slots(bt, rows.req, rows.pos // r, page, done)
 
         row, slots = completed(L["comp"], st.ring, st.bt_c, st.page)
         kv_cache.insert(st.comp, row, slots, block_size=st.page, backend=backend)
         if r == 4:  # the indexer's own compressor (D = 128), into the indexer-K pool
             k, slots = completed(L["idx_comp"], st.idx_ring, st.bt_i, cfg.index_page)
-            indexer.insert_k(st.idx_cache, k, slots, block_size=cfg.index_page, fmt=cfg.index_format,
-                             hadamard=self.index_hadamard, backend=backend)
+            indexer.insert_k(
+                st.idx_cache,
+                k,
+                slots,
+                block_size=cfg.index_page,
+                fmt=cfg.index_format,
+                hadamard=self.index_hadamard,
+                backend=backend,
+            )
 
-    def _indexer(self, L: dict, st: LayerState, x: torch.Tensor, qr: torch.Tensor, rows: Rows, n_c: torch.Tensor,
-                 backend: str) -> torch.Tensor:
+    def _indexer(
+        self, L: dict, st: LayerState, x: torch.Tensor, qr: torch.Tensor, rows: Rows, n_c: torch.Tensor, backend: str
+    ) -> torch.Tensor:
         """6: the indexer's top-k local compressed ids (T, K_top) int, a packed prefix, −1 padded. Q and K in
         ``cfg.index_format``: "fp8" (the q scale folded into the head weights, ``q_scales`` None) or "mxfp4"
         (E2M1 blocks of 32 with UE8M0 scales, DeepSeek's FP4; ``docs/decode.md#the-indexer-format``)."""
@@ -488,11 +596,30 @@ class Decoder(Speculating):
         if rows.shortcut:  # short-context shortcut (decided on the host): every visible row, no logits needed
             local = self._op("indexer", indexer.short_context_topk, rows.pos, cfg.index_topk)
         else:
-            qq, q_scales, w_out = self._op("indexer", indexer.quantize_q, iq, rows.pos, self.cos_sin["comp"], wts,
-                                           fmt=cfg.index_format, hadamard=self.index_hadamard, backend=backend)
-            logits = self._op("indexer", indexer.logits, qq, q_scales, w_out, st.idx_cache, rows.pos,
-                              block_table=st.bt_i[rows.req], block_size=cfg.index_page,
-                              n_out=max(1, self.capacity // 4), backend=backend)
+            qq, q_scales, w_out = self._op(
+                "indexer",
+                indexer.quantize_q,
+                iq,
+                rows.pos,
+                self.cos_sin["comp"],
+                wts,
+                fmt=cfg.index_format,
+                hadamard=self.index_hadamard,
+                backend=backend,
+            )
+            logits = self._op(
+                "indexer",
+                indexer.logits,
+                qq,
+                q_scales,
+                w_out,
+                st.idx_cache,
+                rows.pos,
+                block_table=st.bt_i[rows.req],
+                block_size=cfg.index_page,
+                n_out=max(1, self.capacity // 4),
+                backend=backend,
+            )
             local = self._op("indexer", indexer.topk, logits, cfg.index_topk)
         local = torch.where(rows.valid[:, None], local, -1)
         # packed prefix (valid ids first); order has no meaning for one softmax

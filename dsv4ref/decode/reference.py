@@ -45,15 +45,32 @@ from ..formats import E4M3_MAX, KV_AMAX_FLOOR, NOPE_DIM, QUANT_BLOCK
 from ..rope import yarn_correction_range
 from ..weights import check_config, layer_ratio, weights_to
 
-__all__ = ["reference_forward", "REFERENCE_BUGS", "block", "moe_f64", "compress", "inv_freq", "rope", "fp8_kv_sim",
-           "index_scores", "index_quant_sim"]
+__all__ = [
+    "reference_forward",
+    "REFERENCE_BUGS",
+    "block",
+    "moe_f64",
+    "compress",
+    "inv_freq",
+    "rope",
+    "fp8_kv_sim",
+    "index_scores",
+    "index_quant_sim",
+]
 
 #: deliberate bugs :func:`reference_forward` can inject, to show the agreement check has teeth
 REFERENCE_BUGS = ("no_sink", "no_inv_rope", "comb_not_transposed", "no_compressed", "rope_neox")
 
 
-def reference_forward(cfg: Config, weights: dict, tokens: torch.Tensor, topk: dict | None = None,
-                      bugs=(), fp8_kv: bool = False, experts: dict | None = None) -> dict:
+def reference_forward(
+    cfg: Config,
+    weights: dict,
+    tokens: torch.Tensor,
+    topk: dict | None = None,
+    bugs=(),
+    fp8_kv: bool = False,
+    experts: dict | None = None,
+) -> dict:
     """Float64 full-sequence forward of one request.
 
     Args:
@@ -87,9 +104,19 @@ def reference_forward(cfg: Config, weights: dict, tokens: torch.Tensor, topk: di
         r = layer_ratio(cfg, li)
         if r == 4 and (topk is None or li not in topk):
             raise ValueError(f"topk: layer {li} has ratio 4; pass the indexer's top-k ids for it")
-        Hs, a, sc, ids = block(cfg, Lw, r, Hs, tokens, topk=None if topk is None else topk.get(li), bugs=bugs,
-                               fp8_kv=fp8_kv, experts=None if experts is None else experts.get(li),
-                               hash_layer=li < cfg.num_hash_layers, layer=li)
+        Hs, a, sc, ids = block(
+            cfg,
+            Lw,
+            r,
+            Hs,
+            tokens,
+            topk=None if topk is None else topk.get(li),
+            bugs=bugs,
+            fp8_kv=fp8_kv,
+            experts=None if experts is None else experts.get(li),
+            hash_layer=li < cfg.num_hash_layers,
+            layer=li,
+        )
         out["attn"].append(a)
         out["experts"][li] = ids
         if sc is not None:
@@ -101,8 +128,21 @@ def reference_forward(cfg: Config, weights: dict, tokens: torch.Tensor, topk: di
     return out
 
 
-def block(cfg: Config, Lw: dict, r: int, Hs: torch.Tensor, tokens: torch.Tensor, *, topk=None, bugs=(),
-          fp8_kv: bool = False, experts=None, hash_layer: bool = False, layer: int = 0, positions=None):
+def block(
+    cfg: Config,
+    Lw: dict,
+    r: int,
+    Hs: torch.Tensor,
+    tokens: torch.Tensor,
+    *,
+    topk=None,
+    bugs=(),
+    fp8_kv: bool = False,
+    experts=None,
+    hash_layer: bool = False,
+    layer: int = 0,
+    positions=None,
+):
     """One V4 block in float64 over a whole sequence: mHC pre → attention → mHC post, mHC pre → MoE → mHC post.
 
     Args: ``Lw`` one layer's weights (float64, CPU), ``r`` its ratio, ``Hs`` (L, M, Hd) the streams in,
@@ -122,15 +162,16 @@ def block(cfg: Config, Lw: dict, r: int, Hs: torch.Tensor, tokens: torch.Tensor,
         return mhc.reference.post(x, Hs, post, comb, dtype=torch.float64)
 
     def mhc_pre(Hs, p):  # -> (post, comb, x)
-        return mhc.reference.pre(Hs, p["fn"], p["scale"], p["base"], sinkhorn_iters=cfg.hc_sinkhorn_iters,
-                                 dtype=torch.float64, **mk)
+        return mhc.reference.pre(
+            Hs, p["fn"], p["scale"], p["base"], sinkhorn_iters=cfg.hc_sinkhorn_iters, dtype=torch.float64, **mk
+        )
 
     post, comb, x = mhc_pre(Hs, Lw["hc_attn"])
     # attention: projections, norms, RoPE
     x = rms_norm(x, Lw["attn_norm"], eps)
     qkv = x @ Lw["wqkv_a"].T
-    qr = rms_norm(qkv[:, :cfg.q_lora_rank], Lw["q_norm"], eps)
-    kv = rms_norm(qkv[:, cfg.q_lora_rank:], Lw["kv_norm"], eps)
+    qr = rms_norm(qkv[:, : cfg.q_lora_rank], Lw["q_norm"], eps)
+    kv = rms_norm(qkv[:, cfg.q_lora_rank :], Lw["kv_norm"], eps)
     q = rearrange(qr @ Lw["wq_b"].T, "l (h d) -> l h d", h=H)
     q = rope(rms_norm(q, None, eps), pos, inv, neox=neox)
     k = rope(kv, pos, inv, neox=neox)
@@ -189,12 +230,30 @@ def moe_f64(cfg: Config, m: dict, x: torch.Tensor, tokens: torch.Tensor, experts
         table, ids_in = torch.as_tensor(experts).long().cpu(), torch.arange(x.shape[0], device=HOST)
     else:
         table, ids_in = (m["tid2eid"], tokens) if hash_layer else (None, None)
-    ids, wts = moe.reference.route(x, m["gate_weight"], m["bias"], k=cfg.num_experts_per_tok,
-                                   routed_scale=cfg.routed_scaling_factor, hash_table=table, input_ids=ids_in,
-                                   dtype=torch.float64)
+    ids, wts = moe.reference.route(
+        x,
+        m["gate_weight"],
+        m["bias"],
+        k=cfg.num_experts_per_tok,
+        routed_scale=cfg.routed_scaling_factor,
+        hash_table=table,
+        input_ids=ids_in,
+        dtype=torch.float64,
+    )
     x_fp8, x_sf, ids64, _ = moe.reference.stage(x, ids, wts.float())
-    y = moe.reference.experts(x, x_fp8, x_sf, ids64, wts, m["w13"], m["w2"], m["shared_w13"], m["shared_w2"],
-                              swiglu_limit=cfg.swiglu_limit, dtype=torch.float64)
+    y = moe.reference.experts(
+        x,
+        x_fp8,
+        x_sf,
+        ids64,
+        wts,
+        m["w13"],
+        m["w2"],
+        m["shared_w13"],
+        m["shared_w2"],
+        swiglu_limit=cfg.swiglu_limit,
+        dtype=torch.float64,
+    )
     return y, ids
 
 
@@ -284,8 +343,16 @@ def _hadamard(x: torch.Tensor) -> torch.Tensor:
     return x @ h * x.shape[-1] ** -0.5
 
 
-def index_scores(cfg: Config, Lw: dict, x: torch.Tensor, qr: torch.Tensor, inv: torch.Tensor,
-                 pos: torch.Tensor, fmt: str | None = None, hadamard: bool = True) -> torch.Tensor:
+def index_scores(
+    cfg: Config,
+    Lw: dict,
+    x: torch.Tensor,
+    qr: torch.Tensor,
+    inv: torch.Tensor,
+    pos: torch.Tensor,
+    fmt: str | None = None,
+    hadamard: bool = True,
+) -> torch.Tensor:
     """Indexer logits I[p, s] = Σ_h w[p, h]·ReLU(q[p, h]·k[s]) · 128^-0.5 · n_ih^-0.5, float64; −inf for
     s >= (p+1)//4 (not yet complete). ``fmt`` None: unquantised; ``"fp8"`` / ``"mxfp4"``: q and k rotated
     by the Hadamard (if ``hadamard``, as the decode path does by default) and quantised as

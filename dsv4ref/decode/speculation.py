@@ -57,9 +57,13 @@ class Speculating:
         self._draft_checks(next_ids, k, backend, draft_backend)
         k = validate.integer(k, "k", lo=1, hi=7)
         # the verification writes positions length .. length + k: check them now, before the draft writes
-        self._rows(torch.arange(self.R, device=HOST), self.lengths + k, torch.ones(self.R, dtype=torch.bool, device=HOST), what="k",
-                   hint=f"speculating k = {k} drafts verifies k + 1 = {k + 1} rows per request; use a smaller k "
-                        "or step()")
+        self._rows(
+            torch.arange(self.R, device=HOST),
+            self.lengths + k,
+            torch.ones(self.R, dtype=torch.bool, device=HOST),
+            what="k",
+            hint=f"speculating k = {k} drafts verifies k + 1 = {k + 1} rows per request; use a smaller k or step()",
+        )
         drafts = self.draft(next_ids, k, backend=backend, catch_up_backend=draft_backend)
         return self.verify(next_ids, drafts, backend=backend)
 
@@ -74,7 +78,9 @@ class Speculating:
         cbe = be if catch_up_backend is None else self._backend(catch_up_backend)
         if bool((self.lengths - self.mtp_done < 1).any()):
             raise ValueError("draft: every request needs a target step since its last draft (call verify or step)")
-        self._rows(torch.arange(self.R, device=HOST), self.lengths + k - 2, torch.ones(self.R, dtype=torch.bool, device=HOST))  # capacity
+        self._rows(
+            torch.arange(self.R, device=HOST), self.lengths + k - 2, torch.ones(self.R, dtype=torch.bool, device=HOST)
+        )  # capacity
         return next_ids, k, be, cbe
 
     def draft(self, next_ids, k: int, *, backend: str | None = None, catch_up_backend: str | None = None) -> torch.Tensor:
@@ -90,8 +96,7 @@ class Speculating:
         n = self.lengths - self.mtp_done  # catch-up rows per request
         req = torch.repeat_interleave(torch.arange(self.R, device=HOST), n)
         pos = torch.cat([torch.arange(int(a), int(b), device=HOST) for a, b in zip(self.mtp_done, self.lengths)])
-        nxt = torch.where(pos + 1 < self.lengths[req], self.tokens[req, (pos + 1).clamp(max=self.capacity - 1)],
-                          next_ids[req])
+        nxt = torch.where(pos + 1 < self.lengths[req], self.tokens[req, (pos + 1).clamp(max=self.capacity - 1)], next_ids[req])
         rows = self._rows(req, pos, torch.ones_like(pos, dtype=torch.bool))
         X, logits = self._mtp_forward(self.h_hist[rows.req, rows.pos], nxt.to(self.dev), rows, cbe, record=True)
         self.mtp_done = self.lengths.clone()
@@ -99,7 +104,9 @@ class Speculating:
         drafts = [mtp.greedy_tokens(logits[last])]
         X = X[last]
         for j in range(1, k):
-            rows = self._rows(torch.arange(self.R, device=HOST), self.lengths - 1 + j, torch.ones(self.R, dtype=torch.bool, device=HOST))
+            rows = self._rows(
+                torch.arange(self.R, device=HOST), self.lengths - 1 + j, torch.ones(self.R, dtype=torch.bool, device=HOST)
+            )
             X, logits = self._mtp_forward(X, drafts[-1], rows, be)
             drafts.append(mtp.greedy_tokens(logits))
         return torch.stack(drafts, 1).cpu()
@@ -133,7 +140,9 @@ class Speculating:
         self._keep(rows, keep, toks.flatten())
         self.lengths += m + 1
         emitted = [target[r, : int(m[r]) + 1].clone() for r in range(self.R)]
-        return Speculation(drafts, target, m, emitted, logits.view(self.R, k + 1, -1), target[torch.arange(self.R, device=HOST), m])
+        return Speculation(
+            drafts, target, m, emitted, logits.view(self.R, k + 1, -1), target[torch.arange(self.R, device=HOST), m]
+        )
 
     def _next_ids(self, next_ids) -> torch.Tensor:
         next_ids = self._token_ids(next_ids, "next_ids")
@@ -148,10 +157,25 @@ class Speculating:
         ``record``: keep the block's expert ids (verified rows only)."""
         cfg, wm, st = self.cfg, self.w["mtp"], self.mtp_state
         B = wm["block"]
-        mk = dict(rms_eps=cfg.rms_norm_eps, hc_eps=cfg.hc_eps, sinkhorn_iters=cfg.hc_sinkhorn_iters, backend=backend,
-                  launch=self.mhc_launch)
-        X = self._op("mtp", mtp.draft_input, h_prev, self.w["embed"][tok], rows.pos, wm["enorm"], wm["hnorm"],
-                     wm["e_proj"], wm["h_proj"], eps=cfg.rms_norm_eps)
+        mk = dict(
+            rms_eps=cfg.rms_norm_eps,
+            hc_eps=cfg.hc_eps,
+            sinkhorn_iters=cfg.hc_sinkhorn_iters,
+            backend=backend,
+            launch=self.mhc_launch,
+        )
+        X = self._op(
+            "mtp",
+            mtp.draft_input,
+            h_prev,
+            self.w["embed"][tok],
+            rows.pos,
+            wm["enorm"],
+            wm["hnorm"],
+            wm["e_proj"],
+            wm["h_proj"],
+            eps=cfg.rms_norm_eps,
+        )
         p = B["hc_attn"]
         post, comb, x = self._op("mhc", mhc.pre, X, p["fn"], p["scale"], p["base"], **mk)
         a = self._attention(B, st, x, rows, backend)

@@ -76,13 +76,11 @@ class LayerState:
     topk: torch.Tensor | None = None
 
     @classmethod
-    def allocate(cls, cfg: Config, r: int, *, num_requests: int, capacity: int, n_swa: int, table, record,
-                 device) -> LayerState:
+    def allocate(cls, cfg: Config, r: int, *, num_requests: int, capacity: int, n_swa: int, table, record, device) -> LayerState:
         """A fresh layer of ratio ``r`` for ``num_requests`` requests of ``capacity`` tokens: ``n_swa`` window
         pages; ``table(rows_per_request, page)`` draws a block table (returns it and the pool's page count),
         ``record(width)`` makes a per-position record."""
-        st = cls(ratio=r, swa=kv_cache.allocate(n_swa, cfg.window_page, device=device),
-                 experts=record(cfg.num_experts_per_tok))
+        st = cls(ratio=r, swa=kv_cache.allocate(n_swa, cfg.window_page, device=device), experts=record(cfg.num_experts_per_tok))
         if r > 1:
             st.page = cfg.c4_page if r == 4 else cfg.c128_page
             st.bt_c, n_c = table(capacity // r, st.page)

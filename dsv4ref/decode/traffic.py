@@ -48,6 +48,5 @@ def traffic_per_op(cfg: Config, context: int) -> dict[str, float]:
                 t["compressor"] += 2 * coff * d * 4 + coff * r * 2 * d * 4 / r + row / r
         if r == 4:
             nih = cfg.index_heads
-            t["indexer"] += (nih * 128 * 2 + nih * q_head + n_c * (key + 4) + n_c * 4
-                             + cfg.index_topk * 4)
+            t["indexer"] += nih * 128 * 2 + nih * q_head + n_c * (key + 4) + n_c * 4 + cfg.index_topk * 4
     return t

@@ -36,6 +36,8 @@ def _check_block(block) -> int:
     if block > MAX_BLOCK:
         raise ValueError(f"block: expected a power of two <= {MAX_BLOCK}, got {block}")
     return block
+
+
 SUPPORTED_BACKENDS = ("reference", "triton")  # from dsv4ref.validate.BACKENDS; "auto" = "triton"
 
 

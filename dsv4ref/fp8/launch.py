@@ -46,8 +46,10 @@ MAX_TILE = 1 << 20  # Triton's largest tensor: rows_per_program · block values
 
 def _check_tile(launch: Fp8Launch, block: int) -> None:
     if launch.rows_per_program * block > MAX_TILE:
-        raise ValueError(f"launch: rows_per_program={launch.rows_per_program} × block={block} values per program "
-                         f"exceed Triton's {MAX_TILE}-element tile")
+        raise ValueError(
+            f"launch: rows_per_program={launch.rows_per_program} × block={block} values per program "
+            f"exceed Triton's {MAX_TILE}-element tile"
+        )
 
 
 def quantize(x: torch.Tensor, block: int, amax_floor: float, launch: Fp8Launch) -> tuple[torch.Tensor, torch.Tensor]:
@@ -59,8 +61,9 @@ def quantize(x: torch.Tensor, block: int, amax_floor: float, launch: Fp8Launch) 
     s = torch.empty((*x.shape[:-1], x.shape[-1] // block), dtype=torch.uint8, device=x.device)
     n_blocks, rows = s.numel(), launch.rows_per_program
     if n_blocks:
-        quantize_kernel[(triton.cdiv(n_blocks, rows),)](xf, q, s, n_blocks, FLOOR=amax_floor, BLOCK=block, ROWS=rows,
-                                                        num_warps=launch.num_warps)
+        quantize_kernel[(triton.cdiv(n_blocks, rows),)](
+            xf, q, s, n_blocks, FLOOR=amax_floor, BLOCK=block, ROWS=rows, num_warps=launch.num_warps
+        )
     return q, s
 
 
@@ -74,6 +77,14 @@ def dequantize(q: torch.Tensor, scale: torch.Tensor, block: int, out_dtype: torc
     n_blocks, rows = s.numel(), launch.rows_per_program
     bf16 = out_dtype == torch.bfloat16
     if n_blocks:
-        dequantize_kernel[(triton.cdiv(n_blocks, rows),)](qb, s, out.view(torch.int16) if bf16 else out, n_blocks,
-                                                          BLOCK=block, ROWS=rows, OUT_BF16=bf16, num_warps=launch.num_warps)
+        dequantize_kernel[(triton.cdiv(n_blocks, rows),)](
+            qb,
+            s,
+            out.view(torch.int16) if bf16 else out,
+            n_blocks,
+            BLOCK=block,
+            ROWS=rows,
+            OUT_BF16=bf16,
+            num_warps=launch.num_warps,
+        )
     return out

@@ -25,8 +25,17 @@ from einops import rearrange
 
 from ..formats import E4M3_MAX, KV_AMAX_FLOOR, UE8M0_NAN
 
-__all__ = ["e4m3_encode", "e4m3_nan", "ue8m0_byte", "pow2", "inv_pow2", "ue8m0_value", "canonical_nan",
-           "quantize_ue8m0", "dequantize_ue8m0"]
+__all__ = [
+    "e4m3_encode",
+    "e4m3_nan",
+    "ue8m0_byte",
+    "pow2",
+    "inv_pow2",
+    "ue8m0_value",
+    "canonical_nan",
+    "quantize_ue8m0",
+    "dequantize_ue8m0",
+]
 
 
 def e4m3_encode(x: torch.Tensor) -> torch.Tensor:
@@ -74,9 +83,7 @@ def canonical_nan(t: torch.Tensor) -> torch.Tensor:
     return t.view(bits).masked_fill(t.isnan(), 0x7FC0 if bits == torch.int16 else 0x7FC00000).view(t.dtype)
 
 
-def quantize_ue8m0(
-    x: torch.Tensor, block: int = 64, amax_floor: float = KV_AMAX_FLOOR
-) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_ue8m0(x: torch.Tensor, block: int = 64, amax_floor: float = KV_AMAX_FLOOR) -> tuple[torch.Tensor, torch.Tensor]:
     """``(q, scale)``: ``q`` float8_e4m3fn of x's shape, ``scale`` uint8 ``[..., D // block]``."""
     xb = rearrange(x.float(), "... (n b) -> ... n b", b=block)
     byte = ue8m0_byte(xb.abs().amax(dim=-1), amax_floor)

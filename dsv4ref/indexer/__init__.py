@@ -34,10 +34,31 @@ from . import reference
 from .launch import IndexerLaunch, default_launch
 
 __all__ = [
-    "HEAD_DIM", "ROPE_DIM", "FP8_RECORD", "MXFP4_RECORD", "FMTS", "SUPPORTED_BACKENDS", "IndexerLaunch", "default_launch",
-    "head_weights", "quantize_q", "dequantize_q", "quantize_k", "k_page_bytes", "allocate_k_cache", "insert_k",
-    "read_k", "dequantize_k", "n_compressed", "logits", "topk", "short_context_topk", "select", "to_global",
-    "cos_sin_table", "example_inputs",
+    "HEAD_DIM",
+    "ROPE_DIM",
+    "FP8_RECORD",
+    "MXFP4_RECORD",
+    "FMTS",
+    "SUPPORTED_BACKENDS",
+    "IndexerLaunch",
+    "default_launch",
+    "head_weights",
+    "quantize_q",
+    "dequantize_q",
+    "quantize_k",
+    "k_page_bytes",
+    "allocate_k_cache",
+    "insert_k",
+    "read_k",
+    "dequantize_k",
+    "n_compressed",
+    "logits",
+    "topk",
+    "short_context_topk",
+    "select",
+    "to_global",
+    "cos_sin_table",
+    "example_inputs",
 ]
 
 HEAD_DIM = INDEX_HEAD_DIM  # d_ih = 128
@@ -100,15 +121,21 @@ def _check_k_cache(cache: torch.Tensor, block_size: int, fmt: str) -> None:
     need, per_key = k_page_bytes(block_size, fmt), k_page_bytes(1, fmt)
     if cache.shape[1] != need:
         held = f"{cache.shape[1] // per_key}" if cache.shape[1] % per_key == 0 else "no whole number of"
-        raise ValueError(f"k_cache: pages of {cache.shape[1]} bytes hold {held} {fmt} keys ({per_key} B each), "
-                         f"but block_size={block_size} needs pages of exactly {need} bytes (a cache allocated for "
-                         f"another block size or format)")
+        raise ValueError(
+            f"k_cache: pages of {cache.shape[1]} bytes hold {held} {fmt} keys ({per_key} B each), "
+            f"but block_size={block_size} needs pages of exactly {need} bytes (a cache allocated for "
+            f"another block size or format)"
+        )
     if cache.stride(1) != 1 or cache.stride(0) % 4 or (cache.shape[0] > 1 and cache.stride(0) < cache.shape[1]):
-        raise ValueError(f"k_cache: pages must be rows of contiguous bytes with a row stride that is a multiple of "
-                         f"4 and holds the page (strides {cache.stride()}, page {cache.shape[1]} bytes)")
+        raise ValueError(
+            f"k_cache: pages must be rows of contiguous bytes with a row stride that is a multiple of "
+            f"4 and holds the page (strides {cache.stride()}, page {cache.shape[1]} bytes)"
+        )
     if cache.data_ptr() % 4:
-        raise ValueError("k_cache: the first page must start at a 4-byte aligned address (fp32 scales); got a "
-                         f"view at storage offset {cache.storage_offset()}")
+        raise ValueError(
+            "k_cache: the first page must start at a 4-byte aligned address (fp32 scales); got a "
+            f"view at storage offset {cache.storage_offset()}"
+        )
 
 
 def _check_nan_codes(q: torch.Tensor, q_scales: torch.Tensor | None, weights_out: torch.Tensor) -> None:
@@ -116,8 +143,10 @@ def _check_nan_codes(q: torch.Tensor, q_scales: torch.Tensor | None, weights_out
     if q_scales is None:
         bad = (q.view(torch.uint8) & 0x7F) == 0x7F
         if bool(bad.any()):
-            raise ValueError(f"q: non-finite values (e4m3 NaN codes; the first at index "
-                             f"{tuple(bad.nonzero()[0].tolist())}): quantize_q wrote a NaN row")
+            raise ValueError(
+                f"q: non-finite values (e4m3 NaN codes; the first at index "
+                f"{tuple(bad.nonzero()[0].tolist())}): quantize_q wrote a NaN row"
+            )
     elif bool((q_scales.contiguous().view(torch.uint8) == 255).any()):
         i = tuple((q_scales.contiguous().view(torch.uint8).view(*q_scales.shape, 4) == 255).nonzero()[0].tolist())
         raise ValueError(f"q_scales: non-finite values (UE8M0 byte 255 = NaN at [t, h, block] {i})")
@@ -128,8 +157,18 @@ def _check_nan_codes(q: torch.Tensor, q_scales: torch.Tensor | None, weights_out
 # the query path
 # ----------------------------------------------------------------------------------------------------
 
-def quantize_q(index_q: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor, weights: torch.Tensor, *,
-               fmt: str = "fp8", hadamard: bool = False, backend: str = "auto", launch: IndexerLaunch | None = None):
+
+def quantize_q(
+    index_q: torch.Tensor,
+    positions: torch.Tensor,
+    cos_sin: torch.Tensor,
+    weights: torch.Tensor,
+    *,
+    fmt: str = "fp8",
+    hadamard: bool = False,
+    backend: str = "auto",
+    launch: IndexerLaunch | None = None,
+):
     """The fused indexer-Q: RoPE + bf16 round trip (+ Hadamard) + FP8 or MXFP4 quantisation + weight fold.
 
     Args:
@@ -203,8 +242,9 @@ def dequantize_q(q: torch.Tensor, q_scales: torch.Tensor | None) -> torch.Tensor
 # ----------------------------------------------------------------------------------------------------
 
 
-def quantize_k(k: torch.Tensor, *, fmt: str = "fp8", hadamard: bool = False, backend: str = "auto",
-               launch: IndexerLaunch | None = None):
+def quantize_k(
+    k: torch.Tensor, *, fmt: str = "fp8", hadamard: bool = False, backend: str = "auto", launch: IndexerLaunch | None = None
+):
     """Quantise indexer keys (already RoPE'd at (p//4)·4 and bf16-rounded).
 
     Args:
@@ -265,8 +305,17 @@ def allocate_k_cache(num_blocks: int, block_size: int, fmt: str = "fp8", device=
     return torch.zeros(num_blocks, k_page_bytes(block_size, fmt), dtype=torch.uint8, device=device or DEVICE)
 
 
-def insert_k(k_cache: torch.Tensor, k: torch.Tensor, slots: torch.Tensor, *, block_size: int, fmt: str = "fp8",
-             hadamard: bool = False, backend: str = "auto", launch: IndexerLaunch | None = None) -> None:
+def insert_k(
+    k_cache: torch.Tensor,
+    k: torch.Tensor,
+    slots: torch.Tensor,
+    *,
+    block_size: int,
+    fmt: str = "fp8",
+    hadamard: bool = False,
+    backend: str = "auto",
+    launch: IndexerLaunch | None = None,
+) -> None:
     """Quantise rows of ``k`` and write them at ``slots`` into the SoA pages, in place.
 
     Page layout, B = block_size::
@@ -383,15 +432,27 @@ def head_weights(x: torch.Tensor, weights_proj: torch.Tensor) -> torch.Tensor:
     validate.tensor(x, "x", dtype=(torch.bfloat16, torch.float32, torch.float16), ndim=2)
     validate.tensor(weights_proj, "weights_proj", dtype=(torch.bfloat16, torch.float32, torch.float16), ndim=2)
     if x.shape[1] != weights_proj.shape[1]:
-        raise ValueError(f"x: expected width {weights_proj.shape[1]} (weights_proj's input: the attention input x, "
-                         f"not qr), got shape {tuple(x.shape)}")
+        raise ValueError(
+            f"x: expected width {weights_proj.shape[1]} (weights_proj's input: the attention input x, "
+            f"not qr), got shape {tuple(x.shape)}"
+        )
     validate.same_device(x=x, weights_proj=weights_proj)
     return reference.head_weights(x, weights_proj)
 
 
-def logits(q: torch.Tensor, q_scales: torch.Tensor | None, weights_out: torch.Tensor, k_cache: torch.Tensor,
-           positions: torch.Tensor, *, block_size: int, block_table: torch.Tensor | None = None,
-           n_out: int | None = None, backend: str = "auto", launch: IndexerLaunch | None = None) -> torch.Tensor:
+def logits(
+    q: torch.Tensor,
+    q_scales: torch.Tensor | None,
+    weights_out: torch.Tensor,
+    k_cache: torch.Tensor,
+    positions: torch.Tensor,
+    *,
+    block_size: int,
+    block_table: torch.Tensor | None = None,
+    n_out: int | None = None,
+    backend: str = "auto",
+    launch: IndexerLaunch | None = None,
+) -> torch.Tensor:
     """Indexer scores: Σ_h w_out·ReLU(⟨q_h, k_s⟩)(·k_scale_s), −∞ for s ≥ (p+1)//4.
 
     Args:
@@ -425,8 +486,7 @@ def logits(q: torch.Tensor, q_scales: torch.Tensor | None, weights_out: torch.Te
     validate.tensor(q, "q", dtype=torch.float8_e4m3fn if fmt == "fp8" else torch.uint8, ndim=3)
     T, H, Dq = q.shape
     if Dq != (HEAD_DIM if fmt == "fp8" else HEAD_DIM // 2):
-        raise ValueError(f"q: expected [T, n_ih, {HEAD_DIM if fmt == 'fp8' else HEAD_DIM // 2}] for {fmt}, "
-                         f"got {tuple(q.shape)}")
+        raise ValueError(f"q: expected [T, n_ih, {HEAD_DIM if fmt == 'fp8' else HEAD_DIM // 2}] for {fmt}, got {tuple(q.shape)}")
     if q_scales is not None:
         validate.tensor(q_scales, "q_scales", dtype=torch.int32, shape=(T, H))
     validate.tensor(weights_out, "weights_out", dtype=torch.float32, shape=(T, H))
@@ -439,8 +499,9 @@ def logits(q: torch.Tensor, q_scales: torch.Tensor | None, weights_out: torch.Te
             raise ValueError(f"block_table: expected one row per token ({T}), got shape {tuple(block_table.shape)}")
     if n_out is not None:
         n_out = validate.integer(n_out, "n_out", lo=0)
-    validate.same_device(q=q, q_scales=q_scales, weights_out=weights_out, k_cache=k_cache, positions=positions,
-                         block_table=block_table)
+    validate.same_device(
+        q=q, q_scales=q_scales, weights_out=weights_out, k_cache=k_cache, positions=positions, block_table=block_table
+    )
     n_c = reference.n_compressed(positions)
     if _checking_values() and T:
         if bool((positions < 0).any()):
@@ -454,18 +515,22 @@ def logits(q: torch.Tensor, q_scales: torch.Tensor | None, weights_out: torch.Te
     if _checking_values() and T:
         pages_read = -(-n_c.clamp(max=n_out) // block_size)  # per token: the pages holding rows < min(n_c, n_out)
         if block_table.shape[1] < int(pages_read.max()):
-            raise ValueError(f"block_table: {block_table.shape[1]} columns cannot address n_c = {int(n_c.max())} "
-                             f"rows of {block_size} per page ({int(pages_read.max())} needed)")
+            raise ValueError(
+                f"block_table: {block_table.shape[1]} columns cannot address n_c = {int(n_c.max())} "
+                f"rows of {block_size} per page ({int(pages_read.max())} needed)"
+            )
         used = torch.arange(block_table.shape[1], device=q.device)[None, :] < pages_read[:, None]
         validate.index_range(block_table[used], "block_table", k_cache.shape[0], allow_minus_one=False)
     if backend == "reference":
-        return reference.logits(q, q_scales, weights_out, k_cache, positions, block_table, block_size=block_size,
-                                n_out=n_out, dtype=torch.float64).float()
+        return reference.logits(
+            q, q_scales, weights_out, k_cache, positions, block_table, block_size=block_size, n_out=n_out, dtype=torch.float64
+        ).float()
     return _launch.logits(q, q_scales, weights_out, k_cache, positions, block_table, block_size, n_out, launch)
 
 
-def topk(logits: torch.Tensor | None, k: int, *, positions: torch.Tensor | None = None,
-         out: torch.Tensor | None = None) -> torch.Tensor:
+def topk(
+    logits: torch.Tensor | None, k: int, *, positions: torch.Tensor | None = None, out: torch.Tensor | None = None
+) -> torch.Tensor:
     """Local ids of the k largest logits per row; −∞ entries and missing columns → −1 (torch only).
 
     Order within a row carries no meaning (attention is one softmax); ties are broken by torch.topk.
@@ -506,8 +571,7 @@ def topk(logits: torch.Tensor | None, k: int, *, positions: torch.Tensor | None 
             raise ValueError(f"logits: needed, because some n_c exceeds k={k} (no shortcut)")
         if _checking_values() and bool(logits.isnan().any()):
             t, s = logits.isnan().nonzero()[0].tolist()
-            raise ValueError(f"logits: NaN score at [{t}, {s}] (a NaN in q, weights_out or the K cache); a NaN has "
-                             "no rank")
+            raise ValueError(f"logits: NaN score at [{t}, {s}] (a NaN in q, weights_out or the K cache); a NaN has no rank")
     return reference.topk(logits, k, positions=positions, out=out)
 
 
@@ -524,9 +588,19 @@ def short_context_topk(positions: torch.Tensor, k: int) -> torch.Tensor:
     return reference.short_context_topk(positions, validate.integer(k, "k", lo=1))
 
 
-def select(q: torch.Tensor, q_scales: torch.Tensor | None, weights_out: torch.Tensor, k_cache: torch.Tensor,
-           positions: torch.Tensor, k: int, *, block_size: int, block_table: torch.Tensor | None = None,
-           backend: str = "auto", launch: IndexerLaunch | None = None) -> torch.Tensor:
+def select(
+    q: torch.Tensor,
+    q_scales: torch.Tensor | None,
+    weights_out: torch.Tensor,
+    k_cache: torch.Tensor,
+    positions: torch.Tensor,
+    k: int,
+    *,
+    block_size: int,
+    block_table: torch.Tensor | None = None,
+    backend: str = "auto",
+    launch: IndexerLaunch | None = None,
+) -> torch.Tensor:
     """:func:`logits` + :func:`topk`, skipping the logits when every token sees at most k rows (the shortcut).
 
     Args: as in :func:`logits` and :func:`topk`.
@@ -538,13 +612,23 @@ def select(q: torch.Tensor, q_scales: torch.Tensor | None, weights_out: torch.Te
     k = validate.integer(k, "k", lo=1)
     if positions.shape[0] and int(reference.n_compressed(positions).max()) <= k:
         return topk(None, k, positions=positions)
-    lg = logits(q, q_scales, weights_out, k_cache, positions, block_table=block_table, block_size=block_size,
-                backend=backend, launch=launch)
+    lg = logits(
+        q,
+        q_scales,
+        weights_out,
+        k_cache,
+        positions,
+        block_table=block_table,
+        block_size=block_size,
+        backend=backend,
+        launch=launch,
+    )
     return topk(lg, k, positions=positions)
 
 
-def to_global(topk_local: torch.Tensor, block_table: torch.Tensor, slots: torch.Tensor | None = None, *,
-              block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+def to_global(
+    topk_local: torch.Tensor, block_table: torch.Tensor, slots: torch.Tensor | None = None, *, block_size: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Local compressed ids → slots of the MAIN compressed KV cache, and the per-token counts (torch only).
 
     ``global = block_table[t, l // B]·B + l % B`` (int64: no wrap past 2^31) for l ≥ 0, else −1;
@@ -583,8 +667,9 @@ def to_global(topk_local: torch.Tensor, block_table: torch.Tensor, slots: torch.
         if block_table.shape[1] and bool((sel >= 0).any()):
             pages = torch.gather(block_table.long(), 1, (sel.clamp_min(0) // block_size))[sel >= 0]
             if bool((pages < -1).any()):
-                raise ValueError(f"block_table: page entry {int(pages.min())} under a selected id; expected a page "
-                                 ">= 0 or -1 (unmapped)")
+                raise ValueError(
+                    f"block_table: page entry {int(pages.min())} under a selected id; expected a page >= 0 or -1 (unmapped)"
+                )
     return reference.to_global(topk_local, block_table, slots, block_size=block_size)
 
 
@@ -613,8 +698,17 @@ def cos_sin_table(max_pos: int, theta: float = 10000.0, device=None) -> torch.Te
     return torch.cat([f.cos(), f.sin()], dim=1).to(device or DEVICE)
 
 
-def example_inputs(T: int, H: int, n_keys: int, *, block_size: int, fmt: str = "fp8", hadamard: bool = False,
-                   seed: int = 0, positions: torch.Tensor | None = None) -> dict:
+def example_inputs(
+    T: int,
+    H: int,
+    n_keys: int,
+    *,
+    block_size: int,
+    fmt: str = "fp8",
+    hadamard: bool = False,
+    seed: int = 0,
+    positions: torch.Tensor | None = None,
+) -> dict:
     """A small consistent problem: queries, weights, a shuffled paged K cache, per-token block tables.
 
     Returns:
@@ -642,5 +736,14 @@ def example_inputs(T: int, H: int, n_keys: int, *, block_size: int, fmt: str = "
     s = torch.arange(n_keys, device=HOST)
     slots = (perm[s // block_size] * block_size + s % block_size).to(DEVICE)
     insert_k(cache, k, slots, block_size=block_size, fmt=fmt, hadamard=hadamard)
-    return dict(index_q=index_q, positions=positions, cos_sin=cs, weights=w, k=k, k_cache=cache, block_table=bt,
-                block_size=block_size, slots=slots)
+    return dict(
+        index_q=index_q,
+        positions=positions,
+        cos_sin=cs,
+        weights=w,
+        k=k,
+        k_cache=cache,
+        block_table=bt,
+        block_size=block_size,
+        slots=slots,
+    )

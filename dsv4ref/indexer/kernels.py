@@ -177,8 +177,9 @@ def quantize_kernel(
     if ROPE:
         rot = (d >= 64)[None, :] & ok
         # the pair partner of dim d is d ^ 1; load it again rather than shuffling registers
-        xp = ((tl.load(x_ptr + rows[:, None] * 128 + (d[None, :] ^ 1), mask=rot, other=0).to(tl.int32) & 0xFFFF)
-              << 16).to(tl.float32, bitcast=True)
+        xp = ((tl.load(x_ptr + rows[:, None] * 128 + (d[None, :] ^ 1), mask=rot, other=0).to(tl.int32) & 0xFFFF) << 16).to(
+            tl.float32, bitcast=True
+        )
         pos = tl.load(pos_ptr + rows // H, mask=row_ok, other=0).to(tl.int64)
         i = tl.maximum(d - 64, 0) >> 1
         c = tl.load(cs_ptr + pos[:, None] * 64 + i[None, :], mask=rot, other=1.0)
@@ -308,8 +309,9 @@ def f16_halves(pairs, INTERPRET: tl.constexpr):
         lo = pairs.to(tl.int16).to(tl.float16, bitcast=True)
         hi = (pairs >> 16).to(tl.int16).to(tl.float16, bitcast=True)
     else:
-        lo, hi = tl.inline_asm_elementwise("mov.b32 {$0, $1}, $2;", "=h,=h,r", [pairs],
-                                           dtype=(tl.float16, tl.float16), is_pure=True, pack=1)
+        lo, hi = tl.inline_asm_elementwise(
+            "mov.b32 {$0, $1}, $2;", "=h,=h,r", [pairs], dtype=(tl.float16, tl.float16), is_pure=True, pack=1
+        )
     return tl.join(lo, hi)
 
 
@@ -372,8 +374,11 @@ def fp4_pages_fast(cache_ptr, page, blk, page_stride, n_c, BC: tl.constexpr, BCP
     that follows carries no branch."""
     j = tl.arange(0, BCP)
     live = (j < BC)[None, :] & (blk[:, None] * BC + j[None, :] < n_c)  # [PAGES, BCP]
-    sb = tl.load(cache_ptr + page[:, None, None] * page_stride + BC * 64 + j[None, :, None] * 4
-                 + tl.arange(0, 4)[None, None, :], mask=live[:, :, None], other=127).to(tl.int32)
+    sb = tl.load(
+        cache_ptr + page[:, None, None] * page_stride + BC * 64 + j[None, :, None] * 4 + tl.arange(0, 4)[None, None, :],
+        mask=live[:, :, None],
+        other=127,
+    ).to(tl.int32)
     top = tl.max(sb, axis=2)
     bad = (top - tl.min(sb, axis=2) > K_SPAN) | (top < SCALED_LO) | (top > SCALED_HI)
     return tl.max(tl.max(bad.to(tl.int32), axis=1), axis=0) == 0
@@ -398,8 +403,21 @@ def fp4_scaled_tile(cache_ptr, krow, live, ksb, qT, w_fast, DOT_FP32: tl.constex
 
 
 @triton.jit
-def fp4_blocks_page(cache_ptr, base, j, live, q_ptr, qs_ptr, row, hmask, w, BC: tl.constexpr, BCP: tl.constexpr,
-                    HP: tl.constexpr, DOT_FP32: tl.constexpr):
+def fp4_blocks_page(
+    cache_ptr,
+    base,
+    j,
+    live,
+    q_ptr,
+    qs_ptr,
+    row,
+    hmask,
+    w,
+    BC: tl.constexpr,
+    BCP: tl.constexpr,
+    HP: tl.constexpr,
+    DOT_FP32: tl.constexpr,
+):
     """One page's logits [BCP] by the ``f16_blocks`` arithmetic (the same products, the same order), with the
     token's query blocks loaded here, one 32-block at a time: ``f16_scaled``'s exact fallback for a program
     whose scale bytes leave the fast path's range. Rare, so written for few live registers, not for speed."""
@@ -408,8 +426,7 @@ def fp4_blocks_page(cache_ptr, base, j, live, q_ptr, qs_ptr, row, hmask, w, BC: 
     for b in tl.range(4, num_stages=1):  # no software pipelining: fewer live registers
         qb = tl.load(q_ptr + row[:, None] * 64 + b * 16 + c[None, :], mask=hmask[:, None], other=0).to(tl.int32)
         qs = ue8m0_value(tl.load(qs_ptr + row * 4 + b, mask=hmask, other=127))
-        kb = tl.load(cache_ptr + base + j[:, None] * 64 + b * 16 + c[None, :], mask=live[:, None],
-                     other=0).to(tl.int32)
+        kb = tl.load(cache_ptr + base + j[:, None] * 64 + b * 16 + c[None, :], mask=live[:, None], other=0).to(tl.int32)
         ks = ue8m0_value(tl.load(cache_ptr + base + BC * 64 + j * 4 + b, mask=live, other=127))
         acc = dot(e2m1_f16(kb, False), tl.trans(e2m1_f16(qb, False)), tl.zeros((BCP, HP), tl.float32), DOT_FP32)
         acc = dot(e2m1_f16(kb, True), tl.trans(e2m1_f16(qb, True)), acc, DOT_FP32)
@@ -434,8 +451,7 @@ def page_rows(bt_ptr, t, bt_stride, page_stride, n_c, p, BC: tl.constexpr, BCP: 
 
 
 @triton.jit
-def tile_rows(page, page_stride, n_c, it, BC: tl.constexpr, BCP: tl.constexpr, PAGES: tl.constexpr,
-              TP: tl.constexpr):
+def tile_rows(page, page_stride, n_c, it, BC: tl.constexpr, BCP: tl.constexpr, PAGES: tl.constexpr, TP: tl.constexpr):
     """Tile ``it`` of this program: its ``TP`` pages' rows stacked, ``TP·BCP`` keys (one dot's rows), from the
     program's page ids ``page`` [PAGES] loaded before the loop, so that no load in the loop waits for another
     to learn its address. Returns ``(cols, valid, live, krow, srow)`` [TILE]: local key ids, rows that are keys
@@ -500,8 +516,7 @@ def logits_kernel(
         qT, qtop, qok = fp4_q_scaled(q_ptr, qs_ptr, row, hmask, HP, DOT_FP32)
         blk = tl.program_id(1).to(tl.int64) * PAGES + tl.arange(0, PAGES)
         page = tl.load(bt_ptr + t * bt_stride + blk, mask=blk * BC < n_c, other=0).to(tl.int64)  # [PAGES]
-        fast = (tl.min(qok.to(tl.int32), axis=0) != 0) & fp4_pages_fast(cache_ptr, page, blk, page_stride, n_c, BC,
-                                                                        BCP)
+        fast = (tl.min(qok.to(tl.int32), axis=0) != 0) & fp4_pages_fast(cache_ptr, page, blk, page_stride, n_c, BC, BCP)
         if fast:
             w_fast = w * pow2(tl.maximum(qtop - Q_SHIFT, 1))  # w · 2^(top − 127 − Q_SHIFT) per head
             # tiles of TP pages (TP·BCP keys: the rows of one dot); the scale bytes are loaded a tile ahead by
@@ -518,8 +533,7 @@ def logits_kernel(
         else:
             for p in tl.range(PAGES, num_stages=1):
                 cols, live, base = page_rows(bt_ptr, t, bt_stride, page_stride, n_c, p, BC, BCP, PAGES)
-                logit = fp4_blocks_page(cache_ptr, base, j, live, q_ptr, qs_ptr, row, hmask, w, BC, BCP, HP,
-                                        DOT_FP32)
+                logit = fp4_blocks_page(cache_ptr, base, j, live, q_ptr, qs_ptr, row, hmask, w, BC, BCP, HP, DOT_FP32)
                 store_logits(out_ptr, t, n_out, cols, j < BC, live, logit)
     else:
         # the token's queries, loaded once: [128, HP] (the B operand), or 4 blocks × 2 halves of [16, HP]
@@ -540,8 +554,7 @@ def logits_kernel(
                     qv = qv.to(tl.bfloat16)  # scaled e2m1 values are exact in bf16
                 qT = tl.trans(qv)
         else:
-            qv = e4m3_value(tl.load(q_ptr + row[:, None] * 128 + d[None, :], mask=hmask[:, None], other=0),
-                            DOT_FP32)
+            qv = e4m3_value(tl.load(q_ptr + row[:, None] * 128 + d[None, :], mask=hmask[:, None], other=0), DOT_FP32)
             if not DOT_FP32:
                 qv = qv.to(tl.bfloat16)  # e4m3 values are exact in bf16
             qT = tl.trans(qv)
@@ -559,13 +572,14 @@ def logits_kernel(
                     s = fp4_k_block(s, kptr, sptr, live, ql2, qh2, qs2, 2, DOT_FP32)
                     s = fp4_k_block(s, kptr, sptr, live, ql3, qh3, qs3, 3, DOT_FP32)
                 else:
-                    kb = tl.load(cache_ptr + base + j[:, None] * 64 + tl.arange(0, 64)[None, :],
-                                 mask=live[:, None], other=0).to(tl.int32)
+                    kb = tl.load(cache_ptr + base + j[:, None] * 64 + tl.arange(0, 64)[None, :], mask=live[:, None], other=0).to(
+                        tl.int32
+                    )
                     kc = tl.reshape(tl.join(kb & 15, kb >> 4), (BCP, 128))
-                    ksb = tl.load(cache_ptr + base + BC * 64 + j[:, None] * 4 + tl.arange(0, 4)[None, :],
-                                  mask=live[:, None], other=127)
-                    kv = tl.reshape(tl.reshape(e2m1_value(kc), (BCP, 4, 32)) * ue8m0_value(ksb)[:, :, None],
-                                    (BCP, 128))
+                    ksb = tl.load(
+                        cache_ptr + base + BC * 64 + j[:, None] * 4 + tl.arange(0, 4)[None, :], mask=live[:, None], other=127
+                    )
+                    kv = tl.reshape(tl.reshape(e2m1_value(kc), (BCP, 4, 32)) * ue8m0_value(ksb)[:, :, None], (BCP, 128))
                     if not DOT_FP32:
                         kv = kv.to(tl.bfloat16)
                     s = dot(kv, qT, tl.zeros((BCP, HP), tl.float32), DOT_FP32)  # [BCP, HP] = ⟨k_s, q_h⟩

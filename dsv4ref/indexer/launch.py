@@ -78,8 +78,9 @@ class IndexerLaunch:
         if self.fp4_decode is not None and self.fp4_decode not in FP4_DECODES:
             raise ValueError(f"IndexerLaunch.fp4_decode: expected one of {FP4_DECODES} or None, got {self.fp4_decode!r}")
         if self.logits_pages is not None and self.logits_tile_pages > self.logits_pages:
-            raise ValueError(f"IndexerLaunch.logits_tile_pages: {self.logits_tile_pages} does not divide "
-                             f"logits_pages={self.logits_pages}")
+            raise ValueError(
+                f"IndexerLaunch.logits_tile_pages: {self.logits_tile_pages} does not divide logits_pages={self.logits_pages}"
+            )
 
     def pages(self, fp4: bool = False) -> int:
         """The resolved ``logits_pages``: 1 interpreted; on a GPU 4, or ``SCALED_PAGES`` for MXFP4 keys
@@ -119,9 +120,25 @@ def default_launch() -> IndexerLaunch:
     return IndexerLaunch()
 
 
-def quantize(x16: torch.Tensor, rows: int, *, q_out: torch.Tensor, s_out: torch.Tensor, rows_per_program: int,
-             positions=None, cos_sin=None, weights=None, H: int = 1, fp4: bool = False, hadamard: bool = False,
-             wo_out=None, slots=None, block_size: int = 1, q_page_stride=None, s_page_stride=None) -> None:
+def quantize(
+    x16: torch.Tensor,
+    rows: int,
+    *,
+    q_out: torch.Tensor,
+    s_out: torch.Tensor,
+    rows_per_program: int,
+    positions=None,
+    cos_sin=None,
+    weights=None,
+    H: int = 1,
+    fp4: bool = False,
+    hadamard: bool = False,
+    wo_out=None,
+    slots=None,
+    block_size: int = 1,
+    q_page_stride=None,
+    s_page_stride=None,
+) -> None:
     """Launch :func:`kernels.quantize_kernel` over ``rows`` rows of ``x16`` (int16 view of bf16 [rows, 128]).
 
     ``positions`` switches RoPE on, ``weights`` the weight fold (queries), ``slots`` the paged write (keys)."""
@@ -130,14 +147,26 @@ def quantize(x16: torch.Tensor, rows: int, *, q_out: torch.Tensor, s_out: torch.
     rope = positions is not None
     dummy = q_out  # never dereferenced when its constexpr switch is off
     kernels.quantize_kernel[(triton.cdiv(rows, rows_per_program),)](
-        x16, positions if rope else dummy, cos_sin if rope else dummy,
-        weights if weights is not None else dummy, slots if slots is not None else dummy,
-        q_out, s_out, wo_out if wo_out is not None else dummy,
-        rows, H, block_size,
+        x16,
+        positions if rope else dummy,
+        cos_sin if rope else dummy,
+        weights if weights is not None else dummy,
+        slots if slots is not None else dummy,
+        q_out,
+        s_out,
+        wo_out if wo_out is not None else dummy,
+        rows,
+        H,
+        block_size,
         q_page_stride if q_page_stride is not None else (64 if fp4 else 128),
         s_page_stride if s_page_stride is not None else (4 if fp4 else 1),
-        fold(H), HADAMARD_SCALE,
-        ROWS=rows_per_program, ROPE=rope, HADAMARD=hadamard, FP4=fp4, HAS_W=weights is not None,
+        fold(H),
+        HADAMARD_SCALE,
+        ROWS=rows_per_program,
+        ROPE=rope,
+        HADAMARD=hadamard,
+        FP4=fp4,
+        HAS_W=weights is not None,
         PAGED=slots is not None,
         enable_fp_fusion=False,  # RoPE products rounded separately, as in the torch reference
     )
@@ -150,14 +179,31 @@ def quantize(x16: torch.Tensor, rows: int, *, q_out: torch.Tensor, s_out: torch.
 
 def _q_launch(index_q, positions, cos_sin, weights, hadamard, rows_per_program, fp4, q, s, wo):
     T, H, _ = index_q.shape
-    quantize(index_q.contiguous().view(torch.int16), T * H, positions=positions.to(torch.int64).contiguous(),
-             cos_sin=cos_sin.contiguous(), weights=weights.float().contiguous(), H=H, fp4=fp4, hadamard=hadamard,
-             q_out=q, s_out=s, wo_out=wo, rows_per_program=rows_per_program)
+    quantize(
+        index_q.contiguous().view(torch.int16),
+        T * H,
+        positions=positions.to(torch.int64).contiguous(),
+        cos_sin=cos_sin.contiguous(),
+        weights=weights.float().contiguous(),
+        H=H,
+        fp4=fp4,
+        hadamard=hadamard,
+        q_out=q,
+        s_out=s,
+        wo_out=wo,
+        rows_per_program=rows_per_program,
+    )
 
 
 @torch.library.custom_op("dsv4ref::indexer_q_fp8", mutates_args=())
-def _q_fp8_op(index_q: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor, weights: torch.Tensor,
-              hadamard: bool, rows_per_program: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _q_fp8_op(
+    index_q: torch.Tensor,
+    positions: torch.Tensor,
+    cos_sin: torch.Tensor,
+    weights: torch.Tensor,
+    hadamard: bool,
+    rows_per_program: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
     T, H, _ = index_q.shape
     q = torch.empty(T, H, HEAD_DIM, dtype=torch.uint8, device=index_q.device)
     wo = torch.empty(T, H, dtype=torch.float32, device=index_q.device)
@@ -172,8 +218,14 @@ def _(index_q, positions, cos_sin, weights, hadamard, rows_per_program):
 
 
 @torch.library.custom_op("dsv4ref::indexer_q_mxfp4", mutates_args=())
-def _q_mxfp4_op(index_q: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor, weights: torch.Tensor,
-                hadamard: bool, rows_per_program: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _q_mxfp4_op(
+    index_q: torch.Tensor,
+    positions: torch.Tensor,
+    cos_sin: torch.Tensor,
+    weights: torch.Tensor,
+    hadamard: bool,
+    rows_per_program: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     T, H, _ = index_q.shape
     q = torch.empty(T, H, HEAD_DIM // 2, dtype=torch.uint8, device=index_q.device)
     sc = torch.empty(T, H, 4, dtype=torch.uint8, device=index_q.device)
@@ -185,8 +237,11 @@ def _q_mxfp4_op(index_q: torch.Tensor, positions: torch.Tensor, cos_sin: torch.T
 @_q_mxfp4_op.register_fake
 def _(index_q, positions, cos_sin, weights, hadamard, rows_per_program):
     T, H, _ = index_q.shape
-    return (index_q.new_empty(T, H, HEAD_DIM // 2, dtype=torch.uint8), index_q.new_empty(T, H, dtype=torch.int32),
-            index_q.new_empty(T, H, dtype=torch.float32))
+    return (
+        index_q.new_empty(T, H, HEAD_DIM // 2, dtype=torch.uint8),
+        index_q.new_empty(T, H, dtype=torch.int32),
+        index_q.new_empty(T, H, dtype=torch.float32),
+    )
 
 
 def quantize_q(index_q, positions, cos_sin, weights, *, fmt: str, hadamard: bool, launch: IndexerLaunch):
@@ -208,13 +263,22 @@ def quantize_k(k: torch.Tensor, *, fmt: str, hadamard: bool, launch: IndexerLaun
     fp4 = fmt == "mxfp4"
     q = torch.empty(N, index_k_value_bytes(fmt), dtype=torch.uint8, device=k.device)
     s = torch.empty((N, 4) if fp4 else (N,), dtype=torch.uint8 if fp4 else torch.float32, device=k.device)
-    quantize(k.contiguous().view(torch.int16), N, fp4=fp4, hadamard=hadamard, q_out=q, s_out=s,
-             rows_per_program=launch.quant_rows)
+    quantize(
+        k.contiguous().view(torch.int16), N, fp4=fp4, hadamard=hadamard, q_out=q, s_out=s, rows_per_program=launch.quant_rows
+    )
     return (q, s) if fp4 else (q.view(torch.float8_e4m3fn), s)
 
 
-def insert_k(k_cache: torch.Tensor, k: torch.Tensor, slots: torch.Tensor, *, block_size: int, fmt: str,
-             hadamard: bool, launch: IndexerLaunch) -> None:
+def insert_k(
+    k_cache: torch.Tensor,
+    k: torch.Tensor,
+    slots: torch.Tensor,
+    *,
+    block_size: int,
+    fmt: str,
+    hadamard: bool,
+    launch: IndexerLaunch,
+) -> None:
     """The Triton path of :func:`dsv4ref.indexer.insert_k`: quantise and write in one kernel.
 
     The kernel addresses values through a uint8 view of the whole cache and the scales through a view
@@ -223,11 +287,21 @@ def insert_k(k_cache: torch.Tensor, k: torch.Tensor, slots: torch.Tensor, *, blo
     vb = index_k_value_bytes(fmt)
     flat = flat_bytes(k_cache)
     stride = k_cache.stride(0)
-    s_region = flat[block_size * vb:] if flat.numel() > block_size * vb else flat
+    s_region = flat[block_size * vb :] if flat.numel() > block_size * vb else flat
     s_out = s_region if fp4 else s_region[: (s_region.numel() // 4) * 4].view(torch.float32)
-    quantize(k.contiguous().view(torch.int16), slots.shape[0], fp4=fp4, hadamard=hadamard, q_out=flat, s_out=s_out,
-             slots=slots.to(torch.int64).contiguous(), block_size=block_size, q_page_stride=stride,
-             s_page_stride=stride if fp4 else stride // 4, rows_per_program=launch.quant_rows)
+    quantize(
+        k.contiguous().view(torch.int16),
+        slots.shape[0],
+        fp4=fp4,
+        hadamard=hadamard,
+        q_out=flat,
+        s_out=s_out,
+        slots=slots.to(torch.int64).contiguous(),
+        block_size=block_size,
+        q_page_stride=stride,
+        s_page_stride=stride if fp4 else stride // 4,
+        rows_per_program=launch.quant_rows,
+    )
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -235,8 +309,9 @@ def insert_k(k_cache: torch.Tensor, k: torch.Tensor, slots: torch.Tensor, *, blo
 # ----------------------------------------------------------------------------------------------------
 
 
-def logits(q, q_scales, weights_out, k_cache, positions, block_table, block_size: int, n_out: int,
-           launch: IndexerLaunch | None = None) -> torch.Tensor:
+def logits(
+    q, q_scales, weights_out, k_cache, positions, block_table, block_size: int, n_out: int, launch: IndexerLaunch | None = None
+) -> torch.Tensor:
     """The logits kernel launch alone (no checks, no host syncs): what the benchmark times.
 
     Grid (T, ⌈pages / PAGES⌉); the heads are padded to a power of two >= 16 for ``tl.dot``, and so are the
@@ -255,11 +330,28 @@ def logits(q, q_scales, weights_out, k_cache, positions, block_table, block_size
     cap = launch.maxnreg(fp4)
     opts = {"maxnreg": cap} if cap is not None and not interpreting() else {}
     kernels.logits_kernel[(T, triton.cdiv(n_pages, pages))](
-        q.contiguous().view(torch.uint8), qs, weights_out.contiguous(), k_cache, k_cache.view(torch.float32),
+        q.contiguous().view(torch.uint8),
+        qs,
+        weights_out.contiguous(),
+        k_cache,
+        k_cache.view(torch.float32),
         k_cache.view(torch.int32),
-        bt, positions.to(torch.int64).contiguous(), out, n_out, bt.stride(0), k_cache.stride(0), H,
-        HP=hp, BC=block_size, BCP=max(16, triton.next_power_of_2(block_size)), PAGES=pages,
-        TP=launch.tile_pages(fp4), FP4=fp4, FP4_DECODE=launch.decode(), DOT_FP32=interpreting(),
-        num_warps=launch.logits_warps, **opts,
+        bt,
+        positions.to(torch.int64).contiguous(),
+        out,
+        n_out,
+        bt.stride(0),
+        k_cache.stride(0),
+        H,
+        HP=hp,
+        BC=block_size,
+        BCP=max(16, triton.next_power_of_2(block_size)),
+        PAGES=pages,
+        TP=launch.tile_pages(fp4),
+        FP4=fp4,
+        FP4_DECODE=launch.decode(),
+        DOT_FP32=interpreting(),
+        num_warps=launch.logits_warps,
+        **opts,
     )
     return out

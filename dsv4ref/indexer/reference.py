@@ -89,10 +89,10 @@ def rope(x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor) -> tor
     """
     cs = cos_sin[positions.long()]  # [T, 64]
     c, s = cs[:, None, :32], cs[:, None, 32:]
-    e, o = x[..., ROPE_START::2], x[..., ROPE_START + 1::2]
+    e, o = x[..., ROPE_START::2], x[..., ROPE_START + 1 :: 2]
     out = x.clone()
     out[..., ROPE_START::2] = e * c - o * s
-    out[..., ROPE_START + 1::2] = e * s + o * c
+    out[..., ROPE_START + 1 :: 2] = e * s + o * c
     return out
 
 
@@ -113,8 +113,7 @@ def hadamard_transform(x: torch.Tensor) -> torch.Tensor:
     return y * torch.tensor(HADAMARD_SCALE, dtype=torch.float32, device=y.device)
 
 
-def prepare_q(index_q: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor,
-              hadamard: bool = False) -> torch.Tensor:
+def prepare_q(index_q: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor, hadamard: bool = False) -> torch.Tensor:
     """The fp32 values that get quantised: RoPE, the bf16 round trip of the rotated dims, optional Hadamard."""
     x = rope(index_q.float(), positions, cos_sin)
     x[..., ROPE_START:] = x[..., ROPE_START:].to(torch.bfloat16).float()  # "match reference numerics"
@@ -124,6 +123,7 @@ def prepare_q(index_q: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Ten
 # ----------------------------------------------------------------------------------------------------
 # the two number formats: FP8 (one 128-block) here; MXFP4 (four 32-blocks of E2M1) in mxfp4.py
 # ----------------------------------------------------------------------------------------------------
+
 
 def quantize_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """One 128-block per row of fp32 ``x [..., 128]``: (e4m3 codes [..., 128], UE8M0 byte [...] uint8).
@@ -138,8 +138,15 @@ def quantize_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 # ----------------------------------------------------------------------------------------------------
 
 
-def quantize_q(index_q: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor, weights: torch.Tensor, *,
-               fmt: str = "fp8", hadamard: bool = False):
+def quantize_q(
+    index_q: torch.Tensor,
+    positions: torch.Tensor,
+    cos_sin: torch.Tensor,
+    weights: torch.Tensor,
+    *,
+    fmt: str = "fp8",
+    hadamard: bool = False,
+):
     """The fused indexer-Q: ``(q, q_scales or None, weights_out)`` (see :func:`dsv4ref.indexer.quantize_q`).
 
     FP8: the per-(token, head) scale 2^e is multiplied into the weight (exact), then c = :func:`fold`
@@ -173,8 +180,9 @@ def quantize_k(k: torch.Tensor, *, fmt: str = "fp8", hadamard: bool = False):
     return quantize_mxfp4(x)
 
 
-def insert_k(k_cache: torch.Tensor, k: torch.Tensor, slots: torch.Tensor, *, block_size: int, fmt: str = "fp8",
-             hadamard: bool = False) -> None:
+def insert_k(
+    k_cache: torch.Tensor, k: torch.Tensor, slots: torch.Tensor, *, block_size: int, fmt: str = "fp8", hadamard: bool = False
+) -> None:
     """Quantise ``k[:len(slots)]`` and scatter the bytes into the SoA pages at ``slots`` (−1: skip), in place.
 
     Page of B keys: ``[B × V value bytes][B × 4 scale bytes]``, V = 128 (fp8) or 64 (mxfp4)."""
@@ -209,9 +217,18 @@ def dequantize_k(values: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     return mxfp4_values(values, scales)
 
 
-def logits(q: torch.Tensor, q_scales: torch.Tensor | None, weights_out: torch.Tensor, k_cache: torch.Tensor,
-           positions: torch.Tensor, block_table: torch.Tensor, *, block_size: int, n_out: int,
-           dtype: torch.dtype = torch.float64) -> torch.Tensor:
+def logits(
+    q: torch.Tensor,
+    q_scales: torch.Tensor | None,
+    weights_out: torch.Tensor,
+    k_cache: torch.Tensor,
+    positions: torch.Tensor,
+    block_table: torch.Tensor,
+    *,
+    block_size: int,
+    n_out: int,
+    dtype: torch.dtype = torch.float64,
+) -> torch.Tensor:
     """The scores ``[T, n_out]`` in ``dtype`` from the decoded codes (float64: the oracle)::
 
         I[t, s] = Σ_h w_out[t, h] · ReLU(⟨q[t, h], k_s⟩) (· k_scale_s for fp8)     s < (p_t + 1) // 4, else −∞
@@ -234,8 +251,17 @@ def logits(q: torch.Tensor, q_scales: torch.Tensor | None, weights_out: torch.Te
     return torch.where(live, out, float("-inf"))
 
 
-def logits_condition(q: torch.Tensor, q_scales: torch.Tensor | None, weights_out: torch.Tensor, k_cache: torch.Tensor,
-                     positions: torch.Tensor, block_table: torch.Tensor, *, block_size: int, n_out: int) -> torch.Tensor:
+def logits_condition(
+    q: torch.Tensor,
+    q_scales: torch.Tensor | None,
+    weights_out: torch.Tensor,
+    k_cache: torch.Tensor,
+    positions: torch.Tensor,
+    block_table: torch.Tensor,
+    *,
+    block_size: int,
+    n_out: int,
+) -> torch.Tensor:
     """Σ_h |w_out|·Σ_d |q_d·k_d|(·k_scale) per (t, s), float64 (1 where masked, ≥ 1e-30 elsewhere).
 
     The scale of the fp32 accumulation error of :func:`logits`: divide the kernel's scores and the
@@ -248,8 +274,7 @@ def logits_condition(q: torch.Tensor, q_scales: torch.Tensor | None, weights_out
         abs_q = q & 0x77  # both nibbles' sign bits
     abs_cache = k_cache.clone()
     abs_cache[:, : block_size * index_k_value_bytes(fmt)] &= 0x7F if fmt == "fp8" else 0x77
-    ref = logits(abs_q, q_scales, weights_out.abs(), abs_cache, positions, block_table, block_size=block_size,
-                 n_out=n_out)
+    ref = logits(abs_q, q_scales, weights_out.abs(), abs_cache, positions, block_table, block_size=block_size, n_out=n_out)
     return torch.where(torch.isfinite(ref), ref.clamp_min(1e-30), 1.0)
 
 
@@ -260,8 +285,9 @@ def short_context_topk(positions: torch.Tensor, k: int) -> torch.Tensor:
     return torch.where(ids[None, :] < n_c[:, None], ids[None, :], -1).to(torch.int32)
 
 
-def topk(logits: torch.Tensor | None, k: int, *, positions: torch.Tensor | None = None,
-         out: torch.Tensor | None = None) -> torch.Tensor:
+def topk(
+    logits: torch.Tensor | None, k: int, *, positions: torch.Tensor | None = None, out: torch.Tensor | None = None
+) -> torch.Tensor:
     """Local ids of the k largest scores per row, int32 ``[T, k]``; −∞ entries and missing columns → −1.
     A NaN score ranks like −∞ (never selected; the public function refuses NaN while value checks are on);
     +∞ is a number and ranks first.
@@ -284,8 +310,9 @@ def topk(logits: torch.Tensor | None, k: int, *, positions: torch.Tensor | None 
     return res
 
 
-def to_global(topk_local: torch.Tensor, block_table: torch.Tensor, slots: torch.Tensor | None = None, *,
-              block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+def to_global(
+    topk_local: torch.Tensor, block_table: torch.Tensor, slots: torch.Tensor | None = None, *, block_size: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Local ids → slots of the MAIN compressed cache ``block_table[t, l // B]·B + l % B``, int64, and
     topk_len = the number of slots ≥ 0 per row (int32).
 

@@ -29,8 +29,21 @@ from . import kernels, reference  # noqa: F401  (dsv4ref.kv_cache.kernels / .ref
 from .launch import KVCacheLaunch, default_launch
 from .reference import flat_bytes, token_offsets
 
-__all__ = ["page_bytes", "allocate", "insert", "gather", "check_cache", "check_writable", "flat_bytes",
-           "token_offsets", "example_inputs", "KVCacheLaunch", "default_launch", "TOKEN_BYTES", "SUPPORTED_BACKENDS"]
+__all__ = [
+    "page_bytes",
+    "allocate",
+    "insert",
+    "gather",
+    "check_cache",
+    "check_writable",
+    "flat_bytes",
+    "token_offsets",
+    "example_inputs",
+    "KVCacheLaunch",
+    "default_launch",
+    "TOKEN_BYTES",
+    "SUPPORTED_BACKENDS",
+]
 
 SUPPORTED_BACKENDS = ("reference", "triton")  # from dsv4ref.validate.BACKENDS; "auto" = "triton"
 
@@ -93,8 +106,10 @@ def check_writable(cache: torch.Tensor) -> None:
     kernel wrote wrong NoPE bytes into it on the H200 (2026-11-30; cause not found; readers were right), so
     writers refuse it."""
     if cache.stride(0) % 2 or cache.storage_offset() % 2:
-        raise ValueError(f"cache: pages must start at even byte addresses to be written (page stride "
-                         f"{cache.stride(0)}, storage offset {cache.storage_offset()})")
+        raise ValueError(
+            f"cache: pages must start at even byte addresses to be written (page stride "
+            f"{cache.stride(0)}, storage offset {cache.storage_offset()})"
+        )
 
 
 def _check_launch(launch) -> None:

@@ -42,9 +42,25 @@ _ONE = tl.constexpr(UE8M0_BIAS)  # scale byte of 2^0, for masked-off lanes
 
 
 @triton.jit
-def _insert_tile(cache_ptr, cache16_ptr, kv_ptr, slot_ptr, tile, n, slot_stride, kv_stride, page_stride, block_size,
-                 TOK: tl.constexpr, ROPE16: tl.constexpr, NATIVE: tl.constexpr, SLOT32: tl.constexpr,
-                 LOAD_POLICY: tl.constexpr, STORE_CACHE: tl.constexpr, EARLY: tl.constexpr):
+def _insert_tile(
+    cache_ptr,
+    cache16_ptr,
+    kv_ptr,
+    slot_ptr,
+    tile,
+    n,
+    slot_stride,
+    kv_stride,
+    page_stride,
+    block_size,
+    TOK: tl.constexpr,
+    ROPE16: tl.constexpr,
+    NATIVE: tl.constexpr,
+    SLOT32: tl.constexpr,
+    LOAD_POLICY: tl.constexpr,
+    STORE_CACHE: tl.constexpr,
+    EARLY: tl.constexpr,
+):
     t = tile * TOK + tl.arange(0, TOK)  # [TOK]
     slot = tl.load(slot_ptr + t.to(tl.int64) * slot_stride, mask=t < n, other=-1)  # past the end = padding
     row = kv_ptr + t.to(tl.int64) * kv_stride  # [TOK] row pointers
@@ -54,16 +70,35 @@ def _insert_tile(cache_ptr, cache16_ptr, kv_ptr, slot_ptr, tile, n, slot_stride,
         # the slot load, and the NoPE tile is not held behind the RoPE store. A row with slot −1 is read, never
         # written (its values can only send the tile down the non-finite path: same bytes, slower)
         live = t < n
-        rope = tl.load(row[:, None] + _NOPE + j, mask=tl.broadcast_to(live[:, None], (TOK, _ROPE)), other=0,
-                       eviction_policy=LOAD_POLICY)
+        rope = tl.load(
+            row[:, None] + _NOPE + j, mask=tl.broadcast_to(live[:, None], (TOK, _ROPE)), other=0, eviction_policy=LOAD_POLICY
+        )
         nope = kv_nope_bits(row, live, TOK, LOAD_POLICY)
-        kv_record_loaded(cache_ptr, cache16_ptr, nope, slot, rope, block_size, page_stride, TOK, ROPE16, NATIVE, SLOT32,
-                         STORE_CACHE)
+        kv_record_loaded(
+            cache_ptr, cache16_ptr, nope, slot, rope, block_size, page_stride, TOK, ROPE16, NATIVE, SLOT32, STORE_CACHE
+        )
     else:
-        rope = tl.load(row[:, None] + _NOPE + j, mask=tl.broadcast_to((slot >= 0)[:, None], (TOK, _ROPE)), other=0,
-                       eviction_policy=LOAD_POLICY)
-        kv_record(cache_ptr, cache16_ptr, row, slot, rope, block_size, page_stride, TOK, ROPE16, NATIVE, SLOT32,
-                  LOAD_POLICY, STORE_CACHE)
+        rope = tl.load(
+            row[:, None] + _NOPE + j,
+            mask=tl.broadcast_to((slot >= 0)[:, None], (TOK, _ROPE)),
+            other=0,
+            eviction_policy=LOAD_POLICY,
+        )
+        kv_record(
+            cache_ptr,
+            cache16_ptr,
+            row,
+            slot,
+            rope,
+            block_size,
+            page_stride,
+            TOK,
+            ROPE16,
+            NATIVE,
+            SLOT32,
+            LOAD_POLICY,
+            STORE_CACHE,
+        )
 
 
 @triton.jit
@@ -89,21 +124,86 @@ def insert_kernel(
 ):
     if PERSISTENT and STAGES >= 2:
         for tile in tl.range(tl.program_id(0), tl.cdiv(n, TOK), tl.num_programs(0), num_stages=STAGES):
-            _insert_tile(cache_ptr, cache16_ptr, kv_ptr, slot_ptr, tile, n, slot_stride, kv_stride, page_stride,
-                         block_size, TOK, ROPE16, NATIVE, SLOT32, LOAD_POLICY, STORE_CACHE, EARLY)
+            _insert_tile(
+                cache_ptr,
+                cache16_ptr,
+                kv_ptr,
+                slot_ptr,
+                tile,
+                n,
+                slot_stride,
+                kv_stride,
+                page_stride,
+                block_size,
+                TOK,
+                ROPE16,
+                NATIVE,
+                SLOT32,
+                LOAD_POLICY,
+                STORE_CACHE,
+                EARLY,
+            )
     elif PERSISTENT:
         for tile in range(tl.program_id(0), tl.cdiv(n, TOK), tl.num_programs(0)):
-            _insert_tile(cache_ptr, cache16_ptr, kv_ptr, slot_ptr, tile, n, slot_stride, kv_stride, page_stride,
-                         block_size, TOK, ROPE16, NATIVE, SLOT32, LOAD_POLICY, STORE_CACHE, EARLY)
+            _insert_tile(
+                cache_ptr,
+                cache16_ptr,
+                kv_ptr,
+                slot_ptr,
+                tile,
+                n,
+                slot_stride,
+                kv_stride,
+                page_stride,
+                block_size,
+                TOK,
+                ROPE16,
+                NATIVE,
+                SLOT32,
+                LOAD_POLICY,
+                STORE_CACHE,
+                EARLY,
+            )
     else:
-        _insert_tile(cache_ptr, cache16_ptr, kv_ptr, slot_ptr, tl.program_id(0), n, slot_stride, kv_stride, page_stride,
-                     block_size, TOK, ROPE16, NATIVE, SLOT32, LOAD_POLICY, STORE_CACHE, EARLY)
+        _insert_tile(
+            cache_ptr,
+            cache16_ptr,
+            kv_ptr,
+            slot_ptr,
+            tl.program_id(0),
+            n,
+            slot_stride,
+            kv_stride,
+            page_stride,
+            block_size,
+            TOK,
+            ROPE16,
+            NATIVE,
+            SLOT32,
+            LOAD_POLICY,
+            STORE_CACHE,
+            EARLY,
+        )
 
 
 @triton.jit
-def _gather_tile(cache_ptr, cache16_ptr, slot_ptr, out_ptr, tile, n, slot_stride, page_stride, block_size,
-                 TOK: tl.constexpr, ROPE16: tl.constexpr, NATIVE: tl.constexpr, SLOT32: tl.constexpr,
-                 LOAD_POLICY: tl.constexpr, STORE_CACHE: tl.constexpr):
+def _gather_tile(
+    cache_ptr,
+    cache16_ptr,
+    slot_ptr,
+    out_ptr,
+    tile,
+    n,
+    slot_stride,
+    page_stride,
+    block_size,
+    TOK: tl.constexpr,
+    ROPE16: tl.constexpr,
+    NATIVE: tl.constexpr,
+    SLOT32: tl.constexpr,
+    LOAD_POLICY: tl.constexpr,
+    STORE_CACHE: tl.constexpr,
+):
     p = tile * TOK + tl.arange(0, TOK)  # [TOK] output rows
     slot = tl.load(slot_ptr + p.to(tl.int64) * slot_stride, mask=p < n, other=-1).to(tl.int64)
     ok = slot >= 0
@@ -128,8 +228,12 @@ def _gather_tile(cache_ptr, cache16_ptr, slot_ptr, out_ptr, tile, n, slot_stride
     # interpreted), and a block with scale byte 255 gets the bound −1, which no code passes. Its scale is then
     # irrelevant (254 keeps the product finite, so the interpreter warns of nothing new).
     q = tl.load(cache_ptr + data[:, None, None] + dim, mask=nope_in, other=0, eviction_policy=LOAD_POLICY)
-    byte = tl.load(cache_ptr + scales[:, None] + k, mask=tl.broadcast_to(ok[:, None] & (k < _N_SCALES), (TOK, _SCALE_BYTES)),
-                   other=_ONE, eviction_policy=LOAD_POLICY).to(tl.int32)
+    byte = tl.load(
+        cache_ptr + scales[:, None] + k,
+        mask=tl.broadcast_to(ok[:, None] & (k < _N_SCALES), (TOK, _SCALE_BYTES)),
+        other=_ONE,
+        eviction_policy=LOAD_POLICY,
+    ).to(tl.int32)
     scale = tl.where(byte == 0, 0x00400000, tl.minimum(byte, 254) << 23).to(tl.float32, bitcast=True)  # 0: 2^-127
     bound = tl.where(byte == 255, -1.0, 448.0)[:, :, None]
     x = q.to(tl.float8e4nv, bitcast=True).to(tl.float32)
@@ -168,12 +272,57 @@ def gather_kernel(
 ):
     if PERSISTENT and STAGES >= 2:
         for tile in tl.range(tl.program_id(0), tl.cdiv(n, TOK), tl.num_programs(0), num_stages=STAGES):
-            _gather_tile(cache_ptr, cache16_ptr, slot_ptr, out_ptr, tile, n, slot_stride, page_stride, block_size,
-                         TOK, ROPE16, NATIVE, SLOT32, LOAD_POLICY, STORE_CACHE)
+            _gather_tile(
+                cache_ptr,
+                cache16_ptr,
+                slot_ptr,
+                out_ptr,
+                tile,
+                n,
+                slot_stride,
+                page_stride,
+                block_size,
+                TOK,
+                ROPE16,
+                NATIVE,
+                SLOT32,
+                LOAD_POLICY,
+                STORE_CACHE,
+            )
     elif PERSISTENT:
         for tile in range(tl.program_id(0), tl.cdiv(n, TOK), tl.num_programs(0)):
-            _gather_tile(cache_ptr, cache16_ptr, slot_ptr, out_ptr, tile, n, slot_stride, page_stride, block_size,
-                         TOK, ROPE16, NATIVE, SLOT32, LOAD_POLICY, STORE_CACHE)
+            _gather_tile(
+                cache_ptr,
+                cache16_ptr,
+                slot_ptr,
+                out_ptr,
+                tile,
+                n,
+                slot_stride,
+                page_stride,
+                block_size,
+                TOK,
+                ROPE16,
+                NATIVE,
+                SLOT32,
+                LOAD_POLICY,
+                STORE_CACHE,
+            )
     else:
-        _gather_tile(cache_ptr, cache16_ptr, slot_ptr, out_ptr, tl.program_id(0), n, slot_stride, page_stride, block_size,
-                     TOK, ROPE16, NATIVE, SLOT32, LOAD_POLICY, STORE_CACHE)
+        _gather_tile(
+            cache_ptr,
+            cache16_ptr,
+            slot_ptr,
+            out_ptr,
+            tl.program_id(0),
+            n,
+            slot_stride,
+            page_stride,
+            block_size,
+            TOK,
+            ROPE16,
+            NATIVE,
+            SLOT32,
+            LOAD_POLICY,
+            STORE_CACHE,
+        )

@@ -74,8 +74,17 @@ class KVCacheLaunch:
 
     def op_args(self) -> tuple:
         """The launch as the trailing arguments of ``torch.ops.dsv4ref.kv_insert`` / ``kv_gather``."""
-        return (self.tokens_per_program, self.num_warps, self.native_casts, self.evict_first, self.streaming_stores,
-                self.programs_per_sm, self.pipeline_stages, self.early_loads, self.max_registers)
+        return (
+            self.tokens_per_program,
+            self.num_warps,
+            self.native_casts,
+            self.evict_first,
+            self.streaming_stores,
+            self.programs_per_sm,
+            self.pipeline_stages,
+            self.early_loads,
+            self.max_registers,
+        )
 
 
 # The defaults, measured on the H200 (benchmarks/kv_cache.md; B = 64, random slot order, CUDA-graph
@@ -94,7 +103,7 @@ def default_launch(op: str) -> KVCacheLaunch:
         return _INSERT
     if op == "gather":
         return _GATHER
-    raise ValueError(f"op: expected \"insert\" or \"gather\", got {op!r}")
+    raise ValueError(f'op: expected "insert" or "gather", got {op!r}')
 
 
 def int16_view(cache: torch.Tensor) -> tuple[torch.Tensor, bool]:
@@ -106,8 +115,9 @@ def int16_view(cache: torch.Tensor) -> tuple[torch.Tensor, bool]:
     return cache, False
 
 
-def _grid_and_flags(cache: torch.Tensor, n: int, block_size: int, launch: KVCacheLaunch,
-                    insert: bool = False) -> tuple[int, dict]:
+def _grid_and_flags(
+    cache: torch.Tensor, n: int, block_size: int, launch: KVCacheLaunch, insert: bool = False
+) -> tuple[int, dict]:
     """The grid and the kernel's launch constexprs and options (metadata only: no device sync); ``insert``: for
     the insert kernel (the only one with ``EARLY``)."""
     tiles = triton.cdiv(n, launch.tokens_per_program)
@@ -131,8 +141,9 @@ def _grid_and_flags(cache: torch.Tensor, n: int, block_size: int, launch: KVCach
     return grid, flags
 
 
-def launch_insert(cache: torch.Tensor, kv: torch.Tensor, slots: torch.Tensor, block_size: int,
-                  launch: KVCacheLaunch = _INSERT) -> None:
+def launch_insert(
+    cache: torch.Tensor, kv: torch.Tensor, slots: torch.Tensor, block_size: int, launch: KVCacheLaunch = _INSERT
+) -> None:
     """Launch :func:`~dsv4ref.kv_cache.kernels.insert_kernel` directly (no argument checks, no dispatcher;
     ``slots`` int32/int64, any stride; kv rows with unit column stride). For benchmarks of the bare kernel;
     callers use :func:`dsv4ref.kv_cache.insert`."""
@@ -141,62 +152,133 @@ def launch_insert(cache: torch.Tensor, kv: torch.Tensor, slots: torch.Tensor, bl
     n = slots.shape[0]
     if n:
         grid, flags = _grid_and_flags(cache, n, block_size, launch, insert=True)
-        insert_kernel[(grid,)](cache, c16, kv16, slots, n, slots.stride(0), kv16.stride(0), cache.stride(0), block_size,
-                               ROPE16=rope16, **flags)
+        insert_kernel[(grid,)](
+            cache, c16, kv16, slots, n, slots.stride(0), kv16.stride(0), cache.stride(0), block_size, ROPE16=rope16, **flags
+        )
 
 
-def launch_gather(cache: torch.Tensor, slots: torch.Tensor, out: torch.Tensor, block_size: int,
-                  launch: KVCacheLaunch = _GATHER) -> None:
+def launch_gather(
+    cache: torch.Tensor, slots: torch.Tensor, out: torch.Tensor, block_size: int, launch: KVCacheLaunch = _GATHER
+) -> None:
     """Launch :func:`~dsv4ref.kv_cache.kernels.gather_kernel` directly into ``out`` [S, 512] bf16, contiguous
     (``slots`` int32/int64, any stride)."""
     c16, rope16 = int16_view(cache)
     n = slots.shape[0]
     if n:
         grid, flags = _grid_and_flags(cache, n, block_size, launch)
-        gather_kernel[(grid,)](cache, c16, slots, out.view(torch.int16), n, slots.stride(0), cache.stride(0), block_size,
-                               ROPE16=rope16, **flags)
+        gather_kernel[(grid,)](
+            cache, c16, slots, out.view(torch.int16), n, slots.stride(0), cache.stride(0), block_size, ROPE16=rope16, **flags
+        )
 
 
 _I, _G = _INSERT, _GATHER
 
 
 @torch.library.custom_op("dsv4ref::kv_insert", mutates_args=("cache",))
-def kv_insert_op(cache: torch.Tensor, kv: torch.Tensor, slots: torch.Tensor, block_size: int,
-                 tokens_per_program: int = _I.tokens_per_program, num_warps: int = _I.num_warps,
-                 native_casts: bool = _I.native_casts, evict_first: bool = _I.evict_first,
-                 streaming_stores: bool = _I.streaming_stores, programs_per_sm: int = _I.programs_per_sm,
-                 pipeline_stages: int = _I.pipeline_stages, early_loads: bool = _I.early_loads,
-                 max_registers: int = _I.max_registers) -> None:
+def kv_insert_op(
+    cache: torch.Tensor,
+    kv: torch.Tensor,
+    slots: torch.Tensor,
+    block_size: int,
+    tokens_per_program: int = _I.tokens_per_program,
+    num_warps: int = _I.num_warps,
+    native_casts: bool = _I.native_casts,
+    evict_first: bool = _I.evict_first,
+    streaming_stores: bool = _I.streaming_stores,
+    programs_per_sm: int = _I.programs_per_sm,
+    pipeline_stages: int = _I.pipeline_stages,
+    early_loads: bool = _I.early_loads,
+    max_registers: int = _I.max_registers,
+) -> None:
     """``torch.ops.dsv4ref.kv_insert``: the insert kernel on checked arguments (slots int32/int64, any stride)."""
-    launch_insert(cache, kv, slots, block_size, KVCacheLaunch(tokens_per_program, num_warps, native_casts, evict_first,
-                                                              streaming_stores, programs_per_sm, pipeline_stages,
-                                                              early_loads, max_registers))
+    launch_insert(
+        cache,
+        kv,
+        slots,
+        block_size,
+        KVCacheLaunch(
+            tokens_per_program,
+            num_warps,
+            native_casts,
+            evict_first,
+            streaming_stores,
+            programs_per_sm,
+            pipeline_stages,
+            early_loads,
+            max_registers,
+        ),
+    )
 
 
 @kv_insert_op.register_fake
-def _(cache, kv, slots, block_size, tokens_per_program=_I.tokens_per_program, num_warps=_I.num_warps,
-      native_casts=_I.native_casts, evict_first=_I.evict_first, streaming_stores=_I.streaming_stores,
-      programs_per_sm=_I.programs_per_sm, pipeline_stages=_I.pipeline_stages, early_loads=_I.early_loads,
-      max_registers=_I.max_registers):
+def _(
+    cache,
+    kv,
+    slots,
+    block_size,
+    tokens_per_program=_I.tokens_per_program,
+    num_warps=_I.num_warps,
+    native_casts=_I.native_casts,
+    evict_first=_I.evict_first,
+    streaming_stores=_I.streaming_stores,
+    programs_per_sm=_I.programs_per_sm,
+    pipeline_stages=_I.pipeline_stages,
+    early_loads=_I.early_loads,
+    max_registers=_I.max_registers,
+):
     return None
 
 
 @torch.library.custom_op("dsv4ref::kv_gather", mutates_args=("out",))
-def kv_gather_op(cache: torch.Tensor, slots: torch.Tensor, out: torch.Tensor, block_size: int,
-                 tokens_per_program: int = _G.tokens_per_program, num_warps: int = _G.num_warps,
-                 native_casts: bool = _G.native_casts, evict_first: bool = _G.evict_first,
-                 streaming_stores: bool = _G.streaming_stores, programs_per_sm: int = _G.programs_per_sm,
-                 pipeline_stages: int = _G.pipeline_stages, early_loads: bool = _G.early_loads,
-                 max_registers: int = _G.max_registers) -> None:
+def kv_gather_op(
+    cache: torch.Tensor,
+    slots: torch.Tensor,
+    out: torch.Tensor,
+    block_size: int,
+    tokens_per_program: int = _G.tokens_per_program,
+    num_warps: int = _G.num_warps,
+    native_casts: bool = _G.native_casts,
+    evict_first: bool = _G.evict_first,
+    streaming_stores: bool = _G.streaming_stores,
+    programs_per_sm: int = _G.programs_per_sm,
+    pipeline_stages: int = _G.pipeline_stages,
+    early_loads: bool = _G.early_loads,
+    max_registers: int = _G.max_registers,
+) -> None:
     """``torch.ops.dsv4ref.kv_gather``: the gather kernel on checked arguments, into ``out``."""
-    launch_gather(cache, slots, out, block_size, KVCacheLaunch(tokens_per_program, num_warps, native_casts, evict_first,
-                                                               streaming_stores, programs_per_sm, pipeline_stages,
-                                                              early_loads, max_registers))
+    launch_gather(
+        cache,
+        slots,
+        out,
+        block_size,
+        KVCacheLaunch(
+            tokens_per_program,
+            num_warps,
+            native_casts,
+            evict_first,
+            streaming_stores,
+            programs_per_sm,
+            pipeline_stages,
+            early_loads,
+            max_registers,
+        ),
+    )
 
 
 @kv_gather_op.register_fake
-def _(cache, slots, out, block_size, tokens_per_program=_G.tokens_per_program, num_warps=_G.num_warps,
-      native_casts=_G.native_casts, evict_first=_G.evict_first, streaming_stores=_G.streaming_stores,
-      programs_per_sm=_G.programs_per_sm, pipeline_stages=_G.pipeline_stages, early_loads=_G.early_loads,
-      max_registers=_G.max_registers):
+def _(
+    cache,
+    slots,
+    out,
+    block_size,
+    tokens_per_program=_G.tokens_per_program,
+    num_warps=_G.num_warps,
+    native_casts=_G.native_casts,
+    evict_first=_G.evict_first,
+    streaming_stores=_G.streaming_stores,
+    programs_per_sm=_G.programs_per_sm,
+    pipeline_stages=_G.pipeline_stages,
+    early_loads=_G.early_loads,
+    max_registers=_G.max_registers,
+):
     return None

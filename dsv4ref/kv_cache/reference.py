@@ -54,8 +54,7 @@ def flat_bytes(cache: torch.Tensor) -> torch.Tensor:
 def token_offsets(cache: torch.Tensor, slots: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """int64 byte offsets ``(data start, scale start)`` of each slot in ``flat_bytes(cache)``."""
     slots = slots.to(torch.int64)
-    return (token_data_offset(cache.stride(0), block_size, slots),
-            token_scale_offset(cache.stride(0), block_size, slots))
+    return (token_data_offset(cache.stride(0), block_size, slots), token_scale_offset(cache.stride(0), block_size, slots))
 
 
 def _span(start: torch.Tensor, n: int) -> torch.Tensor:

@@ -27,8 +27,24 @@ from . import reference
 from .launch import MhcLaunch, default_launch, split_fn
 from .reference import HC_EPS, HC_MULT, POST_MULT, RMS_EPS, SINKHORN_ITERS
 
-__all__ = ["sinkhorn", "pre", "post", "fused_post_pre", "head", "example_params", "example_streams", "split_fn",
-           "MhcLaunch", "default_launch", "SUPPORTED_BACKENDS", "HC_MULT", "POST_MULT", "SINKHORN_ITERS", "HC_EPS", "RMS_EPS"]
+__all__ = [
+    "sinkhorn",
+    "pre",
+    "post",
+    "fused_post_pre",
+    "head",
+    "example_params",
+    "example_streams",
+    "split_fn",
+    "MhcLaunch",
+    "default_launch",
+    "SUPPORTED_BACKENDS",
+    "HC_MULT",
+    "POST_MULT",
+    "SINKHORN_ITERS",
+    "HC_EPS",
+    "RMS_EPS",
+]
 
 SUPPORTED_BACKENDS = ("reference", "triton")  # "auto" = "triton"
 
@@ -97,8 +113,10 @@ def _check_post(x, residual, post, comb) -> tuple[int, int, int]:
 
 def _need_four(M: int, name: str) -> None:
     if M != 4:
-        raise ValueError(f"{name}: the Triton kernels are written for M = 4 streams (DeepSeek-V4), got M = {M}; "
-                         "use backend='reference' for other M")
+        raise ValueError(
+            f"{name}: the Triton kernels are written for M = 4 streams (DeepSeek-V4), got M = {M}; "
+            "use backend='reference' for other M"
+        )
 
 
 def _launch(launch: MhcLaunch | None) -> MhcLaunch:
@@ -117,8 +135,11 @@ def _c(t: torch.Tensor) -> torch.Tensor:
 
 def _gate_buffers(T: int, M: int, Hd: int, device):
     """Outputs of a pre: post [T, M] fp32, comb [T, M, M] fp32, layer input [T, Hd] bf16."""
-    return (torch.empty(T, M, dtype=torch.float32, device=device), torch.empty(T, M, M, dtype=torch.float32, device=device),
-            torch.empty(T, Hd, dtype=torch.bfloat16, device=device))
+    return (
+        torch.empty(T, M, dtype=torch.float32, device=device),
+        torch.empty(T, M, M, dtype=torch.float32, device=device),
+        torch.empty(T, Hd, dtype=torch.bfloat16, device=device),
+    )
 
 
 # ====================================================================================================
@@ -126,8 +147,14 @@ def _gate_buffers(T: int, M: int, Hd: int, device):
 # ====================================================================================================
 
 
-def sinkhorn(logits: torch.Tensor, iters: int = SINKHORN_ITERS, eps: float = HC_EPS, *, backend: str = "auto",
-             launch: MhcLaunch | None = None) -> torch.Tensor:
+def sinkhorn(
+    logits: torch.Tensor,
+    iters: int = SINKHORN_ITERS,
+    eps: float = HC_EPS,
+    *,
+    backend: str = "auto",
+    launch: MhcLaunch | None = None,
+) -> torch.Tensor:
     """Project logits to a nearly doubly-stochastic matrix with the DSV4 schedule (docs/mhc.md#sinkhorn).
 
     Pass 1 = row softmax + eps, then a column normalisation; passes 2..iters = row, then column (each divisor
@@ -164,10 +191,19 @@ def sinkhorn(logits: torch.Tensor, iters: int = SINKHORN_ITERS, eps: float = HC_
     return out
 
 
-def pre(residual: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, *,
-        rms_eps: float = RMS_EPS, hc_eps: float = HC_EPS, post_mult: float = POST_MULT,
-        sinkhorn_iters: int = SINKHORN_ITERS, backend: str = "auto",
-        launch: MhcLaunch | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def pre(
+    residual: torch.Tensor,
+    fn: torch.Tensor,
+    scale: torch.Tensor,
+    base: torch.Tensor,
+    *,
+    rms_eps: float = RMS_EPS,
+    hc_eps: float = HC_EPS,
+    post_mult: float = POST_MULT,
+    sinkhorn_iters: int = SINKHORN_ITERS,
+    backend: str = "auto",
+    launch: MhcLaunch | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """mHC pre (docs/mhc.md#pre): the sub-layer input and the weights of the following post.
 
     mix = (X @ fnᵀ)·rsqrt(mean(X²) + rms_eps) with X the flattened streams ``[T, M·Hd]``; pre = σ(mix[0:M]·
@@ -200,17 +236,37 @@ def pre(residual: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: tor
         _need_four(M, "residual")
     _finite(residual=residual, fn=fn, scale=scale, base=base)
     if backend == "reference":
-        p, c, x = reference.pre(residual, fn, scale, base, rms_eps=rms_eps, hc_eps=hc_eps, post_mult=post_mult,
-                                sinkhorn_iters=sinkhorn_iters)
+        p, c, x = reference.pre(
+            residual, fn, scale, base, rms_eps=rms_eps, hc_eps=hc_eps, post_mult=post_mult, sinkhorn_iters=sinkhorn_iters
+        )
         return p, c, x.to(torch.bfloat16)
     p, c, out = _gate_buffers(T, M, Hd, residual.device)
-    torch.ops.dsv4ref.mhc_pre(_c(residual), split_fn(fn, M), _c(scale), _c(base), p, c, out, float(rms_eps),
-                              float(hc_eps), float(post_mult), int(sinkhorn_iters), *launch.op_args())
+    torch.ops.dsv4ref.mhc_pre(
+        _c(residual),
+        split_fn(fn, M),
+        _c(scale),
+        _c(base),
+        p,
+        c,
+        out,
+        float(rms_eps),
+        float(hc_eps),
+        float(post_mult),
+        int(sinkhorn_iters),
+        *launch.op_args(),
+    )
     return p, c, out
 
 
-def post(x: torch.Tensor, residual: torch.Tensor, post: torch.Tensor, comb: torch.Tensor, *,
-         backend: str = "auto", launch: MhcLaunch | None = None) -> torch.Tensor:
+def post(
+    x: torch.Tensor,
+    residual: torch.Tensor,
+    post: torch.Tensor,
+    comb: torch.Tensor,
+    *,
+    backend: str = "auto",
+    launch: MhcLaunch | None = None,
+) -> torch.Tensor:
     """mHC post (docs/mhc.md#post): new stream j = post_j·x + Σ_i comb[i, j]·residual_i, i.e. combᵀ @ residual.
 
     Args:
@@ -240,10 +296,22 @@ def post(x: torch.Tensor, residual: torch.Tensor, post: torch.Tensor, comb: torc
     return out
 
 
-def fused_post_pre(x: torch.Tensor, residual: torch.Tensor, post: torch.Tensor, comb: torch.Tensor,
-                   fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, *, rms_eps: float = RMS_EPS,
-                   hc_eps: float = HC_EPS, post_mult: float = POST_MULT, sinkhorn_iters: int = SINKHORN_ITERS,
-                   backend: str = "auto", launch: MhcLaunch | None = None):
+def fused_post_pre(
+    x: torch.Tensor,
+    residual: torch.Tensor,
+    post: torch.Tensor,
+    comb: torch.Tensor,
+    fn: torch.Tensor,
+    scale: torch.Tensor,
+    base: torch.Tensor,
+    *,
+    rms_eps: float = RMS_EPS,
+    hc_eps: float = HC_EPS,
+    post_mult: float = POST_MULT,
+    sinkhorn_iters: int = SINKHORN_ITERS,
+    backend: str = "auto",
+    launch: MhcLaunch | None = None,
+):
     """:func:`post` with this sub-layer's ``post, comb``, then :func:`pre` of the NEXT sub-layer on the new
     streams with its ``fn, scale, base`` (docs/mhc.md#fused-post-pre). Arguments (shapes, dtypes, any
     strides, finite values, the scalar ranges) as in those two.
@@ -271,15 +339,38 @@ def fused_post_pre(x: torch.Tensor, residual: torch.Tensor, post: torch.Tensor, 
         return new, p, c, li.to(torch.bfloat16)
     new = torch.empty(T, M, Hd, dtype=torch.bfloat16, device=residual.device)
     p, c, out = _gate_buffers(T, M, Hd, residual.device)
-    torch.ops.dsv4ref.mhc_fused_post_pre(_c(x), _c(residual), _c(post.reshape(T, M)), _c(comb), split_fn(fn, M),
-                                         _c(scale), _c(base), new, p, c, out, float(rms_eps), float(hc_eps),
-                                         float(post_mult), int(sinkhorn_iters), *launch.op_args())
+    torch.ops.dsv4ref.mhc_fused_post_pre(
+        _c(x),
+        _c(residual),
+        _c(post.reshape(T, M)),
+        _c(comb),
+        split_fn(fn, M),
+        _c(scale),
+        _c(base),
+        new,
+        p,
+        c,
+        out,
+        float(rms_eps),
+        float(hc_eps),
+        float(post_mult),
+        int(sinkhorn_iters),
+        *launch.op_args(),
+    )
     return new, p, c, out
 
 
-def head(hidden: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, *,
-         rms_eps: float = RMS_EPS, hc_eps: float = HC_EPS, backend: str = "auto",
-         launch: MhcLaunch | None = None) -> torch.Tensor:
+def head(
+    hidden: torch.Tensor,
+    fn: torch.Tensor,
+    scale: torch.Tensor,
+    base: torch.Tensor,
+    *,
+    rms_eps: float = RMS_EPS,
+    hc_eps: float = HC_EPS,
+    backend: str = "auto",
+    launch: MhcLaunch | None = None,
+) -> torch.Tensor:
     """HC head (docs/mhc.md#head): out = Σ_m gate_m·hidden_m, gate = σ(mix·scale[0] + base) + hc_eps, mix the
     RMS-scaled GEMM of the flattened streams as in :func:`pre`. No post, no Sinkhorn.
 
@@ -307,8 +398,9 @@ def head(hidden: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torc
     if backend == "reference":
         return reference.head(hidden, fn, scale, base, rms_eps=rms_eps, hc_eps=hc_eps).to(torch.bfloat16)
     out = torch.empty(T, Hd, dtype=torch.bfloat16, device=hidden.device)
-    torch.ops.dsv4ref.mhc_head(_c(hidden), split_fn(fn, M, head=True), _c(scale), _c(base), out, float(rms_eps),
-                               float(hc_eps), *launch.op_args())
+    torch.ops.dsv4ref.mhc_head(
+        _c(hidden), split_fn(fn, M, head=True), _c(scale), _c(base), out, float(rms_eps), float(hc_eps), *launch.op_args()
+    )
     return out
 
 

@@ -116,8 +116,13 @@ def col(ptr, rows, stride, c, mask):
 def post_weights(post_ptr, comb_ptr, rows, rm, j: tl.constexpr):
     """Destination stream j's post weights, [BLOCK_T] vectors: (post_j, comb[0, j], comb[1, j], comb[2, j],
     comb[3, j]) from post [T, 4] and comb [T, 4, 4] (fp32, contiguous)."""
-    return (col(post_ptr, rows, 4, j, rm), col(comb_ptr, rows, 16, 0 * 4 + j, rm), col(comb_ptr, rows, 16, 1 * 4 + j, rm),
-            col(comb_ptr, rows, 16, 2 * 4 + j, rm), col(comb_ptr, rows, 16, 3 * 4 + j, rm))
+    return (
+        col(post_ptr, rows, 4, j, rm),
+        col(comb_ptr, rows, 16, 0 * 4 + j, rm),
+        col(comb_ptr, rows, 16, 1 * 4 + j, rm),
+        col(comb_ptr, rows, 16, 2 * 4 + j, rm),
+        col(comb_ptr, rows, 16, 3 * 4 + j, rm),
+    )
 
 
 @triton.jit
@@ -232,8 +237,12 @@ def token_tile(tile, T, post_in_ptr, comb_in_ptr, FUSED: tl.constexpr, BLOCK_T: 
     rows = tile.to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
     rm = rows < T
     if FUSED:
-        W = (post_weights(post_in_ptr, comb_in_ptr, rows, rm, 0), post_weights(post_in_ptr, comb_in_ptr, rows, rm, 1),
-             post_weights(post_in_ptr, comb_in_ptr, rows, rm, 2), post_weights(post_in_ptr, comb_in_ptr, rows, rm, 3))
+        W = (
+            post_weights(post_in_ptr, comb_in_ptr, rows, rm, 0),
+            post_weights(post_in_ptr, comb_in_ptr, rows, rm, 1),
+            post_weights(post_in_ptr, comb_in_ptr, rows, rm, 2),
+            post_weights(post_in_ptr, comb_in_ptr, rows, rm, 3),
+        )
     else:
         W = 0  # unused
     return rows, rm, W
@@ -267,8 +276,26 @@ def stream_chunk(res_ptr, x_ptr, new_ptr, W, rows, h, Hd, mask, FUSED: tl.conste
 
 
 @triton.jit
-def gates(acc_g, acc_c, ssq, K, rows, rm, scale_ptr, base_ptr, post_ptr, comb_ptr, T, rms_eps, hc_eps, post_mult,
-          iters, store, HEAD: tl.constexpr, BLOCK_T: tl.constexpr):
+def gates(
+    acc_g,
+    acc_c,
+    ssq,
+    K,
+    rows,
+    rm,
+    scale_ptr,
+    base_ptr,
+    post_ptr,
+    comb_ptr,
+    T,
+    rms_eps,
+    hc_eps,
+    post_mult,
+    iters,
+    store,
+    HEAD: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+):
     """From the accumulated logits to the weights: the RMS factor of the flattened streams (applied AFTER the
     GEMM, one scalar per token), pre = σ(·) + eps (head: the gate), and, unless HEAD and only where ``store``,
     post = σ(·)·post_mult and comb = Sinkhorn(·) stored to ``post_ptr`` / ``comb_ptr``.
@@ -279,15 +306,22 @@ def gates(acc_g, acc_c, ssq, K, rows, rm, scale_ptr, base_ptr, post_ptr, comb_pt
     i4 = tl.arange(0, 4)
     g3 = tl.reshape(acc_g * rinv[:, None], (BLOCK_T, 4, 4))  # row 0: pre (head: gate), row 1: post
     sel = i4[None, :, None]
-    pre = tl.sigmoid(tl.sum(tl.where(sel == 0, g3, 0.0), axis=1) * tl.load(scale_ptr)
-                     + tl.load(base_ptr + i4)[None, :]) + hc_eps  # [BLOCK_T, 4]
+    pre = (
+        tl.sigmoid(tl.sum(tl.where(sel == 0, g3, 0.0), axis=1) * tl.load(scale_ptr) + tl.load(base_ptr + i4)[None, :]) + hc_eps
+    )  # [BLOCK_T, 4]
     if not HEAD:
         if store:
-            post = tl.sigmoid(tl.sum(tl.where(sel == 1, g3, 0.0), axis=1) * tl.load(scale_ptr + 1)
-                              + tl.load(base_ptr + 4 + i4)[None, :]) * post_mult
+            post = (
+                tl.sigmoid(
+                    tl.sum(tl.where(sel == 1, g3, 0.0), axis=1) * tl.load(scale_ptr + 1) + tl.load(base_ptr + 4 + i4)[None, :]
+                )
+                * post_mult
+            )
             tl.store(post_ptr + rows[:, None] * 4 + i4[None, :], post, mask=rm[:, None] & (i4 < 4)[None, :])
-            cl = tl.reshape(acc_c * rinv[:, None], (BLOCK_T, 4, 4)) * tl.load(scale_ptr + 2) \
+            cl = (
+                tl.reshape(acc_c * rinv[:, None], (BLOCK_T, 4, 4)) * tl.load(scale_ptr + 2)
                 + tl.load(base_ptr + 8 + i4[:, None] * 4 + i4[None, :])[None, :, :]
+            )
             comb = sinkhorn_tile(cl, iters, hc_eps)
             co = rows[:, None, None] * 16 + i4[None, :, None] * 4 + i4[None, None, :]
             tl.store(comb_ptr + co, comb, mask=co < T * 16)
@@ -299,8 +333,9 @@ def gates(acc_g, acc_c, ssq, K, rows, rm, scale_ptr, base_ptr, post_ptr, comb_pt
 
 
 @triton.jit
-def layer_input_chunk(src_ptr, out_ptr, rows, rm, h, h_end, Hd, w0, w1, w2, w3, CG: tl.constexpr = False,
-                      HW: tl.constexpr = False):
+def layer_input_chunk(
+    src_ptr, out_ptr, rows, rm, h, h_end, Hd, w0, w1, w2, w3, CG: tl.constexpr = False, HW: tl.constexpr = False
+):
     """out[rows, h] = bf16(Σ_i pre_i · stream_i[rows, h]) for one chunk ``h`` of the hidden dim (h < h_end <= Hd).
     ``HW``: rounded by ``bf16_bits``' hardware path (the same bits)."""
     mask = rm[:, None] & (h < h_end)[None, :]
@@ -310,15 +345,30 @@ def layer_input_chunk(src_ptr, out_ptr, rows, rm, h, h_end, Hd, w0, w1, w2, w3, 
 
 
 @triton.jit
-def layer_input_range(src_ptr, out_ptr, rows, rm, h_begin, h_end, Hd, w0, w1, w2, w3, BLOCK: tl.constexpr,
-                      CG: tl.constexpr = False, HW: tl.constexpr = False):
+def layer_input_range(
+    src_ptr,
+    out_ptr,
+    rows,
+    rm,
+    h_begin,
+    h_end,
+    Hd,
+    w0,
+    w1,
+    w2,
+    w3,
+    BLOCK: tl.constexpr,
+    CG: tl.constexpr = False,
+    HW: tl.constexpr = False,
+):
     """``layer_input_chunk`` over the hidden range [h_begin, h_end) in BLOCK-wide chunks, LAST chunk first:
     a pass that just read (or wrote) this range in order finds its latest chunks likeliest still in L2."""
     hh = tl.arange(0, BLOCK)
     n_chunks = tl.cdiv(h_end - h_begin, BLOCK)
     for c in range(0, n_chunks):
-        layer_input_chunk(src_ptr, out_ptr, rows, rm, h_begin + (n_chunks - 1 - c) * BLOCK + hh, h_end, Hd,
-                          w0, w1, w2, w3, CG, HW)
+        layer_input_chunk(
+            src_ptr, out_ptr, rows, rm, h_begin + (n_chunks - 1 - c) * BLOCK + hh, h_end, Hd, w0, w1, w2, w3, CG, HW
+        )
 
 
 # ====================================================================================================
@@ -327,8 +377,7 @@ def layer_input_range(src_ptr, out_ptr, rows, rm, h_begin, h_end, Hd, w0, w1, w2
 
 
 @triton.jit
-def gemm_stream(a, k, kmask, fs_ptr, K, acc_g, acc_c, DOT_FP32: tl.constexpr, HEAD: tl.constexpr,
-                BLOCK_K: tl.constexpr):
+def gemm_stream(a, k, kmask, fs_ptr, K, acc_g, acc_c, DOT_FP32: tl.constexpr, HEAD: tl.constexpr, BLOCK_K: tl.constexpr):
     """acc += a @ fnᵀ[k, :] for one stream chunk: a [BLOCK_T, BLOCK_K] bf16, fs = [G, 3, K, 16] bf16 (hi, mid,
     lo; group 0 = gate columns, group 1 = comb columns). Three bf16 dots per group reproduce the fp32 product
     exactly; the chunk's dots start from zero (module docstring: MMA truncation)."""
@@ -383,8 +432,7 @@ def hc_kernel(
     for h0 in range(0, Hd, BLOCK_K):
         h = h0 + kk
         hm = h < Hd
-        a0, a1, a2, a3, r0, r1, r2, r3 = stream_chunk(res_ptr, x_ptr, new_ptr, W, rows, h, Hd,
-                                                      rm[:, None] & hm[None, :], FUSED)
+        a0, a1, a2, a3, r0, r1, r2, r3 = stream_chunk(res_ptr, x_ptr, new_ptr, W, rows, h, Hd, rm[:, None] & hm[None, :], FUSED)
         ssq += tl.sum(weighted4(r0, r1, r2, r3, r0, r1, r2, r3, False), axis=1)  # Σ_i r_i², fixed FMA order
         acc_g, acc_c = gemm_stream(a0, h, hm, fs_ptr, K, acc_g, acc_c, DOT_FP32, HEAD, BLOCK_K)
         acc_g, acc_c = gemm_stream(a1, Hd + h, hm, fs_ptr, K, acc_g, acc_c, DOT_FP32, HEAD, BLOCK_K)
@@ -392,8 +440,26 @@ def hc_kernel(
         acc_g, acc_c = gemm_stream(a3, 3 * Hd + h, hm, fs_ptr, K, acc_g, acc_c, DOT_FP32, HEAD, BLOCK_K)
 
     # ---- RMS factor, gates, Sinkhorn (in registers) --------------------------------------------------------
-    w0, w1, w2, w3 = gates(acc_g, acc_c, ssq, K, rows, rm, scale_ptr, base_ptr, post_ptr, comb_ptr, T, rms_eps,
-                           hc_eps, post_mult, iters, True, HEAD, BLOCK_T)
+    w0, w1, w2, w3 = gates(
+        acc_g,
+        acc_c,
+        ssq,
+        K,
+        rows,
+        rm,
+        scale_ptr,
+        base_ptr,
+        post_ptr,
+        comb_ptr,
+        T,
+        rms_eps,
+        hc_eps,
+        post_mult,
+        iters,
+        True,
+        HEAD,
+        BLOCK_T,
+    )
 
     # ---- pass 2: x = Σ_i pre_i · stream_i, last chunk first (it is the likeliest to still be in L2) ----
     if FUSED:
@@ -440,8 +506,23 @@ def gemm_stream32(a, k, kmask, fs_ptr, K, acc, DOT_FP32: tl.constexpr, NG: tl.co
 
 
 @triton.jit
-def partial_mix(res_ptr, x_ptr, new_ptr, fs_ptr, W, rows, rm, h_begin, h_end, Hd, DOT_FP32: tl.constexpr,
-                FUSED: tl.constexpr, NG: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr):
+def partial_mix(
+    res_ptr,
+    x_ptr,
+    new_ptr,
+    fs_ptr,
+    W,
+    rows,
+    rm,
+    h_begin,
+    h_end,
+    Hd,
+    DOT_FP32: tl.constexpr,
+    FUSED: tl.constexpr,
+    NG: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
     """The mix GEMM and Σ X² of a token tile over the hidden range [h_begin, h_end) (whole BLOCK_K chunks, the
     last one cut at Hd), all 4 streams: (acc [BLOCK_T, NG] fp32 = [pre | post | 0 | comb (i, j) at 16 + 4i + j]
     (head: [gate | 0]), ssq [BLOCK_T] fp32). FUSED: the post is applied and the new streams stored on the way
@@ -454,8 +535,7 @@ def partial_mix(res_ptr, x_ptr, new_ptr, fs_ptr, W, rows, rm, h_begin, h_end, Hd
     for h0 in range(h_begin, h_end, BLOCK_K):
         h = h0 + kk
         hm = h < h_end
-        a0, a1, a2, a3, r0, r1, r2, r3 = stream_chunk(res_ptr, x_ptr, new_ptr, W, rows, h, Hd,
-                                                      rm[:, None] & hm[None, :], FUSED)
+        a0, a1, a2, a3, r0, r1, r2, r3 = stream_chunk(res_ptr, x_ptr, new_ptr, W, rows, h, Hd, rm[:, None] & hm[None, :], FUSED)
         ssq += tl.sum(weighted4(r0, r1, r2, r3, r0, r1, r2, r3, False), axis=1)  # Σ_i r_i², fixed FMA order
         acc = gemm_stream32(a0, h, hm, fs_ptr, K, acc, DOT_FP32, NG, BLOCK_K)
         acc = gemm_stream32(a1, Hd + h, hm, fs_ptr, K, acc, DOT_FP32, NG, BLOCK_K)
@@ -516,8 +596,9 @@ def hc_partial_kernel(
     rows, rm, W = token_tile(tl.program_id(1), T, post_in_ptr, comb_in_ptr, FUSED, BLOCK_T)
     h_begin = split * chunks_per_split * BLOCK_K
     h_end = tl.minimum(h_begin + chunks_per_split * BLOCK_K, Hd)
-    acc, ssq = partial_mix(res_ptr, x_ptr, new_ptr, fs_ptr, W, rows, rm, h_begin, h_end, Hd, DOT_FP32, FUSED, NG,
-                           BLOCK_T, BLOCK_K)
+    acc, ssq = partial_mix(
+        res_ptr, x_ptr, new_ptr, fs_ptr, W, rows, rm, h_begin, h_end, Hd, DOT_FP32, FUSED, NG, BLOCK_T, BLOCK_K
+    )
     store_partial(ws_ptr, ssq_ptr, split.to(tl.int64) * T + rows, rm, acc, ssq, NG)
 
 
@@ -549,9 +630,26 @@ def hc_finish_kernel(
     rm = rows < T
     acc_g, acc_c, ssq = sum_partials(ws_ptr, ssq_ptr, rows, rm, T, splits, HEAD, BLOCK_T)
     # every hidden part needs pre; part 0 alone stores post and comb
-    w0, w1, w2, w3 = gates(acc_g, acc_c, ssq, 4 * Hd, rows, rm, scale_ptr, base_ptr, post_ptr, comb_ptr, T,
-                           rms_eps, hc_eps, post_mult, iters, part == 0, HEAD, BLOCK_T)
+    w0, w1, w2, w3 = gates(
+        acc_g,
+        acc_c,
+        ssq,
+        4 * Hd,
+        rows,
+        rm,
+        scale_ptr,
+        base_ptr,
+        post_ptr,
+        comb_ptr,
+        T,
+        rms_eps,
+        hc_eps,
+        post_mult,
+        iters,
+        part == 0,
+        HEAD,
+        BLOCK_T,
+    )
     # x = Σ_i pre_i · stream_i over this part's hidden range, last chunk first
     h_begin = part * h_per_part
-    layer_input_range(src_ptr, out_ptr, rows, rm, h_begin, tl.minimum(h_begin + h_per_part, Hd), Hd,
-                      w0, w1, w2, w3, BLOCK_H)
+    layer_input_range(src_ptr, out_ptr, rows, rm, h_begin, tl.minimum(h_begin + h_per_part, Hd), Hd, w0, w1, w2, w3, BLOCK_H)

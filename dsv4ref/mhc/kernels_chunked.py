@@ -82,8 +82,9 @@ def gemm_tile(a, k, kmask, fs_ptr, K, part, DOT_FP32: tl.constexpr, NG: tl.const
     tl.static_assert(FN_LAYOUT <= 2)  # 0 or 2 (launch.py refuses 1)
     if FN_LAYOUT == 2:
         n = tl.arange(0, 4 * NG)
-        bt = tl.load(fs_ptr + n.to(tl.int64)[:, None] * K + k.to(tl.int64)[None, :],
-                     mask=(n < 3 * NG)[:, None] & kmask[None, :], other=0.0)  # [4·NG, n_k]
+        bt = tl.load(
+            fs_ptr + n.to(tl.int64)[:, None] * K + k.to(tl.int64)[None, :], mask=(n < 3 * NG)[:, None] & kmask[None, :], other=0.0
+        )  # [4·NG, n_k]
         return dot(a, tl.trans(bt), part, DOT_FP32)
     col, live = fn_columns(K, NG)
     b_off = col[None, :] + k.to(tl.int64)[:, None] * 16  # [n_k, 4·NG]
@@ -120,9 +121,26 @@ def fold_parts(acc, NG: tl.constexpr, BLOCK_T: tl.constexpr):
 
 
 @triton.jit
-def partial_mix_wide(res_ptr, x_ptr, new_ptr, fs_ptr, W, rows, rm, h_begin, h_end, Hd, DOT_FP32: tl.constexpr,
-                     FUSED: tl.constexpr, NG: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr,
-                     ONE_DOT: tl.constexpr, HW: tl.constexpr, FN_LAYOUT: tl.constexpr = 0):
+def partial_mix_wide(
+    res_ptr,
+    x_ptr,
+    new_ptr,
+    fs_ptr,
+    W,
+    rows,
+    rm,
+    h_begin,
+    h_end,
+    Hd,
+    DOT_FP32: tl.constexpr,
+    FUSED: tl.constexpr,
+    NG: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    ONE_DOT: tl.constexpr,
+    HW: tl.constexpr,
+    FN_LAYOUT: tl.constexpr = 0,
+):
     """``kernels.partial_mix`` with wide dots (``gemm_tile``): (acc [BLOCK_T, NG] fp32, ssq [BLOCK_T] fp32) of the
     hidden range [h_begin, h_end), all 4 streams (FUSED: the post applied, the new streams stored, rounded by
     ``bf16_bits``' hardware path where ``HW``). Per BLOCK_K chunk of the 4 streams, ONE zero-started dot of
@@ -153,22 +171,45 @@ def partial_mix_wide(res_ptr, x_ptr, new_ptr, fs_ptr, W, rows, rm, h_begin, h_en
             h = h0 + kk
             hm = h < h_end
             if FUSED:
-                a0, a1, a2, a3, r0, r1, r2, r3 = stream_chunk(res_ptr, x_ptr, new_ptr, W, rows, h, Hd,
-                                                              rm[:, None] & hm[None, :], FUSED, HW)
+                a0, a1, a2, a3, r0, r1, r2, r3 = stream_chunk(
+                    res_ptr, x_ptr, new_ptr, W, rows, h, Hd, rm[:, None] & hm[None, :], FUSED, HW
+                )
             else:  # through a bf16 pointer, so that the dot reads the tiles from shared memory
-                a0, a1, a2, a3, r0, r1, r2, r3 = load_streams_bf16(res_ptr, rows[:, None] * (4 * Hd) + h[None, :], Hd,
-                                                                   rm[:, None] & hm[None, :])
+                a0, a1, a2, a3, r0, r1, r2, r3 = load_streams_bf16(
+                    res_ptr, rows[:, None] * (4 * Hd) + h[None, :], Hd, rm[:, None] & hm[None, :]
+                )
             ssq += tl.sum(weighted4(r0, r1, r2, r3, r0, r1, r2, r3, False), axis=1)  # Σ_i r_i², fixed FMA order
             h4 = h0 + r4 % BLOCK_K
-            part = gemm_tile(join4(a0, a1, a2, a3, BLOCK_T, BLOCK_K), (r4 // BLOCK_K) * Hd + h4, h4 < h_end,
-                             fs_ptr, K, part, DOT_FP32, NG, FN_LAYOUT)
+            part = gemm_tile(
+                join4(a0, a1, a2, a3, BLOCK_T, BLOCK_K),
+                (r4 // BLOCK_K) * Hd + h4,
+                h4 < h_end,
+                fs_ptr,
+                K,
+                part,
+                DOT_FP32,
+                NG,
+                FN_LAYOUT,
+            )
         acc += fold_parts(part, NG, BLOCK_T)
     return acc, ssq
 
 
 @triton.jit
-def partial_mix_stream_k(res_ptr, fs_ptr, rows, rm, h_begin, h_end, Hd, DOT_FP32: tl.constexpr, NG: tl.constexpr,
-                         BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, FN_LAYOUT: tl.constexpr):
+def partial_mix_stream_k(
+    res_ptr,
+    fs_ptr,
+    rows,
+    rm,
+    h_begin,
+    h_end,
+    Hd,
+    DOT_FP32: tl.constexpr,
+    NG: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    FN_LAYOUT: tl.constexpr,
+):
     """``partial_mix_wide`` of pre / head with one stream per step (``MhcLaunch.chunk_stream_k``): per step ONE
     stream's BLOCK_K dims, a [BLOCK_T, BLOCK_K] tile whose rows are contiguous in memory (BLOCK_K = 64: 128
     bytes, the NVMMA swizzle's row), the steps walking the streams fastest (4 steps per BLOCK_K dims); per step
@@ -189,15 +230,13 @@ def partial_mix_stream_k(res_ptr, fs_ptr, rows, rm, h_begin, h_end, Hd, DOT_FP32
         if FN_LAYOUT == 3:
             acc += gemm_tile_three_parts(a, k, hm, fs_ptr, K, DOT_FP32, NG, BLOCK_T)
         else:
-            part = gemm_tile(a, k, hm, fs_ptr, K, tl.zeros((BLOCK_T, 4 * NG), dtype=tl.float32), DOT_FP32, NG,
-                             FN_LAYOUT)
+            part = gemm_tile(a, k, hm, fs_ptr, K, tl.zeros((BLOCK_T, 4 * NG), dtype=tl.float32), DOT_FP32, NG, FN_LAYOUT)
             acc += fold_parts(part, NG, BLOCK_T)
     return acc, ssq
 
 
 @triton.jit
-def store_partial_packed(ws_ptr, ssq_ptr, wo, rm, acc, ssq, NG: tl.constexpr, WS_GATE: tl.constexpr,
-                         WS_STRIDE: tl.constexpr):
+def store_partial_packed(ws_ptr, ssq_ptr, wo, rm, acc, ssq, NG: tl.constexpr, WS_GATE: tl.constexpr, WS_STRIDE: tl.constexpr):
     """acc [BLOCK_T, NG] (``partial_mix`` layout: gate group at columns 0..15, comb group at 16..31) into the
     workspace rows ``wo`` of stride WS_STRIDE: the first WS_GATE gate columns at 0.., the comb group at
     WS_GATE.. (WS_GATE = 16, WS_STRIDE = 32: the columns as they are; 8 / 24 (head 4 / 4): the live ones
@@ -210,9 +249,22 @@ def store_partial_packed(ws_ptr, ssq_ptr, wo, rm, acc, ssq, NG: tl.constexpr, WS
 
 
 @triton.jit
-def sum_partials_rounds(ws_ptr, ssq_ptr, rows, rm, T, slices, HEAD: tl.constexpr, BLOCK_T: tl.constexpr,
-                        UNROLL: tl.constexpr, WS_GATE: tl.constexpr, WS_STRIDE: tl.constexpr, n_gate, n_comb,
-                        CACHE: tl.constexpr):
+def sum_partials_rounds(
+    ws_ptr,
+    ssq_ptr,
+    rows,
+    rm,
+    T,
+    slices,
+    HEAD: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    UNROLL: tl.constexpr,
+    WS_GATE: tl.constexpr,
+    WS_STRIDE: tl.constexpr,
+    n_gate,
+    n_comb,
+    CACHE: tl.constexpr,
+):
     """(acc_g, acc_c [BLOCK_T, 16], ssq [BLOCK_T]) for ``gates``: the ``slices`` partials of ``rows`` (workspace
     row ``slice·T + rows``) added in slice order (fixed: the same sum whichever program runs it), in rounds of
     UNROLL slices. A round is unrolled and its loads do not depend on its adds, so all UNROLL slices' loads are
@@ -289,12 +341,29 @@ def hc_chunk_partial_kernel(
     h_begin = s * chunks_per_slice * BLOCK_K
     h_end = tl.minimum(h_begin + chunks_per_slice * BLOCK_K, Hd)
     if STREAM_K:
-        acc, ssq = partial_mix_stream_k(res_ptr, fs_ptr, rows, rm, h_begin, h_end, Hd, DOT_FP32, NG, BLOCK_T, BLOCK_K,
-                                        FN_LAYOUT)
+        acc, ssq = partial_mix_stream_k(res_ptr, fs_ptr, rows, rm, h_begin, h_end, Hd, DOT_FP32, NG, BLOCK_T, BLOCK_K, FN_LAYOUT)
     else:
         tl.static_assert(FN_LAYOUT < 3)
-        acc, ssq = partial_mix_wide(res_ptr, res_ptr, res_ptr, fs_ptr, 0, rows, rm, h_begin, h_end, Hd, DOT_FP32, False,
-                                    NG, BLOCK_T, BLOCK_K, 2, False, FN_LAYOUT)
+        acc, ssq = partial_mix_wide(
+            res_ptr,
+            res_ptr,
+            res_ptr,
+            fs_ptr,
+            0,
+            rows,
+            rm,
+            h_begin,
+            h_end,
+            Hd,
+            DOT_FP32,
+            False,
+            NG,
+            BLOCK_T,
+            BLOCK_K,
+            2,
+            False,
+            FN_LAYOUT,
+        )
     store_partial_packed(ws_ptr, ssq_ptr, s.to(tl.int64) * C + lrow, rm, acc, ssq, NG, WS_GATE, WS_STRIDE)
 
 
@@ -331,11 +400,44 @@ def hc_chunk_finish_kernel(
     rows, rm, lrow = chunk_rows(t0, t_end, tl.program_id(1), BLOCK_T, REVERSE)
     full = part == 0  # part 0 alone stores post and comb, so it alone needs their columns and Sinkhorn
     # the chunk's workspace rows are its tokens' rows inside the chunk; written by the previous launch (no .cg)
-    acc_g, acc_c, ssq = sum_partials_rounds(ws_ptr, ssq_ptr, lrow, rm, C, slices, HEAD, BLOCK_T, SUM_UNROLL, WS_GATE,
-                                            WS_STRIDE, tl.where(full, WS_GATE, 4), tl.where(full, 16, 0), "")
+    acc_g, acc_c, ssq = sum_partials_rounds(
+        ws_ptr,
+        ssq_ptr,
+        lrow,
+        rm,
+        C,
+        slices,
+        HEAD,
+        BLOCK_T,
+        SUM_UNROLL,
+        WS_GATE,
+        WS_STRIDE,
+        tl.where(full, WS_GATE, 4),
+        tl.where(full, 16, 0),
+        "",
+    )
     T = t_end  # gates masks its comb stores with rows < T: rows past the chunk are masked out by rm already
-    w0, w1, w2, w3 = gates(acc_g, acc_c, ssq, 4 * Hd, rows, rm, scale_ptr, base_ptr, post_ptr, comb_ptr, T, rms_eps,
-                           hc_eps, post_mult, iters, full, HEAD, BLOCK_T)
+    w0, w1, w2, w3 = gates(
+        acc_g,
+        acc_c,
+        ssq,
+        4 * Hd,
+        rows,
+        rm,
+        scale_ptr,
+        base_ptr,
+        post_ptr,
+        comb_ptr,
+        T,
+        rms_eps,
+        hc_eps,
+        post_mult,
+        iters,
+        full,
+        HEAD,
+        BLOCK_T,
+    )
     h_begin = part * h_per_part
-    layer_input_range(src_ptr, out_ptr, rows, rm, h_begin, tl.minimum(h_begin + h_per_part, Hd), Hd, w0, w1, w2, w3,
-                      BLOCK_H, False, HW_ROUND)
+    layer_input_range(
+        src_ptr, out_ptr, rows, rm, h_begin, tl.minimum(h_begin + h_per_part, Hd), Hd, w0, w1, w2, w3, BLOCK_H, False, HW_ROUND
+    )

@@ -101,15 +101,51 @@ def hc_one_pass_kernel(
     # ---- phase A: the partial mix of (tile, slice s); the tile's last arrival runs the gates ---------
     if tile < n_tiles:
         rows, rm, W = token_tile(tile, T, post_in_ptr, comb_in_ptr, FUSED, BLOCK_T)
-        acc, ssq = partial_mix_wide(res_ptr, x_ptr, new_ptr, fs_ptr, W, rows, rm, h_begin, h_end, Hd, DOT_FP32,
-                                    FUSED, NG, BLOCK_T, BLOCK_K, ONE_DOT, HW_ROUND)
+        acc, ssq = partial_mix_wide(
+            res_ptr,
+            x_ptr,
+            new_ptr,
+            fs_ptr,
+            W,
+            rows,
+            rm,
+            h_begin,
+            h_end,
+            Hd,
+            DOT_FP32,
+            FUSED,
+            NG,
+            BLOCK_T,
+            BLOCK_K,
+            ONE_DOT,
+            HW_ROUND,
+        )
         store_partial_packed(ws_ptr, ssq_ptr, s.to(tl.int64) * T + rows, rm, acc, ssq, NG, WS_GATE, WS_STRIDE)
         tl.debug_barrier()  # every thread's stores (partials; FUSED: new streams) before the release below
         if tl.atomic_add(sync_ptr + 1 + tile, 1, sem="acq_rel", scope="gpu") == slices - 1:  # the last one
-            acc_g, acc_c, ssq = sum_partials_rounds(ws_ptr, ssq_ptr, rows, rm, T, slices, HEAD, BLOCK_T, SUM_UNROLL,
-                                                    WS_GATE, WS_STRIDE, WS_GATE, 16, ".cg")
-            w0, w1, w2, w3 = gates(acc_g, acc_c, ssq, 4 * Hd, rows, rm, scale_ptr, base_ptr, post_ptr, comb_ptr,
-                                   T, rms_eps, hc_eps, post_mult, iters, True, HEAD, BLOCK_T)
+            acc_g, acc_c, ssq = sum_partials_rounds(
+                ws_ptr, ssq_ptr, rows, rm, T, slices, HEAD, BLOCK_T, SUM_UNROLL, WS_GATE, WS_STRIDE, WS_GATE, 16, ".cg"
+            )
+            w0, w1, w2, w3 = gates(
+                acc_g,
+                acc_c,
+                ssq,
+                4 * Hd,
+                rows,
+                rm,
+                scale_ptr,
+                base_ptr,
+                post_ptr,
+                comb_ptr,
+                T,
+                rms_eps,
+                hc_eps,
+                post_mult,
+                iters,
+                True,
+                HEAD,
+                BLOCK_T,
+            )
             tl.store(wpre_ptr + rows * 4, w0, mask=rm)
             tl.store(wpre_ptr + rows * 4 + 1, w1, mask=rm)
             tl.store(wpre_ptr + rows * 4 + 2, w2, mask=rm)

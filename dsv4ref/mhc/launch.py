@@ -41,16 +41,48 @@ from . import kernels, kernels_chunked, kernels_one_pass
 
 # The fields whose defaults differ between compiled kernels (False: a GPU) and Triton's interpreter (True).
 DEVICE_DEFAULTS: dict[bool, dict[str, object]] = {
-    False: dict(block_k=64, split_block_k=64, target_programs=528, sinkhorn_block=16,
-                one_pass_block_t=128, one_pass_block_k=16, one_pass_block_h=64,
-                chunked=True, chunk_tokens=4096, chunk_block_t=128, chunk_stages=4, chunk_slice_h=512,
-                chunk_target_programs=128, chunk_finish_h=512, chunk_finish_block_h=128, chunk_stream_k=True,
-                chunk_fn_layout=3, chunk_zigzag=True, chunk_small_t=64),
-    True: dict(block_k=128, split_block_k=128, target_programs=4, sinkhorn_block=256,
-               one_pass_block_t=32, one_pass_block_k=128, one_pass_block_h=128,
-               chunked=False, chunk_tokens=64, chunk_block_t=16, chunk_stages=3, chunk_slice_h=128,
-               chunk_target_programs=4, chunk_finish_h=128, chunk_finish_block_h=64, chunk_stream_k=False,
-               chunk_fn_layout=0, chunk_zigzag=False, chunk_small_t=0),
+    False: dict(
+        block_k=64,
+        split_block_k=64,
+        target_programs=528,
+        sinkhorn_block=16,
+        one_pass_block_t=128,
+        one_pass_block_k=16,
+        one_pass_block_h=64,
+        chunked=True,
+        chunk_tokens=4096,
+        chunk_block_t=128,
+        chunk_stages=4,
+        chunk_slice_h=512,
+        chunk_target_programs=128,
+        chunk_finish_h=512,
+        chunk_finish_block_h=128,
+        chunk_stream_k=True,
+        chunk_fn_layout=3,
+        chunk_zigzag=True,
+        chunk_small_t=64,
+    ),
+    True: dict(
+        block_k=128,
+        split_block_k=128,
+        target_programs=4,
+        sinkhorn_block=256,
+        one_pass_block_t=32,
+        one_pass_block_k=128,
+        one_pass_block_h=128,
+        chunked=False,
+        chunk_tokens=64,
+        chunk_block_t=16,
+        chunk_stages=3,
+        chunk_slice_h=128,
+        chunk_target_programs=4,
+        chunk_finish_h=128,
+        chunk_finish_block_h=64,
+        chunk_stream_k=False,
+        chunk_fn_layout=0,
+        chunk_zigzag=False,
+        chunk_small_t=0,
+    ),
 }
 _D = DEVICE_DEFAULTS[interpreting()]
 
@@ -130,18 +162,59 @@ class MhcLaunch:
         return cls(**{**DEVICE_DEFAULTS[bool(interpreted)], **fields})
 
     def __post_init__(self):
-        for name in ("block_t", "block_k", "split_block_t", "split_block_k", "finish_block_t", "finish_block_h",
-                     "post_block_t", "post_block_h", "sinkhorn_block", "one_pass_block_t", "one_pass_block_k",
-                     "one_pass_block_h", "one_pass_slice_h", "chunk_block_t", "chunk_block_k", "chunk_slice_h",
-                     "chunk_finish_block_t", "chunk_finish_h", "chunk_finish_block_h", "chunk_sum_unroll"):
+        for name in (
+            "block_t",
+            "block_k",
+            "split_block_t",
+            "split_block_k",
+            "finish_block_t",
+            "finish_block_h",
+            "post_block_t",
+            "post_block_h",
+            "sinkhorn_block",
+            "one_pass_block_t",
+            "one_pass_block_k",
+            "one_pass_block_h",
+            "one_pass_slice_h",
+            "chunk_block_t",
+            "chunk_block_k",
+            "chunk_slice_h",
+            "chunk_finish_block_t",
+            "chunk_finish_h",
+            "chunk_finish_block_h",
+            "chunk_sum_unroll",
+        ):
             validate.power_of_two(getattr(self, name), f"launch.{name}")
-        for name in ("block_t", "block_k", "split_block_t", "split_block_k", "finish_block_t", "one_pass_block_t",
-                     "one_pass_block_k", "chunk_block_t", "chunk_block_k", "chunk_finish_block_t"):
+        for name in (
+            "block_t",
+            "block_k",
+            "split_block_t",
+            "split_block_k",
+            "finish_block_t",
+            "one_pass_block_t",
+            "one_pass_block_k",
+            "chunk_block_t",
+            "chunk_block_k",
+            "chunk_finish_block_t",
+        ):
             if getattr(self, name) < 16:  # the sides of a tensor-core dot; finish: the [16]-wide gate tiles
                 raise ValueError(f"launch.{name}: expected >= 16, got {getattr(self, name)}")
-        for name in ("num_warps", "num_stages", "split_warps", "split_stages", "finish_warps", "target_programs",
-                     "one_pass_warps", "one_pass_stages", "one_pass_fused_stages", "chunk_tokens", "chunk_warps",
-                     "chunk_stages", "chunk_target_programs", "chunk_finish_warps"):
+        for name in (
+            "num_warps",
+            "num_stages",
+            "split_warps",
+            "split_stages",
+            "finish_warps",
+            "target_programs",
+            "one_pass_warps",
+            "one_pass_stages",
+            "one_pass_fused_stages",
+            "chunk_tokens",
+            "chunk_warps",
+            "chunk_stages",
+            "chunk_target_programs",
+            "chunk_finish_warps",
+        ):
             validate.integer(getattr(self, name), f"launch.{name}", lo=1)
         if self.splits is not None:
             validate.integer(self.splits, "launch.splits", lo=1)
@@ -167,8 +240,9 @@ class MhcLaunch:
             raise ValueError(f"launch.chunk_finish_h: expected >= chunk_finish_block_h, got {self.chunk_finish_h}")
         tile = max(self.chunk_block_t, self.chunk_finish_block_t)  # powers of two
         if self.chunk_tokens % tile:
-            raise ValueError(f"launch.chunk_tokens: expected a multiple of the chunked token tiles ({tile}), "
-                             f"got {self.chunk_tokens}")
+            raise ValueError(
+                f"launch.chunk_tokens: expected a multiple of the chunked token tiles ({tile}), got {self.chunk_tokens}"
+            )
 
     def uses_split_k(self, fused: bool) -> bool:
         """Split-K or not, between the first two designs: ``split_k`` if set, else the per-op default (one
@@ -176,7 +250,7 @@ class MhcLaunch:
         return (not fused) if self.split_k is None else self.split_k
 
     def design(self, fused: bool) -> str:
-        """"chunked", "one_pass", "split_k" or "one_kernel": the kernels an op runs with this launch. An explicit
+        """ "chunked", "one_pass", "split_k" or "one_kernel": the kernels an op runs with this launch. An explicit
         ``split_k`` picks one of the first two (so ``MhcLaunch(split_k=...)`` means the same on every device);
         otherwise ``one_pass`` (never a default: always asked for), otherwise ``chunked`` (the GPU default),
         otherwise split-K for pre / head and one kernel for fused (the interpreter's default)."""
@@ -193,8 +267,9 @@ class MhcLaunch:
         if design == "chunked":  # the fused op IS post then this pre
             return self
         if design == "one_pass":  # the fused op's dot of four joined tiles, its stages, no register cap
-            return dataclasses.replace(self, one_pass_stages=self.one_pass_fused_stages, one_pass_maxnreg=None,
-                                       one_pass_one_dot=1)
+            return dataclasses.replace(
+                self, one_pass_stages=self.one_pass_fused_stages, one_pass_maxnreg=None, one_pass_one_dot=1
+            )
         return dataclasses.replace(self, split_k=self.uses_split_k(fused=True))
 
     def split_plan(self, T: int, Hd: int) -> tuple[int, int]:
@@ -213,8 +288,9 @@ class MhcLaunch:
         bt, bk = self.one_pass_block_t, self.one_pass_block_k
         tiles = triton.cdiv(T, bt)
         chunks = triton.cdiv(Hd, bk)
-        want = max(triton.cdiv(chunks, self.one_pass_slice_h // bk),
-                   min(MAX_SLICES, triton.cdiv(self.target_programs, max(tiles, 1))))
+        want = max(
+            triton.cdiv(chunks, self.one_pass_slice_h // bk), min(MAX_SLICES, triton.cdiv(self.target_programs, max(tiles, 1)))
+        )
         cps = triton.cdiv(chunks, min(chunks, want))
         return tiles, triton.cdiv(chunks, cps), cps, bk
 
@@ -236,8 +312,9 @@ class MhcLaunch:
         bt, bk = self.chunk_tile(T)[:2]
         c = min(self.chunk_tokens, max(1, triton.cdiv(T, bt)) * bt)
         chunks = triton.cdiv(Hd, bk)
-        want = max(triton.cdiv(chunks, self.chunk_slice_h // bk),
-                   min(MAX_SLICES, triton.cdiv(self.chunk_target_programs, c // bt)))
+        want = max(
+            triton.cdiv(chunks, self.chunk_slice_h // bk), min(MAX_SLICES, triton.cdiv(self.chunk_target_programs, c // bt))
+        )
         cps = triton.cdiv(chunks, min(chunks, want))
         return c, triton.cdiv(T, c), triton.cdiv(chunks, cps), cps, bk
 
@@ -343,7 +420,6 @@ def split_fn(fn: torch.Tensor, M: int = HC_MULT, head: bool = False) -> torch.Te
     return _derived(fn, ("split", M, head), build)
 
 
-
 def split_fn_wide(fs: torch.Tensor) -> torch.Tensor:
     """``split_fn``'s ``[G, 3, K, 16]`` as ``[4·G·16, K]`` bf16, K-major: row p·G·16 + g·16 + j = ``fs[g, p, :, j]``
     (parts hi, mid, lo, then a zero part 3), so a chunked partial kernel's fn tile ``[4·G·16, BLOCK_K]`` is
@@ -370,12 +446,25 @@ def one_pass_args(L: MhcLaunch, T: int, Hd: int, head: bool, fused: bool):
     slice)). The workspace rows hold the live columns only (pre 8 + 16, head 4)."""
     tiles, slices, cps, bk = L.one_pass_plan(T, Hd)
     ws_gate, ws_stride = (4, 4) if head else (8, 24)
-    consts = dict(HEAD=head, FUSED=fused, BLOCK_T=L.one_pass_block_t, BLOCK_K=bk, BLOCK_H=L.one_pass_block_h,
-                  LAG=ONE_PASS_LAG, SPIN_LIMIT=1 << 16, SUM_UNROLL=ONE_PASS_SUM_UNROLL,
-                  ONE_DOT=1 if fused else L.one_pass_one_dot, WS_GATE=ws_gate, WS_STRIDE=ws_stride,
-                  HW_ROUND=not interpreting())  # the interpreter's cast truncates
-    opts = dict(num_warps=L.one_pass_warps, num_stages=L.one_pass_fused_stages if fused else L.one_pass_stages,
-                maxnreg=None if fused else L.one_pass_maxnreg)
+    consts = dict(
+        HEAD=head,
+        FUSED=fused,
+        BLOCK_T=L.one_pass_block_t,
+        BLOCK_K=bk,
+        BLOCK_H=L.one_pass_block_h,
+        LAG=ONE_PASS_LAG,
+        SPIN_LIMIT=1 << 16,
+        SUM_UNROLL=ONE_PASS_SUM_UNROLL,
+        ONE_DOT=1 if fused else L.one_pass_one_dot,
+        WS_GATE=ws_gate,
+        WS_STRIDE=ws_stride,
+        HW_ROUND=not interpreting(),
+    )  # the interpreter's cast truncates
+    opts = dict(
+        num_warps=L.one_pass_warps,
+        num_stages=L.one_pass_fused_stages if fused else L.one_pass_stages,
+        maxnreg=None if fused else L.one_pass_maxnreg,
+    )
     sizes = (slices * T * ws_stride, slices * T, 1 + 2 * tiles)
     return ((tiles + ONE_PASS_LAG) * slices,), consts, opts, sizes, (tiles, slices, cps)
 
@@ -395,18 +484,38 @@ def chunk_args(L: MhcLaunch, T: int, Hd: int, head: bool, fused: bool):
     parts, h_per_part = L.chunk_finish_plan(c, Hd)
     ws_gate, ws_stride = (4, 4) if head else (8, 24)  # the live columns only
     hw = not interpreting()  # bf16 outputs rounded by the hardware conversion (the interpreter's cast truncates)
-    partial = (dict(HEAD=head, BLOCK_T=bt, BLOCK_K=bk, WS_GATE=ws_gate, WS_STRIDE=ws_stride,
-                    STREAM_K=L.chunk_stream_k, FN_LAYOUT=L.chunk_fn_layout, REVERSE=partial_back),
-               dict(num_warps=warps, num_stages=stages, maxnreg=maxnreg))
-    finish = (dict(HEAD=head, BLOCK_T=L.chunk_finish_block_t, BLOCK_H=L.chunk_finish_block_h,
-                   SUM_UNROLL=L.chunk_sum_unroll, WS_GATE=ws_gate, WS_STRIDE=ws_stride, HW_ROUND=hw,
-                   REVERSE=finish_back),
-              dict(num_warps=L.chunk_finish_warps))
+    partial = (
+        dict(
+            HEAD=head,
+            BLOCK_T=bt,
+            BLOCK_K=bk,
+            WS_GATE=ws_gate,
+            WS_STRIDE=ws_stride,
+            STREAM_K=L.chunk_stream_k,
+            FN_LAYOUT=L.chunk_fn_layout,
+            REVERSE=partial_back,
+        ),
+        dict(num_warps=warps, num_stages=stages, maxnreg=maxnreg),
+    )
+    finish = (
+        dict(
+            HEAD=head,
+            BLOCK_T=L.chunk_finish_block_t,
+            BLOCK_H=L.chunk_finish_block_h,
+            SUM_UNROLL=L.chunk_sum_unroll,
+            WS_GATE=ws_gate,
+            WS_STRIDE=ws_stride,
+            HW_ROUND=hw,
+            REVERSE=finish_back,
+        ),
+        dict(num_warps=L.chunk_finish_warps),
+    )
     return (c, n_chunks, slices, cps, parts, h_per_part), partial, finish, (slices * c * ws_stride, slices * c)
 
 
-def launch_chunked(L: MhcLaunch, T: int, Hd: int, ptrs, scale, base, post, comb, out, scalars, *, head: bool,
-                   fused: bool) -> None:
+def launch_chunked(
+    L: MhcLaunch, T: int, Hd: int, ptrs, scale, base, post, comb, out, scalars, *, head: bool, fused: bool
+) -> None:
     """The chunked design (kernels_chunked.py): per chunk of C tokens, the partial kernel (grid: the chunk's token
     tiles × slices) then the finish kernel (grid: hidden parts × the chunk's finish tiles), into one workspace
     (one chunk's partials) allocated once per call. ``ptrs`` as ``launch_hc`` makes them. Fused: per chunk
@@ -429,17 +538,47 @@ def launch_chunked(L: MhcLaunch, T: int, Hd: int, ptrs, scale, base, post, comb,
         if fused:
             grid = (triton.cdiv(t_end - t0, L.post_block_t), triton.cdiv(Hd, L.post_block_h))
             kernels.post_kernel[grid[::-1] if L.chunk_zigzag else grid](
-                x, res_in, post_in, comb_in, new, t0, t_end, Hd, BLOCK_T=L.post_block_t, BLOCK_H=L.post_block_h,
-                TOKEN_MAJOR=L.chunk_zigzag)
+                x,
+                res_in,
+                post_in,
+                comb_in,
+                new,
+                t0,
+                t_end,
+                Hd,
+                BLOCK_T=L.post_block_t,
+                BLOCK_H=L.post_block_h,
+                TOKEN_MAJOR=L.chunk_zigzag,
+            )
         kernels_chunked.hc_chunk_partial_kernel[(triton.cdiv(t_end - t0, bt) * slices,)](
-            src, fs, mix_ws, ssq_ws, t0, t_end, Hd, c, slices, cps, **pc, DOT_FP32=not compiled, **po)
+            src, fs, mix_ws, ssq_ws, t0, t_end, Hd, c, slices, cps, **pc, DOT_FP32=not compiled, **po
+        )
         kernels_chunked.hc_chunk_finish_kernel[(parts, triton.cdiv(t_end - t0, fbt))](
-            src, mix_ws, ssq_ws, scale, base, post, comb, out, t0, t_end, Hd, c, slices, h_per_part, *scalars,
-            **fc, **fo)
+            src, mix_ws, ssq_ws, scale, base, post, comb, out, t0, t_end, Hd, c, slices, h_per_part, *scalars, **fc, **fo
+        )
 
 
-def launch_hc(res, x, post_in, comb_in, new, fs, scale, base, post, comb, out, rms_eps, hc_eps, post_mult, iters, *,
-              head: bool, fused: bool, launch: MhcLaunch) -> None:
+def launch_hc(
+    res,
+    x,
+    post_in,
+    comb_in,
+    new,
+    fs,
+    scale,
+    base,
+    post,
+    comb,
+    out,
+    rms_eps,
+    hc_eps,
+    post_mult,
+    iters,
+    *,
+    head: bool,
+    fused: bool,
+    launch: MhcLaunch,
+) -> None:
     """Run pre (``fused=False``), fused post+pre (``fused=True``: x, post_in, comb_in, new given) or the head
     (``head=True``: no post / comb outputs) into the given buffers, with the design ``launch`` picks.
     Arguments that an op does not have are None; the kernels never touch them (``scale`` stands in)."""
@@ -454,8 +593,7 @@ def launch_hc(res, x, post_in, comb_in, new, fs, scale, base, post, comb, out, r
     L = launch
     design = L.design(fused)
     if design == "chunked":
-        launch_chunked(L, T, Hd, ptrs, scale, base, opt(post), opt(comb), out.view(torch.int16), scalars, head=head,
-                       fused=fused)
+        launch_chunked(L, T, Hd, ptrs, scale, base, opt(post), opt(comb), out.view(torch.int16), scalars, head=head, fused=fused)
         return
     if design == "one_pass":
         grid, consts, opts, (n_mix, n_ssq, n_sync), (tiles, slices, cps) = one_pass_args(L, T, Hd, head, fused)
@@ -463,22 +601,65 @@ def launch_hc(res, x, post_in, comb_in, new, fs, scale, base, post, comb, out, r
         mix_ws, ssq_ws, wpre = ws[:n_mix], ws[n_mix : n_mix + n_ssq], ws[n_mix + n_ssq :]
         sync = torch.zeros(n_sync, dtype=torch.int32, device=res.device)  # ticket | arrivals | READY
         kernels_one_pass.hc_one_pass_kernel[grid](
-            *ptrs, scale, base, opt(post), opt(comb), out.view(torch.int16), mix_ws, ssq_ws, wpre, sync,
-            T, Hd, tiles, slices, cps, *scalars, **consts, DOT_FP32=not compiled, **(opts if compiled else {}))
+            *ptrs,
+            scale,
+            base,
+            opt(post),
+            opt(comb),
+            out.view(torch.int16),
+            mix_ws,
+            ssq_ws,
+            wpre,
+            sync,
+            T,
+            Hd,
+            tiles,
+            slices,
+            cps,
+            *scalars,
+            **consts,
+            DOT_FP32=not compiled,
+            **(opts if compiled else {}),
+        )
         return
     if design == "one_kernel":
         kw = dict(num_warps=L.num_warps, num_stages=L.num_stages) if compiled else {}
         kernels.hc_kernel[(triton.cdiv(T, L.block_t),)](
-            *ptrs, scale, base, opt(post), opt(comb), out.view(torch.int16), T, Hd, *scalars,
-            HEAD=head, FUSED=fused, BLOCK_T=L.block_t, BLOCK_K=L.block_k, DOT_FP32=not compiled, **kw)
+            *ptrs,
+            scale,
+            base,
+            opt(post),
+            opt(comb),
+            out.view(torch.int16),
+            T,
+            Hd,
+            *scalars,
+            HEAD=head,
+            FUSED=fused,
+            BLOCK_T=L.block_t,
+            BLOCK_K=L.block_k,
+            DOT_FP32=not compiled,
+            **kw,
+        )
         return
     n_split, cps = L.split_plan(T, Hd)
     ws = torch.empty(n_split * T * 33, dtype=torch.float32, device=res.device)  # [S, T, 32] mix | [S, T] Σ X²
     mix_ws, ssq_ws = ws[: n_split * T * 32], ws[n_split * T * 32 :]
     kw = dict(num_warps=L.split_warps, num_stages=L.split_stages) if compiled else {}
     kernels.hc_partial_kernel[(n_split, triton.cdiv(T, L.split_block_t))](
-        *ptrs, mix_ws, ssq_ws, T, Hd, cps,
-        HEAD=head, FUSED=fused, BLOCK_T=L.split_block_t, BLOCK_K=L.split_block_k, DOT_FP32=not compiled, **kw)
+        *ptrs,
+        mix_ws,
+        ssq_ws,
+        T,
+        Hd,
+        cps,
+        HEAD=head,
+        FUSED=fused,
+        BLOCK_T=L.split_block_t,
+        BLOCK_K=L.split_block_k,
+        DOT_FP32=not compiled,
+        **kw,
+    )
     tiles = triton.cdiv(T, L.finish_block_t)
     h_chunks = triton.cdiv(Hd, L.finish_block_h)
     parts = min(h_chunks, max(1, triton.cdiv(L.target_programs, tiles)))
@@ -486,8 +667,24 @@ def launch_hc(res, x, post_in, comb_in, new, fs, scale, base, post, comb, out, r
     parts = triton.cdiv(Hd, h_per_part)
     kw = dict(num_warps=L.finish_warps) if compiled else {}
     kernels.hc_finish_kernel[(parts, tiles)](
-        i16(new) if fused else ptrs[0], mix_ws, ssq_ws, scale, base, opt(post), opt(comb), out.view(torch.int16),
-        T, Hd, n_split, h_per_part, *scalars, HEAD=head, BLOCK_T=L.finish_block_t, BLOCK_H=L.finish_block_h, **kw)
+        i16(new) if fused else ptrs[0],
+        mix_ws,
+        ssq_ws,
+        scale,
+        base,
+        opt(post),
+        opt(comb),
+        out.view(torch.int16),
+        T,
+        Hd,
+        n_split,
+        h_per_part,
+        *scalars,
+        HEAD=head,
+        BLOCK_T=L.finish_block_t,
+        BLOCK_H=L.finish_block_h,
+        **kw,
+    )
 
 
 # ====================================================================================================
@@ -497,11 +694,40 @@ def launch_hc(res, x, post_in, comb_in, new, fs, scale, base, post, comb, out, r
 
 
 @torch.library.custom_op("dsv4ref::mhc_pre", mutates_args=("post", "comb", "out"))
-def mhc_pre(residual: torch.Tensor, fs: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, post: torch.Tensor,
-            comb: torch.Tensor, out: torch.Tensor, rms_eps: float, hc_eps: float, post_mult: float, iters: int,
-            launch: list[int]) -> None:
-    launch_hc(residual, None, None, None, None, fs, scale, base, post, comb, out, rms_eps, hc_eps, post_mult, iters,
-              head=False, fused=False, launch=MhcLaunch.from_op_args(launch))
+def mhc_pre(
+    residual: torch.Tensor,
+    fs: torch.Tensor,
+    scale: torch.Tensor,
+    base: torch.Tensor,
+    post: torch.Tensor,
+    comb: torch.Tensor,
+    out: torch.Tensor,
+    rms_eps: float,
+    hc_eps: float,
+    post_mult: float,
+    iters: int,
+    launch: list[int],
+) -> None:
+    launch_hc(
+        residual,
+        None,
+        None,
+        None,
+        None,
+        fs,
+        scale,
+        base,
+        post,
+        comb,
+        out,
+        rms_eps,
+        hc_eps,
+        post_mult,
+        iters,
+        head=False,
+        fused=False,
+        launch=MhcLaunch.from_op_args(launch),
+    )
 
 
 @mhc_pre.register_fake
@@ -510,12 +736,44 @@ def _(residual, fs, scale, base, post, comb, out, rms_eps, hc_eps, post_mult, it
 
 
 @torch.library.custom_op("dsv4ref::mhc_fused_post_pre", mutates_args=("new", "post", "comb", "out"))
-def mhc_fused_post_pre(x: torch.Tensor, residual: torch.Tensor, post_in: torch.Tensor, comb_in: torch.Tensor,
-                       fs: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, new: torch.Tensor, post: torch.Tensor,
-                       comb: torch.Tensor, out: torch.Tensor, rms_eps: float, hc_eps: float, post_mult: float,
-                       iters: int, launch: list[int]) -> None:
-    launch_hc(residual, x, post_in, comb_in, new, fs, scale, base, post, comb, out, rms_eps, hc_eps, post_mult, iters,
-              head=False, fused=True, launch=MhcLaunch.from_op_args(launch))
+def mhc_fused_post_pre(
+    x: torch.Tensor,
+    residual: torch.Tensor,
+    post_in: torch.Tensor,
+    comb_in: torch.Tensor,
+    fs: torch.Tensor,
+    scale: torch.Tensor,
+    base: torch.Tensor,
+    new: torch.Tensor,
+    post: torch.Tensor,
+    comb: torch.Tensor,
+    out: torch.Tensor,
+    rms_eps: float,
+    hc_eps: float,
+    post_mult: float,
+    iters: int,
+    launch: list[int],
+) -> None:
+    launch_hc(
+        residual,
+        x,
+        post_in,
+        comb_in,
+        new,
+        fs,
+        scale,
+        base,
+        post,
+        comb,
+        out,
+        rms_eps,
+        hc_eps,
+        post_mult,
+        iters,
+        head=False,
+        fused=True,
+        launch=MhcLaunch.from_op_args(launch),
+    )
 
 
 @mhc_fused_post_pre.register_fake
@@ -524,10 +782,36 @@ def _(x, residual, post_in, comb_in, fs, scale, base, new, post, comb, out, rms_
 
 
 @torch.library.custom_op("dsv4ref::mhc_head", mutates_args=("out",))
-def mhc_head(hidden: torch.Tensor, fs: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, out: torch.Tensor,
-             rms_eps: float, hc_eps: float, launch: list[int]) -> None:
-    launch_hc(hidden, None, None, None, None, fs, scale, base, None, None, out, rms_eps, hc_eps, 1.0, 0,
-              head=True, fused=False, launch=MhcLaunch.from_op_args(launch))
+def mhc_head(
+    hidden: torch.Tensor,
+    fs: torch.Tensor,
+    scale: torch.Tensor,
+    base: torch.Tensor,
+    out: torch.Tensor,
+    rms_eps: float,
+    hc_eps: float,
+    launch: list[int],
+) -> None:
+    launch_hc(
+        hidden,
+        None,
+        None,
+        None,
+        None,
+        fs,
+        scale,
+        base,
+        None,
+        None,
+        out,
+        rms_eps,
+        hc_eps,
+        1.0,
+        0,
+        head=True,
+        fused=False,
+        launch=MhcLaunch.from_op_args(launch),
+    )
 
 
 @mhc_head.register_fake
@@ -536,14 +820,25 @@ def _(hidden, fs, scale, base, out, rms_eps, hc_eps, launch):
 
 
 @torch.library.custom_op("dsv4ref::mhc_post", mutates_args=("out",))
-def mhc_post(x: torch.Tensor, residual: torch.Tensor, post: torch.Tensor, comb: torch.Tensor, out: torch.Tensor,
-             launch: list[int]) -> None:
+def mhc_post(
+    x: torch.Tensor, residual: torch.Tensor, post: torch.Tensor, comb: torch.Tensor, out: torch.Tensor, launch: list[int]
+) -> None:
     T, M, Hd = residual.shape
     L = MhcLaunch.from_op_args(launch)
     if T:
         grid = (triton.cdiv(T, L.post_block_t), triton.cdiv(Hd, L.post_block_h))
-        kernels.post_kernel[grid](x.view(torch.int16), residual.view(torch.int16), post, comb, out.view(torch.int16),
-                                  0, T, Hd, BLOCK_T=L.post_block_t, BLOCK_H=L.post_block_h)
+        kernels.post_kernel[grid](
+            x.view(torch.int16),
+            residual.view(torch.int16),
+            post,
+            comb,
+            out.view(torch.int16),
+            0,
+            T,
+            Hd,
+            BLOCK_T=L.post_block_t,
+            BLOCK_H=L.post_block_h,
+        )
 
 
 @mhc_post.register_fake

@@ -34,8 +34,19 @@ HC_EPS = FLASH.hc_eps  # 1e-6: hc_pre_eps = hc_sinkhorn_eps
 RMS_EPS = FLASH.rms_norm_eps  # 1e-6
 POST_MULT = 2.0  # post = 2σ(·)
 
-__all__ = ["sinkhorn", "mix", "pre", "post", "fused_post_pre", "head",
-           "HC_MULT", "SINKHORN_ITERS", "HC_EPS", "RMS_EPS", "POST_MULT"]
+__all__ = [
+    "sinkhorn",
+    "mix",
+    "pre",
+    "post",
+    "fused_post_pre",
+    "head",
+    "HC_MULT",
+    "SINKHORN_ITERS",
+    "HC_EPS",
+    "RMS_EPS",
+    "POST_MULT",
+]
 
 
 def sinkhorn(logits: torch.Tensor, iters: int = SINKHORN_ITERS, eps: float = HC_EPS) -> torch.Tensor:
@@ -65,8 +76,18 @@ def mix(residual: torch.Tensor, fn: torch.Tensor, *, rms_eps: float = RMS_EPS, d
     return (X @ fn.to(dtype).T) * torch.rsqrt(X.square().mean(dim=-1, keepdim=True) + rms_eps)
 
 
-def pre(residual, fn, scale, base, *, rms_eps=RMS_EPS, hc_eps=HC_EPS, post_mult=POST_MULT,
-        sinkhorn_iters=SINKHORN_ITERS, dtype=torch.float32):
+def pre(
+    residual,
+    fn,
+    scale,
+    base,
+    *,
+    rms_eps=RMS_EPS,
+    hc_eps=HC_EPS,
+    post_mult=POST_MULT,
+    sinkhorn_iters=SINKHORN_ITERS,
+    dtype=torch.float32,
+):
     """mHC pre: ``(post [T, M], comb [T, M, M], x [T, Hd])`` in ``dtype`` (x NOT rounded to bf16).
 
     residual ``[T, M, Hd]``; fn ``[M·(M+2), M·Hd]``; scale ``[3]`` = (α_pre, α_post, α_res); base ``[M·(M+2)]``."""
@@ -92,14 +113,31 @@ def post(x, residual, post, comb, *, dtype=torch.float32):
     return post[:, :, None] * x.to(dtype)[:, None, :] + mixed
 
 
-def fused_post_pre(x, residual, post_in, comb_in, fn, scale, base, *, rms_eps=RMS_EPS, hc_eps=HC_EPS,
-                   post_mult=POST_MULT, sinkhorn_iters=SINKHORN_ITERS, dtype=torch.float32):
+def fused_post_pre(
+    x,
+    residual,
+    post_in,
+    comb_in,
+    fn,
+    scale,
+    base,
+    *,
+    rms_eps=RMS_EPS,
+    hc_eps=HC_EPS,
+    post_mult=POST_MULT,
+    sinkhorn_iters=SINKHORN_ITERS,
+    dtype=torch.float32,
+):
     """post with the previous sub-layer's ``post_in, comb_in``, then pre with the next one's ``fn, scale,
     base``: ``(new [T, M, Hd] bf16, post [T, M], comb [T, M, M], x [T, Hd])``. The new streams are rounded
     to bf16 (what the op stores) before the pre reads them; the rest is in ``dtype``."""
     new = post(x, residual, post_in, comb_in, dtype=dtype).to(torch.bfloat16)
-    return (new, *pre(new, fn, scale, base, rms_eps=rms_eps, hc_eps=hc_eps, post_mult=post_mult,
-                      sinkhorn_iters=sinkhorn_iters, dtype=dtype))
+    return (
+        new,
+        *pre(
+            new, fn, scale, base, rms_eps=rms_eps, hc_eps=hc_eps, post_mult=post_mult, sinkhorn_iters=sinkhorn_iters, dtype=dtype
+        ),
+    )
 
 
 def head(hidden, fn, scale, base, *, rms_eps=RMS_EPS, hc_eps=HC_EPS, dtype=torch.float32):

@@ -26,8 +26,22 @@ from . import kernels, reference  # noqa: F401  (dsv4ref.moe.kernels / .referenc
 from .launch import MoeLaunch, default_launch, group_by_expert
 from .reference import FLASH_MOE, TINY_MOE, MoeShape, example_inputs
 
-__all__ = ["route", "stage", "stage_into", "experts", "forward", "example_inputs", "group_by_expert", "MoeLaunch",
-           "default_launch", "MoeShape", "FLASH_MOE", "TINY_MOE", "ROUTE_BACKENDS", "SUPPORTED_BACKENDS"]
+__all__ = [
+    "route",
+    "stage",
+    "stage_into",
+    "experts",
+    "forward",
+    "example_inputs",
+    "group_by_expert",
+    "MoeLaunch",
+    "default_launch",
+    "MoeShape",
+    "FLASH_MOE",
+    "TINY_MOE",
+    "ROUTE_BACKENDS",
+    "SUPPORTED_BACKENDS",
+]
 
 ROUTE_BACKENDS = ("reference",)  # routing is plain torch (a GEMM, a sort, a gather); "auto" = "reference"
 SUPPORTED_BACKENDS = ("reference", "triton")  # stage / experts / forward; "auto" = "triton"
@@ -83,8 +97,10 @@ def _check_route(x, gate_weight, bias, k, routed_scale, hash_table, input_ids):
         dup = (srt[:, 1:] == srt[:, :-1]).any(dim=-1) & (input_ids >= 0)
         if bool(dup.any()):
             t = int(dup.nonzero()[0, 0])
-            raise ValueError(f"hash_table: row {int(input_ids[t])} (token {t}) repeats an expert id "
-                             f"{rows[t].tolist()}; each row must hold {k} distinct experts")
+            raise ValueError(
+                f"hash_table: row {int(input_ids[t])} (token {t}) repeats an expert id "
+                f"{rows[t].tolist()}; each row must hold {k} distinct experts"
+            )
 
 
 def route(x, gate_weight, bias, *, k, routed_scale, hash_table=None, input_ids=None, backend="auto"):
@@ -119,8 +135,9 @@ def route(x, gate_weight, bias, *, k, routed_scale, hash_table=None, input_ids=N
     """
     validate.backend(backend, ROUTE_BACKENDS, auto="reference")
     _check_route(x, gate_weight, bias, k, routed_scale, hash_table, input_ids)
-    return reference.route(x, gate_weight, bias, k=k, routed_scale=float(routed_scale), hash_table=hash_table,
-                           input_ids=input_ids)
+    return reference.route(
+        x, gate_weight, bias, k=k, routed_scale=float(routed_scale), hash_table=hash_table, input_ids=input_ids
+    )
 
 
 def _check_stage_values(hidden):
@@ -178,9 +195,12 @@ def stage(hidden, ids, weights, *, backend="auto"):
 
 
 def _staged_buffers(T, Hd, K, device):
-    return (torch.empty(T, Hd, dtype=torch.float8_e4m3fn, device=device),
-            torch.empty(T, Hd // STAGE_BLOCK, dtype=torch.int32, device=device),
-            torch.empty(T, K, dtype=torch.int64, device=device), torch.empty(T, K, dtype=torch.float32, device=device))
+    return (
+        torch.empty(T, Hd, dtype=torch.float8_e4m3fn, device=device),
+        torch.empty(T, Hd // STAGE_BLOCK, dtype=torch.int32, device=device),
+        torch.empty(T, K, dtype=torch.int64, device=device),
+        torch.empty(T, K, dtype=torch.float32, device=device),
+    )
 
 
 def stage_into(hidden, ids, weights, x_fp8, x_sf, ids_out, weights_out, *, backend="auto", launch=None):
@@ -200,12 +220,17 @@ def stage_into(hidden, ids, weights, x_fp8, x_sf, ids_out, weights_out, *, backe
     """
     backend = validate.backend(backend, SUPPORTED_BACKENDS)
     T, Hd, K = _check_stage(hidden, ids, weights)
-    for t, name, dt, cols in ((x_fp8, "x_fp8", torch.float8_e4m3fn, Hd), (x_sf, "x_sf", torch.int32, Hd // STAGE_BLOCK),
-                              (ids_out, "ids_out", torch.int64, K), (weights_out, "weights_out", torch.float32, K)):
+    for t, name, dt, cols in (
+        (x_fp8, "x_fp8", torch.float8_e4m3fn, Hd),
+        (x_sf, "x_sf", torch.int32, Hd // STAGE_BLOCK),
+        (ids_out, "ids_out", torch.int64, K),
+        (weights_out, "weights_out", torch.float32, K),
+    ):
         validate.tensor(t, name, dtype=dt, shape=(None, cols))
         if t.shape[0] < T or (cols > 1 and t.stride(1) != 1):
-            raise ValueError(f"{name}: expected at least {T} rows and unit stride along dim 1, got shape "
-                             f"{tuple(t.shape)} strides {t.stride()}")
+            raise ValueError(
+                f"{name}: expected at least {T} rows and unit stride along dim 1, got shape {tuple(t.shape)} strides {t.stride()}"
+            )
     validate.same_device(hidden=hidden, x_fp8=x_fp8, x_sf=x_sf, ids_out=ids_out, weights_out=weights_out)
     if launch is not None and not isinstance(launch, MoeLaunch):
         raise TypeError(f"launch: expected a MoeLaunch or None, got {type(launch).__name__}")
@@ -217,8 +242,9 @@ def stage_into(hidden, ids, weights, x_fp8, x_sf, ids_out, weights_out, *, backe
             buf[:T].copy_(ref)
         return None
     launch = launch or default_launch(T, K, 1)
-    torch.ops.dsv4ref.moe_stage(hidden, ids, weights, x_fp8.view(torch.uint8), x_sf, ids_out, weights_out,
-                                *launch.op_args("moe_stage"))
+    torch.ops.dsv4ref.moe_stage(
+        hidden, ids, weights, x_fp8.view(torch.uint8), x_sf, ids_out, weights_out, *launch.op_args("moe_stage")
+    )
     return None
 
 
@@ -237,8 +263,10 @@ def _check_expert_weights(Hd, w13, w2, shared_w13, shared_w2, swiglu_limit, expe
     if w13.shape[2] != Hd or I2 % 2:
         raise ValueError(f"w13: expected [E, 2I, {Hd}] ([W1; W3] per expert), got {tuple(w13.shape)}")
     if experts is not None and E != experts:
-        raise ValueError(f"w13: holds {E} experts, but gate_weight routes over {experts} (its rows); expected "
-                         f"[{experts}, 2I, {Hd}], got {tuple(w13.shape)}")
+        raise ValueError(
+            f"w13: holds {E} experts, but gate_weight routes over {experts} (its rows); expected "
+            f"[{experts}, 2I, {Hd}], got {tuple(w13.shape)}"
+        )
     validate.tensor(w2, "w2", dtype=torch.bfloat16, shape=(E, Hd, I2 // 2))
     if (shared_w13 is None) != (shared_w2 is None):
         raise ValueError("shared_w13, shared_w2: give both (the shared expert) or neither")
@@ -266,8 +294,9 @@ def _check_experts(x, x_fp8, x_sf, ids, weights, w13, w2, shared_w13, shared_w2,
         validate.tensor(out, "out", dtype=torch.bfloat16, shape=(T, Hd))
         if out.stride(1) != 1:
             raise ValueError(f"out: expected unit stride along dim 1, got strides {out.stride()}")
-    validate.same_device(x=x, x_fp8=x_fp8, x_sf=x_sf, ids=ids, weights=weights, w13=w13, w2=w2, shared_w13=shared_w13,
-                         shared_w2=shared_w2, out=out)
+    validate.same_device(
+        x=x, x_fp8=x_fp8, x_sf=x_sf, ids=ids, weights=weights, w13=w13, w2=w2, shared_w13=shared_w13, shared_w2=shared_w2, out=out
+    )
     validate.not_meta(x, "x")
     if launch is not None and not isinstance(launch, MoeLaunch):
         raise TypeError(f"launch: expected a MoeLaunch or None, got {type(launch).__name__}")
@@ -284,23 +313,26 @@ def _check_experts_values(x, x_fp8, x_sf, ids, weights, shared):
     bad = ~torch.isfinite(weights) & (ids >= 0)
     if bool(bad.any()):
         t, k = bad.nonzero()[0].tolist()
-        raise ValueError(f"weights: non-finite value {weights[t, k].item()} at ({t}, {k}), a slot of expert "
-                         f"{int(ids[t, k])}")
+        raise ValueError(f"weights: non-finite value {weights[t, k].item()} at ({t}, {k}), a slot of expert {int(ids[t, k])}")
     nan_code = (x_fp8.view(torch.uint8) & 0x7F) == 0x7F
     if bool(nan_code.any()):
-        raise ValueError(f"x_fp8: e4m3 NaN codes (0x7F / 0xFF), the first at {tuple(nan_code.nonzero()[0].tolist())}: "
-                         "a non-finite group staged with value checks off")
+        raise ValueError(
+            f"x_fp8: e4m3 NaN codes (0x7F / 0xFF), the first at {tuple(nan_code.nonzero()[0].tolist())}: "
+            "a non-finite group staged with value checks off"
+        )
     nan_byte = x_sf.view(torch.uint8) == 255
     if bool(nan_byte.any()):
         t, b = nan_byte.nonzero()[0].tolist()
-        raise ValueError(f"x_sf: scale byte 255 (E8M0 NaN) in row {t}, group {b}: a non-finite group staged with "
-                         "value checks off")
+        raise ValueError(
+            f"x_sf: scale byte 255 (E8M0 NaN) in row {t}, group {b}: a non-finite group staged with value checks off"
+        )
     if shared:
         validate.finite(x, "x")
 
 
-def experts(x, x_fp8, x_sf, ids, weights, w13, w2, shared_w13=None, shared_w2=None, *, swiglu_limit, out=None,
-            backend="auto", launch=None):
+def experts(
+    x, x_fp8, x_sf, ids, weights, w13, w2, shared_w13=None, shared_w2=None, *, swiglu_limit, out=None, backend="auto", launch=None
+):
     """The routed experts on the staged activations, the shared expert on ``x``, and the fp32 combine.
 
     Per slot (t, k) with e = ids[t, k] ≥ 0 and ω = weights[t, k], on x̂ = dequant(x_fp8, x_sf) (exact)::
@@ -338,21 +370,48 @@ def experts(x, x_fp8, x_sf, ids, weights, w13, w2, shared_w13=None, shared_w2=No
         it; the clamp lets NaN through (as torch's does); every NaN in ``out`` is 0x7FC0.
     """
     backend = validate.backend(backend, SUPPORTED_BACKENDS)
-    T, Hd, K, E = _check_experts(x, x_fp8, x_sf, ids, weights, w13, w2, shared_w13, shared_w2, out, swiglu_limit,
-                                 launch)
+    T, Hd, K, E = _check_experts(x, x_fp8, x_sf, ids, weights, w13, w2, shared_w13, shared_w2, out, swiglu_limit, launch)
     if backend == "reference":
         y = reference.experts(x, x_fp8, x_sf, ids, weights, w13, w2, shared_w13, shared_w2, swiglu_limit=float(swiglu_limit))
         return y if out is None else out.copy_(y)
     if out is None:
         out = torch.empty(T, Hd, dtype=torch.bfloat16, device=x.device)
     launch = launch or default_launch(T, K, E)
-    torch.ops.dsv4ref.moe_experts(x, x_fp8.view(torch.uint8), x_sf, ids, weights, w13, w2, shared_w13, shared_w2, out,
-                                  float(swiglu_limit), *launch.op_args("moe_experts"))
+    torch.ops.dsv4ref.moe_experts(
+        x,
+        x_fp8.view(torch.uint8),
+        x_sf,
+        ids,
+        weights,
+        w13,
+        w2,
+        shared_w13,
+        shared_w2,
+        out,
+        float(swiglu_limit),
+        *launch.op_args("moe_experts"),
+    )
     return out
 
 
-def forward(x, gate_weight, bias, w13, w2, shared_w13, shared_w2, *, k, routed_scale, swiglu_limit, hash_table=None,
-            input_ids=None, out=None, backend="auto", launch=None):
+def forward(
+    x,
+    gate_weight,
+    bias,
+    w13,
+    w2,
+    shared_w13,
+    shared_w2,
+    *,
+    k,
+    routed_scale,
+    swiglu_limit,
+    hash_table=None,
+    input_ids=None,
+    out=None,
+    backend="auto",
+    launch=None,
+):
     """One layer's MoE feed-forward: :func:`route` → :func:`stage` → :func:`experts`.
 
     Args:
@@ -389,5 +448,4 @@ def forward(x, gate_weight, bias, w13, w2, shared_w13, shared_w2, *, k, routed_s
     else:
         staged = _staged_buffers(x.shape[0], x.shape[1], k, x.device)
         stage_into(x, ids, w, *staged, backend=backend, launch=launch)
-    return experts(x, *staged, w13, w2, shared_w13, shared_w2, swiglu_limit=swiglu_limit, out=out, backend=backend,
-                   launch=launch)
+    return experts(x, *staged, w13, w2, shared_w13, shared_w2, swiglu_limit=swiglu_limit, out=out, backend=backend, launch=launch)

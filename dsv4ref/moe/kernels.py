@@ -12,8 +12,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ..tl import (bf16_rne_bits_nan, dot, e4m3_decode, e4m3_nan_codes, e4m3_snap, e4m3_ue8m0_blocks, ue8m0_byte_bits,
-                  ue8m0_value)
+from ..tl import bf16_rne_bits_nan, dot, e4m3_decode, e4m3_nan_codes, e4m3_snap, e4m3_ue8m0_blocks, ue8m0_byte_bits, ue8m0_value
 
 
 @triton.jit
@@ -53,8 +52,23 @@ def widen_bf16(bits):
 
 
 @triton.jit
-def _stage_topk(ids_ptr, w_ptr, ids_out_ptr, w_out_ptr, rows, row_ok, r64, K, stride_it, stride_ik, stride_wt,
-                stride_wk, stride_iot, stride_wot, BLOCK_TOPK: tl.constexpr):
+def _stage_topk(
+    ids_ptr,
+    w_ptr,
+    ids_out_ptr,
+    w_out_ptr,
+    rows,
+    row_ok,
+    r64,
+    K,
+    stride_it,
+    stride_ik,
+    stride_wt,
+    stride_wk,
+    stride_iot,
+    stride_wot,
+    BLOCK_TOPK: tl.constexpr,
+):
     """The top-k copies of one token block: int64 ids (sign-extended), weight bits unchanged."""
     ids, wb = _topk_load(ids_ptr, w_ptr, r64, row_ok, K, stride_it, stride_ik, stride_wt, stride_wk, BLOCK_TOPK)
     _topk_store(ids_out_ptr, w_out_ptr, ids, wb, r64, row_ok, K, stride_iot, stride_wot, BLOCK_TOPK)
@@ -79,9 +93,25 @@ def _topk_store(ids_out_ptr, w_out_ptr, ids, wb, r64, row_ok, K, stride_iot, str
 
 
 @triton.jit
-def _stage_tile_blocks(x_ptr, q_ptr, sf_ptr, T, Hd, tt, th, stride_xt, stride_xh, stride_qt, stride_st,
-                       FLOOR: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, LOAD: tl.constexpr,
-                       EVICT: tl.constexpr, STORE_CACHE: tl.constexpr):
+def _stage_tile_blocks(
+    x_ptr,
+    q_ptr,
+    sf_ptr,
+    T,
+    Hd,
+    tt,
+    th,
+    stride_xt,
+    stride_xh,
+    stride_qt,
+    stride_st,
+    FLOOR: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    LOAD: tl.constexpr,
+    EVICT: tl.constexpr,
+    STORE_CACHE: tl.constexpr,
+):
     """ENCODE = "blocks": stage tokens [tt·BLOCK_T, +BLOCK_T) × hidden values [th·BLOCK_H, +BLOCK_H) into e4m3
     bytes and int32 words (sf_ptr: the int32 x_sf). Returns (rows, row_ok, r64) for the top-k copies."""
     NB: tl.constexpr = BLOCK_H // 128  # scale words per tile row
@@ -92,11 +122,13 @@ def _stage_tile_blocks(x_ptr, q_ptr, sf_ptr, T, Hd, tt, th, stride_xt, stride_xh
     if LOAD == "tile":
         col = th * BLOCK_H + tl.arange(0, BLOCK_H)  # [BLOCK_H]
         m = row_ok[:, None] & (col < Hd)[None, :]
-        bits = tl.load(x_ptr + r64[:, None] * stride_xt + col[None, :].to(tl.int64) * stride_xh, mask=m, other=0,
-                       eviction_policy=EVICT)
+        bits = tl.load(
+            x_ptr + r64[:, None] * stride_xt + col[None, :].to(tl.int64) * stride_xh, mask=m, other=0, eviction_policy=EVICT
+        )
         q, byte = e4m3_ue8m0_blocks(tl.reshape(widen_bf16(bits), (BLOCK_T, NB * 4, 32)), FLOOR, 2)  # groups of 32
-        tl.store(q_ptr + r64[:, None] * stride_qt + col[None, :], tl.reshape(q, (BLOCK_T, BLOCK_H)), mask=m,
-                 cache_modifier=STORE_CACHE)
+        tl.store(
+            q_ptr + r64[:, None] * stride_qt + col[None, :], tl.reshape(q, (BLOCK_T, BLOCK_H)), mask=m, cache_modifier=STORE_CACHE
+        )
         lane = (8 * tl.arange(0, 4)).to(tl.uint32)
         word = tl.sum(tl.reshape(byte.to(tl.uint32), (BLOCK_T, NB, 4)) << lane[None, None, :], axis=2)  # disjoint bits
     else:
@@ -105,42 +137,97 @@ def _stage_tile_blocks(x_ptr, q_ptr, sf_ptr, T, Hd, tt, th, stride_xt, stride_xh
         for j in tl.static_range(4):  # the four 32-value groups of each block
             col = kb[:, None] * 128 + j * 32 + i[None, :]  # [NB, 32]
             m = row_ok[:, None, None] & (col < Hd)[None, :, :]
-            bits = tl.load(x_ptr + r64[:, None, None] * stride_xt + col[None, :, :].to(tl.int64) * stride_xh, mask=m,
-                           other=0, eviction_policy=EVICT)
+            bits = tl.load(
+                x_ptr + r64[:, None, None] * stride_xt + col[None, :, :].to(tl.int64) * stride_xh,
+                mask=m,
+                other=0,
+                eviction_policy=EVICT,
+            )
             q, byte = e4m3_ue8m0_blocks(widen_bf16(bits), FLOOR, 2)  # [BLOCK_T, NB, 32] uint8, [BLOCK_T, NB] int32
             tl.store(q_ptr + r64[:, None, None] * stride_qt + col[None, :, :], q, mask=m, cache_modifier=STORE_CACHE)
             word = word | (byte.to(tl.uint32) << (8 * j))
     m_sf = row_ok[:, None] & (kb * 128 < Hd)[None, :]
-    tl.store(sf_ptr + r64[:, None] * stride_st + kb[None, :], word.to(tl.int32, bitcast=True), mask=m_sf,
-             cache_modifier=STORE_CACHE)
+    tl.store(
+        sf_ptr + r64[:, None] * stride_st + kb[None, :], word.to(tl.int32, bitcast=True), mask=m_sf, cache_modifier=STORE_CACHE
+    )
     return rows, row_ok, r64
 
 
 @triton.jit
-def _stage_tile_snap(x_ptr, q_ptr, sf_ptr, T, Hd, tt, th, stride_xt, stride_xh, stride_qt, stride_st,
-                     FLOOR: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, EVICT: tl.constexpr,
-                     STORE_CACHE: tl.constexpr):
+def _stage_tile_snap(
+    x_ptr,
+    q_ptr,
+    sf_ptr,
+    T,
+    Hd,
+    tt,
+    th,
+    stride_xt,
+    stride_xh,
+    stride_qt,
+    stride_st,
+    FLOOR: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    EVICT: tl.constexpr,
+    STORE_CACHE: tl.constexpr,
+):
     """ENCODE = "snap": the same tile as _stage_tile_blocks with LOAD = "tile"; sf_ptr is the uint8
     view of x_sf (stride_st in bytes) and one scale byte is stored per 32-group."""
     bits = _snap_load(x_ptr, T, Hd, tt, th, stride_xt, stride_xh, BLOCK_T, BLOCK_H, EVICT)
-    return _stage_bits_snap(bits, x_ptr, q_ptr, sf_ptr, T, Hd, tt, th, stride_xt, stride_xh, stride_qt, stride_st,
-                            FLOOR, BLOCK_T, BLOCK_H, STORE_CACHE)
+    return _stage_bits_snap(
+        bits,
+        x_ptr,
+        q_ptr,
+        sf_ptr,
+        T,
+        Hd,
+        tt,
+        th,
+        stride_xt,
+        stride_xh,
+        stride_qt,
+        stride_st,
+        FLOOR,
+        BLOCK_T,
+        BLOCK_H,
+        STORE_CACHE,
+    )
 
 
 @triton.jit
-def _snap_load(x_ptr, T, Hd, tt, th, stride_xt, stride_xh, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr,
-               EVICT: tl.constexpr):
+def _snap_load(x_ptr, T, Hd, tt, th, stride_xt, stride_xh, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, EVICT: tl.constexpr):
     """The [BLOCK_T, BLOCK_H] int16 tile (token block tt, column block th) of x; rows past T read as 0."""
     rows = tt * BLOCK_T + tl.arange(0, BLOCK_T)
     col = th * BLOCK_H + tl.arange(0, BLOCK_H)  # [BLOCK_H]
     m = (rows < T)[:, None] & (col < Hd)[None, :]
-    return tl.load(x_ptr + rows.to(tl.int64)[:, None] * stride_xt + col[None, :].to(tl.int64) * stride_xh, mask=m,
-                   other=0, eviction_policy=EVICT)
+    return tl.load(
+        x_ptr + rows.to(tl.int64)[:, None] * stride_xt + col[None, :].to(tl.int64) * stride_xh,
+        mask=m,
+        other=0,
+        eviction_policy=EVICT,
+    )
 
 
 @triton.jit
-def _stage_bits_snap(bits, x_ptr, q_ptr, sf_ptr, T, Hd, tt, th, stride_xt, stride_xh, stride_qt, stride_st,
-                     FLOOR: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, STORE_CACHE: tl.constexpr):
+def _stage_bits_snap(
+    bits,
+    x_ptr,
+    q_ptr,
+    sf_ptr,
+    T,
+    Hd,
+    tt,
+    th,
+    stride_xt,
+    stride_xh,
+    stride_qt,
+    stride_st,
+    FLOOR: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    STORE_CACHE: tl.constexpr,
+):
     """_stage_tile_snap on the tile ``bits`` (= _snap_load(.., tt, th, ..)) loaded already (the prefetching
     persistent loop loads the next tile before this one is encoded)."""
     NG: tl.constexpr = BLOCK_H // 32  # 32-value groups per tile row
@@ -167,22 +254,76 @@ def _stage_bits_snap(bits, x_ptr, q_ptr, sf_ptr, T, Hd, tt, th, stride_xt, strid
         tl.store(q_out, tl.reshape(q, (BLOCK_T, BLOCK_H)), mask=m, cache_modifier=STORE_CACHE)
     byte = tl.where(bad, 255, byte)
     g = th * NG + tl.arange(0, NG)  # [NG] group index = byte index in the row of x_sf's bytes
-    tl.store(sf_ptr + r64[:, None] * stride_st + g[None, :], byte.to(tl.uint8), mask=row_ok[:, None] & (g * 32 < Hd)[None, :],
-             cache_modifier=STORE_CACHE)
+    tl.store(
+        sf_ptr + r64[:, None] * stride_st + g[None, :],
+        byte.to(tl.uint8),
+        mask=row_ok[:, None] & (g * 32 < Hd)[None, :],
+        cache_modifier=STORE_CACHE,
+    )
     return rows, row_ok, r64
 
 
 @triton.jit
-def _stage_tile(x_ptr, q_ptr, sf_ptr, T, Hd, tt, th, stride_xt, stride_xh, stride_qt, stride_st,
-                FLOOR: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, LOAD: tl.constexpr,
-                ENCODE: tl.constexpr, EVICT: tl.constexpr, STORE_CACHE: tl.constexpr):
+def _stage_tile(
+    x_ptr,
+    q_ptr,
+    sf_ptr,
+    T,
+    Hd,
+    tt,
+    th,
+    stride_xt,
+    stride_xh,
+    stride_qt,
+    stride_st,
+    FLOOR: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    LOAD: tl.constexpr,
+    ENCODE: tl.constexpr,
+    EVICT: tl.constexpr,
+    STORE_CACHE: tl.constexpr,
+):
     """One tile, by ENCODE. Returns (rows, row_ok, r64) for the top-k copies."""
     if ENCODE == "blocks":
-        return _stage_tile_blocks(x_ptr, q_ptr, sf_ptr, T, Hd, tt, th, stride_xt, stride_xh, stride_qt, stride_st,
-                                  FLOOR, BLOCK_T, BLOCK_H, LOAD, EVICT, STORE_CACHE)
+        return _stage_tile_blocks(
+            x_ptr,
+            q_ptr,
+            sf_ptr,
+            T,
+            Hd,
+            tt,
+            th,
+            stride_xt,
+            stride_xh,
+            stride_qt,
+            stride_st,
+            FLOOR,
+            BLOCK_T,
+            BLOCK_H,
+            LOAD,
+            EVICT,
+            STORE_CACHE,
+        )
     else:
-        return _stage_tile_snap(x_ptr, q_ptr, sf_ptr, T, Hd, tt, th, stride_xt, stride_xh, stride_qt, stride_st,
-                                FLOOR, BLOCK_T, BLOCK_H, EVICT, STORE_CACHE)
+        return _stage_tile_snap(
+            x_ptr,
+            q_ptr,
+            sf_ptr,
+            T,
+            Hd,
+            tt,
+            th,
+            stride_xt,
+            stride_xh,
+            stride_qt,
+            stride_st,
+            FLOOR,
+            BLOCK_T,
+            BLOCK_H,
+            EVICT,
+            STORE_CACHE,
+        )
 
 
 @triton.jit
@@ -195,8 +336,19 @@ def stage_kernel(
     w_ptr,  # int32 view of fp32 weights [T, K] (stride_wt, stride_wk): their bits are copied
     ids_out_ptr,  # int64 [≥T, K], unit stride along K, row stride stride_iot
     w_out_ptr,  # int32 view of fp32 [≥T, K], unit stride along K, row stride stride_wot
-    T, Hd, K,
-    stride_xt, stride_xh, stride_qt, stride_st, stride_it, stride_ik, stride_wt, stride_wk, stride_iot, stride_wot,
+    T,
+    Hd,
+    K,
+    stride_xt,
+    stride_xh,
+    stride_qt,
+    stride_st,
+    stride_it,
+    stride_ik,
+    stride_wt,
+    stride_wk,
+    stride_iot,
+    stride_wot,
     FLOOR: tl.constexpr,  # 1e-4, the amax floor
     BLOCK_T: tl.constexpr,  # tokens per tile
     BLOCK_H: tl.constexpr,  # hidden values per tile, a multiple of 128
@@ -219,41 +371,153 @@ def stage_kernel(
             nxt = tile + tl.num_programs(0)
             nbits = _snap_load(x_ptr, T, Hd, nxt // n_h, nxt % n_h, stride_xt, stride_xh, BLOCK_T, BLOCK_H, EVICT)
             th = tile % n_h
-            rows, row_ok, r64 = _stage_bits_snap(bits, x_ptr, q_ptr, sf_ptr, T, Hd, tile // n_h, th, stride_xt,
-                                                 stride_xh, stride_qt, stride_st, FLOOR, BLOCK_T, BLOCK_H, STORE_CACHE)
+            rows, row_ok, r64 = _stage_bits_snap(
+                bits,
+                x_ptr,
+                q_ptr,
+                sf_ptr,
+                T,
+                Hd,
+                tile // n_h,
+                th,
+                stride_xt,
+                stride_xh,
+                stride_qt,
+                stride_st,
+                FLOOR,
+                BLOCK_T,
+                BLOCK_H,
+                STORE_CACHE,
+            )
             if th == 0:  # the top-k copies, once per token
-                _stage_topk(ids_ptr, w_ptr, ids_out_ptr, w_out_ptr, rows, row_ok, r64, K, stride_it, stride_ik,
-                            stride_wt, stride_wk, stride_iot, stride_wot, BLOCK_TOPK)
+                _stage_topk(
+                    ids_ptr,
+                    w_ptr,
+                    ids_out_ptr,
+                    w_out_ptr,
+                    rows,
+                    row_ok,
+                    r64,
+                    K,
+                    stride_it,
+                    stride_ik,
+                    stride_wt,
+                    stride_wk,
+                    stride_iot,
+                    stride_wot,
+                    BLOCK_TOPK,
+                )
             bits = nbits
             tile = nxt
     elif PERSISTENT:
         n_h = tl.cdiv(Hd, BLOCK_H)
         for tile in range(tl.program_id(0), tl.cdiv(T, BLOCK_T) * n_h, tl.num_programs(0)):
             th = tile % n_h
-            rows, row_ok, r64 = _stage_tile(x_ptr, q_ptr, sf_ptr, T, Hd, tile // n_h, th, stride_xt, stride_xh,
-                                            stride_qt, stride_st, FLOOR, BLOCK_T, BLOCK_H, LOAD, ENCODE, EVICT,
-                                            STORE_CACHE)
+            rows, row_ok, r64 = _stage_tile(
+                x_ptr,
+                q_ptr,
+                sf_ptr,
+                T,
+                Hd,
+                tile // n_h,
+                th,
+                stride_xt,
+                stride_xh,
+                stride_qt,
+                stride_st,
+                FLOOR,
+                BLOCK_T,
+                BLOCK_H,
+                LOAD,
+                ENCODE,
+                EVICT,
+                STORE_CACHE,
+            )
             if th == 0:  # the top-k copies, once per token
-                _stage_topk(ids_ptr, w_ptr, ids_out_ptr, w_out_ptr, rows, row_ok, r64, K, stride_it, stride_ik,
-                            stride_wt, stride_wk, stride_iot, stride_wot, BLOCK_TOPK)
+                _stage_topk(
+                    ids_ptr,
+                    w_ptr,
+                    ids_out_ptr,
+                    w_out_ptr,
+                    rows,
+                    row_ok,
+                    r64,
+                    K,
+                    stride_it,
+                    stride_ik,
+                    stride_wt,
+                    stride_wk,
+                    stride_iot,
+                    stride_wot,
+                    BLOCK_TOPK,
+                )
     elif TOPK_FIRST:
         # the program of column block 0 loads its rows' ids and weights before its tile, so these small loads
         # share the tile's round trip instead of adding one after its stores; the others load nothing (masked)
         rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
         copy = rows < T - T * tl.minimum(tl.program_id(1), 1)  # rows < T in column block 0, none elsewhere
-        ids, wb = _topk_load(ids_ptr, w_ptr, rows.to(tl.int64), copy, K, stride_it, stride_ik, stride_wt, stride_wk,
-                             BLOCK_TOPK)
+        ids, wb = _topk_load(ids_ptr, w_ptr, rows.to(tl.int64), copy, K, stride_it, stride_ik, stride_wt, stride_wk, BLOCK_TOPK)
         tl.debug_barrier()  # keeps the compiler from sinking these loads below the tile's (found in the SASS)
-        _stage_tile(x_ptr, q_ptr, sf_ptr, T, Hd, tl.program_id(0), tl.program_id(1), stride_xt, stride_xh, stride_qt,
-                    stride_st, FLOOR, BLOCK_T, BLOCK_H, LOAD, ENCODE, EVICT, STORE_CACHE)
+        _stage_tile(
+            x_ptr,
+            q_ptr,
+            sf_ptr,
+            T,
+            Hd,
+            tl.program_id(0),
+            tl.program_id(1),
+            stride_xt,
+            stride_xh,
+            stride_qt,
+            stride_st,
+            FLOOR,
+            BLOCK_T,
+            BLOCK_H,
+            LOAD,
+            ENCODE,
+            EVICT,
+            STORE_CACHE,
+        )
         _topk_store(ids_out_ptr, w_out_ptr, ids, wb, rows.to(tl.int64), copy, K, stride_iot, stride_wot, BLOCK_TOPK)
     else:
-        rows, row_ok, r64 = _stage_tile(x_ptr, q_ptr, sf_ptr, T, Hd, tl.program_id(0), tl.program_id(1), stride_xt,
-                                        stride_xh, stride_qt, stride_st, FLOOR, BLOCK_T, BLOCK_H, LOAD, ENCODE,
-                                        EVICT, STORE_CACHE)
+        rows, row_ok, r64 = _stage_tile(
+            x_ptr,
+            q_ptr,
+            sf_ptr,
+            T,
+            Hd,
+            tl.program_id(0),
+            tl.program_id(1),
+            stride_xt,
+            stride_xh,
+            stride_qt,
+            stride_st,
+            FLOOR,
+            BLOCK_T,
+            BLOCK_H,
+            LOAD,
+            ENCODE,
+            EVICT,
+            STORE_CACHE,
+        )
         if tl.program_id(1) == 0:  # the top-k copies, once per token
-            _stage_topk(ids_ptr, w_ptr, ids_out_ptr, w_out_ptr, rows, row_ok, r64, K, stride_it, stride_ik, stride_wt,
-                        stride_wk, stride_iot, stride_wot, BLOCK_TOPK)
+            _stage_topk(
+                ids_ptr,
+                w_ptr,
+                ids_out_ptr,
+                w_out_ptr,
+                rows,
+                row_ok,
+                r64,
+                K,
+                stride_it,
+                stride_ik,
+                stride_wt,
+                stride_wk,
+                stride_iot,
+                stride_wot,
+                BLOCK_TOPK,
+            )
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -285,11 +549,23 @@ def gate_up_kernel(
     xsf_ptr,  # int32 packed scales x_sf [T, Hd/128], unit stride along Hd/128 (stride_st); read when FP8_IN
     order_ptr,  # int64 [R]: slot numbers t·K + k, grouped by expert
     omega_ptr,  # fp32 [T·K]: the routing weight of each slot; read when APPLY_W
-    tile_expert_ptr, tile_row0_ptr, tile_row1_ptr,  # int32 [n_tiles]: expert, first row, end of the expert's rows
+    tile_expert_ptr,
+    tile_row0_ptr,
+    tile_row1_ptr,  # int32 [n_tiles]: expert, first row, end of the expert's rows
     w13_ptr,  # bf16 [E, 2I, Hd] (stride_we, stride_wn, stride_wk): rows [0, I) = W1 (gate), [I, 2I) = W3 (up)
     h_ptr,  # int16 view of the bf16 workspace h [R, I], contiguous
-    Hd, I, K, n_experts, limit,  # limit: L (inf = no clamp)
-    stride_xt, stride_xh, stride_qt, stride_st, stride_we, stride_wn, stride_wk,
+    Hd,
+    I,
+    K,
+    n_experts,
+    limit,  # limit: L (inf = no clamp)
+    stride_xt,
+    stride_xh,
+    stride_qt,
+    stride_st,
+    stride_we,
+    stride_wn,
+    stride_wk,
     BLOCK_M: tl.constexpr,  # rows per program (≥ 16)
     BLOCK_N: tl.constexpr,  # intermediate columns per program
     BLOCK_H: tl.constexpr,  # hidden values per step, a multiple of 128 (whole scale words) dividing Hd
@@ -342,11 +618,18 @@ def gate_up_kernel(
 def down_kernel(
     h_ptr,  # bf16 workspace h [R, I], contiguous (written by gate_up_kernel)
     order_ptr,  # int64 [R]: slot numbers, grouped by expert
-    tile_expert_ptr, tile_row0_ptr, tile_row1_ptr,  # int32 [n_tiles], as in gate_up_kernel
+    tile_expert_ptr,
+    tile_row0_ptr,
+    tile_row1_ptr,  # int32 [n_tiles], as in gate_up_kernel
     w2_ptr,  # bf16 [E, Hd, I] (stride_we, stride_wn, stride_wk)
     o_ptr,  # int16 view of the bf16 slot outputs [T·K, Hd] (row stride stride_ot, unit stride along Hd)
-    Hd, I, n_experts,
-    stride_we, stride_wn, stride_wk, stride_ot,
+    Hd,
+    I,
+    n_experts,
+    stride_we,
+    stride_wn,
+    stride_wk,
+    stride_ot,
     BLOCK_M: tl.constexpr,  # rows per program (≥ 16)
     BLOCK_N: tl.constexpr,  # hidden columns per program
     BLOCK_K: tl.constexpr,  # intermediate values per step (≥ 16)
@@ -384,8 +667,12 @@ def combine_kernel(
     ids_ptr,  # int64 ids [T, K], contiguous
     shared_ptr,  # int16 view of the bf16 shared-expert output [T, Hd], contiguous; read when HAS_SHARED
     out_ptr,  # int16 view of the bf16 output [T, Hd] (row stride stride_out, unit stride along Hd)
-    T, Hd, K, n_experts,
-    stride_ot, stride_out,
+    T,
+    Hd,
+    K,
+    n_experts,
+    stride_ot,
+    stride_out,
     HAS_SHARED: tl.constexpr,
     BLOCK_T: tl.constexpr,
     BLOCK_H: tl.constexpr,

@@ -21,10 +21,23 @@ __all__ = ["MoeLaunch", "default_launch", "group_by_expert", "tile_table", "stag
 
 STAGE_LOADS = ("groups", "tile")
 STAGE_ENCODES = ("blocks", "snap")
-STAGE_CACHE_HINTS = {"": ("", ""), "evict_first": ("evict_first", ""), "stream": ("evict_first", ".cs"),
-                     "cs": ("", ".cs")}  # load, store
-NOT_POWERS_OF_TWO = ("expert_stages", "stage_load", "stage_programs", "stage_stages", "stage_cache", "stage_encode",
-                     "stage_maxnreg", "stage_topk_first", "stage_prefetch")
+STAGE_CACHE_HINTS = {
+    "": ("", ""),
+    "evict_first": ("evict_first", ""),
+    "stream": ("evict_first", ".cs"),
+    "cs": ("", ".cs"),
+}  # load, store
+NOT_POWERS_OF_TWO = (
+    "expert_stages",
+    "stage_load",
+    "stage_programs",
+    "stage_stages",
+    "stage_cache",
+    "stage_encode",
+    "stage_maxnreg",
+    "stage_topk_first",
+    "stage_prefetch",
+)
 
 
 @dataclass(frozen=True)
@@ -112,7 +125,7 @@ class MoeLaunch:
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name}: expected a bool, got {type(getattr(self, name)).__name__}")
         if self.stage_prefetch and not (self.stage_programs and self.stage_encode == "snap"):
-            raise ValueError("stage_prefetch: needs stage_programs > 0 and stage_encode=\"snap\"")
+            raise ValueError('stage_prefetch: needs stage_programs > 0 and stage_encode="snap"')
         if self.stage_topk_first and self.stage_programs:
             raise ValueError("stage_topk_first: one program per tile only (stage_programs=0)")
         for name in ("stage_block_h", "block_h"):
@@ -126,19 +139,38 @@ class MoeLaunch:
         """The launch as the trailing arguments of ``torch.ops.dsv4ref.<op>``, in its schema order: ``"moe_stage"``
         (the ``stage_*`` fields) or ``"moe_experts"`` (the expert GEMMs' and the combine's)."""
         if op == "moe_stage":
-            return (self.stage_block_t, self.stage_block_h, self.stage_warps, self.stage_load, self.stage_programs,
-                    self.stage_stages, self.stage_cache, self.stage_encode, self.stage_maxnreg, self.stage_topk_first,
-                    self.stage_prefetch)
+            return (
+                self.stage_block_t,
+                self.stage_block_h,
+                self.stage_warps,
+                self.stage_load,
+                self.stage_programs,
+                self.stage_stages,
+                self.stage_cache,
+                self.stage_encode,
+                self.stage_maxnreg,
+                self.stage_topk_first,
+                self.stage_prefetch,
+            )
         if op == "moe_experts":
-            return (self.block_m, self.block_n, self.block_h, self.block_k, self.expert_warps, self.expert_stages,
-                    self.combine_block_t, self.combine_block_h, self.combine_warps)
-        raise ValueError(f"op: expected \"moe_stage\" or \"moe_experts\", got {op!r}")
+            return (
+                self.block_m,
+                self.block_n,
+                self.block_h,
+                self.block_k,
+                self.expert_warps,
+                self.expert_stages,
+                self.combine_block_t,
+                self.combine_block_h,
+                self.combine_warps,
+            )
+        raise ValueError(f'op: expected "moe_stage" or "moe_experts", got {op!r}')
 
 
 def _check_stage_pair(load: str, encode: str) -> None:
     """The (stage_load, stage_encode) pairs that exist: "snap" reads whole tiles ("tile")."""
     if encode != "blocks" and load != "tile":
-        raise ValueError(f"stage_load={load!r} does not go with stage_encode={encode!r}: \"snap\" needs \"tile\"")
+        raise ValueError(f'stage_load={load!r} does not go with stage_encode={encode!r}: "snap" needs "tile"')
 
 
 def default_launch(tokens: int, k: int, experts: int) -> MoeLaunch:
@@ -206,22 +238,59 @@ def tile_table(counts: torch.Tensor, offsets: torch.Tensor, block_m: int, n_rows
 # ----------------------------------------------------------------------------------------------------
 
 
-def stage_constexprs(Hd: int, K: int, block_t: int, block_h: int, load: str, programs: int, cache: str, encode: str,
-                     topk_first: bool = False, prefetch: bool = False) -> dict:
+def stage_constexprs(
+    Hd: int,
+    K: int,
+    block_t: int,
+    block_h: int,
+    load: str,
+    programs: int,
+    cache: str,
+    encode: str,
+    topk_first: bool = False,
+    prefetch: bool = False,
+) -> dict:
     """The constexpr arguments of ``stage_kernel`` for these launch fields (also what
     benchmarks/experiments/moe_stage_compile_check.py compiles ahead of time)."""
     if encode not in STAGE_ENCODES:
         raise ValueError(f"encode: expected one of {STAGE_ENCODES}, got {encode!r}")
     _check_stage_pair(load, encode)
     evict, store_cache = STAGE_CACHE_HINTS[cache]
-    return dict(FLOOR=STAGE_AMAX_FLOOR, BLOCK_T=block_t, BLOCK_H=min(block_h, triton.next_power_of_2(Hd)),
-                BLOCK_TOPK=max(1, triton.next_power_of_2(K)), LOAD=load, ENCODE=encode, PERSISTENT=programs > 0,
-                EVICT=evict, STORE_CACHE=store_cache, TOPK_FIRST=topk_first and not programs,
-                PREFETCH=prefetch and programs > 0 and encode != "blocks")
+    return dict(
+        FLOOR=STAGE_AMAX_FLOOR,
+        BLOCK_T=block_t,
+        BLOCK_H=min(block_h, triton.next_power_of_2(Hd)),
+        BLOCK_TOPK=max(1, triton.next_power_of_2(K)),
+        LOAD=load,
+        ENCODE=encode,
+        PERSISTENT=programs > 0,
+        EVICT=evict,
+        STORE_CACHE=store_cache,
+        TOPK_FIRST=topk_first and not programs,
+        PREFETCH=prefetch and programs > 0 and encode != "blocks",
+    )
 
 
-def _stage(hidden, ids, weights, x_fp8, x_sf, ids_out, weights_out, block_t, block_h, num_warps, load, programs,
-           num_stages, cache, encode, maxnreg, topk_first, prefetch):
+def _stage(
+    hidden,
+    ids,
+    weights,
+    x_fp8,
+    x_sf,
+    ids_out,
+    weights_out,
+    block_t,
+    block_h,
+    num_warps,
+    load,
+    programs,
+    num_stages,
+    cache,
+    encode,
+    maxnreg,
+    topk_first,
+    prefetch,
+):
     T, Hd = hidden.shape
     K = ids.shape[1]
     const = stage_constexprs(Hd, K, block_t, block_h, load, programs, cache, encode, topk_first, prefetch)
@@ -235,27 +304,100 @@ def _stage(hidden, ids, weights, x_fp8, x_sf, ids_out, weights_out, block_t, blo
     n_t, n_h = triton.cdiv(T, block_t), triton.cdiv(Hd, const["BLOCK_H"])
     grid = (programs,) if programs else (n_t, n_h)  # persistent: `programs` programs walk the n_t·n_h tiles
     stage_kernel[grid](
-        xv, x_fp8.view(torch.uint8), sf, ids, wv, ids_out, wov, T, Hd, K,
-        xv.stride(0), xv.stride(1), x_fp8.stride(0), sf.stride(0), ids.stride(0), ids.stride(1),
-        wv.stride(0), wv.stride(1), ids_out.stride(0), wov.stride(0), **const, num_warps=num_warps,
-        num_stages=num_stages, **({"maxnreg": maxnreg} if maxnreg else {}))
+        xv,
+        x_fp8.view(torch.uint8),
+        sf,
+        ids,
+        wv,
+        ids_out,
+        wov,
+        T,
+        Hd,
+        K,
+        xv.stride(0),
+        xv.stride(1),
+        x_fp8.stride(0),
+        sf.stride(0),
+        ids.stride(0),
+        ids.stride(1),
+        wv.stride(0),
+        wv.stride(1),
+        ids_out.stride(0),
+        wov.stride(0),
+        **const,
+        num_warps=num_warps,
+        num_stages=num_stages,
+        **({"maxnreg": maxnreg} if maxnreg else {}),
+    )
 
 
 @torch.library.custom_op("dsv4ref::moe_stage", mutates_args=("x_fp8", "x_sf", "ids_out", "weights_out"))
-def moe_stage_op(hidden: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, x_fp8: torch.Tensor, x_sf: torch.Tensor,
-                 ids_out: torch.Tensor, weights_out: torch.Tensor, block_t: int, block_h: int, num_warps: int, load: str,
-                 programs: int, num_stages: int, cache: str, encode: str, maxnreg: int, topk_first: bool,
-                 prefetch: bool) -> None:
+def moe_stage_op(
+    hidden: torch.Tensor,
+    ids: torch.Tensor,
+    weights: torch.Tensor,
+    x_fp8: torch.Tensor,
+    x_sf: torch.Tensor,
+    ids_out: torch.Tensor,
+    weights_out: torch.Tensor,
+    block_t: int,
+    block_h: int,
+    num_warps: int,
+    load: str,
+    programs: int,
+    num_stages: int,
+    cache: str,
+    encode: str,
+    maxnreg: int,
+    topk_first: bool,
+    prefetch: bool,
+) -> None:
     """Rows [0, T) of the four output buffers (which may have more rows: those stay as they are). ``x_fp8``
     is passed as its uint8 bytes (torch has no arithmetic on fp8 tensors, which op checks need)."""
     if hidden.shape[0]:
-        _stage(hidden, ids, weights, x_fp8, x_sf, ids_out, weights_out, block_t, block_h, num_warps, load, programs,
-               num_stages, cache, encode, maxnreg, topk_first, prefetch)
+        _stage(
+            hidden,
+            ids,
+            weights,
+            x_fp8,
+            x_sf,
+            ids_out,
+            weights_out,
+            block_t,
+            block_h,
+            num_warps,
+            load,
+            programs,
+            num_stages,
+            cache,
+            encode,
+            maxnreg,
+            topk_first,
+            prefetch,
+        )
 
 
 @moe_stage_op.register_fake
-def _(hidden, ids, weights, x_fp8, x_sf, ids_out, weights_out, block_t, block_h, num_warps, load, programs, num_stages,
-      cache, encode, maxnreg, topk_first, prefetch):
+def _(
+    hidden,
+    ids,
+    weights,
+    x_fp8,
+    x_sf,
+    ids_out,
+    weights_out,
+    block_t,
+    block_h,
+    num_warps,
+    load,
+    programs,
+    num_stages,
+    cache,
+    encode,
+    maxnreg,
+    topk_first,
+    prefetch,
+):
     return None
 
 
@@ -278,17 +420,61 @@ def _mlp(x, xq, xsf, order, counts, offsets, omega, w13, w2, o, K, fp8_in, limit
     bh = math.gcd(launch.block_h, Hd)  # powers of two times 128 that divide Hd
     bn_i = max(16, min(launch.block_n, triton.next_power_of_2(I)))
     gate_up_kernel[(te.shape[0], triton.cdiv(I, bn_i))](
-        xb, xq, xsf, order, omega, te, r0, r1, w13, h.view(torch.int16), Hd, I, K, E, limit,
-        xb.stride(0), xb.stride(1), xq.stride(0), xsf.stride(0), w13.stride(0), w13.stride(1), w13.stride(2),
-        BLOCK_M=launch.block_m, BLOCK_N=bn_i, BLOCK_H=bh, FP8_IN=fp8_in,
-        APPLY_W=fp8_in, DOT_FP32=dot_fp32,  # routed slots carry ω, the shared expert does not
-        num_warps=launch.expert_warps, num_stages=launch.expert_stages)
+        xb,
+        xq,
+        xsf,
+        order,
+        omega,
+        te,
+        r0,
+        r1,
+        w13,
+        h.view(torch.int16),
+        Hd,
+        I,
+        K,
+        E,
+        limit,
+        xb.stride(0),
+        xb.stride(1),
+        xq.stride(0),
+        xsf.stride(0),
+        w13.stride(0),
+        w13.stride(1),
+        w13.stride(2),
+        BLOCK_M=launch.block_m,
+        BLOCK_N=bn_i,
+        BLOCK_H=bh,
+        FP8_IN=fp8_in,
+        APPLY_W=fp8_in,
+        DOT_FP32=dot_fp32,  # routed slots carry ω, the shared expert does not
+        num_warps=launch.expert_warps,
+        num_stages=launch.expert_stages,
+    )
     bn_h = min(launch.block_n, triton.next_power_of_2(Hd))
     bk = max(16, min(launch.block_k, triton.next_power_of_2(I)))
     down_kernel[(te.shape[0], triton.cdiv(Hd, bn_h))](
-        h, order, te, r0, r1, w2, o.view(torch.int16), Hd, I, E, w2.stride(0), w2.stride(1), w2.stride(2), o.stride(0),
-        BLOCK_M=launch.block_m, BLOCK_N=bn_h, BLOCK_K=bk, DOT_FP32=dot_fp32,
-        num_warps=launch.expert_warps, num_stages=launch.expert_stages)
+        h,
+        order,
+        te,
+        r0,
+        r1,
+        w2,
+        o.view(torch.int16),
+        Hd,
+        I,
+        E,
+        w2.stride(0),
+        w2.stride(1),
+        w2.stride(2),
+        o.stride(0),
+        BLOCK_M=launch.block_m,
+        BLOCK_N=bn_h,
+        BLOCK_K=bk,
+        DOT_FP32=dot_fp32,
+        num_warps=launch.expert_warps,
+        num_stages=launch.expert_stages,
+    )
 
 
 def _experts(x, x_fp8, x_sf, ids, weights, w13, w2, shared_w13, shared_w2, out, swiglu_limit, launch):
@@ -310,26 +496,84 @@ def _experts(x, x_fp8, x_sf, ids, weights, w13, w2, shared_w13, shared_w2, out, 
     ov = out.view(torch.int16)
     bh = min(launch.combine_block_h, triton.next_power_of_2(Hd))
     combine_kernel[(triton.cdiv(T, launch.combine_block_t), triton.cdiv(Hd, bh))](
-        o.view(torch.int16), ids64, (shared if shared is not None else o).view(torch.int16), ov, T, Hd, K, w13.shape[0],
-        o.stride(0), ov.stride(0), HAS_SHARED=shared is not None, BLOCK_T=launch.combine_block_t, BLOCK_H=bh,
-        num_warps=launch.combine_warps)
+        o.view(torch.int16),
+        ids64,
+        (shared if shared is not None else o).view(torch.int16),
+        ov,
+        T,
+        Hd,
+        K,
+        w13.shape[0],
+        o.stride(0),
+        ov.stride(0),
+        HAS_SHARED=shared is not None,
+        BLOCK_T=launch.combine_block_t,
+        BLOCK_H=bh,
+        num_warps=launch.combine_warps,
+    )
 
 
 @torch.library.custom_op("dsv4ref::moe_experts", mutates_args=("out",))
-def moe_experts_op(x: torch.Tensor, x_fp8: torch.Tensor, x_sf: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
-                   w13: torch.Tensor, w2: torch.Tensor, shared_w13: torch.Tensor | None, shared_w2: torch.Tensor | None,
-                   out: torch.Tensor, swiglu_limit: float, block_m: int, block_n: int, block_h: int, block_k: int,
-                   expert_warps: int, expert_stages: int, combine_block_t: int, combine_block_h: int, combine_warps: int) -> None:
+def moe_experts_op(
+    x: torch.Tensor,
+    x_fp8: torch.Tensor,
+    x_sf: torch.Tensor,
+    ids: torch.Tensor,
+    weights: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    shared_w13: torch.Tensor | None,
+    shared_w2: torch.Tensor | None,
+    out: torch.Tensor,
+    swiglu_limit: float,
+    block_m: int,
+    block_n: int,
+    block_h: int,
+    block_k: int,
+    expert_warps: int,
+    expert_stages: int,
+    combine_block_t: int,
+    combine_block_h: int,
+    combine_warps: int,
+) -> None:
     """Routed experts on the staged activations + the shared expert on x, combined in fp32, into ``out``.
     ``x_fp8`` is passed as its uint8 bytes."""
     if ids.shape[0]:
-        launch = MoeLaunch(block_m=block_m, block_n=block_n, block_h=block_h, block_k=block_k, expert_warps=expert_warps,
-                           expert_stages=expert_stages, combine_block_t=combine_block_t,
-                           combine_block_h=combine_block_h, combine_warps=combine_warps)
+        launch = MoeLaunch(
+            block_m=block_m,
+            block_n=block_n,
+            block_h=block_h,
+            block_k=block_k,
+            expert_warps=expert_warps,
+            expert_stages=expert_stages,
+            combine_block_t=combine_block_t,
+            combine_block_h=combine_block_h,
+            combine_warps=combine_warps,
+        )
         _experts(x, x_fp8, x_sf, ids, weights, w13, w2, shared_w13, shared_w2, out, swiglu_limit, launch)
 
 
 @moe_experts_op.register_fake
-def _(x, x_fp8, x_sf, ids, weights, w13, w2, shared_w13, shared_w2, out, swiglu_limit, block_m, block_n, block_h, block_k,
-      expert_warps, expert_stages, combine_block_t, combine_block_h, combine_warps):
+def _(
+    x,
+    x_fp8,
+    x_sf,
+    ids,
+    weights,
+    w13,
+    w2,
+    shared_w13,
+    shared_w2,
+    out,
+    swiglu_limit,
+    block_m,
+    block_n,
+    block_h,
+    block_k,
+    expert_warps,
+    expert_stages,
+    combine_block_t,
+    combine_block_h,
+    combine_warps,
+):
     return None

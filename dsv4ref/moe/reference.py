@@ -46,8 +46,22 @@ from ..device import HOST
 from ..formats import STAGE_AMAX_FLOOR, STAGE_GROUP, STAGE_GROUPS
 from ..fp8 import reference as fp8
 
-__all__ = ["MoeShape", "FLASH_MOE", "TINY_MOE", "SOFTPLUS_THRESHOLD", "WEIGHT_SUM_FLOOR", "scores", "route", "stage",
-           "dequantize_staged", "swiglu", "expert_mlp", "experts", "forward", "example_inputs"]
+__all__ = [
+    "MoeShape",
+    "FLASH_MOE",
+    "TINY_MOE",
+    "SOFTPLUS_THRESHOLD",
+    "WEIGHT_SUM_FLOOR",
+    "scores",
+    "route",
+    "stage",
+    "dequantize_staged",
+    "swiglu",
+    "expert_mlp",
+    "experts",
+    "forward",
+    "example_inputs",
+]
 
 SOFTPLUS_THRESHOLD = 20.0  # softplus(z) = z above it (torch's default threshold; vLLM's kernel too)
 WEIGHT_SUM_FLOOR = 1e-20  # w / max(Σ w, floor): an all-underflow row gets weights 0, not 0/0 = NaN
@@ -66,10 +80,8 @@ class MoeShape:
     num_hash_layers: int
 
 
-FLASH_MOE = MoeShape(hidden=4096, experts=256, k=6, intermediate=2048, routed_scale=1.5, swiglu_limit=10.0,
-                     num_hash_layers=3)
-TINY_MOE = MoeShape(hidden=256, experts=8, k=2, intermediate=128, routed_scale=1.5, swiglu_limit=10.0,
-                    num_hash_layers=1)
+FLASH_MOE = MoeShape(hidden=4096, experts=256, k=6, intermediate=2048, routed_scale=1.5, swiglu_limit=10.0, num_hash_layers=3)
+TINY_MOE = MoeShape(hidden=256, experts=8, k=2, intermediate=128, routed_scale=1.5, swiglu_limit=10.0, num_hash_layers=1)
 
 
 # ====================================================================================================
@@ -155,8 +167,7 @@ def expert_mlp(x, w13, w2, omega, limit, dtype=torch.float32, *, mass=False):
     return rnd(rnd(h) @ w2.to(dtype).T)
 
 
-def experts(x, x_fp8, x_sf, ids, weights, w13, w2, shared_w13, shared_w2, *, swiglu_limit, dtype=torch.float32,
-            mass=False):
+def experts(x, x_fp8, x_sf, ids, weights, w13, w2, shared_w13, shared_w2, *, swiglu_limit, dtype=torch.float32, mass=False):
     """``[T, Hd]``: routed experts on the staged activations, then the shared expert on ``x``, summed in
     ``dtype`` in ascending expert id; bf16 unless ``dtype`` is float64. −1 slots are never indexed.
     ``mass=True`` (with float64): Σ over slots and the shared expert of ``|h| @ |W2|ᵀ`` instead, the
@@ -174,8 +185,22 @@ def experts(x, x_fp8, x_sf, ids, weights, w13, w2, shared_w13, shared_w2, *, swi
     return y if dtype == torch.float64 else fp8.canonical_nan(y.to(torch.bfloat16))  # NaN: 0x7FC0 everywhere
 
 
-def forward(x, gate_weight, bias, w13, w2, shared_w13, shared_w2, *, k, routed_scale, swiglu_limit, hash_table=None,
-            input_ids=None, dtype=torch.float32):
+def forward(
+    x,
+    gate_weight,
+    bias,
+    w13,
+    w2,
+    shared_w13,
+    shared_w2,
+    *,
+    k,
+    routed_scale,
+    swiglu_limit,
+    hash_table=None,
+    input_ids=None,
+    dtype=torch.float32,
+):
     """route → stage → experts: the MoE feed-forward of one layer, ``[T, Hd]``."""
     ids, w = route(x, gate_weight, bias, k=k, routed_scale=routed_scale, hash_table=hash_table, input_ids=input_ids)
     x_fp8, x_sf, ids64, w32 = stage(x, ids, w)
@@ -187,8 +212,17 @@ def forward(x, gate_weight, bias, w13, w2, shared_w13, shared_w2, *, k, routed_s
 # ====================================================================================================
 
 
-def example_inputs(T: int, shape: MoeShape = TINY_MOE, *, seed: int = 0, hash_layer: bool = False, vocab: int = 512,
-                   octaves: int = 8, weight_gain: float = 1.0, device=None) -> dict:
+def example_inputs(
+    T: int,
+    shape: MoeShape = TINY_MOE,
+    *,
+    seed: int = 0,
+    hash_layer: bool = False,
+    vocab: int = 512,
+    octaves: int = 8,
+    weight_gain: float = 1.0,
+    device=None,
+) -> dict:
     """Seeded inputs of one MoE layer, drawn on the CPU (the same numbers on every device).
 
     ``x`` bf16 [T, Hd] with a power-of-two scale per 32-group over ``octaves`` octaves (so the staging writes
@@ -211,14 +245,20 @@ def example_inputs(T: int, shape: MoeShape = TINY_MOE, *, seed: int = 0, hash_la
         return (torch.randn(*s, generator=g, device=HOST) * (gain / math.sqrt(fan_in))).to(torch.bfloat16)
 
     x = randn((T, Hd), seed=seed, block=STAGE_GROUP, octaves=octaves, device="cpu")
-    d = dict(x=x, gate_weight=w(E, Hd, fan_in=Hd, gain=0.5), bias=8.08 + 0.02 * torch.randn(E, generator=g, device=HOST),
-             w13=w(E, 2 * I, Hd, fan_in=Hd, gain=weight_gain), w2=w(E, Hd, I, fan_in=I),
-             shared_w13=w(2 * I, Hd, fan_in=Hd, gain=weight_gain), shared_w2=w(Hd, I, fan_in=I),
-             hash_table=None, input_ids=None)
+    d = dict(
+        x=x,
+        gate_weight=w(E, Hd, fan_in=Hd, gain=0.5),
+        bias=8.08 + 0.02 * torch.randn(E, generator=g, device=HOST),
+        w13=w(E, 2 * I, Hd, fan_in=Hd, gain=weight_gain),
+        w2=w(E, Hd, I, fan_in=I),
+        shared_w13=w(2 * I, Hd, fan_in=Hd, gain=weight_gain),
+        shared_w2=w(Hd, I, fan_in=I),
+        hash_table=None,
+        input_ids=None,
+    )
     if hash_layer:
         d["hash_table"] = torch.stack([torch.randperm(E, generator=g, device=HOST)[:K] for _ in range(vocab)])
         d["input_ids"] = torch.randint(0, vocab, (T,), generator=g, device=HOST)
     out = {n: (v.to(device) if isinstance(v, torch.Tensor) else v) for n, v in d.items()}
     out.update(k=K, routed_scale=shape.routed_scale, swiglu_limit=shape.swiglu_limit)
     return out
-

@@ -29,8 +29,15 @@ from ..weights import mtp_weights as make_weights  # the draft layer's weights, 
 from . import reference
 from .reference import greedy_tokens
 
-__all__ = ["greedy_accept", "greedy_tokens", "accepted_counts", "draft_input", "draft_logits", "make_weights",
-           "SUPPORTED_BACKENDS"]
+__all__ = [
+    "greedy_accept",
+    "greedy_tokens",
+    "accepted_counts",
+    "draft_input",
+    "draft_logits",
+    "make_weights",
+    "SUPPORTED_BACKENDS",
+]
 
 SUPPORTED_BACKENDS = ("reference", "triton")  # draft_logits' hc head; "auto" = "triton"
 INDEX_DTYPES = (torch.int32, torch.int64)
@@ -70,8 +77,10 @@ def _check_tokens(drafts, target, dims):
     k = drafts.shape[-1]
     validate.tensor(target, "target", dtype=INDEX_DTYPES, ndim=dims)
     if tuple(target.shape) != (*lead, k + 1):
-        raise ValueError(f"target: expected shape {(*lead, k + 1)} (the k = {k} drafts' rows and the bonus token"
-                         f"{', one row per row of drafts' if dims == 2 else ''}), got {tuple(target.shape)}")
+        raise ValueError(
+            f"target: expected shape {(*lead, k + 1)} (the k = {k} drafts' rows and the bonus token"
+            f"{', one row per row of drafts' if dims == 2 else ''}), got {tuple(target.shape)}"
+        )
     validate.same_device(drafts=drafts, target=target)
     validate.not_meta(drafts, "drafts")
     if validate.check_values():
@@ -123,8 +132,7 @@ def draft_input(h_prev, embed_rows, positions, enorm, hnorm, e_proj, h_proj, *, 
         validate.integer(hc_mult, "hc_mult", lo=1)
     if h_prev.dim() == 2:
         if hc_mult is None or h_prev.shape[1] % hc_mult:
-            raise ValueError(f"hc_mult: a flat h_prev [T, M·Hd] stash needs hc_mult=M dividing {h_prev.shape[1]}, "
-                             f"got {hc_mult}")
+            raise ValueError(f"hc_mult: a flat h_prev [T, M·Hd] stash needs hc_mult=M dividing {h_prev.shape[1]}, got {hc_mult}")
         h_prev = h_prev.reshape(h_prev.shape[0], hc_mult, -1)
     validate.tensor(h_prev, "h_prev", ndim=3)
     T, M, Hd = h_prev.shape
@@ -137,8 +145,9 @@ def draft_input(h_prev, embed_rows, positions, enorm, hnorm, e_proj, h_proj, *, 
     if hc_mult is not None and hc_mult != M:
         raise ValueError(f"hc_mult: {hc_mult} does not match h_prev's {M} streams (shape {tuple(h_prev.shape)})")
     validate.scalar(eps, "eps", gt=0.0)
-    validate.same_device(h_prev=h_prev, embed_rows=embed_rows, positions=positions, enorm=enorm, hnorm=hnorm,
-                         e_proj=e_proj, h_proj=h_proj)
+    validate.same_device(
+        h_prev=h_prev, embed_rows=embed_rows, positions=positions, enorm=enorm, hnorm=hnorm, e_proj=e_proj, h_proj=h_proj
+    )
     validate.not_meta(h_prev, "h_prev")
     if validate.check_values():
         validate.finite(h_prev, "h_prev")
@@ -182,4 +191,3 @@ def draft_logits(X, hc_fn, hc_scale, hc_base, norm, lm_head, *, rms_eps=1e-6, hc
         raise
     y = reference.rms_norm(y, norm, rms_eps).to(torch.bfloat16)
     return y.float() @ lm_head.float().T
-

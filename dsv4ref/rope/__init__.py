@@ -76,14 +76,18 @@ def _check_freq_args(rope_dim, theta, yarn) -> None:
         raise TypeError(f"yarn: expected None or a dict, got {type(yarn).__name__}")
     missing = set(_YARN_KEYS) - set(yarn)
     if missing:
-        raise ValueError(f"yarn: missing keys {sorted(missing)}; expected factor, original_max_position, "
-                         f"beta_fast, beta_slow (as in dsv4ref.config.Config.yarn)")
+        raise ValueError(
+            f"yarn: missing keys {sorted(missing)}; expected factor, original_max_position, "
+            f"beta_fast, beta_slow (as in dsv4ref.config.Config.yarn)"
+        )
     for k in _YARN_KEYS:
         if not validate.scalar(yarn[k], f"yarn['{k}']") > 0:
             raise ValueError(f"yarn['{k}']: expected a finite number > 0, got {yarn[k]!r}")
     if yarn["beta_fast"] < yarn["beta_slow"]:
-        raise ValueError(f"yarn['beta_fast']: expected >= beta_slow = {yarn['beta_slow']!r} (the ramp runs from "
-                         f"beta_fast's pair up to beta_slow's), got {yarn['beta_fast']!r}")
+        raise ValueError(
+            f"yarn['beta_fast']: expected >= beta_slow = {yarn['beta_slow']!r} (the ramp runs from "
+            f"beta_fast's pair up to beta_slow's), got {yarn['beta_fast']!r}"
+        )
 
 
 def _check_positions_nonneg(positions: torch.Tensor, name: str = "positions") -> None:
@@ -127,8 +131,9 @@ def inv_freq(rope_dim: int = ROPE_DIM, theta: float = 10000.0, yarn: dict | None
     return reference.inv_freq(rope_dim, theta, yarn)
 
 
-def cos_sin_rows(positions: torch.Tensor, rope_dim: int = ROPE_DIM, theta: float = 10000.0,
-                 yarn: dict | None = None) -> torch.Tensor:
+def cos_sin_rows(
+    positions: torch.Tensor, rope_dim: int = ROPE_DIM, theta: float = 10000.0, yarn: dict | None = None
+) -> torch.Tensor:
     """The table rows of the given positions only, bit-identical to ``cos_sin_cache(max_pos, …)[positions]``
     (the same fp32 recipe). Lets tests look at position 2^20 − 1 without building the 256 MiB table.
 
@@ -144,8 +149,9 @@ def cos_sin_rows(positions: torch.Tensor, rope_dim: int = ROPE_DIM, theta: float
     return reference.cos_sin_rows(positions, rope_dim, theta, yarn)
 
 
-def cos_sin_cache(max_pos: int, rope_dim: int = ROPE_DIM, theta: float = 10000.0, yarn: dict | None = None,
-                  *, device=None) -> torch.Tensor:
+def cos_sin_cache(
+    max_pos: int, rope_dim: int = ROPE_DIM, theta: float = 10000.0, yarn: dict | None = None, *, device=None
+) -> torch.Tensor:
     """The cos/sin table of one layer (``docs/rope.md#the-cossin-table``).
 
     Built on the CPU (so every machine gets the same bits), then moved to ``device``. DSV4 uses θ = 10000
@@ -227,13 +233,21 @@ def _check_no_overlap(t: torch.Tensor, name: str) -> None:
     span = 1
     for st, n in dims:
         if st < span:
-            raise ValueError(f"{name}: an overlapping view (strides {t.stride()}, shape {tuple(t.shape)}) cannot "
-                             f"be written in place")
+            raise ValueError(
+                f"{name}: an overlapping view (strides {t.stride()}, shape {tuple(t.shape)}) cannot be written in place"
+            )
         span = st * n
 
 
-def apply_gptj(x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor, inverse: bool = False, *,
-               backend: str = "auto", launch: RopeLaunch | None = None) -> torch.Tensor:
+def apply_gptj(
+    x: torch.Tensor,
+    positions: torch.Tensor,
+    cos_sin: torch.Tensor,
+    inverse: bool = False,
+    *,
+    backend: str = "auto",
+    launch: RopeLaunch | None = None,
+) -> torch.Tensor:
     """GPT-J (interleaved) RoPE on the LAST ``R = cos_sin.shape[1]`` dims of ``x`` (``docs/rope.md#pairing``).
 
     x'[2i] = x[2i]·cos f_i − x[2i+1]·sin f_i,  x'[2i+1] = x[2i]·sin f_i + x[2i+1]·cos f_i  (f_i at the
@@ -273,8 +287,9 @@ def apply_gptj(x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor, 
     return out.view(x.shape)
 
 
-def apply_neox(x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor, inverse: bool = False, *,
-               backend: str = "auto") -> torch.Tensor:
+def apply_neox(
+    x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor, inverse: bool = False, *, backend: str = "auto"
+) -> torch.Tensor:
     """NeoX (half-split) RoPE on the last R dims: pairs (x[i], x[i + R/2]). NOT what DSV4 uses; here to show
     what goes wrong when the pairing is mixed up (``docs/rope.md#pitfalls``).
 
@@ -294,9 +309,19 @@ def apply_neox(x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor, 
 # ----------------------------------------------------------------------------------------------------
 
 
-def qnorm_rope_kv_insert(q: torch.Tensor, kv: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor,
-                         positions: torch.Tensor, cos_sin: torch.Tensor, *, block_size: int, eps: float = 1e-6,
-                         backend: str = "auto", launch: RopeLaunch | None = None) -> None:
+def qnorm_rope_kv_insert(
+    q: torch.Tensor,
+    kv: torch.Tensor,
+    cache: torch.Tensor,
+    slots: torch.Tensor,
+    positions: torch.Tensor,
+    cos_sin: torch.Tensor,
+    *,
+    block_size: int,
+    eps: float = 1e-6,
+    backend: str = "auto",
+    launch: RopeLaunch | None = None,
+) -> None:
     """The attention prologue's fused step, in place (``docs/rope.md#the-fused-prologue-step``).
 
     * q is overwritten by RoPE(RMSNorm(q)): weight-free RMSNorm over all 512 dims of each head, then GPT-J
@@ -364,9 +389,17 @@ def qnorm_rope_kv_insert(q: torch.Tensor, kv: torch.Tensor, cache: torch.Tensor,
         return
     qc = q if q.stride(2) == 1 else q.contiguous()  # the kernels read rows of 512; written back below
     run = launch.resolve(qc)
-    torch.ops.dsv4ref.qnorm_rope_kv_insert(qc, kv if kv.stride(1) == 1 else kv.contiguous(), cache,
-                                           slots.to(torch.int64).contiguous(), positions.to(torch.int64).contiguous(),
-                                           cos_sin, float(eps), block_size, *run.op_args("qnorm_rope_kv_insert"))
+    torch.ops.dsv4ref.qnorm_rope_kv_insert(
+        qc,
+        kv if kv.stride(1) == 1 else kv.contiguous(),
+        cache,
+        slots.to(torch.int64).contiguous(),
+        positions.to(torch.int64).contiguous(),
+        cos_sin,
+        float(eps),
+        block_size,
+        *run.op_args("qnorm_rope_kv_insert"),
+    )
     if qc is not q:
         q.copy_(qc)
 
@@ -401,8 +434,7 @@ def grouped_o_proj(o: torch.Tensor, wo_a: torch.Tensor, wo_b: torch.Tensor, *, b
     if G < 1 or H % G:
         raise ValueError(f"wo_a: G = {G} groups must divide H = {H} heads (o has shape {tuple(o.shape)})")
     if width != (H // G) * D:
-        raise ValueError(f"wo_a: expected shape ({G}, o_lora, {(H // G) * D}) = (G, o_lora, H/G·{D}), "
-                         f"got {tuple(wo_a.shape)}")
+        raise ValueError(f"wo_a: expected shape ({G}, o_lora, {(H // G) * D}) = (G, o_lora, H/G·{D}), got {tuple(wo_a.shape)}")
     if wo_b.shape[1] != G * o_lora:
         raise ValueError(f"wo_b: expected shape (Hd, {G * o_lora}) = (Hd, G·o_lora), got {tuple(wo_b.shape)}")
     return reference.grouped_o_proj(o, wo_a, wo_b)

@@ -108,8 +108,7 @@ def _kv_record(kv_ptr, cache_ptr, t, slot, trow, kv_stride, page_stride, block_s
     rb = bf16_rne_bits_nan(rk).to(tl.int32)
     one = tl.zeros([1], dtype=tl.int64)  # scalars -> [1] tiles; the RoPE words go out as byte pairs
     # NATIVE, SLOT32 off; no cache hints (kv_record takes every constexpr explicitly)
-    kv_record(cache_ptr, cache_ptr, row + one, slot + one, rb[None, :], block_size, page_stride, 1, False,
-              False, False, "", "")
+    kv_record(cache_ptr, cache_ptr, row + one, slot + one, rb[None, :], block_size, page_stride, 1, False, False, False, "", "")
 
 
 @triton.jit
@@ -161,8 +160,12 @@ def qnorm_rope_kv_insert_mh_kernel(
             k = tl.arange(0, _CHUNKS)
             i = tl.arange(0, _HALF)
             hmask = (hh < H)[:, None, None] & (k >= 0)[None, :, None] & (i >= 0)[None, None, :]
-            word = (t.to(tl.int64) * q_stride_t + hh.to(tl.int64)[:, None, None] * q_stride_h
-                    + (k * _HALF)[None, :, None] + i[None, None, :])
+            word = (
+                t.to(tl.int64) * q_stride_t
+                + hh.to(tl.int64)[:, None, None] * q_stride_h
+                + (k * _HALF)[None, :, None]
+                + i[None, None, :]
+            )
             # the table row, loaded in the tile's own shape (the same register layout as w, so no shuffle
             # through shared memory); only the chunk-7 lanes read, each (c_i, s_i) once per head from L1
             rope = (k == _CHUNKS - 1)[None, :, None]

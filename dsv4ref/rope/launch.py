@@ -75,12 +75,13 @@ class RopeLaunch:
             return (self.rotate_rows,)
         if op == "qnorm_rope_kv_insert":
             return self.heads_per_prog, self.warps
-        raise ValueError(f"op: expected \"rope_gptj\" or \"qnorm_rope_kv_insert\", got {op!r}")
+        raise ValueError(f'op: expected "rope_gptj" or "qnorm_rope_kv_insert", got {op!r}')
 
 
 def default_launch() -> RopeLaunch:
     """The measured default, ``RopeLaunch()``: 2 heads per program at 1 warp, 16 rows per rotate program."""
     return RopeLaunch()
+
 
 # The multi-head launches that `python -m dsv4ref bench rope` times (benchmarks/rope.md) and that the
 # GPU-only test holds to the reference bit for bit.
@@ -98,8 +99,9 @@ def packable(q: torch.Tensor) -> bool:
 # ----------------------------------------------------------------------------------------------------
 
 
-def rotate(x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor, out: torch.Tensor, pos_div: int,
-           inverse: bool, rows: int) -> None:
+def rotate(
+    x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor, out: torch.Tensor, pos_div: int, inverse: bool, rows: int
+) -> None:
     """x, out: ``[N, D]`` with a contiguous last dim (out contiguous, a copy of x); positions int64
     ``[N // pos_div]`` (made contiguous here: the kernel reads ``pos[n // pos_div]``)."""
     n, D = x.shape
@@ -109,13 +111,38 @@ def rotate(x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor, out:
     xv, ov = (x.view(torch.int16), out.view(torch.int16)) if bf16 else (x, out)
     R = cos_sin.shape[1]
     kernels.rotate_gptj_kernel[(triton.cdiv(n, rows),)](
-        xv, ov, positions.contiguous(), cos_sin, n, x.stride(0), D, cos_sin.stride(0), pos_div,
-        R=R, R_P2=triton.next_power_of_2(R), ROWS=rows, INVERSE=inverse, IS_BF16=bf16, enable_fp_fusion=False,
+        xv,
+        ov,
+        positions.contiguous(),
+        cos_sin,
+        n,
+        x.stride(0),
+        D,
+        cos_sin.stride(0),
+        pos_div,
+        R=R,
+        R_P2=triton.next_power_of_2(R),
+        ROWS=rows,
+        INVERSE=inverse,
+        IS_BF16=bf16,
+        enable_fp_fusion=False,
     )
 
 
-def fused(q, kv, cache, slots, positions, cos_sin, eps: float, block_size: int, launch: RopeLaunch | None = None, *,
-          do_q: bool = True, do_kv: bool = True) -> None:
+def fused(
+    q,
+    kv,
+    cache,
+    slots,
+    positions,
+    cos_sin,
+    eps: float,
+    block_size: int,
+    launch: RopeLaunch | None = None,
+    *,
+    do_q: bool = True,
+    do_kv: bool = True,
+) -> None:
     """Launch the fused kernel chosen by ``launch`` (the per-head one when q is not :func:`packable`).
     q, kv: last dim contiguous; slots, positions: int64 (made contiguous here: the kernels read them as
     flat arrays). ``do_q`` / ``do_kv`` = False skip that half (benchmarks of the unfused passes). ``launch``
@@ -131,17 +158,49 @@ def fused(q, kv, cache, slots, positions, cos_sin, eps: float, block_size: int, 
         q32 = q16.view(torch.int32)
         ng = triton.cdiv(H, hpp)
         kernels.qnorm_rope_kv_insert_mh_kernel[(T * (ng + 1),)](
-            q32, kv16, cache, slots, positions, cos_sin,
-            H, ng, slots.shape[0], q32.stride(0), q32.stride(1), kv16.stride(0), cos_sin.stride(0),
-            cache.stride(0), block_size, eps,
-            HPP=hpp, DO_Q=do_q, DO_KV=do_kv, num_warps=launch.warps, enable_fp_fusion=False,
+            q32,
+            kv16,
+            cache,
+            slots,
+            positions,
+            cos_sin,
+            H,
+            ng,
+            slots.shape[0],
+            q32.stride(0),
+            q32.stride(1),
+            kv16.stride(0),
+            cos_sin.stride(0),
+            cache.stride(0),
+            block_size,
+            eps,
+            HPP=hpp,
+            DO_Q=do_q,
+            DO_KV=do_kv,
+            num_warps=launch.warps,
+            enable_fp_fusion=False,
         )
         return
     kernels.qnorm_rope_kv_insert_kernel[(T, H + 1)](
-        q16, kv16, cache, slots, positions, cos_sin,
-        H, slots.shape[0], q16.stride(0), q16.stride(1), kv16.stride(0), cos_sin.stride(0),
-        cache.stride(0), block_size, eps,
-        DO_Q=do_q, DO_KV=do_kv, num_warps=launch.num_warps or 1, enable_fp_fusion=False,
+        q16,
+        kv16,
+        cache,
+        slots,
+        positions,
+        cos_sin,
+        H,
+        slots.shape[0],
+        q16.stride(0),
+        q16.stride(1),
+        kv16.stride(0),
+        cos_sin.stride(0),
+        cache.stride(0),
+        block_size,
+        eps,
+        DO_Q=do_q,
+        DO_KV=do_kv,
+        num_warps=launch.num_warps or 1,
+        enable_fp_fusion=False,
     )
 
 
@@ -151,8 +210,9 @@ def fused(q, kv, cache, slots, positions, cos_sin, eps: float, block_size: int, 
 
 
 @torch.library.custom_op("dsv4ref::rope_gptj", mutates_args=("out",))
-def _rope_gptj_op(x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor, out: torch.Tensor,
-                  pos_div: int, inverse: bool, rows: int) -> None:
+def _rope_gptj_op(
+    x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor, out: torch.Tensor, pos_div: int, inverse: bool, rows: int
+) -> None:
     rotate(x, positions, cos_sin, out, pos_div, inverse, rows)
 
 
@@ -162,9 +222,18 @@ def _(x, positions, cos_sin, out, pos_div, inverse, rows):
 
 
 @torch.library.custom_op("dsv4ref::qnorm_rope_kv_insert", mutates_args=("q", "cache"))
-def _qnorm_rope_kv_insert_op(q: torch.Tensor, kv: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor,
-                             positions: torch.Tensor, cos_sin: torch.Tensor, eps: float, block_size: int,
-                             heads_per_prog: int, num_warps: int) -> None:
+def _qnorm_rope_kv_insert_op(
+    q: torch.Tensor,
+    kv: torch.Tensor,
+    cache: torch.Tensor,
+    slots: torch.Tensor,
+    positions: torch.Tensor,
+    cos_sin: torch.Tensor,
+    eps: float,
+    block_size: int,
+    heads_per_prog: int,
+    num_warps: int,
+) -> None:
     fused(q, kv, cache, slots, positions, cos_sin, eps, block_size, RopeLaunch(heads_per_prog, num_warps))
 
 

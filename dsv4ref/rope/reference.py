@@ -72,8 +72,9 @@ def inv_freq(rope_dim: int = ROPE_DIM, theta: float = 10000.0, yarn: dict | None
     return inter * ramp + extra * (1 - ramp)
 
 
-def cos_sin_rows(positions: torch.Tensor, rope_dim: int = ROPE_DIM, theta: float = 10000.0,
-                 yarn: dict | None = None) -> torch.Tensor:
+def cos_sin_rows(
+    positions: torch.Tensor, rope_dim: int = ROPE_DIM, theta: float = 10000.0, yarn: dict | None = None
+) -> torch.Tensor:
     """Rows ``positions`` of the table, fp32 ``[N, rope_dim]`` = ``[cos f | sin f]``; computed on the CPU
     (every machine gets the same bits), returned on ``positions.device``."""
     f = positions.cpu().to(torch.float32)[:, None] * inv_freq(rope_dim, theta, yarn)[None, :]  # fp32(p)·inv_freq
@@ -136,8 +137,17 @@ def qnorm_rope(q: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor, 
     return canonical_nan(apply_gptj(q.float() * rr, positions, cos_sin).to(torch.bfloat16))
 
 
-def qnorm_rope_kv_insert(q: torch.Tensor, kv: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor,
-                         positions: torch.Tensor, cos_sin: torch.Tensor, *, block_size: int, eps: float = 1e-6) -> None:
+def qnorm_rope_kv_insert(
+    q: torch.Tensor,
+    kv: torch.Tensor,
+    cache: torch.Tensor,
+    slots: torch.Tensor,
+    positions: torch.Tensor,
+    cos_sin: torch.Tensor,
+    *,
+    block_size: int,
+    eps: float = 1e-6,
+) -> None:
     """In place: q ← qnorm_rope(q); the rotated kv rows go into the cache exactly as ``kv_cache.insert``
     writes them (448 e4m3 + 7 UE8M0 of the NoPE dims as given, the 64 rotated dims as bf16; a NoPE block
     holding a NaN or ±inf as kv_cache's non-finite encoding). Slot −1 and rows beyond ``len(slots)`` write
@@ -159,4 +169,3 @@ def grouped_o_proj(o: torch.Tensor, wo_a: torch.Tensor, wo_b: torch.Tensor) -> t
     og = rearrange(o, "t (g h) d -> t g (h d)", g=wo_a.shape[0])  # contiguous head groups
     z = torch.einsum("tgk,gok->tgo", og, wo_a).to(torch.bfloat16)  # (T, G, o_lora)
     return (rearrange(z, "t g o -> t (g o)").float() @ wo_b.T).to(torch.bfloat16)
-

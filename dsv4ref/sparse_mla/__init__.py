@@ -52,8 +52,9 @@ def _one_device(**tensors: torch.Tensor | None) -> None:
         raise ValueError(f"{ref_name}: a tensor on the meta device holds no values; decode needs real tensors")
     for name, t in rest:
         if t.device != ref.device:
-            raise ValueError(f"{name}: on {t.device}, but {ref_name} is on {ref.device} (every tensor argument "
-                             f"must be on one device)")
+            raise ValueError(
+                f"{name}: on {t.device}, but {ref_name} is on {ref.device} (every tensor argument must be on one device)"
+            )
 
 
 def _check_layout(cache: torch.Tensor, block_size: int, cname: str) -> None:
@@ -92,23 +93,32 @@ def _check_values(q, sink, pools) -> None:
     validate.finite(q, "q")
     if sink is not None and sink.numel() and bool(sink.isnan().any()):
         i = int(sink.isnan().nonzero()[0][0])
-        raise ValueError(f"sink: non-finite values: entry {i} is NaN (±inf are allowed: −inf = no sink, +inf "
-                         f"silences the head)")
+        raise ValueError(f"sink: non-finite values: entry {i} is NaN (±inf are allowed: −inf = no sink, +inf silences the head)")
     for cache, slots, lengths, block_size, (_, sname, lname, _) in pools:
         validate.index_range(slots, sname, cache.shape[0] * block_size)
         if lengths is not None and lengths.numel():
             bad = (lengths < 0) | (lengths > slots.shape[1])
             if bool(bad.any()):
                 i = int(bad.nonzero()[0][0])
-                raise ValueError(f"{lname}: entry {i} = {int(lengths[i])} is out of range; expected "
-                                 f"[0, {slots.shape[1]}]")
+                raise ValueError(f"{lname}: entry {i} = {int(lengths[i])} is out of range; expected [0, {slots.shape[1]}]")
 
 
-def decode(q: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor, lengths: torch.Tensor | None, *, block_size: int,
-           sink: torch.Tensor | None = None, scale: float = DEFAULT_SCALE, extra_cache: torch.Tensor | None = None,
-           extra_slots: torch.Tensor | None = None, extra_lengths: torch.Tensor | None = None,
-           extra_block_size: int | None = None, backend: str = "auto",
-           launch: SparseMlaLaunch | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def decode(
+    q: torch.Tensor,
+    cache: torch.Tensor,
+    slots: torch.Tensor,
+    lengths: torch.Tensor | None,
+    *,
+    block_size: int,
+    sink: torch.Tensor | None = None,
+    scale: float = DEFAULT_SCALE,
+    extra_cache: torch.Tensor | None = None,
+    extra_slots: torch.Tensor | None = None,
+    extra_lengths: torch.Tensor | None = None,
+    extra_block_size: int | None = None,
+    backend: str = "auto",
+    launch: SparseMlaLaunch | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Sparse MLA decode: every head of every token attends to its listed slots of one or two FP8 caches.
 
     Args:
@@ -159,11 +169,11 @@ def decode(q: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor, lengths: t
     if any(e is not None for e in extras.values()) or extra_lengths is not None:
         missing = [n for n, e in extras.items() if e is None]
         if missing:
-            raise ValueError(f"{', '.join(missing)}: the extra pool needs extra_cache, extra_slots and "
-                             f"extra_block_size together")
+            raise ValueError(f"{', '.join(missing)}: the extra pool needs extra_cache, extra_slots and extra_block_size together")
         names2 = ("extra_cache", "extra_slots", "extra_lengths", "extra_block_size")
-        extra_slots, extra_lengths, extra_block_size = _check_pool(T, extra_cache, extra_slots, extra_lengths,
-                                                                   extra_block_size, names2)
+        extra_slots, extra_lengths, extra_block_size = _check_pool(
+            T, extra_cache, extra_slots, extra_lengths, extra_block_size, names2
+        )
         pools.append((extra_cache, extra_slots, extra_lengths, extra_block_size, names2))
     if sink is not None:
         validate.tensor(sink, "sink", dtype=torch.float32, shape=(H,))
@@ -173,28 +183,54 @@ def decode(q: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor, lengths: t
         raise ValueError(f"scale: expected a number > 0, got {scale}")
     if launch is not None and not isinstance(launch, SparseMlaLaunch):
         raise TypeError(f"launch: expected a SparseMlaLaunch or None, got {type(launch).__name__}")
-    _one_device(q=q, cache=cache, slots=slots, lengths=lengths, sink=sink, extra_cache=extra_cache,
-                extra_slots=extra_slots, extra_lengths=extra_lengths)
+    _one_device(
+        q=q,
+        cache=cache,
+        slots=slots,
+        lengths=lengths,
+        sink=sink,
+        extra_cache=extra_cache,
+        extra_slots=extra_slots,
+        extra_lengths=extra_lengths,
+    )
     if q.stride(2) != 1 and q.numel():  # the kernels read q rows as 512 contiguous values: copy the rare other view
         q = q.contiguous()
     _check_values(q, sink, pools)
-    args = dict(block_size=block_size, sink=sink, scale=scale, extra_cache=extra_cache, extra_slots=extra_slots,
-                extra_lengths=extra_lengths, extra_block_size=extra_block_size)
+    args = dict(
+        block_size=block_size,
+        sink=sink,
+        scale=scale,
+        extra_cache=extra_cache,
+        extra_slots=extra_slots,
+        extra_lengths=extra_lengths,
+        extra_block_size=extra_block_size,
+    )
     if backend == "reference":
         return reference.decode(q, cache, slots, lengths, **args)
     if backend == "two_pass":
         return two_pass_decode(q, cache, slots, lengths, **args, launch=launch)
-    if backend == "gluon" or (auto and launch is None and gluon.available(q.device)
-                              and gluon.supports(q, cache, extra_cache)):
+    if backend == "gluon" or (auto and launch is None and gluon.available(q.device) and gluon.supports(q, cache, extra_cache)):
         if not gluon.available(q.device):
             raise ValueError("backend: 'gluon' needs compiled Triton with Gluon on a Hopper GPU")
-        return gluon.decode_op(q, cache, slots, lengths, extra_cache, extra_slots, extra_lengths, sink,
-                               block_size, extra_block_size or 0, scale)
+        return gluon.decode_op(
+            q, cache, slots, lengths, extra_cache, extra_slots, extra_lengths, sink, block_size, extra_block_size or 0, scale
+        )
     return fused_decode(q, cache, slots, lengths, **args, launch=launch)
 
 
-def example_inputs(T: int, H: int, K1: int, K2: int = 0, *, block_size: int = 16, extra_block_size: int = 2,
-                   pages: int = 4, extra_pages: int = 24, seed: int = 0, device=None) -> dict:
+def example_inputs(
+    T: int,
+    H: int,
+    K1: int,
+    K2: int = 0,
+    *,
+    block_size: int = 16,
+    extra_block_size: int = 2,
+    pages: int = 4,
+    extra_pages: int = 24,
+    seed: int = 0,
+    device=None,
+) -> dict:
     """Random inputs for :func:`decode`, as its keyword arguments: ``decode(**example_inputs(...))``.
 
     Caches of ``pages`` / ``extra_pages`` pages whose every slot holds a row with per-64-block magnitudes
@@ -217,14 +253,24 @@ def example_inputs(T: int, H: int, K1: int, K2: int = 0, *, block_size: int = 16
             continue
         n = bs * n_pages
         cache = kv_cache.allocate(n_pages, bs, device=device)
-        kv_cache.insert(cache, randn((n, HEAD_DIM), seed=seed + 10 * i, octaves=6, device=device),
-                        torch.arange(n, device=device), block_size=bs)
+        kv_cache.insert(
+            cache,
+            randn((n, HEAD_DIM), seed=seed + 10 * i, octaves=6, device=device),
+            torch.arange(n, device=device),
+            block_size=bs,
+        )
         slots = torch.randint(0, n, (T, K), generator=g, dtype=torch.int32, device=HOST)
         slots[torch.rand(T, K, generator=g, device=HOST) < 0.1] = -1
         lengths = torch.randint(0, K + 1, (T,), generator=g, dtype=torch.int32, device=HOST)
         lengths[0] = K
-        out.update({f"{prefix}cache": cache, f"{prefix}slots": slots.to(device), f"{prefix}lengths": lengths.to(device),
-                    f"{prefix}block_size": bs})
+        out.update(
+            {
+                f"{prefix}cache": cache,
+                f"{prefix}slots": slots.to(device),
+                f"{prefix}lengths": lengths.to(device),
+                f"{prefix}block_size": bs,
+            }
+        )
     q = (randn((T, H, HEAD_DIM), seed=seed + 99, octaves=4, device=device).float() * 0.25).to(torch.bfloat16)
     sink = (torch.randn(H, generator=g, device=HOST) * 2).to(device or DEVICE)
     return {"q": q, **out, "sink": sink}

@@ -77,8 +77,9 @@ def e4m3_value(q8, INTERPRETED: tl.constexpr):
 
 
 @triton.jit
-def load_rows_fp8(cache_ptr, slot, ok, block_size, page_stride, BLOCK_N: tl.constexpr, ROPE16: tl.constexpr,
-                  INTERPRETED: tl.constexpr):
+def load_rows_fp8(
+    cache_ptr, slot, ok, block_size, page_stride, BLOCK_N: tl.constexpr, ROPE16: tl.constexpr, INTERPRETED: tl.constexpr
+):
     """Dequantised rows ``[BLOCK_N, 512]`` fp32 straight from the pages (``docs/formats.md``).
 
     cache_ptr: uint8 pages; slot: [BLOCK_N] int (≥ 0 where ``ok``); ok: [BLOCK_N] bool. Tiles 0..6 are e4m3
@@ -98,8 +99,12 @@ def load_rows_fp8(cache_ptr, slot, ok, block_size, page_stride, BLOCK_N: tl.cons
     x = x * ue8m0_value(sb)[:, :, None]
     okr = ok[:, None] & (c[None, :] >= 0)
     if ROPE16:  # pages start at even byte addresses: read the 64 bf16 as int16 words (little-endian)
-        w = tl.load(cache_ptr.to(tl.pointer_type(tl.int16)) + ((data + _NOPE) // 2)[:, None] + c[None, :],
-                    mask=okr, other=0).to(tl.int32) & 0xFFFF
+        w = (
+            tl.load(cache_ptr.to(tl.pointer_type(tl.int16)) + ((data + _NOPE) // 2)[:, None] + c[None, :], mask=okr, other=0).to(
+                tl.int32
+            )
+            & 0xFFFF
+        )
     else:  # any alignment: two bytes each
         lo = tl.load(cache_ptr + data[:, None] + _NOPE + 2 * c[None, :], mask=okr, other=0).to(tl.int32)
         hi = tl.load(cache_ptr + data[:, None] + _NOPE + 1 + 2 * c[None, :], mask=okr, other=0).to(tl.int32)
@@ -119,9 +124,25 @@ def load_rows_bf16(ws_ptr, row, ok):
 
 
 @triton.jit
-def attend_pool(q, m, l, acc, kv_ptr, slots_ptr, row_base, start, stop, block_size, page_stride, qk_scale,
-                KV_BF16: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, DOT_FP32: tl.constexpr,
-                ROPE16: tl.constexpr):
+def attend_pool(
+    q,
+    m,
+    l,
+    acc,
+    kv_ptr,
+    slots_ptr,
+    row_base,
+    start,
+    stop,
+    block_size,
+    page_stride,
+    qk_scale,
+    KV_BF16: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    DOT_FP32: tl.constexpr,
+    ROPE16: tl.constexpr,
+):
     """Online softmax over entries ``[start, stop)`` of one pool's slot row; returns the updated (m, l, acc).
 
     m: running max of the log2-domain logits [BLOCK_H]; l: running Σ 2^(s − m) [BLOCK_H]; acc: running
@@ -186,14 +207,19 @@ def _store_out(out_ptr, lse_ptr, sink_ptr, t64, h, hm, H, m, l, acc, HAS_SINK: t
     out, lse = finish(m, l, acc, sink)
     row = t64 * H + h.to(tl.int64)
     d = tl.arange(0, _D)
-    tl.store(out_ptr + row[:, None] * _D + d[None, :], bf16_rne_bits_nan(out).to(tl.int16, bitcast=True),
-             mask=hm[:, None] & (d[None, :] >= 0))
+    tl.store(
+        out_ptr + row[:, None] * _D + d[None, :],
+        bf16_rne_bits_nan(out).to(tl.int16, bitcast=True),
+        mask=hm[:, None] & (d[None, :] >= 0),
+    )
     tl.store(lse_ptr + row, lse, mask=hm)
 
 
 @triton.jit
 def decode_kernel(
-    q_ptr, q_stride_t, q_stride_h,  # q [T, H, 512] bf16; strides in elements, the last dim contiguous
+    q_ptr,
+    q_stride_t,
+    q_stride_h,  # q [T, H, 512] bf16; strides in elements, the last dim contiguous
     sink_ptr,  # [H] fp32 (read only when HAS_SINK)
     out_ptr,  # int16 view of out [T, H, 512] bf16, contiguous (SPLITS == 1)
     lse_ptr,  # [T, H] fp32, contiguous (SPLITS == 1)
@@ -202,14 +228,32 @@ def decode_kernel(
     # pool 1: kv1 = uint8 pages [pages, page_stride] (or the bf16 workspace [T·K1, 512] when KV_BF16);
     # slots1 [T, K1] int32/int64 (row stride slots1_stride, entries contiguous; −1 = none);
     # len1 [T] int32 (HAS_LEN1); bs1 = block_size; ps1 = page stride in bytes; chunk1 = entries per split
-    kv1_ptr, slots1_ptr, len1_ptr, K1, slots1_stride, bs1, ps1, chunk1,
-    kv2_ptr, slots2_ptr, len2_ptr, K2, slots2_stride, bs2, ps2, chunk2,  # pool 2, the same (HAS_POOL2)
+    kv1_ptr,
+    slots1_ptr,
+    len1_ptr,
+    K1,
+    slots1_stride,
+    bs1,
+    ps1,
+    chunk1,
+    kv2_ptr,
+    slots2_ptr,
+    len2_ptr,
+    K2,
+    slots2_stride,
+    bs2,
+    ps2,
+    chunk2,  # pool 2, the same (HAS_POOL2)
     H,  # real heads (≤ the grid's head blocks · BLOCK_H)
     qk_scale,  # softmax scale · log2(e)
-    HAS_LEN1: tl.constexpr, HAS_POOL2: tl.constexpr, HAS_LEN2: tl.constexpr, HAS_SINK: tl.constexpr,
+    HAS_LEN1: tl.constexpr,
+    HAS_POOL2: tl.constexpr,
+    HAS_LEN2: tl.constexpr,
+    HAS_SINK: tl.constexpr,
     KV_BF16: tl.constexpr,  # True: kv*_ptr are bf16 workspaces, row = t·K + j (two-pass); False: FP8 pages
     SPLITS: tl.constexpr,  # candidate-list splits; > 1 writes the partials for merge_kernel
-    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_N: tl.constexpr,
     DOT_FP32: tl.constexpr,  # interpreter: fp32 dots (bf16 tl.dot is wrong there) and its e4m3 NaN fix
     ROPE16: tl.constexpr,  # every page starts at an even address: RoPE read as int16 words
 ):
@@ -222,8 +266,11 @@ def decode_kernel(
     hm = h < H  # heads past H are padding: q = 0, sink = −inf, never stored
     d = tl.arange(0, _D)
     t64 = t.to(tl.int64)
-    q = tl.load(q_ptr + t64 * q_stride_t + h[:, None].to(tl.int64) * q_stride_h + d[None, :],
-                mask=hm[:, None] & (d[None, :] >= 0), other=0.0).to(tl.float32)
+    q = tl.load(
+        q_ptr + t64 * q_stride_t + h[:, None].to(tl.int64) * q_stride_h + d[None, :],
+        mask=hm[:, None] & (d[None, :] >= 0),
+        other=0.0,
+    ).to(tl.float32)
     q_bad = tl.max(nonfinite(q).to(tl.int32), axis=1) != 0  # [BLOCK_H]: a NaN/inf query poisons its row
     if not DOT_FP32:
         q = q.to(tl.bfloat16)  # exact: q was bf16
@@ -235,17 +282,49 @@ def decode_kernel(
     if HAS_LEN1:
         n1 = tl.minimum(tl.load(len1_ptr + t), K1)
     start1 = sp * chunk1
-    m, l, acc = attend_pool(q, m, l, acc, kv1_ptr, slots1_ptr + t64 * slots1_stride, t64 * K1, start1,
-                            tl.minimum(start1 + chunk1, n1), bs1, ps1, qk_scale, KV_BF16, BLOCK_H, BLOCK_N, DOT_FP32,
-                            ROPE16)
+    m, l, acc = attend_pool(
+        q,
+        m,
+        l,
+        acc,
+        kv1_ptr,
+        slots1_ptr + t64 * slots1_stride,
+        t64 * K1,
+        start1,
+        tl.minimum(start1 + chunk1, n1),
+        bs1,
+        ps1,
+        qk_scale,
+        KV_BF16,
+        BLOCK_H,
+        BLOCK_N,
+        DOT_FP32,
+        ROPE16,
+    )
     if HAS_POOL2:  # the second pool joins the same softmax state
         n2 = K2
         if HAS_LEN2:
             n2 = tl.minimum(tl.load(len2_ptr + t), K2)
         start2 = sp * chunk2
-        m, l, acc = attend_pool(q, m, l, acc, kv2_ptr, slots2_ptr + t64 * slots2_stride, t64 * K2, start2,
-                                tl.minimum(start2 + chunk2, n2), bs2, ps2, qk_scale, KV_BF16, BLOCK_H, BLOCK_N,
-                                DOT_FP32, ROPE16)
+        m, l, acc = attend_pool(
+            q,
+            m,
+            l,
+            acc,
+            kv2_ptr,
+            slots2_ptr + t64 * slots2_stride,
+            t64 * K2,
+            start2,
+            tl.minimum(start2 + chunk2, n2),
+            bs2,
+            ps2,
+            qk_scale,
+            KV_BF16,
+            BLOCK_H,
+            BLOCK_N,
+            DOT_FP32,
+            ROPE16,
+        )
 
     l = tl.where(q_bad, float("nan"), l)  # also when the row has no valid entry: never the empty-row answer
     if SPLITS == 1:
@@ -265,7 +344,9 @@ def merge_kernel(
     out_ptr,  # int16 view of out [T, H, 512] bf16, contiguous
     lse_ptr,  # [T, H] fp32, contiguous
     H,
-    HAS_SINK: tl.constexpr, SPLITS: tl.constexpr, BLOCK_H: tl.constexpr,
+    HAS_SINK: tl.constexpr,
+    SPLITS: tl.constexpr,
+    BLOCK_H: tl.constexpr,
 ):
     """Grid ``(T, cdiv(H, BLOCK_H))``. Fold the SPLITS partial states of a (token, block of heads) into one
     with the loop's rescaling (max first, then Σ 2^(m_s − m)·state), then the epilogue, with the sink,
@@ -284,6 +365,5 @@ def merge_kernel(
         row = (t64 * SPLITS + s) * H + h
         w = tl.exp2(tl.load(part_ml_ptr + row * 2, mask=hm, other=-float("inf")) - m_safe)  # empty split: 0
         l += w * tl.load(part_ml_ptr + row * 2 + 1, mask=hm, other=0.0)
-        acc += w[:, None] * tl.load(part_o_ptr + row[:, None] * _D + d[None, :], mask=hm[:, None] & (d[None, :] >= 0),
-                                    other=0.0)
+        acc += w[:, None] * tl.load(part_o_ptr + row[:, None] * _D + d[None, :], mask=hm[:, None] & (d[None, :] >= 0), other=0.0)
     _store_out(out_ptr, lse_ptr, sink_ptr, t64, h, hm, H, m, l, acc, HAS_SINK)

@@ -28,8 +28,16 @@ LOG2E = 1.4426950408889634
 # 4: 99.8, 8: 101.1, 16: 106.2 (too few programs: 64 for 132 SMs). H = 64 and 128: equal within noise.
 MERGE_BLOCK_H = 2
 
-__all__ = ["SparseMlaLaunch", "default_launch", "launch_for_sms", "resolve", "attend", "fused_decode", "workspace",
-           "MERGE_BLOCK_H"]
+__all__ = [
+    "SparseMlaLaunch",
+    "default_launch",
+    "launch_for_sms",
+    "resolve",
+    "attend",
+    "fused_decode",
+    "workspace",
+    "MERGE_BLOCK_H",
+]
 
 
 @dataclass(frozen=True)
@@ -88,8 +96,7 @@ def launch_for_sms(T: int, H: int, K_total: int, sm_count: int, *, interpreted: 
         n_hb = triton.cdiv(H, block_h)
         while T * n_hb * num_splits * 2 <= target and K_total // (num_splits * 2) >= 256 and num_splits < 16:
             num_splits *= 2
-    return SparseMlaLaunch(block_h, block_n, num_splits, num_warps=4 if block_h <= 16 else 8,
-                           num_stages=1 if interpreted else 2)
+    return SparseMlaLaunch(block_h, block_n, num_splits, num_warps=4 if block_h <= 16 else 8, num_stages=1 if interpreted else 2)
 
 
 def _even_pages(cache: torch.Tensor) -> bool:
@@ -134,16 +141,35 @@ def attend(q, pools, sink, scale, launch: SparseMlaLaunch, *, kv_bf16: bool, out
     out16 = out.view(torch.int16)
     sink_arg = sink if sink is not None else lse  # unused without a sink
     decode_kernel[(T, triton.cdiv(H, BH), S)](
-        q, q.stride(0), q.stride(1), sink_arg, out16, lse, part_o, part_ml, *a1, *a2, H, float(scale) * LOG2E,
-        HAS_LEN1=has_len1, HAS_POOL2=has_pool2, HAS_LEN2=has_len2, HAS_SINK=sink is not None, KV_BF16=kv_bf16,
-        SPLITS=S, BLOCK_H=BH, BLOCK_N=BN, DOT_FP32=interpreting(),
+        q,
+        q.stride(0),
+        q.stride(1),
+        sink_arg,
+        out16,
+        lse,
+        part_o,
+        part_ml,
+        *a1,
+        *a2,
+        H,
+        float(scale) * LOG2E,
+        HAS_LEN1=has_len1,
+        HAS_POOL2=has_pool2,
+        HAS_LEN2=has_len2,
+        HAS_SINK=sink is not None,
+        KV_BF16=kv_bf16,
+        SPLITS=S,
+        BLOCK_H=BH,
+        BLOCK_N=BN,
+        DOT_FP32=interpreting(),
         ROPE16=kv_bf16 or all(_even_pages(p[0]) for p in pools),
-        num_warps=launch.num_warps, num_stages=launch.num_stages,
+        num_warps=launch.num_warps,
+        num_stages=launch.num_stages,
     )
     if S > 1:
-        merge_kernel[(T, triton.cdiv(H, MERGE_BLOCK_H))](part_o, part_ml, sink_arg, out16, lse, H,
-                                                         HAS_SINK=sink is not None, SPLITS=S,
-                                                         BLOCK_H=MERGE_BLOCK_H, num_warps=4)
+        merge_kernel[(T, triton.cdiv(H, MERGE_BLOCK_H))](
+            part_o, part_ml, sink_arg, out16, lse, H, HAS_SINK=sink is not None, SPLITS=S, BLOCK_H=MERGE_BLOCK_H, num_warps=4
+        )
     return out, lse
 
 
@@ -157,34 +183,72 @@ def _launch_of(block_h, block_n, num_splits, num_warps, num_stages) -> SparseMla
 
 
 @torch.library.custom_op("dsv4ref::sparse_mla_decode", mutates_args=())
-def _fused_op(q: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor, lengths: torch.Tensor | None,
-              extra_cache: torch.Tensor | None, extra_slots: torch.Tensor | None,
-              extra_lengths: torch.Tensor | None, sink: torch.Tensor | None, block_size: int,
-              extra_block_size: int, scale: float, block_h: int, block_n: int, num_splits: int,
-              num_warps: int, num_stages: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _fused_op(
+    q: torch.Tensor,
+    cache: torch.Tensor,
+    slots: torch.Tensor,
+    lengths: torch.Tensor | None,
+    extra_cache: torch.Tensor | None,
+    extra_slots: torch.Tensor | None,
+    extra_lengths: torch.Tensor | None,
+    sink: torch.Tensor | None,
+    block_size: int,
+    extra_block_size: int,
+    scale: float,
+    block_h: int,
+    block_n: int,
+    num_splits: int,
+    num_warps: int,
+    num_stages: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
     pools = [(cache, slots, lengths, block_size, cache.stride(0))]
     if extra_cache is not None:
         pools.append((extra_cache, extra_slots, extra_lengths, extra_block_size, extra_cache.stride(0)))
-    return attend(q, pools, sink, scale, _launch_of(block_h, block_n, num_splits, num_warps, num_stages),
-                  kv_bf16=False)
+    return attend(q, pools, sink, scale, _launch_of(block_h, block_n, num_splits, num_warps, num_stages), kv_bf16=False)
 
 
 @_fused_op.register_fake
-def _(q, cache, slots, lengths, extra_cache, extra_slots, extra_lengths, sink, block_size, extra_block_size,
-      scale, block_h, block_n, num_splits, num_warps, num_stages):
+def _(
+    q,
+    cache,
+    slots,
+    lengths,
+    extra_cache,
+    extra_slots,
+    extra_lengths,
+    sink,
+    block_size,
+    extra_block_size,
+    scale,
+    block_h,
+    block_n,
+    num_splits,
+    num_warps,
+    num_stages,
+):
     T, H, D = q.shape
     return q.new_empty(T, H, D), q.new_empty(T, H, dtype=torch.float32)
 
 
 @torch.library.custom_op("dsv4ref::sparse_mla_attend_bf16", mutates_args=())
-def _bf16_op(q: torch.Tensor, ws1: torch.Tensor, table1: torch.Tensor, ws2: torch.Tensor | None,
-             table2: torch.Tensor | None, sink: torch.Tensor | None, scale: float, block_h: int, block_n: int,
-             num_splits: int, num_warps: int, num_stages: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _bf16_op(
+    q: torch.Tensor,
+    ws1: torch.Tensor,
+    table1: torch.Tensor,
+    ws2: torch.Tensor | None,
+    table2: torch.Tensor | None,
+    sink: torch.Tensor | None,
+    scale: float,
+    block_h: int,
+    block_n: int,
+    num_splits: int,
+    num_warps: int,
+    num_stages: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
     pools = [(ws1, table1, None, 1, 0)]
     if ws2 is not None:
         pools.append((ws2, table2, None, 1, 0))
-    return attend(q, pools, sink, scale, _launch_of(block_h, block_n, num_splits, num_warps, num_stages),
-                  kv_bf16=True)
+    return attend(q, pools, sink, scale, _launch_of(block_h, block_n, num_splits, num_warps, num_stages), kv_bf16=True)
 
 
 @_bf16_op.register_fake
@@ -201,13 +265,38 @@ def resolve(launch: SparseMlaLaunch | None, q: torch.Tensor, *slot_tables: torch
     return default_launch(T, H, sum(s.shape[1] for s in slot_tables if s is not None), q.device)
 
 
-def fused_decode(q, cache, slots, lengths, *, block_size, sink=None, scale, extra_cache=None, extra_slots=None,
-                 extra_lengths=None, extra_block_size=None, launch: SparseMlaLaunch | None = None):
+def fused_decode(
+    q,
+    cache,
+    slots,
+    lengths,
+    *,
+    block_size,
+    sink=None,
+    scale,
+    extra_cache=None,
+    extra_slots=None,
+    extra_lengths=None,
+    extra_block_size=None,
+    launch: SparseMlaLaunch | None = None,
+):
     """The fused backend (``backend="triton"``) of :func:`dsv4ref.sparse_mla.decode`, without validation and
     without host syncs (a device graph can capture it). Same arguments; ``launch`` None = :func:`default_launch`."""
     launch = resolve(launch, q, slots, extra_slots)
-    return torch.ops.dsv4ref.sparse_mla_decode(q, cache, slots, lengths, extra_cache, extra_slots, extra_lengths, sink,
-                                               block_size, extra_block_size or 1, float(scale), *launch.op_args())
+    return torch.ops.dsv4ref.sparse_mla_decode(
+        q,
+        cache,
+        slots,
+        lengths,
+        extra_cache,
+        extra_slots,
+        extra_lengths,
+        sink,
+        block_size,
+        extra_block_size or 1,
+        float(scale),
+        *launch.op_args(),
+    )
 
 
 _WORKSPACE: dict[str, torch.Tensor] = {}

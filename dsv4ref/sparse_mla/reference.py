@@ -59,10 +59,22 @@ def _gather(cache, slots, lengths, block_size, dtype):
     return rows.to(dtype).view(*slots.shape, HEAD_DIM), keep  # [T, K, 512] (T = 0 or K = 0 too)
 
 
-def decode(q: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor, lengths: torch.Tensor | None, *, block_size: int,
-           sink: torch.Tensor | None = None, scale: float = DEFAULT_SCALE, extra_cache: torch.Tensor | None = None,
-           extra_slots: torch.Tensor | None = None, extra_lengths: torch.Tensor | None = None,
-           extra_block_size: int | None = None, dtype: torch.dtype = torch.float32, with_mass: bool = False):
+def decode(
+    q: torch.Tensor,
+    cache: torch.Tensor,
+    slots: torch.Tensor,
+    lengths: torch.Tensor | None,
+    *,
+    block_size: int,
+    sink: torch.Tensor | None = None,
+    scale: float = DEFAULT_SCALE,
+    extra_cache: torch.Tensor | None = None,
+    extra_slots: torch.Tensor | None = None,
+    extra_lengths: torch.Tensor | None = None,
+    extra_block_size: int | None = None,
+    dtype: torch.dtype = torch.float32,
+    with_mass: bool = False,
+):
     """The reference of :func:`dsv4ref.sparse_mla.decode` (same arguments, no validation).
 
     Returns ``(out, lse)``: out ``[T, H, 512]`` bf16 and lse ``[T, H]`` fp32 for ``dtype=torch.float32``;

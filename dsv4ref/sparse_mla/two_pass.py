@@ -36,8 +36,21 @@ from .reference import valid_mask
 __all__ = ["two_pass_decode", "seed_plan", "seed_decode", "SeedPlan"]
 
 
-def two_pass_decode(q, cache, slots, lengths, *, block_size, sink=None, scale, extra_cache=None, extra_slots=None,
-                    extra_lengths=None, extra_block_size=None, launch: SparseMlaLaunch | None = None):
+def two_pass_decode(
+    q,
+    cache,
+    slots,
+    lengths,
+    *,
+    block_size,
+    sink=None,
+    scale,
+    extra_cache=None,
+    extra_slots=None,
+    extra_lengths=None,
+    extra_block_size=None,
+    launch: SparseMlaLaunch | None = None,
+):
     """The two-pass backend of :func:`dsv4ref.sparse_mla.decode`, without validation and without host syncs.
     Same arguments; ``launch`` (None = the default) shapes pass 2."""
     launch = resolve(launch, q, slots, extra_slots)
@@ -49,14 +62,13 @@ def two_pass_decode(q, cache, slots, lengths, *, block_size, sink=None, scale, e
     parts, tables, r = [], [], 0
     for pool_cache, pool_slots, pool_lengths, bs in pools:
         table = torch.where(valid_mask(pool_slots, pool_lengths), pool_slots, -1)  # [T, K], −1 where not counted
-        part = ws[r:r + table.numel()]
+        part = ws[r : r + table.numel()]
         torch.ops.dsv4ref.kv_gather(pool_cache, table.reshape(-1), part, bs)  # pass 1: the kv_cache reader kernel
         parts.append(part)
         tables.append(table)
         r += table.numel()
     ws2, table2 = (parts[1], tables[1]) if len(pools) > 1 else (None, None)
-    return torch.ops.dsv4ref.sparse_mla_attend_bf16(q, parts[0], tables[0], ws2, table2, sink, float(scale),
-                                                    *launch.op_args())
+    return torch.ops.dsv4ref.sparse_mla_attend_bf16(q, parts[0], tables[0], ws2, table2, sink, float(scale), *launch.op_args())
 
 
 class SeedPlan(NamedTuple):
@@ -88,9 +100,22 @@ def seed_plan(slots, lengths, extra_slots=None, extra_lengths=None) -> SeedPlan:
     return SeedPlan(per_token, table)
 
 
-def seed_decode(q, cache, slots, lengths, *, block_size, sink=None, scale, extra_cache=None, extra_slots=None,
-                extra_lengths=None, extra_block_size=None, launch: SparseMlaLaunch | None = None,
-                plan: SeedPlan | None = None):
+def seed_decode(
+    q,
+    cache,
+    slots,
+    lengths,
+    *,
+    block_size,
+    sink=None,
+    scale,
+    extra_cache=None,
+    extra_slots=None,
+    extra_lengths=None,
+    extra_block_size=None,
+    launch: SparseMlaLaunch | None = None,
+    plan: SeedPlan | None = None,
+):
     """The seed's two-pass structure (for measurement and reading; not a backend): :func:`seed_plan` on the
     host (skipped when ``plan`` is given, as a benchmark of the device work does), then per token one gather
     launch per pool into a fresh bf16 workspace, then the bf16 attention (pass 2 of :func:`two_pass_decode`)
@@ -102,8 +127,7 @@ def seed_decode(q, cache, slots, lengths, *, block_size, sink=None, scale, extra
         r = t * K
         for pool_slots, pool_cache, bs in zip(row, (extra_cache, cache), (extra_block_size, block_size)):
             if pool_slots is not None and pool_slots.numel():
-                torch.ops.dsv4ref.kv_gather(pool_cache, pool_slots, ws[r:r + pool_slots.numel()], bs)
+                torch.ops.dsv4ref.kv_gather(pool_cache, pool_slots, ws[r : r + pool_slots.numel()], bs)
                 r += pool_slots.numel()
     launch = resolve(launch, q, plan.table)
-    return torch.ops.dsv4ref.sparse_mla_attend_bf16(q, ws, plan.table, None, None, sink, float(scale),
-                                                    *launch.op_args())
+    return torch.ops.dsv4ref.sparse_mla_attend_bf16(q, ws, plan.table, None, None, sink, float(scale), *launch.op_args())

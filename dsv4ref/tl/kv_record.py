@@ -65,8 +65,20 @@ def kv_record(
 
 
 @triton.jit
-def kv_record_loaded(cache_ptr, cache16_ptr, nope_bits, slot, rope_bits, block_size, page_stride, TOK: tl.constexpr,
-                     ROPE16: tl.constexpr, NATIVE: tl.constexpr, SLOT32: tl.constexpr, STORE_CACHE: tl.constexpr):
+def kv_record_loaded(
+    cache_ptr,
+    cache16_ptr,
+    nope_bits,
+    slot,
+    rope_bits,
+    block_size,
+    page_stride,
+    TOK: tl.constexpr,
+    ROPE16: tl.constexpr,
+    NATIVE: tl.constexpr,
+    SLOT32: tl.constexpr,
+    STORE_CACHE: tl.constexpr,
+):
     """:func:`kv_record` on a NoPE tile the caller loaded already (``nope_bits`` = :func:`kv_nope_bits`), so that
     its loads can be issued before the slot is known (``kv_cache.insert`` with ``early_loads``: no DRAM round
     trip waits for another). Same bytes; rows with slot −1 are stored nowhere, whatever was loaded for them."""
@@ -96,24 +108,20 @@ def _record_offsets(slot, block_size, page_stride, SLOT32: tl.constexpr):
 
 
 @triton.jit
-def _store_rope(cache_ptr, cache16_ptr, data, ok, rope_bits, TOK: tl.constexpr, ROPE16: tl.constexpr,
-                STORE_CACHE: tl.constexpr):
+def _store_rope(cache_ptr, cache16_ptr, data, ok, rope_bits, TOK: tl.constexpr, ROPE16: tl.constexpr, STORE_CACHE: tl.constexpr):
     """RoPE: the caller's bf16 bits to bytes 448.. of the token's data, little-endian."""
     j = tl.arange(0, _ROPE)[None, :]
     rope_ok = tl.broadcast_to(ok[:, None], (TOK, _ROPE))
     if ROPE16:
-        tl.store(cache16_ptr + (data[:, None] + _NOPE) // 2 + j, rope_bits.to(tl.int16), mask=rope_ok,
-                 cache_modifier=STORE_CACHE)
+        tl.store(cache16_ptr + (data[:, None] + _NOPE) // 2 + j, rope_bits.to(tl.int16), mask=rope_ok, cache_modifier=STORE_CACHE)
     else:  # two byte stores, low byte first
         r = rope_bits.to(tl.int32) & 0xFFFF
         tl.store(cache_ptr + data[:, None] + _NOPE + 2 * j, (r & 0xFF).to(tl.uint8), mask=rope_ok, cache_modifier=STORE_CACHE)
-        tl.store(cache_ptr + data[:, None] + _NOPE + 1 + 2 * j, (r >> 8).to(tl.uint8), mask=rope_ok,
-                 cache_modifier=STORE_CACHE)
+        tl.store(cache_ptr + data[:, None] + _NOPE + 1 + 2 * j, (r >> 8).to(tl.uint8), mask=rope_ok, cache_modifier=STORE_CACHE)
 
 
 @triton.jit
-def _store_nope_and_scales(cache_ptr, data, scales, ok, bits, TOK: tl.constexpr, NATIVE: tl.constexpr,
-                           STORE_CACHE: tl.constexpr):
+def _store_nope_and_scales(cache_ptr, data, scales, ok, bits, TOK: tl.constexpr, NATIVE: tl.constexpr, STORE_CACHE: tl.constexpr):
     """NoPE: the [TOK, 8, 64] tile of bf16 bits (block rows 0..6 are the 7 quant blocks, row 7 unused) -> fp32
     exactly, in integers (no bf16 arithmetic), one scale byte per block; then the 7 UE8M0 bytes and the zero pad
     byte."""
@@ -127,5 +135,6 @@ def _store_nope_and_scales(cache_ptr, data, scales, ok, bits, TOK: tl.constexpr,
     # scales: the 7 UE8M0 bytes and the zero pad byte
     k = tl.arange(0, _BLOCKS_P2)[None, :]  # the 8 scale-row bytes line up with the 8 tile rows of byte
     scale_ok = tl.broadcast_to(ok[:, None], (TOK, _BLOCKS_P2))
-    tl.store(cache_ptr + scales[:, None] + k, tl.where(k < _N_SCALES, byte, 0).to(tl.uint8), mask=scale_ok,
-             cache_modifier=STORE_CACHE)
+    tl.store(
+        cache_ptr + scales[:, None] + k, tl.where(k < _N_SCALES, byte, 0).to(tl.uint8), mask=scale_ok, cache_modifier=STORE_CACHE
+    )

@@ -327,8 +327,7 @@ def e4m3_snap(x, byte):
     c = (tl.maximum(xb & 0x7F800000, (byte - 6) << 23) + ((147 - byte) << 23)).to(tl.float32, bitcast=True)
     r = (tl.abs(x) * inv_pow2(byte) + c) - c
     sign = x.to(tl.uint32, bitcast=True) & 0x80000000
-    return (r.to(tl.uint32, bitcast=True) | sign).to(tl.float32, bitcast=True).to(tl.float8e4nv).to(tl.uint8,
-                                                                                                    bitcast=True)
+    return (r.to(tl.uint32, bitcast=True) | sign).to(tl.float32, bitcast=True).to(tl.float8e4nv).to(tl.uint8, bitcast=True)
 
 
 @triton.jit

@@ -27,30 +27,48 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m dsv4ref",
         description="DeepSeek-V4 decode building blocks: check the kernels against their references, benchmark "
-                    "them, run the conformance suite, or run the decode demo.",
-        epilog="commands: " + ", ".join(COMMANDS) + ". `python -m dsv4ref COMMAND --help` for each.")
+        "them, run the conformance suite, or run the decode demo.",
+        epilog="commands: " + ", ".join(COMMANDS) + ". `python -m dsv4ref COMMAND --help` for each.",
+    )
     sub = p.add_subparsers(dest="cmd", required=True, metavar="COMMAND")
     sub.add_parser("info", help="device, versions and the ops present")
-    c = sub.add_parser("check", help="every Triton kernel against its reference on this device; exit 1 on any FAIL "
-                                     "or when no check matches")
+    c = sub.add_parser(
+        "check", help="every Triton kernel against its reference on this device; exit 1 on any FAIL or when no check matches"
+    )
     c.add_argument("op", nargs="*", help="only ops whose name starts with one of these (e.g. kv_cache, rope.apply)")
     b = sub.add_parser("bench", help="time the kernels against this device's measured ceilings (GPU only)")
     b.add_argument("op", nargs="*", help="only ops whose name starts with one of these, in this order")
-    b.add_argument("--ladder", metavar="JSON", help="also write the sparse-MLA ladder (notebook 04) from this run's rows "
-                                                    "to JSON (e.g. benchmarks/sparse_mla_ladder.json)")
-    cf = sub.add_parser("conformance", help="the conformance suite: this checkout's kernels (or --reference) on the "
-                                            "adversarial cases, or on the stored golden vectors (--golden DIR)")
+    b.add_argument(
+        "--ladder",
+        metavar="JSON",
+        help="also write the sparse-MLA ladder (notebook 04) from this run's rows "
+        "to JSON (e.g. benchmarks/sparse_mla_ladder.json)",
+    )
+    cf = sub.add_parser(
+        "conformance",
+        help="the conformance suite: this checkout's kernels (or --reference) on the "
+        "adversarial cases, or on the stored golden vectors (--golden DIR)",
+    )
     cf.add_argument("op", nargs="*", help="only ops whose name starts with one of these")
     cf.add_argument("--golden", metavar="DIR", help="run the golden cases stored in DIR (*.pt) instead")
     cf.add_argument("--reference", action="store_true", help="hold the torch references to the suite instead")
     d = sub.add_parser("demo", help="prefill + greedy decode with the teaching config on the picked device")
     d.add_argument("--steps", type=_positive, default=16, help="decode steps (>= 1)")
-    d.add_argument("--speculate", type=int, default=0, choices=range(0, 8), metavar="K",
-                   help="then decode again with MTP speculation, K drafts per step (1..7): prints the acceptance "
-                        "rate and checks the tokens equal plain greedy decoding's (0 = off)")
-    d.add_argument("--graph", action="store_true",
-                   help="then decode again eagerly and as one replayed device graph per step (value checks off): "
-                        "prints tokens/s of both and checks the tokens are the same")
+    d.add_argument(
+        "--speculate",
+        type=int,
+        default=0,
+        choices=range(0, 8),
+        metavar="K",
+        help="then decode again with MTP speculation, K drafts per step (1..7): prints the acceptance "
+        "rate and checks the tokens equal plain greedy decoding's (0 = off)",
+    )
+    d.add_argument(
+        "--graph",
+        action="store_true",
+        help="then decode again eagerly and as one replayed device graph per step (value checks off): "
+        "prints tokens/s of both and checks the tokens are the same",
+    )
     return p
 
 
@@ -86,8 +104,11 @@ def _cmd_check(args) -> int:
         rep = r.report
         n += 1
         failed += not rep.passed
-        print(f"{r.op:<28} {r.shape:<34} {DEVICE.type:<7} {rep.max_abs:>11.3g} {rep.max_rel:>11.3g}  {rep.tol:<17} "
-              f"{'PASS' if rep.passed else 'FAIL ' + rep.detail}", flush=True)
+        print(
+            f"{r.op:<28} {r.shape:<34} {DEVICE.type:<7} {rep.max_abs:>11.3g} {rep.max_rel:>11.3g}  {rep.tol:<17} "
+            f"{'PASS' if rep.passed else 'FAIL ' + rep.detail}",
+            flush=True,
+        )
     print(f"{n - failed} passed, {failed} failed")
     if n == 0:
         print("check: no check ran", file=sys.stderr)
@@ -100,8 +121,11 @@ def _cmd_bench(args) -> int:
     from .harness import BENCHES, SUMMARIES, load_ops, measure_ceilings, run_benches
 
     if DEVICE.type == "cpu":
-        print("bench: running on the CPU, where Triton kernels are interpreted by numpy: timings there mean "
-              "nothing. Run on a GPU (CUDA or Intel XPU) to benchmark.", file=sys.stderr)
+        print(
+            "bench: running on the CPU, where Triton kernels are interpreted by numpy: timings there mean "
+            "nothing. Run on a GPU (CUDA or Intel XPU) to benchmark.",
+            file=sys.stderr,
+        )
         return 2
     load_ops()
     unknown = _known(args.op, BENCHES)
@@ -110,16 +134,21 @@ def _cmd_bench(args) -> int:
         return 2
     print(describe())
     ceil = measure_ceilings()
-    print(f"ceilings measured now: copy {ceil.copy_bytes_per_s / 1e12:.2f} TB/s (read + write), "
-          f"bf16 matmul {ceil.bf16_flops_per_s / 1e12:.0f} TFLOP/s")
+    print(
+        f"ceilings measured now: copy {ceil.copy_bytes_per_s / 1e12:.2f} TB/s (read + write), "
+        f"bf16 matmul {ceil.bf16_flops_per_s / 1e12:.0f} TFLOP/s"
+    )
     head = f"{'op':<26} {'shape':<40} {'time us':>9} {'GB/s':>8} {'TFLOP/s':>8} {'of bound':>8}  bytes counted"
     print(head)
     print("-" * len(head), flush=True)
 
     def show(r):
         c = r.case
-        print(f"{c.op:<26} {c.shape:<40} {r.ms * 1e3:>9.1f} {r.bytes_per_s / 1e9:>8.0f} {r.flops_per_s / 1e12:>8.1f} "
-              f"{r.fraction:>8.1%}  {c.note}", flush=True)
+        print(
+            f"{c.op:<26} {c.shape:<40} {r.ms * 1e3:>9.1f} {r.bytes_per_s / 1e9:>8.0f} {r.flops_per_s / 1e12:>8.1f} "
+            f"{r.fraction:>8.1%}  {c.note}",
+            flush=True,
+        )
 
     _, rows = run_benches(args.op or None, ceil, on_row=show)
     if not rows:
@@ -158,5 +187,6 @@ def _cmd_demo(args) -> int:
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
-    return {"info": _cmd_info, "check": _cmd_check, "bench": _cmd_bench, "conformance": _cmd_conformance,
-            "demo": _cmd_demo}[args.cmd](args)
+    return {"info": _cmd_info, "check": _cmd_check, "bench": _cmd_bench, "conformance": _cmd_conformance, "demo": _cmd_demo}[
+        args.cmd
+    ](args)

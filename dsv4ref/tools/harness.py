@@ -57,8 +57,13 @@ class BenchCase:
     reference: tuple[Callable, Callable[[int], tuple]] | None = None
 
 
-def same_size_copy_case(op: str, shape: str, total_bytes: int, n_sets: int,
-                        note: str = "torch copy_ of total / 2 bytes: the same total traffic, read = written") -> BenchCase:
+def same_size_copy_case(
+    op: str,
+    shape: str,
+    total_bytes: int,
+    n_sets: int,
+    note: str = "torch copy_ of total / 2 bytes: the same total traffic, read = written",
+) -> BenchCase:
     """A baseline row: a uint8 ``copy_`` of ``total_bytes // 2`` bytes (so ``2 · (total_bytes // 2)`` bytes read
     plus written), over ``n_sets`` preallocated source/destination pairs rotated like the op's input sets and
     timed the same way. Beside an op moving ``total_bytes`` it shows how much a copy of that size alone loses
@@ -73,6 +78,7 @@ def check(name: str):
     def deco(fn):
         CHECKS[name] = fn
         return fn
+
     return deco
 
 
@@ -80,6 +86,7 @@ def bench(name: str):
     def deco(fn):
         BENCHES[name] = fn
         return fn
+
     return deco
 
 
@@ -87,6 +94,7 @@ def summary(name: str):
     def deco(fn):
         SUMMARIES[name] = fn
         return fn
+
     return deco
 
 
@@ -126,8 +134,9 @@ def run_checks(only=None):
 # ------------------------------------------------------------------------------------------------
 
 
-def time_ms(run: Callable[[int], object], n_sets: int = 1, warmup: int = 5, reps: int = 30, graph: bool = True,
-            min_calls: int = 32) -> float:
+def time_ms(
+    run: Callable[[int], object], n_sets: int = 1, warmup: int = 5, reps: int = 30, graph: bool = True, min_calls: int = 32
+) -> float:
     """Median device time of one call in ms.
 
     Cycles through the ``n_sets`` input sets so no set stays in cache (each case should make the sum of
@@ -203,8 +212,9 @@ class BenchRow:
     fraction: float  # of the roofline bound
 
 
-def run_benches(only=None, ceilings: Ceilings | None = None, on_row=None,
-                compile_reference: bool = True) -> tuple[Ceilings, list[BenchRow]]:
+def run_benches(
+    only=None, ceilings: Ceilings | None = None, on_row=None, compile_reference: bool = True
+) -> tuple[Ceilings, list[BenchRow]]:
     """Time the registered benchmarks. ``only``: an op-name prefix or a list of them (run in that order);
     ``on_row(row)`` is called as each case finishes, so a long run reports as it goes. A case that names
     its ``reference`` is followed by that reference under ``torch.compile`` (``compile_reference=False``
@@ -235,8 +245,10 @@ def run_benches(only=None, ceilings: Ceilings | None = None, on_row=None,
                     # device RNG in capture state and breaks every later case (seen on the H200)
                     rows.append(_row(ref, time_ms(ref.run, ref.n_sets, graph=False), ceil))
                 except Exception as e:  # the reference not compiling must not hide the kernels' rows
-                    print(f"{case.op}[torch.compile] {case.shape}: FAILED {type(e).__name__}: "
-                          f"{str(e).splitlines()[0][:200] if str(e) else ''}")
+                    print(
+                        f"{case.op}[torch.compile] {case.shape}: FAILED {type(e).__name__}: "
+                        f"{str(e).splitlines()[0][:200] if str(e) else ''}"
+                    )
                     continue
                 if on_row:
                     on_row(rows[-1])
@@ -258,5 +270,13 @@ def compiled_case(case: BenchCase) -> BenchCase:
     for i in range(case.n_sets):
         cfn(*args(i))
     synchronize()
-    return BenchCase(f"{case.op}[torch.compile]", case.shape, lambda i: cfn(*args(i)), case.n_sets, case.bytes,
-                     case.flops, "the torch reference under torch.compile, same inputs", extra=case.extra)
+    return BenchCase(
+        f"{case.op}[torch.compile]",
+        case.shape,
+        lambda i: cfn(*args(i)),
+        case.n_sets,
+        case.bytes,
+        case.flops,
+        "the torch reference under torch.compile, same inputs",
+        extra=case.extra,
+    )

@@ -68,9 +68,24 @@ print("Triton kernels interpreted on the CPU:", interpreting())
 # the interpreter in seconds.
 
 # %%
-keys = ["hidden_size", "num_layers", "num_heads", "head_dim", "rope_dim", "q_lora_rank", "o_groups",
-        "o_lora_rank", "window", "index_heads", "index_head_dim", "index_topk", "hc_mult", "window_page",
-        "c4_page", "c128_page"]
+keys = [
+    "hidden_size",
+    "num_layers",
+    "num_heads",
+    "head_dim",
+    "rope_dim",
+    "q_lora_rank",
+    "o_groups",
+    "o_lora_rank",
+    "window",
+    "index_heads",
+    "index_head_dim",
+    "index_topk",
+    "hc_mult",
+    "window_page",
+    "c4_page",
+    "c128_page",
+]
 cfgs = [config.FLASH, config.PRO, config.TINY]
 print(f"{'':<16}" + "".join(f"{c.name:>20}" for c in cfgs))
 for k in keys:
@@ -89,19 +104,33 @@ print(f"{'ratios (first 6)':<16}" + "".join(f"{str(c.compress_ratios[:6]):>20}" 
 c = config.TINY
 T = 4
 steps = [
-    ("mHC pre (notebook 03)", f"residual streams [{T}, {c.hc_mult}, {c.hidden_size}] bf16",
-     f"x [{T}, {c.hidden_size}] bf16, post [{T}, {c.hc_mult}], comb [{T}, {c.hc_mult}, {c.hc_mult}]"),
-    ("RMSNorm + q/kv projections", f"x [{T}, {c.hidden_size}]",
-     f"q [{T}, {c.num_heads}, {c.head_dim}] bf16, kv [{T}, {c.head_dim}] bf16"),
-    ("q-norm + RoPE + FP8 KV insert (02)", "q, kv, slot, pos",
-     "q rotated in place; 584 B/token into the window cache"),
+    (
+        "mHC pre (notebook 03)",
+        f"residual streams [{T}, {c.hc_mult}, {c.hidden_size}] bf16",
+        f"x [{T}, {c.hidden_size}] bf16, post [{T}, {c.hc_mult}], comb [{T}, {c.hc_mult}, {c.hc_mult}]",
+    ),
+    (
+        "RMSNorm + q/kv projections",
+        f"x [{T}, {c.hidden_size}]",
+        f"q [{T}, {c.num_heads}, {c.head_dim}] bf16, kv [{T}, {c.head_dim}] bf16",
+    ),
+    ("q-norm + RoPE + FP8 KV insert (02)", "q, kv, slot, pos", "q rotated in place; 584 B/token into the window cache"),
     ("compressor (r > 1)", "kv states of the last r tokens", "one compressed row every r tokens"),
-    ("lightning indexer (r = 4; 05)", f"index q [{T}, {c.index_heads}, {c.index_head_dim}]",
-     f"top-{c.index_topk} compressed ids [{T}, {c.index_topk}] int32"),
-    ("sparse MLA decode + sink (04)", "q, window ∪ compressed slots",
-     f"o [{T}, {c.num_heads}, {c.head_dim}] bf16, lse [{T}, {c.num_heads}] fp32"),
-    ("inverse RoPE + grouped o-proj (02)", f"o [{T}, {c.num_heads}, {c.head_dim}]",
-     f"[{T}, {c.o_groups}, {c.o_lora_rank}] -> [{T}, {c.hidden_size}]"),
+    (
+        "lightning indexer (r = 4; 05)",
+        f"index q [{T}, {c.index_heads}, {c.index_head_dim}]",
+        f"top-{c.index_topk} compressed ids [{T}, {c.index_topk}] int32",
+    ),
+    (
+        "sparse MLA decode + sink (04)",
+        "q, window ∪ compressed slots",
+        f"o [{T}, {c.num_heads}, {c.head_dim}] bf16, lse [{T}, {c.num_heads}] fp32",
+    ),
+    (
+        "inverse RoPE + grouped o-proj (02)",
+        f"o [{T}, {c.num_heads}, {c.head_dim}]",
+        f"[{T}, {c.o_groups}, {c.o_lora_rank}] -> [{T}, {c.hidden_size}]",
+    ),
     ("mHC post / fused post-pre (03)", "attention output, streams", f"new streams [{T}, {c.hc_mult}, {c.hidden_size}]"),
 ]
 for i, (op, src, dst) in enumerate(steps, 1):
@@ -205,8 +234,9 @@ def make_torch_like():
     def cuda_event(**kw):
         raise RuntimeError("CUDA event on a machine without CUDA")
 
-    return types.SimpleNamespace(cuda=types.SimpleNamespace(Event=cuda_event),
-                                 xpu=types.SimpleNamespace(Event=lambda **kw: "xpu-event"))
+    return types.SimpleNamespace(
+        cuda=types.SimpleNamespace(Event=cuda_event), xpu=types.SimpleNamespace(Event=lambda **kw: "xpu-event")
+    )
 
 
 class Parent:  # stands in for the upstream attention class

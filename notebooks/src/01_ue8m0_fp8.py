@@ -52,8 +52,16 @@ vals = codes.view(torch.float8_e4m3fn).float()
 finite = torch.isfinite(vals)
 print("finite codes:", int(finite.sum()), "   NaN codes:", [hex(c) for c in codes[~finite].tolist()])
 pos = vals[:127]  # codes 0x00..0x7E: +0 and the 126 positive values, in increasing order
-print("max:", pos.max().item(), "= code", hex(int(pos.argmax())),
-      "  smallest normal:", pos[8].item(), "  smallest subnormal:", pos[1].item())
+print(
+    "max:",
+    pos.max().item(),
+    "= code",
+    hex(int(pos.argmax())),
+    "  smallest normal:",
+    pos[8].item(),
+    "  smallest subnormal:",
+    pos[1].item(),
+)
 print("+0 is", hex(0), "and -0 is", hex(0x80), "-> value", vals[0x80].item())
 
 # %% [markdown]
@@ -116,15 +124,23 @@ xs = randn((64, 448), seed=1, octaves=16, device="cpu")  # host: plain-torch ari
 q, sb = fp8.quantize_ue8m0(xs, backend="reference")
 exact = q.double().reshape(64, 7, 64) * torch.exp2(sb.double() - 127)[..., None]
 pow2_bf16 = fp8.dequantize_ue8m0(q, sb, backend="reference").double().reshape(64, 7, 64)
-print("power-of-two scales: bf16 dequant values that differ from the exact product:",
-      int((pow2_bf16 != exact).sum()), "of", exact.numel())
+print(
+    "power-of-two scales: bf16 dequant values that differ from the exact product:",
+    int((pow2_bf16 != exact).sum()),
+    "of",
+    exact.numel(),
+)
 
 s_any = xs.float().reshape(64, 7, 64).abs().amax(-1) / 448  # an fp32 scale with a mantissa
 q_any = fp8.reference.e4m3_encode(xs.float().reshape(64, 7, 64) / s_any[..., None])
 exact_any = q_any.double() * s_any.double()[..., None]
 bf16_any = (q_any.float() * s_any[..., None]).to(torch.bfloat16).double()
-print("arbitrary fp32 scales: bf16 dequant values that differ from the exact product:",
-      int((bf16_any != exact_any).sum()), "of", exact_any.numel())
+print(
+    "arbitrary fp32 scales: bf16 dequant values that differ from the exact product:",
+    int((bf16_any != exact_any).sum()),
+    "of",
+    exact_any.numel(),
+)
 
 # %% [markdown]
 # The flip side is **pitfall #2**: a kernel that *assumes* power-of-two scales and keeps only the exponent
@@ -133,8 +149,10 @@ print("arbitrary fp32 scales: bf16 dequant values that differ from the exact pro
 # %%
 trunc = torch.exp2(torch.floor(torch.log2(s_any)))  # what an exponent-only reader makes of 1.m·2^e
 ratio = (trunc / s_any).flatten()
-print(f"exponent-only reading of fp32 scales: values scaled by {ratio.min().item():.2f} .. {ratio.max().item():.2f}, "
-      f"mean {ratio.mean().item():.2f}")
+print(
+    f"exponent-only reading of fp32 scales: values scaled by {ratio.min().item():.2f} .. {ratio.max().item():.2f}, "
+    f"mean {ratio.mean().item():.2f}"
+)
 
 # %% [markdown]
 # ## 3. The ceil rule, computed exactly
@@ -161,12 +179,17 @@ print("byte:", fp8.reference.ue8m0_byte(amax).tolist(), " (docs/formats.md: 105 
 # gives k + 1. Other rules go wrong elsewhere: round() and floor() under-scale, so the largest elements
 # exceed 448 and get clipped. Compare four rules on blocks whose amax is 448·2^k, and on random blocks:
 
+
 # %%
 def rule_bytes(amax, rule):
     s = amax.double().clamp(min=1e-4) / 448
     l2 = torch.log2(s)
-    e = {"bits (dsv4ref)": None, "ceil(log2 + eps)": torch.ceil(l2 + 1e-6),
-         "round(log2)": torch.round(l2), "floor(log2)": torch.floor(l2)}[rule]
+    e = {
+        "bits (dsv4ref)": None,
+        "ceil(log2 + eps)": torch.ceil(l2 + 1e-6),
+        "round(log2)": torch.round(l2),
+        "floor(log2)": torch.floor(l2),
+    }[rule]
     return fp8.reference.ue8m0_byte(amax) if e is None else (e + 127).to(torch.uint8)
 
 
@@ -246,10 +269,14 @@ with validate.checking_values(False):
         qn, sn = fp8.quantize_ue8m0(xn, backend=backend)
         b = qn.view(torch.uint8).cpu()
         back = fp8.dequantize_ue8m0(qn, sn, out_dtype=torch.float32, backend=backend).cpu()
-        print(f"{backend:<9} scale bytes {sn.cpu().tolist()}; codes in block 0: {sorted(set(b[0, :64].tolist()))}, "
-              f"block 1: {sorted(set(b[0, 64:].tolist()))}")
-        print(f"{'':<9} read back: block 0 all NaN {bool(back[0, :64].isnan().all())}, block 1 all NaN "
-              f"{bool(back[0, 64:].isnan().all())}, row 1 starts {back[1, :2].tolist()}")
+        print(
+            f"{backend:<9} scale bytes {sn.cpu().tolist()}; codes in block 0: {sorted(set(b[0, :64].tolist()))}, "
+            f"block 1: {sorted(set(b[0, 64:].tolist()))}"
+        )
+        print(
+            f"{'':<9} read back: block 0 all NaN {bool(back[0, :64].isnan().all())}, block 1 all NaN "
+            f"{bool(back[0, 64:].isnan().all())}, row 1 starts {back[1, :2].tolist()}"
+        )
 
 # %% [markdown]
 # A reader must also read pages it did not write, so it decodes **every** scale byte as E8M0 defines it:
@@ -262,8 +289,10 @@ s255 = torch.tensor([[0], [1], [127], [254], [255]], dtype=torch.uint8, device=D
 ones = torch.full((5, 64), 0x38, dtype=torch.uint8, device=DEVICE)
 for backend in ("reference", "triton"):
     v = fp8.dequantize_ue8m0(ones, s255, out_dtype=torch.float32, backend=backend).cpu()
-    print(f"{backend:<9} bytes {s255.flatten().tolist()} read as {v[:, 0].tolist()}; NaN bits "
-          f"{hex(v[4, 0:1].view(torch.int32).item())}")
+    print(
+        f"{backend:<9} bytes {s255.flatten().tolist()} read as {v[:, 0].tolist()}; NaN bits "
+        f"{hex(v[4, 0:1].view(torch.int32).item())}"
+    )
 
 # %% [markdown]
 # ## 5. The quantisation error, as a picture
@@ -323,17 +352,21 @@ kv2 = randn((2, 512), seed=4, octaves=12)
 kv_cache.insert(cache, kv2, torch.tensor([2, 3], device=DEVICE), block_size=B)  # slots 2, 3 = page 1, tokens 0, 1
 page = cache[1].cpu()
 print("page 0 untouched:", bool((cache[0].cpu() == 0xAB).all()))
-for name, lo, hi in [("token 0 data", 0, 576), ("token 1 data", 576, 1152), ("scale rows", 1152, 1168),
-                     ("padding", 1168, 1728)]:
+for name, lo, hi in [("token 0 data", 0, 576), ("token 1 data", 576, 1152), ("scale rows", 1152, 1168), ("padding", 1168, 1728)]:
     print(f"bytes {lo:>4}..{hi - 1:>4} {name:<13}: {int((page[lo:hi] != 0xAB).sum()):>3} of {hi - lo} changed")
 print("token 0 scales (bytes 1152..1159):", page[1152:1160].tolist())
 print("token 1 scales (bytes 1160..1167):", page[1160:1168].tolist())
 
 # %%
-regions = [(0, 448, "tok 0 · 448 e4m3 (7 blocks of 64)", "tab:blue"), (448, 128, "tok 0 · RoPE bf16", "tab:cyan"),
-           (576, 448, "tok 1 · 448 e4m3", "tab:orange"), (1024, 128, "tok 1 · RoPE bf16", "tab:olive"),
-           (1152, 8, "tok 0 · scales", "tab:red"), (1160, 8, "tok 1 · scales", "tab:purple"),
-           (1168, 560, "padding (never read)", "lightgray")]
+regions = [
+    (0, 448, "tok 0 · 448 e4m3 (7 blocks of 64)", "tab:blue"),
+    (448, 128, "tok 0 · RoPE bf16", "tab:cyan"),
+    (576, 448, "tok 1 · 448 e4m3", "tab:orange"),
+    (1024, 128, "tok 1 · RoPE bf16", "tab:olive"),
+    (1152, 8, "tok 0 · scales", "tab:red"),
+    (1160, 8, "tok 1 · scales", "tab:purple"),
+    (1168, 560, "padding (never read)", "lightgray"),
+]
 fig, axes = plt.subplots(2, 1, figsize=(12, 3.6), gridspec_kw={"height_ratios": [1, 1.2]})
 ax = axes[0]
 for start, n, label, color in regions:
@@ -405,6 +438,7 @@ print(inspect.getsource(kv_record.fn))
 # The writer is byte-exact against the torch reference. Insert real-magnitude rows into shuffled pages, with
 # padding rows and fewer slots than kv rows, into a cache full of random bytes:
 
+
 # %%
 def random_cache(pages, B, seed):
     c = kv_cache.allocate(pages, B)
@@ -422,7 +456,13 @@ before = c_ref.clone()
 kv_cache.insert(c_ref, kv, slots, block_size=B, backend="reference")
 kv_cache.insert(c_tri, kv, slots, block_size=B, backend="triton")
 print(compare(c_tri, c_ref, "exact", "cache bytes, Triton vs reference").verdict())
-print("bytes changed:", int((c_tri != before).sum()), " (at most 18 tokens × 584 =", 18 * 584, "; a byte may be rewritten with its old value)")
+print(
+    "bytes changed:",
+    int((c_tri != before).sum()),
+    " (at most 18 tokens × 584 =",
+    18 * 584,
+    "; a byte may be rewritten with its old value)",
+)
 
 # %% [markdown]
 # ## 8. The gather kernel
@@ -446,7 +486,11 @@ want = torch.cat([fp8.dequantize_ue8m0(qq, ss, backend="reference"), src[:, 448:
 want[read < 0] = 0
 print("out:", tuple(out.shape), out.dtype)
 print(compare(out, want, "exact", "gather(insert(kv)) vs dequantize(quantize(kv))").verdict())
-print(compare(out, kv_cache.gather(c_tri, read, block_size=B, backend="reference"), "exact", "gather, Triton vs reference").verdict())
+print(
+    compare(
+        out, kv_cache.gather(c_tri, read, block_size=B, backend="reference"), "exact", "gather, Triton vs reference"
+    ).verdict()
+)
 print("rows for slot -1 are all zero:", bool((out[read < 0] == 0).all()))
 print("RoPE dims bit-identical to the input:", torch.equal(out[read >= 0, 448:].cpu(), src[read >= 0, 448:].cpu()))
 
@@ -475,9 +519,10 @@ print("RoPE dims bit-identical to the input:", torch.equal(out[read >= 0, 448:].
 # Two of them, live. An **array-of-structures reader** treats token t's 584 bytes as one record at 584·t,
 # and a **512-byte reshape** (the V3.2/BF16 habit) at 512·t. Run both on the page drawn above:
 
+
 # %%
 def aos_reader(page_bytes, t, rec):  # WRONG on purpose: a contiguous record per token
-    r = page_bytes[rec * t:][:584]
+    r = page_bytes[rec * t :][:584]
     nope = r[:448].view(torch.float8_e4m3fn).float().reshape(7, 64) * torch.exp2(r[576:583].float() - 127)[:, None]
     return torch.cat([nope.flatten(), r[448:576].clone().view(torch.bfloat16).float()])
 
@@ -485,8 +530,10 @@ def aos_reader(page_bytes, t, rec):  # WRONG on purpose: a contiguous record per
 right = kv_cache.gather(cache, torch.tensor([2, 3], device=DEVICE), block_size=2).cpu().float()
 for rec in (584, 512):
     wrong = torch.stack([aos_reader(page, t, rec) for t in (0, 1)])
-    print(f"{rec}-byte record reader: rows equal to the real gather:",
-          [bool(torch.equal(wrong[t].nan_to_num(7.0), right[t])) for t in (0, 1)])
+    print(
+        f"{rec}-byte record reader: rows equal to the real gather:",
+        [bool(torch.equal(wrong[t].nan_to_num(7.0), right[t])) for t in (0, 1)],
+    )
 
 # %% [markdown]
 # Here even token 0 is wrong: its NoPE bytes are where an AoS reader looks, but its scales are not at
@@ -519,8 +566,8 @@ def numpy_gather(cache, slots, *, block_size, **unused):
         if slot < 0:
             continue  # −1: a zero row
         page, t = divmod(int(slot), block_size)
-        data = raw[page, 576 * t: 576 * t + 576]
-        scale_bytes = raw[page, 576 * block_size + 8 * t: 576 * block_size + 8 * t + 7].astype(np.int64)
+        data = raw[page, 576 * t : 576 * t + 576]
+        scale_bytes = raw[page, 576 * block_size + 8 * t : 576 * block_size + 8 * t + 7].astype(np.int64)
         scales = np.where(scale_bytes == 255, np.nan, np.ldexp(1.0, scale_bytes - 127)).astype(np.float32)
         with np.errstate(over="ignore"):  # e4m3 · 2^127 can exceed fp32: inf, as in fp32 arithmetic anywhere
             out[i, :448] = e4m3[data[:448]] * np.repeat(scales, 64)  # fp32 × fp32, one rounding (E8M0 255: NaN)
@@ -529,7 +576,7 @@ def numpy_gather(cache, slots, *, block_size, **unused):
     for i, slot in enumerate(s):  # the RoPE dims are the stored bf16 bits, copied as they are (NaN payloads too)
         if slot >= 0:
             page, t = divmod(int(slot), block_size)
-            bits = raw[page, 576 * t + 448: 576 * t + 576].view(np.int16)
+            bits = raw[page, 576 * t + 448 : 576 * t + 576].view(np.int16)
             out[i, 448:] = torch.from_numpy(bits.copy()).view(torch.bfloat16)
     return out.to(cache.device)
 
@@ -566,6 +613,8 @@ if not dsv4ref.interpreting():
     ceil, rows = run_benches("kv_cache")
     print(f"copy bandwidth measured now: {ceil.copy_bytes_per_s / 1e12:.2f} TB/s")
     for r in rows:
-        print(f"{r.case.op:<16} {r.case.shape:<16} {r.ms * 1e3:8.1f} us {r.bytes_per_s / 1e9:6.0f} GB/s  {r.fraction:6.1%} of copy")
+        print(
+            f"{r.case.op:<16} {r.case.shape:<16} {r.ms * 1e3:8.1f} us {r.bytes_per_s / 1e9:6.0f} GB/s  {r.fraction:6.1%} of copy"
+        )
 else:
     print("interpreting on the CPU: timings would measure numpy, not a kernel; see benchmarks/kv_cache.md")

@@ -58,10 +58,13 @@ print(describe())
 # %%
 R_draw = 16
 fig, axes = plt.subplots(2, 1, figsize=(10, 3.2))
-for ax, (name, pairs) in zip(axes, [
-    ("GPT-J (interleaved): (x[2i], x[2i+1])", [(2 * i, 2 * i + 1) for i in range(R_draw // 2)]),
-    ("NeoX (half-split): (x[i], x[i+R/2])", [(i, i + R_draw // 2) for i in range(R_draw // 2)]),
-]):
+for ax, (name, pairs) in zip(
+    axes,
+    [
+        ("GPT-J (interleaved): (x[2i], x[2i+1])", [(2 * i, 2 * i + 1) for i in range(R_draw // 2)]),
+        ("NeoX (half-split): (x[i], x[i+R/2])", [(i, i + R_draw // 2) for i in range(R_draw // 2)]),
+    ],
+):
     colors = plt.cm.tab10(np.arange(R_draw // 2) % 10)
     for k, (a, b) in enumerate(pairs):
         for d in (a, b):
@@ -89,8 +92,18 @@ p1 = torch.tensor([1], device=DEVICE)
 gptj = rope.apply_gptj(x, p1, table)[0].cpu()
 neox = rope.apply_neox(x, p1, table)[0].cpu()
 print("table:", tuple(table.shape), table.dtype)
-print("GPT-J x'[0], x'[1]  :", [round(v, 5) for v in gptj[:2].tolist()], " expected", [round(-math.sin(1), 5), round(math.cos(1), 5)])
-print("NeoX  x'[0], x'[32] :", [round(v, 4) for v in neox[[0, 32]].tolist()], " expected", [round(-32 * math.sin(1), 4), round(32 * math.cos(1), 4)])
+print(
+    "GPT-J x'[0], x'[1]  :",
+    [round(v, 5) for v in gptj[:2].tolist()],
+    " expected",
+    [round(-math.sin(1), 5), round(math.cos(1), 5)],
+)
+print(
+    "NeoX  x'[0], x'[32] :",
+    [round(v, 4) for v in neox[[0, 32]].tolist()],
+    " expected",
+    [round(-32 * math.sin(1), 4), round(32 * math.cos(1), 4)],
+)
 print("the two conventions give the same vector:", torch.equal(gptj, neox))
 
 # %% [markdown]
@@ -118,7 +131,11 @@ w = torch.complex(rows[:, :32], rows[:, 32:])  # e^{j f_i} = cos f_i + j sin f_i
 by_complex = torch.view_as_real(z * w).reshape(4, 64)
 print(compare(rope.apply_gptj(xr, pos, table), by_complex, "fp32_elementwise", "apply_gptj == z · e^{jf}").verdict())
 back = torch.view_as_real(torch.view_as_complex(by_complex.reshape(4, 32, 2).contiguous()) * w.conj()).reshape(4, 64)
-print(compare(rope.apply_gptj(by_complex.float(), pos, table, inverse=True), back, "fp32_elementwise", "inverse == · e^{-jf}").verdict())
+print(
+    compare(
+        rope.apply_gptj(by_complex.float(), pos, table, inverse=True), back, "fp32_elementwise", "inverse == · e^{-jf}"
+    ).verdict()
+)
 
 # %% [markdown]
 # ### The relative-position property
@@ -283,8 +300,7 @@ q_kernel, cache_kernel = q.clone(), start.clone()
 rope.qnorm_rope_kv_insert(q_kernel, kv, cache_kernel, slots, positions, table, eps=TINY.rms_norm_eps, block_size=B)
 
 q_ref, cache_ref = q.clone(), start.clone()
-rope.qnorm_rope_kv_insert(q_ref, kv, cache_ref, slots, positions, table, eps=TINY.rms_norm_eps, block_size=B,
-                          backend="reference")
+rope.qnorm_rope_kv_insert(q_ref, kv, cache_ref, slots, positions, table, eps=TINY.rms_norm_eps, block_size=B, backend="reference")
 cache_insert = start.clone()
 kv_cache.insert(cache_insert, rope.apply_gptj(kv, positions, table), slots, block_size=B, backend="reference")
 
@@ -293,8 +309,7 @@ print(compare(cache_kernel, cache_insert, "exact", "cache bytes vs kv_cache.inse
 print(compare(q_kernel, q_ref, "exact", "q vs the canonical reference").verdict())
 xq = q.float()
 vllm_style = rope.apply_gptj((xq / torch.sqrt(xq.pow(2).mean(-1, keepdim=True) + 1e-6)).to(torch.bfloat16), positions, table)
-print(compare(vllm_style, q_kernel, "qnorm_rope_q", "the vLLM-style q vs the kernel's",
-              mass=pair_max(q_kernel)).verdict())
+print(compare(vllm_style, q_kernel, "qnorm_rope_q", "the vLLM-style q vs the kernel's", mass=pair_max(q_kernel)).verdict())
 rms = q_kernel.double().pow(2).mean(-1).sqrt()
 print("every head has RMS 1 after the kernel (within 1e-2):", bool(((rms - 1).abs() < 1e-2).all()))
 
@@ -329,6 +344,7 @@ print(compare(back[:, 448:], rope.apply_gptj(kv, positions, table)[:3, 448:], "e
 # Test: one query attending to 8 keys (itself and the 7 before it). Insert them with the fused kernel at
 # positions around 1000, attend, and compare with the same tokens shifted by Δ = 896 (a multiple of 128, so
 # compressed-window starts would stay aligned).
+
 
 # %%
 def decode_output(delta, inverse=True):
@@ -369,7 +385,7 @@ o = randn((3, TINY.num_heads, 512), seed=30, octaves=4)
 wo_a = randn((G, o_lora, hpg * 512), seed=31, octaves=0) * 0.02
 wo_b = randn((Hd, G * o_lora), seed=32, octaves=0) * 0.05
 y = rope.grouped_o_proj(o, wo_a, wo_b)
-z = torch.stack([o[:, g * hpg:(g + 1) * hpg].reshape(3, -1).double() @ wo_a[g].double().T for g in range(G)], 1)
+z = torch.stack([o[:, g * hpg : (g + 1) * hpg].reshape(3, -1).double() @ wo_a[g].double().T for g in range(G)], 1)
 print("o", tuple(o.shape), "-> z", tuple(z.shape), "-> out", tuple(y.shape))
 print(compare(y, z.reshape(3, -1) @ wo_b.double().T, "bf16_gemm", "grouped o-proj vs float64").verdict())
 
@@ -385,12 +401,16 @@ kr = randn((64, 512), seed=40, octaves=4)
 pk = torch.randint(0, 4096, (64,), generator=generator(41)).to(DEVICE)
 right = rope.apply_gptj(kr, pk, ctable)[:, 448:].double()
 wrong = rope.apply_neox(kr, pk, ctable)[:, 448:].double()
-print("relative error of the RoPE dims, NeoX instead of GPT-J:",
-      "> 0.5" if float((wrong - right).norm() / right.norm()) > 0.5 else "<= 0.5")
+print(
+    "relative error of the RoPE dims, NeoX instead of GPT-J:",
+    "> 0.5" if float((wrong - right).norm() / right.norm()) > 0.5 else "<= 0.5",
+)
 qr = rope.apply_gptj(randn((1, 512), seed=42, octaves=0), pk[:1], ctable)[:, 448:].double()
 s_right, s_wrong = (right @ qr.T)[:, 0], (wrong @ qr.T)[:, 0]
-print("relative error of the RoPE part of the 64 scores       :",
-      "> 0.5" if float((s_wrong - s_right).norm() / s_right.norm()) > 0.5 else "<= 0.5")
+print(
+    "relative error of the RoPE part of the 64 scores       :",
+    "> 0.5" if float((s_wrong - s_right).norm() / s_right.norm()) > 0.5 else "<= 0.5",
+)
 print("same top-1 key by RoPE score:", int(s_right.argmax()) == int(s_wrong.argmax()))
 
 # %% [markdown]
@@ -433,8 +453,12 @@ except ValueError as e:
 cn = kv_cache.allocate(4, 2)
 with validate.checking_values(False):
     rope.qnorm_rope_kv_insert(q3.clone(), kvn, cn, s_long[::2], p_long[::2], table, block_size=2)
-print("checks off: slot 5's scale bytes", kv_cache.flat_bytes(cn)[kv_cache.token_offsets(cn, s_long[:1], 2)[1] + torch.arange(7, device=DEVICE)].tolist(),
-      "-> reads back NaN in dims 64..127:", bool(kv_cache.gather(cn, s_long[:1], block_size=2)[0, 64:128].isnan().all()))
+print(
+    "checks off: slot 5's scale bytes",
+    kv_cache.flat_bytes(cn)[kv_cache.token_offsets(cn, s_long[:1], 2)[1] + torch.arange(7, device=DEVICE)].tolist(),
+    "-> reads back NaN in dims 64..127:",
+    bool(kv_cache.gather(cn, s_long[:1], block_size=2)[0, 64:128].isnan().all()),
+)
 
 # %% [markdown]
 # A port is held to the same contract by `dsv4ref.conformance.run`: give it a callable with our signature and it
@@ -442,6 +466,7 @@ print("checks off: slot 5's scale bytes", kv_cache.flat_bytes(cn)[kv_cache.token
 # head, an empty batch) and compares what the callable writes with the reference. Here is vLLM's own reference
 # form in plain torch — RMSNorm with `rsqrt`, q rounded to bf16, then the fp32 rotation — which is not dsv4ref's
 # bits but is correct, so it must pass; the same code with NeoX pairing must not.
+
 
 # %%
 def make_port(pairs):
@@ -520,8 +545,9 @@ Markdown(results_header() + "\n\n" + results_section("rope"))
 # %%
 q_per_head, q_multi = q.clone(), q.clone()
 for q_out, launch in ((q_per_head, rope.RopeLaunch(heads_per_prog=0)), (q_multi, rope.RopeLaunch(heads_per_prog=4))):
-    rope.qnorm_rope_kv_insert(q_out, kv, start.clone(), slots, positions, table, eps=TINY.rms_norm_eps, block_size=B,
-                              launch=launch)
+    rope.qnorm_rope_kv_insert(
+        q_out, kv, start.clone(), slots, positions, table, eps=TINY.rms_norm_eps, block_size=B, launch=launch
+    )
 print("default:", rope.RopeLaunch())
 print(compare(q_per_head, q_kernel, "exact", "q, per-head kernel vs the default").verdict())
 print(compare(q_multi, q_kernel, "exact", "q, 4 heads per program vs the default").verdict())
@@ -534,6 +560,8 @@ if not dsv4ref.interpreting():
     ceil, rows = run_benches("rope")
     print(f"copy {ceil.copy_bytes_per_s / 1e12:.2f} TB/s")
     for r in rows:
-        print(f"{r.case.op:<18} {r.case.shape:<28} {r.ms * 1e3:8.1f} us  {r.bytes_per_s / 1e9:6.0f} GB/s  {r.fraction:6.1%} of copy")
+        print(
+            f"{r.case.op:<18} {r.case.shape:<28} {r.ms * 1e3:8.1f} us  {r.bytes_per_s / 1e9:6.0f} GB/s  {r.fraction:6.1%} of copy"
+        )
 else:
     print("interpreted on the CPU: no timings")

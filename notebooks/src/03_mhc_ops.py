@@ -173,7 +173,9 @@ T, Hd = 5, 256
 res = mhc.example_streams(T, Hd, seed=1)  # [T, 4, Hd] bf16, 64-wide blocks spanning 2^-4..2^4
 fn, scale, base = mhc.example_params(Hd, seed=2)
 mix = reference.mix(res, fn, dtype=torch.float64)
-print("residual", tuple(res.shape), res.dtype, "| fn", tuple(fn.shape), "| scale", tuple(scale.shape), "| base", tuple(base.shape))
+print(
+    "residual", tuple(res.shape), res.dtype, "| fn", tuple(fn.shape), "| scale", tuple(scale.shape), "| base", tuple(base.shape)
+)
 print("X (flattened streams)", (T, 4 * Hd), "-> mix", tuple(mix.shape), "= [pre 0:4 | post 4:8 | comb 8:24]")
 pre_w = torch.sigmoid(mix[:, :4] * scale[0].double() + base[:4].double()) + 1e-6  # the input weights (kept inside pre)
 post_w, comb_w, x_ref = reference.pre(res, fn, scale, base, dtype=torch.float64)
@@ -424,20 +426,25 @@ ladder = (
 )
 for name, launch in ladder:
     p_l, c_l, x_l = mhc.pre(res, fn, scale, base, launch=launch)
-    print(compare(c_l, comb_w, "mhc", f"pre, {name}: comb").verdict(), "|",
-          compare(x_l, x_ref, "bf16_out", "layer input").verdict())
+    print(
+        compare(c_l, comb_w, "mhc", f"pre, {name}: comb").verdict(), "|", compare(x_l, x_ref, "bf16_out", "layer input").verdict()
+    )
 # the zigzag walk: 40 tokens in one chunk of 48 = 3 tiles of 16, the finish kernel walking them last to first
 res40 = mhc.example_streams(40, Hd, seed=4)
 forward = mhc.MhcLaunch(chunked=True, chunk_tokens=48, chunk_block_t=16, chunk_finish_block_t=16, chunk_zigzag=False)
 zigzag = dataclasses.replace(forward, chunk_zigzag=True)
-same = all(torch.equal(a, b) for a, b in zip(mhc.pre(res40, fn, scale, base, launch=forward),
-                                             mhc.pre(res40, fn, scale, base, launch=zigzag)))
+same = all(
+    torch.equal(a, b)
+    for a, b in zip(mhc.pre(res40, fn, scale, base, launch=forward), mhc.pre(res40, fn, scale, base, launch=zigzag))
+)
 print("chunked, zigzag walk: the same bits as the forward walk:", same)
 print(inspect.getsource(mhc.launch.MhcLaunch.split_plan))
 h200 = mhc.MhcLaunch.for_device(interpreted=False, one_pass=True)  # the one-pass tiles of a GPU
 tiles, slices, cps, bk = h200.one_pass_plan(4096, 4096)
-print(f"one pass at T = Hd = 4096 on a GPU: {tiles} tiles × {slices} slices of {cps} × {bk} dims, "
-      f"{(tiles + mhc.launch.ONE_PASS_LAG) * slices} programs")
+print(
+    f"one pass at T = Hd = 4096 on a GPU: {tiles} tiles × {slices} slices of {cps} × {bk} dims, "
+    f"{(tiles + mhc.launch.ONE_PASS_LAG) * slices} programs"
+)
 
 # %% [markdown]
 # The cell below re-measures on a GPU; it does not run in the interpreter.
@@ -491,6 +498,9 @@ except ValueError as e:
 with validate.checking_values(False):
     for backend in ("reference", "triton"):
         p_n, c_n, x_n = mhc.pre(bad_res, fn, scale, base, backend=backend)
-        print(f"checks off, {backend:<9}: NaN rows of post / comb / layer input:",
-              p_n.isnan().all(dim=1).nonzero().flatten().tolist(), c_n.isnan().flatten(1).all(dim=1).nonzero().flatten().tolist(),
-              x_n.float().isnan().all(dim=1).nonzero().flatten().tolist())
+        print(
+            f"checks off, {backend:<9}: NaN rows of post / comb / layer input:",
+            p_n.isnan().all(dim=1).nonzero().flatten().tolist(),
+            c_n.isnan().flatten(1).all(dim=1).nonzero().flatten().tolist(),
+            x_n.float().isnan().all(dim=1).nonzero().flatten().tolist(),
+        )

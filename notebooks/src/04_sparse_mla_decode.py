@@ -111,18 +111,17 @@ print(inspect.getsource(reference.decode))
 # A small example with the teaching config's sizes: T tokens, H heads, a window pool and a compressed pool.
 # example_inputs returns decode's keyword arguments.
 T, H = 3, TINY.num_heads
-inputs = sparse_mla.example_inputs(T, H, K1=16, K2=16, block_size=16, extra_block_size=2, pages=4, extra_pages=24,
-                                   seed=4)
+inputs = sparse_mla.example_inputs(T, H, K1=16, K2=16, block_size=16, extra_block_size=2, pages=4, extra_pages=24, seed=4)
 q, sink = inputs["q"], inputs["sink"]
 slots, lengths = inputs["slots"], inputs["lengths"]
 out_ref, lse_ref = sparse_mla.decode(**inputs, backend="reference")
 print("arguments:", list(inputs))
-print("q", tuple(q.shape), q.dtype, "| window slots", tuple(slots.shape), "| compressed slots",
-      tuple(inputs["extra_slots"].shape))
+print(
+    "q", tuple(q.shape), q.dtype, "| window slots", tuple(slots.shape), "| compressed slots", tuple(inputs["extra_slots"].shape)
+)
 print("out", tuple(out_ref.shape), out_ref.dtype, "| lse", tuple(lse_ref.shape), lse_ref.dtype)
 print("window lengths", lengths.cpu().tolist(), "| compressed lengths", inputs["extra_lengths"].cpu().tolist())
-print("-1 entries inside the window prefixes:",
-      [int(((slots[t, : int(lengths[t])] < 0)).sum()) for t in range(T)])
+print("-1 entries inside the window prefixes:", [int((slots[t, : int(lengths[t])] < 0).sum()) for t in range(T)])
 
 # %% [markdown]
 # ### The arguments, the results, and which entries count
@@ -198,13 +197,28 @@ for backend in sparse_mla.SUPPORTED_BACKENDS:
     o, l = sparse_mla.decode(q5, cache1, S, L, block_size=B1, sink=sink, backend=backend)
     o_none, l_none = sparse_mla.decode(q5, cache1, S, None, block_size=B1, sink=sink, backend=backend)
     o_full, l_full = sparse_mla.decode(q5, cache1, S, full, block_size=B1, sink=sink, backend=backend)
-    o_x, l_x = sparse_mla.decode(q5, cache1, torch.full_like(S, -1), None, block_size=B1, sink=sink, backend=backend,
-                                 extra_cache=cache1, extra_slots=S, extra_lengths=L, extra_block_size=B1)
-    print(f"{backend:>9}: the rule: {compare(o, o_rule, 'bf16_weighted_sum', 'out', m_rule).verdict()}, "
-          f"{compare(l, l_rule, 'lse', 'lse').verdict()}; tokens 3, 4: out 0 {bool((o[3:] == 0).all())}, "
-          f"lse {sorted(set(l[3:].flatten().cpu().tolist()))}")
-    print(f"{'':>9}  lengths=None equals lengths=K: {torch.equal(o_none.cpu(), o_full.cpu()) and torch.equal(l_none.cpu(), l_full.cpu())}; "
-          f"the same rows as the second pool: {compare(o_x, o_rule, 'bf16_weighted_sum', 'out', m_rule).passed and compare(l_x, l_rule, 'lse').passed}")
+    o_x, l_x = sparse_mla.decode(
+        q5,
+        cache1,
+        torch.full_like(S, -1),
+        None,
+        block_size=B1,
+        sink=sink,
+        backend=backend,
+        extra_cache=cache1,
+        extra_slots=S,
+        extra_lengths=L,
+        extra_block_size=B1,
+    )
+    print(
+        f"{backend:>9}: the rule: {compare(o, o_rule, 'bf16_weighted_sum', 'out', m_rule).verdict()}, "
+        f"{compare(l, l_rule, 'lse', 'lse').verdict()}; tokens 3, 4: out 0 {bool((o[3:] == 0).all())}, "
+        f"lse {sorted(set(l[3:].flatten().cpu().tolist()))}"
+    )
+    print(
+        f"{'':>9}  lengths=None equals lengths=K: {torch.equal(o_none.cpu(), o_full.cpu()) and torch.equal(l_none.cpu(), l_full.cpu())}; "
+        f"the same rows as the second pool: {compare(o_x, o_rule, 'bf16_weighted_sum', 'out', m_rule).passed and compare(l_x, l_rule, 'lse').passed}"
+    )
 
 # %% [markdown]
 # The V-width check: zero the NoPE part of every cached row. If V really is 512 wide, the output's last 64
@@ -220,8 +234,10 @@ idx0 = torch.randint(0, n_slots, (2, 16), generator=generator(3), dtype=torch.in
 len0 = torch.tensor([16, 9], dtype=torch.int32).to(DEVICE)
 for backend in sparse_mla.SUPPORTED_BACKENDS:
     o, _ = sparse_mla.decode(q[:2], cache0, idx0, len0, block_size=16, backend=backend)
-    print(f"{backend:>9}: out[..., :448] all zero: {bool((o[..., :448] == 0).all())}; "
-          f"out[..., 448:] non-zero entries: {int((o[..., 448:] != 0).sum())} of {o[..., 448:].numel()}")
+    print(
+        f"{backend:>9}: out[..., :448] all zero: {bool((o[..., :448] == 0).all())}; "
+        f"out[..., 448:] non-zero entries: {int((o[..., 448:] != 0).sum())} of {o[..., 448:].numel()}"
+    )
 
 # %% [markdown]
 # ## 2. The attention sink
@@ -273,9 +289,11 @@ for backend in sparse_mla.SUPPORTED_BACKENDS:
         o, l = sparse_mla.decode(**{**inputs, "sink": sk.to(DEVICE)}, backend=backend)
         res[name] = (o, l)
     half, _ = sparse_mla.decode(**{**inputs, "sink": lse0[0].clone()}, backend=backend)
-    print(f"{backend:>9}: sink=-inf equals no sink: {torch.equal(res['-inf'][0].cpu(), base.cpu())}; "
-          f"sink=+inf gives zeros: {bool((res['+inf'][0] == 0).all())}; lse unchanged: {torch.equal(res['+inf'][1].cpu(), lse0.cpu())}; "
-          f"sink=lse halves token 0: {compare(half[0], base[0].double() * 0.5, 'bf16_out').passed}")
+    print(
+        f"{backend:>9}: sink=-inf equals no sink: {torch.equal(res['-inf'][0].cpu(), base.cpu())}; "
+        f"sink=+inf gives zeros: {bool((res['+inf'][0] == 0).all())}; lse unchanged: {torch.equal(res['+inf'][1].cpu(), lse0.cpu())}; "
+        f"sink=lse halves token 0: {compare(half[0], base[0].double() * 0.5, 'bf16_out').passed}"
+    )
 
 # %% [markdown]
 # ## 3. Which tokens a decode token at position p attends to
@@ -291,6 +309,7 @@ for backend in sparse_mla.SUPPORTED_BACKENDS:
 #
 # Both lists go to the kernel as **global slots** (page · page_size + offset, −1 = none) with a length each;
 # both enter one softmax. Here is the construction for p = 37 in the teaching config, with a toy page table.
+
 
 # %%
 def window_positions(p, W):
@@ -345,17 +364,21 @@ valid = torch.ones(40, dtype=torch.bool)
 valid[:16] = False  # a first chunk with nothing valid
 m, l, acc = -math.inf, 0.0, torch.zeros(8, dtype=torch.float64)
 for j in range(0, 40, 16):
-    s = s_all[j:j + 16].masked_fill(~valid[j:j + 16], -math.inf)
+    s = s_all[j : j + 16].masked_fill(~valid[j : j + 16], -math.inf)
     m_new = max(m, float(s.max()))
     m_safe = 0.0 if m_new == -math.inf else m_new
     alpha = math.exp(m - m_safe)
     pj = torch.exp(s - m_safe)
     l = alpha * l + float(pj.sum())
-    acc = alpha * acc + pj @ v_all[j:j + 16]
+    acc = alpha * acc + pj @ v_all[j : j + 16]
     m = m_new
 full = torch.softmax(s_all.masked_fill(~valid, -math.inf), 0) @ v_all
-print("online result equals the one-shot softmax:", compare(acc / l, full, "fp32_reduction").passed,
-      "| lse equal:", abs(m + math.log(l) - float(torch.logsumexp(s_all[valid], 0))) < 1e-12)
+print(
+    "online result equals the one-shot softmax:",
+    compare(acc / l, full, "fp32_reduction").passed,
+    "| lse equal:",
+    abs(m + math.log(l) - float(torch.logsumexp(s_all[valid], 0))) < 1e-12,
+)
 
 # %% [markdown]
 # ## 5. The ladder
@@ -384,11 +407,15 @@ def compulsory(T, H, K):
     return T * (K * ROW_FUSED + H * formats.HEAD_DIM * 2 * 2 + H * 4 + 2 * SLOT_BYTES)
 
 
-print(f"per selected row: fused {ROW_FUSED} B = {formats.TOKEN_BYTES} record + {SLOT_BYTES} slot; "
-      f"two-pass {ROW_TWO_PASS} B = {ROW_FUSED} + {ROW_BF16} written + {ROW_BF16} read back: "
-      f"{ROW_TWO_PASS / ROW_FUSED:.1f}× more")
-print("compulsory bytes equal the ladder file's:",
-      all(compulsory(sh["T"], sh["H"], sh["K"]) == sh["bytes"] for sh in ladder["shapes"]))
+print(
+    f"per selected row: fused {ROW_FUSED} B = {formats.TOKEN_BYTES} record + {SLOT_BYTES} slot; "
+    f"two-pass {ROW_TWO_PASS} B = {ROW_FUSED} + {ROW_BF16} written + {ROW_BF16} read back: "
+    f"{ROW_TWO_PASS / ROW_FUSED:.1f}× more"
+)
+print(
+    "compulsory bytes equal the ladder file's:",
+    all(compulsory(sh["T"], sh["H"], sh["K"]) == sh["bytes"] for sh in ladder["shapes"]),
+)
 
 # %% [markdown]
 # | rung | what changed | why it is faster | what still limits it |
@@ -421,8 +448,12 @@ print(inspect.getsource(two_pass.seed_decode))
 
 # %%
 plan = two_pass.seed_plan(slots, lengths, inputs["extra_slots"], inputs["extra_lengths"])
-print("packed rows per token:", [int((plan.table[t] >= 0).sum()) for t in range(T)],
-      "| gather launches:", sum(int(r is not None and r.numel() > 0) for row in plan.per_token for r in row))
+print(
+    "packed rows per token:",
+    [int((plan.table[t] >= 0).sum()) for t in range(T)],
+    "| gather launches:",
+    sum(int(r is not None and r.numel() > 0) for row in plan.per_token for r in row),
+)
 _, _, mass = reference.decode(**inputs, with_mass=True)
 o, l = two_pass.seed_decode(**inputs, scale=sparse_mla.DEFAULT_SCALE, plan=plan)
 print(compare(o, out_ref, "bf16_weighted_sum", "seed out", mass).verdict(), "|", compare(l, lse_ref, "lse", "seed lse").verdict())
@@ -502,13 +533,17 @@ for kernel in (kernels.decode_kernel, kernels.attend_pool, kernels.load_rows_fp8
 
 # %%
 BENCH = ((64, 64, 640), (64, 128, 1152), (64, 16, 2048))
-print(f"{'T':>3} {'H':>4} {'K':>5} | {'BLOCK_H':>7} {'BLOCK_N':>7} {'warps':>5} {'stages':>6} {'splits':>6} | "
-      f"{'programs unsplit':>16} {'split':>5} | {'acc per program':>16}")
+print(
+    f"{'T':>3} {'H':>4} {'K':>5} | {'BLOCK_H':>7} {'BLOCK_N':>7} {'warps':>5} {'stages':>6} {'splits':>6} | "
+    f"{'programs unsplit':>16} {'split':>5} | {'acc per program':>16}"
+)
 for Tb, Hb, Kb in BENCH:
     lb = launch_for_sms(Tb, Hb, Kb, 132)
     progs = Tb * -(-Hb // lb.block_h)
-    print(f"{Tb:>3} {Hb:>4} {Kb:>5} | {lb.block_h:>7} {lb.block_n:>7} {lb.num_warps:>5} {lb.num_stages:>6} "
-          f"{lb.num_splits:>6} | {progs:>16} {progs * lb.num_splits:>5} | {lb.block_h * 512 * 4 // 1024:>11} KB fp32")
+    print(
+        f"{Tb:>3} {Hb:>4} {Kb:>5} | {lb.block_h:>7} {lb.block_n:>7} {lb.num_warps:>5} {lb.num_stages:>6} "
+        f"{lb.num_splits:>6} | {progs:>16} {progs * lb.num_splits:>5} | {lb.block_h * 512 * 4 // 1024:>11} KB fp32"
+    )
 print(launch_for_sms(64, 64, 640, 132))
 
 # %% [markdown]
@@ -557,6 +592,7 @@ print(inspect.getsource(kernels.merge_kernel.fn))
 # its compressed list as a third): write each split's state, merge it as the kernel does, and compare with the
 # reference.
 
+
 # %%
 def split_state(q_t, rows, scale):
     """(acc [H, 512], m [H], l [H]) of one split: the part_o / part_ml entries, log2 domain."""
@@ -567,11 +603,12 @@ def split_state(q_t, rows, scale):
 
 
 q0 = q[0].double()
-g1 = kv_cache.gather(inputs["cache"], slots[0, : int(lengths[0])][slots[0, : int(lengths[0])] >= 0],
-                     block_size=inputs["block_size"]).double()
+g1 = kv_cache.gather(
+    inputs["cache"], slots[0, : int(lengths[0])][slots[0, : int(lengths[0])] >= 0], block_size=inputs["block_size"]
+).double()
 es, el = inputs["extra_slots"][0], int(inputs["extra_lengths"][0])
 g2 = kv_cache.gather(inputs["extra_cache"], es[:el][es[:el] >= 0], block_size=inputs["extra_block_size"]).double()
-parts = [split_state(q0, r, sparse_mla.DEFAULT_SCALE) for r in (g1[: len(g1) // 2], g1[len(g1) // 2:], g2)]
+parts = [split_state(q0, r, sparse_mla.DEFAULT_SCALE) for r in (g1[: len(g1) // 2], g1[len(g1) // 2 :], g2)]
 part_o = torch.stack([p[0] for p in parts])  # [S, H, 512]: this token's slice of part_o
 part_ml = torch.stack([torch.stack([p[1], p[2]], dim=-1) for p in parts])  # [S, H, 2]
 m = part_ml[..., 0].max(dim=0).values
@@ -580,10 +617,19 @@ l_m = (w * part_ml[..., 1]).sum(dim=0)
 acc = (w[..., None] * part_o).sum(dim=0)
 lse0 = math.log(2) * (m + torch.log2(l_m))
 out0 = acc / l_m[:, None] * torch.sigmoid(lse0 - sink.double())[:, None]  # the sink, once, after the merge
-print("part_o", tuple(part_o.shape), "part_ml", tuple(part_ml.shape), "| per-split m of head 0:",
-      [round(float(v), 3) for v in part_ml[:, 0, 0]])
-print(compare(out0, out_ref[0].double(), "bf16_out", "merged out").verdict(), "|",
-      compare(lse0, lse_ref[0].double(), "lse", "merged lse").verdict())
+print(
+    "part_o",
+    tuple(part_o.shape),
+    "part_ml",
+    tuple(part_ml.shape),
+    "| per-split m of head 0:",
+    [round(float(v), 3) for v in part_ml[:, 0, 0]],
+)
+print(
+    compare(out0, out_ref[0].double(), "bf16_out", "merged out").verdict(),
+    "|",
+    compare(lse0, lse_ref[0].double(), "lse", "merged lse").verdict(),
+)
 
 # %% [markdown]
 # Scratch bytes at the benchmark shapes (written once, read once by the merge), against the compulsory bytes
@@ -594,8 +640,10 @@ for Tb, Hb, Kb in BENCH:
     S = launch_for_sms(Tb, Hb, Kb, 132).num_splits
     scratch = Tb * S * Hb * (512 + 2) * 4 if S > 1 else 0
     comp = compulsory(Tb, Hb, Kb)
-    print(f"H={Hb:<3} K={Kb:<5} S={S}: scratch {scratch / 1e6:5.1f} MB written + read, "
-          f"compulsory {comp / 1e6:5.1f} MB ({2 * scratch / comp:4.0%} extra traffic)")
+    print(
+        f"H={Hb:<3} K={Kb:<5} S={S}: scratch {scratch / 1e6:5.1f} MB written + read, "
+        f"compulsory {comp / 1e6:5.1f} MB ({2 * scratch / comp:4.0%} extra traffic)"
+    )
 
 # %% [markdown]
 # **Why it is faster:** at H 64 the split doubles the programs and at H 16 quadruples them (the block-size
@@ -686,8 +734,10 @@ for row in roles["rows"]:
     print(f"{row['what']:<50}" + "".join(f"{u:>15.1f}" for u in row["us"]))
 whole, neither = roles["rows"][0]["us"], roles["rows"][3]["us"]
 print("neither, as a share of the whole kernel:", ", ".join(f"{n}: {x / w:.0%}" for n, x, w in zip(SHAPE_NAMES, neither, whole)))
-print("each side alone, as a multiple of the whole call's bound:",
-      ", ".join(f"{n}: {min(r['us'][i] for r in roles['rows'][1:3]) / bound_us(i):.1f}×" for i, n in enumerate(SHAPE_NAMES)))
+print(
+    "each side alone, as a multiple of the whole call's bound:",
+    ", ".join(f"{n}: {min(r['us'][i] for r in roles['rows'][1:3]) / bound_us(i):.1f}×" for i, n in enumerate(SHAPE_NAMES)),
+)
 
 # %% [markdown]
 # * **Each side alone is far off the bound** (well over the whole call's bound, the cell above), and the
@@ -715,33 +765,50 @@ print("each side alone, as a multiple of the whole call's bound:",
 print(f"{probe['date']}: {probe['about']}")
 print(f"{'programs × rows':<16} {'rows':<18} {'depth':>5} {'warps':>5} {'µs':>6} {'of copy':>8}")
 for r in probe["rows"]:
-    print(f"{r['programs']:>4} × {r['rows']:<9} {r['rows_order']:<18} {r['depth']:>5} {r['warps']:>5} {r['us']:6.1f} "
-          f"{r['fraction_of_copy']:8.1%}")
+    print(
+        f"{r['programs']:>4} × {r['rows']:<9} {r['rows_order']:<18} {r['depth']:>5} {r['warps']:>5} {r['us']:6.1f} "
+        f"{r['fraction_of_copy']:8.1%}"
+    )
 
 
 def probe_range(programs, rows, order, depth=None):
-    fr = [r["fraction_of_copy"] for r in probe["rows"] if (r["programs"], r["rows"], r["rows_order"]) == (programs, rows, order)
-          and depth in (None, r["depth"])]
+    fr = [
+        r["fraction_of_copy"]
+        for r in probe["rows"]
+        if (r["programs"], r["rows"], r["rows_order"]) == (programs, rows, order) and depth in (None, r["depth"])
+    ]
     lo, hi = f"{min(fr):.0%}", f"{max(fr):.0%}"
     return lo if lo == hi else f"{lo}–{hi}"
 
 
 def probe_us(programs, rows, order, depth, warps):
-    return next(r["us"] for r in probe["rows"] if (r["programs"], r["rows"], r["rows_order"], r["depth"], r["warps"])
-                == (programs, rows, order, depth, warps))
+    return next(
+        r["us"]
+        for r in probe["rows"]
+        if (r["programs"], r["rows"], r["rows_order"], r["depth"], r["warps"]) == (programs, rows, order, depth, warps)
+    )
 
 
-GATHER_RATE = float(np.median([r["fraction_of_copy"] for r in probe["rows"]
-                               if (r["programs"], r["rows"], r["rows_order"]) == (128, 1152, "random")]))
-print(f"one program per SM, 1152 random rows each: {probe_range(128, 1152, 'random')} of copy (median "
-      f"{GATHER_RATE:.0%}); contiguous {probe_range(128, 1152, 'contiguous')}; without the scale words "
-      f"{probe_range(128, 1152, 'random, no scales')}")
+GATHER_RATE = float(
+    np.median(
+        [r["fraction_of_copy"] for r in probe["rows"] if (r["programs"], r["rows"], r["rows_order"]) == (128, 1152, "random")]
+    )
+)
+print(
+    f"one program per SM, 1152 random rows each: {probe_range(128, 1152, 'random')} of copy (median "
+    f"{GATHER_RATE:.0%}); contiguous {probe_range(128, 1152, 'contiguous')}; without the scale words "
+    f"{probe_range(128, 1152, 'random, no scales')}"
+)
 saved = 1 - probe_us(128, 1152, "random, no scales", 2, 4) / probe_us(128, 1152, "random", 2, 4)
 print(f"the scale words: {formats.SCALE_BYTES / formats.TOKEN_BYTES:.1%} of the bytes, {saved:.0%} of the time")
-print(f"320 rows each (the H 64 kernel's share): {probe_range(128, 320, 'random')}: the launch and the first "
-      f"chunk's round trip weigh on few chunks")
-print(f"two or three programs per SM, one chunk in flight each: {probe_range(256, 576, 'random', 1)}, "
-      f"{probe_range(384, 384, 'random', 1)}; two chunks in flight each: {probe_range(256, 576, 'random', 2)}")
+print(
+    f"320 rows each (the H 64 kernel's share): {probe_range(128, 320, 'random')}: the launch and the first "
+    f"chunk's round trip weigh on few chunks"
+)
+print(
+    f"two or three programs per SM, one chunk in flight each: {probe_range(256, 576, 'random', 1)}, "
+    f"{probe_range(384, 384, 'random', 1)}; two chunks in flight each: {probe_range(256, 576, 'random', 2)}"
+)
 
 # %%
 print(f"µs, {fixed['date']}: {fixed['about']}")
@@ -749,8 +816,13 @@ print(f"{'':<55}" + "".join(f"{n:>15}" for n in SHAPE_NAMES))
 for row in fixed["rows"]:
     print(f"{row['what']:<55}" + "".join(f"{u:>15.1f}" for u in row["us"]))
 d4, d5, d6 = (row["us"] for row in fixed["rows"])
-print("the query (DIAG 4 − 5):", " / ".join(f"{x - y:.1f}" for x, y in zip(d4, d5)),
-      "µs; the epilogue's stores (DIAG 5 − 6):", " / ".join(f"{x - y:.1f}" for x, y in zip(d5, d6)), "µs")
+print(
+    "the query (DIAG 4 − 5):",
+    " / ".join(f"{x - y:.1f}" for x, y in zip(d4, d5)),
+    "µs; the epilogue's stores (DIAG 5 − 6):",
+    " / ".join(f"{x - y:.1f}" for x, y in zip(d5, d6)),
+    "µs",
+)
 
 # %% [markdown]
 # ### 10c. What paid, and what did not
@@ -801,8 +873,10 @@ print("the query (DIAG 4 − 5):", " / ".join(f"{x - y:.1f}" for x, y in zip(d4,
 
 # %%
 figures("gluon", "split")
-print("at the floor (within a point):", ", ".join(f"{n}: {bound_us(i) / US['gluon'][i] >= FLOOR - 0.01}"
-                                                  for i, n in enumerate(SHAPE_NAMES)))
+print(
+    "at the floor (within a point):",
+    ", ".join(f"{n}: {bound_us(i) / US['gluon'][i] >= FLOOR - 0.01}" for i, n in enumerate(SHAPE_NAMES)),
+)
 
 # %%
 # H 64 against the floor: the time a call at 35 % of the bound may take, and what is spent before any chunk.
@@ -814,11 +888,15 @@ rows_per_program = sh["K"] // sh["splits"]
 gather64 = [r["us"] for r in probe["rows"] if (r["programs"], r["rows"], r["rows_order"]) == (128, rows_per_program, "random")]
 chunks = rows_per_program // 64
 chunk_mma_us = 2 * 64 * 64 * 2 * formats.HEAD_DIM / (peak / 132) * 1e6  # QKᵀ and P·V of one 64-row chunk, one SM
-print(f"H 64: a call at the floor takes {target:.1f} µs; the fixed cost (no chunks) is {fixed64:.1f} µs, "
-      f"{fixed64 / target:.0%} of it")
+print(
+    f"H 64: a call at the floor takes {target:.1f} µs; the fixed cost (no chunks) is {fixed64:.1f} µs, "
+    f"{fixed64 / target:.0%} of it"
+)
 print(f"the bare gather of {rows_per_program} random rows per program: {min(gather64):.1f}–{max(gather64):.1f} µs")
-print(f"{chunks} chunks at the tensor cores' rate: {chunks} × {chunk_mma_us:.2f} µs; with the fixed cost in series "
-      f"{fixed64 + chunks * chunk_mma_us:.1f} µs: reaches the floor: {fixed64 + chunks * chunk_mma_us <= target}")
+print(
+    f"{chunks} chunks at the tensor cores' rate: {chunks} × {chunk_mma_us:.2f} µs; with the fixed cost in series "
+    f"{fixed64 + chunks * chunk_mma_us:.1f} µs: reaches the floor: {fixed64 + chunks * chunk_mma_us <= target}"
+)
 
 # %% [markdown]
 # Two lessons carry over to any port. Time the memory pattern alone, at your kernel's grid, before designing a
@@ -863,12 +941,17 @@ rungs = {
     "two_pass (rung 1)": lambda: sparse_mla.decode(**inputs, backend="two_pass"),
     "triton (rung 2)": lambda: sparse_mla.decode(**inputs, backend="triton"),
     "triton, split in 4 (rung 3)": lambda: sparse_mla.decode(
-        **inputs, backend="triton", launch=dataclasses.replace(sparse_mla.default_launch(T, H, 32, DEVICE), num_splits=4)),
+        **inputs, backend="triton", launch=dataclasses.replace(sparse_mla.default_launch(T, H, 32, DEVICE), num_splits=4)
+    ),
 }
 for name, run in rungs.items():
     o, l = run()
-    print(f"{name:<28}", compare(o, out_ref, "bf16_weighted_sum", "out", mass).verdict(), "|",
-          compare(l, lse_ref, "lse", "lse").verdict())
+    print(
+        f"{name:<28}",
+        compare(o, out_ref, "bf16_weighted_sum", "out", mass).verdict(),
+        "|",
+        compare(l, lse_ref, "lse", "lse").verdict(),
+    )
 
 # %%
 # Empty rows and poisoned memory: row 0 has length 0, row 1 only -1 entries; every entry past a length
@@ -877,16 +960,18 @@ for name, run in rungs.items():
 b1 = inputs["block_size"]
 c_bad = inputs["cache"].clone()
 c_bad[0, :576] = 0x7F
-c_bad[0, b1 * 576:b1 * 576 + 8] = 0xFF
+c_bad[0, b1 * 576 : b1 * 576 + 8] = 0xFF
 s_bad = slots.clone()
 s_bad[1, :] = -1
 l_bad = torch.tensor([0, 16, 9], dtype=torch.int32).to(DEVICE)
 for t in range(T):
-    s_bad[t, int(l_bad[t]):] = 0
+    s_bad[t, int(l_bad[t]) :] = 0
 for backend in sparse_mla.SUPPORTED_BACKENDS:
     o, l = sparse_mla.decode(q, c_bad, s_bad, l_bad, block_size=b1, sink=sink, backend=backend)
-    print(f"{backend:>9}: NaN in out: {bool(torch.isnan(o).any())}; empty rows zero: {bool((o[:2] == 0).all())}; "
-          f"their lse: {sorted(set(l[:2].flatten().cpu().tolist()))}; row 2 finite: {bool(torch.isfinite(l[2]).all())}")
+    print(
+        f"{backend:>9}: NaN in out: {bool(torch.isnan(o).any())}; empty rows zero: {bool((o[:2] == 0).all())}; "
+        f"their lse: {sorted(set(l[:2].flatten().cpu().tolist()))}; row 2 finite: {bool(torch.isfinite(l[2]).all())}"
+    )
 
 # %% [markdown]
 # **A NaN is never an empty row.** A query holding a NaN is refused while value checks are on (the default:
@@ -904,13 +989,19 @@ try:
     sparse_mla.decode(**{**inputs, "q": q_nan})
 except ValueError as e:
     print("checks on:", str(e))
-empty = {**inputs, "q": q_nan, "lengths": torch.zeros_like(lengths),
-         "extra_lengths": torch.zeros_like(inputs["extra_lengths"])}  # no token has a valid candidate
+empty = {
+    **inputs,
+    "q": q_nan,
+    "lengths": torch.zeros_like(lengths),
+    "extra_lengths": torch.zeros_like(inputs["extra_lengths"]),
+}  # no token has a valid candidate
 with validate.checking_values(False):
     for backend in sparse_mla.SUPPORTED_BACKENDS:
         o, l = sparse_mla.decode(**empty, backend=backend)
-        print(f"checks off, {backend:>9}: head (1, 3) out NaN: {bool(o[1, 3].isnan().all())}, lse {float(l[1, 3])}; "
-              f"the other rows: out 0 {bool((o[~l.isnan()] == 0).all())}, lse {sorted(set(l[~l.isnan()].tolist()))}")
+        print(
+            f"checks off, {backend:>9}: head (1, 3) out NaN: {bool(o[1, 3].isnan().all())}, lse {float(l[1, 3])}; "
+            f"the other rows: out 0 {bool((o[~l.isnan()] == 0).all())}, lse {sorted(set(l[~l.isnan()].tolist()))}"
+        )
 
 # %% [markdown]
 # ## 12. Bytes moved: two-pass against fused
@@ -919,6 +1010,7 @@ with validate.checking_values(False):
 # two-pass paths read the same 588 bytes, **write** a 1024-byte bf16 row to the workspace and **read it
 # back**: 2636 bytes, 4.5× more, plus a second launch (§5's cell computes both). In a memory-bound op that is
 # the whole story.
+
 
 # %%
 def traffic(T, H, K, per_row):
@@ -929,8 +1021,11 @@ def traffic(T, H, K, per_row):
 shapes = [("V4-Flash\nH=64 K=640", 64, 640), ("V4-Pro\nH=128 K=1152", 128, 1152), ("TP/memory-bound\nH=16 K=2048", 16, 2048)]
 fig, axes = plt.subplots(1, 2, figsize=(11, 3.6))
 ax = axes[0]
-parts_b = [("read FP8 record + slot", ROW_FUSED, ROW_FUSED), ("write bf16 workspace", 0, ROW_BF16),
-           ("read bf16 workspace", 0, ROW_BF16)]
+parts_b = [
+    ("read FP8 record + slot", ROW_FUSED, ROW_FUSED),
+    ("write bf16 workspace", 0, ROW_BF16),
+    ("read bf16 workspace", 0, ROW_BF16),
+]
 bottom = np.zeros(2)
 for name, fused_b, two_b in parts_b:
     vals = np.array([fused_b, two_b])
@@ -950,9 +1045,11 @@ ax.legend(fontsize=8)
 plt.tight_layout()
 plt.show()
 for name, h, k in shapes:
-    print(f"{name.replace(chr(10), ' '):<30} fused {traffic(64, h, k, ROW_FUSED) / 1e6:6.1f} MB, "
-          f"two-pass {traffic(64, h, k, ROW_TWO_PASS) / 1e6:6.1f} MB, "
-          f"FLOP/byte (fused) {64 * 2 * h * k * 1024 / traffic(64, h, k, ROW_FUSED):5.0f}")
+    print(
+        f"{name.replace(chr(10), ' '):<30} fused {traffic(64, h, k, ROW_FUSED) / 1e6:6.1f} MB, "
+        f"two-pass {traffic(64, h, k, ROW_TWO_PASS) / 1e6:6.1f} MB, "
+        f"FLOP/byte (fused) {64 * 2 * h * k * 1024 / traffic(64, h, k, ROW_FUSED):5.0f}"
+    )
 
 # %% [markdown]
 # ## 13. The roofline: every rung, measured on an H200
@@ -976,27 +1073,39 @@ for name, h, k in shapes:
 # the bound keeps the copy rate.
 
 # %%
-print(f"{ladder['device']}, {ladder['date']}: copy {bw / 1e12:.2f} TB/s, bf16 matmul {peak / 1e12:.0f} TFLOP/s; "
-      f"ridge at {peak / bw:.0f} FLOP/byte")
+print(
+    f"{ladder['device']}, {ladder['date']}: copy {bw / 1e12:.2f} TB/s, bf16 matmul {peak / 1e12:.0f} TFLOP/s; "
+    f"ridge at {peak / bw:.0f} FLOP/byte"
+)
 print("accounting:", ladder["accounting"])
 
 # %%
 markers = dict(seed="v", two_pass="s", fused="D", split="o", gluon="*", torch_compile="x")
-colors = dict(seed="tab:gray", two_pass="tab:brown", fused="tab:orange", split="tab:blue", gluon="tab:green",
-              torch_compile="tab:purple")
+colors = dict(
+    seed="tab:gray", two_pass="tab:brown", fused="tab:orange", split="tab:blue", gluon="tab:green", torch_compile="tab:purple"
+)
 fig, axes = plt.subplots(1, 2, figsize=(12, 6.2), gridspec_kw=dict(width_ratios=[1.25, 1]))
 ax = axes[0]
 ai = np.logspace(1, 3, 200)
 ax.loglog(ai, np.minimum(ai * bw, peak) / 1e12, color="black", lw=1.2, label="roof: min(AI · copy BW, bf16 peak)")
-ax.loglog(ai, np.minimum(ai * bw * GATHER_RATE, peak) / 1e12, color="black", lw=0.8, ls="--",
-          label=f"the gather alone, measured (§10b): {GATHER_RATE:.0%} of copy BW")
+ax.loglog(
+    ai,
+    np.minimum(ai * bw * GATHER_RATE, peak) / 1e12,
+    color="black",
+    lw=0.8,
+    ls="--",
+    label=f"the gather alone, measured (§10b): {GATHER_RATE:.0%} of copy BW",
+)
 for sh in ladder["shapes"]:
     x = sh["flops"] / sh["bytes"]
     ax.axvline(x, color="grey", lw=0.4, ls=":")
     ax.annotate(f"H {sh['H']}, K {sh['K']}", (x, 1.2), rotation=90, fontsize=7, ha="right", va="bottom", color="grey")
 for r in ladder["rungs"] + ladder["others"]:
-    pts = [(sh["flops"] / sh["bytes"], sh["flops"] / (us * 1e-6) / 1e12) for sh, us in zip(ladder["shapes"], r["us"])
-           if us is not None]
+    pts = [
+        (sh["flops"] / sh["bytes"], sh["flops"] / (us * 1e-6) / 1e12)
+        for sh, us in zip(ladder["shapes"], r["us"])
+        if us is not None
+    ]
     label = r["label"] + ("" if r["status"] == "measured" else f" ({r['status']})")
     if pts:
         ax.scatter(*zip(*pts), marker=markers[r["key"]], color=colors[r["key"]], s=45, label=label, zorder=3)
@@ -1010,8 +1119,9 @@ ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.13), ncol=2)
 ax = axes[1]
 width = 0.8 / len(ladder["rungs"])
 for i, r in enumerate(ladder["rungs"]):
-    frac = [0 if us is None else max(sh["bytes"] / bw, sh["flops"] / peak) / (us * 1e-6)
-            for sh, us in zip(ladder["shapes"], r["us"])]
+    frac = [
+        0 if us is None else max(sh["bytes"] / bw, sh["flops"] / peak) / (us * 1e-6) for sh, us in zip(ladder["shapes"], r["us"])
+    ]
     ax.bar(np.arange(3) + (i - 2) * width, np.array(frac) * 100, width, color=colors[r["key"]], label=r["key"])
 ax.axhline(FLASHMLA * 100, color="black", lw=0.6, ls="--")
 ax.text(2.45, FLASHMLA * 100 + 1, "FlashMLA's level", fontsize=7, ha="right")
@@ -1036,8 +1146,10 @@ for r in ladder["rungs"] + ladder["others"]:
             continue
         bound = max(sh["bytes"] / bw, sh["flops"] / peak)
         gain = f"{prev[i] / us:5.2f}×" if prev[i] and r in ladder["rungs"] else ""
-        print(f"{r['key']:<14} {shape:<14} {us:7.1f} {sh['flops'] / us / 1e6:8.1f} {sh['bytes'] / us / 1e6:6.2f} "
-              f"{bound / (us * 1e-6):9.1%} {gain:>13}")
+        print(
+            f"{r['key']:<14} {shape:<14} {us:7.1f} {sh['flops'] / us / 1e6:8.1f} {sh['bytes'] / us / 1e6:6.2f} "
+            f"{bound / (us * 1e-6):9.1%} {gain:>13}"
+        )
         if r in ladder["rungs"]:
             prev[i] = us
 for r in ladder["rungs"] + ladder["others"]:
@@ -1080,7 +1192,9 @@ if not dsv4ref.interpreting():
     ceil, rows = run_benches("sparse_mla")
     print(f"copy {ceil.copy_bytes_per_s / 1e12:.2f} TB/s, bf16 {ceil.bf16_flops_per_s / 1e12:.0f} TFLOP/s")
     for r in rows:
-        print(f"{r.case.op:<26} {r.case.shape:<32} {r.ms * 1e3:8.1f} us {r.bytes_per_s / 1e9:7.0f} GB/s "
-              f"{r.flops_per_s / 1e12:6.1f} TFLOP/s {r.fraction:7.1%} of bound")
+        print(
+            f"{r.case.op:<26} {r.case.shape:<32} {r.ms * 1e3:8.1f} us {r.bytes_per_s / 1e9:7.0f} GB/s "
+            f"{r.flops_per_s / 1e12:6.1f} TFLOP/s {r.fraction:7.1%} of bound"
+        )
 else:
     print("interpreting: no timings on the CPU")

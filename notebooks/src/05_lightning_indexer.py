@@ -52,8 +52,10 @@ for ctx in (8192, 131072, 1048576):
     all_b, all_f = n_c * 584, n_c * 2 * heads * d_lat * 2
     idx_b = n_c * ix.FP8_RECORD + min(n_c, k_top) * 584
     idx_f = n_c * 2 * n_ih * d_ih + min(n_c, k_top) * 2 * heads * d_lat * 2
-    print(f"{ctx:>9} {n_c:>8} | {all_b / 2**20:7.1f} MiB {all_f / 1e9:6.2f} GFLOP | "
-          f"{idx_b / 2**20:7.1f} MiB {idx_f / 1e9:6.2f} GFLOP")
+    print(
+        f"{ctx:>9} {n_c:>8} | {all_b / 2**20:7.1f} MiB {all_f / 1e9:6.2f} GFLOP | "
+        f"{idx_b / 2**20:7.1f} MiB {idx_f / 1e9:6.2f} GFLOP"
+    )
 
 # %% [markdown]
 # At 1M tokens the indexer reads 4.4× fewer bytes and does 7.8× fewer FLOPs than dense attention over the
@@ -98,10 +100,13 @@ q_ref, _, wo_ref = ix.quantize_q(iq, pos, cs, w, backend="reference")
 amax = x[0].abs().amax(-1)
 e = (wo_ref[0].double() / (w[0].double() * ix.reference.fold(H))).log2()
 print("token 0, scale exponent e per head:", e.round().int().cpu().tolist())
-print("weights_out == w · 2^e · c exactly:",
-      torch.equal(wo_ref[0], (w[0] * torch.exp2(e.round()).float()) * ix.reference.fold(H)))
-print("every head's largest |q̂| lands in (224, 448]:",
-      bool(((amax * torch.exp2(-e.round().float()) > 224) & (amax * torch.exp2(-e.round().float()) <= 448)).all()))
+print(
+    "weights_out == w · 2^e · c exactly:", torch.equal(wo_ref[0], (w[0] * torch.exp2(e.round()).float()) * ix.reference.fold(H))
+)
+print(
+    "every head's largest |q̂| lands in (224, 448]:",
+    bool(((amax * torch.exp2(-e.round().float()) > 224) & (amax * torch.exp2(-e.round().float()) <= 448)).all()),
+)
 
 # %% [markdown]
 # A numerical check of the fold: scale one head's query by 2^k. The FP8 codes do not move at all; only that
@@ -113,8 +118,12 @@ iq2 = iq.clone()
 iq2[0, 3] *= 2.0**6
 q2, _, wo2 = ix.quantize_q(iq2, pos, cs, w, backend="reference")
 print("codes unchanged:", torch.equal(q2.view(torch.uint8), q_ref.view(torch.uint8)))
-print("weights_out[0, 3] ratio:", (wo2[0, 3] / wo_ref[0, 3]).item(), "| other heads unchanged:",
-      torch.equal(wo2[0, :3], wo_ref[0, :3]) and torch.equal(wo2[1:], wo_ref[1:]))
+print(
+    "weights_out[0, 3] ratio:",
+    (wo2[0, 3] / wo_ref[0, 3]).item(),
+    "| other heads unchanged:",
+    torch.equal(wo2[0, :3], wo_ref[0, :3]) and torch.equal(wo2[1:], wo_ref[1:]),
+)
 
 # %% [markdown]
 # ## 3. The kernel
@@ -147,8 +156,10 @@ for fmt in ix.FMTS:
         ref = ix.quantize_q(iq, pos, cs, w, fmt=fmt, hadamard=had, backend="reference")
         out = ix.quantize_q(iq, pos, cs, w, fmt=fmt, hadamard=had)
         names = ("codes", "scales", "weights_out")
-        print(f"{fmt:6} hadamard={had!s:5}", " | ".join(compare(o, r, "exact", n).verdict()
-                                                         for o, r, n in zip(out, ref, names) if o is not None))
+        print(
+            f"{fmt:6} hadamard={had!s:5}",
+            " | ".join(compare(o, r, "exact", n).verdict() for o, r, n in zip(out, ref, names) if o is not None),
+        )
 
 # %% [markdown]
 # ## 4. MXFP4: half the key bytes, no fold
@@ -165,14 +176,16 @@ kb = [0, 3, -2, 1]  # block b holds amax 6·2^kb[b]
 vals = [6.0, 0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, -2.5, -0.1]
 row = torch.zeros(1, 128)
 for b in range(4):
-    row[0, 32 * b: 32 * b + len(vals)] = torch.tensor(vals) * 2.0 ** kb[b]
+    row[0, 32 * b : 32 * b + len(vals)] = torch.tensor(vals) * 2.0 ** kb[b]
 packed, sbytes = ix.quantize_k(row.to(torch.bfloat16).to(DEVICE), fmt="mxfp4")
 print("values (block 0):   ", vals)
 print("codes (block 0):    ", ix.reference.e2m1_encode(torch.tensor(vals)).tolist(), " <- ties go to the even code")
 print("packed bytes 0..4:  ", [f"0x{v:02x}" for v in packed[0, :5].cpu().tolist()], " (low nibble = even element)")
 print("scale bytes:        ", sbytes[0].cpu().tolist(), " = 127 + k per block")
 iq1 = row.reshape(1, 1, 128).to(torch.bfloat16).to(DEVICE)
-_, sc_word, _ = ix.quantize_q(iq1, torch.zeros(1, dtype=torch.int64, device=DEVICE), cs, torch.ones(1, 1, device=DEVICE), fmt="mxfp4")
+_, sc_word, _ = ix.quantize_q(
+    iq1, torch.zeros(1, dtype=torch.int64, device=DEVICE), cs, torch.ones(1, 1, device=DEVICE), fmt="mxfp4"
+)
 print("q scale word (int32):", f"0x{int(sc_word[0, 0]) & 0xFFFFFFFF:08x}", " (block 0 in the low byte)")
 
 # %% [markdown]
@@ -208,6 +221,7 @@ print("E2M1 value (decoder):", ix.reference.e2m1_decode(codes).tolist())
 # We compare both formats with the exact scores computed in float64 from the **unquantised** rotated q and
 # the bf16 keys, and measure how much of the exact top-16 each keeps.
 
+
 # %%
 def exact_logits(ex):
     x = ix.reference.prepare_q(ex["index_q"], ex["positions"], ex["cos_sin"]).double()
@@ -232,16 +246,17 @@ for fmt in ix.FMTS:
     exact = exact_logits(ex_f)
     f = torch.isfinite(exact)
     rel = float((lg_ref.double()[f] - exact[f]).norm() / exact[f].norm())
-    hits = sum(len(set(ix.topk(lg_ref, K_SEL)[t].tolist()) & set(ix.topk(exact.float(), K_SEL)[t].tolist()))
-               for t in range(T))
+    hits = sum(len(set(ix.topk(lg_ref, K_SEL)[t].tolist()) & set(ix.topk(exact.float(), K_SEL)[t].tolist())) for t in range(T))
     results[fmt] = (ix.FP8_RECORD if fmt == "fp8" else ix.MXFP4_RECORD, rel, hits / (T * K_SEL))
     # kernel vs the float64 oracle, normalised by Σ_h |w|·Σ_d |q·k| (the scale of fp32 summation error)
     args = (q, qs, wo, ex_f["k_cache"], ex_f["positions"], ex_f["block_table"])
     cond = ix.reference.logits_condition(*args, block_size=BC, n_out=lg.shape[1])
     oracle = ix.reference.logits(*args, block_size=BC, n_out=lg.shape[1], dtype=torch.float64)
     verdict = compare(lg.double() / cond, oracle / cond, "fp32_dot", "kernel").verdict()
-    print(f"{fmt:6} {verdict}"
-          f" | bytes/key {results[fmt][0]:3d} | rel. L2 error vs exact {bucket(rel):>7} | top-{K_SEL} overlap {hits}/{T * K_SEL}")
+    print(
+        f"{fmt:6} {verdict}"
+        f" | bytes/key {results[fmt][0]:3d} | rel. L2 error vs exact {bucket(rel):>7} | top-{K_SEL} overlap {hits}/{T * K_SEL}"
+    )
 
 # %%
 fig, (a1, a2) = plt.subplots(1, 2, figsize=(9, 3))
@@ -273,10 +288,10 @@ exact0 = exact_logits(ex0)
 for hq, hk in [(False, False), (True, True), (True, False)]:
     exh = ix.example_inputs(T, H, N_KEYS, block_size=BC, seed=9, hadamard=hk)
     q, _, wo = ix.quantize_q(exh["index_q"], exh["positions"], exh["cos_sin"], exh["weights"], hadamard=hq)
-    lg = ix.logits(q, None, wo, exh["k_cache"], exh["positions"], block_table=exh["block_table"], block_size=BC,
-                   backend="reference")
-    hits = sum(len(set(ix.topk(lg, K_SEL)[t].tolist()) & set(ix.topk(exact0.float(), K_SEL)[t].tolist()))
-               for t in range(T))
+    lg = ix.logits(
+        q, None, wo, exh["k_cache"], exh["positions"], block_table=exh["block_table"], block_size=BC, backend="reference"
+    )
+    hits = sum(len(set(ix.topk(lg, K_SEL)[t].tolist()) & set(ix.topk(exact0.float(), K_SEL)[t].tolist())) for t in range(T))
     print(f"hadamard on q={hq!s:5} k={hk!s:5}: top-{K_SEL} overlap with the exact ranking {hits}/{T * K_SEL}")
 
 # %% [markdown]
@@ -361,8 +376,10 @@ except ValueError as e:
 with validate.checking_values(False):
     for backend in ("reference", "triton"):
         codes8, scale = ix.quantize_k(k_bad, backend=backend)
-        print(f"{backend:9} key 0: codes {[hex(b) for b in codes8.view(torch.uint8)[0, :4].tolist()]}…, scale "
-              f"{scale[0].item()} | key 1 scale {scale[1].item()}")
+        print(
+            f"{backend:9} key 0: codes {[hex(b) for b in codes8.view(torch.uint8)[0, :4].tolist()]}…, scale "
+            f"{scale[0].item()} | key 1 scale {scale[1].item()}"
+        )
     print("top-2 of", scores.tolist(), "->", sorted(ix.topk(scores, 2)[0].tolist()))
 
 # %% [markdown]
@@ -376,6 +393,7 @@ with validate.checking_values(False):
 # dynamo and AOTAutograd, which is where the fake implementation is needed, without the C++ build that
 # inductor does on a CPU (about 20 s on a 2-core machine; the result is the same).
 
+
 # %%
 def indexer_q(index_q, positions, cos_sin, weights):
     q, _, w_out = ix.quantize_q(index_q, positions, cos_sin, weights)
@@ -384,8 +402,12 @@ def indexer_q(index_q, positions, cos_sin, weights):
 
 explain = torch._dynamo.explain(indexer_q)(iq, pos, cs, w)
 print("graphs:", explain.graph_count, "| graph breaks:", explain.graph_break_count)
-print("ops in the graph:", sorted({str(n.target) for g in explain.graphs for n in g.graph.nodes
-                                   if n.op == "call_function" and "dsv4ref" in str(n.target)}))
+print(
+    "ops in the graph:",
+    sorted(
+        {str(n.target) for g in explain.graphs for n in g.graph.nodes if n.op == "call_function" and "dsv4ref" in str(n.target)}
+    ),
+)
 compiled = torch.compile(indexer_q, fullgraph=True, backend="aot_eager")
 got, want = compiled(iq, pos, cs, w), indexer_q(iq, pos, cs, w)
 print("compiled == eager:", all(torch.equal(a, b) for a, b in zip(got, want)))
@@ -402,8 +424,10 @@ print("compiled == eager:", all(torch.equal(a, b) for a, b in zip(got, want)))
 # %%
 T_b, n_b = 64, 32768
 for fmt, rec in (("fp8", ix.FP8_RECORD), ("mxfp4", ix.MXFP4_RECORD)):
-    print(f"{fmt:6} keys {T_b * n_b * rec / 1e6:6.1f} MB, logits out {T_b * n_b * 4 / 1e6:4.1f} MB, "
-          f"{2 * T_b * n_b * 64 * 128 / 1e9:5.1f} GFLOP")
+    print(
+        f"{fmt:6} keys {T_b * n_b * rec / 1e6:6.1f} MB, logits out {T_b * n_b * 4 / 1e6:4.1f} MB, "
+        f"{2 * T_b * n_b * 64 * 128 / 1e9:5.1f} GFLOP"
+    )
 
 # %%
 # NBVAL_IGNORE_OUTPUT

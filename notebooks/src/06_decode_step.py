@@ -115,9 +115,20 @@ for r, layer in ((4, 1), (128, 2)):
     got, at = [], []
     for a, b in [(0, 5)] + [(p, p + 1) for p in range(5, 300)]:
         n, pos = b - a, torch.arange(a, b, device=DEVICE)
-        rows, done = compressor.compress(x[a:b], cw["wkv"], cw["wgate"], cw["ape"], cw["norm"], state.kv, state.score,
-                                         torch.zeros(n, dtype=torch.int64, device=DEVICE), pos, ratio=r,
-                                         eps=TINY.rms_norm_eps, backend="reference")
+        rows, done = compressor.compress(
+            x[a:b],
+            cw["wkv"],
+            cw["wgate"],
+            cw["ape"],
+            cw["norm"],
+            state.kv,
+            state.score,
+            torch.zeros(n, dtype=torch.int64, device=DEVICE),
+            pos,
+            ratio=r,
+            eps=TINY.rms_norm_eps,
+            backend="reference",
+        )
         got.append(rows[done])  # one row per token; done marks the boundary tokens, whose rows are complete
         at += pos[done].tolist()
     want, _ = decode.reference.compress({k: v.double() for k, v in cw.items()}, r, x.double(), TINY.rms_norm_eps)
@@ -140,7 +151,7 @@ for r, layer in ((4, 1), (128, 2)):
 
 # %%
 src = inspect.getsource(compressor.kernels.compress_kernel.fn)  # .fn: the Python function under @triton.jit
-print(src[src.index("    if boundary:"): src.index("    else:")])
+print(src[src.index("    if boundary:") : src.index("    else:")])
 
 # %% [markdown]
 # The Triton kernels (interpreted on a CPU-only machine, compiled on a GPU) on a 13-token prefill and then single tokens, both ratios, against
@@ -152,18 +163,27 @@ for r, dim in ((4, 512), (4, 128), (128, 512)):
     xs = x[:130] if r == 128 else x[:17]
     state = compressor.allocate_state(1, r, dim)
     got, p0 = [], 0
-    for n in ((128, 1, 1) if r == 128 else (13, 1, 1, 1, 1)):
+    for n in (128, 1, 1) if r == 128 else (13, 1, 1, 1, 1):
         p = torch.arange(p0, p0 + n, device=DEVICE)
-        rows, done = compressor.compress(xs[p0:p0 + n], cw["wkv"], cw["wgate"], cw["ape"], cw["norm"], state.kv,
-                                         state.score, torch.zeros(n, dtype=torch.int64, device=DEVICE), p, ratio=r,
-                                         eps=TINY.rms_norm_eps, backend="triton")
+        rows, done = compressor.compress(
+            xs[p0 : p0 + n],
+            cw["wkv"],
+            cw["wgate"],
+            cw["ape"],
+            cw["norm"],
+            state.kv,
+            state.score,
+            torch.zeros(n, dtype=torch.int64, device=DEVICE),
+            p,
+            ratio=r,
+            eps=TINY.rms_norm_eps,
+            backend="triton",
+        )
         got.append(rows[done])
         p0 += n
-    want, _ = compressor.compress_sequence(xs, cw["wkv"], cw["wgate"], cw["ape"], cw["norm"], ratio=r,
-                                           eps=TINY.rms_norm_eps)
+    want, _ = compressor.compress_sequence(xs, cw["wkv"], cw["wgate"], cw["ape"], cw["norm"], ratio=r, eps=TINY.rms_norm_eps)
     rep = decode.rel_err(torch.cat(got), want)
-    print(f"ratio {r:>3}, D = {dim}: {want.shape[0]} rows; Triton vs float64 within 2^-14 per row: "
-          f"{bool((rep <= 2**-14).all())}")
+    print(f"ratio {r:>3}, D = {dim}: {want.shape[0]} rows; Triton vs float64 within 2^-14 per row: {bool((rep <= 2**-14).all())}")
 
 # %% [markdown]
 #
@@ -180,8 +200,9 @@ for r, dim in ((4, 512), (4, 128), (128, 512)):
 # Triton kernels.
 
 # %%
-dec, w, recs, _ = decode.run(TINY, steps=24, prompt_lens=(133, 37, 5, 70), decode_backend="reference",
-                             inactive={10: [2], 11: [2]})
+dec, w, recs, _ = decode.run(
+    TINY, steps=24, prompt_lens=(133, 37, 5, 70), decode_backend="reference", inactive={10: [2], 11: [2]}
+)
 print("requests:", dec.R, " tokens now in the caches:", dec.lengths.tolist(), " capacity per request:", dec.capacity)
 st1 = dec.layers[1]
 print("window cache, layer 0:", tuple(dec.layers[0].swa.shape), "uint8  (pages x page bytes)")
@@ -263,12 +284,15 @@ print(f"top-16 overlap with the float64 indexer over {tot // K} selections: >= 8
 def overlap(ids, scores, positions):
     """Fraction of the decode path's top-K ids that are among the top-K of the float64 ``scores``."""
     return sum(len(set(torch.topk(scores[p], K).indices.tolist()) & set(ids[p].tolist())) for p in positions) / (
-        K * len(positions))
+        K * len(positions)
+    )
 
 
 sel = range(4 * K + 3, len(toks[0]))
-print("closer to the float64 scores in its own format (FP8) than to the unquantised ones:",
-      overlap(topks[0][1], pure["index_scores_fmt"][1], sel) >= overlap(topks[0][1], pure["index_scores"][1], sel))
+print(
+    "closer to the float64 scores in its own format (FP8) than to the unquantised ones:",
+    overlap(topks[0][1], pure["index_scores_fmt"][1], sel) >= overlap(topks[0][1], pure["index_scores"][1], sel),
+)
 
 # %% [markdown]
 # ### FP8 or DeepSeek's FP4 in the indexer
@@ -287,13 +311,17 @@ dec4.prefill([toks[r][:n] for r, n in enumerate((133, 37, 5, 70))])
 ids8, ids4 = topks[0][1], dec4.history()[1][0][1]
 sel = range(4 * K + 3, 133)  # request 0's prompt positions with n_c > K_top
 shared = sum(len(set(ids8[p].tolist()) & set(ids4[p].tolist())) for p in sel) / (K * len(sel))
-print(f"indexer K pool, layer 1: {dec.layers[1].idx_cache.shape[1] // TINY.index_page} B/key (FP8), "
-      f"{dec4.layers[1].idx_cache.shape[1] // TINY.index_page} B/key (MXFP4)")
+print(
+    f"indexer K pool, layer 1: {dec.layers[1].idx_cache.shape[1] // TINY.index_page} B/key (FP8), "
+    f"{dec4.layers[1].idx_cache.shape[1] // TINY.index_page} B/key (MXFP4)"
+)
 print(f"top-16 ids shared by FP8 and FP4 on the same step, layer 1: {int(shared * 10) / 10} (rounded down to a tenth)")
 print("identical at every position:", all(set(ids8[p].tolist()) == set(ids4[p].tolist()) for p in sel))
 ref4 = decode.reference_forward(fp4, w, toks[0][:133], dec4.history()[1][0])
-print("FP4's choice closer to the float64 FP4 simulation than to the unquantised scores:",
-      overlap(ids4, ref4["index_scores_fmt"][1], sel) >= overlap(ids4, ref4["index_scores"][1], sel))
+print(
+    "FP4's choice closer to the float64 FP4 simulation than to the unquantised scores:",
+    overlap(ids4, ref4["index_scores_fmt"][1], sel) >= overlap(ids4, ref4["index_scores"][1], sel),
+)
 
 # %% [markdown]
 # ## 4. The check has teeth
@@ -327,8 +355,12 @@ pos = dec.lengths.clone()
 got = dec.step(ids, backend="triton")
 attn = [a.cpu() for a in dec.attn_out]
 one = decode.agreement(TINY, w, recs + [(24, pos, got.cpu(), attn, torch.ones(4, dtype=torch.bool))], dec.history())[-1]
-print("Triton step: attention within 2^-3:", one.attn_err <= decode.ATTN_TOL, "; logits within 2^-4:",
-      one.logits_err <= decode.LOGITS_TOL)
+print(
+    "Triton step: attention within 2^-3:",
+    one.attn_err <= decode.ATTN_TOL,
+    "; logits within 2^-4:",
+    one.logits_err <= decode.LOGITS_TOL,
+)
 
 # %% [markdown]
 # Bad input is refused with an error that names the problem, and a decode past the space the caches
@@ -386,6 +418,7 @@ plt.show()
 # sizes 61 and 2, −1 slots and short slot maps, −1 inside index prefixes, an empty row, ±∞ sinks,
 # padded heads, the causal top-k mask and the transposed-comb 4-cycle. It returns one row per output,
 # compared under a named tolerance. Here is someone's `mhc.post` that forgot the transpose:
+
 
 # %%
 def my_post(x, residual, post, comb):
@@ -479,8 +512,12 @@ with checking_values(False):
         for _ in range(4):
             lg = dg.step(lg.argmax(-1).cpu())
         pair[graph] = dg
-print("graphs captured (indexer shortcut):", [k[1] for k in pair[True].graphs],
-      " replays:", [g.replays for g in pair[True].graphs.values()])
+print(
+    "graphs captured (indexer shortcut):",
+    [k[1] for k in pair[True].graphs],
+    " replays:",
+    [g.replays for g in pair[True].graphs.values()],
+)
 print("graph tokens == eager tokens:", torch.equal(pair[True].tokens, pair[False].tokens))
 
 # %% [markdown]
@@ -495,7 +532,9 @@ import os
 
 if not dsv4ref.interpreting() and os.environ.get("DSV4REF_BENCH") != "0":
     sp = decode.graph_speed(TINY, steps=32)
-    print(f"eager {sp['eager']:.0f} tokens/s, graph=True {sp['graph']:.0f} tokens/s (4 requests); replay "
-          f"{sp['replay_ms']:.2f} ms of a {sp['graph_ms']:.2f} ms graphed step; same tokens: {sp['same']}")
+    print(
+        f"eager {sp['eager']:.0f} tokens/s, graph=True {sp['graph']:.0f} tokens/s (4 requests); replay "
+        f"{sp['replay_ms']:.2f} ms of a {sp['graph_ms']:.2f} ms graphed step; same tokens: {sp['same']}"
+    )
 else:
     print("interpreting Triton on the CPU (or DSV4REF_BENCH=0): no timings; run on a GPU")

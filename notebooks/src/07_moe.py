@@ -63,8 +63,10 @@ ids, w = moe.route(d["x"], d["gate_weight"], bias, k=2, routed_scale=1.5)
 by_s = s.topk(2, dim=-1).indices
 print("token  ids (by s + b)  ids (by s alone)  weights")
 for t in range(T):
-    print(f"{t:>5}  {str(ids[t].tolist()):>14}  {str(sorted(by_s[t].tolist(), key=lambda e: -s[t, e].item())):>16}  "
-          f"{[round(v, 4) for v in w[t].tolist()]}")
+    print(
+        f"{t:>5}  {str(ids[t].tolist()):>14}  {str(sorted(by_s[t].tolist(), key=lambda e: -s[t, e].item())):>16}  "
+        f"{[round(v, 4) for v in w[t].tolist()]}"
+    )
 print("every row of weights sums to 1.5:", torch.allclose(w.sum(-1), torch.full((T,), 1.5, device=DEVICE)))
 
 # %%
@@ -141,11 +143,20 @@ print("√log(1 + exp z)       ", [f"{v:.3g}" for v in torch.sqrt(torch.log(1 + 
 dh = moe.example_inputs(4, moe.TINY_MOE, seed=8, hash_layer=True)
 tok = dh["input_ids"].clone()
 tok[3] = -1
-ih, wh = moe.route(dh["x"], dh["gate_weight"], torch.full((8,), float("nan"), device=DEVICE), k=2, routed_scale=1.5,
-                   hash_table=dh["hash_table"], input_ids=tok)
+ih, wh = moe.route(
+    dh["x"],
+    dh["gate_weight"],
+    torch.full((8,), float("nan"), device=DEVICE),
+    k=2,
+    routed_scale=1.5,
+    hash_table=dh["hash_table"],
+    input_ids=tok,
+)
 for t in range(4):
     row = dh["hash_table"][tok[t]].tolist() if tok[t] >= 0 else "padding"
-    print(f"token id {int(tok[t]):>4}: table row {row!s:<9} -> ids {ih[t].tolist()}, weights {[round(v, 4) for v in wh[t].tolist()]}")
+    print(
+        f"token id {int(tok[t]):>4}: table row {row!s:<9} -> ids {ih[t].tolist()}, weights {[round(v, 4) for v in wh[t].tolist()]}"
+    )
 
 # %% [markdown]
 # ## 2. Staging: FP8 activations with four scale bytes in one int32
@@ -179,8 +190,7 @@ x_fp8, x_sf, ids64, w32 = moe.stage(h, sid, sw)
 words = x_sf[0].tolist()
 for kb, word in enumerate(words):
     u = word & 0xFFFFFFFF
-    print(f"block {kb}: bytes (byte_0..byte_3) {[(u >> (8 * j)) & 0xFF for j in range(4)]}  "
-          f"word 0x{u:08X} = {word} as int32")
+    print(f"block {kb}: bytes (byte_0..byte_3) {[(u >> (8 * j)) & 0xFF for j in range(4)]}  word 0x{u:08X} = {word} as int32")
 q = x_fp8.view(torch.uint8)[0].tolist()
 print("e4m3 bytes at dims 0, 5, 32, 33, 64, 96, 97, 160:", [f"0x{q[i]:02X}" for i in (0, 5, 32, 33, 64, 96, 97, 160)])
 print("ids", ids64.dtype, ids64.tolist(), "| weights", w32.tolist())
@@ -195,10 +205,16 @@ for g in range(8):
     ax.text(g * 32 + 16, 1.8, f"g{g}: 32 × e4m3\nbyte {byte}", ha="center", va="center", fontsize=8)
     ax.add_patch(plt.Rectangle((kb * 128 + (3 - j) * 32, 0.2), 32, 0.8, color=cmap((byte - 100) / 40), ec="k"))
     ax.text(kb * 128 + (3 - j) * 32 + 16, 0.6, f"byte_{j}\n{byte}", ha="center", va="center", fontsize=8)
-    ax.annotate("", xy=(kb * 128 + (3 - j) * 32 + 16, 1.0), xytext=(g * 32 + 16, 1.4),
-                arrowprops=dict(arrowstyle="->", color="gray", lw=0.8))
+    ax.annotate(
+        "",
+        xy=(kb * 128 + (3 - j) * 32 + 16, 1.0),
+        xytext=(g * 32 + 16, 1.4),
+        arrowprops=dict(arrowstyle="->", color="gray", lw=0.8),
+    )
 for kb, word in enumerate(words):
-    ax.text(kb * 128 + 64, -0.25, f"x_sf[t, {kb}] = 0x{word & 0xFFFFFFFF:08X} = {word}  (bit 31 … bit 0)", ha="center", fontsize=9)
+    ax.text(
+        kb * 128 + 64, -0.25, f"x_sf[t, {kb}] = 0x{word & 0xFFFFFFFF:08X} = {word}  (bit 31 … bit 0)", ha="center", fontsize=9
+    )
 ax.text(-4, 1.8, "x_fp8[t]", ha="right", va="center")
 ax.text(-4, 0.6, "x_sf[t]", ha="right", va="center")
 ax.set_xlim(-40, 260)
@@ -241,6 +257,7 @@ plt.show()
 # each rule: a group with 0 < amax < 10⁻⁴, exact powers of two, ties between two e4m3 codes, values above 448·2^k,
 # and (value checks off) a group holding a NaN and one holding −inf.
 
+
 # %%
 def stage_by_hand(x, ids, weights):
     g = x.float().reshape(x.shape[0], -1, 32)  # [T, groups, 32]
@@ -257,7 +274,9 @@ def stage_by_hand(x, ids, weights):
     return q.reshape(x.shape).view(torch.float8_e4m3fn), x_sf, ids.to(torch.int64), weights.clone()
 
 
-rows = torch.randn(4, 256, generator=torch.Generator().manual_seed(3)) * torch.exp2(torch.arange(-12.0, 20.0, 4.0)).repeat_interleave(32)
+rows = torch.randn(4, 256, generator=torch.Generator().manual_seed(3)) * torch.exp2(
+    torch.arange(-12.0, 20.0, 4.0)
+).repeat_interleave(32)
 rows[0, :32] *= 5e-5 / rows[0, :32].abs().max()  # 0 < amax < 1e-4: the floor applies
 rows[1, :32] = 1.75  # an exact power-of-two scale
 rows[1, 32:64] = torch.tensor([17.0, 19.0, 232.0, 248.0] * 8)  # halfway between two e4m3 codes (448 = amax)
@@ -268,7 +287,7 @@ sid = torch.tensor([[0, 3], [-1, 5], [7, -1], [2, 2]], device=DEVICE)
 sw = torch.rand(4, 2, generator=torch.Generator().manual_seed(4)).to(DEVICE)
 for name, a, b in zip(("x_fp8", "x_sf", "ids", "weights"), stage_by_hand(xs, sid, sw), moe.stage(xs, sid, sw, backend="triton")):
     print(compare(a, b, "exact", f"by hand vs moe.stage (Triton): {name}").verdict())
-byte_floor = (stage_by_hand(xs, sid, sw)[1][0, 0].item() & 0xFF)
+byte_floor = stage_by_hand(xs, sid, sw)[1][0, 0].item() & 0xFF
 print("byte of the group with amax 5e-5:", byte_floor, "(the floor's byte: 105; without the floor: 104)")
 
 bad_rows = xs.clone()
@@ -276,12 +295,23 @@ bad_rows[0, 40], bad_rows[3, 200] = float("nan"), float("-inf")
 with dsv4ref.validate.checking_values(False):
     got = moe.stage(bad_rows, sid, sw, backend="triton")
 mine = stage_by_hand(bad_rows, sid, sw)
-print(compare(got[0], mine[0], "exact", "non-finite groups, codes").verdict(), "|",
-      compare(got[1], mine[1], "exact", "non-finite groups, scale words").verdict())
-print("group 1 of token 0 (a NaN inside): byte", (got[1][0, 0].item() >> 8) & 0xFF,
-      "| codes", sorted({f"0x{v:02X}" for v in got[0].view(torch.uint8)[0, 32:64].tolist()}))
-print("group 6 of token 3 (a -inf inside): byte", (got[1][3, 1].item() >> 16) & 0xFF,
-      "| codes", sorted({f"0x{v:02X}" for v in got[0].view(torch.uint8)[3, 192:224].tolist()}))
+print(
+    compare(got[0], mine[0], "exact", "non-finite groups, codes").verdict(),
+    "|",
+    compare(got[1], mine[1], "exact", "non-finite groups, scale words").verdict(),
+)
+print(
+    "group 1 of token 0 (a NaN inside): byte",
+    (got[1][0, 0].item() >> 8) & 0xFF,
+    "| codes",
+    sorted({f"0x{v:02X}" for v in got[0].view(torch.uint8)[0, 32:64].tolist()}),
+)
+print(
+    "group 6 of token 3 (a -inf inside): byte",
+    (got[1][3, 1].item() >> 16) & 0xFF,
+    "| codes",
+    sorted({f"0x{v:02X}" for v in got[0].view(torch.uint8)[3, 192:224].tolist()}),
+)
 try:
     moe.stage(bad_rows, sid, sw)
 except ValueError as e:
@@ -345,8 +375,15 @@ out = moe.experts(d["x"], *staged, *layer_w, swiglu_limit=10.0, backend="triton"
 want = reference.experts(d["x"], *staged, *layer_w, swiglu_limit=10.0, dtype=torch.float64)
 mass = reference.experts(d["x"], *staged, *layer_w, swiglu_limit=10.0, dtype=torch.float64, mass=True)
 print(compare(out, want, "moe_out", "experts (Triton) vs float64", mass=mass).verdict())
-print(compare(moe.experts(d["x"], *staged, *layer_w, swiglu_limit=10.0, backend="reference"), want, "moe_out",
-              "experts (torch reference) vs float64", mass=mass).verdict())
+print(
+    compare(
+        moe.experts(d["x"], *staged, *layer_w, swiglu_limit=10.0, backend="reference"),
+        want,
+        "moe_out",
+        "experts (torch reference) vs float64",
+        mass=mass,
+    ).verdict()
+)
 nc = reference.experts(d["x"], *staged, *layer_w, swiglu_limit=0.0, dtype=torch.float64)
 print(compare(out, nc, "moe_out", "experts vs an oracle WITHOUT the clamp", mass=mass).verdict(), "<- the clamp is active here")
 
@@ -371,13 +408,16 @@ dup = staged[2].clone()
 dup[0] = torch.tensor([4, 4])
 out_dup = moe.experts(d["x"], staged[0], staged[1], dup, staged[3], *layer_w, swiglu_limit=10.0)
 want_dup = reference.experts(d["x"], staged[0], staged[1], dup, staged[3], *layer_w, swiglu_limit=10.0, dtype=torch.float64)
-mass_dup = reference.experts(d["x"], staged[0], staged[1], dup, staged[3], *layer_w, swiglu_limit=10.0,
-                             dtype=torch.float64, mass=True)
+mass_dup = reference.experts(
+    d["x"], staged[0], staged[1], dup, staged[3], *layer_w, swiglu_limit=10.0, dtype=torch.float64, mass=True
+)
 print(compare(out_dup, want_dup, "moe_out", "a row naming expert 4 twice", mass=mass_dup).verdict())
 w0 = staged[3].clone()
 w0[2, 1] = 0.0
-print("the −1 slot with weight 1e6 adds exactly 0:",
-      torch.equal(out, moe.experts(d["x"], staged[0], staged[1], staged[2], w0, *layer_w, swiglu_limit=10.0)))
+print(
+    "the −1 slot with weight 1e6 adds exactly 0:",
+    torch.equal(out, moe.experts(d["x"], staged[0], staged[1], staged[2], w0, *layer_w, swiglu_limit=10.0)),
+)
 
 # %% [markdown]
 # The whole layer, `forward` = route → stage → experts, on a hash-routed layer with a padding row, and with the
@@ -389,11 +429,20 @@ dh["input_ids"][4] = -1
 args = (dh["x"], dh["gate_weight"], None, dh["w13"], dh["w2"], dh["shared_w13"], dh["shared_w2"])
 kw = dict(k=2, swiglu_limit=10.0, hash_table=dh["hash_table"], input_ids=dh["input_ids"])
 y = moe.forward(*args, routed_scale=1.5, **kw)
-ih, wh = moe.route(dh["x"], dh["gate_weight"], None, k=2, routed_scale=1.5, hash_table=dh["hash_table"], input_ids=dh["input_ids"])
+ih, wh = moe.route(
+    dh["x"], dh["gate_weight"], None, k=2, routed_scale=1.5, hash_table=dh["hash_table"], input_ids=dh["input_ids"]
+)
 sh = moe.stage(dh["x"], ih, wh, backend="reference")
 lw = (dh["w13"], dh["w2"], dh["shared_w13"], dh["shared_w2"])
-print(compare(y, reference.experts(dh["x"], *sh, *lw, swiglu_limit=10.0, dtype=torch.float64), "moe_out", "forward (Triton)",
-              mass=reference.experts(dh["x"], *sh, *lw, swiglu_limit=10.0, dtype=torch.float64, mass=True)).verdict())
+print(
+    compare(
+        y,
+        reference.experts(dh["x"], *sh, *lw, swiglu_limit=10.0, dtype=torch.float64),
+        "moe_out",
+        "forward (Triton)",
+        mass=reference.experts(dh["x"], *sh, *lw, swiglu_limit=10.0, dtype=torch.float64, mass=True),
+    ).verdict()
+)
 y0 = moe.forward(*args, routed_scale=0.0, **kw)
 none = torch.full((6, 2), -1, dtype=torch.int64, device=DEVICE)
 shared_only = moe.experts(dh["x"], sh[0], sh[1], none, sh[3], *lw, swiglu_limit=10.0)

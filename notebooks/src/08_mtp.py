@@ -151,8 +151,10 @@ for _ in range(3):
     nxt = sp.next
 for i, (L, sp) in enumerate(rounds):
     for r in range(2):
-        print(f"round {i} request {r}: positions {int(L[r])}..{int(L[r]) + 3}  drafts {sp.drafts[r].tolist()}  "
-              f"target {sp.target[r].tolist()}  accepted {int(sp.accepted[r])}  emitted {sp.emitted[r].tolist()}")
+        print(
+            f"round {i} request {r}: positions {int(L[r])}..{int(L[r]) + 3}  drafts {sp.drafts[r].tolist()}  "
+            f"target {sp.target[r].tolist()}  accepted {int(sp.accepted[r])}  emitted {sp.emitted[r].tolist()}"
+        )
 
 # %%
 fig, axes = plt.subplots(1, len(rounds), figsize=(12, 2.9))
@@ -208,8 +210,10 @@ print("positions the draft layer has read:", dec.mtp_done.tolist())
 spec, _, _, _ = decode.run_speculative(TINY, steps=12, k=2, prompt_lens=(24, 9), decode_backend="reference")
 s = spec.spec
 print(f"{s.rounds} rounds x 2 requests: {s.accepted} of {s.drafted} drafts accepted, acceptance rate {s.rate:.0%}")
-print(f"{s.emitted} tokens emitted in {s.rounds} target steps: {s.emitted / (2 * s.rounds):.2f} tokens per request "
-      "per step (plain decoding: 1.00)")
+print(
+    f"{s.emitted} tokens emitted in {s.rounds} target steps: {s.emitted / (2 * s.rounds):.2f} tokens per request "
+    "per step (plain decoding: 1.00)"
+)
 
 # %% [markdown]
 # With acceptance rate α per draft and k drafts, a round emits on average $1 + α + α^2 + … + α^k$ tokens per
@@ -245,7 +249,7 @@ plt.show()
 # %%
 plain, _, recs, _ = decode.run(TINY, steps=12, prompt_lens=(24, 9), decode_backend="reference")
 for r, n in enumerate((24, 9)):
-    want = plain.tokens[r, n: n + 12].tolist()
+    want = plain.tokens[r, n : n + 12].tolist()
     got = spec.generated[r][:12]
     print(f"request {r}: plain       {want}")
     print(f"           speculative {got}   {'identical' if got == want else 'DIFFERENT'}")

@@ -50,8 +50,7 @@ def _signature(fn, consts: dict, values: dict) -> tuple[dict, dict, dict]:
         if name in consts:
             sig[name] = "constexpr"
         elif name.endswith("_ptr"):
-            sig[name] = "*fp32" if name in _F32 else ("*bf16" if name == "fs_ptr" else
-                                                      ("*i32" if name == "sync_ptr" else "*i16"))
+            sig[name] = "*fp32" if name in _F32 else ("*bf16" if name == "fs_ptr" else ("*i32" if name == "sync_ptr" else "*i16"))
             attrs[(i,)] = [["tt.divisibility", 16]]
         elif name in ("rms_eps", "hc_eps", "post_mult"):
             sig[name] = "fp32"
@@ -79,8 +78,10 @@ def _loops(sass: str) -> list[list[str]]:
 def _loop_line(body: list[str]) -> str:
     j = "\n".join(body)
     ldg = len(re.findall(r"\bLDG\.", j))
-    return (f"{len(body)} ins, {j.count('HGMMA')} hgmma / {j.count('WARPGROUP.DEPBAR')} waits, "
-            f"{j.count('LDGSTS')} cp.async, {ldg} ldg, {j.count('BAR.SYNC')} bar")
+    return (
+        f"{len(body)} ins, {j.count('HGMMA')} hgmma / {j.count('WARPGROUP.DEPBAR')} waits, "
+        f"{j.count('LDGSTS')} cp.async, {ldg} ldg, {j.count('BAR.SYNC')} bar"
+    )
 
 
 def compile_sm90(fn, consts: dict, opts: dict, values: dict) -> tuple[int, int, int, int, str, str]:
@@ -88,17 +89,21 @@ def compile_sm90(fn, consts: dict, opts: dict, values: dict) -> tuple[int, int, 
     sm_90a with these constexprs, options (num_warps, num_stages, maxnreg) and int argument values."""
     sig, const, attrs = _signature(fn, consts, values)
     options = {k: v for k, v in opts.items() if v is not None}
-    c = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=const, attrs=attrs),
-                       target=GPUTarget("cuda", 90, 32), options=options)
+    c = triton.compile(
+        ASTSource(fn=fn, signature=sig, constexprs=const, attrs=attrs), target=GPUTarget("cuda", 90, 32), options=options
+    )
     with tempfile.TemporaryDirectory() as tmp:
         ptx, cubin = os.path.join(tmp, "k.ptx"), os.path.join(tmp, "k.cubin")
         with open(ptx, "w") as f:
             f.write(c.asm["ptx"])
         with open(cubin, "wb") as f:
             f.write(c.asm["cubin"])
-        log = subprocess.run([PTXAS, "-v", "--gpu-name", "sm_90a", ptx, "-o", os.devnull]
-                             + ([f"--maxrregcount={opts['maxnreg']}"] if opts.get("maxnreg") else []),
-                             capture_output=True, text=True).stderr
+        log = subprocess.run(
+            [PTXAS, "-v", "--gpu-name", "sm_90a", ptx, "-o", os.devnull]
+            + ([f"--maxrregcount={opts['maxnreg']}"] if opts.get("maxnreg") else []),
+            capture_output=True,
+            text=True,
+        ).stderr
         sass = subprocess.run([os.path.join(BIN, "cuobjdump"), "-sass", cubin], capture_output=True, text=True).stdout
     regs = int(re.search(r"Used (\d+) registers", log).group(1))
     spill = int(re.search(r"(\d+) bytes spill stores", log).group(1))
@@ -119,9 +124,10 @@ def report(what: str, fn, consts: dict, opts: dict, values: dict, hash_only: boo
     if hash_only:
         return [f"{'':27s}{what:7s} {sass_hash(sass)}"]
     serial = " SERIALISED wgmma (ptxas C7515)" if "C7515" in log else ""
-    return [f"{'':27s}{what:7s} {regs:3d} regs, {spill:4d} B spilled, {smem // 1024:3d} KB smem, "
-            f"{per_sm} per SM ({opts['num_warps']} warps){serial}"] + \
-        [f"{'':35s}loop: {_loop_line(b)}" for b in _loops(sass)]
+    return [
+        f"{'':27s}{what:7s} {regs:3d} regs, {spill:4d} B spilled, {smem // 1024:3d} KB smem, "
+        f"{per_sm} per SM ({opts['num_warps']} warps){serial}"
+    ] + [f"{'':35s}loop: {_loop_line(b)}" for b in _loops(sass)]
 
 
 def check_one_pass(name: str, L: MhcLaunch, op: str, hash_only: bool = False) -> str:
@@ -130,8 +136,7 @@ def check_one_pass(name: str, L: MhcLaunch, op: str, hash_only: bool = False) ->
     _grid, consts, opts, _sizes, (tiles, slices, cps) = one_pass_args(L, T, HD, head, fused)
     values = dict(T=T, Hd=HD, n_tiles=tiles, slices=slices, chunks_per_slice=cps, iters=20)
     lines = [f"{name:36s} {op:5s} T = {T}: {(tiles + ONE_PASS_LAG) * slices} programs"]
-    lines += report("kernel", kernels_one_pass.hc_one_pass_kernel, {**consts, "DOT_FP32": False}, opts, values,
-                    hash_only)
+    lines += report("kernel", kernels_one_pass.hc_one_pass_kernel, {**consts, "DOT_FP32": False}, opts, values, hash_only)
     return "\n".join(lines)
 
 
@@ -141,14 +146,25 @@ def check_chunked(name: str, L: MhcLaunch, op: str, t: int, hash_only: bool = Fa
     fused = op == "fused"
     (c, n_chunks, slices, cps, parts, h_per_part), (pc, po), (fc, fo), _ = chunk_args(L, t, HD, op == "head", fused)
     values = dict(t0=c, t_end=2 * c, Hd=HD, C=c, slices=slices, chunks_per_slice=cps, h_per_part=h_per_part, iters=20)
-    lines = [f"{name:36s} {op:5s} T = {t}: C = {c} ({n_chunks} chunks, {(3 if fused else 2) * n_chunks} launches): "
-             f"partial {c // pc['BLOCK_T']} tiles × {slices} slices of {cps * pc['BLOCK_K']} dims, finish {parts} "
-             f"parts × {c // fc['BLOCK_T']} tiles of {fc['BLOCK_T']} tokens"]
-    todo = [("partial", kernels_chunked.hc_chunk_partial_kernel, {**pc, "DOT_FP32": False}, po),
-            ("finish", kernels_chunked.hc_chunk_finish_kernel, fc, fo)]
+    lines = [
+        f"{name:36s} {op:5s} T = {t}: C = {c} ({n_chunks} chunks, {(3 if fused else 2) * n_chunks} launches): "
+        f"partial {c // pc['BLOCK_T']} tiles × {slices} slices of {cps * pc['BLOCK_K']} dims, finish {parts} "
+        f"parts × {c // fc['BLOCK_T']} tiles of {fc['BLOCK_T']} tokens"
+    ]
+    todo = [
+        ("partial", kernels_chunked.hc_chunk_partial_kernel, {**pc, "DOT_FP32": False}, po),
+        ("finish", kernels_chunked.hc_chunk_finish_kernel, fc, fo),
+    ]
     if fused:
-        todo.insert(0, ("post", kernels.post_kernel, dict(BLOCK_T=L.post_block_t, BLOCK_H=L.post_block_h,
-                                                          TOKEN_MAJOR=L.chunk_zigzag), dict(num_warps=4)))
+        todo.insert(
+            0,
+            (
+                "post",
+                kernels.post_kernel,
+                dict(BLOCK_T=L.post_block_t, BLOCK_H=L.post_block_h, TOKEN_MAJOR=L.chunk_zigzag),
+                dict(num_warps=4),
+            ),
+        )
     for what, fn, consts, opts in todo:
         lines += report(what, fn, consts, opts, values, hash_only)
     return "\n".join(lines)

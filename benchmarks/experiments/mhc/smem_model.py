@@ -88,15 +88,26 @@ def instr(rows_fn, glob, tile_rows: int, w: int = 0, j: int = 0) -> tuple[int, i
 def main() -> None:
     print("per warp and 64-wide K step (4 repeats of each access); sectors / lines: the cp.async's global side,")
     print("wavefronts: its shared side (ideal 4 per 512-byte warp access)\n")
-    print(f"{'candidate':28s} {'access':26s} {'instr':>5s} {'sectors':>8s} {'lines':>6s} {'+ zero-fill':>12s} "
-          f"{'smem wavefronts':>16s}")
-    for name, sk, lay in (("today (BK 16, 4 streams)", False, 0), ("sk64", True, 0), ("fnwide", False, 1),
-                          ("fnkmajor", False, 2), ("sk64 fnwide", True, 1), ("sk64 fnkmajor", True, 2)):
-        rows = [("stream tile cp.async", instr(a_rows, lambda r, c: (a_global(r, c, sk), True), 128)),
-                ("fn tile cp.async", instr(a_rows if lay == 2 else b_rows, lambda r, c: b_global(r, c, sk, lay),
-                                           128 if lay == 2 else 64)),
-                ("stream tile LDS (Σ X²)", (0, 0, 0, wavefronts([swizzled(*a_rows(0, lane, 0), 128)
-                                                                for lane in range(32)])))]
+    print(
+        f"{'candidate':28s} {'access':26s} {'instr':>5s} {'sectors':>8s} {'lines':>6s} {'+ zero-fill':>12s} "
+        f"{'smem wavefronts':>16s}"
+    )
+    for name, sk, lay in (
+        ("today (BK 16, 4 streams)", False, 0),
+        ("sk64", True, 0),
+        ("fnwide", False, 1),
+        ("fnkmajor", False, 2),
+        ("sk64 fnwide", True, 1),
+        ("sk64 fnkmajor", True, 2),
+    ):
+        rows = [
+            ("stream tile cp.async", instr(a_rows, lambda r, c: (a_global(r, c, sk), True), 128)),
+            (
+                "fn tile cp.async",
+                instr(a_rows if lay == 2 else b_rows, lambda r, c: b_global(r, c, sk, lay), 128 if lay == 2 else 64),
+            ),
+            ("stream tile LDS (Σ X²)", (0, 0, 0, wavefronts([swizzled(*a_rows(0, lane, 0), 128) for lane in range(32)]))),
+        ]
         for what, (s, ln, la, wf) in rows:
             print(f"{name:28s} {what:26s} {4:5d} {4 * s:8d} {4 * ln:6d} {4 * la:12d} {4 * wf:16d}")
 

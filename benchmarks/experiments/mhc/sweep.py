@@ -91,8 +91,9 @@ def run_op(op: str, launch, T: int, inputs=None, outs=None):
     if op == "pre":
         torch.ops.dsv4ref.mhc_pre(res, fs, scale, base, p2, c2, out, RMS_EPS, HC_EPS, POST_MULT, SINKHORN_ITERS, enc)
     elif op == "fused":
-        torch.ops.dsv4ref.mhc_fused_post_pre(x, res, p, c, fs, scale, base, new, p2, c2, out, RMS_EPS, HC_EPS,
-                                             POST_MULT, SINKHORN_ITERS, enc)
+        torch.ops.dsv4ref.mhc_fused_post_pre(
+            x, res, p, c, fs, scale, base, new, p2, c2, out, RMS_EPS, HC_EPS, POST_MULT, SINKHORN_ITERS, enc
+        )
     elif op == "head":
         torch.ops.dsv4ref.mhc_head(res, hfs, hscale, hbase, out, RMS_EPS, HC_EPS, enc)
     else:
@@ -210,11 +211,20 @@ def main() -> None:
             return op, name
         L, head, fused = launches[name], op == "head", op == "fused"
         if L.design(fused) == "chunked":
-            return op, "chunked", fused, tuple((plan, *(tuple(sorted(d.items())) for d in (*p, *f)))
-                                        for plan, p, f, _s in (chunk_args(L, T, HD, head, fused) for T in (T_BIG, T_SMALL)))
+            return (
+                op,
+                "chunked",
+                fused,
+                tuple(
+                    (plan, *(tuple(sorted(d.items())) for d in (*p, *f)))
+                    for plan, p, f, _s in (chunk_args(L, T, HD, head, fused) for T in (T_BIG, T_SMALL))
+                ),
+            )
         if L.design(fused) == "one_pass":
-            return op, tuple((tuple(sorted(c.items())), tuple(sorted(o.items())), plan)
-                             for _g, c, o, _s, plan in (one_pass_args(L, T, HD, head, fused) for T in (T_BIG, T_SMALL)))
+            return op, tuple(
+                (tuple(sorted(c.items())), tuple(sorted(o.items())), plan)
+                for _g, c, o, _s, plan in (one_pass_args(L, T, HD, head, fused) for T in (T_BIG, T_SMALL))
+            )
         return op, name  # one kernel, split-K: its own row
 
     jobs, same_as, first = [], {}, {}  # same_as: (op, name) -> the earlier candidate with the same kernel
@@ -230,8 +240,11 @@ def main() -> None:
     pool = cf.ProcessPoolExecutor(max_workers=workers, mp_context=mp.get_context("spawn"))
     decode_future = pool.submit(_decode_task, {}) if with_decode else None
     futures = {job: pool.submit(_compile_task, *job) for job in jobs}
-    print(f"{el()} compiling {len(jobs)} distinct (op, candidate) kernels in {workers} processes "
-          f"({len(same_as)} more pairs run one of them)", flush=True)
+    print(
+        f"{el()} compiling {len(jobs)} distinct (op, candidate) kernels in {workers} processes "
+        f"({len(same_as)} more pairs run one of them)",
+        flush=True,
+    )
 
     # ---- 3. checks (oracles once per op and size) --------------------------------------------------------
     M = 4
@@ -258,8 +271,11 @@ def main() -> None:
         for T, (inputs, new_sep, o_pre, o_fused, o_head) in cases.items():
             new, p2, c2, out = (t.clone() for t in run_op(op, L, T, inputs))
             if op == "pre":
-                reps = [compare(p2, o_pre[0], "mhc", "post"), compare(c2, o_pre[1], "mhc", "comb"),
-                        compare(out, o_pre[2], "bf16_out", "layer_input")]
+                reps = [
+                    compare(p2, o_pre[0], "mhc", "post"),
+                    compare(c2, o_pre[1], "mhc", "comb"),
+                    compare(out, o_pre[2], "bf16_out", "layer_input"),
+                ]
             elif op == "head":
                 reps = [compare(out, o_head, "bf16_out", "head")]
             else:
@@ -268,10 +284,13 @@ def main() -> None:
                 same_li = torch.equal(out.view(torch.int16), sep[3].view(torch.int16))
                 if not (same_new and same_li):
                     return f"T={T}: fused != post then pre bit for bit (new streams {same_new}, layer input {same_li})"
-                reps = [compare(p2, sep[1], "fp32_reduction", "post == post then pre"),
-                        compare(c2, sep[2], "fp32_reduction", "comb == post then pre"),
-                        compare(p2, o_fused[0], "mhc", "post"), compare(c2, o_fused[1], "mhc", "comb"),
-                        compare(out, o_fused[2], "bf16_out", "layer_input")]
+                reps = [
+                    compare(p2, sep[1], "fp32_reduction", "post == post then pre"),
+                    compare(c2, sep[2], "fp32_reduction", "comb == post then pre"),
+                    compare(p2, o_fused[0], "mhc", "post"),
+                    compare(c2, o_fused[1], "mhc", "comb"),
+                    compare(out, o_fused[2], "bf16_out", "layer_input"),
+                ]
             bad = [str(r) for r in reps if not r.passed]
             if bad:
                 return f"T={T}: " + "; ".join(bad)
@@ -323,22 +342,30 @@ def main() -> None:
         # what the graph replays left in outs[1] must equal an eager call bit for bit (PDL edges in a graph)
         eager = run_op(op, L, T_BIG, sets[1], tuple(torch.empty_like(t) for t in outs[1]))
         keep = {"pre": (1, 2, 3), "fused": (0, 1, 2, 3), "head": (3,)}[op]
-        same = all(torch.equal(outs[1][k].view(torch.int32 if outs[1][k].dtype == torch.float32 else torch.int16),
-                               eager[k].view(torch.int32 if eager[k].dtype == torch.float32 else torch.int16))
-                   for k in keep)
+        same = all(
+            torch.equal(
+                outs[1][k].view(torch.int32 if outs[1][k].dtype == torch.float32 else torch.int16),
+                eager[k].view(torch.int32 if eager[k].dtype == torch.float32 else torch.int16),
+            )
+            for k in keep
+        )
         note = ("" if graphed else " [graph capture failed: timed EAGERLY]") + ("" if same else " [REPLAY != EAGER]")
         if not same:
-            print(f"{el()} {op} {name}: the graph-replayed outputs differ from an eager call's: not a candidate",
-                  flush=True)
+            print(f"{el()} {op} {name}: the graph-replayed outputs differ from an eager call's: not a candidate", flush=True)
         else:
             results[(op, name)] = ms
         b = nb[op]
-        fields = "" if name == "defaults" else ", ".join(f"{k.removeprefix('one_pass_')}={v}"
-                                                         for k, v in candidate_fields(name).items())
+        fields = (
+            ""
+            if name == "defaults"
+            else ", ".join(f"{k.removeprefix('one_pass_')}={v}" for k, v in candidate_fields(name).items())
+        )
         twins = [n for (o, n), c in same_as.items() if o == op and c == name]
-        print(f"{op:5s} {name:22s} {L.design(op == 'fused'):10s} {ms * 1e3:8.1f} {b / (ms * 1e-3) / 1e12:6.2f} "
-              f"{100 * b / (ms * 1e-3) / copy:7.1f} %{note}   {fields}" + (f"  (= {', '.join(twins)})" if twins else ""),
-              flush=True)
+        print(
+            f"{op:5s} {name:22s} {L.design(op == 'fused'):10s} {ms * 1e3:8.1f} {b / (ms * 1e-3) / 1e12:6.2f} "
+            f"{100 * b / (ms * 1e-3) / copy:7.1f} %{note}   {fields}" + (f"  (= {', '.join(twins)})" if twins else ""),
+            flush=True,
+        )
         for n in twins:
             if same:
                 results[(op, n)] = ms
@@ -372,9 +399,12 @@ def main() -> None:
         fields = candidate_fields(joint)
         default_fields = {f.name: f.default for f in dataclasses.fields(MhcLaunch)}
         diff = {k: v for k, v in fields.items() if default_fields.get(k) != v}
-        print(f"the proposal: the candidate with the least total time over {', '.join(ops)} ({joint!r}); to make it "
-              "the default, in dsv4ref/mhc/launch.py MhcLaunch: "
-              + (", ".join(f"{k}: ... = {v}" for k, v in diff.items()) or "nothing to change"), flush=True)
+        print(
+            f"the proposal: the candidate with the least total time over {', '.join(ops)} ({joint!r}); to make it "
+            "the default, in dsv4ref/mhc/launch.py MhcLaunch: "
+            + (", ".join(f"{k}: ... = {v}" for k, v in diff.items()) or "nothing to change"),
+            flush=True,
+        )
 
     # decode-sized rows: T = 37, today's defaults, the fastest candidate and the proposal (µs only)
     for op in ops:
@@ -412,7 +442,6 @@ def main() -> None:
     print(f"{el()} done", flush=True)
 
 
-
 # the bytes each kernel of the chunked design must move at T = Hd (streams [T, 4, Hd] bf16): the partial reads
 # the streams; the finish reads them and writes the layer input [T, Hd]; post_kernel reads x and the streams
 # and writes the new streams (in units of T·Hd·2 B)
@@ -445,8 +474,14 @@ def kernel_times(op: str, name: str, L, sets, outs, copy: float, calls: int = 20
     print(f"{op:5s} {name}: kernels, device µs per call (profiler, eager)", flush=True)
     for us, key, n in sorted(rows, reverse=True):
         units = _KERNEL_UNITS.get(key)
-        rate = (f"{units * T_BIG * HD * 2 / (us * 1e-6) / 1e12:5.2f} TB/s = "
-                f"{100 * units * T_BIG * HD * 2 / (us * 1e-6) / copy:5.1f} % of copy") if units else ""
+        rate = (
+            (
+                f"{units * T_BIG * HD * 2 / (us * 1e-6) / 1e12:5.2f} TB/s = "
+                f"{100 * units * T_BIG * HD * 2 / (us * 1e-6) / copy:5.1f} % of copy"
+            )
+            if units
+            else ""
+        )
         print(f"        {key[:40]:40s} ×{n:<3d} {us:8.1f} µs {100 * us / total:5.1f} %   {rate}", flush=True)
 
 
@@ -464,13 +499,19 @@ def decode_check(L) -> None:
     _, _, recs0, _ = run(TINY, steps=3, prompt_lens=prompts)
     worst = max(float(rel_err(a[2], b[2]).max()) for a, b in zip(recs[1:], recs0[1:]))
     ok = all(a.passed for a in rows) and worst <= LOGITS_TOL
-    print(f"  eager, 3 steps: {'PASS' if ok else 'FAIL'}: {sum(a.passed for a in rows)} of {len(rows)} steps agree "
-          f"with the float64 reference; logits vs today's defaults: max rel err {worst:.2e} (<= {LOGITS_TOL:g}); "
-          f"mHC {mhc_ms:.2f} ms per step (profiled, eager)", flush=True)
+    print(
+        f"  eager, 3 steps: {'PASS' if ok else 'FAIL'}: {sum(a.passed for a in rows)} of {len(rows)} steps agree "
+        f"with the float64 reference; logits vs today's defaults: max rel err {worst:.2e} (<= {LOGITS_TOL:g}); "
+        f"mHC {mhc_ms:.2f} ms per step (profiled, eager)",
+        flush=True,
+    )
     dec, w, recs, tps = run(TINY, steps=2, prompt_lens=prompts, mhc_launch=L, graph=True)
     rows = agreement(TINY, w, recs, dec.history())
-    print(f"  graphed, 2 steps: {'PASS' if all(a.passed for a in rows) else 'FAIL'} ({tps:.0f} tokens/s), "
-          f"{time.perf_counter() - t:.1f} s for the decode checks", flush=True)
+    print(
+        f"  graphed, 2 steps: {'PASS' if all(a.passed for a in rows) else 'FAIL'} ({tps:.0f} tokens/s), "
+        f"{time.perf_counter() - t:.1f} s for the decode checks",
+        flush=True,
+    )
 
 
 if __name__ == "__main__":

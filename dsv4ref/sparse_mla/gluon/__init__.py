@@ -51,8 +51,19 @@ from .launch import (
     launch_for_sms,
 )
 
-__all__ = ["available", "supports", "decode_gluon", "decode_op", "GluonLaunch", "default_launch", "launch_for_sms",
-           "KERNELS", "BLOCK_H", "BLOCK_N", "NARROW_H"]
+__all__ = [
+    "available",
+    "supports",
+    "decode_gluon",
+    "decode_op",
+    "GluonLaunch",
+    "default_launch",
+    "launch_for_sms",
+    "KERNELS",
+    "BLOCK_H",
+    "BLOCK_N",
+    "NARROW_H",
+]
 
 _IMPORT_ERROR: BaseException | None = None
 _K = None  # the kernels, imported on first use
@@ -61,7 +72,12 @@ try:  # Gluon ships with Triton >= 3.5; the Hopper ops live in its nvidia.hopper
     from triton.experimental import gluon as _gluon
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.hopper import (  # noqa: F401 - for the kernel modules
-        async_copy, fence_async_shared, mbarrier, warpgroup_mma, warpgroup_mma_wait)
+        async_copy,
+        fence_async_shared,
+        mbarrier,
+        warpgroup_mma,
+        warpgroup_mma_wait,
+    )
 
     # the names that moved between Triton releases (one bridge, for the kernel modules and for
     # benchmarks/experiments/gather_probe.py): thread_barrier was renamed barrier; cp.async from global to
@@ -86,6 +102,7 @@ def _kernels() -> dict | None:
                 from .narrow_kernel import _narrow_kernel
                 from .plain_kernel import _decode_kernel
                 from .ws_kernel import _ws_kernel
+
                 _K = {"plain": _decode_kernel, "ws": _ws_kernel, "narrow": _narrow_kernel, "merge": _merge_kernel}
             except Exception as e:  # an incompatible Gluon API
                 _IMPORT_ERROR = e
@@ -108,5 +125,4 @@ def supports(q: torch.Tensor, cache: torch.Tensor, extra_cache: torch.Tensor | N
     """Whether :func:`decode_gluon` takes these inputs: Hopper, H <= 128, and caches whose pages start at
     16-byte aligned addresses (every cache :func:`dsv4ref.kv_cache.allocate` makes; the kernel loads 16-byte
     vectors and the 8 scale bytes of a row as one word). Otherwise use the portable kernel."""
-    return (available(q.device) and q.shape[1] <= 128 and _aligned(cache)
-            and (extra_cache is None or _aligned(extra_cache)))
+    return available(q.device) and q.shape[1] <= 128 and _aligned(cache) and (extra_cache is None or _aligned(extra_cache))

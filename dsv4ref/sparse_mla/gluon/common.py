@@ -29,8 +29,25 @@ def _slots(v, n1, stop, i1_ptr, i2_ptr):
 
 
 @_gluon.jit
-def _load_raw(v0, n1, stop, i1_ptr, i2_ptr, c1_u8, c1_i16, c1_i64, bs1, ps1, c2_u8, c2_i16, c2_i64, bs2, ps2,
-              BN: gl.constexpr, LU: gl.constexpr):
+def _load_raw(
+    v0,
+    n1,
+    stop,
+    i1_ptr,
+    i2_ptr,
+    c1_u8,
+    c1_i16,
+    c1_i64,
+    bs1,
+    ps1,
+    c2_u8,
+    c2_i16,
+    c2_i64,
+    bs2,
+    ps2,
+    BN: gl.constexpr,
+    LU: gl.constexpr,
+):
     """Issue the global loads of one chunk: 7 e4m3 tiles [BN, 64] uint8, the RoPE tile [BN, 64] bf16 bits
     (int16) and the 8 scale bytes of each row as one int64. Masked rows load zeros."""
     rows = v0 + gl.arange(0, BN, gl.SliceLayout(1, LU))
@@ -50,8 +67,7 @@ def _row_words(slot, in1, bs1, ps1, bs2, ps2):
 
 
 @_gluon.jit
-def _load_rows(slot, in1, ok, c1_u8, c1_i16, c1_i64, bs1, ps1, c2_u8, c2_i16, c2_i64, bs2, ps2,
-               LU: gl.constexpr):
+def _load_rows(slot, in1, ok, c1_u8, c1_i16, c1_i64, bs1, ps1, c2_u8, c2_i16, c2_i64, bs2, ps2, LU: gl.constexpr):
     """The global loads of rows whose slots are known (see :func:`_load_raw`)."""
     dw, sidx = _row_words(slot, in1, bs1, ps1, bs2, ps2)
     data = dw * 8  # byte offset of the row's 576 data bytes; sidx: int64-word index of its 8 scale bytes
@@ -98,8 +114,9 @@ def _dequant_store(kb, r0, r1, r2, r3, r4, r5, r6, rr, sc):
 
 
 @_gluon.jit
-def _candidate_range(t, sp, chunk, K1, l1_ptr, K2, l2_ptr, HAS_LEN1: gl.constexpr, HAS_POOL2: gl.constexpr,
-                     HAS_LEN2: gl.constexpr):
+def _candidate_range(
+    t, sp, chunk, K1, l1_ptr, K2, l2_ptr, HAS_LEN1: gl.constexpr, HAS_POOL2: gl.constexpr, HAS_LEN2: gl.constexpr
+):
     """Token t's candidates are pool 1's valid prefix then pool 2's, concatenated; list split ``sp`` owns
     ``[start, stop)`` of them. Returns (n1 = pool 1's valid count, start, stop)."""
     n1 = K1
@@ -133,8 +150,21 @@ def _head_scale(m, l, h, H, sink_ptr, HAS_SINK: gl.constexpr):
 
 
 @_gluon.jit
-def _program(chunk, K1, l1_ptr, K2, l2_ptr, i1_ptr, i1_st, i2_ptr, i2_st, BN: gl.constexpr,
-             HAS_LEN1: gl.constexpr, HAS_POOL2: gl.constexpr, HAS_LEN2: gl.constexpr):
+def _program(
+    chunk,
+    K1,
+    l1_ptr,
+    K2,
+    l2_ptr,
+    i1_ptr,
+    i1_st,
+    i2_ptr,
+    i2_st,
+    BN: gl.constexpr,
+    HAS_LEN1: gl.constexpr,
+    HAS_POOL2: gl.constexpr,
+    HAS_LEN2: gl.constexpr,
+):
     """What a program of the decode kernels owns: token t (as int64), head block hb, list split
     sp, its candidate range (n1, start, stop: :func:`_candidate_range`), its chunk count n_it and the
     token's two slot rows i1, i2."""
@@ -161,13 +191,13 @@ def _q_to_shared(q_ptr, t64, q_st, q_sh, hb, H, BH: gl.constexpr, LQ: gl.constex
     its scores alone would leave the empty-row answer."""
     hq = hb * BH + gl.arange(0, BH, gl.SliceLayout(1, LQ))
     dq = gl.arange(0, 512, gl.SliceLayout(0, LQ))
-    q = gl.load(q_ptr + t64 * q_st + hq[:, None].to(gl.int64) * q_sh + dq[None, :],
-                mask=(hq[:, None] < H) & (dq[None, :] >= 0), other=0.0)
+    q = gl.load(
+        q_ptr + t64 * q_st + hq[:, None].to(gl.int64) * q_sh + dq[None, :], mask=(hq[:, None] < H) & (dq[None, :] >= 0), other=0.0
+    )
     q_smem = gl.allocate_shared_memory(gl.bfloat16, [BH, 512], SH_L)
     q_smem.store(q)
     bad = _nonfinite_rows(q) != 0
-    qbad_smem = gl.allocate_shared_memory(gl.float32, [BH], gl.SwizzledSharedLayout(
-        vec=1, per_phase=1, max_phase=1, order=[0]))
+    qbad_smem = gl.allocate_shared_memory(gl.float32, [BH], gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0]))
     qbad_smem.store(gl.where(bad, float("nan"), 0.0))
     return q_smem, qbad_smem
 
@@ -181,8 +211,8 @@ def _q_async(q_ptr, t64, q_st, q_sh, hb, H, q_smem, qbad_smem, BH: gl.constexpr,
     hq = hb * BH + gl.arange(0, BH, gl.SliceLayout(1, LQ))
     dq = gl.arange(0, 512, gl.SliceLayout(0, LQ))
     _async_load(
-        q_smem, q_ptr + t64 * q_st + hq[:, None].to(gl.int64) * q_sh + dq[None, :],
-        mask=(hq[:, None] < H) & (dq[None, :] >= 0))
+        q_smem, q_ptr + t64 * q_st + hq[:, None].to(gl.int64) * q_sh + dq[None, :], mask=(hq[:, None] < H) & (dq[None, :] >= 0)
+    )
     async_copy.commit_group()
     async_copy.wait_group(0)
     _bar()  # every thread's copies have landed
@@ -250,9 +280,30 @@ def _softmax_step(s, m, l, okc, qk_scale):
 
 
 @_gluon.jit
-def _epilogue(acc, m, l, qbad_smem, t64, hb, sp, H, sink_ptr, out_ptr, lse_ptr, po_ptr, pml_ptr,
-              HAS_SINK: gl.constexpr, SPLITS: gl.constexpr, BH: gl.constexpr, O_L: gl.constexpr,
-              S_L: gl.constexpr, D0: gl.constexpr, DW: gl.constexpr, ML: gl.constexpr, o_st):
+def _epilogue(
+    acc,
+    m,
+    l,
+    qbad_smem,
+    t64,
+    hb,
+    sp,
+    H,
+    sink_ptr,
+    out_ptr,
+    lse_ptr,
+    po_ptr,
+    pml_ptr,
+    HAS_SINK: gl.constexpr,
+    SPLITS: gl.constexpr,
+    BH: gl.constexpr,
+    O_L: gl.constexpr,
+    S_L: gl.constexpr,
+    D0: gl.constexpr,
+    DW: gl.constexpr,
+    ML: gl.constexpr,
+    o_st,
+):
     """The 4-warp epilogue of the 64-row kernel's two consumer warpgroups: out = acc / l · σ(lse − sink)
     and lse (SPLITS == 1), or the partial (acc, m, l) for the merge. acc holds output columns
     [D0, D0 + DW); ML: this caller also writes lse (or m, l). qbad_smem: the heads' poison words
@@ -272,8 +323,7 @@ def _epilogue(acc, m, l, qbad_smem, t64, hb, sp, H, sink_ptr, out_ptr, lse_ptr, 
         h_b = hb * BH + gl.arange(0, BH, gl.SliceLayout(1, LO))
         d_b = D0 + gl.arange(0, DW, gl.SliceLayout(0, LO))
         row_b = t64 * H + h_b.to(gl.int64)
-        gl.store(out_ptr + row_b[:, None] * 512 + d_b[None, :], o_st.load(LO),
-                 mask=(h_b[:, None] < H) & (d_b[None, :] >= 0))
+        gl.store(out_ptr + row_b[:, None] * 512 + d_b[None, :], o_st.load(LO), mask=(h_b[:, None] < H) & (d_b[None, :] >= 0))
         if ML:
             gl.store(lse_ptr + t64 * H + h_s, gl.where(nonempty, lse, -float("inf")), mask=h_s < H)
     else:
@@ -329,8 +379,10 @@ def _bytes_of(w):
     joins add in-register dimensions; the innermost join is the most significant bit of the byte index."""
     lo = w.to(gl.int32)
     hi = (w >> 32).to(gl.int32)
-    x = gl.join(gl.join(gl.join(lo & 255, hi & 255), gl.join((lo >> 16) & 255, (hi >> 16) & 255)),
-                gl.join(gl.join((lo >> 8) & 255, (hi >> 8) & 255), gl.join((lo >> 24) & 255, (hi >> 24) & 255)))
+    x = gl.join(
+        gl.join(gl.join(lo & 255, hi & 255), gl.join((lo >> 16) & 255, (hi >> 16) & 255)),
+        gl.join(gl.join((lo >> 8) & 255, (hi >> 8) & 255), gl.join((lo >> 24) & 255, (hi >> 24) & 255)),
+    )
     return gl.reshape(x, [w.shape[0], 8 * w.shape[1]]).to(gl.uint8)
 
 
@@ -370,4 +422,3 @@ def _dequant_store_packed(kb, raw, ONE_STORE: gl.constexpr):
         kb.store(_side_by_side(_side_by_side(t01, t23), _side_by_side(t45, t67)))
     else:
         kb.slice(256, 256, dim=1).store(_side_by_side(t45, t67))
-

@@ -35,8 +35,17 @@ NARROW_STAGES = 3  # K stages of the narrow kernel: Q [16, 512] + 3 × 64 KB + P
 NARROW_REGS = 184  # each of its two producer warpgroups
 KERNELS = ("ws", "narrow", "plain")
 
-__all__ = ["GluonLaunch", "default_launch", "launch_for_sms", "decode_gluon", "decode_op", "KERNELS", "BLOCK_H",
-           "NARROW_H", "BLOCK_N"]
+__all__ = [
+    "GluonLaunch",
+    "default_launch",
+    "launch_for_sms",
+    "decode_gluon",
+    "decode_op",
+    "KERNELS",
+    "BLOCK_H",
+    "NARROW_H",
+    "BLOCK_N",
+]
 
 
 @dataclass(frozen=True)
@@ -114,11 +123,21 @@ def kernel_constexprs(kernel: str) -> dict:
 _LAST: dict = {}  # the last compiled decode kernel (diagnostics: n_regs, n_spills, shared)
 
 
-def decode_gluon(q: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor, lengths: torch.Tensor | None, *,
-                 block_size: int, sink: torch.Tensor | None = None, scale: float = HEAD_DIM ** -0.5,
-                 extra_cache: torch.Tensor | None = None, extra_slots: torch.Tensor | None = None,
-                 extra_lengths: torch.Tensor | None = None, extra_block_size: int | None = None,
-                 launch: GluonLaunch | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def decode_gluon(
+    q: torch.Tensor,
+    cache: torch.Tensor,
+    slots: torch.Tensor,
+    lengths: torch.Tensor | None,
+    *,
+    block_size: int,
+    sink: torch.Tensor | None = None,
+    scale: float = HEAD_DIM**-0.5,
+    extra_cache: torch.Tensor | None = None,
+    extra_slots: torch.Tensor | None = None,
+    extra_lengths: torch.Tensor | None = None,
+    extra_block_size: int | None = None,
+    launch: GluonLaunch | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Sparse MLA decode on Hopper: same arguments and results as :func:`dsv4ref.sparse_mla.decode`
     (already-validated inputs; no value checks and no host sync here, so it can be graph-captured).
 
@@ -132,6 +151,7 @@ def decode_gluon(q: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor, leng
     kern = _kernels()
     if kern is None or interpreting():
         from . import _IMPORT_ERROR
+
         raise RuntimeError(f"the gluon backend needs compiled Triton with Gluon on a Hopper GPU ({_IMPORT_ERROR!r})")
     if launch is not None and not isinstance(launch, GluonLaunch):
         raise TypeError(f"launch: expected a GluonLaunch or None, got {type(launch).__name__}")
@@ -176,13 +196,42 @@ def decode_gluon(q: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor, leng
     bh = launch.block_h
     grid = (T, -(-H // bh), S)
     # the same runtime arguments for every kernel (the byte views c1_u8 / c1_i16 are the plain kernel's)
-    args = (q, q.stride(0), q.stride(1), sink_arg, out, lse, po, pml,
-            *c1, slots, l1, K1, slots.stride(0), block_size, cache.stride(0),
-            *c2, i2, l2, K2, i2.stride(0), bs2, (extra_cache if has_pool2 else cache).stride(0),
-            H, float(scale) * LOG2E, chunk)
-    common = dict(HAS_LEN1=lengths is not None, HAS_POOL2=has_pool2,
-                  HAS_LEN2=has_pool2 and extra_lengths is not None, HAS_SINK=sink is not None, SPLITS=S,
-                  BH=bh, BN=BLOCK_N)
+    args = (
+        q,
+        q.stride(0),
+        q.stride(1),
+        sink_arg,
+        out,
+        lse,
+        po,
+        pml,
+        *c1,
+        slots,
+        l1,
+        K1,
+        slots.stride(0),
+        block_size,
+        cache.stride(0),
+        *c2,
+        i2,
+        l2,
+        K2,
+        i2.stride(0),
+        bs2,
+        (extra_cache if has_pool2 else cache).stride(0),
+        H,
+        float(scale) * LOG2E,
+        chunk,
+    )
+    common = dict(
+        HAS_LEN1=lengths is not None,
+        HAS_POOL2=has_pool2,
+        HAS_LEN2=has_pool2 and extra_lengths is not None,
+        HAS_SINK=sink is not None,
+        SPLITS=S,
+        BH=bh,
+        BN=BLOCK_N,
+    )
     _LAST["decode"] = kern[launch.kernel][grid](*args, **common, **kernel_constexprs(launch.kernel))
     if S > 1:
         kern["merge"][(T, H)](po, pml, sink_arg, out, lse, H, HAS_SINK=sink is not None, SPLITS=S, num_warps=4)
@@ -193,32 +242,87 @@ def decode_gluon(q: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor, leng
 
 
 @torch.library.custom_op("dsv4ref::sparse_mla_decode_gluon", mutates_args=())
-def _decode_op(q: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor, lengths: torch.Tensor | None,
-               extra_cache: torch.Tensor | None, extra_slots: torch.Tensor | None, extra_lengths: torch.Tensor | None,
-               sink: torch.Tensor | None, block_size: int, extra_block_size: int, scale: float, kernel: str,
-               num_splits: int) -> tuple[torch.Tensor, torch.Tensor]:
-    return decode_gluon(q, cache, slots, lengths, block_size=block_size, sink=sink, scale=scale,
-                        extra_cache=extra_cache, extra_slots=extra_slots, extra_lengths=extra_lengths,
-                        extra_block_size=extra_block_size if extra_cache is not None else None,
-                        launch=GluonLaunch(kernel, num_splits))
+def _decode_op(
+    q: torch.Tensor,
+    cache: torch.Tensor,
+    slots: torch.Tensor,
+    lengths: torch.Tensor | None,
+    extra_cache: torch.Tensor | None,
+    extra_slots: torch.Tensor | None,
+    extra_lengths: torch.Tensor | None,
+    sink: torch.Tensor | None,
+    block_size: int,
+    extra_block_size: int,
+    scale: float,
+    kernel: str,
+    num_splits: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return decode_gluon(
+        q,
+        cache,
+        slots,
+        lengths,
+        block_size=block_size,
+        sink=sink,
+        scale=scale,
+        extra_cache=extra_cache,
+        extra_slots=extra_slots,
+        extra_lengths=extra_lengths,
+        extra_block_size=extra_block_size if extra_cache is not None else None,
+        launch=GluonLaunch(kernel, num_splits),
+    )
 
 
 @_decode_op.register_fake
-def _(q, cache, slots, lengths, extra_cache, extra_slots, extra_lengths, sink, block_size, extra_block_size, scale,
-      kernel, num_splits):
+def _(
+    q,
+    cache,
+    slots,
+    lengths,
+    extra_cache,
+    extra_slots,
+    extra_lengths,
+    sink,
+    block_size,
+    extra_block_size,
+    scale,
+    kernel,
+    num_splits,
+):
     T, H, D = q.shape
     return q.new_empty(T, H, D), q.new_empty(T, H, dtype=torch.float32)
 
 
-def decode_op(q: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor, lengths: torch.Tensor | None,
-              extra_cache: torch.Tensor | None, extra_slots: torch.Tensor | None, extra_lengths: torch.Tensor | None,
-              sink: torch.Tensor | None, block_size: int, extra_block_size: int, scale: float,
-              launch: GluonLaunch | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def decode_op(
+    q: torch.Tensor,
+    cache: torch.Tensor,
+    slots: torch.Tensor,
+    lengths: torch.Tensor | None,
+    extra_cache: torch.Tensor | None,
+    extra_slots: torch.Tensor | None,
+    extra_lengths: torch.Tensor | None,
+    sink: torch.Tensor | None,
+    block_size: int,
+    extra_block_size: int,
+    scale: float,
+    launch: GluonLaunch | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``torch.ops.dsv4ref.sparse_mla_decode_gluon`` (what ``sparse_mla.decode`` runs for the gluon backend)
     with ``launch`` resolved: None = :func:`default_launch` for q's shape and both pools' candidates."""
     if launch is None:
         T, H, _ = q.shape
-        launch = default_launch(T, H, slots.shape[1] + (extra_slots.shape[1] if extra_cache is not None else 0),
-                                q.device)
-    return torch.ops.dsv4ref.sparse_mla_decode_gluon(q, cache, slots, lengths, extra_cache, extra_slots, extra_lengths,
-                                                     sink, block_size, extra_block_size, scale, *launch.op_args())
+        launch = default_launch(T, H, slots.shape[1] + (extra_slots.shape[1] if extra_cache is not None else 0), q.device)
+    return torch.ops.dsv4ref.sparse_mla_decode_gluon(
+        q,
+        cache,
+        slots,
+        lengths,
+        extra_cache,
+        extra_slots,
+        extra_lengths,
+        sink,
+        block_size,
+        extra_block_size,
+        scale,
+        *launch.op_args(),
+    )

@@ -11,8 +11,26 @@ from .common import _dequant_store_packed, _head_scale, _load_rows_packed, _prog
 
 
 @_gluon.jit
-def _narrow_producer(k_smem, ready, empty, start, n_it, n1, stop, i1, i2, c1_i64, bs1, ps1, c2_i64, bs2, ps2,
-                     BN: gl.constexpr, NS: gl.constexpr, PART: gl.constexpr):
+def _narrow_producer(
+    k_smem,
+    ready,
+    empty,
+    start,
+    n_it,
+    n1,
+    stop,
+    i1,
+    i2,
+    c1_i64,
+    bs1,
+    ps1,
+    c2_i64,
+    bs2,
+    ps2,
+    BN: gl.constexpr,
+    NS: gl.constexpr,
+    PART: gl.constexpr,
+):
     """One of the narrow kernel's two producer warpgroups: rows [PART·BN/2, (PART + 1)·BN/2) of every
     chunk (the other warpgroup dequantises the other half at the same time, so a chunk's dequantisation
     takes half as long as with one producer). Two chunks' rows are held as packed words: chunk it + 1's
@@ -38,10 +56,38 @@ def _narrow_producer(k_smem, ready, empty, start, n_it, n1, stop, i1, i2, c1_i64
 
 
 @_gluon.jit
-def _narrow_consumer(q_smem, qbad_smem, k_smem, p_smem, ready, empty, start, n_it, n1, stop, i1, i2, qk_scale,
-                     t64, hb, sp, H, sink_ptr, out_ptr, lse_ptr, po_ptr, pml_ptr, q_ptr, q_st, q_sh,
-                     HAS_SINK: gl.constexpr, SPLITS: gl.constexpr, BH: gl.constexpr, BN: gl.constexpr,
-                     NS: gl.constexpr):
+def _narrow_consumer(
+    q_smem,
+    qbad_smem,
+    k_smem,
+    p_smem,
+    ready,
+    empty,
+    start,
+    n_it,
+    n1,
+    stop,
+    i1,
+    i2,
+    qk_scale,
+    t64,
+    hb,
+    sp,
+    H,
+    sink_ptr,
+    out_ptr,
+    lse_ptr,
+    po_ptr,
+    pml_ptr,
+    q_ptr,
+    q_st,
+    q_sh,
+    HAS_SINK: gl.constexpr,
+    SPLITS: gl.constexpr,
+    BH: gl.constexpr,
+    BN: gl.constexpr,
+    NS: gl.constexpr,
+):
     """The narrow kernel's MMA warpgroup (the default partition, 4 warps), on transposed products so that
     the heads are the wgmma's N (16) instead of its M (64, three quarters padding at H = 16):
     Sᵀ[BN, BH] = K · Qᵀ (A = the K tile, B = the query), the online softmax down the columns (one
@@ -98,12 +144,43 @@ def _narrow_consumer(q_smem, qbad_smem, k_smem, p_smem, ready, empty, start, n_i
 
 @_gluon.jit
 def _narrow_kernel(
-    q_ptr, q_st, q_sh, sink_ptr, out_ptr, lse_ptr, po_ptr, pml_ptr,
-    c1_u8, c1_i16, c1_i64, i1_ptr, l1_ptr, K1, i1_st, bs1, ps1,
-    c2_u8, c2_i16, c2_i64, i2_ptr, l2_ptr, K2, i2_st, bs2, ps2,
-    H, qk_scale, chunk,
-    HAS_LEN1: gl.constexpr, HAS_POOL2: gl.constexpr, HAS_LEN2: gl.constexpr, HAS_SINK: gl.constexpr,
-    SPLITS: gl.constexpr, BH: gl.constexpr, BN: gl.constexpr, NS: gl.constexpr,
+    q_ptr,
+    q_st,
+    q_sh,
+    sink_ptr,
+    out_ptr,
+    lse_ptr,
+    po_ptr,
+    pml_ptr,
+    c1_u8,
+    c1_i16,
+    c1_i64,
+    i1_ptr,
+    l1_ptr,
+    K1,
+    i1_st,
+    bs1,
+    ps1,
+    c2_u8,
+    c2_i16,
+    c2_i64,
+    i2_ptr,
+    l2_ptr,
+    K2,
+    i2_st,
+    bs2,
+    ps2,
+    H,
+    qk_scale,
+    chunk,
+    HAS_LEN1: gl.constexpr,
+    HAS_POOL2: gl.constexpr,
+    HAS_LEN2: gl.constexpr,
+    HAS_SINK: gl.constexpr,
+    SPLITS: gl.constexpr,
+    BH: gl.constexpr,
+    BN: gl.constexpr,
+    NS: gl.constexpr,
     PRODUCER_REGS: gl.constexpr,
 ):
     """The narrow-head kernel (H <= 16): one program per (token, list split) with the heads as the MMAs' N
@@ -113,11 +190,11 @@ def _narrow_kernel(
     memory: the query [BH, 512], an NS-stage ring of K tiles [BN, 512] and Pᵀ [BH, BN], all bf16."""
     gl.static_assert(BN == 64)
     SH_L: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
-    t64, hb, sp, n1, start, stop, n_it, i1, i2 = _program(chunk, K1, l1_ptr, K2, l2_ptr, i1_ptr, i1_st, i2_ptr,
-                                                          i2_st, BN, HAS_LEN1, HAS_POOL2, HAS_LEN2)
+    t64, hb, sp, n1, start, stop, n_it, i1, i2 = _program(
+        chunk, K1, l1_ptr, K2, l2_ptr, i1_ptr, i1_st, i2_ptr, i2_st, BN, HAS_LEN1, HAS_POOL2, HAS_LEN2
+    )
     q_smem = gl.allocate_shared_memory(gl.bfloat16, [BH, 512], SH_L)
-    qbad_smem = gl.allocate_shared_memory(gl.float32, [BH], gl.SwizzledSharedLayout(
-        vec=1, per_phase=1, max_phase=1, order=[0]))
+    qbad_smem = gl.allocate_shared_memory(gl.float32, [BH], gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0]))
     k_smem = gl.allocate_shared_memory(gl.bfloat16, [NS, BN, 512], SH_L)
     p_smem = gl.allocate_shared_memory(gl.bfloat16, [BH, BN], SH_L)
     ready = gl.allocate_shared_memory(gl.int64, [NS, 1], mbarrier.MBarrierLayout())
@@ -127,12 +204,52 @@ def _narrow_kernel(
         mbarrier.init(empty.index(i), count=1)
     fence_async_shared()
     _bar()
-    gl.warp_specialize([
-        (_narrow_consumer, (q_smem, qbad_smem, k_smem, p_smem, ready, empty, start, n_it, n1, stop, i1, i2,
-                            qk_scale, t64, hb, sp, H, sink_ptr, out_ptr, lse_ptr, po_ptr, pml_ptr, q_ptr, q_st,
-                            q_sh, HAS_SINK, SPLITS, BH, BN, NS)),
-        (_narrow_producer, (k_smem, ready, empty, start, n_it, n1, stop, i1, i2, c1_i64, bs1, ps1, c2_i64, bs2,
-                            ps2, BN, NS, 0)),
-        (_narrow_producer, (k_smem, ready, empty, start, n_it, n1, stop, i1, i2, c1_i64, bs1, ps1, c2_i64, bs2,
-                            ps2, BN, NS, 1)),
-    ], [4, 4], [PRODUCER_REGS, PRODUCER_REGS])
+    gl.warp_specialize(
+        [
+            (
+                _narrow_consumer,
+                (
+                    q_smem,
+                    qbad_smem,
+                    k_smem,
+                    p_smem,
+                    ready,
+                    empty,
+                    start,
+                    n_it,
+                    n1,
+                    stop,
+                    i1,
+                    i2,
+                    qk_scale,
+                    t64,
+                    hb,
+                    sp,
+                    H,
+                    sink_ptr,
+                    out_ptr,
+                    lse_ptr,
+                    po_ptr,
+                    pml_ptr,
+                    q_ptr,
+                    q_st,
+                    q_sh,
+                    HAS_SINK,
+                    SPLITS,
+                    BH,
+                    BN,
+                    NS,
+                ),
+            ),
+            (
+                _narrow_producer,
+                (k_smem, ready, empty, start, n_it, n1, stop, i1, i2, c1_i64, bs1, ps1, c2_i64, bs2, ps2, BN, NS, 0),
+            ),
+            (
+                _narrow_producer,
+                (k_smem, ready, empty, start, n_it, n1, stop, i1, i2, c1_i64, bs1, ps1, c2_i64, bs2, ps2, BN, NS, 1),
+            ),
+        ],
+        [4, 4],
+        [PRODUCER_REGS, PRODUCER_REGS],
+    )

@@ -26,8 +26,29 @@ from .common import _dequant_store_packed, _epilogue, _load_rows_packed, _progra
 
 
 @_gluon.jit
-def _ws_producer(k_smem, ready, empty, start, n_it, n1, stop, i1, i2, c1_u8, c1_i16, c1_i64, bs1, ps1,
-                 c2_u8, c2_i16, c2_i64, bs2, ps2, BN: gl.constexpr, NS: gl.constexpr):
+def _ws_producer(
+    k_smem,
+    ready,
+    empty,
+    start,
+    n_it,
+    n1,
+    stop,
+    i1,
+    i2,
+    c1_u8,
+    c1_i16,
+    c1_i64,
+    bs1,
+    ps1,
+    c2_u8,
+    c2_i16,
+    c2_i64,
+    bs2,
+    ps2,
+    BN: gl.constexpr,
+    NS: gl.constexpr,
+):
     """The producer warps (4): gather + dequantise each chunk into the shared ring, half a chunk (32 rows)
     at a time, the rows held packed (int64 words: no byte or 16-bit value lives in a register of its own).
     One half is in registers: the next half's row loads are issued right after the current half is
@@ -57,10 +78,43 @@ def _ws_producer(k_smem, ready, empty, start, n_it, n1, stop, i1, i2, c1_u8, c1_
 
 
 @_gluon.jit
-def _roles_scorer(q_smem, qbad_smem, k_smem, p_smem, a_smem, ml_smem, ready, empty, pfull, pfree, fin,
-                  start, n_it, n1, stop, i1, i2, qk_scale, t64, hb, sp, H, sink_ptr, out_ptr, lse_ptr, po_ptr,
-                  pml_ptr, HAS_SINK: gl.constexpr, SPLITS: gl.constexpr, BH: gl.constexpr, BN: gl.constexpr,
-                  NS: gl.constexpr, q_ptr, q_st, q_sh):
+def _roles_scorer(
+    q_smem,
+    qbad_smem,
+    k_smem,
+    p_smem,
+    a_smem,
+    ml_smem,
+    ready,
+    empty,
+    pfull,
+    pfree,
+    fin,
+    start,
+    n_it,
+    n1,
+    stop,
+    i1,
+    i2,
+    qk_scale,
+    t64,
+    hb,
+    sp,
+    H,
+    sink_ptr,
+    out_ptr,
+    lse_ptr,
+    po_ptr,
+    pml_ptr,
+    HAS_SINK: gl.constexpr,
+    SPLITS: gl.constexpr,
+    BH: gl.constexpr,
+    BN: gl.constexpr,
+    NS: gl.constexpr,
+    q_ptr,
+    q_st,
+    q_sh,
+):
     """The scoring warpgroup (the default partition, 4 warps): it first brings the query to shared memory
     itself by cp.async (:func:`_q_async`, while the producer already fetches rows), then per chunk S = Q·Kᵀ
     for all 64 candidates as n = 64 wgmma (Q read once per chunk, not once per warpgroup), the online
@@ -114,15 +168,67 @@ def _roles_scorer(q_smem, qbad_smem, k_smem, p_smem, a_smem, ml_smem, ready, emp
     if SPLITS == 1:  # the P·V warpgroup's last read of a K stage is over (it released it)
         last = gl.maximum(n_it - 1, 0)
         mbarrier.wait(empty.index(last % NS), (last // NS) & 1, pred=n_it > 0)
-    _epilogue(acc, m, l, qbad_smem, t64, hb, sp, H, sink_ptr, out_ptr, lse_ptr, po_ptr, pml_ptr, HAS_SINK,
-              SPLITS, BH, O_L, S_L, 0, 256, True, k_smem.index(0).slice(0, 256, dim=1))
+    _epilogue(
+        acc,
+        m,
+        l,
+        qbad_smem,
+        t64,
+        hb,
+        sp,
+        H,
+        sink_ptr,
+        out_ptr,
+        lse_ptr,
+        po_ptr,
+        pml_ptr,
+        HAS_SINK,
+        SPLITS,
+        BH,
+        O_L,
+        S_L,
+        0,
+        256,
+        True,
+        k_smem.index(0).slice(0, 256, dim=1),
+    )
 
 
 @_gluon.jit
-def _roles_pv(q_smem, qbad_smem, k_smem, p_smem, a_smem, ml_smem, ready, empty, pfull, pfree, fin,
-              start, n_it, n1, stop, i1, i2, qk_scale, t64, hb, sp, H, sink_ptr, out_ptr, lse_ptr, po_ptr,
-              pml_ptr, HAS_SINK: gl.constexpr, SPLITS: gl.constexpr, BH: gl.constexpr, BN: gl.constexpr,
-              NS: gl.constexpr):
+def _roles_pv(
+    q_smem,
+    qbad_smem,
+    k_smem,
+    p_smem,
+    a_smem,
+    ml_smem,
+    ready,
+    empty,
+    pfull,
+    pfree,
+    fin,
+    start,
+    n_it,
+    n1,
+    stop,
+    i1,
+    i2,
+    qk_scale,
+    t64,
+    hb,
+    sp,
+    H,
+    sink_ptr,
+    out_ptr,
+    lse_ptr,
+    po_ptr,
+    pml_ptr,
+    HAS_SINK: gl.constexpr,
+    SPLITS: gl.constexpr,
+    BH: gl.constexpr,
+    BN: gl.constexpr,
+    NS: gl.constexpr,
+):
     """The P·V warpgroup (a worker partition, 4 warps) of the role split: for each chunk it waits for
     the scorer's P and alpha, rescales its half of the output and runs O[:, 256:512] += P · V[:, 256:512]
     with P read from shared memory; it computes no score and no softmax, so it needs only the
@@ -146,18 +252,72 @@ def _roles_pv(q_smem, qbad_smem, k_smem, p_smem, a_smem, ml_smem, ready, empty, 
     m = ml_smem.index(0).load(gl.SliceLayout(1, S_L))
     l = ml_smem.index(1).load(gl.SliceLayout(1, S_L))
     # (the scorer's MMAs are over once fin completes: stage 1 is free for the output)
-    _epilogue(acc, m, l, qbad_smem, t64, hb, sp, H, sink_ptr, out_ptr, lse_ptr, po_ptr, pml_ptr, HAS_SINK,
-              SPLITS, BH, O_L, S_L, 256, 256, False, k_smem.index(1).slice(0, 256, dim=1))
+    _epilogue(
+        acc,
+        m,
+        l,
+        qbad_smem,
+        t64,
+        hb,
+        sp,
+        H,
+        sink_ptr,
+        out_ptr,
+        lse_ptr,
+        po_ptr,
+        pml_ptr,
+        HAS_SINK,
+        SPLITS,
+        BH,
+        O_L,
+        S_L,
+        256,
+        256,
+        False,
+        k_smem.index(1).slice(0, 256, dim=1),
+    )
 
 
 @_gluon.jit
 def _ws_kernel(
-    q_ptr, q_st, q_sh, sink_ptr, out_ptr, lse_ptr, po_ptr, pml_ptr,
-    c1_u8, c1_i16, c1_i64, i1_ptr, l1_ptr, K1, i1_st, bs1, ps1,
-    c2_u8, c2_i16, c2_i64, i2_ptr, l2_ptr, K2, i2_st, bs2, ps2,
-    H, qk_scale, chunk,
-    HAS_LEN1: gl.constexpr, HAS_POOL2: gl.constexpr, HAS_LEN2: gl.constexpr, HAS_SINK: gl.constexpr,
-    SPLITS: gl.constexpr, BH: gl.constexpr, BN: gl.constexpr, NS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
+    q_ptr,
+    q_st,
+    q_sh,
+    sink_ptr,
+    out_ptr,
+    lse_ptr,
+    po_ptr,
+    pml_ptr,
+    c1_u8,
+    c1_i16,
+    c1_i64,
+    i1_ptr,
+    l1_ptr,
+    K1,
+    i1_st,
+    bs1,
+    ps1,
+    c2_u8,
+    c2_i16,
+    c2_i64,
+    i2_ptr,
+    l2_ptr,
+    K2,
+    i2_st,
+    bs2,
+    ps2,
+    H,
+    qk_scale,
+    chunk,
+    HAS_LEN1: gl.constexpr,
+    HAS_POOL2: gl.constexpr,
+    HAS_LEN2: gl.constexpr,
+    HAS_SINK: gl.constexpr,
+    SPLITS: gl.constexpr,
+    BH: gl.constexpr,
+    BN: gl.constexpr,
+    NS: gl.constexpr,
+    PRODUCER_REGS: gl.constexpr,
     PV_REGS: gl.constexpr,
 ):
     """The 64-row warp-specialised kernel: 4 producer warps (:func:`_ws_producer`, PRODUCER_REGS registers)
@@ -169,13 +329,13 @@ def _ws_kernel(
     gl.static_assert(BH == 64)
     gl.static_assert(BN == 64)
     SH_L: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
-    t64, hb, sp, n1, start, stop, n_it, i1, i2 = _program(chunk, K1, l1_ptr, K2, l2_ptr, i1_ptr, i1_st, i2_ptr,
-                                                          i2_st, BN, HAS_LEN1, HAS_POOL2, HAS_LEN2)
+    t64, hb, sp, n1, start, stop, n_it, i1, i2 = _program(
+        chunk, K1, l1_ptr, K2, l2_ptr, i1_ptr, i1_st, i2_ptr, i2_st, BN, HAS_LEN1, HAS_POOL2, HAS_LEN2
+    )
 
     # the scorer partition fills these (_q_async)
     q_smem = gl.allocate_shared_memory(gl.bfloat16, [BH, 512], SH_L)
-    qbad_smem = gl.allocate_shared_memory(gl.float32, [BH], gl.SwizzledSharedLayout(
-        vec=1, per_phase=1, max_phase=1, order=[0]))
+    qbad_smem = gl.allocate_shared_memory(gl.float32, [BH], gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0]))
     k_smem = gl.allocate_shared_memory(gl.bfloat16, [NS, BN, 512], SH_L)
     ready = gl.allocate_shared_memory(gl.int64, [NS, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [NS, 1], mbarrier.MBarrierLayout())
@@ -199,13 +359,112 @@ def _ws_kernel(
     # registers: 512 per thread slot over three 4-warp partitions; the scorer gets the rest. (The partitions'
     # argument tuples are written out in the call: a tuple bound to a name first would turn its constexpr
     # members into tensors.)
-    gl.warp_specialize([
-        (_roles_scorer, (q_smem, qbad_smem, k_smem, p_smem, a_smem, ml_smem, ready, empty, pfull, pfree, fin,
-                         start, n_it, n1, stop, i1, i2, qk_scale, t64, hb, sp, H, sink_ptr, out_ptr, lse_ptr,
-                         po_ptr, pml_ptr, HAS_SINK, SPLITS, BH, BN, NS, q_ptr, q_st, q_sh)),
-        (_roles_pv, (q_smem, qbad_smem, k_smem, p_smem, a_smem, ml_smem, ready, empty, pfull, pfree, fin,
-                     start, n_it, n1, stop, i1, i2, qk_scale, t64, hb, sp, H, sink_ptr, out_ptr, lse_ptr,
-                     po_ptr, pml_ptr, HAS_SINK, SPLITS, BH, BN, NS)),
-        (_ws_producer, (k_smem, ready, empty, start, n_it, n1, stop, i1, i2, c1_u8, c1_i16, c1_i64, bs1,
-                        ps1, c2_u8, c2_i16, c2_i64, bs2, ps2, BN, NS)),
-    ], [4, 4], [PV_REGS, PRODUCER_REGS])
+    gl.warp_specialize(
+        [
+            (
+                _roles_scorer,
+                (
+                    q_smem,
+                    qbad_smem,
+                    k_smem,
+                    p_smem,
+                    a_smem,
+                    ml_smem,
+                    ready,
+                    empty,
+                    pfull,
+                    pfree,
+                    fin,
+                    start,
+                    n_it,
+                    n1,
+                    stop,
+                    i1,
+                    i2,
+                    qk_scale,
+                    t64,
+                    hb,
+                    sp,
+                    H,
+                    sink_ptr,
+                    out_ptr,
+                    lse_ptr,
+                    po_ptr,
+                    pml_ptr,
+                    HAS_SINK,
+                    SPLITS,
+                    BH,
+                    BN,
+                    NS,
+                    q_ptr,
+                    q_st,
+                    q_sh,
+                ),
+            ),
+            (
+                _roles_pv,
+                (
+                    q_smem,
+                    qbad_smem,
+                    k_smem,
+                    p_smem,
+                    a_smem,
+                    ml_smem,
+                    ready,
+                    empty,
+                    pfull,
+                    pfree,
+                    fin,
+                    start,
+                    n_it,
+                    n1,
+                    stop,
+                    i1,
+                    i2,
+                    qk_scale,
+                    t64,
+                    hb,
+                    sp,
+                    H,
+                    sink_ptr,
+                    out_ptr,
+                    lse_ptr,
+                    po_ptr,
+                    pml_ptr,
+                    HAS_SINK,
+                    SPLITS,
+                    BH,
+                    BN,
+                    NS,
+                ),
+            ),
+            (
+                _ws_producer,
+                (
+                    k_smem,
+                    ready,
+                    empty,
+                    start,
+                    n_it,
+                    n1,
+                    stop,
+                    i1,
+                    i2,
+                    c1_u8,
+                    c1_i16,
+                    c1_i64,
+                    bs1,
+                    ps1,
+                    c2_u8,
+                    c2_i16,
+                    c2_i64,
+                    bs2,
+                    ps2,
+                    BN,
+                    NS,
+                ),
+            ),
+        ],
+        [4, 4],
+        [PV_REGS, PRODUCER_REGS],
+    )

@@ -30,13 +30,27 @@ def _check() -> list[CheckRow]:
         got, p0 = [], 0
         for n in chunks:
             pos = torch.arange(p0, p0 + n, device=DEVICE)
-            r, done = compressor.compress(x[p0:p0 + n], w["wkv"], w["wgate"], w["ape"], w["norm"], st.kv, st.score,
-                                          torch.zeros(n, dtype=torch.int64, device=DEVICE), pos, ratio=ratio, eps=EPS)
+            r, done = compressor.compress(
+                x[p0 : p0 + n],
+                w["wkv"],
+                w["wgate"],
+                w["ape"],
+                w["norm"],
+                st.kv,
+                st.score,
+                torch.zeros(n, dtype=torch.int64, device=DEVICE),
+                pos,
+                ratio=ratio,
+                eps=EPS,
+            )
             got.append(r[done])
             p0 += n
         want, _ = compressor.compress_sequence(x, w["wkv"], w["wgate"], w["ape"], w["norm"], ratio=ratio, eps=EPS)
-        rows.append(CheckRow("compressor.compress", f"r={ratio} D={dim} steps={chunks}",
-                             compare(torch.cat(got), want, "compressor", "rows")))
+        rows.append(
+            CheckRow(
+                "compressor.compress", f"r={ratio} D={dim} steps={chunks}", compare(torch.cat(got), want, "compressor", "rows")
+            )
+        )
     return rows
 
 
@@ -51,9 +65,12 @@ def _bench() -> list[BenchCase]:
         coff = compressor.overlap(ratio)
         n, C = coff * ratio, coff * D
         g = torch.Generator(device=DEVICE).manual_seed(ratio)
-        w = dict(wkv=torch.randn(C, Hd, device=DEVICE, generator=g).to(torch.bfloat16) * Hd**-0.5,
-                 wgate=torch.randn(C, Hd, device=DEVICE, generator=g).to(torch.bfloat16) * Hd**-0.5,
-                 ape=torch.randn(ratio, C, device=DEVICE, generator=g), norm=torch.ones(D, device=DEVICE))
+        w = dict(
+            wkv=torch.randn(C, Hd, device=DEVICE, generator=g).to(torch.bfloat16) * Hd**-0.5,
+            wgate=torch.randn(C, Hd, device=DEVICE, generator=g).to(torch.bfloat16) * Hd**-0.5,
+            ape=torch.randn(ratio, C, device=DEVICE, generator=g),
+            norm=torch.ones(D, device=DEVICE),
+        )
         x = torch.randn(R, Hd, device=DEVICE, generator=g).to(torch.bfloat16)
         st = compressor.allocate_state(R, ratio, D)
         st.score.zero_()  # a full ring (any finite values)
@@ -66,23 +83,40 @@ def _bench() -> list[BenchCase]:
 
             def run(i, p=p, w=w, st=st, x=x, ratio=ratio, req=req):
                 with checking_values(False):  # no host syncs: the step can be captured in a graph
-                        compressor.compress(x, w["wkv"], w["wgate"], w["ape"], w["norm"], st.kv, st.score, req, p,
-                                        ratio=ratio, eps=EPS)
+                    compressor.compress(
+                        x, w["wkv"], w["wgate"], w["ape"], w["norm"], st.kv, st.score, req, p, ratio=ratio, eps=EPS
+                    )
 
             def run_ref(i, p=p, w=w, st=st, x=x, ratio=ratio, req=req):
                 with checking_values(False):
-                    compressor.compress(x, w["wkv"], w["wgate"], w["ape"], w["norm"], st.kv, st.score, req, p,
-                                        ratio=ratio, eps=EPS, backend="reference")
+                    compressor.compress(
+                        x,
+                        w["wkv"],
+                        w["wgate"],
+                        w["ape"],
+                        w["norm"],
+                        st.kv,
+                        st.score,
+                        req,
+                        p,
+                        ratio=ratio,
+                        eps=EPS,
+                        backend="reference",
+                    )
 
             what = "boundary step" if at_boundary else "between boundaries"
             note = "weights + x + ring writes" + (" + window reads + rows" if at_boundary else "")
             flops = 2 * 2 * R * C * Hd
-            cases.append(BenchCase("compressor.compress", f"r={ratio} R={R} Hd={Hd}, {what}", run, 1, nbytes, flops,
-                                   note))
-            cases.append(BenchCase("compressor.compress (torch reference)", f"r={ratio} R={R} Hd={Hd}, {what}",
-                                   run_ref, 1, nbytes, flops, note))
+            cases.append(BenchCase("compressor.compress", f"r={ratio} R={R} Hd={Hd}, {what}", run, 1, nbytes, flops, note))
+            cases.append(
+                BenchCase(
+                    "compressor.compress (torch reference)", f"r={ratio} R={R} Hd={Hd}, {what}", run_ref, 1, nbytes, flops, note
+                )
+            )
             cases[-2].reference = (
                 lambda x, p, w=w, st=st, ratio=ratio, req=req: compressor.reference.compress(
-                    x, w["wkv"], w["wgate"], w["ape"], w["norm"], st.kv, st.score, req, p, ratio=ratio, eps=EPS),
-                lambda i, x=x, p=p: (x, p))
+                    x, w["wkv"], w["wgate"], w["ape"], w["norm"], st.kv, st.score, req, p, ratio=ratio, eps=EPS
+                ),
+                lambda i, x=x, p=p: (x, p),
+            )
     return cases

@@ -21,8 +21,14 @@ def check_decode_step() -> list[CheckRow]:
     dec, w, recs, _ = run(TINY, steps=2, prompt_lens=(40, 9), decode_backend="triton")
     out = []
     for a in agreement(TINY, w, recs, dec.history())[1:]:
-        rep = Report(f"step {a.step}", max(a.attn_err, a.logits_err), a.attn_err, "decode_step", a.passed,
-                     f"logits {a.logits_err:.3g} (<= {LOGITS_TOL:g}), attention {a.attn_err:.3g} (<= {ATTN_TOL:g})")
+        rep = Report(
+            f"step {a.step}",
+            max(a.attn_err, a.logits_err),
+            a.attn_err,
+            "decode_step",
+            a.passed,
+            f"logits {a.logits_err:.3g} (<= {LOGITS_TOL:g}), attention {a.attn_err:.3g} (<= {ATTN_TOL:g})",
+        )
         out.append(CheckRow("decode.step", f"tiny, T=2, step {a.step}", rep))
     return out
 
@@ -34,10 +40,12 @@ BENCH_PROMPTS = {4: (133, 37, 5, 70), 32: (133, 37, 5, 70, 96, 12, 80, 67) * 4}
 def _eager_only(fn):
     """A case that times host work too: it refuses the harness's graph capture (the harness then times it
     eagerly with device events, host gaps included)."""
+
     def run_eagerly(i):
         if capturing():
             raise RuntimeError("decode.step: timed eagerly (its host part cannot be captured)")
         return fn()
+
     return run_eagerly
 
 
@@ -69,8 +77,17 @@ def _bench() -> list[BenchCase]:
             cases.append(BenchCase("decode.step", f"tiny T={T} {mode}", _eager_only(step), 1, nbytes, 0, note))
             if graph:
                 g = next(iter(dec.graphs.values()))
-                cases.append(BenchCase("decode.step", f"tiny T={T} replay alone", _eager_only(g.replay), 1, nbytes, 0,
-                                       "the device part; the rest of a graphed step is host work"))
+                cases.append(
+                    BenchCase(
+                        "decode.step",
+                        f"tiny T={T} replay alone",
+                        _eager_only(g.replay),
+                        1,
+                        nbytes,
+                        0,
+                        "the device part; the rest of a graphed step is host work",
+                    )
+                )
     return cases
 
 

@@ -74,10 +74,16 @@ def _check_non_finite() -> list[CheckRow]:
                 kw = dict(block_table=ex["block_table"], block_size=16)
                 got = ix.logits(q, qs, wo, caches[0], ex["positions"], **kw, backend="triton")
                 ref = ix.logits(q, qs, wo, caches[0], ex["positions"], **kw, backend="reference")
-                cond = ix.reference.logits_condition(q, qs, wo, caches[0], ex["positions"], ex["block_table"],
-                                                     block_size=16, n_out=ref.shape[1])
-                rows.append(CheckRow("indexer.logits", shape + " (NaN scores)",
-                                     compare(got.double() / cond, ref.double() / cond, "fp32_dot", "logits")))
+                cond = ix.reference.logits_condition(
+                    q, qs, wo, caches[0], ex["positions"], ex["block_table"], block_size=16, n_out=ref.shape[1]
+                )
+                rows.append(
+                    CheckRow(
+                        "indexer.logits",
+                        shape + " (NaN scores)",
+                        compare(got.double() / cond, ref.double() / cond, "fp32_dot", "logits"),
+                    )
+                )
     return rows
 
 
@@ -94,12 +100,25 @@ def _check_logits() -> list[CheckRow]:
             ref = ix.reference.logits(*args, **kw, dtype=torch.float64)
             # normalise by the condition scale Σ_h |w|·Σ_d |q k| so "fp32_dot" (atol 1e-5) bounds the fp32 sum error
             cond = ix.reference.logits_condition(*args, **kw)
-            for dec in (ix.launch.FP4_DECODES if fmt == "mxfp4" else ("nibble",)):
-                got = ix.logits(q, qs, wo, ex["k_cache"], ex["positions"], block_table=ex["block_table"], block_size=bs,
-                                backend="triton", launch=ix.IndexerLaunch(fp4_decode=dec))
-                rows.append(CheckRow("indexer.logits", f"T=4 H=64 n_c<=150 Bc={bs} {fmt}"
-                                     + (f" {dec}" if fmt == "mxfp4" else ""),
-                                     compare(got.double() / cond, ref / cond, "fp32_dot", "logits / condition")))
+            for dec in ix.launch.FP4_DECODES if fmt == "mxfp4" else ("nibble",):
+                got = ix.logits(
+                    q,
+                    qs,
+                    wo,
+                    ex["k_cache"],
+                    ex["positions"],
+                    block_table=ex["block_table"],
+                    block_size=bs,
+                    backend="triton",
+                    launch=ix.IndexerLaunch(fp4_decode=dec),
+                )
+                rows.append(
+                    CheckRow(
+                        "indexer.logits",
+                        f"T=4 H=64 n_c<=150 Bc={bs} {fmt}" + (f" {dec}" if fmt == "mxfp4" else ""),
+                        compare(got.double() / cond, ref / cond, "fp32_dot", "logits / condition"),
+                    )
+                )
     return rows
 
 
@@ -120,8 +139,7 @@ def _check_topk() -> list[CheckRow]:
 BENCH_SHAPE = dict(T=64, H=64, n_c=32768, Bc=64)  # 64 decode tokens × 32 768 compressed keys (a 128K context)
 
 
-def logits_bench_inputs(fmt: str, n_sets: int = 2, seed: int = 0, T: int = 64, H: int = 64, n_c: int = 32768,
-                        Bc: int = 64):
+def logits_bench_inputs(fmt: str, n_sets: int = 2, seed: int = 0, T: int = 64, H: int = 64, n_c: int = 32768, Bc: int = 64):
     """The logits benchmark's inputs: ``(positions, sets, bytes, flops)`` with ``sets`` a list of ``n_sets``
     tuples ``(q, q_scales, weights_out, cache, block_table)`` (2 sets: 2 × 277 MB (fp8) / 143 MB (mxfp4) of
     keys, far beyond the 60 MB L2). Cache bytes are random (fp8: no NaN codes, scales 2^-10..2^9; mxfp4: scale
@@ -138,18 +156,18 @@ def logits_bench_inputs(fmt: str, n_sets: int = 2, seed: int = 0, T: int = 64, H
         cache = torch.randint(0, 256, (T * pages_per_tok, Bc * rec), dtype=torch.uint8, device=DEVICE, generator=g)
         if fmt == "fp8":
             cache.view(T * pages_per_tok, Bc, rec)[:, :, :INDEX_HEAD_DIM] &= 0x77  # no NaN codes (0x7F / 0xFF)
-            sc = cache[:, Bc * INDEX_HEAD_DIM:].view(torch.float32)
+            sc = cache[:, Bc * INDEX_HEAD_DIM :].view(torch.float32)
             sc.copy_(torch.exp2(torch.randint(-10, 10, sc.shape, device=DEVICE, generator=g).float()))
         else:
-            cache[:, Bc * 64:] = torch.randint(117, 137, (T * pages_per_tok, Bc * 4), dtype=torch.uint8,
-                                               device=DEVICE, generator=g)
+            cache[:, Bc * 64 :] = torch.randint(
+                117, 137, (T * pages_per_tok, Bc * 4), dtype=torch.uint8, device=DEVICE, generator=g
+            )
         bt = torch.randperm(T * pages_per_tok, device=DEVICE, generator=g).to(torch.int32).view(T, pages_per_tok)
         iq = torch.randn(T, H, INDEX_HEAD_DIM, device=DEVICE, generator=g).to(torch.bfloat16)
         w = torch.randn(T, H, device=DEVICE, generator=g)
         q, qs, wo = ix.quantize_q(iq, pos, cs, w, fmt=fmt)
         sets.append((q, qs, wo, cache, bt))
-    nbytes = T * n_c * rec + T * H * (INDEX_HEAD_DIM if fmt == "fp8" else 68) + T * H * 4 \
-        + T * pages_per_tok * 4 + T * n_c * 4
+    nbytes = T * n_c * rec + T * H * (INDEX_HEAD_DIM if fmt == "fp8" else 68) + T * H * 4 + T * pages_per_tok * 4 + T * n_c * 4
     return pos, sets, nbytes, 2.0 * T * n_c * H * INDEX_HEAD_DIM
 
 
@@ -160,27 +178,42 @@ def _bench() -> list[BenchCase]:
     The full grid of launch choices: ``benchmarks/experiments/indexer_sweep.py``."""
     T, H, n_c, Bc = (BENCH_SHAPE[k] for k in ("T", "H", "n_c", "Bc"))
     cases = []
-    variants = {"fp8": [("", ix.default_launch())],
-                "mxfp4": [("", ix.IndexerLaunch(fp4_decode="nibble")),
-                          (".f16_blocks", ix.IndexerLaunch(fp4_decode="f16_blocks")),
-                          (".f16_blocks.p8", ix.IndexerLaunch(fp4_decode="f16_blocks", logits_pages=8)),
-                          (".f16_scaled", ix.IndexerLaunch(fp4_decode="f16_scaled")),
-                          (".f16_scaled.p8", ix.IndexerLaunch(fp4_decode="f16_scaled", logits_pages=8))]}
+    variants = {
+        "fp8": [("", ix.default_launch())],
+        "mxfp4": [
+            ("", ix.IndexerLaunch(fp4_decode="nibble")),
+            (".f16_blocks", ix.IndexerLaunch(fp4_decode="f16_blocks")),
+            (".f16_blocks.p8", ix.IndexerLaunch(fp4_decode="f16_blocks", logits_pages=8)),
+            (".f16_scaled", ix.IndexerLaunch(fp4_decode="f16_scaled")),
+            (".f16_scaled.p8", ix.IndexerLaunch(fp4_decode="f16_scaled", logits_pages=8)),
+        ],
+    }
     for fmt in ix.FMTS:
         rec = index_k_page_bytes(1, fmt)
         n_sets = 2
         pos, sets, nbytes, flops = logits_bench_inputs(fmt, n_sets, T=T, H=H, n_c=n_c, Bc=Bc)
         for suffix, launch in variants[fmt]:
+
             def run(i, sets=sets, launch=launch, pos=pos):
                 q, qs, wo, cache, bt = sets[i]
                 return ix.launch.logits(q, qs, wo, cache, pos, bt, Bc, n_c, launch)
 
-            cases.append(BenchCase(f"indexer.logits.{fmt}{suffix}", f"T={T} H={H} n_c={n_c} Bc={Bc}", run, n_sets,
-                                   nbytes, flops, note=f"keys {rec} B/key/token + q + w + block table + fp32 logits "
-                                                       f"out; launch {launch}"))
+            cases.append(
+                BenchCase(
+                    f"indexer.logits.{fmt}{suffix}",
+                    f"T={T} H={H} n_c={n_c} Bc={Bc}",
+                    run,
+                    n_sets,
+                    nbytes,
+                    flops,
+                    note=f"keys {rec} B/key/token + q + w + block table + fp32 logits out; launch {launch}",
+                )
+            )
         # the torch reference in fp32 (the float64 oracle would not be a fair speed comparison)
         cases[-len(variants[fmt])].reference = (
-            lambda q, qs, wo, cache, bt, pos=pos: ix_reference.logits(q, qs, wo, cache, pos, bt, block_size=Bc,
-                                                                     n_out=n_c, dtype=torch.float32),
-            lambda i, sets=sets: sets[i])
+            lambda q, qs, wo, cache, bt, pos=pos: ix_reference.logits(
+                q, qs, wo, cache, pos, bt, block_size=Bc, n_out=n_c, dtype=torch.float32
+            ),
+            lambda i, sets=sets: sets[i],
+        )
     return cases

@@ -58,24 +58,44 @@ def _bench() -> list[BenchCase]:
         ins_bytes = S * (HEAD_DIM * 2 + 8 + TOKEN_BYTES)  # read kv + slot, write 584 B
         gat_bytes = S * (TOKEN_BYTES + 8 + HEAD_DIM * 2)  # read 584 B + slot, write bf16 row
         cases += [
-            BenchCase("kv_cache.insert", f"S={S} B={B}",
-                      lambda i, st=sets: torch.ops.dsv4ref.kv_insert(st[i][0], st[i][1], st[i][2], 64),
-                      n_sets, ins_bytes, note="kv 1024 + slot 8 + cache 584 B/token",
-                      reference=(lambda c, kv, s: reference.insert(c, kv, s, block_size=64),
-                                 lambda i, st=sets: st[i][:3])),
-            same_size_copy_case("kv_cache.insert[same-size copy uint8]", f"S={S} B={B}", ins_bytes, n_sets,
-                                note="torch copy_ of ins_bytes / 2 bytes: the same total traffic as insert"),
-            BenchCase("kv_cache.gather", f"S={S} B={B}",
-                      lambda i, st=sets: torch.ops.dsv4ref.kv_gather(st[i][0], st[i][2], st[i][3], 64),
-                      n_sets, gat_bytes, note="cache 584 + slot 8 + out 1024 B/row",
-                      reference=(lambda c, s: reference.gather(c, s, block_size=64), lambda i, st=sets: (st[i][0], st[i][2]))),
+            BenchCase(
+                "kv_cache.insert",
+                f"S={S} B={B}",
+                lambda i, st=sets: torch.ops.dsv4ref.kv_insert(st[i][0], st[i][1], st[i][2], 64),
+                n_sets,
+                ins_bytes,
+                note="kv 1024 + slot 8 + cache 584 B/token",
+                reference=(lambda c, kv, s: reference.insert(c, kv, s, block_size=64), lambda i, st=sets: st[i][:3]),
+            ),
+            same_size_copy_case(
+                "kv_cache.insert[same-size copy uint8]",
+                f"S={S} B={B}",
+                ins_bytes,
+                n_sets,
+                note="torch copy_ of ins_bytes / 2 bytes: the same total traffic as insert",
+            ),
+            BenchCase(
+                "kv_cache.gather",
+                f"S={S} B={B}",
+                lambda i, st=sets: torch.ops.dsv4ref.kv_gather(st[i][0], st[i][2], st[i][3], 64),
+                n_sets,
+                gat_bytes,
+                note="cache 584 + slot 8 + out 1024 B/row",
+                reference=(lambda c, s: reference.gather(c, s, block_size=64), lambda i, st=sets: (st[i][0], st[i][2])),
+            ),
         ]
         if S == 65536:
             for tok, warps in INSERT_SHAPES:
-                cases.append(BenchCase("kv_cache.insert", f"S={S} B={B} launch={tok}x{warps}",
-                                       lambda i, st=sets, t=tok, w=warps: torch.ops.dsv4ref.kv_insert(
-                                           st[i][0], st[i][1], st[i][2], 64, t, w),
-                                       n_sets, ins_bytes, note=f"{tok} tokens x {warps} warps per program"))
+                cases.append(
+                    BenchCase(
+                        "kv_cache.insert",
+                        f"S={S} B={B} launch={tok}x{warps}",
+                        lambda i, st=sets, t=tok, w=warps: torch.ops.dsv4ref.kv_insert(st[i][0], st[i][1], st[i][2], 64, t, w),
+                        n_sets,
+                        ins_bytes,
+                        note=f"{tok} tokens x {warps} warps per program",
+                    )
+                )
     return cases
 
 

@@ -17,14 +17,17 @@ def designs() -> list[tuple[str, MhcLaunch]]:
     """(name, launch) of every design the library keeps, as ``bench mhc`` times them on a GPU: the two
     first designs, one pass, the chunked design's rungs (notebook 03's ladder) and, last, the default
     ``MhcLaunch()``. A rung equal to the default is not listed twice."""
-    rungs = [("one-kernel", MhcLaunch(split_k=False)), ("split-K", MhcLaunch(split_k=True)),
-             ("one-pass", MhcLaunch(one_pass=True)),
-             ("chunked, four streams per dot", MhcLaunch(chunked=True, chunk_stream_k=False, chunk_fn_layout=0,
-                                                         chunk_zigzag=False)),
-             ("chunked, contiguous copies", MhcLaunch(chunked=True, chunk_stream_k=True, chunk_fn_layout=2,
-                                                      chunk_zigzag=False)),
-             ("chunked, contiguous copies, zigzag", MhcLaunch(chunked=True, chunk_stream_k=True, chunk_fn_layout=2,
-                                                              chunk_zigzag=True))]
+    rungs = [
+        ("one-kernel", MhcLaunch(split_k=False)),
+        ("split-K", MhcLaunch(split_k=True)),
+        ("one-pass", MhcLaunch(one_pass=True)),
+        ("chunked, four streams per dot", MhcLaunch(chunked=True, chunk_stream_k=False, chunk_fn_layout=0, chunk_zigzag=False)),
+        ("chunked, contiguous copies", MhcLaunch(chunked=True, chunk_stream_k=True, chunk_fn_layout=2, chunk_zigzag=False)),
+        (
+            "chunked, contiguous copies, zigzag",
+            MhcLaunch(chunked=True, chunk_stream_k=True, chunk_fn_layout=2, chunk_zigzag=True),
+        ),
+    ]
     default = default_launch()
     return [(n, L) for n, L in rungs if L != default] + [("default", default)]
 
@@ -43,8 +46,11 @@ def _check() -> list[CheckRow]:
         s = f"T={T} Hd={Hd} default"
         p64, c64, x64 = reference.pre(res, fn, scale, base, dtype=torch.float64)
         p, c, li = pre(res, fn, scale, base)
-        rows += [CheckRow("mhc.pre post", s, compare(p, p64, "mhc")), CheckRow("mhc.pre comb", s, compare(c, c64, "mhc")),
-                 CheckRow("mhc.pre layer_input", s, compare(li, x64, "bf16_out"))]
+        rows += [
+            CheckRow("mhc.pre post", s, compare(p, p64, "mhc")),
+            CheckRow("mhc.pre comb", s, compare(c, c64, "mhc")),
+            CheckRow("mhc.pre layer_input", s, compare(li, x64, "bf16_out")),
+        ]
         new64 = reference.post(x, res, p64.float(), c64.float(), dtype=torch.float64)
         rows.append(CheckRow("mhc.post", s, compare(post(x, res, p, c), new64, "bf16_out")))
         got = fused_post_pre(x, res, p, c, fn, scale, base)
@@ -57,19 +63,27 @@ def _check() -> list[CheckRow]:
         rows.append(CheckRow("mhc.head", s, compare(head(res, hfn, hscale, hbase), h64, "bf16_out")))
     # the one-pass design and the chunked one in chunks of 128 tokens (interpreter: 16), so that T = 300 crosses
     # two chunk boundaries: the same checks at real sizes
-    others = [("one-pass", MhcLaunch(one_pass=True)),
-              ("chunked C=16" if interpreting() else "chunked C=128",
-               MhcLaunch(chunked=True, chunk_tokens=16 if interpreting() else 128))]
-    for (T, Hd), (label, one) in [(th, d) for d in others
-                                  for th in ([(5, 256)] if interpreting() else [(33, 4096), (300, 4096), (17, 7168)])]:
+    others = [
+        ("one-pass", MhcLaunch(one_pass=True)),
+        (
+            "chunked C=16" if interpreting() else "chunked C=128",
+            MhcLaunch(chunked=True, chunk_tokens=16 if interpreting() else 128),
+        ),
+    ]
+    for (T, Hd), (label, one) in [
+        (th, d) for d in others for th in ([(5, 256)] if interpreting() else [(33, 4096), (300, 4096), (17, 7168)])
+    ]:
         res = example_streams(T, Hd, seed=T)
         x = randn((T, Hd), seed=T + 1, octaves=8)
         fn, scale, base = example_params(Hd, seed=T + 2)
         s = f"T={T} Hd={Hd} {label}"
         p64, c64, x64 = reference.pre(res, fn, scale, base, dtype=torch.float64)
         p, c, li = pre(res, fn, scale, base, launch=one)
-        rows += [CheckRow("mhc.pre post", s, compare(p, p64, "mhc")), CheckRow("mhc.pre comb", s, compare(c, c64, "mhc")),
-                 CheckRow("mhc.pre layer_input", s, compare(li, x64, "bf16_out"))]
+        rows += [
+            CheckRow("mhc.pre post", s, compare(p, p64, "mhc")),
+            CheckRow("mhc.pre comb", s, compare(c, c64, "mhc")),
+            CheckRow("mhc.pre layer_input", s, compare(li, x64, "bf16_out")),
+        ]
         got = fused_post_pre(x, res, p, c, fn, scale, base, launch=one)
         new = post(x, res, p, c)
         sep = (new, *pre(new, fn, scale, base, launch=one.pre_like_fused()))
@@ -80,7 +94,9 @@ def _check() -> list[CheckRow]:
         h64 = reference.head(res, hfn, hscale, hbase, dtype=torch.float64)
         rows.append(CheckRow("mhc.head", s, compare(head(res, hfn, hscale, hbase, launch=one), h64, "bf16_out")))
     logits = torch.randn(64, 4, 4, generator=generator(7)).to(DEVICE) * 3
-    rows.append(CheckRow("mhc.sinkhorn", "64 × 4×4, std 3", compare(sinkhorn(logits), reference.sinkhorn(logits.double()), "mhc")))
+    rows.append(
+        CheckRow("mhc.sinkhorn", "64 × 4×4, std 3", compare(sinkhorn(logits), reference.sinkhorn(logits.double()), "mhc"))
+    )
     return rows
 
 
@@ -91,10 +107,13 @@ def compulsory_bytes(T: int, Hd: int, M: int = 4) -> dict[str, int]:
     row = T * Hd * 2  # x or the layer input
     small = T * (M + M * M) * 4  # post + comb (fp32)
     fn_bytes = M * (M + 2) * M * Hd * 4
-    return dict(pre=stream + fn_bytes + small + row, post=row + stream + small + stream,
-                fused=row + stream + small + stream + small + row + fn_bytes,
-                head=stream + M * M * Hd * 4 + row,  # streams read once + fn [4, 4·Hd] fp32 + output written
-                flops=2 * T * M * (M + 2) * M * Hd)  # logical; the bf16x3 split does 3× that on tensor cores
+    return dict(
+        pre=stream + fn_bytes + small + row,
+        post=row + stream + small + stream,
+        fused=row + stream + small + stream + small + row + fn_bytes,
+        head=stream + M * M * Hd * 4 + row,  # streams read once + fn [4, 4·Hd] fp32 + output written
+        flops=2 * T * M * (M + 2) * M * Hd,
+    )  # logical; the bf16x3 split does 3× that on tensor cores
 
 
 @bench("mhc")
@@ -108,8 +127,7 @@ def _bench() -> list[BenchCase]:
         res = torch.randn(T, M, Hd, device=DEVICE, dtype=torch.bfloat16)
         x = torch.randn(T, Hd, device=DEVICE, dtype=torch.bfloat16)
         p, c = torch.rand(T, M, device=DEVICE) * 2, torch.rand(T, M, M, device=DEVICE) * 0.5
-        bufs = (torch.empty_like(res), torch.empty(T, M, device=DEVICE), torch.empty(T, M, M, device=DEVICE),
-                torch.empty_like(x))
+        bufs = (torch.empty_like(res), torch.empty(T, M, device=DEVICE), torch.empty(T, M, M, device=DEVICE), torch.empty_like(x))
         sets.append((res, x, p, c, bufs))
     nb = compulsory_bytes(T, Hd, M)
     pre_b, post_b, fused_b, head_b, flops = nb["pre"], nb["post"], nb["fused"], nb["head"], nb["flops"]
@@ -119,8 +137,9 @@ def _bench() -> list[BenchCase]:
 
     def run_pre(i, launch, src=None):  # launch: MhcLaunch.op_args()
         res, x, p, c, (new, p2, c2, out) = sets[i]
-        torch.ops.dsv4ref.mhc_pre(res if src is None else src, fs, scale, base, p2, c2, out, RMS_EPS, HC_EPS,
-                                  POST_MULT, SINKHORN_ITERS, *launch)
+        torch.ops.dsv4ref.mhc_pre(
+            res if src is None else src, fs, scale, base, p2, c2, out, RMS_EPS, HC_EPS, POST_MULT, SINKHORN_ITERS, *launch
+        )
 
     def run_post(i):
         res, x, p, c, (new, *_rest) = sets[i]
@@ -128,8 +147,9 @@ def _bench() -> list[BenchCase]:
 
     def run_fused(i, launch):
         res, x, p, c, (new, p2, c2, out) = sets[i]
-        torch.ops.dsv4ref.mhc_fused_post_pre(x, res, p, c, fs, scale, base, new, p2, c2, out, RMS_EPS, HC_EPS,
-                                             POST_MULT, SINKHORN_ITERS, *launch)
+        torch.ops.dsv4ref.mhc_fused_post_pre(
+            x, res, p, c, fs, scale, base, new, p2, c2, out, RMS_EPS, HC_EPS, POST_MULT, SINKHORN_ITERS, *launch
+        )
 
     def run_head(i, launch):
         res, x, p, c, (new, p2, c2, out) = sets[i]
@@ -145,18 +165,30 @@ def _bench() -> list[BenchCase]:
     shape = f"T={T} Hd={Hd}"
     cases = [
         BenchCase("mhc.post", shape, run_post, n_sets, post_b, 0, "x + streams read, streams written"),
-        BenchCase("mhc.post+pre (separate, default pre)", shape, run_separate, n_sets, fused_b, flops,
-                  "fused op's compulsory bytes (so it compares)"),
+        BenchCase(
+            "mhc.post+pre (separate, default pre)",
+            shape,
+            run_separate,
+            n_sets,
+            fused_b,
+            flops,
+            "fused op's compulsory bytes (so it compares)",
+        ),
     ]
     cases[0].reference = (mhc_reference.post, lambda i: sets[i][1::-1] + sets[i][2:4])
-    runners = {"pre": ("mhc.pre", run_pre, pre_b, flops, "streams read once + fn + post/comb + layer input"),
-               "fused": ("mhc.fused_post_pre", run_fused, fused_b, flops,
-                         "x + streams read, streams + layer input written"),
-               "head": ("mhc.head", run_head, head_b, flops // 6, "streams read once + fn + output written")}
-    refs = {"pre": (lambda r: mhc_reference.pre(r, fn, scale, base), lambda i: (sets[i][0],)),
-            "fused": (lambda x, r, p, c: mhc_reference.fused_post_pre(x, r, p, c, fn, scale, base),
-                      lambda i: sets[i][1::-1] + sets[i][2:4]),
-            "head": (lambda r: mhc_reference.head(r, hfn, hscale, hbase), lambda i: (sets[i][0],))}
+    runners = {
+        "pre": ("mhc.pre", run_pre, pre_b, flops, "streams read once + fn + post/comb + layer input"),
+        "fused": ("mhc.fused_post_pre", run_fused, fused_b, flops, "x + streams read, streams + layer input written"),
+        "head": ("mhc.head", run_head, head_b, flops // 6, "streams read once + fn + output written"),
+    }
+    refs = {
+        "pre": (lambda r: mhc_reference.pre(r, fn, scale, base), lambda i: (sets[i][0],)),
+        "fused": (
+            lambda x, r, p, c: mhc_reference.fused_post_pre(x, r, p, c, fn, scale, base),
+            lambda i: sets[i][1::-1] + sets[i][2:4],
+        ),
+        "head": (lambda r: mhc_reference.head(r, hfn, hscale, hbase), lambda i: (sets[i][0],)),
+    }
     # one row per (op, design): the op name carries the design ("(default)" marks MhcLaunch()'s), the shape its
     # plan; every row has the op's compulsory bytes, so the rows of one op compare directly
     for design, L in designs():
@@ -165,13 +197,14 @@ def _bench() -> list[BenchCase]:
             kind = L.design(fused)
             if kind == "chunked":
                 c, n_chunks, slices, cps, bk = L.chunk_plan(T, Hd)
-                plan = (f"C={c} ({(3 if fused else 2) * n_chunks} launches) BLOCK_T={L.chunk_tile(T)[0]} BLOCK_K={bk} "
-                        f"slice={cps * bk} stream_k={int(L.chunk_stream_k)} fn_layout={L.chunk_fn_layout} "
-                        f"zigzag={int(L.chunk_zigzag)}")
+                plan = (
+                    f"C={c} ({(3 if fused else 2) * n_chunks} launches) BLOCK_T={L.chunk_tile(T)[0]} BLOCK_K={bk} "
+                    f"slice={cps * bk} stream_k={int(L.chunk_stream_k)} fn_layout={L.chunk_fn_layout} "
+                    f"zigzag={int(L.chunk_zigzag)}"
+                )
             elif kind == "one_pass":
                 tiles, slices, cps, bk = L.one_pass_plan(T, Hd)
-                plan = (f"BLOCK_T={L.one_pass_block_t} BLOCK_K={bk} slice={cps * bk} "
-                        f"({(tiles + ONE_PASS_LAG) * slices} programs)")
+                plan = f"BLOCK_T={L.one_pass_block_t} BLOCK_K={bk} slice={cps * bk} ({(tiles + ONE_PASS_LAG) * slices} programs)"
             elif kind == "split_k":
                 plan = f"BLOCK_T={L.split_block_t} splits={L.split_plan(T, Hd)[0]}"
             else:
@@ -183,8 +216,7 @@ def _bench() -> list[BenchCase]:
             except Exception as e:
                 print(f"{name} {label}: skipped ({type(e).__name__}: {str(e)[:120]})")
                 continue
-            case = BenchCase(f"{name} {label}", f"{shape} {plan}", lambda i, r=runner, e=enc: r(i, e), n_sets, b, f,
-                             note)
+            case = BenchCase(f"{name} {label}", f"{shape} {plan}", lambda i, r=runner, e=enc: r(i, e), n_sets, b, f, note)
             if L == default_launch():  # the torch reference under torch.compile, beside the default
                 case.reference = refs[op]
             cases.append(case)

@@ -84,8 +84,9 @@ def _check_experts() -> list[CheckRow]:
         ids, w = moe.route(d["x"], d["gate_weight"], d["bias"], k=K, routed_scale=1.5)
         ids[0, -1] = -1  # a −1 slot
         staged, want, mass = _oracle(d, d["x"], ids, w)
-        got = moe.experts(d["x"], *staged, d["w13"], d["w2"], d["shared_w13"], d["shared_w2"], swiglu_limit=10.0,
-                          backend="triton")
+        got = moe.experts(
+            d["x"], *staged, d["w13"], d["w2"], d["shared_w13"], d["shared_w2"], swiglu_limit=10.0, backend="triton"
+        )
         rows.append(CheckRow("moe.experts", f"T={T} E=8 K={K} Hd=256 I=128", compare(got, want, "moe_out", mass=mass)))
     return rows
 
@@ -94,11 +95,24 @@ def _check_experts() -> list[CheckRow]:
 def _check_forward() -> list[CheckRow]:
     d = moe.example_inputs(6, moe.TINY_MOE, seed=3, hash_layer=True, octaves=12)
     d["input_ids"][4] = -1  # a padding row
-    ids, w = moe.route(d["x"], d["gate_weight"], None, k=2, routed_scale=1.5, hash_table=d["hash_table"],
-                       input_ids=d["input_ids"])
+    ids, w = moe.route(
+        d["x"], d["gate_weight"], None, k=2, routed_scale=1.5, hash_table=d["hash_table"], input_ids=d["input_ids"]
+    )
     _, want, mass = _oracle(d, d["x"], ids, w)
-    got = moe.forward(d["x"], d["gate_weight"], None, d["w13"], d["w2"], d["shared_w13"], d["shared_w2"], k=2,
-                      routed_scale=1.5, swiglu_limit=10.0, hash_table=d["hash_table"], input_ids=d["input_ids"])
+    got = moe.forward(
+        d["x"],
+        d["gate_weight"],
+        None,
+        d["w13"],
+        d["w2"],
+        d["shared_w13"],
+        d["shared_w2"],
+        k=2,
+        routed_scale=1.5,
+        swiglu_limit=10.0,
+        hash_table=d["hash_table"],
+        input_ids=d["input_ids"],
+    )
     return [CheckRow("moe.forward", "T=6 hash layer, a padding row", compare(got, want, "moe_out", mass=mass))]
 
 
@@ -125,8 +139,12 @@ def stage_sets(T: int, Hd: int, K: int, n_sets: int) -> list[tuple]:
         x = randn((T, Hd), seed=100 + i, block=STAGE_BLOCK // 4, octaves=16)
         ids = torch.randint(0, 256, (T, K), device=DEVICE, dtype=torch.int32)
         w = torch.rand(T, K, device=DEVICE)
-        out = (torch.empty(T, Hd, dtype=torch.uint8, device=DEVICE), torch.empty(T, Hd // STAGE_BLOCK, dtype=torch.int32, device=DEVICE),
-               torch.empty(T, K, dtype=torch.int64, device=DEVICE), torch.empty(T, K, dtype=torch.float32, device=DEVICE))
+        out = (
+            torch.empty(T, Hd, dtype=torch.uint8, device=DEVICE),
+            torch.empty(T, Hd // STAGE_BLOCK, dtype=torch.int32, device=DEVICE),
+            torch.empty(T, K, dtype=torch.int64, device=DEVICE),
+            torch.empty(T, K, dtype=torch.float32, device=DEVICE),
+        )
         sets.append((x, ids, w, *out))
     return sets
 
@@ -140,10 +158,23 @@ def same_size_copies(T: int, Hd: int, K: int, n_sets: int) -> list[BenchCase]:
     src = [torch.randn(T, Hd, device=DEVICE, dtype=torch.bfloat16) for _ in range(n_sets)]
     dst = [torch.empty(T, Hd, device=DEVICE, dtype=torch.float8_e4m3fn) for _ in range(n_sets)]
     shape = f"T={T} Hd={Hd} K={K}"
-    return [BenchCase("moe.stage[same-size copy bf16->e4m3]", shape, lambda i: dst[i].copy_(src[i]), n_sets, T * Hd * 3,
-                      note="torch copy_ with conversion: 2 B read + 1 B written per value"),
-            same_size_copy_case("moe.stage[same-size copy uint8]", shape, stage_bytes(T, Hd, K), n_sets,
-                                note="torch copy_ of stage_bytes / 2 bytes: the same total traffic as staging")]
+    return [
+        BenchCase(
+            "moe.stage[same-size copy bf16->e4m3]",
+            shape,
+            lambda i: dst[i].copy_(src[i]),
+            n_sets,
+            T * Hd * 3,
+            note="torch copy_ with conversion: 2 B read + 1 B written per value",
+        ),
+        same_size_copy_case(
+            "moe.stage[same-size copy uint8]",
+            shape,
+            stage_bytes(T, Hd, K),
+            n_sets,
+            note="torch copy_ of stage_bytes / 2 bytes: the same total traffic as staging",
+        ),
+    ]
 
 
 @bench("moe.stage")
@@ -156,9 +187,16 @@ def _bench_stage() -> list[BenchCase]:
     def run(i):
         torch.ops.dsv4ref.moe_stage(*sets[i], *launch.op_args("moe_stage"))
 
-    return [BenchCase("moe.stage", f"T={T} Hd={Hd} K={K}", run, n_sets, stage_bytes(T, Hd, K),
-                      note="x 2 B + fp8 1 B + scales 1/32 B per value; ids/weights in and out")] + \
-        same_size_copies(T, Hd, K, n_sets)
+    return [
+        BenchCase(
+            "moe.stage",
+            f"T={T} Hd={Hd} K={K}",
+            run,
+            n_sets,
+            stage_bytes(T, Hd, K),
+            note="x 2 B + fp8 1 B + scales 1/32 B per value; ids/weights in and out",
+        )
+    ] + same_size_copies(T, Hd, K, n_sets)
 
 
 def flash_weights():
@@ -191,16 +229,21 @@ def _bench_experts() -> list[BenchCase]:
             staged = moe.stage(x, ids, w)
             sets.append((x, *staged, torch.empty(T, s.hidden, dtype=torch.bfloat16, device=DEVICE)))
         used = max(int(torch.unique(st[3]).numel()) for st in sets)
-        nbytes = ((used + 1) * 3 * s.intermediate * s.hidden * 2 + T * s.hidden * (1 + 2 + 2)
-                  + T * s.hidden // STAGE_BLOCK * 4 + T * s.k * 12)
+        nbytes = (
+            (used + 1) * 3 * s.intermediate * s.hidden * 2
+            + T * s.hidden * (1 + 2 + 2)
+            + T * s.hidden // STAGE_BLOCK * 4
+            + T * s.k * 12
+        )
         flops = 2 * 3 * s.hidden * s.intermediate * T * (s.k + 1)
         launch = moe.default_launch(T, s.k, s.experts)
         note = f"{used} experts used; bf16 weights of the used experts + shared, activations, out"
 
         def run(i, st=sets, launch=launch):  # the custom op itself: no argument checks (they sync), graph-capturable
             x, q, sf, ids, w, out = st[i]
-            torch.ops.dsv4ref.moe_experts(x, q.view(torch.uint8), sf, ids, w, w13, w2, sw13, sw2, out, s.swiglu_limit,
-                                          *launch.op_args("moe_experts"))
+            torch.ops.dsv4ref.moe_experts(
+                x, q.view(torch.uint8), sf, ids, w, w13, w2, sw13, sw2, out, s.swiglu_limit, *launch.op_args("moe_experts")
+            )
 
         def eager(i, st=sets):
             x, q, sf, ids, w, _ = st[i]
@@ -214,8 +257,17 @@ def _bench_experts() -> list[BenchCase]:
 
         compiled(0)  # compile outside the timed region (and outside any graph capture)
         shape = f"T={T} E=256 K=6 Hd=4096 I=2048"
-        cases += [BenchCase("moe.experts", shape, run, n_sets, nbytes, flops, note),
-                  BenchCase("moe.experts[torch eager]", shape, eager, n_sets, nbytes, flops, "the reference, torch eager"),
-                  BenchCase("moe.experts[torch.compile]", shape, compiled, n_sets, nbytes, flops,
-                            "the reference under torch.compile (its expert MLP compiled; the loop over experts breaks the graph)")]
+        cases += [
+            BenchCase("moe.experts", shape, run, n_sets, nbytes, flops, note),
+            BenchCase("moe.experts[torch eager]", shape, eager, n_sets, nbytes, flops, "the reference, torch eager"),
+            BenchCase(
+                "moe.experts[torch.compile]",
+                shape,
+                compiled,
+                n_sets,
+                nbytes,
+                flops,
+                "the reference under torch.compile (its expert MLP compiled; the loop over experts breaks the graph)",
+            ),
+        ]
     return cases

@@ -35,6 +35,6 @@ def _check_speculate() -> list[CheckRow]:
     be = "reference" if interpreting() else "triton"  # the interpreter would take minutes; decode.step runs Triton
     plain, _, _, _ = run(TINY, steps=steps, prompt_lens=prompts, decode_backend=be)
     spec, _, _, _ = run_speculative(TINY, steps=steps, k=2, prompt_lens=prompts, decode_backend=be)
-    same = all(plain.tokens[r, n: n + steps].tolist() == spec.generated[r][:steps] for r, n in enumerate(prompts))
+    same = all(plain.tokens[r, n : n + steps].tolist() == spec.generated[r][:steps] for r, n in enumerate(prompts))
     rep = _verdict("tokens", same, f"acceptance {spec.spec.accepted}/{spec.spec.drafted}")
     return [CheckRow("mtp.speculate", f"tiny, k=2, {be} ops, == plain greedy", rep)]

@@ -25,8 +25,13 @@ def _check_apply() -> list[CheckRow]:
         for inv in (False, True):
             got = rope.apply_gptj(x, pos, table, inv, backend="triton")
             ref = rope.apply_gptj(x, pos, table, inv, backend="reference")
-            rows.append(CheckRow("rope.apply_gptj", f"{tuple(shape)} {str(dtype)[6:]}" + (" inverse" if inv else ""),
-                                 compare(got, ref, "exact")))
+            rows.append(
+                CheckRow(
+                    "rope.apply_gptj",
+                    f"{tuple(shape)} {str(dtype)[6:]}" + (" inverse" if inv else ""),
+                    compare(got, ref, "exact"),
+                )
+            )
     return rows
 
 
@@ -37,12 +42,21 @@ def _check_fused() -> list[CheckRow]:
     for T, H, B, nb in [(4, 16, 16, 2), (7, 64, 61, 1)]:
         q, kv, slots, pos = rope.example_inputs(T, H, B, nb, seed=T, cos_sin=table)
         q_ref, c_ref = q.clone(), kv_cache.allocate(nb, B)
-        rope.qnorm_rope_kv_insert(q_ref, kv, c_ref, slots[: T - 1], pos, table, eps=1e-6, block_size=B,
-                                  backend="reference")
+        rope.qnorm_rope_kv_insert(q_ref, kv, c_ref, slots[: T - 1], pos, table, eps=1e-6, block_size=B, backend="reference")
         for hpp in (0, 4):  # the per-head kernel and the multi-head one (4 heads per program)
             q_out, c_out = q.clone(), kv_cache.allocate(nb, B)
-            rope.qnorm_rope_kv_insert(q_out, kv, c_out, slots[: T - 1], pos, table, eps=1e-6, block_size=B,
-                                      backend="triton", launch=RopeLaunch(heads_per_prog=hpp))
+            rope.qnorm_rope_kv_insert(
+                q_out,
+                kv,
+                c_out,
+                slots[: T - 1],
+                pos,
+                table,
+                eps=1e-6,
+                block_size=B,
+                backend="triton",
+                launch=RopeLaunch(heads_per_prog=hpp),
+            )
             name = f"T={T} H={H} B={B}" + (f" hpp={hpp}" if hpp else "")
             rows.append(CheckRow("rope.qnorm_rope_kv_insert", f"{name} cache", compare(c_out, c_ref, "exact", "cache")))
             rows.append(CheckRow("rope.qnorm_rope_kv_insert", f"{name} q", compare(q_out, q_ref, "exact", "q")))
@@ -58,8 +72,9 @@ def _check_fused() -> list[CheckRow]:
         rope.qnorm_rope_kv_insert(qq, kv, cache, slots[::2], pos[::2], table, eps=1e-6, block_size=B, backend=backend)
         out[backend] = qq, cache
     name = f"T={T} H={H} B={B} slots[::2] NaN-head"
-    rows.append(CheckRow("rope.qnorm_rope_kv_insert", f"{name} cache",
-                         compare(out["triton"][1], out["reference"][1], "exact", "cache")))
+    rows.append(
+        CheckRow("rope.qnorm_rope_kv_insert", f"{name} cache", compare(out["triton"][1], out["reference"][1], "exact", "cache"))
+    )
     rows.append(CheckRow("rope.qnorm_rope_kv_insert", f"{name} q", compare(out["triton"][0], out["reference"][0], "exact", "q")))
     return rows
 
@@ -100,16 +115,37 @@ def _bench() -> list[BenchCase]:
     note = "q r+w 1024 B/head + kv 1024 + slot 8 + cache 584 + pos 8 + table row 256 B/token"
     # the per-head kernel (heads_per_prog = 0), then the multi-head kernel at each launch of MH_SWEEP: same
     # compulsory bytes, so the rows compare directly
-    cases = [BenchCase("rope.fused", shape + f" warps={w}", (lambda i, w=w: run_fused(i, RopeLaunch(0, w))), n_sets,
-                       fused_bytes, note=note) for w in (1, 2, 4, 8)]
-    cases += [BenchCase("rope.fused_mh", shape + f" hpp={lc.heads_per_prog} warps={lc.warps}",
-                        (lambda i, lc=lc: run_fused(i, lc)), n_sets, fused_bytes, note=note,
-                        extra={"heads_per_prog": lc.heads_per_prog, "num_warps": lc.warps})
-              for lc in MH_SWEEP]
-    cases[0].reference = (lambda q, kv, c, s, p: rope_reference.qnorm_rope_kv_insert(q, kv, c, s, p, table, block_size=B,
-                                                                                     eps=1e-6),
-                          lambda i: sets[i][:5])
-    cases.append(BenchCase("rope.three_passes", shape, three, n_sets, fused_bytes,
-                           note="same compulsory bytes as fused (actual traffic +2 KiB/token for the kv temp)",
-                           extra={"actual_bytes": three_bytes}))
+    cases = [
+        BenchCase(
+            "rope.fused", shape + f" warps={w}", (lambda i, w=w: run_fused(i, RopeLaunch(0, w))), n_sets, fused_bytes, note=note
+        )
+        for w in (1, 2, 4, 8)
+    ]
+    cases += [
+        BenchCase(
+            "rope.fused_mh",
+            shape + f" hpp={lc.heads_per_prog} warps={lc.warps}",
+            (lambda i, lc=lc: run_fused(i, lc)),
+            n_sets,
+            fused_bytes,
+            note=note,
+            extra={"heads_per_prog": lc.heads_per_prog, "num_warps": lc.warps},
+        )
+        for lc in MH_SWEEP
+    ]
+    cases[0].reference = (
+        lambda q, kv, c, s, p: rope_reference.qnorm_rope_kv_insert(q, kv, c, s, p, table, block_size=B, eps=1e-6),
+        lambda i: sets[i][:5],
+    )
+    cases.append(
+        BenchCase(
+            "rope.three_passes",
+            shape,
+            three,
+            n_sets,
+            fused_bytes,
+            note="same compulsory bytes as fused (actual traffic +2 KiB/token for the kv temp)",
+            extra={"actual_bytes": three_bytes},
+        )
+    )
     return cases

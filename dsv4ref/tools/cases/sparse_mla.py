@@ -42,9 +42,23 @@ from ..peers import flashmla
 BENCH_SHAPES = ((64, 64, 640), (64, 128, 1152), (64, 16, 2048))
 # The peer comparison's grid (T, H, K), the ladder's three shapes included: T 1 … 256 decode tokens, H 16 / 64 /
 # 128 heads, K 640 / 1152 / 2176 candidates (128 window + 512 / 1024 / 2048 compressed) and the ladder's 2048.
-GRID_SHAPES = ((1, 64, 640), (1, 128, 2176), (8, 64, 640), (8, 128, 1152), (8, 128, 2176), (64, 64, 640),
-               (64, 64, 2176), (64, 128, 640), (64, 128, 1152), (64, 128, 2176), (64, 16, 2048), (256, 64, 640),
-               (256, 64, 2176), (256, 128, 1152), (256, 128, 2176))
+GRID_SHAPES = (
+    (1, 64, 640),
+    (1, 128, 2176),
+    (8, 64, 640),
+    (8, 128, 1152),
+    (8, 128, 2176),
+    (64, 64, 640),
+    (64, 64, 2176),
+    (64, 128, 640),
+    (64, 128, 1152),
+    (64, 128, 2176),
+    (64, 16, 2048),
+    (256, 64, 640),
+    (256, 64, 2176),
+    (256, 128, 1152),
+    (256, 128, 2176),
+)
 PEER_OP = "sparse_mla.flashmla"
 L2_BYTES = 60e6  # the H200's L2, rounded up: input sets rotate past it
 WINDOW = 128
@@ -58,8 +72,7 @@ def _check_decode() -> list[CheckRow]:
     if not interpreting():
         shapes += [(16, 64, 128, 512, 64, 64, 40, 160), (8, 128, 128, 1024, 64, 2, 40, 4096)]
     for T, H, K1, K2, b1, b2, p1, p2 in shapes:
-        inputs = sparse_mla.example_inputs(T, H, K1, K2, block_size=b1, extra_block_size=b2, pages=p1, extra_pages=p2,
-                                           seed=T + H)
+        inputs = sparse_mla.example_inputs(T, H, K1, K2, block_size=b1, extra_block_size=b2, pages=p1, extra_pages=p2, seed=T + H)
         ref_out, ref_lse, mass = reference.decode(**inputs, with_mass=True)
         for name, fn in (("seed", seed_decode), ("two_pass", two_pass_decode), ("triton", fused_decode)):
             out, lse = fn(**inputs, scale=sparse_mla.DEFAULT_SCALE)
@@ -80,15 +93,30 @@ def bench_inputs(T: int, H: int, K: int, n_sets: int, device) -> list[dict]:
         for i, Kp in enumerate((WINDOW, K - WINDOW)):
             n = T * Kp
             cache = kv_cache.allocate(n // 64, 64, device=device)
-            kv_cache.insert(cache, torch.randn(n, HEAD_DIM, device=device, dtype=torch.bfloat16),
-                            torch.arange(n, device=device), block_size=64)
+            kv_cache.insert(
+                cache,
+                torch.randn(n, HEAD_DIM, device=device, dtype=torch.bfloat16),
+                torch.arange(n, device=device),
+                block_size=64,
+            )
             g = torch.Generator().manual_seed(1000 * s + i)
             slots = torch.randperm(n, generator=g).to(torch.int32).view(T, Kp).to(device)
             pools.append((cache, slots, torch.full((T,), Kp, dtype=torch.int32, device=device)))
         (c1, s1, l1), (c2, s2, l2) = pools
-        sets.append(dict(q=torch.randn(T, H, HEAD_DIM, device=device, dtype=torch.bfloat16), cache=c1, slots=s1,
-                         lengths=l1, block_size=64, sink=torch.randn(H, device=device), extra_cache=c2, extra_slots=s2,
-                         extra_lengths=l2, extra_block_size=64))
+        sets.append(
+            dict(
+                q=torch.randn(T, H, HEAD_DIM, device=device, dtype=torch.bfloat16),
+                cache=c1,
+                slots=s1,
+                lengths=l1,
+                block_size=64,
+                sink=torch.randn(H, device=device),
+                extra_cache=c2,
+                extra_slots=s2,
+                extra_lengths=l2,
+                extra_block_size=64,
+            )
+        )
     return sets
 
 
@@ -122,8 +150,16 @@ def bench_grid() -> list[tuple[int, int, int]]:
 
 def _gluon_case(gluon, T, H, K, sets, byts, flops, dims) -> BenchCase:
     g = lambda i, s=sets: gluon.decode_gluon(**s[i], scale=sparse_mla.DEFAULT_SCALE)  # noqa: E731
-    return BenchCase("sparse_mla.gluon", f"T={T} H={H} K={K}", g, len(sets), byts, flops, extra=dims,
-                     note="warp-specialised Hopper kernel (dsv4ref/sparse_mla/gluon/)")
+    return BenchCase(
+        "sparse_mla.gluon",
+        f"T={T} H={H} K={K}",
+        g,
+        len(sets),
+        byts,
+        flops,
+        extra=dims,
+        note="warp-specialised Hopper kernel (dsv4ref/sparse_mla/gluon/)",
+    )
 
 
 def _peer_case(T, H, K, sets, byts, flops, dims) -> BenchCase | None:
@@ -142,9 +178,16 @@ def _peer_case(T, H, K, sets, byts, flops, dims) -> BenchCase | None:
     if not rep.passed:
         print(f"{PEER_OP} {shape}: its lse differs from ours on input set 0 ({rep}); timed all the same", flush=True)
     pad = f"; H {H} runs as {64 if H <= 64 else 128} heads" if H not in flashmla.HEADS else ""
-    return BenchCase(PEER_OP, shape, lambda i, c=calls: c[i].run(), len(sets), byts, flops, extra=dims,
-                     note=f"FlashMLA's SM90 kernel ({flashmla.WHEEL}, use_legacy=True), inputs mapped outside the "
-                          f"timing{pad}")
+    return BenchCase(
+        PEER_OP,
+        shape,
+        lambda i, c=calls: c[i].run(),
+        len(sets),
+        byts,
+        flops,
+        extra=dims,
+        note=f"FlashMLA's SM90 kernel ({flashmla.WHEEL}, use_legacy=True), inputs mapped outside the timing{pad}",
+    )
 
 
 @bench("sparse_mla")
@@ -169,8 +212,18 @@ def _bench() -> list[BenchCase]:
         else:
             launch = default_launch(T, H, K, DEVICE)
             fused = lambda i, s=sets, L=launch: fused_decode(**s[i], scale=sparse_mla.DEFAULT_SCALE, launch=L)  # noqa: E731
-            cases.append(BenchCase("sparse_mla.fused", f"T={T} H={H} K={K} split={launch.num_splits}", fused, len(sets),
-                                   byts, flops, extra=dims, note="584+4 B/row + q,out bf16 + lse; FLOP 2·H·K·1024"))
+            cases.append(
+                BenchCase(
+                    "sparse_mla.fused",
+                    f"T={T} H={H} K={K} split={launch.num_splits}",
+                    fused,
+                    len(sets),
+                    byts,
+                    flops,
+                    extra=dims,
+                    note="584+4 B/row + q,out bf16 + lse; FLOP 2·H·K·1024",
+                )
+            )
         if peer and (c := _peer_case(T, H, K, sets, byts, flops, dims)) is not None:
             cases.append(c)
     return cases
@@ -194,15 +247,47 @@ def _ladder_cases(T, H, K, sets, gluon) -> list[BenchCase]:
     fused1 = lambda i, s=sets, L=one: fused_decode(**s[i], scale=scale, launch=L)  # noqa: E731
     fused = lambda i, s=sets, L=launch: fused_decode(**s[i], scale=scale, launch=L)  # noqa: E731
     cases = [
-        BenchCase("sparse_mla.seed", shape, seed, len(sets), byts, flops, extra=dims,
-                  note="the seed's structure: a gather launch per token and pool, then bf16 attention"),
-        BenchCase("sparse_mla.two_pass", shape, two, len(sets), byts, flops, extra=dims,
-                  note="same compulsory bytes; really moves ~2632 B/row (584 + 2·1024 workspace)"),
-        BenchCase("sparse_mla.fused[split=1]", f"T={T} H={H} K={K} split=1", fused1, len(sets), byts, flops,
-                  extra=dims, note="the fused kernel, one program per (token, head block)"),
-        BenchCase("sparse_mla.fused", shape, fused, len(sets), byts, flops, extra=dims,
-                  note="584+4 B/row + q,out bf16 + lse; FLOP 2·H·K·1024",
-                  reference=(lambda kw: reference.decode(**kw), lambda i, s=sets: (s[i],))),
+        BenchCase(
+            "sparse_mla.seed",
+            shape,
+            seed,
+            len(sets),
+            byts,
+            flops,
+            extra=dims,
+            note="the seed's structure: a gather launch per token and pool, then bf16 attention",
+        ),
+        BenchCase(
+            "sparse_mla.two_pass",
+            shape,
+            two,
+            len(sets),
+            byts,
+            flops,
+            extra=dims,
+            note="same compulsory bytes; really moves ~2632 B/row (584 + 2·1024 workspace)",
+        ),
+        BenchCase(
+            "sparse_mla.fused[split=1]",
+            f"T={T} H={H} K={K} split=1",
+            fused1,
+            len(sets),
+            byts,
+            flops,
+            extra=dims,
+            note="the fused kernel, one program per (token, head block)",
+        ),
+        BenchCase(
+            "sparse_mla.fused",
+            shape,
+            fused,
+            len(sets),
+            byts,
+            flops,
+            extra=dims,
+            note="584+4 B/row + q,out bf16 + lse; FLOP 2·H·K·1024",
+            reference=(lambda kw: reference.decode(**kw), lambda i, s=sets: (s[i],)),
+        ),
     ]
     if gluon is not None:
         cases.append(_gluon_case(gluon, T, H, K, sets, byts, flops, dims))
@@ -255,21 +340,43 @@ RUNGS = (
 def ladder(ceil, rows, *, device: str, command: str) -> dict:
     """The ladder file's content from one benchmark run: ceilings, the shapes with their compulsory bytes
     and FLOPs, and per rung the µs per shape (None where the rung did not run)."""
-    shapes = [dict(T=T, H=H, K=K, bytes=bench_counts(T, H, K)[0], flops=bench_counts(T, H, K)[1],
-                   splits=default_launch(T, H, K, DEVICE).num_splits) for T, H, K in BENCH_SHAPES]
+    shapes = [
+        dict(
+            T=T,
+            H=H,
+            K=K,
+            bytes=bench_counts(T, H, K)[0],
+            flops=bench_counts(T, H, K)[1],
+            splits=default_launch(T, H, K, DEVICE).num_splits,
+        )
+        for T, H, K in BENCH_SHAPES
+    ]
     us = _times(rows)
     rungs = []
     for key, op, label in RUNGS:
         vals = [us.get((op, s["T"], s["H"], s["K"])) for s in shapes]
-        rungs.append(dict(key=key, label=label, bench_op=op, us=[None if v is None else round(v, 1) for v in vals],
-                          status="measured" if all(v is not None for v in vals) else "pending",
-                          source=f"{command} ({datetime.date.today().isoformat()})"))
-    return dict(device=device, date=datetime.date.today().isoformat(), command=command,
-                ceilings=dict(copy_bytes_per_s=ceil.copy_bytes_per_s, bf16_flops_per_s=ceil.bf16_flops_per_s),
-                accounting="bytes: T·(K·(584 + 4) + H·512·2·2 + H·4 + 8); FLOP: T·2·H·K·(512 + 512); bound = "
-                           "max(bytes / copy, FLOP / bf16 matmul); times: median device-graph replay",
-                shapes=shapes, rungs=rungs, others=_compiled_reference(us, shapes, command),
-                **_peer(us, shapes, command))
+        rungs.append(
+            dict(
+                key=key,
+                label=label,
+                bench_op=op,
+                us=[None if v is None else round(v, 1) for v in vals],
+                status="measured" if all(v is not None for v in vals) else "pending",
+                source=f"{command} ({datetime.date.today().isoformat()})",
+            )
+        )
+    return dict(
+        device=device,
+        date=datetime.date.today().isoformat(),
+        command=command,
+        ceilings=dict(copy_bytes_per_s=ceil.copy_bytes_per_s, bf16_flops_per_s=ceil.bf16_flops_per_s),
+        accounting="bytes: T·(K·(584 + 4) + H·512·2·2 + H·4 + 8); FLOP: T·2·H·K·(512 + 512); bound = "
+        "max(bytes / copy, FLOP / bf16 matmul); times: median device-graph replay",
+        shapes=shapes,
+        rungs=rungs,
+        others=_compiled_reference(us, shapes, command),
+        **_peer(us, shapes, command),
+    )
 
 
 def _peer(us: dict, shapes: list[dict], command: str) -> dict:
@@ -278,18 +385,32 @@ def _peer(us: dict, shapes: list[dict], command: str) -> dict:
     ``backend="auto"`` ran), FlashMLA's and their ratio (None where one did not run)."""
     vals = [us.get((PEER_OP, s["T"], s["H"], s["K"])) for s in shapes]
     measured = all(v is not None for v in vals)
-    peer = dict(key="flashmla", label="FlashMLA's SM90 kernel (sgl-flash-mla, use_legacy=True)", bench_op=PEER_OP,
-                us=[None if v is None else round(v, 1) for v in vals], status="measured" if measured else "pending",
-                source=f"{command} ({datetime.date.today().isoformat()})",
-                version=flashmla.version() if any(v is not None for v in vals) else "")
+    peer = dict(
+        key="flashmla",
+        label="FlashMLA's SM90 kernel (sgl-flash-mla, use_legacy=True)",
+        bench_op=PEER_OP,
+        us=[None if v is None else round(v, 1) for v in vals],
+        status="measured" if measured else "pending",
+        source=f"{command} ({datetime.date.today().isoformat()})",
+        version=flashmla.version() if any(v is not None for v in vals) else "",
+    )
     grid = []
     for T, H, K in GRID_SHAPES:
         op, ours = _ours(us, T, H, K)
         theirs = us.get((PEER_OP, T, H, K))
-        grid.append(dict(T=T, H=H, K=K, bytes=bench_counts(T, H, K)[0], flops=bench_counts(T, H, K)[1], ours_op=op or None,
-                         ours_us=None if ours is None else round(ours, 1),
-                         flashmla_us=None if theirs is None else round(theirs, 1),
-                         ours_over_flashmla=None if ours is None or theirs is None else round(ours / theirs, 3)))
+        grid.append(
+            dict(
+                T=T,
+                H=H,
+                K=K,
+                bytes=bench_counts(T, H, K)[0],
+                flops=bench_counts(T, H, K)[1],
+                ours_op=op or None,
+                ours_us=None if ours is None else round(ours, 1),
+                flashmla_us=None if theirs is None else round(theirs, 1),
+                ours_over_flashmla=None if ours is None or theirs is None else round(ours / theirs, 3),
+            )
+        )
     return dict(peer=peer, peer_grid=grid)
 
 
@@ -299,13 +420,21 @@ def _compiled_reference(us: dict, shapes: list[dict], command: str) -> list[dict
     vals = [us.get(("sparse_mla.fused[torch.compile]", s["T"], s["H"], s["K"])) for s in shapes]
     if any(v is None for v in vals):
         return []
-    return [dict(key="torch_compile", label="torch.compile of the reference", us=[round(v, 1) for v in vals],
-                 status="measured", source=f"{command} ({datetime.date.today().isoformat()}): the fp32 reference "
-                                           "compiled with static shapes, timed with device events")]
+    return [
+        dict(
+            key="torch_compile",
+            label="torch.compile of the reference",
+            us=[round(v, 1) for v in vals],
+            status="measured",
+            source=f"{command} ({datetime.date.today().isoformat()}): the fp32 reference "
+            "compiled with static shapes, timed with device events",
+        )
+    ]
 
 
-def write_ladder(path=LADDER_PATH, *, device: str = "", command: str = "dsv4ref.tools.cases.sparse_mla.write_ladder()",
-                 measured=None):
+def write_ladder(
+    path=LADDER_PATH, *, device: str = "", command: str = "dsv4ref.tools.cases.sparse_mla.write_ladder()", measured=None
+):
     """Run every rung's bench case on this GPU (or take ``measured`` = ``(ceilings, rows)`` of a bench run
     that included them) and write the ladder file (default ``benchmarks/sparse_mla_ladder.json``); the
     file's ``others`` (figures from other runs, each with its source) are kept, and so are ``peer`` /

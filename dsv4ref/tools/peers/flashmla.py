@@ -82,8 +82,23 @@ from ...device import capability, capturing
 from ...formats import HEAD_DIM, TOKEN_BYTES
 from ...sparse_mla import DEFAULT_SCALE
 
-__all__ = ["WHEEL", "MODULE", "HEADS", "TOPK_MULTIPLE", "available", "version", "cache_view", "pad_slots",
-           "pad_heads", "map_out", "map_lse", "Call", "map_inputs", "prepare", "decode"]
+__all__ = [
+    "WHEEL",
+    "MODULE",
+    "HEADS",
+    "TOPK_MULTIPLE",
+    "available",
+    "version",
+    "cache_view",
+    "pad_slots",
+    "pad_heads",
+    "map_out",
+    "map_lse",
+    "Call",
+    "map_inputs",
+    "prepare",
+    "decode",
+]
 
 WHEEL = "sgl-flash-mla==1.0.0"  # the wheel measured; pip install --no-deps
 DISTRIBUTION = "sgl-flash-mla"
@@ -151,17 +166,21 @@ def cache_view(cache: torch.Tensor, block_size: int, name: str = "cache", bname:
         kv_cache.check_cache(cache, block_size)
     except (TypeError, ValueError) as e:
         msg = str(e)
-        raise type(e)(name + msg[len("cache"):] if msg.startswith("cache:") else f"{name}: {msg}") from None
+        raise type(e)(name + msg[len("cache") :] if msg.startswith("cache:") else f"{name}: {msg}") from None
     if cache.shape[0] and (cache.data_ptr() % ALIGN or (cache.shape[0] > 1 and cache.stride(0) % ALIGN)):
-        raise ValueError(f"{name}: FlashMLA's kernel loads {ALIGN}-byte vectors: the cache's address and page stride "
-                         f"must be multiples of {ALIGN} (page stride {cache.stride(0)}, address mod {ALIGN} = "
-                         f"{cache.data_ptr() % ALIGN}); dsv4ref.kv_cache.allocate gives such a cache")
-    return cache.as_strided((cache.shape[0], block_size, 1, TOKEN_BYTES), (cache.stride(0), TOKEN_BYTES, TOKEN_BYTES, 1),
-                            cache.storage_offset())
+        raise ValueError(
+            f"{name}: FlashMLA's kernel loads {ALIGN}-byte vectors: the cache's address and page stride "
+            f"must be multiples of {ALIGN} (page stride {cache.stride(0)}, address mod {ALIGN} = "
+            f"{cache.data_ptr() % ALIGN}); dsv4ref.kv_cache.allocate gives such a cache"
+        )
+    return cache.as_strided(
+        (cache.shape[0], block_size, 1, TOKEN_BYTES), (cache.stride(0), TOKEN_BYTES, TOKEN_BYTES, 1), cache.storage_offset()
+    )
 
 
-def pad_slots(slots: torch.Tensor, lengths: torch.Tensor | None,
-              multiple: int = TOPK_MULTIPLE) -> tuple[torch.Tensor, torch.Tensor | None]:
+def pad_slots(
+    slots: torch.Tensor, lengths: torch.Tensor | None, multiple: int = TOPK_MULTIPLE
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Our ``slots [T, K]`` and ``lengths [T]`` (or None) as FlashMLA's ``indices [T, 1, Kp]`` int32 and
     ``topk_length [T]`` int32 (or None), both contiguous.
 
@@ -246,8 +265,10 @@ class Call:
     def result(self, raw) -> tuple[torch.Tensor, torch.Tensor]:
         """``(out [T, H, 512] bf16, lse [T, H] fp32)`` in our conventions from :meth:`run`'s answer."""
         if self.tokens == 0:
-            return (torch.empty(0, self.heads, HEAD_DIM, dtype=torch.bfloat16, device=self.device),
-                    torch.empty(0, self.heads, dtype=torch.float32, device=self.device))
+            return (
+                torch.empty(0, self.heads, HEAD_DIM, dtype=torch.bfloat16, device=self.device),
+                torch.empty(0, self.heads, dtype=torch.float32, device=self.device),
+            )
         out, lse = raw
         return map_out(out, self.heads), map_lse(lse, self.heads)
 
@@ -268,10 +289,20 @@ def _pool(T: int, cache, slots, lengths, block_size, names) -> tuple[torch.Tenso
     return (view, *pad_slots(slots, lengths))
 
 
-def map_inputs(q: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor, lengths: torch.Tensor | None, *,
-               block_size: int, sink: torch.Tensor | None = None, scale: float = DEFAULT_SCALE,
-               extra_cache: torch.Tensor | None = None, extra_slots: torch.Tensor | None = None,
-               extra_lengths: torch.Tensor | None = None, extra_block_size: int | None = None) -> Call:
+def map_inputs(
+    q: torch.Tensor,
+    cache: torch.Tensor,
+    slots: torch.Tensor,
+    lengths: torch.Tensor | None,
+    *,
+    block_size: int,
+    sink: torch.Tensor | None = None,
+    scale: float = DEFAULT_SCALE,
+    extra_cache: torch.Tensor | None = None,
+    extra_slots: torch.Tensor | None = None,
+    extra_lengths: torch.Tensor | None = None,
+    extra_block_size: int | None = None,
+) -> Call:
     """Check our arguments (what :func:`dsv4ref.sparse_mla.decode` checks of shapes, dtypes and layouts, plus
     what FlashMLA needs) and map them (the module's table); no launch, no scheduler metadata yet. Runs on
     any device (the mapping is plain torch)."""
@@ -284,19 +315,39 @@ def map_inputs(q: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor, length
     if sink is not None:
         validate.tensor(sink, "sink", dtype=torch.float32, shape=(H,))
     scale = validate.scalar(scale, "scale", gt=0)
-    validate.same_device(q=q, cache=cache, slots=slots, lengths=lengths, sink=sink, extra_cache=extra_cache,
-                         extra_slots=extra_slots, extra_lengths=extra_lengths)
+    validate.same_device(
+        q=q,
+        cache=cache,
+        slots=slots,
+        lengths=lengths,
+        sink=sink,
+        extra_cache=extra_cache,
+        extra_slots=extra_slots,
+        extra_lengths=extra_lengths,
+    )
     view, idx, length = _pool(T, cache, slots, lengths, block_size, ("cache", "slots", "lengths", "block_size"))
     q4, sink4 = pad_heads(q, sink)
-    kw = dict(q=q4, k_cache=view, block_table=None, cache_seqlens=None, head_dim_v=HEAD_DIM, num_splits=None,
-              softmax_scale=scale, causal=False, is_fp8_kvcache=True, indices=idx, attn_sink=sink4, topk_length=length,
-              kv_format="V4", use_legacy=True)
+    kw = dict(
+        q=q4,
+        k_cache=view,
+        block_table=None,
+        cache_seqlens=None,
+        head_dim_v=HEAD_DIM,
+        num_splits=None,
+        softmax_scale=scale,
+        causal=False,
+        is_fp8_kvcache=True,
+        indices=idx,
+        attn_sink=sink4,
+        topk_length=length,
+        kv_format="V4",
+        use_legacy=True,
+    )
     given = {"extra_cache": extra_cache, "extra_slots": extra_slots, "extra_block_size": extra_block_size}
     if any(v is not None for v in given.values()) or extra_lengths is not None:
         missing = [n for n, v in given.items() if v is None]
         if missing:
-            raise ValueError(f"{', '.join(missing)}: the extra pool needs extra_cache, extra_slots and "
-                             f"extra_block_size together")
+            raise ValueError(f"{', '.join(missing)}: the extra pool needs extra_cache, extra_slots and extra_block_size together")
         names = ("extra_cache", "extra_slots", "extra_lengths", "extra_block_size")
         view2, idx2, length2 = _pool(T, extra_cache, extra_slots, extra_lengths, extra_block_size, names)
         kw.update(extra_k_cache=view2, extra_indices_in_kvcache=idx2, extra_topk_length=length2)
@@ -312,33 +363,77 @@ def _first_call(call: Call):
     if call.tokens == 0:  # FlashMLA refuses an empty batch; the answer needs no kernel
         return None
     if capturing(call.device):
-        raise RuntimeError("FlashMLA peer: an input set's first call makes its scheduler metadata and cannot be "
-                           "captured in a device graph; call prepare() before the capture and capture Call.run()")
+        raise RuntimeError(
+            "FlashMLA peer: an input set's first call makes its scheduler metadata and cannot be "
+            "captured in a device graph; call prepare() before the capture and capture Call.run()"
+        )
     call.kwargs["tile_scheduler_metadata"] = _module().get_mla_metadata()[0]
     return call.run()
 
 
-def prepare(q: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor, lengths: torch.Tensor | None, *,
-            block_size: int, sink: torch.Tensor | None = None, scale: float = DEFAULT_SCALE,
-            extra_cache: torch.Tensor | None = None, extra_slots: torch.Tensor | None = None,
-            extra_lengths: torch.Tensor | None = None, extra_block_size: int | None = None) -> Call:
+def prepare(
+    q: torch.Tensor,
+    cache: torch.Tensor,
+    slots: torch.Tensor,
+    lengths: torch.Tensor | None,
+    *,
+    block_size: int,
+    sink: torch.Tensor | None = None,
+    scale: float = DEFAULT_SCALE,
+    extra_cache: torch.Tensor | None = None,
+    extra_slots: torch.Tensor | None = None,
+    extra_lengths: torch.Tensor | None = None,
+    extra_block_size: int | None = None,
+) -> Call:
     """Map one input set, make its scheduler metadata and run it once (eagerly), for timing: the returned
     :class:`Call`'s ``run()`` then launches FlashMLA's kernels only (no mapping, no metadata), which a device
     graph can capture. Same arguments as :func:`decode`."""
-    call = map_inputs(q, cache, slots, lengths, block_size=block_size, sink=sink, scale=scale, extra_cache=extra_cache,
-                      extra_slots=extra_slots, extra_lengths=extra_lengths, extra_block_size=extra_block_size)
+    call = map_inputs(
+        q,
+        cache,
+        slots,
+        lengths,
+        block_size=block_size,
+        sink=sink,
+        scale=scale,
+        extra_cache=extra_cache,
+        extra_slots=extra_slots,
+        extra_lengths=extra_lengths,
+        extra_block_size=extra_block_size,
+    )
     _first_call(call)
     return call
 
 
-def decode(q: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor, lengths: torch.Tensor | None, *,
-           block_size: int, sink: torch.Tensor | None = None, scale: float = DEFAULT_SCALE,
-           extra_cache: torch.Tensor | None = None, extra_slots: torch.Tensor | None = None,
-           extra_lengths: torch.Tensor | None = None, extra_block_size: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def decode(
+    q: torch.Tensor,
+    cache: torch.Tensor,
+    slots: torch.Tensor,
+    lengths: torch.Tensor | None,
+    *,
+    block_size: int,
+    sink: torch.Tensor | None = None,
+    scale: float = DEFAULT_SCALE,
+    extra_cache: torch.Tensor | None = None,
+    extra_slots: torch.Tensor | None = None,
+    extra_lengths: torch.Tensor | None = None,
+    extra_block_size: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`dsv4ref.sparse_mla.decode` computed by FlashMLA's SM90 kernel: the same arguments (no ``backend``,
     no ``launch``), the same outputs ``(out [T, H, 512] bf16, lse [T, H] fp32)`` in our conventions (natural
     log, −inf for an empty row), a fresh scheduler metadata per call. Raises as described in the module's
     docstring; not inside a graph capture (use :func:`prepare`)."""
-    call = map_inputs(q, cache, slots, lengths, block_size=block_size, sink=sink, scale=scale, extra_cache=extra_cache,
-                      extra_slots=extra_slots, extra_lengths=extra_lengths, extra_block_size=extra_block_size)
+    call = map_inputs(
+        q,
+        cache,
+        slots,
+        lengths,
+        block_size=block_size,
+        sink=sink,
+        scale=scale,
+        extra_cache=extra_cache,
+        extra_slots=extra_slots,
+        extra_lengths=extra_lengths,
+        extra_block_size=extra_block_size,
+    )
     return call.result(_first_call(call))
