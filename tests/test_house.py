@@ -364,3 +364,15 @@ def test_one_name_per_plumbing_concept():
                 and "op_args" not in {m.name for m in c.body if isinstance(m, ast.FunctionDef)}
             ]
     assert not bad, "\n".join(bad)
+
+
+def test_long_modules_say_why():
+    """No module of the library over 600 lines without a reason at its top: a long file is where a reader
+    gets lost, so its docstring says why it is one module ("Why one module of this length: ...")."""
+    long = [
+        str(p.relative_to(ROOT))
+        for p in _py([LIB])
+        if len(p.read_text().splitlines()) > 600
+        and "Why one module of this length" not in (ast.get_docstring(ast.parse(p.read_text())) or "")
+    ]
+    assert not long, "modules over 600 lines without a reason at the top: " + ", ".join(long)

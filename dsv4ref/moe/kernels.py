@@ -5,6 +5,9 @@ and widened to fp32 in integers, all arithmetic is fp32, bf16 is written with in
 (``bf16_rne_bits_nan``: every NaN is 0x7FC0), e4m3 and UE8M0 bytes come from ``e4m3_ue8m0_blocks`` (the
 non-finite policy included), staged bytes are read with ``e4m3_decode`` / ``ue8m0_value`` and dots go through
 ``dot`` (fp32 operands when interpreting). Strides are element strides. The math is drawn in ``docs/moe.md``.
+
+Why one module of this length: about 210 statements; the formatter lays every kernel signature out one
+argument per line. The four kernels of one feed-forward (stage, gate-up, down, combine) read as one pipeline.
 """
 
 from __future__ import annotations
