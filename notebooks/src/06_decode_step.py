@@ -146,8 +146,9 @@ for r, layer in ((4, 1), (128, 2)):
 # workspace or the ring and runs an online per-channel softmax and the RMSNorm, and the ring update, which
 # must come **after** the window reads (a step of more than coff·r tokens overwrites ring rows its own
 # boundaries still read). As plain torch (gathers, `torch.where`, a host sync per layer) the compressor
-# took about a third of a decode step on the H200; the kernels are not re-measured here (the benchmark case
-# is `python -m dsv4ref bench compressor`). The heart of it, the window of one boundary token:
+# took the largest share of a decode step on the H200 (`benchmarks/decode.md`); the kernels are not re-measured
+# here (the benchmark case is `python -m dsv4ref bench compressor`; its latest H200 figures close this notebook).
+# The heart of it, the window of one boundary token:
 
 # %%
 src = inspect.getsource(compressor.kernels.compress_kernel.fn)  # .fn: the Python function under @triton.jit
@@ -465,7 +466,7 @@ print("why:", d["why"])
 # launch latency and host-side bookkeeping, not bandwidth (the per-op kernels are benchmarked at Flash
 # size in their own notebooks and in `benchmarks/`). On a GPU the cell below times the decode loop and
 # each op's share (every op synchronised, so shares add up to the step); `python -m dsv4ref demo` prints
-# the same. Measured on the H200: see `benchmarks/decode.md`.
+# the same. Measured on the H200: `benchmarks/decode.md`, and the last cell of this notebook.
 
 # %%
 # NBVAL_IGNORE_OUTPUT
@@ -538,3 +539,15 @@ if not dsv4ref.interpreting() and os.environ.get("DSV4REF_BENCH") != "0":
     )
 else:
     print("interpreting Triton on the CPU (or DSV4REF_BENCH=0): no timings; run on a GPU")
+
+
+# %% [markdown]
+# The latest one-run H200 bench, as `benchmarks/RESULTS.md` records it (date, device and the ceilings measured in
+# the same run first): the teaching config's whole step, eager and as one graph, and the compressor at Flash size.
+
+# %%
+from IPython.display import Markdown
+
+from dsv4ref.tools.results import results_header, results_section
+
+Markdown(results_header() + "\n\n" + results_section("decode") + "\n\n" + results_section("compressor"))
