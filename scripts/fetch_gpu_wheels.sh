@@ -6,6 +6,7 @@
 #   bash scripts/fetch_gpu_wheels.sh                 # cp312 manylinux x86-64 wheels into .whl/
 #   PY=3.11 DEST=wheels bash scripts/fetch_gpu_wheels.sh
 #   PEERS=1 bash scripts/fetch_gpu_wheels.sh         # also sgl-flash-mla (FlashMLA's SM90 kernels), --no-deps
+#   LAB=1 bash scripts/fetch_gpu_wheels.sh           # also JupyterLab, for tests/test_lab.py on the GPU box
 #
 # The notebook stack is resolved with its dependencies for the target Python and platform; the wheels of
 # packages a CUDA image normally has already (torch, numpy, pytest, ... : HAVE below) are dropped, and so are
@@ -15,6 +16,7 @@ set -euo pipefail
 PY=${PY:-3.12}
 DEST=${DEST:-.whl}
 STACK=${STACK:-"nbval jupytext ipykernel nbformat nbclient"}
+[ "${LAB:-0}" = 1 ] && STACK="$STACK jupyterlab"
 HAVE=${HAVE:-"torch triton numpy pytest pytest_xdist execnet hypothesis safetensors einops matplotlib contourpy cycler \
 fonttools kiwisolver pillow pyparsing packaging psutil pygments pyyaml python_dateutil six attrs jinja2 markupsafe \
 markdown_it_py mdurl typing_extensions pluggy iniconfig coverage sortedcontainers debugpy jedi parso"}
@@ -30,6 +32,16 @@ if [ "${PEERS:-0}" = 1 ]; then
 fi
 for name in $HAVE; do  # wheel file names spell a project with underscores, in lower case
   rm -f "$DEST/${name}"-[0-9]*.whl
+done
+# babel (a JupyterLab dependency) is 11 MB, nearly all of it the locale data of ~1,100 locales; the server only
+# needs English to start, so keep root and en* and drop the rest (the wheel stays installable: pip does not
+# check RECORD hashes of a local wheel).
+for w in "$(cd "$DEST" && pwd)"/babel-*.whl; do
+  [ -e "$w" ] || continue
+  tmp=$(mktemp -d)
+  (cd "$tmp" && python3 -m zipfile -e "$w" . && find babel/locale-data -name '*.dat' ! -name 'root.dat' ! -name 'en.dat' \
+     ! -name 'en_*.dat' -delete && rm -f "$w" && python3 -m zipfile -c "$w" ./*)
+  rm -rf "$tmp"
 done
 n=$(ls "$DEST"/*.whl | wc -l)
 mb=$(du -sm "$DEST" | cut -f1)

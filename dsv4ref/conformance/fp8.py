@@ -47,6 +47,25 @@ def hard_blocks() -> torch.Tensor:
     return x.reshape(-1, 512).to(torch.bfloat16)
 
 
+def subnormal_grid() -> torch.Tensor:
+    """fp32 [4, 256]: 64-blocks whose amax is 448·2^e (so the scale is exactly 2^e), holding, after the
+    division by 2^e, every e4m3 subnormal code m·2^-9 (m = 1..7), the midpoints (m + ½)·2^-9 (ties to even),
+    their ±1-ulp fp32 neighbours, and values that are no power-of-two multiple of anything (k/7, k/3): the
+    quotients an arbitrary (non-power-of-two) scale would give. A device whose e4m3 cast mishandled
+    subnormals, ties or carries would differ here in the q bytes."""
+    sub = torch.arange(1, 8, dtype=torch.float32) * 2.0**-9
+    mid = (torch.arange(0, 8, dtype=torch.float32) + 0.5) * 2.0**-9
+    up, down = torch.nextafter(mid, torch.tensor(1.0)), torch.nextafter(mid, torch.tensor(-1.0))
+    odd = torch.cat([torch.arange(1, 12, dtype=torch.float32) / 7, torch.arange(1, 12, dtype=torch.float32) / 3]) * 2.0**-7
+    vals = torch.cat([sub, mid, up, down, odd, -sub, -mid])  # 7 + 8·3 + 22 + 15 = 68 values
+    rows = []
+    for e in (-20, -3, 0, 9):
+        v = torch.cat([vals, vals.flip(0) * 3, vals * 5, vals * 7])[: 4 * 63].reshape(4, 63)
+        v = torch.cat([v, torch.full((4, 1), 448.0)], 1)  # one 448 per block pins the scale at 2^e
+        rows.append((v * 2.0**e).reshape(-1))
+    return torch.stack(rows)
+
+
 def _column_major(t: torch.Tensor) -> torch.Tensor:
     """The same values stored column-major (dense, not contiguous; survives the suite's clone)."""
     return t.transpose(-1, -2).contiguous().transpose(-1, -2)
@@ -109,6 +128,13 @@ def cases() -> list[Case]:
         "value checks off: a block holding NaN / ±inf is scale byte 255 and e4m3 NaN codes 0x7F (0xFF for a set sign "
         "bit); the other blocks of the row are unaffected",
         check_values=False,
+    )
+    quant(
+        "fp32_subnormal_codes_and_ties",
+        subnormal_grid(),
+        64,
+        "fp32 values on, halfway between and one ulp beside every e4m3 subnormal code, and quotients with long "
+        "mantissas (k/7, k/3): the e4m3 cast must round to nearest even the same on every device",
     )
     quant(
         "block1",

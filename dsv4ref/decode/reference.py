@@ -42,6 +42,7 @@ from ..compressor import compress_sequence
 from ..config import Config
 from ..device import HOST
 from ..formats import E4M3_MAX, KV_AMAX_FLOOR, NOPE_DIM, QUANT_BLOCK
+from ..fp8.reference import div_rn
 from ..rope import yarn_correction_range
 from ..weights import check_config, layer_ratio, weights_to
 
@@ -302,7 +303,7 @@ def fp8_kv_sim(x: torch.Tensor) -> torch.Tensor:
     bf16 (``docs/formats.md``)."""
     nope = rearrange(x[..., :NOPE_DIM], "... (b k) -> ... b k", k=QUANT_BLOCK)
     amax = nope.abs().amax(-1, keepdim=True).clamp(min=KV_AMAX_FLOOR)
-    scale = torch.exp2(torch.ceil(torch.log2((amax / E4M3_MAX).float().double())))  # from the fp32 ratio, as the writer
+    scale = torch.exp2(torch.ceil(torch.log2(div_rn(amax, E4M3_MAX).float().double())))  # from the fp32 ratio, as the writer
     q = (nope / scale).float().clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn).double() * scale
     return torch.cat([rearrange(q, "... b k -> ... (b k)"), x[..., NOPE_DIM:].to(torch.bfloat16).double()], -1)
 
@@ -322,13 +323,13 @@ def index_quant_sim(x: torch.Tensor, fmt: str) -> torch.Tensor:
     FP4 of the indexer's q and k)."""
     if fmt == "fp8":
         amax = x.abs().amax(-1, keepdim=True).clamp(min=1e-4)
-        scale = torch.exp2(torch.ceil(torch.log2(amax / E4M3_MAX)))
+        scale = torch.exp2(torch.ceil(torch.log2(div_rn(amax, E4M3_MAX))))
         return (x / scale).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn).double() * scale
     if fmt != "mxfp4":
         raise ValueError(f"fmt: expected 'fp8' or 'mxfp4', got {fmt!r}")
     b = rearrange(x, "... (n k) -> ... n k", k=32)
     amax = b.abs().amax(-1, keepdim=True).clamp(min=6 * 2.0**-126)
-    scale = torch.exp2(torch.ceil(torch.log2(amax / 6)))
+    scale = torch.exp2(torch.ceil(torch.log2(div_rn(amax, 6.0))))
     v = (b / scale).clamp(-6, 6)
     step = torch.where(v.abs() < 2, 0.5, torch.where(v.abs() < 4, 1.0, 2.0))  # the E2M1 grid's spacing
     q = torch.round(v / step) * step  # round half to even: an even multiple of the step is an even code

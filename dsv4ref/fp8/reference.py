@@ -27,6 +27,7 @@ from ..formats import E4M3_MAX, KV_AMAX_FLOOR, UE8M0_NAN
 
 __all__ = [
     "e4m3_encode",
+    "div_rn",
     "e4m3_nan",
     "ue8m0_byte",
     "pow2",
@@ -44,6 +45,14 @@ def e4m3_encode(x: torch.Tensor) -> torch.Tensor:
     return x.float().clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
 
 
+def div_rn(x: torch.Tensor, d: float) -> torch.Tensor:
+    """``x / d`` correctly rounded on every device. torch on CUDA computes ``tensor / python_number`` as
+    ``tensor · fp32(1 / d)``: two roundings, so for a ``d`` that is not a power of two (448, 6, 7, ...) about
+    one quotient in ten differs from the CPU's in its last bit. Dividing by a tensor of ``d`` makes every
+    backend do the one IEEE division."""
+    return x / torch.full_like(x, d)
+
+
 def e4m3_nan(x: torch.Tensor) -> torch.Tensor:
     """The e4m3fn NaN byte (uint8) for each element of ``x`` in a non-finite block: 0x7F, or 0xFF where the
     element is not a NaN and its sign bit is set (±inf, negative values, −0.0). A NaN's own sign is not
@@ -53,7 +62,7 @@ def e4m3_nan(x: torch.Tensor) -> torch.Tensor:
 
 def ue8m0_byte(amax: torch.Tensor, floor: float = KV_AMAX_FLOOR, qmax: float = E4M3_MAX) -> torch.Tensor:
     """UE8M0 byte (uint8) = ceil(log2(max(amax, floor) / qmax)) + 127, exactly, from the fp32 bits."""
-    s = torch.clamp(amax.float(), min=floor) / qmax  # torch fp32 division is correctly rounded
+    s = div_rn(torch.clamp(amax.float(), min=floor), qmax)  # one IEEE division on every device
     bits = s.view(torch.int32)
     byte = ((bits >> 23) & 0xFF) + ((bits & 0x7FFFFF) != 0).int()
     return byte.clamp(1, 254).to(torch.uint8)

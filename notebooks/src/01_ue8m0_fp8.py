@@ -131,7 +131,8 @@ print(
     exact.numel(),
 )
 
-s_any = xs.float().reshape(64, 7, 64).abs().amax(-1) / 448  # an fp32 scale with a mantissa
+# an fp32 scale with a mantissa; div_rn, not `/ 448`: CUDA turns `tensor / 448` into `tensor · fp32(1/448)`
+s_any = fp8.reference.div_rn(xs.float().reshape(64, 7, 64).abs().amax(-1), 448)
 q_any = fp8.reference.e4m3_encode(xs.float().reshape(64, 7, 64) / s_any[..., None])
 exact_any = q_any.double() * s_any.double()[..., None]
 bf16_any = (q_any.float() * s_any[..., None]).to(torch.bfloat16).double()
@@ -182,7 +183,7 @@ print("byte:", fp8.reference.ue8m0_byte(amax).tolist(), " (docs/formats.md: 105 
 
 # %%
 def rule_bytes(amax, rule):
-    s = amax.double().clamp(min=1e-4) / 448
+    s = fp8.reference.div_rn(amax.double().clamp(min=1e-4), 448)
     l2 = torch.log2(s)
     e = {
         "bits (dsv4ref)": None,

@@ -261,7 +261,7 @@ plt.show()
 # %%
 def stage_by_hand(x, ids, weights):
     g = x.float().reshape(x.shape[0], -1, 32)  # [T, groups, 32]
-    s = g.abs().amax(-1).clamp(min=1e-4) / 448.0  # fp32, correctly rounded
+    s = g.abs().amax(-1).clamp(min=1e-4) / torch.full_like(g[..., 0], 448.0)  # fp32 IEEE division (not `/ 448`)
     bits = s.view(torch.int32)
     byte = ((bits >> 23) & 0xFF) + ((bits & 0x7FFFFF) != 0).int()  # ⌈log2 s⌉ + 127
     inv = ((254 - byte) << 23).view(torch.float32)  # 2^(127 - byte), exact
