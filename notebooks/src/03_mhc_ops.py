@@ -542,7 +542,10 @@ ladder = (
     ("one kernel", mhc.MhcLaunch(split_k=False)),
     ("split-K", mhc.MhcLaunch(split_k=True, splits=2)),
     ("one pass", mhc.MhcLaunch(one_pass=True)),
-    ("chunked, four streams per dot", mhc.MhcLaunch(chunked=True, chunk_stream_k=False, chunk_fn_layout=0, chunk_zigzag=False)),
+    (
+        "chunked, four streams per dot",
+        mhc.MhcLaunch(chunked=True, chunk_stream_k=False, chunk_fn_layout=0, chunk_zigzag=False, chunk_block_k=16),
+    ),
     ("chunked, contiguous copies", mhc.MhcLaunch(chunked=True, chunk_stream_k=True, chunk_fn_layout=2, chunk_zigzag=False)),
     ("chunked, the GPU default", mhc.MhcLaunch(chunked=True, chunk_stream_k=True, chunk_fn_layout=3, chunk_zigzag=True)),
 )

@@ -21,7 +21,10 @@ def designs() -> list[tuple[str, MhcLaunch]]:
         ("one-kernel", MhcLaunch(split_k=False)),
         ("split-K", MhcLaunch(split_k=True)),
         ("one-pass", MhcLaunch(one_pass=True)),
-        ("chunked, four streams per dot", MhcLaunch(chunked=True, chunk_stream_k=False, chunk_fn_layout=0, chunk_zigzag=False)),
+        (
+            "chunked, four streams per dot",
+            MhcLaunch(chunked=True, chunk_stream_k=False, chunk_fn_layout=0, chunk_zigzag=False, chunk_block_k=16),
+        ),
         ("chunked, contiguous copies", MhcLaunch(chunked=True, chunk_stream_k=True, chunk_fn_layout=2, chunk_zigzag=False)),
         (
             "chunked, contiguous copies, zigzag",
