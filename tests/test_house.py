@@ -376,3 +376,22 @@ def test_long_modules_say_why():
         and "Why one module of this length" not in (ast.get_docstring(ast.parse(p.read_text())) or "")
     ]
     assert not long, "modules over 600 lines without a reason at the top: " + ", ".join(long)
+
+
+# a number with a unit of time or rate, or a fraction "of" something (the bound, copy, a same-size copy ...)
+MEASURED = re.compile(r"(?<![\w.])\d[\d,]*(?:\.\d+)?\s*(?:µs|us|ms|TB/s|GB/s|TFLOP/s)(?![\w/])|(?<![\w.])\d+(?:\.\d+)?\s*% of\b")
+
+
+def test_no_measured_figure_in_library_code():
+    """No measured figure (µs, ms, TB/s, GB/s, TFLOP/s, "% of" the bound or a copy) in the library's code or
+    docstrings: figures go stale with the next run, so they live in ``benchmarks/`` (``RESULTS.md``, the per-op
+    notes, the ladder JSON) and reach notebooks and docs through ``dsv4ref.tools.results``. ``dsv4ref/tools/``
+    (the bench, which prints them) is exempt."""
+    bad = [
+        f"{p.relative_to(ROOT)}:{i}: {line.strip()}"
+        for p in _py([LIB])
+        if p.relative_to(LIB).parts[0] != "tools"
+        for i, line in enumerate(p.read_text().splitlines(), 1)
+        if MEASURED.search(line)
+    ]
+    assert not bad, "measured figures in library code:\n" + "\n".join(bad)

@@ -15,10 +15,8 @@ one pass           ``hc_one_pass_kernel``                      none (a rung of n
 chunked            ``hc_chunk_partial_kernel`` + ``_finish``     GPU: pre, fused post+pre, head
 =================  ==========================================  =====================================
 
-The GPU default, measured on an H200 at T = Hd = 4096 (``benchmarks/RESULTS.md``, ``benchmarks/mhc.md``): pre
-84.0–84.5 µs, fused post+pre 156.3–157.9 µs, head 79.3–79.8 µs, about 50 / 53 / 52 % of copy bandwidth over the
-compulsory bytes; at T = 37 (a decode step's call) 12.5 / 16.6 / 9.8 µs. The interpreter pays about a millisecond
-per program, so there the defaults are the designs with the fewest programs, in bigger tiles; the tests run
+The GPU default is the fastest design measured (``benchmarks/RESULTS.md`` has its figures, ``benchmarks/mhc.md``
+every candidate's). The interpreter pays for every program, so there the defaults are the designs with the fewest programs, in bigger tiles; the tests run
 every design on both. A design changes the speed, never the result beyond the stated tolerances.
 
 Which defaults differ between a GPU and the interpreter: :data:`DEVICE_DEFAULTS`; what a launch written for one

@@ -81,8 +81,7 @@ class MoeLaunch:
         combine_block_t, combine_block_h, combine_warps: the combine's tile and warps.
     """
 
-    # staging: the fastest byte-exact shape of the H200 staging sweep (16.4 µs at T = Hd = 4096: 76 % of the
-    # 512 MiB copy ceiling, 97.5 % of a same-size copy; benchmarks/moe.md)
+    # staging: the fastest byte-exact shape of the H200 staging sweep (benchmarks/moe.md)
     stage_block_t: int = 1
     stage_block_h: int = 1024
     stage_warps: int = 1
@@ -176,13 +175,13 @@ def _check_stage_pair(load: str, encode: str) -> None:
 def default_launch(tokens: int, k: int, experts: int) -> MoeLaunch:
     """The default shape for ``tokens`` × ``k`` slots over ``experts`` experts: ``block_m`` follows the mean
     number of slots per expert (16 at decode sizes, up to 64 for prefill). In the interpreter, where the cost
-    is the number of programs (each costs ~20 ms whatever its size), the tiles are as large as possible."""
+    is the number of programs (each as slow whatever its size), the tiles are as large as possible."""
     per_expert = tokens * k / max(experts, 1)
     block_m = 16 if per_expert <= 16 else 32 if per_expert <= 32 else 64
     if interpreting():
         return MoeLaunch(stage_block_t=16, block_m=block_m, block_n=256, block_h=512, block_k=256, combine_block_t=16)
-    # staging: the top-k copy before the tile (an H200 probe, benchmarks/experiments/mem_probe.py: 16.5 µs against
-    # 17.1 µs at T = Hd = 4096, the fastest byte-exact staging variant of that call; benchmarks/moe.md)
+    # staging: the top-k copy before the tile, the fastest byte-exact staging variant of an H200 probe
+    # (benchmarks/experiments/mem_probe.py; benchmarks/moe.md)
     if block_m == 64:  # prefill-sized groups: wider tiles, 8 warps
         return MoeLaunch(block_m=64, block_n=128, block_k=128, expert_warps=8, stage_topk_first=True)
     return MoeLaunch(block_m=block_m, expert_stages=4, stage_topk_first=True)
