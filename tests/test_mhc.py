@@ -14,7 +14,8 @@ import torch
 
 from dsv4ref import config, mhc, validate
 from dsv4ref.mhc import MhcLaunch, reference
-from dsv4ref.mhc.launch import MAX_SLICES, ONE_PASS_LAG, split3, split_fn_wide
+from dsv4ref.mhc.fn_split import split3, split_fn_wide
+from dsv4ref.mhc.launch import MAX_SLICES, ONE_PASS_LAG
 from dsv4ref.device import DEVICE, interpreting
 from dsv4ref.testing import assert_close, compare, generator, poison, randn
 from dsv4ref.tools.smem import HOPPER_SMEM_PER_PROGRAM, mhc_smem
@@ -974,7 +975,7 @@ def test_split_cache_keeps_every_live_weight_and_drops_freed_ones():
     sites must not rebuild them per call), rebuilt after an in-place update, and dropped when the weight dies."""
     import gc
 
-    from dsv4ref.mhc import launch as mhc_launch
+    from dsv4ref.mhc import fn_split
 
     fns = [mhc.example_params(40, seed=100 + i)[0] for i in range(40)]
     first = [mhc.split_fn(f) for f in fns]
@@ -984,10 +985,10 @@ def test_split_cache_keeps_every_live_weight_and_drops_freed_ones():
     fns[0].mul_(2)  # an in-place update: a new split, with the new values
     again = mhc.split_fn(fns[0])
     assert again is not first[0] and torch.equal(again.float().sum(0), 2 * first[0].float().sum(0))
-    n = len(mhc_launch._DERIVED)
+    n = len(fn_split._DERIVED)
     del fns, first, wide, again
     gc.collect()
-    assert len(mhc_launch._DERIVED) <= n - 80  # every freed weight's entries (40 splits, 40 wide copies) gone
+    assert len(fn_split._DERIVED) <= n - 80  # every freed weight's entries (40 splits, 40 wide copies) gone
 
 
 def test_chunk_small_t_decode_sized_calls_take_64_token_tiles():

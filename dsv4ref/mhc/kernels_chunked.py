@@ -1,6 +1,6 @@
 """The chunked design of pre / fused post+pre / head, the GPU default of every op, and the wide-dot pieces it
 shares with the one-pass design (``kernels_one_pass.py``). Conventions, the fp32-exact GEMM and the pieces every
-design shares: ``kernels.py``; the launcher: ``launch.py`` (``launch_chunked``).
+design shares: ``kernels.py``; the launcher: ``ops.py`` (``launch_chunked``).
 
 Per chunk of C tokens (``MhcLaunch.chunk_tokens``) the launcher runs two kernels, and the kernel boundary is the
 only synchronisation:

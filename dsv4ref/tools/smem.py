@@ -31,7 +31,8 @@ conversion's scratch, a few KB, and are not counted.
 
 from __future__ import annotations
 
-from ..mhc.launch import MhcLaunch, one_pass_args
+from ..mhc.launch import MhcLaunch
+from ..mhc.ops import one_pass_args
 
 # Hopper (H100, H200): the most shared memory one program may ask for (227 KB: 228 KB a multiprocessor, less the
 # 1 KB the driver reserves per program)

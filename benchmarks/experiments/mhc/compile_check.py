@@ -31,7 +31,8 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
 from dsv4ref.mhc import kernels, kernels_chunked, kernels_one_pass  # noqa: E402
-from dsv4ref.mhc.launch import ONE_PASS_LAG, MhcLaunch, chunk_args, one_pass_args  # noqa: E402
+from dsv4ref.mhc.launch import ONE_PASS_LAG, MhcLaunch  # noqa: E402
+from dsv4ref.mhc.ops import chunk_args, one_pass_args  # noqa: E402
 from dsv4ref.tools.cases.mhc import designs  # noqa: E402
 
 T = HD = 4096
