@@ -377,7 +377,7 @@ def layer_input_range(
 
 
 @triton.jit
-def gemm_stream(a, k, kmask, fs_ptr, K, acc_g, acc_c, DOT_FP32: tl.constexpr, HEAD: tl.constexpr, BLOCK_K: tl.constexpr):
+def gemm_stream(a, k, kmask, fn_split_ptr, K, acc_g, acc_c, DOT_FP32: tl.constexpr, HEAD: tl.constexpr, BLOCK_K: tl.constexpr):
     """acc += a @ fnᵀ[k, :] for one stream chunk: a [BLOCK_T, BLOCK_K] bf16, fs = [G, 3, K, 16] bf16 (hi, mid,
     lo; group 0 = gate columns, group 1 = comb columns). Three bf16 dots per group reproduce the fp32 product
     exactly; the chunk's dots start from zero (module docstring: MMA truncation)."""
@@ -387,9 +387,9 @@ def gemm_stream(a, k, kmask, fs_ptr, K, acc_g, acc_c, DOT_FP32: tl.constexpr, HE
     part_g = tl.zeros_like(acc_g)
     part_c = tl.zeros_like(acc_c)
     for s in tl.static_range(3):
-        part_g = dot(a, tl.load(fs_ptr + s * K * 16 + b_off, mask=bm, other=0.0), part_g, DOT_FP32)
+        part_g = dot(a, tl.load(fn_split_ptr + s * K * 16 + b_off, mask=bm, other=0.0), part_g, DOT_FP32)
         if not HEAD:
-            part_c = dot(a, tl.load(fs_ptr + (3 + s) * K * 16 + b_off, mask=bm, other=0.0), part_c, DOT_FP32)
+            part_c = dot(a, tl.load(fn_split_ptr + (3 + s) * K * 16 + b_off, mask=bm, other=0.0), part_c, DOT_FP32)
     return acc_g + part_g, acc_c + part_c
 
 
@@ -401,7 +401,7 @@ def hc_kernel(
     post_in_ptr,  # FUSED: [T, 4] fp32
     comb_in_ptr,  # FUSED: [T, 4, 4] fp32
     new_ptr,  # FUSED: int16 view of the new residual [T, 4, Hd] bf16 (written)
-    fs_ptr,  # [G, 3, 4·Hd, 16] bf16: split_fn(fn)
+    fn_split_ptr,  # [G, 3, 4·Hd, 16] bf16: split_fn(fn)
     scale_ptr,  # [3] fp32 (pre, post, comb) or [1] for the head
     base_ptr,  # [24] fp32 ([4] for the head)
     post_ptr,  # [T, 4] fp32 out (not HEAD)
@@ -434,10 +434,10 @@ def hc_kernel(
         hm = h < Hd
         a0, a1, a2, a3, r0, r1, r2, r3 = stream_chunk(res_ptr, x_ptr, new_ptr, W, rows, h, Hd, rm[:, None] & hm[None, :], FUSED)
         ssq += tl.sum(weighted4(r0, r1, r2, r3, r0, r1, r2, r3, False), axis=1)  # Σ_i r_i², fixed FMA order
-        acc_g, acc_c = gemm_stream(a0, h, hm, fs_ptr, K, acc_g, acc_c, DOT_FP32, HEAD, BLOCK_K)
-        acc_g, acc_c = gemm_stream(a1, Hd + h, hm, fs_ptr, K, acc_g, acc_c, DOT_FP32, HEAD, BLOCK_K)
-        acc_g, acc_c = gemm_stream(a2, 2 * Hd + h, hm, fs_ptr, K, acc_g, acc_c, DOT_FP32, HEAD, BLOCK_K)
-        acc_g, acc_c = gemm_stream(a3, 3 * Hd + h, hm, fs_ptr, K, acc_g, acc_c, DOT_FP32, HEAD, BLOCK_K)
+        acc_g, acc_c = gemm_stream(a0, h, hm, fn_split_ptr, K, acc_g, acc_c, DOT_FP32, HEAD, BLOCK_K)
+        acc_g, acc_c = gemm_stream(a1, Hd + h, hm, fn_split_ptr, K, acc_g, acc_c, DOT_FP32, HEAD, BLOCK_K)
+        acc_g, acc_c = gemm_stream(a2, 2 * Hd + h, hm, fn_split_ptr, K, acc_g, acc_c, DOT_FP32, HEAD, BLOCK_K)
+        acc_g, acc_c = gemm_stream(a3, 3 * Hd + h, hm, fn_split_ptr, K, acc_g, acc_c, DOT_FP32, HEAD, BLOCK_K)
 
     # ---- RMS factor, gates, Sinkhorn (in registers) --------------------------------------------------------
     w0, w1, w2, w3 = gates(

@@ -32,7 +32,7 @@ from .kernels import gates, layer_input_range, stream_chunk, token_tile, weighte
 
 
 @triton.jit
-def gemm_stream32(a, k, kmask, fs_ptr, K, acc, DOT_FP32: tl.constexpr, NG: tl.constexpr, BLOCK_K: tl.constexpr):
+def gemm_stream32(a, k, kmask, fn_split_ptr, K, acc, DOT_FP32: tl.constexpr, NG: tl.constexpr, BLOCK_K: tl.constexpr):
     """acc += a @ fnᵀ[k, :NG] for one stream chunk, NG = 32 (gate group | comb group) or 16 (head: one group).
     fs = [G, 3, K, 16] bf16 (split_fn); column n of the tile is column n % 16 of group n // 16. Per-chunk
     zero-start accumulator, as in ``gemm_stream``."""
@@ -41,7 +41,7 @@ def gemm_stream32(a, k, kmask, fs_ptr, K, acc, DOT_FP32: tl.constexpr, NG: tl.co
     bm = kmask[:, None] & (n < NG)[None, :]
     part = tl.zeros_like(acc)
     for s in tl.static_range(3):
-        part = dot(a, tl.load(fs_ptr + s * K * 16 + b_off, mask=bm, other=0.0), part, DOT_FP32)
+        part = dot(a, tl.load(fn_split_ptr + s * K * 16 + b_off, mask=bm, other=0.0), part, DOT_FP32)
     return acc + part
 
 
@@ -50,7 +50,7 @@ def partial_mix(
     res_ptr,
     x_ptr,
     new_ptr,
-    fs_ptr,
+    fn_split_ptr,
     W,
     rows,
     rm,
@@ -77,23 +77,23 @@ def partial_mix(
         hm = h < h_end
         a0, a1, a2, a3, r0, r1, r2, r3 = stream_chunk(res_ptr, x_ptr, new_ptr, W, rows, h, Hd, rm[:, None] & hm[None, :], FUSED)
         ssq += tl.sum(weighted4(r0, r1, r2, r3, r0, r1, r2, r3, False), axis=1)  # Σ_i r_i², fixed FMA order
-        acc = gemm_stream32(a0, h, hm, fs_ptr, K, acc, DOT_FP32, NG, BLOCK_K)
-        acc = gemm_stream32(a1, Hd + h, hm, fs_ptr, K, acc, DOT_FP32, NG, BLOCK_K)
-        acc = gemm_stream32(a2, 2 * Hd + h, hm, fs_ptr, K, acc, DOT_FP32, NG, BLOCK_K)
-        acc = gemm_stream32(a3, 3 * Hd + h, hm, fs_ptr, K, acc, DOT_FP32, NG, BLOCK_K)
+        acc = gemm_stream32(a0, h, hm, fn_split_ptr, K, acc, DOT_FP32, NG, BLOCK_K)
+        acc = gemm_stream32(a1, Hd + h, hm, fn_split_ptr, K, acc, DOT_FP32, NG, BLOCK_K)
+        acc = gemm_stream32(a2, 2 * Hd + h, hm, fn_split_ptr, K, acc, DOT_FP32, NG, BLOCK_K)
+        acc = gemm_stream32(a3, 3 * Hd + h, hm, fn_split_ptr, K, acc, DOT_FP32, NG, BLOCK_K)
     return acc, ssq
 
 
 @triton.jit
-def store_partial(ws_ptr, ssq_ptr, wo, rm, acc, ssq, NG: tl.constexpr):
+def store_partial(mix_ws_ptr, ssq_ws_ptr, wo, rm, acc, ssq, NG: tl.constexpr):
     """A tile's partial mix and Σ X² into the workspaces [splits, T, 32] / [splits, T] at rows ``wo``."""
     n = tl.arange(0, NG)
-    tl.store(ws_ptr + wo[:, None] * 32 + n[None, :], acc, mask=rm[:, None] & (n < NG)[None, :])
-    tl.store(ssq_ptr + wo, ssq, mask=rm)
+    tl.store(mix_ws_ptr + wo[:, None] * 32 + n[None, :], acc, mask=rm[:, None] & (n < NG)[None, :])
+    tl.store(ssq_ws_ptr + wo, ssq, mask=rm)
 
 
 @triton.jit
-def sum_partials(ws_ptr, ssq_ptr, rows, rm, T, splits, HEAD: tl.constexpr, BLOCK_T: tl.constexpr):
+def sum_partials(mix_ws_ptr, ssq_ws_ptr, rows, rm, T, splits, HEAD: tl.constexpr, BLOCK_T: tl.constexpr):
     """(acc_g, acc_c [BLOCK_T, 16], ssq [BLOCK_T]): the partials of ``rows`` summed in split order (fixed, so
     the same sum on every run, whichever program does it), in the layout ``gates`` takes."""
     n16 = tl.arange(0, 16)
@@ -103,10 +103,10 @@ def sum_partials(ws_ptr, ssq_ptr, rows, rm, T, splits, HEAD: tl.constexpr, BLOCK
     ssq = tl.zeros((BLOCK_T,), dtype=tl.float32)
     for s in range(0, splits):
         wo = s * T + rows
-        acc_g += tl.load(ws_ptr + wo[:, None] * 32 + n16[None, :], mask=m16, other=0.0)
+        acc_g += tl.load(mix_ws_ptr + wo[:, None] * 32 + n16[None, :], mask=m16, other=0.0)
         if not HEAD:
-            acc_c += tl.load(ws_ptr + wo[:, None] * 32 + 16 + n16[None, :], mask=m16, other=0.0)
-        ssq += tl.load(ssq_ptr + wo, mask=rm, other=0.0)
+            acc_c += tl.load(mix_ws_ptr + wo[:, None] * 32 + 16 + n16[None, :], mask=m16, other=0.0)
+        ssq += tl.load(ssq_ws_ptr + wo, mask=rm, other=0.0)
     return acc_g, acc_c, ssq
 
 
@@ -117,9 +117,9 @@ def hc_partial_kernel(
     post_in_ptr,  # FUSED: [T, 4] fp32
     comb_in_ptr,  # FUSED: [T, 4, 4] fp32
     new_ptr,  # FUSED: int16 view of the new residual [T, 4, Hd] bf16 (written)
-    fs_ptr,  # [G, 3, 4·Hd, 16] bf16: split_fn(fn)
-    ws_ptr,  # [splits, T, 32] fp32 workspace: partial mix columns (head: the first 16)
-    ssq_ptr,  # [splits, T] fp32 workspace: partial Σ X²
+    fn_split_ptr,  # [G, 3, 4·Hd, 16] bf16: split_fn(fn)
+    mix_ws_ptr,  # [splits, T, 32] fp32 workspace: partial mix columns (head: the first 16)
+    ssq_ws_ptr,  # [splits, T] fp32 workspace: partial Σ X²
     T,
     Hd,
     chunks_per_split,  # BLOCK_K chunks per split
@@ -137,16 +137,16 @@ def hc_partial_kernel(
     h_begin = split * chunks_per_split * BLOCK_K
     h_end = tl.minimum(h_begin + chunks_per_split * BLOCK_K, Hd)
     acc, ssq = partial_mix(
-        res_ptr, x_ptr, new_ptr, fs_ptr, W, rows, rm, h_begin, h_end, Hd, DOT_FP32, FUSED, NG, BLOCK_T, BLOCK_K
+        res_ptr, x_ptr, new_ptr, fn_split_ptr, W, rows, rm, h_begin, h_end, Hd, DOT_FP32, FUSED, NG, BLOCK_T, BLOCK_K
     )
-    store_partial(ws_ptr, ssq_ptr, split.to(tl.int64) * T + rows, rm, acc, ssq, NG)
+    store_partial(mix_ws_ptr, ssq_ws_ptr, split.to(tl.int64) * T + rows, rm, acc, ssq, NG)
 
 
 @triton.jit
 def hc_finish_kernel(
     src_ptr,  # int16 view of the streams x is summed from [T, 4, Hd] bf16 (FUSED: the new streams)
-    ws_ptr,  # [splits, T, 32] fp32 partial mixes from hc_partial_kernel
-    ssq_ptr,  # [splits, T] fp32 partial Σ X²
+    mix_ws_ptr,  # [splits, T, 32] fp32 partial mixes from hc_partial_kernel
+    ssq_ws_ptr,  # [splits, T] fp32 partial Σ X²
     scale_ptr,  # [3] fp32 ([1] head)
     base_ptr,  # [24] fp32 ([4] head)
     post_ptr,  # [T, 4] fp32 out (not HEAD)
@@ -168,7 +168,7 @@ def hc_finish_kernel(
     tile = tl.num_programs(1) - 1 - tl.program_id(1)  # reverse token order (see the section comment)
     rows = tile.to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
     rm = rows < T
-    acc_g, acc_c, ssq = sum_partials(ws_ptr, ssq_ptr, rows, rm, T, splits, HEAD, BLOCK_T)
+    acc_g, acc_c, ssq = sum_partials(mix_ws_ptr, ssq_ws_ptr, rows, rm, T, splits, HEAD, BLOCK_T)
     # every hidden part needs pre; part 0 alone stores post and comb
     w0, w1, w2, w3 = gates(
         acc_g,
