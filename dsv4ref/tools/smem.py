@@ -12,8 +12,8 @@ operand the wgmma is reading while the next copies land). So, per program,
     smem = (num_stages − 1) · Σ tiles + B,
 
 Σ tiles the bytes of every tile one K step loads, B the fn tile(s). Checked against the sm_90a compiles of
-``benchmarks/experiments/mhc/compile_check.py`` (``triton.compile(...).metadata.shared``; Triton 3.9 and 3.6
-agree on these), exact for every case compiled:
+``benchmarks/experiments/mhc/compile_check.py`` (``triton.compile(...).metadata.shared``, Triton 3.9 on a CPU; the
+two figures the GPU's Triton 3.6 reported below are the same bytes), exact for every case compiled:
 
 * chunked partial kernel: layouts 0 (four streams per dot), 2 and 3, 128- and 64-token tiles, 2 / 3 / 4 stages,
   pre and head: 16 compiles, among them the two the GPU refused, four streams per dot at ``chunk_block_k`` 64,
