@@ -22,6 +22,8 @@ from dsv4ref import moe, validate
 from dsv4ref.device import DEVICE
 from dsv4ref.fp8 import reference as fp8_ref
 from dsv4ref.moe import reference as ref
+from dsv4ref.moe.variants.stage import StageVariant
+from dsv4ref.moe.variants.stage import stage_into as variant_stage_into
 from dsv4ref.testing import assert_close, compare, generator, poison, randn
 
 pytestmark = pytest.mark.filterwarnings(
@@ -30,32 +32,19 @@ pytestmark = pytest.mark.filterwarnings(
 
 NAN, INF = float("nan"), float("inf")
 SHAPE = moe.TINY_MOE  # Hd 256, E 8, K 2, I 128
-VARIANTS = {  # staging launch variants: every one must write the reference's bytes
-    "groups": moe.MoeLaunch(stage_block_t=4, stage_block_h=256),
-    "tile": moe.MoeLaunch(stage_block_t=2, stage_block_h=512, stage_load="tile"),
-    "tile_persistent_stream": moe.MoeLaunch(
-        stage_block_t=4, stage_block_h=128, stage_load="tile", stage_programs=3, stage_stages=2, stage_cache="stream"
+VARIANTS = {  # staging launches and the variants of dsv4ref.moe.variants.stage: every one writes the reference's bytes
+    "tile": moe.MoeLaunch(stage_block_t=2, stage_block_h=512),
+    "tile_topk_first": moe.MoeLaunch(stage_block_t=2, stage_block_h=256, stage_topk_first=True),
+    "groups": StageVariant(block_t=4, block_h=256, load="groups", encode="blocks"),
+    "blocks_tile": StageVariant(block_t=2, block_h=512, encode="blocks"),
+    "blocks_tile_persistent_stream": StageVariant(block_t=4, block_h=128, encode="blocks", programs=3, stages=2),
+    "groups_persistent_evict": StageVariant(
+        block_t=1, block_h=256, load="groups", encode="blocks", programs=5, cache="evict_first"
     ),
-    "groups_persistent_evict": moe.MoeLaunch(stage_block_t=1, stage_block_h=256, stage_programs=5, stage_cache="evict_first"),
-    "snap": moe.MoeLaunch(stage_block_t=2, stage_block_h=256, stage_load="tile", stage_encode="snap"),
-    "snap_wide_stream": moe.MoeLaunch(
-        stage_block_t=4, stage_block_h=512, stage_load="tile", stage_encode="snap", stage_cache="stream"
-    ),
-    "snap_persistent": moe.MoeLaunch(
-        stage_block_t=1, stage_block_h=128, stage_load="tile", stage_encode="snap", stage_programs=4
-    ),
-    "snap_prefetch": moe.MoeLaunch(
-        stage_block_t=2,
-        stage_block_h=128,
-        stage_load="tile",
-        stage_encode="snap",
-        stage_programs=5,
-        stage_prefetch=True,
-        stage_cache="stream",
-    ),
-    "snap_topk_first_cs": moe.MoeLaunch(
-        stage_block_t=2, stage_block_h=256, stage_load="tile", stage_encode="snap", stage_topk_first=True, stage_cache="cs"
-    ),
+    "snap_no_hints": StageVariant(block_t=4, block_h=512, cache=""),
+    "snap_persistent": StageVariant(block_t=1, block_h=128, programs=4),
+    "snap_prefetch": StageVariant(block_t=2, block_h=128, programs=5, prefetch=True),
+    "snap_topk_first_cs": StageVariant(block_t=2, block_h=256, topk_first=True, cache="cs"),
 }
 
 
@@ -89,7 +78,10 @@ def stage_into(backend, hidden, ids, w, launch=None, rows=None):
         poison((N, K), torch.int64),
         poison((N, K), torch.float32),
     )
-    moe.stage_into(hidden, ids, w, *bufs, backend=backend, launch=launch)
+    if isinstance(launch, StageVariant):
+        variant_stage_into(hidden, ids, w, *bufs, launch)
+    else:
+        moe.stage_into(hidden, ids, w, *bufs, backend=backend, launch=launch)
     return bufs
 
 

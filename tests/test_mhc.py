@@ -14,9 +14,11 @@ import torch
 
 from dsv4ref import config, mhc, validate
 from dsv4ref.mhc import MhcLaunch, reference
-from dsv4ref.mhc.launch import MAX_SLICES, ONE_PASS_LAG, split3, split_fn_wide
+from dsv4ref.mhc.fn_split import split3, split_fn_wide
+from dsv4ref.mhc.launch import MAX_SLICES, ONE_PASS_LAG
 from dsv4ref.device import DEVICE, interpreting
 from dsv4ref.testing import assert_close, compare, generator, poison, randn
+from dsv4ref.tools.smem import HOPPER_SMEM_PER_PROGRAM, mhc_smem
 
 BACKENDS = ["reference", "triton"]
 GPU_ONLY = pytest.mark.skipif(interpreting(), reason="real hidden sizes at many tokens: compiled Triton only")
@@ -681,7 +683,7 @@ def test_split_fn_wide_is_the_split_transposed_in_gemm_tile_row_order():
 
 # The chunked design as notebook 03 teaches it, rung by rung, and the GPU default (every other field the GPU's)
 CHUNKED_RUNGS = {
-    "four streams per dot, fn from split_fn": dict(chunk_stream_k=False, chunk_fn_layout=0, chunk_zigzag=False),
+    "four streams per dot, fn from split_fn": dict(chunk_stream_k=False, chunk_fn_layout=0, chunk_zigzag=False, chunk_block_k=16),
     "one stream per step, K-major fn": dict(chunk_stream_k=True, chunk_fn_layout=2, chunk_zigzag=False),
     "one stream per step, K-major fn, zigzag walk": dict(chunk_stream_k=True, chunk_fn_layout=2, chunk_zigzag=True),
     "default": {},
@@ -853,6 +855,48 @@ def test_notebook_launches_are_legal_on_every_device():
         MhcLaunch.for_device(interpreted=False, chunked=True, chunk_tokens=16)
 
 
+def _gpu_launches() -> list[tuple[str, MhcLaunch]]:
+    """(where, launch) of every mHC launch notebook 03 and the GPU runs of this file make, each with the GPU's
+    defaults for the fields it leaves out (``MhcLaunch.for_device``)."""
+    from pathlib import Path
+
+    gpu = lambda **kw: MhcLaunch.for_device(interpreted=False, **kw)  # noqa: E731
+    path = Path(__file__).resolve().parents[1] / "notebooks" / "src" / "03_mhc_ops.py"
+    out = [(f"notebook 03 line {line}", gpu(**kw)) for line, kw in _notebook_launches(path)]
+    out += [("DESIGNS", gpu(split_k=False)), ("DESIGNS", gpu(split_k=True)), ("DESIGNS", gpu(one_pass=True))]
+    out += [("DESIGNS", gpu(chunked=True, chunk_tokens=256)), ("DEFAULT", gpu())]
+    out += [
+        (f"rung {r}, C {c}", gpu(chunked=True, chunk_tokens=c, **kw)) for r, kw in CHUNKED_RUNGS.items() for c in (1024, 4096)
+    ]
+    out += [(f"one pass SMALL, one_dot {d}", gpu(one_pass=True, one_pass_one_dot=d, **SMALL)) for d in (1, 2)]
+    for stream_k, layout in ((False, 0), (True, 0), (False, 2), (True, 2), (True, 3)):
+        out.append(
+            (
+                f"CHUNK_SMALL {stream_k} {layout}",
+                gpu(chunked=True, chunk_stream_k=stream_k, chunk_fn_layout=layout, **CHUNK_SMALL),
+            )
+        )
+    out.append(("chunk_small_t", gpu(chunked=True, chunk_tokens=128, chunk_block_t=128, chunk_small_t=64)))
+    return out
+
+
+def test_gpu_launches_fit_hopper_shared_memory():
+    """Every launch notebook 03 and this file's GPU tests make asks for at most a Hopper program's shared memory
+    (``dsv4ref.tools.smem``: an estimate from the tiles, their dtypes and the stages), for pre, fused and head, at
+    a long call's tiles and a short one's. The interpreter never compiles, so without this a launch too big for
+    the GPU (the rung "four streams per dot" at 64-dim steps) passes here and fails there with OutOfResources.
+    The estimate gives the two figures the GPU reported for that launch, bit for bit."""
+    too_big = MhcLaunch.for_device(interpreted=False, chunked=True, chunk_stream_k=False, chunk_fn_layout=0, chunk_block_k=64)
+    assert mhc_smem(too_big, "pre") == 458_752 and mhc_smem(too_big, "pre", T=37) == 360_448  # as compiled
+    bad = []
+    for where, L in _gpu_launches():
+        for op in ("pre", "fused", "head"):
+            for T in (None, 37):
+                if (need := mhc_smem(L, op, T)) > HOPPER_SMEM_PER_PROGRAM:
+                    bad.append(f"{where}: {op} at T = {T or 'long'} needs {need} bytes")
+    assert not bad, "\n".join(bad)
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("design", list(DESIGNS))
 def test_empty_batch_every_function(backend, design):
@@ -931,7 +975,7 @@ def test_split_cache_keeps_every_live_weight_and_drops_freed_ones():
     sites must not rebuild them per call), rebuilt after an in-place update, and dropped when the weight dies."""
     import gc
 
-    from dsv4ref.mhc import launch as mhc_launch
+    from dsv4ref.mhc import fn_split
 
     fns = [mhc.example_params(40, seed=100 + i)[0] for i in range(40)]
     first = [mhc.split_fn(f) for f in fns]
@@ -941,10 +985,10 @@ def test_split_cache_keeps_every_live_weight_and_drops_freed_ones():
     fns[0].mul_(2)  # an in-place update: a new split, with the new values
     again = mhc.split_fn(fns[0])
     assert again is not first[0] and torch.equal(again.float().sum(0), 2 * first[0].float().sum(0))
-    n = len(mhc_launch._DERIVED)
+    n = len(fn_split._DERIVED)
     del fns, first, wide, again
     gc.collect()
-    assert len(mhc_launch._DERIVED) <= n - 80  # every freed weight's entries (40 splits, 40 wide copies) gone
+    assert len(fn_split._DERIVED) <= n - 80  # every freed weight's entries (40 splits, 40 wide copies) gone
 
 
 def test_chunk_small_t_decode_sized_calls_take_64_token_tiles():

@@ -21,12 +21,15 @@ from dsv4ref import moe
 from dsv4ref.device import DEVICE
 from dsv4ref.moe import reference as ref
 from dsv4ref.moe.launch import tile_table
+from dsv4ref.moe.variants.stage import StageVariant
+from dsv4ref.moe.variants.stage import stage_into as variant_stage_into
 from dsv4ref.testing import assert_close, compare, generator, poison, randn
 
 BACKENDS = ["reference", "triton"]
-# staging: "triton-snap" is the triton backend with stage_encode="snap" (ue8m0_byte_bits + e4m3_snap)
-SNAP = moe.MoeLaunch(stage_block_t=4, stage_block_h=256, stage_load="tile", stage_encode="snap")
-STAGE_BACKENDS = ["reference", "triton", "triton-snap"]
+# staging: "triton-4x256" is the triton backend on 4 × 256 tiles (several column blocks at Hd 256+: only block 0
+# copies the top-k)
+SMALL_TILE = moe.MoeLaunch(stage_block_t=4, stage_block_h=256)
+STAGE_BACKENDS = ["reference", "triton", "triton-4x256"]
 SHAPE = moe.TINY_MOE  # Hd 256, E 8, K 2, I 128
 
 
@@ -321,8 +324,8 @@ def test_route_signature_and_argument_errors():
 
 
 def stage_with(backend, hidden, ids, w, launch=None):
-    """stage() through stage_into on poisoned buffers (so an unwritten byte shows); backend "triton-snap" is
-    "triton" with the SNAP launch."""
+    """stage() through stage_into on poisoned buffers (so an unwritten byte shows); backend "triton-4x256" is
+    "triton" with the SMALL_TILE launch; a ``StageVariant`` launch runs ``dsv4ref.moe.variants.stage``."""
     T, Hd = hidden.shape
     K = ids.shape[1]
     bufs = (
@@ -331,9 +334,12 @@ def stage_with(backend, hidden, ids, w, launch=None):
         poison((T, K), torch.int64),
         poison((T, K), torch.float32),
     )
-    if backend == "triton-snap":
-        backend, launch = "triton", launch or SNAP
-    moe.stage_into(hidden, ids, w, *bufs, backend=backend, launch=launch)
+    if backend == "triton-4x256":
+        backend, launch = "triton", launch or SMALL_TILE
+    if isinstance(launch, StageVariant):
+        variant_stage_into(hidden, ids, w, *bufs, launch)
+    else:
+        moe.stage_into(hidden, ids, w, *bufs, backend=backend, launch=launch)
     return bufs
 
 
@@ -428,8 +434,8 @@ def test_stage_random_rows_exact_and_decode_bound(backend):
 @pytest.mark.parametrize(
     "launch",
     [
-        moe.MoeLaunch(stage_block_t=16, stage_block_h=256, stage_load="tile", stage_encode="snap"),
-        moe.MoeLaunch(stage_block_t=8, stage_block_h=128, stage_load="tile", stage_encode="snap", stage_warps=1),
+        moe.MoeLaunch(stage_block_t=16, stage_block_h=256),
+        moe.MoeLaunch(stage_block_t=8, stage_block_h=128, stage_warps=1),
     ],
     ids=["16x256", "8x128_w1"],
 )
@@ -450,41 +456,30 @@ def test_stage_snap_every_finite_bf16(launch):
 @pytest.mark.parametrize(
     "launch",
     [
-        moe.MoeLaunch(
-            stage_block_t=4, stage_block_h=128, stage_load="tile", stage_encode="snap", stage_programs=5, stage_prefetch=True
-        ),  # 16 tiles over 5 programs: 4, 3, 3, 3, 3
-        moe.MoeLaunch(
-            stage_block_t=2,
-            stage_block_h=256,
-            stage_load="tile",
-            stage_encode="snap",
-            stage_programs=64,
-            stage_prefetch=True,
-            stage_cache="stream",
-            stage_stages=1,
-        ),  # more programs than tiles
-        moe.MoeLaunch(
-            stage_block_t=4, stage_block_h=128, stage_load="tile", stage_encode="snap", stage_topk_first=True, stage_cache="cs"
-        ),
-        moe.MoeLaunch(stage_block_t=8, stage_block_h=256, stage_topk_first=True),  # the "blocks" encoder, group loads
-        moe.MoeLaunch(
-            stage_block_t=1,
-            stage_block_h=512,
-            stage_load="tile",
-            stage_encode="snap",
-            stage_topk_first=True,
-            stage_cache="stream",
-            stage_warps=1,
-            stage_maxnreg=64,
-        ),
+        StageVariant(block_t=4, block_h=128, programs=5, prefetch=True),  # 16 tiles over 5 programs: 4, 3, 3, 3, 3
+        StageVariant(block_t=2, block_h=256, programs=64, prefetch=True, stages=1),  # more programs than tiles
+        moe.MoeLaunch(stage_block_t=4, stage_block_h=128, stage_topk_first=True),
+        StageVariant(block_t=4, block_h=128, topk_first=True, cache="cs"),
+        StageVariant(block_t=8, block_h=256, load="groups", encode="blocks", topk_first=True, cache=""),
+        StageVariant(block_t=1, block_h=512, warps=1, topk_first=True, maxnreg=64),
+        moe.MoeLaunch(stage_block_t=1, stage_block_h=512, stage_warps=1, stage_topk_first=True),
     ],
-    ids=["prefetch-5", "prefetch-many", "topk-first-cs", "topk-first-blocks", "topk-first-1x512"],
+    ids=[
+        "prefetch-5",
+        "prefetch-many",
+        "topk-first",
+        "topk-first-cs",
+        "topk-first-blocks",
+        "topk-first-1x512-r64",
+        "topk-first-1x512",
+    ],
 )
-def test_stage_new_launch_fields_same_bytes(launch):
-    """stage_prefetch (a persistent grid whose programs load their next tile before encoding this one),
-    stage_topk_first (the top-k loads before the tile's) and stage_cache="cs" change when bytes move, never which:
-    staged bytes, packed words and top-k copies against the oracle, at T = 13 (a partial last token block) and
-    Hd = 512 (several column blocks, only block 0 copies the top-k), from poisoned buffers."""
+def test_stage_launches_and_variants_same_bytes(launch):
+    """The shipped kernel's ``stage_topk_first`` (the top-k loads before the tile's) and the variants of
+    ``dsv4ref.moe.variants.stage`` (a persistent grid whose programs load their next tile before encoding this one,
+    ``.cs`` stores alone, the shared encoder with group loads, a register cap) change when bytes move, never
+    which: staged bytes, packed words and top-k copies against the oracle, at T = 13 (a partial last token block)
+    and Hd = 512 (several column blocks, only block 0 copies the top-k), from poisoned buffers."""
     h = randn((13, 512), seed=44, block=32, octaves=24, device="cpu")
     h[2, 40] = -0.0
     h = h.to(DEVICE)
@@ -494,30 +489,29 @@ def test_stage_new_launch_fields_same_bytes(launch):
 
 
 def test_stage_launch_fields_are_checked():
-    """stage_encode / stage_maxnreg take only what exists (the contract's encoders: no timing-only variant)."""
+    """MoeLaunch's staging fields and the variants' take only what exists (the contract's encoders: no
+    timing-only variant)."""
     for kw, msg in (
-        (dict(stage_encode="cast"), "stage_encode"),
-        (dict(stage_encode="snap", stage_load="groups"), 'needs "tile"'),
-        (dict(stage_maxnreg=8), "stage_maxnreg"),
-        (dict(stage_maxnreg=256), "stage_maxnreg"),
-        (dict(stage_prefetch=True, stage_load="tile", stage_encode="snap"), "stage_prefetch"),
-        (dict(stage_prefetch=True, stage_programs=4, stage_encode="blocks"), "stage_prefetch"),
-        (dict(stage_topk_first=True, stage_programs=4), "stage_topk_first"),
-        (dict(stage_cache="cs_all"), "stage_cache"),
+        (dict(encode="cast"), "encode"),
+        (dict(encode="snap", load="groups"), 'needs "tile"'),
+        (dict(maxnreg=8), "maxnreg"),
+        (dict(maxnreg=256), "maxnreg"),
+        (dict(prefetch=True), "prefetch"),
+        (dict(prefetch=True, programs=4, encode="blocks"), "prefetch"),
+        (dict(topk_first=True, programs=4), "topk_first"),
+        (dict(cache="cs_all"), "cache"),
     ):
         with pytest.raises(ValueError, match=msg):
-            moe.MoeLaunch(**kw)
-    with pytest.raises(TypeError, match="stage_prefetch: expected a bool"):
-        moe.MoeLaunch(stage_prefetch=1)
-    h = randn((2, 128), seed=41, device=DEVICE)
-    ids, w = torch.zeros(2, 1, dtype=torch.int32, device=DEVICE), torch.ones(2, 1, device=DEVICE)
-    bufs = stage_with("reference", h, ids, w)
-    args = list(SNAP.op_args("moe_stage"))
-    args[7] = "cast"  # stage_encode: not an encoder of the contract, refused by the custom op as well
-    with pytest.raises(ValueError, match="encode"):
-        torch.ops.dsv4ref.moe_stage(h, ids, w, bufs[0].view(torch.uint8), *bufs[1:], *args)
+            StageVariant(**kw)
+    with pytest.raises(TypeError, match="prefetch: expected a bool"):
+        StageVariant(prefetch=1)
+    with pytest.raises(TypeError, match="stage_topk_first: expected a bool"):
+        moe.MoeLaunch(stage_topk_first=1)
+    with pytest.raises(ValueError, match="stage_block_h"):
+        moe.MoeLaunch(stage_block_h=64)
+    assert len(SMALL_TILE.op_args("moe_stage")) == 4  # block_t, block_h, warps, topk_first: the schema's order
     with pytest.raises(ValueError, match="op"):
-        SNAP.op_args("moe_route")
+        SMALL_TILE.op_args("moe_route")
 
 
 def test_stage_snap_bytes_of_a_one_column_x_sf():
@@ -527,7 +521,7 @@ def test_stage_snap_bytes_of_a_one_column_x_sf():
     ids, w = torch.zeros(3, 2, dtype=torch.int32, device=DEVICE), torch.rand(3, 2, generator=generator(43)).to(DEVICE)
     sf = torch.full((15,), -7777, dtype=torch.int32, device=DEVICE).as_strided((3, 1), (5, 3))
     q, i64, w32 = poison((3, 128), torch.float8_e4m3fn), poison((3, 2), torch.int64), poison((3, 2), torch.float32)
-    moe.stage_into(h, ids, w, q, sf, i64, w32, backend="triton", launch=SNAP)
+    moe.stage_into(h, ids, w, q, sf, i64, w32, backend="triton", launch=SMALL_TILE)
     check_staged((q, sf, i64, w32), h, ids, w)
 
 

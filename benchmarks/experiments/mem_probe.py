@@ -50,6 +50,7 @@ sys.path[:0] = [
 from dsv4ref import kv_cache as kc  # noqa: E402
 from dsv4ref import moe, validate  # noqa: E402
 from dsv4ref.kv_cache.launch import KVCacheLaunch, default_launch  # noqa: E402
+from dsv4ref.moe.variants.stage import StageVariant, stage_into  # noqa: E402
 
 L = KVCacheLaunch
 S_INSERT = 65536
@@ -75,25 +76,26 @@ def insert_variants() -> dict[str, KVCacheLaunch]:
     }
 
 
-def stage_variants(sms: int) -> dict[str, moe.MoeLaunch]:
+def stage_variants(sms: int) -> dict[str, StageVariant]:
     """The default first (``default_launch`` at T 4096, K 6, E 256), then the candidates; ``sms``: the device's
     SM count, for the persistent grids (2048 programs: 8 tiles each, no remainder)."""
-    d = moe.default_launch(4096, 6, 256)
+    L = moe.default_launch(4096, 6, 256)
+    d = StageVariant(block_t=L.stage_block_t, block_h=L.stage_block_h, warps=L.stage_warps)  # top-k after the tile
     r = dataclasses.replace
-    pre = dict(stage_prefetch=True, stage_stages=1, stage_topk_first=False)  # persistent grids: no top-k first
+    pre = dict(prefetch=True, stages=1, topk_first=False)  # persistent grids: no top-k first
     return {
-        "default 1x1024 w1 stream": d,
-        "topk_first": r(d, stage_topk_first=True),
-        "cs": r(d, stage_cache="cs"),
-        "cs topk_first": r(d, stage_cache="cs", stage_topk_first=True),
-        "1x2048 w1 stream": r(d, stage_block_h=2048),
-        "1x2048 w1 stream topk_first": r(d, stage_block_h=2048, stage_topk_first=True),
-        "1x2048 w1 cs topk_first": r(d, stage_block_h=2048, stage_cache="cs", stage_topk_first=True),
-        "2x1024 w1 stream topk_first": r(d, stage_block_t=2, stage_topk_first=True),
-        "1x4096 w1 stream": r(d, stage_block_h=4096),
-        f"prefetch P={16 * sms} stream": r(d, stage_programs=16 * sms, **pre),
-        "prefetch P=2048 stream": r(d, stage_programs=2048, **pre),
-        f"prefetch P={20 * sms} cs": r(d, stage_programs=20 * sms, stage_cache="cs", **pre),
+        "default 1x1024 w1 stream": r(d, topk_first=L.stage_topk_first),
+        "topk_first": r(d, topk_first=True),
+        "cs": r(d, cache="cs"),
+        "cs topk_first": r(d, cache="cs", topk_first=True),
+        "1x2048 w1 stream": r(d, block_h=2048),
+        "1x2048 w1 stream topk_first": r(d, block_h=2048, topk_first=True),
+        "1x2048 w1 cs topk_first": r(d, block_h=2048, cache="cs", topk_first=True),
+        "2x1024 w1 stream topk_first": r(d, block_t=2, topk_first=True),
+        "1x4096 w1 stream": r(d, block_h=4096),
+        f"prefetch P={16 * sms} stream": r(d, programs=16 * sms, **pre),
+        "prefetch P=2048 stream": r(d, programs=2048, **pre),
+        f"prefetch P={20 * sms} cs": r(d, programs=20 * sms, cache="cs", **pre),
     }
 
 
@@ -282,7 +284,7 @@ class Probe:
             x, ids, w, q, sf, i64, w32 = sets[0]
             for b in (q, sf, i64, w32):
                 b.fill_(-1 if b.dtype != torch.uint8 else 0x7F)  # poison: an unwritten byte shows
-            torch.ops.dsv4ref.moe_stage(*sets[0], *v.op_args("moe_stage"))
+            stage_into(*sets[0], v)
             bad = [
                 nm
                 for nm, g, r in zip(("x_fp8", "x_sf", "ids", "weights"), (q, sf, i64, w32), want)
@@ -291,8 +293,7 @@ class Probe:
             return f"in {', '.join(bad)}" if bad else ""
 
         def timed_call(v):
-            args = v.op_args("moe_stage")
-            return lambda i: torch.ops.dsv4ref.moe_stage(*sets[i], *args)
+            return lambda i: stage_into(*sets[i], v)
 
         rows, failed = self.sweep("stage", variants, wrong_bytes, timed_call, n, nbytes, ceil, copy_ms)
         self.finish(f"moe.stage T={T} Hd={Hd} K={K}", rows, nbytes, ceil, copy_ms, copy_long, failed)

@@ -5,7 +5,7 @@
 
 The variants are benchmarks/experiments/moe_sweep.py's (its module constants: the references, the two encoders, the
 snap grid), compiled as the launcher specialises them at T = 4096, Hd = 4096, K = 6 (constexprs from
-``dsv4ref.moe.launch.stage_constexprs``; the pointers and the row strides 16-byte aligned, unit strides
+``dsv4ref.moe.variants.stage.constexprs``; the pointers and the row strides 16-byte aligned, unit strides
 constant). Per variant: registers and stack (bytes spilled) from ``cuobjdump -res-usage``, the SASS length,
 and the instructions one thread executes on the common path divided by the values it stages (``/value``):
 the walk starts at the entry and takes every forward conditional branch and the first conditional EXIT,
@@ -37,12 +37,10 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from dsv4ref.moe import kernels  # noqa: E402
-from dsv4ref.moe.launch import stage_constexprs  # noqa: E402
+from dsv4ref.moe.variants.stage import constexprs, stage_variant_kernel  # noqa: E402
 from mem_probe import stage_variants  # noqa: E402
-from moe_sweep import ENCODER_ROWS, MAXNREGS, SESSION3_BEST, SNAP_1024, SNAP_GRID, stage_name  # noqa: E402
+from moe_sweep import ENCODER_ROWS, MAXNREGS, SESSION3_BEST, SNAP_1024, SNAP_GRID, default_variant, stage_name  # noqa: E402
 
-from dsv4ref import moe  # noqa: E402
 
 T, HD, K = 4096, 4096, 6
 ALU = (
@@ -106,18 +104,7 @@ ALIGNED = (
 
 
 def compile_variant(L):
-    const = stage_constexprs(
-        HD,
-        K,
-        L.stage_block_t,
-        L.stage_block_h,
-        L.stage_load,
-        L.stage_programs,
-        L.stage_cache,
-        L.stage_encode,
-        L.stage_topk_first,
-        L.stage_prefetch,
-    )
+    const = constexprs(HD, K, L)
     const.update(stride_xh=1, stride_ik=1, stride_wk=1)
     sig = dict(SIG, **{k: "constexpr" for k in const})
     if const["ENCODE"] != "blocks":
@@ -125,12 +112,12 @@ def compile_variant(L):
     names = list(sig)
     attrs = {(names.index(k),): [["tt.divisibility", 16]] for k in ALIGNED}
     return triton.compile(
-        ASTSource(fn=kernels.stage_kernel, signature=sig, constexprs=const, attrs=attrs),
+        ASTSource(fn=stage_variant_kernel, signature=sig, constexprs=const, attrs=attrs),
         target=GPUTarget("cuda", 90, 32),
         options={
-            "num_warps": L.stage_warps,
-            "num_stages": L.stage_stages,
-            **({"maxnreg": L.stage_maxnreg} if L.stage_maxnreg else {}),
+            "num_warps": L.warps,
+            "num_stages": L.stages,
+            **({"maxnreg": L.maxnreg} if L.maxnreg else {}),
         },
     )
 
@@ -182,7 +169,7 @@ def report(label, L):
     shared = re.search(r"SHARED:(\d+)", res).group(1)
     static = len(re.findall(r"/\*[0-9a-f]{4,}\*/\s", sass))
     path = common_path(sass)
-    per_thread = L.stage_block_t * min(L.stage_block_h, HD) / (32 * L.stage_warps)
+    per_thread = L.block_t * min(L.block_h, HD) / (32 * L.warps)
     c = collections.Counter(path)
     alu = sum(v for k, v in c.items() if k in ALU)
     fma = sum(v for k, v in c.items() if k in FMA)
@@ -208,11 +195,11 @@ def widths(sass: str) -> str:
 def main(argv):
     print(f"triton {triton.__version__}, sm_90a, T={T} Hd={HD} K={K}; /value: per value staged by one thread", flush=True)
     rows = [
-        ("default: " + stage_name(moe.default_launch(T, K, 256)), moe.default_launch(T, K, 256)),
+        ("default: " + stage_name(default_variant()), default_variant()),
         ("session-3 fastest: " + stage_name(SESSION3_BEST), SESSION3_BEST),
     ]
     rows += [(stage_name(L), L) for L in ENCODER_ROWS + SNAP_GRID]
-    rows += [(stage_name(L), L) for L in (dataclasses.replace(SNAP_1024, stage_maxnreg=n) for n in MAXNREGS)]
+    rows += [(stage_name(L), L) for L in (dataclasses.replace(SNAP_1024, maxnreg=n) for n in MAXNREGS)]
     rows += [(f"probe: {name}", L) for name, L in stage_variants(132).items()]  # benchmarks/experiments/mem_probe.py, H200
     for label, L in rows:
         if not argv or any(a in label for a in argv):

@@ -34,17 +34,25 @@ import torch
 
 import dsv4ref
 from dsv4ref import moe
+from dsv4ref.moe.variants.stage import StageVariant, stage_into
 
 STAGE_BUDGET_S = 85.0  # new staging variants stop starting after this (the whole run must stay under 120 s)
 
 
 def tile(bt, bh, warps, **kw):
-    return moe.MoeLaunch(stage_block_t=bt, stage_block_h=bh, stage_warps=warps, stage_load="tile", **kw)
+    """A staging variant (dsv4ref.moe.variants.stage) on [bt, bh] tiles."""
+    return StageVariant(block_t=bt, block_h=bh, warps=warps, load="tile", **kw)
 
 
-SESSION3_BEST = tile(1, 1024, 2, stage_cache="stream")
-BLOCKS_1024 = tile(1, 1024, 2, stage_encode="blocks")  # the shared encoder on the session-3 fastest shape
-SNAP_1024 = tile(1, 1024, 2, stage_encode="snap")
+def default_variant() -> StageVariant:
+    """The shipped default (``moe.default_launch`` at T 4096, K 6, E 256) as a variant."""
+    d = moe.default_launch(4096, 6, 256)
+    return StageVariant(block_t=d.stage_block_t, block_h=d.stage_block_h, warps=d.stage_warps, topk_first=d.stage_topk_first)
+
+
+SESSION3_BEST = tile(1, 1024, 2, cache="stream")
+BLOCKS_1024 = tile(1, 1024, 2, encode="blocks")  # the shared encoder on the session-3 fastest shape
+SNAP_1024 = tile(1, 1024, 2, encode="snap")
 ENCODER_ROWS = [BLOCKS_1024, SNAP_1024]
 # C: tokens × values per program and warps, 8 to 32 values per thread
 SNAP_SHAPES = [
@@ -66,19 +74,21 @@ SNAP_SHAPES = [
     (4, 1024, 4),
     (4, 1024, 8),
 ]
-SNAP_GRID = [tile(bt, bh, w, stage_encode="snap") for bt, bh, w in SNAP_SHAPES]
+SNAP_GRID = [tile(bt, bh, w, encode="snap") for bt, bh, w in SNAP_SHAPES]
 CACHE_HINTS = ("evict_first", "stream")
 MAXNREGS = (40, 48)
 
 
-def stage_name(L):
-    s = f"{L.stage_encode:6s} {L.stage_load:6s} {L.stage_block_t}x{L.stage_block_h} w{L.stage_warps}"
-    if L.stage_cache:
-        s += f" cache={L.stage_cache}"
-    if L.stage_programs:
-        s += f" persistent={L.stage_programs} stages={L.stage_stages}"
-    if L.stage_maxnreg:
-        s += f" maxnreg={L.stage_maxnreg}"
+def stage_name(v):
+    s = f"{v.encode:6s} {v.load:6s} {v.block_t}x{v.block_h} w{v.warps}"
+    if v.cache:
+        s += f" cache={v.cache}"
+    if v.programs:
+        s += f" persistent={v.programs} stages={v.stages}"
+    if v.maxnreg:
+        s += f" maxnreg={v.maxnreg}"
+    if v.topk_first:
+        s += " topk_first"
     return s
 
 
@@ -121,12 +131,11 @@ def sweep_stage(ceil):
         if time.perf_counter() - t0 > STAGE_BUDGET_S:
             print(f"  {label:62s} skipped (time budget)", flush=True)
             return
-        args = L.op_args("moe_stage")
         x, ids, w, q, sf, i64, w32 = sets[0]
         for b in (q, sf, i64, w32):
             b.fill_(-1 if b.dtype != torch.uint8 else 0x7F)  # poison: an unwritten byte shows
         try:
-            torch.ops.dsv4ref.moe_stage(*sets[0], *args)
+            stage_into(*sets[0], L)
             bad = [
                 n
                 for n, g, r in zip(("x_fp8", "x_sf", "ids", "weights"), (q, sf, i64, w32), want)
@@ -135,7 +144,7 @@ def sweep_stage(ceil):
             if bad:
                 print(f"  {label:62s} WRONG BYTES in {', '.join(bad)}: skipped", flush=True)
                 return
-            ms = time_ms(lambda i: torch.ops.dsv4ref.moe_stage(*sets[i], *args), n_sets)
+            ms = time_ms(lambda i: stage_into(*sets[i], L), n_sets)
         except Exception as e:  # e.g. out of registers / shared memory
             print(f"  {label:62s} FAILED {type(e).__name__}: {str(e).splitlines()[0][:100]}", flush=True)
             return
@@ -148,11 +157,11 @@ def sweep_stage(ceil):
         )
 
     def fastest(n, encode=None):
-        rows = [r for r in results.values() if encode is None or r[1].stage_encode == encode]
+        rows = [r for r in results.values() if encode is None or r[1].encode == encode]
         return [L for _, L in sorted(rows, key=lambda r: r[0])[:n]]
 
     print("A. references", flush=True)
-    default = moe.default_launch(T, K, 256)
+    default = default_variant()
     run(default)
     run(SESSION3_BEST)
     print("B. the two encoders on tile 1 x 1024, 2 warps", flush=True)
@@ -164,10 +173,10 @@ def sweep_stage(ceil):
     print("D. cache hints, then a register cap, on the three fastest snap variants", flush=True)
     for L in fastest(3, "snap"):
         for cache in CACHE_HINTS:
-            run(dataclasses.replace(L, stage_cache=cache))
+            run(dataclasses.replace(L, cache=cache))
     for L in fastest(3, "snap"):
         for n in MAXNREGS:
-            run(dataclasses.replace(L, stage_maxnreg=n))
+            run(dataclasses.replace(L, maxnreg=n))
 
     print(f"\nsummary (µs; a copy of staging's {nbytes / 1e6:.1f} MB at the same-size copy's bandwidth: {copy_us:.1f} µs)")
     for row in [r for r in (default, SESSION3_BEST) if stage_name(r) in results] + fastest(3):

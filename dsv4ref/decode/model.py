@@ -62,7 +62,7 @@ class Decoder(Speculating):
     ``mhc_launch`` (an :class:`~dsv4ref.mhc.MhcLaunch`, None = the library default ``MhcLaunch()``) is passed
     as ``launch=`` to every mHC call: the design (split-K / one kernel / one pass) the step's mHC ops run.
     ``backend`` ("auto", "triton" or "reference") is passed to every op; ``prefill`` defaults to
-    "reference" (in the CPU interpreter a kernel launch costs ~1 ms per program, too slow for hundreds of
+    "reference" (the CPU interpreter pays for every program of a kernel launch, too slow for hundreds of
     prompt tokens), ``step`` to ``backend``. After each call ``attn_out`` holds every layer's attention
     output (T, Hd) bf16 and ``hidden`` the pre-hc_head residual (T, M, Hd) bf16; set ``prof = {}`` to
     collect per-op milliseconds.

@@ -303,7 +303,7 @@ def f16_halves(pairs, INTERPRET: tl.constexpr):
 
     Compiled, one PTX ``mov.b32 {lo, hi}, pair``: the two halves are named where they are, so ptxas multiplies
     the pair with one HMUL2 and hands the register to the tensor core as it is. Written as integer truncations
-    instead, ptxas re-packs every pair twice (2 PRMT per byte, 13 % of the loop's instructions). The
+    instead, ptxas re-packs every pair twice (2 PRMT per byte). The
     interpreter cannot run PTX and takes the integer form, which gives the same bits."""
     if INTERPRET:
         lo = pairs.to(tl.int16).to(tl.float16, bitcast=True)

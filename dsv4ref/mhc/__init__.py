@@ -11,7 +11,8 @@ attention and FFN sub-layer. The math, shapes, conventions and pitfalls: ``docs/
 
 Read in this order: ``reference.py`` (the whole op in PyTorch), ``kernels.py`` (the Triton kernels' shared
 pieces, the one-kernel and split-K designs), ``kernels_chunked.py`` (the GPU default), ``kernels_one_pass.py``
-(a rung between them), ``launch.py`` (:class:`MhcLaunch`, the measured defaults, the custom ops). Every function here checks its
+(a rung between them), ``launch.py`` (:class:`MhcLaunch`, the measured defaults), ``fn_split.py`` (the kernels' copies
+of ``fn``), ``ops.py`` (the launchers, the custom ops). Every function here checks its
 arguments, then dispatches on ``backend`` ("reference": ``reference.py`` in fp32; "triton"; "auto" =
 "triton"). ``launch=`` (an :class:`MhcLaunch`, None = the measured defaults) only affects "triton".
 """
@@ -23,8 +24,10 @@ import torch
 from .. import validate
 from ..device import DEVICE, HOST
 from ..testing import generator, randn
+from . import ops  # noqa: F401  (registers the torch.ops.dsv4ref.mhc_* custom ops)
 from . import reference
-from .launch import MhcLaunch, default_launch, split_fn
+from .fn_split import split_fn
+from .launch import MhcLaunch, default_launch
 from .reference import HC_EPS, HC_MULT, POST_MULT, RMS_EPS, SINKHORN_ITERS
 
 __all__ = [

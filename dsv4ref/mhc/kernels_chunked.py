@@ -1,6 +1,6 @@
 """The chunked design of pre / fused post+pre / head, the GPU default of every op, and the wide-dot pieces it
 shares with the one-pass design (``kernels_one_pass.py``). Conventions, the fp32-exact GEMM and the pieces every
-design shares: ``kernels.py``; the launcher: ``launch.py`` (``launch_chunked``).
+design shares: ``kernels.py``; the launcher: ``ops.py`` (``launch_chunked``).
 
 Per chunk of C tokens (``MhcLaunch.chunk_tokens``) the launcher runs two kernels, and the kernel boundary is the
 only synchronisation:
@@ -71,11 +71,11 @@ def fn_columns(K, NG: tl.constexpr):
 
 
 @triton.jit
-def gemm_tile(a, k, kmask, fs_ptr, K, part, DOT_FP32: tl.constexpr, NG: tl.constexpr, FN_LAYOUT: tl.constexpr = 0):
+def gemm_tile(a, k, kmask, fn_split_ptr, K, part, DOT_FP32: tl.constexpr, NG: tl.constexpr, FN_LAYOUT: tl.constexpr = 0):
     """part + a @ [hi | mid | lo | 0]ᵀ[k, :] in ONE dot of N = 4·NG (NG = 32; head 16): a [BLOCK_T, n_k] bf16,
     k [n_k] its fn rows (``kmask``: rows past the slice read as zero). Three times fewer MMA waits than three
     narrow dots, full-width tensor-core instructions; the parts are summed later (``fold_parts``).
-    ``FN_LAYOUT`` (what ``fs_ptr`` holds): 0 ``split_fn``'s [G, 3, K, 16] (part 3 masked, never loaded); 2
+    ``FN_LAYOUT`` (what ``fn_split_ptr`` holds): 0 ``split_fn``'s [G, 3, K, 16] (part 3 masked, never loaded); 2
     ``split_fn_wide``'s [4·NG, K] (k contiguous: the tile is loaded as [4·NG, n_k] and fed to the dot transposed,
     so the wgmma reads a K-major B operand instead of transposing an N-major one). (Layout 3, the same copy
     without its zero quarter, is ``gemm_tile_three_parts``.)"""
@@ -83,24 +83,26 @@ def gemm_tile(a, k, kmask, fs_ptr, K, part, DOT_FP32: tl.constexpr, NG: tl.const
     if FN_LAYOUT == 2:
         n = tl.arange(0, 4 * NG)
         bt = tl.load(
-            fs_ptr + n.to(tl.int64)[:, None] * K + k.to(tl.int64)[None, :], mask=(n < 3 * NG)[:, None] & kmask[None, :], other=0.0
+            fn_split_ptr + n.to(tl.int64)[:, None] * K + k.to(tl.int64)[None, :],
+            mask=(n < 3 * NG)[:, None] & kmask[None, :],
+            other=0.0,
         )  # [4·NG, n_k]
         return dot(a, tl.trans(bt), part, DOT_FP32)
     col, live = fn_columns(K, NG)
     b_off = col[None, :] + k.to(tl.int64)[:, None] * 16  # [n_k, 4·NG]
-    return dot(a, tl.load(fs_ptr + b_off, mask=kmask[:, None] & live[None, :], other=0.0), part, DOT_FP32)
+    return dot(a, tl.load(fn_split_ptr + b_off, mask=kmask[:, None] & live[None, :], other=0.0), part, DOT_FP32)
 
 
 @triton.jit
-def gemm_tile_three_parts(a, k, kmask, fs_ptr, K, DOT_FP32: tl.constexpr, NG: tl.constexpr, BLOCK_T: tl.constexpr):
+def gemm_tile_three_parts(a, k, kmask, fn_split_ptr, K, DOT_FP32: tl.constexpr, NG: tl.constexpr, BLOCK_T: tl.constexpr):
     """``FN_LAYOUT`` 3: a @ fnᵀ[k, :] as [BLOCK_T, NG] fp32, folded, from the transposed copy of layout 2 without
     its zero quarter: one zero-started dot of N = 2·NG for [hi | mid] (rows 0..2·NG) and one of N = NG for lo
     (rows 2·NG..3·NG), so 3·NG columns of MMA and fold instead of 4·NG. (hi + mid) + lo, in fp32."""
     k64 = k.to(tl.int64)[None, :]
     n2 = tl.arange(0, 2 * NG)
     n1 = 2 * NG + tl.arange(0, NG)
-    b2 = tl.load(fs_ptr + n2.to(tl.int64)[:, None] * K + k64, mask=(n2 < 2 * NG)[:, None] & kmask[None, :], other=0.0)
-    b1 = tl.load(fs_ptr + n1.to(tl.int64)[:, None] * K + k64, mask=(n1 < 3 * NG)[:, None] & kmask[None, :], other=0.0)
+    b2 = tl.load(fn_split_ptr + n2.to(tl.int64)[:, None] * K + k64, mask=(n2 < 2 * NG)[:, None] & kmask[None, :], other=0.0)
+    b1 = tl.load(fn_split_ptr + n1.to(tl.int64)[:, None] * K + k64, mask=(n1 < 3 * NG)[:, None] & kmask[None, :], other=0.0)
     p2 = dot(a, tl.trans(b2), tl.zeros((BLOCK_T, 2 * NG), dtype=tl.float32), DOT_FP32)  # [hi | mid] products
     p1 = dot(a, tl.trans(b1), tl.zeros((BLOCK_T, NG), dtype=tl.float32), DOT_FP32)  # lo products
     return tl.sum(tl.reshape(p2, (BLOCK_T, 2, NG)), axis=1) + p1
@@ -125,7 +127,7 @@ def partial_mix_wide(
     res_ptr,
     x_ptr,
     new_ptr,
-    fs_ptr,
+    fn_split_ptr,
     W,
     rows,
     rm,
@@ -166,7 +168,7 @@ def partial_mix_wide(
             a = tl.load(p + rows[:, None] * (4 * Hd) + k4[None, :], mask=rm[:, None] & (h4 < h_end)[None, :], other=0.0)
             x = a.to(tl.float32)
             ssq += tl.sum(x * x, axis=1)
-            part = gemm_tile(a, k4, h4 < h_end, fs_ptr, K, part, DOT_FP32, NG, FN_LAYOUT)
+            part = gemm_tile(a, k4, h4 < h_end, fn_split_ptr, K, part, DOT_FP32, NG, FN_LAYOUT)
         else:
             h = h0 + kk
             hm = h < h_end
@@ -184,7 +186,7 @@ def partial_mix_wide(
                 join4(a0, a1, a2, a3, BLOCK_T, BLOCK_K),
                 (r4 // BLOCK_K) * Hd + h4,
                 h4 < h_end,
-                fs_ptr,
+                fn_split_ptr,
                 K,
                 part,
                 DOT_FP32,
@@ -198,7 +200,7 @@ def partial_mix_wide(
 @triton.jit
 def partial_mix_stream_k(
     res_ptr,
-    fs_ptr,
+    fn_split_ptr,
     rows,
     rm,
     h_begin,
@@ -228,15 +230,17 @@ def partial_mix_stream_k(
         x = a.to(tl.float32)
         ssq += tl.sum(x * x, axis=1)
         if FN_LAYOUT == 3:
-            acc += gemm_tile_three_parts(a, k, hm, fs_ptr, K, DOT_FP32, NG, BLOCK_T)
+            acc += gemm_tile_three_parts(a, k, hm, fn_split_ptr, K, DOT_FP32, NG, BLOCK_T)
         else:
-            part = gemm_tile(a, k, hm, fs_ptr, K, tl.zeros((BLOCK_T, 4 * NG), dtype=tl.float32), DOT_FP32, NG, FN_LAYOUT)
+            part = gemm_tile(a, k, hm, fn_split_ptr, K, tl.zeros((BLOCK_T, 4 * NG), dtype=tl.float32), DOT_FP32, NG, FN_LAYOUT)
             acc += fold_parts(part, NG, BLOCK_T)
     return acc, ssq
 
 
 @triton.jit
-def store_partial_packed(ws_ptr, ssq_ptr, wo, rm, acc, ssq, NG: tl.constexpr, WS_GATE: tl.constexpr, WS_STRIDE: tl.constexpr):
+def store_partial_packed(
+    mix_ws_ptr, ssq_ws_ptr, wo, rm, acc, ssq, NG: tl.constexpr, WS_GATE: tl.constexpr, WS_STRIDE: tl.constexpr
+):
     """acc [BLOCK_T, NG] (``partial_mix`` layout: gate group at columns 0..15, comb group at 16..31) into the
     workspace rows ``wo`` of stride WS_STRIDE: the first WS_GATE gate columns at 0.., the comb group at
     WS_GATE.. (WS_GATE = 16, WS_STRIDE = 32: the columns as they are; 8 / 24 (head 4 / 4): the live ones
@@ -244,14 +248,14 @@ def store_partial_packed(ws_ptr, ssq_ptr, wo, rm, acc, ssq, NG: tl.constexpr, WS
     n = tl.arange(0, NG)
     dst = tl.where(n < 16, n, n - 16 + WS_GATE)
     keep = (n < WS_GATE) | (n >= 16)
-    tl.store(ws_ptr + wo[:, None] * WS_STRIDE + dst[None, :], acc, mask=rm[:, None] & keep[None, :])
-    tl.store(ssq_ptr + wo, ssq, mask=rm)
+    tl.store(mix_ws_ptr + wo[:, None] * WS_STRIDE + dst[None, :], acc, mask=rm[:, None] & keep[None, :])
+    tl.store(ssq_ws_ptr + wo, ssq, mask=rm)
 
 
 @triton.jit
 def sum_partials_rounds(
-    ws_ptr,
-    ssq_ptr,
+    mix_ws_ptr,
+    ssq_ws_ptr,
     rows,
     rm,
     T,
@@ -284,11 +288,11 @@ def sum_partials_rounds(
             sl = tl.zeros_like(rows) + (s0 + u)  # the slice, per row (int64, as rows)
             ok = sl < slices
             wo = sl * T + rows  # its workspace rows
-            at = ws_ptr + wo[:, None] * WS_STRIDE + n16[None, :]
+            at = mix_ws_ptr + wo[:, None] * WS_STRIDE + n16[None, :]
             acc_g += tl.load(at, mask=mg & ok[:, None], other=0.0, cache_modifier=CACHE)
             if not HEAD:
                 acc_c += tl.load(at + WS_GATE, mask=mc & ok[:, None], other=0.0, cache_modifier=CACHE)
-            ssq += tl.load(ssq_ptr + wo, mask=rm & ok, other=0.0, cache_modifier=CACHE)
+            ssq += tl.load(ssq_ws_ptr + wo, mask=rm & ok, other=0.0, cache_modifier=CACHE)
     return acc_g, acc_c, ssq
 
 
@@ -312,9 +316,9 @@ def chunk_rows(t0, t_end, tile, BLOCK_T: tl.constexpr, REVERSE: tl.constexpr = F
 @triton.jit
 def hc_chunk_partial_kernel(
     res_ptr,  # residual [T, 4, Hd] as int16 (the fused op: the new streams post_kernel wrote); contiguous
-    fs_ptr,  # split_fn(fn): [G, 3, 4·Hd, 16] bf16 (FN_LAYOUT 2 / 3: split_fn_wide(..., transposed=True))
-    ws_ptr,  # [slices, C, WS_STRIDE] fp32 workspace: the chunk's partial mixes
-    ssq_ptr,  # [slices, C] fp32 workspace: the chunk's partial Σ X²
+    fn_split_ptr,  # split_fn(fn): [G, 3, 4·Hd, 16] bf16 (FN_LAYOUT 2 / 3: split_fn_wide(..., transposed=True))
+    mix_ws_ptr,  # [slices, C, WS_STRIDE] fp32 workspace: the chunk's partial mixes
+    ssq_ws_ptr,  # [slices, C] fp32 workspace: the chunk's partial Σ X²
     t0,  # the chunk's first token
     t_end,  # one past its last token (<= T)
     Hd,
@@ -328,7 +332,7 @@ def hc_chunk_partial_kernel(
     WS_STRIDE: tl.constexpr,  # workspace row length (pre 24, head 4)
     DOT_FP32: tl.constexpr,
     STREAM_K: tl.constexpr = False,  # one stream's BLOCK_K dims per step (partial_mix_stream_k)
-    FN_LAYOUT: tl.constexpr = 0,  # 0 fs_ptr is split_fn(fn); 2 split_fn_wide(..., transposed=True); 3 (STREAM_K
+    FN_LAYOUT: tl.constexpr = 0,  # 0 fn_split_ptr is split_fn(fn); 2 split_fn_wide(..., transposed=True); 3 (STREAM_K
     #                               only) the same copy in two dots, without its zero quarter (gemm_tile_three_parts)
     REVERSE: tl.constexpr = False,  # the token tiles walked from the chunk's end (chunk_rows; chunk_zigzag)
 ):
@@ -341,14 +345,16 @@ def hc_chunk_partial_kernel(
     h_begin = s * chunks_per_slice * BLOCK_K
     h_end = tl.minimum(h_begin + chunks_per_slice * BLOCK_K, Hd)
     if STREAM_K:
-        acc, ssq = partial_mix_stream_k(res_ptr, fs_ptr, rows, rm, h_begin, h_end, Hd, DOT_FP32, NG, BLOCK_T, BLOCK_K, FN_LAYOUT)
+        acc, ssq = partial_mix_stream_k(
+            res_ptr, fn_split_ptr, rows, rm, h_begin, h_end, Hd, DOT_FP32, NG, BLOCK_T, BLOCK_K, FN_LAYOUT
+        )
     else:
         tl.static_assert(FN_LAYOUT < 3)
         acc, ssq = partial_mix_wide(
             res_ptr,
             res_ptr,
             res_ptr,
-            fs_ptr,
+            fn_split_ptr,
             0,
             rows,
             rm,
@@ -364,14 +370,14 @@ def hc_chunk_partial_kernel(
             False,
             FN_LAYOUT,
         )
-    store_partial_packed(ws_ptr, ssq_ptr, s.to(tl.int64) * C + lrow, rm, acc, ssq, NG, WS_GATE, WS_STRIDE)
+    store_partial_packed(mix_ws_ptr, ssq_ws_ptr, s.to(tl.int64) * C + lrow, rm, acc, ssq, NG, WS_GATE, WS_STRIDE)
 
 
 @triton.jit
 def hc_chunk_finish_kernel(
     src_ptr,  # int16 view of the streams x is summed from [T, 4, Hd] bf16 (the fused op: the new streams)
-    ws_ptr,  # [slices, C, WS_STRIDE] fp32: the chunk's partial mixes (hc_chunk_partial_kernel)
-    ssq_ptr,  # [slices, C] fp32: the chunk's partial Σ X²
+    mix_ws_ptr,  # [slices, C, WS_STRIDE] fp32: the chunk's partial mixes (hc_chunk_partial_kernel)
+    ssq_ws_ptr,  # [slices, C] fp32: the chunk's partial Σ X²
     scale_ptr,  # [3] fp32 ([1] head)
     base_ptr,  # [24] fp32 ([4] head)
     post_ptr,  # [T, 4] fp32 out (not HEAD)
@@ -401,8 +407,8 @@ def hc_chunk_finish_kernel(
     full = part == 0  # part 0 alone stores post and comb, so it alone needs their columns and Sinkhorn
     # the chunk's workspace rows are its tokens' rows inside the chunk; written by the previous launch (no .cg)
     acc_g, acc_c, ssq = sum_partials_rounds(
-        ws_ptr,
-        ssq_ptr,
+        mix_ws_ptr,
+        ssq_ws_ptr,
         lrow,
         rm,
         C,

@@ -55,15 +55,15 @@ def hc_one_pass_kernel(
     post_in_ptr,  # FUSED: the post weights [T, 4] fp32 the new streams are made with
     comb_in_ptr,  # FUSED: comb [T, 4, 4] fp32, source i -> destination j
     new_ptr,  # FUSED: the new residual [T, 4, Hd] as int16 (written in phase A, re-read in phase B)
-    fs_ptr,  # split_fn(fn): [G, 3, 4·Hd, 16] bf16
+    fn_split_ptr,  # split_fn(fn): [G, 3, 4·Hd, 16] bf16
     scale_ptr,  # [3] fp32 ([1] head)
     base_ptr,  # [24] fp32 ([4] head)
     post_ptr,  # [T, 4] fp32 out (not HEAD)
     comb_ptr,  # [T, 4, 4] fp32 out (not HEAD)
     out_ptr,  # int16 view of the layer input (head: the output) [T, Hd] bf16
-    ws_ptr,  # [slices, T, WS_STRIDE] fp32 workspace: partial mixes
-    ssq_ptr,  # [slices, T] fp32 workspace: partial Σ X²
-    wpre_ptr,  # [T, 4] fp32 workspace: the pre weights (head: the gates), published per tile
+    mix_ws_ptr,  # [slices, T, WS_STRIDE] fp32 workspace: partial mixes
+    ssq_ws_ptr,  # [slices, T] fp32 workspace: partial Σ X²
+    pre_ws_ptr,  # [T, 4] fp32 workspace: the pre weights (head: the gates), published per tile
     sync_ptr,  # [1 + 2·n_tiles] int32, ZEROED before the launch: ticket | arrivals per tile | READY per tile
     T,
     Hd,
@@ -105,7 +105,7 @@ def hc_one_pass_kernel(
             res_ptr,
             x_ptr,
             new_ptr,
-            fs_ptr,
+            fn_split_ptr,
             W,
             rows,
             rm,
@@ -120,11 +120,11 @@ def hc_one_pass_kernel(
             ONE_DOT,
             HW_ROUND,
         )
-        store_partial_packed(ws_ptr, ssq_ptr, s.to(tl.int64) * T + rows, rm, acc, ssq, NG, WS_GATE, WS_STRIDE)
+        store_partial_packed(mix_ws_ptr, ssq_ws_ptr, s.to(tl.int64) * T + rows, rm, acc, ssq, NG, WS_GATE, WS_STRIDE)
         tl.debug_barrier()  # every thread's stores (partials; FUSED: new streams) before the release below
         if tl.atomic_add(sync_ptr + 1 + tile, 1, sem="acq_rel", scope="gpu") == slices - 1:  # the last one
             acc_g, acc_c, ssq = sum_partials_rounds(
-                ws_ptr, ssq_ptr, rows, rm, T, slices, HEAD, BLOCK_T, SUM_UNROLL, WS_GATE, WS_STRIDE, WS_GATE, 16, ".cg"
+                mix_ws_ptr, ssq_ws_ptr, rows, rm, T, slices, HEAD, BLOCK_T, SUM_UNROLL, WS_GATE, WS_STRIDE, WS_GATE, 16, ".cg"
             )
             w0, w1, w2, w3 = gates(
                 acc_g,
@@ -146,10 +146,10 @@ def hc_one_pass_kernel(
                 HEAD,
                 BLOCK_T,
             )
-            tl.store(wpre_ptr + rows * 4, w0, mask=rm)
-            tl.store(wpre_ptr + rows * 4 + 1, w1, mask=rm)
-            tl.store(wpre_ptr + rows * 4 + 2, w2, mask=rm)
-            tl.store(wpre_ptr + rows * 4 + 3, w3, mask=rm)
+            tl.store(pre_ws_ptr + rows * 4, w0, mask=rm)
+            tl.store(pre_ws_ptr + rows * 4 + 1, w1, mask=rm)
+            tl.store(pre_ws_ptr + rows * 4 + 2, w2, mask=rm)
+            tl.store(pre_ws_ptr + rows * 4 + 3, w3, mask=rm)
             tl.debug_barrier()
             tl.atomic_xchg(sync_ptr + 1 + n_tiles + tile, 1, sem="release", scope="gpu")
 
@@ -165,10 +165,10 @@ def hc_one_pass_kernel(
             polls += 1
         # a flag never raised (impossible while the ticket order holds) gives NaN, never a hang or a guess
         bad = tl.where(ready != 0, 0.0, float("nan"))
-        w0 = tl.load(wpre_ptr + rows * 4, mask=rm, other=0.0, cache_modifier=".cg") + bad
-        w1 = tl.load(wpre_ptr + rows * 4 + 1, mask=rm, other=0.0, cache_modifier=".cg") + bad
-        w2 = tl.load(wpre_ptr + rows * 4 + 2, mask=rm, other=0.0, cache_modifier=".cg") + bad
-        w3 = tl.load(wpre_ptr + rows * 4 + 3, mask=rm, other=0.0, cache_modifier=".cg") + bad
+        w0 = tl.load(pre_ws_ptr + rows * 4, mask=rm, other=0.0, cache_modifier=".cg") + bad
+        w1 = tl.load(pre_ws_ptr + rows * 4 + 1, mask=rm, other=0.0, cache_modifier=".cg") + bad
+        w2 = tl.load(pre_ws_ptr + rows * 4 + 2, mask=rm, other=0.0, cache_modifier=".cg") + bad
+        w3 = tl.load(pre_ws_ptr + rows * 4 + 3, mask=rm, other=0.0, cache_modifier=".cg") + bad
         if FUSED:
             src_ptr = new_ptr
         else:

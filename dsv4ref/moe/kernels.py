@@ -2,12 +2,9 @@
 
 Every kernel follows the interpreter-safe rules of :mod:`dsv4ref.tl`: bf16 is read through an int16 view
 and widened to fp32 in integers, all arithmetic is fp32, bf16 is written with integer round-half-even
-(``bf16_rne_bits_nan``: every NaN is 0x7FC0), e4m3 and UE8M0 bytes come from ``e4m3_ue8m0_blocks`` (the
-non-finite policy included), staged bytes are read with ``e4m3_decode`` / ``ue8m0_value`` and dots go through
+(``bf16_rne_bits_nan``: every NaN is 0x7FC0), e4m3 and UE8M0 bytes come from ``ue8m0_byte_bits`` + ``e4m3_snap`` (the
+non-finite policy: ``e4m3_nan_codes``), staged bytes are read with ``e4m3_decode`` / ``ue8m0_value`` and dots go through
 ``dot`` (fp32 operands when interpreting). Strides are element strides. The math is drawn in ``docs/moe.md``.
-
-Why one module of this length: about 210 statements; the formatter lays every kernel signature out one
-argument per line. The four kernels of one feed-forward (stage, gate-up, down, combine) read as one pipeline.
 """
 
 from __future__ import annotations
@@ -15,7 +12,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ..tl import bf16_rne_bits_nan, dot, e4m3_decode, e4m3_nan_codes, e4m3_snap, e4m3_ue8m0_blocks, ue8m0_byte_bits, ue8m0_value
+from ..tl import bf16_rne_bits_nan, dot, e4m3_decode, e4m3_nan_codes, e4m3_snap, ue8m0_byte_bits, ue8m0_value
 
 
 @triton.jit
@@ -32,25 +29,15 @@ def widen_bf16(bits):
 #                 a group holding a NaN or ±inf: byte_j = 255, every q = 0x7F (0xFF: a non-NaN with its sign set)
 #   x_sf[t, kb] = int32 bits of byte_0 | byte_1 << 8 | byte_2 << 16 | byte_3 << 24
 #   on the first column block: ids_out[t, :K] = int64(ids[t, :K]) (−1 stays −1), weights_out = bit copy
-# The launch choices (MoeLaunch.stage_*) change how a tile is read, encoded and mapped to programs, never the
-# bytes:
-#   ENCODE = "blocks" (_stage_tile_blocks): the shared helper e4m3_ue8m0_blocks (scale, encoder and the
-#            non-finite policy, per value), the four bytes of a word or-ed into the int32 x_sf;
-#       LOAD = "groups": four loads of [BLOCK_T, NB, 32] (group j of every 128-block), one per byte of the word;
-#       LOAD = "tile":   one load of the contiguous [BLOCK_T, BLOCK_H] tile (16-byte vectors when the hidden
-#                        stride is 1), seen as [BLOCK_T, BLOCK_H/32, 32] for the group amax;
-#   ENCODE = "snap" (_stage_tile_snap, LOAD = "tile"): ue8m0_byte_bits + e4m3_snap, the same bytes in about
-#            half the instructions per value; the non-finite policy (e4m3_nan_codes, byte 255) only in a tile
-#            that holds a NaN / ±inf group (one tile-wide test per program); the scale bytes stored as bytes
-#            through a uint8 view of x_sf (little-endian: byte j of word kb is group 4·kb + j), which spares
-#            the cross-thread gather of a word's four bytes;
-#   PERSISTENT: a fixed number of programs walks the tiles with a grid stride (no tail wave), else one
-#               program per (token block, column block);
-#   EVICT / STORE_CACHE: cache hints on the streamed input (eviction_policy) and the outputs (cache_modifier);
-#   PREFETCH (PERSISTENT, not "blocks"): each program holds two tiles in registers, the next one's loads in flight
-#            while this one is encoded and stored;
-#   TOPK_FIRST (one program per tile): the ids / weights of the top-k copy are loaded before the tile, not after
-#            its stores (one DRAM round trip less in the programs of column block 0).
+# The default's encoder (_stage_tile_snap): ue8m0_byte_bits + e4m3_snap on the contiguous [BLOCK_T, BLOCK_H]
+# tile (16-byte vectors when the hidden stride is 1), seen as [BLOCK_T, BLOCK_H/32, 32] for the group amax: the
+# same bytes as the shared e4m3_ue8m0_blocks in about half the instructions per value; the non-finite policy
+# (e4m3_nan_codes, byte 255) only in a tile that holds a NaN / ±inf group (one tile-wide test per program); the
+# scale bytes stored as bytes through a uint8 view of x_sf (little-endian: byte j of word kb is group 4·kb + j),
+# which spares the cross-thread gather of a word's four bytes. TOPK_FIRST (MoeLaunch.stage_topk_first, the GPU
+# default): the ids / weights of the top-k copy are loaded before the tile, not after its stores (one DRAM round
+# trip less in the programs of column block 0). The other modes staging was measured in (the shared encoder,
+# group loads, a persistent grid, prefetching, other cache hints): dsv4ref/moe/variants/stage.py.
 # ----------------------------------------------------------------------------------------------------
 
 
@@ -96,67 +83,6 @@ def _topk_store(ids_out_ptr, w_out_ptr, ids, wb, r64, row_ok, K, stride_iot, str
 
 
 @triton.jit
-def _stage_tile_blocks(
-    x_ptr,
-    q_ptr,
-    sf_ptr,
-    T,
-    Hd,
-    tt,
-    th,
-    stride_xt,
-    stride_xh,
-    stride_qt,
-    stride_st,
-    FLOOR: tl.constexpr,
-    BLOCK_T: tl.constexpr,
-    BLOCK_H: tl.constexpr,
-    LOAD: tl.constexpr,
-    EVICT: tl.constexpr,
-    STORE_CACHE: tl.constexpr,
-):
-    """ENCODE = "blocks": stage tokens [tt·BLOCK_T, +BLOCK_T) × hidden values [th·BLOCK_H, +BLOCK_H) into e4m3
-    bytes and int32 words (sf_ptr: the int32 x_sf). Returns (rows, row_ok, r64) for the top-k copies."""
-    NB: tl.constexpr = BLOCK_H // 128  # scale words per tile row
-    rows = tt * BLOCK_T + tl.arange(0, BLOCK_T)
-    row_ok = rows < T
-    r64 = rows.to(tl.int64)
-    kb = th * NB + tl.arange(0, NB)  # [NB] 128-block (= scale word) index
-    if LOAD == "tile":
-        col = th * BLOCK_H + tl.arange(0, BLOCK_H)  # [BLOCK_H]
-        m = row_ok[:, None] & (col < Hd)[None, :]
-        bits = tl.load(
-            x_ptr + r64[:, None] * stride_xt + col[None, :].to(tl.int64) * stride_xh, mask=m, other=0, eviction_policy=EVICT
-        )
-        q, byte = e4m3_ue8m0_blocks(tl.reshape(widen_bf16(bits), (BLOCK_T, NB * 4, 32)), FLOOR, 2)  # groups of 32
-        tl.store(
-            q_ptr + r64[:, None] * stride_qt + col[None, :], tl.reshape(q, (BLOCK_T, BLOCK_H)), mask=m, cache_modifier=STORE_CACHE
-        )
-        lane = (8 * tl.arange(0, 4)).to(tl.uint32)
-        word = tl.sum(tl.reshape(byte.to(tl.uint32), (BLOCK_T, NB, 4)) << lane[None, None, :], axis=2)  # disjoint bits
-    else:
-        i = tl.arange(0, 32)
-        word = tl.zeros((BLOCK_T, NB), dtype=tl.uint32)
-        for j in tl.static_range(4):  # the four 32-value groups of each block
-            col = kb[:, None] * 128 + j * 32 + i[None, :]  # [NB, 32]
-            m = row_ok[:, None, None] & (col < Hd)[None, :, :]
-            bits = tl.load(
-                x_ptr + r64[:, None, None] * stride_xt + col[None, :, :].to(tl.int64) * stride_xh,
-                mask=m,
-                other=0,
-                eviction_policy=EVICT,
-            )
-            q, byte = e4m3_ue8m0_blocks(widen_bf16(bits), FLOOR, 2)  # [BLOCK_T, NB, 32] uint8, [BLOCK_T, NB] int32
-            tl.store(q_ptr + r64[:, None, None] * stride_qt + col[None, :, :], q, mask=m, cache_modifier=STORE_CACHE)
-            word = word | (byte.to(tl.uint32) << (8 * j))
-    m_sf = row_ok[:, None] & (kb * 128 < Hd)[None, :]
-    tl.store(
-        sf_ptr + r64[:, None] * stride_st + kb[None, :], word.to(tl.int32, bitcast=True), mask=m_sf, cache_modifier=STORE_CACHE
-    )
-    return rows, row_ok, r64
-
-
-@triton.jit
 def _stage_tile_snap(
     x_ptr,
     q_ptr,
@@ -175,8 +101,9 @@ def _stage_tile_snap(
     EVICT: tl.constexpr,
     STORE_CACHE: tl.constexpr,
 ):
-    """ENCODE = "snap": the same tile as _stage_tile_blocks with LOAD = "tile"; sf_ptr is the uint8
-    view of x_sf (stride_st in bytes) and one scale byte is stored per 32-group."""
+    """Stage tokens [tt·BLOCK_T, +BLOCK_T) × hidden values [th·BLOCK_H, +BLOCK_H) into e4m3 bytes and one scale
+    byte per 32-group (sf_ptr: the uint8 view of x_sf, stride_st in bytes). Returns (rows, row_ok, r64) for the
+    top-k copies."""
     bits = _snap_load(x_ptr, T, Hd, tt, th, stride_xt, stride_xh, BLOCK_T, BLOCK_H, EVICT)
     return _stage_bits_snap(
         bits,
@@ -232,7 +159,7 @@ def _stage_bits_snap(
     STORE_CACHE: tl.constexpr,
 ):
     """_stage_tile_snap on the tile ``bits`` (= _snap_load(.., tt, th, ..)) loaded already (the prefetching
-    persistent loop loads the next tile before this one is encoded)."""
+    persistent loop of dsv4ref/moe/variants/stage.py loads the next tile before this one is encoded)."""
     NG: tl.constexpr = BLOCK_H // 32  # 32-value groups per tile row
     rows = tt * BLOCK_T + tl.arange(0, BLOCK_T)
     row_ok = rows < T
@@ -267,258 +194,110 @@ def _stage_bits_snap(
 
 
 @triton.jit
-def _stage_tile(
-    x_ptr,
-    q_ptr,
-    sf_ptr,
-    T,
-    Hd,
-    tt,
-    th,
-    stride_xt,
-    stride_xh,
-    stride_qt,
-    stride_st,
-    FLOOR: tl.constexpr,
-    BLOCK_T: tl.constexpr,
-    BLOCK_H: tl.constexpr,
-    LOAD: tl.constexpr,
-    ENCODE: tl.constexpr,
-    EVICT: tl.constexpr,
-    STORE_CACHE: tl.constexpr,
-):
-    """One tile, by ENCODE. Returns (rows, row_ok, r64) for the top-k copies."""
-    if ENCODE == "blocks":
-        return _stage_tile_blocks(
-            x_ptr,
-            q_ptr,
-            sf_ptr,
-            T,
-            Hd,
-            tt,
-            th,
-            stride_xt,
-            stride_xh,
-            stride_qt,
-            stride_st,
-            FLOOR,
-            BLOCK_T,
-            BLOCK_H,
-            LOAD,
-            EVICT,
-            STORE_CACHE,
-        )
-    else:
-        return _stage_tile_snap(
-            x_ptr,
-            q_ptr,
-            sf_ptr,
-            T,
-            Hd,
-            tt,
-            th,
-            stride_xt,
-            stride_xh,
-            stride_qt,
-            stride_st,
-            FLOOR,
-            BLOCK_T,
-            BLOCK_H,
-            EVICT,
-            STORE_CACHE,
-        )
-
-
-@triton.jit
 def stage_kernel(
-    x_ptr,  # int16 view of hidden bf16 [T, Hd], any strides (stride_xt, stride_xh)
-    q_ptr,  # uint8 view of x_fp8 [≥T, Hd], unit stride along Hd, row stride stride_qt
-    sf_ptr,  # ENCODE "blocks": int32 x_sf [≥T, Hd/128], unit stride along Hd/128, row stride stride_st;
-    # otherwise its uint8 view [≥T, Hd/32] (little-endian bytes), row stride stride_st in bytes
-    ids_ptr,  # int32 or int64 ids [T, K] (stride_it, stride_ik)
-    w_ptr,  # int32 view of fp32 weights [T, K] (stride_wt, stride_wk): their bits are copied
-    ids_out_ptr,  # int64 [≥T, K], unit stride along K, row stride stride_iot
-    w_out_ptr,  # int32 view of fp32 [≥T, K], unit stride along K, row stride stride_wot
+    x_ptr,  # int16 view of hidden bf16 [T, Hd], any strides (stride_x_t, stride_x_h)
+    x_fp8_ptr,  # uint8 view of x_fp8 [≥T, Hd], unit stride along Hd, row stride stride_fp8_t
+    x_sf_ptr,  # uint8 view of x_sf [≥T, Hd/128] int32 (little-endian: [≥T, Hd/32] scale bytes), row stride stride_sf_t bytes
+    ids_ptr,  # int32 or int64 ids [T, K] (stride_ids_t, stride_ids_k)
+    weights_ptr,  # int32 view of fp32 weights [T, K] (stride_weights_t, stride_weights_k): their bits are copied
+    ids_out_ptr,  # int64 [≥T, K], unit stride along K, row stride stride_ids_out_t
+    weights_out_ptr,  # int32 view of fp32 [≥T, K], unit stride along K, row stride stride_weights_out_t
     T,
     Hd,
     K,
-    stride_xt,
-    stride_xh,
-    stride_qt,
-    stride_st,
-    stride_it,
-    stride_ik,
-    stride_wt,
-    stride_wk,
-    stride_iot,
-    stride_wot,
+    stride_x_t,
+    stride_x_h,
+    stride_fp8_t,
+    stride_sf_t,
+    stride_ids_t,
+    stride_ids_k,
+    stride_weights_t,
+    stride_weights_k,
+    stride_ids_out_t,
+    stride_weights_out_t,
     FLOOR: tl.constexpr,  # 1e-4, the amax floor
     BLOCK_T: tl.constexpr,  # tokens per tile
     BLOCK_H: tl.constexpr,  # hidden values per tile, a multiple of 128
     BLOCK_TOPK: tl.constexpr,  # next_power_of_2(K)
-    LOAD: tl.constexpr,  # "groups" | "tile" (see above)
-    ENCODE: tl.constexpr,  # "blocks" | "snap"
-    PERSISTENT: tl.constexpr,  # grid-stride loop over the tiles (grid = a fixed number of programs)
-    EVICT: tl.constexpr,  # eviction_policy of the input load: "" or "evict_first"
-    STORE_CACHE: tl.constexpr,  # cache_modifier of the output stores: "" or ".cs" (streaming)
-    TOPK_FIRST: tl.constexpr = False,  # one program per tile: the top-k loads issued before the tile's loads
-    PREFETCH: tl.constexpr = False,  # PERSISTENT, ENCODE != "blocks": the next tile loaded before this one is encoded
+    TOPK_FIRST: tl.constexpr = False,  # the top-k loads issued before the tile's loads
 ):
-    if PERSISTENT and PREFETCH:
-        # registers hold two tiles: the next tile's loads are in flight while this one is encoded and stored.
-        # A "next" past the last tile has token block >= cdiv(T, BLOCK_T): every row masked, nothing read.
-        n_h = tl.cdiv(Hd, BLOCK_H)
-        tile = tl.program_id(0)
-        bits = _snap_load(x_ptr, T, Hd, tile // n_h, tile % n_h, stride_xt, stride_xh, BLOCK_T, BLOCK_H, EVICT)
-        for _ in range(tl.program_id(0), tl.cdiv(T, BLOCK_T) * n_h, tl.num_programs(0)):
-            nxt = tile + tl.num_programs(0)
-            nbits = _snap_load(x_ptr, T, Hd, nxt // n_h, nxt % n_h, stride_xt, stride_xh, BLOCK_T, BLOCK_H, EVICT)
-            th = tile % n_h
-            rows, row_ok, r64 = _stage_bits_snap(
-                bits,
-                x_ptr,
-                q_ptr,
-                sf_ptr,
-                T,
-                Hd,
-                tile // n_h,
-                th,
-                stride_xt,
-                stride_xh,
-                stride_qt,
-                stride_st,
-                FLOOR,
-                BLOCK_T,
-                BLOCK_H,
-                STORE_CACHE,
-            )
-            if th == 0:  # the top-k copies, once per token
-                _stage_topk(
-                    ids_ptr,
-                    w_ptr,
-                    ids_out_ptr,
-                    w_out_ptr,
-                    rows,
-                    row_ok,
-                    r64,
-                    K,
-                    stride_it,
-                    stride_ik,
-                    stride_wt,
-                    stride_wk,
-                    stride_iot,
-                    stride_wot,
-                    BLOCK_TOPK,
-                )
-            bits = nbits
-            tile = nxt
-    elif PERSISTENT:
-        n_h = tl.cdiv(Hd, BLOCK_H)
-        for tile in range(tl.program_id(0), tl.cdiv(T, BLOCK_T) * n_h, tl.num_programs(0)):
-            th = tile % n_h
-            rows, row_ok, r64 = _stage_tile(
-                x_ptr,
-                q_ptr,
-                sf_ptr,
-                T,
-                Hd,
-                tile // n_h,
-                th,
-                stride_xt,
-                stride_xh,
-                stride_qt,
-                stride_st,
-                FLOOR,
-                BLOCK_T,
-                BLOCK_H,
-                LOAD,
-                ENCODE,
-                EVICT,
-                STORE_CACHE,
-            )
-            if th == 0:  # the top-k copies, once per token
-                _stage_topk(
-                    ids_ptr,
-                    w_ptr,
-                    ids_out_ptr,
-                    w_out_ptr,
-                    rows,
-                    row_ok,
-                    r64,
-                    K,
-                    stride_it,
-                    stride_ik,
-                    stride_wt,
-                    stride_wk,
-                    stride_iot,
-                    stride_wot,
-                    BLOCK_TOPK,
-                )
-    elif TOPK_FIRST:
+    """One program per (token block, column block): its tile staged by ``_stage_tile_snap`` (the bf16 input
+    loaded evict-first, the outputs stored streaming, ``.cs``: read once, written once); the programs of column
+    block 0 also copy their rows' top-k."""
+    if TOPK_FIRST:
         # the program of column block 0 loads its rows' ids and weights before its tile, so these small loads
         # share the tile's round trip instead of adding one after its stores; the others load nothing (masked)
         rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
         copy = rows < T - T * tl.minimum(tl.program_id(1), 1)  # rows < T in column block 0, none elsewhere
-        ids, wb = _topk_load(ids_ptr, w_ptr, rows.to(tl.int64), copy, K, stride_it, stride_ik, stride_wt, stride_wk, BLOCK_TOPK)
-        tl.debug_barrier()  # keeps the compiler from sinking these loads below the tile's (found in the SASS)
-        _stage_tile(
-            x_ptr,
-            q_ptr,
-            sf_ptr,
-            T,
-            Hd,
-            tl.program_id(0),
-            tl.program_id(1),
-            stride_xt,
-            stride_xh,
-            stride_qt,
-            stride_st,
-            FLOOR,
-            BLOCK_T,
-            BLOCK_H,
-            LOAD,
-            ENCODE,
-            EVICT,
-            STORE_CACHE,
+        ids, wb = _topk_load(
+            ids_ptr,
+            weights_ptr,
+            rows.to(tl.int64),
+            copy,
+            K,
+            stride_ids_t,
+            stride_ids_k,
+            stride_weights_t,
+            stride_weights_k,
+            BLOCK_TOPK,
         )
-        _topk_store(ids_out_ptr, w_out_ptr, ids, wb, rows.to(tl.int64), copy, K, stride_iot, stride_wot, BLOCK_TOPK)
-    else:
-        rows, row_ok, r64 = _stage_tile(
+        tl.debug_barrier()  # keeps the compiler from sinking these loads below the tile's (found in the SASS)
+        _stage_tile_snap(
             x_ptr,
-            q_ptr,
-            sf_ptr,
+            x_fp8_ptr,
+            x_sf_ptr,
             T,
             Hd,
             tl.program_id(0),
             tl.program_id(1),
-            stride_xt,
-            stride_xh,
-            stride_qt,
-            stride_st,
+            stride_x_t,
+            stride_x_h,
+            stride_fp8_t,
+            stride_sf_t,
             FLOOR,
             BLOCK_T,
             BLOCK_H,
-            LOAD,
-            ENCODE,
-            EVICT,
-            STORE_CACHE,
+            "evict_first",
+            ".cs",
+        )
+        _topk_store(
+            ids_out_ptr, weights_out_ptr, ids, wb, rows.to(tl.int64), copy, K, stride_ids_out_t, stride_weights_out_t, BLOCK_TOPK
+        )
+    else:
+        rows, row_ok, r64 = _stage_tile_snap(
+            x_ptr,
+            x_fp8_ptr,
+            x_sf_ptr,
+            T,
+            Hd,
+            tl.program_id(0),
+            tl.program_id(1),
+            stride_x_t,
+            stride_x_h,
+            stride_fp8_t,
+            stride_sf_t,
+            FLOOR,
+            BLOCK_T,
+            BLOCK_H,
+            "evict_first",
+            ".cs",
         )
         if tl.program_id(1) == 0:  # the top-k copies, once per token
             _stage_topk(
                 ids_ptr,
-                w_ptr,
+                weights_ptr,
                 ids_out_ptr,
-                w_out_ptr,
+                weights_out_ptr,
                 rows,
                 row_ok,
                 r64,
                 K,
-                stride_it,
-                stride_ik,
-                stride_wt,
-                stride_wk,
-                stride_iot,
-                stride_wot,
+                stride_ids_t,
+                stride_ids_k,
+                stride_weights_t,
+                stride_weights_k,
+                stride_ids_out_t,
+                stride_weights_out_t,
                 BLOCK_TOPK,
             )
 

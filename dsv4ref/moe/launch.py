@@ -19,25 +19,7 @@ from .kernels import combine_kernel, down_kernel, gate_up_kernel, stage_kernel
 __all__ = ["MoeLaunch", "default_launch", "group_by_expert", "tile_table", "stage_constexprs"]
 
 
-STAGE_LOADS = ("groups", "tile")
-STAGE_ENCODES = ("blocks", "snap")
-STAGE_CACHE_HINTS = {
-    "": ("", ""),
-    "evict_first": ("evict_first", ""),
-    "stream": ("evict_first", ".cs"),
-    "cs": ("", ".cs"),
-}  # load, store
-NOT_POWERS_OF_TWO = (
-    "expert_stages",
-    "stage_load",
-    "stage_programs",
-    "stage_stages",
-    "stage_cache",
-    "stage_encode",
-    "stage_maxnreg",
-    "stage_topk_first",
-    "stage_prefetch",
-)
+NOT_POWERS_OF_TWO = ("expert_stages", "stage_topk_first")
 
 
 @dataclass(frozen=True)
@@ -48,29 +30,10 @@ class MoeLaunch:
         stage_block_t, stage_block_h: tokens and hidden values per staging program (``stage_block_h`` a
             multiple of 128: one packed scale word per 128 values).
         stage_warps: warps per staging program.
-        stage_load: how a staging program reads its tile: ``"groups"`` (four loads of 32-value groups, one per
-            byte of the packed word; ``stage_encode="blocks"`` only) or ``"tile"`` (one contiguous
-            [stage_block_t, stage_block_h] load, 16-byte vectors, viewed as groups of 32 for the amax). Same
-            bytes either way.
-        stage_encode: ``"blocks"`` (the shared ``e4m3_ue8m0_blocks``, which applies the non-finite policy per
-            value) or ``"snap"`` (``ue8m0_byte_bits`` + ``e4m3_snap``: the same bytes in under half the
-            instructions per value; the non-finite policy only in a tile that holds a NaN / ±inf group; the
-            scale bytes stored one by one; ``stage_load="tile"`` only).
-        stage_maxnreg: 0 = the registers ptxas picks for the staging kernel; n in [16, 255] caps them at n
-            (Triton's ``maxnreg``): more resident programs per SM, i.e. more loads in flight, against spills.
-        stage_programs: 0 = one staging program per tile; n ≥ 1 = a persistent grid of n programs that walk the
-            tiles with a grid stride (the caller picks n, e.g. a multiple of the SM count: no device query here).
-        stage_stages: software-pipeline stages of the staging kernel (only the persistent loop has a loop to
-            pipeline).
-        stage_cache: cache hints of the staging kernel: ``""`` (none), ``"evict_first"`` (the streamed bf16 input
-            is loaded evict-first), ``"stream"`` (that, and the outputs are stored with ``.cs``, streaming) or
-            ``"cs"`` (the ``.cs`` stores alone: an H200 sweep measured evict-first loads alone slower than no hint).
-        stage_topk_first: one program per tile (``stage_programs`` 0): the programs of column block 0 load their
-            rows' top-k ids and weights before the tile, so the copy does not add a DRAM round trip after the
-            tile's stores (a quarter of the programs at Hd 4096, tile 1 × 1024).
-        stage_prefetch: with ``stage_programs`` > 0 and ``stage_encode="snap"``: each program loads its next tile
-            before it encodes this one (two tiles in registers), so its loads stay in flight through the encode
-            and no program launch separates two tiles.
+        stage_topk_first: the programs of column block 0 load their rows' top-k ids and weights before the tile,
+            so the copy does not add a DRAM round trip after the tile's stores (a quarter of the programs at
+            Hd 4096, tile 1 × 1024). (The modes staging was measured in and does not run by default:
+            ``dsv4ref.moe.variants.stage``.)
         block_m: slot rows per expert-GEMM program (≥ 16: the smallest ``tl.dot`` on a GPU). Rows of one
             program belong to one expert, so an expert with c slots takes ceil(c / block_m) programs.
         block_n: output columns per expert-GEMM program (intermediate columns in the gate/up GEMM,
@@ -81,19 +44,11 @@ class MoeLaunch:
         combine_block_t, combine_block_h, combine_warps: the combine's tile and warps.
     """
 
-    # staging: the fastest byte-exact shape of the H200 staging sweep (16.4 µs at T = Hd = 4096: 76 % of the
-    # 512 MiB copy ceiling, 97.5 % of a same-size copy; benchmarks/moe.md)
+    # staging: the fastest byte-exact shape of the H200 staging sweep (benchmarks/moe.md)
     stage_block_t: int = 1
     stage_block_h: int = 1024
     stage_warps: int = 1
-    stage_load: str = "tile"
-    stage_programs: int = 0
-    stage_stages: int = 3
-    stage_cache: str = "stream"
-    stage_encode: str = "snap"
-    stage_maxnreg: int = 0
     stage_topk_first: bool = False
-    stage_prefetch: bool = False
     block_m: int = 16
     block_n: int = 64
     block_h: int = 128
@@ -108,26 +63,9 @@ class MoeLaunch:
         for f in fields(self):  # (not vars(self).items(): torch.compile cannot trace that on torch 2.11)
             if f.name not in NOT_POWERS_OF_TWO:
                 validate.power_of_two(getattr(self, f.name), f.name)
-        for name in ("expert_stages", "stage_stages"):
-            validate.integer(getattr(self, name), name, lo=1)
-        validate.integer(self.stage_programs, "stage_programs", lo=0)
-        validate.integer(self.stage_maxnreg, "stage_maxnreg", lo=0, hi=255)
-        if 0 < self.stage_maxnreg < 16:
-            raise ValueError(f"stage_maxnreg: expected 0 or 16..255, got {self.stage_maxnreg}")
-        if self.stage_load not in STAGE_LOADS:
-            raise ValueError(f"stage_load: expected one of {STAGE_LOADS}, got {self.stage_load!r}")
-        if self.stage_encode not in STAGE_ENCODES:
-            raise ValueError(f"stage_encode: expected one of {STAGE_ENCODES}, got {self.stage_encode!r}")
-        _check_stage_pair(self.stage_load, self.stage_encode)
-        if self.stage_cache not in STAGE_CACHE_HINTS:
-            raise ValueError(f"stage_cache: expected one of {tuple(STAGE_CACHE_HINTS)}, got {self.stage_cache!r}")
-        for name in ("stage_topk_first", "stage_prefetch"):
-            if not isinstance(getattr(self, name), bool):
-                raise TypeError(f"{name}: expected a bool, got {type(getattr(self, name)).__name__}")
-        if self.stage_prefetch and not (self.stage_programs and self.stage_encode == "snap"):
-            raise ValueError('stage_prefetch: needs stage_programs > 0 and stage_encode="snap"')
-        if self.stage_topk_first and self.stage_programs:
-            raise ValueError("stage_topk_first: one program per tile only (stage_programs=0)")
+        validate.integer(self.expert_stages, "expert_stages", lo=1)
+        if not isinstance(self.stage_topk_first, bool):
+            raise TypeError(f"stage_topk_first: expected a bool, got {type(self.stage_topk_first).__name__}")
         for name in ("stage_block_h", "block_h"):
             if getattr(self, name) < STAGE_BLOCK:
                 raise ValueError(f"{name}: expected a multiple of {STAGE_BLOCK}, got {getattr(self, name)}")
@@ -139,19 +77,7 @@ class MoeLaunch:
         """The launch as the trailing arguments of ``torch.ops.dsv4ref.<op>``, in its schema order: ``"moe_stage"``
         (the ``stage_*`` fields) or ``"moe_experts"`` (the expert GEMMs' and the combine's)."""
         if op == "moe_stage":
-            return (
-                self.stage_block_t,
-                self.stage_block_h,
-                self.stage_warps,
-                self.stage_load,
-                self.stage_programs,
-                self.stage_stages,
-                self.stage_cache,
-                self.stage_encode,
-                self.stage_maxnreg,
-                self.stage_topk_first,
-                self.stage_prefetch,
-            )
+            return (self.stage_block_t, self.stage_block_h, self.stage_warps, self.stage_topk_first)
         if op == "moe_experts":
             return (
                 self.block_m,
@@ -167,22 +93,16 @@ class MoeLaunch:
         raise ValueError(f'op: expected "moe_stage" or "moe_experts", got {op!r}')
 
 
-def _check_stage_pair(load: str, encode: str) -> None:
-    """The (stage_load, stage_encode) pairs that exist: "snap" reads whole tiles ("tile")."""
-    if encode != "blocks" and load != "tile":
-        raise ValueError(f'stage_load={load!r} does not go with stage_encode={encode!r}: "snap" needs "tile"')
-
-
 def default_launch(tokens: int, k: int, experts: int) -> MoeLaunch:
     """The default shape for ``tokens`` × ``k`` slots over ``experts`` experts: ``block_m`` follows the mean
     number of slots per expert (16 at decode sizes, up to 64 for prefill). In the interpreter, where the cost
-    is the number of programs (each costs ~20 ms whatever its size), the tiles are as large as possible."""
+    is the number of programs (each as slow whatever its size), the tiles are as large as possible."""
     per_expert = tokens * k / max(experts, 1)
     block_m = 16 if per_expert <= 16 else 32 if per_expert <= 32 else 64
     if interpreting():
         return MoeLaunch(stage_block_t=16, block_m=block_m, block_n=256, block_h=512, block_k=256, combine_block_t=16)
-    # staging: the top-k copy before the tile (an H200 probe, benchmarks/experiments/mem_probe.py: 16.5 µs against
-    # 17.1 µs at T = Hd = 4096, the fastest byte-exact staging variant of that call; benchmarks/moe.md)
+    # staging: the top-k copy before the tile, the fastest byte-exact staging variant of an H200 probe
+    # (benchmarks/experiments/mem_probe.py; benchmarks/moe.md)
     if block_m == 64:  # prefill-sized groups: wider tiles, 8 warps
         return MoeLaunch(block_m=64, block_n=128, block_k=128, expert_warps=8, stage_topk_first=True)
     return MoeLaunch(block_m=block_m, expert_stages=4, stage_topk_first=True)
@@ -238,71 +158,28 @@ def tile_table(counts: torch.Tensor, offsets: torch.Tensor, block_m: int, n_rows
 # ----------------------------------------------------------------------------------------------------
 
 
-def stage_constexprs(
-    Hd: int,
-    K: int,
-    block_t: int,
-    block_h: int,
-    load: str,
-    programs: int,
-    cache: str,
-    encode: str,
-    topk_first: bool = False,
-    prefetch: bool = False,
-) -> dict:
-    """The constexpr arguments of ``stage_kernel`` for these launch fields (also what
-    benchmarks/experiments/moe_stage_compile_check.py compiles ahead of time)."""
-    if encode not in STAGE_ENCODES:
-        raise ValueError(f"encode: expected one of {STAGE_ENCODES}, got {encode!r}")
-    _check_stage_pair(load, encode)
-    evict, store_cache = STAGE_CACHE_HINTS[cache]
+def stage_constexprs(Hd: int, K: int, block_t: int, block_h: int, topk_first: bool = False) -> dict:
+    """The constexpr arguments of ``stage_kernel`` for these launch fields."""
     return dict(
         FLOOR=STAGE_AMAX_FLOOR,
         BLOCK_T=block_t,
         BLOCK_H=min(block_h, triton.next_power_of_2(Hd)),
         BLOCK_TOPK=max(1, triton.next_power_of_2(K)),
-        LOAD=load,
-        ENCODE=encode,
-        PERSISTENT=programs > 0,
-        EVICT=evict,
-        STORE_CACHE=store_cache,
-        TOPK_FIRST=topk_first and not programs,
-        PREFETCH=prefetch and programs > 0 and encode != "blocks",
+        TOPK_FIRST=topk_first,
     )
 
 
-def _stage(
-    hidden,
-    ids,
-    weights,
-    x_fp8,
-    x_sf,
-    ids_out,
-    weights_out,
-    block_t,
-    block_h,
-    num_warps,
-    load,
-    programs,
-    num_stages,
-    cache,
-    encode,
-    maxnreg,
-    topk_first,
-    prefetch,
-):
+def _stage(hidden, ids, weights, x_fp8, x_sf, ids_out, weights_out, block_t, block_h, num_warps, topk_first):
     T, Hd = hidden.shape
     K = ids.shape[1]
-    const = stage_constexprs(Hd, K, block_t, block_h, load, programs, cache, encode, topk_first, prefetch)
+    const = stage_constexprs(Hd, K, block_t, block_h, topk_first)
     wv, wov = weights.view(torch.int32), weights_out.view(torch.int32)
     xv = hidden.view(torch.int16)
-    sf = x_sf
-    if const["ENCODE"] != "blocks":  # "snap" stores one byte per 32-group, through the bytes of x_sf
-        if sf.stride(1) != 1:  # one column (Hd = 128): its stride is never used, but view() requires 1
-            sf = sf.as_strided(sf.shape, (sf.stride(0), 1))
-        sf = sf.view(torch.uint8)
-    n_t, n_h = triton.cdiv(T, block_t), triton.cdiv(Hd, const["BLOCK_H"])
-    grid = (programs,) if programs else (n_t, n_h)  # persistent: `programs` programs walk the n_t·n_h tiles
+    sf = x_sf  # one byte per 32-group is stored, through the bytes of x_sf
+    if sf.stride(1) != 1:  # one column (Hd = 128): its stride is never used, but view() requires 1
+        sf = sf.as_strided(sf.shape, (sf.stride(0), 1))
+    sf = sf.view(torch.uint8)
+    grid = (triton.cdiv(T, block_t), triton.cdiv(Hd, const["BLOCK_H"]))
     stage_kernel[grid](
         xv,
         x_fp8.view(torch.uint8),
@@ -326,8 +203,6 @@ def _stage(
         wov.stride(0),
         **const,
         num_warps=num_warps,
-        num_stages=num_stages,
-        **({"maxnreg": maxnreg} if maxnreg else {}),
     )
 
 
@@ -343,14 +218,7 @@ def moe_stage_op(
     block_t: int,
     block_h: int,
     num_warps: int,
-    load: str,
-    programs: int,
-    num_stages: int,
-    cache: str,
-    encode: str,
-    maxnreg: int,
     topk_first: bool,
-    prefetch: bool,
 ) -> None:
     """Rows [0, T) of the four output buffers (which may have more rows: those stay as they are). ``x_fp8``
     is passed as its uint8 bytes (torch has no arithmetic on fp8 tensors, which op checks need)."""
@@ -366,14 +234,7 @@ def moe_stage_op(
             block_t,
             block_h,
             num_warps,
-            load,
-            programs,
-            num_stages,
-            cache,
-            encode,
-            maxnreg,
             topk_first,
-            prefetch,
         )
 
 
@@ -389,14 +250,7 @@ def _(
     block_t,
     block_h,
     num_warps,
-    load,
-    programs,
-    num_stages,
-    cache,
-    encode,
-    maxnreg,
     topk_first,
-    prefetch,
 ):
     return None
 

@@ -27,19 +27,19 @@ def _pow2(v) -> bool:
 class RopeLaunch:
     """Launch configuration of the rope kernels; ``RopeLaunch()`` is the measured default.
 
-    Which fused kernel ``qnorm_rope_kv_insert`` launches, measured on the H200 (2026-11-30, T = 4096,
-    H = 64, graph-replay timing, fraction of copy bandwidth over compulsory bytes, benchmarks/RESULTS.md):
+    Which fused kernel ``qnorm_rope_kv_insert`` launches (each measured on the H200: ``benchmarks/rope.md``,
+    ``benchmarks/RESULTS.md``):
 
     * ``heads_per_prog = n ≥ 1`` (a power of two): the multi-head kernel, n heads of one token per program,
-      q read and written as packed bf16 pairs (int32 words), T·(H/n + 1) programs. n = 2, 1 warp:
-      **94.1 %** (140.9 µs, the default); n = 4, 2 warps: 91.8 %; n = 8, 4 warps: 90.0 %.
-    * ``heads_per_prog = 0``: the per-head kernel, grid (T, H + 1), one 2-KiB head per program: 78.7 %
-      (168.5 µs, 1 warp). Also the fallback when q cannot be viewed as int32 pairs (see :func:`packable`).
+      q read and written as packed bf16 pairs (int32 words), T·(H/n + 1) programs. n = 2 at 1 warp is the
+      default; n = 4 at 2 warps and n = 8 at 4 warps measured within a few points of it.
+    * ``heads_per_prog = 0``: the per-head kernel, grid (T, H + 1), one 2-KiB head per program, slower still
+      (1 warp). Also the fallback when q cannot be viewed as int32 pairs (see :func:`packable`).
 
     Attributes:
         heads_per_prog: query heads per program of the fused kernel; 0 = the per-head kernel.
         num_warps: warps per program of the fused kernel; None = the best measured for ``heads_per_prog``
-            (1 for the per-head kernel: 224 µs vs 270 µs with 4 warps; :data:`MH_WARPS` for the others).
+            (1 for the per-head kernel, faster than 4; :data:`MH_WARPS` for the others).
         rotate_rows: rows per program of :func:`~dsv4ref.rope.kernels.rotate_gptj_kernel` (a power of two).
     """
 

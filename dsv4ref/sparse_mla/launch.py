@@ -24,8 +24,8 @@ from ..validate import integer, power_of_two
 from .kernels import decode_kernel, merge_kernel
 
 LOG2E = 1.4426950408889634
-# Heads per merge program. Measured on the H200 (T = 64, H = 16, 4 splits; fused call): 1 or 2 heads 99.1 µs,
-# 4: 99.8, 8: 101.1, 16: 106.2 (too few programs: 64 for 132 SMs). H = 64 and 128: equal within noise.
+# Heads per merge program: the fastest measured on the H200 (benchmarks/sparse_mla.md, "Heads per merge
+# program"); more heads per program leave too few programs for the SMs at H = 16.
 MERGE_BLOCK_H = 2
 
 __all__ = [

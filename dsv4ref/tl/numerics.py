@@ -284,7 +284,7 @@ def canonical_nan(y):
     return tl.where(nan, 0x7FC00000, bits).to(tl.float32, bitcast=True)
 
 
-# ---- a cheaper encoder for finite blocks (MoE staging's ``stage_encode="snap"``) -----------------------------
+# ---- a cheaper encoder for finite blocks (MoE staging's encoder) -----------------------------
 # The same bytes as e4m3_ue8m0_blocks, in fewer instructions per value: the scale byte from the amax bits with
 # integers only (no division), one fma grid-snap per value with the rounding grid read off x's own exponent,
 # and no per-value non-finite work (the caller overwrites a non-finite block with e4m3_nan_codes / byte 255,

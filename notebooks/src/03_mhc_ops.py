@@ -8,9 +8,9 @@
 #
 # The facts are collected in [`docs/mhc.md`](../docs/mhc.md); the bugs worth knowing are its pitfalls 22 (comb
 # applied untransposed) and 23 (Sinkhorn and eps conventions). The code is in `dsv4ref/mhc/`, read in this
-# order: `reference.py` (the whole op in PyTorch), `kernels.py` (Triton: the shared pieces and the first two
-# designs), `kernels_chunked.py` (the GPU's design), `kernels_one_pass.py` (a rung between them), `launch.py`
-# (launch choices).
+# order: `reference.py` (the whole op in PyTorch), `kernels.py` (Triton: the shared pieces and the first
+# design), `kernels_split_k.py` (the second), `kernels_chunked.py` (the GPU's design), `kernels_one_pass.py` (a rung
+# between them), `launch.py` (launch choices), `fn_split.py` (the kernels' copies of fn), `ops.py` (the launchers).
 
 # %%
 import dsv4ref  # first: picks the device, sets TRITON_INTERPRET on a CPU-only machine
@@ -203,7 +203,7 @@ print("layer input x = Σ_i pre_i·stream_i", tuple(x_ref.shape))
 # product is exact in fp32, so three tensor-core dots reproduce the fp32 GEMM.
 
 # %%
-s3 = mhc.launch.split3(fn.cpu()).float()
+s3 = mhc.fn_split.split3(fn.cpu()).float()
 print("hi + mid + lo == fn, bit for bit:", torch.equal(s3[0] + s3[1] + s3[2], fn.cpu()))
 tf32 = (fn.cpu().view(torch.int32) & ~0x1FFF).view(torch.float32)  # keep 10 mantissa bits, as tf32 does
 post_tf32, comb_tf32, _ = reference.pre(res.cpu(), tf32, scale.cpu(), base.cpu(), dtype=torch.float64)
@@ -400,7 +400,7 @@ print(
 print(
     f"  post then pre, as two ops: {(bench_bytes['post'] + bench_bytes['pre']) / 1e6:.1f} MB against the fused op's {bench_bytes['fused'] / 1e6:.1f} MB"
 )
-fs_big = mhc.launch.split_fn(mhc.example_params(Hd8)[0], M8)
+fs_big = mhc.split_fn(mhc.example_params(Hd8)[0], M8)
 gpu = mhc.MhcLaunch.for_device(interpreted=False)
 print(
     f"fn as the kernels read it (bf16 × 3, padded to N = 32): {fs_big.nbytes / 1e6:.1f} MB, read from L2 once per token tile: "
@@ -542,7 +542,10 @@ ladder = (
     ("one kernel", mhc.MhcLaunch(split_k=False)),
     ("split-K", mhc.MhcLaunch(split_k=True, splits=2)),
     ("one pass", mhc.MhcLaunch(one_pass=True)),
-    ("chunked, four streams per dot", mhc.MhcLaunch(chunked=True, chunk_stream_k=False, chunk_fn_layout=0, chunk_zigzag=False)),
+    (
+        "chunked, four streams per dot",
+        mhc.MhcLaunch(chunked=True, chunk_stream_k=False, chunk_fn_layout=0, chunk_zigzag=False, chunk_block_k=16),
+    ),
     ("chunked, contiguous copies", mhc.MhcLaunch(chunked=True, chunk_stream_k=True, chunk_fn_layout=2, chunk_zigzag=False)),
     ("chunked, the GPU default", mhc.MhcLaunch(chunked=True, chunk_stream_k=True, chunk_fn_layout=3, chunk_zigzag=True)),
 )

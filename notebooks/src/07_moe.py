@@ -482,7 +482,7 @@ Markdown(results_header() + "\n\n" + results_section("moe"))
 # %% [markdown]
 # **Why the staging kernel's encoder looks the way it does.** Staging moves few bytes per value, so a
 # straightforward encoder is bound by integer instructions, not by memory, and the per-value non-finite policy
-# was a large share of them. The default encoder (`MoeLaunch.stage_encode="snap"`) takes the scale byte from the
+# was a large share of them. The staging kernel's encoder (`moe.kernels.stage_kernel`) takes the scale byte from the
 # amax's bits with a few integer operations (no division), rounds each value onto the e4m3 grid with one fused
 # multiply-add whose grid constant is read off the value's own exponent, and runs the non-finite policy only in a
 # tile that holds a NaN / ±inf group — the same bytes as the step-by-step encoder of §2. The table above puts it

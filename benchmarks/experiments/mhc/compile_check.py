@@ -31,11 +31,12 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
 from dsv4ref.mhc import kernels, kernels_chunked, kernels_one_pass  # noqa: E402
-from dsv4ref.mhc.launch import ONE_PASS_LAG, MhcLaunch, chunk_args, one_pass_args  # noqa: E402
+from dsv4ref.mhc.launch import ONE_PASS_LAG, MhcLaunch  # noqa: E402
+from dsv4ref.mhc.ops import chunk_args, one_pass_args  # noqa: E402
 from dsv4ref.tools.cases.mhc import designs  # noqa: E402
 
 T = HD = 4096
-_F32 = {"post_in_ptr", "comb_in_ptr", "scale_ptr", "base_ptr", "post_ptr", "comb_ptr", "ws_ptr", "ssq_ptr", "wpre_ptr"}
+_F32 = {"post_in_ptr", "comb_in_ptr", "scale_ptr", "base_ptr", "post_ptr", "comb_ptr", "mix_ws_ptr", "ssq_ws_ptr", "pre_ws_ptr"}
 _INS = re.compile(r"/\*([0-9a-f]{4,})\*/\s+([^;]*;)")
 
 
@@ -50,7 +51,9 @@ def _signature(fn, consts: dict, values: dict) -> tuple[dict, dict, dict]:
         if name in consts:
             sig[name] = "constexpr"
         elif name.endswith("_ptr"):
-            sig[name] = "*fp32" if name in _F32 else ("*bf16" if name == "fs_ptr" else ("*i32" if name == "sync_ptr" else "*i16"))
+            sig[name] = (
+                "*fp32" if name in _F32 else ("*bf16" if name == "fn_split_ptr" else ("*i32" if name == "sync_ptr" else "*i16"))
+            )
             attrs[(i,)] = [["tt.divisibility", 16]]
         elif name in ("rms_eps", "hc_eps", "post_mult"):
             sig[name] = "fp32"

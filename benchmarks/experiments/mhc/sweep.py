@@ -189,7 +189,7 @@ def main() -> None:
     from dsv4ref import DEVICE
     from dsv4ref.device import capture_graph, synchronize
     from dsv4ref.mhc import MhcLaunch, example_params, example_streams, reference, split_fn
-    from dsv4ref.mhc.launch import chunk_args, one_pass_args
+    from dsv4ref.mhc.ops import chunk_args, one_pass_args
     from dsv4ref.testing import compare, randn
     from dsv4ref.tools.cases.mhc import compulsory_bytes
     from dsv4ref.tools.harness import measure_ceilings, time_ms

@@ -22,8 +22,8 @@ leave SMs idle, each token's list is split into S ranges of whole chunks; a spli
 accumulator ``po [T, S, H, 512]`` and its (log2 max, sum) ``pml [T, S, H, 2]``, and the merge kernel weighs,
 adds, normalises and applies the sink once.
 
-T = 64, H200, `benchmarks/RESULTS.md`: 35.7 / 69.8 / 54.2 µs at H 64 K 640 / H 128 K 1152 / H 16 K 2048,
-22.2 / 35.2 / 35.5 % of max(bytes / copy BW, FLOP / bf16 rate); the portable kernel 78.5 / 185.2 / 98.1 µs.
+Its figures beside the portable kernel's, as fractions of max(bytes / copy BW, FLOP / bf16 rate):
+`benchmarks/RESULTS.md`.
 What limits each shape and every variant tried (the variants and timing diagnostics that are no longer in
 the code live in git history, each with its row there): `benchmarks/sparse_mla.md`; the ladder: notebook 04.
 

@@ -7,7 +7,8 @@ import torch
 from ...device import DEVICE, interpreting
 from ...mhc import example_params, example_streams, fused_post_pre, head, post, pre, reference, sinkhorn
 from ...mhc import reference as mhc_reference
-from ...mhc.launch import ONE_PASS_LAG, MhcLaunch, default_launch, split_fn
+from ...mhc.fn_split import split_fn
+from ...mhc.launch import ONE_PASS_LAG, MhcLaunch, default_launch
 from ...mhc.reference import HC_EPS, POST_MULT, RMS_EPS, SINKHORN_ITERS
 from ...testing import compare, generator, randn
 from ..harness import BenchCase, CheckRow, bench, check
@@ -21,7 +22,10 @@ def designs() -> list[tuple[str, MhcLaunch]]:
         ("one-kernel", MhcLaunch(split_k=False)),
         ("split-K", MhcLaunch(split_k=True)),
         ("one-pass", MhcLaunch(one_pass=True)),
-        ("chunked, four streams per dot", MhcLaunch(chunked=True, chunk_stream_k=False, chunk_fn_layout=0, chunk_zigzag=False)),
+        (
+            "chunked, four streams per dot",
+            MhcLaunch(chunked=True, chunk_stream_k=False, chunk_fn_layout=0, chunk_zigzag=False, chunk_block_k=16),
+        ),
         ("chunked, contiguous copies", MhcLaunch(chunked=True, chunk_stream_k=True, chunk_fn_layout=2, chunk_zigzag=False)),
         (
             "chunked, contiguous copies, zigzag",
