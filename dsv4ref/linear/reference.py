@@ -47,6 +47,7 @@ __all__ = [
     "dequantize_fp8_weight",
     "dequantize_fp4_weight",
     "scale_values",
+    "gemm_mass",
 ]
 
 
@@ -152,3 +153,11 @@ def fp8_linear(x, w, w_scale, *, dtype: torch.dtype = torch.float32) -> torch.Te
 def fp4_linear(x, w_packed, w_scale, *, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """``act_quant`` (1x128, e4m3) then ``fp4_gemm``: DeepSeek's ``linear`` for an FP4 (expert) weight."""
     return fp4_gemm(*act_quant(x), w_packed, w_scale, dtype=dtype)
+
+
+def gemm_mass(q, s, w, w_scale, *, fp4: bool = False) -> torch.Tensor:
+    """float64 ``Σ_i |q[m, i]·w[n, i]|·scales``: the oracle run on the magnitudes (sign bits cleared), the scale
+    a GEMM's rounding error grows with (the ``mass`` of the ``linear_out`` tolerance)."""
+    sign = 0x77 if fp4 else 0x7F  # E2M1: bit 3 of each nibble; e4m3: bit 7
+    gemm = fp4_gemm if fp4 else fp8_gemm
+    return gemm(q.view(torch.uint8) & 0x7F, s, w.view(torch.uint8) & sign, w_scale, dtype=torch.float64)
