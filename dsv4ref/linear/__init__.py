@@ -69,6 +69,7 @@ def _common(backend, launch, **tensors):
 
 def _check_x(x: torch.Tensor) -> None:
     validate.tensor(x, "x", dtype=FLOAT_INPUTS, ndim=2)
+    validate.not_meta(x, "x")
     validate.finite(x, "x")
 
 
@@ -80,6 +81,8 @@ def _check_activations(q: torch.Tensor, s: torch.Tensor, k: int | None = None) -
     if k is not None and kq != k:
         raise ValueError(f"q: expected K = {k} columns (the weight's), got shape {tuple(q.shape)}")
     validate.tensor(s, "s", shape=(m, _cdiv(kq, ACT_BLOCK)))
+    validate.not_meta(q, "q")
+    validate.not_meta(s, "s")
     if validate.check_values() and q.numel():
         bad = (q.view(torch.uint8) & 0x7F) == 0x7F
         if bool(bad.any()):
