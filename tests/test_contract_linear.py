@@ -1,4 +1,4 @@
-"""The input contract of dsv4ref.linear (docs/contract.md#linear).
+"""The input contract of dsv4ref.linear (docs/contract.md, "linear").
 
 Hypothesis draws shapes (M = 0 included, K not a multiple of 128), layouts (views of bigger buffers, storage
 offsets, column-major copies), dtypes and NaN / ±inf positions. Every backend gives the same act_quant bytes
