@@ -94,9 +94,9 @@ def test_failed_calls_leave_buffers_alone():
     before = snapshot(x, w, ws)
     for b in BACKENDS:
         for call in (
-            lambda: linear.fp8_linear(x, w, ws, backend=b),
-            lambda: linear.fp8_linear(x[:, :128], w, ws, backend=b),
-            lambda: linear.fp8_gemm(x.to(torch.float8_e4m3fn), torch.ones(4, 1), w, ws, backend=b),
+            lambda b=b: linear.fp8_linear(x, w, ws, backend=b),
+            lambda b=b: linear.fp8_linear(x[:, :128], w, ws, backend=b),
+            lambda b=b: linear.fp8_gemm(x.to(torch.float8_e4m3fn), torch.ones(4, 1), w, ws, backend=b),
         ):
             with pytest.raises((ValueError, TypeError)):
                 call()
