@@ -48,6 +48,7 @@ __all__ = [
     "dequantize_fp4_weight",
     "scale_values",
     "gemm_mass",
+    "blockwise_gemm",
 ]
 
 
@@ -108,7 +109,7 @@ def dequantize_fp4_weight(packed: torch.Tensor, scale: torch.Tensor) -> torch.Te
     return e2m1_decode(codes) * scale_values(scale).repeat_interleave(FP4_BLOCK, 1)[:, : codes.shape[1]]
 
 
-def _blockwise_gemm(a, b, block, scale, dtype):
+def blockwise_gemm(a, b, block, scale, dtype):
     """Σ_k P_k · scale[k] in K order, P_k = a_k · b_kᵀ the product of K block k alone; ``scale`` [nb, M, N]."""
     ab = rearrange(_pad_last(a, block), "m (k c) -> k m c", c=block)
     bb = rearrange(_pad_last(b, block), "n (k c) -> k n c", c=block)
@@ -131,7 +132,7 @@ def fp8_gemm(q, s, w, w_scale, *, dtype: torch.dtype = torch.float32) -> torch.T
     b = w.view(torch.float8_e4m3fn).to(dtype)
     sa = scale_values(s).to(dtype).T[:, :, None]  # [nb, M, 1]
     sb = scale_values(w_scale).to(dtype).repeat_interleave(WEIGHT_BLOCK, 0)[:n].T[:, None, :]  # [nb, 1, N]
-    return _out(_blockwise_gemm(a, b, ACT_BLOCK, sa * sb, dtype), dtype)
+    return _out(blockwise_gemm(a, b, ACT_BLOCK, sa * sb, dtype), dtype)
 
 
 def fp4_gemm(q, s, w_packed, w_scale, *, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -142,7 +143,7 @@ def fp4_gemm(q, s, w_packed, w_scale, *, dtype: torch.dtype = torch.float32) -> 
     b = e2m1_decode(unpack_nibbles(w_packed.view(torch.uint8))).to(dtype)
     sa = scale_values(s).to(dtype).repeat_interleave(ACT_BLOCK // FP4_BLOCK, 1)[:, : w_scale.shape[1]]
     sab = sa.T[:, :, None] * scale_values(w_scale).to(dtype).T[:, None, :]  # [nb32, M, N]
-    return _out(_blockwise_gemm(a, b, FP4_BLOCK, sab, dtype), dtype)
+    return _out(blockwise_gemm(a, b, FP4_BLOCK, sab, dtype), dtype)
 
 
 def fp8_linear(x, w, w_scale, *, dtype: torch.dtype = torch.float32) -> torch.Tensor:
