@@ -194,8 +194,8 @@ print(compare(reference.fp4_gemm(qx, sx, swapped, s4), oracle4, "linear_out", "n
 # one. Relative L2 error of a projection's output, per format:
 
 # %%
-x = randn((16, 1024), seed=11, block=128, octaves=4)
-w = randn((512, 1024), seed=12, dtype=torch.float32, block=None, octaves=0) * 0.03
+x = randn((16, 512), seed=11, block=128, octaves=4)
+w = randn((128, 512), seed=12, dtype=torch.float32, block=None, octaves=0) * 0.03
 exact = x.double() @ w.double().T
 for fmt in ("fp8", "fp4"):
     wq, ws = (linear.quantize_fp4_weight if fmt == "fp4" else linear.quantize_fp8_weight)(w)
