@@ -285,3 +285,33 @@ def test_grid_values_are_the_e4m3_codes():
     """E2M1 -> e4m3 is exact: every E2M1 magnitude is on the e4m3 grid (the fp4 kernel's conversion)."""
     assert all(v in GRID.tolist() for v in (0, 0.5, 1, 1.5, 2, 3, 4, 6))
     assert_close(linear.e2m1_decode(torch.arange(8)), torch.tensor([0, 0.5, 1, 1.5, 2, 3, 4, 6]), "exact")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_fp4_experts_one_weight_per_row(backend):
+    """expert_ids: row m uses expert ids[m]'s weight, exactly as fp4_linear on that weight alone; −1 rows are +0."""
+    e_count, m, n, k = 4, 21, 40, 300
+    x = randn((m, k), seed=7, block=128)
+    ws = [linear.quantize_fp4_weight(weight(n, k, seed=10 + e)) for e in range(e_count)]
+    w = torch.stack([p for p, _ in ws])
+    s = torch.stack([q for _, q in ws])
+    ids = torch.tensor([3, 0, -1, 3, 1, 1, 0, 3, 2] * 2 + [2, -1, 0], device=DEVICE, dtype=torch.int32)
+    y = linear.fp4_linear(x, w, s, expert_ids=ids, backend=backend)
+    for e in range(e_count):
+        rows = ids == e
+        want = linear.fp4_linear(x[rows], w[e], s[e], backend=backend)
+        assert torch.equal(bits(y[rows]), bits(want)), e
+    assert bool((bits(y[ids == -1]) == 0).all())
+    q, sq = reference.act_quant(x)
+    y_ref = reference.fp4_grouped_gemm(q, sq, ids, w, s, dtype=torch.float64)
+    mass = torch.stack(
+        [
+            reference.gemm_mass(q[i : i + 1], sq[i : i + 1], w[max(int(ids[i]), 0)], s[max(int(ids[i]), 0)], fp4=True)[0]
+            for i in range(m)
+        ]
+    )
+    assert compare(y, y_ref, "linear_out", mass=mass).passed
+    with pytest.raises(ValueError, match="^expert_ids: entry"):
+        linear.fp4_linear(x, w, s, expert_ids=ids + 2, backend=backend)
+    with pytest.raises(ValueError, match="^w_packed:"):
+        linear.fp4_linear(x, w[0], s[0], expert_ids=ids, backend=backend)

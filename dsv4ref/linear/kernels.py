@@ -101,6 +101,42 @@ def fp8_gemm_kernel(
 
 
 @triton.jit
+def _fp4_tile(
+    a_ptr,
+    sa_ptr,
+    b_ptr,
+    sb_ptr,
+    rm,
+    m_ok,
+    rn,
+    n_ok,
+    K,
+    lda,
+    ldb,
+    NBK,
+    NB4,
+    BM: tl.constexpr,
+    BN: tl.constexpr,
+    DOT_FP32: tl.constexpr,
+):
+    """The fp32 ``[BM, BN]`` accumulator of y's tile for the rows ``m_ok`` (the others read zero codes)."""
+    rk = tl.arange(0, _KB4)
+    acc = tl.zeros((BM, BN), tl.float32)
+    for kb in range(NB4):
+        k = kb * _KB4 + rk
+        k_ok = k < K
+        a = tl.load(a_ptr + rm[:, None] * lda + k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0)
+        # each byte is read for both of its elements; the nibble is picked by the parity of k
+        packed = tl.load(b_ptr + rn[:, None] * ldb + (k // 2)[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0)
+        code = (packed.to(tl.int32) >> ((k & 1) * 4)[None, :]) & 15
+        part = dot_e4m3(a, tl.trans(e2m1_e4m3(code)), DOT_FP32)  # E2M1 -> e4m3 is exact
+        sa = tl.load(sa_ptr + rm * NBK + kb // _A_PER_4, mask=m_ok, other=1.0)
+        sb = tl.load(sb_ptr + rn * NB4 + kb, mask=n_ok, other=1.0)
+        acc += part * (sa[:, None] * sb[None, :])
+    return acc
+
+
+@triton.jit
 def fp4_gemm_kernel(
     a_ptr,  # uint8 [M, K]: e4m3 activations, row stride lda, unit column stride
     sa_ptr,  # fp32 [M, NBK]: activation scales (one per 128 of K), contiguous
@@ -119,17 +155,45 @@ def fp4_gemm_kernel(
     DOT_FP32: tl.constexpr,
 ):
     rm, rn, m_ok, n_ok = _tile(tl.program_id(1), tl.program_id(0), M, N, BM, BN)
-    rk = tl.arange(0, _KB4)
-    acc = tl.zeros((BM, BN), tl.float32)
-    for kb in range(NB4):
-        k = kb * _KB4 + rk
-        k_ok = k < K
-        a = tl.load(a_ptr + rm[:, None] * lda + k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0)
-        # each byte is read for both of its elements; the nibble is picked by the parity of k
-        packed = tl.load(b_ptr + rn[:, None] * ldb + (k // 2)[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0)
-        code = (packed.to(tl.int32) >> ((k & 1) * 4)[None, :]) & 15
-        part = dot_e4m3(a, tl.trans(e2m1_e4m3(code)), DOT_FP32)  # E2M1 -> e4m3 is exact
-        sa = tl.load(sa_ptr + rm * NBK + kb // _A_PER_4, mask=m_ok, other=1.0)
-        sb = tl.load(sb_ptr + rn * NB4 + kb, mask=n_ok, other=1.0)
-        acc += part * (sa[:, None] * sb[None, :])
+    acc = _fp4_tile(a_ptr, sa_ptr, b_ptr, sb_ptr, rm, m_ok, rn, n_ok, K, lda, ldb, NBK, NB4, BM, BN, DOT_FP32)
     _store_bf16(c_ptr, acc, rm, rn, m_ok, n_ok, N)
+
+
+@triton.jit
+def fp4_grouped_gemm_kernel(
+    a_ptr,  # uint8 [M, K]: e4m3 activations, row stride lda, unit column stride
+    sa_ptr,  # fp32 [M, NBK]: activation scales, contiguous
+    ids_ptr,  # int32 [M]: each row's expert; a row whose id is outside [0, E) gets y = 0
+    b_ptr,  # uint8 [E, N, K / 2]: packed E2M1 of every expert; row stride ldb, expert stride b_estride
+    sb_ptr,  # fp32 [E, N, NB4]: weight scales, contiguous
+    c_ptr,  # int16 [M, N]: the bits of bf16 y (out), contiguous
+    M,
+    N,
+    K,
+    E,
+    lda,
+    ldb,
+    b_estride,
+    NBK,
+    NB4,
+    BM: tl.constexpr,
+    BN: tl.constexpr,
+    DOT_FP32: tl.constexpr,
+):
+    """fp4_gemm with one expert's weight per row: the tile's rows are taken expert by expert (the smallest id
+    left first), each expert's weight read once per tile."""
+    rm, rn, m_ok, n_ok = _tile(tl.program_id(1), tl.program_id(0), M, N, BM, BN)
+    ids = tl.load(ids_ptr + rm, mask=m_ok, other=-1)
+    left = m_ok & (ids >= 0) & (ids < E)
+    out = tl.zeros((BM, BN), tl.float32)
+    n_left = tl.sum(left.to(tl.int32))
+    while n_left > 0:
+        e = tl.min(tl.where(left, ids, E))
+        rows = left & (ids == e)
+        be = b_ptr + e.to(tl.int64) * b_estride
+        se = sb_ptr + e.to(tl.int64) * N * NB4
+        acc = _fp4_tile(a_ptr, sa_ptr, be, se, rm, rows, rn, n_ok, K, lda, ldb, NBK, NB4, BM, BN, DOT_FP32)
+        out = tl.where(rows[:, None], acc, out)
+        left = left & (ids != e)
+        n_left = tl.sum(left.to(tl.int32))
+    _store_bf16(c_ptr, out, rm, rn, m_ok, n_ok, N)

@@ -17,10 +17,10 @@ import triton
 from .. import validate
 from ..device import interpreting
 from ..formats import ACT_BLOCK, FP4_BLOCK
-from .kernels import act_quant_kernel, fp4_gemm_kernel, fp8_gemm_kernel
+from .kernels import act_quant_kernel, fp4_gemm_kernel, fp4_grouped_gemm_kernel, fp8_gemm_kernel
 from .reference import scale_values
 
-__all__ = ["LinearLaunch", "default_launch", "run_act_quant", "run_fp8_gemm", "run_fp4_gemm"]
+__all__ = ["LinearLaunch", "default_launch", "run_act_quant", "run_fp8_gemm", "run_fp4_gemm", "run_fp4_grouped_gemm"]
 
 MAX_TILE = 1 << 20  # Triton's largest tensor
 
@@ -141,6 +141,56 @@ def _(q, s, w, w_scale, block_m, block_n, num_warps):
     return q.new_empty((q.shape[0], w.shape[0]), dtype=torch.bfloat16)
 
 
+@torch.library.custom_op("dsv4ref::linear_fp4_grouped_gemm", mutates_args=())
+def fp4_grouped_gemm_op(
+    q: torch.Tensor,
+    s: torch.Tensor,
+    ids: torch.Tensor,
+    w: torch.Tensor,
+    w_scale: torch.Tensor,
+    block_m: int,
+    block_n: int,
+    num_warps: int,
+) -> torch.Tensor:
+    """``torch.ops.dsv4ref.linear_fp4_grouped_gemm``: uint8 e4m3 q ``[M, K]``, fp32 s, int32 ids ``[M]``, uint8
+    packed E2M1 w ``[E, N, K/2]``, fp32 w_scale ``[E, N, ceil(K/32)]`` -> bf16 ``[M, N]`` (0 where an id is
+    outside [0, E))."""
+    m, k = q.shape
+    e, n = w.shape[0], w.shape[1]
+    out = torch.empty((m, n), dtype=torch.bfloat16, device=q.device)
+    if m and n:
+        a = _unit_columns(q)
+        b = w if w.stride(2) == 1 else w.contiguous()
+        grid = (triton.cdiv(n, block_n), triton.cdiv(m, block_m))
+        fp4_grouped_gemm_kernel[grid](
+            a,
+            s.contiguous(),
+            ids.to(torch.int32).contiguous(),
+            b,
+            w_scale.contiguous(),
+            out.view(torch.int16),
+            m,
+            n,
+            k,
+            e,
+            a.stride(0),
+            b.stride(1),
+            b.stride(0),
+            triton.cdiv(k, ACT_BLOCK),
+            triton.cdiv(k, FP4_BLOCK),
+            BM=block_m,
+            BN=block_n,
+            DOT_FP32=interpreting(),
+            num_warps=num_warps,
+        )
+    return out
+
+
+@fp4_grouped_gemm_op.register_fake
+def _(q, s, ids, w, w_scale, block_m, block_n, num_warps):
+    return q.new_empty((q.shape[0], w.shape[1]), dtype=torch.bfloat16)
+
+
 def run_act_quant(x: torch.Tensor, block: int, launch: LinearLaunch) -> tuple[torch.Tensor, torch.Tensor]:
     """act_quant on checked arguments: ``(q float8_e4m3fn, s fp32)``."""
     q, s = act_quant_op(x, block, *launch.op_args())
@@ -155,3 +205,9 @@ def run_fp8_gemm(q, s, w, w_scale, launch: LinearLaunch) -> torch.Tensor:
 def run_fp4_gemm(q, s, w_packed, w_scale, launch: LinearLaunch) -> torch.Tensor:
     """fp4_gemm on checked arguments (``w_packed`` float4_e2m1fn_x2 or uint8)."""
     return fp4_gemm_op(q.view(torch.uint8), scale_values(s), w_packed.view(torch.uint8), scale_values(w_scale), *launch.op_args())
+
+
+def run_fp4_grouped_gemm(q, s, ids, w_packed, w_scale, launch: LinearLaunch) -> torch.Tensor:
+    """fp4_gemm with one expert per row, on checked arguments."""
+    wq, ws = w_packed.view(torch.uint8), scale_values(w_scale)
+    return fp4_grouped_gemm_op(q.view(torch.uint8), scale_values(s), ids, wq, ws, *launch.op_args())
