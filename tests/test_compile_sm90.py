@@ -121,10 +121,10 @@ LINEAR_SCRIPT = textwrap.dedent("""
     from dsv4ref.linear import kernels as k
 
     PTRS = {{"x_ptr": "*fp32", "q_ptr": "*u8", "s_ptr": "*fp32", "a_ptr": "*u8", "sa_ptr": "*fp32",
-             "b_ptr": "*u8", "sb_ptr": "*fp32", "c_ptr": "*i16", "ids_ptr": "*i32"}}
+             "b_ptr": "*u8", "sb_ptr": "*u8", "c_ptr": "*i16", "ids_ptr": "*i32"}}
     jobs = [(k.act_quant_kernel, {{"BLOCK": 128, "ROWS": 16}})]
     for bm in (16, 64):  # 16: an mma.sync tile (decode); 64: a wgmma tile
-        jobs += [(fn, {{"BM": bm, "BN": 64, "DOT_FP32": False}}) for fn in (k.fp8_gemm_kernel, k.fp4_gemm_kernel,
+        jobs += [(fn, {{"BM": bm, "BN": 64, "DOT_FP32": False, "SB_BYTES": True}}) for fn in (k.fp8_gemm_kernel, k.fp4_gemm_kernel,
                                                                    k.fp4_grouped_gemm_kernel)]
     for fn, const in jobs:
         sig = {{n: "constexpr" if n in const else PTRS.get(n, "i32") for n in fn.arg_names}}

@@ -315,3 +315,18 @@ def test_fp4_experts_one_weight_per_row(backend):
         linear.fp4_linear(x, w, s, expert_ids=ids + 2, backend=backend)
     with pytest.raises(ValueError, match="^w_packed:"):
         linear.fp4_linear(x, w[0], s[0], expert_ids=ids, backend=backend)
+
+
+@pytest.mark.parametrize("fp4", [False, True], ids=["fp8", "fp4"])
+def test_every_scale_dtype_gives_the_same_bits(fp4):
+    """Weight scales as float8_e8m0fnu, as their uint8 bytes (both decoded in the kernel) or as fp32 values;
+    activation scales as fp32 or UE8M0 bytes: one answer."""
+    x, w, ws = operands(9, 48, 256, fp4)
+    q, s = linear.act_quant(x)
+    gemm = linear.fp4_gemm if fp4 else linear.fp8_gemm
+    for b in BACKENDS:
+        want = gemm(q, s, w, ws, backend=b)
+        s8 = (s.view(torch.int32) >> 23).to(torch.uint8).view(torch.float8_e8m0fnu)
+        for sw in (ws.view(torch.uint8), reference.scale_values(ws)):
+            assert torch.equal(bits(gemm(q, s, w, sw, backend=b)), bits(want))
+        assert torch.equal(bits(gemm(q, s8, w, ws, backend=b)), bits(want))

@@ -60,6 +60,15 @@ def _tile(pid_m, pid_n, M, N, BM: tl.constexpr, BN: tl.constexpr):
 
 
 @triton.jit
+def _weight_scale(ptr, mask, BYTES: tl.constexpr):
+    """A weight scale: its UE8M0 byte decoded here (``BYTES``: 1/4 of the fp32 traffic), or an fp32 value."""
+    if BYTES:
+        return ue8m0_value(tl.load(ptr, mask=mask, other=127))
+    else:
+        return tl.load(ptr, mask=mask, other=1.0)
+
+
+@triton.jit
 def _store_bf16(c_ptr, acc, rm, rn, m_ok, n_ok, N):
     tl.store(
         c_ptr + rm[:, None] * N + rn[None, :],
@@ -73,7 +82,7 @@ def fp8_gemm_kernel(
     a_ptr,  # uint8 [M, K]: e4m3 activations, row stride lda, unit column stride
     sa_ptr,  # fp32 [M, NBK]: activation scales, contiguous
     b_ptr,  # uint8 [N, K]: e4m3 weight, row stride ldb, unit column stride
-    sb_ptr,  # fp32 [ceil(N/128), NBK]: weight scales, contiguous
+    sb_ptr,  # [ceil(N/128), NBK]: weight scales (fp32, or UE8M0 bytes with SB_BYTES), contiguous
     c_ptr,  # int16 [M, N]: the bits of bf16 y (out), contiguous
     M,
     N,
@@ -84,6 +93,7 @@ def fp8_gemm_kernel(
     BM: tl.constexpr,  # rows of y per program (>= 16: tl.dot's minimum)
     BN: tl.constexpr,  # columns of y per program
     DOT_FP32: tl.constexpr,  # = interpreting()
+    SB_BYTES: tl.constexpr,  # sb_ptr holds UE8M0 bytes (uint8), not fp32 values
 ):
     rm, rn, m_ok, n_ok = _tile(tl.program_id(1), tl.program_id(0), M, N, BM, BN)
     rk = tl.arange(0, _KB8)
@@ -95,7 +105,7 @@ def fp8_gemm_kernel(
         b = tl.load(b_ptr + rn[:, None] * ldb + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0)
         part = dot_e4m3(a, tl.trans(b), DOT_FP32)  # this K block alone, from zero
         sa = tl.load(sa_ptr + rm * NBK + kb, mask=m_ok, other=1.0)
-        sb = tl.load(sb_ptr + (rn // _WB) * NBK + kb, mask=n_ok, other=1.0)
+        sb = _weight_scale(sb_ptr + (rn // _WB) * NBK + kb, n_ok, SB_BYTES)
         acc += part * (sa[:, None] * sb[None, :])  # the product of two powers of two: exact
     _store_bf16(c_ptr, acc, rm, rn, m_ok, n_ok, N)
 
@@ -118,6 +128,7 @@ def _fp4_tile(
     BM: tl.constexpr,
     BN: tl.constexpr,
     DOT_FP32: tl.constexpr,
+    SB_BYTES: tl.constexpr,  # sb_ptr holds UE8M0 bytes (uint8), not fp32 values
 ):
     """The fp32 ``[BM, BN]`` accumulator of y's tile for the rows ``m_ok`` (the others read zero codes)."""
     rk = tl.arange(0, _KB4)
@@ -131,7 +142,7 @@ def _fp4_tile(
         code = (packed.to(tl.int32) >> ((k & 1) * 4)[None, :]) & 15
         part = dot_e4m3(a, tl.trans(e2m1_e4m3(code)), DOT_FP32)  # E2M1 -> e4m3 is exact
         sa = tl.load(sa_ptr + rm * NBK + kb // _A_PER_4, mask=m_ok, other=1.0)
-        sb = tl.load(sb_ptr + rn * NB4 + kb, mask=n_ok, other=1.0)
+        sb = _weight_scale(sb_ptr + rn * NB4 + kb, n_ok, SB_BYTES)
         acc += part * (sa[:, None] * sb[None, :])
     return acc
 
@@ -141,7 +152,7 @@ def fp4_gemm_kernel(
     a_ptr,  # uint8 [M, K]: e4m3 activations, row stride lda, unit column stride
     sa_ptr,  # fp32 [M, NBK]: activation scales (one per 128 of K), contiguous
     b_ptr,  # uint8 [N, K / 2]: packed E2M1, element 2j in the low nibble of byte j; row stride ldb
-    sb_ptr,  # fp32 [N, NB4]: weight scales (one per 32 of K), contiguous
+    sb_ptr,  # [N, NB4]: weight scales (one per 32 of K; fp32 or UE8M0 bytes), contiguous
     c_ptr,  # int16 [M, N]: the bits of bf16 y (out), contiguous
     M,
     N,
@@ -153,9 +164,10 @@ def fp4_gemm_kernel(
     BM: tl.constexpr,
     BN: tl.constexpr,
     DOT_FP32: tl.constexpr,
+    SB_BYTES: tl.constexpr,  # sb_ptr holds UE8M0 bytes (uint8), not fp32 values
 ):
     rm, rn, m_ok, n_ok = _tile(tl.program_id(1), tl.program_id(0), M, N, BM, BN)
-    acc = _fp4_tile(a_ptr, sa_ptr, b_ptr, sb_ptr, rm, m_ok, rn, n_ok, K, lda, ldb, NBK, NB4, BM, BN, DOT_FP32)
+    acc = _fp4_tile(a_ptr, sa_ptr, b_ptr, sb_ptr, rm, m_ok, rn, n_ok, K, lda, ldb, NBK, NB4, BM, BN, DOT_FP32, SB_BYTES)
     _store_bf16(c_ptr, acc, rm, rn, m_ok, n_ok, N)
 
 
@@ -165,7 +177,7 @@ def fp4_grouped_gemm_kernel(
     sa_ptr,  # fp32 [M, NBK]: activation scales, contiguous
     ids_ptr,  # int32 [M]: each row's expert; a row whose id is outside [0, E) gets y = 0
     b_ptr,  # uint8 [E, N, K / 2]: packed E2M1 of every expert; row stride ldb, expert stride b_estride
-    sb_ptr,  # fp32 [E, N, NB4]: weight scales, contiguous
+    sb_ptr,  # [E, N, NB4]: weight scales (fp32 or UE8M0 bytes), contiguous
     c_ptr,  # int16 [M, N]: the bits of bf16 y (out), contiguous
     M,
     N,
@@ -179,6 +191,7 @@ def fp4_grouped_gemm_kernel(
     BM: tl.constexpr,
     BN: tl.constexpr,
     DOT_FP32: tl.constexpr,
+    SB_BYTES: tl.constexpr,  # sb_ptr holds UE8M0 bytes (uint8), not fp32 values
 ):
     """fp4_gemm with one expert's weight per row: the tile's rows are taken expert by expert (the smallest id
     left first), each expert's weight read once per tile."""
@@ -192,7 +205,7 @@ def fp4_grouped_gemm_kernel(
         rows = left & (ids == e)
         be = b_ptr + e.to(tl.int64) * b_estride
         se = sb_ptr + e.to(tl.int64) * N * NB4
-        acc = _fp4_tile(a_ptr, sa_ptr, be, se, rm, rows, rn, n_ok, K, lda, ldb, NBK, NB4, BM, BN, DOT_FP32)
+        acc = _fp4_tile(a_ptr, sa_ptr, be, se, rm, rows, rn, n_ok, K, lda, ldb, NBK, NB4, BM, BN, DOT_FP32, SB_BYTES)
         out = tl.where(rows[:, None], acc, out)
         left = left & (ids != e)
         n_left = tl.sum(left.to(tl.int32))

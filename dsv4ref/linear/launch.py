@@ -3,8 +3,8 @@
 ``dsv4ref::linear_fp4_gemm``) with their fake implementations.
 
 Every launch choice is an argument of the custom op's schema (``*launch.op_args()``), so a traced or compiled
-graph records the shape it ran with. The custom ops take plain dtypes: e4m3 / E2M1 data as uint8 bytes and
-every scale as fp32 values (UE8M0 bytes are converted by :func:`dsv4ref.linear.reference.scale_values`).
+graph records the shape it ran with. The custom ops take plain dtypes: e4m3 / E2M1 data as uint8 bytes, the
+activation scales as fp32 values, the weight scales as UE8M0 bytes (uint8, decoded in the kernel) or fp32.
 """
 
 from __future__ import annotations
@@ -105,6 +105,7 @@ def _gemm(kernel, q, s, w, w_scale, n, extra, block_m, block_n, num_warps):
             BM=block_m,
             BN=block_n,
             DOT_FP32=interpreting(),
+            SB_BYTES=w_scale.dtype == torch.uint8,
             num_warps=num_warps,
         )
     return out
@@ -114,8 +115,8 @@ def _gemm(kernel, q, s, w, w_scale, n, extra, block_m, block_n, num_warps):
 def fp8_gemm_op(
     q: torch.Tensor, s: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, block_m: int, block_n: int, num_warps: int
 ) -> torch.Tensor:
-    """``torch.ops.dsv4ref.linear_fp8_gemm``: uint8 e4m3 q ``[M, K]``, fp32 s, uint8 e4m3 w ``[N, K]``, fp32
-    w_scale ``[ceil(N/128), ceil(K/128)]`` -> bf16 ``[M, N]``."""
+    """``torch.ops.dsv4ref.linear_fp8_gemm``: uint8 e4m3 q ``[M, K]``, fp32 s, uint8 e4m3 w ``[N, K]``, w_scale
+    ``[ceil(N/128), ceil(K/128)]`` (UE8M0 bytes or fp32) -> bf16 ``[M, N]``."""
     nbk = triton.cdiv(q.shape[1], ACT_BLOCK)
     return _gemm(fp8_gemm_kernel, q, s, w, w_scale, w.shape[0], (nbk,), block_m, block_n, num_warps)
 
@@ -130,7 +131,7 @@ def fp4_gemm_op(
     q: torch.Tensor, s: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, block_m: int, block_n: int, num_warps: int
 ) -> torch.Tensor:
     """``torch.ops.dsv4ref.linear_fp4_gemm``: uint8 e4m3 q ``[M, K]``, fp32 s, uint8 packed E2M1 w ``[N, K/2]``,
-    fp32 w_scale ``[N, ceil(K/32)]`` -> bf16 ``[M, N]``."""
+    w_scale ``[N, ceil(K/32)]`` (UE8M0 bytes or fp32) -> bf16 ``[M, N]``."""
     k = q.shape[1]
     extra = (triton.cdiv(k, ACT_BLOCK), triton.cdiv(k, FP4_BLOCK))
     return _gemm(fp4_gemm_kernel, q, s, w, w_scale, w.shape[0], extra, block_m, block_n, num_warps)
@@ -153,7 +154,7 @@ def fp4_grouped_gemm_op(
     num_warps: int,
 ) -> torch.Tensor:
     """``torch.ops.dsv4ref.linear_fp4_grouped_gemm``: uint8 e4m3 q ``[M, K]``, fp32 s, int32 ids ``[M]``, uint8
-    packed E2M1 w ``[E, N, K/2]``, fp32 w_scale ``[E, N, ceil(K/32)]`` -> bf16 ``[M, N]`` (0 where an id is
+    packed E2M1 w ``[E, N, K/2]``, w_scale ``[E, N, ceil(K/32)]`` (bytes or fp32) -> bf16 ``[M, N]`` (0 where an id is
     outside [0, E))."""
     m, k = q.shape
     e, n = w.shape[0], w.shape[1]
@@ -181,6 +182,7 @@ def fp4_grouped_gemm_op(
             BM=block_m,
             BN=block_n,
             DOT_FP32=interpreting(),
+            SB_BYTES=w_scale.dtype == torch.uint8,
             num_warps=num_warps,
         )
     return out
@@ -191,6 +193,11 @@ def _(q, s, ids, w, w_scale, block_m, block_n, num_warps):
     return q.new_empty((q.shape[0], w.shape[1]), dtype=torch.bfloat16)
 
 
+def _weight_scales(w_scale: torch.Tensor) -> torch.Tensor:
+    """Weight scales as the kernels read them: UE8M0 bytes as uint8 (decoded in the kernel), fp32 as it is."""
+    return w_scale if w_scale.dtype == torch.float32 else w_scale.view(torch.uint8)
+
+
 def run_act_quant(x: torch.Tensor, block: int, launch: LinearLaunch) -> tuple[torch.Tensor, torch.Tensor]:
     """act_quant on checked arguments: ``(q float8_e4m3fn, s fp32)``."""
     q, s = act_quant_op(x, block, *launch.op_args())
@@ -199,15 +206,17 @@ def run_act_quant(x: torch.Tensor, block: int, launch: LinearLaunch) -> tuple[to
 
 def run_fp8_gemm(q, s, w, w_scale, launch: LinearLaunch) -> torch.Tensor:
     """fp8_gemm on checked arguments (any of the accepted dtypes, converted here)."""
-    return fp8_gemm_op(q.view(torch.uint8), scale_values(s), w.view(torch.uint8), scale_values(w_scale), *launch.op_args())
+    return fp8_gemm_op(q.view(torch.uint8), scale_values(s), w.view(torch.uint8), _weight_scales(w_scale), *launch.op_args())
 
 
 def run_fp4_gemm(q, s, w_packed, w_scale, launch: LinearLaunch) -> torch.Tensor:
     """fp4_gemm on checked arguments (``w_packed`` float4_e2m1fn_x2 or uint8)."""
-    return fp4_gemm_op(q.view(torch.uint8), scale_values(s), w_packed.view(torch.uint8), scale_values(w_scale), *launch.op_args())
+    return fp4_gemm_op(
+        q.view(torch.uint8), scale_values(s), w_packed.view(torch.uint8), _weight_scales(w_scale), *launch.op_args()
+    )
 
 
 def run_fp4_grouped_gemm(q, s, ids, w_packed, w_scale, launch: LinearLaunch) -> torch.Tensor:
     """fp4_gemm with one expert per row, on checked arguments."""
-    wq, ws = w_packed.view(torch.uint8), scale_values(w_scale)
+    wq, ws = w_packed.view(torch.uint8), _weight_scales(w_scale)
     return fp4_grouped_gemm_op(q.view(torch.uint8), scale_values(s), ids, wq, ws, *launch.op_args())
