@@ -330,3 +330,12 @@ def test_every_scale_dtype_gives_the_same_bits(fp4):
         for sw in (ws.view(torch.uint8), reference.scale_values(ws)):
             assert torch.equal(bits(gemm(q, s, w, sw, backend=b)), bits(want))
         assert torch.equal(bits(gemm(q, s8, w, ws, backend=b)), bits(want))
+
+
+def test_bench_shapes_are_v4_flash_projections():
+    from dsv4ref.tools.cases import linear as cases
+
+    s = cases.flash_shapes()
+    assert s["wq_a"] == (1024, 4096) and s["wq_b"] == (64 * 512, 1024) and s["wkv"] == (512, 4096)
+    assert s["wo_b"] == (4096, 8 * 1024) and s["shared_w1"] == (2048, 4096) and s["shared_w2"] == (4096, 2048)
+    assert cases.flash_expert_shapes() == {"expert_w1": (2048, 4096), "expert_w2": (4096, 2048)}
