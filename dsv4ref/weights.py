@@ -400,22 +400,29 @@ def to_weight_format(weights: dict, fmt: str, *, _quant=None) -> dict:
     return w
 
 
-def dequantize_weights(weights: dict, dtype: torch.dtype = torch.float64) -> dict:
+def dequantize_weights(weights: dict, dtype: torch.dtype | None = torch.float64) -> dict:
     """The bf16-layout dict of the same model: every quantised weight replaced by the values it stands for
-    (codes × scales, exactly) and its ``_scale`` dropped; every floating tensor in ``dtype``, on the CPU. A bf16
-    dict comes back converted only. What the float64 reference runs (docs/decode.md#the-float64-dense-reference)."""
+    (codes × scales, exactly) and its ``_scale`` dropped. ``dtype`` given: every floating tensor in ``dtype``, on
+    the CPU (float64: what the float64 reference runs, docs/decode.md#the-float64-dense-reference); None: the
+    dequantised weights in bf16 (exact: an e4m3 or E2M1 value times a power of two is a bf16 value) and every
+    other tensor as it is, on its device: the ``weight_format="bf16"`` dict of the same model, whose bf16 GEMMs
+    then differ from V4's only by the activation formats. A bf16 dict comes back converted only."""
 
     def conv(d):
         if isinstance(d, list):
             return [conv(v) for v in d]
         if not isinstance(d, dict):
-            return weights_to(d, "cpu", dtype)
+            return d if dtype is None else weights_to(d, "cpu", dtype)
         out = {}
         for k, v in d.items():
             if k.endswith("_scale") and k[: -len("_scale")] in d:
                 continue
             s = d.get(k + "_scale")
-            out[k] = _dequantize(v.cpu(), s.cpu(), dtype) if isinstance(s, torch.Tensor) else conv(v)
+            if isinstance(s, torch.Tensor):
+                out[k] = _dequantize(v.cpu(), s.cpu(), dtype or torch.bfloat16)
+                out[k] = out[k] if dtype is not None else out[k].to(v.device)
+            else:
+                out[k] = conv(v)
         return out
 
     return conv(weights)

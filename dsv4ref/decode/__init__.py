@@ -49,6 +49,7 @@ from .compare import (
 )
 from .demo import demo
 from .driver import SpecStats, graph_speed, run, run_speculative
+from .format_error import FormatError, FormatStep, format_error
 from .glue import swiglu_clamped
 from .model import Decoder
 from .reference import REFERENCE_BUGS, reference_forward
@@ -81,6 +82,9 @@ __all__ = [
     "SpecStats",
     "demo",
     "traffic_per_op",
+    "format_error",
+    "FormatError",
+    "FormatStep",
     "swiglu_clamped",
     "History",
     "Speculation",
