@@ -11,6 +11,7 @@ import torch
 
 from ..moe import MoeShape, example_inputs, reference
 from ..testing import generator, randn
+from . import moe_fp4
 from .suite import Case
 
 OUTPUTS = {
@@ -18,6 +19,7 @@ OUTPUTS = {
     "moe.stage": lambda res, a: {"x_fp8": res[0], "x_sf": res[1], "ids": res[2], "weights": res[3]},
     "moe.experts": lambda res, a: {"out": res},
     "moe.forward": lambda res, a: {"out": res},
+    **moe_fp4.OUTPUTS,  # moe.experts_fp4: V4's FP4 experts (conformance/moe_fp4.py)
 }
 
 ROUTE_TOL = {"ids": "exact", "weights": "route_weights"}
@@ -591,12 +593,23 @@ def _forward_more() -> list[Case]:
 
 
 def cases() -> list[Case]:
-    return _route_cases() + _route_more() + _stage_cases() + _stage_more() + _layer_cases() + _experts_more() + _forward_more()
+    return (
+        _route_cases()
+        + _route_more()
+        + _stage_cases()
+        + _stage_more()
+        + _layer_cases()
+        + _experts_more()
+        + _forward_more()
+        + moe_fp4.cases()
+    )
 
 
 def mass(case: Case) -> dict:
     """For the layer outputs (tolerance "moe_out"): Σ over slots and the shared expert of |h|·|W2|ᵀ in float64."""
     a = case.inputs
+    if case.op == "moe.experts_fp4":
+        return moe_fp4.mass(case)
     if case.op == "moe.experts":
         staged = tuple(a[k] for k in EXPERTS[1:5])
     elif case.op == "moe.forward":
