@@ -152,7 +152,7 @@ print(inspect.getsource(reference.fp8_gemm))
 # that is not a multiple of 128 among them:
 
 # %%
-for m, n, k in ((1, 256, 512), (8, 136, 300), (64, 64, 1024)):
+for m, n, k in ((1, 256, 512), (24, 136, 300)):
     x = randn((m, k), seed=m, block=128, octaves=20)
     qx, sx = reference.act_quant(x)
     for fmt in ("fp8", "fp4"):
@@ -206,6 +206,26 @@ for fmt in ("fp8", "fp4"):
 # %% [markdown]
 # ## 8. The error the formats add to a decode step
 #
-# TODO: the Decoder's `weight_format` option (FP8 / FP4 weights through `dsv4ref.linear`) is not on this
-# branch yet; once it is, this section runs one decode step of the teaching config with bf16 weights and with
-# V4's formats and prints the relative change of the logits.
+# The Decoder takes a `weight_format`: `"v4"` sends every FP8 projection through `fp8_linear` and the routed
+# experts through FP4, `"bf16"` runs plain bf16 GEMMs. `dsv4ref.decode.format_error` runs the **same** model
+# both ways (the v4 weights, and their exact dequantisation to bf16), so what differs is only the formats of
+# the computation: the activation quantiser and the FP8 / FP4 products. The v4 run is fed the bf16 run's
+# tokens, so each step compares the logits of the same inputs. On the teaching config, two requests, a prefill
+# and one decode step:
+
+# %%
+from dsv4ref.config import TINY
+from dsv4ref.decode import format_error
+
+fe = format_error(TINY, steps=1, prompt_lens=(5, 3), oracle=False)
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+for st in fe.steps:
+    print(
+        f"{'prefill' if st.step < 0 else 'step ' + str(st.step)}: logits relative L2, v4 vs bf16 = {st.v4_vs_bf16:.3f}; same top-1 {st.top1}/{st.n}"
+    )
+
+# %%
+print("every step within 2^-2 relative L2 of the bf16 run:", all(st.v4_vs_bf16 < 0.25 for st in fe.steps))
+print("greedy tokens part at (None = never, in these steps):", fe.parted)
