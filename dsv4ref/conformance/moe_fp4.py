@@ -39,16 +39,11 @@ def _case(name, why, *, T, K, seed, path, E=4, tweak=None, gain=1.0, octaves=8, 
     """A seeded layer quantised to V4's formats; ``tweak(x, ids, w)`` edits the routing inputs; ``rows`` scales
     the expert weights' rows by powers of two (varied 1x32 scale bytes)."""
     shape = MoeShape(hidden=128, experts=E, k=K, intermediate=128, routed_scale=1.5, swiglu_limit=10.0, num_hash_layers=1)
-    d = {
-        k: (v.cpu() if isinstance(v, torch.Tensor) else v)
-        for k, v in example_inputs(T, shape, seed=seed, octaves=octaves, weight_gain=gain).items()
-    }
+    d = example_inputs(T, shape, seed=seed, octaves=octaves, weight_gain=gain, device="cpu")
     g = generator(seed + 100)
     ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)])
-    w = torch.round(torch.rand(T, K, generator=g) * 1.5 * 4096) / 4096
-    x = d["x"]
-    if tweak is not None:
-        x, ids, w = tweak(x.clone(), ids.clone(), w.clone())
+    w = torch.round(torch.rand(T, K, generator=g) * 6144) / 4096  # routing weights on a 2^-12 grid, below 1.5
+    x, ids, w = (d["x"], ids, w) if tweak is None else tweak(d["x"].clone(), ids.clone(), w.clone())
     w13, w2 = d["w13"], d["w2"]
     if rows is not None:
         e = torch.randint(-rows, rows + 1, (*w13.shape[:2], w13.shape[2] // 32), generator=g).float()
