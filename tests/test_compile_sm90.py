@@ -124,10 +124,13 @@ LINEAR_SCRIPT = textwrap.dedent("""
              "b_ptr": "*u8", "sb_ptr": "*u8", "c_ptr": "*i16", "ids_ptr": "*i32"}}
     jobs = [(k.act_quant_kernel, {{"BLOCK": 128, "ROWS": 16}})]
     for bm in (16, 64):  # 16: an mma.sync tile (decode); 64: a wgmma tile
-        jobs += [(fn, {{"BM": bm, "BN": 64, "DOT_FP32": False, "SB_BYTES": True}}) for fn in (k.fp8_gemm_kernel, k.fp4_gemm_kernel,
-                                                                   k.fp4_grouped_gemm_kernel)]
+        c = {{"BM": bm, "BN": 64, "DOT_FP32": False, "SB_BYTES": True}}
+        jobs += [(k.fp8_gemm_kernel, {{**c, "SPLIT": bm == 16}}), (k.fp4_gemm_kernel, {{**c, "SPLIT": bm == 16}}),
+                 (k.fp4_grouped_gemm_kernel, c)]
     for fn, const in jobs:
         sig = {{n: "constexpr" if n in const else PTRS.get(n, "i32") for n in fn.arg_names}}
+        if const.get("SPLIT"):
+            sig["c_ptr"] = "*fp32"  # the K splits' fp32 partial sums
         c = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=const), target=GPUTarget("cuda", 90, 128),
                            options={{"num_warps": 4}})
         fp8_mma = "e4m3" in c.asm["ptx"] and "mma" in c.asm["ptx"]

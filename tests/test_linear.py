@@ -265,6 +265,7 @@ def test_errors_name_the_argument():
         (TypeError, "^launch:", lambda: linear.act_quant(x, launch=(16, 64))),
         (ValueError, "^backend:", lambda: linear.act_quant(x, backend="cuda")),
         (ValueError, "^block_m:", lambda: linear.LinearLaunch(block_m=8)),
+        (ValueError, "^split_k:", lambda: linear.LinearLaunch(split_k=0)),
     ]
     for err, msg, call in cases:
         with pytest.raises(err, match=msg):
@@ -339,3 +340,21 @@ def test_bench_shapes_are_v4_flash_projections():
     assert s["wq_a"] == (1024, 4096) and s["wq_b"] == (64 * 512, 1024) and s["wkv"] == (512, 4096)
     assert s["wo_b"] == (4096, 8 * 1024) and s["shared_w1"] == (2048, 4096) and s["shared_w2"] == (4096, 2048)
     assert cases.flash_expert_shapes() == {"expert_w1": (2048, 4096), "expert_w2": (4096, 2048)}
+
+
+@pytest.mark.parametrize("fp4", [False, True], ids=["fp8", "fp4"])
+@pytest.mark.parametrize("split_k", [2, 3, 64])
+def test_split_k_within_the_tolerance(fp4, split_k, monkeypatch):
+    """K split over programs: fp32 partials summed after the kernel; every output written (poisoned buffers),
+    the answer within linear_out; more splits than K blocks is one split per block."""
+    real = torch.empty
+
+    def poisoned(*a, **kw):
+        t = real(*a, **kw)
+        return t.fill_(float("nan")) if t.dtype.is_floating_point else t.fill_(0x7F)
+
+    x, w, ws = operands(19, 70, 700, fp4)
+    monkeypatch.setattr(launch_mod.torch, "empty", poisoned)
+    y = (linear.fp4_linear if fp4 else linear.fp8_linear)(x, w, ws, backend="triton", launch=linear.LinearLaunch(split_k=split_k))
+    monkeypatch.undo()
+    assert check_gemm(y, x, w, ws, fp4).passed
