@@ -12,6 +12,16 @@ from dataclasses import dataclass, field
 
 from .formats import INDEX_K_FORMATS as INDEX_FORMATS  # the indexer formats a config may name: fp8, mxfp4
 
+#: the weight formats a config may name (docs/decode.md#v4s-number-formats): "bf16" = every projection a bf16
+#: GEMM; "v4" = DeepSeek-V4's checkpoint formats (FP8 e4m3 with 128x128 UE8M0 scales, the routed experts FP4
+#: E2M1 with 1x32 UE8M0 scales, bf16 / fp32 where DeepSeek keeps them), every quantised projection fed by
+#: the 1x128 activation quantiser
+WEIGHT_FORMATS = ("bf16", "v4")
+#: which routed-expert path runs with "v4" weights (docs/moe.md#v4s-formats-in-the-experts): "deepseek" =
+#: DeepSeek's inference code (1x128 act_quant before every expert GEMM, gate/up outputs rounded to bf16);
+#: "megamoe" = vLLM's mega-MoE contract (moe.stage's 1x32 FP8 input, gate/up kept in fp32)
+MOE_PATHS = ("deepseek", "megamoe")
+
 
 @dataclass(frozen=True)
 class Config:
@@ -56,10 +66,18 @@ class Config:
     routed_scaling_factor: float = 1.5
     num_hash_layers: int = 3  # layers 0..n-1 route through a token -> experts table (tid2eid)
     num_nextn_predict_layers: int = 1  # MTP layers (one SWA-only block after the last layer)
+    # V4's number formats in the projections (config.json "dtype": "fp8", "expert_dtype": "fp4",
+    # "scale_fmt": "ue8m0"): the V4 configs take them; TINY keeps "bf16" (docs/config.md#the-teaching-config-tiny)
+    weight_format: str = "v4"
+    moe_path: str = "deepseek"
 
     def __post_init__(self):
         if self.index_format not in INDEX_FORMATS:
             raise ValueError(f"index_format: expected one of {INDEX_FORMATS}, got {self.index_format!r}")
+        if self.weight_format not in WEIGHT_FORMATS:
+            raise ValueError(f"weight_format: expected one of {WEIGHT_FORMATS}, got {self.weight_format!r}")
+        if self.moe_path not in MOE_PATHS:
+            raise ValueError(f"moe_path: expected one of {MOE_PATHS}, got {self.moe_path!r}")
 
     # derived ------------------------------------------------------------------------------------
     @property
@@ -150,6 +168,7 @@ TINY = Config(
     moe_intermediate_size=128,
     num_hash_layers=1,  # docs/mtp.md
     index_format="fp8",  # why not DeepSeek's MXFP4: docs/config.md#the-teaching-config-tiny
+    weight_format="bf16",  # why not V4's FP8 / FP4: docs/config.md#the-teaching-config-tiny
 )
 
 CONFIGS = {"flash": FLASH, "pro": PRO, "tiny": TINY}

@@ -103,6 +103,12 @@ def index_k_offsets(page_stride, block_size: int, slot, fmt: str):
     return base + off * v, base + block_size * v + off * 4
 
 
+# ---- the projections' block formats (docs/linear.md) ------------------------------------------------------
+ACT_BLOCK = 128  # activations: one fp32 (power-of-two) scale per 1x128 block along K
+ACT_AMAX_FLOOR = 1e-4  # act_quant's amax floor (DeepSeek's, the KV cache's): an all-zero block gets 2^-22
+WEIGHT_BLOCK = 128  # FP8 weights: one UE8M0 byte per 128x128 tile
+FP8_WEIGHT_AMAX_FLOOR = E4M3_MAX * 2.0**-126  # the smallest floor keeping amax / 448 >= 2^-126 (byte >= 1)
+
 # ---- mHC ------------------------------------------------------------------------------------------------
 HC_MULT = 4  # M residual streams
 

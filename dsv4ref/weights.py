@@ -34,6 +34,9 @@ __all__ = [
     "mtp_weights",
     "Draw",
     "weights_to",
+    "V4_FORMATS",
+    "to_weight_format",
+    "dequantize_weights",
 ]
 
 # the Config fields the decode step reads as sizes: ints (not bool / float), >= 1 (the two counts: >= 0)
@@ -142,9 +145,21 @@ def make_weights(cfg: Config = TINY, seed: int = 0, device=None) -> dict:
     Linear weights are bf16 ``[out, in]`` with std 1/sqrt(in); norms, mHC parameters, sinks and
     compressor position biases are fp32. The MoE weights of layer l come from their own generator (seed
     ``seed + 1000 + l``), the MTP's from seed ``seed + 2000``. ``seed``: an int >= 0 (TypeError /
-    ValueError naming it otherwise)."""
+    ValueError naming it otherwise).
+
+    With ``cfg.weight_format == "v4"`` the same bf16 draw is then quantised into DeepSeek-V4's formats
+    (:func:`to_weight_format`, :data:`V4_FORMATS`): each FP8 / FP4 weight ``k`` becomes its codes and a sibling
+    ``k + "_scale"`` (float8_e8m0fnu)."""
     check_config(cfg)
     validate.integer(seed, "seed", lo=0)
+    w = _draw_bf16(cfg, seed)
+    if cfg.weight_format == "v4":  # quantised from the same bf16 draw: the two formats hold the same model
+        w = to_weight_format(w, "v4")
+    return weights_to(w, device or DEVICE)
+
+
+def _draw_bf16(cfg: Config, seed: int) -> dict:
+    """The whole stack's weights with every projection in bf16, on the CPU (:func:`make_weights`' draw)."""
     draw = Draw(generator(seed))
     layers = [block_weights(cfg, draw, layer_ratio(cfg, li), li, seed) for li in range(cfg.num_layers)]
     w = dict(
@@ -156,7 +171,7 @@ def make_weights(cfg: Config = TINY, seed: int = 0, device=None) -> dict:
     )
     if cfg.num_nextn_predict_layers:
         w["mtp"] = mtp_weights(cfg, w, seed + 2000)
-    return weights_to(w, device or DEVICE)
+    return w
 
 
 class Draw:
@@ -303,6 +318,116 @@ def weights_to(obj, device, dtype: torch.dtype | None = None):
     return obj
 
 
+# ----------------------------------------------------------------------------------------------------
+# V4's formats (docs/decode.md#v4s-number-formats)
+# ----------------------------------------------------------------------------------------------------
+
+#: the weights that V4's checkpoints store quantised, per place in the dict: "fp8" = e4m3 [N, K] with UE8M0
+#: scales per 128x128 block [ceil(N/128), ceil(K/128)]; "fp4" = E2M1 two to a byte along K [.., N, K/2]
+#: (float4_e2m1fn_x2, element 2k in the low nibble) with UE8M0 scales per 1x32 [.., N, K/32]. Everything else
+#: keeps its format: wo_a and the indexer's weights_proj (idx_weights) bf16, the compressors' wkv / wgate, the
+#: gate and the head bf16 (DeepSeek's model upcasts the compressors and the head to fp32 at load: the same
+#: values), norms, mHC parameters, sinks, ape and the gate bias fp32.
+V4_FORMATS = {
+    "layer": {"wqkv_a": "fp8", "wq_b": "fp8", "wo_b": "fp8", "idx_wq_b": "fp8"},
+    "moe": {"w13": "fp4", "w2": "fp4", "shared_w13": "fp8", "shared_w2": "fp8"},
+    "mtp": {"e_proj": "fp8", "h_proj": "fp8"},
+}
+
+
+def _quantize(w: torch.Tensor, fmt: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(codes, scale) of one bf16 weight ``[.., N, K]`` through the linear op's quantisers (a leading expert
+    dim is folded into N: FP4 scales are per row, so that is the same as quantising each expert)."""
+    from . import linear as lin  # the op; the weights (model level) import it, never the reverse
+
+    if fmt == "fp4":
+        q, s = lin.quantize_fp4_weight(w.reshape(-1, w.shape[-1]))
+        return q.view(*w.shape[:-1], -1), s.view(*w.shape[:-1], -1)
+    return lin.quantize_fp8_weight(w)
+
+
+def _dequantize(q: torch.Tensor, s: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The values a quantised weight stands for, ``[.., N, K]`` in ``dtype`` (exact: codes × powers of two)."""
+    from . import linear as lin
+
+    if q.dtype == torch.float8_e4m3fn:
+        return lin.dequantize_fp8_weight(q, s).to(dtype)
+    flat = lin.dequantize_fp4_weight(q.reshape(-1, q.shape[-1]), s.reshape(-1, s.shape[-1]))
+    return flat.view(*q.shape[:-1], -1).to(dtype)
+
+
+def _fake_quantize(w: torch.Tensor, fmt: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(codes, scale) of :func:`_quantize` as empty tensors: shapes and dtypes only (the weight check's spec)."""
+    *lead, N, K = w.shape
+    if fmt == "fp4":
+        return (
+            torch.empty(*lead, N, K // 2, dtype=torch.uint8).view(torch.float4_e2m1fn_x2),
+            torch.empty(*lead, N, K // 32, dtype=torch.uint8).view(torch.float8_e8m0fnu),
+        )
+    return torch.empty(N, K, dtype=torch.float8_e4m3fn), torch.empty(-(-N // 128), -(-K // 128), dtype=torch.uint8).view(
+        torch.float8_e8m0fnu
+    )
+
+
+def to_weight_format(weights: dict, fmt: str, *, _quant=None) -> dict:
+    """A copy of a bf16 weight dict (:func:`make_weights` of a ``weight_format="bf16"`` config) in ``fmt``:
+    ``"bf16"`` returns it as it is; ``"v4"`` replaces each weight named in :data:`V4_FORMATS` by its codes and adds
+    ``<name>_scale`` beside it. Quantised with :func:`dsv4ref.linear.quantize_fp8_weight` /
+    ``quantize_fp4_weight`` (the dims must be multiples of 128 / 32). The tensors stay where they are."""
+    if fmt not in ("bf16", "v4"):
+        raise ValueError(f"fmt: expected 'bf16' or 'v4', got {fmt!r}")
+    if fmt == "bf16":
+        return weights
+    quant = _quant or _quantize
+
+    def conv(d: dict, table: dict) -> dict:
+        out = dict(d)
+        for k, f in table.items():
+            if k in d:
+                if d[k].dtype != torch.bfloat16:
+                    raise TypeError(f"weights: {k!r} is {d[k].dtype}, expected bf16 (already in another format?)")
+                out[k], out[k + "_scale"] = quant(d[k], f)
+        return out
+
+    def layer(L: dict) -> dict:
+        out = conv(L, V4_FORMATS["layer"])
+        out["moe"] = conv(L["moe"], V4_FORMATS["moe"])
+        return out
+
+    w = dict(weights, layers=[layer(L) for L in weights["layers"]])
+    if "mtp" in weights:
+        w["mtp"] = dict(conv(weights["mtp"], V4_FORMATS["mtp"]), block=layer(weights["mtp"]["block"]))
+    return w
+
+
+def dequantize_weights(weights: dict, dtype: torch.dtype | None = torch.float64) -> dict:
+    """The bf16-layout dict of the same model: every quantised weight replaced by the values it stands for
+    (codes × scales, exactly) and its ``_scale`` dropped. ``dtype`` given: every floating tensor in ``dtype``, on
+    the CPU (float64: what the float64 reference runs, docs/decode.md#the-float64-dense-reference); None: the
+    dequantised weights in bf16 (exact: an e4m3 or E2M1 value times a power of two is a bf16 value) and every
+    other tensor as it is, on its device: the ``weight_format="bf16"`` dict of the same model, whose bf16 GEMMs
+    then differ from V4's only by the activation formats. A bf16 dict comes back converted only."""
+
+    def conv(d):
+        if isinstance(d, list):
+            return [conv(v) for v in d]
+        if not isinstance(d, dict):
+            return d if dtype is None else weights_to(d, "cpu", dtype)
+        out = {}
+        for k, v in d.items():
+            if k.endswith("_scale") and k[: -len("_scale")] in d:
+                continue
+            s = d.get(k + "_scale")
+            if isinstance(s, torch.Tensor):
+                out[k] = _dequantize(v.cpu(), s.cpu(), dtype or torch.bfloat16)
+                out[k] = out[k] if dtype is not None else out[k].to(v.device)
+            else:
+                out[k] = conv(v)
+        return out
+
+    return conv(weights)
+
+
 _SPECS: dict[str, dict] = {}
 
 
@@ -314,7 +439,10 @@ def _spec(cfg: Config) -> dict:
         from torch._subclasses.fake_tensor import FakeTensorMode
 
         with FakeTensorMode():
-            _SPECS[key] = make_weights(cfg, 0, "cpu")
+            w = weights_to(_draw_bf16(cfg, 0), "cpu")
+            if cfg.weight_format == "v4":  # shapes and dtypes only: no quantiser runs on fake tensors
+                w = to_weight_format(w, "v4", _quant=_fake_quantize)
+            _SPECS[key] = w
     return _SPECS[key]
 
 

@@ -107,3 +107,47 @@ def test_kv_and_fused_rope_kernels_compile_for_sm90_with_unit_block_size():
     for fn in ("insert_kernel", "gather_kernel", "qnorm_rope_kv_insert_mh_kernel", "qnorm_rope_kv_insert_kernel"):
         for block_size in (1, 64):
             assert any(ln.startswith(f"{fn} block_size {block_size} ") for ln in lines), r.stdout
+
+
+LINEAR_SCRIPT = textwrap.dedent("""
+    import os, sys
+    sys.path.insert(0, {root!r})
+    os.environ["DSV4REF_DEVICE"] = "cpu"
+    import dsv4ref.device
+    os.environ.pop("TRITON_INTERPRET", None)
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    from dsv4ref.linear import kernels as k
+
+    PTRS = {{"x_ptr": "*fp32", "q_ptr": "*u8", "s_ptr": "*fp32", "a_ptr": "*u8", "sa_ptr": "*fp32",
+             "b_ptr": "*u8", "sb_ptr": "*u8", "c_ptr": "*i16", "ids_ptr": "*i32"}}
+    jobs = [(k.act_quant_kernel, {{"BLOCK": 128, "ROWS": 16}})]
+    for bm in (16, 64):  # 16: an mma.sync tile (decode); 64: a wgmma tile
+        c = {{"BM": bm, "BN": 64, "DOT_FP32": False, "SB_BYTES": True}}
+        jobs += [(k.fp8_gemm_kernel, {{**c, "SPLIT": bm == 16}}), (k.fp4_gemm_kernel, {{**c, "SPLIT": bm == 16}}),
+                 (k.fp4_grouped_gemm_kernel, c)]
+    for fn, const in jobs:
+        sig = {{n: "constexpr" if n in const else PTRS.get(n, "i32") for n in fn.arg_names}}
+        if const.get("SPLIT"):
+            sig["c_ptr"] = "*fp32"  # the K splits' fp32 partial sums
+        c = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=const), target=GPUTarget("cuda", 90, 128),
+                           options={{"num_warps": 4}})
+        fp8_mma = "e4m3" in c.asm["ptx"] and "mma" in c.asm["ptx"]
+        print(fn.__name__, const.get("BM", ""), "fp8 mma" if fp8_mma else "no mma", "compiled", flush=True)
+""")
+
+
+@pytest.mark.skipif(not _has_nvidia_backend(), reason="Triton without its NVIDIA backend")
+def test_linear_kernels_compile_for_sm90_with_fp8_mma():
+    """The GEMMs' compiled path (fp8 operands on the tensor cores), which the interpreter never takes."""
+    r = subprocess.run(
+        [sys.executable, "-c", LINEAR_SCRIPT.format(root=ROOT)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"},
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stdout.count("compiled") == 7, r.stdout
+    assert r.stdout.count("fp8 mma compiled") == 6, r.stdout

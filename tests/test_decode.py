@@ -460,3 +460,52 @@ def test_draft_without_a_window_only_main_layer():
     assert drafts.shape == (2, 2) and bool(((drafts >= 0) & (drafts < cfg.vocab_size)).all())
     spec = dec.verify(logits.argmax(-1).cpu(), drafts)  # and the target verifies them
     assert dec.lengths.tolist() == [9 + int(spec.accepted[0]) + 1, 3 + int(spec.accepted[1]) + 1]
+
+
+# ----------------------------------------------------------------------------------------------------
+# V4's weight formats (docs/decode.md#v4s-number-formats)
+# ----------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("moe_path", ["deepseek", "megamoe"])
+def test_v4_formats_track_the_float64_reference(moe_path):
+    """weight_format="v4" (FP8 projections, FP4 experts on either path) through the torch ops, held to the float64
+    reference of the dequantised weights under the v4 tolerances; request 1 crosses a ratio-4 boundary with a
+    compressed row. The same run's errors exceed the bf16 tolerance somewhere (the activation quantisers are on
+    the budget), or they stay under it: either way they stay under the v4 one."""
+    cfg = TINY.replace(weight_format="v4", moe_path=moe_path)
+    dec, w, recs, _ = run(cfg, steps=2, prompt_lens=(9, 6), decode_backend="reference")
+    assert w["layers"][1]["wq_b"].dtype == torch.float8_e4m3fn and w["layers"][1]["moe"]["w13"].dtype == torch.float4_e2m1fn_x2
+    assert w["layers"][1]["wo_a"].dtype == torch.bfloat16 and w["layers"][1]["idx_weights"].dtype == torch.bfloat16
+    rows = agreement(cfg, w, recs, dec.history())
+    assert all(a.passed and a.tol == decode.tolerances(cfg) for a in rows), rows
+    assert all(a.logits_err > 2.0**-7 for a in rows)  # the formats are on the path
+
+
+def test_v4_weights_are_the_bf16_draw_quantised():
+    """make_weights(v4) quantises the bf16 draw with the linear op's quantisers; its exact dequantisation is a bf16
+    dict of the same shapes; a bf16 config refuses the v4 dict, naming the entry."""
+    from dsv4ref import linear as lin
+    from dsv4ref.weights import dequantize_weights
+
+    cfg = TINY.replace(weight_format="v4")
+    wb, wv = make_weights(TINY, 0, device="cpu"), make_weights(cfg, 0, device="cpu")
+    q, s = lin.quantize_fp8_weight(wb["layers"][2]["wo_b"])
+    assert torch.equal(wv["layers"][2]["wo_b"].view(torch.uint8), q.view(torch.uint8))
+    assert torch.equal(wv["layers"][2]["wo_b_scale"].view(torch.uint8), s.view(torch.uint8))
+    deq = dequantize_weights(wv, None)
+    assert deq["layers"][2]["moe"]["w13"].dtype == torch.bfloat16 and "w13_scale" not in deq["layers"][2]["moe"]
+    decode.Decoder(TINY, deq, num_requests=1, capacity=16, device="cpu")  # a valid bf16 dict
+    with pytest.raises(TypeError, match=r"\['wqkv_a'\]"):
+        decode.Decoder(TINY, wv, num_requests=1, capacity=16, device="cpu")
+
+
+def test_format_error_measures_the_formats():
+    """decode.format_error: the same model in two formats moves the logits by the activation quantisers' order
+    (well above bf16 noise, under the v4 tolerance) and each run stays on its float64 reference."""
+    r = decode.format_error(steps=1, prompt_lens=(6,))
+    assert len(r.steps) == 2 and len(r.parted) == 1
+    for s in r.steps:
+        assert 2.0**-8 < s.v4_vs_bf16 < decode.LOGITS_TOL_V4
+        assert s.bf16_vs_oracle <= LOGITS_TOL and s.v4_vs_oracle <= decode.LOGITS_TOL_V4
+    assert "| prefill |" in r.table()

@@ -851,3 +851,138 @@ def test_custom_ops_opcheck_and_compile():
 
     explain = torch._dynamo.explain(layer_fn)(d["x"])
     assert explain.graph_break_count == 0, explain.break_reasons
+
+
+# ----------------------------------------------------------------------------------------------------
+# V4's formats in the experts: FP4 routed experts, FP8 shared expert, the deepseek and megamoe paths
+# ----------------------------------------------------------------------------------------------------
+
+
+def _v4_layer(T=12, seed=3, octaves=2, gain=1.0):
+    """A TINY_MOE layer quantised with the linear op's quantisers, routed, and staged for the megamoe path."""
+    from dsv4ref import linear as lin
+
+    d = moe.example_inputs(T, SHAPE, seed=seed, octaves=octaves, weight_gain=gain)
+    E, Hd, I = SHAPE.experts, SHAPE.hidden, SHAPE.intermediate
+
+    def fp4(w):
+        q, s = lin.quantize_fp4_weight(w.reshape(-1, w.shape[-1]))
+        return q.view(*w.shape[:-1], -1), s.view(*w.shape[:-1], -1)
+
+    ids, w = moe.route(d["x"], d["gate_weight"], d["bias"], k=SHAPE.k, routed_scale=1.5)
+    args = (d["x"], ids, w, *fp4(d["w13"]), *fp4(d["w2"]))
+    args += lin.quantize_fp8_weight(d["shared_w13"]) + lin.quantize_fp8_weight(d["shared_w2"])
+    x_fp8, x_sf, _, _ = moe.stage(d["x"], ids, w, backend="reference")
+    assert args[3].shape == (E, 2 * I, Hd // 2) and args[4].shape == (E, 2 * I, Hd // 32)
+    return args, dict(x_fp8=x_fp8, x_sf=x_sf)
+
+
+@pytest.mark.parametrize("path", moe.PATHS)
+def test_experts_fp4_within_the_derived_bound(path):
+    """Both paths against the float64 oracle (dequantised weights, x itself, no rounding): every element within
+    the first-order worst-case bound of moe.experts_v4.error_bound, and the relative L2 of the whole output
+    within 2^-3. Why 2^-3: each e4m3 rounding moves a value by at most 2^-4 of it (RMS 2^-4/√3 for errors spread
+    evenly over ±half an ulp); a GEMM output with independent input errors keeps that relative RMS; the
+    routed output carries three such roundings in quadrature (x reaches h through a and u, then h itself is
+    quantised): √3·2^-4/√3 = 2^-4, and 2^-3 leaves a factor 2 (docs/moe.md#tolerance-of-the-v4-experts). The
+    L2 check has teeth: swapped nibbles (element 2k read from the high nibble) are off by more than 2^-1."""
+    from dsv4ref.moe import experts_v4 as v4
+
+    args, staged = _v4_layer()
+    oracle = v4.reference(*args, swiglu_limit=10.0, dtype=torch.float64)
+    bound = v4.error_bound(*args, swiglu_limit=10.0)
+    got = moe.experts_fp4(*args, swiglu_limit=10.0, path=path, **staged, backend="reference").double()
+    assert bool(((got - oracle).abs() <= bound).all())
+    rel = float((got - oracle).norm() / oracle.norm())
+    assert 2.0**-7 < rel <= 2.0**-3  # the activation formats' error: real, and of the e4m3 order
+    swapped = args[3].view(torch.uint8)
+    swapped = ((swapped >> 4) | (swapped << 4)).view(args[3].dtype)
+    bad = moe.experts_fp4(
+        args[0], args[1], args[2], swapped, *args[4:], swiglu_limit=10.0, path=path, **staged, backend="reference"
+    )
+    assert float((bad.double() - oracle).norm() / oracle.norm()) > 2.0**-1
+
+
+@pytest.mark.parametrize("path", moe.PATHS)
+def test_experts_fp4_kernel_is_the_reference(path):
+    """The grouped FP8 x FP4 GEMM kernel gives the reference's bits (exact products, fp32 sums of the same
+    values; the only rounding points are the reference's)."""
+    args, staged = _v4_layer(T=9, seed=5, gain=4.0)
+    want = moe.experts_fp4(*args, swiglu_limit=10.0, path=path, **staged, backend="reference")
+    got = moe.experts_fp4(*args, swiglu_limit=10.0, path=path, **staged, backend="triton")
+    assert torch.equal(got.view(torch.int16), want.view(torch.int16))
+
+
+def test_fp4_gemm_op_writes_only_the_rows_its_tiles_cover():
+    """The custom op on a poisoned output: every covered row (the slot's own row) is written and equals the
+    dequantised product; every other row keeps its NaN poison."""
+    from dsv4ref.fp8.reference import quantize_ue8m0
+    from dsv4ref.moe.experts_v4 import dequantize_experts
+    from dsv4ref.moe.launch import group_by_expert
+
+    args, staged = _v4_layer(T=5, seed=8)
+    ids = args[1].clone()
+    ids[1, 1] = -1  # an uncovered slot
+    T, K = ids.shape
+    E = args[3].shape[0]
+    order, counts, offsets = group_by_expert(ids, E)
+    te, r0, r1 = tile_table(counts, offsets, 16, order.shape[0])
+    h = randn((T * K, SHAPE.intermediate), seed=9, block=32, octaves=4).float()
+    hq, byte = quantize_ue8m0(h, 32, 1e-4)
+    out = poison((T * K, SHAPE.hidden), torch.float32)
+    rows = torch.arange(order.shape[0], device=DEVICE)
+    torch.ops.dsv4ref.moe_fp4_gemm(
+        hq.view(torch.uint8), byte.contiguous().view(torch.int32), rows, order, te, r0, r1,
+        args[5].view(torch.uint8), args[6].view(torch.uint8), out, 32, 16, 64, 128, 4, 1,
+    )  # fmt: skip
+    W2 = dequantize_experts(args[5], args[6], torch.float64)
+    xh = ref.dequantize_staged(hq, byte.contiguous().view(torch.int32), torch.float64)
+    flat = ids.reshape(-1)
+    for r, slot in enumerate(order.tolist()):
+        e = int(flat[slot])
+        if e < 0:
+            continue
+        assert_close(out[slot].double(), xh[r] @ W2[e].T, "moe_out", mass=xh[r].abs() @ W2[e].abs().T)
+    assert bool(out[1 * K + 1].isnan().all())  # the −1 slot's row: untouched
+
+
+def test_deepseek_path_rounds_gate_up_to_bf16():
+    """DeepSeek's Expert.forward takes w1(x), w3(x) as bf16 GEMM outputs: the deepseek path equals a pipeline
+    that rounds them, differs from one that does not."""
+    from dsv4ref import linear as lin
+    from dsv4ref.moe import experts_v4 as v4
+
+    args, _ = _v4_layer(T=6, seed=11)
+    x, ids, w, q13, s13, q2, s2 = args[:7]
+    got = moe.experts_fp4(*args, swiglu_limit=10.0, path="deepseek", backend="reference").float()
+    shared = v4._shared(x, *args[7:], 10.0, "reference").float()
+    W13, W2 = v4.dequantize_experts(q13, s13), v4.dequantize_experts(q2, s2)
+
+    def pipeline(round_gate_up):
+        y = shared.clone()
+        xq = v4._act_1x128(x)
+        for t in range(x.shape[0]):
+            for k in range(ids.shape[1]):
+                e = int(ids[t, k])
+                a, u = (xq[t] @ W13[e].T).chunk(2)
+                if round_gate_up:
+                    a, u = a.bfloat16().float(), u.bfloat16().float()
+                h = ref.swiglu(a, u, 10.0) * w[t, k]
+                y[t] += (v4._act_1x128(h.bfloat16()[None]) @ W2[e].T).bfloat16().float()[0]
+        return y.bfloat16().float()
+
+    assert lin is not None
+    assert (got - pipeline(True)).abs().max() <= 2.0**-7 * got.abs().max()  # summation order only
+    assert (got - pipeline(False)).abs().max() > (got - pipeline(True)).abs().max()
+
+
+def test_experts_fp4_refuses_naming_the_argument():
+    args, staged = _v4_layer(T=3)
+    with pytest.raises(TypeError, match="w13"):
+        moe.experts_fp4(args[0], args[1], args[2], args[3].view(torch.uint8), *args[4:], swiglu_limit=10.0)
+    with pytest.raises(ValueError, match="w2_scale"):
+        moe.experts_fp4(*args[:6], args[6][:, :, :2], *args[7:], swiglu_limit=10.0)
+    with pytest.raises(ValueError, match="x_fp8"):
+        moe.experts_fp4(*args, swiglu_limit=10.0, path="megamoe")
+    with pytest.raises(ValueError, match="path"):
+        moe.experts_fp4(*args, swiglu_limit=10.0, path="vllm")

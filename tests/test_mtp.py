@@ -325,3 +325,32 @@ def test_conformance_suite_has_teeth():
 
     bad = {r.case for r in conformance.run({"mtp.draft_input": flat_norm}, "mtp") if not r.passed}
     assert "streams_over_octaves_position0" in bad
+
+
+def test_draft_input_with_v4s_fp8_projections(w):
+    """V4's format: e_proj / h_proj in FP8 (128x128 scales) behind the 1x128 activation quantiser. Against the
+    float64 draft input on the dequantised weights and unquantised rows: within 2^-3 relative L2 per row (two
+    e4m3 roundings of the inputs, 2^-4 each at most, the bf16 output rounding negligible next to them), and
+    not the bf16 path's bits (the quantiser ran)."""
+    from dsv4ref import linear as lin
+
+    wm = w["mtp"]
+    (qe, se), (qh, sh) = lin.quantize_fp8_weight(wm["e_proj"].cpu()), lin.quantize_fp8_weight(wm["h_proj"].cpu())
+    a = _input(wm, T=4, seed=7, e_proj=qe, h_proj=qh)
+    a = {k: (v.cpu() if isinstance(v, torch.Tensor) else v) for k, v in a.items()} | dict(
+        enorm=wm["enorm"].cpu(), hnorm=wm["hnorm"].cpu()
+    )
+    X = mtp.draft_input(**a, e_proj_scale=se, h_proj_scale=sh)
+    want = reference.draft_input(
+        *[a[k] for k in ("h_prev", "embed_rows", "positions", "enorm", "hnorm")],
+        lin.dequantize_fp8_weight(qe, se).double(),
+        lin.dequantize_fp8_weight(qh, sh).double(),
+        eps=EPS,
+        dtype=torch.float64,
+    )
+    rel = (X.double() - want).norm(dim=-1) / want.norm(dim=-1)
+    assert float(rel.max()) <= 2.0**-3
+    bf16 = dict(a, e_proj=lin.dequantize_fp8_weight(qe, se).bfloat16(), h_proj=lin.dequantize_fp8_weight(qh, sh).bfloat16())
+    assert not torch.equal(X, mtp.draft_input(**bf16))
+    with pytest.raises(TypeError, match="e_proj"):
+        mtp.draft_input(**a, h_proj_scale=sh)  # an FP8 e_proj without its scale is not a bf16 weight

@@ -11,6 +11,7 @@ import torch
 
 from ..moe import MoeShape, example_inputs, reference
 from ..testing import generator, randn
+from . import moe_fp4
 from .moe_route import route_cases, route_more
 from .suite import Case
 
@@ -19,6 +20,7 @@ OUTPUTS = {
     "moe.stage": lambda res, a: {"x_fp8": res[0], "x_sf": res[1], "ids": res[2], "weights": res[3]},
     "moe.experts": lambda res, a: {"out": res},
     "moe.forward": lambda res, a: {"out": res},
+    **moe_fp4.OUTPUTS,  # moe.experts_fp4: V4's FP4 experts (conformance/moe_fp4.py)
 }
 
 STAGE_TOL = {"x_fp8": "exact", "x_sf": "exact", "ids": "exact", "weights": "exact"}
@@ -443,12 +445,23 @@ def _forward_more() -> list[Case]:
 
 
 def cases() -> list[Case]:
-    return route_cases() + route_more() + _stage_cases() + _stage_more() + _layer_cases() + _experts_more() + _forward_more()
+    return (
+        route_cases()
+        + route_more()
+        + _stage_cases()
+        + _stage_more()
+        + _layer_cases()
+        + _experts_more()
+        + _forward_more()
+        + moe_fp4.cases()
+    )
 
 
 def mass(case: Case) -> dict:
     """For the layer outputs (tolerance "moe_out"): Σ over slots and the shared expert of |h|·|W2|ᵀ in float64."""
     a = case.inputs
+    if case.op == "moe.experts_fp4":
+        return moe_fp4.mass(case)
     if case.op == "moe.experts":
         staged = tuple(a[k] for k in EXPERTS[1:5])
     elif case.op == "moe.forward":

@@ -45,7 +45,7 @@ __all__ = [
 ]
 
 #: The ops whose cases the suite runs, in report order: one module ``dsv4ref.conformance.<op>`` each.
-OPS = ("fp8", "kv_cache", "rope", "sparse_mla", "mhc", "indexer", "moe", "compressor", "mtp")
+OPS = ("fp8", "kv_cache", "rope", "sparse_mla", "mhc", "indexer", "moe", "compressor", "mtp", "linear")
 
 
 @dataclass

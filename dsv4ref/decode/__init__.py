@@ -36,9 +36,20 @@ Usage::
 """
 
 from ..weights import check_config, layer_ratio, make_weights, weights_to
-from .compare import AGREEMENT_TOL, ATTN_TOL, LOGITS_TOL, StepAgreement, agreement, rel_err
+from .compare import (
+    AGREEMENT_TOL,
+    ATTN_TOL,
+    ATTN_TOL_V4,
+    LOGITS_TOL,
+    LOGITS_TOL_V4,
+    StepAgreement,
+    agreement,
+    rel_err,
+    tolerances,
+)
 from .demo import demo
 from .driver import SpecStats, graph_speed, run, run_speculative
+from .format_error import FormatError, FormatStep, format_error
 from .glue import swiglu_clamped
 from .model import Decoder
 from .reference import REFERENCE_BUGS, reference_forward
@@ -63,11 +74,17 @@ __all__ = [
     "ATTN_TOL",
     "LOGITS_TOL",
     "AGREEMENT_TOL",
+    "ATTN_TOL_V4",
+    "LOGITS_TOL_V4",
+    "tolerances",
     "run",
     "run_speculative",
     "SpecStats",
     "demo",
     "traffic_per_op",
+    "format_error",
+    "FormatError",
+    "FormatStep",
     "swiglu_clamped",
     "History",
     "Speculation",

@@ -12,7 +12,7 @@ import time
 from .. import validate
 from ..config import TINY, Config
 from ..device import DEVICE, describe, interpreting
-from .compare import ATTN_TOL, LOGITS_TOL, agreement
+from .compare import agreement, tolerances
 from .driver import graph_speed, run, run_speculative
 
 __all__ = ["demo", "check_demo", "DEMO_PROMPTS"]
@@ -48,7 +48,9 @@ def check_demo(
         )
 
 
-def demo(steps: int = 16, speculate: int = 0, graph: bool = False) -> int:
+def demo(
+    steps: int = 16, speculate: int = 0, graph: bool = False, weight_format: str = "bf16", moe_path: str = "deepseek"
+) -> int:
     """``python -m dsv4ref demo``: prefill 4 requests (prompts of 133, 37, 5 and 70 tokens), decode
     ``steps`` tokens each through the Triton kernels, print tokens/s and per-step agreement.
     ``speculate = k > 0``: then decode the same prompts again with MTP speculation (k drafts per round),
@@ -56,10 +58,15 @@ def demo(steps: int = 16, speculate: int = 0, graph: bool = False) -> int:
     same prompts eagerly and as replayed device graphs (value checks off for both), print tokens/s of each and
     where the rest of a graphed step's time goes, and check the tokens are the same.
     Returns the exit code: 0 if every step agrees with the reference (and speculation or graphs changed no
-    token), else 1. The arguments are checked first (:func:`check_demo`)."""
-    cfg = TINY
+    token), else 1. The arguments are checked first (:func:`check_demo`). ``weight_format``, ``moe_path``: the
+    teaching config's ``Config`` fields (``"v4"``: V4's FP8 projections and FP4 experts; its tolerances,
+    :func:`dsv4ref.decode.tolerances`)."""
+    cfg = TINY.replace(weight_format=weight_format, moe_path=moe_path)  # ValueError naming a bad one
     check_demo(steps, speculate, graph, cfg=cfg)
-    print(f"dsv4ref demo: {cfg.name}, {cfg.num_layers} layers, ratios {cfg.compress_ratios}; {describe()}")
+    print(
+        f"dsv4ref demo: {cfg.name}, {cfg.num_layers} layers, ratios {cfg.compress_ratios}, weights {cfg.weight_format}"
+        f"{f' (experts: {cfg.moe_path})' if cfg.weight_format == 'v4' else ''}; {describe()}"
+    )
 
     def bar(i, n):
         k = 30 * i // n
@@ -82,9 +89,10 @@ def demo(steps: int = 16, speculate: int = 0, graph: bool = False) -> int:
         for k, v in sorted(dec2.prof.items(), key=lambda kv: -kv[1]):
             print(f"  {k:<22} {v / tot:6.1%}  ({v / steps * 1e3:8.1f} us/step)")
     rows = agreement(cfg, w, recs, dec.history())
+    attn_tol, logits_tol = tolerances(cfg)
     print(
         f"agreement with the float64 dense reference (row relative L2 error; tolerances: attention "
-        f"{ATTN_TOL:g}, logits {LOGITS_TOL:g}; see dsv4ref.decode.ATTN_TOL):"
+        f"{attn_tol:g}, logits {logits_tol:g}; see dsv4ref.decode.tolerances):"
     )
     print(f"{'step':>6} {'logits':>9} {'attn (max over layers)':>24} {'top-1':>7}  verdict")
     for a in rows:

@@ -1,11 +1,15 @@
-"""The small torch pieces between the decode step's ops: bf16 activations, fp32 math."""
+"""The small torch pieces between the decode step's ops: bf16 activations, fp32 math; and ``linear``, the one
+dispatch every projection goes through (by the weight's dtype, as DeepSeek's ``inference/model.py`` does)."""
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
-__all__ = ["rms_norm", "linear", "swiglu_clamped"]
+from .. import linear as lin
+from .. import rope
+
+__all__ = ["rms_norm", "linear", "grouped_o_proj", "swiglu_clamped"]
 
 
 def rms_norm(x: torch.Tensor, w: torch.Tensor | None, eps: float) -> torch.Tensor:
@@ -15,9 +19,34 @@ def rms_norm(x: torch.Tensor, w: torch.Tensor | None, eps: float) -> torch.Tenso
     return (y * w.float() if w is not None else y).to(torch.bfloat16)
 
 
-def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """bf16 GEMM, fp32 accumulation, bf16 out."""
+def linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None = None, *, backend: str = "auto") -> torch.Tensor:
+    """``x [.., K] · wᵀ`` → ``[.., N]`` bf16, by the weight's dtype (docs/decode.md#v4s-number-formats):
+
+    * float8_e4m3fn ``[N, K]`` with ``scale`` float8_e8m0fnu ``[⌈N/128⌉, ⌈K/128⌉]``: x through the 1x128 activation
+      quantiser, then the FP8 GEMM (:func:`dsv4ref.linear.fp8_linear`);
+    * float4_e2m1fn_x2 ``[N, K/2]`` with ``scale`` ``[N, K/32]``: the same quantiser, then the FP4 GEMM
+      (:func:`dsv4ref.linear.fp4_linear`);
+    * bf16 (no scale): a bf16 GEMM, fp32 accumulation."""
+    if w.dtype in (torch.float8_e4m3fn, torch.float4_e2m1fn_x2):
+        if scale is None:
+            raise ValueError(f"scale: a {w.dtype} weight needs its scale")
+        f = lin.fp8_linear if w.dtype == torch.float8_e4m3fn else lin.fp4_linear
+        x2 = x.to(torch.bfloat16).reshape(-1, x.shape[-1])
+        return f(x2, w, scale, backend=backend).view(*x.shape[:-1], -1)
     return F.linear(x.to(torch.bfloat16), w)
+
+
+def grouped_o_proj(
+    o: torch.Tensor, wo_a: torch.Tensor, wo_b: torch.Tensor, wo_b_scale: torch.Tensor | None = None, *, backend: str = "auto"
+) -> torch.Tensor:
+    """Step 9: :func:`dsv4ref.rope.grouped_o_proj` with a bf16 ``wo_b``; with V4's FP8 ``wo_b`` (and its scale)
+    the bf16 ``wo_a`` half the same way (fp32 accumulation, z rounded to bf16), then ``wo_b`` through
+    :func:`linear` (the 1x128 activation quantiser and the FP8 GEMM), as DeepSeek's ``Attention`` does."""
+    if wo_b_scale is None:
+        return rope.grouped_o_proj(o, wo_a, wo_b)
+    T, G = o.shape[0], wo_a.shape[0]
+    z = torch.einsum("tgk,gok->tgo", o.float().reshape(T, G, -1), wo_a.float()).to(torch.bfloat16)
+    return linear(z.reshape(T, -1), wo_b, wo_b_scale, backend=backend)
 
 
 def swiglu_clamped(gate_up: torch.Tensor, limit: float) -> torch.Tensor:

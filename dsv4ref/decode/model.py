@@ -33,7 +33,7 @@ from ..config import TINY, Config
 from ..device import DEVICE, HOST, Timer, capture_graph
 from ..testing import generator
 from ..weights import check_config, check_weights, layer_ratio, make_weights
-from .glue import linear, rms_norm
+from .glue import grouped_o_proj, linear, rms_norm
 from .speculation import Speculating
 from .state import CacheCapacityError, History, LayerState, Rows, StepGraph
 
@@ -449,6 +449,24 @@ class Decoder(Speculating):
             hash_table=m["tid2eid"],
             input_ids=input_ids,
         )
+        if m["w13"].dtype == torch.float4_e2m1fn_x2:  # V4's formats: FP4 routed experts, FP8 shared expert
+            staged = self._op("moe", moe.stage, x, ids, wts, backend=backend) if cfg.moe_path == "megamoe" else (None,) * 4
+            y = self._op(
+                "moe",
+                moe.experts_fp4,
+                x,
+                ids,
+                wts,
+                *(m[k] for k in ("w13", "w13_scale", "w2", "w2_scale")),
+                *(m[k] for k in ("shared_w13", "shared_w13_scale", "shared_w2", "shared_w2_scale")),
+                swiglu_limit=cfg.swiglu_limit,
+                path=cfg.moe_path,
+                x_fp8=staged[0],
+                x_sf=staged[1],
+                backend=backend,
+            )
+            experts[self._record_at(rows)] = ids.to(torch.int32)
+            return y
         staged = self._op("moe", moe.stage, x, ids, wts, backend=backend)
         y = self._op(
             "moe",
@@ -478,10 +496,10 @@ class Decoder(Speculating):
         eps = cfg.rms_norm_eps
         # 2-3: norm, one GEMM for [qr | kv], their norms, wq_b
         x = rms_norm(x, L["attn_norm"], eps)
-        qkv = self._op("proj", linear, x, L["wqkv_a"])
+        qkv = self._op("proj", linear, x, L["wqkv_a"], L.get("wqkv_a_scale"), backend=backend)
         qr = rms_norm(qkv[:, : cfg.q_lora_rank], L["q_norm"], eps)
         kv = rms_norm(qkv[:, cfg.q_lora_rank :], L["kv_norm"], eps)
-        q = self._op("proj", linear, qr, L["wq_b"]).view(T, H, D)
+        q = self._op("proj", linear, qr, L["wq_b"], L.get("wq_b_scale"), backend=backend).view(T, H, D)
         # 4: fused q-norm + RoPE + KV insert into the window cache (slot −1 for padding rows)
         slots = self._slots(self.bt_swa, rows.req, rows.pos, cfg.window_page, rows.valid)
         self._op(
@@ -541,7 +559,7 @@ class Decoder(Speculating):
         )
         # 8: drop padded heads, inverse RoPE at the query position; 9: grouped o-projection
         o = self._op("inv_rope", rope.apply_gptj, o[:, :H].contiguous(), rows.pos, cos_sin, inverse=True, backend=backend)
-        return self._op("o_proj", rope.grouped_o_proj, o, L["wo_a"], L["wo_b"])
+        return self._op("o_proj", grouped_o_proj, o, L["wo_a"], L["wo_b"], L.get("wo_b_scale"), backend=backend)
 
     def _compress(self, L: dict, st: LayerState, x: torch.Tensor, rows: Rows, backend: str) -> None:
         """5: the compressed rows (and, ratio 4, indexer keys) completed by this step, rounded to bf16,
@@ -594,7 +612,8 @@ class Decoder(Speculating):
         (E2M1 blocks of 32 with UE8M0 scales, DeepSeek's FP4; ``docs/decode.md#the-indexer-format``)."""
         cfg = self.cfg
         T = x.shape[0]
-        iq = self._op("proj", linear, qr, L["idx_wq_b"]).view(T, cfg.index_heads, cfg.index_head_dim)
+        iq = self._op("proj", linear, qr, L["idx_wq_b"], L.get("idx_wq_b_scale"), backend=backend)
+        iq = iq.view(T, cfg.index_heads, cfg.index_head_dim)
         wts = self._op("proj", linear, x, L["idx_weights"]).float()  # from x, not qr
         if rows.shortcut:  # short-context shortcut (decided on the host): every visible row, no logits needed
             local = self._op("indexer", indexer.short_context_topk, rows.pos, cfg.index_topk)

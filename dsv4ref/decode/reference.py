@@ -44,7 +44,7 @@ from ..device import HOST
 from ..formats import E4M3_MAX, KV_AMAX_FLOOR, NOPE_DIM, QUANT_BLOCK
 from ..fp8.reference import div_rn
 from ..rope import yarn_correction_range
-from ..weights import check_config, layer_ratio, weights_to
+from ..weights import check_config, dequantize_weights, layer_ratio
 
 __all__ = [
     "reference_forward",
@@ -96,7 +96,7 @@ def reference_forward(
     for b in bugs:
         if b not in REFERENCE_BUGS:
             raise ValueError(f"bugs: {b!r} is not one of {REFERENCE_BUGS}")
-    w = weights_to(weights, "cpu", torch.float64)
+    w = dequantize_weights(weights, torch.float64)  # V4's formats: the values the codes stand for, exactly
     tokens = torch.as_tensor(tokens, dtype=torch.int64).cpu()
     L, M, eps = tokens.shape[0], cfg.hc_mult, cfg.rms_norm_eps
     Hs = w["embed"][tokens][:, None, :].expand(L, M, -1).clone()  # (L, M, Hd): the embedding, M times
@@ -218,15 +218,20 @@ def block(
     # the MoE feed-forward
     Hs = mhc_post(a, Hs, post, comb)
     post, comb, x = mhc_pre(Hs, Lw["hc_ffn"])
-    y, ids = moe_f64(cfg, Lw["moe"], rms_norm(x, Lw["ffn_norm"], eps), tokens, experts, hash_layer)
+    y, ids = moe_f64(
+        cfg, Lw["moe"], rms_norm(x, Lw["ffn_norm"], eps), tokens, experts, hash_layer, staged=cfg.weight_format != "v4"
+    )
     return mhc_post(y, Hs, post, comb), a, scores, ids
 
 
-def moe_f64(cfg: Config, m: dict, x: torch.Tensor, tokens: torch.Tensor, experts=None, hash_layer: bool = False):
+def moe_f64(
+    cfg: Config, m: dict, x: torch.Tensor, tokens: torch.Tensor, experts=None, hash_layer: bool = False, staged: bool = True
+):
     """The MoE feed-forward in float64 (``docs/moe.md``): routing on float64 scores, the FP8 input staging
-    (the experts' defined input, so both sides read the same e4m3 activations), experts and shared expert
-    without roundings. ``experts``: (L, K) ids to use instead of routing (their weights are still this
-    function's scores at those ids). Returns ``(y (L, Hd) float64, ids (L, K) int32)``."""
+    (the experts' defined input with bf16 weights, so both sides read the same e4m3 activations; ``staged=False``,
+    V4's formats: the experts read x itself, and every activation quantiser is part of the error measured),
+    experts and shared expert without roundings. ``experts``: (L, K) ids to use instead of routing (their
+    weights are still this function's scores at those ids). Returns ``(y (L, Hd) float64, ids (L, K) int32)``."""
     if experts is not None:
         table, ids_in = torch.as_tensor(experts).long().cpu(), torch.arange(x.shape[0], device=HOST)
     else:
@@ -242,6 +247,8 @@ def moe_f64(cfg: Config, m: dict, x: torch.Tensor, tokens: torch.Tensor, experts
         dtype=torch.float64,
     )
     x_fp8, x_sf, ids64, _ = moe.reference.stage(x, ids, wts.float())
+    if not staged:
+        x_fp8 = x_sf = None
     y = moe.reference.experts(
         x,
         x_fp8,

@@ -175,6 +175,8 @@ class Speculating:
             wm["e_proj"],
             wm["h_proj"],
             eps=cfg.rms_norm_eps,
+            e_proj_scale=wm.get("e_proj_scale"),
+            h_proj_scale=wm.get("h_proj_scale"),
         )
         p = B["hc_attn"]
         post, comb, x = self._op("mhc", mhc.pre, X, p["fn"], p["scale"], p["base"], **mk)

@@ -1,5 +1,7 @@
 """MXFP4 for the indexer, in plain torch: E2M1 values in four 32-blocks per 128-dim row, one UE8M0 byte each.
 
+The E2M1 codec itself (encode, decode, nibble packing) is :mod:`dsv4ref.fp4`, shared with the FP4 expert weights.
+
 The codec the indexer's MXFP4 query and key paths use (``docs/indexer.md#mxfp4``; the byte map of a cached
 key: ``docs/formats.md``)::
 
@@ -15,46 +17,13 @@ from __future__ import annotations
 
 import torch
 
-from ..formats import E2M1_GRID, FP4_AMAX_FLOOR, FP4_BLOCK, FP4_MAX, INDEX_HEAD_DIM
+from ..formats import FP4_AMAX_FLOOR, FP4_BLOCK, FP4_MAX, INDEX_HEAD_DIM
+from ..fp4 import e2m1_decode, e2m1_encode, pack_nibbles, unpack_nibbles
 from ..fp8.reference import inv_pow2, ue8m0_byte, ue8m0_value
 
 __all__ = ["e2m1_encode", "e2m1_decode", "pack_nibbles", "unpack_nibbles", "quantize_mxfp4", "mxfp4_values"]
 
 HEAD_DIM = INDEX_HEAD_DIM  # 128
-
-_E2M1_MID = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0], device="cpu")  # midpoints between grid values
-
-
-def e2m1_encode(y: torch.Tensor) -> torch.Tensor:
-    """fp32 -> 4-bit E2M1 codes (uint8 0..15): saturate to ±6, round to nearest, ties to the even code.
-
-    The magnitude code is the number of midpoints below |y|; on a midpoint between codes i and i+1 the
-    even one wins. The sign is bit 3, taken from the sign bit (so −0.1 → 0b1000)."""
-    mid = _E2M1_MID.to(y.device)
-    a = y.float().abs().clamp(max=FP4_MAX)[..., None]
-    odd = torch.arange(7, device=y.device) % 2 == 1
-    code = (mid < a).sum(-1) + ((mid == a) & odd).sum(-1)
-    return (code | (torch.signbit(y).to(code.dtype) << 3)).to(torch.uint8)
-
-
-def e2m1_decode(code: torch.Tensor) -> torch.Tensor:
-    """E2M1 codes (0..15) -> fp32 values: magnitude ``E2M1_GRID[code & 7]``, negative when bit 3 is set."""
-    grid = torch.tensor(E2M1_GRID, device=code.device)
-    c = code.long()
-    v = grid[c & 7]
-    return torch.where((c & 8) != 0, -v, v)
-
-
-def pack_nibbles(codes: torch.Tensor) -> torch.Tensor:
-    """[..., 2n] codes -> [..., n] bytes, element 2k in the LOW nibble."""
-    c = codes.to(torch.uint8)
-    return c[..., 0::2] | (c[..., 1::2] << 4)
-
-
-def unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
-    """[..., n] bytes -> [..., 2n] codes (the inverse of :func:`pack_nibbles`)."""
-    p = packed.to(torch.uint8)
-    return torch.stack([p & 15, p >> 4], dim=-1).reshape(*p.shape[:-1], 2 * p.shape[-1])
 
 
 def quantize_mxfp4(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -13,7 +13,9 @@ Where to read what:
 
 * :mod:`dsv4ref.moe.reference`: the whole op in plain torch (float32, or float64 as the tests' oracle);
 * :mod:`dsv4ref.moe.kernels`: the Triton kernels (staging, the two grouped expert GEMMs, the combine);
-* :mod:`dsv4ref.moe.launch`: :class:`MoeLaunch`, the grouping by expert and the custom ops.
+* :mod:`dsv4ref.moe.launch`: :class:`MoeLaunch`, the grouping by expert and the custom ops;
+* :mod:`dsv4ref.moe.experts_v4` / :mod:`dsv4ref.moe.kernels_fp4`: the experts with V4's weights (FP4 routed,
+  FP8 shared; :func:`experts_fp4`, ``path="deepseek" | "megamoe"``) and their grouped FP8 × FP4 GEMM kernel.
 """
 
 from __future__ import annotations
@@ -22,7 +24,8 @@ import torch
 
 from .. import validate
 from ..formats import STAGE_BLOCK
-from . import kernels, reference  # noqa: F401  (dsv4ref.moe.kernels / .reference, for readers)
+from . import kernels, kernels_fp4, reference  # noqa: F401  (dsv4ref.moe.kernels / .reference, for readers)
+from .experts_v4 import PATHS, Fp4Launch, default_fp4_launch, experts_fp4
 from .launch import MoeLaunch, default_launch, group_by_expert
 from .reference import FLASH_MOE, TINY_MOE, MoeShape, example_inputs
 
@@ -33,6 +36,10 @@ __all__ = [
     "experts",
     "forward",
     "example_inputs",
+    "experts_fp4",
+    "PATHS",
+    "Fp4Launch",
+    "default_fp4_launch",
     "group_by_expert",
     "MoeLaunch",
     "default_launch",

@@ -171,10 +171,11 @@ def experts(x, x_fp8, x_sf, ids, weights, w13, w2, shared_w13, shared_w2, *, swi
     """``[T, Hd]``: routed experts on the staged activations, then the shared expert on ``x``, summed in
     ``dtype`` in ascending expert id; bf16 unless ``dtype`` is float64. −1 slots are never indexed.
     ``mass=True`` (with float64): Σ over slots and the shared expert of ``|h| @ |W2|ᵀ`` instead, the
-    ``mass`` argument of the "moe_out" tolerance."""
+    ``mass`` argument of the "moe_out" tolerance. ``x_fp8 = x_sf = None``: the routed experts read ``x`` itself
+    (the float64 oracle of V4's formats, ``dsv4ref.decode.reference``)."""
     T, K = ids.shape
-    xq = dequantize_staged(x_fp8, x_sf, dtype)
-    y = torch.zeros(T, x_fp8.shape[1], dtype=dtype, device=x_fp8.device)
+    xq = dequantize_staged(x_fp8, x_sf, dtype) if x_fp8 is not None else x.to(dtype)
+    y = torch.zeros(T, x.shape[1], dtype=dtype, device=x.device)
     for e in range(w13.shape[0]):
         tok, slot = torch.where(ids == e)  # a repeated id in a row gives two (tok, slot) pairs
         if tok.numel():

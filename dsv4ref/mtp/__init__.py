@@ -105,7 +105,9 @@ def accepted_counts(drafts: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return agree.cumprod(dim=1).sum(dim=1)  # leading run of agreements
 
 
-def draft_input(h_prev, embed_rows, positions, enorm, hnorm, e_proj, h_proj, *, eps, hc_mult=None):
+def draft_input(
+    h_prev, embed_rows, positions, enorm, hnorm, e_proj, h_proj, *, eps, hc_mult=None, e_proj_scale=None, h_proj_scale=None
+):
     """The draft layer's block input ``X = h_proj(hnorm(h_prev[m])) + e_proj(enorm(e))`` for every stream m.
 
     ``e`` is the shared embedding of the NEXT token (the one at position q + 1), zeroed on rows at position 0;
@@ -117,7 +119,9 @@ def draft_input(h_prev, embed_rows, positions, enorm, hnorm, e_proj, h_proj, *, 
             pre-hc_head residual at each row's position q (or the previous draft's output X).
         embed_rows: ``[T, Hd]`` bf16, ``embed[tok_{q+1}]``.
         positions: ``[T]`` int32/int64, q.
-        enorm, hnorm: ``[Hd]`` fp32 RMSNorm weights.  e_proj, h_proj: ``[Hd, Hd]`` bf16.
+        enorm, hnorm: ``[Hd]`` fp32 RMSNorm weights.  e_proj, h_proj: ``[Hd, Hd]`` bf16, or V4's FP8
+            (float8_e4m3fn with ``e_proj_scale`` / ``h_proj_scale`` float8_e8m0fnu ``[⌈Hd/128⌉, ⌈Hd/128⌉]``: the
+            normed rows then go through the 1x128 activation quantiser and the FP8 GEMM, bf16 out).
         eps: the RMSNorm epsilon (1e-6), a finite number > 0.  hc_mult: M (an int ≥ 1), required when
             ``h_prev`` is flat.
     Returns:
@@ -140,8 +144,10 @@ def draft_input(h_prev, embed_rows, positions, enorm, hnorm, e_proj, h_proj, *, 
     validate.tensor(positions, "positions", dtype=INDEX_DTYPES, shape=(T,))
     for t, name in ((enorm, "enorm"), (hnorm, "hnorm")):
         validate.tensor(t, name, dtype=torch.float32, shape=(Hd,))
-    for t, name in ((e_proj, "e_proj"), (h_proj, "h_proj")):
-        validate.tensor(t, name, dtype=torch.bfloat16, shape=(Hd, Hd))
+    for t, sc, name in ((e_proj, e_proj_scale, "e_proj"), (h_proj, h_proj_scale, "h_proj")):
+        validate.tensor(t, name, dtype=torch.float8_e4m3fn if sc is not None else torch.bfloat16, shape=(Hd, Hd))
+        if sc is not None:
+            validate.tensor(sc, f"{name}_scale", dtype=torch.float8_e8m0fnu, shape=(-(-Hd // 128), -(-Hd // 128)))
     if hc_mult is not None and hc_mult != M:
         raise ValueError(f"hc_mult: {hc_mult} does not match h_prev's {M} streams (shape {tuple(h_prev.shape)})")
     validate.scalar(eps, "eps", gt=0.0)
@@ -154,7 +160,18 @@ def draft_input(h_prev, embed_rows, positions, enorm, hnorm, e_proj, h_proj, *, 
         validate.finite(embed_rows, "embed_rows")
         if positions.numel() and int(positions.min()) < 0:
             raise ValueError(f"positions: expected positions >= 0, got a minimum of {int(positions.min())}")
-    return reference.draft_input(h_prev, embed_rows, positions, enorm, hnorm, e_proj, h_proj, eps=float(eps))
+    return reference.draft_input(
+        h_prev,
+        embed_rows,
+        positions,
+        enorm,
+        hnorm,
+        e_proj,
+        h_proj,
+        eps=float(eps),
+        e_proj_scale=e_proj_scale,
+        h_proj_scale=h_proj_scale,
+    )
 
 
 def draft_logits(X, hc_fn, hc_scale, hc_base, norm, lm_head, *, rms_eps=1e-6, hc_eps=1e-6, backend="auto"):

@@ -55,16 +55,35 @@ def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float, dtype=torch.float32) 
     return xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * w.to(dtype)
 
 
-def draft_input(h_prev, embed_rows, positions, enorm, hnorm, e_proj, h_proj, *, eps, dtype=torch.float32):
+def draft_input(
+    h_prev, embed_rows, positions, enorm, hnorm, e_proj, h_proj, *, eps, dtype=torch.float32, e_proj_scale=None, h_proj_scale=None
+):
     """``X [T, M, Hd]``: ``h_proj(hnorm(h_prev[m])) + e_proj(enorm(e))`` per stream, e zeroed where the
     position is 0. float32: the norms are rounded to bf16 before the projections (their outputs feed bf16
-    GEMMs) and X is rounded to bf16; float64: no rounding (the oracle)."""
+    GEMMs) and X is rounded to bf16; float64: no rounding (the oracle). FP8 projections (``*_scale`` given, V4's
+    format): through the 1x128 activation quantiser and the FP8 GEMM (:func:`dsv4ref.linear.fp8_linear`, bf16
+    out), their sum rounded to bf16; in float64 the dequantised weights on the unquantised rows."""
     rnd = (lambda v: v.to(torch.bfloat16).to(dtype)) if dtype != torch.float64 else (lambda v: v)
     e = torch.where((positions == 0)[:, None], 0.0, embed_rows.to(dtype))
     e = rnd(rms_norm(e, enorm, eps, dtype))  # [T, Hd]
     hm = rnd(rms_norm(h_prev, hnorm, eps, dtype))  # [T, M, Hd]: the norm runs over Hd, stream by stream
+    if e_proj_scale is not None or h_proj_scale is not None:
+        return _draft_input_fp8(hm, e, e_proj, h_proj, e_proj_scale, h_proj_scale, dtype)
     x = hm @ h_proj.to(dtype).T + (e @ e_proj.to(dtype).T)[:, None, :]  # e_proj(e) broadcast to the M streams
     return x.to(torch.bfloat16) if dtype != torch.float64 else x
+
+
+def _draft_input_fp8(hm, e, e_proj, h_proj, e_scale, h_scale, dtype):
+    """:func:`draft_input`'s two projections with FP8 weights (``hm`` [T, M, Hd], ``e`` [T, Hd], already normed)."""
+    from .. import linear as lin
+
+    if dtype == torch.float64:
+        We, Wh = (lin.dequantize_fp8_weight(w, s).to(dtype) for w, s in ((e_proj, e_scale), (h_proj, h_scale)))
+        return hm @ Wh.T + (e @ We.T)[:, None, :]
+    T, M, Hd = hm.shape
+    ph = lin.fp8_linear(hm.reshape(T * M, Hd).to(torch.bfloat16), h_proj, h_scale, backend="reference").view(T, M, Hd)
+    pe = lin.fp8_linear(e.to(torch.bfloat16), e_proj, e_scale, backend="reference")
+    return (ph.float() + pe.float()[:, None, :]).to(torch.bfloat16)
 
 
 def draft_logits(X, hc_fn, hc_scale, hc_base, norm, lm_head, *, rms_eps, hc_eps, dtype=torch.float32):

@@ -16,6 +16,8 @@ from .numerics import (  # noqa: F401
     bf16_round,
     canonical_nan,
     dot,
+    dot_e4m3,
+    e2m1_e4m3,
     e4m3_decode,
     e4m3_encode,
     e4m3_nan_codes,

@@ -28,6 +28,9 @@ helper                 what it does                                  interpreter
 ``e4m3_finite``        finite fp32 -> e4m3 byte; NATIVE: the cast    I5 (NATIVE is False interpreted)
 ``bf16_bits``          fp32 -> bf16 bits; NATIVE: the cast           I4 (NATIVE is False interpreted)
 ``page_offsets32``     ``page_offsets`` with an int32 slot division  (int64 division is a slow call)
+``dot_e4m3``           e4m3 bytes @ e4m3 bytes, fp32 from zero       I5-like: the fp8 cast reads NaN codes
+                       (NATIVE fp8 MMA compiled)                     as 480 (decoded in fp32 instead)
+``e2m1_e4m3``          E2M1 code -> e4m3 byte, in integers           none; FP4 weights on an fp8 MMA
 =====================  ============================================  ====================================
 
 Arithmetic rule for all kernels (I3): ``.to(tl.float32)`` right after a bf16/fp8 load, do every add,
@@ -336,3 +339,32 @@ def e4m3_nan_codes(xb):
     value is not a NaN and its sign bit is set (the bytes e4m3_ue8m0_blocks writes there)."""
     nan = (xb & 0x7FFFFFFF) > 0x7F800000
     return tl.where(nan, 0x7F, ((xb >> 24) & 0x80) | 0x7F).to(tl.uint8)
+
+
+# ---- e4m3 matrix products (dsv4ref.linear) -----------------------------------------------------------------
+
+
+@triton.jit
+def dot_e4m3(a, b, DOT_FP32: tl.constexpr):
+    """``a @ b`` for e4m3 bytes (uint8) ``a [M, K]``, ``b [K, N]``: an fp32 ``[M, N]`` accumulated from zero.
+
+    Compiled: the operands are reinterpreted as ``float8e4nv`` and multiplied on the tensor cores (an fp8 MMA
+    on Hopper). ``DOT_FP32`` (the launcher's ``interpreting()``): both are decoded to fp32 with
+    :func:`e4m3_decode` (NaN codes as NaN; the interpreter's fp8 cast reads them as ±480) and multiplied in
+    ieee fp32, exact per product (e4m3 · e4m3 has at most 8 significant bits)."""
+    if DOT_FP32:
+        return tl.dot(e4m3_decode(a), e4m3_decode(b), input_precision="ieee")
+    else:
+        return tl.dot(a.to(tl.float8e4nv, bitcast=True), b.to(tl.float8e4nv, bitcast=True))
+
+
+@triton.jit
+def e2m1_e4m3(code):
+    """E2M1 codes (int32 0..15) -> the e4m3 byte of the same value (uint8), exactly, in integers.
+
+    A magnitude code c = 2E + M (E >= 1) is (1 + M/2)·2^(E−1): e4m3 exponent field E + 6, mantissa M·4, so the
+    byte is 8(E + 6) + 4M = 4c + 48; code 1 (0.5, E2M1's subnormal) is 0x30 and code 0 is 0. The sign is bit 3
+    of the code and bit 7 of the byte."""
+    mag = code & 7
+    byte = tl.where(mag >= 2, 4 * mag + 48, mag * 48)
+    return (byte | ((code & 8) << 4)).to(tl.uint8)

@@ -69,6 +69,18 @@ def build_parser() -> argparse.ArgumentParser:
         help="then decode again eagerly and as one replayed device graph per step (value checks off): "
         "prints tokens/s of both and checks the tokens are the same",
     )
+    d.add_argument(
+        "--weight-format",
+        default="bf16",
+        choices=("bf16", "v4"),
+        help="the projections' weights: bf16 (the teaching config's default) or V4's FP8 / FP4 experts",
+    )
+    d.add_argument(
+        "--moe-path",
+        default="deepseek",
+        choices=("deepseek", "megamoe"),
+        help="with --weight-format v4: which pipeline feeds the FP4 experts (docs/moe.md)",
+    )
     return p
 
 
@@ -182,7 +194,9 @@ def _cmd_demo(args) -> int:
     except (TypeError, ValueError) as e:
         print(f"demo: {e}", file=sys.stderr)
         return 2
-    return demo(steps=args.steps, speculate=args.speculate, graph=args.graph)
+    return demo(
+        steps=args.steps, speculate=args.speculate, graph=args.graph, weight_format=args.weight_format, moe_path=args.moe_path
+    )
 
 
 def main(argv=None) -> int:

@@ -2,4 +2,4 @@
 
 :func:`dsv4ref.tools.harness.load_ops` imports every module named in :data:`OPS`."""
 
-OPS = ("fp8", "kv_cache", "rope", "mhc", "sparse_mla", "indexer", "decode", "moe", "compressor", "mtp")
+OPS = ("fp8", "kv_cache", "rope", "mhc", "sparse_mla", "indexer", "decode", "moe", "compressor", "mtp", "linear")

@@ -1,0 +1,293 @@
+"""DeepSeek-V4's quantised projections: FP8 (e4m3, 128x128 UE8M0 scales) and FP4 (E2M1, 1x32 UE8M0 scales)
+weights times e4m3 activations with 1x128 power-of-two scales, fp32 accumulation per K block, bf16 out.
+
+V4's config says ``"dtype": "fp8"``, ``"scale_fmt": "ue8m0"``, ``"expert_dtype": "fp4"``: every projection of
+attention, the indexer's ``wq_b``, the shared expert and MTP's ``e_proj`` / ``h_proj`` is FP8; the routed
+experts are FP4 (the table and the byte layouts: ``docs/linear.md``).
+
+* :func:`act_quant` (x -> e4m3 + fp32 scales), :func:`fp8_gemm`, :func:`fp4_gemm` (pre-quantised activations),
+  :func:`fp8_linear`, :func:`fp4_linear` (both steps);
+* the weight quantisers :func:`quantize_fp8_weight`, :func:`quantize_fp4_weight` and their exact inverses;
+* the E2M1 codec :func:`e2m1_encode`, :func:`e2m1_decode`, :func:`pack_e2m1`, :func:`unpack_e2m1`.
+
+Where to read what: :mod:`dsv4ref.linear.reference` (the formulas in plain torch), :mod:`.kernels` (Triton),
+:mod:`.launch` (:class:`LinearLaunch`, the custom ops).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .. import validate
+from ..formats import ACT_BLOCK, FP4_BLOCK, WEIGHT_BLOCK
+from ..fp4 import e2m1_decode, e2m1_encode
+from ..fp4 import pack_nibbles as pack_e2m1
+from ..fp4 import unpack_nibbles as unpack_e2m1
+from . import kernels, reference  # noqa: F401  (dsv4ref.linear.kernels / .reference, for readers)
+from .launch import LinearLaunch, default_launch, run_act_quant, run_fp4_gemm, run_fp4_grouped_gemm, run_fp8_gemm
+
+__all__ = [
+    "SUPPORTED_BACKENDS",
+    "LinearLaunch",
+    "default_launch",
+    "act_quant",
+    "fp8_gemm",
+    "fp4_gemm",
+    "fp8_linear",
+    "fp4_linear",
+    "quantize_fp8_weight",
+    "quantize_fp4_weight",
+    "dequantize_fp8_weight",
+    "dequantize_fp4_weight",
+    "e2m1_encode",
+    "e2m1_decode",
+    "pack_e2m1",
+    "unpack_e2m1",
+]
+
+SUPPORTED_BACKENDS = ("reference", "triton")  # from dsv4ref.validate.BACKENDS; "auto" = "triton"
+FLOAT_INPUTS = (torch.float32, torch.bfloat16)
+E4M3 = (torch.float8_e4m3fn, torch.uint8)  # e4m3 values, or their bytes
+UE8M0 = (torch.float8_e8m0fnu, torch.uint8)  # UE8M0 scale bytes
+ACT_SCALES = (torch.float32, torch.float8_e8m0fnu)
+FP4_PACKED = (torch.float4_e2m1fn_x2, torch.uint8)
+MAX_BLOCK = 4096
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _common(backend, launch, **tensors):
+    for name, t in tensors.items():
+        validate.not_meta(t, name)
+    validate.same_device(**tensors)
+    if launch is not None and not isinstance(launch, LinearLaunch):
+        raise TypeError(f"launch: expected a LinearLaunch or None, got {type(launch).__name__}")
+    return validate.backend(backend, SUPPORTED_BACKENDS)
+
+
+def _check_x(x: torch.Tensor) -> None:
+    validate.tensor(x, "x", dtype=FLOAT_INPUTS, ndim=2)
+    validate.not_meta(x, "x")
+    validate.finite(x, "x")
+
+
+def _check_activations(q: torch.Tensor, s: torch.Tensor, k: int | None = None) -> tuple[int, int]:
+    """q ``[M, K]`` e4m3, s ``[M, ceil(K/128)]``; with checks on, no NaN code and no non-finite scale."""
+    validate.tensor(q, "q", dtype=E4M3, ndim=2)
+    validate.tensor(s, "s", dtype=ACT_SCALES, ndim=2)
+    m, kq = q.shape
+    if k is not None and kq != k:
+        raise ValueError(f"q: expected K = {k} columns (the weight's), got shape {tuple(q.shape)}")
+    validate.tensor(s, "s", shape=(m, _cdiv(kq, ACT_BLOCK)))
+    validate.not_meta(q, "q")
+    validate.not_meta(s, "s")
+    if validate.check_values() and q.numel():
+        bad = (q.view(torch.uint8) & 0x7F) == 0x7F
+        if bool(bad.any()):
+            raise ValueError(f"q: e4m3 NaN codes (0x7F / 0xFF; the first at {tuple(bad.nonzero()[0].tolist())})")
+        sv = reference.scale_values(s)
+        if not bool(sv.isfinite().all()):
+            raise ValueError(f"s: non-finite scales (NaN; the first at {tuple((~sv.isfinite()).nonzero()[0].tolist())})")
+    return m, kq
+
+
+def _check_fp8_weight(w: torch.Tensor, w_scale: torch.Tensor) -> tuple[int, int]:
+    validate.tensor(w, "w", dtype=E4M3, ndim=2)
+    n, k = w.shape
+    validate.tensor(w_scale, "w_scale", dtype=(*UE8M0, torch.float32))
+    validate.tensor(w_scale, "w_scale", shape=(_cdiv(n, WEIGHT_BLOCK), _cdiv(k, WEIGHT_BLOCK)))
+    return n, k
+
+
+def _check_fp4_weight(w_packed: torch.Tensor, w_scale: torch.Tensor, grouped: bool = False) -> tuple[int, int]:
+    """``[N, K/2]`` and ``[N, ceil(K/32)]``; ``grouped``: ``[E, N, K/2]`` and ``[E, N, ceil(K/32)]``."""
+    validate.tensor(w_packed, "w_packed", dtype=FP4_PACKED, ndim=3 if grouped else 2)
+    n, k = w_packed.shape[-2], 2 * w_packed.shape[-1]
+    validate.tensor(w_scale, "w_scale", dtype=(*UE8M0, torch.float32))
+    validate.tensor(w_scale, "w_scale", shape=(*w_packed.shape[:-2], n, _cdiv(k, FP4_BLOCK)))
+    return n, k
+
+
+def _check_expert_ids(expert_ids, w_packed: torch.Tensor, m: int) -> bool:
+    """None (one weight), or int32 / int64 ``[M]`` with entries in [0, E) or −1 (checks on)."""
+    if expert_ids is None:
+        return False
+    validate.tensor(expert_ids, "expert_ids", dtype=(torch.int32, torch.int64), shape=(m,))
+    validate.not_meta(expert_ids, "expert_ids")
+    validate.index_range(expert_ids, "expert_ids", w_packed.shape[0])
+    return True
+
+
+def act_quant(
+    x: torch.Tensor, *, block: int = ACT_BLOCK, backend: str = "auto", launch: LinearLaunch | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantise activations per 1 x ``block`` block along K: DeepSeek's ``act_quant`` with ``scale_fmt="ue8m0"``.
+
+    Args:
+        x: ``[M, K]`` bf16 or fp32, M >= 0, any strides. Finite: a NaN / ±inf raises ``ValueError("x: non-finite
+            ...")`` while value checks are on; with them off its block is written as NaN (scale NaN, e4m3 codes
+            0x7F, 0xFF where a non-NaN value has its sign bit set). K need not be a multiple of ``block``: the
+            last partial block is a block of its own.
+        block: values per scale, an int power of two in [1, 4096] (128 in V4).
+        backend / launch: ``"auto"`` (= ``"triton"``), ``"triton"`` or ``"reference"`` (identical bytes); the
+            kernel's :class:`LinearLaunch` or None.
+    Returns:
+        ``(q, s)``: q float8_e4m3fn ``[M, K]``, s float32 ``[M, ceil(K / block)]``, each a power of two
+        2^(b − 127) with b = ceil(log2(max(amax, 1e-4) / 448)) + 127 (``s.view(torch.int32) >> 23`` is b).
+    """
+    _check_x(x)
+    block = validate.power_of_two(block, "block")
+    if block > MAX_BLOCK:
+        raise ValueError(f"block: expected a power of two <= {MAX_BLOCK}, got {block}")
+    backend = _common(backend, launch, x=x)
+    if backend == "reference":
+        return reference.act_quant(x, block)
+    return run_act_quant(x, block, launch or default_launch(x.shape[0]))
+
+
+def fp8_gemm(
+    q: torch.Tensor,
+    s: torch.Tensor,
+    w: torch.Tensor,
+    w_scale: torch.Tensor,
+    *,
+    backend: str = "auto",
+    launch: LinearLaunch | None = None,
+) -> torch.Tensor:
+    """``y = q · wᵀ`` with blockwise scales: per 128-wide K block, the block's product in fp32 from zero, times
+    ``s[m, k] · w_scale[n // 128, k]``, added to the fp32 accumulator in K order; bf16 out.
+
+    Args:
+        q: ``[M, K]`` float8_e4m3fn (or its bytes, uint8), any strides; ``s``: ``[M, ceil(K/128)]`` float32 (or
+            UE8M0 bytes as float8_e8m0fnu): :func:`act_quant`'s outputs. With value checks on, a NaN code or a
+            NaN scale raises ``ValueError``; off, they give NaN rows.
+        w: ``[N, K]`` float8_e4m3fn (or uint8 bytes); ``w_scale``: ``[ceil(N/128), ceil(K/128)]``
+            float8_e8m0fnu (or uint8 bytes, or float32 values). Parameters: not value-checked (byte 255 reads NaN).
+    Returns:
+        bf16 ``[M, N]``, contiguous; every NaN is 0x7FC0.
+    """
+    n, k = _check_fp8_weight(w, w_scale)
+    m, _ = _check_activations(q, s, k)
+    backend = _common(backend, launch, q=q, s=s, w=w, w_scale=w_scale)
+    if backend == "reference":
+        return reference.fp8_gemm(q, s, w, w_scale)
+    return run_fp8_gemm(q, s, w, w_scale, launch or default_launch(m))
+
+
+def fp4_gemm(
+    q: torch.Tensor,
+    s: torch.Tensor,
+    w_packed: torch.Tensor,
+    w_scale: torch.Tensor,
+    *,
+    expert_ids: torch.Tensor | None = None,
+    backend: str = "auto",
+    launch: LinearLaunch | None = None,
+) -> torch.Tensor:
+    """``y = q · wᵀ`` for an FP4 weight: per 32-wide K block, the block's product in fp32 from zero, times
+    ``s[m, k // 4] · w_scale[n, k]``, added to the fp32 accumulator in K order; bf16 out. With
+    ``expert_ids``, one expert's weight per row (routed experts).
+
+    Args:
+        q, s: as :func:`fp8_gemm` (K = 2 · w_packed's columns).
+        w_packed: ``[N, K/2]`` float4_e2m1fn_x2 (DeepSeek's checkpoint dtype) or its bytes as uint8; element 2j
+            of a row in the LOW nibble of byte j.
+        w_scale: ``[N, ceil(K/32)]`` float8_e8m0fnu (or uint8 bytes, or float32 values). Not value-checked.
+        expert_ids: None, or int32 / int64 ``[M]``: row m is multiplied by ``w_packed[expert_ids[m]]``, with
+            ``w_packed [E, N, K/2]`` and ``w_scale [E, N, ceil(K/32)]``; −1 gives a zero row. Checks on: entries
+            in [0, E) or −1; off: an id outside [0, E) counts as −1 on every backend.
+    Returns:
+        bf16 ``[M, N]``, contiguous.
+    """
+    validate.tensor(w_packed, "w_packed", dtype=FP4_PACKED)
+    grouped = expert_ids is not None
+    n, k = _check_fp4_weight(w_packed, w_scale, grouped)
+    m, _ = _check_activations(q, s, k)
+    _check_expert_ids(expert_ids, w_packed, m)
+    backend = _common(backend, launch, q=q, s=s, w_packed=w_packed, w_scale=w_scale, expert_ids=expert_ids)
+    if grouped and backend == "reference":
+        return reference.fp4_grouped_gemm(q, s, expert_ids, w_packed, w_scale)
+    if grouped:
+        return run_fp4_grouped_gemm(q, s, expert_ids, w_packed, w_scale, launch or default_launch(m))
+    if backend == "reference":
+        return reference.fp4_gemm(q, s, w_packed, w_scale)
+    return run_fp4_gemm(q, s, w_packed, w_scale, launch or default_launch(m))
+
+
+def fp8_linear(
+    x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, *, backend: str = "auto", launch: LinearLaunch | None = None
+) -> torch.Tensor:
+    """:func:`act_quant` then :func:`fp8_gemm`: DeepSeek's ``linear(x, weight)`` for an FP8 weight. x ``[M, K]``
+    bf16 / fp32 (:func:`act_quant`'s rules), w / w_scale as :func:`fp8_gemm`. Returns bf16 ``[M, N]``."""
+    _check_x(x)
+    _, k = _check_fp8_weight(w, w_scale)
+    if x.shape[1] != k:
+        raise ValueError(f"x: expected K = {k} columns (the weight's), got shape {tuple(x.shape)}")
+    _common(backend, launch, x=x, w=w, w_scale=w_scale)
+    with validate.checking_values(False):  # x was checked above; act_quant's output is finite or NaN by policy
+        q, s = act_quant(x, backend=backend, launch=launch)
+        return fp8_gemm(q, s, w, w_scale, backend=backend, launch=launch)
+
+
+def fp4_linear(
+    x: torch.Tensor,
+    w_packed: torch.Tensor,
+    w_scale: torch.Tensor,
+    *,
+    expert_ids: torch.Tensor | None = None,
+    backend: str = "auto",
+    launch: LinearLaunch | None = None,
+) -> torch.Tensor:
+    """:func:`act_quant` then :func:`fp4_gemm`: DeepSeek's ``linear(x, weight)`` for an FP4 (routed expert)
+    weight. x ``[M, K]`` bf16 / fp32; w_packed / w_scale / expert_ids as :func:`fp4_gemm`. Returns bf16
+    ``[M, N]``."""
+    _check_x(x)
+    validate.tensor(w_packed, "w_packed", dtype=FP4_PACKED)
+    _, k = _check_fp4_weight(w_packed, w_scale, expert_ids is not None)
+    if x.shape[1] != k:
+        raise ValueError(f"x: expected K = {k} columns (the weight's), got shape {tuple(x.shape)}")
+    _check_expert_ids(expert_ids, w_packed, x.shape[0])
+    _common(backend, launch, x=x, w_packed=w_packed, w_scale=w_scale, expert_ids=expert_ids)
+    with validate.checking_values(False):
+        q, s = act_quant(x, backend=backend, launch=launch)
+        return fp4_gemm(q, s, w_packed, w_scale, expert_ids=expert_ids, backend=backend, launch=launch)
+
+
+def _check_weight(w: torch.Tensor, name: str = "w") -> None:
+    validate.tensor(w, name, dtype=FLOAT_INPUTS, ndim=2)
+    validate.not_meta(w, name)
+    validate.finite(w, name)
+
+
+def quantize_fp8_weight(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """bf16 / fp32 W ``[N, K]`` -> ``(e4m3 [N, K], float8_e8m0fnu [ceil(N/128), ceil(K/128)])``: per 128x128
+    tile, scale 2^ceil(log2(max(amax, 448·2^-126) / 448)), values e4m3(clamp(w / scale, ±448)). Partial tiles
+    at the edges are tiles of their own. Non-finite W: ``ValueError`` (checks on); off, its tile is NaN (byte
+    255, codes 0x7F / 0xFF). Plain torch (an offline step)."""
+    _check_weight(w)
+    return reference.quantize_fp8_weight(w)
+
+
+def quantize_fp4_weight(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """bf16 / fp32 W ``[N, K]``, K even -> ``(float4_e2m1fn_x2 [N, K/2], float8_e8m0fnu [N, ceil(K/32)])``: per
+    1x32 block, scale 2^ceil(log2(max(amax, 6·2^-126) / 6)), codes E2M1(clamp(w / scale, ±6)) rounded to nearest
+    even, element 2j in the LOW nibble of byte j. Non-finite W: ``ValueError`` (checks on); off, byte 255 and
+    codes 0x7 / 0xF. Plain torch (an offline step)."""
+    _check_weight(w)
+    if w.shape[1] % 2:
+        raise ValueError(f"w: K must be even to pack two E2M1 codes a byte, got shape {tuple(w.shape)}")
+    return reference.quantize_fp4_weight(w)
+
+
+def dequantize_fp8_weight(w: torch.Tensor, w_scale: torch.Tensor) -> torch.Tensor:
+    """e4m3 ``[N, K]`` and its 128x128 scales -> fp32 ``[N, K]``, exact (byte 255 / NaN codes: NaN)."""
+    _check_fp8_weight(w, w_scale)
+    return reference.dequantize_fp8_weight(w, w_scale)
+
+
+def dequantize_fp4_weight(w_packed: torch.Tensor, w_scale: torch.Tensor) -> torch.Tensor:
+    """Packed E2M1 ``[N, K/2]`` and its 1x32 scales -> fp32 ``[N, K]``, exact (byte 255: NaN)."""
+    _check_fp4_weight(w_packed, w_scale)
+    return reference.dequantize_fp4_weight(w_packed, w_scale)
