@@ -354,3 +354,13 @@ def test_draft_input_with_v4s_fp8_projections(w):
     assert not torch.equal(X, mtp.draft_input(**bf16))
     with pytest.raises(TypeError, match="e_proj"):
         mtp.draft_input(**a, h_proj_scale=sh)  # an FP8 e_proj without its scale is not a bf16 weight
+
+
+def test_speculation_in_v4s_formats_emits_the_greedy_tokens():
+    """With V4's formats (the draft layer's e_proj / h_proj and its block's projections FP8, its experts FP4)
+    greedy speculation still emits exactly the plain greedy tokens."""
+    cfg = TINY.replace(weight_format="v4")
+    plain, _, _, _ = decode.run(cfg, steps=3, prompt_lens=(6,), decode_backend="reference")
+    spec, _, _, _ = decode.run_speculative(cfg, steps=3, k=2, prompt_lens=(6,), decode_backend="reference")
+    assert spec.w["mtp"]["e_proj"].dtype == torch.float8_e4m3fn
+    assert spec.generated[0][:3] == plain.tokens[0, 6:9].tolist()
