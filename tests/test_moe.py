@@ -992,3 +992,20 @@ def test_experts_fp4_refuses_naming_the_argument():
         moe.experts_fp4(*args, swiglu_limit=10.0, path="megamoe")
     with pytest.raises(ValueError, match="path"):
         moe.experts_fp4(*args, swiglu_limit=10.0, path="vllm")
+
+
+@pytest.mark.parametrize("path", moe.PATHS)
+def test_experts_fp4_do_not_sync_with_checks_off(path):
+    """The decode step captures experts_fp4 in a device graph: with value checks off its triton path reads no
+    device value on the host (the grouping, the tile table, act_quant, the combine), and gives the reference's
+    bits."""
+    from contract import no_host_sync
+
+    from dsv4ref import validate
+
+    args, staged = _v4_layer(T=6, seed=13)
+    with validate.checking_values(False):
+        want = moe.experts_fp4(*args, swiglu_limit=10.0, path=path, **staged, backend="reference")
+        with no_host_sync([]):
+            got = moe.experts_fp4(*args, swiglu_limit=10.0, path=path, **staged, backend="triton")
+    assert torch.equal(got.view(torch.int16), want.view(torch.int16))
