@@ -49,7 +49,7 @@ from .compare import (
 )
 from .demo import demo
 from .driver import SpecStats, graph_speed, run, run_speculative
-from .format_error import FormatError, FormatStep, format_error
+from .v4_formats import FormatError, FormatStep, format_error
 from .glue import swiglu_clamped
 from .model import Decoder
 from .reference import REFERENCE_BUGS, reference_forward

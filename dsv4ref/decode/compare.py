@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from ..config import Config
+from ..tolerances import TOLERANCES
 from .reference import reference_forward
 
 __all__ = [
@@ -49,7 +50,7 @@ AGREEMENT_TOL = (ATTN_TOL, LOGITS_TOL)
 #: more: ATTN_TOL_V4 = 2^-2. The logits see it through the attention updates and, now, the FFN (every expert
 #: input is quantised): LOGITS_TOL_V4 = 2·2^-4 = 2^-3 (docs/decode.md#v4s-number-formats has the measured
 #: values).
-ATTN_TOL_V4 = 2.0**-2
+ATTN_TOL_V4 = TOLERANCES["decode_step_v4"].rtol  # 2^-2
 LOGITS_TOL_V4 = 2.0**-3
 
 
