@@ -31,7 +31,7 @@ import torch
 from .. import validate
 from ..device import DEVICE, HOST
 from ..formats import FP8_K_RECORD, INDEX_HEAD_DIM, INDEX_K_FORMATS, INDEX_ROPE_DIM, MXFP4_K_RECORD, index_k_page_bytes
-from ..testing import generator, randn
+from ..seeded import generator, randn
 from . import launch as _launch
 from . import reference
 from .launch import IndexerLaunch, default_launch

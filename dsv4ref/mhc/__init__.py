@@ -22,7 +22,7 @@ import torch
 
 from .. import validate
 from ..device import DEVICE, HOST
-from ..testing import generator, randn
+from ..seeded import generator, randn
 from . import reference
 from .launch import MhcLaunch, default_launch, split_fn
 from .reference import HC_EPS, HC_MULT, POST_MULT, RMS_EPS, SINKHORN_ITERS
@@ -427,5 +427,5 @@ def example_params(Hd: int, *, seed: int = 0, M: int = HC_MULT, head: bool = Fal
 
 
 def example_streams(T: int, Hd: int, *, seed: int = 0, M: int = HC_MULT, device=None) -> torch.Tensor:
-    """Seeded streams ``[T, M, Hd]`` bf16 whose 64-wide blocks span 2^-4 .. 2^4 (``testing.randn`` octaves)."""
+    """Seeded streams ``[T, M, Hd]`` bf16 whose 64-wide blocks span 2^-4 .. 2^4 (``seeded.randn`` octaves)."""
     return randn((T, M, Hd), seed=seed, octaves=8, device=device)

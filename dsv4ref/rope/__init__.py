@@ -31,9 +31,9 @@ import torch
 from .. import kv_cache, validate
 from ..device import DEVICE, HOST
 from ..formats import HEAD_DIM, ROPE_DIM
-from ..testing import randn
+from ..seeded import randn
 from . import kernels, reference  # noqa: F401  (dsv4ref.rope.kernels / .reference for readers)
-from .launch import RopeLaunch, default_launch
+from .launch import RopeLaunch, default_launch, qnorm_rope_kv_insert_op, rope_gptj_op
 
 __all__ = [
     "inv_freq",
@@ -283,7 +283,7 @@ def apply_gptj(
     per_row = tuple(positions.shape) == tuple(x.shape[:-1])
     pos_div = 1 if per_row or x.dim() == 1 else math.prod(x.shape[1:-1])
     pos = positions.reshape(-1).to(torch.int64).contiguous()  # a strided view must not be read as flat
-    torch.ops.dsv4ref.rope_gptj(x2, pos, cos_sin, out, pos_div, inverse, *launch.op_args("rope_gptj"))
+    rope_gptj_op(x2, pos, cos_sin, out, pos_div, inverse, *launch.op_args("rope_gptj"))
     return out.view(x.shape)
 
 
@@ -389,7 +389,7 @@ def qnorm_rope_kv_insert(
         return
     qc = q if q.stride(2) == 1 else q.contiguous()  # the kernels read rows of 512; written back below
     run = launch.resolve(qc)
-    torch.ops.dsv4ref.qnorm_rope_kv_insert(
+    qnorm_rope_kv_insert_op(
         qc,
         kv if kv.stride(1) == 1 else kv.contiguous(),
         cache,

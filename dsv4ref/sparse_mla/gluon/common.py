@@ -1,4 +1,4 @@
-"""What the Hopper Gluon kernels share (imported only where Gluon imported: see the package's ``_kernels``).
+"""What the Hopper Gluon kernels share (imported only where Gluon imported: see :func:`.launch.kernels`).
 
 * the candidate list: :func:`_slots` (virtual candidate ids -> slots), :func:`_candidate_range` and
   :func:`_program` (what one program owns: token, head block, list split, chunk count);
@@ -11,7 +11,7 @@
   kernel's epilogue (:func:`_epilogue`) and the split merge (:func:`_merge_kernel`).
 """
 
-from . import _async_load, _bar, _gluon, async_copy, fence_async_shared, gl
+from .lang import _async_load, _bar, _gluon, async_copy, fence_async_shared, gl
 
 
 @_gluon.jit

@@ -6,7 +6,7 @@ transposed. Oᵀ is 64 registers per thread, which leaves room for **two** produ
 (:data:`~.launch.NARROW_REGS` registers each; each dequantises half of every chunk) and a third K stage.
 """
 
-from . import _bar, _gluon, fence_async_shared, gl, mbarrier, warpgroup_mma, warpgroup_mma_wait
+from .lang import _bar, _gluon, fence_async_shared, gl, mbarrier, warpgroup_mma, warpgroup_mma_wait
 from .common import _dequant_store_packed, _head_scale, _load_rows_packed, _program, _q_async, _slots
 
 

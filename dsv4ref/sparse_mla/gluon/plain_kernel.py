@@ -7,7 +7,7 @@ dequantisation, prologue and epilogue arithmetic (:mod:`.common`) and add produc
 of stages ahead of the MMAs. Same contract and results as the default kernels; slower on every bench shape.
 """
 
-from . import _bar, _gluon, fence_async_shared, gl, warpgroup_mma, warpgroup_mma_wait
+from .lang import _bar, _gluon, fence_async_shared, gl, warpgroup_mma, warpgroup_mma_wait
 from .common import _dequant_store, _head_scale, _load_raw, _program, _q_to_shared, _slots, _softmax_step
 
 

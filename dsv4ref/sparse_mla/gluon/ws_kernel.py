@@ -21,7 +21,7 @@ split the output leaves through a released K stage as 16-byte row vectors; the q
 runs after the loop, and only when a head counted no candidate.
 """
 
-from . import _bar, _gluon, fence_async_shared, gl, mbarrier, warpgroup_mma, warpgroup_mma_wait
+from .lang import _bar, _gluon, fence_async_shared, gl, mbarrier, warpgroup_mma, warpgroup_mma_wait
 from .common import _dequant_store_packed, _epilogue, _load_rows_packed, _program, _q_async, _q_scan, _slots, _softmax_step
 
 
