@@ -295,7 +295,7 @@ def apply_neox(
 
     Args:
         x, positions, cos_sin, inverse: as :func:`apply_gptj`.
-        backend: ``"auto"`` or ``"reference"`` (the only one).
+        backend: ``"auto"`` (= ``"reference"``) or ``"reference"`` (the only one).
     Returns:
         A new tensor of x's shape and dtype.
     """
@@ -419,7 +419,7 @@ def grouped_o_proj(o: torch.Tensor, wo_a: torch.Tensor, wo_b: torch.Tensor, *, b
         o: ``[T, H, 512]`` bf16 (any strides): the attention output AFTER inverse RoPE, padded heads already removed.
         wo_a: ``[G, o_lora, (H/G)·512]`` bf16 (any strides): group g owns the contiguous heads [g·hpg, (g+1)·hpg).
         wo_b: ``[Hd, G·o_lora]`` bf16 (any strides).
-        backend: ``"auto"`` or ``"reference"`` (the only one).
+        backend: ``"auto"`` (= ``"reference"``) or ``"reference"`` (the only one).
     Returns:
         ``[T, Hd]`` bf16. Both GEMMs accumulate in fp32; the intermediate z is rounded to bf16 like an
         activation between two bf16 GEMMs.

@@ -183,9 +183,9 @@ def decode(
         extra_cache, extra_slots ``[T, K2]``, extra_lengths ``[T]`` (None = all K2), extra_block_size: the
             second pool (the compressed rows next to the window), attended in the same softmax; the same
             rules as the first. Give extra_cache, extra_slots and extra_block_size together.
-        backend: "auto", "reference", "two_pass", "triton" (:data:`SUPPORTED_BACKENDS`) or "gluon"
-            (:data:`GPU_ONLY`). "auto" (:func:`auto_backend`) is the warp-specialised Hopper kernel
-            (:mod:`dsv4ref.sparse_mla.gluon`) where it runs, else "triton"; a launch decides it (below).
+        backend: "auto" (= "gluon" where it runs, else "triton": :func:`auto_backend`; a launch decides it,
+            below), "reference", "two_pass", "triton" (:data:`SUPPORTED_BACKENDS`) or "gluon" (:data:`GPU_ONLY`,
+            the warp-specialised Hopper kernels of :mod:`dsv4ref.sparse_mla.gluon`).
         launch: the launch of the kernels that run: a :class:`SparseMlaLaunch` for "triton" and "two_pass"
             (None = :func:`default_launch` for this shape), a :class:`GluonLaunch` for "gluon" (None =
             ``gluon.default_launch``); with "auto", a SparseMlaLaunch runs "triton" and a GluonLaunch "gluon"
