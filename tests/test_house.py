@@ -386,3 +386,19 @@ def test_long_modules_say_why():
         and "Why one module of this length" not in (ast.get_docstring(ast.parse(p.read_text())) or "")
     ]
     assert not long, "modules over 600 lines without a reason at the top: " + ", ".join(long)
+
+
+def test_ops_call_their_custom_ops_by_object():
+    """A public function reaches its kernel through names a reader can follow: it calls the object
+    ``torch.library.custom_op`` returned (``<schema name>_op`` in the op's ``launch.py``), never a string looked
+    up at call time (``torch.ops.dsv4ref.<name>``). The tools, tests and benchmarks may use either. mhc and moe
+    still call theirs by name (they do not follow dsv4ref/op_launch.py yet)."""
+    by_name = {"mhc", "moe"}
+    files = [p for p in _py([d for d in OP_DIRS if d.name not in by_name])]
+    hits = [
+        f"{p.relative_to(ROOT)}:{n.lineno}"
+        for p in files
+        for n in ast.walk(ast.parse(p.read_text()))
+        if isinstance(n, ast.Attribute) and ast.unparse(n).startswith("torch.ops.dsv4ref.")
+    ]
+    assert not hits, "custom ops looked up by name:\n" + "\n".join(hits)

@@ -12,7 +12,8 @@ loop and host syncs, gathered token by token, and accepted the sink without appl
 * pass 2 is the fused kernel's own attention loop reading bf16 rows instead of FP8 pages, so the sink,
   the empty-row rule and the split merge are the same code.
 
-It moves 584 + 1024 (write) + 1024 (read) = 2632 bytes per selected row, 4.5× the fused kernel's 584:
+It moves 588 (record + slot) + 1024 (write) + 1028 (read the row and its slot again) = 2640 bytes per
+selected row, 4.5× the fused kernel's 588:
 measured against it in ``benchmarks/sparse_mla.md``.
 
 :func:`seed_decode` is the seed's structure on our kernels (with the sink applied, so its answer is
