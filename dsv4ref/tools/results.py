@@ -29,6 +29,7 @@ def _relink(text: str, path: pathlib.Path) -> str:
 
     return re.sub(r"\]\(([^)\s]+)\)", fix, text)
 
+
 __all__ = ["RESULTS", "results_header", "results_section"]
 
 
