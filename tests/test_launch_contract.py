@@ -16,7 +16,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import dsv4ref
-from dsv4ref import compressor, fp8, indexer, kv_cache, rope, sparse_mla
+from dsv4ref import compressor, fp8, indexer, kv_cache, mhc, moe, rope, sparse_mla
 from dsv4ref.compressor.launch import CompressorLaunch
 from dsv4ref.fp8.launch import Fp8Launch
 from dsv4ref.indexer.launch import IndexerLaunch
@@ -314,7 +314,19 @@ def _runs(make, backend) -> list[str]:
     return [op for op, _ in rec.calls]
 
 
+def _moe_stage():
+    d = moe.example_inputs(4, moe.TINY_MOE, seed=15)
+    ids, w = moe.route(d["x"], d["gate_weight"], d["bias"], k=2, routed_scale=1.5)
+    return moe.stage, (d["x"], ids, w), {}
+
+
+def _mhc_sinkhorn():
+    return mhc.sinkhorn, (randn((3, 4, 4), seed=16, dtype=torch.float32, block=None, octaves=0),), {}
+
+
 AUTO = {  # the ops run here under "auto", with the public function whose docstring states the pick
+    "moe.stage": (_moe_stage, moe.stage),
+    "mhc.sinkhorn": (_mhc_sinkhorn, mhc.sinkhorn),
     "kv_cache.insert": (_kv, kv_cache.insert),
     "kv_cache.gather": (_gather, kv_cache.gather),
     "rope.apply_gptj": (_rope_gptj, rope.apply_gptj),
