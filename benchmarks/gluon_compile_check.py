@@ -102,9 +102,9 @@ def _ptxas_stats(ptx: str, cubin: bytes) -> str:
 
 def compile_launch(launch: G.GluonLaunch):
     """Compile the kernel ``launch`` runs (two pools with lengths, a sink); returns the CompiledKernel."""
-    kern = G._kernels()
+    kern = G.kernels()
     if kern is None:
-        raise RuntimeError(f"Gluon unavailable: {G._IMPORT_ERROR!r}")
+        raise RuntimeError(f"Gluon unavailable: {G.import_error()!r}")
     fn = kern[launch.kernel]
     const = kernel_constexprs(launch.kernel)
     num_warps = const.pop("num_warps")

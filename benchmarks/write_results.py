@@ -16,9 +16,8 @@ Where the figures come from:
 
 Which row is the default (bold in the tables), from the library, not from the log:
 
-* ``kv_cache``: the bench times ``torch.ops.dsv4ref.kv_insert`` / ``kv_gather`` with their default arguments
-  (``default_launch("insert")`` / ``default_launch("gather")`` of ``dsv4ref/kv_cache/launch.py``): the rows
-  without ``launch=``;
+* ``kv_cache``: the bench times ``kv_insert_op`` / ``kv_gather_op`` with ``default_launch("insert")`` /
+  ``default_launch("gather")`` of ``dsv4ref/kv_cache/launch.py``: the rows without ``launch=``;
 * ``rope``: ``dsv4ref.rope.default_launch()`` resolved (its ``heads_per_prog`` and ``warps``) names the ``rope.fused_mh`` row
   (``rope.fused`` for the per-head kernel, ``heads_per_prog = 0``);
 * ``mhc``: ``MhcLaunch()`` as the GPU resolves it is what the sweep times as ``defaults``; ``mhc.post`` has one design;

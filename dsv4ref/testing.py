@@ -1,4 +1,5 @@
-"""Seeded test inputs and output poisoning, shared by tests, checks, benchmarks and the conformance suite.
+"""Seeded test inputs and output poisoning, shared by tests, checks, benchmarks and the conformance suite
+(the library's ops never import this module: their seeded draws come from :mod:`dsv4ref.seeded`).
 
 * :func:`poison` fills an output buffer before a kernel runs, so an element the kernel forgot shows.
 * :func:`randn` draws seeded inputs with real magnitudes (per-block scales over many octaves) from a
@@ -7,11 +8,10 @@
 
 from __future__ import annotations
 
-import math
-
 import torch
 
-from .device import DEVICE, HOST
+from .device import DEVICE
+from .seeded import generator, randint, randn, randperm  # noqa: F401  (one import for callers)
 from .tolerances import Report, Tol, TOLERANCES, assert_close, compare  # noqa: F401  (one import for callers)
 
 
@@ -24,34 +24,3 @@ def poison(shape, dtype: torch.dtype, device=None) -> torch.Tensor:
     if dtype in (torch.uint8, torch.float8_e4m3fn, torch.float8_e5m2):
         return torch.full(shape, 0x7F, dtype=torch.uint8, device=device).view(dtype)
     return torch.full(shape, -7777, dtype=dtype, device=device)
-
-
-def generator(seed: int) -> torch.Generator:
-    """A seeded CPU generator: CPU and GPU draw the same numbers (the CUDA RNG stream differs)."""
-    return torch.Generator(device=HOST).manual_seed(seed)
-
-
-def randn(
-    shape, *, seed: int = 0, dtype: torch.dtype = torch.bfloat16, device=None, block: int | None = 64, octaves: int = 16
-) -> torch.Tensor:
-    """N(0,1) values times a random power-of-two scale per ``block`` of the last dim (2^-octaves/2 ..
-    2^+octaves/2), so quantised blocks get many different scale bytes. ``block=None``: one scale per row.
-
-    Drawn on the CPU with a seeded generator, then moved to ``device`` (default :data:`DEVICE`)."""
-    g = generator(seed)
-    x = torch.randn(shape, generator=g, dtype=torch.float32, device=HOST)
-    if octaves:
-        last = shape[-1]
-        b = last if block is None else block
-        nb = math.ceil(last / b)
-        e = torch.randint(-octaves // 2, octaves // 2 + 1, (*shape[:-1], nb), generator=g, device=HOST).float()
-        x = x * torch.exp2(e).repeat_interleave(b, dim=-1)[..., :last]
-    return x.to(dtype).to(device or DEVICE)
-
-
-def randint(low: int, high: int, shape, *, seed: int = 0, dtype=torch.int64, device=None) -> torch.Tensor:
-    return torch.randint(low, high, shape, generator=generator(seed), device=HOST).to(dtype).to(device or DEVICE)
-
-
-def randperm(n: int, *, seed: int = 0, dtype=torch.int64, device=None) -> torch.Tensor:
-    return torch.randperm(n, generator=generator(seed), device=HOST).to(dtype).to(device or DEVICE)

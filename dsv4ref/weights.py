@@ -7,7 +7,7 @@ package imports the other for its weights; both import this module. The public n
 looks for them: :func:`dsv4ref.decode.make_weights` (the whole stack) and :func:`dsv4ref.mtp.make_weights`
 (:func:`mtp_weights`, the draft layer alone).
 
-The weights are random (seeded, drawn on the CPU with :func:`dsv4ref.testing.generator`, so every
+The weights are random (seeded, drawn on the CPU with :func:`dsv4ref.seeded.generator`, so every
 machine gets the same numbers), with the usual 1/sqrt(fan_in) scales. The KV and compressor norm
 weights carry a power-of-two factor per 64-block, so the FP8 scale bytes of a cached row differ from
 block to block (see ``docs/decode.md#the-weights``).
@@ -22,7 +22,7 @@ import torch
 from . import validate
 from .config import TINY, Config
 from .device import DEVICE, HOST
-from .testing import generator
+from .seeded import generator
 
 __all__ = [
     "check_config",

@@ -12,6 +12,8 @@
 from __future__ import annotations
 
 
+import math
+
 import pytest
 import torch
 from contract import HostSync, no_host_sync, snapshot, unchanged
@@ -349,10 +351,23 @@ def _experts(d, staged, ids, backend, E=None, out=None):
     )
 
 
+def _poisoned_empty(monkeypatch):
+    """Every float buffer the op allocates with ``torch.empty`` starts as NaN (its workspaces too), so a row the
+    kernels never wrote cannot pass for a zero row because the allocator happened to hand out zeroed memory."""
+    empty = torch.empty
+
+    def poisoned(*shape, **kw):
+        t = empty(*shape, **kw)
+        return t.fill_(math.nan) if t.dtype.is_floating_point and t.dtype.itemsize > 1 else t
+
+    monkeypatch.setattr(torch, "empty", poisoned)
+
+
 @pytest.mark.parametrize("backend", ["reference", "triton"])
-def test_expert_ids_outside_the_range_count_as_minus_one_with_checks_off(backend):
+def test_expert_ids_outside_the_range_count_as_minus_one_with_checks_off(backend, monkeypatch):
     """An id == E once gave 3.0e38 in row 0 (a slot row never written, read by the combine), ids > E a scatter
-    error: now any id outside [0, E) contributes exactly 0, as −1 does, on every backend."""
+    error: now any id outside [0, E) contributes exactly 0, as −1 does, on every backend. The workspaces are
+    NaN-poisoned: the slot row of an out-of-range id is never written, and reading it must show."""
     d = moe.example_inputs(4, SHAPE, seed=40)
     E = SHAPE.experts
     ids = torch.tensor([[E, 1], [0, E + 5], [-1, 2], [-7, 3]], dtype=torch.int64, device=DEVICE)
@@ -360,6 +375,7 @@ def test_expert_ids_outside_the_range_count_as_minus_one_with_checks_off(backend
     staged = moe.stage(d["x"], ids, w, backend="reference")
     clean = torch.where((ids >= 0) & (ids < E), ids, -1)
     out = poison((4, SHAPE.hidden), torch.bfloat16)
+    _poisoned_empty(monkeypatch)
     with validate.checking_values(False):
         got = _experts(d, staged, ids, backend, out=out)
         want = _experts(d, staged, clean, backend)

@@ -381,6 +381,27 @@ def test_probe_strided_index_views_are_honoured(backend):
     assert torch.equal(got[0].view(torch.int16), want[0].view(torch.int16)) and torch.equal(got[1], want[1])
 
 
+@pytest.mark.parametrize("backend", [*BACKENDS, *sparse_mla.GPU_ONLY])
+def test_row_strided_slots_are_read_at_their_row_stride(backend):
+    """slots / extra_slots as row views of wider tables (entries contiguous, rows K + 5 apart, the columns
+    beyond holding −1): such a view reaches the kernels as it is (only another entry stride is copied), so a
+    launcher that walks the rows at stride K instead of ``slots.stride(0)`` reads the neighbouring columns
+    and the next row's entries. The contiguous answer, bit for bit."""
+    kw = _small()
+    if backend in sparse_mla.GPU_ONLY and not gluon.supports(kw["q"], kw["cache"], kw["extra_cache"]):
+        pytest.skip("needs the Hopper backend")
+    want = sparse_mla.decode(**kw, backend=backend)
+    v = dict(kw)
+    for name in ("slots", "extra_slots"):
+        T, K = kw[name].shape
+        wide = torch.full((T, K + 5), -1, dtype=kw[name].dtype, device=DEVICE)
+        wide[:, 1 : K + 1] = kw[name]
+        v[name] = wide[:, 1 : K + 1]
+        assert v[name].stride() == (K + 5, 1)
+    got = sparse_mla.decode(**v, backend=backend)
+    assert torch.equal(got[0].view(torch.int16), want[0].view(torch.int16)) and torch.equal(got[1], want[1])
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_probe_int64_indices_empty_batch_and_empty_lists(backend):
     """int64 slots and lengths equal int32; T = 0 gives empty outputs; K = 0 (no candidate at all) gives

@@ -26,8 +26,8 @@ def test_default_kernels_compile_for_sm90():
     """The kernel ``decode_gluon`` launches by default at each bench shape's (H, list splits) compiles, within
     Hopper's shared memory: the 64-row warp-specialised kernel at split 2 (partials) and split 1 (output
     staged through shared memory), and the narrow kernel at H 16."""
-    if G._kernels() is None:
-        pytest.skip(f"this Triton has no usable Gluon: {G._IMPORT_ERROR!r}")
+    if G.kernels() is None:
+        pytest.skip(f"this Triton has no usable Gluon: {G.import_error()!r}")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     r = subprocess.run([sys.executable, str(SCRIPT), "--defaults"], env=env, capture_output=True, text=True, timeout=600)
     report = "\n".join(ln for ln in (r.stdout + r.stderr).splitlines() if "leaked" not in ln and "nanobind" not in ln)

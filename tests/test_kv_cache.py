@@ -465,12 +465,13 @@ def test_custom_ops_opcheck():
     kv = kv_rows(3, seed=91)
     slots = torch.tensor([2, -1, 1], device=DEVICE)
     kc.insert(cache, kv, slots, block_size=B)  # gather then reads valid records (no inf/NaN warnings)
+    ins, gat = kc.default_launch("insert").op_args(), kc.default_launch("gather").op_args()
     torch.library.opcheck(
-        torch.ops.dsv4ref.kv_insert.default, (cache, kv, slots, B), test_utils=("test_schema", "test_faketensor")
+        torch.ops.dsv4ref.kv_insert.default, (cache, kv, slots, B, *ins), test_utils=("test_schema", "test_faketensor")
     )
     out = torch.empty(3, 512, dtype=torch.bfloat16, device=DEVICE)
     torch.library.opcheck(
-        torch.ops.dsv4ref.kv_gather.default, (cache, slots, out, B), test_utils=("test_schema", "test_faketensor")
+        torch.ops.dsv4ref.kv_gather.default, (cache, slots, out, B, *gat), test_utils=("test_schema", "test_faketensor")
     )
 
 

@@ -84,8 +84,8 @@ def oracle_out(x, x_fp8, x_sf, ids, w, d, *, limit=None, shared=True, limits=Non
     return out, mass
 
 
-def run_experts(x, staged, d, ids=None, w=None, *, shared=True, limit=None):
-    """The Triton experts into a poisoned output buffer."""
+def run_experts(x, staged, d, ids=None, w=None, *, shared=True, limit=None, backend="triton"):
+    """The experts (Triton unless ``backend`` says otherwise) into a poisoned output buffer."""
     x_fp8, x_sf, ids0, w0 = staged
     out = poison((x.shape[0], x.shape[1]), torch.bfloat16)
     sw = (d["shared_w13"], d["shared_w2"]) if shared else (None, None)
@@ -100,7 +100,7 @@ def run_experts(x, staged, d, ids=None, w=None, *, shared=True, limit=None):
         *sw,
         swiglu_limit=d["swiglu_limit"] if limit is None else limit,
         out=out,
-        backend="triton",
+        backend=backend,
     )
     return out
 
@@ -682,10 +682,11 @@ def test_kernel_swiglu_gate_is_not_clamped_from_below():
     assert not compare(two_sided.to(DEVICE), want, "moe_out", mass=mass).passed
 
 
-def test_weight_applied_before_the_down_projection():
+@pytest.mark.parametrize("backend", moe.SUPPORTED_BACKENDS)
+def test_weight_applied_before_the_down_projection(backend):
     """Spec test 14. With W2 a one-hot selector, out = bf16(h) exactly, so the two placements differ only by
     rounding: weight-before rounds silu·u·ω once, weight-after rounds silu·u then multiplies. Integer-valued
-    x and W1/W3 make the gate/up GEMMs exact on every backend."""
+    x and W1/W3 make the gate/up GEMMs exact on every backend, and every backend is held to it."""
     T, Hd, E, I = 16, 256, 2, 128
     g = generator(21)
     x = torch.randint(-8, 9, (T, Hd), generator=g).to(torch.bfloat16).to(DEVICE)
@@ -695,7 +696,7 @@ def test_weight_applied_before_the_down_projection():
     w = (0.3 + 1.4 * torch.rand(T, 1, generator=g)).to(DEVICE)  # not powers of two
     staged = moe.stage(x, ids, w)
     assert torch.equal(ref.dequantize_staged(staged[0], staged[1]), x.float()), "x must stage exactly"
-    out = run_experts(x, staged, d, shared=False).float()
+    out = run_experts(x, staged, d, shared=False, backend=backend).float()
     a, u = torch.einsum("th,tnh->tn", x.float(), w13[ids[:, 0].long()].float()).chunk(2, -1)  # exact
     act = ref.swiglu(a, u, 10.0)
     before = (act * w).to(torch.bfloat16).float().repeat(1, 2)

@@ -172,6 +172,30 @@ def test_draft_layer_uses_its_own_head_and_norm(w):
     assert (own - main).abs().max() > 1e-3
 
 
+@pytest.mark.parametrize("swap", ["hc_head", "norm"])
+def test_the_decoders_draft_head_reads_the_mtp_parameters(monkeypatch, swap):
+    """P12 in the Decoder: its draft logits come from the MTP layer's own hc_head and norm. Giving the MTP
+    layer the main model's hc_head (or final norm) must change the draft logits; a Decoder that built its
+    draft head from the main model's parameters would not notice the swap."""
+    seen = []
+    greedy = mtp.greedy_tokens
+    monkeypatch.setattr(mtp, "greedy_tokens", lambda logits: seen.append(logits.clone()) or greedy(logits))
+
+    def draft_logits(weights):
+        seen.clear()
+        dec = decode.Decoder(TINY, weights, num_requests=2, capacity=16, seed=0, backend="reference")
+        nxt = dec.prefill([[5, 9, 2, 7, 1], [3, 8, 4]]).argmax(-1).cpu()
+        dec.draft(nxt, 2)
+        return torch.cat(seen)
+
+    w = decode.make_weights(TINY, 0)
+    other = copy.copy(w) | {"mtp": dict(w["mtp"])}
+    other["mtp"][swap] = w["hc_head"] if swap == "hc_head" else w["final_norm"]
+    own, main = draft_logits(w), draft_logits(other)
+    assert own.shape == main.shape and own.shape[1] == TINY.vocab_size
+    assert (own - main).abs().max() > 1e-3, f"the draft logits do not depend on the MTP layer's {swap}"
+
+
 def test_draft_layer_shares_the_embedding_and_lm_head(w):
     """P13: the MTP weights hold no embedding and no LM head (the draft layer reads the target's). A loader
     that left an MTP head of its own at zeros drafts token 0 everywhere (all-zero logits, ties to the lowest

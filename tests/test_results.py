@@ -68,3 +68,17 @@ def test_parser_refuses_other_logs():
         W.parse_bench("== 5 passed in 3.2 s ==\n", "unit.log")
     with pytest.raises(ValueError):
         W.parse_mhc_sweep("[  4.4 s] copy ceiling (512 MiB) 3.98 TB/s; cuda\n", "sweep.log")
+
+
+def test_notebook_links_resolve_from_the_notebooks_folder():
+    """results_header / results_section print RESULTS.md's links relative to notebooks/, where the notebooks
+    show them (a log link copied as ``runs/...`` pointed at notebooks/runs/, which does not exist)."""
+    import re
+
+    from dsv4ref.tools.results import NOTEBOOKS, results_header, results_section
+
+    text = results_header() + "\n" + "\n".join(results_section(op) for op in ("moe", "sparse_mla", "kv_cache"))
+    links = [t for t in re.findall(r"\]\(([^)\s]+)\)", text) if "://" not in t and not t.startswith("#")]
+    assert links, "RESULTS.md's header names its log"
+    missing = [t for t in links if not (NOTEBOOKS / t).exists()]
+    assert not missing, missing

@@ -339,6 +339,32 @@ def test_fused_kernel_empty_slots_and_padding_rows(table, fused_variant):
         assert_close(q, q_ref, "exact", "q")
 
 
+def test_heads_whose_mean_square_is_near_eps(table, fused_variant):
+    """Heads with Σ q² / 512 at 0, eps / 4, eps and 4·eps (values ~1e-3): there eps is not negligible, so a
+    norm that drops it, adds it after the square root or squares it shows (random heads of magnitude ~1,
+    as in the other tests, pass all of those). The kernels equal the reference bit for bit, and the reference
+    is q · (Σ q² / 512 + eps)^-½ in float64, within the "qnorm_rope_q" tolerance."""
+    T, H = 2, 4
+    q = randn((T, H, 512), seed=21, block=None, octaves=0).double()
+    q = q / q.pow(2).mean(-1, keepdim=True).sqrt()  # every head: mean square 1
+    target = torch.tensor([0.0, 0.25, 1.0, 4.0], dtype=torch.float64, device=DEVICE) * EPS
+    q = (q * target.sqrt()[None, :, None]).to(torch.bfloat16)
+    ms = q.double().pow(2).mean(-1)
+    assert (ms[:, 1:] / target[1:]).sub(1).abs().max() < 0.02, "the heads' mean squares are near the targets"
+    kv = randn((T, 512), seed=22)
+    pos = torch.tensor([3, 4000], device=DEVICE)
+    slots = torch.tensor([-1, -1], device=DEVICE)
+    cache = kv_cache.allocate(1, 16)
+    got, ref_q = q.clone(), q.clone()
+    qnorm_rope_kv_insert(got, kv, cache, slots, pos, table, eps=EPS, block_size=16, launch=fused_variant)
+    qnorm_rope_kv_insert(ref_q, kv, cache, slots, pos, table, eps=EPS, block_size=16, backend="reference")
+    assert_close(got, ref_q, "exact", "q")
+    normed = (q.double() * torch.rsqrt(ms[..., None] + EPS)).float()  # the norm in float64, then fp32
+    want = reference.apply_gptj(normed, pos, table)
+    assert_close(want, got, "qnorm_rope_q", "q vs the float64 formula", mass=pair_max(got))
+    assert got[:, 0].abs().max() == 0  # a zero head stays zero: no NaN from 0 / sqrt(0)
+
+
 def test_fused_op_is_registered(table, fused_variant):
     op = torch.ops.dsv4ref.qnorm_rope_kv_insert.default
     assert op._schema.arguments[0].alias_info.is_write and op._schema.arguments[2].alias_info.is_write

@@ -41,8 +41,10 @@ bad = (qc != qd).nonzero()
 print("e4m3 cast of identical fp32 inputs: differ in", bad.shape[0], "of", qc.numel())
 for i in bad[:12].tolist():
     v = c[tuple(i)].item()
-    print(f"  x={v!r:>24} bits=0x{c[tuple(i)].view(torch.int32).item() & 0xFFFFFFFF:08X} cpu=0x{qc[tuple(i)].item():02X}"
-          f" dev=0x{qd[tuple(i)].item():02X} ref_ok={ref.e4m3_encode(c[tuple(i)].reshape(1)).view(torch.uint8).item():02X}")
+    print(
+        f"  x={v!r:>24} bits=0x{c[tuple(i)].view(torch.int32).item() & 0xFFFFFFFF:08X} cpu=0x{qc[tuple(i)].item():02X}"
+        f" dev=0x{qd[tuple(i)].item():02X} ref_ok={ref.e4m3_encode(c[tuple(i)].reshape(1)).view(torch.uint8).item():02X}"
+    )
 # an exhaustive probe: every fp32 in e4m3's range whose low 16 mantissa bits are zero, plus halfway points
 g = torch.arange(0, 1 << 16, dtype=torch.int32) << 16
 v = g.view(torch.float32)

@@ -33,10 +33,10 @@ if "--compile" in sys.argv[1:]:  # on a CPU box: the kernel defined for compilin
     import aot  # noqa: F401
 
 # Gluon and the names that moved between Triton releases, as the decode kernels import them
-from dsv4ref.sparse_mla.gluon import _IMPORT_ERROR, _async_load, _bar, _gluon as gluon, async_copy, gl  # noqa: E402
+from dsv4ref.sparse_mla.gluon.lang import IMPORT_ERROR, _async_load, _bar, _gluon as gluon, async_copy, gl  # noqa: E402
 
 if gluon is None:
-    sys.exit(f"needs Triton with Gluon: {_IMPORT_ERROR!r}")
+    sys.exit(f"needs Triton with Gluon: {IMPORT_ERROR!r}")
 
 ROW_WORDS = 72  # 576 bytes of NoPE (448) + RoPE (128) per row, as int64 words: 64 + 8
 BS = 64  # rows per page

@@ -23,7 +23,7 @@ import torch
 import dsv4ref
 from dsv4ref import kv_cache as kc
 from dsv4ref.device import DEVICE, Timer, describe, synchronize
-from dsv4ref.kv_cache.launch import KVCacheLaunch, launch_gather, launch_insert
+from dsv4ref.kv_cache.launch import KVCacheLaunch, default_launch, kv_gather_op, kv_insert_op, launch_gather, launch_insert
 from dsv4ref.tools.harness import measure_ceilings, time_ms
 
 
@@ -104,10 +104,10 @@ def main():
                             f"{op:<8} {S:>7} {tok:>3} {w:>5} {via:<7} {ms * 1e3:>9.1f} {byts / (ms * 1e-3) / 1e9:>7.0f} "
                             f"{byts / (ms * 1e-3) / bw:>8.1%}  {exact}"
                         )
-        # the custom-op path the harness times (dispatcher + launcher, module defaults)
+        # the custom-op path the harness times (dispatcher + launcher, the measured defaults)
         for op, fn in (
-            ("insert*", lambda i: torch.ops.dsv4ref.kv_insert(sets[i][0], sets[i][1], sets[i][2], B)),
-            ("gather*", lambda i: torch.ops.dsv4ref.kv_gather(sets[i][0], sets[i][2], sets[i][3], B)),
+            ("insert*", lambda i: kv_insert_op(sets[i][0], sets[i][1], sets[i][2], B, *default_launch("insert").op_args())),
+            ("gather*", lambda i: kv_gather_op(sets[i][0], sets[i][2], sets[i][3], B, *default_launch("gather").op_args())),
         ):
             for via, timer in (("event", t_event), ("b2b", t_b2b)):
                 ms = timer(fn, n)

@@ -205,7 +205,7 @@ def main():
     quick = "--quick" in sys.argv
     print(dsv4ref.device.describe() if hasattr(dsv4ref, "device") else "", flush=True)
     if not G.available(DEVICE):
-        print(f"gluon backend not available here ({G._IMPORT_ERROR!r})")
+        print(f"gluon backend not available here ({G.import_error()!r})")
         return 1
     ok = correctness()
     rows = []

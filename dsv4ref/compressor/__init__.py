@@ -29,7 +29,7 @@ import torch
 from .. import validate
 from ..device import DEVICE, HOST
 from . import kernels, reference  # noqa: F401  (dsv4ref.compressor.kernels / .reference, for readers)
-from .launch import CompressorLaunch, default_launch
+from .launch import CompressorLaunch, compressor_compress_op, default_launch
 from .reference import RATIOS, compress_sequence, example_inputs, overlap
 
 __all__ = [
@@ -194,7 +194,7 @@ def compress(
     # padding rows, and (value checks off) requests outside [0, R) or negative positions, become request −1
     ok = (requests >= 0) & (requests < state_kv.shape[0]) & (positions >= 0)
     req = torch.where(ok if valid is None else ok & valid, requests, -1).to(torch.int32)
-    torch.ops.dsv4ref.compressor_compress(
+    compressor_compress_op(
         x,
         wkv,
         wgate,
@@ -222,7 +222,7 @@ def example_step(
     of ``requests`` rows (those past ``len(chunks)`` stay unused). Returns a dict with ``x`` [T, hidden]
     bf16 (one power-of-two scale per row over 2 octaves), the weights of :func:`example_inputs`,
     ``state_kv``/``state_score`` (fresh), ``requests``, ``positions`` (int64), ``ratio`` and ``eps``."""
-    from ..testing import randn
+    from ..seeded import randn
 
     device = device or DEVICE
     w = example_inputs(ratio, dim=dim, hidden=hidden, seed=seed, device=device)

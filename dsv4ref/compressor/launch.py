@@ -12,13 +12,14 @@ import triton
 
 from .. import validate
 from ..device import interpreting
+from ..op_launch import OpLaunch
 from .kernels import compress_kernel, project_kernel, save_kernel
 
-__all__ = ["CompressorLaunch", "default_launch"]
+__all__ = ["CompressorLaunch", "default_launch", "compressor_compress_op"]
 
 
 @dataclass(frozen=True)
-class CompressorLaunch:
+class CompressorLaunch(OpLaunch):
     """Launch shape of the compressor's kernels (all powers of two).
 
     Not measured on a GPU yet (the figures would go to ``benchmarks/``): the defaults are chosen so the
@@ -50,10 +51,8 @@ class CompressorLaunch:
         if self.block_j > 8:
             raise ValueError(f"block_j: expected <= 8 (it must divide the ratio-4 window of 8), got {self.block_j}")
 
-    def op_args(self) -> tuple[int, ...]:
-        """The launch as the trailing arguments of ``torch.ops.dsv4ref.compressor_compress``: the fields in
-        declaration order, which is the schema's."""
-        return tuple(getattr(self, f.name) for f in fields(self))
+    # the custom op takes every field, in declaration order (op_args(), from_op_args(): dsv4ref.op_launch)
+    OP_FIELDS = {"compressor_compress": None}
 
 
 def default_launch() -> CompressorLaunch:
@@ -155,7 +154,7 @@ def _compress(
 
 
 @torch.library.custom_op("dsv4ref::compressor_compress", mutates_args=("state_kv", "state_score", "rows", "done"))
-def compressor_op(
+def compressor_compress_op(
     x: torch.Tensor,
     wkv: torch.Tensor,
     wgate: torch.Tensor,
@@ -201,7 +200,7 @@ def compressor_op(
         )
 
 
-@compressor_op.register_fake
+@compressor_compress_op.register_fake
 def _(
     x,
     wkv,

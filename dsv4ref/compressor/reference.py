@@ -148,7 +148,7 @@ def example_inputs(ratio: int, *, dim: int = 512, hidden: int = 256, seed: int =
     fp32 ``[D]`` with a power-of-two factor per 64-block over ``octaves`` octaves (the compressed rows'
     FP8 scale bytes then differ from block to block). Returns a dict of those tensors on ``device``."""
     from ..device import DEVICE
-    from ..testing import generator
+    from ..seeded import generator
 
     coff = overlap(ratio)
     g = generator(seed)

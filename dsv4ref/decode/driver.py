@@ -14,7 +14,7 @@ import torch
 
 from ..config import TINY, Config
 from ..device import HOST, Timer, synchronize
-from ..testing import generator
+from ..seeded import generator
 from ..validate import checking_values
 from ..weights import make_weights
 from .model import Decoder

@@ -31,7 +31,7 @@ from .. import compressor as compressor_op
 from .. import indexer, kv_cache, mhc, moe, rope, sparse_mla, validate
 from ..config import TINY, Config
 from ..device import DEVICE, HOST, Timer, capture_graph
-from ..testing import generator
+from ..seeded import generator
 from ..weights import check_config, check_weights, layer_ratio, make_weights
 from .glue import grouped_o_proj, linear, rms_norm
 from .speculation import Speculating

@@ -31,7 +31,7 @@ import torch
 from .. import validate
 from ..device import DEVICE, HOST
 from ..formats import FP8_K_RECORD, INDEX_HEAD_DIM, INDEX_K_FORMATS, INDEX_ROPE_DIM, MXFP4_K_RECORD, index_k_page_bytes
-from ..testing import generator, randn
+from ..seeded import generator, randn
 from . import launch as _launch
 from . import reference
 from .launch import IndexerLaunch, default_launch
@@ -181,7 +181,7 @@ def quantize_q(
         weights: ``[T, n_ih]`` fp32 or bf16 head weights, from ``weights_proj(x)`` (see :func:`head_weights`).
         fmt: ``"fp8"`` or ``"mxfp4"``.
         hadamard: bool; rotate by H_128·128^-½ before quantising (the K side must match).
-        backend: ``"auto"``, ``"reference"`` or ``"triton"``.
+        backend: ``"auto"`` (= ``"triton"``), ``"reference"`` or ``"triton"``.
         launch: :class:`IndexerLaunch` (``quant_rows``), or None for the default.
 
     Returns:
@@ -254,7 +254,7 @@ def quantize_k(
         k: ``[N, 128]`` bf16 (any strides).
         fmt: ``"fp8"`` or ``"mxfp4"``.
         hadamard: bool; rotate (in fp32) before quantising; it must match the Q side.
-        backend: ``"auto"``, ``"reference"`` or ``"triton"``.
+        backend: ``"auto"`` (= ``"triton"``), ``"reference"`` or ``"triton"``.
         launch: :class:`IndexerLaunch` (``quant_rows``), or None for the default.
 
     Returns:
@@ -469,7 +469,7 @@ def logits(
             token t's request (local row l lives in page ``block_table[t, l // block_size]``, which must be a
             page of ``k_cache`` for every row read). None: page i holds rows ``i·block_size ..`` for every token.
         n_out: columns of the output, an int >= 0 (default: the largest n_c in the batch).
-        backend: ``"auto"``, ``"reference"`` (float64 from the decoded codes, rounded once to fp32) or
+        backend: ``"auto"`` (= ``"triton"``), ``"reference"`` (float64 from the decoded codes, rounded once to fp32) or
             ``"triton"``.
         launch: :class:`IndexerLaunch` (``logits_pages``, ``logits_warps``, ``fp4_decode``), or None.
 

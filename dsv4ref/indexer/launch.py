@@ -15,6 +15,7 @@ import triton
 from ..device import interpreting
 from ..formats import INDEX_HEAD_DIM, index_k_value_bytes
 from ..kv_cache.reference import flat_bytes
+from ..op_launch import OpLaunch
 from . import kernels
 from .reference import HADAMARD_SCALE, fold
 
@@ -30,7 +31,7 @@ SCALED_MAXNREG = 128
 
 
 @dataclass(frozen=True)
-class IndexerLaunch:
+class IndexerLaunch(OpLaunch):
     """Launch choices of the indexer kernels. ``None`` = the measured default on this device.
 
     Attributes:
@@ -108,10 +109,9 @@ class IndexerLaunch:
             return self.logits_maxnreg
         return SCALED_MAXNREG if fp4 and self.decode() == "f16_scaled" else None
 
-    def op_args(self) -> tuple[int]:
-        """The launch as the trailing argument of ``torch.ops.dsv4ref.indexer_q_fp8`` / ``indexer_q_mxfp4``
-        (rows per program)."""
-        return (self.quant_rows,)
+    # the fields each custom op's schema takes (op_args(), from_op_args(): dsv4ref.op_launch); the K quantiser
+    # and the logits kernel are launched directly, not through a custom op
+    OP_FIELDS = {"indexer_q_fp8": ("quant_rows",), "indexer_q_mxfp4": ("quant_rows",)}
 
 
 def default_launch() -> IndexerLaunch:
@@ -196,46 +196,48 @@ def _q_launch(index_q, positions, cos_sin, weights, hadamard, rows_per_program, 
 
 
 @torch.library.custom_op("dsv4ref::indexer_q_fp8", mutates_args=())
-def _q_fp8_op(
+def indexer_q_fp8_op(
     index_q: torch.Tensor,
     positions: torch.Tensor,
     cos_sin: torch.Tensor,
     weights: torch.Tensor,
     hadamard: bool,
-    rows_per_program: int,
+    quant_rows: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     T, H, _ = index_q.shape
     q = torch.empty(T, H, HEAD_DIM, dtype=torch.uint8, device=index_q.device)
     wo = torch.empty(T, H, dtype=torch.float32, device=index_q.device)
-    _q_launch(index_q, positions, cos_sin, weights, hadamard, rows_per_program, False, q, wo, wo)
+    launch = IndexerLaunch.from_op_args(quant_rows, op="indexer_q_fp8")
+    _q_launch(index_q, positions, cos_sin, weights, hadamard, launch.quant_rows, False, q, wo, wo)
     return q, wo
 
 
-@_q_fp8_op.register_fake
-def _(index_q, positions, cos_sin, weights, hadamard, rows_per_program):
+@indexer_q_fp8_op.register_fake
+def _(index_q, positions, cos_sin, weights, hadamard, quant_rows):
     T, H, _ = index_q.shape
     return index_q.new_empty(T, H, HEAD_DIM, dtype=torch.uint8), index_q.new_empty(T, H, dtype=torch.float32)
 
 
 @torch.library.custom_op("dsv4ref::indexer_q_mxfp4", mutates_args=())
-def _q_mxfp4_op(
+def indexer_q_mxfp4_op(
     index_q: torch.Tensor,
     positions: torch.Tensor,
     cos_sin: torch.Tensor,
     weights: torch.Tensor,
     hadamard: bool,
-    rows_per_program: int,
+    quant_rows: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     T, H, _ = index_q.shape
     q = torch.empty(T, H, HEAD_DIM // 2, dtype=torch.uint8, device=index_q.device)
     sc = torch.empty(T, H, 4, dtype=torch.uint8, device=index_q.device)
     wo = torch.empty(T, H, dtype=torch.float32, device=index_q.device)
-    _q_launch(index_q, positions, cos_sin, weights, hadamard, rows_per_program, True, q, sc, wo)
+    launch = IndexerLaunch.from_op_args(quant_rows, op="indexer_q_mxfp4")
+    _q_launch(index_q, positions, cos_sin, weights, hadamard, launch.quant_rows, True, q, sc, wo)
     return q, sc.view(torch.int32).reshape(T, H), wo
 
 
-@_q_mxfp4_op.register_fake
-def _(index_q, positions, cos_sin, weights, hadamard, rows_per_program):
+@indexer_q_mxfp4_op.register_fake
+def _(index_q, positions, cos_sin, weights, hadamard, quant_rows):
     T, H, _ = index_q.shape
     return (
         index_q.new_empty(T, H, HEAD_DIM // 2, dtype=torch.uint8),
@@ -247,9 +249,9 @@ def _(index_q, positions, cos_sin, weights, hadamard, rows_per_program):
 def quantize_q(index_q, positions, cos_sin, weights, *, fmt: str, hadamard: bool, launch: IndexerLaunch):
     """The Triton path of :func:`dsv4ref.indexer.quantize_q`, through the registered custom op."""
     if fmt == "fp8":
-        q, wo = torch.ops.dsv4ref.indexer_q_fp8(index_q, positions, cos_sin, weights, hadamard, *launch.op_args())
+        q, wo = indexer_q_fp8_op(index_q, positions, cos_sin, weights, hadamard, *launch.op_args("indexer_q_fp8"))
         return q.view(torch.float8_e4m3fn), None, wo
-    return torch.ops.dsv4ref.indexer_q_mxfp4(index_q, positions, cos_sin, weights, hadamard, *launch.op_args())
+    return indexer_q_mxfp4_op(index_q, positions, cos_sin, weights, hadamard, *launch.op_args("indexer_q_mxfp4"))
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -24,9 +24,9 @@ import torch
 from .. import validate
 from ..device import DEVICE, HOST
 from ..formats import HEAD_DIM, TOKEN_BYTES, page_bytes
-from ..testing import generator, randn
+from ..seeded import generator, randn
 from . import kernels, reference  # noqa: F401  (dsv4ref.kv_cache.kernels / .reference, for readers)
-from .launch import KVCacheLaunch, default_launch
+from .launch import KVCacheLaunch, default_launch, kv_gather_op, kv_insert_op
 from .reference import flat_bytes, token_offsets
 
 __all__ = [
@@ -141,7 +141,8 @@ def insert(
             (padding) are ignored.
         block_size: tokens per page, an int >= 1; must be the block size the cache was laid out for.
         backend: ``"auto"`` (= ``"triton"``), ``"triton"`` or ``"reference"``; identical bytes.
-        launch: the kernel's launch shape; None = ``default_launch("insert")``.
+        launch: the kernel's launch shape, a :class:`KVCacheLaunch` (anything else: TypeError naming
+            ``launch``); None = ``default_launch("insert")``. The reference backend has no launch to shape.
     Returns:
         None. Only the 584 bytes of each written slot change (576 data + 8 scale bytes).
     Raises:
@@ -166,7 +167,7 @@ def insert(
         return
     launch = launch or default_launch("insert")
     kv = kv if kv.stride(1) == 1 else kv.contiguous()  # the kernel reads rows of unit column stride
-    torch.ops.dsv4ref.kv_insert(cache, kv, slots, block_size, *launch.op_args())
+    kv_insert_op(cache, kv, slots, block_size, *launch.op_args())
 
 
 def _check_finite_rows(kv: torch.Tensor, slots: torch.Tensor) -> None:
@@ -198,7 +199,8 @@ def gather(
         block_size: tokens per page, an int >= 1; must be the block size the cache was laid out for.
         out: optional preallocated ``[S, 512]`` bf16, contiguous (a workspace reused across calls).
         backend: ``"auto"`` (= ``"triton"``), ``"triton"`` or ``"reference"``; identical bits.
-        launch: the kernel's launch shape; None = ``default_launch("gather")``.
+        launch: the kernel's launch shape, a :class:`KVCacheLaunch` (anything else: TypeError naming
+            ``launch``); None = ``default_launch("gather")``. The reference backend has no launch to shape.
     Returns:
         ``[S, 512]`` bf16 (``out`` itself when given): dims 0..447 are e4m3 × E8M0(scale) (exact; scale byte
         0 reads 2^-127, 255 reads NaN, every NaN as 0x7FC0), dims 448..511 the stored bf16 bits; +0.0
@@ -223,7 +225,7 @@ def gather(
     if out is None:
         out = torch.empty(slots.shape[0], HEAD_DIM, dtype=torch.bfloat16, device=cache.device)
     launch = launch or default_launch("gather")
-    torch.ops.dsv4ref.kv_gather(cache, slots, out, block_size, *launch.op_args())
+    kv_gather_op(cache, slots, out, block_size, *launch.op_args())
     return out
 
 

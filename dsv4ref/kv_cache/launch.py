@@ -14,13 +14,14 @@ import triton
 
 from .. import validate
 from ..device import interpreting, sm_count
+from ..op_launch import OpLaunch
 from .kernels import gather_kernel, insert_kernel
 
-__all__ = ["KVCacheLaunch", "default_launch", "launch_insert", "launch_gather", "int16_view"]
+__all__ = ["KVCacheLaunch", "default_launch", "launch_insert", "launch_gather", "int16_view", "kv_insert_op", "kv_gather_op"]
 
 
 @dataclass(frozen=True)
-class KVCacheLaunch:
+class KVCacheLaunch(OpLaunch):
     """Launch shape of the insert / gather kernels. No field changes a byte of the result.
 
     Attributes:
@@ -72,19 +73,8 @@ class KVCacheLaunch:
         if 0 < self.max_registers < 16:
             raise ValueError(f"max_registers: expected 0 or 16..255, got {self.max_registers}")
 
-    def op_args(self) -> tuple:
-        """The launch as the trailing arguments of ``torch.ops.dsv4ref.kv_insert`` / ``kv_gather``."""
-        return (
-            self.tokens_per_program,
-            self.num_warps,
-            self.native_casts,
-            self.evict_first,
-            self.streaming_stores,
-            self.programs_per_sm,
-            self.pipeline_stages,
-            self.early_loads,
-            self.max_registers,
-        )
+    # both custom ops take every field (op_args(), from_op_args(): dsv4ref.op_launch)
+    OP_FIELDS = {"kv_insert": None, "kv_gather": None}
 
 
 # The defaults, measured on the H200 (benchmarks/kv_cache.md; B = 64, random slot order, CUDA-graph
@@ -171,61 +161,40 @@ def launch_gather(
         )
 
 
-_I, _G = _INSERT, _GATHER
-
-
 @torch.library.custom_op("dsv4ref::kv_insert", mutates_args=("cache",))
 def kv_insert_op(
     cache: torch.Tensor,
     kv: torch.Tensor,
     slots: torch.Tensor,
     block_size: int,
-    tokens_per_program: int = _I.tokens_per_program,
-    num_warps: int = _I.num_warps,
-    native_casts: bool = _I.native_casts,
-    evict_first: bool = _I.evict_first,
-    streaming_stores: bool = _I.streaming_stores,
-    programs_per_sm: int = _I.programs_per_sm,
-    pipeline_stages: int = _I.pipeline_stages,
-    early_loads: bool = _I.early_loads,
-    max_registers: int = _I.max_registers,
+    tokens_per_program: int,
+    num_warps: int,
+    native_casts: bool,
+    evict_first: bool,
+    streaming_stores: bool,
+    programs_per_sm: int,
+    pipeline_stages: int,
+    early_loads: bool,
+    max_registers: int,
 ) -> None:
-    """``torch.ops.dsv4ref.kv_insert``: the insert kernel on checked arguments (slots int32/int64, any stride)."""
-    launch_insert(
-        cache,
-        kv,
-        slots,
-        block_size,
-        KVCacheLaunch(
-            tokens_per_program,
-            num_warps,
-            native_casts,
-            evict_first,
-            streaming_stores,
-            programs_per_sm,
-            pipeline_stages,
-            early_loads,
-            max_registers,
-        ),
+    """``torch.ops.dsv4ref.kv_insert``: the insert kernel on checked arguments (slots int32/int64, any stride);
+    the launch's fields follow ``block_size`` (``*launch.op_args()``)."""
+    launch = KVCacheLaunch.from_op_args(
+        tokens_per_program,
+        num_warps,
+        native_casts,
+        evict_first,
+        streaming_stores,
+        programs_per_sm,
+        pipeline_stages,
+        early_loads,
+        max_registers,
     )
+    launch_insert(cache, kv, slots, block_size, launch)
 
 
 @kv_insert_op.register_fake
-def _(
-    cache,
-    kv,
-    slots,
-    block_size,
-    tokens_per_program=_I.tokens_per_program,
-    num_warps=_I.num_warps,
-    native_casts=_I.native_casts,
-    evict_first=_I.evict_first,
-    streaming_stores=_I.streaming_stores,
-    programs_per_sm=_I.programs_per_sm,
-    pipeline_stages=_I.pipeline_stages,
-    early_loads=_I.early_loads,
-    max_registers=_I.max_registers,
-):
+def _(cache, kv, slots, block_size, *launch):
     return None
 
 
@@ -235,50 +204,32 @@ def kv_gather_op(
     slots: torch.Tensor,
     out: torch.Tensor,
     block_size: int,
-    tokens_per_program: int = _G.tokens_per_program,
-    num_warps: int = _G.num_warps,
-    native_casts: bool = _G.native_casts,
-    evict_first: bool = _G.evict_first,
-    streaming_stores: bool = _G.streaming_stores,
-    programs_per_sm: int = _G.programs_per_sm,
-    pipeline_stages: int = _G.pipeline_stages,
-    early_loads: bool = _G.early_loads,
-    max_registers: int = _G.max_registers,
+    tokens_per_program: int,
+    num_warps: int,
+    native_casts: bool,
+    evict_first: bool,
+    streaming_stores: bool,
+    programs_per_sm: int,
+    pipeline_stages: int,
+    early_loads: bool,
+    max_registers: int,
 ) -> None:
-    """``torch.ops.dsv4ref.kv_gather``: the gather kernel on checked arguments, into ``out``."""
-    launch_gather(
-        cache,
-        slots,
-        out,
-        block_size,
-        KVCacheLaunch(
-            tokens_per_program,
-            num_warps,
-            native_casts,
-            evict_first,
-            streaming_stores,
-            programs_per_sm,
-            pipeline_stages,
-            early_loads,
-            max_registers,
-        ),
+    """``torch.ops.dsv4ref.kv_gather``: the gather kernel on checked arguments, into ``out``; the launch's
+    fields follow ``block_size`` (``*launch.op_args()``)."""
+    launch = KVCacheLaunch.from_op_args(
+        tokens_per_program,
+        num_warps,
+        native_casts,
+        evict_first,
+        streaming_stores,
+        programs_per_sm,
+        pipeline_stages,
+        early_loads,
+        max_registers,
     )
+    launch_gather(cache, slots, out, block_size, launch)
 
 
 @kv_gather_op.register_fake
-def _(
-    cache,
-    slots,
-    out,
-    block_size,
-    tokens_per_program=_G.tokens_per_program,
-    num_warps=_G.num_warps,
-    native_casts=_G.native_casts,
-    evict_first=_G.evict_first,
-    streaming_stores=_G.streaming_stores,
-    programs_per_sm=_G.programs_per_sm,
-    pipeline_stages=_G.pipeline_stages,
-    early_loads=_G.early_loads,
-    max_registers=_G.max_registers,
-):
+def _(cache, slots, out, block_size, *launch):
     return None

@@ -23,7 +23,7 @@ import torch
 
 from .. import validate
 from ..device import DEVICE, HOST
-from ..testing import generator, randn
+from ..seeded import generator, randn
 from . import ops  # noqa: F401  (registers the torch.ops.dsv4ref.mhc_* custom ops)
 from . import reference
 from .fn_split import split_fn
@@ -169,7 +169,7 @@ def sinkhorn(
             M = 4. Finite (docs/mhc.md#the-input-contract). The float64 oracle is ``reference.sinkhorn``.
         iters: number of passes, an int >= 1; the model's is 20.
         eps: the +eps of every step, finite and >= 0; the model's is 1e-6.
-        backend: "auto" | "reference" | "triton".
+        backend: "auto" (= "triton") | "reference" | "triton".
         launch: :class:`MhcLaunch` (``sinkhorn_block``), None = the default.
     Returns:
         ``[..., M, M]`` fp32, contiguous.
@@ -223,7 +223,7 @@ def pre(
         base: ``[M·(M+2)]`` fp32, in fn's row order.
         rms_eps, hc_eps: finite, >= 0; post_mult: finite; sinkhorn_iters: an int >= 1. The model's
             constants by default (1e-6, 1e-6, 2, 20).
-        backend: "auto" | "reference" | "triton".
+        backend: "auto" (= "triton") | "reference" | "triton".
         launch: :class:`MhcLaunch`, None = the measured defaults (on a GPU the chunked design).
     Returns:
         ``(post, comb, layer_input)``: post ``[T, M]`` fp32 in (0, post_mult); comb ``[T, M, M]`` fp32,
@@ -279,7 +279,7 @@ def post(
         comb: ``[T, M, M]`` fp32, from :func:`pre`; ``comb[t, i, j]``: source i → destination j (not
             symmetric in general: a transposed comb is a different, wrong model).
         All four: any strides (copied to contiguous first), finite (docs/mhc.md#the-input-contract).
-        backend: "auto" | "reference" | "triton".
+        backend: "auto" (= "triton") | "reference" | "triton".
         launch: :class:`MhcLaunch` (``post_block_t``, ``post_block_h``), None = the default.
     Returns:
         The new residual ``[T, M, Hd]`` bf16 (fp32 math, rounded to nearest even once).
@@ -382,7 +382,7 @@ def head(
         fn: ``[M, M·Hd]`` fp32 (``hc_head_fn``); scale: ``[1]`` fp32; base: ``[M]`` fp32.
         All four: any strides (copied to contiguous first), finite (docs/mhc.md#the-input-contract).
         rms_eps, hc_eps: finite, >= 0; the model's 1e-6 by default.
-        backend: "auto" | "reference" | "triton".
+        backend: "auto" (= "triton") | "reference" | "triton".
         launch: :class:`MhcLaunch`, None = the measured defaults (on a GPU the chunked design).
     Returns:
         ``[T, Hd]`` bf16.
@@ -430,5 +430,5 @@ def example_params(Hd: int, *, seed: int = 0, M: int = HC_MULT, head: bool = Fal
 
 
 def example_streams(T: int, Hd: int, *, seed: int = 0, M: int = HC_MULT, device=None) -> torch.Tensor:
-    """Seeded streams ``[T, M, Hd]`` bf16 whose 64-wide blocks span 2^-4 .. 2^4 (``testing.randn`` octaves)."""
+    """Seeded streams ``[T, M, Hd]`` bf16 whose 64-wide blocks span 2^-4 .. 2^4 (``seeded.randn`` octaves)."""
     return randn((T, M, Hd), seed=seed, octaves=8, device=device)

@@ -128,7 +128,7 @@ def route(x, gate_weight, bias, *, k, routed_scale, hash_table=None, input_ids=N
             V4-Flash), each row K distinct ids in [0, E) (a repeated id raises ValueError); None otherwise.
         input_ids: ``[T]`` int32/int64 token ids: required with ``hash_table``; on any layer, an entry −1 marks
             a padding row (CUDA-graph / DP padding), which gets ids −1 and weights 0.
-        backend: ``"auto"`` or ``"reference"`` (routing has no Triton kernel).
+        backend: ``"auto"`` (= ``"reference"``) or ``"reference"`` (routing has no Triton kernel).
     Returns:
         ``(ids, weights)``: ids ``[T, K]`` int32 in [0, E) (−1 on padding rows); weights ``[T, K]`` fp32, each
         non-padding row summing to ``routed_scale`` up to rounding (0 for a row whose K scores all underflow).

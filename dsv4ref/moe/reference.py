@@ -236,7 +236,7 @@ def example_inputs(
     Returns a dict with those tensors plus ``k``, ``routed_scale`` and ``swiglu_limit``.
     """
     from ..device import DEVICE
-    from ..testing import generator, randn
+    from ..seeded import generator, randn
 
     device = device or DEVICE
     g = generator(seed + 1)

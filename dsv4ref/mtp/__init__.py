@@ -184,7 +184,7 @@ def draft_logits(X, hc_fn, hc_scale, hc_base, norm, lm_head, *, rms_eps=1e-6, hc
         X: ``[T, M, Hd]`` bf16, the draft block's output streams.
         hc_fn, hc_scale, hc_base: ``[M, M·Hd]``, ``[1]``, ``[M]`` fp32, the MTP's own ``hc_head``.
         norm: ``[Hd]`` fp32, the MTP's own final norm.  lm_head: ``[V, Hd]`` bf16, the target's.
-        rms_eps, hc_eps: 1e-6.  backend: for the hc head: "auto" | "reference" | "triton".
+        rms_eps, hc_eps: 1e-6.  backend: for the hc head: "auto" (= "triton") | "reference" | "triton".
     Returns:
         ``[T, V]`` fp32.
     Raises:

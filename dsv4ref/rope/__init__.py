@@ -31,9 +31,9 @@ import torch
 from .. import kv_cache, validate
 from ..device import DEVICE, HOST
 from ..formats import HEAD_DIM, ROPE_DIM
-from ..testing import randn
+from ..seeded import randn
 from . import kernels, reference  # noqa: F401  (dsv4ref.rope.kernels / .reference for readers)
-from .launch import RopeLaunch, default_launch
+from .launch import RopeLaunch, default_launch, qnorm_rope_kv_insert_op, rope_gptj_op
 
 __all__ = [
     "inv_freq",
@@ -283,7 +283,7 @@ def apply_gptj(
     per_row = tuple(positions.shape) == tuple(x.shape[:-1])
     pos_div = 1 if per_row or x.dim() == 1 else math.prod(x.shape[1:-1])
     pos = positions.reshape(-1).to(torch.int64).contiguous()  # a strided view must not be read as flat
-    torch.ops.dsv4ref.rope_gptj(x2, pos, cos_sin, out, pos_div, inverse, *launch.op_args("rope_gptj"))
+    rope_gptj_op(x2, pos, cos_sin, out, pos_div, inverse, *launch.op_args("rope_gptj"))
     return out.view(x.shape)
 
 
@@ -295,7 +295,7 @@ def apply_neox(
 
     Args:
         x, positions, cos_sin, inverse: as :func:`apply_gptj`.
-        backend: ``"auto"`` or ``"reference"`` (the only one).
+        backend: ``"auto"`` (= ``"reference"``) or ``"reference"`` (the only one).
     Returns:
         A new tensor of x's shape and dtype.
     """
@@ -389,7 +389,7 @@ def qnorm_rope_kv_insert(
         return
     qc = q if q.stride(2) == 1 else q.contiguous()  # the kernels read rows of 512; written back below
     run = launch.resolve(qc)
-    torch.ops.dsv4ref.qnorm_rope_kv_insert(
+    qnorm_rope_kv_insert_op(
         qc,
         kv if kv.stride(1) == 1 else kv.contiguous(),
         cache,
@@ -419,7 +419,7 @@ def grouped_o_proj(o: torch.Tensor, wo_a: torch.Tensor, wo_b: torch.Tensor, *, b
         o: ``[T, H, 512]`` bf16 (any strides): the attention output AFTER inverse RoPE, padded heads already removed.
         wo_a: ``[G, o_lora, (H/G)·512]`` bf16 (any strides): group g owns the contiguous heads [g·hpg, (g+1)·hpg).
         wo_b: ``[Hd, G·o_lora]`` bf16 (any strides).
-        backend: ``"auto"`` or ``"reference"`` (the only one).
+        backend: ``"auto"`` (= ``"reference"``) or ``"reference"`` (the only one).
     Returns:
         ``[T, Hd]`` bf16. Both GEMMs accumulate in fp32; the intermediate z is rounded to bf16 like an
         activation between two bf16 GEMMs.

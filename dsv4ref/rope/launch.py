@@ -12,6 +12,7 @@ from dataclasses import dataclass, replace
 import torch
 import triton
 
+from ..op_launch import OpLaunch
 from . import kernels
 
 # The best measured warp count for each heads-per-program of the multi-head kernel (H100/H200 sweep,
@@ -24,7 +25,7 @@ def _pow2(v) -> bool:
 
 
 @dataclass(frozen=True)
-class RopeLaunch:
+class RopeLaunch(OpLaunch):
     """Launch configuration of the rope kernels; ``RopeLaunch()`` is the measured default.
 
     Which fused kernel ``qnorm_rope_kv_insert`` launches (each measured on the H200: ``benchmarks/rope.md``,
@@ -68,14 +69,9 @@ class RopeLaunch:
         hpp = self.heads_per_prog if packable(q) else 0
         return replace(self, heads_per_prog=hpp, num_warps=replace(self, heads_per_prog=hpp).warps)
 
-    def op_args(self, op: str) -> tuple[int, ...]:
-        """The launch as the trailing arguments of ``torch.ops.dsv4ref.<op>``: ``"rope_gptj"`` (rows per program)
-        or ``"qnorm_rope_kv_insert"`` (heads per program, warps: call it on :meth:`resolve`'s launch)."""
-        if op == "rope_gptj":
-            return (self.rotate_rows,)
-        if op == "qnorm_rope_kv_insert":
-            return self.heads_per_prog, self.warps
-        raise ValueError(f'op: expected "rope_gptj" or "qnorm_rope_kv_insert", got {op!r}')
+    # What each custom op's schema takes (op_args(op), from_op_args(..., op=op): dsv4ref.op_launch); the fused
+    # op's num_warps is the resolved one: call op_args on :meth:`resolve`'s launch.
+    OP_FIELDS = {"rope_gptj": ("rotate_rows",), "qnorm_rope_kv_insert": ("heads_per_prog", "num_warps")}
 
 
 def default_launch() -> RopeLaunch:
@@ -210,19 +206,25 @@ def fused(
 
 
 @torch.library.custom_op("dsv4ref::rope_gptj", mutates_args=("out",))
-def _rope_gptj_op(
-    x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor, out: torch.Tensor, pos_div: int, inverse: bool, rows: int
+def rope_gptj_op(
+    x: torch.Tensor,
+    positions: torch.Tensor,
+    cos_sin: torch.Tensor,
+    out: torch.Tensor,
+    pos_div: int,
+    inverse: bool,
+    rotate_rows: int,
 ) -> None:
-    rotate(x, positions, cos_sin, out, pos_div, inverse, rows)
+    rotate(x, positions, cos_sin, out, pos_div, inverse, RopeLaunch.from_op_args(rotate_rows, op="rope_gptj").rotate_rows)
 
 
-@_rope_gptj_op.register_fake
-def _(x, positions, cos_sin, out, pos_div, inverse, rows):
+@rope_gptj_op.register_fake
+def _(x, positions, cos_sin, out, pos_div, inverse, rotate_rows):
     return None
 
 
 @torch.library.custom_op("dsv4ref::qnorm_rope_kv_insert", mutates_args=("q", "cache"))
-def _qnorm_rope_kv_insert_op(
+def qnorm_rope_kv_insert_op(
     q: torch.Tensor,
     kv: torch.Tensor,
     cache: torch.Tensor,
@@ -234,9 +236,10 @@ def _qnorm_rope_kv_insert_op(
     heads_per_prog: int,
     num_warps: int,
 ) -> None:
-    fused(q, kv, cache, slots, positions, cos_sin, eps, block_size, RopeLaunch(heads_per_prog, num_warps))
+    launch = RopeLaunch.from_op_args(heads_per_prog, num_warps, op="qnorm_rope_kv_insert")
+    fused(q, kv, cache, slots, positions, cos_sin, eps, block_size, launch)
 
 
-@_qnorm_rope_kv_insert_op.register_fake
+@qnorm_rope_kv_insert_op.register_fake
 def _(q, kv, cache, slots, positions, cos_sin, eps, block_size, heads_per_prog, num_warps):
     return None

@@ -11,14 +11,22 @@ Read in this order:
 * :mod:`~dsv4ref.sparse_mla.kernels`: the fused Triton kernel and the split merge;
 * :mod:`~dsv4ref.sparse_mla.launch`: :class:`SparseMlaLaunch`, the launcher and the custom ops;
 * :mod:`~dsv4ref.sparse_mla.two_pass`: the seed's two-pass design, for comparison (and
-  ``two_pass.seed_decode``, the seed's own per-token structure, measured as the first rung of the ladder).
+  ``two_pass.seed_decode``, the seed's own per-token structure: rung 0 of notebook 04's ladder);
+* :mod:`~dsv4ref.sparse_mla.gluon`: the Hopper kernels (Gluon), with their own :class:`GluonLaunch`.
 
 Backends (``backend=``, from :data:`dsv4ref.validate.BACKENDS`):
 
 * ``"reference"``: :func:`reference.decode` (fp32 torch);
 * ``"two_pass"``: dequantise the listed slots into a bf16 workspace, then a bf16 attention kernel;
-* ``"triton"`` (what ``"auto"`` picks): one fused kernel that reads the e4m3 bytes, the UE8M0 scale bytes
-  and the bf16 RoPE bytes straight from the pages and never writes a bf16 copy of the KV.
+* ``"triton"``: one fused kernel that reads the e4m3 bytes, the UE8M0 scale bytes and the bf16 RoPE bytes
+  straight from the pages and never writes a bf16 copy of the KV; it runs on every device (the interpreter
+  too);
+* ``"gluon"`` (:data:`GPU_ONLY`): the warp-specialised Hopper kernels of :mod:`~dsv4ref.sparse_mla.gluon`;
+  compiled Triton with Gluon on a compute-capability-9 GPU only.
+
+``"auto"`` picks ``"gluon"`` where it runs (Hopper, pages at 16-byte aligned addresses: every cache
+:func:`dsv4ref.kv_cache.allocate` makes), else ``"triton"``; a ``launch`` decides it: a
+:class:`SparseMlaLaunch` runs ``"triton"``, a :class:`GluonLaunch` ``"gluon"`` (:func:`auto_backend`).
 """
 
 from __future__ import annotations
@@ -28,20 +36,58 @@ import torch
 from .. import kv_cache, validate
 from ..device import DEVICE, HOST
 from ..formats import HEAD_DIM
-from ..testing import randn
+from ..seeded import randn
 from . import gluon, reference
+from .gluon import GluonLaunch
 from .launch import SparseMlaLaunch, default_launch, fused_decode
 from .reference import DEFAULT_SCALE
 from .two_pass import two_pass_decode
 
 # The backends this op implements, named from the one list dsv4ref.validate.BACKENDS: SUPPORTED_BACKENDS run on every
-# device (the interpreter too); GPU_ONLY need compiled Triton with Gluon on a Hopper GPU. "auto" is "gluon"
-# where it runs (16-byte aligned pages), else "triton".
+# device (the interpreter too); GPU_ONLY need compiled Triton with Gluon on a Hopper GPU. "auto": auto_backend().
 SUPPORTED_BACKENDS = ("reference", "two_pass", "triton")
 GPU_ONLY = ("gluon",)
 MAX_HEADS = 128
 
-__all__ = ["decode", "example_inputs", "SparseMlaLaunch", "default_launch", "SUPPORTED_BACKENDS", "GPU_ONLY", "DEFAULT_SCALE"]
+__all__ = [
+    "decode",
+    "auto_backend",
+    "example_inputs",
+    "SparseMlaLaunch",
+    "GluonLaunch",
+    "default_launch",
+    "SUPPORTED_BACKENDS",
+    "GPU_ONLY",
+    "DEFAULT_SCALE",
+]
+
+
+def auto_backend(q: torch.Tensor, cache: torch.Tensor, extra_cache: torch.Tensor | None = None, launch=None) -> str:
+    """What ``backend="auto"`` runs for these inputs: ``"gluon"`` where :func:`gluon.supports` them (compiled
+    Triton with Gluon on a Hopper GPU, pages at 16-byte aligned addresses), else ``"triton"``. A launch
+    decides it: a :class:`SparseMlaLaunch` is the Triton kernels' (``"triton"``), a :class:`GluonLaunch` the
+    Hopper kernels' (``"gluon"``; a ValueError naming ``launch`` where they cannot run these inputs)."""
+    if isinstance(launch, SparseMlaLaunch):
+        return "triton"
+    runs = gluon.supports(q, cache, extra_cache)
+    if isinstance(launch, GluonLaunch) and not runs:
+        why = (
+            "needs compiled Triton with Gluon on a Hopper GPU" if not gluon.available(q.device) else "needs 16-byte aligned pages"
+        )
+        raise ValueError(f"launch: a GluonLaunch runs the gluon backend, which {why}; pass a SparseMlaLaunch or None")
+    return "gluon" if runs else "triton"
+
+
+def _check_launch(launch, backend: str) -> None:
+    """``launch`` is None or the launch of the kernels ``backend`` runs (the reference runs none and takes
+    either kind), else a TypeError naming it: a launch is never dropped."""
+    if launch is None:
+        return
+    kinds = {"triton": SparseMlaLaunch, "two_pass": SparseMlaLaunch, "gluon": GluonLaunch}
+    want = kinds.get(backend, (SparseMlaLaunch, GluonLaunch))
+    if not isinstance(launch, want):
+        names = " or ".join(k.__name__ for k in (want if isinstance(want, tuple) else (want,)))
+        raise TypeError(f"launch: backend {backend!r} runs a {names} or None, got {type(launch).__name__}")
 
 
 def _one_device(**tensors: torch.Tensor | None) -> None:
@@ -137,10 +183,14 @@ def decode(
         extra_cache, extra_slots ``[T, K2]``, extra_lengths ``[T]`` (None = all K2), extra_block_size: the
             second pool (the compressed rows next to the window), attended in the same softmax; the same
             rules as the first. Give extra_cache, extra_slots and extra_block_size together.
-        backend: "auto", "reference", "two_pass", "triton" (:data:`SUPPORTED_BACKENDS`) or "gluon"
-            (:data:`GPU_ONLY`). "auto" is the warp-specialised Hopper kernel (:mod:`dsv4ref.sparse_mla.gluon`) where
-            it runs, else "triton".
-        launch: the kernels' :class:`SparseMlaLaunch`; None = :func:`default_launch` for this shape.
+        backend: "auto" (= "gluon" where it runs, else "triton": :func:`auto_backend`; a launch decides it,
+            below), "reference", "two_pass", "triton" (:data:`SUPPORTED_BACKENDS`) or "gluon" (:data:`GPU_ONLY`,
+            the warp-specialised Hopper kernels of :mod:`dsv4ref.sparse_mla.gluon`).
+        launch: the launch of the kernels that run: a :class:`SparseMlaLaunch` for "triton" and "two_pass"
+            (None = :func:`default_launch` for this shape), a :class:`GluonLaunch` for "gluon" (None =
+            ``gluon.default_launch``); with "auto", a SparseMlaLaunch runs "triton" and a GluonLaunch "gluon"
+            (a ValueError where Gluon cannot run). Any other kind: a TypeError naming ``launch``. The
+            reference runs no kernel: it takes either kind and has nothing to shape.
     Returns:
         ``(out, lse)``: out ``[T, H, 512]`` bf16, contiguous; lse ``[T, H]`` fp32, natural log, WITHOUT the
         sink. A row with no valid entry gives out = 0 and lse = −inf (FlashMLA writes +inf there).
@@ -156,6 +206,10 @@ def decode(
     """
     auto = backend == "auto"
     backend = validate.backend(backend, SUPPORTED_BACKENDS + GPU_ONLY, auto="triton")
+    if not auto:
+        _check_launch(launch, backend)
+    elif launch is not None and not isinstance(launch, (SparseMlaLaunch, GluonLaunch)):
+        raise TypeError(f"launch: expected a SparseMlaLaunch, a GluonLaunch or None, got {type(launch).__name__}")
     validate.tensor(q, "q", dtype=torch.bfloat16, ndim=3)
     T, H, D = q.shape
     if D != HEAD_DIM:
@@ -181,8 +235,6 @@ def decode(
     scale = validate.scalar(scale, "scale")
     if scale <= 0:
         raise ValueError(f"scale: expected a number > 0, got {scale}")
-    if launch is not None and not isinstance(launch, SparseMlaLaunch):
-        raise TypeError(f"launch: expected a SparseMlaLaunch or None, got {type(launch).__name__}")
     _one_device(
         q=q,
         cache=cache,
@@ -195,6 +247,10 @@ def decode(
     )
     if q.stride(2) != 1 and q.numel():  # the kernels read q rows as 512 contiguous values: copy the rare other view
         q = q.contiguous()
+    if auto:
+        backend = auto_backend(q, cache, extra_cache, launch)
+    elif backend == "gluon" and not gluon.available(q.device):
+        raise ValueError("backend: 'gluon' needs compiled Triton with Gluon on a Hopper GPU")
     _check_values(q, sink, pools)
     args = dict(
         block_size=block_size,
@@ -209,11 +265,20 @@ def decode(
         return reference.decode(q, cache, slots, lengths, **args)
     if backend == "two_pass":
         return two_pass_decode(q, cache, slots, lengths, **args, launch=launch)
-    if backend == "gluon" or (auto and launch is None and gluon.available(q.device) and gluon.supports(q, cache, extra_cache)):
-        if not gluon.available(q.device):
-            raise ValueError("backend: 'gluon' needs compiled Triton with Gluon on a Hopper GPU")
+    if backend == "gluon":
         return gluon.decode_op(
-            q, cache, slots, lengths, extra_cache, extra_slots, extra_lengths, sink, block_size, extra_block_size or 0, scale
+            q,
+            cache,
+            slots,
+            lengths,
+            extra_cache,
+            extra_slots,
+            extra_lengths,
+            sink,
+            block_size,
+            extra_block_size,
+            scale,
+            launch=launch,
         )
     return fused_decode(q, cache, slots, lengths, **args, launch=launch)
 

@@ -6,7 +6,8 @@
 * :func:`attend`: runs :func:`~dsv4ref.sparse_mla.kernels.decode_kernel` (and the merge when split) on
   already-validated tensors, over FP8 pages (the fused path) or bf16 workspaces (the two-pass path).
 * Two ``torch.library`` custom ops with fakes, whose schemas carry every launch choice:
-  ``dsv4ref::sparse_mla_decode`` (fused) and ``dsv4ref::sparse_mla_attend_bf16`` (two-pass, pass 2).
+  :data:`sparse_mla_decode_op` (``dsv4ref::sparse_mla_decode``, fused) and :data:`sparse_mla_attend_bf16_op`
+  (``dsv4ref::sparse_mla_attend_bf16``, two-pass, pass 2); callers call these objects.
 * :func:`fused_decode`: the fused backend without validation or host syncs (graph-capturable).
 * :func:`workspace`: the two-pass path's reusable bf16 workspace.
 """
@@ -20,6 +21,7 @@ import triton
 
 from ..device import interpreting, sm_count
 from ..formats import HEAD_DIM
+from ..op_launch import OpLaunch
 from ..validate import integer, power_of_two
 from .kernels import decode_kernel, merge_kernel
 
@@ -36,12 +38,18 @@ __all__ = [
     "attend",
     "fused_decode",
     "workspace",
+    "sparse_mla_decode_op",
+    "sparse_mla_attend_bf16_op",
+    "NO_EXTRA_POOL",
     "MERGE_BLOCK_H",
 ]
 
+# What the custom ops' ``extra_block_size`` holds when there is no second pool (no block size is 0).
+NO_EXTRA_POOL = 0
+
 
 @dataclass(frozen=True)
-class SparseMlaLaunch:
+class SparseMlaLaunch(OpLaunch):
     """Launch shape of the sparse MLA kernels (fixed meta-parameters, no autotuning).
 
     Attributes:
@@ -67,10 +75,8 @@ class SparseMlaLaunch:
         power_of_two(self.num_warps, "num_warps")
         integer(self.num_stages, "num_stages", lo=1)
 
-    def op_args(self) -> tuple[int, int, int, int, int]:
-        """The launch as the trailing arguments of ``torch.ops.dsv4ref.sparse_mla_decode`` /
-        ``sparse_mla_attend_bf16``, in their schema order."""
-        return self.block_h, self.block_n, self.num_splits, self.num_warps, self.num_stages
+    # both custom ops take every field (op_args(), from_op_args(): dsv4ref.op_launch)
+    OP_FIELDS = {"sparse_mla_decode": None, "sparse_mla_attend_bf16": None}
 
 
 def default_launch(T: int, H: int, K_total: int, device: torch.device) -> SparseMlaLaunch:
@@ -178,12 +184,8 @@ def attend(q, pools, sink, scale, launch: SparseMlaLaunch, *, kv_bf16: bool, out
 # ----------------------------------------------------------------------------------------------------
 
 
-def _launch_of(block_h, block_n, num_splits, num_warps, num_stages) -> SparseMlaLaunch:
-    return SparseMlaLaunch(block_h, block_n, num_splits, num_warps, num_stages)
-
-
 @torch.library.custom_op("dsv4ref::sparse_mla_decode", mutates_args=())
-def _fused_op(
+def sparse_mla_decode_op(
     q: torch.Tensor,
     cache: torch.Tensor,
     slots: torch.Tensor,
@@ -204,10 +206,11 @@ def _fused_op(
     pools = [(cache, slots, lengths, block_size, cache.stride(0))]
     if extra_cache is not None:
         pools.append((extra_cache, extra_slots, extra_lengths, extra_block_size, extra_cache.stride(0)))
-    return attend(q, pools, sink, scale, _launch_of(block_h, block_n, num_splits, num_warps, num_stages), kv_bf16=False)
+    launch = SparseMlaLaunch.from_op_args(block_h, block_n, num_splits, num_warps, num_stages)
+    return attend(q, pools, sink, scale, launch, kv_bf16=False)
 
 
-@_fused_op.register_fake
+@sparse_mla_decode_op.register_fake
 def _(
     q,
     cache,
@@ -231,7 +234,7 @@ def _(
 
 
 @torch.library.custom_op("dsv4ref::sparse_mla_attend_bf16", mutates_args=())
-def _bf16_op(
+def sparse_mla_attend_bf16_op(
     q: torch.Tensor,
     ws1: torch.Tensor,
     table1: torch.Tensor,
@@ -248,10 +251,11 @@ def _bf16_op(
     pools = [(ws1, table1, None, 1, 0)]
     if ws2 is not None:
         pools.append((ws2, table2, None, 1, 0))
-    return attend(q, pools, sink, scale, _launch_of(block_h, block_n, num_splits, num_warps, num_stages), kv_bf16=True)
+    launch = SparseMlaLaunch.from_op_args(block_h, block_n, num_splits, num_warps, num_stages)
+    return attend(q, pools, sink, scale, launch, kv_bf16=True)
 
 
-@_bf16_op.register_fake
+@sparse_mla_attend_bf16_op.register_fake
 def _(q, ws1, table1, ws2, table2, sink, scale, block_h, block_n, num_splits, num_warps, num_stages):
     T, H, D = q.shape
     return q.new_empty(T, H, D), q.new_empty(T, H, dtype=torch.float32)
@@ -283,7 +287,7 @@ def fused_decode(
     """The fused backend (``backend="triton"``) of :func:`dsv4ref.sparse_mla.decode`, without validation and
     without host syncs (a device graph can capture it). Same arguments; ``launch`` None = :func:`default_launch`."""
     launch = resolve(launch, q, slots, extra_slots)
-    return torch.ops.dsv4ref.sparse_mla_decode(
+    return sparse_mla_decode_op(
         q,
         cache,
         slots,
@@ -293,7 +297,7 @@ def fused_decode(
         extra_lengths,
         sink,
         block_size,
-        extra_block_size or 1,
+        extra_block_size or NO_EXTRA_POOL,
         float(scale),
         *launch.op_args(),
     )

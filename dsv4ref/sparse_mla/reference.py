@@ -35,8 +35,8 @@ import math
 import torch
 from einops import einsum
 
-from .. import kv_cache
 from ..formats import HEAD_DIM
+from ..kv_cache import reference as kv_cache
 
 DEFAULT_SCALE = HEAD_DIM**-0.5  # DeepSeek-V4: head_dim^-0.5, no YaRN mscale
 
@@ -55,7 +55,7 @@ def _gather(cache, slots, lengths, block_size, dtype):
     """The listed rows ``[T, K, 512]`` in ``dtype`` (zero where not counted) and their mask ``[T, K]``."""
     keep = valid_mask(slots, lengths)
     masked = torch.where(keep, slots, -1).reshape(-1)  # mask before use: never read a slot that does not count
-    rows = kv_cache.gather(cache, masked, block_size=block_size, backend="reference")
+    rows = kv_cache.gather(cache, masked, block_size=block_size)  # the KV cache's reference reader
     return rows.to(dtype).view(*slots.shape, HEAD_DIM), keep  # [T, K, 512] (T = 0 or K = 0 too)
 
 

@@ -12,7 +12,8 @@ loop and host syncs, gathered token by token, and accepted the sink without appl
 * pass 2 is the fused kernel's own attention loop reading bf16 rows instead of FP8 pages, so the sink,
   the empty-row rule and the split merge are the same code.
 
-It moves 584 + 1024 (write) + 1024 (read) = 2632 bytes per selected row, 4.5× the fused kernel's 584:
+It moves 588 (record + slot) + 1024 (write) + 1028 (read the row and its slot again) = 2640 bytes per
+selected row, 4.5× the fused kernel's 588:
 measured against it in ``benchmarks/sparse_mla.md``.
 
 :func:`seed_decode` is the seed's structure on our kernels (with the sink applied, so its answer is
@@ -30,10 +31,14 @@ from typing import NamedTuple
 import torch
 
 from ..formats import HEAD_DIM
-from .launch import SparseMlaLaunch, resolve, workspace
+from ..kv_cache.launch import default_launch as kv_cache_default_launch
+from ..kv_cache.launch import kv_gather_op
+from .launch import SparseMlaLaunch, resolve, sparse_mla_attend_bf16_op, workspace
 from .reference import valid_mask
 
 __all__ = ["two_pass_decode", "seed_plan", "seed_decode", "SeedPlan"]
+
+GATHER = kv_cache_default_launch("gather")  # pass 1 runs the KV cache's gather with its measured default
 
 
 def two_pass_decode(
@@ -63,12 +68,12 @@ def two_pass_decode(
     for pool_cache, pool_slots, pool_lengths, bs in pools:
         table = torch.where(valid_mask(pool_slots, pool_lengths), pool_slots, -1)  # [T, K], −1 where not counted
         part = ws[r : r + table.numel()]
-        torch.ops.dsv4ref.kv_gather(pool_cache, table.reshape(-1), part, bs)  # pass 1: the kv_cache reader kernel
+        kv_gather_op(pool_cache, table.reshape(-1), part, bs, *GATHER.op_args())  # pass 1: the kv_cache reader kernel
         parts.append(part)
         tables.append(table)
         r += table.numel()
     ws2, table2 = (parts[1], tables[1]) if len(pools) > 1 else (None, None)
-    return torch.ops.dsv4ref.sparse_mla_attend_bf16(q, parts[0], tables[0], ws2, table2, sink, float(scale), *launch.op_args())
+    return sparse_mla_attend_bf16_op(q, parts[0], tables[0], ws2, table2, sink, float(scale), *launch.op_args())
 
 
 class SeedPlan(NamedTuple):
@@ -127,7 +132,7 @@ def seed_decode(
         r = t * K
         for pool_slots, pool_cache, bs in zip(row, (extra_cache, cache), (extra_block_size, block_size)):
             if pool_slots is not None and pool_slots.numel():
-                torch.ops.dsv4ref.kv_gather(pool_cache, pool_slots, ws[r : r + pool_slots.numel()], bs)
+                kv_gather_op(pool_cache, pool_slots, ws[r : r + pool_slots.numel()], bs, *GATHER.op_args())
                 r += pool_slots.numel()
     launch = resolve(launch, q, plan.table)
-    return torch.ops.dsv4ref.sparse_mla_attend_bf16(q, ws, plan.table, None, None, sink, float(scale), *launch.op_args())
+    return sparse_mla_attend_bf16_op(q, ws, plan.table, None, None, sink, float(scale), *launch.op_args())

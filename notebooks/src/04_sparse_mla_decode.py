@@ -35,7 +35,7 @@ import matplotlib.pyplot as plt
 import torch
 
 # %matplotlib inline
-from dsv4ref import formats, kv_cache, sparse_mla, validate
+from dsv4ref import formats, kv_cache, sparse_mla, tl, validate
 from dsv4ref.sparse_mla import kernels, reference, two_pass
 from dsv4ref.sparse_mla.launch import launch_for_sms
 from dsv4ref.config import TINY
@@ -110,8 +110,8 @@ print(inspect.getsource(reference.decode))
 # %%
 # A small example with the teaching config's sizes: T tokens, H heads, a window pool and a compressed pool.
 # example_inputs returns decode's keyword arguments.
-T, H = 3, TINY.num_heads
-inputs = sparse_mla.example_inputs(T, H, K1=16, K2=16, block_size=16, extra_block_size=2, pages=4, extra_pages=24, seed=4)
+T, H, K1, K2 = 3, TINY.num_heads, 16, 16  # K1 window candidates and K2 compressed ones per token
+inputs = sparse_mla.example_inputs(T, H, K1=K1, K2=K2, block_size=16, extra_block_size=2, pages=4, extra_pages=24, seed=4)
 q, sink = inputs["q"], inputs["sink"]
 slots, lengths = inputs["slots"], inputs["lengths"]
 out_ref, lse_ref = sparse_mla.decode(**inputs, backend="reference")
@@ -391,15 +391,18 @@ print(
 #
 # **One byte accounting for the whole notebook.** Per selected row, a kernel must read the row's 584-byte
 # record (`formats.TOKEN_BYTES`: 448 e4m3 bytes, 64 bf16 RoPE values, 8 scale bytes) and its 4-byte int32
-# slot. The two-pass paths also write the row as 1024 bytes of bf16 and read it back. Per token, every path
-# also reads q and writes out (bf16), writes lse (fp32) and reads the two lengths. The next cell computes
-# these from `dsv4ref.formats` and checks them against the ladder file's compulsory bytes.
+# slot. The two-pass paths also write the row as 1024 bytes of bf16 in pass 1, and pass 2 reads it back
+# **together with its slot again** (the table entry that says whether the row counts: 4 more bytes). Building
+# that −1-masked table is one more elementwise pass over the slots (read 4, write 4 per entry), not counted
+# below. Per token, every path also reads q and writes out (bf16), writes lse (fp32) and reads the two lengths.
+# The next cell computes these from `dsv4ref.formats` and checks them against the ladder file's compulsory
+# bytes.
 
 # %%
 SLOT_BYTES = torch.tensor([], dtype=torch.int32).element_size()
 ROW_FUSED = formats.TOKEN_BYTES + SLOT_BYTES  # read the record and its slot
 ROW_BF16 = formats.HEAD_DIM * torch.tensor([], dtype=torch.bfloat16).element_size()
-ROW_TWO_PASS = ROW_FUSED + 2 * ROW_BF16  # ... then write the bf16 row and read it back
+ROW_TWO_PASS = ROW_FUSED + ROW_BF16 + (ROW_BF16 + SLOT_BYTES)  # pass 1: + write the row; pass 2: read it and its slot
 
 
 def compulsory(T, H, K):
@@ -409,7 +412,7 @@ def compulsory(T, H, K):
 
 print(
     f"per selected row: fused {ROW_FUSED} B = {formats.TOKEN_BYTES} record + {SLOT_BYTES} slot; "
-    f"two-pass {ROW_TWO_PASS} B = {ROW_FUSED} + {ROW_BF16} written + {ROW_BF16} read back: "
+    f"two-pass {ROW_TWO_PASS} B = {ROW_FUSED} + {ROW_BF16} written + {ROW_BF16 + SLOT_BYTES} read back (row + slot): "
     f"{ROW_TWO_PASS / ROW_FUSED:.1f}× more"
 )
 print(
@@ -420,8 +423,8 @@ print(
 # %% [markdown]
 # | rung | what changed | why it is faster | what still limits it |
 # |---|---|---|---|
-# | 0. the seed's two-pass path | — (vLLM's first portable port) | — | a Python loop over tokens with a host sync each; 2·T gather launches of a few rows each; 2636 B moved per row |
-# | 1. clean two-pass | the index table is one tensor op; one gather launch for all tokens; a reused workspace | 2 launches instead of 2·T + 1, each filling the GPU | still 2636 B per row (588 read, 1024 written, 1024 read back); a latency-bound attention loop |
+# | 0. the seed's two-pass path | — (vLLM's first portable port) | — | a Python loop over tokens with a host sync each; 2·T gather launches of a few rows each; 2640 B moved per row |
+# | 1. clean two-pass | the index table is one tensor op; one gather launch for all tokens; a reused workspace | 2 launches instead of 2·T + 1, each filling the GPU | still 2640 B per row (588 read, 1024 written, 1024 + 4 read back); a latency-bound attention loop |
 # | 2. fused | the attention loop reads the FP8 pages itself and dequantises in registers; the K tile is reused as V | 588 B per row, 4.5× fewer; one launch; no workspace | one program per (token, 64 heads): ≤ one wave of programs; a 64 × 512 fp32 accumulator that spills; load → dequantise → QKᵀ → softmax → P·V in series in every warp |
 # | 3. split list (flash-decoding) | the candidate list is split over S programs; a merge kernel folds their partial states | S× more programs in flight where T · head blocks leaves SMs idle | partial-state traffic and a second launch; every program is still the serial chain of rung 2 |
 # | 4. warp-specialised (Gluon, Hopper) | producer warps dequantise FP8 pages into shared memory while two consumer warpgroups run the MMAs, each owning 256 of the 512 output dims; at H ≤ 16 a narrow kernel with the heads as the MMAs' N and two producer warpgroups | loads and dequantisation overlap the tensor-core work; the accumulator fits in registers | measured in the GPU run (§13) and taken apart in §10b: latency at one program per SM — a row gather that stays well under the copy rate at this grid, the scorer's serial QKᵀ → softmax → P·V chain, and a fixed cost (query in, output and partials out, the merge) that is a large part of the call |
@@ -484,7 +487,7 @@ print(inspect.getsource(two_pass.two_pass_decode))
 
 # %% [markdown]
 # **Why it is faster:** two launches that each fill the GPU instead of 2·T + 1 small ones: several times
-# faster than the seed on every shape (the next cell). **What limits it:** the 2636 bytes per row are still
+# faster than the seed on every shape (the next cell). **What limits it:** the 2640 bytes per row are still
 # there, and the attention loop of pass 2 is latency-bound (rung 2 says why). At H 128 that loop is the whole
 # story: there the fused kernel of rung 2, which runs the same loop with the dequantisation inside it, is no
 # faster than this path.
@@ -503,7 +506,11 @@ print(f"H 128: the fused kernel (rung 2) is slower than two-pass: {US['fused'][1
 # 2. **Slots, masked**: for a chunk of BLOCK_N entries it loads the slots with `mask = j < length`,
 #    other = −1, so entries past the length are never read, not even the slot number.
 # 3. **Addresses in int64**: `dsv4ref.tl.page_offsets` turns a slot into the two byte offsets of the 584-byte
-#    record (576 data bytes at page_base + off·576, 8 scale bytes at page_base + B·576 + off·8).
+#    record (576 data bytes at page_base + off·576, 8 scale bytes at page_base + B·576 + off·8), with
+#    page_base = page · page_stride. A page of B tokens is `kv_cache.page_bytes(B)` = 584·B rounded up to a
+#    multiple of 576 bytes (B = 64: 37 440), and the kernel takes the stride from `cache.stride(0)`, which may be
+#    larger (a view of a bigger buffer). Of a token's 8 scale bytes, 7 are the UE8M0 scales of the 7 NoPE blocks
+#    and the 8th is a zero pad that no reader uses (it makes the scales one 8-byte word).
 # 4. **Dequantise in registers, 8 tiles of 64** (`load_rows_fp8`): tiles 0..6 are e4m3 bytes × the UE8M0
 #    scale 2^(byte − 127) (exact; byte 255 is NaN, as E8M0 defines it), tile 7 is the 64 bf16 RoPE values.
 #    Every load is masked by "slot ≥ 0", so a −1 entry or a page holding NaN bytes never reaches the math
@@ -517,11 +524,15 @@ print(f"H 128: the fused kernel (rung 2) is slower than two-pass: {US['fused'][1
 #    → NaN, never the empty-row answer.
 #
 # Here is the kernel and its helpers, as the library runs them (`.fn` is the Python function under
-# `@triton.jit`; `inspect.getsource` of the jit object itself fails in the interpreter):
+# `@triton.jit`; `inspect.getsource` of the jit object itself fails in the interpreter), then the three
+# byte-level helpers they call: the slot's byte offsets, the e4m3 decode and the UE8M0 scale:
 
 # %%
 for kernel in (kernels.decode_kernel, kernels.attend_pool, kernels.load_rows_fp8, kernels.finish):
     print(inspect.getsource(kernel.fn))
+for helper in (tl.page_offsets, kernels.e4m3_value, tl.ue8m0_value):
+    print(inspect.getsource(helper.fn))
+print("page_bytes(B) for B = 1, 2, 16, 64:", [kv_cache.page_bytes(b) for b in (1, 2, 16, 64)])
 
 # %% [markdown]
 # **Block sizes.** `SparseMlaLaunch` holds every launch choice, passed as `launch=` (None = the measured
@@ -547,7 +558,7 @@ for Tb, Hb, Kb in BENCH:
 print(launch_for_sms(64, 64, 640, 132))
 
 # %% [markdown]
-# **What it should buy over two-pass:** 588 bytes per selected row instead of 2636, one launch, no workspace.
+# **What it should buy over two-pass:** 588 bytes per selected row instead of 2640, one launch, no workspace.
 # **What it gets:** alone, one program per (token, head block), it is *slower* than rung 1 on every shape of
 # the ladder (the next cell); only with the split of rung 3 does it beat rung 1, at H 64 and H 16. **What
 # limits it:** it is latency-bound, not bandwidth-bound (a profiler saw neither the issue slots, nor the
@@ -576,12 +587,13 @@ figures("split", "two_pass")
 # | tensor | shape | element | holds |
 # |---|---|---|---|
 # | `part_o` | `[T, S, H, 512]` | fp32 | acc_s = Σ_j 2^(x_j − m_s) · k_j over the split's entries, unnormalised |
-# | `part_ml` | `[T, S, H, 2]` | fp32 | (m_s, l_s): m_s = max_j x_j, l_s = Σ_j 2^(x_j − m_s); an empty split has (−∞, 0) |
+# | `part_ml` | `[T, S, H, 2]` | fp32 | (m_s, l_s): m_s = max_j x_j, l_s = Σ_j 2^(x_j − m_s); an empty split has (−∞, 0); a poisoned head (a NaN query, or a counted NaN/∞ row) has l_s = NaN |
 #
 # with x_j = s_j · log2(e), the log2-domain logit. Head h of split s of token t sits at row (t·S + s)·H + h of
 # both. `merge_kernel` (one program per token and 2 heads) computes m = max_s m_s, weighs split s by
 # w_s = 2^(m_s − m) (0 for an empty split), sums l = Σ w_s l_s and acc = Σ w_s acc_s, and runs the same
-# epilogue once: out = acc / l · σ(lse − sink), lse = ln 2 · (m + log2 l). The sink is applied after the
+# epilogue once (a NaN l_s survives the sum, even weighed 0: 0 · NaN = NaN, so a NaN query gives a NaN row
+# after the merge too, never an empty one, §11): out = acc / l · σ(lse − sink), lse = ln 2 · (m + log2 l). The sink is applied after the
 # merge, never per split, and lse stays in one unit until the single exit (pitfall #20).
 
 # %%
@@ -933,7 +945,8 @@ plt.show()
 # kernels round P to bf16 before P·V (as FlashMLA does), an error of up to 2^-9 per weight, so an output's
 # error scales with Σ_j p_j·|v_j| — its "mass" — not with the output itself, which can cancel to near zero.
 # The reference gives that mass alongside its result (`with_mass=True`). The launch shape is an explicit
-# argument: the last line splits the list in 4 (rung 3 in the interpreter).
+# argument: the last line splits the list in 4 (rung 3 in the interpreter), starting from the default launch for
+# T tokens, H heads and K1 + K2 candidates per token (both pools: the split divides the whole list).
 
 # %%
 rungs = {
@@ -941,7 +954,7 @@ rungs = {
     "two_pass (rung 1)": lambda: sparse_mla.decode(**inputs, backend="two_pass"),
     "triton (rung 2)": lambda: sparse_mla.decode(**inputs, backend="triton"),
     "triton, split in 4 (rung 3)": lambda: sparse_mla.decode(
-        **inputs, backend="triton", launch=dataclasses.replace(sparse_mla.default_launch(T, H, 32, DEVICE), num_splits=4)
+        **inputs, backend="triton", launch=dataclasses.replace(sparse_mla.default_launch(T, H, K1 + K2, DEVICE), num_splits=4)
     ),
 }
 for name, run in rungs.items():
@@ -1008,7 +1021,7 @@ with validate.checking_values(False):
 #
 # Per selected row, the fused kernel reads the 584-byte record and its 4-byte slot once: 588 bytes. The
 # two-pass paths read the same 588 bytes, **write** a 1024-byte bf16 row to the workspace and **read it
-# back**: 2636 bytes, 4.5× more, plus a second launch (§5's cell computes both). In a memory-bound op that is
+# back** with its slot: 2640 bytes, 4.5× more, plus a second launch (§5's cell computes both). In a memory-bound op that is
 # the whole story.
 
 
@@ -1160,7 +1173,7 @@ for r in ladder["rungs"] + ladder["others"]:
 #
 # * **Rung 0 → 1: launches and host syncs first.** Nothing about the math changed; 2·T tiny launches and a
 #   host loop became two full-width launches. A kernel developer looks at the launch count before the kernel.
-# * **Rung 1 → 2: bytes.** Fusing the dequantisation into the attention loop cut 2636 B per row to 588 and
+# * **Rung 1 → 2: bytes.** Fusing the dequantisation into the attention loop cut 2640 B per row to 588 and
 #   removed the workspace. That only pays where the loop is near the memory roof (H 16, and H 64 with the
 #   split); at H 128 the loop itself was the limit.
 # * **Rung 2 → 3: occupancy.** T × head blocks programs is often less than one per SM; splitting the list

@@ -47,7 +47,10 @@ print(describe())
 # **only to choose** the top K; the weights come from the unbiased s, renormalised over the K chosen and
 # multiplied by the routed scale (1.5):
 #
-# $$\text{ids}_t = \operatorname{topK}_e(s_{te} + b_e),\qquad w_{tk} = 1.5\cdot\frac{s_{t,\text{ids}_{tk}}}{\sum_{k'} s_{t,\text{ids}_{tk'}}}$$
+# $$\text{ids}_t = \operatorname{topK}_e(s_{te} + b_e),\qquad w_{tk} = 1.5\cdot\frac{s_{t,\text{ids}_{tk}}}{\max\big(\sum_{k'} s_{t,\text{ids}_{tk'}},\ 10^{-20}\big)}$$
+#
+# (the floor 10⁻²⁰ only matters for a row whose chosen scores all underflow to 0: it gets weights 0, not 0/0;
+# the log1p cell below shows when that happens).
 #
 # On V4-Flash the bias is large and nearly uniform (about 8.08 for every expert), so weights taken from s + b
 # would be flat: about 1.5/K for everyone (pitfall P1). Below, 8 tokens of the teaching config with a bias
@@ -173,7 +176,12 @@ for t in range(4):
 # and consumes the staged buffers with **its own** expert kernel (section 3).
 #
 # One token, two 128-blocks: block 0 holds groups with amax 0 (and a −0.0), 1.0, 448 and 450; block 1 groups with
-# amax 0, 1.75 (= 448·2^-8 exactly: a float log2 would give one byte too many), 0.01 and 0.
+# amax 0, 1.75 (= 448·2^-8 exactly: the quotient amax / 448 is a power of two, byte 119), 0.01 and 0.
+#
+# **The e4m3 bytes printed below** (float8_e4m3fn, the "fn" variant): sign bit, 4 exponent bits with bias 7,
+# 3 mantissa bits. A byte `s eeee mmm` is (−1)^s · 2^(e − 7) · (1 + m/8) for e ≥ 1, and (−1)^s · m · 2^-9 for
+# e = 0 (subnormals: 2^-9 … 7·2^-9, then 0). The largest finite value is 0x7E = 0 1111 110 = 2^8 · 1.75 = 448;
+# 0x7F and 0xFF are NaN; there is no infinity. So 0x00 is +0, 0x80 is −0, 0x38 is 1.0 and 0xB8 is −1.0.
 
 # %%
 h = torch.zeros(1, 256)
@@ -240,11 +248,18 @@ plt.show()
 # $$\text{byte}_g = \Big\lceil \log_2 \frac{\max(\text{amax}_g,\ 10^{-4})}{448} \Big\rceil + 127,\qquad \text{amax}_g = \max_i |x_i|$$
 #
 # 1. **The floor 10⁻⁴** applies to *every* group whose amax is below it, not only to all-zero groups: a group with
-#    amax 5·10⁻⁵ gets the byte of 10⁻⁴ (105), not 104. It keeps the byte ≥ 105 and the values of tiny groups
-#    subnormal-free where they matter least.
+#    amax 5·10⁻⁵ gets the byte of 10⁻⁴ (105), not 104. It gives an all-zero group a byte at all (log₂ 0 = −∞) and
+#    keeps every byte ≥ 105, far from E8M0's smallest scales. For the **e4m3 codes** it does the opposite of
+#    keeping them normal: without it, a group's largest value always lands in (224, 448]; with it, a group whose
+#    amax is far below 10⁻⁴ is scaled by 2^22 only, so its codes are small, and below amax ≈ 2^-28 (3.7·10⁻⁹)
+#    they are e4m3 subnormals (m·2^-9) or 0. Tiny groups lose precision; the cell after the encoder shows it.
 # 2. **Exactly, from the bits:** s = fp32(max(amax, 10⁻⁴) / 448) (IEEE division, correctly rounded); then
-#    ⌈log₂ s⌉ is s's exponent field, plus 1 if any mantissa bit is set. A float `ceil(log2(s))` is off by one when
-#    s is a power of two that log2 rounds up (1.75 = 448·2⁻⁸ is such a group: its byte is 119, not 120).
+#    byte = ⌈log₂ s⌉ + 127 is s's **biased** exponent field (bits 23 … 30 of the fp32 word, which already hold
+#    the exponent + 127), plus 1 if any mantissa bit is set (s is then above that power of two). A float
+#    `ceil(log2(s))` of that same fp32 quotient agrees with the bits for every positive bf16 amax (fp32, numpy
+#    and `math.log2` all return −8 exactly for 1.75 / 448 = 2^-8). What goes wrong is splitting the log:
+#    ⌈log₂ amax − log₂ 448⌉ rounds the difference, and at amax = 448·2^k it lands a hair above the integer k:
+#    one byte too many (the second cell after the encoder counts them).
 # 3. **The values:** q = e4m3(clamp(x · 2^(127 − byte), −448, 448)), the multiply exact (a power of two), the
 #    cast **round to nearest, ties to even**. The clamp matters: torch versions disagree on what an
 #    out-of-range cast gives.
@@ -252,6 +267,11 @@ plt.show()
 #    write. With them off (`DSV4REF_CHECK_VALUES=0`, the hot path) each group holding a NaN or ±inf is
 #    written as byte **255** (E8M0's NaN) with every code **0x7F**, or **0xFF** for a value that is not a NaN and
 #    has its sign bit set; other groups are unaffected. It reads back as NaN, never as a plausible number.
+#
+# Value checks are on unless the environment variable `DSV4REF_CHECK_VALUES` is `0`, read at every call:
+# `dsv4ref.validate.checking_values(False)` sets it for a block, and the conformance suite runs its non-finite
+# cases inside that block. A port behind the public signature learns the setting the same way, from
+# `dsv4ref.validate.check_values()` (or the variable itself), at call time.
 #
 # The whole encoder in a dozen lines of plain torch, then held byte for byte to the library on rows built to hit
 # each rule: a group with 0 < amax < 10⁻⁴, exact powers of two, ties between two e4m3 codes, values above 448·2^k,
@@ -318,6 +338,46 @@ except ValueError as e:
     print("value checks on: ValueError,", str(e).split(" (")[0])
 
 # %% [markdown]
+# **The floor and the codes of a tiny group** (rule 1): one group of 32 values spanning 10⁻⁸ … 10⁻¹⁰, coded with
+# the floor (the library) and with a byte taken from its amax alone. e4m3 subnormals are the codes whose exponent
+# bits are 0 (`code & 0x78 == 0`), zeros included.
+
+# %%
+tiny = (torch.logspace(-8, -10, 32, dtype=torch.float64) * torch.tensor([1.0, -1.0] * 16, dtype=torch.float64)).to(torch.bfloat16)
+tiny_x = torch.cat([tiny, torch.ones(96, dtype=torch.bfloat16)]).to(DEVICE)[None]  # one 128-block: the tiny group first
+codes, words = moe.stage(tiny_x, sid[:1], sw[:1])[:2]
+with_floor = codes.view(torch.uint8)[0, :32]
+amax = tiny.float().abs().max()
+byte_own = int(torch.ceil(torch.log2(amax / 448))) + 127
+own = (tiny.float() * 2.0 ** (127 - byte_own)).clamp(-448, 448).to(torch.float8_e4m3fn).view(torch.uint8)
+for name, c, byte in (("with the floor", with_floor, words[0, 0].item() & 0xFF), ("byte from amax", own, byte_own)):
+    sub = int(((c & 0x78) == 0).sum())
+    print(f"{name:<15} byte {byte}: {sub:>2} of 32 codes subnormal or zero, largest code 0x{int(c.max()):02X}")
+
+# %% [markdown]
+# **Which float log is wrong** (rule 2): every positive finite bf16 amax (32 640 values), its byte from the bits,
+# from a float `ceil(log2)` of the fp32 quotient, and from the split log. Only the split log disagrees, at the 8
+# values 448·2^k where its rounding lands above k:
+
+# %%
+# host: the float logs are the CPU's (a GPU's log2 may round another way); the bits are the same everywhere
+every = torch.arange(1, 0x7F80, dtype=torch.int32).to(torch.int16).view(torch.bfloat16).float()
+quot = every.clamp(min=1e-4) / 448.0  # fp32, correctly rounded
+qb = quot.view(torch.int32)
+by_bits = ((qb >> 23) & 0xFF) + ((qb & 0x7FFFFF) != 0).int()
+by_log = torch.ceil(torch.log2(quot)).int() + 127
+by_split = torch.ceil(torch.log2(every.clamp(min=1e-4)) - torch.log2(torch.tensor(448.0))).int() + 127
+print("ceil(log2(amax / 448)) + 127 differs from the bits:", int((by_log != by_bits).sum()), "times")
+wrong = (by_split != by_bits).nonzero()[:, 0]
+print(
+    "ceil(log2(amax) - log2(448)) + 127 differs:",
+    wrong.numel(),
+    "times, at amax / 448 =",
+    [f"2^{int(torch.log2(every[i] / 448))}" for i in wrong.tolist()],
+)
+print("byte of 1.75 by the bits / by the float log of the quotient:", int(by_bits[every == 1.75]), int(by_log[every == 1.75]))
+
+# %% [markdown]
 # The Triton staging kernel writes the same bits as the reference, here on random rows whose 32-groups span 24
 # octaves, a strided (non-contiguous) view of the hidden states, int32 ids with −1 entries and K = 6:
 
@@ -340,7 +400,12 @@ for name, a, b in zip(("x_fp8", "x_sf", "ids", "weights"), got, want):
 # $$a = \hat x W_1[e]^\top,\quad u = \hat x W_3[e]^\top,\quad h = \mathrm{silu}(\min(a, 10))\cdot\mathrm{clamp}(u, -10, 10)\cdot\omega,\quad o = \mathrm{bf16}(\mathrm{bf16}(h)\,W_2[e]^\top)$$
 #
 # The routing weight goes in **before** the down projection (V3 multiplied the expert output), and the shared
-# expert is clamped the same way (P5). To run many tokens of one expert as one GEMM, the T·K slots are
+# expert is clamped the same way (P5). `swiglu_limit` is L; **L ≤ 0 switches the clamp off** (the V4 reference's
+# switch: `silu(a) · u` unclamped), which is what `swiglu_limit=0.0` means in the oracle cell below.
+#
+# **The shared expert** reads the **bf16 x**, not the staged x̂ (that is why `experts` takes x beside the staged
+# buffers): h = silu(min(x W₁ˢᵀ, L)) · clamp(x W₃ˢᵀ, −L, L) with ω = 1, rounded to bf16, then its output
+# bf16(h W₂ˢᵀ) is **rounded to bf16** like each routed slot's output, before the fp32 sum of the combine. To run many tokens of one expert as one GEMM, the T·K slots are
 # **grouped by expert** with device ops only (a stable sort, counts, offsets: no host sync, so a CUDA graph can
 # hold it). −1 slots sort last and are never touched:
 

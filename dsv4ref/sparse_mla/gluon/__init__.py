@@ -8,6 +8,7 @@ a row with no valid entry gives ``out = 0`` and ``lse = −inf``, and P is round
 
 Read in this order:
 
+* :mod:`.lang`: the Gluon names the kernels are written in, imported once (or the reason they are missing);
 * :mod:`.launch`: :class:`GluonLaunch` (which kernel, how many list splits), :func:`default_launch`, the
   launcher :func:`decode_gluon` and the custom op; plain Python, importable without Gluon;
 * :mod:`.common`: what the kernels share (the candidate list, row loads and dequantisation, the query, the
@@ -27,7 +28,7 @@ Its figures beside the portable kernel's, as fractions of max(bytes / copy BW, F
 What limits each shape and every variant tried (the variants and timing diagnostics that are no longer in
 the code live in git history, each with its row there): `benchmarks/sparse_mla.md`; the ladder: notebook 04.
 
-The kernel modules are imported only where Gluon imported (:func:`_kernels`, on first use): on a CPU machine
+The kernel modules are imported only where Gluon imported (:func:`kernels`, on first use): on a CPU machine
 (the Triton interpreter) or a Triton without Gluon this package still imports, and :func:`available` says
 whether the backend can run here.
 """
@@ -48,7 +49,10 @@ from .launch import (
     decode_gluon,
     decode_op,
     default_launch,
+    import_error,
+    kernels,
     launch_for_sms,
+    sparse_mla_decode_gluon_op,
 )
 
 __all__ = [
@@ -56,6 +60,9 @@ __all__ = [
     "supports",
     "decode_gluon",
     "decode_op",
+    "sparse_mla_decode_gluon_op",
+    "kernels",
+    "import_error",
     "GluonLaunch",
     "default_launch",
     "launch_for_sms",
@@ -64,50 +71,6 @@ __all__ = [
     "BLOCK_N",
     "NARROW_H",
 ]
-
-_IMPORT_ERROR: BaseException | None = None
-_K = None  # the kernels, imported on first use
-
-try:  # Gluon ships with Triton >= 3.5; the Hopper ops live in its nvidia.hopper namespace
-    from triton.experimental import gluon as _gluon
-    from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.language.nvidia.hopper import (  # noqa: F401 - for the kernel modules
-        async_copy,
-        fence_async_shared,
-        mbarrier,
-        warpgroup_mma,
-        warpgroup_mma_wait,
-    )
-
-    # the names that moved between Triton releases (one bridge, for the kernel modules and for
-    # benchmarks/experiments/gather_probe.py): thread_barrier was renamed barrier; cp.async from global to
-    # shared memory is async_copy_global_to_shared in Triton 3.6, async_load later
-    _bar = getattr(gl, "thread_barrier", None) or gl.barrier
-    _async_load = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
-except Exception as e:  # pragma: no cover - depends on the installed Triton
-    _gluon = None
-    _IMPORT_ERROR = e
-
-
-def _kernels() -> dict | None:
-    """The kernels by name ("plain", "ws", "narrow", "merge"), imported on first use; None where Gluon is
-    missing or its API does not fit these kernels (the reason in ``_IMPORT_ERROR``)."""
-    global _K, _IMPORT_ERROR
-    if _K is None:
-        if _gluon is None:
-            _K = False
-        else:
-            try:
-                from .common import _merge_kernel
-                from .narrow_kernel import _narrow_kernel
-                from .plain_kernel import _decode_kernel
-                from .ws_kernel import _ws_kernel
-
-                _K = {"plain": _decode_kernel, "ws": _ws_kernel, "narrow": _narrow_kernel, "merge": _merge_kernel}
-            except Exception as e:  # an incompatible Gluon API
-                _IMPORT_ERROR = e
-                _K = False
-    return _K or None
 
 
 def available(device: torch.device | None = None) -> bool:
@@ -118,7 +81,7 @@ def available(device: torch.device | None = None) -> bool:
     cap = capability(device)
     if cap is None or cap[0] != 9:
         return False
-    return _kernels() is not None
+    return kernels() is not None
 
 
 def supports(q: torch.Tensor, cache: torch.Tensor, extra_cache: torch.Tensor | None = None) -> bool:

@@ -1,4 +1,4 @@
-"""What the Hopper Gluon kernels share (imported only where Gluon imported: see the package's ``_kernels``).
+"""What the Hopper Gluon kernels share (imported only where Gluon imported: see :func:`.launch.kernels`).
 
 * the candidate list: :func:`_slots` (virtual candidate ids -> slots), :func:`_candidate_range` and
   :func:`_program` (what one program owns: token, head block, list split, chunk count);
@@ -9,9 +9,37 @@
   its NaN / ±inf scan (:func:`_q_scan`);
 * the softmax step (:func:`_softmax_step`), the per-head output scale (:func:`_head_scale`), the 64-row
   kernel's epilogue (:func:`_epilogue`) and the split merge (:func:`_merge_kernel`).
+
+**The short names every kernel's arguments use** (the launcher passes the same runtime arguments to each):
+
+=====================  ==============================================================================
+name                   what it holds
+=====================  ==============================================================================
+``t64``                the token t, ``program_id(0)``, as int64 (so ``t · stride`` cannot overflow)
+``hb``                 the head block, ``program_id(1)``: heads ``hb·BH … hb·BH + BH − 1``
+``sp``                 the list split, ``program_id(2)``, in ``[0, SPLITS)``
+``K1``, ``K2``         the width of each pool's slot table (entries per token)
+``i1_ptr``, ``i1_st``  pool 1's slot table ``[T, K1]`` and its row stride (``i2_…``: pool 2's)
+``l1_ptr``             pool 1's lengths ``[T]`` (``l2_ptr``: pool 2's; read only with ``HAS_LEN1/2``)
+``i1``, ``i2``         token t's row of each slot table: ``i1_ptr + t64 · i1_st``
+``n1``                 how many of pool 1's entries count for token t (``min(lengths[t], K1)``); token
+                       t's list is those ``n1`` entries, then pool 2's: a virtual candidate id
+                       ``v < n1`` is ``i1[v]``, else ``i2[v − n1]`` (:func:`_slots`)
+``start``, ``stop``    the virtual ids ``[start, stop)`` split ``sp`` owns (``start = sp · chunk``;
+                       ``chunk``, a multiple of ``BN``: the candidates per split; the last own fewer)
+``n_it``               the chunks of ``BN`` candidates in ``[start, stop)``
+``c1_u8``, ``c1_i16``,  pool 1's cache pages viewed as bytes, int16 words and int64 words (one buffer,
+``c1_i64``             three element types; ``c2_…``: pool 2's)
+``bs1``, ``ps1``       pool 1's block size (tokens per page) and page stride in bytes (``bs2``, ``ps2``)
+``q_st``, ``q_sh``     q's strides over tokens and over heads
+``po``, ``pml``        the split partials ``[T, S, H, 512]`` and ``[T, S, H, 2]`` (unused when S = 1)
+``qk_scale``           ``scale · log2 e``: scores in the log2 domain
+``sa``, ``ia``, ``oa``  per row: its slot (int64), whether it comes from pool 1, whether it counts
+``BH``, ``BN``, ``NS``  heads per program, candidates per chunk, K stages in the shared ring
+=====================  ==============================================================================
 """
 
-from . import _async_load, _bar, _gluon, async_copy, fence_async_shared, gl
+from .lang import _async_load, _bar, _gluon, async_copy, fence_async_shared, gl
 
 
 @_gluon.jit

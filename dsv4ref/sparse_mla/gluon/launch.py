@@ -1,14 +1,15 @@
 """How the Hopper Gluon kernels are launched: :class:`GluonLaunch`, the launcher and the custom op.
 
-Plain Python and torch (no Gluon import): the kernels come from the package's ``_kernels()`` when a launch
-runs, so this module, and with it :class:`GluonLaunch` and :func:`default_launch`, import on any machine.
+Plain Python and torch (no Gluon import): the kernels come from :func:`kernels` when a launch runs (the
+kernel modules import only :mod:`.lang` and :mod:`.common`, never this module or the package), so this module,
+and with it :class:`GluonLaunch` and :func:`default_launch`, import on any machine.
 
 * :class:`GluonLaunch`: every launch choice (which kernel, how many list splits), passed as ``launch=``;
   :func:`default_launch` is the measured default (:func:`launch_for_sms` gives it for any SM count, e.g.
   the H200's 132, on any machine).
 * :func:`decode_gluon`: the launcher, on already-validated tensors (no host sync: graph-capturable).
-* ``dsv4ref::sparse_mla_decode_gluon``: the custom op (with a fake) whose schema carries the launch;
-  :func:`decode_op` calls it with the launch resolved.
+* :data:`sparse_mla_decode_gluon_op` (``dsv4ref::sparse_mla_decode_gluon``): the custom op (with a fake)
+  whose schema carries the launch; :func:`decode_op` calls it with the launch resolved.
 """
 
 from __future__ import annotations
@@ -19,7 +20,9 @@ import torch
 
 from ...device import interpreting, sm_count
 from ...formats import HEAD_DIM
+from ...op_launch import OpLaunch
 from ...validate import power_of_two
+from ..launch import NO_EXTRA_POOL
 
 LOG2E = 1.4426950408889634
 BLOCK_H = 64  # heads per program of the 64-row kernels (wgmma M = 64 per warpgroup); fewer are masked rows
@@ -41,6 +44,9 @@ __all__ = [
     "launch_for_sms",
     "decode_gluon",
     "decode_op",
+    "sparse_mla_decode_gluon_op",
+    "kernels",
+    "import_error",
     "KERNELS",
     "BLOCK_H",
     "NARROW_H",
@@ -49,7 +55,7 @@ __all__ = [
 
 
 @dataclass(frozen=True)
-class GluonLaunch:
+class GluonLaunch(OpLaunch):
     """Launch choices of the Hopper Gluon kernels (fixed meta-parameters, no autotuning).
 
     Attributes:
@@ -75,9 +81,8 @@ class GluonLaunch:
         """Heads per program: :data:`NARROW_H` for the narrow kernel, else :data:`BLOCK_H`."""
         return NARROW_H if self.kernel == "narrow" else BLOCK_H
 
-    def op_args(self) -> tuple[str, int]:
-        """The launch as the trailing arguments of ``torch.ops.dsv4ref.sparse_mla_decode_gluon``."""
-        return self.kernel, self.num_splits
+    # the custom op takes every field (op_args(), from_op_args(): dsv4ref.op_launch)
+    OP_FIELDS = {"sparse_mla_decode_gluon": None}
 
 
 def default_launch(T: int, H: int, K_total: int, device) -> GluonLaunch:
@@ -99,6 +104,36 @@ def launch_for_sms(T: int, H: int, K_total: int, sms: int) -> GluonLaunch:
     while T * n_hb * num_splits * 2 <= sms + sms // 8 and K_total // (num_splits * 2) >= 4 * BLOCK_N:
         num_splits *= 2
     return GluonLaunch("narrow" if H <= NARROW_H else "ws", num_splits)
+
+
+_K: dict = {}  # the kernels by name once imported; {"error": e} where they cannot be
+
+
+def kernels() -> dict | None:
+    """The kernels by name ("plain", "ws", "narrow", "merge"), imported on first use; None where Gluon is
+    missing or its API does not fit these kernels (the reason: :func:`import_error`)."""
+    from . import lang
+
+    if not _K:
+        if lang._gluon is None:
+            _K["error"] = lang.IMPORT_ERROR
+        else:
+            try:
+                from .common import _merge_kernel
+                from .narrow_kernel import _narrow_kernel
+                from .plain_kernel import _decode_kernel
+                from .ws_kernel import _ws_kernel
+
+                _K.update(plain=_decode_kernel, ws=_ws_kernel, narrow=_narrow_kernel, merge=_merge_kernel)
+            except Exception as e:  # an incompatible Gluon API
+                _K["error"] = e
+    return None if "error" in _K else _K
+
+
+def import_error() -> BaseException | None:
+    """Why :func:`kernels` is None here (None where they import)."""
+    kernels()
+    return _K.get("error")
 
 
 def _aligned(cache: torch.Tensor) -> bool:
@@ -146,13 +181,9 @@ def decode_gluon(
     the optional extra pool likewise. Returns out ``[T, H, 512]`` bf16, lse ``[T, H]`` fp32 (natural log,
     without the sink; −inf for empty rows). ``launch``: the :class:`GluonLaunch`; None =
     :func:`default_launch` for this shape."""
-    from . import _kernels
-
-    kern = _kernels()
+    kern = kernels()
     if kern is None or interpreting():
-        from . import _IMPORT_ERROR
-
-        raise RuntimeError(f"the gluon backend needs compiled Triton with Gluon on a Hopper GPU ({_IMPORT_ERROR!r})")
+        raise RuntimeError(f"the gluon backend needs compiled Triton with Gluon on a Hopper GPU ({import_error()!r})")
     if launch is not None and not isinstance(launch, GluonLaunch):
         raise TypeError(f"launch: expected a GluonLaunch or None, got {type(launch).__name__}")
     T, H, D = q.shape
@@ -242,7 +273,7 @@ def decode_gluon(
 
 
 @torch.library.custom_op("dsv4ref::sparse_mla_decode_gluon", mutates_args=())
-def _decode_op(
+def sparse_mla_decode_gluon_op(
     q: torch.Tensor,
     cache: torch.Tensor,
     slots: torch.Tensor,
@@ -269,11 +300,11 @@ def _decode_op(
         extra_slots=extra_slots,
         extra_lengths=extra_lengths,
         extra_block_size=extra_block_size if extra_cache is not None else None,
-        launch=GluonLaunch(kernel, num_splits),
+        launch=GluonLaunch.from_op_args(kernel, num_splits),
     )
 
 
-@_decode_op.register_fake
+@sparse_mla_decode_gluon_op.register_fake
 def _(
     q,
     cache,
@@ -303,16 +334,19 @@ def decode_op(
     extra_lengths: torch.Tensor | None,
     sink: torch.Tensor | None,
     block_size: int,
-    extra_block_size: int,
+    extra_block_size: int | None,
     scale: float,
     launch: GluonLaunch | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``torch.ops.dsv4ref.sparse_mla_decode_gluon`` (what ``sparse_mla.decode`` runs for the gluon backend)
-    with ``launch`` resolved: None = :func:`default_launch` for q's shape and both pools' candidates."""
+    """:data:`sparse_mla_decode_gluon_op` (what ``sparse_mla.decode`` runs for the gluon backend) with ``launch``
+    resolved: None = :func:`default_launch` for q's shape and both pools' candidates. ``extra_block_size``
+    None (no second pool) travels as :data:`~dsv4ref.sparse_mla.launch.NO_EXTRA_POOL`, as in the fused path."""
+    if launch is not None and not isinstance(launch, GluonLaunch):
+        raise TypeError(f"launch: expected a GluonLaunch or None, got {type(launch).__name__}")
     if launch is None:
         T, H, _ = q.shape
         launch = default_launch(T, H, slots.shape[1] + (extra_slots.shape[1] if extra_cache is not None else 0), q.device)
-    return torch.ops.dsv4ref.sparse_mla_decode_gluon(
+    return sparse_mla_decode_gluon_op(
         q,
         cache,
         slots,
@@ -322,7 +356,7 @@ def decode_op(
         extra_lengths,
         sink,
         block_size,
-        extra_block_size,
-        scale,
+        extra_block_size or NO_EXTRA_POOL,
+        float(scale),
         *launch.op_args(),
     )

@@ -4,9 +4,12 @@ The products transposed so the heads are wgmma's N (16) instead of its M (64, th
 H = 16): Sᵀ[64, 16] = K·Qᵀ, the softmax down each column, Oᵀ[512, 16] += Vᵀ·Pᵀ with Vᵀ the same K tile read
 transposed. Oᵀ is 64 registers per thread, which leaves room for **two** producer warpgroups
 (:data:`~.launch.NARROW_REGS` registers each; each dequantises half of every chunk) and a third K stage.
+
+The arguments' short names (``i1``, ``n1``, ``c1_u8``, ``t64``, ``hb``, ``sp``, …): the table at the top of
+:mod:`.common`.
 """
 
-from . import _bar, _gluon, fence_async_shared, gl, mbarrier, warpgroup_mma, warpgroup_mma_wait
+from .lang import _bar, _gluon, fence_async_shared, gl, mbarrier, warpgroup_mma, warpgroup_mma_wait
 from .common import _dequant_store_packed, _head_scale, _load_rows_packed, _program, _q_async, _slots
 
 

@@ -5,9 +5,12 @@ dequantise the next chunk into the second of two shared K buffers, S = Q·Kᵀ a
 O += P·V. The warp-specialised kernels (:mod:`.ws_kernel`, :mod:`.narrow_kernel`) keep its row loads,
 dequantisation, prologue and epilogue arithmetic (:mod:`.common`) and add producer warps that fill a ring
 of stages ahead of the MMAs. Same contract and results as the default kernels; slower on every bench shape.
+
+The arguments' short names (``i1``, ``n1``, ``c1_u8``, ``t64``, ``hb``, ``sp``, …): the table at the top of
+:mod:`.common`.
 """
 
-from . import _bar, _gluon, fence_async_shared, gl, warpgroup_mma, warpgroup_mma_wait
+from .lang import _bar, _gluon, fence_async_shared, gl, warpgroup_mma, warpgroup_mma_wait
 from .common import _dequant_store, _head_scale, _load_raw, _program, _q_to_shared, _slots, _softmax_step
 
 

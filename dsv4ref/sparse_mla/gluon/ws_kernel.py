@@ -19,9 +19,12 @@ tile (H = 128 takes two programs). 12 warps in three roles, joined by mbarriers:
 Shared memory: Q 64 KB, two K stages 128 KB, P 16 KB: about 215 KB, so one program per SM. With one list
 split the output leaves through a released K stage as 16-byte row vectors; the query's NaN / ±inf scan
 runs after the loop, and only when a head counted no candidate.
+
+The arguments' short names (``i1``, ``n1``, ``c1_u8``, ``t64``, ``hb``, ``sp``, …) are the ones every kernel
+uses: the table at the top of :mod:`.common` says what each holds.
 """
 
-from . import _bar, _gluon, fence_async_shared, gl, mbarrier, warpgroup_mma, warpgroup_mma_wait
+from .lang import _bar, _gluon, fence_async_shared, gl, mbarrier, warpgroup_mma, warpgroup_mma_wait
 from .common import _dequant_store_packed, _epilogue, _load_rows_packed, _program, _q_async, _q_scan, _slots, _softmax_step
 
 

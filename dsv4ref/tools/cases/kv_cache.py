@@ -2,14 +2,19 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
 from ... import kv_cache
 from ...kv_cache import reference
+from ...kv_cache.launch import default_launch, kv_gather_op, kv_insert_op
 from ...device import DEVICE
 from ...formats import HEAD_DIM, TOKEN_BYTES
 from ...testing import compare
 from ..harness import BenchCase, CheckRow, bench, check, same_size_copy_case
+
+INSERT, GATHER = default_launch("insert"), default_launch("gather")  # what the public functions run
 
 
 @check("kv_cache.insert")
@@ -61,7 +66,7 @@ def _bench() -> list[BenchCase]:
             BenchCase(
                 "kv_cache.insert",
                 f"S={S} B={B}",
-                lambda i, st=sets: torch.ops.dsv4ref.kv_insert(st[i][0], st[i][1], st[i][2], 64),
+                lambda i, st=sets: kv_insert_op(st[i][0], st[i][1], st[i][2], 64, *INSERT.op_args()),
                 n_sets,
                 ins_bytes,
                 note="kv 1024 + slot 8 + cache 584 B/token",
@@ -77,7 +82,7 @@ def _bench() -> list[BenchCase]:
             BenchCase(
                 "kv_cache.gather",
                 f"S={S} B={B}",
-                lambda i, st=sets: torch.ops.dsv4ref.kv_gather(st[i][0], st[i][2], st[i][3], 64),
+                lambda i, st=sets: kv_gather_op(st[i][0], st[i][2], st[i][3], 64, *GATHER.op_args()),
                 n_sets,
                 gat_bytes,
                 note="cache 584 + slot 8 + out 1024 B/row",
@@ -86,11 +91,12 @@ def _bench() -> list[BenchCase]:
         ]
         if S == 65536:
             for tok, warps in INSERT_SHAPES:
+                launch = replace(INSERT, tokens_per_program=tok, num_warps=warps)
                 cases.append(
                     BenchCase(
                         "kv_cache.insert",
                         f"S={S} B={B} launch={tok}x{warps}",
-                        lambda i, st=sets, t=tok, w=warps: torch.ops.dsv4ref.kv_insert(st[i][0], st[i][1], st[i][2], 64, t, w),
+                        lambda i, st=sets, L=launch: kv_insert_op(st[i][0], st[i][1], st[i][2], 64, *L.op_args()),
                         n_sets,
                         ins_bytes,
                         note=f"{tok} tokens x {warps} warps per program",

@@ -8,7 +8,9 @@ from ... import kv_cache, rope
 from ...device import DEVICE
 from ...formats import HEAD_DIM, ROPE_DIM, TOKEN_BYTES
 from ...rope import reference as rope_reference
-from ...rope.launch import MH_SWEEP, RopeLaunch, fused
+from ...kv_cache.launch import default_launch as kv_cache_default_launch
+from ...kv_cache.launch import kv_insert_op
+from ...rope.launch import MH_SWEEP, RopeLaunch, default_launch, fused, rope_gptj_op
 from ...testing import compare, randn
 from ..harness import BenchCase, CheckRow, bench, check
 
@@ -106,8 +108,8 @@ def _bench() -> list[BenchCase]:
     def three(i):
         q, kv, c, s, p, tmp = sets[i]
         fused(q, kv, c, s, p, table, 1e-6, B, RopeLaunch(heads_per_prog=0, num_warps=4), do_kv=False)  # pass 1
-        torch.ops.dsv4ref.rope_gptj(kv, p, table, tmp, 1, False, 16)  # pass 2: RoPE of kv (tmp holds kv's NoPE copy)
-        torch.ops.dsv4ref.kv_insert(c, tmp, s, B)  # pass 3: quantise + insert
+        rope_gptj_op(kv, p, table, tmp, 1, False, *default_launch().op_args("rope_gptj"))  # pass 2: RoPE of kv (tmp: kv's NoPE)
+        kv_insert_op(c, tmp, s, B, *kv_cache_default_launch("insert").op_args())  # pass 3: quantise + insert
 
     for _, kv, _, _, _, tmp in sets:
         tmp.copy_(kv)

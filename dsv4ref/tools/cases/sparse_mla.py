@@ -265,7 +265,7 @@ def _ladder_cases(T, H, K, sets, gluon) -> list[BenchCase]:
             byts,
             flops,
             extra=dims,
-            note="same compulsory bytes; really moves ~2632 B/row (584 + 2·1024 workspace)",
+            note="same compulsory bytes; really moves ~2640 B/row (588 + 2·1024 workspace + the slot again)",
         ),
         BenchCase(
             "sparse_mla.fused[split=1]",
