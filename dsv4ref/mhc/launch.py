@@ -127,7 +127,7 @@ class MhcLaunch:
         ``cls(**fields)`` means on that device. Raises as the constructor does where the fields are not legal
         there (a chunk of fewer tokens than that device's token tile, say)."""
         d = DEVICE_DEFAULTS[bool(interpreted)]
-        return cls(**{**d["shared"], **d[cls.design], **fields})
+        return cls(**{**d["shared"], **d.get(cls.design, {}), **fields})  # the base: its constructor refuses
 
     def pre_like_fused(self) -> MhcLaunch:
         """The launch under which :func:`~dsv4ref.mhc.pre` runs the arithmetic :func:`~dsv4ref.mhc.fused_post_pre`
