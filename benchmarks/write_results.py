@@ -20,7 +20,7 @@ Which row is the default (bold in the tables), from the library, not from the lo
   ``default_launch("gather")`` of ``dsv4ref/kv_cache/launch.py``: the rows without ``launch=``;
 * ``rope``: ``dsv4ref.rope.default_launch()`` resolved (its ``heads_per_prog`` and ``warps``) names the ``rope.fused_mh`` row
   (``rope.fused`` for the per-head kernel, ``heads_per_prog = 0``);
-* ``mhc``: ``MhcLaunch()`` as the GPU resolves it is what the sweep times as ``defaults``; ``mhc.post`` has one design;
+* ``mhc``: ``default_launch(op)`` as the GPU resolves it (``ChunkedLaunch()``) is what the sweep times as ``defaults``; ``mhc.post`` has one design;
 * ``sparse_mla``: ``backend="auto"`` picks ``"gluon"`` where ``sparse_mla.gluon.available`` (a Hopper GPU: the
   H200 here), the portable fused kernel (``"triton"``) elsewhere;
 * ``indexer``: FP8 ``default_launch()``; MXFP4 the row whose launch (printed in the log) has
@@ -51,7 +51,7 @@ LOG = "2026-12-01_s8_h200_bench.log"  # the newest full one-run bench
 # how that log was made: scripts/gpu-check.sh's bench stage (STAGES=bench, no BENCH_OP: every op)
 COMMAND = "python3 -m dsv4ref bench --ladder $OUT/sparse_mla_ladder.json"
 SUPPLEMENTS = {"mhc": "2026-12-01_s10_h200_call1_mhc_sweep.log"}  # the mHC sweep (mhc_sweep.py), candidates filtered
-MHC_DEFAULT = "chunked zz slice512 n96 st4"  # what the sweep's `defaults` rows ran (MhcLaunch() on the GPU)
+MHC_DEFAULT = "chunked zz slice512 n96 st4"  # what the sweep's `defaults` rows ran (ChunkedLaunch(), the GPU's default)
 
 
 # ---- parsing -------------------------------------------------------------------------------------------------

@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 from contract import outcome, snapshot, unchanged, views
 from dsv4ref import mhc, validate
 from dsv4ref.device import DEVICE
-from dsv4ref.mhc import MhcLaunch, reference
+from dsv4ref.mhc import OnePassLaunch, reference
 from dsv4ref.testing import assert_close, compare, generator, randn
 
 BACKENDS = ("reference", "triton")
@@ -336,7 +336,7 @@ def test_probe_nonfinite_with_checks_off_is_defined(design):
     t's streams makes exactly that token's post, comb and layer input NaN (the RMS factor of an inf is 0,
     and inf·0 is NaN); other tokens are untouched. A NaN stored as bf16 stays NaN (compiled, a NaN is
     0x7FFFFFFF, which a plain rounding add would carry into −0.0)."""
-    launch = MhcLaunch(one_pass=True) if design == "one_pass" else None
+    launch = OnePassLaunch() if design == "one_pass" else None
     T, Hd = 4, 32
     res = mhc.example_streams(T, Hd, seed=7)
     fn, scale, base = mhc.example_params(Hd, seed=8)

@@ -29,7 +29,7 @@ from dsv4ref.decode import (
 )
 from dsv4ref.decode import reference as dense
 from dsv4ref.device import interpreting
-from dsv4ref.mhc import MhcLaunch
+from dsv4ref.mhc import OnePassLaunch
 from dsv4ref.testing import assert_close, randn
 from dsv4ref.tolerances import TOLERANCES
 
@@ -119,10 +119,10 @@ def test_triton_step_matches(mhc_design, index_format):
     """One decode step through the Triton kernels (interpreted on the CPU) agrees with the reference
     and with the same step through the torch ops. Heads unpadded here to keep the interpreter quick;
     the demo and the GPU run use Hp = 64. ``one-pass``: every mHC call of the step (pre, fused post+pre, post,
-    head) runs the one-pass design, ``Decoder(mhc_launch=MhcLaunch(one_pass=True))``: what the step does once
+    head) runs the one-pass design, ``Decoder(mhc_launch=OnePassLaunch())``: what the step does once
     that design is the default (benchmarks/mhc.md). ``mxfp4``: the indexer in DeepSeek's FP4 (V4-Flash's and
     V4-Pro's ``index_format``), its MXFP4 quantiser and logits kernels."""
-    launch = MhcLaunch(one_pass=True) if mhc_design == "one-pass" else None
+    launch = OnePassLaunch() if mhc_design == "one-pass" else None
     cfg = TINY.replace(index_format=index_format)
     dec, w, recs, _ = run(cfg, steps=0, prompt_lens=(133, 6), pad_heads=False, mhc_launch=launch)
     twin = copy.deepcopy(dec)

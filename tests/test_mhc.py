@@ -13,9 +13,9 @@ import pytest
 import torch
 
 from dsv4ref import config, mhc, validate
-from dsv4ref.mhc import MhcLaunch, reference
+from dsv4ref.mhc import ChunkedLaunch, MhcLaunch, OneKernelLaunch, OnePassLaunch, SplitKLaunch, reference
 from dsv4ref.mhc.fn_split import split3, split_fn_wide
-from dsv4ref.mhc.launch import MAX_SLICES, ONE_PASS_LAG
+from dsv4ref.mhc.launch import MAX_SLICES, ONE_PASS_LAG, OPS
 from dsv4ref.device import DEVICE, interpreting
 from dsv4ref.testing import assert_close, compare, generator, poison, randn
 from dsv4ref.tools.smem import HOPPER_SMEM_PER_PROGRAM, mhc_smem
@@ -28,25 +28,25 @@ GPU_ONLY = pytest.mark.skipif(interpreting(), reason="real hidden sizes at many 
 SHAPES = [(5, 256), (19, 256)] + ([] if interpreting() else [(33, 4096), (17, 7168), (300, 4096)])
 
 
-DEFAULT = mhc.default_launch()
+DEFAULT = {op: mhc.default_launch(op) for op in OPS}  # the measured default of each op
 
 
 # chunked: chunks of 16 tokens in the interpreter (T = 19: two chunks, the second partial), 256 on a GPU (T = 300:
 # two; T = 3000: twelve), so that every test of the fixture crosses chunk boundaries
 DESIGNS = {
-    "one-kernel": MhcLaunch(split_k=False),
-    "split-K": MhcLaunch(split_k=True),
-    "one-pass": MhcLaunch(one_pass=True),
-    "chunked": MhcLaunch(chunked=True, chunk_tokens=16 if interpreting() else 256),
+    "one-kernel": OneKernelLaunch(),
+    "split-K": SplitKLaunch(),
+    "one-pass": OnePassLaunch(),
+    "chunked": ChunkedLaunch(tokens=16 if interpreting() else 256),
 }
 
 
 @pytest.fixture(params=["one-kernel", "split-K", "chunked"] + ([] if interpreting() else ["one-pass"]))
 def launch(request):
     """The Triton designs of pre / fused / head: the one kernel ``hc_kernel``, the split-K pair
-    (``hc_partial_kernel`` + ``hc_finish_kernel``), selected with ``MhcLaunch(split_k=...)``, the chunked pair
-    (``hc_chunk_partial_kernel`` + ``hc_chunk_finish_kernel`` per chunk of tokens, ``MhcLaunch(chunked=True)``)
-    and, compiled only (at the real hidden sizes), the one-pass kernel ``MhcLaunch(one_pass=True)``; the
+    (``hc_partial_kernel`` + ``hc_finish_kernel``), ``OneKernelLaunch()`` and ``SplitKLaunch()``, the chunked pair
+    (``hc_chunk_partial_kernel`` + ``hc_chunk_finish_kernel`` per chunk of tokens, ``ChunkedLaunch``)
+    and, compiled only (at the real hidden sizes), the one-pass kernel ``OnePassLaunch()``; the
     interpreter runs the one-pass kernel in ``test_one_pass_matches_fp64_and_fused_equals_post_then_pre``, at
     sizes that keep CI short."""
     return DESIGNS[request.param]
@@ -66,7 +66,7 @@ def oracle_pre(res, fn, scale, base, **kw):
 # -- the Triton paths, writing into poisoned buffers -------------------------------------------------
 
 
-def triton_pre(res, fn, scale, base, rms_eps=1e-6, hc_eps=1e-6, post_mult=2.0, iters=20, launch=DEFAULT):
+def triton_pre(res, fn, scale, base, rms_eps=1e-6, hc_eps=1e-6, post_mult=2.0, iters=20, launch=DEFAULT["pre"]):
     T, M, Hd = res.shape
     p, c, out = poison((T, M), torch.float32), poison((T, M, M), torch.float32), poison((T, Hd), torch.bfloat16)
     torch.ops.dsv4ref.mhc_pre(res, mhc.split_fn(fn), scale, base, p, c, out, rms_eps, hc_eps, post_mult, iters, *launch.op_args())
@@ -75,11 +75,11 @@ def triton_pre(res, fn, scale, base, rms_eps=1e-6, hc_eps=1e-6, post_mult=2.0, i
 
 def triton_post(x, res, p, c):
     out = poison(tuple(res.shape), torch.bfloat16)
-    torch.ops.dsv4ref.mhc_post(x, res, p.reshape(res.shape[:2]).contiguous(), c, out, *DEFAULT.op_args())
+    torch.ops.dsv4ref.mhc_post(x, res, p.reshape(res.shape[:2]).contiguous(), c, out, *DEFAULT["post"].op_args())
     return out
 
 
-def triton_fused(x, res, p, c, fn, scale, base, launch=DEFAULT):
+def triton_fused(x, res, p, c, fn, scale, base, launch=DEFAULT["fused_post_pre"]):
     T, M, Hd = res.shape
     new, p2, c2 = poison(tuple(res.shape), torch.bfloat16), poison((T, M), torch.float32), poison((T, M, M), torch.float32)
     out = poison((T, Hd), torch.bfloat16)
@@ -89,13 +89,13 @@ def triton_fused(x, res, p, c, fn, scale, base, launch=DEFAULT):
     return new, p2, c2, out
 
 
-def triton_head(res, fn, scale, base, launch=DEFAULT):
+def triton_head(res, fn, scale, base, launch=DEFAULT["head"]):
     out = poison((res.shape[0], res.shape[2]), torch.bfloat16)
     torch.ops.dsv4ref.mhc_head(res, mhc.split_fn(fn, head=True), scale, base, out, 1e-6, 1e-6, *launch.op_args())
     return out
 
 
-def run_pre(backend, res, fn, scale, base, launch=DEFAULT, **kw):
+def run_pre(backend, res, fn, scale, base, launch=DEFAULT["pre"], **kw):
     if backend == "triton":
         return triton_pre(res, fn, scale, base, launch=launch, **{k.replace("sinkhorn_iters", "iters"): v for k, v in kw.items()})
     return mhc.pre(res, fn, scale, base, backend="reference", **kw)
@@ -271,7 +271,7 @@ def test_split_k_any_number_of_splits(splits):
     hidden parts (the second one partial), so the part that stores post/comb is not the only one."""
     T, Hd = 19, 320
     res, x, fn, scale, base = case(T, Hd, seed=23)
-    launch = MhcLaunch(split_k=True, splits=splits)
+    launch = SplitKLaunch(splits=splits)
     p, c, li = triton_pre(res, fn, scale, base, launch=launch)
     p64, c64, x64 = oracle_pre(res, fn, scale, base)
     assert_close(p, p64, "mhc")
@@ -298,7 +298,7 @@ def test_split_k_any_number_of_splits(splits):
 @pytest.mark.parametrize("splits", [None, 1, 5, 1000])
 def test_split_plan_covers_every_chunk_once(T, Hd, bt, bk, splits):
     """Every BLOCK_K chunk belongs to exactly one split and no split is empty."""
-    n, cps = MhcLaunch(split_block_t=bt, split_block_k=bk, splits=splits).split_plan(T, Hd)
+    n, cps = SplitKLaunch(block_t=bt, block_k=bk, splits=splits).plan(T, Hd)
     chunks = -(-Hd // bk)
     assert 1 <= n <= chunks and cps >= 1
     assert (n - 1) * cps < chunks <= n * cps
@@ -563,12 +563,12 @@ def check_design(L, T, Hd, seed, custom_ops=False, between=None):
 
 
 # ====================================================================================================
-# The one-pass design (MhcLaunch(one_pass=True); kernels_one_pass.py), interpreter-sized
+# The one-pass design (OnePassLaunch; kernels_one_pass.py), interpreter-sized
 # ====================================================================================================
 
 
 # the interpreter-sized tiles: 16-token tiles, slices of one 32-wide chunk
-SMALL = dict(one_pass_block_t=16, one_pass_block_k=32, one_pass_block_h=32, one_pass_slice_h=32, one_pass_maxnreg=None)
+SMALL = dict(block_t=16, block_k=32, block_h=32, slice_h=32, maxnreg=None)
 
 
 @pytest.mark.parametrize("one_dot", [2, 1])
@@ -580,27 +580,19 @@ def test_one_pass_matches_fp64_and_fused_equals_post_then_pre(one_dot):
     2 (pre's one load of the 4 streams' chunk) and 1 (four tiles joined). (Tiny on purpose: the interpreter pays
     ~10 ms per helper call. The compiled kernel: the GPU tests, at the real sizes.)"""
     T, Hd = 19, 56
-    L = MhcLaunch(one_pass=True, one_pass_one_dot=one_dot, **SMALL)
-    assert L.one_pass_plan(T, Hd) == (2, 2, 1, 32)
+    L = OnePassLaunch(one_dot=one_dot, **SMALL)
+    assert L.plan(T, Hd) == (2, 2, 1, 32)
     check_design(L, T, Hd, seed=31)
 
 
 # ====================================================================================================
-# The chunked design (MhcLaunch(chunked=True); kernels_chunked.py), interpreter-sized
+# The chunked design (ChunkedLaunch; kernels_chunked.py), interpreter-sized
 # ====================================================================================================
 
 
 # interpreter-sized tiles: chunks of 16 tokens, slices of one 32-wide BLOCK_K chunk, finish parts of 32 dims
 CHUNK_SMALL = dict(
-    chunk_tokens=16,
-    chunk_block_t=16,
-    chunk_block_k=32,
-    chunk_slice_h=32,
-    chunk_finish_block_t=16,
-    chunk_finish_h=32,
-    chunk_finish_block_h=32,
-    chunk_maxnreg=None,
-    chunk_small_t=0,
+    tokens=16, block_t=16, block_k=32, slice_h=32, finish_block_t=16, finish_h=32, finish_block_h=32, maxnreg=None, small_t=0
 )
 
 
@@ -618,8 +610,8 @@ def test_chunked_matches_fp64_and_fused_equals_post_then_pre(sum_unroll, stream_
     0); 3 (with stream_k): 2's copy in two dots, [hi | mid] then lo, folded as (hi + mid) + lo, the order the
     one-dot fold adds them in (the same bits in the interpreter)."""
     T, Hd = 40, 88
-    L = MhcLaunch(chunked=True, chunk_sum_unroll=sum_unroll, chunk_stream_k=stream_k, chunk_fn_layout=fn_layout, **CHUNK_SMALL)
-    assert L.chunk_plan(T, Hd) == (16, 3, 3, 1, 32) and L.chunk_finish_plan(16, Hd) == (3, 32)
+    L = ChunkedLaunch(sum_unroll=sum_unroll, stream_k=stream_k, fn_layout=fn_layout, **CHUNK_SMALL)
+    assert L.plan(T, Hd) == (16, 3, 3, 1, 32) and L.finish_plan(16, Hd) == (3, 32)
 
     def same_bits(res, fn, scale, base, got):  # the sum's rounds and the fn copy's layout change no bit
         if sum_unroll == 4 or fn_layout:
@@ -631,9 +623,7 @@ def test_chunked_matches_fp64_and_fused_equals_post_then_pre(sum_unroll, stream_
                 fn,
                 scale,
                 base,
-                launch=MhcLaunch(
-                    chunked=True, chunk_sum_unroll=1, chunk_stream_k=stream_k, chunk_fn_layout=ref_layout, **CHUNK_SMALL
-                ),
+                launch=ChunkedLaunch(sum_unroll=1, stream_k=stream_k, fn_layout=ref_layout, **CHUNK_SMALL),
             )
             for a, b in zip(ref, got):
                 assert_close(a, b, "exact")
@@ -643,16 +633,16 @@ def test_chunked_matches_fp64_and_fused_equals_post_then_pre(sum_unroll, stream_
 
 @pytest.mark.parametrize("C,stream_k", [(48, False), (32, False), (48, True), (32, True)])
 def test_chunked_zigzag_same_bits_every_tile_once(C, stream_k):
-    """``chunk_zigzag`` (each kernel of a chunk walks its token tiles opposite to the one before it): T = 40 in
+    """``zigzag`` (each kernel of a chunk walks its token tiles opposite to the one before it): T = 40 in
     one chunk of 48 (3 tiles of 16, the last partial, which the reversed walk meets first) or chunks of 32 (2 +
     1 tiles): through the custom ops with poisoned outputs (a tile never walked stays poison), the fp64 checks
     of ``check_design``, and pre / fused / head equal to the forward walk bit for bit (only the order moved).
-    ``stream_k``: both walks with ``chunk_stream_k`` (the GPU default's partial kernel; slices of two 32-wide
+    ``stream_k``: both walks with ``stream_k`` (the GPU default's partial kernel; slices of two 32-wide
     chunks)."""
     T, Hd = 40, 88
-    small = {**CHUNK_SMALL, "chunk_tokens": C, **({"chunk_slice_h": 64} if stream_k else {})}
-    fwd = MhcLaunch(chunked=True, chunk_stream_k=stream_k, chunk_fn_layout=0, chunk_zigzag=False, **small)
-    zz = dataclasses.replace(fwd, chunk_zigzag=True)
+    small = {**CHUNK_SMALL, "tokens": C, **({"slice_h": 64} if stream_k else {})}
+    fwd = ChunkedLaunch(stream_k=stream_k, fn_layout=0, zigzag=False, **small)
+    zz = dataclasses.replace(fwd, zigzag=True)
     check_design(zz, T, Hd, seed=41, custom_ops=True)
     res, x, fn, scale, base = case(T, Hd, seed=43)
     hfn, hscale, hbase = mhc.example_params(Hd, seed=44, head=True)
@@ -683,9 +673,9 @@ def test_split_fn_wide_is_the_split_transposed_in_gemm_tile_row_order():
 
 # The chunked design as notebook 03 teaches it, rung by rung, and the GPU default (every other field the GPU's)
 CHUNKED_RUNGS = {
-    "four streams per dot, fn from split_fn": dict(chunk_stream_k=False, chunk_fn_layout=0, chunk_zigzag=False, chunk_block_k=16),
-    "one stream per step, K-major fn": dict(chunk_stream_k=True, chunk_fn_layout=2, chunk_zigzag=False),
-    "one stream per step, K-major fn, zigzag walk": dict(chunk_stream_k=True, chunk_fn_layout=2, chunk_zigzag=True),
+    "four streams per dot, fn from split_fn": dict(stream_k=False, fn_layout=0, zigzag=False, block_k=16),
+    "one stream per step, K-major fn": dict(stream_k=True, fn_layout=2, zigzag=False),
+    "one stream per step, K-major fn, zigzag walk": dict(stream_k=True, fn_layout=2, zigzag=True),
     "default": {},
 }
 
@@ -697,7 +687,7 @@ def test_chunked_rungs_gpu(rung, chunk_tokens):
     """Each rung of the chunked design and the default at T = 3000 (chunks of 1024: three, the last partial;
     4096: the default's one chunk), Hd = 4096: pre and head against the fp64 oracle, fused == post then pre bit
     for bit, through the custom ops with poisoned outputs."""
-    check_design(MhcLaunch(chunked=True, chunk_tokens=chunk_tokens, **CHUNKED_RUNGS[rung]), 3000, 4096, seed=35, custom_ops=True)
+    check_design(ChunkedLaunch(tokens=chunk_tokens, **CHUNKED_RUNGS[rung]), 3000, 4096, seed=35, custom_ops=True)
 
 
 @pytest.mark.parametrize(
@@ -715,22 +705,14 @@ def test_chunked_rungs_gpu(rung, chunk_tokens):
 def test_chunk_plan_covers_every_token_and_chunk_once(T, Hd, C, bt, bk, slice_h):
     """The chunks cover [0, T) once (C a multiple of the tile; a short call: one chunk); every BLOCK_K chunk
     belongs to exactly one slice, none empty; the finish parts cover [0, Hd) once, none empty."""
-    L = MhcLaunch(
-        chunked=True,
-        chunk_tokens=C,
-        chunk_block_t=bt,
-        chunk_block_k=bk,
-        chunk_slice_h=slice_h,
-        chunk_finish_h=max(32, slice_h),
-        chunk_finish_block_h=32,
-    )
-    c, n_chunks, n, cps, got_bk = L.chunk_plan(T, Hd)
-    bt = L.chunk_tile(T)[0]  # a call of at most chunk_small_t tokens (GPU) takes 64-token tiles
+    L = ChunkedLaunch(tokens=C, block_t=bt, block_k=bk, slice_h=slice_h, finish_h=max(32, slice_h), finish_block_h=32)
+    c, n_chunks, n, cps, got_bk = L.plan(T, Hd)
+    bt = L.tile(T)[0]  # a call of at most small_t tokens (GPU) takes 64-token tiles
     assert got_bk == bk and c % bt == 0 and c <= C and (n_chunks - 1) * c < T <= n_chunks * c
     chunks = -(-Hd // bk)
     assert 1 <= n <= min(chunks, max(-(-chunks // (slice_h // bk)), MAX_SLICES)) and cps >= 1
     assert (n - 1) * cps < chunks <= n * cps
-    parts, h = L.chunk_finish_plan(c, Hd)
+    parts, h = L.finish_plan(c, Hd)
     assert h % 32 == 0 and (parts - 1) * h < Hd <= parts * h
 
 
@@ -747,8 +729,8 @@ def test_chunk_plan_covers_every_token_and_chunk_once(T, Hd, C, bt, bk, slice_h)
 )
 def test_one_pass_plan_covers_every_chunk_once(T, Hd, bt, bk, slice_h):
     """Every BLOCK_K chunk belongs to exactly one slice and no slice is empty; the grid is (tiles + lag)·slices."""
-    L = MhcLaunch(one_pass_block_t=bt, one_pass_block_k=bk, one_pass_slice_h=slice_h)
-    tiles, n, cps, got_bk = L.one_pass_plan(T, Hd)
+    L = OnePassLaunch(block_t=bt, block_k=bk, slice_h=slice_h)
+    tiles, n, cps, got_bk = L.plan(T, Hd)
     chunks = -(-Hd // bk)
     assert got_bk == bk and tiles == -(-T // bt) and ONE_PASS_LAG >= 1
     assert 1 <= n <= chunks and cps >= 1
@@ -756,62 +738,68 @@ def test_one_pass_plan_covers_every_chunk_once(T, Hd, bt, bk, slice_h):
 
 
 def test_launch_is_explicit():
-    """Every launch choice travels as an argument: an MhcLaunch round-trips through the custom ops' ``launch``
-    int[] (their schema), and tiles a kernel cannot take are refused up front."""
+    """Every launch choice travels as an argument: each design's launch round-trips through the custom ops'
+    ``launch`` int[] (their schema: the design, then its fields), and tiles a kernel cannot take are refused up
+    front."""
     for L in (
-        MhcLaunch(),
-        MhcLaunch(split_k=False, block_t=32, splits=3),
-        MhcLaunch(split_k=True, target_programs=7),
-        MhcLaunch(one_pass=True, one_pass_one_dot=1),
+        *DEFAULT.values(),
+        OneKernelLaunch(block_t=32, sinkhorn_block=64),
+        SplitKLaunch(target_programs=7, splits=3),
+        OnePassLaunch(one_dot=1, maxnreg=None),
         *DESIGNS.values(),
-        *(MhcLaunch.for_device(interpreted=i, **f) for i in (False, True) for f in CHUNKED_RUNGS.values()),
+        *(ChunkedLaunch.for_device(interpreted=i, **f) for i in (False, True) for f in CHUNKED_RUNGS.values()),
     ):
-        assert MhcLaunch.from_op_args(*L.op_args()) == L
-    assert MhcLaunch(one_pass=True).design(fused=True) == "one_pass"
-    # one_pass, never a default, wins when asked for over chunked; an explicit split_k picks one of the first two
-    # designs whatever one_pass and chunked say (so MhcLaunch(split_k=...) means the same on every device)
-    assert MhcLaunch(chunked=True, one_pass=True).design(fused=False) == "one_pass"
-    assert MhcLaunch(chunked=True, split_k=True).design(fused=True) == "split_k"
-    assert MhcLaunch(one_pass=True, split_k=True).design(fused=False) == "split_k"
-    assert MhcLaunch(one_pass=True, split_k=False).pre_like_fused().design(fused=False) == "one_kernel"
-    assert MhcLaunch(chunked=True).pre_like_fused() == MhcLaunch(chunked=True)  # the fused op is post then this pre
-    assert not MhcLaunch().one_pass
+        assert MhcLaunch.from_op_args(*L.op_args()) == L and type(MhcLaunch.from_op_args(*L.op_args())) is type(L)
+    assert OnePassLaunch().pre_like_fused() == OnePassLaunch(stages=4, maxnreg=None, one_dot=1)
+    for L in (OneKernelLaunch(), SplitKLaunch(), ChunkedLaunch()):
+        assert L.pre_like_fused() is L  # the same kernels run the pre part of the fused op (chunked: post then pre)
     # the defaults per device: chunked for every op on a GPU; split-K for pre / head and one kernel for fused in
-    # the interpreter
-    gpu, cpu = MhcLaunch.for_device(interpreted=False), MhcLaunch.for_device(interpreted=True)
-    assert [gpu.design(f) for f in (False, True)] == ["chunked", "chunked"]
-    assert [cpu.design(f) for f in (False, True)] == ["split_k", "one_kernel"]
-    assert MhcLaunch() == (cpu if interpreting() else gpu)
-    with pytest.raises(ValueError, match="launch.chunk_tokens: expected a multiple of the chunked token tiles"):
-        MhcLaunch(chunk_tokens=100, chunk_block_t=16, chunk_finish_block_t=16)
-    with pytest.raises(ValueError, match=r"launch.chunk_tokens: expected a multiple of the chunked token tiles \(128\)"):
-        MhcLaunch.for_device(interpreted=False, chunked=True, chunk_tokens=16)
-    with pytest.raises(ValueError, match="launch.chunk_fn_layout: 3 needs chunk_stream_k"):
-        MhcLaunch(chunk_stream_k=False, chunk_fn_layout=3)
-    with pytest.raises(ValueError, match="launch.chunk_fn_layout: expected 0, 2 or 3"):
-        MhcLaunch(chunk_fn_layout=1)
-    with pytest.raises(TypeError, match="launch.chunk_zigzag: expected a bool"):
-        MhcLaunch(chunk_zigzag=1)
-    with pytest.raises(ValueError, match="launch.one_pass_one_dot: expected an int in"):
-        MhcLaunch(one_pass_one_dot=3)
-    with pytest.raises(ValueError, match="launch.one_pass_maxnreg: expected an int in"):
-        MhcLaunch(one_pass_maxnreg=300)
-    with pytest.raises(TypeError, match="launch.one_pass: expected a bool"):
-        MhcLaunch(one_pass=1)
-    assert "[] launch" in str(torch.ops.dsv4ref.mhc_pre.default._schema)  # int[] (SymInt[])
-    assert MhcLaunch().uses_split_k(fused=False) and not MhcLaunch().uses_split_k(fused=True)  # the per-op defaults
+    # the interpreter, which pays for every program
+    want = {op: ChunkedLaunch() for op in OPS} if not interpreting() else {op: SplitKLaunch() for op in OPS}
+    if interpreting():
+        want["fused_post_pre"] = OneKernelLaunch()
+    assert DEFAULT == want
+    gpu = ChunkedLaunch.for_device(interpreted=False)
+    assert (gpu.tokens, gpu.block_t, gpu.fn_layout, gpu.zigzag) == (4096, 128, 3, True)
+    with pytest.raises(ValueError, match="op: expected one of"):
+        mhc.default_launch("mix")
+    with pytest.raises(TypeError, match="launch: MhcLaunch is the base"):
+        MhcLaunch()
+    with pytest.raises(ValueError, match="launch.tokens: expected a multiple of the chunked token tiles"):
+        ChunkedLaunch(tokens=100, block_t=16, finish_block_t=16)
+    with pytest.raises(ValueError, match=r"launch.tokens: expected a multiple of the chunked token tiles \(128\)"):
+        ChunkedLaunch.for_device(interpreted=False, tokens=16)
+    with pytest.raises(ValueError, match="launch.fn_layout: 3 needs stream_k"):
+        ChunkedLaunch(stream_k=False, fn_layout=3)
+    with pytest.raises(ValueError, match="launch.fn_layout: expected 0, 2 or 3"):
+        ChunkedLaunch(fn_layout=1)
+    with pytest.raises(TypeError, match="launch.zigzag: expected a bool"):
+        ChunkedLaunch(zigzag=1)
+    with pytest.raises(ValueError, match="launch.one_dot: expected an int in"):
+        OnePassLaunch(one_dot=3)
+    with pytest.raises(ValueError, match="launch.maxnreg: expected an int in"):
+        OnePassLaunch(maxnreg=300)
     with pytest.raises(ValueError, match="launch.block_t: expected >= 16"):
-        MhcLaunch(block_t=8)
-    with pytest.raises(ValueError, match="launch.split_block_k: expected a power of two"):
-        MhcLaunch(split_block_k=48)
-    with pytest.raises(TypeError, match="launch: expected an MhcLaunch"):
+        OneKernelLaunch(block_t=8)
+    with pytest.raises(ValueError, match="launch.block_k: expected a power of two"):
+        SplitKLaunch(block_k=48)
+    with pytest.raises(ValueError, match="launch.splits: expected an int"):
+        SplitKLaunch(splits=0)
+    with pytest.raises(ValueError, match="launch.post_block_h: expected a power of two"):
+        ChunkedLaunch(post_block_h=100)
+    with pytest.raises(TypeError):  # a design's launch has only its own knobs
+        ChunkedLaunch(splits=3)
+    with pytest.raises(TypeError, match="launch: expected a OneKernelLaunch"):
         mhc.pre(*case(2, 256)[:1], *case(2, 256)[2:], launch={"split_k": True})
 
 
-def _notebook_launches(path) -> list[tuple[int, dict]]:
-    """(line, fields) of every ``MhcLaunch(...)`` a notebook source builds, and of every ``dataclasses.replace``
-    of a name bound to one (that launch's fields, then its own): keyword arguments only, each a literal, so
-    that what the test checks is what the notebook builds."""
+LAUNCH_CLASSES = {c.__name__: c for c in (OneKernelLaunch, SplitKLaunch, OnePassLaunch, ChunkedLaunch)}
+
+
+def _notebook_launches(path) -> list[tuple[int, type, dict]]:
+    """(line, class, fields) of every launch (``OneKernelLaunch(...)``, ``ChunkedLaunch(...)``, …) a notebook
+    source builds, and of every ``dataclasses.replace`` of a name bound to one (that launch's fields, then its
+    own): keyword arguments only, each a literal, so that what the test checks is what the notebook builds."""
     import ast
 
     tree = ast.parse(path.read_text())
@@ -819,64 +807,58 @@ def _notebook_launches(path) -> list[tuple[int, dict]]:
     targets = {
         id(n.value): [t.id for t in n.targets if isinstance(t, ast.Name)] for n in ast.walk(tree) if isinstance(n, ast.Assign)
     }
-    bound: dict[str, dict] = {}
+    bound: dict[str, tuple[type, dict]] = {}
     out = []
     for call in calls:
         name = getattr(call.func, "attr", getattr(call.func, "id", ""))
-        if name == "MhcLaunch":
-            assert not call.args, f"line {call.lineno}: MhcLaunch takes keywords only"
-            kw = {}
+        if name in LAUNCH_CLASSES:
+            assert not call.args, f"line {call.lineno}: {name} takes keywords only"
+            cls, kw = LAUNCH_CLASSES[name], {}
         elif name == "replace" and call.args and isinstance(call.args[0], ast.Name) and call.args[0].id in bound:
-            kw = dict(bound[call.args[0].id])
+            cls, kw = bound[call.args[0].id][0], dict(bound[call.args[0].id][1])
         else:
             continue
         for k in call.keywords:
             assert k.arg is not None, f"line {call.lineno}: no **kwargs"
             kw[k.arg] = ast.literal_eval(k.value)
-        out.append((call.lineno, kw))
+        out.append((call.lineno, cls, kw))
         for t in targets.get(id(call), ()):
-            bound[t] = kw
+            bound[t] = (cls, kw)
     return out
 
 
 def test_notebook_launches_are_legal_on_every_device():
-    """Every ``MhcLaunch`` notebook 03 builds is legal with the GPU's defaults and with the interpreter's
-    (``MhcLaunch.for_device``), so the notebook runs unchanged on either: a launch written for the
-    interpreter's tiles (chunks of 16 tokens) is refused on a GPU, whose chunked token tile is 128."""
+    """Every launch notebook 03 builds is legal with the GPU's defaults and with the interpreter's
+    (``for_device``), so the notebook runs unchanged on either: a launch written for the interpreter's tiles
+    (chunks of 16 tokens) is refused on a GPU, whose chunked token tile is 128."""
     from pathlib import Path
 
     path = Path(__file__).resolve().parents[1] / "notebooks" / "src" / "03_mhc_ops.py"
     found = _notebook_launches(path)
     assert len(found) >= 5, found
-    for _line, kw in found:
+    assert {cls for _line, cls, _kw in found} == set(LAUNCH_CLASSES.values())  # every rung of the ladder
+    for _line, cls, kw in found:
         for interpreted in (False, True):
-            MhcLaunch.for_device(interpreted=interpreted, **kw)  # raises, naming the field, where illegal
-    with pytest.raises(ValueError, match="launch.chunk_tokens"):  # what the guard is for
-        MhcLaunch.for_device(interpreted=False, chunked=True, chunk_tokens=16)
+            cls.for_device(interpreted=interpreted, **kw)  # raises, naming the field, where illegal
+    with pytest.raises(ValueError, match="launch.tokens"):  # what the guard is for
+        ChunkedLaunch.for_device(interpreted=False, tokens=16)
 
 
 def _gpu_launches() -> list[tuple[str, MhcLaunch]]:
     """(where, launch) of every mHC launch notebook 03 and the GPU runs of this file make, each with the GPU's
-    defaults for the fields it leaves out (``MhcLaunch.for_device``)."""
+    defaults for the fields it leaves out (``for_device``)."""
     from pathlib import Path
 
-    gpu = lambda **kw: MhcLaunch.for_device(interpreted=False, **kw)  # noqa: E731
     path = Path(__file__).resolve().parents[1] / "notebooks" / "src" / "03_mhc_ops.py"
-    out = [(f"notebook 03 line {line}", gpu(**kw)) for line, kw in _notebook_launches(path)]
-    out += [("DESIGNS", gpu(split_k=False)), ("DESIGNS", gpu(split_k=True)), ("DESIGNS", gpu(one_pass=True))]
-    out += [("DESIGNS", gpu(chunked=True, chunk_tokens=256)), ("DEFAULT", gpu())]
-    out += [
-        (f"rung {r}, C {c}", gpu(chunked=True, chunk_tokens=c, **kw)) for r, kw in CHUNKED_RUNGS.items() for c in (1024, 4096)
-    ]
-    out += [(f"one pass SMALL, one_dot {d}", gpu(one_pass=True, one_pass_one_dot=d, **SMALL)) for d in (1, 2)]
+    out = [(f"notebook 03 line {line}", cls.for_device(interpreted=False, **kw)) for line, cls, kw in _notebook_launches(path)]
+    out += [(f"DESIGNS {k}", type(L).for_device(interpreted=False)) for k, L in DESIGNS.items() if k != "chunked"]
+    chunked = lambda **kw: ChunkedLaunch.for_device(interpreted=False, **kw)  # noqa: E731
+    out += [("DESIGNS chunked", chunked(tokens=256)), ("DEFAULT", chunked())]
+    out += [(f"rung {r}, C {c}", chunked(tokens=c, **kw)) for r, kw in CHUNKED_RUNGS.items() for c in (1024, 4096)]
+    out += [(f"one pass SMALL, one_dot {d}", OnePassLaunch.for_device(interpreted=False, one_dot=d, **SMALL)) for d in (1, 2)]
     for stream_k, layout in ((False, 0), (True, 0), (False, 2), (True, 2), (True, 3)):
-        out.append(
-            (
-                f"CHUNK_SMALL {stream_k} {layout}",
-                gpu(chunked=True, chunk_stream_k=stream_k, chunk_fn_layout=layout, **CHUNK_SMALL),
-            )
-        )
-    out.append(("chunk_small_t", gpu(chunked=True, chunk_tokens=128, chunk_block_t=128, chunk_small_t=64)))
+        out.append((f"CHUNK_SMALL {stream_k} {layout}", chunked(stream_k=stream_k, fn_layout=layout, **CHUNK_SMALL)))
+    out.append(("small_t", chunked(tokens=128, block_t=128, small_t=64)))
     return out
 
 
@@ -886,7 +868,7 @@ def test_gpu_launches_fit_hopper_shared_memory():
     a long call's tiles and a short one's. The interpreter never compiles, so without this a launch too big for
     the GPU (the rung "four streams per dot" at 64-dim steps) passes here and fails there with OutOfResources.
     The estimate gives the two figures the GPU reported for that launch, bit for bit."""
-    too_big = MhcLaunch.for_device(interpreted=False, chunked=True, chunk_stream_k=False, chunk_fn_layout=0, chunk_block_k=64)
+    too_big = ChunkedLaunch.for_device(interpreted=False, stream_k=False, fn_layout=0, block_k=64)
     assert mhc_smem(too_big, "pre") == 458_752 and mhc_smem(too_big, "pre", T=37) == 360_448  # as compiled
     bad = []
     for where, L in _gpu_launches():
@@ -992,14 +974,14 @@ def test_split_cache_keeps_every_live_weight_and_drops_freed_ones():
 
 
 def test_chunk_small_t_decode_sized_calls_take_64_token_tiles():
-    """``chunk_small_t``: a call of at most that many tokens runs pre's partial kernel (and the fused op's, as
-    post + pre) on 64-token tiles at 4 warps, a longer one on ``chunk_block_t``; the fused K loop keeps its
+    """``ChunkedLaunch.small_t``: a call of at most that many tokens runs pre's partial kernel (and the fused op's,
+    as post + pre) on 64-token tiles at 4 warps, a longer one on ``block_t``; the fused K loop keeps its
     tile. The small-call path against the fp64 oracle, through the custom ops with poisoned outputs."""
-    L = MhcLaunch(chunked=True, chunk_tokens=128, chunk_block_t=128, chunk_small_t=64)
-    assert L.chunk_tile(64)[:3] == (64, L.chunk_block_k, 4) and L.chunk_tile(65)[0] == 128
-    assert L.chunk_tile() == L.chunk_tile(65)
-    assert L.chunk_plan(37, 88)[0] == 64 and L.chunk_plan(100, 88)[0] == 128
-    with pytest.raises(ValueError, match="launch.chunk_small_t"):
-        MhcLaunch(chunk_small_t=-1)
+    L = ChunkedLaunch(tokens=128, block_t=128, small_t=64)
+    assert L.tile(64)[:3] == (64, L.block_k, 4) and L.tile(65)[0] == 128
+    assert L.tile() == L.tile(65)
+    assert L.plan(37, 88)[0] == 64 and L.plan(100, 88)[0] == 128
+    with pytest.raises(ValueError, match="launch.small_t"):
+        ChunkedLaunch(small_t=-1)
     check_design(L, 40, 88, seed=47, custom_ops=True)
-    check_design(dataclasses.replace(L, chunk_zigzag=not L.chunk_zigzag), 40, 88, seed=48, custom_ops=True)
+    check_design(dataclasses.replace(L, zigzag=not L.zigzag), 40, 88, seed=48, custom_ops=True)

@@ -59,7 +59,7 @@ class Decoder(Speculating):
     serving engine would free pages that slid out of the window); a step that would go past ``capacity``
     raises :class:`CacheCapacityError` instead of overwriting.
 
-    ``mhc_launch`` (an :class:`~dsv4ref.mhc.MhcLaunch`, None = the library default ``MhcLaunch()``) is passed
+    ``mhc_launch`` (one design's launch, e.g. :class:`~dsv4ref.mhc.ChunkedLaunch`; None = each op's default) is passed
     as ``launch=`` to every mHC call: the design (split-K / one kernel / one pass) the step's mHC ops run.
     ``backend`` ("auto", "triton" or "reference") is passed to every op; ``prefill`` defaults to
     "reference" (the CPU interpreter pays for every program of a kernel launch, too slow for hundreds of

@@ -11,10 +11,11 @@ attention and FFN sub-layer. The math, shapes, conventions and pitfalls: ``docs/
 
 Read in this order: ``reference.py`` (the whole op in PyTorch), ``kernels.py`` (the Triton kernels' shared
 pieces, the one-kernel and split-K designs), ``kernels_chunked.py`` (the GPU default), ``kernels_one_pass.py``
-(a rung between them), ``launch.py`` (:class:`MhcLaunch`, the measured defaults), ``fn_split.py`` (the kernels' copies
-of ``fn``), ``ops.py`` (the launchers, the custom ops). Every function here checks its
-arguments, then dispatches on ``backend`` ("reference": ``reference.py`` in fp32; "triton"; "auto" =
-"triton"). ``launch=`` (an :class:`MhcLaunch`, None = the measured defaults) only affects "triton".
+(a rung between them), ``launch.py`` (a launch class per design, the measured defaults), ``fn_split.py`` (the
+kernels' copies of ``fn``), ``ops.py`` (the launchers, the custom ops). Every function here checks its arguments,
+then dispatches on ``backend`` ("reference": ``reference.py`` in fp32; "triton"; "auto" = "triton"). ``launch=``
+(a :class:`OneKernelLaunch`, :class:`SplitKLaunch`, :class:`OnePassLaunch` or :class:`ChunkedLaunch`, all
+:class:`MhcLaunch`; None = the op's measured default, ``default_launch(op)``) only affects "triton".
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from ..seeded import generator, randn
 from . import ops  # noqa: F401  (registers the torch.ops.dsv4ref.mhc_* custom ops)
 from . import reference
 from .fn_split import split_fn
-from .launch import MhcLaunch, default_launch
+from .launch import ChunkedLaunch, MhcLaunch, OneKernelLaunch, OnePassLaunch, SplitKLaunch, default_launch
 from .reference import HC_EPS, HC_MULT, POST_MULT, RMS_EPS, SINKHORN_ITERS
 
 __all__ = [
@@ -40,6 +41,10 @@ __all__ = [
     "example_streams",
     "split_fn",
     "MhcLaunch",
+    "OneKernelLaunch",
+    "SplitKLaunch",
+    "OnePassLaunch",
+    "ChunkedLaunch",
     "default_launch",
     "SUPPORTED_BACKENDS",
     "HC_MULT",
@@ -122,11 +127,13 @@ def _need_four(M: int, name: str) -> None:
         )
 
 
-def _launch(launch: MhcLaunch | None) -> MhcLaunch:
+def _launch(launch: MhcLaunch | None, op: str) -> MhcLaunch:
     if launch is None:
-        return default_launch()
+        return default_launch(op)
     if not isinstance(launch, MhcLaunch):
-        raise TypeError(f"launch: expected an MhcLaunch or None, got {type(launch).__name__}")
+        raise TypeError(
+            f"launch: expected a OneKernelLaunch, SplitKLaunch, OnePassLaunch, ChunkedLaunch or None, got {type(launch).__name__}"
+        )
     return launch
 
 
@@ -170,7 +177,7 @@ def sinkhorn(
         iters: number of passes, an int >= 1; the model's is 20.
         eps: the +eps of every step, finite and >= 0; the model's is 1e-6.
         backend: "auto" (= "triton") | "reference" | "triton".
-        launch: :class:`MhcLaunch` (``sinkhorn_block``), None = the default.
+        launch: any design's launch (it reads ``sinkhorn_block``), None = the default.
     Returns:
         ``[..., M, M]`` fp32, contiguous.
     Raises:
@@ -182,7 +189,7 @@ def sinkhorn(
         raise ValueError(f"logits: expected [..., M, M], got shape {tuple(logits.shape)}")
     validate.integer(iters, "iters", lo=1)
     validate.scalar(eps, "eps", lo=0.0)
-    launch = _launch(launch)
+    launch = _launch(launch, "sinkhorn")
     if backend == "triton":
         _need_four(logits.shape[-1], "logits")
     _finite(logits=logits)
@@ -224,7 +231,7 @@ def pre(
         rms_eps, hc_eps: finite, >= 0; post_mult: finite; sinkhorn_iters: an int >= 1. The model's
             constants by default (1e-6, 1e-6, 2, 20).
         backend: "auto" (= "triton") | "reference" | "triton".
-        launch: :class:`MhcLaunch`, None = the measured defaults (on a GPU the chunked design).
+        launch: a design's launch class, None = the measured default (on a GPU :class:`ChunkedLaunch`).
     Returns:
         ``(post, comb, layer_input)``: post ``[T, M]`` fp32 in (0, post_mult); comb ``[T, M, M]`` fp32,
         ``comb[t, i, j]`` the weight from source stream i to destination j; layer_input ``[T, Hd]`` bf16.
@@ -234,7 +241,7 @@ def pre(
     backend = validate.backend(backend, SUPPORTED_BACKENDS)
     T, M, Hd = _check_pre(residual, fn, scale, base)
     _check_scalars(rms_eps, hc_eps, post_mult, sinkhorn_iters)
-    launch = _launch(launch)
+    launch = _launch(launch, "pre")
     if backend == "triton":
         _need_four(M, "residual")
     _finite(residual=residual, fn=fn, scale=scale, base=base)
@@ -280,7 +287,7 @@ def post(
             symmetric in general: a transposed comb is a different, wrong model).
         All four: any strides (copied to contiguous first), finite (docs/mhc.md#the-input-contract).
         backend: "auto" (= "triton") | "reference" | "triton".
-        launch: :class:`MhcLaunch` (``post_block_t``, ``post_block_h``), None = the default.
+        launch: any design's launch (it reads ``post_block_t``, ``post_block_h``), None = the default.
     Returns:
         The new residual ``[T, M, Hd]`` bf16 (fp32 math, rounded to nearest even once).
     Raises:
@@ -288,7 +295,7 @@ def post(
     """
     backend = validate.backend(backend, SUPPORTED_BACKENDS)
     T, M, Hd = _check_post(x, residual, post, comb)
-    launch = _launch(launch)
+    launch = _launch(launch, "post")
     if backend == "triton":
         _need_four(M, "residual")
     _finite(x=x, residual=residual, post=post, comb=comb)
@@ -323,8 +330,9 @@ def fused_post_pre(
         ``(residual', post', comb', layer_input)``: the new residual ``[T, M, Hd]`` bf16, the next post
         ``[T, M]`` fp32, comb ``[T, M, M]`` fp32 and layer input ``[T, Hd]`` bf16: equal to post then pre, bit
         for bit on the bf16 outputs and within 1e-6 on the fp32 ones, when that pre runs the same design
-        (``launch.pre_like_fused()`` is that pre's launch: on a GPU the default itself, in the interpreter
-        ``MhcLaunch(split_k=False)``, since there the fused op runs one kernel and pre split-K).
+        (``launch.pre_like_fused()`` is that pre's launch: the launch itself but for the one-pass design; with
+        ``launch=None`` in the interpreter, where the fused op runs one kernel and pre split-K, pre needs
+        ``launch=OneKernelLaunch()``).
     Raises:
         TypeError / ValueError naming the argument, before any work.
     """
@@ -332,7 +340,7 @@ def fused_post_pre(
     T, M, Hd = _check_post(x, residual, post, comb)
     _check_pre(residual, fn, scale, base)
     _check_scalars(rms_eps, hc_eps, post_mult, sinkhorn_iters)
-    launch = _launch(launch)
+    launch = _launch(launch, "fused_post_pre")
     if backend == "triton":
         _need_four(M, "residual")
     _finite(x=x, residual=residual, post=post, comb=comb, fn=fn, scale=scale, base=base)
@@ -383,7 +391,7 @@ def head(
         All four: any strides (copied to contiguous first), finite (docs/mhc.md#the-input-contract).
         rms_eps, hc_eps: finite, >= 0; the model's 1e-6 by default.
         backend: "auto" (= "triton") | "reference" | "triton".
-        launch: :class:`MhcLaunch`, None = the measured defaults (on a GPU the chunked design).
+        launch: a design's launch class, None = the measured default (on a GPU :class:`ChunkedLaunch`).
     Returns:
         ``[T, Hd]`` bf16.
     Raises:
@@ -394,7 +402,7 @@ def head(
     _check_mix_params(fn, scale, base, M, Hd, M, 1, "M")
     validate.same_device(hidden=hidden, fn=fn, scale=scale, base=base)
     _check_scalars(rms_eps, hc_eps)
-    launch = _launch(launch)
+    launch = _launch(launch, "head")
     if backend == "triton":
         _need_four(M, "hidden")
     _finite(hidden=hidden, fn=fn, scale=scale, base=base)

@@ -79,7 +79,7 @@ def split_fn(fn: torch.Tensor, M: int = HC_MULT, head: bool = False) -> torch.Te
 def split_fn_wide(fs: torch.Tensor) -> torch.Tensor:
     """``split_fn``'s ``[G, 3, K, 16]`` as ``[4·G·16, K]`` bf16, K-major: row p·G·16 + g·16 + j = ``fs[g, p, :, j]``
     (parts hi, mid, lo, then a zero part 3), so a chunked partial kernel's fn tile ``[4·G·16, BLOCK_K]`` is
-    whole rows and the wgmma reads it as a K-major B operand (``MhcLaunch.chunk_fn_layout`` 2; layout 3 reads
+    whole rows and the wgmma reads it as a K-major B operand (``ChunkedLaunch.fn_layout`` 2; layout 3 reads
     its first three parts only). Cached per split tensor and version, as ``split_fn`` (:func:`_derived`)."""
 
     def build():

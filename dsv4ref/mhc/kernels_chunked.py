@@ -2,7 +2,7 @@
 shares with the one-pass design (``kernels_one_pass.py``). Conventions, the fp32-exact GEMM and the pieces every
 design shares: ``kernels.py``; the launcher: ``ops.py`` (``launch_chunked``).
 
-Per chunk of C tokens (``MhcLaunch.chunk_tokens``) the launcher runs two kernels, and the kernel boundary is the
+Per chunk of C tokens (``ChunkedLaunch.tokens``) the launcher runs two kernels, and the kernel boundary is the
 only synchronisation:
 
 * ``hc_chunk_partial_kernel``, grid (the chunk's BLOCK_T tiles × hidden slices), slice fastest: one program's
@@ -18,21 +18,21 @@ The fused op runs as ``post_kernel`` per chunk, then these two kernels on the ne
 post then pre bit for bit by construction (``launch.py``). The GPU default is one chunk of 4096 tokens: at
 T = Hd = 4096, fewer and bigger chunks measured faster at every size (``benchmarks/mhc.md``).
 
-The partial kernel's GEMM, three ways (``MhcLaunch.chunk_stream_k``, ``chunk_fn_layout``; the lesson's rungs):
+The partial kernel's GEMM, three ways (``ChunkedLaunch.stream_k``, ``fn_layout``; the lesson's rungs):
 
 * per BLOCK_K chunk of the 4 streams ONE [BLOCK_T, 4·BLOCK_K] load and ONE dot of N = 4·NG = [hi | mid | lo | 0]
   × NG columns (``partial_mix_wide``, ``gemm_tile``), the parts folded in registers (``fold_parts``); a warp's
   copy of that tile gathers 16-byte pieces from 16 separate 128-byte lines;
-* ``chunk_stream_k`` with ``chunk_fn_layout = 2``: per step ONE stream's BLOCK_K = 64 dims (128-byte rows,
+* ``stream_k`` with ``fn_layout = 2``: per step ONE stream's BLOCK_K = 64 dims (128-byte rows,
   ``partial_mix_stream_k``), and fn from ``split_fn_wide``'s transposed copy, so the wgmma reads a K-major B
   operand and each copy is whole lines;
-* ``chunk_fn_layout = 3`` (the default): layout 2's copy without its zero quarter, as one dot of N = 2·NG for
+* ``fn_layout = 3`` (the default): layout 2's copy without its zero quarter, as one dot of N = 2·NG for
   [hi | mid] and one of N = NG for lo (``gemm_tile_three_parts``): a quarter less MMA and fold work per step.
 
 Each step's dots start from zero and are folded into the running sum in fp32 (the MMA-truncation rule of
 ``kernels.py``), whichever way.
 
-Walk order (``MhcLaunch.chunk_zigzag``, the GPU default): the GPU starts a launch's programs roughly in grid
+Walk order (``ChunkedLaunch.zigzag``, the GPU default): the GPU starts a launch's programs roughly in grid
 order, so a kernel's LAST programs leave their bytes in L2 (~50 MB on the H200) and the next kernel should start
 there. ``chunk_rows(..., REVERSE)`` counts a launch's token tiles from the chunk's end: pre / head walk the
 partial kernel forward and the finish kernel backward; fused walks ``post_kernel`` forward (TOKEN_MAJOR: its
@@ -212,7 +212,7 @@ def partial_mix_stream_k(
     BLOCK_K: tl.constexpr,
     FN_LAYOUT: tl.constexpr,
 ):
-    """``partial_mix_wide`` of pre / head with one stream per step (``MhcLaunch.chunk_stream_k``): per step ONE
+    """``partial_mix_wide`` of pre / head with one stream per step (``ChunkedLaunch.stream_k``): per step ONE
     stream's BLOCK_K dims, a [BLOCK_T, BLOCK_K] tile whose rows are contiguous in memory (BLOCK_K = 64: 128
     bytes, the NVMMA swizzle's row), the steps walking the streams fastest (4 steps per BLOCK_K dims); per step
     zero-started dots, folded and added to ``acc``; Σ X² over the step's tile. ``FN_LAYOUT``: 0 / 2 one dot
@@ -305,7 +305,7 @@ def sum_partials_rounds(
 def chunk_rows(t0, t_end, tile, BLOCK_T: tl.constexpr, REVERSE: tl.constexpr = False):
     """Token tile ``tile`` of the chunk [t0, t_end): (rows [BLOCK_T] int64, rm = rows < t_end, lrow = rows − t0,
     the rows' index inside the chunk's workspace). ``REVERSE``: counted from the chunk's end (tile 0 is the
-    last tile), so a launch walks the chunk backwards (``MhcLaunch.chunk_zigzag``)."""
+    last tile), so a launch walks the chunk backwards (``ChunkedLaunch.zigzag``)."""
     if REVERSE:
         tile = tl.cdiv(t_end - t0, BLOCK_T) - 1 - tile
     lrow = tile.to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -334,7 +334,7 @@ def hc_chunk_partial_kernel(
     STREAM_K: tl.constexpr = False,  # one stream's BLOCK_K dims per step (partial_mix_stream_k)
     FN_LAYOUT: tl.constexpr = 0,  # 0 fn_split_ptr is split_fn(fn); 2 split_fn_wide(..., transposed=True); 3 (STREAM_K
     #                               only) the same copy in two dots, without its zero quarter (gemm_tile_three_parts)
-    REVERSE: tl.constexpr = False,  # the token tiles walked from the chunk's end (chunk_rows; chunk_zigzag)
+    REVERSE: tl.constexpr = False,  # the token tiles walked from the chunk's end (chunk_rows; zigzag)
 ):
     tl.static_assert(BLOCK_K >= 16)
     tl.static_assert(BLOCK_T >= 16)
@@ -400,7 +400,7 @@ def hc_chunk_finish_kernel(
     WS_GATE: tl.constexpr,
     WS_STRIDE: tl.constexpr,
     HW_ROUND: tl.constexpr,
-    REVERSE: tl.constexpr = False,  # the token tiles walked from the chunk's end (chunk_rows; chunk_zigzag)
+    REVERSE: tl.constexpr = False,  # the token tiles walked from the chunk's end (chunk_rows; zigzag)
 ):
     part = tl.program_id(0)
     rows, rm, lrow = chunk_rows(t0, t_end, tl.program_id(1), BLOCK_T, REVERSE)

@@ -1,6 +1,6 @@
-"""The one-pass design of pre / fused post+pre / head (``hc_one_pass_kernel``, ``MhcLaunch(one_pass=True)``): a rung
+"""The one-pass design of pre / fused post+pre / head (``hc_one_pass_kernel``, ``OnePassLaunch()``): a rung
 of the lesson's ladder between split-K and the chunked GPU default, no default itself. Conventions and shared
-pieces: ``kernels.py``; its wide-dot partial mix: ``kernels_chunked.py``; the launcher: ``launch.py``.
+pieces: ``kernels.py``; its wide-dot partial mix: ``kernels_chunked.py``; the launcher: ``ops.launch_one_pass``.
 
 Why: split-K reads the streams twice from HBM (its finish kernel starts after the whole partial kernel, so only
 the last ~third of the 134 MB of streams at T = Hd = 4096 is still in the 50 MB L2), and the one-kernel design

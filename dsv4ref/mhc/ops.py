@@ -1,5 +1,6 @@
-"""The mHC launchers (``launch_hc``: one call of pre, fused post+pre or head, in the design its
-:class:`~dsv4ref.mhc.launch.MhcLaunch` picks) and the ``torch.ops.dsv4ref.mhc_*`` custom ops that run them."""
+"""The mHC launchers, one per design (``launch_one_kernel``, ``launch_split_k``, ``launch_one_pass``,
+``launch_chunked``; ``launch_hc`` runs one call of pre, fused post+pre or head with the launcher of its launch's
+type), and the ``torch.ops.dsv4ref.mhc_*`` custom ops that run them."""
 
 from __future__ import annotations
 
@@ -9,55 +10,154 @@ import triton
 from ..device import interpreting
 from . import kernels, kernels_chunked, kernels_one_pass, kernels_split_k
 from .fn_split import split_fn_wide
-from .launch import ONE_PASS_LAG, ONE_PASS_SUM_UNROLL, MhcLaunch
+from .launch import ONE_PASS_LAG, ONE_PASS_SUM_UNROLL, ChunkedLaunch, MhcLaunch, OneKernelLaunch, OnePassLaunch, SplitKLaunch
 
 # ====================================================================================================
-# Launchers
+# Launchers, one per design: each takes its launch class, (T, Hd), the pointers launch_hc makes (``ptrs``:
+# streams, x, post_in, comb_in, new, fn split), scale, base, post, comb, out, the scalars, head and fused.
 # ====================================================================================================
 
 
-def one_pass_args(L: MhcLaunch, T: int, Hd: int, head: bool, fused: bool):
+def launch_one_kernel(L: OneKernelLaunch, T, Hd, ptrs, scale, base, post, comb, out, scalars, *, head, fused) -> None:
+    """The one-kernel design (kernels.py, ``hc_kernel``): a program per ``block_t`` tokens."""
+    kw = dict(num_warps=L.warps, num_stages=L.stages) if not interpreting() else {}
+    kernels.hc_kernel[(triton.cdiv(T, L.block_t),)](
+        *ptrs,
+        scale,
+        base,
+        post,
+        comb,
+        out,
+        T,
+        Hd,
+        *scalars,
+        HEAD=head,
+        FUSED=fused,
+        BLOCK_T=L.block_t,
+        BLOCK_K=L.block_k,
+        DOT_FP32=interpreting(),
+        **kw,
+    )
+
+
+def launch_split_k(L: SplitKLaunch, T, Hd, ptrs, scale, base, post, comb, out, scalars, *, head, fused) -> None:
+    """The split-K design (kernels_split_k.py): the partial kernel (grid: K splits × token tiles) into a workspace
+    of [splits, T, 32] partial mixes and [splits, T] Σ X², then the finish kernel (grid: hidden parts × tiles)."""
+    compiled = not interpreting()
+    n_split, cps = L.plan(T, Hd)
+    ws = torch.empty(n_split * T * 33, dtype=torch.float32, device=out.device)  # [S, T, 32] mix | [S, T] Σ X²
+    mix_ws, ssq_ws = ws[: n_split * T * 32], ws[n_split * T * 32 :]
+    kw = dict(num_warps=L.warps, num_stages=L.stages) if compiled else {}
+    kernels_split_k.hc_partial_kernel[(n_split, triton.cdiv(T, L.block_t))](
+        *ptrs,
+        mix_ws,
+        ssq_ws,
+        T,
+        Hd,
+        cps,
+        HEAD=head,
+        FUSED=fused,
+        BLOCK_T=L.block_t,
+        BLOCK_K=L.block_k,
+        DOT_FP32=not compiled,
+        **kw,
+    )
+    tiles, parts, h_per_part = L.finish_plan(T, Hd)
+    kw = dict(num_warps=L.finish_warps) if compiled else {}
+    kernels_split_k.hc_finish_kernel[(parts, tiles)](
+        ptrs[4] if fused else ptrs[0],  # the new streams, or the streams
+        mix_ws,
+        ssq_ws,
+        scale,
+        base,
+        post,
+        comb,
+        out,
+        T,
+        Hd,
+        n_split,
+        h_per_part,
+        *scalars,
+        HEAD=head,
+        BLOCK_T=L.finish_block_t,
+        BLOCK_H=L.finish_block_h,
+        **kw,
+    )
+
+
+def one_pass_args(L: OnePassLaunch, T: int, Hd: int, head: bool, fused: bool):
     """What ``hc_one_pass_kernel`` is launched with for a [T, 4, Hd] op: (grid, constexprs but DOT_FP32,
     compile options, (mix workspace, Σ X² workspace, sync buffer) element counts, (tiles, slices, chunks per
     slice)). The workspace rows hold the live columns only (pre 8 + 16, head 4)."""
-    tiles, slices, cps, bk = L.one_pass_plan(T, Hd)
+    tiles, slices, cps, bk = L.plan(T, Hd)
     ws_gate, ws_stride = (4, 4) if head else (8, 24)
     consts = dict(
         HEAD=head,
         FUSED=fused,
-        BLOCK_T=L.one_pass_block_t,
+        BLOCK_T=L.block_t,
         BLOCK_K=bk,
-        BLOCK_H=L.one_pass_block_h,
+        BLOCK_H=L.block_h,
         LAG=ONE_PASS_LAG,
         SPIN_LIMIT=1 << 16,
         SUM_UNROLL=ONE_PASS_SUM_UNROLL,
-        ONE_DOT=1 if fused else L.one_pass_one_dot,
+        ONE_DOT=1 if fused else L.one_dot,
         WS_GATE=ws_gate,
         WS_STRIDE=ws_stride,
         HW_ROUND=not interpreting(),
     )  # the interpreter's cast truncates
     opts = dict(
-        num_warps=L.one_pass_warps,
-        num_stages=L.one_pass_fused_stages if fused else L.one_pass_stages,
-        maxnreg=None if fused else L.one_pass_maxnreg,
+        num_warps=L.warps,
+        num_stages=L.fused_stages if fused else L.stages,
+        maxnreg=None if fused else L.maxnreg,
     )
     sizes = (slices * T * ws_stride, slices * T, 1 + 2 * tiles)
     return ((tiles + ONE_PASS_LAG) * slices,), consts, opts, sizes, (tiles, slices, cps)
 
 
-def chunk_args(L: MhcLaunch, T: int, Hd: int, head: bool, fused: bool):
+def launch_one_pass(L: OnePassLaunch, T, Hd, ptrs, scale, base, post, comb, out, scalars, *, head, fused) -> None:
+    """The one-pass design (kernels_one_pass.py): one launch of ``hc_one_pass_kernel``, its workspaces and the
+    ticket / arrival / ready counters zeroed per call."""
+    grid, consts, opts, (n_mix, n_ssq, n_sync), (tiles, slices, cps) = one_pass_args(L, T, Hd, head, fused)
+    ws = torch.empty(n_mix + n_ssq + T * 4, dtype=torch.float32, device=out.device)
+    mix_ws, ssq_ws, wpre = ws[:n_mix], ws[n_mix : n_mix + n_ssq], ws[n_mix + n_ssq :]
+    sync = torch.zeros(n_sync, dtype=torch.int32, device=out.device)  # ticket | arrivals | READY
+    compiled = not interpreting()
+    kernels_one_pass.hc_one_pass_kernel[grid](
+        *ptrs,
+        scale,
+        base,
+        post,
+        comb,
+        out,
+        mix_ws,
+        ssq_ws,
+        wpre,
+        sync,
+        T,
+        Hd,
+        tiles,
+        slices,
+        cps,
+        *scalars,
+        **consts,
+        DOT_FP32=not compiled,
+        **(opts if compiled else {}),
+    )
+
+
+def chunk_args(L: ChunkedLaunch, T: int, Hd: int, head: bool, fused: bool):
     """What the chunked design launches for a [T, 4, Hd] op (shared with benchmarks/experiments/mhc/):
     (plan, partial, finish, (mix workspace, Σ X² workspace) element counts). ``plan`` = (tokens per chunk C,
     chunks, slices, BLOCK_K chunks per slice, finish parts, hidden dims per part); ``partial`` / ``finish`` =
     (constexprs but DOT_FP32, compile options) of ``hc_chunk_partial_kernel`` / ``hc_chunk_finish_kernel``. One
     workspace serves every chunk: a chunk's finish kernel has read it before the next chunk's partial kernel
     writes it (the same stream). ``fused``: the two kernels run after ``post_kernel`` (only the walk order of
-    ``chunk_zigzag`` differs: post forward, partial backward, finish forward)."""
-    partial_back = L.chunk_zigzag and fused  # after post_kernel's forward walk
-    finish_back = L.chunk_zigzag and not partial_back
-    c, n_chunks, slices, cps, bk = L.chunk_plan(T, Hd)
-    bt, _, warps, stages, maxnreg = L.chunk_tile(T)
-    parts, h_per_part = L.chunk_finish_plan(c, Hd)
+    ``zigzag`` differs: post forward, partial backward, finish forward)."""
+    partial_back = L.zigzag and fused  # after post_kernel's forward walk
+    finish_back = L.zigzag and not partial_back
+    c, n_chunks, slices, cps, bk = L.plan(T, Hd)
+    bt, _, warps, stages, maxnreg = L.tile(T)
+    parts, h_per_part = L.finish_plan(c, Hd)
     ws_gate, ws_stride = (4, 4) if head else (8, 24)  # the live columns only
     hw = not interpreting()  # bf16 outputs rounded by the hardware conversion (the interpreter's cast truncates)
     partial = (
@@ -67,8 +167,8 @@ def chunk_args(L: MhcLaunch, T: int, Hd: int, head: bool, fused: bool):
             BLOCK_K=bk,
             WS_GATE=ws_gate,
             WS_STRIDE=ws_stride,
-            STREAM_K=L.chunk_stream_k,
-            FN_LAYOUT=L.chunk_fn_layout,
+            STREAM_K=L.stream_k,
+            FN_LAYOUT=L.fn_layout,
             REVERSE=partial_back,
         ),
         dict(num_warps=warps, num_stages=stages, maxnreg=maxnreg),
@@ -76,30 +176,28 @@ def chunk_args(L: MhcLaunch, T: int, Hd: int, head: bool, fused: bool):
     finish = (
         dict(
             HEAD=head,
-            BLOCK_T=L.chunk_finish_block_t,
-            BLOCK_H=L.chunk_finish_block_h,
-            SUM_UNROLL=L.chunk_sum_unroll,
+            BLOCK_T=L.finish_block_t,
+            BLOCK_H=L.finish_block_h,
+            SUM_UNROLL=L.sum_unroll,
             WS_GATE=ws_gate,
             WS_STRIDE=ws_stride,
             HW_ROUND=hw,
             REVERSE=finish_back,
         ),
-        dict(num_warps=L.chunk_finish_warps),
+        dict(num_warps=L.finish_warps),
     )
     return (c, n_chunks, slices, cps, parts, h_per_part), partial, finish, (slices * c * ws_stride, slices * c)
 
 
-def launch_chunked(
-    L: MhcLaunch, T: int, Hd: int, ptrs, scale, base, post, comb, out, scalars, *, head: bool, fused: bool
-) -> None:
+def launch_chunked(L: ChunkedLaunch, T, Hd, ptrs, scale, base, post, comb, out, scalars, *, head, fused) -> None:
     """The chunked design (kernels_chunked.py): per chunk of C tokens, the partial kernel (grid: the chunk's token
     tiles × slices) then the finish kernel (grid: hidden parts × the chunk's finish tiles), into one workspace
-    (one chunk's partials) allocated once per call. ``ptrs`` as ``launch_hc`` makes them. Fused: per chunk
-    ``post_kernel`` first (3 launches per chunk), then pre's two kernels on the new streams it wrote, so fused ==
-    post then pre bit for bit by construction."""
+    (one chunk's partials) allocated once per call. Fused: per chunk ``post_kernel`` first (3 launches per
+    chunk), then pre's two kernels on the new streams it wrote, so fused == post then pre bit for bit by
+    construction."""
     (c, n_chunks, slices, cps, parts, h_per_part), (pc, po), (fc, fo), (n_mix, n_ssq) = chunk_args(L, T, Hd, head, fused)
     res_in, x, post_in, comb_in, new, fs = ptrs
-    if L.chunk_fn_layout:  # 2, 3: the partial kernel reads fn from the K-major [4·NG, 4·Hd] copy
+    if L.fn_layout:  # 2, 3: the partial kernel reads fn from the K-major [4·NG, 4·Hd] copy
         fs = split_fn_wide(fs)
     src = new if fused else res_in  # what the partial and finish kernels read
     compiled = not interpreting()
@@ -113,7 +211,7 @@ def launch_chunked(
         t_end = min(T, t0 + c)
         if fused:
             grid = (triton.cdiv(t_end - t0, L.post_block_t), triton.cdiv(Hd, L.post_block_h))
-            kernels.post_kernel[grid[::-1] if L.chunk_zigzag else grid](
+            kernels.post_kernel[grid[::-1] if L.zigzag else grid](
                 x,
                 res_in,
                 post_in,
@@ -124,7 +222,7 @@ def launch_chunked(
                 Hd,
                 BLOCK_T=L.post_block_t,
                 BLOCK_H=L.post_block_h,
-                TOKEN_MAJOR=L.chunk_zigzag,
+                TOKEN_MAJOR=L.zigzag,
             )
         kernels_chunked.hc_chunk_partial_kernel[(triton.cdiv(t_end - t0, bt) * slices,)](
             src, fs, mix_ws, ssq_ws, t0, t_end, Hd, c, slices, cps, **pc, DOT_FP32=not compiled, **po
@@ -132,6 +230,14 @@ def launch_chunked(
         kernels_chunked.hc_chunk_finish_kernel[(parts, triton.cdiv(t_end - t0, fbt))](
             src, mix_ws, ssq_ws, scale, base, post, comb, out, t0, t_end, Hd, c, slices, h_per_part, *scalars, **fc, **fo
         )
+
+
+LAUNCHERS = {
+    OneKernelLaunch: launch_one_kernel,
+    SplitKLaunch: launch_split_k,
+    OnePassLaunch: launch_one_pass,
+    ChunkedLaunch: launch_chunked,
+}
 
 
 def launch_hc(
@@ -156,8 +262,9 @@ def launch_hc(
     launch: MhcLaunch,
 ) -> None:
     """Run pre (``fused=False``), fused post+pre (``fused=True``: x, post_in, comb_in, new given) or the head
-    (``head=True``: no post / comb outputs) into the given buffers, with the design ``launch`` picks.
-    Arguments that an op does not have are None; the kernels never touch them (``scale`` stands in)."""
+    (``head=True``: no post / comb outputs) into the given buffers, with the launcher of ``launch``'s type
+    (``LAUNCHERS``). Arguments that an op does not have are None; the kernels never touch them (``scale``
+    stands in)."""
     T, M, Hd = res.shape
     if T == 0:
         return
@@ -165,107 +272,14 @@ def launch_hc(
     opt = lambda t: t if t is not None else scale  # noqa: E731
     ptrs = (res.view(torch.int16), i16(x), opt(post_in), opt(comb_in), i16(new), fs)
     scalars = (float(rms_eps), float(hc_eps), float(post_mult), int(iters))
-    compiled = not interpreting()
-    L = launch
-    design = L.design(fused)
-    if design == "chunked":
-        launch_chunked(L, T, Hd, ptrs, scale, base, opt(post), opt(comb), out.view(torch.int16), scalars, head=head, fused=fused)
-        return
-    if design == "one_pass":
-        grid, consts, opts, (n_mix, n_ssq, n_sync), (tiles, slices, cps) = one_pass_args(L, T, Hd, head, fused)
-        ws = torch.empty(n_mix + n_ssq + T * 4, dtype=torch.float32, device=res.device)
-        mix_ws, ssq_ws, wpre = ws[:n_mix], ws[n_mix : n_mix + n_ssq], ws[n_mix + n_ssq :]
-        sync = torch.zeros(n_sync, dtype=torch.int32, device=res.device)  # ticket | arrivals | READY
-        kernels_one_pass.hc_one_pass_kernel[grid](
-            *ptrs,
-            scale,
-            base,
-            opt(post),
-            opt(comb),
-            out.view(torch.int16),
-            mix_ws,
-            ssq_ws,
-            wpre,
-            sync,
-            T,
-            Hd,
-            tiles,
-            slices,
-            cps,
-            *scalars,
-            **consts,
-            DOT_FP32=not compiled,
-            **(opts if compiled else {}),
-        )
-        return
-    if design == "one_kernel":
-        kw = dict(num_warps=L.num_warps, num_stages=L.num_stages) if compiled else {}
-        kernels.hc_kernel[(triton.cdiv(T, L.block_t),)](
-            *ptrs,
-            scale,
-            base,
-            opt(post),
-            opt(comb),
-            out.view(torch.int16),
-            T,
-            Hd,
-            *scalars,
-            HEAD=head,
-            FUSED=fused,
-            BLOCK_T=L.block_t,
-            BLOCK_K=L.block_k,
-            DOT_FP32=not compiled,
-            **kw,
-        )
-        return
-    n_split, cps = L.split_plan(T, Hd)
-    ws = torch.empty(n_split * T * 33, dtype=torch.float32, device=res.device)  # [S, T, 32] mix | [S, T] Σ X²
-    mix_ws, ssq_ws = ws[: n_split * T * 32], ws[n_split * T * 32 :]
-    kw = dict(num_warps=L.split_warps, num_stages=L.split_stages) if compiled else {}
-    kernels_split_k.hc_partial_kernel[(n_split, triton.cdiv(T, L.split_block_t))](
-        *ptrs,
-        mix_ws,
-        ssq_ws,
-        T,
-        Hd,
-        cps,
-        HEAD=head,
-        FUSED=fused,
-        BLOCK_T=L.split_block_t,
-        BLOCK_K=L.split_block_k,
-        DOT_FP32=not compiled,
-        **kw,
-    )
-    tiles = triton.cdiv(T, L.finish_block_t)
-    h_chunks = triton.cdiv(Hd, L.finish_block_h)
-    parts = min(h_chunks, max(1, triton.cdiv(L.target_programs, tiles)))
-    h_per_part = triton.cdiv(h_chunks, parts) * L.finish_block_h
-    parts = triton.cdiv(Hd, h_per_part)
-    kw = dict(num_warps=L.finish_warps) if compiled else {}
-    kernels_split_k.hc_finish_kernel[(parts, tiles)](
-        i16(new) if fused else ptrs[0],
-        mix_ws,
-        ssq_ws,
-        scale,
-        base,
-        opt(post),
-        opt(comb),
-        out.view(torch.int16),
-        T,
-        Hd,
-        n_split,
-        h_per_part,
-        *scalars,
-        HEAD=head,
-        BLOCK_T=L.finish_block_t,
-        BLOCK_H=L.finish_block_h,
-        **kw,
+    LAUNCHERS[type(launch)](
+        launch, T, Hd, ptrs, scale, base, opt(post), opt(comb), out.view(torch.int16), scalars, head=head, fused=fused
     )
 
 
 # ====================================================================================================
 # Custom ops: they write into given buffers (the tests poison them first). ``launch`` is
-# MhcLaunch.op_args(): every launch choice travels in the schema.
+# MhcLaunch.op_args() (the design, then its fields): every launch choice travels in the schema.
 # ====================================================================================================
 
 

@@ -16,7 +16,7 @@ operand the wgmma is reading while the next copies land). So, per program,
 two figures the GPU's Triton 3.6 reported below are the same bytes), exact for every case compiled:
 
 * chunked partial kernel: layouts 0 (four streams per dot), 2 and 3, 128- and 64-token tiles, 2 / 3 / 4 stages,
-  pre and head: 16 compiles, among them the two the GPU refused, four streams per dot at ``chunk_block_k`` 64,
+  pre and head: 16 compiles, among them the two the GPU refused, four streams per dot at ``ChunkedLaunch.block_k`` 64,
   4 stages: 458 752 bytes (pre, 128-token tiles: 3 · (64 KB stream tile + 64 KB fn tile) + 64 KB) and 360 448
   (pre, 64-token tiles of a short call: 3 · (32 KB + 64 KB) + 64 KB);
 * one-pass kernel at its GPU defaults: pre 81 920, fused 126 976 (the x tile too), head 57 344;
@@ -31,7 +31,7 @@ conversion's scratch, a few KB, and are not counted.
 
 from __future__ import annotations
 
-from ..mhc.launch import MhcLaunch
+from ..mhc.launch import ChunkedLaunch, MhcLaunch, OneKernelLaunch, OnePassLaunch
 from ..mhc.ops import one_pass_args
 
 # Hopper (H100, H200): the most shared memory one program may ask for (227 KB: 228 KB a multiprocessor, less the
@@ -50,31 +50,30 @@ def _ring(stages: int, tiles: int, b: int) -> int:
 def mhc_smem(launch: MhcLaunch, op: str, T: int | None = None) -> int:
     """Estimated shared-memory bytes of the kernel with a dot that ``op`` ("pre", "fused" or "head") runs under
     ``launch`` for a call of ``T`` tokens (None: a long call; the chunked design takes smaller tiles at most
-    ``chunk_small_t`` tokens). The model and what it was checked against: the module's docstring. ``launch``
-    should carry the GPU's defaults (``MhcLaunch.for_device(interpreted=False, ...)``)."""
+    ``small_t`` tokens). The model and what it was checked against: the module's docstring. ``launch``
+    should carry the GPU's defaults (``ChunkedLaunch.for_device(interpreted=False, ...)``, say)."""
     head, fused = op == "head", op == "fused"
     ng = 16 if head else 32  # fn columns of one bf16 part: gate group (+ comb group)
-    design = launch.design(fused)
-    if design == "chunked":  # the partial kernel (the fused op: pre's, on the new streams)
-        bt, bk, _warps, stages, _ = launch.chunk_tile(T)
-        if launch.chunk_stream_k:  # one stream's bk dims per step
+    if isinstance(launch, ChunkedLaunch):  # the partial kernel (the fused op: pre's, on the new streams)
+        bt, bk, _warps, stages, _ = launch.tile(T)
+        if launch.stream_k:  # one stream's bk dims per step
             a = bt * bk * _BF16
-            b = bk * (3 if launch.chunk_fn_layout == 3 else 4) * ng * _BF16
+            b = bk * (3 if launch.fn_layout == 3 else 4) * ng * _BF16
         else:  # the 4 streams' bk dims per step, one dot of N = 4·NG
             a = bt * 4 * bk * _BF16
             b = 4 * bk * 4 * ng * _BF16
         return _ring(stages, a + b, b)
-    if design == "one_pass":
+    if isinstance(launch, OnePassLaunch):
         _grid, consts, opts, _sizes, _plan = one_pass_args(launch, 4096, 4096, head, fused)
         bt, bk = consts["BLOCK_T"], consts["BLOCK_K"]
         a = (5 if fused else 4) * bt * bk * _BF16  # the 4 streams' chunk (fused: and x)
         b = 4 * bk * 4 * ng * _BF16
         return _ring(opts["num_stages"], a + b, b)
-    if design == "one_kernel":  # per stream 3 (head) or 6 narrow [BLOCK_K, 16] fn tiles
-        bt, bk, stages = launch.block_t, launch.block_k, launch.num_stages
+    if isinstance(launch, OneKernelLaunch):  # per stream 3 (head) or 6 narrow [BLOCK_K, 16] fn tiles
+        bt, bk, stages = launch.block_t, launch.block_k, launch.stages
         tiles = (5 if fused else 4) * bt * bk * _BF16 + 4 * (3 if head else 6) * bk * 16 * _BF16
         return _ring(max(stages, 2), tiles, 0)
     # split-K's partial kernel: an upper bound (the module's docstring)
-    bt, bk = launch.split_block_t, launch.split_block_k
+    bt, bk = launch.block_t, launch.block_k
     tiles = (5 if fused else 4) * bt * bk * _BF16 + 4 * 3 * bk * ng * _BF16
-    return max(launch.split_stages, 1) * tiles
+    return max(launch.stages, 1) * tiles

@@ -10,7 +10,7 @@
 # applied untransposed) and 23 (Sinkhorn and eps conventions). The code is in `dsv4ref/mhc/`, read in this
 # order: `reference.py` (the whole op in PyTorch), `kernels.py` (Triton: the shared pieces and the first
 # design), `kernels_split_k.py` (the second), `kernels_chunked.py` (the GPU's design), `kernels_one_pass.py` (a rung
-# between them), `launch.py` (launch choices), `fn_split.py` (the kernels' copies of fn), `ops.py` (the launchers).
+# between them), `launch.py` (a launch class per design), `fn_split.py` (the kernels' copies of fn), `ops.py` (the launchers).
 
 # %%
 import dsv4ref  # first: picks the device, sets TRITON_INTERPRET on a CPU-only machine
@@ -297,7 +297,7 @@ print(compare(buggy, new_ref, "bf16_out", "untransposed post vs oracle").verdict
 fn2, scale2, base2 = mhc.example_params(Hd, seed=5)  # the next sub-layer's parameters
 fused = mhc.fused_post_pre(x_layer, res, post_k, comb_k, fn2, scale2, base2)
 sep_new = mhc.post(x_layer, res, post_k, comb_k)
-same = mhc.MhcLaunch().pre_like_fused()  # interpreter: the one-kernel design; GPU: the chunked default itself
+same = mhc.default_launch("fused_post_pre").pre_like_fused()  # interpreter: one kernel; GPU: the chunked default
 sep = (sep_new, *mhc.pre(sep_new, fn2, scale2, base2, launch=same))
 for name, a, b in zip(["new residual", "post'", "comb'", "layer input"], fused, sep):
     if a.dtype == torch.bfloat16:
@@ -401,11 +401,11 @@ print(
     f"  post then pre, as two ops: {(bench_bytes['post'] + bench_bytes['pre']) / 1e6:.1f} MB against the fused op's {bench_bytes['fused'] / 1e6:.1f} MB"
 )
 fs_big = mhc.split_fn(mhc.example_params(Hd8)[0], M8)
-gpu = mhc.MhcLaunch.for_device(interpreted=False)
+one_kernel, split_k = (c.for_device(interpreted=False) for c in (mhc.OneKernelLaunch, mhc.SplitKLaunch))  # a GPU's tiles
 print(
     f"fn as the kernels read it (bf16 × 3, padded to N = 32): {fs_big.nbytes / 1e6:.1f} MB, read from L2 once per token tile: "
-    f"{T8 // gpu.block_t} tiles of {gpu.block_t} (one kernel) = {T8 // gpu.block_t * fs_big.nbytes / 1e9:.1f} GB, "
-    f"{T8 // gpu.split_block_t} tiles of {gpu.split_block_t} (split-K) = {T8 // gpu.split_block_t * fs_big.nbytes / 1e9:.1f} GB"
+    f"{T8 // one_kernel.block_t} tiles of {one_kernel.block_t} (one kernel) = {T8 // one_kernel.block_t * fs_big.nbytes / 1e9:.1f} GB, "
+    f"{T8 // split_k.block_t} tiles of {split_k.block_t} (split-K) = {T8 // split_k.block_t * fs_big.nbytes / 1e9:.1f} GB"
 )
 
 # %% [markdown]
@@ -431,7 +431,7 @@ figures("one_kernel")
 figures("split_k", "one_kernel")
 
 # %% [markdown]
-# **A third design, one pass** (`kernels_one_pass.hc_one_pass_kernel`, `MhcLaunch(one_pass=True)`). A tile's streams
+# **A third design, one pass** (`kernels_one_pass.hc_one_pass_kernel`, `mhc.OnePassLaunch`). A tile's streams
 # (the next cell prints their size) do not fit on chip across the K loop, and the weighted sum needs the gates,
 # which need the whole loop. So the second read must come from **L2**, and therefore soon after the first. One
 # launch; work items are (token tile, hidden slice) pairs, taken from an atomic *ticket*:
@@ -450,14 +450,13 @@ figures("split_k", "one_kernel")
 # chain of dependent L2 round trips while the next tile's programs wait on its flag.
 
 # %%
-print(
-    f"one tile's streams: {gpu.one_pass_block_t} tokens × {M8} × {Hd8} bf16 = {gpu.one_pass_block_t * M8 * Hd8 * 2 / 1e6:.1f} MB"
-)
+one_pass = mhc.OnePassLaunch.for_device(interpreted=False)  # a GPU's tiles
+print(f"one tile's streams: {one_pass.block_t} tokens × {M8} × {Hd8} bf16 = {one_pass.block_t * M8 * Hd8 * 2 / 1e6:.1f} MB")
 figures("one_pass", "split_k")
 
 # %% [markdown]
 # **A fourth design, chunked** (`kernels_chunked.hc_chunk_partial_kernel` + `hc_chunk_finish_kernel`,
-# `MhcLaunch(chunked=True)`): no program ever waits for another. Per chunk of C tokens, two launches: a
+# `mhc.ChunkedLaunch`): no program ever waits for another. Per chunk of C tokens, two launches: a
 # *partial* kernel (exactly one pass's step 1, each (tile, slice) program writing its partial mix) and a
 # *finish* kernel whose programs each re-sum their tile's partials in slice order (the same loads in the same
 # order in every program, so the same bits), run the gates and Sinkhorn, and make the weighted sum of their
@@ -467,7 +466,7 @@ figures("one_pass", "split_k")
 #
 # What limited the partial kernel was where its copies come from: a warp's `cp.async` of the
 # [128 tokens, 4 streams × 16 dims] tile gathered 16-byte pieces from 16 separate 128-byte lines. Reading one
-# stream's 64 dims per dot (`chunk_stream_k`: 128-byte rows) and `fn` from a K-major copy (`chunk_fn_layout=2`)
+# stream's 64 dims per dot (`stream_k`: 128-byte rows) and `fn` from a K-major copy (`fn_layout=2`)
 # makes every copy whole lines:
 
 # %%
@@ -478,14 +477,14 @@ figures("chunked_contiguous", "chunked")
 # **Then the walk order.** One chunk of 4096 tokens holds far more stream bytes than the H200's 50 MB L2 (the
 # bytes table above), so the finish kernel re-read them from HBM. But a GPU starts a launch's programs roughly in
 # grid order, so the bytes a kernel's *last* programs touched are still in L2 when the next kernel starts. With
-# `chunk_zigzag`, each kernel of a chunk walks the tokens in the opposite direction to the kernel before it:
+# `zigzag`, each kernel of a chunk walks the tokens in the opposite direction to the kernel before it:
 # pre runs the partial kernel forward and the finish kernel backward; fused runs `post` forward, the partial
 # kernel backward and the finish kernel forward. Only the order moves, so the bits are the same (the cell after
 # next checks it). Together with slices of 512 dims, it brought the finish kernel to the copy rate on its own
 # bytes, and fused past the goal; pre stayed short of it, held back by its partial kernel.
 #
 # **The GPU default** also gives the partial kernel's dot a `fn` tile without its zero quarter
-# (`chunk_fn_layout=3`: fn's three bf16 parts hi, mid and lo as dots of N = 64 and 32, where one dot of N = 128
+# (`fn_layout=3`: fn's three bf16 parts hi, mid and lo as dots of N = 64 and 32, where one dot of N = 128
 # had a last quarter of zeros) and a fourth pipeline stage. Pre reads the streams twice (the partial kernel,
 # then the finish kernel), so even two kernels at the copy rate would leave it short of the whole bound (the
 # next cell computes that ceiling): it sits on the goal's line, within a run's noise of it. The next cell prints
@@ -511,12 +510,13 @@ for op in ("pre", "fused", "head"):
 
 # %% [markdown]
 # **A decode step's call is small**, and for it a 128-token tile is mostly masked rows. So calls of at most
-# `chunk_small_t` tokens take 64-token tiles at 4 warps. At the decode-sized T = 37 every op is far below its
+# `small_t` tokens take 64-token tiles at 4 warps. At the decode-sized T = 37 every op is far below its
 # bound whatever the tiles (its bytes move in well under a microsecond at the copy rate); what is left is
 # launches and latency, which the smaller tiles cut:
 
 # %%
-print(f"chunk_small_t on a GPU: {gpu.chunk_small_t} tokens; a 128-token tile at T = 37 is {1 - 37 / 128:.0%} masked rows")
+chunked = mhc.ChunkedLaunch.for_device(interpreted=False)  # a GPU's default
+print(f"small_t on a GPU: {chunked.small_t} tokens; a 128-token tile at T = 37 is {1 - 37 / 128:.0%} masked rows")
 for design in ("chunked_zigzag", "chunked_zigzag_small_t", "default"):
     line = []
     for op in ("pre", "fused", "head"):
@@ -526,28 +526,27 @@ for design in ("chunked_zigzag", "chunked_zigzag_small_t", "default"):
     print(f"  T = 37, {design:<22}", ", ".join(line), f"  [{e['date']}]")
 
 # %% [markdown]
-# Which design an op takes is a **launch choice**, as are the tile sizes, warps, chunk and split counts. They are
-# the fields of one frozen dataclass, `mhc.MhcLaunch`, passed explicitly as `launch=` (None = the measured
-# defaults: chunked on a GPU; in the interpreter, which pays for every program, split-K for pre and head and one
-# kernel for fused). `MhcLaunch.for_device` says what a launch means on either device, so the defaults below
-# print the same here and on a GPU. Every launch this notebook builds is legal on both (a test holds it to that:
-# the chunked token tile is 16 here and 128 on a GPU, so a chunk of 16 tokens would not be). Forcing a design
-# changes the speed, never the result. The ladder, rung by rung, at the teaching size:
+# Which design an op takes is a **launch choice**, as are the tile sizes, warps, chunk and split counts. Each design
+# has its own frozen dataclass, holding only its own knobs (and the post and Sinkhorn tiles all four share):
+# `mhc.OneKernelLaunch`, `mhc.SplitKLaunch`, `mhc.OnePassLaunch`, `mhc.ChunkedLaunch`, passed explicitly as
+# `launch=`; the launch's type picks the kernels. None means the op's measured default, `mhc.default_launch(op)`:
+# chunked on a GPU; in the interpreter, which pays for every program, split-K for pre and head and one kernel for
+# fused. A class's `for_device` says what a launch means on either device, so the GPU's defaults print here too.
+# Every launch this notebook builds is legal on both (a test holds it to that: the chunked token tile is 16 here
+# and 128 on a GPU, so a chunk of 16 tokens would not be). Forcing a design changes the speed, never the result.
+# The ladder, rung by rung, at the teaching size:
 
 # %%
 for device, interpreted in (("GPU", False), ("interpreter", True)):
-    d = mhc.MhcLaunch.for_device(interpreted=interpreted)
-    print(f"default design on the {device}: pre / head {d.design(fused=False)}, fused post+pre {d.design(fused=True)}")
+    d = {op: type(mhc.default_launch(op, interpreted=interpreted)).__name__ for op in ("pre", "fused_post_pre", "head")}
+    print(f"default launch on the {device}:", d)
 ladder = (
-    ("one kernel", mhc.MhcLaunch(split_k=False)),
-    ("split-K", mhc.MhcLaunch(split_k=True, splits=2)),
-    ("one pass", mhc.MhcLaunch(one_pass=True)),
-    (
-        "chunked, four streams per dot",
-        mhc.MhcLaunch(chunked=True, chunk_stream_k=False, chunk_fn_layout=0, chunk_zigzag=False, chunk_block_k=16),
-    ),
-    ("chunked, contiguous copies", mhc.MhcLaunch(chunked=True, chunk_stream_k=True, chunk_fn_layout=2, chunk_zigzag=False)),
-    ("chunked, the GPU default", mhc.MhcLaunch(chunked=True, chunk_stream_k=True, chunk_fn_layout=3, chunk_zigzag=True)),
+    ("one kernel", mhc.OneKernelLaunch()),
+    ("split-K", mhc.SplitKLaunch(splits=2)),
+    ("one pass", mhc.OnePassLaunch()),
+    ("chunked, four streams per dot", mhc.ChunkedLaunch(stream_k=False, fn_layout=0, zigzag=False, block_k=16)),
+    ("chunked, contiguous copies", mhc.ChunkedLaunch(stream_k=True, fn_layout=2, zigzag=False)),
+    ("chunked, the GPU default", mhc.ChunkedLaunch(stream_k=True, fn_layout=3, zigzag=True)),
 )
 for name, launch in ladder:
     p_l, c_l, x_l = mhc.pre(res, fn, scale, base, launch=launch)
@@ -556,16 +555,15 @@ for name, launch in ladder:
     )
 # the zigzag walk: 40 tokens in one chunk of 48 = 3 tiles of 16, the finish kernel walking them last to first
 res40 = mhc.example_streams(40, Hd, seed=4)
-forward = mhc.MhcLaunch(chunked=True, chunk_tokens=48, chunk_block_t=16, chunk_finish_block_t=16, chunk_zigzag=False)
-zigzag = dataclasses.replace(forward, chunk_zigzag=True)
+forward = mhc.ChunkedLaunch(tokens=48, block_t=16, finish_block_t=16, zigzag=False)
+zigzag = dataclasses.replace(forward, zigzag=True)
 same = all(
     torch.equal(a, b)
     for a, b in zip(mhc.pre(res40, fn, scale, base, launch=forward), mhc.pre(res40, fn, scale, base, launch=zigzag))
 )
 print("chunked, zigzag walk: the same bits as the forward walk:", same)
-print(inspect.getsource(mhc.launch.MhcLaunch.split_plan))
-h200 = mhc.MhcLaunch.for_device(interpreted=False, one_pass=True)  # the one-pass tiles of a GPU
-tiles, slices, cps, bk = h200.one_pass_plan(4096, 4096)
+print(inspect.getsource(mhc.SplitKLaunch.plan))
+tiles, slices, cps, bk = one_pass.plan(4096, 4096)  # the one-pass tiles of a GPU
 print(
     f"one pass at T = Hd = 4096 on a GPU: {tiles} tiles × {slices} slices of {cps} × {bk} dims, "
     f"{(tiles + mhc.launch.ONE_PASS_LAG) * slices} programs"

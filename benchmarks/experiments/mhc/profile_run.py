@@ -16,14 +16,14 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from dsv4ref.device import synchronize  # noqa: E402
 from dsv4ref.mhc import example_params, example_streams, fused_post_pre, pre  # noqa: E402
-from dsv4ref.mhc.launch import MhcLaunch  # noqa: E402
+from dsv4ref.mhc.launch import OnePassLaunch, default_launch  # noqa: E402
 from dsv4ref.testing import randn  # noqa: E402
 
 
 def main(argv):
     op = argv[0] if argv else "pre"
     T, Hd = (int(argv[1]), int(argv[2])) if len(argv) >= 3 else (4096, 4096)
-    launch = MhcLaunch(one_pass=True) if "one-pass" in argv else MhcLaunch()
+    launch = OnePassLaunch() if "one-pass" in argv else default_launch("fused_post_pre" if op == "fused" else "pre")
     res = example_streams(T, Hd, seed=1)
     fn, scale, base = example_params(Hd, seed=2)
     if op == "fused":

@@ -1,6 +1,6 @@
 """One-call GPU sweep of the mHC designs the library keeps (``dsv4ref.tools.cases.mhc.designs``: one kernel,
-split-K, one pass, the chunked rungs and the default) and of ``CANDIDATES`` below (``MhcLaunch`` fields on top of
-the default: tile, chunk and slice choices), with the current default beside them and the decode step run with
+split-K, one pass, the chunked rungs and the default) and of ``CANDIDATES`` below (``ChunkedLaunch`` fields on top
+of the GPU default: tile, chunk and slice choices), with the current default beside them and the decode step run with
 the proposal.
 
     PYTHONPATH=. python3 benchmarks/experiments/mhc/sweep.py              # everything
@@ -19,7 +19,7 @@ candidate's shares that row (``= ...``). Phases, one process and one GPU:
 3. checks, before any timing: each candidate against the float64 oracle with the tests' tolerances
    (tests/test_mhc.py) at T = 4096 and at T = 37 (the decode-like plan), Hd = 4096; fused also == post then
    pre (the new streams and the layer input bit for bit, post / comb within 1e-6) with the pre of the same
-   arithmetic (``MhcLaunch.pre_like_fused``). A candidate that fails or does not compile is reported and not
+   arithmetic (``pre_like_fused``). A candidate that fails or does not compile is reported and not
    timed;
 4. timing by graph replay (``dsv4ref.tools.harness.time_ms``), two input sets of ~340 MB rotated past the
    L2: µs and % of the copy ceiling over the compulsory bytes ``python -m dsv4ref bench mhc`` counts
@@ -49,6 +49,7 @@ SMOKE = os.environ.get("MHC_SWEEP_SMOKE") == "1"
 T_BIG, T_SMALL, HD = (40, 5, 256) if SMOKE else (4096, 37, 4096)
 BUDGET_S = 600.0 if SMOKE else 100.0  # no new candidate is timed after this many seconds (the call's limit: 150 s)
 OPS = ("pre", "fused", "head")
+_OP_NAMES = {"pre": "pre", "fused": "fused_post_pre", "head": "head"}  # the library's names (default_launch)
 
 
 # ====================================================================================================
@@ -101,70 +102,69 @@ def run_op(op: str, launch, T: int, inputs=None, outs=None):
     return outs
 
 
-# Field candidates on top of the default MhcLaunch() (its design switch included): name -> fields. Each was timed
-# once (benchmarks/mhc.md); kept here to re-time on another GPU or after a kernel change.
+# ChunkedLaunch field candidates on top of its defaults (the GPU default): name -> fields. Each was timed once
+# (benchmarks/mhc.md); kept here to re-time on another GPU or after a kernel change.
 CANDIDATES: dict[str, dict] = {
-    "chunked C2048": {"chunked": True, "chunk_tokens": 2048},  # two chunks of 64 MB
-    "chunked C1024": {"chunked": True, "chunk_tokens": 1024},  # 32 MB per chunk: fits the 50 MB L2
-    "chunked st3": {"chunked": True, "chunk_stages": 3},  # one stage less
-    "chunked slice256": {"chunked": True, "chunk_slice_h": 256, "chunk_target_programs": 256},
-    "chunked finish1024": {"chunked": True, "chunk_finish_h": 1024},  # half the finish's redundant sums
-    "chunked bt64 w4": {"chunked": True, "chunk_block_t": 64, "chunk_warps": 4, "chunk_maxnreg": None},
+    "chunked C2048": {"tokens": 2048},  # two chunks of 64 MB
+    "chunked C1024": {"tokens": 1024},  # 32 MB per chunk: fits the 50 MB L2
+    "chunked st3": {"stages": 3},  # one stage less
+    "chunked slice256": {"slice_h": 256, "target_programs": 256},
+    "chunked finish1024": {"finish_h": 1024},  # half the finish's redundant sums
+    "chunked bt64 w4": {"block_t": 64, "warps": 4, "maxnreg": None},
 }
 
 
 def _launches() -> dict:
-    """name -> MhcLaunch: the library's designs (``designs()``; "defaults" = MhcLaunch()) and ``CANDIDATES``."""
-    from dsv4ref.mhc import MhcLaunch
+    """name -> launch: the library's designs (``designs()``; "defaults" = pre's default, on a GPU every op's:
+    ``ChunkedLaunch()``) and ``CANDIDATES``."""
+    from dsv4ref.mhc import ChunkedLaunch
     from dsv4ref.tools.cases.mhc import designs
 
     out = {("defaults" if n == "default" else n): L for n, L in designs()}
-    out.update({n: MhcLaunch(**f) for n, f in CANDIDATES.items()})
+    out.update({n: ChunkedLaunch(**f) for n, f in CANDIDATES.items()})
     return out
 
 
 def candidate(name: str):
-    """The MhcLaunch of candidate ``name`` ("defaults" = MhcLaunch())."""
+    """The launch of candidate ``name`` ("defaults": the default)."""
     return _launches()[name]
 
 
 def candidate_fields(name: str) -> dict:
-    """The MhcLaunch fields candidate ``name`` sets that differ from the default's."""
+    """The fields candidate ``name`` sets that differ from its launch class's defaults."""
     import dataclasses
 
-    from dsv4ref.mhc import MhcLaunch
-
-    L, d = candidate(name), MhcLaunch()
+    L = candidate(name)
+    d = type(L)()
     return {f.name: getattr(L, f.name) for f in dataclasses.fields(L) if getattr(L, f.name) != getattr(d, f.name)}
 
 
 def _compile_task(op: str, name: str) -> str | None:
     """Compile (by running once) what the main process will run for (op, candidate ``name``; "defaults" =
-    MhcLaunch()): both sizes, and for fused the pre of the same arithmetic. None, or the error."""
+    the default): both sizes, and for fused the pre of the same arithmetic. None, or the error."""
     try:
         from dsv4ref.device import synchronize
-        from dsv4ref.mhc import MhcLaunch
+        from dsv4ref.mhc import default_launch
 
         L = candidate(name)
         for T in (T_BIG, T_SMALL):
             run_op(op, L, T)
             if op == "fused":
                 run_op("pre", L.pre_like_fused(), T)
-                run_op("post", MhcLaunch(), T)
+                run_op("post", default_launch("post"), T)
         synchronize()
         return None
     except Exception as e:  # reported by the main process
         return f"{type(e).__name__}: {str(e)[:300]}"
 
 
-def _decode_task(fields: dict) -> str | None:
-    """One eager and one graphed decode step of the teaching config with these fields (compiles the step)."""
+def _decode_task(name: str) -> str | None:
+    """One eager and one graphed decode step of the teaching config with candidate ``name`` (compiles the step)."""
     try:
         from dsv4ref.config import TINY
         from dsv4ref.decode import run
-        from dsv4ref.mhc import MhcLaunch
 
-        L = MhcLaunch(**fields)
+        L = candidate(name)
         run(TINY, steps=1, prompt_lens=(133, 37, 5, 70), mhc_launch=L)
         run(TINY, steps=1, prompt_lens=(133, 37, 5, 70), mhc_launch=L, graph=True)
         run(TINY, steps=1, prompt_lens=(133, 37, 5, 70))
@@ -188,7 +188,7 @@ def main() -> None:
 
     from dsv4ref import DEVICE
     from dsv4ref.device import capture_graph, synchronize
-    from dsv4ref.mhc import MhcLaunch, example_params, example_streams, reference, split_fn
+    from dsv4ref.mhc import ChunkedLaunch, OnePassLaunch, default_launch, example_params, example_streams, reference, split_fn
     from dsv4ref.mhc.ops import chunk_args, one_pass_args
     from dsv4ref.testing import compare, randn
     from dsv4ref.tools.cases.mhc import compulsory_bytes
@@ -210,7 +210,7 @@ def main() -> None:
         if name == "defaults":
             return op, name
         L, head, fused = launches[name], op == "head", op == "fused"
-        if L.design(fused) == "chunked":
+        if isinstance(L, ChunkedLaunch):
             return (
                 op,
                 "chunked",
@@ -220,7 +220,7 @@ def main() -> None:
                     for plan, p, f, _s in (chunk_args(L, T, HD, head, fused) for T in (T_BIG, T_SMALL))
                 ),
             )
-        if L.design(fused) == "one_pass":
+        if isinstance(L, OnePassLaunch):
             return op, tuple(
                 (tuple(sorted(c.items())), tuple(sorted(o.items())), plan)
                 for _g, c, o, _s, plan in (one_pass_args(L, T, HD, head, fused) for T in (T_BIG, T_SMALL))
@@ -238,7 +238,7 @@ def main() -> None:
                 jobs.append((op, name))
     workers = max(2, min(14, (os.cpu_count() or 4) - 2))
     pool = cf.ProcessPoolExecutor(max_workers=workers, mp_context=mp.get_context("spawn"))
-    decode_future = pool.submit(_decode_task, {}) if with_decode else None
+    decode_future = pool.submit(_decode_task, "defaults") if with_decode else None
     futures = {job: pool.submit(_compile_task, *job) for job in jobs}
     print(
         f"{el()} compiling {len(jobs)} distinct (op, candidate) kernels in {workers} processes "
@@ -258,7 +258,7 @@ def main() -> None:
         p_in, c_in, _ = reference.pre(res, fn, scale, base)  # realistic post / comb for the fused op (fp32)
         p_in, c_in = p_in.float().contiguous(), c_in.float().contiguous()
         inputs = (res, x, p_in, c_in, fs, scale, base, hfs, hscale, hbase)
-        new_sep = run_op("post", MhcLaunch(), T, inputs)[0].clone()  # the post kernel: fused must equal it
+        new_sep = run_op("post", default_launch("post"), T, inputs)[0].clone()  # the post kernel: fused must equal it
         o_pre = reference.pre(res, fn, scale, base, dtype=torch.float64)
         o_fused = reference.pre(new_sep, fn, scale, base, dtype=torch.float64)
         o_head = reference.head(res, hfn, hscale, hbase, dtype=torch.float64)
@@ -308,7 +308,7 @@ def main() -> None:
                 err = check(op, launches[name])
             except Exception as e:
                 err = f"{type(e).__name__}: {str(e)[:300]}"
-        design = launches[name].design(op == "fused")
+        design = launches[name].design
         if err is None:
             passed.append((op, name))
         else:
@@ -328,7 +328,7 @@ def main() -> None:
     # ---- 4. timing ------------------------------------------------------------------------------------
     nb = compulsory_bytes(T_BIG, HD, M)
     sets = [_inputs(T_BIG, 0), _inputs(T_BIG, 1)]  # ~340 MB each with their outputs: together far past the L2
-    outs = [run_op("pre", MhcLaunch(), T_BIG, s) for s in sets]
+    outs = [run_op("pre", default_launch("pre"), T_BIG, s) for s in sets]
     results: dict[tuple[str, str], float] = {}
     tkw = dict(warmup=1, reps=2) if SMOKE else {}
     print(f"\n{'op':5s} {'candidate':22s} {'design':10s} {'µs':>8s} {'TB/s':>6s} {'of copy':>8s}   launch", flush=True)
@@ -355,14 +355,10 @@ def main() -> None:
         else:
             results[(op, name)] = ms
         b = nb[op]
-        fields = (
-            ""
-            if name == "defaults"
-            else ", ".join(f"{k.removeprefix('one_pass_')}={v}" for k, v in candidate_fields(name).items())
-        )
+        fields = "" if name == "defaults" else ", ".join(f"{k}={v}" for k, v in candidate_fields(name).items())
         twins = [n for (o, n), c in same_as.items() if o == op and c == name]
         print(
-            f"{op:5s} {name:22s} {L.design(op == 'fused'):10s} {ms * 1e3:8.1f} {b / (ms * 1e-3) / 1e12:6.2f} "
+            f"{op:5s} {name:22s} {L.design:10s} {ms * 1e3:8.1f} {b / (ms * 1e-3) / 1e12:6.2f} "
             f"{100 * b / (ms * 1e-3) / copy:7.1f} %{note}   {fields}" + (f"  (= {', '.join(twins)})" if twins else ""),
             flush=True,
         )
@@ -387,7 +383,7 @@ def main() -> None:
     print(f"\nsummary (T = {T_BIG}, Hd = {HD}, % of the copy ceiling over compulsory bytes; goal: pre and fused >= 50 %)")
     for op in ops:
         base = results.get((op, "defaults"))
-        line = f"  {op:5s} today's default ({MhcLaunch().design(op == 'fused')}): {pct(op, base) if base else 'not timed'}"
+        line = f"  {op:5s} today's default ({default_launch(_OP_NAMES[op]).design}): {pct(op, base) if base else 'not timed'}"
         if op in best:
             line += f"; fastest candidate {best[op][1]!r}: {pct(op, best[op][0])}"
         if joint:
@@ -397,11 +393,11 @@ def main() -> None:
         print("no candidate passed and was timed for every op: keep the defaults", flush=True)
     else:
         fields = candidate_fields(joint)
-        default_fields = {f.name: f.default for f in dataclasses.fields(MhcLaunch)}
+        default_fields = {f.name: f.default for f in dataclasses.fields(type(proposal))}
         diff = {k: v for k, v in fields.items() if default_fields.get(k) != v}
         print(
             f"the proposal: the candidate with the least total time over {', '.join(ops)} ({joint!r}); to make it "
-            "the default, in dsv4ref/mhc/launch.py MhcLaunch: "
+            f"the default, in dsv4ref/mhc/launch.py {type(proposal).__name__}: "
             + (", ".join(f"{k}: ... = {v}" for k, v in diff.items()) or "nothing to change"),
             flush=True,
         )
@@ -418,7 +414,7 @@ def main() -> None:
             small = [_inputs(T_SMALL)] * 2
             small_outs = [run_op(op, L, T_SMALL, s) for s in small]
             ms = time_ms(lambda i, L=L, op=op: run_op(op, L, T_SMALL, small[i], small_outs[i]), n_sets=2, **tkw)
-            print(f"{op:5s} T={T_SMALL:<4d} {name:15s} {L.design(op == 'fused'):10s} {ms * 1e3:8.1f} µs", flush=True)
+            print(f"{op:5s} T={T_SMALL:<4d} {name:15s} {L.design:10s} {ms * 1e3:8.1f} µs", flush=True)
 
     # where each op's time goes: device time per kernel (torch.profiler) for today's default and the proposal
     if not SMOKE:

@@ -8,31 +8,25 @@ from ...device import DEVICE, interpreting
 from ...mhc import example_params, example_streams, fused_post_pre, head, post, pre, reference, sinkhorn
 from ...mhc import reference as mhc_reference
 from ...mhc.fn_split import split_fn
-from ...mhc.launch import ONE_PASS_LAG, MhcLaunch, default_launch
+from ...mhc.launch import ONE_PASS_LAG, ChunkedLaunch, MhcLaunch, OneKernelLaunch, OnePassLaunch, SplitKLaunch, default_launch
 from ...mhc.reference import HC_EPS, POST_MULT, RMS_EPS, SINKHORN_ITERS
 from ...testing import compare, generator, randn
 from ..harness import BenchCase, CheckRow, bench, check
 
 
-def designs() -> list[tuple[str, MhcLaunch]]:
-    """(name, launch) of every design the library keeps, as ``bench mhc`` times them on a GPU: the two
-    first designs, one pass, the chunked design's rungs (notebook 03's ladder) and, last, the default
-    ``MhcLaunch()``. A rung equal to the default is not listed twice."""
+def designs(op: str = "pre") -> list[tuple[str, MhcLaunch]]:
+    """(name, launch) of every design the library keeps for ``op`` ("pre", "fused_post_pre" or "head"), as
+    ``bench mhc`` times them on a GPU: the two first designs, one pass, the chunked design's rungs (notebook 03's
+    ladder) and, last, the op's default ``default_launch(op)``. A rung equal to the default is not listed twice."""
     rungs = [
-        ("one-kernel", MhcLaunch(split_k=False)),
-        ("split-K", MhcLaunch(split_k=True)),
-        ("one-pass", MhcLaunch(one_pass=True)),
-        (
-            "chunked, four streams per dot",
-            MhcLaunch(chunked=True, chunk_stream_k=False, chunk_fn_layout=0, chunk_zigzag=False, chunk_block_k=16),
-        ),
-        ("chunked, contiguous copies", MhcLaunch(chunked=True, chunk_stream_k=True, chunk_fn_layout=2, chunk_zigzag=False)),
-        (
-            "chunked, contiguous copies, zigzag",
-            MhcLaunch(chunked=True, chunk_stream_k=True, chunk_fn_layout=2, chunk_zigzag=True),
-        ),
+        ("one-kernel", OneKernelLaunch()),
+        ("split-K", SplitKLaunch()),
+        ("one-pass", OnePassLaunch()),
+        ("chunked, four streams per dot", ChunkedLaunch(stream_k=False, fn_layout=0, zigzag=False, block_k=16)),
+        ("chunked, contiguous copies", ChunkedLaunch(stream_k=True, fn_layout=2, zigzag=False)),
+        ("chunked, contiguous copies, zigzag", ChunkedLaunch(stream_k=True, fn_layout=2, zigzag=True)),
     ]
-    default = default_launch()
+    default = default_launch(op)
     return [(n, L) for n, L in rungs if L != default] + [("default", default)]
 
 
@@ -41,7 +35,7 @@ def _check() -> list[CheckRow]:
     rows = []
     # fused == post then pre bit for bit holds for one design: give the separate pre the arithmetic of the fused
     # op's launch (``pre_like_fused``; on a GPU the default itself: there the fused op is post then pre)
-    same = default_launch().pre_like_fused()
+    same = default_launch("fused_post_pre").pre_like_fused()
     shapes = [(5, 256)] if interpreting() else [(5, 256), (33, 4096), (17, 7168)]
     for T, Hd in shapes:
         res = example_streams(T, Hd, seed=T)
@@ -68,11 +62,8 @@ def _check() -> list[CheckRow]:
     # the one-pass design and the chunked one in chunks of 128 tokens (interpreter: 16), so that T = 300 crosses
     # two chunk boundaries: the same checks at real sizes
     others = [
-        ("one-pass", MhcLaunch(one_pass=True)),
-        (
-            "chunked C=16" if interpreting() else "chunked C=128",
-            MhcLaunch(chunked=True, chunk_tokens=16 if interpreting() else 128),
-        ),
+        ("one-pass", OnePassLaunch()),
+        ("chunked C=16" if interpreting() else "chunked C=128", ChunkedLaunch(tokens=16 if interpreting() else 128)),
     ]
     for (T, Hd), (label, one) in [
         (th, d) for d in others for th in ([(5, 256)] if interpreting() else [(33, 4096), (300, 4096), (17, 7168)])
@@ -139,7 +130,7 @@ def _bench() -> list[BenchCase]:
     hfn, hscale, hbase = example_params(Hd, head=True)
     hfs = split_fn(hfn, M, head=True)
 
-    def run_pre(i, launch, src=None):  # launch: MhcLaunch.op_args()
+    def run_pre(i, launch, src=None):  # launch: a launch's op_args()
         res, x, p, c, (new, p2, c2, out) = sets[i]
         torch.ops.dsv4ref.mhc_pre(
             res if src is None else src, fs, scale, base, p2, c2, out, RMS_EPS, HC_EPS, POST_MULT, SINKHORN_ITERS, *launch
@@ -159,12 +150,11 @@ def _bench() -> list[BenchCase]:
         res, x, p, c, (new, p2, c2, out) = sets[i]
         torch.ops.dsv4ref.mhc_head(res, hfs, hscale, hbase, out, RMS_EPS, HC_EPS, *launch)
 
-    default = default_launch().op_args()
-    base_post = default
+    base_post = default_launch("post").op_args()
 
     def run_separate(i):
         run_post(i)
-        run_pre(i, default, src=sets[i][4][0])
+        run_pre(i, default_launch("pre").op_args(), src=sets[i][4][0])
 
     shape = f"T={T} Hd={Hd}"
     cases = [
@@ -193,24 +183,27 @@ def _bench() -> list[BenchCase]:
         ),
         "head": (lambda r: mhc_reference.head(r, hfn, hscale, hbase), lambda i: (sets[i][0],)),
     }
-    # one row per (op, design): the op name carries the design ("(default)" marks MhcLaunch()'s), the shape its
-    # plan; every row has the op's compulsory bytes, so the rows of one op compare directly
-    for design, L in designs():
+    # one row per (op, design): the op name carries the design ("(default)" marks default_launch(op)'s), the
+    # shape its plan; every row has the op's compulsory bytes, so the rows of one op compare directly
+    op_names = {"pre": "pre", "fused": "fused_post_pre", "head": "head"}
+    per_op = {op: dict(designs(op_names[op])) for op in runners}  # in the interpreter, pre's default is not fused's
+    for design in dict.fromkeys(n for d in per_op.values() for n in d):
         for op, (name, runner, b, f, note) in runners.items():
             fused = op == "fused"
-            kind = L.design(fused)
-            if kind == "chunked":
-                c, n_chunks, slices, cps, bk = L.chunk_plan(T, Hd)
+            if (L := per_op[op].get(design)) is None:  # this rung is the op's default: its "default" row
+                continue
+            kind = L.design
+            if isinstance(L, ChunkedLaunch):
+                c, n_chunks, slices, cps, bk = L.plan(T, Hd)
                 plan = (
-                    f"C={c} ({(3 if fused else 2) * n_chunks} launches) BLOCK_T={L.chunk_tile(T)[0]} BLOCK_K={bk} "
-                    f"slice={cps * bk} stream_k={int(L.chunk_stream_k)} fn_layout={L.chunk_fn_layout} "
-                    f"zigzag={int(L.chunk_zigzag)}"
+                    f"C={c} ({(3 if fused else 2) * n_chunks} launches) BLOCK_T={L.tile(T)[0]} BLOCK_K={bk} "
+                    f"slice={cps * bk} stream_k={int(L.stream_k)} fn_layout={L.fn_layout} zigzag={int(L.zigzag)}"
                 )
-            elif kind == "one_pass":
-                tiles, slices, cps, bk = L.one_pass_plan(T, Hd)
-                plan = f"BLOCK_T={L.one_pass_block_t} BLOCK_K={bk} slice={cps * bk} ({(tiles + ONE_PASS_LAG) * slices} programs)"
-            elif kind == "split_k":
-                plan = f"BLOCK_T={L.split_block_t} splits={L.split_plan(T, Hd)[0]}"
+            elif isinstance(L, OnePassLaunch):
+                tiles, slices, cps, bk = L.plan(T, Hd)
+                plan = f"BLOCK_T={L.block_t} BLOCK_K={bk} slice={cps * bk} ({(tiles + ONE_PASS_LAG) * slices} programs)"
+            elif isinstance(L, SplitKLaunch):
+                plan = f"BLOCK_T={L.block_t} splits={L.plan(T, Hd)[0]}"
             else:
                 plan = f"BLOCK_T={L.block_t}"
             label = f"{kind.replace('_', '-')} (default)" if design == "default" else design
@@ -221,7 +214,7 @@ def _bench() -> list[BenchCase]:
                 print(f"{name} {label}: skipped ({type(e).__name__}: {str(e)[:120]})")
                 continue
             case = BenchCase(f"{name} {label}", f"{shape} {plan}", lambda i, r=runner, e=enc: r(i, e), n_sets, b, f, note)
-            if L == default_launch():  # the torch reference under torch.compile, beside the default
+            if L == default_launch(op_names[op]):  # the torch reference under torch.compile, beside the default
                 case.reference = refs[op]
             cases.append(case)
     return cases
