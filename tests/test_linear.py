@@ -265,6 +265,7 @@ def test_errors_name_the_argument():
         (TypeError, "^launch:", lambda: linear.act_quant(x, launch=(16, 64))),
         (ValueError, "^backend:", lambda: linear.act_quant(x, backend="cuda")),
         (ValueError, "^block_m:", lambda: linear.LinearLaunch(block_m=8)),
+        (ValueError, "^split_k:", lambda: linear.LinearLaunch(split_k=0)),
     ]
     for err, msg, call in cases:
         with pytest.raises(err, match=msg):
@@ -285,3 +286,75 @@ def test_grid_values_are_the_e4m3_codes():
     """E2M1 -> e4m3 is exact: every E2M1 magnitude is on the e4m3 grid (the fp4 kernel's conversion)."""
     assert all(v in GRID.tolist() for v in (0, 0.5, 1, 1.5, 2, 3, 4, 6))
     assert_close(linear.e2m1_decode(torch.arange(8)), torch.tensor([0, 0.5, 1, 1.5, 2, 3, 4, 6]), "exact")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_fp4_experts_one_weight_per_row(backend):
+    """expert_ids: row m uses expert ids[m]'s weight, exactly as fp4_linear on that weight alone; −1 rows are +0."""
+    e_count, m, n, k = 4, 21, 40, 300
+    x = randn((m, k), seed=7, block=128)
+    ws = [linear.quantize_fp4_weight(weight(n, k, seed=10 + e)) for e in range(e_count)]
+    w = torch.stack([p for p, _ in ws])
+    s = torch.stack([q for _, q in ws])
+    ids = torch.tensor([3, 0, -1, 3, 1, 1, 0, 3, 2] * 2 + [2, -1, 0], device=DEVICE, dtype=torch.int32)
+    y = linear.fp4_linear(x, w, s, expert_ids=ids, backend=backend)
+    for e in range(e_count):
+        rows = ids == e
+        want = linear.fp4_linear(x[rows], w[e], s[e], backend=backend)
+        assert torch.equal(bits(y[rows]), bits(want)), e
+    assert bool((bits(y[ids == -1]) == 0).all())
+    q, sq = reference.act_quant(x)
+    y_ref = reference.fp4_grouped_gemm(q, sq, ids, w, s, dtype=torch.float64)
+    mass = torch.stack(
+        [
+            reference.gemm_mass(q[i : i + 1], sq[i : i + 1], w[max(int(ids[i]), 0)], s[max(int(ids[i]), 0)], fp4=True)[0]
+            for i in range(m)
+        ]
+    )
+    assert compare(y, y_ref, "linear_out", mass=mass).passed
+    with pytest.raises(ValueError, match="^expert_ids: entry"):
+        linear.fp4_linear(x, w, s, expert_ids=ids + 2, backend=backend)
+    with pytest.raises(ValueError, match="^w_packed:"):
+        linear.fp4_linear(x, w[0], s[0], expert_ids=ids, backend=backend)
+
+
+@pytest.mark.parametrize("fp4", [False, True], ids=["fp8", "fp4"])
+def test_every_scale_dtype_gives_the_same_bits(fp4):
+    """Weight scales as float8_e8m0fnu, as their uint8 bytes (both decoded in the kernel) or as fp32 values;
+    activation scales as fp32 or UE8M0 bytes: one answer."""
+    x, w, ws = operands(9, 48, 256, fp4)
+    q, s = linear.act_quant(x)
+    gemm = linear.fp4_gemm if fp4 else linear.fp8_gemm
+    for b in BACKENDS:
+        want = gemm(q, s, w, ws, backend=b)
+        s8 = (s.view(torch.int32) >> 23).to(torch.uint8).view(torch.float8_e8m0fnu)
+        for sw in (ws.view(torch.uint8), reference.scale_values(ws)):
+            assert torch.equal(bits(gemm(q, s, w, sw, backend=b)), bits(want))
+        assert torch.equal(bits(gemm(q, s8, w, ws, backend=b)), bits(want))
+
+
+def test_bench_shapes_are_v4_flash_projections():
+    from dsv4ref.tools.cases import linear as cases
+
+    s = cases.flash_shapes()
+    assert s["wq_a"] == (1024, 4096) and s["wq_b"] == (64 * 512, 1024) and s["wkv"] == (512, 4096)
+    assert s["wo_b"] == (4096, 8 * 1024) and s["shared_w1"] == (2048, 4096) and s["shared_w2"] == (4096, 2048)
+    assert cases.flash_expert_shapes() == {"expert_w1": (2048, 4096), "expert_w2": (4096, 2048)}
+
+
+@pytest.mark.parametrize("fp4", [False, True], ids=["fp8", "fp4"])
+@pytest.mark.parametrize("split_k", [2, 3, 64])
+def test_split_k_within_the_tolerance(fp4, split_k, monkeypatch):
+    """K split over programs: fp32 partials summed after the kernel; every output written (poisoned buffers),
+    the answer within linear_out; more splits than K blocks is one split per block."""
+    real = torch.empty
+
+    def poisoned(*a, **kw):
+        t = real(*a, **kw)
+        return t.fill_(float("nan")) if t.dtype.is_floating_point else t.fill_(0x7F)
+
+    x, w, ws = operands(19, 70, 700, fp4)
+    monkeypatch.setattr(launch_mod.torch, "empty", poisoned)
+    y = (linear.fp4_linear if fp4 else linear.fp8_linear)(x, w, ws, backend="triton", launch=linear.LinearLaunch(split_k=split_k))
+    monkeypatch.undo()
+    assert check_gemm(y, x, w, ws, fp4).passed

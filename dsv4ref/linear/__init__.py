@@ -24,7 +24,7 @@ from ..fp4 import e2m1_decode, e2m1_encode
 from ..fp4 import pack_nibbles as pack_e2m1
 from ..fp4 import unpack_nibbles as unpack_e2m1
 from . import kernels, reference  # noqa: F401  (dsv4ref.linear.kernels / .reference, for readers)
-from .launch import LinearLaunch, default_launch, run_act_quant, run_fp4_gemm, run_fp8_gemm
+from .launch import LinearLaunch, default_launch, run_act_quant, run_fp4_gemm, run_fp4_grouped_gemm, run_fp8_gemm
 
 __all__ = [
     "SUPPORTED_BACKENDS",
@@ -101,12 +101,23 @@ def _check_fp8_weight(w: torch.Tensor, w_scale: torch.Tensor) -> tuple[int, int]
     return n, k
 
 
-def _check_fp4_weight(w_packed: torch.Tensor, w_scale: torch.Tensor) -> tuple[int, int]:
-    validate.tensor(w_packed, "w_packed", dtype=FP4_PACKED, ndim=2)
-    n, k = w_packed.shape[0], 2 * w_packed.shape[1]
+def _check_fp4_weight(w_packed: torch.Tensor, w_scale: torch.Tensor, grouped: bool = False) -> tuple[int, int]:
+    """``[N, K/2]`` and ``[N, ceil(K/32)]``; ``grouped``: ``[E, N, K/2]`` and ``[E, N, ceil(K/32)]``."""
+    validate.tensor(w_packed, "w_packed", dtype=FP4_PACKED, ndim=3 if grouped else 2)
+    n, k = w_packed.shape[-2], 2 * w_packed.shape[-1]
     validate.tensor(w_scale, "w_scale", dtype=(*UE8M0, torch.float32))
-    validate.tensor(w_scale, "w_scale", shape=(n, _cdiv(k, FP4_BLOCK)))
+    validate.tensor(w_scale, "w_scale", shape=(*w_packed.shape[:-2], n, _cdiv(k, FP4_BLOCK)))
     return n, k
+
+
+def _check_expert_ids(expert_ids, w_packed: torch.Tensor, m: int) -> bool:
+    """None (one weight), or int32 / int64 ``[M]`` with entries in [0, E) or −1 (checks on)."""
+    if expert_ids is None:
+        return False
+    validate.tensor(expert_ids, "expert_ids", dtype=(torch.int32, torch.int64), shape=(m,))
+    validate.not_meta(expert_ids, "expert_ids")
+    validate.index_range(expert_ids, "expert_ids", w_packed.shape[0])
+    return True
 
 
 def act_quant(
@@ -171,23 +182,35 @@ def fp4_gemm(
     w_packed: torch.Tensor,
     w_scale: torch.Tensor,
     *,
+    expert_ids: torch.Tensor | None = None,
     backend: str = "auto",
     launch: LinearLaunch | None = None,
 ) -> torch.Tensor:
     """``y = q · wᵀ`` for an FP4 weight: per 32-wide K block, the block's product in fp32 from zero, times
-    ``s[m, k // 4] · w_scale[n, k]``, added to the fp32 accumulator in K order; bf16 out.
+    ``s[m, k // 4] · w_scale[n, k]``, added to the fp32 accumulator in K order; bf16 out. With
+    ``expert_ids``, one expert's weight per row (routed experts).
 
     Args:
         q, s: as :func:`fp8_gemm` (K = 2 · w_packed's columns).
         w_packed: ``[N, K/2]`` float4_e2m1fn_x2 (DeepSeek's checkpoint dtype) or its bytes as uint8; element 2j
             of a row in the LOW nibble of byte j.
         w_scale: ``[N, ceil(K/32)]`` float8_e8m0fnu (or uint8 bytes, or float32 values). Not value-checked.
+        expert_ids: None, or int32 / int64 ``[M]``: row m is multiplied by ``w_packed[expert_ids[m]]``, with
+            ``w_packed [E, N, K/2]`` and ``w_scale [E, N, ceil(K/32)]``; −1 gives a zero row. Checks on: entries
+            in [0, E) or −1; off: an id outside [0, E) counts as −1 on every backend.
     Returns:
         bf16 ``[M, N]``, contiguous.
     """
-    n, k = _check_fp4_weight(w_packed, w_scale)
+    validate.tensor(w_packed, "w_packed", dtype=FP4_PACKED)
+    grouped = expert_ids is not None
+    n, k = _check_fp4_weight(w_packed, w_scale, grouped)
     m, _ = _check_activations(q, s, k)
-    backend = _common(backend, launch, q=q, s=s, w_packed=w_packed, w_scale=w_scale)
+    _check_expert_ids(expert_ids, w_packed, m)
+    backend = _common(backend, launch, q=q, s=s, w_packed=w_packed, w_scale=w_scale, expert_ids=expert_ids)
+    if grouped and backend == "reference":
+        return reference.fp4_grouped_gemm(q, s, expert_ids, w_packed, w_scale)
+    if grouped:
+        return run_fp4_grouped_gemm(q, s, expert_ids, w_packed, w_scale, launch or default_launch(m))
     if backend == "reference":
         return reference.fp4_gemm(q, s, w_packed, w_scale)
     return run_fp4_gemm(q, s, w_packed, w_scale, launch or default_launch(m))
@@ -213,19 +236,23 @@ def fp4_linear(
     w_packed: torch.Tensor,
     w_scale: torch.Tensor,
     *,
+    expert_ids: torch.Tensor | None = None,
     backend: str = "auto",
     launch: LinearLaunch | None = None,
 ) -> torch.Tensor:
     """:func:`act_quant` then :func:`fp4_gemm`: DeepSeek's ``linear(x, weight)`` for an FP4 (routed expert)
-    weight. x ``[M, K]`` bf16 / fp32; w_packed / w_scale as :func:`fp4_gemm`. Returns bf16 ``[M, N]``."""
+    weight. x ``[M, K]`` bf16 / fp32; w_packed / w_scale / expert_ids as :func:`fp4_gemm`. Returns bf16
+    ``[M, N]``."""
     _check_x(x)
-    _, k = _check_fp4_weight(w_packed, w_scale)
+    validate.tensor(w_packed, "w_packed", dtype=FP4_PACKED)
+    _, k = _check_fp4_weight(w_packed, w_scale, expert_ids is not None)
     if x.shape[1] != k:
         raise ValueError(f"x: expected K = {k} columns (the weight's), got shape {tuple(x.shape)}")
-    _common(backend, launch, x=x, w_packed=w_packed, w_scale=w_scale)
+    _check_expert_ids(expert_ids, w_packed, x.shape[0])
+    _common(backend, launch, x=x, w_packed=w_packed, w_scale=w_scale, expert_ids=expert_ids)
     with validate.checking_values(False):
         q, s = act_quant(x, backend=backend, launch=launch)
-        return fp4_gemm(q, s, w_packed, w_scale, backend=backend, launch=launch)
+        return fp4_gemm(q, s, w_packed, w_scale, expert_ids=expert_ids, backend=backend, launch=launch)
 
 
 def _check_weight(w: torch.Tensor, name: str = "w") -> None:

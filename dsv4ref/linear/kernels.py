@@ -60,6 +60,15 @@ def _tile(pid_m, pid_n, M, N, BM: tl.constexpr, BN: tl.constexpr):
 
 
 @triton.jit
+def _weight_scale(ptr, mask, BYTES: tl.constexpr):
+    """A weight scale: its UE8M0 byte decoded here (``BYTES``: 1/4 of the fp32 traffic), or an fp32 value."""
+    if BYTES:
+        return ue8m0_value(tl.load(ptr, mask=mask, other=127))
+    else:
+        return tl.load(ptr, mask=mask, other=1.0)
+
+
+@triton.jit
 def _store_bf16(c_ptr, acc, rm, rn, m_ok, n_ok, N):
     tl.store(
         c_ptr + rm[:, None] * N + rn[None, :],
@@ -69,59 +78,78 @@ def _store_bf16(c_ptr, acc, rm, rn, m_ok, n_ok, N):
 
 
 @triton.jit
+def _store_out(c_ptr, acc, rm, rn, m_ok, n_ok, M, N, SPLIT: tl.constexpr):
+    """y's tile as bf16 bits, or with ``SPLIT`` this K split's fp32 partial sum at ``c_ptr[split, m, n]``."""
+    if SPLIT:
+        off = tl.program_id(2).to(tl.int64) * M * N + rm[:, None] * N + rn[None, :]
+        tl.store(c_ptr + off, acc, mask=m_ok[:, None] & n_ok[None, :])
+    else:
+        _store_bf16(c_ptr, acc, rm, rn, m_ok, n_ok, N)
+
+
+@triton.jit
 def fp8_gemm_kernel(
     a_ptr,  # uint8 [M, K]: e4m3 activations, row stride lda, unit column stride
     sa_ptr,  # fp32 [M, NBK]: activation scales, contiguous
     b_ptr,  # uint8 [N, K]: e4m3 weight, row stride ldb, unit column stride
-    sb_ptr,  # fp32 [ceil(N/128), NBK]: weight scales, contiguous
-    c_ptr,  # int16 [M, N]: the bits of bf16 y (out), contiguous
+    sb_ptr,  # [ceil(N/128), NBK]: weight scales (fp32, or UE8M0 bytes with SB_BYTES), contiguous
+    c_ptr,  # int16 [M, N]: the bits of bf16 y; with SPLIT fp32 [splits, M, N] partial sums (out), contiguous
     M,
     N,
     K,
     lda,
     ldb,
     NBK,  # ceil(K / 128)
+    KB_SPLIT,  # K blocks per split: program_id(2) takes blocks [pid·KB_SPLIT, (pid + 1)·KB_SPLIT)
     BM: tl.constexpr,  # rows of y per program (>= 16: tl.dot's minimum)
     BN: tl.constexpr,  # columns of y per program
     DOT_FP32: tl.constexpr,  # = interpreting()
+    SB_BYTES: tl.constexpr,  # sb_ptr holds UE8M0 bytes (uint8), not fp32 values
+    SPLIT: tl.constexpr,  # more than one K split: write fp32 partials, summed by the launcher
 ):
     rm, rn, m_ok, n_ok = _tile(tl.program_id(1), tl.program_id(0), M, N, BM, BN)
     rk = tl.arange(0, _KB8)
     acc = tl.zeros((BM, BN), tl.float32)
-    for kb in range(NBK):
+    kb0 = tl.program_id(2) * KB_SPLIT
+    for kb in range(kb0, tl.minimum(kb0 + KB_SPLIT, NBK)):
         k = kb * _KB8 + rk
         k_ok = k < K
         a = tl.load(a_ptr + rm[:, None] * lda + k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0)
         b = tl.load(b_ptr + rn[:, None] * ldb + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0)
         part = dot_e4m3(a, tl.trans(b), DOT_FP32)  # this K block alone, from zero
         sa = tl.load(sa_ptr + rm * NBK + kb, mask=m_ok, other=1.0)
-        sb = tl.load(sb_ptr + (rn // _WB) * NBK + kb, mask=n_ok, other=1.0)
+        sb = _weight_scale(sb_ptr + (rn // _WB) * NBK + kb, n_ok, SB_BYTES)
         acc += part * (sa[:, None] * sb[None, :])  # the product of two powers of two: exact
-    _store_bf16(c_ptr, acc, rm, rn, m_ok, n_ok, N)
+    _store_out(c_ptr, acc, rm, rn, m_ok, n_ok, M, N, SPLIT)
 
 
 @triton.jit
-def fp4_gemm_kernel(
-    a_ptr,  # uint8 [M, K]: e4m3 activations, row stride lda, unit column stride
-    sa_ptr,  # fp32 [M, NBK]: activation scales (one per 128 of K), contiguous
-    b_ptr,  # uint8 [N, K / 2]: packed E2M1, element 2j in the low nibble of byte j; row stride ldb
-    sb_ptr,  # fp32 [N, NB4]: weight scales (one per 32 of K), contiguous
-    c_ptr,  # int16 [M, N]: the bits of bf16 y (out), contiguous
-    M,
-    N,
+def _fp4_tile(
+    a_ptr,
+    sa_ptr,
+    b_ptr,
+    sb_ptr,
+    rm,
+    m_ok,
+    rn,
+    n_ok,
     K,
     lda,
     ldb,
-    NBK,  # ceil(K / 128)
-    NB4,  # ceil(K / 32)
+    NBK,
+    NB4,
+    kb0,
+    kb1,
     BM: tl.constexpr,
     BN: tl.constexpr,
     DOT_FP32: tl.constexpr,
+    SB_BYTES: tl.constexpr,  # sb_ptr holds UE8M0 bytes (uint8), not fp32 values
 ):
-    rm, rn, m_ok, n_ok = _tile(tl.program_id(1), tl.program_id(0), M, N, BM, BN)
+    """The fp32 ``[BM, BN]`` accumulator of y's tile over the 32-wide K blocks [kb0, kb1), for the rows ``m_ok``
+    (the others read zero codes)."""
     rk = tl.arange(0, _KB4)
     acc = tl.zeros((BM, BN), tl.float32)
-    for kb in range(NB4):
+    for kb in range(kb0, kb1):
         k = kb * _KB4 + rk
         k_ok = k < K
         a = tl.load(a_ptr + rm[:, None] * lda + k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0)
@@ -130,6 +158,75 @@ def fp4_gemm_kernel(
         code = (packed.to(tl.int32) >> ((k & 1) * 4)[None, :]) & 15
         part = dot_e4m3(a, tl.trans(e2m1_e4m3(code)), DOT_FP32)  # E2M1 -> e4m3 is exact
         sa = tl.load(sa_ptr + rm * NBK + kb // _A_PER_4, mask=m_ok, other=1.0)
-        sb = tl.load(sb_ptr + rn * NB4 + kb, mask=n_ok, other=1.0)
+        sb = _weight_scale(sb_ptr + rn * NB4 + kb, n_ok, SB_BYTES)
         acc += part * (sa[:, None] * sb[None, :])
-    _store_bf16(c_ptr, acc, rm, rn, m_ok, n_ok, N)
+    return acc
+
+
+@triton.jit
+def fp4_gemm_kernel(
+    a_ptr,  # uint8 [M, K]: e4m3 activations, row stride lda, unit column stride
+    sa_ptr,  # fp32 [M, NBK]: activation scales (one per 128 of K), contiguous
+    b_ptr,  # uint8 [N, K / 2]: packed E2M1, element 2j in the low nibble of byte j; row stride ldb
+    sb_ptr,  # [N, NB4]: weight scales (one per 32 of K; fp32 or UE8M0 bytes), contiguous
+    c_ptr,  # int16 [M, N]: the bits of bf16 y; with SPLIT fp32 [splits, M, N] partial sums (out), contiguous
+    M,
+    N,
+    K,
+    lda,
+    ldb,
+    NBK,  # ceil(K / 128)
+    NB4,  # ceil(K / 32)
+    KB_SPLIT,  # 32-wide K blocks per split (program_id(2))
+    BM: tl.constexpr,
+    BN: tl.constexpr,
+    DOT_FP32: tl.constexpr,
+    SB_BYTES: tl.constexpr,  # sb_ptr holds UE8M0 bytes (uint8), not fp32 values
+    SPLIT: tl.constexpr,  # more than one K split: write fp32 partials, summed by the launcher
+):
+    rm, rn, m_ok, n_ok = _tile(tl.program_id(1), tl.program_id(0), M, N, BM, BN)
+    kb0 = tl.program_id(2) * KB_SPLIT
+    kb1 = tl.minimum(kb0 + KB_SPLIT, NB4)
+    acc = _fp4_tile(a_ptr, sa_ptr, b_ptr, sb_ptr, rm, m_ok, rn, n_ok, K, lda, ldb, NBK, NB4, kb0, kb1, BM, BN, DOT_FP32, SB_BYTES)
+    _store_out(c_ptr, acc, rm, rn, m_ok, n_ok, M, N, SPLIT)
+
+
+@triton.jit
+def fp4_grouped_gemm_kernel(
+    a_ptr,  # uint8 [M, K]: e4m3 activations, row stride lda, unit column stride
+    sa_ptr,  # fp32 [M, NBK]: activation scales, contiguous
+    ids_ptr,  # int32 [M]: each row's expert; a row whose id is outside [0, E) gets y = 0
+    b_ptr,  # uint8 [E, N, K / 2]: packed E2M1 of every expert; row stride ldb, expert stride b_estride
+    sb_ptr,  # [E, N, NB4]: weight scales (fp32 or UE8M0 bytes), contiguous
+    c_ptr,  # int16 [M, N]: the bits of bf16 y (out), contiguous
+    M,
+    N,
+    K,
+    E,
+    lda,
+    ldb,
+    b_estride,
+    NBK,
+    NB4,
+    BM: tl.constexpr,
+    BN: tl.constexpr,
+    DOT_FP32: tl.constexpr,
+    SB_BYTES: tl.constexpr,  # sb_ptr holds UE8M0 bytes (uint8), not fp32 values
+):
+    """fp4_gemm with one expert's weight per row: the tile's rows are taken expert by expert (the smallest id
+    left first), each expert's weight read once per tile."""
+    rm, rn, m_ok, n_ok = _tile(tl.program_id(1), tl.program_id(0), M, N, BM, BN)
+    ids = tl.load(ids_ptr + rm, mask=m_ok, other=-1)
+    left = m_ok & (ids >= 0) & (ids < E)
+    out = tl.zeros((BM, BN), tl.float32)
+    n_left = tl.sum(left.to(tl.int32))
+    while n_left > 0:
+        e = tl.min(tl.where(left, ids, E))
+        rows = left & (ids == e)
+        be = b_ptr + e.to(tl.int64) * b_estride
+        se = sb_ptr + e.to(tl.int64) * N * NB4
+        acc = _fp4_tile(a_ptr, sa_ptr, be, se, rm, rows, rn, n_ok, K, lda, ldb, NBK, NB4, 0, NB4, BM, BN, DOT_FP32, SB_BYTES)
+        out = tl.where(rows[:, None], acc, out)
+        left = left & (ids != e)
+        n_left = tl.sum(left.to(tl.int32))
+    _store_bf16(c_ptr, out, rm, rn, m_ok, n_ok, N)

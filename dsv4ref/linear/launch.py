@@ -3,8 +3,8 @@
 ``dsv4ref::linear_fp4_gemm``) with their fake implementations.
 
 Every launch choice is an argument of the custom op's schema (``*launch.op_args()``), so a traced or compiled
-graph records the shape it ran with. The custom ops take plain dtypes: e4m3 / E2M1 data as uint8 bytes and
-every scale as fp32 values (UE8M0 bytes are converted by :func:`dsv4ref.linear.reference.scale_values`).
+graph records the shape it ran with. The custom ops take plain dtypes: e4m3 / E2M1 data as uint8 bytes, the
+activation scales as fp32 values, the weight scales as UE8M0 bytes (uint8, decoded in the kernel) or fp32.
 """
 
 from __future__ import annotations
@@ -17,10 +17,11 @@ import triton
 from .. import validate
 from ..device import interpreting
 from ..formats import ACT_BLOCK, FP4_BLOCK
-from .kernels import act_quant_kernel, fp4_gemm_kernel, fp8_gemm_kernel
+from .kernels import act_quant_kernel, fp4_gemm_kernel, fp4_grouped_gemm_kernel, fp8_gemm_kernel
+from ..fp8.reference import canonical_nan
 from .reference import scale_values
 
-__all__ = ["LinearLaunch", "default_launch", "run_act_quant", "run_fp8_gemm", "run_fp4_gemm"]
+__all__ = ["LinearLaunch", "default_launch", "run_act_quant", "run_fp8_gemm", "run_fp4_gemm", "run_fp4_grouped_gemm"]
 
 MAX_TILE = 1 << 20  # Triton's largest tensor
 
@@ -34,11 +35,16 @@ class LinearLaunch:
             smallest M; decode batches of 1..16 rows fill one tile).
         block_n: columns of y per GEMM program (a power of two >= 16).
         num_warps: Triton warps per program (a power of two).
+        split_k: K splits of the GEMMs (an int >= 1; the grouped FP4 experts take 1): each split sums its K
+            blocks into an fp32 partial ``[M, N]``, and the partials are added (then rounded to bf16) after the
+            kernel. More programs for a decode GEMM with few tiles of y; the order of the fp32 sums changes,
+            within ``linear_out``.
     """
 
     block_m: int = 16
     block_n: int = 64
     num_warps: int = 4
+    split_k: int = 1
 
     def __post_init__(self):
         for name in ("block_m", "block_n"):
@@ -46,15 +52,17 @@ class LinearLaunch:
             if v < 16 or v > 256:
                 raise ValueError(f"{name}: expected a power of two in [16, 256], got {v}")
         validate.power_of_two(self.num_warps, "num_warps")
+        validate.integer(self.split_k, "split_k", lo=1)
 
     def op_args(self) -> tuple:
         """The launch as the trailing arguments of the ``dsv4ref::linear_*`` custom ops."""
-        return (self.block_m, self.block_n, self.num_warps)
+        return (self.block_m, self.block_n, self.num_warps, self.split_k)
 
 
 def default_launch(m: int) -> LinearLaunch:
     """The default for M rows of activations: the smallest block_m of 16, 32, 64 that holds them (decode M is
-    1..256), 64 columns per program, 4 warps. Not yet tuned on a GPU."""
+    1..256), 64 columns per program, 4 warps, no split of K. Not yet tuned on a GPU (``bench linear`` times a
+    split-K launch beside it)."""
     return LinearLaunch(block_m=16 if m <= 16 else 32 if m <= 32 else 64)
 
 
@@ -64,7 +72,9 @@ def _unit_columns(t: torch.Tensor) -> torch.Tensor:
 
 
 @torch.library.custom_op("dsv4ref::linear_act_quant", mutates_args=())
-def act_quant_op(x: torch.Tensor, block: int, block_m: int, block_n: int, num_warps: int) -> tuple[torch.Tensor, torch.Tensor]:
+def act_quant_op(
+    x: torch.Tensor, block: int, block_m: int, block_n: int, num_warps: int, split_k: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``torch.ops.dsv4ref.linear_act_quant``: x ``[M, K]`` (any float view) -> (uint8 e4m3 bytes, fp32 scales)."""
     m, k = x.shape
     nb = triton.cdiv(k, block)
@@ -79,66 +89,147 @@ def act_quant_op(x: torch.Tensor, block: int, block_m: int, block_n: int, num_wa
 
 
 @act_quant_op.register_fake
-def _(x, block, block_m, block_n, num_warps):
+def _(x, block, block_m, block_n, num_warps, split_k):
     m, k = x.shape
     return x.new_empty((m, k), dtype=torch.uint8), x.new_empty((m, -(-k // block)), dtype=torch.float32)
 
 
-def _gemm(kernel, q, s, w, w_scale, n, extra, block_m, block_n, num_warps):
+def _gemm(kernel, q, s, w, w_scale, n, nb, extra, block_m, block_n, num_warps, split_k):
+    """Launch a GEMM kernel over ``nb`` K blocks in ``split_k`` splits (at most one per block)."""
     m, k = q.shape
+    per = triton.cdiv(nb, min(split_k, max(nb, 1)))  # K blocks per split
+    splits = triton.cdiv(nb, per) if nb else 1
     out = torch.empty((m, n), dtype=torch.bfloat16, device=q.device)
     if m and n:
         a, b = _unit_columns(q), _unit_columns(w)
-        grid = (triton.cdiv(n, block_n), triton.cdiv(m, block_m))
+        part = torch.empty((splits, m, n), dtype=torch.float32, device=q.device) if splits > 1 else None
+        grid = (triton.cdiv(n, block_n), triton.cdiv(m, block_m), splits)
         kernel[grid](
             a,
             s.contiguous(),
             b,
             w_scale.contiguous(),
-            out.view(torch.int16),
+            out.view(torch.int16) if part is None else part,
             m,
             n,
             k,
             a.stride(0),
             b.stride(0),
             *extra,
+            per,
             BM=block_m,
             BN=block_n,
             DOT_FP32=interpreting(),
+            SB_BYTES=w_scale.dtype == torch.uint8,
+            SPLIT=part is not None,
             num_warps=num_warps,
         )
+        if part is not None:
+            out = canonical_nan(part.sum(0).to(torch.bfloat16))  # torch's fp32 -> bf16 rounds to nearest even
     return out
 
 
 @torch.library.custom_op("dsv4ref::linear_fp8_gemm", mutates_args=())
 def fp8_gemm_op(
-    q: torch.Tensor, s: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, block_m: int, block_n: int, num_warps: int
+    q: torch.Tensor,
+    s: torch.Tensor,
+    w: torch.Tensor,
+    w_scale: torch.Tensor,
+    block_m: int,
+    block_n: int,
+    num_warps: int,
+    split_k: int,
 ) -> torch.Tensor:
-    """``torch.ops.dsv4ref.linear_fp8_gemm``: uint8 e4m3 q ``[M, K]``, fp32 s, uint8 e4m3 w ``[N, K]``, fp32
-    w_scale ``[ceil(N/128), ceil(K/128)]`` -> bf16 ``[M, N]``."""
+    """``torch.ops.dsv4ref.linear_fp8_gemm``: uint8 e4m3 q ``[M, K]``, fp32 s, uint8 e4m3 w ``[N, K]``, w_scale
+    ``[ceil(N/128), ceil(K/128)]`` (UE8M0 bytes or fp32) -> bf16 ``[M, N]``."""
     nbk = triton.cdiv(q.shape[1], ACT_BLOCK)
-    return _gemm(fp8_gemm_kernel, q, s, w, w_scale, w.shape[0], (nbk,), block_m, block_n, num_warps)
+    return _gemm(fp8_gemm_kernel, q, s, w, w_scale, w.shape[0], nbk, (nbk,), block_m, block_n, num_warps, split_k)
 
 
 @fp8_gemm_op.register_fake
-def _(q, s, w, w_scale, block_m, block_n, num_warps):
+def _(q, s, w, w_scale, block_m, block_n, num_warps, split_k):
     return q.new_empty((q.shape[0], w.shape[0]), dtype=torch.bfloat16)
 
 
 @torch.library.custom_op("dsv4ref::linear_fp4_gemm", mutates_args=())
 def fp4_gemm_op(
-    q: torch.Tensor, s: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, block_m: int, block_n: int, num_warps: int
+    q: torch.Tensor,
+    s: torch.Tensor,
+    w: torch.Tensor,
+    w_scale: torch.Tensor,
+    block_m: int,
+    block_n: int,
+    num_warps: int,
+    split_k: int,
 ) -> torch.Tensor:
     """``torch.ops.dsv4ref.linear_fp4_gemm``: uint8 e4m3 q ``[M, K]``, fp32 s, uint8 packed E2M1 w ``[N, K/2]``,
-    fp32 w_scale ``[N, ceil(K/32)]`` -> bf16 ``[M, N]``."""
+    w_scale ``[N, ceil(K/32)]`` (UE8M0 bytes or fp32) -> bf16 ``[M, N]``."""
     k = q.shape[1]
-    extra = (triton.cdiv(k, ACT_BLOCK), triton.cdiv(k, FP4_BLOCK))
-    return _gemm(fp4_gemm_kernel, q, s, w, w_scale, w.shape[0], extra, block_m, block_n, num_warps)
+    nb4 = triton.cdiv(k, FP4_BLOCK)
+    extra = (triton.cdiv(k, ACT_BLOCK), nb4)
+    return _gemm(fp4_gemm_kernel, q, s, w, w_scale, w.shape[0], nb4, extra, block_m, block_n, num_warps, split_k)
 
 
 @fp4_gemm_op.register_fake
-def _(q, s, w, w_scale, block_m, block_n, num_warps):
+def _(q, s, w, w_scale, block_m, block_n, num_warps, split_k):
     return q.new_empty((q.shape[0], w.shape[0]), dtype=torch.bfloat16)
+
+
+@torch.library.custom_op("dsv4ref::linear_fp4_grouped_gemm", mutates_args=())
+def fp4_grouped_gemm_op(
+    q: torch.Tensor,
+    s: torch.Tensor,
+    ids: torch.Tensor,
+    w: torch.Tensor,
+    w_scale: torch.Tensor,
+    block_m: int,
+    block_n: int,
+    num_warps: int,
+    split_k: int,
+) -> torch.Tensor:
+    """``torch.ops.dsv4ref.linear_fp4_grouped_gemm``: uint8 e4m3 q ``[M, K]``, fp32 s, int32 ids ``[M]``, uint8
+    packed E2M1 w ``[E, N, K/2]``, w_scale ``[E, N, ceil(K/32)]`` (bytes or fp32) -> bf16 ``[M, N]`` (0 where an id is
+    outside [0, E)). ``split_k`` is not used: each tile reads its experts' weights once already."""
+    m, k = q.shape
+    e, n = w.shape[0], w.shape[1]
+    out = torch.empty((m, n), dtype=torch.bfloat16, device=q.device)
+    if m and n:
+        a = _unit_columns(q)
+        b = w if w.stride(2) == 1 else w.contiguous()
+        grid = (triton.cdiv(n, block_n), triton.cdiv(m, block_m))
+        fp4_grouped_gemm_kernel[grid](
+            a,
+            s.contiguous(),
+            ids.to(torch.int32).contiguous(),
+            b,
+            w_scale.contiguous(),
+            out.view(torch.int16),
+            m,
+            n,
+            k,
+            e,
+            a.stride(0),
+            b.stride(1),
+            b.stride(0),
+            triton.cdiv(k, ACT_BLOCK),
+            triton.cdiv(k, FP4_BLOCK),
+            BM=block_m,
+            BN=block_n,
+            DOT_FP32=interpreting(),
+            SB_BYTES=w_scale.dtype == torch.uint8,
+            num_warps=num_warps,
+        )
+    return out
+
+
+@fp4_grouped_gemm_op.register_fake
+def _(q, s, ids, w, w_scale, block_m, block_n, num_warps, split_k):
+    return q.new_empty((q.shape[0], w.shape[1]), dtype=torch.bfloat16)
+
+
+def _weight_scales(w_scale: torch.Tensor) -> torch.Tensor:
+    """Weight scales as the kernels read them: UE8M0 bytes as uint8 (decoded in the kernel), fp32 as it is."""
+    return w_scale if w_scale.dtype == torch.float32 else w_scale.view(torch.uint8)
 
 
 def run_act_quant(x: torch.Tensor, block: int, launch: LinearLaunch) -> tuple[torch.Tensor, torch.Tensor]:
@@ -149,9 +240,17 @@ def run_act_quant(x: torch.Tensor, block: int, launch: LinearLaunch) -> tuple[to
 
 def run_fp8_gemm(q, s, w, w_scale, launch: LinearLaunch) -> torch.Tensor:
     """fp8_gemm on checked arguments (any of the accepted dtypes, converted here)."""
-    return fp8_gemm_op(q.view(torch.uint8), scale_values(s), w.view(torch.uint8), scale_values(w_scale), *launch.op_args())
+    return fp8_gemm_op(q.view(torch.uint8), scale_values(s), w.view(torch.uint8), _weight_scales(w_scale), *launch.op_args())
 
 
 def run_fp4_gemm(q, s, w_packed, w_scale, launch: LinearLaunch) -> torch.Tensor:
     """fp4_gemm on checked arguments (``w_packed`` float4_e2m1fn_x2 or uint8)."""
-    return fp4_gemm_op(q.view(torch.uint8), scale_values(s), w_packed.view(torch.uint8), scale_values(w_scale), *launch.op_args())
+    return fp4_gemm_op(
+        q.view(torch.uint8), scale_values(s), w_packed.view(torch.uint8), _weight_scales(w_scale), *launch.op_args()
+    )
+
+
+def run_fp4_grouped_gemm(q, s, ids, w_packed, w_scale, launch: LinearLaunch) -> torch.Tensor:
+    """fp4_gemm with one expert per row, on checked arguments."""
+    wq, ws = w_packed.view(torch.uint8), _weight_scales(w_scale)
+    return fp4_grouped_gemm_op(q.view(torch.uint8), scale_values(s), ids, wq, ws, *launch.op_args())

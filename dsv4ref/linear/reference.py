@@ -40,6 +40,7 @@ __all__ = [
     "act_quant",
     "fp8_gemm",
     "fp4_gemm",
+    "fp4_grouped_gemm",
     "fp8_linear",
     "fp4_linear",
     "quantize_fp8_weight",
@@ -48,6 +49,7 @@ __all__ = [
     "dequantize_fp4_weight",
     "scale_values",
     "gemm_mass",
+    "blockwise_gemm",
 ]
 
 
@@ -108,7 +110,7 @@ def dequantize_fp4_weight(packed: torch.Tensor, scale: torch.Tensor) -> torch.Te
     return e2m1_decode(codes) * scale_values(scale).repeat_interleave(FP4_BLOCK, 1)[:, : codes.shape[1]]
 
 
-def _blockwise_gemm(a, b, block, scale, dtype):
+def blockwise_gemm(a, b, block, scale, dtype):
     """Σ_k P_k · scale[k] in K order, P_k = a_k · b_kᵀ the product of K block k alone; ``scale`` [nb, M, N]."""
     ab = rearrange(_pad_last(a, block), "m (k c) -> k m c", c=block)
     bb = rearrange(_pad_last(b, block), "n (k c) -> k n c", c=block)
@@ -131,7 +133,7 @@ def fp8_gemm(q, s, w, w_scale, *, dtype: torch.dtype = torch.float32) -> torch.T
     b = w.view(torch.float8_e4m3fn).to(dtype)
     sa = scale_values(s).to(dtype).T[:, :, None]  # [nb, M, 1]
     sb = scale_values(w_scale).to(dtype).repeat_interleave(WEIGHT_BLOCK, 0)[:n].T[:, None, :]  # [nb, 1, N]
-    return _out(_blockwise_gemm(a, b, ACT_BLOCK, sa * sb, dtype), dtype)
+    return _out(blockwise_gemm(a, b, ACT_BLOCK, sa * sb, dtype), dtype)
 
 
 def fp4_gemm(q, s, w_packed, w_scale, *, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -142,7 +144,19 @@ def fp4_gemm(q, s, w_packed, w_scale, *, dtype: torch.dtype = torch.float32) -> 
     b = e2m1_decode(unpack_nibbles(w_packed.view(torch.uint8))).to(dtype)
     sa = scale_values(s).to(dtype).repeat_interleave(ACT_BLOCK // FP4_BLOCK, 1)[:, : w_scale.shape[1]]
     sab = sa.T[:, :, None] * scale_values(w_scale).to(dtype).T[:, None, :]  # [nb32, M, N]
-    return _out(_blockwise_gemm(a, b, FP4_BLOCK, sab, dtype), dtype)
+    return _out(blockwise_gemm(a, b, FP4_BLOCK, sab, dtype), dtype)
+
+
+def fp4_grouped_gemm(q, s, expert_ids, w_packed, w_scale, *, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """:func:`fp4_gemm` with one expert per row: row m uses ``w_packed[expert_ids[m]]`` (``[E, N, K/2]``) and
+    its scales (``[E, N, ceil(K/32)]``); a row whose id is outside [0, E) (−1: none) gets y = 0. A loop over
+    the experts present, not over rows."""
+    e_count, n = w_packed.shape[0], w_packed.shape[1]
+    y = torch.zeros(q.shape[0], n, dtype=torch.float64 if dtype == torch.float64 else torch.bfloat16, device=q.device)
+    for e in expert_ids[(expert_ids >= 0) & (expert_ids < e_count)].unique().tolist():
+        rows = expert_ids == e
+        y[rows] = fp4_gemm(q[rows], s[rows], w_packed[e], w_scale[e], dtype=dtype)
+    return y
 
 
 def fp8_linear(x, w, w_scale, *, dtype: torch.dtype = torch.float32) -> torch.Tensor:

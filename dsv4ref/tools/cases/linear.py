@@ -9,11 +9,14 @@ device support it. Decode GEMMs are bound by the weight bytes; the roofline frac
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 import torch.nn.functional as F
 
 from ... import linear
 from ...config import FLASH
+from ...device import DEVICE, sm_count
 from ...linear import reference
 from ...testing import compare, randn
 from ...validate import checking_values
@@ -81,6 +84,14 @@ def _scaled_mm(x, w, ws):
     return (lambda i: torch._scaled_mm(q, w.t(), s.t().contiguous().t(), sw.t().contiguous().t(), out_dtype=torch.bfloat16)), ""
 
 
+def _split_for(m: int, n: int, k: int, fp4: bool) -> int:
+    """K splits giving the default launch's tiles about two programs per SM (at most one split per K block)."""
+    lw = linear.default_launch(m)
+    tiles = -(-m // lw.block_m) * -(-n // lw.block_n)
+    blocks = -(-k // (32 if fp4 else 128))
+    return max(1, min(blocks, 2 * sm_count(DEVICE) // tiles))
+
+
 @bench("linear")
 def _bench() -> list[BenchCase]:
     """Compulsory bytes: the weight (N·K bytes FP8, N·K/2 FP4), its scales, x (bf16) and y (bf16); bf16
@@ -107,6 +118,18 @@ def _bench() -> list[BenchCase]:
             fmt = "fp4" if fp4 else "fp8"
             shape = f"{name} M={m} N={n} K={k}"
             cases.append(BenchCase(f"linear.{fmt}_linear", shape, run, 1, wbytes + io, 2 * m * n * k, "weight + scales + x + y"))
+            split = _split_for(m, n, k, fp4)
+            if split > 1:
+                lw = replace(linear.default_launch(m), split_k=split)
+
+                def run_split(i, x=x, w=w, ws=ws, fn=fn, lw=lw):
+                    with checking_values(False):
+                        fn(x, w, ws, launch=lw)
+
+                note = f"as above, K in {split} splits (fp32 partials: 4·M·N·{split} bytes more, not counted)"
+                cases.append(
+                    BenchCase(f"linear.{fmt}_linear (split_k={split})", shape, run_split, 1, wbytes + io, 2 * m * n * k, note)
+                )
             cases.append(
                 BenchCase(
                     "linear (bf16 F.linear)",
@@ -135,4 +158,29 @@ def _bench() -> list[BenchCase]:
                         "as fp8_linear, act_quant outside",
                     )
                 )
+    return cases + _expert_cases()
+
+
+def _expert_cases() -> list[BenchCase]:
+    """Routed experts' w1 through ``fp4_linear(expert_ids=...)``: T tokens × top-k rows, random experts of
+    V4-Flash's E. Compulsory bytes: the weights (and scales) of the distinct experts hit, x and y."""
+    c = FLASH
+    e_count, k_top, (n, k) = c.n_routed_experts, c.num_experts_per_tok, flash_expert_shapes()["expert_w1"]
+    g = torch.Generator().manual_seed(1)
+    w = torch.randint(0, 256, (e_count, n, k // 2), generator=g, dtype=torch.uint8).to(DEVICE)
+    ws = torch.randint(118, 124, (e_count, n, k // 32), generator=g, dtype=torch.uint8).to(DEVICE)
+    cases = []
+    for tokens in (1, 8, 64):
+        ids = torch.stack([torch.randperm(e_count, generator=g)[:k_top] for _ in range(tokens)]).flatten().to(DEVICE)
+        x = randn((tokens * k_top, k), seed=tokens, block=128, octaves=8)
+        hit = int(ids.unique().numel())
+        nbytes = hit * (n * k // 2 + n * k // 32) + x.numel() * 2 + x.shape[0] * n * 2
+
+        def run(i, x=x, ids=ids):
+            with checking_values(False):
+                linear.fp4_linear(x, w, ws, expert_ids=ids)
+
+        shape = f"expert_w1 T={tokens} top-{k_top} of E={e_count} N={n} K={k}"
+        note = f"{hit} experts' weights + x + y"
+        cases.append(BenchCase("linear.fp4_linear (experts)", shape, run, 1, nbytes, 2 * x.shape[0] * n * k, note))
     return cases
