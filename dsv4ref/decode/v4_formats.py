@@ -11,7 +11,7 @@ import torch
 
 from ..config import TINY, Config
 from ..device import DEVICE, HOST
-from ..testing import generator
+from ..seeded import generator
 from ..weights import dequantize_weights, make_weights
 from .compare import rel_err
 from .model import Decoder
