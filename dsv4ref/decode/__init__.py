@@ -19,10 +19,10 @@ drives a decoder (:func:`run_speculative` with MTP speculation; :mod:`.driver`);
 ``python -m dsv4ref demo`` (:mod:`.demo`). The weights are random and seeded (:func:`make_weights`, from
 :mod:`dsv4ref.weights`, which :mod:`dsv4ref.mtp` shares).
 
-Modules: :mod:`.model` (the Decoder: caches, the step, its device graph), :mod:`.state` (the per-layer
-:class:`LayerState` and the step's records), :mod:`.speculation` (draft / verify), :mod:`.glue` (small torch
-pieces), :mod:`.traffic` (:func:`traffic_per_op`), :mod:`.reference`, :mod:`.compare`, :mod:`.driver`,
-:mod:`.demo`.
+Modules: :mod:`.model` (the Decoder: caches, the step, its device graph), :mod:`.stack` (the layer stack the
+step runs: attention, indexer, MoE, head), :mod:`.state` (the per-layer :class:`LayerState` and the step's
+records), :mod:`.speculation` (draft / verify), :mod:`.glue` (small torch pieces), :mod:`.traffic`
+(:func:`traffic_per_op`), :mod:`.reference`, :mod:`.compare`, :mod:`.driver`, :mod:`.demo`.
 
 Usage::
 

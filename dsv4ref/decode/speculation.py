@@ -5,8 +5,8 @@ rows per request of ONE target step, keep the target's greedy tokens (:func:`dsv
 roll the compressor state back past the rejected rows (``docs/mtp.md#verification``).
 
 :class:`Speculating` is a base class of the Decoder, kept in its own module so the decode step
-(:mod:`.model`) reads on its own; it uses the Decoder's stack (``_forward``, ``_attention``, ``_ffn``,
-``_head``) and bookkeeping (``_rows``, ``_keep``, ...).
+(:mod:`.model`) reads on its own; it uses the Decoder's stack (:mod:`.stack`: ``_forward``, ``_attention``,
+``_ffn``, ``_head``) and bookkeeping (``_rows``, ``_keep``, ...).
 """
 
 from __future__ import annotations
