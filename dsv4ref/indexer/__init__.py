@@ -469,12 +469,14 @@ def logits(
             token t's request (local row l lives in page ``block_table[t, l // block_size]``, which must be a
             page of ``k_cache`` for every row read). None: page i holds rows ``i·block_size ..`` for every token.
         n_out: columns of the output, an int >= 0 (default: the largest n_c in the batch).
-        backend: ``"auto"``, ``"reference"`` (float64 from the decoded codes, rounded once to fp32) or
-            ``"triton"``.
+        backend: ``"auto"``, ``"reference"`` (float64 from the decoded codes, rounded once to fp32; MXFP4:
+            at DeepSeek's bf16 points) or ``"triton"``.
         launch: :class:`IndexerLaunch` (``logits_pages``, ``logits_warps``, ``fp4_decode``), or None.
 
     Returns:
-        ``[T, n_out]`` fp32, contiguous; −∞ in the masked columns. NaN in, NaN out: a score whose inputs
+        ``[T, n_out]`` fp32, contiguous; −∞ in the masked columns. MXFP4 scores hold bf16 values: each
+        head's dot, its product with the weight and the head sum are rounded to bf16, as DeepSeek's bf16
+        einsum does (``docs/indexer.md#rounding-points``). NaN in, NaN out: a score whose inputs
         hold a NaN (a NaN code or UE8M0 byte 255 in a key of the cache, an infinite weight times a zero) is
         NaN on every backend.
 
@@ -526,7 +528,8 @@ def logits(
         validate.index_range(block_table[used], "block_table", k_cache.shape[0], allow_minus_one=False)
     if backend == "reference":
         return reference.logits(
-            q, q_scales, weights_out, k_cache, positions, block_table, block_size=block_size, n_out=n_out, dtype=torch.float64
+            q, q_scales, weights_out, k_cache, positions, block_table, block_size=block_size, n_out=n_out,
+            dtype=torch.float64, bf16_scores=fmt == "mxfp4",
         ).float()
     return _launch.logits(q, q_scales, weights_out, k_cache, positions, block_table, block_size, n_out, launch)
 
