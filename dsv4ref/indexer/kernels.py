@@ -16,7 +16,7 @@ import triton.language as tl
 
 from ..formats import FP4_AMAX_FLOOR, FP4_MAX, INDEX_AMAX_FLOOR
 from ..tl import (
-    bf16_round,
+    bf16_round_nan,
     canonical_nan,
     dot,
     e4m3_decode,
@@ -190,10 +190,10 @@ def quantize_kernel(
         x = tl.where(rot, tl.where(even[None, :], r_even, r_odd), x)
         # the bf16 round trip (identity on dims 0..63, which are bf16 already); NaN made quiet first, since
         # compiled NaNs are 0x7FFFFFFF, which the rounding add would carry into -0.0
-        x = bf16_round(canonical_nan(x))
+        x = bf16_round_nan(x)
     if HADAMARD:
         # rounded to bf16 after the rotation, as DeepSeek's rotate_activation returns it (NaN made quiet first)
-        x = bf16_round(canonical_nan(hadamard128(x, ROWS, had_scale)))
+        x = bf16_round_nan(hadamard128(x, ROWS, had_scale))
     x = canonical_nan(x)  # NaN payloads and signs differ per device; the NaN bytes below must not
 
     if PAGED:
@@ -224,7 +224,7 @@ def quantize_kernel(
         if HAS_W:
             w = tl.load(w_ptr + rows, mask=row_ok, other=0.0)
             # no q-scale fold in MXFP4; rounded to bf16 as DeepSeek's weights_proj(x) * c
-            tl.store(wo_ptr + rows, bf16_round(canonical_nan(w * fold)), mask=row_ok)
+            tl.store(wo_ptr + rows, bf16_round_nan(w * fold), mask=row_ok)
     else:
         q, byte = e4m3_ue8m0_blocks(x, FP8_FLOOR, 1)  # [ROWS, 128] bytes, [ROWS] scale bytes (255: NaN row)
         qdst = q_ptr + page[:, None] * q_page_stride + off[:, None] * 128 + d[None, :]
@@ -443,8 +443,8 @@ def head_sum(s, w, BF16: tl.constexpr):
     ``BF16`` (MXFP4, DeepSeek's bf16 einsum): each head's dot, each product and the sum rounded to bf16. A
     power-of-two factor riding in s or w (the fp16 decodes) commutes with these roundings."""
     if BF16:
-        r = bf16_round(canonical_nan(relu_nan(s)))
-        return bf16_round(canonical_nan(tl.sum(bf16_round(canonical_nan(r * w[None, :])), axis=1)))
+        r = bf16_round_nan(relu_nan(s))
+        return bf16_round_nan(tl.sum(bf16_round_nan(r * w[None, :]), axis=1))
     return tl.sum(relu_nan(s) * w[None, :], axis=1)
 
 
