@@ -105,12 +105,14 @@ def accepted_counts(drafts: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return agree.cumprod(dim=1).sum(dim=1)  # leading run of agreements
 
 
-def draft_input(h_prev, embed_rows, positions, enorm, hnorm, e_proj, h_proj, *, eps, hc_mult=None):
+def draft_input(h_prev, embed_rows, positions, enorm, hnorm, e_proj, h_proj, *, eps, hc_mult=None, zero_first=False):
     """The draft layer's block input ``X = h_proj(hnorm(h_prev[m])) + e_proj(enorm(e))`` for every stream m.
 
-    ``e`` is the shared embedding of the NEXT token (the one at position q + 1), zeroed on rows at position 0;
+    ``e`` is the shared embedding of the NEXT token (the one at position q + 1), on every row, position 0
+    included (DeepSeek's ``MTPBlock``; ``zero_first=True``: vLLM's convention, e = 0 on rows at position 0);
     ``hnorm`` is an RMSNorm over Hd of each stream separately; ``e_proj(e)`` is added to all M streams.
-    bf16 GEMMs with fp32 accumulation; the result is rounded to bf16 once.
+    bf16 GEMMs with fp32 accumulation, each projection's output rounded to bf16, then one bf16 add (DeepSeek
+    adds the two bf16 outputs).
 
     Args:
         h_prev: ``[T, M, Hd]`` bf16, or the flat stash ``[T, M·Hd]`` with ``hc_mult=M``: the target's
@@ -119,7 +121,7 @@ def draft_input(h_prev, embed_rows, positions, enorm, hnorm, e_proj, h_proj, *, 
         positions: ``[T]`` int32/int64, q.
         enorm, hnorm: ``[Hd]`` fp32 RMSNorm weights.  e_proj, h_proj: ``[Hd, Hd]`` bf16.
         eps: the RMSNorm epsilon (1e-6), a finite number > 0.  hc_mult: M (an int ≥ 1), required when
-            ``h_prev`` is flat.
+            ``h_prev`` is flat.  zero_first: a bool; True zeroes e on rows at position 0 (vLLM).
     Returns:
         ``[T, M, Hd]`` bf16.
     Raises:
@@ -145,6 +147,8 @@ def draft_input(h_prev, embed_rows, positions, enorm, hnorm, e_proj, h_proj, *, 
     if hc_mult is not None and hc_mult != M:
         raise ValueError(f"hc_mult: {hc_mult} does not match h_prev's {M} streams (shape {tuple(h_prev.shape)})")
     validate.scalar(eps, "eps", gt=0.0)
+    if not isinstance(zero_first, bool):
+        raise TypeError(f"zero_first: expected a bool, got {type(zero_first).__name__} {zero_first!r}")
     validate.same_device(
         h_prev=h_prev, embed_rows=embed_rows, positions=positions, enorm=enorm, hnorm=hnorm, e_proj=e_proj, h_proj=h_proj
     )
@@ -154,7 +158,7 @@ def draft_input(h_prev, embed_rows, positions, enorm, hnorm, e_proj, h_proj, *, 
         validate.finite(embed_rows, "embed_rows")
         if positions.numel() and int(positions.min()) < 0:
             raise ValueError(f"positions: expected positions >= 0, got a minimum of {int(positions.min())}")
-    return reference.draft_input(h_prev, embed_rows, positions, enorm, hnorm, e_proj, h_proj, eps=float(eps))
+    return reference.draft_input(h_prev, embed_rows, positions, enorm, hnorm, e_proj, h_proj, eps=float(eps), zero_first=zero_first)
 
 
 def draft_logits(X, hc_fn, hc_scale, hc_base, norm, lm_head, *, rms_eps=1e-6, hc_eps=1e-6, backend="auto"):
