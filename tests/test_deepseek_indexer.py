@@ -11,6 +11,7 @@ ReLU, × the weights (bf16), the head sum (bf16). Top-k of those bf16 scores.
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 import dsv4ref.indexer as ix
@@ -72,7 +73,8 @@ def problem(seed=0):
     return q, k, w, pos, cs
 
 
-def test_fp4_values_and_top_k_equal_deepseeks():
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+def test_fp4_values_and_top_k_equal_deepseeks(backend):
     """V4-Flash shapes (64 heads × 128, top 512 of 2 048 keys): the library's FP4 q and k values equal
     DeepSeek's rule applied to the bf16 Hadamard outputs, 0 mismatches; its scores equal DeepSeek's bf16 ones
     but for a one-ulp rounding of the head sum, and its top-k set equals DeepSeek's up to ties at the k-th score.
@@ -86,9 +88,9 @@ def test_fp4_values_and_top_k_equal_deepseeks():
     n_c = (pos.cpu() + 1) // 4  # DeepSeek scores the cache up to end_pos // 4: complete windows only
     sd = sd.masked_fill(torch.arange(N_KEYS)[None, :] >= n_c[:, None], float("-inf"))
 
-    qq, qs, wo = ix.quantize_q(q, pos, cs, w, fmt="mxfp4", hadamard=True)
+    qq, qs, wo = ix.quantize_q(q, pos, cs, w, fmt="mxfp4", hadamard=True, backend=backend)
     cache = ix.allocate_k_cache(N_KEYS // BC, BC, "mxfp4")
-    ix.insert_k(cache, k, torch.arange(N_KEYS, device=DEVICE), block_size=BC, fmt="mxfp4", hadamard=True)
+    ix.insert_k(cache, k, torch.arange(N_KEYS, device=DEVICE), block_size=BC, fmt="mxfp4", hadamard=True, backend=backend)
     vals, scales = ix.read_k(cache, torch.arange(N_KEYS, device=DEVICE), block_size=BC, fmt="mxfp4")
     assert int((ix.dequantize_q(qq, qs).cpu().double() != qd).sum()) == 0
     assert int((ix.dequantize_k(vals, scales).cpu().double() != kd).sum()) == 0
@@ -96,7 +98,7 @@ def test_fp4_values_and_top_k_equal_deepseeks():
     fp32_had = ds_fp4(ds_hadamard(k.cpu(), to_bf16=False))
     assert int((fp32_had != kd).sum()) > 0  # the rounding point matters on this data
 
-    lg = ix.logits(qq, qs, wo, cache, pos, block_size=BC).cpu().double()
+    lg = ix.logits(qq, qs, wo, cache, pos, block_size=BC, backend=backend).cpu().double()
     ulp = torch.exp2(torch.floor(torch.log2(sd.abs().clamp_min(2.0**-126))) - 7)
     assert torch.equal(lg.isinf(), sd.isinf())
     f = sd.isfinite()

@@ -266,7 +266,7 @@ def logits(
     kv = dequantize_k(vals, sc).to(dtype).reshape(T, n_out, HEAD_DIM)
     dots = torch.einsum("thd,tsd->ths", qv, kv).clamp_min(0)  # ReLU per head, BEFORE the head sum
     if bf16_scores:  # DeepSeek: bf16 einsum, bf16 product with the weight, bf16 head sum
-        out = bf16((bf16(dots) * weights_out.to(dtype)[..., None]).sum(1))
+        out = bf16(bf16(bf16(dots) * weights_out.to(dtype)[..., None]).sum(1))
         return torch.where(live, out, float("-inf"))
     out = torch.einsum("th,ths->ts", weights_out.to(dtype), dots)
     if fmt == "fp8":
