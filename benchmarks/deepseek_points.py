@@ -37,13 +37,13 @@ def bf(x):
 
 
 def differ(a, b) -> str:
-    """'values equal' or 'x % of values differ, by at most y of the largest |value|'."""
+    """'values equal' or 'x % of values differ, by at most y of the largest magnitude'."""
     a, b = a.double(), b.double()
     n = int((a != b).sum())
     if n == 0:
         return f"values equal ({a.numel()} of {a.numel()})"
     rel = float((a - b).abs().max() / b.abs().max())
-    return f"{100 * n / a.numel():.2f} % of {a.numel()} values differ, by <= {rel:.2g} of max|value|"
+    return f"{100 * n / a.numel():.2f} % of {a.numel()} values differ, by <= {rel:.2g} of the largest magnitude"
 
 
 def row(point, verdict):
@@ -121,7 +121,7 @@ def indexer_points():
     row("indexer before: FP4 q values (fp32 Hadamard)", differ(q_old, qd))
     row("indexer before: FP4 k values (fp32 Hadamard)", differ(k_old, kd))
     dev = float(((s_old - sd).abs().amax(1) / sd.abs().amax(1)).max())
-    row("indexer before: scores", f"differ by up to {dev:.3f} of the row's max |score|; top-512 overlap {overlap(s_old, sd):.4f}")
+    row("indexer before: scores", f"differ by up to {dev:.3f} of the row's largest score; top-512 overlap {overlap(s_old, sd):.4f}")
 
 
 # ---- the compressor (ratio 4, D = 512, V4-Flash width 4096) -------------------------------------------------

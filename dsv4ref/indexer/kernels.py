@@ -192,8 +192,7 @@ def quantize_kernel(
         # compiled NaNs are 0x7FFFFFFF, which the rounding add would carry into -0.0
         x = bf16_round_nan(x)
     if HADAMARD:
-        # rounded to bf16 after the rotation, as DeepSeek's rotate_activation returns it (NaN made quiet first)
-        x = bf16_round_nan(hadamard128(x, ROWS, had_scale))
+        x = bf16_round_nan(hadamard128(x, ROWS, had_scale))  # bf16, as DeepSeek's rotate_activation returns it
     x = canonical_nan(x)  # NaN payloads and signs differ per device; the NaN bytes below must not
 
     if PAGED:
@@ -223,8 +222,7 @@ def quantize_kernel(
         tl.store(sdst, byte.to(tl.uint8), mask=row_ok[:, None] & (b[None, :] >= 0))
         if HAS_W:
             w = tl.load(w_ptr + rows, mask=row_ok, other=0.0)
-            # no q-scale fold in MXFP4; rounded to bf16 as DeepSeek's weights_proj(x) * c
-            tl.store(wo_ptr + rows, bf16_round_nan(w * fold), mask=row_ok)
+            tl.store(wo_ptr + rows, bf16_round_nan(w * fold), mask=row_ok)  # no q-scale fold; bf16 as DeepSeek
     else:
         q, byte = e4m3_ue8m0_blocks(x, FP8_FLOOR, 1)  # [ROWS, 128] bytes, [ROWS] scale bytes (255: NaN row)
         qdst = q_ptr + page[:, None] * q_page_stride + off[:, None] * 128 + d[None, :]
@@ -438,10 +436,9 @@ def fp4_blocks_page(
 
 @triton.jit
 def head_sum(s, w, BF16: tl.constexpr):
-    """Σ_h w[h] · ReLU(s[:, h]) for scores s [BCP, HP]: the ReLU per head, BEFORE the weighted head sum.
-
-    ``BF16`` (MXFP4, DeepSeek's bf16 einsum): each head's dot, each product and the sum rounded to bf16. A
-    power-of-two factor riding in s or w (the fp16 decodes) commutes with these roundings."""
+    """Σ_h w[h] · ReLU(s[:, h]) for scores s [BCP, HP]: the ReLU per head, BEFORE the weighted head sum. ``BF16``
+    (MXFP4, DeepSeek's bf16 einsum): each head's dot, each product and the sum rounded to bf16 (a power-of-two
+    factor riding in s or w, as the fp16 decodes carry, commutes with these roundings)."""
     if BF16:
         r = bf16_round_nan(relu_nan(s))
         return bf16_round_nan(tl.sum(bf16_round_nan(r * w[None, :]), axis=1))
