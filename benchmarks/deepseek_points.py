@@ -121,7 +121,10 @@ def indexer_points():
     row("indexer before: FP4 q values (fp32 Hadamard)", differ(q_old, qd))
     row("indexer before: FP4 k values (fp32 Hadamard)", differ(k_old, kd))
     dev = float(((s_old - sd).abs().amax(1) / sd.abs().amax(1)).max())
-    row("indexer before: scores", f"differ by up to {dev:.3f} of the row's largest score; top-512 overlap {overlap(s_old, sd):.4f}")
+    row(
+        "indexer before: scores",
+        f"differ by up to {dev:.3f} of the row's largest score; top-512 overlap {overlap(s_old, sd):.4f}",
+    )
 
 
 # ---- the compressor (ratio 4, D = 512, V4-Flash width 4096) -------------------------------------------------
@@ -145,8 +148,15 @@ def compressor_points():
     want = norm(pooled.to(torch.bfloat16).float())
     st = compressor.allocate_state(1, r, D)
     rows, done = compressor.compress(
-        x, *(w[n] for n in ("wkv", "wgate", "ape", "norm")), st.kv, st.score, torch.zeros(L, dtype=torch.long),
-        torch.arange(L), ratio=r, eps=EPS, backend="reference",
+        x,
+        *(w[n] for n in ("wkv", "wgate", "ape", "norm")),
+        st.kv,
+        st.score,
+        torch.zeros(L, dtype=torch.long),
+        torch.arange(L),
+        ratio=r,
+        eps=EPS,
+        backend="reference",
     )
     row("compressor: the row (bf16, after the norm)", differ(rows[done].to(torch.bfloat16), want))
     row("compressor before: norm of the fp32 pooled row", differ(norm(pooled), want))
@@ -180,7 +190,10 @@ def attention_points():
     want = bf(torch.cat([nope, kr[:, 448:]], 1))
     got_rows = kv_cache.gather(cache, torch.arange(T), block_size=16, backend="reference").view(T, 512)
     row("attention: kv row as cached (dequantised)", differ(got_rows, want))
-    row("attention: RoPE of kv (GPT-J pairs, YaRN table)", differ(rope.apply_gptj(kv, pos, cs, backend="reference"), ds_rope(kv, pos, cs)))
+    row(
+        "attention: RoPE of kv (GPT-J pairs, YaRN table)",
+        differ(rope.apply_gptj(kv, pos, cs, backend="reference"), ds_rope(kv, pos, cs)),
+    )
 
     # sparse attention: DeepSeek's kernel multiplies bf16(e^(s − max)) by the rows, divides by the fp32 sum + sink
     ex = sparse_mla.example_inputs(4, 64, 96, block_size=16, seed=8)
@@ -195,8 +208,10 @@ def attention_points():
     ds_o = (torch.einsum("thk,tkd->thd", e.to(torch.bfloat16).float(), kk) / den[..., None]).to(torch.bfloat16)
     o, _ = sparse_mla.decode(**ex, backend="reference")
     row("attention: sparse attention output (bf16)", differ(o, ds_o))
-    p = (e / e.sum(-1, keepdim=True))
-    old_o = (torch.einsum("thk,tkd->thd", p, kk) * torch.sigmoid(torch.logsumexp(s, -1) - ex["sink"])[..., None]).to(torch.bfloat16)
+    p = e / e.sum(-1, keepdim=True)
+    old_o = (torch.einsum("thk,tkd->thd", p, kk) * torch.sigmoid(torch.logsumexp(s, -1) - ex["sink"])[..., None]).to(
+        torch.bfloat16
+    )
     row("attention before: fp32 probabilities", differ(old_o, ds_o))
 
     # the output: inverse RoPE, wo_a per group (bf16 einsum), wo_b
@@ -231,7 +246,9 @@ def mhc_moe_mtp_points():
     y = (pre[..., None] * res.float()).sum(1).to(torch.bfloat16)
     p_, c_, x_ = mhc.reference.pre(res, fn, scale, base)
     row("mHC pre: x (bf16)", differ(x_.to(torch.bfloat16), y))
-    row("mHC pre: post, comb (fp32)", differ(torch.cat([p_.flatten(), c_.flatten()]), torch.cat([post.flatten(), comb.flatten()])))
+    row(
+        "mHC pre: post, comb (fp32)", differ(torch.cat([p_.flatten(), c_.flatten()]), torch.cat([post.flatten(), comb.flatten()]))
+    )
 
     # MoE routing: sqrt(softplus) in fp32, the bias for the choice only, renormalised × route_scale
     x = randn((T, Hd), seed=15, block=None, octaves=0)
@@ -244,7 +261,10 @@ def mhc_moe_mtp_points():
     gi, gwts = moe.reference.route(x, gw, bias, k=8, routed_scale=FLASH.routed_scaling_factor)
     same_ids = bool((gi.long().sort(-1).values == ids.sort(-1).values).all())
     order = gi.long().argsort(-1)
-    row("MoE routing: ids, weights", f"ids {'equal' if same_ids else 'differ'}; weights: {differ(gwts.gather(1, order), wts.gather(1, ids.argsort(-1)))}")
+    row(
+        "MoE routing: ids, weights",
+        f"ids {'equal' if same_ids else 'differ'}; weights: {differ(gwts.gather(1, order), wts.gather(1, ids.argsort(-1)))}",
+    )
 
     # MoE clamp on fp32 gate/up values: gate = min(g, 10), up = clamp(u, ±10), silu(gate)·up
     from dsv4ref.decode.glue import swiglu_clamped

@@ -108,9 +108,9 @@ TOLERANCES: dict[str, Tol] = {
         1e-2,
         "mass",
         None,
-        "q of the fused Q-norm + RoPE vs dsv4ref's fp32 form (docs/rope.md#exactness), mass = the"
-        " larger |expected| of each (2i, 2i+1) pair: a correct port may round q to bf16 after the norm"
-        " and then rotate (vLLM's reference) or use rsqrt / FMA; the bf16 rounding of a pair, up to"
+        "q of the fused Q-norm + RoPE vs dsv4ref's form (DeepSeek's bf16 norm ops; docs/rope.md#exactness),"
+        " mass = the larger |expected| of each (2i, 2i+1) pair: a port may norm in fp32 and round once, round q"
+        " to bf16 after the norm and then rotate (vLLM's reference) or use rsqrt / FMA; the bf16 rounding of a pair, up to"
         " 2^-9 of its larger element, is moved by the rotation into BOTH outputs, so a small output"
         " beside a large partner is off by 2^-9·max|pair| (0.0156 seen), which no bound relative to the"
         " element itself accepts (measured worst: 0.48 of this bound; 0.77 with a bf16 table and bf16 arithmetic too)",

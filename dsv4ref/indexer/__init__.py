@@ -528,8 +528,16 @@ def logits(
         validate.index_range(block_table[used], "block_table", k_cache.shape[0], allow_minus_one=False)
     if backend == "reference":
         return reference.logits(
-            q, q_scales, weights_out, k_cache, positions, block_table, block_size=block_size, n_out=n_out,
-            dtype=torch.float64, bf16_scores=fmt == "mxfp4",
+            q,
+            q_scales,
+            weights_out,
+            k_cache,
+            positions,
+            block_table,
+            block_size=block_size,
+            n_out=n_out,
+            dtype=torch.float64,
+            bf16_scores=fmt == "mxfp4",
         ).float()
     return _launch.logits(q, q_scales, weights_out, k_cache, positions, block_table, block_size, n_out, launch)
 

@@ -158,7 +158,9 @@ def draft_input(h_prev, embed_rows, positions, enorm, hnorm, e_proj, h_proj, *, 
         validate.finite(embed_rows, "embed_rows")
         if positions.numel() and int(positions.min()) < 0:
             raise ValueError(f"positions: expected positions >= 0, got a minimum of {int(positions.min())}")
-    return reference.draft_input(h_prev, embed_rows, positions, enorm, hnorm, e_proj, h_proj, eps=float(eps), zero_first=zero_first)
+    return reference.draft_input(
+        h_prev, embed_rows, positions, enorm, hnorm, e_proj, h_proj, eps=float(eps), zero_first=zero_first
+    )
 
 
 def draft_logits(X, hc_fn, hc_scale, hc_base, norm, lm_head, *, rms_eps=1e-6, hc_eps=1e-6, backend="auto"):

@@ -366,8 +366,10 @@ def top_overlap(a, b, k):
     return torch.zeros_like(a, dtype=torch.bool).scatter_(1, ta, True).gather(1, tb).double().mean().item()
 
 
-print(f"FP4 values that differ: q {100 * (q_ds != q_32).double().mean().item():.1f} %, k {100 * (k_ds != k_32).double().mean().item():.1f} %")
-print(f"top-{K_ix} sets shared by the two roundings: {int(100 * top_overlap(scores_ds.double(), scores_32, K_ix))} % (rounded down)")
+dq, dk = (100 * (a != b).double().mean().item() for a, b in ((q_ds, q_32), (k_ds, k_32)))
+print(f"FP4 values that differ: q {dq:.1f} %, k {dk:.1f} %")
+shared_ix = int(100 * top_overlap(scores_ds.double(), scores_32, K_ix))
+print(f"top-{K_ix} sets shared by the two roundings: {shared_ix} % (rounded down)")
 
 # %% [markdown]
 # ## 4. The check has teeth
