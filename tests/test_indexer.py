@@ -10,6 +10,7 @@ import torch
 import dsv4ref.indexer as ix
 from dsv4ref.device import DEVICE, interpreting
 from dsv4ref.testing import assert_close, generator, poison, randn
+from dsv4ref.tolerances import compare
 
 # ---------------------------------------------------------------------------------------------------
 # independent oracles (written from docs/formats.md, sharing no code with dsv4ref.indexer / dsv4ref.fp8)
@@ -397,6 +398,24 @@ def test_relu_per_head_before_sum():
     assert float((lg.double() - per_head)[f].abs().max()) < 1e-5 * scale
     assert float((lg.double() - after_sum)[f].abs().max()) > 1e-2 * scale
     assert float((lg.double() - no_relu)[f].abs().max()) > 1e-2 * scale
+
+
+def test_mxfp4_bf16_score_tolerance_has_teeth():
+    """The MXFP4 scores (bf16 at DeepSeek's three points) pass ``indexer_logits_bf16`` against the float64 oracle,
+    and real bugs still fail it: ReLU after the head sum, no ReLU, the weights without c = 128^-½·n^-½."""
+    ex = problem(2, 64, 64, fmt="mxfp4", hadamard=True, seed=16)
+    q, qs, wo = ix.quantize_q(*qargs(ex), fmt="mxfp4", hadamard=True)
+    args = (q, qs, wo, ex["k_cache"], ex["positions"], ex["block_table"])
+    lg = ix.logits(*args[:5], block_table=ex["block_table"], block_size=16).double()
+    cond = ix.reference.logits_condition(*args, block_size=16, n_out=lg.shape[1])
+    ref = ix.reference.logits(*args, block_size=16, n_out=lg.shape[1])
+    assert_close(lg, ref, "indexer_logits_bf16", "MXFP4 scores", mass=cond)
+    vals, sc = ix.read_k(ex["k_cache"], ex["slots"], block_size=16, fmt="mxfp4")
+    dots = torch.einsum("thd,sd->ths", ix.dequantize_q(q, qs).double(), ix.dequantize_k(vals, sc).double())
+    w = wo.double()[:, :, None]
+    f = torch.isfinite(lg)
+    for bug in ((w * dots).sum(1).clamp_min(0), (w * dots).sum(1), (w * dots.clamp_min(0)).sum(1) / ix.reference.fold(64)):
+        assert not compare(lg[f], bug[f], "indexer_logits_bf16", mass=cond[f]).passed
 
 
 # ---------------------------------------------------------------------------------------------------
