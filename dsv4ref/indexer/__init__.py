@@ -180,7 +180,8 @@ def quantize_q(
         cos_sin: ``[max_pos, 64]`` fp32, rows ``[cos 0..31 | sin 0..31]`` (the layer's table; any strides).
         weights: ``[T, n_ih]`` fp32 or bf16 head weights, from ``weights_proj(x)`` (see :func:`head_weights`).
         fmt: ``"fp8"`` or ``"mxfp4"``.
-        hadamard: bool; rotate by H_128·128^-½ before quantising (the K side must match).
+        hadamard: bool; rotate by H_128·128^-½ (fp32, then rounded to bf16 as DeepSeek's
+            ``rotate_activation`` returns it) before quantising (the K side must match).
         backend: ``"auto"``, ``"reference"`` or ``"triton"``.
         launch: :class:`IndexerLaunch` (``quant_rows``), or None for the default.
 
@@ -253,7 +254,8 @@ def quantize_k(
     Args:
         k: ``[N, 128]`` bf16 (any strides).
         fmt: ``"fp8"`` or ``"mxfp4"``.
-        hadamard: bool; rotate (in fp32) before quantising; it must match the Q side.
+        hadamard: bool; rotate (in fp32, then rounded to bf16, as DeepSeek does) before quantising; it
+            must match the Q side.
         backend: ``"auto"``, ``"reference"`` or ``"triton"``.
         launch: :class:`IndexerLaunch` (``quant_rows``), or None for the default.
 
