@@ -133,7 +133,8 @@ for r, layer in ((4, 1), (128, 2)):
         at += pos[done].tolist()
     want, _ = decode.reference.compress({k: v.double() for k, v in cw.items()}, r, x.double(), TINY.rms_norm_eps)
     err = float(decode.rel_err(torch.cat(got), want).max())
-    print(f"ratio {r:>3}: {len(at)} rows, written at p = {at[:3]} ...; row error vs float64 < 1e-5: {err < 1e-5}")
+    # the op rounds each pooled row to bf16 before its norm (DeepSeek's order): <= 2^-7 of the row's norm
+    print(f"ratio {r:>3}: {len(at)} rows, written at p = {at[:3]} ...; row error vs float64 <= 2^-7: {err <= 2**-7 + 2**-14}")
 
 # %% [markdown]
 # ### The compressor as an op
@@ -184,7 +185,8 @@ for r, dim in ((4, 512), (4, 128), (128, 512)):
         p0 += n
     want, _ = compressor.compress_sequence(xs, cw["wkv"], cw["wgate"], cw["ape"], cw["norm"], ratio=r, eps=TINY.rms_norm_eps)
     rep = decode.rel_err(torch.cat(got), want)
-    print(f"ratio {r:>3}, D = {dim}: {want.shape[0]} rows; Triton vs float64 within 2^-14 per row: {bool((rep <= 2**-14).all())}")
+    ok = bool((rep <= 2**-7 + 2**-14).all())  # the "compressor" tolerance: the bf16 rounding before the norm
+    print(f"ratio {r:>3}, D = {dim}: {want.shape[0]} rows; Triton vs float64 within 2^-7 per row: {ok}")
 
 # %% [markdown]
 #
