@@ -99,7 +99,7 @@ def decode(
     lse_safe = torch.where(nonempty, lse, torch.zeros_like(lse))
     p = torch.exp(s - lse_safe[..., None])  # entries that do not count: exp(−inf) = 0
     if dtype == torch.float32:  # the kernels' P·V: the unnormalised e^(s − max) in bf16, the sum l unrounded
-        mx = s.amax(dim=-1, keepdim=True)
+        mx = s.amax(dim=-1, keepdim=True) if s.shape[-1] else s.new_zeros(*s.shape[:-1], 1)  # K = 0: no entry
         e = torch.exp(s - torch.where(torch.isfinite(mx), mx, torch.zeros_like(mx)))
         p = e.to(torch.bfloat16).float() / e.sum(dim=-1, keepdim=True)  # empty rows: 0/0, replaced by 0 below
     factor = 1.0 if sink is None else torch.sigmoid(lse_safe - sink.to(dtype)[None, :])[..., None]  # the sink
