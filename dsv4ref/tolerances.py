@@ -125,6 +125,7 @@ TOLERANCES: dict[str, Tol] = {
         " 128-term block sum in a shorter accumulator, ~14 bits by DeepSeek-V3's report: still below 2^-10"
         " of the block's mass), then the bf16 rounding, at most 2^-8·|y|: |err| <= 2^-8·(|y| + mass); a"
         " relative check alone fails wherever a row's products cancel",
+    ),
     "indexer_logits_bf16": Tol(
         1e-30,
         3 * 2.0**-8,
