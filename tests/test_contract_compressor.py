@@ -20,6 +20,7 @@ from hypothesis import strategies as st
 
 from dsv4ref import compressor, validate
 from dsv4ref.device import DEVICE
+from dsv4ref.testing import assert_close
 
 pytestmark = pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
 
@@ -53,6 +54,16 @@ def state_close(a, b):
     assert torch.equal(fa, fb)
     assert torch.equal(a[~fa].isnan(), b[~fb].isnan()) and torch.equal(a[~fa & ~a.isnan()], b[~fb & ~b.isnan()])
     torch.testing.assert_close(a[fa], b[fb], rtol=1e-4, atol=1e-5)
+
+
+def rows_close(a, b):
+    """Two backends' compressed rows: NaN / ±inf at the same places, the finite rows within the "compressor" row
+    (each backend rounds its fp32 pooled row to bf16 before the norm, so an element may land one bf16 ulp apart)."""
+    fa, fb = torch.isfinite(a), torch.isfinite(b)
+    assert torch.equal(fa, fb)
+    assert torch.equal(a[~fa].isnan(), b[~fb].isnan()) and torch.equal(a[~fa & ~a.isnan()], b[~fb & ~b.isnan()])
+    ok = fa.all(dim=-1)
+    assert_close(a[ok], b[ok], "compressor", "rows")
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -146,7 +157,8 @@ def test_nonfinite_x_with_checks_off_is_the_same_on_every_backend():
     (r0, d0, k0, s0), (r1, d1, k1, s1) = out.values()
     assert torch.equal(d0, d1) and bool(d0.any())
     assert bool(r0.isnan().any())  # a window holding the NaN token gives a NaN row, never a plausible one
-    for a, b in ((r0, r1), (k0, k1), (s0, s1)):
+    rows_close(r0, r1)
+    for a, b in ((k0, k1), (s0, s1)):
         state_close(a, b)
 
 
@@ -216,5 +228,6 @@ def test_property_bad_rows_are_padding_on_every_backend(chunks, data):
     for a, b in ((ref, ref_m), (tri, tri_m)):  # each backend: a bad row is a padding row, bit for bit
         assert all(same_bits(x, y) if x.dtype != torch.bool else torch.equal(x, y) for x, y in zip(a, b))
     assert torch.equal(ref[1], tri[1])  # and the backends agree
-    for x, y in zip((ref[0], ref[2], ref[3]), (tri[0], tri[2], tri[3])):
+    rows_close(ref[0], tri[0])
+    for x, y in zip((ref[2], ref[3]), (tri[2], tri[3])):
         state_close(x, y)

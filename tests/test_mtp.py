@@ -151,14 +151,27 @@ def test_hnorm_is_per_stream(w):
     assert not torch.allclose(wrong, right, rtol=0.1)
 
 
-def test_position_zero_has_no_embedding(w):
-    """The draft row at position 0 (the first prompt row) gets e = 0 (vLLM's rule); other rows keep theirs."""
+def test_position_zero_embeds_the_token_unless_zero_first(w):
+    """The draft row at position 0 (the first prompt row) embeds its token as every row does (DeepSeek's
+    MTPBlock); with ``zero_first=True`` (vLLM's convention) it gets e = 0 there and other rows keep theirs."""
     wm = w["mtp"]
     a = _input(wm, positions=torch.tensor([0, 1, 2, 0, 5]))
-    X = mtp.draft_input(**a)
     h_only = mtp.draft_input(**(a | dict(embed_rows=torch.zeros(5, HD, dtype=torch.bfloat16))))
+    assert not torch.equal(mtp.draft_input(**a)[[0, 3]], h_only[[0, 3]])
+    X = mtp.draft_input(**a, zero_first=True)
     assert torch.equal(X[[0, 3]], h_only[[0, 3]])
     assert not torch.equal(X[[1, 2, 4]], h_only[[1, 2, 4]])
+    assert torch.equal(X[[1, 2, 4]], mtp.draft_input(**a)[[1, 2, 4]])
+
+
+def test_projections_are_summed_in_bf16(w):
+    """DeepSeek adds the two bf16 projection outputs: X = bf16(bf16(h_proj(hm)) + bf16(e_proj(e)))."""
+    a = _input(w["mtp"])
+    hm = reference.rms_norm(a["h_prev"], a["hnorm"], EPS).to(torch.bfloat16).float()
+    e = reference.rms_norm(a["embed_rows"], a["enorm"], EPS).to(torch.bfloat16).float()
+    hp = (hm @ a["h_proj"].float().T).to(torch.bfloat16)
+    ep = (e @ a["e_proj"].float().T).to(torch.bfloat16)
+    assert torch.equal(mtp.draft_input(**a), hp + ep[:, None, :])  # a bf16 add
 
 
 def test_draft_layer_uses_its_own_head_and_norm(w):

@@ -568,3 +568,25 @@ def test_bad_input_raises(table):
             torch.zeros(2, 8, 500, dtype=torch.bfloat16, device=DEVICE),
             torch.zeros(4, 16, dtype=torch.bfloat16, device=DEVICE),
         )
+
+
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+def test_qnorm_is_deepseeks_bf16_line(backend):
+    """The per-head q RMSNorm is DeepSeek's line run on bf16 q, ``q *= torch.rsqrt(q.square().mean(-1,
+    keepdim=True) + eps)`` (each op rounds to bf16), recomputed here with torch's own bf16 ops: the NoPE dims
+    (not rotated) are equal on V4-Flash's width; the fp32 form (one rounding after an fp32 norm) is not."""
+    T, H = 6, 16
+    q = randn((T, H, 512), seed=41, block=None, octaves=6)
+    pos = torch.arange(T, device=DEVICE) * 37
+    table = cos_sin_cache(512, theta=10000.0)
+    ds = q.cpu().clone()
+    ds *= torch.rsqrt(ds.square().mean(-1, keepdim=True) + EPS)  # DeepSeek's bf16 tensor ops
+    kv = randn((T, 512), seed=42, block=64, octaves=4)
+    cache = kv_cache.allocate(1, 16, device=DEVICE)
+    got = q.clone()
+    qnorm_rope_kv_insert(got, kv, cache, torch.arange(T, device=DEVICE), pos, table, eps=EPS, block_size=16, backend=backend)
+    nope = slice(0, 448)
+    assert torch.equal(got[..., nope].cpu(), ds[..., nope])
+    x = q.cpu().float()
+    fp32_form = (x * torch.rsqrt(x.square().mean(-1, keepdim=True) + EPS)).to(torch.bfloat16)
+    assert not torch.equal(fp32_form[..., nope], ds[..., nope])

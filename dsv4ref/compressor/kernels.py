@@ -22,7 +22,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ..tl import dot
+from ..tl import bf16_round, dot
 
 # ----------------------------------------------------------------------------------------------------
 # Projection.  kv[t, c] = Σ_h x[t, h]·W_kv[c, h];   score[t, c] = Σ_h x[t, h]·W_gate[c, h] + ape[p_t % r, c]
@@ -90,6 +90,7 @@ def project_kernel(
 #                   = ring[q_req, s_j % n, o_j : o_j + D]       elif s_j ≥ 0
 #                   = (0, −inf)                                 else (before the sequence start)
 #   c[d] = Σ_j e^(score_j[d] − m[d]) kv_j[d] / Σ_j e^(score_j[d] − m[d])   online over BLOCK_J positions at a time
+#   c    = fp32(bf16(c))                                                  DeepSeek's order: bf16, then the norm
 #   out  = c · 1/sqrt(mean(c²) + eps) · norm                               (zeros for a non-boundary token)
 # ----------------------------------------------------------------------------------------------------
 
@@ -155,7 +156,7 @@ def compress_kernel(
             den = den * alpha + tl.sum(e, axis=0)
             acc = acc * alpha + tl.sum(e * kv, axis=0)
             m = m_new
-        c = acc / den
+        c = bf16_round(acc / den)  # the pooled row in bf16 before the norm, as DeepSeek's Compressor does
         inv = 1.0 / tl.sqrt_rn(tl.sum(c * c, axis=0) / D + eps)
         tl.store(out, c * inv * tl.load(norm_ptr + d))
     else:

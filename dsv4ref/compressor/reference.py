@@ -12,6 +12,8 @@ Every r tokens a compressed layer gains one compressed KV row that summarises a 
                                                       (kv, score), the newer r tokens channels [D:2D]
                      ratio 128 (coff = 1):            the r tokens, channels [0:D]
                    c[d] = Σ_j softmax_j(score[j, d]) · kv[j, d]     a PER-CHANNEL softmax over the window
+                   c    = fp32(bf16(c))                             rounded to bf16 BEFORE the norm (DeepSeek's
+                                                                  order: its pooled row is cast to bf16, then normed)
                    c    = c · rsqrt(mean(c²) + eps) · norm          RMSNorm, fp32
 
 D = 512 for the attention path (the caller rounds the row to bf16, rotates its last 64 dims at (p // r)·r
@@ -24,7 +26,8 @@ otherwise, THEN stores the step's tokens into the ring (only the last n of each 
 be overwritten in the same step anyway).
 
 :func:`compress_sequence` computes the same rows for a whole sequence at once, written differently
-(blocks of r tokens, no ring): the float64 oracle the tests hold the stateful forms to.
+(blocks of r tokens, no ring): the float64 oracle the tests hold the stateful forms to. The oracle does not
+round the pooled row (tolerance ``"compressor"``: that one bf16 rounding moves a normed row by <= 2^-7).
 """
 
 from __future__ import annotations
@@ -105,7 +108,7 @@ def compress(x, wkv, wgate, ape, norm, state_kv, state_score, requests, position
         sc_w = sc_w.masked_fill(before, -math.inf)
         kv_w = kv_w.masked_fill(before, 0.0)
         c = (torch.softmax(sc_w, dim=1) * kv_w).sum(1)  # [nb, D]: per-channel softmax over the window
-        rows[b] = rms_norm(c, norm, eps)
+        rows[b] = rms_norm(c.to(torch.bfloat16).float(), norm, eps)  # DeepSeek: the pooled row in bf16, then the norm
     # the ring keeps each request's last n positions (distinct modulo n: no two writes hit one row)
     last = torch.full((state_kv.shape[0],), -1, dtype=torch.int64, device=dev)
     last = last.scatter_reduce(0, req[valid], pos[valid], "amax")

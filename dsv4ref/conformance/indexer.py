@@ -31,12 +31,13 @@ OUTPUTS = {
 
 _EXACT_Q = {"q": "exact", "weights_out": "exact", "q_scales": "exact"}
 _LOGITS = {"logits": "indexer_logits"}
+_LOGITS_BF16 = {"logits": "indexer_logits_bf16"}  # MXFP4: DeepSeek's bf16 scores
 
 
 def mass(case: Case) -> dict:
-    """The condition sum Σ_h |w_out|·Σ_d |q_d·k_d|(·k_scale) of each score compared under "indexer_logits"
-    (the scale of its fp32 summation error; ``reference.logits_condition``)."""
-    if case.tol.get("logits") != "indexer_logits":
+    """The condition sum Σ_h |w_out|·Σ_d |q_d·k_d|(·k_scale) of each score compared under "indexer_logits" or
+    "indexer_logits_bf16" (the scale of its rounding error; ``reference.logits_condition``)."""
+    if case.tol.get("logits") not in ("indexer_logits", "indexer_logits_bf16"):
         return {}
     a = case.inputs
     n_out = a.get("n_out") or case.expected["logits"].shape[1]
@@ -251,14 +252,14 @@ def _insert_k_cases(o) -> list[Case]:
 def _logits_cases(o) -> list[Case]:
     out = []
 
-    def case(name, q, qs, w, cache, pos, bt, bs, n_out, why, tol=_LOGITS):
+    def case(name, q, qs, w, cache, pos, bt, bs, n_out, why, tol=None):
         out.append(
             Case(
                 "indexer.logits",
                 name,
                 dict(q=q, q_scales=qs, weights_out=w, k_cache=cache, positions=pos, block_table=bt, block_size=bs, n_out=n_out),
                 ("q", "q_scales", "weights_out", "k_cache", "positions"),
-                tol=dict(tol),
+                tol=dict(tol or (_LOGITS if qs is None else _LOGITS_BF16)),
                 why=why,
             )
         )

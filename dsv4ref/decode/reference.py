@@ -369,8 +369,8 @@ def index_scores(
     k = rope(c, cp - 3, inv)
     q = rope(rearrange(qr @ Lw["idx_wq_b"].T, "l (h d) -> l h d", h=cfg.index_heads), pos, inv)
     if fmt is not None:
-        if hadamard:
-            q, k = _hadamard(q), _hadamard(k)
+        if hadamard:  # the rotation's output in bf16, as the quantisers (and DeepSeek's rotate_activation) have it
+            q, k = (_hadamard(v).float().to(torch.bfloat16).double() for v in (q, k))
         q, k = index_quant_sim(q, fmt), index_quant_sim(k, fmt)
     wts = x @ Lw["idx_weights"].T
     s = torch.einsum("lhd,sd->lhs", q, k).clamp(min=0)

@@ -180,7 +180,8 @@ def quantize_q(
         cos_sin: ``[max_pos, 64]`` fp32, rows ``[cos 0..31 | sin 0..31]`` (the layer's table; any strides).
         weights: ``[T, n_ih]`` fp32 or bf16 head weights, from ``weights_proj(x)`` (see :func:`head_weights`).
         fmt: ``"fp8"`` or ``"mxfp4"``.
-        hadamard: bool; rotate by H_128·128^-½ before quantising (the K side must match).
+        hadamard: bool; rotate by H_128·128^-½ (fp32, then rounded to bf16 as DeepSeek's
+            ``rotate_activation`` returns it) before quantising (the K side must match).
         backend: ``"auto"`` (= ``"triton"``), ``"reference"`` or ``"triton"``.
         launch: :class:`IndexerLaunch` (``quant_rows``), or None for the default.
 
@@ -253,7 +254,8 @@ def quantize_k(
     Args:
         k: ``[N, 128]`` bf16 (any strides).
         fmt: ``"fp8"`` or ``"mxfp4"``.
-        hadamard: bool; rotate (in fp32) before quantising; it must match the Q side.
+        hadamard: bool; rotate (in fp32, then rounded to bf16, as DeepSeek does) before quantising; it
+            must match the Q side.
         backend: ``"auto"`` (= ``"triton"``), ``"reference"`` or ``"triton"``.
         launch: :class:`IndexerLaunch` (``quant_rows``), or None for the default.
 
@@ -469,12 +471,14 @@ def logits(
             token t's request (local row l lives in page ``block_table[t, l // block_size]``, which must be a
             page of ``k_cache`` for every row read). None: page i holds rows ``i·block_size ..`` for every token.
         n_out: columns of the output, an int >= 0 (default: the largest n_c in the batch).
-        backend: ``"auto"`` (= ``"triton"``), ``"reference"`` (float64 from the decoded codes, rounded once to fp32) or
-            ``"triton"``.
+        backend: ``"auto"`` (= ``"triton"``), ``"reference"`` (float64 from the decoded codes, rounded once to fp32; MXFP4:
+            at DeepSeek's bf16 points) or ``"triton"``.
         launch: :class:`IndexerLaunch` (``logits_pages``, ``logits_warps``, ``fp4_decode``), or None.
 
     Returns:
-        ``[T, n_out]`` fp32, contiguous; −∞ in the masked columns. NaN in, NaN out: a score whose inputs
+        ``[T, n_out]`` fp32, contiguous; −∞ in the masked columns. MXFP4 scores hold bf16 values: each
+        head's dot, its product with the weight and the head sum are rounded to bf16, as DeepSeek's bf16
+        einsum does (``docs/indexer.md#rounding-points``). NaN in, NaN out: a score whose inputs
         hold a NaN (a NaN code or UE8M0 byte 255 in a key of the cache, an infinite weight times a zero) is
         NaN on every backend.
 
@@ -526,7 +530,16 @@ def logits(
         validate.index_range(block_table[used], "block_table", k_cache.shape[0], allow_minus_one=False)
     if backend == "reference":
         return reference.logits(
-            q, q_scales, weights_out, k_cache, positions, block_table, block_size=block_size, n_out=n_out, dtype=torch.float64
+            q,
+            q_scales,
+            weights_out,
+            k_cache,
+            positions,
+            block_table,
+            block_size=block_size,
+            n_out=n_out,
+            dtype=torch.float64,
+            bf16_scores=fmt == "mxfp4",
         ).float()
     return _launch.logits(q, q_scales, weights_out, k_cache, positions, block_table, block_size, n_out, launch)
 

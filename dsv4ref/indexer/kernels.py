@@ -16,7 +16,7 @@ import triton.language as tl
 
 from ..formats import FP4_AMAX_FLOOR, FP4_MAX, INDEX_AMAX_FLOOR
 from ..tl import (
-    bf16_round,
+    bf16_round_nan,
     canonical_nan,
     dot,
     e4m3_decode,
@@ -133,7 +133,7 @@ def relu_nan(x):
 #
 #   x      = bf16 row (128 dims)
 #   ROPE:  x[64+2i], x[64+2i+1] = e·c_i − o·s_i, e·s_i + o·c_i;  x = fp32(bf16(x))
-#   HADAMARD: x = H_128 · x · 128^-½
+#   HADAMARD: x = fp32(bf16(H_128 · x · 128^-½))          DeepSeek's rotate_activation returns bf16
 #   FP8:   e = ⌈log2(max(amax, 1e-4)/448)⌉, codes = e4m3(x·2^-e);  Q: w_out = (w·2^e)·fold;  K: scale = 2^e
 #   FP4:   per 32-block b: e_b = ⌈log2(max(amax_b, 6·2^-126)/6)⌉, codes = e2m1(x·2^-e_b); bytes e_b+127
 #   NON-FINITE (checks off; docs/indexer.md#non-finite-input): NaNs are made 0x7FC00000 first; a block
@@ -190,9 +190,9 @@ def quantize_kernel(
         x = tl.where(rot, tl.where(even[None, :], r_even, r_odd), x)
         # the bf16 round trip (identity on dims 0..63, which are bf16 already); NaN made quiet first, since
         # compiled NaNs are 0x7FFFFFFF, which the rounding add would carry into -0.0
-        x = bf16_round(canonical_nan(x))
+        x = bf16_round_nan(x)
     if HADAMARD:
-        x = hadamard128(x, ROWS, had_scale)
+        x = bf16_round_nan(hadamard128(x, ROWS, had_scale))  # bf16, as DeepSeek's rotate_activation returns it
     x = canonical_nan(x)  # NaN payloads and signs differ per device; the NaN bytes below must not
 
     if PAGED:
@@ -222,7 +222,7 @@ def quantize_kernel(
         tl.store(sdst, byte.to(tl.uint8), mask=row_ok[:, None] & (b[None, :] >= 0))
         if HAS_W:
             w = tl.load(w_ptr + rows, mask=row_ok, other=0.0)
-            tl.store(wo_ptr + rows, canonical_nan(w * fold), mask=row_ok)  # no q-scale fold in MXFP4
+            tl.store(wo_ptr + rows, bf16_round_nan(w * fold), mask=row_ok)  # no q-scale fold; bf16 as DeepSeek
     else:
         q, byte = e4m3_ue8m0_blocks(x, FP8_FLOOR, 1)  # [ROWS, 128] bytes, [ROWS] scale bytes (255: NaN row)
         qdst = q_ptr + page[:, None] * q_page_stride + off[:, None] * 128 + d[None, :]
@@ -399,7 +399,7 @@ def fp4_scaled_tile(cache_ptr, krow, live, ksb, qT, w_fast, DOT_FP32: tl.constex
     kb = tl.load(cache_ptr + krow[:, None] + tl.arange(0, 64)[None, :], mask=live[:, None], other=0)
     kv, ktop, _ = fp4_k_scaled(kb, ksb, krow.shape[0], DOT_FP32)
     s = dot(kv, qT, tl.zeros((krow.shape[0], qT.shape[1]), tl.float32), DOT_FP32)  # [TILE, HP], all 128 dims
-    return head_sum(s, w_fast) * pow2(tl.maximum(ktop - K_SHIFT, 1))  # × 2^(top − 127 − K_SHIFT) per key
+    return head_sum(s, w_fast, True) * pow2(tl.maximum(ktop - K_SHIFT, 1))  # × 2^(top − 127 − K_SHIFT) per key
 
 
 @triton.jit
@@ -431,12 +431,17 @@ def fp4_blocks_page(
         acc = dot(e2m1_f16(kb, False), tl.trans(e2m1_f16(qb, False)), tl.zeros((BCP, HP), tl.float32), DOT_FP32)
         acc = dot(e2m1_f16(kb, True), tl.trans(e2m1_f16(qb, True)), acc, DOT_FP32)
         s = s + acc * (ks[:, None] * qs[None, :])
-    return head_sum(s, w * F16_UNDO)
+    return head_sum(s, w * F16_UNDO, True)
 
 
 @triton.jit
-def head_sum(s, w):
-    """Σ_h w[h] · ReLU(s[:, h]) for scores s [BCP, HP]: the ReLU per head, BEFORE the weighted head sum."""
+def head_sum(s, w, BF16: tl.constexpr):
+    """Σ_h w[h] · ReLU(s[:, h]) for scores s [BCP, HP]: the ReLU per head, BEFORE the weighted head sum. ``BF16``
+    (MXFP4, DeepSeek's bf16 einsum): each head's dot, each product and the sum rounded to bf16 (a power-of-two
+    factor riding in s or w, as the fp16 decodes carry, commutes with these roundings)."""
+    if BF16:
+        r = bf16_round_nan(relu_nan(s))
+        return bf16_round_nan(tl.sum(bf16_round_nan(r * w[None, :]), axis=1))
     return tl.sum(relu_nan(s) * w[None, :], axis=1)
 
 
@@ -590,4 +595,4 @@ def logits_kernel(
                 if not DOT_FP32:
                     kv = kv.to(tl.bfloat16)
                 s = dot(kv, qT, tl.zeros((BCP, HP), tl.float32), DOT_FP32)  # [BCP, HP] = ⟨k_s, q_h⟩
-            store_logits(out_ptr, t, n_out, cols, j < BC, live, head_sum(s, w) * kscale)
+            store_logits(out_ptr, t, n_out, cols, j < BC, live, head_sum(s, w, FP4) * kscale)

@@ -3,7 +3,7 @@
 A decode token t at position p sees n_c(p) = (p + 1) // 4 compressed rows. The indexer scores every one
 of them and keeps the best k::
 
-    query side   x      = fp32(bf16(RoPE_last64(index_q[t, h], p)))      (optionally × H_128·128^-½)
+    query side   x      = fp32(bf16(RoPE_last64(index_q[t, h], p)))      (optionally fp32(bf16(H_128·128^-½·x)))
                  q, e   = E4M3(x · 2^-e), e = ⌈log2(max(amax, 1e-4) / 448)⌉          one scale per (t, h)
                  w_out  = w[t, h] · 2^e · 128^-½ · n_ih^-½                         the q scale FOLDED in
     key side     k_s    = E4M3(k · 2^-e_s),  k_scale_s = 2^e_s (fp32)                one scale per key
@@ -12,7 +12,9 @@ of them and keeps the best k::
     selection    topk_local[t] = ids of the k largest I[t, :], −∞ → −1, padded with −1
     global slots slot = block_table[t, l // B] · B + l % B                        (l = a local id ≥ 0)
 
-MXFP4 replaces E4M3 by E2M1 in 4 blocks of 32 with one UE8M0 byte each, and folds nothing.
+MXFP4 (DeepSeek's format) replaces E4M3 by E2M1 in 4 blocks of 32 with one UE8M0 byte each, folds nothing,
+and rounds where DeepSeek's bf16 tensors round: w_out = bf16(w·c), and each head's dot, each product with
+its weight and the head sum to bf16 (``docs/indexer.md#rounding-points``).
 
 Non-finite values (value checks off; with them on the public functions raise first): NaNs are made the
 quiet NaN 0x7FC00000, then a block holding a NaN or ±inf gets scale byte 255 (E8M0's NaN; the fp8 K scale is
@@ -113,11 +115,19 @@ def hadamard_transform(x: torch.Tensor) -> torch.Tensor:
     return y * torch.tensor(HADAMARD_SCALE, dtype=torch.float32, device=y.device)
 
 
+def rotate(x: torch.Tensor) -> torch.Tensor:
+    """The Hadamard side of both quantisers: :func:`hadamard_transform` in fp32, then **rounded to bf16**
+    (returned as fp32 holding bf16 values): DeepSeek's ``rotate_activation`` returns a bf16 tensor and its
+    FP4 quantiser reads bf16, so the codes are made from the rounded values (``docs/indexer.md#the-hadamard-rotation``).
+    A NaN comes out the quiet NaN (the cast's NaN bits depend on the device)."""
+    return canonical_nan(hadamard_transform(x).to(torch.bfloat16).float())
+
+
 def prepare_q(index_q: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor, hadamard: bool = False) -> torch.Tensor:
     """The fp32 values that get quantised: RoPE, the bf16 round trip of the rotated dims, optional Hadamard."""
     x = rope(index_q.float(), positions, cos_sin)
     x[..., ROPE_START:] = x[..., ROPE_START:].to(torch.bfloat16).float()  # "match reference numerics"
-    return canonical_nan(hadamard_transform(x) if hadamard else x)
+    return canonical_nan(rotate(x) if hadamard else x)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -138,6 +148,13 @@ def quantize_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 # ----------------------------------------------------------------------------------------------------
 
 
+def bf16(x: torch.Tensor) -> torch.Tensor:
+    """x rounded to bf16, in x's dtype, through fp32 as the kernels round; a NaN comes out the quiet NaN
+    0x7FC00000 (torch's CPU cast makes it 0xFFFF...). The rounding points of DeepSeek's MXFP4 indexer (the head
+    weights, the scores)."""
+    return canonical_nan(x.float().to(torch.bfloat16).float()).to(x.dtype)
+
+
 def quantize_q(
     index_q: torch.Tensor,
     positions: torch.Tensor,
@@ -151,7 +168,7 @@ def quantize_q(
 
     FP8: the per-(token, head) scale 2^e is multiplied into the weight (exact), then c = :func:`fold`
     once. MXFP4: the 4 block scales stay with q (packed into one int32, block 0 in the low byte); the
-    weight gets c only."""
+    weight gets c only, rounded to bf16 (DeepSeek's ``weights_proj(x) * c`` is a bf16 tensor op)."""
     x = prepare_q(index_q, positions, cos_sin, hadamard)
     T, H, _ = x.shape
     c = torch.tensor(fold(H), dtype=torch.float32, device=x.device)
@@ -159,7 +176,7 @@ def quantize_q(
         q, byte = quantize_fp8(x)
         return q, None, canonical_nan((weights.float() * ue8m0_value(byte)) * c)  # byte 255: w_out NaN
     packed, byte = quantize_mxfp4(x)
-    return packed, byte.contiguous().view(torch.int32).reshape(T, H), canonical_nan(weights.float() * c)
+    return packed, byte.contiguous().view(torch.int32).reshape(T, H), bf16(weights.float() * c)  # DeepSeek: bf16
 
 
 def dequantize_q(q: torch.Tensor, q_scales: torch.Tensor | None) -> torch.Tensor:
@@ -173,7 +190,7 @@ def dequantize_q(q: torch.Tensor, q_scales: torch.Tensor | None) -> torch.Tensor
 def quantize_k(k: torch.Tensor, *, fmt: str = "fp8", hadamard: bool = False):
     """Keys ``[N, 128]`` (already RoPE'd and bf16) → fp8 ``(codes, fp32 scale 2^e [N])`` or
     mxfp4 ``(packed [N, 64], UE8M0 bytes [N, 4])``."""
-    x = canonical_nan(hadamard_transform(k.float()) if hadamard else k.float())
+    x = canonical_nan(rotate(k.float()) if hadamard else k.float())
     if fmt == "fp8":
         q, byte = quantize_fp8(x)
         return q, ue8m0_value(byte)  # 2^e; NaN for a non-finite row
@@ -228,11 +245,14 @@ def logits(
     block_size: int,
     n_out: int,
     dtype: torch.dtype = torch.float64,
+    bf16_scores: bool = False,
 ) -> torch.Tensor:
     """The scores ``[T, n_out]`` in ``dtype`` from the decoded codes (float64: the oracle)::
 
         I[t, s] = Σ_h w_out[t, h] · ReLU(⟨q[t, h], k_s⟩) (· k_scale_s for fp8)     s < (p_t + 1) // 4, else −∞
 
+    ``bf16_scores`` (what the op does for MXFP4, DeepSeek's bf16 einsum): each head's dot, each product with
+    its weight and the head sum are rounded to bf16 (:func:`bf16`), so the result holds bf16 values.
     Key s of token t lives at slot ``block_table[t, s // B] · B + s % B``."""
     fmt = "fp8" if q_scales is None else "mxfp4"
     T, dev = q.shape[0], q.device
@@ -245,6 +265,9 @@ def logits(
     vals, sc = read_k(k_cache, slots.reshape(-1), block_size=block_size, fmt=fmt)
     kv = dequantize_k(vals, sc).to(dtype).reshape(T, n_out, HEAD_DIM)
     dots = torch.einsum("thd,tsd->ths", qv, kv).clamp_min(0)  # ReLU per head, BEFORE the head sum
+    if bf16_scores:  # DeepSeek: bf16 einsum, bf16 product with the weight, bf16 head sum
+        out = bf16(bf16(bf16(dots) * weights_out.to(dtype)[..., None]).sum(1))
+        return torch.where(live, out, float("-inf"))
     out = torch.einsum("th,ths->ts", weights_out.to(dtype), dots)
     if fmt == "fp8":
         out = out * sc.to(dtype).reshape(T, n_out)

@@ -106,13 +106,27 @@ def accepted_counts(drafts: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
 
 
 def draft_input(
-    h_prev, embed_rows, positions, enorm, hnorm, e_proj, h_proj, *, eps, hc_mult=None, e_proj_scale=None, h_proj_scale=None
+    h_prev,
+    embed_rows,
+    positions,
+    enorm,
+    hnorm,
+    e_proj,
+    h_proj,
+    *,
+    eps,
+    hc_mult=None,
+    zero_first=False,
+    e_proj_scale=None,
+    h_proj_scale=None,
 ):
     """The draft layer's block input ``X = h_proj(hnorm(h_prev[m])) + e_proj(enorm(e))`` for every stream m.
 
-    ``e`` is the shared embedding of the NEXT token (the one at position q + 1), zeroed on rows at position 0;
+    ``e`` is the shared embedding of the NEXT token (the one at position q + 1), on every row, position 0
+    included (DeepSeek's ``MTPBlock``; ``zero_first=True``: vLLM's convention, e = 0 on rows at position 0);
     ``hnorm`` is an RMSNorm over Hd of each stream separately; ``e_proj(e)`` is added to all M streams.
-    bf16 GEMMs with fp32 accumulation; the result is rounded to bf16 once.
+    bf16 GEMMs with fp32 accumulation, each projection's output rounded to bf16, then one bf16 add (DeepSeek
+    adds the two bf16 outputs).
 
     Args:
         h_prev: ``[T, M, Hd]`` bf16, or the flat stash ``[T, M·Hd]`` with ``hc_mult=M``: the target's
@@ -123,7 +137,7 @@ def draft_input(
             (float8_e4m3fn with ``e_proj_scale`` / ``h_proj_scale`` float8_e8m0fnu ``[⌈Hd/128⌉, ⌈Hd/128⌉]``: the
             normed rows then go through the 1x128 activation quantiser and the FP8 GEMM, bf16 out).
         eps: the RMSNorm epsilon (1e-6), a finite number > 0.  hc_mult: M (an int ≥ 1), required when
-            ``h_prev`` is flat.
+            ``h_prev`` is flat.  zero_first: a bool; True zeroes e on rows at position 0 (vLLM).
     Returns:
         ``[T, M, Hd]`` bf16.
     Raises:
@@ -151,6 +165,8 @@ def draft_input(
     if hc_mult is not None and hc_mult != M:
         raise ValueError(f"hc_mult: {hc_mult} does not match h_prev's {M} streams (shape {tuple(h_prev.shape)})")
     validate.scalar(eps, "eps", gt=0.0)
+    if not isinstance(zero_first, bool):
+        raise TypeError(f"zero_first: expected a bool, got {type(zero_first).__name__} {zero_first!r}")
     validate.same_device(
         h_prev=h_prev, embed_rows=embed_rows, positions=positions, enorm=enorm, hnorm=hnorm, e_proj=e_proj, h_proj=h_proj
     )
@@ -169,6 +185,7 @@ def draft_input(
         e_proj,
         h_proj,
         eps=float(eps),
+        zero_first=zero_first,
         e_proj_scale=e_proj_scale,
         h_proj_scale=h_proj_scale,
     )

@@ -3,11 +3,13 @@
 The draft layer (one per V4 model: ``num_nextn_predict_layers = 1``) predicts the token TWO positions ahead
 of the target's row q, from the target's pre-hc_head residual at q (M streams) and the token at q + 1::
 
-    e    = embed(tok_{q+1})                    [Hd]      the SHARED embedding (the MTP has none of its own)
-    e    = 0                     if q == 0    (vLLM: the position-0 row of a prefill has no previous token)
+    e    = embed(tok_{q+1})                    [Hd]      the SHARED embedding (the MTP has none of its own),
+                                                         at q = 0 too (DeepSeek; vLLM zeroes it there:
+                                                         ``zero_first=True``)
     e    = RMSNorm(e)·enorm                    [Hd]
     hm   = RMSNorm(h_prev[m])·hnorm            [Hd]      PER STREAM m = 0..M−1, not over M·Hd
-    X[m] = h_proj(hm) + e_proj(e)              [M, Hd]   h_proj on each stream, e_proj(e) broadcast to all M
+    X[m] = bf16(h_proj(hm)) + bf16(e_proj(e))  [M, Hd]   h_proj on each stream, e_proj(e) broadcast to all M;
+                                                         two bf16 outputs, one bf16 add (DeepSeek's)
     X    = Block(X, q)                                   one SWA-only V4 block with its own KV cache
     y    = HCHead(X; the MTP's OWN hc_head)    [Hd]
     logits = lm_head(RMSNorm(y)·norm_mtp)      [V]       its own norm, the SHARED LM head
@@ -56,20 +58,36 @@ def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float, dtype=torch.float32) 
 
 
 def draft_input(
-    h_prev, embed_rows, positions, enorm, hnorm, e_proj, h_proj, *, eps, dtype=torch.float32, e_proj_scale=None, h_proj_scale=None
+    h_prev,
+    embed_rows,
+    positions,
+    enorm,
+    hnorm,
+    e_proj,
+    h_proj,
+    *,
+    eps,
+    zero_first=False,
+    dtype=torch.float32,
+    e_proj_scale=None,
+    h_proj_scale=None,
 ):
-    """``X [T, M, Hd]``: ``h_proj(hnorm(h_prev[m])) + e_proj(enorm(e))`` per stream, e zeroed where the
-    position is 0. float32: the norms are rounded to bf16 before the projections (their outputs feed bf16
-    GEMMs) and X is rounded to bf16; float64: no rounding (the oracle). FP8 projections (``*_scale`` given, V4's
-    format): through the 1x128 activation quantiser and the FP8 GEMM (:func:`dsv4ref.linear.fp8_linear`, bf16
-    out), their sum rounded to bf16; in float64 the dequantised weights on the unquantised rows."""
+    """``X [T, M, Hd]``: ``h_proj(hnorm(h_prev[m])) + e_proj(enorm(e))`` per stream. float32, as DeepSeek's
+    bf16 tensors: the norms are rounded to bf16 before the projections, each projection's output is rounded
+    to bf16 and their sum is a bf16 add; float64: no rounding (the oracle). ``zero_first``: vLLM's convention,
+    e zeroed where the position is 0 (DeepSeek embeds the given token there). FP8 projections (``*_scale``
+    given, V4's format): through the 1x128 activation quantiser and the FP8 GEMM
+    (:func:`dsv4ref.linear.fp8_linear`, bf16 out), the two bf16 outputs added in bf16; in float64 the
+    dequantised weights on the unquantised rows."""
     rnd = (lambda v: v.to(torch.bfloat16).to(dtype)) if dtype != torch.float64 else (lambda v: v)
-    e = torch.where((positions == 0)[:, None], 0.0, embed_rows.to(dtype))
+    e = embed_rows.to(dtype)
+    if zero_first:
+        e = torch.where((positions == 0)[:, None], 0.0, e)
     e = rnd(rms_norm(e, enorm, eps, dtype))  # [T, Hd]
     hm = rnd(rms_norm(h_prev, hnorm, eps, dtype))  # [T, M, Hd]: the norm runs over Hd, stream by stream
     if e_proj_scale is not None or h_proj_scale is not None:
         return _draft_input_fp8(hm, e, e_proj, h_proj, e_proj_scale, h_proj_scale, dtype)
-    x = hm @ h_proj.to(dtype).T + (e @ e_proj.to(dtype).T)[:, None, :]  # e_proj(e) broadcast to the M streams
+    x = rnd(hm @ h_proj.to(dtype).T) + rnd(e @ e_proj.to(dtype).T)[:, None, :]  # e_proj(e) broadcast to the M streams
     return x.to(torch.bfloat16) if dtype != torch.float64 else x
 
 

@@ -9,8 +9,9 @@
 
 The arithmetic is the reference's, rule for rule (``docs/rope.md#rounding-rules``): bf16 is widened to
 fp32 in integers (no bf16 arithmetic: the interpreter gets it wrong); the rotation is two separately
-rounded products and one add (the launcher passes ``enable_fp_fusion=False``: no FMA); the RMSNorm sums
-exact squares in float64 and uses ``sqrt_rn`` / ``div_rn`` (correctly rounded, never ``rsqrt``); results
+rounded products and one add (the launcher passes ``enable_fp_fusion=False``: no FMA); the RMSNorm rounds
+each step to bf16 as DeepSeek's bf16 tensor ops do, sums the squares in float64 and uses ``sqrt_rn`` /
+``div_rn`` (correctly rounded, never ``rsqrt``); results
 are rounded to bf16 nearest-even in integers (``bf16_rne_bits_nan``), every NaN as the one quiet NaN 0x7FC0
 (fp32 outputs: 0x7FC00000, ``canonical_nan``), as the reference writes it (``docs/rope.md#non-finite-input``).
 """
@@ -21,7 +22,7 @@ import triton
 import triton.language as tl
 
 from ..formats import HEAD_DIM, NOPE_DIM, ROPE_DIM
-from ..tl import bf16_rne_bits_nan, canonical_nan
+from ..tl import bf16_rne_bits_nan, bf16_round_nan, canonical_nan
 from ..tl.kv_record import kv_record
 
 # a jit function may only read constexpr globals
@@ -88,7 +89,8 @@ def rotate_gptj_kernel(
 
 # ----------------------------------------------------------------------------------------------------
 # The fused Q-norm + RoPE + KV insert, per token t (docs/rope.md#the-fused-prologue-step)
-#   Q:  rr = 1 / sqrt(Σ_d q[d]² / 512 + eps);  y = q·rr;  y[448:512] = GPT-J rotation of y[448:512];  q ← bf16(y)
+#   Q:  rr = b(1 / sqrt(b(b(Σ_d b(q[d]²) / 512) + eps)));  y = b(q·rr)   b = bf16 rounding (DeepSeek's bf16 ops)
+#       y[448:512] = GPT-J rotation of y[448:512];  q ← bf16(y)
 #   KV: only if t < len(slots) and slots[t] >= 0: rotate kv[t, 448:512]; write the 584-B record at slots[t]
 # ----------------------------------------------------------------------------------------------------
 
@@ -176,12 +178,13 @@ def qnorm_rope_kv_insert_mh_kernel(
             lo = (w << 16).to(tl.float32, bitcast=True)  # even dim: the low half, widened
             hi = (w & -65536).to(tl.float32, bitcast=True)  # odd dim: the high half (0xFFFF0000)
             # weight-free RMSNorm per head: fp64 sum of exact squares (order-free), as the per-head kernel
-            lo64, hi64 = lo.to(tl.float64), hi.to(tl.float64)
-            sq = lo64 * lo64 + hi64 * hi64
+            # of the bf16 squares, each op rounded to bf16 as DeepSeek's bf16 tensor ops
+            sq = bf16_round_nan(lo * lo).to(tl.float64) + bf16_round_nan(hi * hi).to(tl.float64)
             ss = tl.sum(tl.sum(sq, axis=2, keep_dims=True), axis=1, keep_dims=True).to(tl.float32)  # [HPP, 1, 1]
-            rr = tl.math.div_rn(1.0, tl.math.sqrt_rn(ss * _INV_D + eps))  # kept dims: no layout change
-            e = lo * rr
-            o = hi * rr
+            m = bf16_round_nan(bf16_round_nan(ss * _INV_D) + eps)  # kept dims: no layout change
+            rr = bf16_round_nan(tl.math.div_rn(1.0, tl.math.sqrt_rn(m)))
+            e = bf16_round_nan(lo * rr)
+            o = bf16_round_nan(hi * rr)
             # RoPE on chunk 7: e·c − o·s and e·s + o·c, separately rounded products (no FMA)
             y_lo = tl.where(rope, e * c - o * s, e)
             y_hi = tl.where(rope, e * s + o * c, o)
@@ -224,17 +227,17 @@ def qnorm_rope_kv_insert_kernel(
             d = tl.arange(0, _D)
             head = q_ptr + t.to(tl.int64) * q_stride_t + h.to(tl.int64) * q_stride_h
             x = ((tl.load(head + d).to(tl.int32) & 0xFFFF) << 16).to(tl.float32, bitcast=True)
-            # weight-free RMSNorm: fp64 sum of exact squares (order-free), correctly rounded sqrt and div
-            x64 = x.to(tl.float64)
-            ss = tl.sum(x64 * x64, axis=0).to(tl.float32)
-            rr = tl.math.div_rn(1.0, tl.math.sqrt_rn(ss * _INV_D + eps))
-            xn = x * rr
+            # weight-free RMSNorm as DeepSeek's bf16 tensor ops, each rounded to bf16: the squares, their
+            # mean (an fp64 sum, order-free), + eps, the rsqrt (correctly rounded sqrt and div), q·rsqrt
+            ss = tl.sum(bf16_round_nan(x * x).to(tl.float64), axis=0).to(tl.float32)
+            rr = bf16_round_nan(tl.math.div_rn(1.0, tl.math.sqrt_rn(bf16_round_nan(bf16_round_nan(ss * _INV_D) + eps))))
+            xn = bf16_round_nan(x * rr)
             # RoPE on dims 448..511: the pair partner of d is d ^ 1 (re-loaded; it is in L1 already)
             is_rope = d >= _NOPE
             i = tl.where(is_rope, (d - _NOPE) // 2, 0)
             c = tl.load(trow + i, mask=is_rope, other=1.0)
             s = tl.load(trow + _HALF + i, mask=is_rope, other=0.0)
-            partner = ((tl.load(head + (d ^ 1)).to(tl.int32) & 0xFFFF) << 16).to(tl.float32, bitcast=True) * rr
+            partner = bf16_round_nan(((tl.load(head + (d ^ 1)).to(tl.int32) & 0xFFFF) << 16).to(tl.float32, bitcast=True) * rr)
             # even dims subtract: compiled Triton negates −(v) as 0 − v, so x·c + (−(+0)) would give +0 where
             # the reference's x·c − y·s gives −0 (seen on the H200 with a zeroed row)
             rot = tl.where(d % 2 == 0, xn * c - partner * s, xn * c + partner * s)

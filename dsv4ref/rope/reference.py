@@ -20,8 +20,9 @@
 
 Rounding rules (every backend follows them, so kernels equal this file bit for bit): the rotation takes
 two separately rounded fp32 products and one add (no FMA), then rounds once to the output dtype (bf16:
-nearest-even); the RMSNorm sums squares in float64 (order-free), rounds to fp32, and takes a correctly
-rounded sqrt and division (never an approximate rsqrt).
+nearest-even); the q RMSNorm is DeepSeek's bf16 tensor ops, each result rounded to bf16 (the squares, the
+mean, + eps, the rsqrt, q·rsqrt), its sum of squares taken in float64 (order-free) and rounded to fp32, its
+rsqrt a correctly rounded sqrt and division (never an approximate rsqrt).
 
 Non-finite input (``docs/rope.md#non-finite-input``) follows IEEE arithmetic through these same formulas,
 and every NaN a rotation or the norm produces is written as the one quiet NaN (bf16 0x7FC0, fp32
@@ -129,12 +130,21 @@ def apply_neox(x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor, 
 # ----------------------------------------------------------------------------------------------------
 
 
+def bf16(x: torch.Tensor) -> torch.Tensor:
+    """fp32 → fp32(bf16(x)), nearest-even: the rounding of one bf16 tensor op."""
+    return x.to(torch.bfloat16).float()
+
+
 def qnorm_rope(q: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor, eps: float) -> torch.Tensor:
-    """The Q side, dsv4ref's canonical form: weight-free RMSNorm over all 512 dims of each head, then GPT-J
-    RoPE of the fp32 normalised values, rounded once to bf16."""
-    ss = (q.double() ** 2).sum(dim=-1, keepdim=True).float()  # order-free: fp64 sum, then one rounding
-    rr = 1.0 / torch.sqrt(ss / q.shape[-1] + eps)  # correctly rounded sqrt and division, fp32
-    return canonical_nan(apply_gptj(q.float() * rr, positions, cos_sin).to(torch.bfloat16))
+    """The Q side as DeepSeek computes it: the weight-free RMSNorm of each head over all 512 dims as bf16
+    tensor ops (``q *= rsqrt(q.square().mean(-1) + eps)`` on bf16 q: every op rounds to bf16; the mean's sum
+    is fp32), then GPT-J RoPE of the normalised bf16 values in fp32, rounded once to bf16."""
+    x = q.float()
+    sq = bf16(x * x)  # q.square() in bf16
+    ss = sq.double().sum(dim=-1, keepdim=True).float()  # the mean's fp32 sum, order-free: fp64, then one rounding
+    m = bf16(bf16(ss / q.shape[-1]) + eps)  # mean (÷512 exact) in bf16, + eps in bf16
+    rr = bf16(1.0 / torch.sqrt(m))  # rsqrt in bf16: correctly rounded sqrt and division, then bf16
+    return canonical_nan(apply_gptj(bf16(x * rr), positions, cos_sin).to(torch.bfloat16))
 
 
 def qnorm_rope_kv_insert(

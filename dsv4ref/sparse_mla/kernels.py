@@ -41,8 +41,9 @@ with the same rescaling as the loop, then runs the same epilogue once: the sink 
 merge, never per split, and lse stays in one unit (log2 inside, natural log at the single exit).
 
 Compiled, the dots take bf16 operands (exact for the dequantised rows and for q) with fp32 accumulation,
-and P is rounded to bf16 for P·V, as FlashMLA does: an error up to 2^-9·Σ_j p_j|v_j| per output (tolerance
-``bf16_weighted_sum``). Interpreted (``DOT_FP32``), every dot is fp32.
+and P is rounded to bf16 for P·V, as DeepSeek's and FlashMLA's kernels do: an error up to 2^-9·Σ_j p_j|v_j|
+per output (tolerance ``bf16_weighted_sum``). Interpreted (``DOT_FP32``), every dot is fp32 and P is rounded
+in integers (``bf16_round_nan``), so both paths round it.
 """
 
 from __future__ import annotations
@@ -51,7 +52,7 @@ import triton
 import triton.language as tl
 
 from ..formats import HEAD_DIM, N_SCALES, NOPE_DIM, QUANT_BLOCK, ROPE_DIM
-from ..tl import bf16_rne_bits_nan, dot, nonfinite, page_offsets, ue8m0_value
+from ..tl import bf16_rne_bits_nan, bf16_round_nan, dot, nonfinite, page_offsets, ue8m0_value
 
 # The row as tiles of QUANT_BLOCK values: N_SCALES e4m3 tiles, then one bf16 RoPE tile (needs ROPE_DIM == QUANT_BLOCK).
 assert ROPE_DIM == QUANT_BLOCK and NOPE_DIM == N_SCALES * QUANT_BLOCK
@@ -171,8 +172,10 @@ def attend_pool(
         alpha = tl.exp2(m - m_safe)  # m = −inf (nothing yet) -> 0
         p = tl.exp2(s - m_safe[:, None])
         l = l * alpha + tl.sum(p, axis=1)
-        if not DOT_FP32:
-            p = p.to(tl.bfloat16)  # FlashMLA's numerics: abs error up to 2^-9 · Σ p|v|
+        if DOT_FP32:
+            p = bf16_round_nan(p)  # the interpreter's cast truncates (I4): round in integers, keep fp32
+        else:
+            p = p.to(tl.bfloat16)  # DeepSeek's and FlashMLA's numerics: abs error up to 2^-9 · Σ p|v|
         acc = dot(p, k, acc * alpha[:, None], DOT_FP32)  # the same tile is V: nothing loaded twice
         m = m_new
     return m, l, acc

@@ -13,6 +13,10 @@ the 64 RoPE dims included)::
     lse   = ln Σ_j exp(s_j)                                          natural log, WITHOUT the sink
     out   = Σ_j exp(s_j − lse) · k_j · σ(lse − sink_h)               = Σ e^s k / (Σ e^s + e^sink)
 
+* The probabilities in bf16 (fp32 ``dtype``): P·V multiplies bf16(e^(s_j − max_j s)) by the rows and divides
+  by the unrounded Σ_j e^(s_j − max), as DeepSeek's sparse-attention kernel (and FlashMLA's) does; the kernels
+  round their running-max form of the same exponentials. ``dtype=torch.float64`` does not round (the oracle).
+
 * The sink is in the denominator only: multiplying the plain softmax output by σ(lse − sink) is exact for
   sink = −inf (factor 1) and sink = +inf (factor 0) and never forms ∞ − ∞.
 * A row with no valid candidate gives ``out = 0`` and ``lse = −inf``, whatever the sink.
@@ -94,10 +98,15 @@ def decode(
     lse = torch.logsumexp(s, dim=-1)  # −inf for an empty row
     lse_safe = torch.where(nonempty, lse, torch.zeros_like(lse))
     p = torch.exp(s - lse_safe[..., None])  # entries that do not count: exp(−inf) = 0
+    if dtype == torch.float32:  # the kernels' P·V: the unnormalised e^(s − max) in bf16, the sum l unrounded
+        mx = s.amax(dim=-1, keepdim=True) if s.shape[-1] else s.new_zeros(*s.shape[:-1], 1)  # K = 0: no entry
+        e = torch.exp(s - torch.where(torch.isfinite(mx), mx, torch.zeros_like(mx)))
+        p = e.to(torch.bfloat16).float() / e.sum(dim=-1, keepdim=True)  # empty rows: 0/0, replaced by 0 below
     factor = 1.0 if sink is None else torch.sigmoid(lse_safe - sink.to(dtype)[None, :])[..., None]  # the sink
 
     out = einsum(p, k, "t h k, t k d -> t h d") * factor
     out = torch.where(nonempty[..., None], out, torch.zeros_like(out))
+    p = torch.exp(s - lse_safe[..., None])  # the mass (below) weighs by the exact p
     lse = torch.where(nonempty, lse, torch.full_like(lse, -math.inf))
     out = out.masked_fill(poisoned[..., None], math.nan)  # a NaN in, a NaN out: never the empty-row answer
     lse = lse.masked_fill(poisoned, math.nan)

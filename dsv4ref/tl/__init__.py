@@ -14,6 +14,7 @@ from .numerics import (  # noqa: F401
     bf16_rne_bits,
     bf16_rne_bits_nan,
     bf16_round,
+    bf16_round_nan,
     canonical_nan,
     dot,
     dot_e4m3,

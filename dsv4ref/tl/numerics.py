@@ -17,6 +17,7 @@ helper                 what it does                                  interpreter
 ``ue8m0_value``        any E8M0 byte -> fp32 (0: 2^-127, 255: NaN)   none; readers of others' pages
 ``e4m3_decode``        e4m3fn byte -> fp32, 0x7F / 0xFF -> NaN       the interpreter decodes 0x7F as 480
 ``bf16_rne_bits_nan``  ``bf16_rne_bits`` + NaN -> 0x7FC0             GPU NaN 0x7FFFFFFF would round to -0
+``bf16_round_nan``     fp32 -> fp32(bf16(x)), NaN -> 0x7FC00000       I4, and the NaN carry above
 ``canonical_nan``      fp32 NaN -> 0x7FC00000                        NaN payloads differ per device
 ``ue8m0_byte_bits``    amax bits -> ``ue8m0_byte`` (QMAX 448) in     none; integers only, no division
                        four integer ops
@@ -112,6 +113,13 @@ def bf16_round(x):
     u = x.to(tl.uint32, bitcast=True)
     u = (u + 0x7FFF + ((u >> 16) & 1)) & 0xFFFF0000
     return u.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def bf16_round_nan(x):
+    """:func:`bf16_round` of any fp32, NaN included: a NaN comes out the quiet NaN 0x7FC00000 (compiled NaNs are
+    0x7FFFFFFF, which the rounding add would carry into −0.0). The rounding of a bf16 tensor op."""
+    return bf16_round(canonical_nan(x))
 
 
 @triton.jit

@@ -602,7 +602,7 @@ print(inspect.getsource(kernels.merge_kernel.fn))
 # %% [markdown]
 # The same format in a few lines of float64 torch, for token 0 of the example (its window list in 2 splits plus
 # its compressed list as a third): write each split's state, merge it as the kernel does, and compare with the
-# reference.
+# float64 reference (which, like these lines, does not round P to bf16).
 
 
 # %%
@@ -637,10 +637,11 @@ print(
     "| per-split m of head 0:",
     [round(float(v), 3) for v in part_ml[:, 0, 0]],
 )
+out64, lse64 = reference.decode(**inputs, dtype=torch.float64)  # the float64 oracle: P not rounded, as here
 print(
-    compare(out0, out_ref[0].double(), "bf16_out", "merged out").verdict(),
+    compare(out0, out64[0], "fp32_elementwise", "merged out").verdict(),
     "|",
-    compare(lse0, lse_ref[0].double(), "lse", "merged lse").verdict(),
+    compare(lse0, lse64[0], "lse", "merged lse").verdict(),
 )
 
 # %% [markdown]

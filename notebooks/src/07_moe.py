@@ -30,7 +30,7 @@ import inspect
 
 import torch
 
-from dsv4ref import moe
+from dsv4ref import fp8, moe
 from dsv4ref.device import DEVICE, describe
 from dsv4ref.moe import reference
 from dsv4ref.testing import compare
@@ -348,7 +348,7 @@ tiny_x = torch.cat([tiny, torch.ones(96, dtype=torch.bfloat16)]).to(DEVICE)[None
 codes, words = moe.stage(tiny_x, sid[:1], sw[:1])[:2]
 with_floor = codes.view(torch.uint8)[0, :32]
 amax = tiny.float().abs().max()
-byte_own = int(torch.ceil(torch.log2(amax / 448))) + 127
+byte_own = int(torch.ceil(torch.log2(fp8.reference.div_rn(amax, 448)))) + 127
 own = (tiny.float() * 2.0 ** (127 - byte_own)).clamp(-448, 448).to(torch.float8_e4m3fn).view(torch.uint8)
 for name, c, byte in (("with the floor", with_floor, words[0, 0].item() & 0xFF), ("byte from amax", own, byte_own)):
     sub = int(((c & 0x78) == 0).sum())
@@ -362,7 +362,7 @@ for name, c, byte in (("with the floor", with_floor, words[0, 0].item() & 0xFF),
 # %%
 # host: the float logs are the CPU's (a GPU's log2 may round another way); the bits are the same everywhere
 every = torch.arange(1, 0x7F80, dtype=torch.int32).to(torch.int16).view(torch.bfloat16).float()
-quot = every.clamp(min=1e-4) / 448.0  # fp32, correctly rounded
+quot = fp8.reference.div_rn(every.clamp(min=1e-4), 448.0)  # fp32, one IEEE division on every device
 qb = quot.view(torch.int32)
 by_bits = ((qb >> 23) & 0xFF) + ((qb & 0x7FFFFF) != 0).int()
 by_log = torch.ceil(torch.log2(quot)).int() + 127
