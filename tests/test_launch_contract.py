@@ -110,7 +110,7 @@ def _bind(make, backend="auto"):
 
 # (how to build the call, a launch of the op's kind that is not the default, the custom ops it reaches)
 CASES = {
-    "kv_cache.insert": (_kv, "auto", KVCacheLaunch(2, programs_per_sm=1), ("kv_insert",)),
+    "kv_cache.insert": (_kv, "auto", KVCacheLaunch(2, 2, max_registers=64), ("kv_insert",)),
     "kv_cache.gather": (_gather, "auto", KVCacheLaunch(1, 2), ("kv_gather",)),
     "rope.apply_gptj": (_rope_gptj, "auto", RopeLaunch(rotate_rows=4), ("rope_gptj",)),
     "rope.qnorm_rope_kv_insert": (_rope_fused, "auto", RopeLaunch(heads_per_prog=4, num_warps=2), ("qnorm_rope_kv_insert",)),
@@ -172,7 +172,7 @@ def _an_instance(cls):
     made = {
         SparseMlaLaunch: SparseMlaLaunch(32, 64, 2, 4, 1),
         GluonLaunch: GluonLaunch("narrow", 4),
-        KVCacheLaunch: KVCacheLaunch(8, 2, True, True, False, 3, 2, True, 64),
+        KVCacheLaunch: KVCacheLaunch(8, 2, True, True, False, True, 64),
         RopeLaunch: RopeLaunch(4, 2, 8),
         IndexerLaunch: IndexerLaunch(quant_rows=8),
         CompressorLaunch: CompressorLaunch(block_t=32, block_j=4),
