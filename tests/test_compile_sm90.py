@@ -43,7 +43,7 @@ SCRIPT = textwrap.dedent("""
         for block_size in (1, 64):  # 1: specialised to a constant, as a launch with pages of one token does
             for native in (False, True):
                 const = {{"TOK": 4, "ROPE16": block_size != 1, "NATIVE": native, "SLOT32": True,
-                          "PERSISTENT": False, "LOAD_POLICY": "", "STORE_CACHE": "", "STAGES": 0}}
+                          "LOAD_POLICY": "", "STORE_CACHE": ""}}
                 sig = {{}}
                 for n in names:
                     if n in const:

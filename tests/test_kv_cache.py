@@ -9,6 +9,8 @@ import pytest
 import torch
 
 from dsv4ref import kv_cache as kc
+from dsv4ref.kv_cache.variants import persistent
+from dsv4ref.kv_cache.variants.persistent import PersistentLaunch
 from dsv4ref.device import DEVICE, interpreting
 from dsv4ref.fp8 import dequantize_ue8m0, quantize_ue8m0
 from dsv4ref.testing import assert_close, generator, poison, randn
@@ -496,13 +498,10 @@ def test_tokens_per_program_launch_shapes(tok):
     "launch",
     [
         kc.KVCacheLaunch(4, native_casts=True, evict_first=True, streaming_stores=True),
-        kc.KVCacheLaunch(2, programs_per_sm=1),  # persistent: on the CPU one program loops over every tile
-        kc.KVCacheLaunch(4, 2, programs_per_sm=1, pipeline_stages=2),
         kc.KVCacheLaunch(4, native_casts=True, early_loads=True),
         kc.KVCacheLaunch(2, native_casts=True, streaming_stores=True, early_loads=True, max_registers=80),
-        kc.KVCacheLaunch(8, early_loads=True, programs_per_sm=1),
     ],
-    ids=["native+hints", "persistent", "persistent-pipelined", "early", "early-2-cs-maxreg", "early-persistent"],
+    ids=["native+hints", "early", "early-2-cs-maxreg"],
 )
 def test_launch_variants_same_bytes(launch):
     """Every KVCacheLaunch field is a launch choice only: the bytes are the reference's (benchmarks/kv_cache.md).
@@ -517,6 +516,30 @@ def test_launch_variants_same_bytes(launch):
     assert_close(a, b, "exact")
     out = poison((10, 512), torch.bfloat16)
     kc.gather(a, slots, block_size=B, out=out, launch=launch)
+    assert_close(out, kc.gather(a, slots, block_size=B, backend="reference"), "exact")
+
+
+@pytest.mark.parametrize(
+    "launch",
+    [
+        PersistentLaunch(kc.KVCacheLaunch(2)),  # on the CPU one program loops over every tile
+        PersistentLaunch(kc.KVCacheLaunch(4, 2), pipeline_stages=2),
+        PersistentLaunch(kc.KVCacheLaunch(8, early_loads=True)),
+    ],
+    ids=["persistent", "persistent-pipelined", "early-persistent"],
+)
+def test_persistent_variants_same_bytes(launch):
+    """The persistent grids of dsv4ref.kv_cache.variants (no default) write and read the reference's bytes."""
+    B = 16
+    kv = kv_rows(11, seed=63)
+    slots = shuffled_slots(2, B, 10, seed=64)
+    a = random_cache(2, B, seed=65)
+    b = a.clone()
+    persistent.launch_insert(a, kv, slots, B, launch)
+    kc.insert(b, kv, slots, block_size=B, backend="reference")
+    assert_close(a, b, "exact")
+    out = poison((10, 512), torch.bfloat16)
+    persistent.launch_gather(a, slots, out, B, launch)
     assert_close(out, kc.gather(a, slots, block_size=B, backend="reference"), "exact")
 
 
@@ -559,12 +582,12 @@ def test_early_loads_read_minus_one_rows_but_never_write_them(launch):
 def test_launch_fields_are_checked():
     with pytest.raises(TypeError, match="native_casts: expected a bool"):
         kc.KVCacheLaunch(4, native_casts=1)
-    with pytest.raises(ValueError, match="programs_per_sm"):
-        kc.KVCacheLaunch(4, programs_per_sm=-1)
-    with pytest.raises(ValueError, match="pipeline_stages"):
-        kc.KVCacheLaunch(4, pipeline_stages=9)
     with pytest.raises(TypeError, match="early_loads: expected a bool"):
         kc.KVCacheLaunch(4, early_loads=1)
     with pytest.raises(ValueError, match="max_registers"):
         kc.KVCacheLaunch(4, max_registers=8)
-    assert kc.KVCacheLaunch(8).op_args() == (8, 1, False, False, False, 0, 0, False, 0)
+    with pytest.raises(ValueError, match="programs_per_sm"):
+        PersistentLaunch(kc.KVCacheLaunch(4), programs_per_sm=0)
+    with pytest.raises(ValueError, match="pipeline_stages"):
+        PersistentLaunch(kc.KVCacheLaunch(4), pipeline_stages=9)
+    assert kc.KVCacheLaunch(8).op_args() == (8, 1, False, False, False, False, 0)

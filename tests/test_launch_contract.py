@@ -21,6 +21,7 @@ from dsv4ref.compressor.launch import CompressorLaunch
 from dsv4ref.fp8.launch import Fp8Launch
 from dsv4ref.indexer.launch import IndexerLaunch
 from dsv4ref.kv_cache.launch import KVCacheLaunch
+from dsv4ref.moe import Fp4Launch, MoeLaunch
 from dsv4ref.op_launch import OpLaunch
 from dsv4ref.rope.launch import RopeLaunch
 from dsv4ref.sparse_mla import GluonLaunch, SparseMlaLaunch, gluon
@@ -102,6 +103,38 @@ def _fp8():
     return fp8.quantize_ue8m0, (randn((4, 128), seed=9), 64), {}
 
 
+def _moe_routed(T=4, seed=17):
+    d = moe.example_inputs(T, moe.TINY_MOE, seed=seed)
+    ids, w = moe.route(d["x"], d["gate_weight"], d["bias"], k=moe.TINY_MOE.k, routed_scale=moe.TINY_MOE.routed_scale)
+    return d, ids, w
+
+
+def _moe_stage_into():
+    d, ids, w = _moe_routed(seed=17)
+    return moe.stage_into, (d["x"], ids, w, *moe.stage(d["x"], ids, w, backend="reference")), {}
+
+
+def _moe_experts():
+    d, ids, w = _moe_routed(seed=18)
+    staged = moe.stage(d["x"], ids, w, backend="reference")
+    args = (d["x"], *staged, d["w13"], d["w2"], d["shared_w13"], d["shared_w2"])
+    return moe.experts, args, dict(swiglu_limit=moe.TINY_MOE.swiglu_limit)
+
+
+def _moe_experts_fp4():
+    from dsv4ref import linear as lin
+
+    d, ids, w = _moe_routed(seed=19)
+
+    def fp4(t):
+        q, s = lin.quantize_fp4_weight(t.reshape(-1, t.shape[-1]))
+        return q.view(*t.shape[:-1], -1), s.view(*t.shape[:-1], -1)
+
+    args = (d["x"], ids, w, *fp4(d["w13"]), *fp4(d["w2"]))
+    args += lin.quantize_fp8_weight(d["shared_w13"]) + lin.quantize_fp8_weight(d["shared_w2"])
+    return moe.experts_fp4, args, dict(swiglu_limit=moe.TINY_MOE.swiglu_limit, path="deepseek")
+
+
 def _bind(make, backend="auto"):
     """``call(launch)`` running the op of ``make`` on its inputs with ``backend`` and ``launch``."""
     fn, args, kwargs = make()
@@ -110,7 +143,7 @@ def _bind(make, backend="auto"):
 
 # (how to build the call, a launch of the op's kind that is not the default, the custom ops it reaches)
 CASES = {
-    "kv_cache.insert": (_kv, "auto", KVCacheLaunch(2, programs_per_sm=1), ("kv_insert",)),
+    "kv_cache.insert": (_kv, "auto", KVCacheLaunch(2, 2, max_registers=64), ("kv_insert",)),
     "kv_cache.gather": (_gather, "auto", KVCacheLaunch(1, 2), ("kv_gather",)),
     "rope.apply_gptj": (_rope_gptj, "auto", RopeLaunch(rotate_rows=4), ("rope_gptj",)),
     "rope.qnorm_rope_kv_insert": (_rope_fused, "auto", RopeLaunch(heads_per_prog=4, num_warps=2), ("qnorm_rope_kv_insert",)),
@@ -122,6 +155,19 @@ CASES = {
     "indexer.logits": (_index_logits, "auto", IndexerLaunch(logits_pages=2), ()),
     "compressor.compress": (_compress, "auto", CompressorLaunch(block_t=32, block_j=4), ("compressor_compress",)),
     "fp8.quantize_ue8m0": (_fp8, "auto", Fp8Launch(rows_per_program=2), ()),
+    "moe.stage_into": (_moe_stage_into, "auto", MoeLaunch(stage_block_t=2, stage_block_h=128, stage_warps=2), ("moe_stage",)),
+    "moe.experts": (
+        _moe_experts,
+        "auto",
+        MoeLaunch(block_m=32, block_n=32, block_h=256, block_k=32, expert_warps=2, expert_stages=2, combine_block_t=2),
+        ("moe_experts",),
+    ),
+    "moe.experts_fp4": (
+        _moe_experts_fp4,
+        "auto",
+        Fp4Launch(block_m=32, block_n=32, block_k=128, warps=2, stages=2),
+        ("moe_fp4_gemm",),
+    ),
 }
 
 
@@ -129,7 +175,15 @@ CASES = {
 def test_a_launch_of_another_kind_is_refused_naming_it(name):
     make, backend, right, _ = CASES[name]
     call = _bind(make, backend)
-    others = [KVCacheLaunch(1), RopeLaunch(), IndexerLaunch(), CompressorLaunch(), SparseMlaLaunch(16, 16)]
+    others = [
+        KVCacheLaunch(1),
+        RopeLaunch(),
+        IndexerLaunch(),
+        CompressorLaunch(),
+        SparseMlaLaunch(16, 16),
+        MoeLaunch(),
+        Fp4Launch(),
+    ]
     for wrong in ("fast", {"num_splits": 2}, 4, *[o for o in others if type(o) is not type(right)]):
         with pytest.raises(TypeError, match="^launch: "):
             call(wrong)
@@ -172,10 +226,12 @@ def _an_instance(cls):
     made = {
         SparseMlaLaunch: SparseMlaLaunch(32, 64, 2, 4, 1),
         GluonLaunch: GluonLaunch("narrow", 4),
-        KVCacheLaunch: KVCacheLaunch(8, 2, True, True, False, 3, 2, True, 64),
+        KVCacheLaunch: KVCacheLaunch(8, 2, True, True, False, True, 64),
         RopeLaunch: RopeLaunch(4, 2, 8),
         IndexerLaunch: IndexerLaunch(quant_rows=8),
         CompressorLaunch: CompressorLaunch(block_t=32, block_j=4),
+        MoeLaunch: MoeLaunch(2, 256, 2, True, 32, 128, 256, 32, 8, 2, 4, 512, 2),
+        Fp4Launch: Fp4Launch(32, 128, 256, 8, 2),
     }
     if cls not in made:  # a launch this file does not know yet: its defaults, which must be resolved ints
         return cls()
@@ -183,9 +239,9 @@ def _an_instance(cls):
 
 
 def test_every_op_launch_with_custom_ops_is_an_oplaunch():
-    """The launch classes of the ops in this contract follow dsv4ref.op_launch (mhc and moe may still carry
-    their own op_args: their schemas are listed there when they do)."""
-    for cls in (SparseMlaLaunch, GluonLaunch, KVCacheLaunch, RopeLaunch, IndexerLaunch, CompressorLaunch):
+    """The launch classes of the ops in this contract follow dsv4ref.op_launch (mhc may still carry its own
+    op_args: its schemas are listed there when it does)."""
+    for cls in (SparseMlaLaunch, GluonLaunch, KVCacheLaunch, RopeLaunch, IndexerLaunch, CompressorLaunch, MoeLaunch, Fp4Launch):
         assert issubclass(cls, OpLaunch), cls.__name__
 
 

@@ -10,7 +10,7 @@ A checkout from before the one-folder-per-op layout (``dsv4ref/kv_cache.py``, e.
 (insert 8 tokens, gather 4 slots per program, 1 warp); pointers and the row / page strides 16-byte aligned, as
 Triton specialises them at a real launch. The kernel constexprs a checkout has (``NATIVE``, ``SLOT32``, ...) are
 set as the launcher sets them for a compiled ``allocate()`` cache and the default launch; ``NAME=VALUE`` arguments
-override them (``NATIVE=1``: the hardware casts of ``native_casts=True``; ``TOK=4``; ``WARPS=2``; ``PERSISTENT=1 STAGES=2``;
+override them (``NATIVE=1``: the hardware casts of ``native_casts=True``; ``TOK=4``; ``WARPS=2``;
 ``EARLY=1``: ``early_loads``; ``MAXNREG=80``: ``max_registers``). ``--probe``: the insert variants of
 ``benchmarks/experiments/mem_probe.py`` instead, one line each.
 
@@ -77,7 +77,8 @@ GATHER = (
         "ROPE16": "constexpr",
     },
 )
-# what the launcher passes for a compiled launch of the defaults (kernels without a constexpr keep their own)
+# what the launcher passes for a compiled launch of the defaults (kernels without a constexpr keep their own;
+# PERSISTENT and STAGES: older checkouts, before the persistent grids moved to dsv4ref/kv_cache/variants/)
 LAUNCHED = {"NATIVE": 0, "SLOT32": 1, "PERSISTENT": 0, "LOAD_POLICY": "", "STORE_CACHE": "", "STAGES": 0, "EARLY": 0}
 BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
 PTXAS = get_ptxas(90).path  # the ptxas Triton assembles sm_90 with (3.9: ptxas-blackwell; 3.6: ptxas)

@@ -1,6 +1,7 @@
 """GPU-only: the launch variants of ``kv_cache.insert`` / ``gather`` (issue 14), each checked byte-exact, then timed.
 
-One device call of under two minutes: every variant of :class:`dsv4ref.kv_cache.KVCacheLaunch` listed below is
+One device call of under two minutes: every variant of :class:`dsv4ref.kv_cache.KVCacheLaunch` listed below (and the persistent grids of
+``dsv4ref.kv_cache.variants.persistent``) is
 compiled first (in threads, so the compiles overlap), then for each slot count (65 536, then 262 144 while the
 time budget lasts)
 
@@ -32,20 +33,22 @@ from dsv4ref import validate
 from dsv4ref.device import DEVICE, describe, empty_cache, synchronize
 from dsv4ref.kv_cache import reference
 from dsv4ref.kv_cache.kernels import gather_kernel, insert_kernel
-from dsv4ref.kv_cache.launch import KVCacheLaunch, _grid_and_flags, int16_view, launch_gather, launch_insert
+from dsv4ref.kv_cache.launch import KVCacheLaunch, int16_view
+from dsv4ref.kv_cache.variants.persistent import PersistentLaunch, grid_and_flags, launch_gather, launch_insert
 from dsv4ref.tools.harness import measure_ceilings, time_ms
 from kv_cache_sweep import make_sets  # the same four rotated input sets (pages of 64) as the first sweep
 
 L = KVCacheLaunch
+P = PersistentLaunch  # a persistent grid (dsv4ref.kv_cache.variants.persistent): no default
 # The first of each list is the default launch; the rest in order of interest (a tight budget cuts the tail).
 INSERT_VARIANTS = {
     "8x1": L(8, 1),  # the default: integer encoders, one tile per program
     "8x1 native": L(8, 1, native_casts=True),  # hardware e4m3 cast for finite tiles
     "4x1 native": L(4, 1, native_casts=True),
     "8x2 native": L(8, 2, native_casts=True),
-    "4x1 native pers14 st2": L(4, 1, native_casts=True, programs_per_sm=14, pipeline_stages=2),
-    "8x1 native pers10 st2": L(8, 1, native_casts=True, programs_per_sm=10, pipeline_stages=2),
-    "4x1 native pers20": L(4, 1, native_casts=True, programs_per_sm=20),
+    "4x1 native pers14 st2": P(L(4, 1, native_casts=True), 14, 2),
+    "8x1 native pers10 st2": P(L(8, 1, native_casts=True), 10, 2),
+    "4x1 native pers20": P(L(4, 1, native_casts=True), 20),
     "8x1 native evict": L(8, 1, native_casts=True, evict_first=True),
     "8x1 native cs": L(8, 1, native_casts=True, streaming_stores=True),
     "16x2 native": L(16, 2, native_casts=True),
@@ -58,8 +61,8 @@ GATHER_VARIANTS = {
     "8x2 native": L(8, 2, native_casts=True),
     "2x1 native": L(2, 1, native_casts=True),
     "8x1 native": L(8, 1, native_casts=True),
-    "4x1 native pers24 st2": L(4, 1, native_casts=True, programs_per_sm=24, pipeline_stages=2),
-    "8x1 native pers16 st2": L(8, 1, native_casts=True, programs_per_sm=16, pipeline_stages=2),
+    "4x1 native pers24 st2": P(L(4, 1, native_casts=True), 24, 2),
+    "8x1 native pers16 st2": P(L(8, 1, native_casts=True), 16, 2),
     "4x1 native evict": L(4, 1, native_casts=True, evict_first=True),
     "4x1 native cs": L(4, 1, native_casts=True, streaming_stores=True),
     "8x2": L(8, 2),
@@ -99,8 +102,8 @@ def warm_up(variants: dict, kernel, args_for) -> dict:
 
     def one(launch):
         cache, args, n = args_for()
-        grid, flags = _grid_and_flags(cache, n, B, launch, insert=kernel is insert_kernel)
-        kernel.warmup(*args, grid=(grid,), ROPE16=int16_view(cache)[1], **flags)
+        fn, grid, flags = grid_and_flags(cache, n, B, launch, insert=kernel is insert_kernel)
+        fn.warmup(*args, grid=(grid,), ROPE16=int16_view(cache)[1], **flags)
 
     failed = {}
     with concurrent.futures.ThreadPoolExecutor(8) as ex:

@@ -9,8 +9,8 @@ E8M0(b) = 2^(b − 127) for 1..254, 2^-127 for 0, NaN for 255; a NaN comes out a
 turns a quant block holding a NaN or ±inf into byte 255 + e4m3 NaN bytes (the shared record encoder).
 ``slots`` is read with its stride (any 1-d view, int32 or int64).
 
-Both kernels handle ``TOK`` slots per tile; axis 0 of every tile is the token. A program handles one tile, or
-with ``PERSISTENT`` (a grid of a few programs per SM) tiles pid, pid + grid, ... The record encoder is the
+Both kernels handle ``TOK`` slots per tile; axis 0 of every tile is the token; a program handles one tile
+(the persistent, pipelined grids measured against this: ``dsv4ref.kv_cache.variants``). The record encoder is the
 shared :func:`dsv4ref.tl.kv_record.kv_record` (the fused RoPE + insert of :mod:`dsv4ref.rope` uses it too).
 Byte offsets are int64 (a cache passes 2^31 bytes at about 57 000 pages of 64 tokens); with ``SLOT32`` (the
 launcher's check that the cache has fewer than 2^31 slots) the slot is divided by the block size in int32.
@@ -116,74 +116,29 @@ def insert_kernel(
     ROPE16: tl.constexpr,  # page_stride and the cache base are even: store RoPE as whole bf16 words
     NATIVE: tl.constexpr = False,  # compiled: the hardware's exact e4m3 cast (numerics.e4m3_finite); never interpreted
     SLOT32: tl.constexpr = False,  # the cache has < 2^31 slots: int32 slot division (numerics.page_offsets32)
-    PERSISTENT: tl.constexpr = False,  # the grid is smaller than the tile count: loop over tiles
     LOAD_POLICY: tl.constexpr = "",  # eviction policy of the kv loads ("" or "evict_first")
     STORE_CACHE: tl.constexpr = "",  # cache modifier of the cache stores ("" or ".cs")
-    STAGES: tl.constexpr = 0,  # PERSISTENT: >= 2 software-pipelines the loop's loads (tl.range num_stages)
     EARLY: tl.constexpr = False,  # load the kv rows masked by the row count only, before the slot is known
 ):
-    if PERSISTENT and STAGES >= 2:
-        for tile in tl.range(tl.program_id(0), tl.cdiv(n, TOK), tl.num_programs(0), num_stages=STAGES):
-            _insert_tile(
-                cache_ptr,
-                cache16_ptr,
-                kv_ptr,
-                slot_ptr,
-                tile,
-                n,
-                slot_stride,
-                kv_stride,
-                page_stride,
-                block_size,
-                TOK,
-                ROPE16,
-                NATIVE,
-                SLOT32,
-                LOAD_POLICY,
-                STORE_CACHE,
-                EARLY,
-            )
-    elif PERSISTENT:
-        for tile in range(tl.program_id(0), tl.cdiv(n, TOK), tl.num_programs(0)):
-            _insert_tile(
-                cache_ptr,
-                cache16_ptr,
-                kv_ptr,
-                slot_ptr,
-                tile,
-                n,
-                slot_stride,
-                kv_stride,
-                page_stride,
-                block_size,
-                TOK,
-                ROPE16,
-                NATIVE,
-                SLOT32,
-                LOAD_POLICY,
-                STORE_CACHE,
-                EARLY,
-            )
-    else:
-        _insert_tile(
-            cache_ptr,
-            cache16_ptr,
-            kv_ptr,
-            slot_ptr,
-            tl.program_id(0),
-            n,
-            slot_stride,
-            kv_stride,
-            page_stride,
-            block_size,
-            TOK,
-            ROPE16,
-            NATIVE,
-            SLOT32,
-            LOAD_POLICY,
-            STORE_CACHE,
-            EARLY,
-        )
+    _insert_tile(
+        cache_ptr,
+        cache16_ptr,
+        kv_ptr,
+        slot_ptr,
+        tl.program_id(0),
+        n,
+        slot_stride,
+        kv_stride,
+        page_stride,
+        block_size,
+        TOK,
+        ROPE16,
+        NATIVE,
+        SLOT32,
+        LOAD_POLICY,
+        STORE_CACHE,
+        EARLY,
+    )
 
 
 @triton.jit
@@ -265,64 +220,23 @@ def gather_kernel(
     ROPE16: tl.constexpr,  # pages start at even addresses: read RoPE as whole words, else byte pairs
     NATIVE: tl.constexpr = False,  # compiled: the hardware's exact bf16 cast (numerics.bf16_bits); never interpreted
     SLOT32: tl.constexpr = False,  # the cache has < 2^31 slots: int32 slot division (numerics.page_offsets32)
-    PERSISTENT: tl.constexpr = False,  # the grid is smaller than the tile count: loop over tiles
     LOAD_POLICY: tl.constexpr = "",  # eviction policy of the cache loads ("" or "evict_first")
     STORE_CACHE: tl.constexpr = "",  # cache modifier of the out stores ("" or ".cs")
-    STAGES: tl.constexpr = 0,  # PERSISTENT: >= 2 software-pipelines the loop's loads (tl.range num_stages)
 ):
-    if PERSISTENT and STAGES >= 2:
-        for tile in tl.range(tl.program_id(0), tl.cdiv(n, TOK), tl.num_programs(0), num_stages=STAGES):
-            _gather_tile(
-                cache_ptr,
-                cache16_ptr,
-                slot_ptr,
-                out_ptr,
-                tile,
-                n,
-                slot_stride,
-                page_stride,
-                block_size,
-                TOK,
-                ROPE16,
-                NATIVE,
-                SLOT32,
-                LOAD_POLICY,
-                STORE_CACHE,
-            )
-    elif PERSISTENT:
-        for tile in range(tl.program_id(0), tl.cdiv(n, TOK), tl.num_programs(0)):
-            _gather_tile(
-                cache_ptr,
-                cache16_ptr,
-                slot_ptr,
-                out_ptr,
-                tile,
-                n,
-                slot_stride,
-                page_stride,
-                block_size,
-                TOK,
-                ROPE16,
-                NATIVE,
-                SLOT32,
-                LOAD_POLICY,
-                STORE_CACHE,
-            )
-    else:
-        _gather_tile(
-            cache_ptr,
-            cache16_ptr,
-            slot_ptr,
-            out_ptr,
-            tl.program_id(0),
-            n,
-            slot_stride,
-            page_stride,
-            block_size,
-            TOK,
-            ROPE16,
-            NATIVE,
-            SLOT32,
-            LOAD_POLICY,
-            STORE_CACHE,
-        )
+    _gather_tile(
+        cache_ptr,
+        cache16_ptr,
+        slot_ptr,
+        out_ptr,
+        tl.program_id(0),
+        n,
+        slot_stride,
+        page_stride,
+        block_size,
+        TOK,
+        ROPE16,
+        NATIVE,
+        SLOT32,
+        LOAD_POLICY,
+        STORE_CACHE,
+    )

@@ -13,8 +13,8 @@ import torch
 import triton
 
 from .. import validate
-from ..device import interpreting, sm_count
 from ..op_launch import OpLaunch
+from ..device import interpreting  # compiled kernels only take the hardware casts
 from .kernels import gather_kernel, insert_kernel
 
 __all__ = ["KVCacheLaunch", "default_launch", "launch_insert", "launch_gather", "int16_view", "kv_insert_op", "kv_gather_op"]
@@ -22,7 +22,8 @@ __all__ = ["KVCacheLaunch", "default_launch", "launch_insert", "launch_gather", 
 
 @dataclass(frozen=True)
 class KVCacheLaunch(OpLaunch):
-    """Launch shape of the insert / gather kernels. No field changes a byte of the result.
+    """Launch shape of the insert / gather kernels: one program per tile. No field changes a byte of the result.
+    (The persistent and pipelined grids measured against it, no default: ``dsv4ref.kv_cache.variants``.)
 
     Attributes:
         tokens_per_program: slots handled by one tile (a power of two; 1 = one token per program).
@@ -36,11 +37,6 @@ class KVCacheLaunch(OpLaunch):
         evict_first: load the streamed input (insert: the kv rows; gather: the cache bytes) with the
             ``evict_first`` L2 policy.
         streaming_stores: store the output (insert: the cache records; gather: the rows) with ``.cs``.
-        programs_per_sm: 0: one program per tile; k > 0: a persistent grid of at most k programs per SM, each
-            looping over tiles pid, pid + grid, ...
-        pipeline_stages: with ``programs_per_sm``, 2 or more software-pipelines that loop (Triton's ``tl.range``
-            ``num_stages``: the next tiles' loads go through shared memory with ``cp.async`` while this tile is
-            encoded and stored); 0 or 1: no pipelining.
         early_loads: insert only (the gather ignores it): load a tile's kv rows masked by the row count alone, all
             at once, before the slots arrive. The default masks them by ``slot >= 0``, so they wait for the slot
             load, and loads the NoPE tile after the RoPE store, which waits for the RoPE load: three DRAM round trips
@@ -56,8 +52,6 @@ class KVCacheLaunch(OpLaunch):
     native_casts: bool = False
     evict_first: bool = False
     streaming_stores: bool = False
-    programs_per_sm: int = 0
-    pipeline_stages: int = 0
     early_loads: bool = False
     max_registers: int = 0
 
@@ -67,8 +61,6 @@ class KVCacheLaunch(OpLaunch):
         for name in ("native_casts", "evict_first", "streaming_stores", "early_loads"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name}: expected a bool, got {type(getattr(self, name)).__name__}")
-        validate.integer(self.programs_per_sm, "programs_per_sm", lo=0)
-        validate.integer(self.pipeline_stages, "pipeline_stages", lo=0, hi=8)
         validate.integer(self.max_registers, "max_registers", lo=0, hi=255)
         if 0 < self.max_registers < 16:
             raise ValueError(f"max_registers: expected 0 or 16..255, got {self.max_registers}")
@@ -110,18 +102,13 @@ def _grid_and_flags(
 ) -> tuple[int, dict]:
     """The grid and the kernel's launch constexprs and options (metadata only: no device sync); ``insert``: for
     the insert kernel (the only one with ``EARLY``)."""
-    tiles = triton.cdiv(n, launch.tokens_per_program)
-    grid = tiles
-    if launch.programs_per_sm:
-        grid = min(tiles, launch.programs_per_sm * sm_count(cache.device))
+    grid = triton.cdiv(n, launch.tokens_per_program)  # one program per tile
     flags = dict(
         TOK=launch.tokens_per_program,
         NATIVE=launch.native_casts and not interpreting(),
         SLOT32=cache.shape[0] * block_size < 2**31,  # pages · B slots: the slot fits int32 (numerics.page_offsets32)
-        PERSISTENT=grid < tiles,
         LOAD_POLICY="evict_first" if launch.evict_first else "",
         STORE_CACHE=".cs" if launch.streaming_stores else "",
-        STAGES=launch.pipeline_stages if grid < tiles else 0,
         num_warps=launch.num_warps,
     )
     if insert:
@@ -172,8 +159,6 @@ def kv_insert_op(
     native_casts: bool,
     evict_first: bool,
     streaming_stores: bool,
-    programs_per_sm: int,
-    pipeline_stages: int,
     early_loads: bool,
     max_registers: int,
 ) -> None:
@@ -185,8 +170,6 @@ def kv_insert_op(
         native_casts,
         evict_first,
         streaming_stores,
-        programs_per_sm,
-        pipeline_stages,
         early_loads,
         max_registers,
     )
@@ -209,8 +192,6 @@ def kv_gather_op(
     native_casts: bool,
     evict_first: bool,
     streaming_stores: bool,
-    programs_per_sm: int,
-    pipeline_stages: int,
     early_loads: bool,
     max_registers: int,
 ) -> None:
@@ -222,8 +203,6 @@ def kv_gather_op(
         native_casts,
         evict_first,
         streaming_stores,
-        programs_per_sm,
-        pipeline_stages,
         early_loads,
         max_registers,
     )

@@ -26,7 +26,7 @@ from .. import validate
 from ..formats import STAGE_BLOCK
 from . import kernels, kernels_fp4, reference  # noqa: F401  (dsv4ref.moe.kernels / .reference, for readers)
 from .experts_v4 import PATHS, Fp4Launch, default_fp4_launch, experts_fp4
-from .launch import MoeLaunch, default_launch, group_by_expert
+from .launch import MoeLaunch, default_launch, group_by_expert, moe_experts_op, moe_stage_op
 from .reference import FLASH_MOE, TINY_MOE, MoeShape, example_inputs
 
 __all__ = [
@@ -249,9 +249,7 @@ def stage_into(hidden, ids, weights, x_fp8, x_sf, ids_out, weights_out, *, backe
             buf[:T].copy_(ref)
         return None
     launch = launch or default_launch(T, K, 1)
-    torch.ops.dsv4ref.moe_stage(
-        hidden, ids, weights, x_fp8.view(torch.uint8), x_sf, ids_out, weights_out, *launch.op_args("moe_stage")
-    )
+    moe_stage_op(hidden, ids, weights, x_fp8.view(torch.uint8), x_sf, ids_out, weights_out, *launch.op_args("moe_stage"))
     return None
 
 
@@ -384,7 +382,7 @@ def experts(
     if out is None:
         out = torch.empty(T, Hd, dtype=torch.bfloat16, device=x.device)
     launch = launch or default_launch(T, K, E)
-    torch.ops.dsv4ref.moe_experts(
+    moe_experts_op(
         x,
         x_fp8.view(torch.uint8),
         x_sf,

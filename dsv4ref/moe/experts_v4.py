@@ -31,7 +31,7 @@ from .. import linear as lin
 from .. import validate
 from ..formats import STAGE_AMAX_FLOOR, STAGE_BLOCK, STAGE_GROUP
 from ..fp8 import reference as fp8
-from .kernels_fp4 import Fp4Launch, default_fp4_launch
+from .kernels_fp4 import Fp4Launch, default_fp4_launch, moe_fp4_gemm_op
 from .launch import group_by_expert, tile_table
 from .reference import dequantize_staged, swiglu
 
@@ -271,7 +271,7 @@ def experts_fp4(
 
     def gemm(a, a_sf, group, a_row, o_row, w, w_sf, n_out, N):
         out = torch.zeros(n_out, N, dtype=torch.float32, device=x.device)  # rows no tile covers stay 0
-        torch.ops.dsv4ref.moe_fp4_gemm(
+        moe_fp4_gemm_op(
             a.view(torch.uint8), a_sf, a_row, o_row, te, r0, r1, w.view(torch.uint8), w_sf.view(torch.uint8), out, group,
             *launch.op_args(),
         )  # fmt: skip

@@ -29,9 +29,10 @@ import triton.language as tl
 from .. import validate
 from ..device import interpreting
 from ..indexer.kernels import e2m1_value
+from ..op_launch import OpLaunch
 from ..tl import dot, e4m3_decode, ue8m0_value
 
-__all__ = ["Fp4Launch", "default_fp4_launch", "grouped_fp4_gemm_kernel", "grouped_fp4_gemm"]
+__all__ = ["Fp4Launch", "default_fp4_launch", "grouped_fp4_gemm_kernel", "moe_fp4_gemm_op"]
 
 
 @triton.jit
@@ -96,7 +97,7 @@ def grouped_fp4_gemm_kernel(
 
 
 @dataclass(frozen=True)
-class Fp4Launch:
+class Fp4Launch(OpLaunch):
     """Launch shape of :func:`grouped_fp4_gemm_kernel`: ``block_m`` grouped rows (one expert) per program
     (≥ 16), ``block_n`` output columns, ``block_k`` reduction values per step (a multiple of 128: whole scale
     words), ``warps``, ``stages``. Powers of two."""
@@ -116,9 +117,8 @@ class Fp4Launch:
         if self.block_k < 128:
             raise ValueError(f"block_k: expected a multiple of 128, got {self.block_k}")
 
-    def op_args(self) -> tuple:
-        """The launch as the trailing arguments of ``torch.ops.dsv4ref.moe_fp4_gemm``."""
-        return (self.block_m, self.block_n, self.block_k, self.warps, self.stages)
+    # the one custom op takes every field (op_args(), from_op_args(): dsv4ref.op_launch)
+    OP_FIELDS = {"moe_fp4_gemm": None}
 
 
 def default_fp4_launch(tokens: int, k: int, experts: int) -> Fp4Launch:
@@ -132,7 +132,7 @@ def default_fp4_launch(tokens: int, k: int, experts: int) -> Fp4Launch:
 
 
 @torch.library.custom_op("dsv4ref::moe_fp4_gemm", mutates_args=("out",))
-def grouped_fp4_gemm(
+def moe_fp4_gemm_op(
     a: torch.Tensor,
     a_sf: torch.Tensor,
     a_row: torch.Tensor,
@@ -152,15 +152,16 @@ def grouped_fp4_gemm(
 ) -> None:
     """Rows ``o_row[r]`` of ``out`` (fp32 [Ro, N]) for every grouped row r a tile covers; other rows are left
     as they are. ``a`` is the uint8 view of the e4m3 codes, ``w`` / ``w_sf`` the uint8 views of the packed E2M1
-    weights and their scales."""
+    weights and their scales; the launch's fields follow ``a_group`` (``*launch.op_args()``)."""
+    launch = Fp4Launch.from_op_args(block_m, block_n, block_k, warps, stages)
     if tile_expert.shape[0] == 0:
         return
     E, N, Kh = w.shape
     K = 2 * Kh
-    bk = block_k
+    bk = launch.block_k
     while K % bk:  # whole 128-blocks that divide K
         bk //= 2
-    bn = max(16, min(block_n, triton.next_power_of_2(N)))
+    bn = max(16, min(launch.block_n, triton.next_power_of_2(N)))
     grouped_fp4_gemm_kernel[(tile_expert.shape[0], triton.cdiv(N, bn))](
         a,
         a_sf,
@@ -183,15 +184,15 @@ def grouped_fp4_gemm(
         w_sf.stride(1),
         out.stride(0),
         A_GROUP=a_group,
-        BLOCK_M=block_m,
+        BLOCK_M=launch.block_m,
         BLOCK_N=bn,
         BLOCK_K=bk,
         DOT_FP32=interpreting(),
-        num_warps=warps,
-        num_stages=stages,
+        num_warps=launch.warps,
+        num_stages=launch.stages,
     )
 
 
-@grouped_fp4_gemm.register_fake
+@moe_fp4_gemm_op.register_fake
 def _(a, a_sf, a_row, o_row, tile_expert, tile_row0, tile_row1, w, w_sf, out, a_group, block_m, block_n, block_k, warps, stages):
     return None

@@ -14,16 +14,17 @@ import triton
 from .. import validate
 from ..device import interpreting
 from ..formats import STAGE_AMAX_FLOOR, STAGE_BLOCK
+from ..op_launch import OpLaunch
 from .kernels import combine_kernel, down_kernel, gate_up_kernel, stage_kernel
 
-__all__ = ["MoeLaunch", "default_launch", "group_by_expert", "tile_table", "stage_constexprs"]
+__all__ = ["MoeLaunch", "default_launch", "group_by_expert", "tile_table", "stage_constexprs", "moe_stage_op", "moe_experts_op"]
 
 
 NOT_POWERS_OF_TWO = ("expert_stages", "stage_topk_first")
 
 
 @dataclass(frozen=True)
-class MoeLaunch:
+class MoeLaunch(OpLaunch):
     """Launch shape of the MoE kernels (powers of two, except ``expert_stages``).
 
     Attributes:
@@ -73,24 +74,21 @@ class MoeLaunch:
             if getattr(self, name) < 16:
                 raise ValueError(f"{name}: expected >= 16 (tl.dot's smallest tile on a GPU), got {getattr(self, name)}")
 
-    def op_args(self, op: str) -> tuple:
-        """The launch as the trailing arguments of ``torch.ops.dsv4ref.<op>``, in its schema order: ``"moe_stage"``
-        (the ``stage_*`` fields) or ``"moe_experts"`` (the expert GEMMs' and the combine's)."""
-        if op == "moe_stage":
-            return (self.stage_block_t, self.stage_block_h, self.stage_warps, self.stage_topk_first)
-        if op == "moe_experts":
-            return (
-                self.block_m,
-                self.block_n,
-                self.block_h,
-                self.block_k,
-                self.expert_warps,
-                self.expert_stages,
-                self.combine_block_t,
-                self.combine_block_h,
-                self.combine_warps,
-            )
-        raise ValueError(f'op: expected "moe_stage" or "moe_experts", got {op!r}')
+    # the staging op takes the stage_* fields, the experts op the rest (op_args(op), from_op_args: dsv4ref.op_launch)
+    OP_FIELDS = {
+        "moe_stage": ("stage_block_t", "stage_block_h", "stage_warps", "stage_topk_first"),
+        "moe_experts": (
+            "block_m",
+            "block_n",
+            "block_h",
+            "block_k",
+            "expert_warps",
+            "expert_stages",
+            "combine_block_t",
+            "combine_block_h",
+            "combine_warps",
+        ),
+    }
 
 
 def default_launch(tokens: int, k: int, experts: int) -> MoeLaunch:
@@ -215,13 +213,15 @@ def moe_stage_op(
     x_sf: torch.Tensor,
     ids_out: torch.Tensor,
     weights_out: torch.Tensor,
-    block_t: int,
-    block_h: int,
-    num_warps: int,
-    topk_first: bool,
+    stage_block_t: int,
+    stage_block_h: int,
+    stage_warps: int,
+    stage_topk_first: bool,
 ) -> None:
     """Rows [0, T) of the four output buffers (which may have more rows: those stay as they are). ``x_fp8``
-    is passed as its uint8 bytes (torch has no arithmetic on fp8 tensors, which op checks need)."""
+    is passed as its uint8 bytes (torch has no arithmetic on fp8 tensors, which op checks need); the launch's
+    ``stage_*`` fields follow the buffers (``*launch.op_args("moe_stage")``)."""
+    launch = MoeLaunch.from_op_args(stage_block_t, stage_block_h, stage_warps, stage_topk_first, op="moe_stage")
     if hidden.shape[0]:
         _stage(
             hidden,
@@ -231,27 +231,15 @@ def moe_stage_op(
             x_sf,
             ids_out,
             weights_out,
-            block_t,
-            block_h,
-            num_warps,
-            topk_first,
+            launch.stage_block_t,
+            launch.stage_block_h,
+            launch.stage_warps,
+            launch.stage_topk_first,
         )
 
 
 @moe_stage_op.register_fake
-def _(
-    hidden,
-    ids,
-    weights,
-    x_fp8,
-    x_sf,
-    ids_out,
-    weights_out,
-    block_t,
-    block_h,
-    num_warps,
-    topk_first,
-):
+def _(hidden, ids, weights, x_fp8, x_sf, ids_out, weights_out, *launch):
     return None
 
 
@@ -391,43 +379,24 @@ def moe_experts_op(
     combine_warps: int,
 ) -> None:
     """Routed experts on the staged activations + the shared expert on x, combined in fp32, into ``out``.
-    ``x_fp8`` is passed as its uint8 bytes."""
+    ``x_fp8`` is passed as its uint8 bytes; the launch's expert and combine fields follow ``swiglu_limit``
+    (``*launch.op_args("moe_experts")``)."""
+    launch = MoeLaunch.from_op_args(
+        block_m,
+        block_n,
+        block_h,
+        block_k,
+        expert_warps,
+        expert_stages,
+        combine_block_t,
+        combine_block_h,
+        combine_warps,
+        op="moe_experts",
+    )
     if ids.shape[0]:
-        launch = MoeLaunch(
-            block_m=block_m,
-            block_n=block_n,
-            block_h=block_h,
-            block_k=block_k,
-            expert_warps=expert_warps,
-            expert_stages=expert_stages,
-            combine_block_t=combine_block_t,
-            combine_block_h=combine_block_h,
-            combine_warps=combine_warps,
-        )
         _experts(x, x_fp8, x_sf, ids, weights, w13, w2, shared_w13, shared_w2, out, swiglu_limit, launch)
 
 
 @moe_experts_op.register_fake
-def _(
-    x,
-    x_fp8,
-    x_sf,
-    ids,
-    weights,
-    w13,
-    w2,
-    shared_w13,
-    shared_w2,
-    out,
-    swiglu_limit,
-    block_m,
-    block_n,
-    block_h,
-    block_k,
-    expert_warps,
-    expert_stages,
-    combine_block_t,
-    combine_block_h,
-    combine_warps,
-):
+def _(x, x_fp8, x_sf, ids, weights, w13, w2, shared_w13, shared_w2, out, swiglu_limit, *launch):
     return None

@@ -48,8 +48,8 @@ def _bench() -> list[BenchCase]:
     rotate: 4 × (37 MB cache + 64 MB kv + 64 MB out) per size, well past a 60 MB L2. Timed through the
     custom ops with the default launch shapes, each insert beside a uint8 ``copy_`` of its total bytes (what a copy of
     that size loses to launch and tail alone), and (64k only) the insert with other launch shapes, to pick the
-    default again (registers per shape: ``benchmarks/experiments/kv_cache_compile_check.py``; every ``KVCacheLaunch`` variant,
-    checked and timed: ``benchmarks/experiments/kv_cache_sweep2.py``)."""
+    default again (registers per shape: ``benchmarks/experiments/kv_cache_compile_check.py``; every ``KVCacheLaunch`` variant and the
+    persistent grids of ``dsv4ref.kv_cache.variants``, checked and timed: ``benchmarks/experiments/kv_cache_sweep2.py``)."""
     cases = []
     for S in (65536, 262144):
         B, n_sets, nb = 64, 4, S // 64
