@@ -1,11 +1,11 @@
 """The decode step's configuration check and the random weights of the whole stack, the MTP draft layer's included.
 
-One module for both consumers of the weight dict: :mod:`dsv4ref.decode` (the decode path and its float64
-dense reference read the same dict, so they must agree on its keys and shapes, and on nothing else) and
-:mod:`dsv4ref.mtp` (the draft layer's own weights are one more block drawn like the target's). Neither
-package imports the other for its weights; both import this module. The public names stay where a reader
-looks for them: :func:`dsv4ref.decode.make_weights` (the whole stack) and :func:`dsv4ref.mtp.make_weights`
-(:func:`mtp_weights`, the draft layer alone).
+Model level, as :mod:`dsv4ref.decode` and :mod:`dsv4ref.checkpoint` are: no op imports it (the ops,
+:mod:`dsv4ref.mtp` included, take their weights as arguments; ``docs/layout.md``). The decode path and its
+float64 dense reference read the same dict, so they must agree on its keys and shapes, and on nothing else;
+the MTP draft layer's own weights are one more block drawn like the target's. The public names are
+:func:`dsv4ref.decode.make_weights` (the whole stack) and :func:`dsv4ref.decode.mtp_weights` (the draft
+layer alone).
 
 The weights are random (seeded, drawn on the CPU with :func:`dsv4ref.seeded.generator`, so every
 machine gets the same numbers), with the usual 1/sqrt(fan_in) scales. The KV and compressor norm
@@ -139,7 +139,7 @@ def make_weights(cfg: Config = TINY, seed: int = 0, device=None) -> dict:
     None, ``w13`` (E, 2I, Hd), ``w2`` (E, Hd, I), ``shared_w13`` (2I, Hd), ``shared_w2`` (Hd, I)); ratio > 1:
     ``comp`` (the compressor: wkv, wgate, ape, norm); ratio 4: ``idx_comp``, ``idx_wq_b``, ``idx_weights``);
     ``hc_head``; ``final_norm``; ``lm_head`` (V, Hd); and, when ``cfg.num_nextn_predict_layers`` is 1,
-    ``mtp`` (:func:`mtp_weights`, public as :func:`dsv4ref.mtp.make_weights`: the draft layer's own parameters
+    ``mtp`` (:func:`mtp_weights`, public as :func:`dsv4ref.decode.mtp_weights`: the draft layer's own parameters
     and its SWA-only block;
     it has no embedding or LM head of its own, the draft layer uses ``embed`` and ``lm_head``).
     Linear weights are bf16 ``[out, in]`` with std 1/sqrt(in); norms, mHC parameters, sinks and
@@ -275,7 +275,7 @@ def moe_weights(cfg: Config, g: torch.Generator, *, hash_layer: bool) -> dict:
 
 def mtp_weights(cfg: Config, target_weights: dict, seed: int) -> dict:
     """The draft layer's own weights for ``cfg`` (one SWA-only block at layer index ``cfg.num_layers``), as
-    :func:`make_weights` stores them under ``"mtp"``; drawn on the CPU. Public as :func:`dsv4ref.mtp.make_weights`.
+    :func:`make_weights` stores them under ``"mtp"``; drawn on the CPU. Public as :func:`dsv4ref.decode.mtp_weights`.
 
     Returns dict(``e_proj``, ``h_proj`` ``[Hd, Hd]`` bf16, ``enorm``, ``hnorm``, ``norm`` ``[Hd]`` fp32,
     ``hc_head`` {fn ``[M, M·Hd]``, scale ``[1]``, base ``[M]``}, ``block``: a layer dict of ratio 0 with a

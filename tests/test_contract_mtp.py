@@ -202,9 +202,9 @@ def test_draft_logits_refuses_meta_tensors(head):
         mtp.draft_logits(**a)
 
 
-def test_make_weights_seed_is_an_int():
+def test_mtp_weights_seed_is_an_int():
     w = decode.make_weights(TINY, 0, device="cpu")
     with pytest.raises(TypeError, match="^seed:"):
-        mtp.make_weights(TINY, w, "a")
+        decode.mtp_weights(TINY, w, "a")
     with pytest.raises(ValueError, match="^seed:"):
-        mtp.make_weights(TINY, w, -1)
+        decode.mtp_weights(TINY, w, -1)

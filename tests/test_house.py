@@ -1,6 +1,7 @@
 """Tests that keep the house standing: the layout rules a reader and a porter rely on.
 
-* the library never imports its tooling (ops → tools is forbidden; tools → ops is how it works);
+* the library never imports its tooling (ops → tools is forbidden; tools → ops is how it works), and no op
+  imports the model level (weights, decode, checkpoint, conformance);
 * notebooks and docs use public names only;
 * the repository refers to no file outside itself;
 * no block of six or more lines is written twice inside ``dsv4ref/`` (except the side-by-sides listed in
@@ -66,6 +67,27 @@ def test_no_op_imports_testing():
     files = [*_py(libs), *[f for f in LIB.glob("*.py") if f.name not in ("__main__.py", "testing.py")]]
     bad = {str(p.relative_to(ROOT)): hits for p in files if (hits := [m for m in _imports(p) if m.startswith("dsv4ref.testing")])}
     assert bad == {}, f"library modules importing dsv4ref.testing: {bad}"
+
+
+OPS = ("fp8", "kv_cache", "rope", "mhc", "sparse_mla", "indexer", "moe", "mtp", "compressor", "linear", "tl")
+SHARED = ("formats", "device", "validate", "tolerances", "seeded", "op_launch", "fp4", "config")  # what ops import
+MODEL_LEVEL = ("dsv4ref.weights", "dsv4ref.decode", "dsv4ref.checkpoint", "dsv4ref.conformance")
+
+
+def test_no_op_imports_model_level_modules():
+    """An op takes its weights as arguments: it never imports the model level (the stack's weights, the
+    decode step, the checkpoint, the conformance suite), nor do the shared modules ops import.
+    ``dsv4ref.config`` is allowed: its configs are constants an op may read (mhc's Sinkhorn passes and
+    epsilons are V4-Flash's)."""
+    assert sorted(OPS) == sorted(d.name for d in OP_DIRS if d.name not in ("decode", "conformance", "__pycache__")), (
+        "a new package under dsv4ref/: add it to OPS (an op) or to this test's exclusions (model level)"
+    )
+    bad = {}
+    for p in _py([*(LIB / op for op in OPS), *(LIB / f"{m}.py" for m in SHARED)]):
+        hits = [m for m in _imports(p) if any(m == b or m.startswith(b + ".") for b in MODEL_LEVEL)]
+        if hits:
+            bad[str(p.relative_to(ROOT))] = hits
+    assert bad == {}, f"op modules importing model-level modules: {bad}"
 
 
 def _private_uses(path: pathlib.Path) -> list[str]:

@@ -17,7 +17,7 @@ The walk-through is ``docs/decode.md``. Two implementations of the same block of
 :func:`agreement` compares the two under :data:`ATTN_TOL` / :data:`LOGITS_TOL` (:mod:`.compare`); :func:`run`
 drives a decoder (:func:`run_speculative` with MTP speculation; :mod:`.driver`); :func:`demo` is
 ``python -m dsv4ref demo`` (:mod:`.demo`). The weights are random and seeded (:func:`make_weights`, from
-:mod:`dsv4ref.weights`, which :mod:`dsv4ref.mtp` shares).
+:mod:`dsv4ref.weights`; :func:`mtp_weights`, the MTP draft layer's alone).
 
 Modules: :mod:`.model` (the Decoder: caches, the step, its device graph), :mod:`.stack` (the layer stack the
 step runs: attention, indexer, MoE, head), :mod:`.state` (the per-layer :class:`LayerState` and the step's
@@ -35,7 +35,7 @@ Usage::
     ref = decode.reference_forward(TINY, dec.w, toks[0], topks[0])   # float64, the whole sequence
 """
 
-from ..weights import check_config, layer_ratio, make_weights, weights_to
+from ..weights import check_config, layer_ratio, make_weights, mtp_weights, weights_to
 from .compare import (
     AGREEMENT_TOL,
     ATTN_TOL,
@@ -65,6 +65,7 @@ __all__ = [
     "check_config",
     "layer_ratio",
     "make_weights",
+    "mtp_weights",
     "weights_to",
     "reference_forward",
     "REFERENCE_BUGS",

@@ -16,8 +16,9 @@ The math, the shapes, the cache and the pitfalls with the tests that catch them:
 * :mod:`dsv4ref.mtp.reference`: the pieces in plain torch (float32, or float64 as the tests' oracle);
 * :class:`dsv4ref.decode.Decoder` (``draft`` / ``verify`` / ``speculate``): the draft layer's block, its
   KV cache, the batched verification and the roll-back of the compressor state after rejected drafts.
-* :func:`make_weights`: the draft layer's random weights, drawn in :mod:`dsv4ref.weights` beside the
-  target's (:func:`dsv4ref.decode.make_weights` stores them under ``"mtp"``).
+* the draft layer's random weights are model-level, drawn beside the target's: :func:`dsv4ref.decode.make_weights`
+  stores them under ``"mtp"`` (:func:`dsv4ref.decode.mtp_weights` draws them alone); the functions here take
+  them as arguments.
 """
 
 from __future__ import annotations
@@ -25,7 +26,6 @@ from __future__ import annotations
 import torch
 
 from .. import mhc, validate
-from ..weights import mtp_weights as make_weights  # the draft layer's weights, drawn with the target's
 from . import reference
 from .reference import greedy_tokens
 
@@ -35,7 +35,6 @@ __all__ = [
     "accepted_counts",
     "draft_input",
     "draft_logits",
-    "make_weights",
     "SUPPORTED_BACKENDS",
 ]
 
