@@ -23,7 +23,7 @@ os.environ.setdefault("DSV4REF_DEVICE", "cpu")
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from dsv4ref import compressor, indexer, kv_cache, mhc, moe, mtp, rope, sparse_mla  # noqa: E402
+from dsv4ref import compressor, indexer, kv_cache, linear, mhc, moe, mtp, rope, sparse_mla  # noqa: E402
 from dsv4ref.config import FLASH  # noqa: E402
 from dsv4ref.testing import randn  # noqa: E402
 
@@ -221,7 +221,7 @@ def attention_points():
     wo_b = randn((Hd, G * R), seed=11, block=None, octaves=0) * (G * R) ** -0.5
     z = torch.einsum("tgd,grd->tgr", o.view(T, G, -1).float(), wo_a.float()).to(torch.bfloat16)
     ds_out = F.linear(z.flatten(1).float(), wo_b.float()).to(torch.bfloat16)
-    row("attention: wo_a per group, then wo_b", differ(rope.grouped_o_proj(o, wo_a, wo_b, backend="reference"), ds_out))
+    row("attention: wo_a per group, then wo_b", differ(linear.grouped_o_proj(o, wo_a, wo_b, backend="reference"), ds_out))
 
 
 # ---- mHC, MoE, MTP ------------------------------------------------------------------------------------------

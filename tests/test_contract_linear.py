@@ -107,3 +107,32 @@ def test_meta_tensors_refused():
     w, ws = linear.quantize_fp8_weight(torch.ones(64, 128))
     with pytest.raises(ValueError, match="^x: tensors on the meta device"):
         linear.fp8_linear(torch.empty(2, 128, dtype=torch.bfloat16, device="meta"), w, ws)
+
+
+def _view(data, t: torch.Tensor, label: str) -> str:
+    return data.draw(st.sampled_from(sorted(views(t))), label=label)
+
+
+@given(data=st.data())
+def test_grouped_o_proj_every_view(data):
+    """Reference only: every view gives the contiguous call's bits; a NaN row stays in its row."""
+    T = data.draw(st.integers(0, 3), label="T")
+    G = data.draw(st.sampled_from([1, 2]), label="G")
+    H = G * data.draw(st.integers(1, 2), label="hpg")
+    o_lora, Hd = 8, 16
+    o = randn((T, H, 512), seed=T + H, block=None, octaves=2)
+    nan_row = T and data.draw(st.booleans(), label="nan")
+    if nan_row:
+        o[0, 0, 7] = float("nan")
+    wo_a = randn((G, o_lora, H // G * 512), seed=5, block=None, octaves=0) * 0.03
+    wo_b = randn((Hd, G * o_lora), seed=6, block=None, octaves=0) * 0.2
+    want = linear.grouped_o_proj(o, wo_a, wo_b)
+    got = linear.grouped_o_proj(
+        views(o)[_view(data, o, "o_view")],
+        views(wo_a)[_view(data, wo_a, "a_view")],
+        views(wo_b)[_view(data, wo_b, "b_view")],
+        backend="reference",
+    )
+    assert torch.equal(bits(got), bits(want)) and got.shape == (T, Hd)
+    if nan_row:
+        assert bool(got[0].isnan().all()) and not bool(got[1:].isnan().any())

@@ -2,7 +2,7 @@
 or the same error, on every view, index dtype and non-finite input; a failed call changes no buffer.
 
 * property tests (hypothesis, profile "ci" in `make test`, "long" in `make test-long`) for apply_gptj,
-  qnorm_rope_kv_insert and grouped_o_proj: drawn shapes, strided views (tests/contract.py::views), int32 /
+  qnorm_rope_kv_insert: drawn shapes, strided views (tests/contract.py::views), int32 /
   int64 indices, −1 placements, short slot lists, odd page sizes, NaN / ±inf, value checks on and off;
 * the probes of the input-contract audit as named tests (strided positions / slots, scalar arguments, the
   layout check, the non-finite policy of docs/rope.md#non-finite-input);
@@ -22,7 +22,7 @@ from dsv4ref import conformance, kv_cache, rope, validate
 from dsv4ref.config import FLASH
 from dsv4ref.device import DEVICE
 from dsv4ref.formats import page_bytes
-from dsv4ref.rope import RopeLaunch, apply_gptj, grouped_o_proj, qnorm_rope_kv_insert
+from dsv4ref.rope import RopeLaunch, apply_gptj, qnorm_rope_kv_insert
 from dsv4ref.testing import generator, randn
 
 TAB = rope.cos_sin_cache(64)  # θ = 10000
@@ -189,31 +189,6 @@ def test_qnorm_rope_kv_insert_every_backend_every_view(data):
     if kind_r == "ok":  # the same bits everywhere, gaps of the views included
         assert torch.equal(storage_bytes(got["q"]), storage_bytes(ref["q"]))
         assert torch.equal(storage_bytes(got["cache"]), storage_bytes(ref["cache"]))
-
-
-@given(data=st.data())
-def test_grouped_o_proj_every_view(data):
-    """Reference only: every view gives the contiguous call's bits; a NaN row stays in its row."""
-    T = data.draw(st.integers(0, 3), label="T")
-    G = data.draw(st.sampled_from([1, 2]), label="G")
-    H = G * data.draw(st.integers(1, 2), label="hpg")
-    o_lora, Hd = 8, 16
-    o = randn((T, H, 512), seed=T + H, block=None, octaves=2)
-    nan_row = T and data.draw(st.booleans(), label="nan")
-    if nan_row:
-        o[0, 0, 7] = float("nan")
-    wo_a = randn((G, o_lora, H // G * 512), seed=5, block=None, octaves=0) * 0.03
-    wo_b = randn((Hd, G * o_lora), seed=6, block=None, octaves=0) * 0.2
-    want = grouped_o_proj(o, wo_a, wo_b)
-    got = grouped_o_proj(
-        views(o)[_view(data, o, "o_view")],
-        views(wo_a)[_view(data, wo_a, "a_view")],
-        views(wo_b)[_view(data, wo_b, "b_view")],
-        backend="reference",
-    )
-    assert same_bits(got, want) and got.shape == (T, Hd)
-    if nan_row:
-        assert bool(got[0].isnan().all()) and not bool(got[1:].isnan().any())
 
 
 # ------------------------------------------------------------------------------------------------

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from test_fp8 import GRID, oracle_quantize
 
 from dsv4ref import linear, validate
+from dsv4ref.config import TINY
 from dsv4ref.device import DEVICE
 from dsv4ref.linear import launch as launch_mod
 from dsv4ref.linear import reference
@@ -358,3 +359,44 @@ def test_split_k_within_the_tolerance(fp4, split_k, monkeypatch):
     y = (linear.fp4_linear if fp4 else linear.fp8_linear)(x, w, ws, backend="triton", launch=linear.LinearLaunch(split_k=split_k))
     monkeypatch.undo()
     assert check_gemm(y, x, w, ws, fp4).passed
+
+
+# ------------------------------------------------------------------------------------------------
+# the attention's output projection (docs/linear.md#the-attentions-output-projection)
+# ------------------------------------------------------------------------------------------------
+
+
+def test_grouped_o_proj():
+    T, H, G, o_lora, Hd = 3, TINY.num_heads, TINY.o_groups, 32, 48
+    hpg = H // G
+    o = randn((T, H, 512), seed=30, octaves=4)
+    wo_a = randn((G, o_lora, hpg * 512), seed=31, octaves=0) * 0.02
+    wo_b = randn((Hd, G * o_lora), seed=32, octaves=0) * 0.05
+    out = linear.grouped_o_proj(o, wo_a, wo_b)
+    assert out.shape == (T, Hd) and out.dtype == torch.bfloat16
+    # float64 oracle, group by group: group g owns heads [g·hpg, (g+1)·hpg)
+    z = torch.stack([o[:, g * hpg : (g + 1) * hpg].reshape(T, -1).double() @ wo_a[g].double().T for g in range(G)], 1)
+    ref = z.reshape(T, -1) @ wo_b.double().T
+    assert_close(out, ref, "bf16_gemm", "grouped o-proj")
+    # strided grouping (heads g, g+G, …) is a different function: the check above would catch it
+    zs = torch.stack([o[:, g::G].reshape(T, -1).double() @ wo_a[g].double().T for g in range(G)], 1)
+    assert not torch.allclose((zs.reshape(T, -1) @ wo_b.double().T), ref, rtol=1e-2, atol=1e-2)
+
+
+def test_grouped_o_proj_bad_input_raises():
+    q = randn((2, 2, 512), seed=50)
+    wo_a = torch.zeros(2, 8, 512, dtype=torch.bfloat16, device=DEVICE)
+    with pytest.raises(ValueError, match="wo_a: G = 3 groups must divide H = 2"):
+        linear.grouped_o_proj(
+            q,
+            torch.zeros(3, 8, 512, dtype=torch.bfloat16, device=DEVICE),
+            torch.zeros(4, 24, dtype=torch.bfloat16, device=DEVICE),
+        )
+    with pytest.raises(ValueError, match="wo_b: expected shape"):
+        linear.grouped_o_proj(q, wo_a, torch.zeros(4, 15, dtype=torch.bfloat16, device=DEVICE))
+    with pytest.raises(ValueError, match="wo_a: expected shape"):
+        linear.grouped_o_proj(
+            q,
+            torch.zeros(2, 8, 500, dtype=torch.bfloat16, device=DEVICE),
+            torch.zeros(4, 16, dtype=torch.bfloat16, device=DEVICE),
+        )

@@ -1,4 +1,4 @@
-"""GPT-J RoPE, YaRN, the fused Q-norm + RoPE + KV insert, inverse RoPE and the grouped o-proj.
+"""GPT-J RoPE, YaRN, the fused Q-norm + RoPE + KV insert and inverse RoPE.
 
 Every kernel result is compared with the torch reference (``dsv4ref.rope.reference``) bit for bit (the
 rounding rules of docs/rope.md#rounding-rules), and the references themselves with float64 formulas or
@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from dsv4ref import kv_cache, rope
-from dsv4ref.config import FLASH, TINY
+from dsv4ref.config import FLASH
 from dsv4ref.conformance.rope import pair_max
 from dsv4ref.device import DEVICE, interpreting
 from dsv4ref.rope import (
@@ -22,7 +22,6 @@ from dsv4ref.rope import (
     compressed_position,
     cos_sin_cache,
     cos_sin_rows,
-    grouped_o_proj,
     inv_freq,
     qnorm_rope_kv_insert,
     reference,
@@ -466,29 +465,7 @@ def test_output_inverse_rope_shift_invariance(table):
 
 
 # ------------------------------------------------------------------------------------------------
-# 6. grouped o-proj (docs/rope.md#grouped-output-projection)
-# ------------------------------------------------------------------------------------------------
-
-
-def test_grouped_o_proj():
-    T, H, G, o_lora, Hd = 3, TINY.num_heads, TINY.o_groups, 32, 48
-    hpg = H // G
-    o = randn((T, H, 512), seed=30, octaves=4)
-    wo_a = randn((G, o_lora, hpg * 512), seed=31, octaves=0) * 0.02
-    wo_b = randn((Hd, G * o_lora), seed=32, octaves=0) * 0.05
-    out = grouped_o_proj(o, wo_a, wo_b)
-    assert out.shape == (T, Hd) and out.dtype == torch.bfloat16
-    # float64 oracle, group by group: group g owns heads [g·hpg, (g+1)·hpg)
-    z = torch.stack([o[:, g * hpg : (g + 1) * hpg].reshape(T, -1).double() @ wo_a[g].double().T for g in range(G)], 1)
-    ref = z.reshape(T, -1) @ wo_b.double().T
-    assert_close(out, ref, "bf16_gemm", "grouped o-proj")
-    # strided grouping (heads g, g+G, …) is a different function: the check above would catch it
-    zs = torch.stack([o[:, g::G].reshape(T, -1).double() @ wo_a[g].double().T for g in range(G)], 1)
-    assert not torch.allclose((zs.reshape(T, -1) @ wo_b.double().T), ref, rtol=1e-2, atol=1e-2)
-
-
-# ------------------------------------------------------------------------------------------------
-# 7. bad input
+# 6. bad input
 # ------------------------------------------------------------------------------------------------
 
 
@@ -552,22 +529,6 @@ def test_bad_input_raises(table):
         cos_sin_cache(0)
     with pytest.raises(ValueError, match="yarn: missing keys"):
         cos_sin_cache(8, yarn=dict(factor=16))
-    # grouped o-proj
-    wo_a = torch.zeros(2, 8, 512, dtype=torch.bfloat16, device=DEVICE)
-    with pytest.raises(ValueError, match="wo_a: G = 3 groups must divide H = 2"):
-        grouped_o_proj(
-            q,
-            torch.zeros(3, 8, 512, dtype=torch.bfloat16, device=DEVICE),
-            torch.zeros(4, 24, dtype=torch.bfloat16, device=DEVICE),
-        )
-    with pytest.raises(ValueError, match="wo_b: expected shape"):
-        grouped_o_proj(q, wo_a, torch.zeros(4, 15, dtype=torch.bfloat16, device=DEVICE))
-    with pytest.raises(ValueError, match="wo_a: expected shape"):
-        grouped_o_proj(
-            q,
-            torch.zeros(2, 8, 500, dtype=torch.bfloat16, device=DEVICE),
-            torch.zeros(4, 16, dtype=torch.bfloat16, device=DEVICE),
-        )
 
 
 @pytest.mark.parametrize("backend", ["reference", "triton"])

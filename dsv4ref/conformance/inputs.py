@@ -44,3 +44,13 @@ def filled_cache(n_pages: int, block_size: int, seed: int) -> torch.Tensor:
 def rope_table(theta: float, yarn: dict | None, max_pos: int = 512) -> torch.Tensor:
     """fp32 cos/sin table [max_pos, 64] on the CPU."""
     return rope.cos_sin_cache(max_pos, ROPE_DIM, theta, yarn, device="cpu")
+
+
+def head_major(t: torch.Tensor) -> torch.Tensor:
+    """The same values with dims 0 and 1 swapped in memory (dense, not contiguous): heads outermost."""
+    return t.transpose(0, 1).contiguous().transpose(0, 1)
+
+
+def transposed(t: torch.Tensor) -> torch.Tensor:
+    """The same values with the last two dims swapped in memory (the last dim is no longer contiguous)."""
+    return t.transpose(-1, -2).contiguous().transpose(-1, -2)

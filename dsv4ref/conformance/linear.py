@@ -1,5 +1,7 @@
-"""Conformance cases of the quantised projections: ``linear.act_quant``, the weight quantisers, ``fp8_gemm`` /
-``fp4_gemm`` and ``fp8_linear`` / ``fp4_linear`` (docs/linear.md).
+"""Conformance cases of the projections: ``linear.act_quant``, the weight quantisers, ``fp8_gemm`` /
+``fp4_gemm``, ``fp8_linear`` / ``fp4_linear`` (docs/linear.md), and the attention's bf16 output projection
+``linear.grouped_o_proj`` (compared under "bf16_gemm"; o heads-outermost and transposed weights reach it as
+dense non-contiguous tensors).
 
 Bytes are compared bit for bit ("exact"): e4m3 codes, fp32 power-of-two scales, UE8M0 bytes, packed E2M1. The
 GEMM outputs (bf16) under "linear_out", with mass = Σ_i |q_i·w_i|·scales of the same quantised operands
@@ -9,10 +11,13 @@ them), so every file format holds them; the quantisers' outputs are compared as 
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from ..linear import reference
 from ..testing import generator, randn
+from .inputs import head_major, transposed
 from .suite import Case
 
 
@@ -28,6 +33,7 @@ OUTPUTS = {
     "linear.fp4_gemm": lambda res, a: {"y": res},
     "linear.fp8_linear": lambda res, a: {"y": res},
     "linear.fp4_linear": lambda res, a: {"y": res},
+    "linear.grouped_o_proj": lambda res, a: {"out": res},
 }
 
 
@@ -119,6 +125,66 @@ def _weight_cases() -> list[Case]:
     return out
 
 
+def _o_proj_cases() -> list[Case]:
+    out = []
+    g = generator(56)
+
+    def weights(G, o_lora, width, Hd):
+        wo_a = (torch.randn(G, o_lora, width, generator=g) / math.sqrt(width)).to(torch.bfloat16)
+        wo_b = (torch.randn(Hd, G * o_lora, generator=g) / math.sqrt(G * o_lora)).to(torch.bfloat16)
+        return wo_a, wo_b
+
+    def case(name, o, wo_a, wo_b, why):
+        out.append(
+            Case(
+                "linear.grouped_o_proj",
+                name,
+                dict(o=o, wo_a=wo_a, wo_b=wo_b),
+                ("o", "wo_a", "wo_b"),
+                tol={"out": "bf16_gemm"},
+                why=why,
+            )
+        )
+
+    gg = generator(21)  # the draws of the first version of this case (its golden file)
+    torch.randperm(32, generator=gg)
+    G, o_lora, Hd, H = 2, 64, 128, 4
+    o = randn((3, H, 512), seed=26, device="cpu", block=None, octaves=2)
+    wo_a = (torch.randn(G, o_lora, H // G * 512, generator=gg) / math.sqrt(H // G * 512)).to(torch.bfloat16)
+    wo_b = (torch.randn(Hd, G * o_lora, generator=gg) / math.sqrt(G * o_lora)).to(torch.bfloat16)
+    case("tiny_G2", o, wo_a, wo_b, "contiguous head groups: group g holds heads g·H/G … (g+1)·H/G − 1")
+    case(
+        "one_group",
+        randn((3, 2, 512), seed=57, device="cpu", block=None, octaves=2),
+        *weights(1, 16, 1024, 32),
+        "G = 1: one projection over all heads' 1024 dims (#15: the input is 512 dims per head, not 448)",
+    )
+    case(
+        "one_head_per_group",
+        randn((2, 4, 512), seed=58, device="cpu", block=None, octaves=2),
+        *weights(4, 8, 512, 16),
+        "G = H: each head its own projection",
+    )
+    wo_a, wo_b = weights(3, 6, 1024, 40)
+    case(
+        "odd_sizes_strided_layouts",
+        head_major(randn((7, 6, 512), seed=59, device="cpu", block=None, octaves=2)),
+        transposed(wo_a),
+        transposed(wo_b),
+        "T = 7, H = 6, G = 3, o_lora = 6, Hd = 40; o heads-outermost, both weights stored transposed",
+    )
+    o = randn((3, 2, 512), seed=60, device="cpu", block=None, octaves=2)
+    o[1, 1, 5] = float("nan")
+    case(
+        "nan_in_one_token",
+        o,
+        *weights(2, 8, 512, 16),
+        "a NaN in token 1's group-1 input makes output row 1 NaN, the other rows finite (GEMM propagation)",
+    )
+    case("empty_batch", torch.zeros(0, 4, 512, dtype=torch.bfloat16), *weights(2, 8, 1024, 16), "T = 0: an empty [0, Hd] output")
+    return out
+
+
 def cases() -> list[Case]:
     out = []
     for name, x, cv, why in activations():
@@ -187,7 +253,7 @@ def cases() -> list[Case]:
             why="random bytes: all 16 codes in both nibbles, a scale byte per 32 values (E2M1 -> e4m3 exact)",
         )
     )
-    return out
+    return out + _o_proj_cases()
 
 
 def mass(case: Case) -> dict:

@@ -1,5 +1,5 @@
-"""Conformance cases of RoPE and its fused neighbours: ``rope.apply_gptj`` (the rotation, and the inverse
-rotation of the attention output), ``rope.qnorm_rope_kv_insert`` and ``rope.grouped_o_proj``.
+"""Conformance cases of RoPE and its fused neighbour: ``rope.apply_gptj`` (the rotation, and the inverse
+rotation of the attention output) and ``rope.qnorm_rope_kv_insert``.
 
 The q output of the fused step is compared under the tolerance row "qnorm_rope_q" (``docs/rope.md#exactness``):
 relative to the larger element of each rotary pair (:func:`mass`), so that every form the spec allows passes —
@@ -11,19 +11,17 @@ which keeps a dense layout but not a slice's gaps (those are tested in ``tests/t
 
 from __future__ import annotations
 
-import math
 
 import torch
 
 from ..config import TINY
 from ..testing import generator, randn
-from .inputs import kv_rows, random_cache, rope_table
+from .inputs import head_major, kv_rows, random_cache, rope_table, transposed
 from .suite import Case
 
 OUTPUTS = {
     "rope.apply_gptj": lambda res, a: {"out": res},
     "rope.qnorm_rope_kv_insert": lambda res, a: {"q": a["q"], "cache": a["cache"]},  # both in place
-    "rope.grouped_o_proj": lambda res, a: {"out": res},
 }
 
 _Q_TOL = {"q": "qnorm_rope_q", "cache": "exact"}
@@ -39,16 +37,6 @@ def pair_max(t: torch.Tensor) -> torch.Tensor:
 def mass(case: Case) -> dict:
     """The "mass" of each output compared under a "mass" row: the pair maximum of the expected q."""
     return {o: pair_max(case.expected[o]) for o, t in case.tol.items() if t == "qnorm_rope_q"}
-
-
-def _head_major(t: torch.Tensor) -> torch.Tensor:
-    """The same values with dims 0 and 1 swapped in memory (dense, not contiguous): heads outermost."""
-    return t.transpose(0, 1).contiguous().transpose(0, 1)
-
-
-def _transposed(t: torch.Tensor) -> torch.Tensor:
-    """The same values with the last two dims swapped in memory (the last dim is no longer contiguous)."""
-    return t.transpose(-1, -2).contiguous().transpose(-1, -2)
 
 
 def _gptj_cases() -> list[Case]:
@@ -78,7 +66,7 @@ def _gptj_cases() -> list[Case]:
         "inverse RoPE at the query position on dims 448..511 only (#14, #16)",
     )
     g = generator(27)
-    x = _head_major(randn((4, 3, 512), seed=28, device="cpu", block=None, octaves=4))
+    x = head_major(randn((4, 3, 512), seed=28, device="cpu", block=None, octaves=4))
     pos = torch.randint(0, 64, (3, 4), generator=g, dtype=torch.int32).t()  # [T, H], stored transposed
     case(
         "per_row_int32_positions_head_major",
@@ -200,8 +188,8 @@ def _qnorm_cases() -> list[Case]:
     )
 
     T, H, B, P = 3, 4, 3, 2
-    q = _head_major(randn((T, H, 512), seed=46, device="cpu", block=None, octaves=6))
-    kv = _transposed(kv_rows(T, 47))
+    q = head_major(randn((T, H, 512), seed=46, device="cpu", block=None, octaves=6))
+    kv = transposed(kv_rows(T, 47))
     case(
         "head_major_q_transposed_kv_yarn",
         q,
@@ -278,65 +266,5 @@ def _qnorm_cases() -> list[Case]:
     return out
 
 
-def _o_proj_cases() -> list[Case]:
-    out = []
-    g = generator(56)
-
-    def weights(G, o_lora, width, Hd):
-        wo_a = (torch.randn(G, o_lora, width, generator=g) / math.sqrt(width)).to(torch.bfloat16)
-        wo_b = (torch.randn(Hd, G * o_lora, generator=g) / math.sqrt(G * o_lora)).to(torch.bfloat16)
-        return wo_a, wo_b
-
-    def case(name, o, wo_a, wo_b, why):
-        out.append(
-            Case(
-                "rope.grouped_o_proj",
-                name,
-                dict(o=o, wo_a=wo_a, wo_b=wo_b),
-                ("o", "wo_a", "wo_b"),
-                tol={"out": "bf16_gemm"},
-                why=why,
-            )
-        )
-
-    gg = generator(21)  # the draws of the first version of this case (its golden file)
-    torch.randperm(32, generator=gg)
-    G, o_lora, Hd, H = 2, 64, 128, 4
-    o = randn((3, H, 512), seed=26, device="cpu", block=None, octaves=2)
-    wo_a = (torch.randn(G, o_lora, H // G * 512, generator=gg) / math.sqrt(H // G * 512)).to(torch.bfloat16)
-    wo_b = (torch.randn(Hd, G * o_lora, generator=gg) / math.sqrt(G * o_lora)).to(torch.bfloat16)
-    case("tiny_G2", o, wo_a, wo_b, "contiguous head groups: group g holds heads g·H/G … (g+1)·H/G − 1")
-    case(
-        "one_group",
-        randn((3, 2, 512), seed=57, device="cpu", block=None, octaves=2),
-        *weights(1, 16, 1024, 32),
-        "G = 1: one projection over all heads' 1024 dims (#15: the input is 512 dims per head, not 448)",
-    )
-    case(
-        "one_head_per_group",
-        randn((2, 4, 512), seed=58, device="cpu", block=None, octaves=2),
-        *weights(4, 8, 512, 16),
-        "G = H: each head its own projection",
-    )
-    wo_a, wo_b = weights(3, 6, 1024, 40)
-    case(
-        "odd_sizes_strided_layouts",
-        _head_major(randn((7, 6, 512), seed=59, device="cpu", block=None, octaves=2)),
-        _transposed(wo_a),
-        _transposed(wo_b),
-        "T = 7, H = 6, G = 3, o_lora = 6, Hd = 40; o heads-outermost, both weights stored transposed",
-    )
-    o = randn((3, 2, 512), seed=60, device="cpu", block=None, octaves=2)
-    o[1, 1, 5] = float("nan")
-    case(
-        "nan_in_one_token",
-        o,
-        *weights(2, 8, 512, 16),
-        "a NaN in token 1's group-1 input makes output row 1 NaN, the other rows finite (GEMM propagation)",
-    )
-    case("empty_batch", torch.zeros(0, 4, 512, dtype=torch.bfloat16), *weights(2, 8, 1024, 16), "T = 0: an empty [0, Hd] output")
-    return out
-
-
 def cases() -> list[Case]:
-    return _gptj_cases() + _qnorm_cases() + _o_proj_cases()
+    return _gptj_cases() + _qnorm_cases()

@@ -7,7 +7,6 @@ import torch
 import torch.nn.functional as F
 
 from .. import linear as lin
-from .. import rope
 
 __all__ = ["rms_norm", "linear", "grouped_o_proj", "swiglu_clamped"]
 
@@ -39,11 +38,11 @@ def linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None = None, 
 def grouped_o_proj(
     o: torch.Tensor, wo_a: torch.Tensor, wo_b: torch.Tensor, wo_b_scale: torch.Tensor | None = None, *, backend: str = "auto"
 ) -> torch.Tensor:
-    """Step 9: :func:`dsv4ref.rope.grouped_o_proj` with a bf16 ``wo_b``; with V4's FP8 ``wo_b`` (and its scale)
+    """Step 9: :func:`dsv4ref.linear.grouped_o_proj` with a bf16 ``wo_b``; with V4's FP8 ``wo_b`` (and its scale)
     the bf16 ``wo_a`` half the same way (fp32 accumulation, z rounded to bf16), then ``wo_b`` through
     :func:`linear` (the 1x128 activation quantiser and the FP8 GEMM), as DeepSeek's ``Attention`` does."""
     if wo_b_scale is None:
-        return rope.grouped_o_proj(o, wo_a, wo_b)
+        return lin.grouped_o_proj(o, wo_a, wo_b)
     T, G = o.shape[0], wo_a.shape[0]
     z = torch.einsum("tgk,gok->tgo", o.float().reshape(T, G, -1), wo_a.float()).to(torch.bfloat16)
     return linear(z.reshape(T, -1), wo_b, wo_b_scale, backend=backend)

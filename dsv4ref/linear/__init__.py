@@ -8,7 +8,10 @@ experts are FP4 (the table and the byte layouts: ``docs/linear.md``).
 * :func:`act_quant` (x -> e4m3 + fp32 scales), :func:`fp8_gemm`, :func:`fp4_gemm` (pre-quantised activations),
   :func:`fp8_linear`, :func:`fp4_linear` (both steps);
 * the weight quantisers :func:`quantize_fp8_weight`, :func:`quantize_fp4_weight` and their exact inverses;
-* the E2M1 codec :func:`e2m1_encode`, :func:`e2m1_decode`, :func:`pack_e2m1`, :func:`unpack_e2m1`.
+* the E2M1 codec :func:`e2m1_encode`, :func:`e2m1_decode`, :func:`pack_e2m1`, :func:`unpack_e2m1`;
+* :func:`grouped_o_proj`, the attention's output projection (bf16 ``wo_a`` per group of heads, then ``wo_b``),
+  on the attention output after inverse RoPE. Reference-only: two bf16 GEMMs, no byte format to get wrong
+  (with V4's FP8 ``wo_b``, the decode step sends z through :func:`fp8_linear` instead).
 
 Where to read what: :mod:`dsv4ref.linear.reference` (the formulas in plain torch), :mod:`.kernels` (Triton),
 :mod:`.launch` (:class:`LinearLaunch`, the custom ops).
@@ -43,6 +46,7 @@ __all__ = [
     "e2m1_decode",
     "pack_e2m1",
     "unpack_e2m1",
+    "grouped_o_proj",
 ]
 
 SUPPORTED_BACKENDS = ("reference", "triton")  # from dsv4ref.validate.BACKENDS; "auto" = "triton"
@@ -52,6 +56,7 @@ UE8M0 = (torch.float8_e8m0fnu, torch.uint8)  # UE8M0 scale bytes
 ACT_SCALES = (torch.float32, torch.float8_e8m0fnu)
 FP4_PACKED = (torch.float4_e2m1fn_x2, torch.uint8)
 MAX_BLOCK = 4096
+_REFERENCE_ONLY = ("reference",)  # grouped_o_proj: two bf16 GEMMs, no byte format
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -291,3 +296,34 @@ def dequantize_fp4_weight(w_packed: torch.Tensor, w_scale: torch.Tensor) -> torc
     """Packed E2M1 ``[N, K/2]`` and its 1x32 scales -> fp32 ``[N, K]``, exact (byte 255: NaN)."""
     _check_fp4_weight(w_packed, w_scale)
     return reference.dequantize_fp4_weight(w_packed, w_scale)
+
+
+def grouped_o_proj(o: torch.Tensor, wo_a: torch.Tensor, wo_b: torch.Tensor, *, backend: str = "auto") -> torch.Tensor:
+    """out = wo_b( concat_g( wo_a[g] @ o[t, heads of group g].flatten() ) ) (``docs/linear.md#the-attentions-output-projection``).
+
+    Non-finite values propagate as in any GEMM (a NaN in o[t] makes the groups it feeds NaN, so row t of
+    the output NaN; never an error).
+
+    Args:
+        o: ``[T, H, 512]`` bf16 (any strides): the attention output AFTER inverse RoPE, padded heads already removed.
+        wo_a: ``[G, o_lora, (H/G)·512]`` bf16 (any strides): group g owns the contiguous heads [g·hpg, (g+1)·hpg).
+        wo_b: ``[Hd, G·o_lora]`` bf16 (any strides).
+        backend: ``"auto"`` (= ``"reference"``) or ``"reference"`` (the only one).
+    Returns:
+        ``[T, Hd]`` bf16. Both GEMMs accumulate in fp32; the intermediate z is rounded to bf16 like an
+        activation between two bf16 GEMMs.
+    """
+    validate.backend(backend, _REFERENCE_ONLY, auto="reference")
+    validate.tensor(o, "o", dtype=torch.bfloat16, ndim=3)
+    validate.tensor(wo_a, "wo_a", dtype=torch.bfloat16, ndim=3)
+    validate.tensor(wo_b, "wo_b", dtype=torch.bfloat16, ndim=2)
+    validate.same_device(o=o, wo_a=wo_a, wo_b=wo_b)
+    T, H, D = o.shape
+    G, o_lora, width = wo_a.shape
+    if G < 1 or H % G:
+        raise ValueError(f"wo_a: G = {G} groups must divide H = {H} heads (o has shape {tuple(o.shape)})")
+    if width != (H // G) * D:
+        raise ValueError(f"wo_a: expected shape ({G}, o_lora, {(H // G) * D}) = (G, o_lora, H/G·{D}), got {tuple(wo_a.shape)}")
+    if wo_b.shape[1] != G * o_lora:
+        raise ValueError(f"wo_b: expected shape (Hd, {G * o_lora}) = (Hd, G·o_lora), got {tuple(wo_b.shape)}")
+    return reference.grouped_o_proj(o, wo_a, wo_b)

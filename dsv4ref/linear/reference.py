@@ -20,6 +20,9 @@ K that is not a multiple of the block: the last, partial block is a block of its
 values it has), which is the answer for K padded with zeros to a whole block. DeepSeek's own ``act_quant``
 asserts ``K % 128 == 0`` (every V4 projection has such a K); dsv4ref extends it this way.
 
+The attention's output projection ``grouped_o_proj`` (bf16 weights on every V4 config's ``wo_a``): heads in G
+contiguous groups, ``out = wo_b(concat_g wo_a[g] · o_g)``, both GEMMs in fp32, z rounded to bf16 between them.
+
 Non-finite values (``docs/formats.md#non-finite-values``): a block of x holding a NaN or ±inf is quantised as
 NaN (scale NaN, e4m3 codes 0x7F / 0xFF, ``dsv4ref.fp8``'s rule), so every output of that row is NaN; NaN codes
 and scale byte 255 read as NaN; the GEMMs are IEEE arithmetic.
@@ -50,6 +53,7 @@ __all__ = [
     "scale_values",
     "gemm_mass",
     "blockwise_gemm",
+    "grouped_o_proj",
 ]
 
 
@@ -175,3 +179,13 @@ def gemm_mass(q, s, w, w_scale, *, fp4: bool = False) -> torch.Tensor:
     sign = 0x77 if fp4 else 0x7F  # E2M1: bit 3 of each nibble; e4m3: bit 7
     gemm = fp4_gemm if fp4 else fp8_gemm
     return gemm(q.view(torch.uint8) & 0x7F, s, w.view(torch.uint8) & sign, w_scale, dtype=torch.float64)
+
+
+def grouped_o_proj(o: torch.Tensor, wo_a: torch.Tensor, wo_b: torch.Tensor) -> torch.Tensor:
+    """out = wo_b(concat_g wo_a[g] @ o[t, heads of group g]), group g = heads [g·hpg, (g+1)·hpg). Both GEMMs
+    accumulate in fp32; z is rounded to bf16 like any activation between two bf16 GEMMs."""
+    # fp32 copies in one layout, so that every input layout gives the same summation order (the same bits)
+    o, wo_a, wo_b = (t.float().contiguous() for t in (o, wo_a, wo_b))
+    og = rearrange(o, "t (g h) d -> t g (h d)", g=wo_a.shape[0])  # contiguous head groups
+    z = torch.einsum("tgk,gok->tgo", og, wo_a).to(torch.bfloat16)  # (T, G, o_lora)
+    return (rearrange(z, "t g o -> t (g o)").float() @ wo_b.T).to(torch.bfloat16)

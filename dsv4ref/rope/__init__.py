@@ -1,5 +1,5 @@
 """GPT-J RoPE on the last 64 dims, with YaRN; the fused Q-norm + RoPE + FP8 KV insert; inverse RoPE on the
-attention output; the grouped low-rank output projection. The math and its pitfalls: ``docs/rope.md``.
+attention output. The math and its pitfalls: ``docs/rope.md``.
 
 DeepSeek-V4 rotates only the **last** R = 64 dims of every 512-dim head (dims 448..511) and pairs them
 **GPT-J style** (interleaved): pair i is (x[2i], x[2i+1]), read as the complex number x[2i] + j·x[2i+1] and
@@ -10,12 +10,8 @@ The cos/sin table is fp32 ``[max_pos, 64]``, row p = ``[cos f_0 … cos f_31 | s
 interleaved), f_i = fp32(p)·inv_freq[i]. Every kernel takes the table as an input; bit-exactness is judged
 given the same table.
 
-:func:`grouped_o_proj` is the attention's output projection (grouped LoRA ``wo_a`` per group of heads, then
-``wo_b``), not a rotation. It lives here because it is the other half of the same step of the layer: it runs
-right after the inverse RoPE, on the same rows (the de-rotated ``[T, H, 512]`` attention output), and
-:mod:`dsv4ref.sparse_mla` ends at the rotated output and its LSE. It is reference-only (two bf16 GEMMs, no
-byte format to get wrong), so it has no kernel here; the conformance suite and the golden files name it
-``rope.grouped_o_proj``.
+:func:`dsv4ref.linear.grouped_o_proj`, the attention's output projection that runs on the de-rotated rows,
+is a projection and lives with the projections.
 
 Where things are: :mod:`~dsv4ref.rope.reference` (the whole op in torch, read it first),
 :mod:`~dsv4ref.rope.kernels` (Triton), :mod:`~dsv4ref.rope.launch` (:class:`RopeLaunch`, custom ops).
@@ -44,7 +40,6 @@ __all__ = [
     "apply_gptj",
     "apply_neox",
     "qnorm_rope_kv_insert",
-    "grouped_o_proj",
     "example_inputs",
     "RopeLaunch",
     "default_launch",
@@ -54,7 +49,7 @@ __all__ = [
 
 MAX_HEADS = 128  # FlashMLA-style kernels pad H to 64 or 128; more is rejected
 SUPPORTED_BACKENDS = ("reference", "triton")  # backends of apply_gptj and qnorm_rope_kv_insert ("auto" = "triton")
-_REFERENCE_ONLY = ("reference",)  # apply_neox, grouped_o_proj
+_REFERENCE_ONLY = ("reference",)  # apply_neox
 
 # ----------------------------------------------------------------------------------------------------
 # Frequencies and the cos/sin table
@@ -402,42 +397,6 @@ def qnorm_rope_kv_insert(
     )
     if qc is not q:
         q.copy_(qc)
-
-
-# ----------------------------------------------------------------------------------------------------
-# Grouped low-rank output projection
-# ----------------------------------------------------------------------------------------------------
-
-
-def grouped_o_proj(o: torch.Tensor, wo_a: torch.Tensor, wo_b: torch.Tensor, *, backend: str = "auto") -> torch.Tensor:
-    """out = wo_b( concat_g( wo_a[g] @ o[t, heads of group g].flatten() ) ) (``docs/rope.md#grouped-output-projection``).
-
-    Non-finite values propagate as in any GEMM (a NaN in o[t] makes the groups it feeds NaN, so row t of
-    the output NaN; never an error).
-
-    Args:
-        o: ``[T, H, 512]`` bf16 (any strides): the attention output AFTER inverse RoPE, padded heads already removed.
-        wo_a: ``[G, o_lora, (H/G)·512]`` bf16 (any strides): group g owns the contiguous heads [g·hpg, (g+1)·hpg).
-        wo_b: ``[Hd, G·o_lora]`` bf16 (any strides).
-        backend: ``"auto"`` (= ``"reference"``) or ``"reference"`` (the only one).
-    Returns:
-        ``[T, Hd]`` bf16. Both GEMMs accumulate in fp32; the intermediate z is rounded to bf16 like an
-        activation between two bf16 GEMMs.
-    """
-    validate.backend(backend, _REFERENCE_ONLY, auto="reference")
-    validate.tensor(o, "o", dtype=torch.bfloat16, ndim=3)
-    validate.tensor(wo_a, "wo_a", dtype=torch.bfloat16, ndim=3)
-    validate.tensor(wo_b, "wo_b", dtype=torch.bfloat16, ndim=2)
-    validate.same_device(o=o, wo_a=wo_a, wo_b=wo_b)
-    T, H, D = o.shape
-    G, o_lora, width = wo_a.shape
-    if G < 1 or H % G:
-        raise ValueError(f"wo_a: G = {G} groups must divide H = {H} heads (o has shape {tuple(o.shape)})")
-    if width != (H // G) * D:
-        raise ValueError(f"wo_a: expected shape ({G}, o_lora, {(H // G) * D}) = (G, o_lora, H/G·{D}), got {tuple(wo_a.shape)}")
-    if wo_b.shape[1] != G * o_lora:
-        raise ValueError(f"wo_b: expected shape (Hd, {G * o_lora}) = (Hd, G·o_lora), got {tuple(wo_b.shape)}")
-    return reference.grouped_o_proj(o, wo_a, wo_b)
 
 
 # ----------------------------------------------------------------------------------------------------

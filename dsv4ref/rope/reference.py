@@ -16,7 +16,6 @@
    NeoX pairs (x[i], x[i + R/2]) instead: a different function, kept only as the contrast.
 4. The fused prologue step, per token t: q[t, h] ← RoPE(RMSNorm(q[t, h])) for every head (weight-free
    RMSNorm over all 512 dims), and kv[t] → RoPE → the 584-byte FP8 cache record at ``slots[t]``.
-5. Grouped low-rank output projection: heads in G contiguous groups, ``out = wo_b(concat_g wo_a[g] · o_g)``.
 
 Rounding rules (every backend follows them, so kernels equal this file bit for bit): the rotation takes
 two separately rounded fp32 products and one add (no FMA), then rounds once to the output dtype (bf16:
@@ -164,18 +163,3 @@ def qnorm_rope_kv_insert(
     nothing; kv itself is not modified."""
     kv_cache_reference.insert(cache, apply_gptj(kv, positions, cos_sin), slots, block_size=block_size)
     q.copy_(qnorm_rope(q, positions, cos_sin, eps))
-
-
-# ----------------------------------------------------------------------------------------------------
-# 5. Grouped low-rank output projection (after inverse RoPE)
-# ----------------------------------------------------------------------------------------------------
-
-
-def grouped_o_proj(o: torch.Tensor, wo_a: torch.Tensor, wo_b: torch.Tensor) -> torch.Tensor:
-    """out = wo_b(concat_g wo_a[g] @ o[t, heads of group g]), group g = heads [g·hpg, (g+1)·hpg). Both GEMMs
-    accumulate in fp32; z is rounded to bf16 like any activation between two bf16 GEMMs."""
-    # fp32 copies in one layout, so that every input layout gives the same summation order (the same bits)
-    o, wo_a, wo_b = (t.float().contiguous() for t in (o, wo_a, wo_b))
-    og = rearrange(o, "t (g h) d -> t g (h d)", g=wo_a.shape[0])  # contiguous head groups
-    z = torch.einsum("tgk,gok->tgo", og, wo_a).to(torch.bfloat16)  # (T, G, o_lora)
-    return (rearrange(z, "t g o -> t (g o)").float() @ wo_b.T).to(torch.bfloat16)

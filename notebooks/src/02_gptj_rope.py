@@ -30,7 +30,7 @@ import matplotlib.pyplot as plt
 import torch
 
 # %matplotlib inline
-from dsv4ref import conformance, kv_cache, rope, validate
+from dsv4ref import conformance, kv_cache, linear, rope, validate
 from dsv4ref.config import FLASH, TINY
 from dsv4ref.conformance.rope import pair_max  # the scale of the q tolerance: each pair's larger magnitude
 from dsv4ref.device import DEVICE, describe
@@ -376,7 +376,8 @@ print("without inverse RoPE, RoPE dims 448..511 change    :", bucket(rel(a0[:, 4
 # After the inverse rotation the heads go through the **grouped low-rank output projection**: the H heads
 # are cut into G contiguous groups, each group's hpg·512 values are projected to o_lora by its own matrix
 # wo_a[g], and wo_b maps the G·o_lora concatenation to the hidden size (V4-Flash: 8 groups of 8 heads,
-# 4096 → 1024 per group, 8192 → 4096).
+# 4096 → 1024 per group, 8192 → 4096). It is a projection, not a rotation, so the library keeps it with the
+# projections: `linear.grouped_o_proj` (docs/linear.md).
 
 # %%
 G, o_lora, Hd = TINY.o_groups, TINY.o_lora_rank, TINY.hidden_size
@@ -384,7 +385,7 @@ hpg = TINY.num_heads // G
 o = randn((3, TINY.num_heads, 512), seed=30, octaves=4)
 wo_a = randn((G, o_lora, hpg * 512), seed=31, octaves=0) * 0.02
 wo_b = randn((Hd, G * o_lora), seed=32, octaves=0) * 0.05
-y = rope.grouped_o_proj(o, wo_a, wo_b)
+y = linear.grouped_o_proj(o, wo_a, wo_b)
 z = torch.stack([o[:, g * hpg : (g + 1) * hpg].reshape(3, -1).double() @ wo_a[g].double().T for g in range(G)], 1)
 print("o", tuple(o.shape), "-> z", tuple(z.shape), "-> out", tuple(y.shape))
 print(compare(y, z.reshape(3, -1) @ wo_b.double().T, "bf16_gemm", "grouped o-proj vs float64").verdict())
