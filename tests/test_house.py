@@ -473,10 +473,8 @@ def test_scale_divisions_are_correctly_rounded_on_every_device():
 def test_ops_call_their_custom_ops_by_object():
     """A public function reaches its kernel through names a reader can follow: it calls the object
     ``torch.library.custom_op`` returned (``<schema name>_op`` in the op's ``launch.py``), never a string looked
-    up at call time (``torch.ops.dsv4ref.<name>``). The tools, tests and benchmarks may use either. mhc
-    still calls its own by name (it does not follow dsv4ref/op_launch.py yet)."""
-    by_name = {"mhc"}
-    files = [p for p in _py([d for d in OP_DIRS if d.name not in by_name])]
+    up at call time (``torch.ops.dsv4ref.<name>``). The tools, tests and benchmarks may use either."""
+    files = _py(OP_DIRS)
     hits = [
         f"{p.relative_to(ROOT)}:{n.lineno}"
         for p in files

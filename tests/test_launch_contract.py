@@ -21,6 +21,8 @@ from dsv4ref.compressor.launch import CompressorLaunch
 from dsv4ref.fp8.launch import Fp8Launch
 from dsv4ref.indexer.launch import IndexerLaunch
 from dsv4ref.kv_cache.launch import KVCacheLaunch
+from dsv4ref.mhc import ChunkedLaunch, MhcLaunch, OneKernelLaunch, OnePassLaunch, SplitKLaunch
+from dsv4ref.mhc.launch import DESIGNS, PACKED_OPS
 from dsv4ref.moe import Fp4Launch, MoeLaunch
 from dsv4ref.op_launch import OpLaunch
 from dsv4ref.rope.launch import RopeLaunch
@@ -135,6 +137,38 @@ def _moe_experts_fp4():
     return moe.experts_fp4, args, dict(swiglu_limit=moe.TINY_MOE.swiglu_limit, path="deepseek")
 
 
+def _mhc_streams(seed, head=False):
+    res = mhc.example_streams(3, 64, seed=seed)
+    return res, *mhc.example_params(64, seed=seed, head=head)
+
+
+def _mhc_pre():
+    return mhc.pre, _mhc_streams(20), {}
+
+
+def _mhc_post_args(seed):
+    res, fn, scale, base = _mhc_streams(seed)
+    p, c, x = mhc.pre(res, fn, scale, base, backend="reference")
+    return (x, res, p, c), (fn, scale, base)
+
+
+def _mhc_post():
+    return mhc.post, _mhc_post_args(21)[0], {}
+
+
+def _mhc_fused():
+    post_args, params = _mhc_post_args(22)
+    return mhc.fused_post_pre, (*post_args, *params), {}
+
+
+def _mhc_sinkhorn():
+    return mhc.sinkhorn, (randn((3, 4, 4), seed=16, dtype=torch.float32, block=None, octaves=0),), {}
+
+
+def _mhc_head():
+    return mhc.head, _mhc_streams(23, head=True), {}
+
+
 def _bind(make, backend="auto"):
     """``call(launch)`` running the op of ``make`` on its inputs with ``backend`` and ``launch``."""
     fn, args, kwargs = make()
@@ -162,6 +196,11 @@ CASES = {
         MoeLaunch(block_m=32, block_n=32, block_h=256, block_k=32, expert_warps=2, expert_stages=2, combine_block_t=2),
         ("moe_experts",),
     ),
+    "mhc.pre": (_mhc_pre, "auto", SplitKLaunch(block_k=64, splits=2, finish_block_h=64), ("mhc_pre",)),
+    "mhc.fused_post_pre": (_mhc_fused, "auto", OneKernelLaunch(block_k=64, post_block_t=2), ("mhc_fused_post_pre",)),
+    "mhc.head": (_mhc_head, "auto", ChunkedLaunch(tokens=32, finish_block_h=32), ("mhc_head",)),
+    "mhc.post": (_mhc_post, "auto", SplitKLaunch(post_block_t=2, post_block_h=64), ("mhc_post",)),
+    "mhc.sinkhorn": (_mhc_sinkhorn, "auto", OneKernelLaunch(sinkhorn_block=8), ("mhc_sinkhorn",)),
     "moe.experts_fp4": (
         _moe_experts_fp4,
         "auto",
@@ -183,8 +222,10 @@ def test_a_launch_of_another_kind_is_refused_naming_it(name):
         SparseMlaLaunch(16, 16),
         MoeLaunch(),
         Fp4Launch(),
+        SplitKLaunch(),
     ]
-    for wrong in ("fast", {"num_splits": 2}, 4, *[o for o in others if type(o) is not type(right)]):
+    kind = lambda launch: MhcLaunch if isinstance(launch, MhcLaunch) else type(launch)  # noqa: E731 (mhc: any design)
+    for wrong in ("fast", {"num_splits": 2}, 4, *[o for o in others if kind(o) is not kind(right)]):
         with pytest.raises(TypeError, match="^launch: "):
             call(wrong)
 
@@ -232,6 +273,7 @@ def _an_instance(cls):
         CompressorLaunch: CompressorLaunch(block_t=32, block_j=4),
         MoeLaunch: MoeLaunch(2, 256, 2, True, 32, 128, 256, 32, 8, 2, 4, 512, 2),
         Fp4Launch: Fp4Launch(32, 128, 256, 8, 2),
+        MhcLaunch: ChunkedLaunch(post_block_t=8, post_block_h=128, sinkhorn_block=32),
     }
     if cls not in made:  # a launch this file does not know yet: its defaults, which must be resolved ints
         return cls()
@@ -239,10 +281,52 @@ def _an_instance(cls):
 
 
 def test_every_op_launch_with_custom_ops_is_an_oplaunch():
-    """The launch classes of the ops in this contract follow dsv4ref.op_launch (mhc may still carry its own
-    op_args: its schemas are listed there when it does)."""
-    for cls in (SparseMlaLaunch, GluonLaunch, KVCacheLaunch, RopeLaunch, IndexerLaunch, CompressorLaunch, MoeLaunch, Fp4Launch):
+    """The launch classes of the ops in this contract follow dsv4ref.op_launch."""
+    for cls in (
+        SparseMlaLaunch,
+        GluonLaunch,
+        KVCacheLaunch,
+        RopeLaunch,
+        IndexerLaunch,
+        CompressorLaunch,
+        MoeLaunch,
+        Fp4Launch,
+        MhcLaunch,
+    ):
         assert issubclass(cls, OpLaunch), cls.__name__
+
+
+# ----------------------------------------------------------------------------------------------------
+# mhc: four designs, one launch class each; pre, fused and head take the launch packed (docs/layout.md)
+# ----------------------------------------------------------------------------------------------------
+
+MHC_LAUNCHES = (
+    OneKernelLaunch(block_t=32, block_k=32, warps=2, stages=3, post_block_t=8, sinkhorn_block=64),
+    SplitKLaunch(block_t=32, splits=3, target_programs=7, finish_warps=2, post_block_h=128),
+    OnePassLaunch(block_t=64, slice_h=512, maxnreg=None, one_dot=1, sinkhorn_block=32),
+    ChunkedLaunch.for_device(interpreted=False, tokens=256, stream_k=False, fn_layout=2, zigzag=False, maxnreg=None),
+    ChunkedLaunch.for_device(interpreted=True, tokens=128, sum_unroll=4, small_t=32),
+)
+
+
+def test_mhc_packed_schemas_take_the_design_then_its_fields():
+    """pre, fused and head end their schema with ``launch: int[]`` (the exception docs/layout.md states): the
+    design's index in DESIGNS, then every field of that design in order; their bodies rebuild the same launch,
+    of the same design, from it. Post and sinkhorn follow the convention (test_schemas_name_the_launch_fields)."""
+    for op in PACKED_OPS:
+        last = getattr(torch.ops.dsv4ref, op).default._schema.arguments[-1]
+        assert (last.name, str(last.type)) == ("launch", "List[int]"), (op, last)
+    assert set(MhcLaunch.OP_FIELDS) | set(PACKED_OPS) == {f"mhc_{o}" for o in mhc.launch.OPS}
+    assert {type(L).design for L in MHC_LAUNCHES} == set(DESIGNS)
+    for L in MHC_LAUNCHES:
+        for op in PACKED_OPS:
+            (packed,) = L.op_args(op)
+            assert packed[0] == DESIGNS.index(L.design) and len(packed) == 1 + len(dataclasses.fields(L)), (op, L)
+            back = MhcLaunch.from_op_args(packed, op=op)
+            assert back == L and type(back) is type(L), (op, L, back)
+        for op in MhcLaunch.OP_FIELDS:  # the shared tiles: every design carries them, the same names
+            back = MhcLaunch.from_op_args(*L.op_args(op), op=op)
+            assert all(getattr(back, n) == getattr(L, n) for n in MhcLaunch.op_fields(op)), (op, L)
 
 
 def test_op_args_refuses_an_unresolved_field():
@@ -374,10 +458,6 @@ def _moe_stage():
     d = moe.example_inputs(4, moe.TINY_MOE, seed=15)
     ids, w = moe.route(d["x"], d["gate_weight"], d["bias"], k=2, routed_scale=1.5)
     return moe.stage, (d["x"], ids, w), {}
-
-
-def _mhc_sinkhorn():
-    return mhc.sinkhorn, (randn((3, 4, 4), seed=16, dtype=torch.float32, block=None, octaves=0),), {}
 
 
 AUTO = {  # the ops run here under "auto", with the public function whose docstring states the pick

@@ -15,7 +15,7 @@ import torch
 from dsv4ref import config, mhc, validate
 from dsv4ref.mhc import ChunkedLaunch, MhcLaunch, OneKernelLaunch, OnePassLaunch, SplitKLaunch, reference
 from dsv4ref.mhc.fn_split import split3, split_fn_wide
-from dsv4ref.mhc.launch import MAX_SLICES, ONE_PASS_LAG, OPS
+from dsv4ref.mhc.launch import MAX_SLICES, ONE_PASS_LAG, OPS, PACKED_OPS
 from dsv4ref.device import DEVICE, interpreting
 from dsv4ref.testing import assert_close, compare, generator, poison, randn
 from dsv4ref.tools.smem import HOPPER_SMEM_PER_PROGRAM, mhc_smem
@@ -69,13 +69,15 @@ def oracle_pre(res, fn, scale, base, **kw):
 def triton_pre(res, fn, scale, base, rms_eps=1e-6, hc_eps=1e-6, post_mult=2.0, iters=20, launch=DEFAULT["pre"]):
     T, M, Hd = res.shape
     p, c, out = poison((T, M), torch.float32), poison((T, M, M), torch.float32), poison((T, Hd), torch.bfloat16)
-    torch.ops.dsv4ref.mhc_pre(res, mhc.split_fn(fn), scale, base, p, c, out, rms_eps, hc_eps, post_mult, iters, *launch.op_args())
+    torch.ops.dsv4ref.mhc_pre(
+        res, mhc.split_fn(fn), scale, base, p, c, out, rms_eps, hc_eps, post_mult, iters, *launch.op_args("mhc_pre")
+    )
     return p, c, out
 
 
 def triton_post(x, res, p, c):
     out = poison(tuple(res.shape), torch.bfloat16)
-    torch.ops.dsv4ref.mhc_post(x, res, p.reshape(res.shape[:2]).contiguous(), c, out, *DEFAULT["post"].op_args())
+    torch.ops.dsv4ref.mhc_post(x, res, p.reshape(res.shape[:2]).contiguous(), c, out, *DEFAULT["post"].op_args("mhc_post"))
     return out
 
 
@@ -84,14 +86,14 @@ def triton_fused(x, res, p, c, fn, scale, base, launch=DEFAULT["fused_post_pre"]
     new, p2, c2 = poison(tuple(res.shape), torch.bfloat16), poison((T, M), torch.float32), poison((T, M, M), torch.float32)
     out = poison((T, Hd), torch.bfloat16)
     torch.ops.dsv4ref.mhc_fused_post_pre(
-        x, res, p, c, mhc.split_fn(fn), scale, base, new, p2, c2, out, 1e-6, 1e-6, 2.0, 20, *launch.op_args()
+        x, res, p, c, mhc.split_fn(fn), scale, base, new, p2, c2, out, 1e-6, 1e-6, 2.0, 20, *launch.op_args("mhc_fused_post_pre")
     )
     return new, p2, c2, out
 
 
 def triton_head(res, fn, scale, base, launch=DEFAULT["head"]):
     out = poison((res.shape[0], res.shape[2]), torch.bfloat16)
-    torch.ops.dsv4ref.mhc_head(res, mhc.split_fn(fn, head=True), scale, base, out, 1e-6, 1e-6, *launch.op_args())
+    torch.ops.dsv4ref.mhc_head(res, mhc.split_fn(fn, head=True), scale, base, out, 1e-6, 1e-6, *launch.op_args("mhc_head"))
     return out
 
 
@@ -749,7 +751,9 @@ def test_launch_is_explicit():
         *DESIGNS.values(),
         *(ChunkedLaunch.for_device(interpreted=i, **f) for i in (False, True) for f in CHUNKED_RUNGS.values()),
     ):
-        assert MhcLaunch.from_op_args(*L.op_args()) == L and type(MhcLaunch.from_op_args(*L.op_args())) is type(L)
+        for op in PACKED_OPS:
+            back = MhcLaunch.from_op_args(*L.op_args(op), op=op)
+            assert back == L and type(back) is type(L)
     assert OnePassLaunch().pre_like_fused() == OnePassLaunch(stages=4, maxnreg=None, one_dot=1)
     for L in (OneKernelLaunch(), SplitKLaunch(), ChunkedLaunch()):
         assert L.pre_like_fused() is L  # the same kernels run the pre part of the fused op (chunked: post then pre)

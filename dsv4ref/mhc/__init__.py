@@ -25,9 +25,9 @@ import torch
 from .. import validate
 from ..device import DEVICE, HOST
 from ..seeded import generator, randn
-from . import ops  # noqa: F401  (registers the torch.ops.dsv4ref.mhc_* custom ops)
 from . import reference
 from .fn_split import split_fn
+from .ops import mhc_fused_post_pre_op, mhc_head_op, mhc_post_op, mhc_pre_op, mhc_sinkhorn_op
 from .launch import ChunkedLaunch, MhcLaunch, OneKernelLaunch, OnePassLaunch, SplitKLaunch, default_launch
 from .reference import HC_EPS, HC_MULT, POST_MULT, RMS_EPS, SINKHORN_ITERS
 
@@ -197,7 +197,7 @@ def sinkhorn(
         return reference.sinkhorn(logits, iters, eps).contiguous()
     src = _c(logits)
     out = torch.empty_like(src)
-    torch.ops.dsv4ref.mhc_sinkhorn(src, out, int(iters), float(eps), *launch.op_args())
+    mhc_sinkhorn_op(src, out, int(iters), float(eps), *launch.op_args("mhc_sinkhorn"))
     return out
 
 
@@ -251,7 +251,7 @@ def pre(
         )
         return p, c, x.to(torch.bfloat16)
     p, c, out = _gate_buffers(T, M, Hd, residual.device)
-    torch.ops.dsv4ref.mhc_pre(
+    mhc_pre_op(
         _c(residual),
         split_fn(fn, M),
         _c(scale),
@@ -263,7 +263,7 @@ def pre(
         float(hc_eps),
         float(post_mult),
         int(sinkhorn_iters),
-        *launch.op_args(),
+        *launch.op_args("mhc_pre"),
     )
     return p, c, out
 
@@ -302,7 +302,7 @@ def post(
     if backend == "reference":
         return reference.post(x, residual, post, comb).to(torch.bfloat16)
     out = torch.empty(T, M, Hd, dtype=torch.bfloat16, device=residual.device)
-    torch.ops.dsv4ref.mhc_post(_c(x), _c(residual), _c(post.reshape(T, M)), _c(comb), out, *launch.op_args())
+    mhc_post_op(_c(x), _c(residual), _c(post.reshape(T, M)), _c(comb), out, *launch.op_args("mhc_post"))
     return out
 
 
@@ -350,7 +350,7 @@ def fused_post_pre(
         return new, p, c, li.to(torch.bfloat16)
     new = torch.empty(T, M, Hd, dtype=torch.bfloat16, device=residual.device)
     p, c, out = _gate_buffers(T, M, Hd, residual.device)
-    torch.ops.dsv4ref.mhc_fused_post_pre(
+    mhc_fused_post_pre_op(
         _c(x),
         _c(residual),
         _c(post.reshape(T, M)),
@@ -366,7 +366,7 @@ def fused_post_pre(
         float(hc_eps),
         float(post_mult),
         int(sinkhorn_iters),
-        *launch.op_args(),
+        *launch.op_args("mhc_fused_post_pre"),
     )
     return new, p, c, out
 
@@ -409,8 +409,15 @@ def head(
     if backend == "reference":
         return reference.head(hidden, fn, scale, base, rms_eps=rms_eps, hc_eps=hc_eps).to(torch.bfloat16)
     out = torch.empty(T, Hd, dtype=torch.bfloat16, device=hidden.device)
-    torch.ops.dsv4ref.mhc_head(
-        _c(hidden), split_fn(fn, M, head=True), _c(scale), _c(base), out, float(rms_eps), float(hc_eps), *launch.op_args()
+    mhc_head_op(
+        _c(hidden),
+        split_fn(fn, M, head=True),
+        _c(scale),
+        _c(base),
+        out,
+        float(rms_eps),
+        float(hc_eps),
+        *launch.op_args("mhc_head"),
     )
     return out
 

@@ -16,9 +16,11 @@ every candidate's). The interpreter pays for every program, so there the default
 programs, in bigger tiles (:func:`default_launch`); the tests run every design on both. A design changes the speed,
 never the result beyond the stated tolerances.
 
-A launch reaches the ``torch.ops.dsv4ref.mhc_*`` custom ops as one ``int[]`` (:meth:`MhcLaunch.op_args`: the
-design's index in :data:`DESIGNS`, then its fields), so a registered op reads nothing outside its schema. Which
-defaults differ between a GPU and the interpreter: :data:`DEVICE_DEFAULTS`; what a launch written for one means on
+A launch reaches the custom ops of ``ops.py`` as :mod:`dsv4ref.op_launch` says (``*launch.op_args(op)``, rebuilt
+with ``from_op_args``): ``mhc_post`` and ``mhc_sinkhorn`` take the shared tiles they read, named as the fields;
+``mhc_pre``, ``mhc_fused_post_pre`` and ``mhc_head`` (:data:`PACKED_OPS`) take one ``launch: int[]``, the design's
+index in :data:`DESIGNS` then its fields, since a schema per design would make twelve of them
+(``docs/layout.md``, "One vocabulary"). So a registered op reads nothing outside its schema. Which defaults differ between a GPU and the interpreter: :data:`DEVICE_DEFAULTS`; what a launch written for one means on
 the other, and whether it is legal there: :meth:`MhcLaunch.for_device`.
 """
 
@@ -32,6 +34,7 @@ import triton
 
 from .. import validate
 from ..device import interpreting
+from ..op_launch import OpLaunch
 
 # Per design ("shared": the base's fields), the fields whose defaults differ between compiled kernels (False: a
 # GPU) and Triton's interpreter (True).
@@ -77,15 +80,17 @@ DEVICE_DEFAULTS: dict[bool, dict[str, dict[str, object]]] = {
 }
 _D = DEVICE_DEFAULTS[interpreting()]
 
-DESIGNS = ("one_kernel", "split_k", "one_pass", "chunked")  # op_args()[0][0] is the index here
+DESIGNS = ("one_kernel", "split_k", "one_pass", "chunked")  # op_args(op)[0][0] is the index here, op in PACKED_OPS
 OPS = ("pre", "fused_post_pre", "head", "post", "sinkhorn")
+# the custom ops whose schema takes the launch as one ``launch: int[]`` (the design's index, then its fields)
+PACKED_OPS = ("mhc_pre", "mhc_fused_post_pre", "mhc_head")
 MAX_SLICES = 32  # one pass and chunked: at most this many hidden slices (each finish sums every slice's partial)
 ONE_PASS_LAG = 2  # one pass: phase B finishes the tile this many tiles behind phase A's
 ONE_PASS_SUM_UNROLL = 4  # one pass: the last arrival has this many slices' partials in flight per round
 
 
 @dataclass(frozen=True)
-class MhcLaunch:
+class MhcLaunch(OpLaunch):
     """The base of the four designs' launches: the tiles of ``post_kernel`` (the post op, and the fused op's post
     in the chunked design) and of ``sinkhorn_kernel``, which every design shares. Not built itself: build
     :class:`OneKernelLaunch`, :class:`SplitKLaunch`, :class:`OnePassLaunch` or :class:`ChunkedLaunch`."""
@@ -100,6 +105,9 @@ class MhcLaunch:
     post_block_t: int = 4
     post_block_h: int = 256
     sinkhorn_block: int = _D["shared"]["sinkhorn_block"]  # 4×4 matrices per program
+
+    # post and sinkhorn take the shared tiles they read, by name (dsv4ref.op_launch); PACKED_OPS take all of it
+    OP_FIELDS = {"mhc_post": ("post_block_t", "post_block_h"), "mhc_sinkhorn": ("sinkhorn_block",)}
 
     def __post_init__(self):
         if not self.design:
@@ -135,17 +143,25 @@ class MhcLaunch:
         itself, but for the one-pass design (:meth:`OnePassLaunch.pre_like_fused`)."""
         return self
 
-    def op_args(self) -> tuple[list[int]]:
-        """The launch as the trailing argument of the ``torch.ops.dsv4ref.mhc_*`` custom ops, ``launch: int[]``:
-        the design's index in :data:`DESIGNS`, then the fields in declaration order (None → −1)."""
-        return ([DESIGNS.index(self.design), *(-1 if v is None else int(v) for v in dataclasses.astuple(self))],)
+    def op_args(self, op: str | None = None) -> tuple:
+        """The launch as the trailing arguments of the custom op ``op``: for ``mhc_post`` / ``mhc_sinkhorn`` the
+        shared tiles, as :meth:`dsv4ref.op_launch.OpLaunch.op_args`; for :data:`PACKED_OPS` one ``int[]``, the
+        design's index in :data:`DESIGNS`, then the fields in declaration order (None → −1)."""
+        if op in PACKED_OPS:
+            return ([DESIGNS.index(self.design), *(-1 if v is None else int(v) for v in dataclasses.astuple(self))],)
+        return super().op_args(op)
 
-    @staticmethod
-    def from_op_args(values: list[int]) -> MhcLaunch:
-        """The inverse of :meth:`op_args`: the launch a custom op receives as ``launch``."""
-        cls = _CLASSES[DESIGNS[values[0]]]
-        kw = {f.name: (None if v == -1 else v) for f, v in zip(dataclasses.fields(cls), values[1:])}
-        return cls(**{k: bool(v) if k in cls._BOOLS else v for k, v in kw.items()})
+    @classmethod
+    def from_op_args(cls, *values, op: str | None = None) -> MhcLaunch:
+        """The inverse of :meth:`op_args`: the launch a custom op rebuilds from its trailing arguments. For
+        ``mhc_post`` / ``mhc_sinkhorn``, on the base class, a :class:`OneKernelLaunch` carries the shared tiles
+        (they mean the same in every design; the base is never built)."""
+        if op not in PACKED_OPS:
+            return super(MhcLaunch, OneKernelLaunch if cls is MhcLaunch else cls).from_op_args(*values, op=op)
+        (packed,) = values
+        design = _CLASSES[DESIGNS[packed[0]]]
+        kw = {f.name: (None if v == -1 else v) for f, v in zip(dataclasses.fields(design), packed[1:])}
+        return design(**{k: bool(v) if k in design._BOOLS else v for k, v in kw.items()})
 
 
 @dataclass(frozen=True)

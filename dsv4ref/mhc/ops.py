@@ -1,6 +1,7 @@
 """The mHC launchers, one per design (``launch_one_kernel``, ``launch_split_k``, ``launch_one_pass``,
 ``launch_chunked``; ``launch_hc`` runs one call of pre, fused post+pre or head with the launcher of its launch's
-type), and the ``torch.ops.dsv4ref.mhc_*`` custom ops that run them."""
+type), and the custom ops that run them: ``mhc_pre_op``, ``mhc_fused_post_pre_op``, ``mhc_head_op``, ``mhc_post_op``,
+``mhc_sinkhorn_op`` (the objects the public functions call)."""
 
 from __future__ import annotations
 
@@ -278,13 +279,14 @@ def launch_hc(
 
 
 # ====================================================================================================
-# Custom ops: they write into given buffers (the tests poison them first). ``launch`` is
-# MhcLaunch.op_args() (the design, then its fields): every launch choice travels in the schema.
+# Custom ops: they write into given buffers (the tests poison them first). Every launch choice travels in the
+# schema (MhcLaunch.op_args(op)): pre, fused and head take ``launch`` (the design, then its fields), post and
+# sinkhorn the shared tiles they read, named as the fields.
 # ====================================================================================================
 
 
 @torch.library.custom_op("dsv4ref::mhc_pre", mutates_args=("post", "comb", "out"))
-def mhc_pre(
+def mhc_pre_op(
     residual: torch.Tensor,
     fs: torch.Tensor,
     scale: torch.Tensor,
@@ -316,17 +318,17 @@ def mhc_pre(
         iters,
         head=False,
         fused=False,
-        launch=MhcLaunch.from_op_args(launch),
+        launch=MhcLaunch.from_op_args(launch, op="mhc_pre"),
     )
 
 
-@mhc_pre.register_fake
+@mhc_pre_op.register_fake
 def _(residual, fs, scale, base, post, comb, out, rms_eps, hc_eps, post_mult, iters, launch):
     return None
 
 
 @torch.library.custom_op("dsv4ref::mhc_fused_post_pre", mutates_args=("new", "post", "comb", "out"))
-def mhc_fused_post_pre(
+def mhc_fused_post_pre_op(
     x: torch.Tensor,
     residual: torch.Tensor,
     post_in: torch.Tensor,
@@ -362,17 +364,17 @@ def mhc_fused_post_pre(
         iters,
         head=False,
         fused=True,
-        launch=MhcLaunch.from_op_args(launch),
+        launch=MhcLaunch.from_op_args(launch, op="mhc_fused_post_pre"),
     )
 
 
-@mhc_fused_post_pre.register_fake
+@mhc_fused_post_pre_op.register_fake
 def _(x, residual, post_in, comb_in, fs, scale, base, new, post, comb, out, rms_eps, hc_eps, post_mult, iters, launch):
     return None
 
 
 @torch.library.custom_op("dsv4ref::mhc_head", mutates_args=("out",))
-def mhc_head(
+def mhc_head_op(
     hidden: torch.Tensor,
     fs: torch.Tensor,
     scale: torch.Tensor,
@@ -400,21 +402,27 @@ def mhc_head(
         0,
         head=True,
         fused=False,
-        launch=MhcLaunch.from_op_args(launch),
+        launch=MhcLaunch.from_op_args(launch, op="mhc_head"),
     )
 
 
-@mhc_head.register_fake
+@mhc_head_op.register_fake
 def _(hidden, fs, scale, base, out, rms_eps, hc_eps, launch):
     return None
 
 
 @torch.library.custom_op("dsv4ref::mhc_post", mutates_args=("out",))
-def mhc_post(
-    x: torch.Tensor, residual: torch.Tensor, post: torch.Tensor, comb: torch.Tensor, out: torch.Tensor, launch: list[int]
+def mhc_post_op(
+    x: torch.Tensor,
+    residual: torch.Tensor,
+    post: torch.Tensor,
+    comb: torch.Tensor,
+    out: torch.Tensor,
+    post_block_t: int,
+    post_block_h: int,
 ) -> None:
     T, M, Hd = residual.shape
-    L = MhcLaunch.from_op_args(launch)
+    L = MhcLaunch.from_op_args(post_block_t, post_block_h, op="mhc_post")
     if T:
         grid = (triton.cdiv(T, L.post_block_t), triton.cdiv(Hd, L.post_block_h))
         kernels.post_kernel[grid](
@@ -431,19 +439,19 @@ def mhc_post(
         )
 
 
-@mhc_post.register_fake
-def _(x, residual, post, comb, out, launch):
+@mhc_post_op.register_fake
+def _(x, residual, post, comb, out, post_block_t, post_block_h):
     return None
 
 
 @torch.library.custom_op("dsv4ref::mhc_sinkhorn", mutates_args=("out",))
-def mhc_sinkhorn(logits: torch.Tensor, out: torch.Tensor, iters: int, eps: float, launch: list[int]) -> None:
+def mhc_sinkhorn_op(logits: torch.Tensor, out: torch.Tensor, iters: int, eps: float, sinkhorn_block: int) -> None:
     n = logits.numel() // 16
-    block = MhcLaunch.from_op_args(launch).sinkhorn_block
+    block = MhcLaunch.from_op_args(sinkhorn_block, op="mhc_sinkhorn").sinkhorn_block
     if n:
         kernels.sinkhorn_kernel[(triton.cdiv(n, block),)](logits, out, n, iters, eps, BLOCK=block)
 
 
-@mhc_sinkhorn.register_fake
-def _(logits, out, iters, eps, launch):
+@mhc_sinkhorn_op.register_fake
+def _(logits, out, iters, eps, sinkhorn_block):
     return None

@@ -85,7 +85,7 @@ def run_op(op: str, launch, T: int, inputs=None, outs=None):
     from dsv4ref.mhc.reference import HC_EPS, POST_MULT, RMS_EPS, SINKHORN_ITERS
 
     res, x, p, c, fs, scale, base, hfs, hscale, hbase = inputs if inputs is not None else _inputs(T)
-    (enc,) = launch.op_args()  # the custom ops' launch: int[]
+    (enc,) = launch.op_args("mhc_pre")  # pre, fused and head: launch: int[]
     if outs is None:
         outs = (torch.empty_like(res), torch.empty_like(p), torch.empty_like(c), torch.empty_like(x))
     new, p2, c2, out = outs
@@ -98,7 +98,7 @@ def run_op(op: str, launch, T: int, inputs=None, outs=None):
     elif op == "head":
         torch.ops.dsv4ref.mhc_head(res, hfs, hscale, hbase, out, RMS_EPS, HC_EPS, enc)
     else:
-        torch.ops.dsv4ref.mhc_post(x, res, p, c, new, enc)
+        torch.ops.dsv4ref.mhc_post(x, res, p, c, new, *launch.op_args("mhc_post"))
     return outs
 
 

@@ -130,7 +130,7 @@ def _bench() -> list[BenchCase]:
     hfn, hscale, hbase = example_params(Hd, head=True)
     hfs = split_fn(hfn, M, head=True)
 
-    def run_pre(i, launch, src=None):  # launch: a launch's op_args()
+    def run_pre(i, launch, src=None):  # launch: a launch's op_args("mhc_pre") (pre, fused and head: the same)
         res, x, p, c, (new, p2, c2, out) = sets[i]
         torch.ops.dsv4ref.mhc_pre(
             res if src is None else src, fs, scale, base, p2, c2, out, RMS_EPS, HC_EPS, POST_MULT, SINKHORN_ITERS, *launch
@@ -150,11 +150,11 @@ def _bench() -> list[BenchCase]:
         res, x, p, c, (new, p2, c2, out) = sets[i]
         torch.ops.dsv4ref.mhc_head(res, hfs, hscale, hbase, out, RMS_EPS, HC_EPS, *launch)
 
-    base_post = default_launch("post").op_args()
+    base_post = default_launch("post").op_args("mhc_post")
 
     def run_separate(i):
         run_post(i)
-        run_pre(i, default_launch("pre").op_args(), src=sets[i][4][0])
+        run_pre(i, default_launch("pre").op_args("mhc_pre"), src=sets[i][4][0])
 
     shape = f"T={T} Hd={Hd}"
     cases = [
@@ -207,7 +207,7 @@ def _bench() -> list[BenchCase]:
             else:
                 plan = f"BLOCK_T={L.block_t}"
             label = f"{kind.replace('_', '-')} (default)" if design == "default" else design
-            enc = L.op_args()
+            enc = L.op_args("mhc_pre")  # pre, fused and head take the same packed launch
             try:  # a design that does not run here is reported, not fatal: the other rows still run
                 runner(0, enc)
             except Exception as e:
