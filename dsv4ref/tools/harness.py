@@ -147,8 +147,9 @@ def time_ms(
     Each timed window holds back-to-back replays of at least ``min_calls`` calls in all: the start event
     fires on an idle device, so the host's submission of the window's first replay is inside the window,
     and only the first (the host submits the next replays while the device runs). A window of one replay
-    (``n_sets`` calls, 2-4 here) would charge every call a share of that submission: 1-2 µs on a 15-30 µs
-    kernel (``min_calls=1`` times that way). A replay that takes over a millisecond is timed alone.
+    (``n_sets`` calls) would charge every call a share of that submission, which is comparable to the time of
+    a small decode kernel (``min_calls=1`` times that way). A replay that takes over a millisecond is timed
+    alone.
     """
     replay = None
     if graph:
@@ -162,7 +163,7 @@ def time_ms(
         synchronize()
         with Timer() as t:
             replay()
-        # replays per window; one where a replay takes a millisecond (the submission is then < 1 % of it)
+        # replays per window; one where a replay takes over a millisecond (the submission is then a small part of it)
         per = 1 if t.ms > 1.0 else max(1, -(-min_calls // n_sets))
         times = []
         for _ in range(max(3, reps // (n_sets * per))):
