@@ -244,15 +244,25 @@ def test_cli_help_lists_every_command_without_torch():
     assert "torch" not in imported
 
 
-def test_cli_never_reports_green_on_nothing():
-    assert _cli("check", "nosuchop").returncode != 0
-    assert _cli("conformance", "nosuchop").returncode != 0
-    assert _cli("demo", "--steps", "-1").returncode != 0
-    assert _cli("demo", "--steps", "0").returncode != 0
-    empty = ROOT / "build" / "empty_golden"
-    empty.mkdir(parents=True, exist_ok=True)
-    assert _cli("conformance", "--golden", str(empty)).returncode != 0
-    assert _cli("conformance", "--golden", str(ROOT / "no" / "such" / "dir")).returncode != 0
+def _exit_code(*args) -> int:
+    """``python -m dsv4ref ARGS``'s exit status, in this process: ``__main__`` is ``sys.exit(main())``, so the
+    status is what ``main`` returns or what argparse exits with (one subprocess below checks that link)."""
+    from dsv4ref.tools.cli import main
+
+    try:
+        return main(list(args))
+    except SystemExit as e:
+        return e.code if isinstance(e.code, int) else 1
+
+
+def test_cli_never_reports_green_on_nothing(tmp_path, capsys):
+    assert _cli("check", "nosuchop").returncode != 0  # through the interpreter's own exit status once
+    assert _exit_code("conformance", "nosuchop") != 0
+    assert _exit_code("demo", "--steps", "-1") != 0
+    assert _exit_code("demo", "--steps", "0") != 0
+    assert _exit_code("conformance", "--golden", str(tmp_path)) != 0  # a directory with no golden file
+    assert _exit_code("conformance", "--golden", str(tmp_path / "no" / "such" / "dir")) != 0
+    assert _exit_code("check", "nosuchop") != 0
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -75,14 +75,17 @@ def main(argv=None) -> int:
             print(f"conformance: --golden {a.golden}: no such directory", file=sys.stderr)
             return 2
         cases = load_golden(a.golden)
-    else:
-        cases = all_cases(a.op[0] if len(a.op) == 1 else None)
+    else:  # an unknown op is refused before any case is built (building them all runs every reference)
+        cases = None
     if a.op:
         known = sorted({c.op for c in cases}) if a.golden else list(outputs())
         unknown = [x for x in a.op if not any(name.startswith(x) for name in known)]
         if unknown:
             print(f"conformance: no case for {', '.join(unknown)}; ops: {', '.join(known)}", file=sys.stderr)
             return 2
+    if cases is None:
+        cases = all_cases(a.op[0] if len(a.op) == 1 else None)
+    if a.op:
         cases = [c for c in cases if any(c.op.startswith(x) for x in a.op)]
     rows = run(reference_impls() if a.reference else default_impls(), cases)
     print(format_report(rows))
