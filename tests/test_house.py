@@ -463,19 +463,15 @@ def test_scale_divisions_are_correctly_rounded_on_every_device():
     another count on a GPU for this reason). A division by a format maximum (448, 6) in the library or a
     notebook goes through ``fp8.reference.div_rn``; a line that divides plain Python numbers says so with
     ``# host-scalar: why``."""
-    import io
-    import tokenize
-
     paths = [*sorted((ROOT / "dsv4ref").rglob("*.py")), *sorted((ROOT / "notebooks" / "src").glob("*.py"))]
     hits = []
     for p in paths:
         lines = p.read_text().splitlines()
-        toks = [t for t in tokenize.generate_tokens(io.StringIO(p.read_text()).readline) if t.type != tokenize.NL]
-        for a, b in zip(toks, toks[1:]):
-            if a.type == tokenize.OP and a.string == "/" and b.string in _FORMAT_MAXIMA:
-                line = lines[a.start[0] - 1]
+        for n in ast.walk(ast.parse(p.read_text())):  # the tree, not tokens: f-string expressions count too
+            if isinstance(n, ast.BinOp) and isinstance(n.op, ast.Div) and ast.unparse(n.right) in _FORMAT_MAXIMA:
+                line = lines[n.lineno - 1]
                 if "# host-scalar:" not in line:
-                    hits.append(f"{p.relative_to(ROOT)}:{a.start[0]}: {line.strip()[:100]}")
+                    hits.append(f"{p.relative_to(ROOT)}:{n.lineno}: {line.strip()[:100]}")
     assert not hits, "divisions by a format maximum that CUDA rounds twice:\n" + "\n".join(hits)
 
 

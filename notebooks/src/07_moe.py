@@ -373,7 +373,7 @@ print(
     "ceil(log2(amax) - log2(448)) + 127 differs:",
     wrong.numel(),
     "times, at amax / 448 =",
-    [f"2^{int(torch.log2(every[i] / 448))}" for i in wrong.tolist()],
+    [f"2^{int(torch.log2(quot[i]))}" for i in wrong.tolist()],
 )
 print("byte of 1.75 by the bits / by the float log of the quotient:", int(by_bits[every == 1.75]), int(by_log[every == 1.75]))
 
