@@ -151,7 +151,10 @@ ROW_BOUND = {1: 0.75, 2: 0.35, 5: 0.1, 10: 0.02, 15: 6e-3, 20: 2e-3}
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_sinkhorn_row_error_vs_passes(backend):
-    L = logits(4096, 1.0, seed=11)
+    # the kernel runs the oracle's schedule (test_sinkhorn_matches_fp64_oracle): on the first quarter of the
+    # matrices (a subset: the bounds hold for it too) at a quarter of the interpreter's programs
+    n = 4096 if backend == "reference" else 1024
+    L = logits(4096, 1.0, seed=11)[:n]
     worst = {}
     for k in ROW_BOUND:
         c = mhc.sinkhorn(L, k, backend=backend).double()
@@ -160,7 +163,7 @@ def test_sinkhorn_row_error_vs_passes(backend):
     ks = sorted(worst)
     assert all(worst[a] > worst[b] for a, b in zip(ks, ks[1:])), worst  # more passes, smaller error
     # small logits converge to the eps floor: row error ~1e-6 after 5 passes
-    c = mhc.sinkhorn(logits(4096, 0.1, seed=12), 5, backend=backend).double()
+    c = mhc.sinkhorn(logits(4096, 0.1, seed=12)[:n], 5, backend=backend).double()
     assert float((c.sum(dim=-1) - 1).abs().max()) <= 2e-6
 
 
@@ -995,5 +998,14 @@ def test_chunk_small_t_decode_sized_calls_take_64_token_tiles():
     assert L.plan(37, 88)[0] == 64 and L.plan(100, 88)[0] == 128
     with pytest.raises(ValueError, match="launch.small_t"):
         ChunkedLaunch(small_t=-1)
-    check_design(L, 40, 88, seed=47, custom_ops=True)
-    check_design(dataclasses.replace(L, zigzag=not L.zigzag), 40, 88, seed=48, custom_ops=True)
+    (p, c, li), fused, head = check_design(L, 40, 88, seed=47, custom_ops=True)
+    # the other walk on the same inputs (one 64-token tile, so the walk is the only change): the same bits as the
+    # outputs check_design held to the fp64 oracle
+    Z = dataclasses.replace(L, zigzag=not L.zigzag)
+    res, x, fn, scale, base = case(40, 88, seed=47)
+    hfn, hscale, hbase = mhc.example_params(88, seed=48, head=True)
+    for a, b in zip(triton_pre(res, fn, scale, base, launch=Z), (p, c, li)):
+        assert_close(a, b, "exact")
+    for a, b in zip(triton_fused(x, res, p, c, fn, scale, base, launch=Z), fused):
+        assert_close(a, b, "exact")
+    assert_close(triton_head(res, hfn, hscale, hbase, launch=Z), head, "exact")
