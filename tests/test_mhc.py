@@ -652,13 +652,26 @@ def test_chunked_zigzag_same_bits_every_tile_once(stream_k):
     second of 24 tokens, 2 tiles the last partial (the reversed walk meets a partial tile first, inside a chunk
     of several tiles); two hidden slices (the tile is pid // slices). Through the custom ops with poisoned outputs
     (a tile never walked stays poison), the fp64 checks of ``check_design``, and pre / fused / head equal to the
-    forward walk bit for bit on the same inputs (only the order moved). ``stream_k``: both walks with
-    ``stream_k`` (the GPU default's partial kernel; slices of two 32-wide chunks, so Hd = 88 for two slices)."""
+    forward walk bit for bit on the same inputs (only the order moved). ``stream_k`` (the GPU default's partial
+    kernel; slices of two 32-wide chunks, so Hd = 88 for two slices): all of that. Without it (the wide partial
+    kernel): the fused op only, whose partial kernel is the one that walks backward (pre's and head's partial
+    kernels walk forward, their finish kernel backward: the finish kernel is the same either way, so the
+    ``stream_k`` case has it), against the fp64 oracle and the forward walk."""
     T, Hd = 56, 88 if stream_k else 56
     small = {**CHUNK_SMALL, "tokens": 32, **({"slice_h": 64} if stream_k else {})}
     fwd = ChunkedLaunch(stream_k=stream_k, fn_layout=0, zigzag=False, **small)
     zz = dataclasses.replace(fwd, zigzag=True)
     assert fwd.plan(T, Hd)[:3] == (32, 2, 2)
+    if not stream_k:
+        res, x, fn, scale, base = case(T, Hd, seed=45)
+        p, c, _ = mhc.pre(res, fn, scale, base, backend="reference")
+        got = triton_fused(x, res, p, c, fn, scale, base, launch=zz)
+        for a, b in zip(triton_fused(x, res, p, c, fn, scale, base, launch=fwd), got):
+            assert_close(b, a, "exact")
+        assert_close(got[0], reference.post(x, res, p, c, dtype=torch.float64), "bf16_out")
+        for a, b, tol in zip(got[1:], oracle_pre(got[0], fn, scale, base), ("mhc", "mhc", "bf16_out")):
+            assert_close(a, b, tol)
+        return
     (p, c, li), fused_zz, head_zz = check_design(zz, T, Hd, seed=41, custom_ops=True)
     res, x, fn, scale, base = case(T, Hd, seed=41)  # check_design's inputs
     hfn, hscale, hbase = mhc.example_params(Hd, seed=42, head=True)
