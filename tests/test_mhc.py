@@ -651,35 +651,40 @@ def test_chunked_zigzag_same_bits_every_tile_once(stream_k):
     of 32 tokens, tiles of 16: two chunks (several chunks: the walk counts from each chunk's end, not T's), the
     second of 24 tokens, 2 tiles the last partial (the reversed walk meets a partial tile first, inside a chunk
     of several tiles); two hidden slices (the tile is pid // slices). Through the custom ops with poisoned outputs
-    (a tile never walked stays poison), the fp64 checks of ``check_design``, and pre / fused / head equal to the
-    forward walk bit for bit on the same inputs (only the order moved). ``stream_k`` (the GPU default's partial
-    kernel; slices of two 32-wide chunks, so Hd = 88 for two slices): all of that. Without it (the wide partial
+    (a tile never walked stays poison): against the fp64 oracle, and equal to the forward walk bit for bit on the
+    same inputs (only the order moved; the forward walk's fused == post then pre is
+    test_chunked_matches_fp64_and_fused_equals_post_then_pre's). ``stream_k`` (the GPU default's partial kernel;
+    slices of two 32-wide chunks, so Hd = 88 for two slices): pre, fused and head. Without it (the wide partial
     kernel): the fused op only, whose partial kernel is the one that walks backward (pre's and head's partial
     kernels walk forward, their finish kernel backward: the finish kernel is the same either way, so the
-    ``stream_k`` case has it), against the fp64 oracle and the forward walk."""
+    ``stream_k`` case has it)."""
     T, Hd = 56, 88 if stream_k else 56
-    small = {**CHUNK_SMALL, "tokens": 32, **({"slice_h": 64} if stream_k else {})}
+    # Hd = 88 with stream_k: finish parts of 64 dims, so two parts as at Hd = 56 (the walk is the finish grid's
+    # other axis)
+    small = {**CHUNK_SMALL, "tokens": 32, **({"slice_h": 64, "finish_h": 64} if stream_k else {})}
     fwd = ChunkedLaunch(stream_k=stream_k, fn_layout=0, zigzag=False, **small)
     zz = dataclasses.replace(fwd, zigzag=True)
-    assert fwd.plan(T, Hd)[:3] == (32, 2, 2)
-    if not stream_k:
-        res, x, fn, scale, base = case(T, Hd, seed=45)
-        p, c, _ = mhc.pre(res, fn, scale, base, backend="reference")
-        got = triton_fused(x, res, p, c, fn, scale, base, launch=zz)
-        for a, b in zip(triton_fused(x, res, p, c, fn, scale, base, launch=fwd), got):
-            assert_close(b, a, "exact")
-        assert_close(got[0], reference.post(x, res, p, c, dtype=torch.float64), "bf16_out")
-        for a, b, tol in zip(got[1:], oracle_pre(got[0], fn, scale, base), ("mhc", "mhc", "bf16_out")):
+    assert fwd.plan(T, Hd)[:3] == (32, 2, 2) and fwd.finish_plan(32, Hd)[0] == 2
+    res, x, fn, scale, base = case(T, Hd, seed=41)
+    if stream_k:
+        p, c, li = triton_pre(res, fn, scale, base, launch=zz)
+        for a, b, tol in zip((p, c, li), oracle_pre(res, fn, scale, base), ("mhc", "mhc", "bf16_out")):
             assert_close(a, b, tol)
-        return
-    (p, c, li), fused_zz, head_zz = check_design(zz, T, Hd, seed=41, custom_ops=True)
-    res, x, fn, scale, base = case(T, Hd, seed=41)  # check_design's inputs
-    hfn, hscale, hbase = mhc.example_params(Hd, seed=42, head=True)
-    for a, b in zip(triton_pre(res, fn, scale, base, launch=fwd), (p, c, li)):
+        for a, b in zip(triton_pre(res, fn, scale, base, launch=fwd), (p, c, li)):
+            assert_close(b, a, "exact")
+    else:
+        p, c, _ = mhc.pre(res, fn, scale, base, backend="reference")
+    got = triton_fused(x, res, p, c, fn, scale, base, launch=zz)
+    assert_close(got[0], reference.post(x, res, p, c, dtype=torch.float64), "bf16_out")
+    for a, b, tol in zip(got[1:], oracle_pre(got[0], fn, scale, base), ("mhc", "mhc", "bf16_out")):
+        assert_close(a, b, tol)
+    for a, b in zip(triton_fused(x, res, p, c, fn, scale, base, launch=fwd), got):
         assert_close(b, a, "exact")
-    for a, b in zip(triton_fused(x, res, p, c, fn, scale, base, launch=fwd), fused_zz):
-        assert_close(b, a, "exact")
-    assert_close(head_zz, triton_head(res, hfn, hscale, hbase, launch=fwd), "exact")
+    if stream_k:
+        hfn, hscale, hbase = mhc.example_params(Hd, seed=42, head=True)
+        head = triton_head(res, hfn, hscale, hbase, launch=zz)
+        assert_close(head, reference.head(res, hfn, hscale, hbase, dtype=torch.float64), "bf16_out")
+        assert_close(head, triton_head(res, hfn, hscale, hbase, launch=fwd), "exact")
 
 
 def test_split_fn_wide_is_the_split_transposed_in_gemm_tile_row_order():
