@@ -128,11 +128,11 @@ plt.show()
 
 # %%
 batch = torch.randn(4096, 4, 4, generator=generator(11), dtype=torch.float64)
-ks = list(range(1, 31))
+ks = [1, 2, 3, 4, 5, 6, 8, 10, 12, 15, 20, 25, 30]  # each point reruns the schedule from pass 1
 fig, ax = plt.subplots(figsize=(7, 3.5))
 for std in (0.3, 1.0, 3.0):
     rows = [float((reference.sinkhorn(batch * std, k).sum(-1) - 1).abs().max()) for k in ks]
-    ax.semilogy(ks, rows, label=f"logit std {std}")
+    ax.semilogy(ks, rows, marker=".", label=f"logit std {std}")
 ax.axvline(20, color="gray", ls="--", lw=1)
 ax.set_xlabel("passes")
 ax.set_ylabel("worst |row sum − 1|")
@@ -553,13 +553,14 @@ for name, launch in ladder:
     print(
         compare(c_l, comb_w, "mhc", f"pre, {name}: comb").verdict(), "|", compare(x_l, x_ref, "bf16_out", "layer input").verdict()
     )
-# the zigzag walk: 40 tokens in one chunk of 48 = 3 tiles of 16, the finish kernel walking them last to first
-res40 = mhc.example_streams(40, Hd, seed=4)
-forward = mhc.ChunkedLaunch(tokens=48, block_t=16, finish_block_t=16, zigzag=False)
+# the zigzag walk: 20 tokens in one chunk of 32 = 2 tiles of 16, the finish kernel walking them last to first
+# (so it meets the partial tile first)
+res20 = mhc.example_streams(20, Hd, seed=4)
+forward = mhc.ChunkedLaunch(tokens=32, block_t=16, finish_block_t=16, zigzag=False)
 zigzag = dataclasses.replace(forward, zigzag=True)
 same = all(
     torch.equal(a, b)
-    for a, b in zip(mhc.pre(res40, fn, scale, base, launch=forward), mhc.pre(res40, fn, scale, base, launch=zigzag))
+    for a, b in zip(mhc.pre(res20, fn, scale, base, launch=forward), mhc.pre(res20, fn, scale, base, launch=zigzag))
 )
 print("chunked, zigzag walk: the same bits as the forward walk:", same)
 print(inspect.getsource(mhc.SplitKLaunch.plan))
