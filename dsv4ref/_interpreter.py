@@ -7,8 +7,10 @@ dsv4ref's kernels call small helpers (``bf16_round_nan``, ``page_offsets``, ...)
 the walk costs more than most of the helpers it precedes.
 
 :func:`patch_helper_calls` skips the walk for a helper whose language modules (``tl`` / ``tl.core`` among its
-globals) the running launch has patched already; any other call patches as before. The launch's own patch
-and its restore are untouched, so the state of ``triton.language`` inside and after a launch is what it was.
+globals) the running launch has patched already, by itself or at an earlier helper call (a helper's patch is
+never undone before the launch ends: Triton drops its record); any other call patches as before. The launch's
+own patch and its restore are untouched, so the state of ``triton.language`` inside and after a launch is what
+it was.
 Where the interpreter's helper call is not the one this was written against (its code is compared line by
 line), nothing is changed.
 """
@@ -62,12 +64,12 @@ def patch_helper_calls() -> bool:
     if not needed:
         return False
 
-    active: list[frozenset] = []  # the language modules patched by the running launch(es)
+    active: list[set] = []  # the language modules patched so far in the running launch(es)
     langs: dict = {}  # helper function -> the ids of the language modules among its globals
     launch = grid.__call__
 
     def grid_call(self, *args, **kwargs):
-        active.append(_lang_ids(self.fn, tl))
+        active.append(set(_lang_ids(self.fn, tl)))
         try:
             return launch(self, *args, **kwargs)
         finally:
@@ -79,6 +81,8 @@ def patch_helper_calls() -> bool:
             mine = langs[self.fn] = _lang_ids(self.fn, tl)
         if not (active and mine <= active[-1]):
             interp._patch_lang(self.fn)
+            if active:
+                active[-1] |= mine
         fn = self.rewrite()
         try:
             return fn(*args, **kwargs)
