@@ -333,7 +333,7 @@ def test_route_stage_experts_do_not_sync_with_checks_off(hash_layer):
 # ----------------------------------------------------------------------------------------------------
 
 
-def _experts(d, staged, ids, backend, E=None, out=None):
+def _experts(d, staged, ids, backend, E=None, out=None, shared=True):
     w13, w2 = (d["w13"], d["w2"]) if E is None else (d["w13"][:E], d["w2"][:E])
     return moe.experts(
         d["x"],
@@ -343,8 +343,8 @@ def _experts(d, staged, ids, backend, E=None, out=None):
         staged[3],
         w13,
         w2,
-        d["shared_w13"],
-        d["shared_w2"],
+        d["shared_w13"] if shared else None,
+        d["shared_w2"] if shared else None,
         swiglu_limit=10.0,
         out=out,
         backend=backend,
@@ -384,7 +384,7 @@ def test_expert_ids_outside_the_range_count_as_minus_one_with_checks_off(backend
         _experts(d, staged, ids, backend)
 
 
-@settings(max_examples=5)
+@settings(max_examples=4)
 @given(T=st.integers(1, 5), K=st.integers(1, 3), data=st.data())
 def test_property_out_of_range_ids_are_minus_one_on_every_backend(T, K, data):
     E = SHAPE.experts
@@ -392,11 +392,12 @@ def test_property_out_of_range_ids_are_minus_one_on_every_backend(T, K, data):
     flat = data.draw(st.lists(st.integers(-3, E + 3), min_size=T * K, max_size=T * K))
     ids = torch.tensor(flat, dtype=torch.int64, device=DEVICE).view(T, K)
     w = torch.rand(T, K, generator=generator(42)).to(DEVICE)
-    staged = moe.stage(d["x"], ids, w, backend="triton")
+    staged = moe.stage(d["x"], ids, w, backend="reference")  # the experts' input; staging has its own tests
     clean = torch.where((ids >= 0) & (ids < E), ids, -1)
-    with validate.checking_values(False):
+    with validate.checking_values(False):  # routed experts only: an out-of-range id is the routed slots' business
         for be in ("reference", "triton"):
-            assert torch.equal(bits(_experts(d, staged, ids, be)), bits(_experts(d, staged, clean, be))), be
+            got, want = (_experts(d, staged, i, be, shared=False) for i in (ids, clean))
+            assert torch.equal(bits(got), bits(want)), be
 
 
 @pytest.mark.parametrize("backend", ["reference", "triton"])

@@ -443,12 +443,15 @@ def test_stage_snap_every_finite_bf16(launch):
     """ue8m0_byte_bits + e4m3_snap against the integer oracle on every finite bf16 value (65280, T 255 × Hd 256):
     once in groups of 32 neighbouring bit patterns (the codes of every binade, both signs, the ue8m0 carry at
     mantissa 1.75), once shuffled, so that most groups span many octaves (e4m3 subnormals, values that round to
-    ±0: −0 must stay 0x80, and ties to even at every grid spacing)."""
+    ±0: −0 must stay 0x80, and ties to even at every grid spacing). The shuffled pass runs on the first launch
+    only: a group's bytes depend on its 32 values, not on the tile that holds it, and the second launch's
+    tiling is checked by the ordered pass."""
     bits = torch.arange(0, 0x10000, dtype=torch.int32)
     v = bits[(bits & 0x7F80) != 0x7F80].to(torch.int16).view(torch.bfloat16)  # the finite bit patterns
     ids = torch.zeros(255, 1, dtype=torch.int32, device=DEVICE)
     w = torch.ones(255, 1, device=DEVICE)
-    for h in (v, v[torch.randperm(v.numel(), generator=generator(40))]):
+    shuffled = v[torch.randperm(v.numel(), generator=generator(40))]
+    for h in (v, shuffled) if launch.stage_block_t == 16 else (v,):
         h = h.reshape(255, 256).to(DEVICE)
         check_staged(stage_with("triton", h, ids, w, launch), h, ids, w)
 

@@ -316,12 +316,22 @@ def _fused_case(T, H, B, n_blocks, n_slots, pos, table, seed, launch):
     return q_out, c_out
 
 
-@pytest.mark.parametrize("T,H,B,n_blocks,n_slots", [(4, 16, 16, 2, 4), (5, 3, 61, 1, 3), (3, 128, 2, 3, 2)])
+@pytest.mark.parametrize("T,H,B,n_blocks,n_slots", [(4, 16, 16, 2, 4), (5, 3, 61, 1, 3)])
 def test_fused_kernel(table, T, H, B, n_blocks, n_slots, fused_variant):
-    """Tiny config (H = 16, B = 16), an odd page (B = 61), and H = 128 with 2-token pages; slot −1 in row
-    1 and T'' < T where n_slots < T (rows beyond T'' write nothing)."""
+    """Tiny config (H = 16, B = 16), an odd page (B = 61) with H = 3 (a partial head group for 2 and 8 heads
+    per program); slot −1 in row 1 and T'' < T where n_slots < T (rows beyond T'' write nothing)."""
     pos = torch.randint(0, 4096, (T,), generator=generator(T + H)).to(DEVICE)
     _fused_case(T, H, B, n_blocks, n_slots, pos, table, seed=T * H, launch=fused_variant)
+
+
+@pytest.mark.parametrize("hpp", [2, 8])
+def test_fused_kernel_128_heads(table, hpp):
+    """H = 128 (the most the op takes) on the kernels that group heads: 64 groups of 2 (the default launch) and
+    16 of 8, with 2-token pages. One token is enough: the grid's head-group index runs over all 128 heads per
+    token (several tokens, T'' < T and slot −1 are test_fused_kernel's), and the per-head kernel and 1 head per
+    program group nothing, so H = 128 is no boundary for them."""
+    pos = torch.tensor([3000], device=DEVICE)
+    _fused_case(1, 128, 2, 3, 1, pos, table, seed=128 + hpp, launch=RopeLaunch(heads_per_prog=hpp))
 
 
 def test_fused_kernel_empty_slots_and_padding_rows(table, fused_variant):
@@ -437,10 +447,10 @@ def test_fused_mh_bench_configs(table, launch):
 # ------------------------------------------------------------------------------------------------
 
 
-def _decode_output(delta, table, inverse=True):
+def _decode_output(delta, table):
     """One query token at position 1000 + Δ attends to 8 keys at 1000 + Δ − j (itself included),
-    inserted with the fused kernel; attention in float64 over the gathered (dequantised) rows;
-    then the output's RoPE dims are rotated back at the query position."""
+    inserted with the fused kernel; attention in float64 over the gathered (dequantised) rows.
+    Returns the output with its RoPE dims rotated back at the query position, and without that step."""
     T, H, B = 8, 2, 16
     pos = (1000 + delta - torch.arange(T)).to(DEVICE)
     q = randn((T, H, 512), seed=20, octaves=4)
@@ -451,15 +461,14 @@ def _decode_output(delta, table, inverse=True):
     k = kv_cache.gather(cache, slots, block_size=B).double()  # K = V = the full 512-dim row
     p = torch.softmax((q[0].double() @ k.T) * 512**-0.5, dim=-1)  # (H, T)
     o = (p @ k).float()  # (H, 512)
-    return apply_gptj(o, pos[:1].expand(H), table, inverse=True) if inverse else o  # the query position, every head
+    return apply_gptj(o, pos[:1].expand(H), table, inverse=True), o  # the query position, every head
 
 
 def test_output_inverse_rope_shift_invariance(table):
     delta = 128 * 7  # a multiple of 128 keeps compressed-window starts aligned
-    a, b = _decode_output(0, table), _decode_output(delta, table)
+    (a, a0), (b, b0) = _decode_output(0, table), _decode_output(delta, table)
     torch.testing.assert_close(a, b, **SHIFT_TOL)
-    # without the inverse step the RoPE dims of the output rotate with Δ (the missing-inverse pitfall)
-    a0, b0 = _decode_output(0, table, inverse=False), _decode_output(delta, table, inverse=False)
+    # without the inverse step (a0, b0) the RoPE dims of the output rotate with Δ (the missing-inverse pitfall)
     torch.testing.assert_close(a0[:, :448], b0[:, :448], **SHIFT_TOL)
     assert (a0[:, 448:] - b0[:, 448:]).abs().max() > 10 * SHIFT_TOL["atol"] * (1 + a0[:, 448:].abs().max())
 
@@ -536,7 +545,7 @@ def test_qnorm_is_deepseeks_bf16_line(backend):
     """The per-head q RMSNorm is DeepSeek's line run on bf16 q, ``q *= torch.rsqrt(q.square().mean(-1,
     keepdim=True) + eps)`` (each op rounds to bf16), recomputed here with torch's own bf16 ops: the NoPE dims
     (not rotated) are equal on V4-Flash's width; the fp32 form (one rounding after an fp32 norm) is not."""
-    T, H = 6, 16
+    T, H = 2, 16
     q = randn((T, H, 512), seed=41, block=None, octaves=6)
     pos = torch.arange(T, device=DEVICE) * 37
     table = cos_sin_cache(512, theta=10000.0)

@@ -17,7 +17,7 @@ launcher's check that the cache has fewer than 2^31 slots) the slot is divided b
 
 Per-value work is kept off the common path (a non-finite test per value cost the insert about a quarter of its
 bandwidth, ``benchmarks/kv_cache.md``): the writer runs the non-finite policy only for a tile that holds a NaN /
-±inf block (one NaN-propagating amax per block, one branch per tile:
+±inf block (one integer max of the |x| bits per block, one branch per tile:
 :func:`dsv4ref.tl.numerics.e4m3_ue8m0_tile`); the reader finds NaN codes and byte-255 blocks with one
 compare per value against a per-block bound. ``NATIVE`` (compiled only) uses the hardware's e4m3 / bf16
 conversions, which are exact; the interpreter always runs the integer encoders.

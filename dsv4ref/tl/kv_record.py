@@ -16,7 +16,7 @@ A quant block holding a NaN or ±inf is written as scale byte 255 and e4m3 NaN b
 value that is not a NaN and has its sign bit set), exactly like ``fp8.quantize_ue8m0``
 (``docs/formats.md#non-finite-values``); the RoPE bits are stored as given, NaN and inf included. That policy
 costs per-value work, so it runs only for a tile that holds such a block (``e4m3_ue8m0_tile``: one
-NaN-propagating amax per block, one branch per tile); a finite tile runs the plain encoder.
+integer max of the |x| bits per block, one branch per tile); a finite tile runs the plain encoder.
 
 The RoPE words are stored first, so their registers are free before the NoPE tile is loaded. What ptxas makes
 of ``kv_cache.insert``'s kernel is printed by ``benchmarks/experiments/kv_cache_compile_check.py`` (Triton 3.6, sm_90a).

@@ -210,25 +210,22 @@ def e4m3_ue8m0_blocks(x, FLOOR: tl.constexpr, AXIS: tl.constexpr):
 
 
 @triton.jit
-def _max_nan(a, b):
-    """tl.reduce combiner: the larger of a and b, and NaN if either is NaN (``max.NaN.f32``; the plain
-    ``tl.maximum`` drops a NaN on the GPU and in the interpreter alike)."""
-    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
-
-
-@triton.jit
 def e4m3_ue8m0_tile(x, FLOOR: tl.constexpr, AXIS: tl.constexpr, NATIVE: tl.constexpr):
     """:func:`e4m3_ue8m0_blocks` with the same bytes for every input, at the cost of the finite encoder when the
-    whole tile is finite: one NaN-propagating max|x| per block (the amax the scale needs anyway) says whether a
+    whole tile is finite: one max of the |x| bits per block (the amax the scale needs anyway) says whether a
     block holds a NaN or ±inf, and one branch per tile (the same for every thread of the program) sends a tile
     with such a block to :func:`e4m3_ue8m0_blocks`. A finite tile skips the policy's per-value work
     (``canonical_nan``, the NaN-code select): there ``ue8m0_byte(amax)`` and ``e4m3(x · 2^(127 − byte))`` are
     exactly what :func:`e4m3_ue8m0_blocks` computes, with ``e4m3`` the hardware's conversion when ``NATIVE``
-    (compiled only; see :func:`e4m3_finite`)."""
-    amax = tl.reduce(tl.abs(x), AXIS, _max_nan)  # |x| bits >= 0x7F800000: the block holds a NaN or ±inf
-    bad = (amax.to(tl.int32, bitcast=True) >= 0x7F800000).to(tl.int32)
+    (compiled only; see :func:`e4m3_finite`).
+
+    The amax is an integer max, as in :func:`e4m3_ue8m0_blocks`: |x| as int32 orders like the float, NaN and inf
+    on top, so it is the bits of a NaN-propagating float max for every input (a float ``tl.max`` may drop a
+    NaN; a ``tl.reduce`` with a NaN-propagating combiner runs one Python call per element in the interpreter)."""
+    amax = tl.max(x.to(tl.int32, bitcast=True) & 0x7FFFFFFF, axis=AXIS)  # >= 0x7F800000: a NaN or ±inf block
+    bad = (amax >= 0x7F800000).to(tl.int32)
     if tl.max(bad) == 0:
-        byte = ue8m0_byte_bits(amax.to(tl.int32, bitcast=True), FLOOR)  # amax finite here: its bits
+        byte = ue8m0_byte_bits(amax, FLOOR)  # amax finite here: its bits
         q = e4m3_finite(x * tl.expand_dims(inv_pow2(byte), AXIS), NATIVE)
     else:
         q, byte = e4m3_ue8m0_blocks(x, FLOOR, AXIS)

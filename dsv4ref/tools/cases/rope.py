@@ -41,7 +41,7 @@ def _check_apply() -> list[CheckRow]:
 def _check_fused() -> list[CheckRow]:
     rows = []
     table = rope.cos_sin_cache(4096)
-    for T, H, B, nb in [(4, 16, 16, 2), (7, 64, 61, 1)]:
+    for T, H, B, nb in [(4, 16, 16, 2), (2, 64, 61, 1)]:  # V4-Flash's 64 heads on 2 tokens: interpreted in CI
         q, kv, slots, pos = rope.example_inputs(T, H, B, nb, seed=T, cos_sin=table)
         q_ref, c_ref = q.clone(), kv_cache.allocate(nb, B)
         rope.qnorm_rope_kv_insert(q_ref, kv, c_ref, slots[: T - 1], pos, table, eps=1e-6, block_size=B, backend="reference")
