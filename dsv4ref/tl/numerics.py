@@ -225,10 +225,14 @@ def e4m3_ue8m0_tile(x, FLOOR: tl.constexpr, AXIS: tl.constexpr, NATIVE: tl.const
     (``canonical_nan``, the NaN-code select): there ``ue8m0_byte(amax)`` and ``e4m3(x · 2^(127 − byte))`` are
     exactly what :func:`e4m3_ue8m0_blocks` computes, with ``e4m3`` the hardware's conversion when ``NATIVE``
     (compiled only; see :func:`e4m3_finite`)."""
-    amax = tl.reduce(tl.abs(x), AXIS, _max_nan)  # |x| bits >= 0x7F800000: the block holds a NaN or ±inf
-    bad = (amax.to(tl.int32, bitcast=True) >= 0x7F800000).to(tl.int32)
+    if NATIVE:
+        amax = tl.reduce(tl.abs(x), AXIS, _max_nan).to(tl.int32, bitcast=True)
+    else:  # interpreted, tl.reduce calls its combiner in Python once per value: the integer max of the |x|
+        # bits (e4m3_ue8m0_blocks') is the same amax bits for a finite block and >= 0x7F800000 for the others
+        amax = tl.max(x.to(tl.int32, bitcast=True) & 0x7FFFFFFF, axis=AXIS)
+    bad = (amax >= 0x7F800000).to(tl.int32)  # |x| bits >= 0x7F800000: the block holds a NaN or ±inf
     if tl.max(bad) == 0:
-        byte = ue8m0_byte_bits(amax.to(tl.int32, bitcast=True), FLOOR)  # amax finite here: its bits
+        byte = ue8m0_byte_bits(amax, FLOOR)  # amax finite here: its bits
         q = e4m3_finite(x * tl.expand_dims(inv_pow2(byte), AXIS), NATIVE)
     else:
         q, byte = e4m3_ue8m0_blocks(x, FLOOR, AXIS)
