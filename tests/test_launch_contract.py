@@ -88,7 +88,8 @@ def _index_k():
 
 def _index_logits():
     ex = indexer.example_inputs(2, 4, 8, block_size=4, seed=8)
-    q, qs, wo = indexer.quantize_q(ex["index_q"], ex["positions"], ex["cos_sin"], ex["weights"])
+    # the reference's bytes: the logits kernel's inputs, without an interpreted quantize launch
+    q, qs, wo = indexer.quantize_q(ex["index_q"], ex["positions"], ex["cos_sin"], ex["weights"], backend="reference")
     return indexer.logits, (q, qs, wo, ex["k_cache"], ex["positions"]), dict(block_size=4, block_table=ex["block_table"])
 
 
