@@ -118,7 +118,7 @@ def _moe_stage_into():
 
 
 def _moe_experts():
-    d, ids, w = _moe_routed(seed=18)
+    d, ids, w = _moe_routed(T=1, seed=18)  # one token: the smallest valid input, its two experts a launch each
     staged = moe.stage(d["x"], ids, w, backend="reference")
     args = (d["x"], *staged, d["w13"], d["w2"], d["shared_w13"], d["shared_w2"])
     return moe.experts, args, dict(swiglu_limit=moe.TINY_MOE.swiglu_limit)
@@ -127,7 +127,7 @@ def _moe_experts():
 def _moe_experts_fp4():
     from dsv4ref import linear as lin
 
-    d, ids, w = _moe_routed(seed=19)
+    d, ids, w = _moe_routed(T=1, seed=19)
 
     def fp4(t):
         q, s = lin.quantize_fp4_weight(t.reshape(-1, t.shape[-1]))
