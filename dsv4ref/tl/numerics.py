@@ -222,9 +222,9 @@ def e4m3_ue8m0_tile(x, FLOOR: tl.constexpr, AXIS: tl.constexpr, NATIVE: tl.const
     whole tile is finite: one NaN-propagating max|x| per block (the amax the scale needs anyway; interpreted, the
     integer max of the |x| bits, the same bits) says whether a block holds a NaN or ±inf, and one branch per
     tile (the same for every thread of the program) sends a tile with such a block to :func:`e4m3_ue8m0_blocks`.
-    A finite tile skips the policy's per-value work (``canonical_nan``, the NaN-code select): there ``ue8m0_byte(amax)`` and ``e4m3(x · 2^(127 − byte))`` are
-    exactly what :func:`e4m3_ue8m0_blocks` computes, with ``e4m3`` the hardware's conversion when ``NATIVE``
-    (compiled only; see :func:`e4m3_finite`)."""
+    A finite tile skips the policy's per-value work (``canonical_nan``, the NaN-code select): there
+    ``ue8m0_byte(amax)`` and ``e4m3(x · 2^(127 − byte))`` are exactly what :func:`e4m3_ue8m0_blocks` computes,
+    with ``e4m3`` the hardware's conversion when ``NATIVE`` (compiled only; see :func:`e4m3_finite`)."""
     if NATIVE:
         amax = tl.reduce(tl.abs(x), AXIS, _max_nan).to(tl.int32, bitcast=True)
     else:  # interpreted, tl.reduce calls its combiner in Python once per value: the integer max of the |x|
