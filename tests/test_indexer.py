@@ -877,9 +877,12 @@ def test_mxfp4_decodes_real_and_hard_scale_bytes(dec):
     ref = ix.reference.logits(*args, block_size=16, n_out=128, dtype=torch.float64)
     cond = ix.reference.logits_condition(*args, block_size=16, n_out=128)
     assert bool(ref[1:, 120].isnan().all()) and int(ref.isnan().sum()) == 3 and bool(ref[0, 96:].isneginf().all())
-    # (pages, pages per dot, tokens): the pages per dot shape f16_scaled's fast path only, which tokens 0 and 1
-    # take (keys 0..63); tokens 2 and 3 go the slow way, a page at a time whatever the tile, as (4, 1) checks
-    tiles = [(4, 1, 4), (2, 1, 4)] + ([(4, 2, 2), (4, 4, 2)] if dec == "f16_scaled" else [])
+    # (pages, pages per dot, tokens). The other tilings run tokens 0 and 1: they read every key byte (the hard
+    # ones too), take f16_scaled's fast path (keys 0..63) and its slow one (keys 64..127), and token 0 has a
+    # program with no visible key at 2 pages. The query bytes of tokens 2 and 3 only send f16_scaled the slow
+    # way, which decodes a page at a time whatever the tiling: (4, 1) runs them. Pages per dot shape the fast
+    # path only (f16_scaled).
+    tiles = [(4, 1, 4), (2, 1, 2)] + ([(4, 2, 2), (4, 4, 2)] if dec == "f16_scaled" else [])
     for pages, tile, n in tiles:
         lg = ix.launch.logits(
             q[:n],
