@@ -58,7 +58,7 @@ def _kv():
 def _gather():
     kv, slots = kv_cache.example_inputs(6, 2, 4, seed=2)
     cache = kv_cache.allocate(4, 2)
-    kv_cache.insert(cache, kv, slots, block_size=2)
+    kv_cache.insert(cache, kv, slots, block_size=2, backend="reference")  # the gather's input: no launch to test
     return kv_cache.gather, (cache, slots), dict(block_size=2)
 
 
@@ -88,7 +88,8 @@ def _index_k():
 
 def _index_logits():
     ex = indexer.example_inputs(2, 4, 8, block_size=4, seed=8)
-    q, qs, wo = indexer.quantize_q(ex["index_q"], ex["positions"], ex["cos_sin"], ex["weights"])
+    # the reference's bytes: the logits kernel's inputs, without an interpreted quantize launch
+    q, qs, wo = indexer.quantize_q(ex["index_q"], ex["positions"], ex["cos_sin"], ex["weights"], backend="reference")
     return indexer.logits, (q, qs, wo, ex["k_cache"], ex["positions"]), dict(block_size=4, block_table=ex["block_table"])
 
 
@@ -117,7 +118,7 @@ def _moe_stage_into():
 
 
 def _moe_experts():
-    d, ids, w = _moe_routed(seed=18)
+    d, ids, w = _moe_routed(T=1, seed=18)  # one token: the smallest valid input, its two experts a launch each
     staged = moe.stage(d["x"], ids, w, backend="reference")
     args = (d["x"], *staged, d["w13"], d["w2"], d["shared_w13"], d["shared_w2"])
     return moe.experts, args, dict(swiglu_limit=moe.TINY_MOE.swiglu_limit)
@@ -126,7 +127,7 @@ def _moe_experts():
 def _moe_experts_fp4():
     from dsv4ref import linear as lin
 
-    d, ids, w = _moe_routed(seed=19)
+    d, ids, w = _moe_routed(T=1, seed=19)
 
     def fp4(t):
         q, s = lin.quantize_fp4_weight(t.reshape(-1, t.shape[-1]))

@@ -128,7 +128,8 @@ def example_inputs(
     cache = allocate_k_cache(n_pages + 2, block_size, fmt)
     s = torch.arange(n_keys, device=HOST)
     slots = (perm[s // block_size] * block_size + s % block_size).to(DEVICE)
-    insert_k(cache, k, slots, block_size=block_size, fmt=fmt, hadamard=hadamard)
+    # the reference writer: the kernel's bytes (tests/test_indexer.py), without an interpreted launch
+    insert_k(cache, k, slots, block_size=block_size, fmt=fmt, hadamard=hadamard, backend="reference")
     return dict(
         index_q=index_q,
         positions=positions,

@@ -323,6 +323,7 @@ def example_inputs(
             randn((n, HEAD_DIM), seed=seed + 10 * i, octaves=6, device=device),
             torch.arange(n, device=device),
             block_size=bs,
+            backend="reference",  # the kernel's bytes (tests/test_kv_cache.py), without an interpreted launch
         )
         slots = torch.randint(0, n, (T, K), generator=g, dtype=torch.int32, device=HOST)
         slots[torch.rand(T, K, generator=g, device=HOST) < 0.1] = -1
