@@ -114,14 +114,17 @@ def test_short_prompts_use_every_visible_row(long_run):
         assert sorted(i for i in ids[p].tolist() if i >= 0) == list(range(n_c))
 
 
-@pytest.mark.parametrize("mhc_design, index_format", [("default", "fp8"), ("one-pass", "fp8"), ("default", "mxfp4")])
+# the two non-default choices share one step: they touch disjoint ops (mHC's kernels, the indexer's), so a fault in
+# either still fails that step's checks, and the interpreter runs two whole Triton steps instead of three
+@pytest.mark.parametrize("mhc_design, index_format", [("default", "fp8"), ("one-pass", "mxfp4")])
 def test_triton_step_matches(mhc_design, index_format):
     """One decode step through the Triton kernels (interpreted on the CPU) agrees with the reference
     and with the same step through the torch ops. Heads unpadded here to keep the interpreter quick;
     the demo and the GPU run use Hp = 64. ``one-pass``: every mHC call of the step (pre, fused post+pre, post,
     head) runs the one-pass design, ``Decoder(mhc_launch=OnePassLaunch())``: what the step does once
     that design is the default (benchmarks/mhc.md). ``mxfp4``: the indexer in DeepSeek's FP4 (V4-Flash's and
-    V4-Pro's ``index_format``), its MXFP4 quantiser and logits kernels."""
+    V4-Pro's ``index_format``), its MXFP4 quantiser and logits kernels (request 0's n_c = 33 > K_top: the
+    logits and top-k run)."""
     launch = OnePassLaunch() if mhc_design == "one-pass" else None
     cfg = TINY.replace(index_format=index_format)
     dec, w, recs, _ = run(cfg, steps=0, prompt_lens=(133, 6), pad_heads=False, mhc_launch=launch)

@@ -15,10 +15,21 @@ from ..device import DEVICE, describe, interpreting
 from .compare import agreement, tolerances
 from .driver import graph_speed, run, run_speculative
 
-__all__ = ["demo", "check_demo", "DEMO_PROMPTS"]
+__all__ = ["demo", "check_demo", "default_steps", "DEMO_PROMPTS", "DEMO_STEPS", "INTERPRETER_DEMO_STEPS"]
 
 #: the demo's prompt lengths (4 requests)
 DEMO_PROMPTS = (133, 37, 5, 70)
+#: decode steps by default with compiled kernels, and in Triton's CPU interpreter, which pays for every program of
+#: every launch: there the decode steps are nearly all of the demo's time (the prefill runs the torch ops), so it
+#: takes half as many. Every step is still checked against the float64 reference; ``--steps`` asks for more
+DEMO_STEPS = 16
+INTERPRETER_DEMO_STEPS = 8
+
+
+def default_steps() -> int:
+    """The demo's decode steps when none are asked for: :data:`DEMO_STEPS` with compiled kernels,
+    :data:`INTERPRETER_DEMO_STEPS` in Triton's CPU interpreter."""
+    return INTERPRETER_DEMO_STEPS if interpreting() else DEMO_STEPS
 
 
 def _capacity(prompt_lens, steps: int) -> int:
@@ -49,10 +60,15 @@ def check_demo(
 
 
 def demo(
-    steps: int = 16, speculate: int = 0, graph: bool = False, weight_format: str = "bf16", moe_path: str = "deepseek"
+    steps: int | None = None,
+    speculate: int = 0,
+    graph: bool = False,
+    weight_format: str = "bf16",
+    moe_path: str = "deepseek",
 ) -> int:
     """``python -m dsv4ref demo``: prefill 4 requests (prompts of 133, 37, 5 and 70 tokens), decode
-    ``steps`` tokens each through the Triton kernels, print tokens/s and per-step agreement.
+    ``steps`` tokens each through the Triton kernels (None: :func:`default_steps`, 16 compiled, 8 in the CPU
+    interpreter), print tokens/s and per-step agreement with the float64 reference (every step).
     ``speculate = k > 0``: then decode the same prompts again with MTP speculation (k drafts per round),
     print the acceptance rate and whether the tokens equal plain greedy decoding's. ``graph``: then decode the
     same prompts eagerly and as replayed device graphs (value checks off for both), print tokens/s of each and
@@ -62,6 +78,7 @@ def demo(
     teaching config's ``Config`` fields (``"v4"``: V4's FP8 projections and FP4 experts; its tolerances,
     :func:`dsv4ref.decode.tolerances`)."""
     cfg = TINY.replace(weight_format=weight_format, moe_path=moe_path)  # ValueError naming a bad one
+    steps = default_steps() if steps is None else steps
     check_demo(steps, speculate, graph, cfg=cfg)
     print(
         f"dsv4ref demo: {cfg.name}, {cfg.num_layers} layers, ratios {cfg.compress_ratios}, weights {cfg.weight_format}"

@@ -346,7 +346,8 @@ def qnorm_rope_kv_insert(
         eps: rms_norm_eps, a finite number > 0 (1e-6 for DSV4).
         backend: ``"auto"`` (= ``"triton"``), ``"triton"`` (one kernel, :class:`RopeLaunch` picks which) or
             ``"reference"`` (:func:`reference.qnorm_rope_kv_insert`); bit-identical results.
-        launch: :class:`RopeLaunch`; None = the measured default (2 heads per program, 1 warp).
+        launch: :class:`RopeLaunch`; None = :func:`default_launch` (2 heads per program, 1 warp; 16 heads
+            per program in the interpreter).
     Returns:
         None (q and cache are updated in place; a call that raises has changed neither).
     """

@@ -12,6 +12,7 @@ from dataclasses import dataclass, replace
 import torch
 import triton
 
+from ..device import interpreting
 from ..op_launch import OpLaunch
 from . import kernels
 
@@ -74,8 +75,17 @@ class RopeLaunch(OpLaunch):
     OP_FIELDS = {"rope_gptj": ("rotate_rows",), "qnorm_rope_kv_insert": ("heads_per_prog", "num_warps")}
 
 
+#: heads per program of the fused kernel in Triton's interpreter, which pays for every program whatever its tile:
+#: TINY's 16 heads in one program instead of 8 (the arithmetic per head is the same, so are the bits)
+INTERPRETER_HEADS_PER_PROG = 16
+
+
 def default_launch() -> RopeLaunch:
-    """The measured default, ``RopeLaunch()``: 2 heads per program at 1 warp, 16 rows per rotate program."""
+    """The measured default, ``RopeLaunch()``: 2 heads per program at 1 warp, 16 rows per rotate program. In
+    Triton's interpreter, where the cost is the number of programs, :data:`INTERPRETER_HEADS_PER_PROG` heads
+    per program (same bits)."""
+    if interpreting():
+        return RopeLaunch(heads_per_prog=INTERPRETER_HEADS_PER_PROG)
     return RopeLaunch()
 
 

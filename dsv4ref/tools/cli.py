@@ -53,7 +53,7 @@ def build_parser() -> argparse.ArgumentParser:
     cf.add_argument("--golden", metavar="DIR", help="run the golden cases stored in DIR (*.pt) instead")
     cf.add_argument("--reference", action="store_true", help="hold the torch references to the suite instead")
     d = sub.add_parser("demo", help="prefill + greedy decode with the teaching config on the picked device")
-    d.add_argument("--steps", type=_positive, default=16, help="decode steps (>= 1)")
+    d.add_argument("--steps", type=_positive, default=None, help="decode steps (>= 1; default 16, 8 in Triton's CPU interpreter)")
     d.add_argument(
         "--speculate",
         type=int,
@@ -187,16 +187,15 @@ def _cmd_conformance(args) -> int:
 
 def _cmd_demo(args) -> int:
     from ..decode import demo
-    from ..decode.demo import check_demo
+    from ..decode.demo import check_demo, default_steps
 
+    steps = default_steps() if args.steps is None else args.steps
     try:  # every flag against the teaching config's capacity before any work (a warm-up included)
-        check_demo(args.steps, args.speculate, args.graph, names=("--steps", "--speculate", "--graph"))
+        check_demo(steps, args.speculate, args.graph, names=("--steps", "--speculate", "--graph"))
     except (TypeError, ValueError) as e:
         print(f"demo: {e}", file=sys.stderr)
         return 2
-    return demo(
-        steps=args.steps, speculate=args.speculate, graph=args.graph, weight_format=args.weight_format, moe_path=args.moe_path
-    )
+    return demo(steps=steps, speculate=args.speculate, graph=args.graph, weight_format=args.weight_format, moe_path=args.moe_path)
 
 
 def main(argv=None) -> int:
