@@ -18,7 +18,7 @@ Which row is the default (bold in the tables), from the library, not from the lo
 
 * ``kv_cache``: the bench times ``kv_insert_op`` / ``kv_gather_op`` with ``default_launch("insert")`` /
   ``default_launch("gather")`` of ``dsv4ref/kv_cache/launch.py``: the rows without ``launch=``;
-* ``rope``: ``dsv4ref.rope.default_launch()`` resolved (its ``heads_per_prog`` and ``warps``) names the ``rope.fused_mh`` row
+* ``rope``: ``dsv4ref.rope.default_launch(interpreted=False)`` resolved (its ``heads_per_prog`` and ``warps``) names the ``rope.fused_mh`` row
   (``rope.fused`` for the per-head kernel, ``heads_per_prog = 0``);
 * ``mhc``: ``default_launch(op)`` as the GPU resolves it (``ChunkedLaunch()``) is what the sweep times as ``defaults``; ``mhc.post`` has one design;
 * ``sparse_mla``: ``backend="auto"`` picks ``"gluon"`` where ``sparse_mla.gluon.available`` (a Hopper GPU: the
@@ -203,7 +203,7 @@ def library_defaults() -> dict:
     import dsv4ref  # noqa: F401  (first: it picks the device)
     from dsv4ref import indexer, kv_cache, rope
 
-    r = rope.default_launch()
+    r = rope.default_launch(interpreted=False)  # the GPU's default, also when this script runs on a CPU
     return {
         "insert": kv_cache.default_launch("insert"),
         "gather": kv_cache.default_launch("gather"),

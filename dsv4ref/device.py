@@ -59,9 +59,6 @@ HOST: torch.device = torch.device("cpu")
 # module defines a @triton.jit kernel (docs/triton_interpreter.md).
 if DEVICE.type == "cpu":
     os.environ["TRITON_INTERPRET"] = "1"
-    from ._interpreter import patch_helper_calls
-
-    patch_helper_calls()  # the same results, without re-patching triton.language on every helper call
 
 
 def interpreting() -> bool:

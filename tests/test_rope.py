@@ -560,3 +560,14 @@ def test_qnorm_is_deepseeks_bf16_line(backend):
     x = q.cpu().float()
     fp32_form = (x * torch.rsqrt(x.square().mean(-1, keepdim=True) + EPS)).to(torch.bfloat16)
     assert not torch.equal(fp32_form[..., nope], ds[..., nope])
+
+
+def test_default_launch_is_what_its_docstring_says_on_each_device():
+    """default_launch(): the measured GPU default (2 heads per program, 1 warp) compiled; in the interpreter
+    INTERPRETER_HEADS_PER_PROG heads per program; with no argument, this process's."""
+    from dsv4ref.rope.launch import INTERPRETER_HEADS_PER_PROG, default_launch
+
+    gpu, cpu = default_launch(interpreted=False), default_launch(interpreted=True)
+    assert (gpu.heads_per_prog, gpu.warps) == (2, 1) and gpu == RopeLaunch()
+    assert cpu.heads_per_prog == INTERPRETER_HEADS_PER_PROG
+    assert default_launch() == (cpu if interpreting() else gpu)

@@ -80,11 +80,12 @@ class RopeLaunch(OpLaunch):
 INTERPRETER_HEADS_PER_PROG = 16
 
 
-def default_launch() -> RopeLaunch:
+def default_launch(*, interpreted: bool | None = None) -> RopeLaunch:
     """The measured default, ``RopeLaunch()``: 2 heads per program at 1 warp, 16 rows per rotate program. In
     Triton's interpreter, where the cost is the number of programs, :data:`INTERPRETER_HEADS_PER_PROG` heads
-    per program (same bits)."""
-    if interpreting():
+    per program (same bits). ``interpreted``: the interpreter's default if True, the GPU's if False (None:
+    this process's)."""
+    if interpreting() if interpreted is None else interpreted:
         return RopeLaunch(heads_per_prog=INTERPRETER_HEADS_PER_PROG)
     return RopeLaunch()
 

@@ -8,7 +8,16 @@
 Why each helper exists (the interpreter bug it works around): ``docs/triton_interpreter.md``.
 """
 
-from .numerics import (  # noqa: F401
+from ..device import interpreting
+
+if interpreting():  # the same results, without re-patching triton.language on every helper call
+    # here, not in device.py: importing triton.language while TRITON_INTERPRET is set makes its own helpers
+    # interpreted functions, which a process that unsets it afterwards to compile for a GPU cannot use
+    from .._interpreter import patch_helper_calls
+
+    patch_helper_calls()
+
+from .numerics import (  # noqa: E402, F401
     E4M3_MAX,
     bf16_bits,
     bf16_rne_bits,
