@@ -189,7 +189,8 @@ def test_one_cases_module_per_op():
 
 
 def test_safetensors_golden_files_hold_the_same_cases():
-    """golden/*.safetensors (language-neutral) carry exactly what golden/*.pt carry, and pass the suite."""
+    """golden/*.safetensors (language-neutral) carry exactly what golden/*.pt carry, bit for bit: so they are
+    the suite's cases too, and the kernels that pass the suite pass them."""
     from dsv4ref.conformance import safetensors_io
 
     pt = {(c.op, c.name): c for c in conformance.load_golden(GOLDEN)}
@@ -211,6 +212,3 @@ def test_safetensors_golden_files_hold_the_same_cases():
                 assert v == w or (v != v and w != w), (key, k)
         for k, v in a.expected.items():
             assert torch.equal(bits(v), bits(b.expected[k])), (key, k)
-    sample = [st[k] for k in sorted(st)[::7]]  # a spread of ops, through the kernels
-    rows = conformance.run(conformance.default_impls(), sample)
-    assert rows and all(r.passed for r in rows), conformance.format_report(rows)
