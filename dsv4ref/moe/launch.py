@@ -167,16 +167,21 @@ def stage_constexprs(Hd: int, K: int, block_t: int, block_h: int, topk_first: bo
     )
 
 
+def scale_bytes(x_sf: torch.Tensor) -> torch.Tensor:
+    """The int32 scale words ``x_sf [T, Hd/128]`` as their uint8 bytes ``[T, Hd/32]``: the stage stores one byte
+    per 32-group through them."""
+    if x_sf.stride(1) != 1:  # one column (Hd = 128): its stride is never used, but view() requires 1
+        x_sf = x_sf.as_strided(x_sf.shape, (x_sf.stride(0), 1))
+    return x_sf.view(torch.uint8)
+
+
 def _stage(hidden, ids, weights, x_fp8, x_sf, ids_out, weights_out, block_t, block_h, num_warps, topk_first):
     T, Hd = hidden.shape
     K = ids.shape[1]
     const = stage_constexprs(Hd, K, block_t, block_h, topk_first)
     wv, wov = weights.view(torch.int32), weights_out.view(torch.int32)
     xv = hidden.view(torch.int16)
-    sf = x_sf  # one byte per 32-group is stored, through the bytes of x_sf
-    if sf.stride(1) != 1:  # one column (Hd = 128): its stride is never used, but view() requires 1
-        sf = sf.as_strided(sf.shape, (sf.stride(0), 1))
-    sf = sf.view(torch.uint8)
+    sf = scale_bytes(x_sf)
     grid = (triton.cdiv(T, block_t), triton.cdiv(Hd, const["BLOCK_H"]))
     stage_kernel[grid](
         xv,

@@ -35,6 +35,7 @@ from ... import validate
 from ...formats import STAGE_AMAX_FLOOR, STAGE_BLOCK
 from ...tl import e4m3_ue8m0_blocks
 from ..kernels import _snap_load, _stage_bits_snap, _stage_tile_snap, _stage_topk, _topk_load, _topk_store, widen_bf16
+from ..launch import scale_bytes
 
 __all__ = ["StageVariant", "stage_into", "constexprs", "stage_variant_kernel"]
 
@@ -138,9 +139,7 @@ def stage_into(hidden, ids, weights, x_fp8, x_sf, ids_out, weights_out, variant:
     xv = hidden.view(torch.int16)
     sf = x_sf
     if const["ENCODE"] != "blocks":  # "snap" stores one byte per 32-group, through the bytes of x_sf
-        if sf.stride(1) != 1:  # one column (Hd = 128): its stride is never used, but view() requires 1
-            sf = sf.as_strided(sf.shape, (sf.stride(0), 1))
-        sf = sf.view(torch.uint8)
+        sf = scale_bytes(sf)
     n_t, n_h = triton.cdiv(T, variant.block_t), triton.cdiv(Hd, const["BLOCK_H"])
     grid = (variant.programs,) if variant.programs else (n_t, n_h)
     stage_variant_kernel[grid](
