@@ -162,6 +162,23 @@ def test_nonfinite_x_with_checks_off_is_the_same_on_every_backend():
         state_close(a, b)
 
 
+def test_one_nonfinite_channel_gives_an_all_nan_row_on_every_backend():
+    """The policy is decided explicitly, not left to IEEE: one inf weight makes one kv channel +inf; IEEE
+    arithmetic would give that channel NaN and the rest 0 after the norm (1/sqrt(inf) = 0). Every backend gives
+    the whole row NaN."""
+    d = step((8,))
+    d["wkv"] = d["wkv"].clone()
+    d["wkv"][-1, 0] = INF  # the last channel: the newer tokens' half, which every boundary window reads
+    d["x"][:, 0] = d["x"][:, 0].abs() + 0.5  # one sign: that channel is +inf for every token (never inf − inf)
+    out = {}
+    with validate.checking_values(False):
+        for be in BACKENDS:
+            rows, done = call(fresh(d), be)
+            out[be] = rows[done]
+    for be, r in out.items():
+        assert bool(r.isnan().all()), be  # both boundary windows hold tokens whose last kv channel is ±inf
+
+
 # ----------------------------------------------------------------------------------------------------
 # bad indices with checks off: padding rows on every backend, never a write outside the state
 # ----------------------------------------------------------------------------------------------------

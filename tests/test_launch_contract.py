@@ -21,6 +21,7 @@ from dsv4ref.compressor.launch import CompressorLaunch
 from dsv4ref.fp8.launch import Fp8Launch
 from dsv4ref.indexer.launch import IndexerLaunch
 from dsv4ref.kv_cache.launch import KVCacheLaunch
+from dsv4ref.linear import LinearLaunch
 from dsv4ref.mhc import ChunkedLaunch, MhcLaunch, OneKernelLaunch, OnePassLaunch, SplitKLaunch
 from dsv4ref.mhc.launch import DESIGNS, PACKED_OPS
 from dsv4ref.moe import Fp4Launch, MoeLaunch
@@ -138,6 +139,33 @@ def _moe_experts_fp4():
     return moe.experts_fp4, args, dict(swiglu_limit=moe.TINY_MOE.swiglu_limit, path="deepseek")
 
 
+def _linear_operands(seed):
+    from dsv4ref import linear as lin
+
+    x = randn((3, 256), seed=seed, block=128)
+    w, ws = lin.quantize_fp8_weight(randn((48, 256), seed=seed + 1, dtype=torch.float32, block=32) * 0.02)
+    return lin, x, w, ws
+
+
+def _fp8_linear():
+    lin, x, w, ws = _linear_operands(24)
+    return lin.fp8_linear, (x, w, ws), {}
+
+
+def _fp4_linear():
+    lin, x, _, _ = _linear_operands(25)
+    w, ws = lin.quantize_fp4_weight(randn((48, 256), seed=26, dtype=torch.float32, block=32) * 0.02)
+    return lin.fp4_linear, (x, w, ws), {}
+
+
+def _o_proj_fp8():
+    lin, _, _, _ = _linear_operands(27)
+    o = randn((2, 4, 512), seed=28)
+    wo_a = randn((2, 32, 1024), seed=29, octaves=0) * 0.02
+    wo_b, wo_b_scale = lin.quantize_fp8_weight(randn((48, 64), seed=30, dtype=torch.float32, block=32) * 0.02)
+    return lin.grouped_o_proj, (o, wo_a, wo_b, wo_b_scale), {}
+
+
 def _mhc_streams(seed, head=False):
     res = mhc.example_streams(3, 64, seed=seed)
     return res, *mhc.example_params(64, seed=seed, head=head)
@@ -199,9 +227,12 @@ CASES = {
     ),
     "mhc.pre": (_mhc_pre, "auto", SplitKLaunch(block_k=64, splits=2, finish_block_h=64), ("mhc_pre",)),
     "mhc.fused_post_pre": (_mhc_fused, "auto", OneKernelLaunch(block_k=64, post_block_t=2), ("mhc_fused_post_pre",)),
-    "mhc.head": (_mhc_head, "auto", ChunkedLaunch(tokens=32, finish_block_h=32), ("mhc_head",)),
+    "mhc.head": (_mhc_head, "auto", ChunkedLaunch(tokens=256, finish_block_h=32), ("mhc_head",)),
     "mhc.post": (_mhc_post, "auto", SplitKLaunch(post_block_t=2, post_block_h=64), ("mhc_post",)),
     "mhc.sinkhorn": (_mhc_sinkhorn, "auto", OneKernelLaunch(sinkhorn_block=8), ("mhc_sinkhorn",)),
+    "linear.fp8_linear": (_fp8_linear, "auto", LinearLaunch(32, 32, 2, 2), ("linear_act_quant", "linear_fp8_gemm")),
+    "linear.fp4_linear": (_fp4_linear, "auto", LinearLaunch(32, 32, 2, 2), ("linear_act_quant", "linear_fp4_gemm")),
+    "linear.grouped_o_proj[fp8]": (_o_proj_fp8, "auto", LinearLaunch(32, 16, 2, 2), ("linear_act_quant", "linear_fp8_gemm")),
     "moe.experts_fp4": (
         _moe_experts_fp4,
         "auto",
@@ -224,6 +255,7 @@ def test_a_launch_of_another_kind_is_refused_naming_it(name):
         MoeLaunch(),
         Fp4Launch(),
         SplitKLaunch(),
+        LinearLaunch(),
     ]
     kind = lambda launch: MhcLaunch if isinstance(launch, MhcLaunch) else type(launch)  # noqa: E731 (mhc: any design)
     for wrong in ("fast", {"num_splits": 2}, 4, *[o for o in others if kind(o) is not kind(right)]):
@@ -274,6 +306,7 @@ def _an_instance(cls):
         CompressorLaunch: CompressorLaunch(block_t=32, block_j=4),
         MoeLaunch: MoeLaunch(2, 256, 2, True, 32, 128, 256, 32, 8, 2, 4, 512, 2),
         Fp4Launch: Fp4Launch(32, 128, 256, 8, 2),
+        LinearLaunch: LinearLaunch(32, 64, 8, 3),
         MhcLaunch: ChunkedLaunch(post_block_t=8, post_block_h=128, sinkhorn_block=32),
     }
     if cls not in made:  # a launch this file does not know yet: its defaults, which must be resolved ints
@@ -292,6 +325,7 @@ def test_every_op_launch_with_custom_ops_is_an_oplaunch():
         CompressorLaunch,
         MoeLaunch,
         Fp4Launch,
+        LinearLaunch,
         MhcLaunch,
     ):
         assert issubclass(cls, OpLaunch), cls.__name__

@@ -276,47 +276,16 @@ def test_errors_name_the_argument():
 def test_custom_ops_opcheck():
     x, w, ws = operands(3, 32, 128)
     q, s = linear.act_quant(x)
-    args = linear.default_launch(3).op_args()
-    torch.library.opcheck(launch_mod.act_quant_op, (x, 128, *args))
-    torch.library.opcheck(
-        launch_mod.fp8_gemm_op, (q.view(torch.uint8), s, w.view(torch.uint8), reference.scale_values(ws), *args)
-    )
+    launch = linear.default_launch(3)
+    torch.library.opcheck(launch_mod.act_quant_op, (x, 128, *launch.op_args("linear_act_quant")))
+    gemm_args = (q.view(torch.uint8), s, w.view(torch.uint8), reference.scale_values(ws))
+    torch.library.opcheck(launch_mod.fp8_gemm_op, (*gemm_args, *launch.op_args("linear_fp8_gemm")))
 
 
 def test_grid_values_are_the_e4m3_codes():
     """E2M1 -> e4m3 is exact: every E2M1 magnitude is on the e4m3 grid (the fp4 kernel's conversion)."""
     assert all(v in GRID.tolist() for v in (0, 0.5, 1, 1.5, 2, 3, 4, 6))
     assert_close(linear.e2m1_decode(torch.arange(8)), torch.tensor([0, 0.5, 1, 1.5, 2, 3, 4, 6]), "exact")
-
-
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_fp4_experts_one_weight_per_row(backend):
-    """expert_ids: row m uses expert ids[m]'s weight, exactly as fp4_linear on that weight alone; −1 rows are +0."""
-    e_count, m, n, k = 4, 21, 40, 300
-    x = randn((m, k), seed=7, block=128)
-    ws = [linear.quantize_fp4_weight(weight(n, k, seed=10 + e)) for e in range(e_count)]
-    w = torch.stack([p for p, _ in ws])
-    s = torch.stack([q for _, q in ws])
-    ids = torch.tensor([3, 0, -1, 3, 1, 1, 0, 3, 2] * 2 + [2, -1, 0], device=DEVICE, dtype=torch.int32)
-    y = linear.fp4_linear(x, w, s, expert_ids=ids, backend=backend)
-    for e in range(e_count):
-        rows = ids == e
-        want = linear.fp4_linear(x[rows], w[e], s[e], backend=backend)
-        assert torch.equal(bits(y[rows]), bits(want)), e
-    assert bool((bits(y[ids == -1]) == 0).all())
-    q, sq = reference.act_quant(x)
-    y_ref = reference.fp4_grouped_gemm(q, sq, ids, w, s, dtype=torch.float64)
-    mass = torch.stack(
-        [
-            reference.gemm_mass(q[i : i + 1], sq[i : i + 1], w[max(int(ids[i]), 0)], s[max(int(ids[i]), 0)], fp4=True)[0]
-            for i in range(m)
-        ]
-    )
-    assert compare(y, y_ref, "linear_out", mass=mass).passed
-    with pytest.raises(ValueError, match="^expert_ids: entry"):
-        linear.fp4_linear(x, w, s, expert_ids=ids + 2, backend=backend)
-    with pytest.raises(ValueError, match="^w_packed:"):
-        linear.fp4_linear(x, w[0], s[0], expert_ids=ids, backend=backend)
 
 
 @pytest.mark.parametrize("fp4", [False, True], ids=["fp8", "fp4"])
@@ -381,6 +350,31 @@ def test_grouped_o_proj():
     # strided grouping (heads g, g+G, …) is a different function: the check above would catch it
     zs = torch.stack([o[:, g::G].reshape(T, -1).double() @ wo_a[g].double().T for g in range(G)], 1)
     assert not torch.allclose((zs.reshape(T, -1) @ wo_b.double().T), ref, rtol=1e-2, atol=1e-2)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_grouped_o_proj_with_v4s_fp8_wo_b(backend):
+    """V4's FP8 ``wo_b``: z (the bf16 ``wo_a`` half, heads in contiguous groups) through the 1x128 quantiser and
+    the FP8 GEMM, held to the float64 oracle of those quantised operands (the ``linear_out`` tolerance); a NaN
+    in o[t] gives a NaN row t, checks on or off; a bf16 ``wo_b`` given a scale, or an FP8 one without, is refused."""
+    T, H, G, o_lora, Hd = 3, TINY.num_heads, TINY.o_groups, 80, 200  # G·o_lora = 160: a partial 128 block
+    hpg = H // G
+    o = randn((T, H, 512), seed=33, octaves=4)
+    wo_a = randn((G, o_lora, hpg * 512), seed=34, octaves=0) * 0.02
+    wo_b, wo_b_scale = linear.quantize_fp8_weight(weight(Hd, G * o_lora, seed=35))
+    out = linear.grouped_o_proj(o, wo_a, wo_b, wo_b_scale, backend=backend)
+    assert out.shape == (T, Hd) and out.dtype == torch.bfloat16
+    z = torch.stack([o[:, g * hpg : (g + 1) * hpg].reshape(T, -1).double() @ wo_a[g].double().T for g in range(G)], 1)
+    z = z.reshape(T, -1).to(torch.bfloat16)  # rounded to bf16 between the two GEMMs, as DeepSeek's Attention does
+    r = check_gemm(out, z, wo_b, wo_b_scale, fp4=False)
+    assert r.passed, r
+    o[1, 5, 7] = float("nan")
+    got = linear.grouped_o_proj(o, wo_a, wo_b, wo_b_scale, backend=backend)
+    assert bool(got[1].isnan().all()) and bool(got[[0, 2]].isfinite().all())
+    with pytest.raises(TypeError, match="^wo_b: expected dtype"):
+        linear.grouped_o_proj(o, wo_a, wo_b.float().to(torch.bfloat16), wo_b_scale, backend=backend)
+    with pytest.raises(TypeError, match="^wo_b: expected dtype"):
+        linear.grouped_o_proj(o, wo_a, wo_b, backend="reference")
 
 
 def test_grouped_o_proj_bad_input_raises():

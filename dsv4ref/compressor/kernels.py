@@ -22,7 +22,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ..tl import bf16_round, dot
+from ..tl import bf16_round_nan, dot, nonfinite
 
 # ----------------------------------------------------------------------------------------------------
 # Projection.  kv[t, c] = Σ_h x[t, h]·W_kv[c, h];   score[t, c] = Σ_h x[t, h]·W_gate[c, h] + ape[p_t % r, c]
@@ -128,6 +128,9 @@ def compress_kernel(
         m = tl.full((D,), float("-inf"), dtype=tl.float32)
         den = tl.zeros((D,), dtype=tl.float32)
         acc = tl.zeros((D,), dtype=tl.float32)
+        # any NaN / ±inf kv or score in the window: the row is NaN (the written policy), decided on the bits,
+        # not left to the online softmax (an inf channel alone would leave the others 0 after the norm)
+        bad = tl.zeros((D,), dtype=tl.int32)
         jj = tl.arange(0, BLOCK_J)
         full = d[None, :] < D  # [1, D] all true: widens row conditions to the tile's shape
         for j0 in range(0, N, BLOCK_J):
@@ -148,6 +151,7 @@ def compress_kernel(
             ms, mr = in_step[:, None] & full, in_ring[:, None] & full
             kv = tl.load(kv_ptr + step_off, mask=ms, other=0.0) + tl.load(ring_kv_ptr + ring_off, mask=mr, other=0.0)
             sc = tl.load(sc_ptr + step_off, mask=ms, other=0.0) + tl.load(ring_sc_ptr + ring_off, mask=mr, other=0.0)
+            bad = bad | tl.max((nonfinite(kv) | nonfinite(sc)).to(tl.int32), axis=0)
             sc = tl.where((s >= 0)[:, None] & full, sc, float("-inf"))
             m_new = tl.maximum(m, tl.max(sc, axis=0))
             m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a chunk of only masked positions: no −inf − −inf
@@ -156,7 +160,8 @@ def compress_kernel(
             den = den * alpha + tl.sum(e, axis=0)
             acc = acc * alpha + tl.sum(e * kv, axis=0)
             m = m_new
-        c = bf16_round(acc / den)  # the pooled row in bf16 before the norm, as DeepSeek's Compressor does
+        c = bf16_round_nan(acc / den)  # the pooled row in bf16 before the norm, as DeepSeek's Compressor does
+        c = tl.where(tl.max(bad, axis=0) > 0, float("nan"), c)
         inv = 1.0 / tl.sqrt_rn(tl.sum(c * c, axis=0) / D + eps)
         tl.store(out, c * inv * tl.load(norm_ptr + d))
     else:

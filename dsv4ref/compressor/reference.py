@@ -107,8 +107,12 @@ def compress(x, wkv, wgate, ape, norm, state_kv, state_score, requests, position
         before = (src < 0)[..., None]  # positions before the sequence start: masked
         sc_w = sc_w.masked_fill(before, -math.inf)
         kv_w = kv_w.masked_fill(before, 0.0)
+        # the non-finite policy, one rule for every backend: a NaN / ±inf kv or score anywhere in the window
+        # gives a NaN row (IEEE arithmetic alone would leave some channels 0 where an inf meets the norm)
+        bad = ~(kv_w.isfinite() & (sc_w.isfinite() | before)).flatten(1).all(1)
         c = (torch.softmax(sc_w, dim=1) * kv_w).sum(1)  # [nb, D]: per-channel softmax over the window
-        rows[b] = rms_norm(c.to(torch.bfloat16).float(), norm, eps)  # DeepSeek: the pooled row in bf16, then the norm
+        c = rms_norm(c.to(torch.bfloat16).float(), norm, eps)  # DeepSeek: the pooled row in bf16, then the norm
+        rows[b] = c.masked_fill(bad[:, None], math.nan)
     # the ring keeps each request's last n positions (distinct modulo n: no two writes hit one row)
     last = torch.full((state_kv.shape[0],), -1, dtype=torch.int64, device=dev)
     last = last.scatter_reduce(0, req[valid], pos[valid], "amax")

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 from .. import linear as lin
 
-__all__ = ["rms_norm", "linear", "grouped_o_proj", "swiglu_clamped"]
+__all__ = ["rms_norm", "linear", "swiglu_clamped"]
 
 
 def rms_norm(x: torch.Tensor, w: torch.Tensor | None, eps: float) -> torch.Tensor:
@@ -33,19 +33,6 @@ def linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None = None, 
         x2 = x.to(torch.bfloat16).reshape(-1, x.shape[-1])
         return f(x2, w, scale, backend=backend).view(*x.shape[:-1], -1)
     return F.linear(x.to(torch.bfloat16), w)
-
-
-def grouped_o_proj(
-    o: torch.Tensor, wo_a: torch.Tensor, wo_b: torch.Tensor, wo_b_scale: torch.Tensor | None = None, *, backend: str = "auto"
-) -> torch.Tensor:
-    """Step 9: :func:`dsv4ref.linear.grouped_o_proj` with a bf16 ``wo_b``; with V4's FP8 ``wo_b`` (and its scale)
-    the bf16 ``wo_a`` half the same way (fp32 accumulation, z rounded to bf16), then ``wo_b`` through
-    :func:`linear` (the 1x128 activation quantiser and the FP8 GEMM), as DeepSeek's ``Attention`` does."""
-    if wo_b_scale is None:
-        return lin.grouped_o_proj(o, wo_a, wo_b)
-    T, G = o.shape[0], wo_a.shape[0]
-    z = torch.einsum("tgk,gok->tgo", o.float().reshape(T, G, -1), wo_a.float()).to(torch.bfloat16)
-    return linear(z.reshape(T, -1), wo_b, wo_b_scale, backend=backend)
 
 
 def swiglu_clamped(gate_up: torch.Tensor, limit: float) -> torch.Tensor:

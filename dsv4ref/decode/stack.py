@@ -17,7 +17,8 @@ import torch
 
 from .. import compressor as compressor_op
 from .. import indexer, kv_cache, mhc, moe, rope, sparse_mla
-from .glue import grouped_o_proj, linear, rms_norm
+from .. import linear as lin
+from .glue import linear, rms_norm
 from .state import LayerState, Rows
 
 __all__ = ["Stack"]
@@ -205,7 +206,9 @@ class Stack:
         )
         # 8: drop padded heads, inverse RoPE at the query position; 9: grouped o-projection
         o = self._op("inv_rope", rope.apply_gptj, o[:, :H].contiguous(), rows.pos, cos_sin, inverse=True, backend=backend)
-        return self._op("o_proj", grouped_o_proj, o, L["wo_a"], L["wo_b"], L.get("wo_b_scale"), backend=backend)
+        fp8 = L.get("wo_b_scale") is not None  # V4's FP8 wo_b: its GEMM on this step's backend; bf16: reference only
+        o_proj_backend = backend if fp8 else "reference"
+        return self._op("o_proj", lin.grouped_o_proj, o, L["wo_a"], L["wo_b"], L.get("wo_b_scale"), backend=o_proj_backend)
 
     def _compress(self, L: dict, st: LayerState, x: torch.Tensor, rows: Rows, backend: str) -> None:
         """5: the compressed rows (and, ratio 4, indexer keys) completed by this step, rounded to bf16,

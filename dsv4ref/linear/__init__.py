@@ -10,8 +10,8 @@ experts are FP4 (the table and the byte layouts: ``docs/linear.md``).
 * the weight quantisers :func:`quantize_fp8_weight`, :func:`quantize_fp4_weight` and their exact inverses;
 * the E2M1 codec :func:`e2m1_encode`, :func:`e2m1_decode`, :func:`pack_e2m1`, :func:`unpack_e2m1`;
 * :func:`grouped_o_proj`, the attention's output projection (bf16 ``wo_a`` per group of heads, then ``wo_b``),
-  on the attention output after inverse RoPE. Reference-only: two bf16 GEMMs, no byte format to get wrong
-  (with V4's FP8 ``wo_b``, the decode step sends z through :func:`fp8_linear` instead).
+  on the attention output after inverse RoPE: with a bf16 ``wo_b`` two bf16 GEMMs (reference only, no byte
+  format to get wrong); with V4's FP8 ``wo_b`` the second GEMM is :func:`fp8_linear`'s (either backend).
 
 Where to read what: :mod:`dsv4ref.linear.reference` (the formulas in plain torch), :mod:`.kernels` (Triton),
 :mod:`.launch` (:class:`LinearLaunch`, the custom ops).
@@ -27,7 +27,7 @@ from ..fp4 import e2m1_decode, e2m1_encode
 from ..fp4 import pack_nibbles as pack_e2m1
 from ..fp4 import unpack_nibbles as unpack_e2m1
 from . import kernels, reference  # noqa: F401  (dsv4ref.linear.kernels / .reference, for readers)
-from .launch import LinearLaunch, default_launch, run_act_quant, run_fp4_gemm, run_fp4_grouped_gemm, run_fp8_gemm
+from .launch import LinearLaunch, default_launch, run_act_quant, run_fp4_gemm, run_fp8_gemm
 
 __all__ = [
     "SUPPORTED_BACKENDS",
@@ -98,31 +98,21 @@ def _check_activations(q: torch.Tensor, s: torch.Tensor, k: int | None = None) -
     return m, kq
 
 
-def _check_fp8_weight(w: torch.Tensor, w_scale: torch.Tensor) -> tuple[int, int]:
-    validate.tensor(w, "w", dtype=E4M3, ndim=2)
+def _check_fp8_weight(w: torch.Tensor, w_scale: torch.Tensor, name: str = "w") -> tuple[int, int]:
+    validate.tensor(w, name, dtype=E4M3, ndim=2)
     n, k = w.shape
-    validate.tensor(w_scale, "w_scale", dtype=(*UE8M0, torch.float32))
-    validate.tensor(w_scale, "w_scale", shape=(_cdiv(n, WEIGHT_BLOCK), _cdiv(k, WEIGHT_BLOCK)))
+    validate.tensor(w_scale, f"{name}_scale", dtype=(*UE8M0, torch.float32))
+    validate.tensor(w_scale, f"{name}_scale", shape=(_cdiv(n, WEIGHT_BLOCK), _cdiv(k, WEIGHT_BLOCK)))
     return n, k
 
 
-def _check_fp4_weight(w_packed: torch.Tensor, w_scale: torch.Tensor, grouped: bool = False) -> tuple[int, int]:
-    """``[N, K/2]`` and ``[N, ceil(K/32)]``; ``grouped``: ``[E, N, K/2]`` and ``[E, N, ceil(K/32)]``."""
-    validate.tensor(w_packed, "w_packed", dtype=FP4_PACKED, ndim=3 if grouped else 2)
-    n, k = w_packed.shape[-2], 2 * w_packed.shape[-1]
+def _check_fp4_weight(w_packed: torch.Tensor, w_scale: torch.Tensor) -> tuple[int, int]:
+    """``[N, K/2]`` and ``[N, ceil(K/32)]``."""
+    validate.tensor(w_packed, "w_packed", dtype=FP4_PACKED, ndim=2)
+    n, k = w_packed.shape[0], 2 * w_packed.shape[1]
     validate.tensor(w_scale, "w_scale", dtype=(*UE8M0, torch.float32))
-    validate.tensor(w_scale, "w_scale", shape=(*w_packed.shape[:-2], n, _cdiv(k, FP4_BLOCK)))
+    validate.tensor(w_scale, "w_scale", shape=(n, _cdiv(k, FP4_BLOCK)))
     return n, k
-
-
-def _check_expert_ids(expert_ids, w_packed: torch.Tensor, m: int) -> bool:
-    """None (one weight), or int32 / int64 ``[M]`` with entries in [0, E) or −1 (checks on)."""
-    if expert_ids is None:
-        return False
-    validate.tensor(expert_ids, "expert_ids", dtype=(torch.int32, torch.int64), shape=(m,))
-    validate.not_meta(expert_ids, "expert_ids")
-    validate.index_range(expert_ids, "expert_ids", w_packed.shape[0])
-    return True
 
 
 def act_quant(
@@ -187,35 +177,24 @@ def fp4_gemm(
     w_packed: torch.Tensor,
     w_scale: torch.Tensor,
     *,
-    expert_ids: torch.Tensor | None = None,
     backend: str = "auto",
     launch: LinearLaunch | None = None,
 ) -> torch.Tensor:
     """``y = q · wᵀ`` for an FP4 weight: per 32-wide K block, the block's product in fp32 from zero, times
-    ``s[m, k // 4] · w_scale[n, k]``, added to the fp32 accumulator in K order; bf16 out. With
-    ``expert_ids``, one expert's weight per row (routed experts).
+    ``s[m, k // 4] · w_scale[n, k]``, added to the fp32 accumulator in K order; bf16 out. (The routed
+    experts, one weight per row, go through the MoE's grouped FP4 GEMM: :func:`dsv4ref.moe.experts_fp4`.)
 
     Args:
         q, s: as :func:`fp8_gemm` (K = 2 · w_packed's columns).
         w_packed: ``[N, K/2]`` float4_e2m1fn_x2 (DeepSeek's checkpoint dtype) or its bytes as uint8; element 2j
             of a row in the LOW nibble of byte j.
         w_scale: ``[N, ceil(K/32)]`` float8_e8m0fnu (or uint8 bytes, or float32 values). Not value-checked.
-        expert_ids: None, or int32 / int64 ``[M]``: row m is multiplied by ``w_packed[expert_ids[m]]``, with
-            ``w_packed [E, N, K/2]`` and ``w_scale [E, N, ceil(K/32)]``; −1 gives a zero row. Checks on: entries
-            in [0, E) or −1; off: an id outside [0, E) counts as −1 on every backend.
     Returns:
         bf16 ``[M, N]``, contiguous.
     """
-    validate.tensor(w_packed, "w_packed", dtype=FP4_PACKED)
-    grouped = expert_ids is not None
-    n, k = _check_fp4_weight(w_packed, w_scale, grouped)
+    n, k = _check_fp4_weight(w_packed, w_scale)
     m, _ = _check_activations(q, s, k)
-    _check_expert_ids(expert_ids, w_packed, m)
-    backend = _common(backend, launch, q=q, s=s, w_packed=w_packed, w_scale=w_scale, expert_ids=expert_ids)
-    if grouped and backend == "reference":
-        return reference.fp4_grouped_gemm(q, s, expert_ids, w_packed, w_scale)
-    if grouped:
-        return run_fp4_grouped_gemm(q, s, expert_ids, w_packed, w_scale, launch or default_launch(m))
+    backend = _common(backend, launch, q=q, s=s, w_packed=w_packed, w_scale=w_scale)
     if backend == "reference":
         return reference.fp4_gemm(q, s, w_packed, w_scale)
     return run_fp4_gemm(q, s, w_packed, w_scale, launch or default_launch(m))
@@ -241,23 +220,19 @@ def fp4_linear(
     w_packed: torch.Tensor,
     w_scale: torch.Tensor,
     *,
-    expert_ids: torch.Tensor | None = None,
     backend: str = "auto",
     launch: LinearLaunch | None = None,
 ) -> torch.Tensor:
     """:func:`act_quant` then :func:`fp4_gemm`: DeepSeek's ``linear(x, weight)`` for an FP4 (routed expert)
-    weight. x ``[M, K]`` bf16 / fp32; w_packed / w_scale / expert_ids as :func:`fp4_gemm`. Returns bf16
-    ``[M, N]``."""
+    weight. x ``[M, K]`` bf16 / fp32; w_packed / w_scale as :func:`fp4_gemm`. Returns bf16 ``[M, N]``."""
     _check_x(x)
-    validate.tensor(w_packed, "w_packed", dtype=FP4_PACKED)
-    _, k = _check_fp4_weight(w_packed, w_scale, expert_ids is not None)
+    _, k = _check_fp4_weight(w_packed, w_scale)
     if x.shape[1] != k:
         raise ValueError(f"x: expected K = {k} columns (the weight's), got shape {tuple(x.shape)}")
-    _check_expert_ids(expert_ids, w_packed, x.shape[0])
-    _common(backend, launch, x=x, w_packed=w_packed, w_scale=w_scale, expert_ids=expert_ids)
+    _common(backend, launch, x=x, w_packed=w_packed, w_scale=w_scale)
     with validate.checking_values(False):
         q, s = act_quant(x, backend=backend, launch=launch)
-        return fp4_gemm(q, s, w_packed, w_scale, expert_ids=expert_ids, backend=backend, launch=launch)
+        return fp4_gemm(q, s, w_packed, w_scale, backend=backend, launch=launch)
 
 
 def _check_weight(w: torch.Tensor, name: str = "w") -> None:
@@ -298,26 +273,45 @@ def dequantize_fp4_weight(w_packed: torch.Tensor, w_scale: torch.Tensor) -> torc
     return reference.dequantize_fp4_weight(w_packed, w_scale)
 
 
-def grouped_o_proj(o: torch.Tensor, wo_a: torch.Tensor, wo_b: torch.Tensor, *, backend: str = "auto") -> torch.Tensor:
+def grouped_o_proj(
+    o: torch.Tensor,
+    wo_a: torch.Tensor,
+    wo_b: torch.Tensor,
+    wo_b_scale: torch.Tensor | None = None,
+    *,
+    backend: str = "auto",
+    launch: LinearLaunch | None = None,
+) -> torch.Tensor:
     """out = wo_b( concat_g( wo_a[g] @ o[t, heads of group g].flatten() ) ) (``docs/linear.md#the-attentions-output-projection``).
 
+    The ``wo_a`` half is a bf16 einsum per group (fp32 accumulation, z rounded to bf16). ``wo_b`` is bf16 (a
+    second bf16 GEMM) or, as in V4's checkpoint, FP8 with its 128x128 scales: then z goes through
+    :func:`fp8_linear` (the 1x128 activation quantiser and the FP8 GEMM), as DeepSeek's ``Attention`` does.
     Non-finite values propagate as in any GEMM (a NaN in o[t] makes the groups it feeds NaN, so row t of
     the output NaN; never an error).
 
     Args:
         o: ``[T, H, 512]`` bf16 (any strides): the attention output AFTER inverse RoPE, padded heads already removed.
         wo_a: ``[G, o_lora, (H/G)·512]`` bf16 (any strides): group g owns the contiguous heads [g·hpg, (g+1)·hpg).
-        wo_b: ``[Hd, G·o_lora]`` bf16 (any strides).
-        backend: ``"auto"`` (= ``"reference"``) or ``"reference"`` (the only one).
+        wo_b: ``[Hd, G·o_lora]`` bf16, or float8_e4m3fn (or its uint8 bytes) with ``wo_b_scale``.
+        wo_b_scale: None (bf16 ``wo_b``), or ``[ceil(Hd/128), ceil(G·o_lora/128)]`` float8_e8m0fnu (or uint8
+            bytes, or float32 values) for an FP8 ``wo_b``.
+        backend: bf16 ``wo_b``: ``"auto"`` (= ``"reference"``) or ``"reference"`` (no kernel: two bf16 GEMMs, no
+            byte format to get wrong). FP8 ``wo_b``: as :func:`fp8_linear` (``"auto"`` = ``"triton"``).
+        launch: a :class:`LinearLaunch` for the FP8 GEMM's kernels, or None (taken and unused where no kernel runs).
     Returns:
-        ``[T, Hd]`` bf16. Both GEMMs accumulate in fp32; the intermediate z is rounded to bf16 like an
-        activation between two bf16 GEMMs.
+        ``[T, Hd]`` bf16.
     """
-    validate.backend(backend, _REFERENCE_ONLY, auto="reference")
     validate.tensor(o, "o", dtype=torch.bfloat16, ndim=3)
     validate.tensor(wo_a, "wo_a", dtype=torch.bfloat16, ndim=3)
-    validate.tensor(wo_b, "wo_b", dtype=torch.bfloat16, ndim=2)
-    validate.same_device(o=o, wo_a=wo_a, wo_b=wo_b)
+    fp8 = wo_b_scale is not None
+    if fp8:
+        _check_fp8_weight(wo_b, wo_b_scale, name="wo_b")
+        backend = _common(backend, launch, o=o, wo_a=wo_a, wo_b=wo_b, wo_b_scale=wo_b_scale)
+    else:  # no kernel to run: a LinearLaunch is taken and unused, as every reference backend does
+        validate.tensor(wo_b, "wo_b", dtype=torch.bfloat16, ndim=2)
+        validate.backend(backend, _REFERENCE_ONLY, auto="reference")
+        _common("reference", launch, o=o, wo_a=wo_a, wo_b=wo_b)
     T, H, D = o.shape
     G, o_lora, width = wo_a.shape
     if G < 1 or H % G:
@@ -326,4 +320,9 @@ def grouped_o_proj(o: torch.Tensor, wo_a: torch.Tensor, wo_b: torch.Tensor, *, b
         raise ValueError(f"wo_a: expected shape ({G}, o_lora, {(H // G) * D}) = (G, o_lora, H/G·{D}), got {tuple(wo_a.shape)}")
     if wo_b.shape[1] != G * o_lora:
         raise ValueError(f"wo_b: expected shape (Hd, {G * o_lora}) = (Hd, G·o_lora), got {tuple(wo_b.shape)}")
-    return reference.grouped_o_proj(o, wo_a, wo_b)
+    if not fp8:
+        return reference.grouped_o_proj(o, wo_a, wo_b)
+    z = reference.o_groups(o, wo_a)  # the bf16 half has no kernel: a torch einsum on every backend
+    with validate.checking_values(False):  # non-finite o propagates (a NaN row), as in the bf16 path
+        q, s = act_quant(z, backend=backend, launch=launch)
+        return fp8_gemm(q, s, wo_b, wo_b_scale, backend=backend, launch=launch)

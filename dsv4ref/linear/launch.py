@@ -16,18 +16,19 @@ import triton
 
 from .. import validate
 from ..device import interpreting
+from ..op_launch import OpLaunch
 from ..formats import ACT_BLOCK, FP4_BLOCK
-from .kernels import act_quant_kernel, fp4_gemm_kernel, fp4_grouped_gemm_kernel, fp8_gemm_kernel
+from .kernels import act_quant_kernel, fp4_gemm_kernel, fp8_gemm_kernel
 from ..fp8.reference import canonical_nan
 from .reference import scale_values
 
-__all__ = ["LinearLaunch", "default_launch", "run_act_quant", "run_fp8_gemm", "run_fp4_gemm", "run_fp4_grouped_gemm"]
+__all__ = ["LinearLaunch", "default_launch", "run_act_quant", "run_fp8_gemm", "run_fp4_gemm"]
 
 MAX_TILE = 1 << 20  # Triton's largest tensor
 
 
 @dataclass(frozen=True)
-class LinearLaunch:
+class LinearLaunch(OpLaunch):
     """Launch shape of the linear kernels. No field changes a bit of the result.
 
     Attributes:
@@ -35,7 +36,7 @@ class LinearLaunch:
             smallest M; decode batches of 1..16 rows fill one tile).
         block_n: columns of y per GEMM program (a power of two >= 16).
         num_warps: Triton warps per program (a power of two).
-        split_k: K splits of the GEMMs (an int >= 1; the grouped FP4 experts take 1): each split sums its K
+        split_k: K splits of the GEMMs (an int >= 1): each split sums its K
             blocks into an fp32 partial ``[M, N]``, and the partials are added (then rounded to bf16) after the
             kernel. More programs for a decode GEMM with few tiles of y; the order of the fp32 sums changes,
             within ``linear_out``.
@@ -54,9 +55,8 @@ class LinearLaunch:
         validate.power_of_two(self.num_warps, "num_warps")
         validate.integer(self.split_k, "split_k", lo=1)
 
-    def op_args(self) -> tuple:
-        """The launch as the trailing arguments of the ``dsv4ref::linear_*`` custom ops."""
-        return (self.block_m, self.block_n, self.num_warps, self.split_k)
+    # act_quant tiles rows only; the GEMMs take every field (op_args(), from_op_args(): dsv4ref.op_launch)
+    OP_FIELDS = {"linear_act_quant": ("block_m", "num_warps"), "linear_fp8_gemm": None, "linear_fp4_gemm": None}
 
 
 def default_launch(m: int) -> LinearLaunch:
@@ -72,10 +72,10 @@ def _unit_columns(t: torch.Tensor) -> torch.Tensor:
 
 
 @torch.library.custom_op("dsv4ref::linear_act_quant", mutates_args=())
-def act_quant_op(
-    x: torch.Tensor, block: int, block_m: int, block_n: int, num_warps: int, split_k: int
-) -> tuple[torch.Tensor, torch.Tensor]:
+def act_quant_op(x: torch.Tensor, block: int, block_m: int, num_warps: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``torch.ops.dsv4ref.linear_act_quant``: x ``[M, K]`` (any float view) -> (uint8 e4m3 bytes, fp32 scales)."""
+    launch = LinearLaunch.from_op_args(block_m, num_warps, op="linear_act_quant")
+    block_m, num_warps = launch.block_m, launch.num_warps
     m, k = x.shape
     nb = triton.cdiv(k, block)
     if block_m * block > MAX_TILE:
@@ -89,13 +89,14 @@ def act_quant_op(
 
 
 @act_quant_op.register_fake
-def _(x, block, block_m, block_n, num_warps, split_k):
+def _(x, block, block_m, num_warps):
     m, k = x.shape
     return x.new_empty((m, k), dtype=torch.uint8), x.new_empty((m, -(-k // block)), dtype=torch.float32)
 
 
-def _gemm(kernel, q, s, w, w_scale, n, nb, extra, block_m, block_n, num_warps, split_k):
-    """Launch a GEMM kernel over ``nb`` K blocks in ``split_k`` splits (at most one per block)."""
+def _gemm(kernel, q, s, w, w_scale, n, nb, extra, launch: LinearLaunch):
+    """Launch a GEMM kernel over ``nb`` K blocks in ``launch.split_k`` splits (at most one per block)."""
+    block_m, block_n, num_warps, split_k = launch.block_m, launch.block_n, launch.num_warps, launch.split_k
     m, k = q.shape
     per = triton.cdiv(nb, min(split_k, max(nb, 1)))  # K blocks per split
     splits = triton.cdiv(nb, per) if nb else 1
@@ -143,7 +144,8 @@ def fp8_gemm_op(
     """``torch.ops.dsv4ref.linear_fp8_gemm``: uint8 e4m3 q ``[M, K]``, fp32 s, uint8 e4m3 w ``[N, K]``, w_scale
     ``[ceil(N/128), ceil(K/128)]`` (UE8M0 bytes or fp32) -> bf16 ``[M, N]``."""
     nbk = triton.cdiv(q.shape[1], ACT_BLOCK)
-    return _gemm(fp8_gemm_kernel, q, s, w, w_scale, w.shape[0], nbk, (nbk,), block_m, block_n, num_warps, split_k)
+    launch = LinearLaunch.from_op_args(block_m, block_n, num_warps, split_k, op="linear_fp8_gemm")
+    return _gemm(fp8_gemm_kernel, q, s, w, w_scale, w.shape[0], nbk, (nbk,), launch)
 
 
 @fp8_gemm_op.register_fake
@@ -167,64 +169,13 @@ def fp4_gemm_op(
     k = q.shape[1]
     nb4 = triton.cdiv(k, FP4_BLOCK)
     extra = (triton.cdiv(k, ACT_BLOCK), nb4)
-    return _gemm(fp4_gemm_kernel, q, s, w, w_scale, w.shape[0], nb4, extra, block_m, block_n, num_warps, split_k)
+    launch = LinearLaunch.from_op_args(block_m, block_n, num_warps, split_k, op="linear_fp4_gemm")
+    return _gemm(fp4_gemm_kernel, q, s, w, w_scale, w.shape[0], nb4, extra, launch)
 
 
 @fp4_gemm_op.register_fake
 def _(q, s, w, w_scale, block_m, block_n, num_warps, split_k):
     return q.new_empty((q.shape[0], w.shape[0]), dtype=torch.bfloat16)
-
-
-@torch.library.custom_op("dsv4ref::linear_fp4_grouped_gemm", mutates_args=())
-def fp4_grouped_gemm_op(
-    q: torch.Tensor,
-    s: torch.Tensor,
-    ids: torch.Tensor,
-    w: torch.Tensor,
-    w_scale: torch.Tensor,
-    block_m: int,
-    block_n: int,
-    num_warps: int,
-    split_k: int,
-) -> torch.Tensor:
-    """``torch.ops.dsv4ref.linear_fp4_grouped_gemm``: uint8 e4m3 q ``[M, K]``, fp32 s, int32 ids ``[M]``, uint8
-    packed E2M1 w ``[E, N, K/2]``, w_scale ``[E, N, ceil(K/32)]`` (bytes or fp32) -> bf16 ``[M, N]`` (0 where an id is
-    outside [0, E)). ``split_k`` is not used: each tile reads its experts' weights once already."""
-    m, k = q.shape
-    e, n = w.shape[0], w.shape[1]
-    out = torch.empty((m, n), dtype=torch.bfloat16, device=q.device)
-    if m and n:
-        a = _unit_columns(q)
-        b = w if w.stride(2) == 1 else w.contiguous()
-        grid = (triton.cdiv(n, block_n), triton.cdiv(m, block_m))
-        fp4_grouped_gemm_kernel[grid](
-            a,
-            s.contiguous(),
-            ids.to(torch.int32).contiguous(),
-            b,
-            w_scale.contiguous(),
-            out.view(torch.int16),
-            m,
-            n,
-            k,
-            e,
-            a.stride(0),
-            b.stride(1),
-            b.stride(0),
-            triton.cdiv(k, ACT_BLOCK),
-            triton.cdiv(k, FP4_BLOCK),
-            BM=block_m,
-            BN=block_n,
-            DOT_FP32=interpreting(),
-            SB_BYTES=w_scale.dtype == torch.uint8,
-            num_warps=num_warps,
-        )
-    return out
-
-
-@fp4_grouped_gemm_op.register_fake
-def _(q, s, ids, w, w_scale, block_m, block_n, num_warps, split_k):
-    return q.new_empty((q.shape[0], w.shape[1]), dtype=torch.bfloat16)
 
 
 def _weight_scales(w_scale: torch.Tensor) -> torch.Tensor:
@@ -234,23 +185,17 @@ def _weight_scales(w_scale: torch.Tensor) -> torch.Tensor:
 
 def run_act_quant(x: torch.Tensor, block: int, launch: LinearLaunch) -> tuple[torch.Tensor, torch.Tensor]:
     """act_quant on checked arguments: ``(q float8_e4m3fn, s fp32)``."""
-    q, s = act_quant_op(x, block, *launch.op_args())
+    q, s = act_quant_op(x, block, *launch.op_args("linear_act_quant"))
     return q.view(torch.float8_e4m3fn), s
 
 
 def run_fp8_gemm(q, s, w, w_scale, launch: LinearLaunch) -> torch.Tensor:
     """fp8_gemm on checked arguments (any of the accepted dtypes, converted here)."""
-    return fp8_gemm_op(q.view(torch.uint8), scale_values(s), w.view(torch.uint8), _weight_scales(w_scale), *launch.op_args())
+    args = (q.view(torch.uint8), scale_values(s), w.view(torch.uint8), _weight_scales(w_scale))
+    return fp8_gemm_op(*args, *launch.op_args("linear_fp8_gemm"))
 
 
 def run_fp4_gemm(q, s, w_packed, w_scale, launch: LinearLaunch) -> torch.Tensor:
     """fp4_gemm on checked arguments (``w_packed`` float4_e2m1fn_x2 or uint8)."""
-    return fp4_gemm_op(
-        q.view(torch.uint8), scale_values(s), w_packed.view(torch.uint8), _weight_scales(w_scale), *launch.op_args()
-    )
-
-
-def run_fp4_grouped_gemm(q, s, ids, w_packed, w_scale, launch: LinearLaunch) -> torch.Tensor:
-    """fp4_gemm with one expert per row, on checked arguments."""
-    wq, ws = w_packed.view(torch.uint8), _weight_scales(w_scale)
-    return fp4_grouped_gemm_op(q.view(torch.uint8), scale_values(s), ids, wq, ws, *launch.op_args())
+    args = (q.view(torch.uint8), scale_values(s), w_packed.view(torch.uint8), _weight_scales(w_scale))
+    return fp4_gemm_op(*args, *launch.op_args("linear_fp4_gemm"))

@@ -43,7 +43,6 @@ __all__ = [
     "act_quant",
     "fp8_gemm",
     "fp4_gemm",
-    "fp4_grouped_gemm",
     "fp8_linear",
     "fp4_linear",
     "quantize_fp8_weight",
@@ -151,18 +150,6 @@ def fp4_gemm(q, s, w_packed, w_scale, *, dtype: torch.dtype = torch.float32) -> 
     return _out(blockwise_gemm(a, b, FP4_BLOCK, sab, dtype), dtype)
 
 
-def fp4_grouped_gemm(q, s, expert_ids, w_packed, w_scale, *, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """:func:`fp4_gemm` with one expert per row: row m uses ``w_packed[expert_ids[m]]`` (``[E, N, K/2]``) and
-    its scales (``[E, N, ceil(K/32)]``); a row whose id is outside [0, E) (−1: none) gets y = 0. A loop over
-    the experts present, not over rows."""
-    e_count, n = w_packed.shape[0], w_packed.shape[1]
-    y = torch.zeros(q.shape[0], n, dtype=torch.float64 if dtype == torch.float64 else torch.bfloat16, device=q.device)
-    for e in expert_ids[(expert_ids >= 0) & (expert_ids < e_count)].unique().tolist():
-        rows = expert_ids == e
-        y[rows] = fp4_gemm(q[rows], s[rows], w_packed[e], w_scale[e], dtype=dtype)
-    return y
-
-
 def fp8_linear(x, w, w_scale, *, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """``act_quant`` then ``fp8_gemm``: DeepSeek's ``linear`` for an FP8 weight."""
     return fp8_gemm(*act_quant(x), w, w_scale, dtype=dtype)
@@ -181,11 +168,23 @@ def gemm_mass(q, s, w, w_scale, *, fp4: bool = False) -> torch.Tensor:
     return gemm(q.view(torch.uint8) & 0x7F, s, w.view(torch.uint8) & sign, w_scale, dtype=torch.float64)
 
 
-def grouped_o_proj(o: torch.Tensor, wo_a: torch.Tensor, wo_b: torch.Tensor) -> torch.Tensor:
-    """out = wo_b(concat_g wo_a[g] @ o[t, heads of group g]), group g = heads [g·hpg, (g+1)·hpg). Both GEMMs
-    accumulate in fp32; z is rounded to bf16 like any activation between two bf16 GEMMs."""
+def o_groups(o: torch.Tensor, wo_a: torch.Tensor) -> torch.Tensor:
+    """The ``wo_a`` half of the output projection: z[t, g] = wo_a[g] @ o[t, heads of group g], group g = heads
+    [g·hpg, (g+1)·hpg); fp32 accumulation, z rounded to bf16 like any activation between two GEMMs.
+    o ``[T, H, 512]``, wo_a ``[G, o_lora, hpg·512]``; returns bf16 ``[T, G·o_lora]``."""
     # fp32 copies in one layout, so that every input layout gives the same summation order (the same bits)
-    o, wo_a, wo_b = (t.float().contiguous() for t in (o, wo_a, wo_b))
+    o, wo_a = (t.float().contiguous() for t in (o, wo_a))
     og = rearrange(o, "t (g h) d -> t g (h d)", g=wo_a.shape[0])  # contiguous head groups
     z = torch.einsum("tgk,gok->tgo", og, wo_a).to(torch.bfloat16)  # (T, G, o_lora)
-    return (rearrange(z, "t g o -> t (g o)").float() @ wo_b.T).to(torch.bfloat16)
+    return rearrange(z, "t g o -> t (g o)")
+
+
+def grouped_o_proj(
+    o: torch.Tensor, wo_a: torch.Tensor, wo_b: torch.Tensor, wo_b_scale: torch.Tensor | None = None
+) -> torch.Tensor:
+    """out = wo_b(z), z = :func:`o_groups` (o, wo_a). A bf16 ``wo_b``: a bf16 GEMM, fp32 accumulation. V4's FP8
+    ``wo_b`` (with its 128x128 scales): z through :func:`fp8_linear`, as DeepSeek's ``Attention`` does."""
+    z = o_groups(o, wo_a)
+    if wo_b_scale is not None:
+        return fp8_linear(z, wo_b, wo_b_scale)
+    return (z.float() @ wo_b.float().contiguous().T).to(torch.bfloat16)

@@ -109,7 +109,9 @@ def bf16_rne_bits(x):
 
 @triton.jit
 def bf16_round(x):
-    """fp32 -> fp32(bf16(x)) with round-to-nearest-even: the "bf16 round trip" some kernels need."""
+    """fp32 -> fp32(bf16(x)) with round-to-nearest-even: the "bf16 round trip" some kernels need. Finite and ±inf
+    inputs only: a value that may be NaN needs :func:`bf16_round_nan` (compiled, the NaN 0x7FFFFFFF carries
+    into −0.0 here, while the interpreter's 0x7FC00000 stays NaN: a bug only a GPU shows)."""
     u = x.to(tl.uint32, bitcast=True)
     u = (u + 0x7FFF + ((u >> 16) & 1)) & 0xFFFF0000
     return u.to(tl.float32, bitcast=True)

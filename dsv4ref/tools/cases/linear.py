@@ -158,29 +158,4 @@ def _bench() -> list[BenchCase]:
                         "as fp8_linear, act_quant outside",
                     )
                 )
-    return cases + _expert_cases()
-
-
-def _expert_cases() -> list[BenchCase]:
-    """Routed experts' w1 through ``fp4_linear(expert_ids=...)``: T tokens × top-k rows, random experts of
-    V4-Flash's E. Compulsory bytes: the weights (and scales) of the distinct experts hit, x and y."""
-    c = FLASH
-    e_count, k_top, (n, k) = c.n_routed_experts, c.num_experts_per_tok, flash_expert_shapes()["expert_w1"]
-    g = torch.Generator().manual_seed(1)
-    w = torch.randint(0, 256, (e_count, n, k // 2), generator=g, dtype=torch.uint8).to(DEVICE)
-    ws = torch.randint(118, 124, (e_count, n, k // 32), generator=g, dtype=torch.uint8).to(DEVICE)
-    cases = []
-    for tokens in (1, 8, 64):
-        ids = torch.stack([torch.randperm(e_count, generator=g)[:k_top] for _ in range(tokens)]).flatten().to(DEVICE)
-        x = randn((tokens * k_top, k), seed=tokens, block=128, octaves=8)
-        hit = int(ids.unique().numel())
-        nbytes = hit * (n * k // 2 + n * k // 32) + x.numel() * 2 + x.shape[0] * n * 2
-
-        def run(i, x=x, ids=ids):
-            with checking_values(False):
-                linear.fp4_linear(x, w, ws, expert_ids=ids)
-
-        shape = f"expert_w1 T={tokens} top-{k_top} of E={e_count} N={n} K={k}"
-        note = f"{hit} experts' weights + x + y"
-        cases.append(BenchCase("linear.fp4_linear (experts)", shape, run, 1, nbytes, 2 * x.shape[0] * n * k, note))
     return cases
