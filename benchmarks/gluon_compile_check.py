@@ -1,13 +1,14 @@
 """CPU-only compile check of the Hopper Gluon sparse-MLA kernels (dsv4ref.sparse_mla.gluon): no GPU needed.
 
-    PYTHONPATH=<a Triton with Gluon>:. python benchmarks/gluon_compile_check.py [--defaults | NAME ...]
+    PYTHONPATH=<a Triton with Gluon>:. python benchmarks/gluon_compile_check.py [--no-stats] [--defaults | NAME ...]
 
 Compiles the kernels of dsv4ref.sparse_mla.gluon for sm_90a (``GPUTarget("cuda", 90, 32)``) with the
 constexpr configurations the benchmark's three shapes launch (two pools with lengths, a sink), then runs the
 bundled ``ptxas -v`` on the PTX and prints, per kernel and configuration: ok / FAILED (the error's first
 lines), registers per thread, spill stores / loads (bytes) and shared memory. ``--defaults``: the kernel
 ``default_launch`` picks at each bench shape, with its list splits (on the H200's 132 SMs); otherwise every
-kernel of :data:`KERNELS` at SPLITS 2 and 1, or only those whose names contain one of the arguments. A
+kernel of :data:`KERNELS` at SPLITS 2 and 1, or only those whose names contain one of the arguments.
+``--no-stats``: compile and check shared memory only (no ptxas / cuobjdump pass; what the test needs). A
 warp-specialised kernel's register figure is ptxas's allocation for the whole kernel; the partitions'
 budgets are set at run time (setmaxnreg), so the spill figure is the one to watch.
 """
@@ -147,6 +148,8 @@ BENCH_SHAPES = ((64, 64, 640), (64, 128, 1152), (64, 16, 2048))
 
 def main(argv):
     print(f"triton {triton.__version__}, target sm_90a, ptxas {PTXAS}", flush=True)
+    stats_on = "--no-stats" not in argv
+    argv = [a for a in argv if a != "--no-stats"]
     if argv == ["--defaults"]:  # the defaults at each bench shape (tests/test_gluon_compile.py runs this)
         jobs = []
         for T, H, K in BENCH_SHAPES:
@@ -163,7 +166,7 @@ def main(argv):
         try:
             ck = compile_launch(launch)
             shared = ck.metadata.shared
-            stats = _ptxas_stats(ck.asm["ptx"], ck.asm["cubin"])
+            stats = _ptxas_stats(ck.asm["ptx"], ck.asm["cubin"]) if stats_on else "(no stats)"
             over = shared > SMEM_LIMIT
             bad += over
             print(

@@ -290,3 +290,17 @@ def test_bf16_bits_native_is_bf16_rne_bits():
     out = torch.empty(x.shape, dtype=torch.int16, device=DEVICE)
     _bf16_bits_kernel[(triton.cdiv(x.numel(), 4096),)](x.to(DEVICE), out, x.numel(), NATIVE=not interpreting(), BLOCK=4096)
     assert torch.equal(out.cpu(), x.to(torch.bfloat16).view(torch.int16))
+
+
+@pytest.mark.skipif(not interpreting(), reason="the interpreter's dtype table (dsv4ref._interpreter) is installed only there")
+def test_the_interpreter_dtype_table_gives_the_builders_answers():
+    """dsv4ref._interpreter.cache_dtype_table: every dtype a kernel uses, alone, in a block, and as a pointer (or a
+    block of pointers), maps to what Triton's own builder returns, twice (the second from the table)."""
+    from triton.runtime import interpreter as interp
+
+    table = interp._get_np_dtype
+    build = table.dsv4ref_builder  # AttributeError: the table is not installed
+    kinds = (tl.int1, tl.uint8, tl.int16, tl.uint16, tl.int32, tl.uint32, tl.int64, tl.float32, tl.bfloat16, tl.float8e4nv)
+    for ty in kinds:
+        for t in (ty, tl.block_type(ty, [4, 8]), tl.pointer_type(ty), tl.block_type(tl.pointer_type(ty), [16])):
+            assert table(t) == build(t) == table(t), t

@@ -13,9 +13,10 @@ from ..device import interpreting
 if interpreting():  # the same results, without re-patching triton.language on every helper call
     # here, not in device.py: importing triton.language while TRITON_INTERPRET is set makes its own helpers
     # interpreted functions, which a process that unsets it afterwards to compile for a GPU cannot use
-    from .._interpreter import patch_helper_calls
+    from .._interpreter import cache_dtype_table, patch_helper_calls
 
     patch_helper_calls()
+    cache_dtype_table()
 
 from .numerics import (  # noqa: E402, F401
     E4M3_MAX,
