@@ -29,7 +29,9 @@ def test_default_kernels_compile_for_sm90():
     if G.kernels() is None:
         pytest.skip(f"this Triton has no usable Gluon: {G.import_error()!r}")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    r = subprocess.run([sys.executable, str(SCRIPT), "--no-stats", "--defaults"], env=env, capture_output=True, text=True, timeout=600)
+    r = subprocess.run(
+        [sys.executable, str(SCRIPT), "--no-stats", "--defaults"], env=env, capture_output=True, text=True, timeout=600
+    )
     report = "\n".join(ln for ln in (r.stdout + r.stderr).splitlines() if "leaked" not in ln and "nanobind" not in ln)
     if "ptxas" in report and "No such file" in report:
         pytest.skip("this Triton install ships no ptxas")
