@@ -205,8 +205,8 @@ def library_defaults() -> dict:
 
     r = rope.default_launch(interpreted=False)  # the GPU's default, also when this script runs on a CPU
     return {
-        "insert": kv_cache.default_launch("insert"),
-        "gather": kv_cache.default_launch("gather"),
+        "insert": kv_cache.default_launch("insert", interpreted=False),
+        "gather": kv_cache.default_launch("gather", interpreted=False),
         "rope": (r.heads_per_prog, r.warps),
         "fp4_decode": indexer.default_launch().decode(),
     }

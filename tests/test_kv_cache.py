@@ -594,3 +594,25 @@ def test_launch_fields_are_checked():
     with pytest.raises(ValueError, match="pipeline_stages"):
         PersistentLaunch(kc.KVCacheLaunch(4), pipeline_stages=9)
     assert kc.KVCacheLaunch(8).op_args() == (8, 1, False, False, False, False, 0)
+
+
+def test_default_launch_is_what_its_docstring_says_and_changes_no_byte():
+    """default_launch(op): the measured GPU defaults (insert 4 tokens x 2 warps, gather 4 x 1, both with the
+    hardware casts); INTERPRETER_TOKENS tokens per program in the interpreter; with no argument, this process's.
+    The GPU's tiles and the interpreter's give the same bytes on a step of 70 tokens (partial tiles of both)."""
+    from dsv4ref.kv_cache.launch import INTERPRETER_TOKENS
+
+    for op, (tok, warps) in (("insert", (4, 2)), ("gather", (4, 1))):
+        gpu, cpu = kc.default_launch(op, interpreted=False), kc.default_launch(op, interpreted=True)
+        assert (gpu.tokens_per_program, gpu.num_warps, gpu.native_casts) == (tok, warps, True)
+        assert cpu.tokens_per_program == INTERPRETER_TOKENS
+        assert kc.default_launch(op) == (cpu if interpreting() else gpu)
+    B = 16
+    kv, slots = kv_rows(70, seed=92), torch.randperm(6 * B, generator=generator(93))[:70].to(DEVICE)
+    caches = []
+    for interpreted in (False, True):
+        cache = random_cache(6, B, seed=94)
+        kc.insert(cache, kv, slots, block_size=B, launch=kc.default_launch("insert", interpreted=interpreted))
+        out = kc.gather(cache, slots, block_size=B, launch=kc.default_launch("gather", interpreted=interpreted))
+        caches.append((cache, out.view(torch.int16)))
+    assert torch.equal(caches[0][0], caches[1][0]) and torch.equal(caches[0][1], caches[1][1])

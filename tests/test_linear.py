@@ -16,7 +16,7 @@ from test_fp8 import GRID, oracle_quantize
 
 from dsv4ref import linear, validate
 from dsv4ref.config import TINY
-from dsv4ref.device import DEVICE
+from dsv4ref.device import DEVICE, interpreting
 from dsv4ref.linear import launch as launch_mod
 from dsv4ref.linear import reference
 from dsv4ref.testing import assert_close, compare, randn
@@ -280,6 +280,22 @@ def test_custom_ops_opcheck():
     torch.library.opcheck(launch_mod.act_quant_op, (x, 128, *launch.op_args("linear_act_quant")))
     gemm_args = (q.view(torch.uint8), s, w.view(torch.uint8), reference.scale_values(ws))
     torch.library.opcheck(launch_mod.fp8_gemm_op, (*gemm_args, *launch.op_args("linear_fp8_gemm")))
+
+
+@pytest.mark.parametrize("fp4", [False, True], ids=["fp8", "fp4"])
+def test_default_launch_is_what_its_docstring_says_and_changes_no_bit(fp4):
+    """default_launch(m): block_m 16 / 32 / 64 by M, 64 columns per program on a GPU and INTERPRETER_BLOCK_N in the
+    interpreter (with no argument, this process's); both give the same bits, at an N that is no multiple of
+    either block (a partial last tile of each)."""
+    for m, bm in ((3, 16), (20, 32), (100, 64)):
+        gpu, cpu = linear.default_launch(m, interpreted=False), linear.default_launch(m, interpreted=True)
+        assert (gpu.block_m, gpu.block_n, cpu.block_m, cpu.block_n) == (bm, 64, bm, launch_mod.INTERPRETER_BLOCK_N)
+        assert linear.default_launch(m) == (cpu if interpreting() else gpu)
+    x, w, ws = operands(5, 320, 256, fp4, seed=9)
+    f = linear.fp4_linear if fp4 else linear.fp8_linear
+    a = f(x, w, ws, backend="triton", launch=linear.default_launch(5, interpreted=False))
+    b = f(x, w, ws, backend="triton", launch=linear.default_launch(5, interpreted=True))
+    assert torch.equal(bits(a), bits(b))
 
 
 def test_grid_values_are_the_e4m3_codes():

@@ -79,13 +79,21 @@ _INSERT = KVCacheLaunch(tokens_per_program=4, num_warps=2, native_casts=True, st
 _GATHER = KVCacheLaunch(tokens_per_program=4, num_warps=1, native_casts=True)
 
 
-def default_launch(op: str) -> KVCacheLaunch:
-    """The measured default of ``op``, ``"insert"`` or ``"gather"`` (the note above; ``benchmarks/kv_cache.md``)."""
-    if op == "insert":
-        return _INSERT
-    if op == "gather":
-        return _GATHER
-    raise ValueError(f'op: expected "insert" or "gather", got {op!r}')
+# In Triton's interpreter a program costs about the same whatever its tile, so the default there is the
+# widest tile (the same bytes: a program's tokens are independent; the interpreter ignores the cast and cache flags)
+INTERPRETER_TOKENS = 64
+_INTERPRETED = KVCacheLaunch(tokens_per_program=INTERPRETER_TOKENS)
+
+
+def default_launch(op: str, *, interpreted: bool | None = None) -> KVCacheLaunch:
+    """The measured default of ``op``, ``"insert"`` or ``"gather"`` (the note above; ``benchmarks/kv_cache.md``);
+    in Triton's interpreter :data:`INTERPRETER_TOKENS` tokens per program. ``interpreted``: the interpreter's
+    default if True, the GPU's if False (None: this process's)."""
+    if op not in ("insert", "gather"):
+        raise ValueError(f'op: expected "insert" or "gather", got {op!r}')
+    if interpreting() if interpreted is None else interpreted:
+        return _INTERPRETED
+    return _INSERT if op == "insert" else _GATHER
 
 
 def int16_view(cache: torch.Tensor) -> tuple[torch.Tensor, bool]:

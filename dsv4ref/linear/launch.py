@@ -25,6 +25,7 @@ from .reference import scale_values
 __all__ = ["LinearLaunch", "default_launch", "run_act_quant", "run_fp8_gemm", "run_fp4_gemm"]
 
 MAX_TILE = 1 << 20  # Triton's largest tensor
+INTERPRETER_BLOCK_N = 256  # the widest block_n: a quarter of the GEMM programs of the GPU's 64
 
 
 @dataclass(frozen=True)
@@ -59,11 +60,16 @@ class LinearLaunch(OpLaunch):
     OP_FIELDS = {"linear_act_quant": ("block_m", "num_warps"), "linear_fp8_gemm": None, "linear_fp4_gemm": None}
 
 
-def default_launch(m: int) -> LinearLaunch:
+def default_launch(m: int, *, interpreted: bool | None = None) -> LinearLaunch:
     """The default for M rows of activations: the smallest block_m of 16, 32, 64 that holds them (decode M is
-    1..256), 64 columns per program, 4 warps, no split of K. Not yet tuned on a GPU (``bench linear`` times a
-    split-K launch beside it)."""
-    return LinearLaunch(block_m=16 if m <= 16 else 32 if m <= 32 else 64)
+    1..256), 4 warps, no split of K; 64 columns per program on a GPU (not yet tuned there: ``bench linear``
+    times a split-K launch beside it), :data:`INTERPRETER_BLOCK_N` in Triton's interpreter, where the cost is
+    the number of programs (same bits: no field changes one). ``interpreted``: the interpreter's default if
+    True, the GPU's if False (None: this process's)."""
+    block_m = 16 if m <= 16 else 32 if m <= 32 else 64
+    if interpreting() if interpreted is None else interpreted:
+        return LinearLaunch(block_m=block_m, block_n=INTERPRETER_BLOCK_N)
+    return LinearLaunch(block_m=block_m)
 
 
 def _unit_columns(t: torch.Tensor) -> torch.Tensor:
