@@ -324,5 +324,4 @@ def grouped_o_proj(
         return reference.grouped_o_proj(o, wo_a, wo_b)
     z = reference.o_groups(o, wo_a)  # the bf16 half has no kernel: a torch einsum on every backend
     with validate.checking_values(False):  # non-finite o propagates (a NaN row), as in the bf16 path
-        q, s = act_quant(z, backend=backend, launch=launch)
-        return fp8_gemm(q, s, wo_b, wo_b_scale, backend=backend, launch=launch)
+        return fp8_linear(z, wo_b, wo_b_scale, backend=backend, launch=launch)
