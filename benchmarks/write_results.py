@@ -208,7 +208,7 @@ def library_defaults() -> dict:
         "insert": kv_cache.default_launch("insert", interpreted=False),
         "gather": kv_cache.default_launch("gather", interpreted=False),
         "rope": (r.heads_per_prog, r.warps),
-        "fp4_decode": indexer.default_launch().decode(),
+        "fp4_decode": indexer.default_launch(interpreted=False).decode(),
     }
 
 

@@ -946,3 +946,23 @@ def test_real_shapes_gpu():
             ref = ix.reference.logits(*args, block_size=64, n_out=lg.shape[1], dtype=torch.float64)
             cond = ix.reference.logits_condition(*args, block_size=64, n_out=lg.shape[1])
             assert_logits(lg, ref, cond, fmt, f"{fmt} {dec} logits / condition")
+
+
+def test_default_launch_is_what_its_docstring_says_and_changes_no_byte():
+    """default_launch(): IndexerLaunch() on a GPU, INTERPRETER_QUANT_ROWS quantize rows per program in the
+    interpreter (with no argument, this process's); both give the same Q bytes and weights, on a row count that
+    is a multiple of neither tile."""
+    from dsv4ref.indexer.launch import INTERPRETER_QUANT_ROWS, IndexerLaunch
+
+    gpu, cpu = ix.default_launch(interpreted=False), ix.default_launch(interpreted=True)
+    assert gpu == IndexerLaunch() and cpu == IndexerLaunch(quant_rows=INTERPRETER_QUANT_ROWS)
+    assert ix.default_launch() == (cpu if interpreting() else gpu)
+    for fmt in ("fp8", "mxfp4"):
+        ex = ix.example_inputs(5, 59, 64, block_size=64, fmt=fmt, seed=3)  # 295 (token, head) rows
+        args = (ex["index_q"], ex["positions"], ex["cos_sin"], ex["weights"])
+        a = ix.quantize_q(*args, fmt=fmt, backend="triton", launch=gpu)
+        b = ix.quantize_q(*args, fmt=fmt, backend="triton", launch=cpu)
+        for x, y in zip(a, b):  # (q, its scales or None, weights)
+            assert (x is None and y is None) or torch.equal(x.contiguous().view(torch.uint8), y.contiguous().view(torch.uint8)), (
+                fmt
+            )

@@ -36,7 +36,7 @@ class IndexerLaunch(OpLaunch):
 
     Attributes:
         quant_rows: rows ((token, head) pairs, or keys) per program of :func:`kernels.quantize_kernel`;
-            a power of two. 16.
+            a power of two. 16 (:func:`default_launch` takes ``INTERPRETER_QUANT_ROWS`` in the interpreter).
         logits_pages: pages of keys per program of :func:`kernels.logits_kernel`; None = 4 on a GPU, 16 for
             MXFP4 keys decoded ``"f16_scaled"`` (the H200 figures in ``benchmarks/``), 1 in the Triton
             interpreter (smaller tiles run faster there).
@@ -114,9 +114,18 @@ class IndexerLaunch(OpLaunch):
     OP_FIELDS = {"indexer_q_fp8": ("quant_rows",), "indexer_q_mxfp4": ("quant_rows",)}
 
 
-def default_launch() -> IndexerLaunch:
+# In Triton's interpreter a program costs about the same whatever its tile: the quantize kernels take the
+# widest row tile there (the same bytes; a row's quantisation never reads another row)
+INTERPRETER_QUANT_ROWS = 256
+
+
+def default_launch(*, interpreted: bool | None = None) -> IndexerLaunch:
     """The measured default, ``IndexerLaunch()`` (its ``None`` fields resolved per device and format by
-    :meth:`IndexerLaunch.pages`, :meth:`~IndexerLaunch.decode`, ...)."""
+    :meth:`IndexerLaunch.pages`, :meth:`~IndexerLaunch.decode`, ...); in Triton's interpreter
+    :data:`INTERPRETER_QUANT_ROWS` rows per quantize program. ``interpreted``: the interpreter's default if
+    True, the GPU's if False (None: this process's)."""
+    if interpreting() if interpreted is None else interpreted:
+        return IndexerLaunch(quant_rows=INTERPRETER_QUANT_ROWS)
     return IndexerLaunch()
 
 
