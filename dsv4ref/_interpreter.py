@@ -45,6 +45,16 @@ def _code(fn) -> list[str]:
     return [ln.strip() for ln in lines if ln.strip() and not ln.strip().startswith("#")]
 
 
+def _modules():
+    """``(triton.language, triton.runtime.interpreter)``, or None where Triton has no interpreter module."""
+    try:
+        import triton.language as tl
+        from triton.runtime import interpreter as interp
+    except ImportError:
+        return None
+    return tl, interp
+
+
 def _lang_ids(fn, tl) -> frozenset:
     return frozenset(id(v) for v in fn.__globals__.values() if inspect.ismodule(v) and v in (tl, tl.core))
 
@@ -52,11 +62,9 @@ def _lang_ids(fn, tl) -> frozenset:
 def cache_dtype_table() -> bool:
     """Install the dtype table (idempotent). Returns False, changing nothing, where the interpreter has no
     ``_get_np_dtype``."""
-    try:
-        import triton.language as tl
-        from triton.runtime import interpreter as interp
-    except ImportError:
+    if (modules := _modules()) is None:
         return False
+    tl, interp = modules
     build = getattr(interp, "_get_np_dtype", None)
     if build is None:
         return False
@@ -81,11 +89,9 @@ def cache_dtype_table() -> bool:
 
 def patch_helper_calls() -> bool:
     """Install the skip (idempotent). Returns False, changing nothing, where the interpreter differs."""
-    try:
-        import triton.language as tl
-        from triton.runtime import interpreter as interp
-    except ImportError:
+    if (modules := _modules()) is None:
         return False
+    tl, interp = modules
     grid, helper = getattr(interp, "GridExecutor", None), getattr(interp, "InterpretedFunction", None)
     needed = (
         grid is not None

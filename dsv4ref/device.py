@@ -66,6 +66,12 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 
+def for_interpreter(interpreted: bool | None) -> bool:
+    """The ``interpreted=`` argument of the ops' ``default_launch``: True asks for the interpreter's default, False
+    for the GPU's, None for this process's (:func:`interpreting`)."""
+    return interpreting() if interpreted is None else interpreted
+
+
 def synchronize(device: torch.device | None = None) -> None:
     """Wait for all queued work on ``device`` (default: :data:`DEVICE`). A no-op on CPU."""
     dev = device or DEVICE

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 import triton
 
-from ..device import interpreting
+from ..device import for_interpreter, interpreting
 from ..formats import INDEX_HEAD_DIM, index_k_value_bytes
 from ..kv_cache.reference import flat_bytes
 from ..op_launch import OpLaunch
@@ -124,7 +124,7 @@ def default_launch(*, interpreted: bool | None = None) -> IndexerLaunch:
     :meth:`IndexerLaunch.pages`, :meth:`~IndexerLaunch.decode`, ...); in Triton's interpreter
     :data:`INTERPRETER_QUANT_ROWS` rows per quantize program. ``interpreted``: the interpreter's default if
     True, the GPU's if False (None: this process's)."""
-    if interpreting() if interpreted is None else interpreted:
+    if for_interpreter(interpreted):
         return IndexerLaunch(quant_rows=INTERPRETER_QUANT_ROWS)
     return IndexerLaunch()
 

@@ -14,7 +14,7 @@ import triton
 
 from .. import validate
 from ..op_launch import OpLaunch
-from ..device import interpreting  # compiled kernels only take the hardware casts
+from ..device import for_interpreter, interpreting  # compiled kernels only take the hardware casts
 from .kernels import gather_kernel, insert_kernel
 
 __all__ = ["KVCacheLaunch", "default_launch", "launch_insert", "launch_gather", "int16_view", "kv_insert_op", "kv_gather_op"]
@@ -91,7 +91,7 @@ def default_launch(op: str, *, interpreted: bool | None = None) -> KVCacheLaunch
     default if True, the GPU's if False (None: this process's)."""
     if op not in ("insert", "gather"):
         raise ValueError(f'op: expected "insert" or "gather", got {op!r}')
-    if interpreting() if interpreted is None else interpreted:
+    if for_interpreter(interpreted):
         return _INTERPRETED
     return _INSERT if op == "insert" else _GATHER
 

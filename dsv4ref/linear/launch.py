@@ -15,7 +15,7 @@ import torch
 import triton
 
 from .. import validate
-from ..device import interpreting
+from ..device import for_interpreter, interpreting
 from ..op_launch import OpLaunch
 from ..formats import ACT_BLOCK, FP4_BLOCK
 from .kernels import act_quant_kernel, fp4_gemm_kernel, fp8_gemm_kernel
@@ -67,7 +67,7 @@ def default_launch(m: int, *, interpreted: bool | None = None) -> LinearLaunch:
     the number of programs (same bits: no field changes one). ``interpreted``: the interpreter's default if
     True, the GPU's if False (None: this process's)."""
     block_m = 16 if m <= 16 else 32 if m <= 32 else 64
-    if interpreting() if interpreted is None else interpreted:
+    if for_interpreter(interpreted):
         return LinearLaunch(block_m=block_m, block_n=INTERPRETER_BLOCK_N)
     return LinearLaunch(block_m=block_m)
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass, replace
 import torch
 import triton
 
-from ..device import interpreting
+from ..device import for_interpreter
 from ..op_launch import OpLaunch
 from . import kernels
 
@@ -85,7 +85,7 @@ def default_launch(*, interpreted: bool | None = None) -> RopeLaunch:
     Triton's interpreter, where the cost is the number of programs, :data:`INTERPRETER_HEADS_PER_PROG` heads
     per program (same bits). ``interpreted``: the interpreter's default if True, the GPU's if False (None:
     this process's)."""
-    if interpreting() if interpreted is None else interpreted:
+    if for_interpreter(interpreted):
         return RopeLaunch(heads_per_prog=INTERPRETER_HEADS_PER_PROG)
     return RopeLaunch()
 
